@@ -1,0 +1,91 @@
+"""Small file primitives shared by every room: atomic writes and append-only JSONL logs.
+
+Why: a run is killed at arbitrary points (cluster pre-emption, kill -9). A reader must never see
+a half-written file, and an append-only log must survive a torn last line.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Any, Iterable, Iterator
+
+
+@contextlib.contextmanager
+def atomic_writer(path: str | os.PathLike, mode: str = "w", fsync: bool = True) -> Iterator[Any]:
+    """Write to a temp file beside `path`, then rename over it. On error nothing is left."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, mode, **({} if "b" in mode else {"encoding": "utf-8"})) as fh:
+            yield fh
+            fh.flush()
+            if fsync:
+                os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+
+
+def write_json(path: str | os.PathLike, obj: Any) -> None:
+    with atomic_writer(path) as fh:
+        json.dump(obj, fh, indent=2, sort_keys=False)
+        fh.write("\n")
+
+
+def write_jsonl(path: str | os.PathLike, rows: Iterable[dict]) -> None:
+    with atomic_writer(path) as fh:
+        for row in rows:
+            fh.write(json.dumps(row, ensure_ascii=False) + "\n")
+
+
+def read_json(path: str | os.PathLike) -> Any:
+    with open(path, encoding="utf-8") as fh:
+        return json.load(fh)
+
+
+def append_jsonl(path: str | os.PathLike, rows: Iterable[dict], fsync: bool = True) -> None:
+    """Append whole lines in one write so a kill leaves at most one torn last line."""
+    data = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows)
+    if not data:
+        return
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a", encoding="utf-8") as fh:
+        fh.write(data)
+        fh.flush()
+        if fsync:
+            os.fsync(fh.fileno())
+
+
+def read_jsonl_log(path: str | os.PathLike, repair: bool = False) -> list[dict]:
+    """Read an append-only log. A torn (unterminated, unparsable) last line is a crash artefact:
+    it is dropped, and with `repair=True` truncated from the file so appends continue cleanly.
+    A malformed line anywhere else is corruption and raises."""
+    path = Path(path)
+    if not path.exists():
+        return []
+    raw = path.read_bytes()
+    rows: list[dict] = []
+    offset = 0
+    lines = raw.split(b"\n")
+    for i, line in enumerate(lines):
+        last = i == len(lines) - 1
+        if last and line == b"":
+            break
+        try:
+            rows.append(json.loads(line))
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            if last:  # torn tail: no newline was written after it
+                if repair:
+                    with open(path, "r+b") as fh:
+                        fh.truncate(offset)
+                break
+            raise ValueError(f"{path}:{i + 1}: corrupt log line") from None
+        offset += len(line) + 1
+    return rows

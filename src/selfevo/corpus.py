@@ -1,0 +1,198 @@
+"""Corpora and QA sets on disk: FlashRAG / Search-R1 JSONL, Search-R1 parquet.
+
+Readers stream and validate; every problem is one `DataError` naming the file and line.
+Writers are atomic: a failed write leaves the old file (or nothing), never half a file.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any, Iterable, Iterator
+
+from selfevo._io import atomic_writer
+from selfevo.records import Document, QAItem
+
+
+class DataError(ValueError):
+    """Malformed input data. `str()` reads `file:line: what is wrong`."""
+
+    def __init__(self, path: str | os.PathLike, line: int | None, message: str):
+        self.path, self.line, self.message = str(path), line, message
+        where = f"{self.path}:{line}" if line is not None else self.path
+        super().__init__(f"{where}: {message}")
+
+
+def _iter_json_lines(path: str | os.PathLike) -> Iterator[tuple[int, dict[str, Any]]]:
+    """Yield (line number, object) for every non-blank line; bytes are decoded per line so a
+    bad byte is reported where it is."""
+    path = Path(path)
+    if not path.exists():
+        raise DataError(path, None, "file not found")
+    with open(path, "rb") as fh:
+        for lineno, raw in enumerate(fh, start=1):
+            try:
+                text = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise DataError(path, lineno, f"invalid UTF-8 at byte {e.start}") from None
+            if not text.strip():
+                continue
+            try:
+                obj = json.loads(text)
+            except json.JSONDecodeError as e:
+                raise DataError(path, lineno, f"malformed JSON: {e.msg} (column {e.colno})") from None
+            if not isinstance(obj, dict):
+                raise DataError(path, lineno, f"expected a JSON object, got {type(obj).__name__}")
+            yield lineno, obj
+
+
+def _require_str(obj: dict, key: str, path, lineno, allow_empty: bool = False) -> str:
+    if key not in obj:
+        raise DataError(path, lineno, f"missing field '{key}'")
+    value = obj[key]
+    if isinstance(value, int) and not isinstance(value, bool) and key == "id":
+        value = str(value)  # numeric ids are common in the wild; they are ids all the same
+    if not isinstance(value, str):
+        raise DataError(path, lineno, f"field '{key}' must be a string, got {type(value).__name__}")
+    if not allow_empty and not value.strip():
+        raise DataError(path, lineno, f"field '{key}' is empty")
+    return value
+
+
+# ---------------------------------------------------------------- corpora
+
+
+def iter_corpus(path: str | os.PathLike) -> Iterator[Document]:
+    """Stream a FlashRAG corpus (`{"id","contents"}` per line). Duplicate ids are an error."""
+    seen: set[str] = set()
+    for lineno, obj in _iter_json_lines(path):
+        doc_id = _require_str(obj, "id", path, lineno)
+        contents = _require_str(obj, "contents", path, lineno, allow_empty=True)
+        if doc_id in seen:
+            raise DataError(path, lineno, f"duplicate id '{doc_id}'")
+        seen.add(doc_id)
+        yield Document.from_contents(doc_id, contents)
+
+
+def read_corpus(path: str | os.PathLike) -> list[Document]:
+    docs = list(iter_corpus(path))
+    if not docs:
+        raise DataError(path, None, "corpus is empty")
+    return docs
+
+
+def write_corpus(path: str | os.PathLike, docs: Iterable[Document]) -> int:
+    n = 0
+    with atomic_writer(path) as fh:
+        for doc in docs:
+            fh.write(json.dumps(doc.to_json(), ensure_ascii=False) + "\n")
+            n += 1
+    return n
+
+
+# ---------------------------------------------------------------- QA sets
+
+
+def _qa_item(obj: dict, path, lineno, default_benchmark: str | None) -> QAItem:
+    item_id = _require_str(obj, "id", path, lineno)
+    question = _require_str(obj, "question", path, lineno)
+    golds = obj.get("golden_answers")
+    if golds is None:  # Search-R1 parquet nests the target under reward_model.ground_truth
+        golds = ((obj.get("reward_model") or {}).get("ground_truth") or {}).get("target")
+    if golds is None:
+        raise DataError(path, lineno, "missing field 'golden_answers'")
+    if isinstance(golds, str):
+        golds = [golds]
+    golds = list(golds) if not isinstance(golds, (dict, bytes)) and hasattr(golds, "__iter__") else golds
+    if not isinstance(golds, list):
+        raise DataError(path, lineno, "field 'golden_answers' must be a list of strings")
+    if not all(isinstance(g, str) for g in golds):
+        raise DataError(path, lineno, "field 'golden_answers' must hold only strings")
+    if not any(g.strip() for g in golds):
+        raise DataError(path, lineno, "field 'golden_answers' is empty")
+    metadata = obj.get("metadata") or {}
+    if not isinstance(metadata, dict):
+        raise DataError(path, lineno, "field 'metadata' must be an object")
+    metadata = dict(metadata)
+    if "benchmark" not in metadata:
+        bench = obj.get("data_source") or default_benchmark
+        if bench:
+            metadata["benchmark"] = bench
+    return QAItem(item_id, question, tuple(g for g in golds if g.strip()), metadata)
+
+
+def _iter_parquet_rows(path: Path) -> Iterator[tuple[int, dict]]:
+    import pyarrow.parquet as pq
+
+    try:
+        table = pq.read_table(path)
+    except Exception as e:  # pyarrow raises several types for a broken file
+        raise DataError(path, None, f"unreadable parquet: {e}") from None
+    for i, row in enumerate(table.to_pylist(), start=1):
+        if "id" not in row or row["id"] is None:
+            extra = row.get("extra_info") or {}
+            row["id"] = str(extra.get("index", i - 1)) if isinstance(extra, dict) else str(i - 1)
+        yield i, row  # "line" of a parquet file = 1-based row number
+
+
+def iter_qa(path: str | os.PathLike) -> Iterator[QAItem]:
+    """Stream a QA set: FlashRAG JSONL, or Search-R1 parquet (rows reported as lines)."""
+    path = Path(path)
+    rows = _iter_parquet_rows(path) if path.suffix == ".parquet" else _iter_json_lines(path)
+    seen: set[str] = set()
+    for lineno, obj in rows:
+        item = _qa_item(obj, path, lineno, default_benchmark=path.stem)
+        if item.id in seen:
+            raise DataError(path, lineno, f"duplicate id '{item.id}'")
+        seen.add(item.id)
+        yield item
+
+
+def read_qa(path: str | os.PathLike) -> list[QAItem]:
+    return list(iter_qa(path))
+
+
+def read_qa_dir(data_dir: str | os.PathLike) -> dict[str, list[QAItem]]:
+    """Every QA file of a directory, grouped by benchmark name (`metadata.benchmark`, else the
+    file stem). Ids must be unique across the whole directory."""
+    data_dir = Path(data_dir)
+    files = sorted(p for p in data_dir.iterdir() if p.suffix in (".jsonl", ".parquet"))
+    if not files:
+        raise DataError(data_dir, None, "no .jsonl or .parquet QA files found")
+    out: dict[str, list[QAItem]] = {}
+    origin: dict[str, Path] = {}
+    for f in files:
+        for item in iter_qa(f):
+            if item.id in origin:
+                raise DataError(f, None, f"id '{item.id}' also appears in {origin[item.id]}")
+            origin[item.id] = f
+            out.setdefault(item.benchmark or f.stem, []).append(item)
+    return out
+
+
+def write_qa(path: str | os.PathLike, items: Iterable[QAItem]) -> int:
+    """Write FlashRAG JSONL, or Search-R1 parquet when the path ends in `.parquet`."""
+    path = Path(path)
+    items = list(items)
+    if path.suffix == ".parquet":
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        rows = [
+            {
+                "id": it.id,
+                "question": it.question,
+                "golden_answers": list(it.golden_answers),
+                "data_source": it.benchmark or path.stem,
+                "reward_model": {"style": "rule", "ground_truth": {"target": list(it.golden_answers)}},
+            }
+            for it in items
+        ]
+        with atomic_writer(path, "wb") as fh:
+            pq.write_table(pa.Table.from_pylist(rows), fh)
+        return len(items)
+    with atomic_writer(path) as fh:
+        for it in items:
+            fh.write(json.dumps(it.to_json(), ensure_ascii=False) + "\n")
+    return len(items)

@@ -1,0 +1,84 @@
+"""The search tool an agent calls: a retriever behind a per-trajectory call budget.
+
+Every agent (sim, LM, retrieval baseline) and every evaluation gets its searches through this
+one class, so the tool budget is identical for every row of a results table.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Protocol, Sequence
+
+from selfevo.records import Document
+
+
+@dataclass(frozen=True)
+class Hit:
+    document: Document
+    score: float
+
+
+class Retriever(Protocol):
+    """Anything that maps queries to ranked documents: a local BM25 index, a remote server."""
+
+    def retrieve(self, queries: Sequence[str], topk: int = 3) -> list[list[Hit]]: ...
+
+
+class SearchBudgetExhausted(RuntimeError):
+    """Raised when a trajectory asks for more searches than its budget allows."""
+
+
+class SearchTool:
+    """Budgeted access to a retriever, with an LRU cache of results.
+
+    The cache matters for the sim backend: thousands of rollouts issue the same few queries, and
+    retrieval is deterministic, so a repeated query must not cost a second index lookup.
+    """
+
+    def __init__(self, retriever: Retriever, topk: int = 3, max_calls: int = 5,
+                 cache_size: int = 200_000):
+        if topk < 1 or max_calls < 0:
+            raise ValueError("topk must be >= 1 and max_calls >= 0")
+        self.retriever, self.topk, self.max_calls = retriever, topk, max_calls
+        self._cache: OrderedDict[str, list[Hit]] = OrderedDict()
+        self._cache_size = cache_size
+        self.queries_issued = 0  # index lookups actually made (cache misses)
+        self.calls = 0  # searches agents made (hits + misses)
+
+    def session(self) -> "SearchSession":
+        """A fresh budget for one trajectory."""
+        return SearchSession(self)
+
+    def lookup(self, queries: Sequence[str]) -> list[list[Hit]]:
+        """Unbudgeted, cached batch lookup (the session enforces the budget)."""
+        missing = list(dict.fromkeys(q for q in queries if q not in self._cache))
+        if missing:
+            results = self.retriever.retrieve(missing, topk=self.topk)
+            self.queries_issued += len(missing)
+            for q, hits in zip(missing, results):
+                self._cache[q] = hits
+        out = []
+        for q in queries:
+            self._cache.move_to_end(q)
+            out.append(self._cache[q])
+        while len(self._cache) > self._cache_size:
+            self._cache.popitem(last=False)
+        self.calls += len(queries)
+        return out
+
+
+class SearchSession:
+    """One trajectory's view of the tool: at most `max_calls` searches."""
+
+    def __init__(self, tool: SearchTool):
+        self.tool = tool
+        self.calls_left = tool.max_calls
+        self.queries: list[str] = []
+
+    def search(self, query: str) -> list[Hit]:
+        if self.calls_left <= 0:
+            raise SearchBudgetExhausted(f"search budget of {self.tool.max_calls} calls used up")
+        self.calls_left -= 1
+        self.queries.append(query)
+        return self.tool.lookup([query])[0]
