@@ -7,7 +7,6 @@ clear message; nothing is half-written.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Optional
 
 import typer
 from rich.console import Console
@@ -29,7 +28,7 @@ def serve_retriever(
     corpus: Path = typer.Option(..., help="FlashRAG corpus JSONL"),
     host: str = typer.Option("127.0.0.1", help="bind address (loopback unless told otherwise)"),
     port: int = typer.Option(8000),
-    index_dir: Optional[Path] = typer.Option(None, "--index-dir", help="cache/load the BM25 index here"),
+    index_dir: Path | None = typer.Option(None, "--index-dir", help="cache/load the BM25 index here"),
 ) -> None:
     """Serve the Search-R1 / verl `POST /retrieve` API over a BM25 index."""
     from selfevo.search.server import serve
@@ -62,17 +61,18 @@ def eval_(
     corpus: Path = typer.Option(..., help="FlashRAG corpus JSONL to search"),
     agent: str = typer.Option("retrieval-baseline", help="agent spec, e.g. retrieval-baseline"),
     out: Path = typer.Option(..., help="output directory"),
-    limit: Optional[int] = typer.Option(None, help="at most N questions per benchmark"),
-    retriever_url: Optional[str] = typer.Option(None, "--retriever-url",
+    limit: int | None = typer.Option(None, help="at most N questions per benchmark"),
+    retriever_url: str | None = typer.Option(None, "--retriever-url",
                                                 help="use a remote /retrieve server instead of a local BM25 index"),
 ) -> None:
     """Run an agent on the seven benchmarks end to end; write predictions.jsonl and score.json."""
     from selfevo.evaluate import print_score_table, run_eval
+    from selfevo.search.client import RetrieverError
 
     try:
         result = run_eval(data_dir=data_dir, corpus=corpus, agent=agent, out_dir=out,
                           limit=limit, retriever_url=retriever_url)
-    except (DataError, ValueError) as e:
+    except (DataError, ValueError, RetrieverError) as e:  # one line, not a traceback
         _fail(str(e))
     print_score_table(result, console)
 

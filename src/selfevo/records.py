@@ -26,7 +26,7 @@ class Document:
         return f'"{self.title}"\n{self.text}'
 
     @classmethod
-    def from_contents(cls, id: str, contents: str) -> "Document":
+    def from_contents(cls, id: str, contents: str) -> Document:
         title, _, text = contents.partition("\n")
         title = title.strip()
         if len(title) >= 2 and title[0] == '"' and title[-1] == '"':

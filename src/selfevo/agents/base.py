@@ -3,8 +3,9 @@ these few methods; the loop and the evaluator know nothing else about an agent."
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Protocol, Sequence
+from typing import Any, Protocol
 
 from selfevo.search.tool import SearchTool
 
@@ -16,6 +17,8 @@ class Trajectory:
     answer: str
     searches: list[str] = field(default_factory=list)
     actions: int = 0
+    # backend-private record of the choices made (what an update needs); never serialised
+    trace: Any = field(default=None, repr=False, compare=False)
 
 
 class Solver(Protocol):
@@ -24,4 +27,46 @@ class Solver(Protocol):
     def answer(self, questions: Sequence[str], tool: SearchTool, *, greedy: bool = True,
                n: int = 1, seed: int | None = None) -> list[list[Trajectory]]:
         """`n` trajectories per question (greedy: deterministic; else sampled)."""
+        ...
+
+
+@dataclass
+class Proposal:
+    """A question written from a source document, with the proposer's draft answer."""
+
+    question: str
+    draft_label: str
+    source_id: str  # the page the proposer was given
+    source_ids: tuple[str, ...]  # every page it read while composing (lineage of connected sources)
+    hops: int
+    trace: Any = field(default=None, repr=False, compare=False)
+
+
+class Learner(Protocol):
+    """What the loop needs to train and snapshot a model."""
+
+    name: str
+
+    def snapshot(self) -> Learner:
+        """A frozen copy (a grader must not change while it grades)."""
+        ...
+
+    def state_dict(self) -> dict:
+        """JSON-serialisable parameters (no pickle: run data must be safe to load)."""
+        ...
+
+    def load_state_dict(self, state: dict) -> None: ...
+
+
+class TrainableSolver(Solver, Learner, Protocol):
+    def update(self, groups: Sequence[tuple[list[Trajectory], str]]) -> dict:
+        """One policy-gradient step on groups of rollouts, each rewarded against its label."""
+        ...
+
+
+class Proposer(Learner, Protocol):
+    def propose(self, n: int, tool: SearchTool, seed: int) -> list[Proposal]: ...
+
+    def update(self, proposals: Sequence[Proposal], rewards: Sequence[float]) -> dict:
+        """One policy-gradient step on the frontier rewards of a batch of proposals."""
         ...

@@ -7,8 +7,9 @@ one class, so the tool budget is identical for every row of a results table.
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol, Sequence
+from typing import Protocol
 
 from selfevo.records import Document
 
@@ -46,7 +47,7 @@ class SearchTool:
         self.queries_issued = 0  # index lookups actually made (cache misses)
         self.calls = 0  # searches agents made (hits + misses)
 
-    def session(self) -> "SearchSession":
+    def session(self) -> SearchSession:
         """A fresh budget for one trajectory."""
         return SearchSession(self)
 

@@ -1,0 +1,49 @@
+"""Agents: the Proposer/Solver protocols (`base`) and their backends, loaded by spec.
+
+A spec is `PREFIX` or `PREFIX:ARG` (e.g. `retrieval-baseline`, later `sim:...`, `lm:...`).
+Factories import their backend lazily, so asking for the baseline never imports torch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from selfevo.agents.base import Solver, Trajectory
+
+AgentFactory = Callable[..., Solver]  # factory(arg: str, **context) -> Solver
+
+
+def _retrieval_baseline(arg: str, **context: Any) -> Solver:
+    from selfevo.agents.baseline import RetrievalBaseline
+
+    if arg:
+        raise ValueError(f"agent 'retrieval-baseline' takes no argument, got '{arg}'")
+    return RetrievalBaseline()
+
+
+_REGISTRY: dict[str, AgentFactory] = {"retrieval-baseline": _retrieval_baseline}
+
+
+def register_agent(prefix: str, factory: AgentFactory) -> None:
+    """Make `prefix[:arg]` specs load through `factory(arg, **context)`."""
+    if prefix in _REGISTRY:
+        raise ValueError(f"agent prefix '{prefix}' is already registered")
+    _REGISTRY[prefix] = factory
+
+
+def known_agents() -> list[str]:
+    return sorted(_REGISTRY)
+
+
+def load_agent(spec: str, **context: Any) -> Solver:
+    """Build the solver a spec names. `context` carries what a backend may need (corpus path,
+    device, ...); each factory takes what it uses and ignores the rest."""
+    prefix, _, arg = spec.strip().partition(":")
+    factory = _REGISTRY.get(prefix)
+    if factory is None:
+        raise ValueError(f"unknown agent spec '{spec}'; known: {', '.join(known_agents())}")
+    return factory(arg, **context)
+
+
+__all__ = ["Solver", "Trajectory", "known_agents", "load_agent", "register_agent"]

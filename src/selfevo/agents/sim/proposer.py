@@ -1,0 +1,177 @@
+"""The sim proposer: reads a source page, composes a 1-4 hop question by following links with the
+search tool, and learns *what to ask* by policy gradient on the frontier reward.
+
+Its policy scores options (source page, first relation) with per-source and per-relation weights,
+so its curriculum can concentrate on sources that pay, as a language-model proposer's can. Its
+draft answer is what its imperfect reader believes the page says, so a systematic misreading of a
+page becomes a wrong pseudo-label every time the page is used.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+
+from selfevo.agents.base import Proposal
+from selfevo.agents.sim.reader import FEATURES, PageReading, Reader, features
+from selfevo.algos import bucket_advantages, softmax
+from selfevo.evaluate import normalize_answer
+from selfevo.records import Document
+from selfevo.search.tool import SearchBudgetExhausted, SearchSession, SearchTool
+from selfevo.world.language import RELATIONS, ChainQuery, render_chain
+
+
+@dataclass(frozen=True)
+class SimProposerConfig:
+    theta: tuple[float, ...] = (0.8, 0.8, 0.8, 0.5)  # reading weights (fixed), see FEATURES
+    misread_scale: float = 1.6  # std of the reader's page-specific bias
+    read_temperature: float = 0.3  # low: re-reading a page mostly repeats the same reading
+    options: int = 8  # candidate (source, relation) options the policy chooses among
+    hop_ratio: tuple[int, ...] = (4, 3, 2, 1)  # paper (Dr. Zero): n-hop ratio 4:3:2:1
+    lr: float = 0.5
+
+    def __post_init__(self):
+        if len(self.theta) != len(FEATURES):
+            raise ValueError(f"proposer.theta: expected {len(FEATURES)} weights")
+        if self.options < 1 or not self.hop_ratio or min(self.hop_ratio) < 0:
+            raise ValueError("proposer.options must be >= 1 and hop_ratio non-negative")
+
+
+@dataclass
+class _Choice:
+    options: list[tuple[str, str]]  # (source id, first relation)
+    probs: list[float]
+    chosen: int
+    hops: int
+
+
+@dataclass
+class SimProposer:
+    name: str
+    config: SimProposerConfig
+    reader: Reader
+    sources: Sequence[Document]
+    w_source: dict[str, float] = field(default_factory=dict)
+    w_relation: dict[str, float] = field(default_factory=dict)
+    frozen: bool = False
+    updates: int = 0
+
+    # ---------------------------------------------------------------- Learner
+    def snapshot(self, name: str | None = None) -> SimProposer:
+        return SimProposer(name or self.name, self.config, self.reader, self.sources,
+                           dict(self.w_source), dict(self.w_relation), True, self.updates)
+
+    def state_dict(self) -> dict:
+        return {"name": self.name, "config": asdict(self.config), "w_source": self.w_source,
+                "w_relation": self.w_relation, "updates": self.updates}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.w_source = {k: float(v) for k, v in state["w_source"].items()}
+        self.w_relation = {k: float(v) for k, v in state["w_relation"].items()}
+        self.updates = int(state["updates"])
+
+    # ---------------------------------------------------------------- reading
+    def _read_value(self, page: PageReading, rel: str, rnd: random.Random) -> str | None:
+        """What the proposer believes page says for `rel`: a low-temperature sample of its
+        reading model over the page's statements of that relation."""
+        stmts = page.statements.get(rel)
+        if not stmts:
+            return None
+        cands = sorted({s.object for s in stmts})
+        scores = {}
+        for s in stmts:
+            phi = features(s, True, 0)
+            sc = sum(t * f for t, f in zip(self.config.theta, phi)) + self.reader.bias(page.doc_id, s.object)
+            scores[s.object] = max(scores.get(s.object, -1e9), sc)
+        probs = softmax([scores[c] for c in cands], self.config.read_temperature)
+        u, acc = rnd.random(), 0.0
+        for c, p in zip(cands, probs):
+            acc += p
+            if u < acc:
+                return c
+        return cands[-1]
+
+    @staticmethod
+    def _usable(page: PageReading, last_hop: bool) -> list[str]:
+        """Relations the page states (as the reader sees it) that can continue the chain."""
+        return [r for r in sorted(page.statements) if last_hop or RELATIONS[r][1] != "year"]
+
+    def _compose(self, doc: Document, first_rel: str, hops: int, session: SearchSession,
+                 rnd: random.Random) -> tuple[tuple[str, ...], str, tuple[str, ...]] | None:
+        """Follow links from the source: returns (relations, draft answer, pages read)."""
+        page = self.reader.read(doc)
+        rels, pages, seen = [first_rel], [doc.id], {doc.title}
+        value = self._read_value(page, first_rel, rnd)
+        while value is not None and len(rels) < hops:
+            if value in seen:
+                return None
+            seen.add(value)
+            hits = session.search(value)
+            if not hits:
+                return None
+            nxt = next((h.document for h in hits if h.document.title == value), hits[0].document)
+            page = self.reader.read(nxt)
+            pages.append(nxt.id)
+            options = [r for r in self._usable(page, len(rels) == hops - 1)]
+            if not options:
+                return None
+            rel = options[rnd.randrange(len(options))]
+            rels.append(rel)
+            value = self._read_value(page, rel, rnd)
+        if value is None or value in seen:
+            return None
+        return tuple(rels), value, tuple(pages)
+
+    # ---------------------------------------------------------------- Proposer
+    def propose(self, n: int, tool: SearchTool, seed: int) -> list[Proposal]:
+        rnd = random.Random(seed)
+        out: list[Proposal] = []
+        hop_values = list(range(1, len(self.config.hop_ratio) + 1))
+        attempts = 0
+        while len(out) < n and attempts < 20 * n:
+            attempts += 1
+            hops = rnd.choices(hop_values, weights=self.config.hop_ratio)[0]
+            options = []
+            for _ in range(self.config.options):
+                doc = self.sources[rnd.randrange(len(self.sources))]
+                page = self.reader.read(doc)
+                for rel in self._usable(page, hops == 1):
+                    options.append((doc, rel))
+            if not options:
+                continue
+            logits = [self.w_source.get(d.id, 0.0) + self.w_relation.get(r, 0.0) for d, r in options]
+            probs = softmax(logits)
+            chosen = rnd.choices(range(len(options)), weights=probs)[0]
+            doc, rel = options[chosen]
+            try:
+                composed = self._compose(doc, rel, hops, tool.session(), rnd)
+            except SearchBudgetExhausted:
+                composed = None
+            if composed is None:
+                continue
+            rels, label, pages = composed
+            question = render_chain(ChainQuery(doc.title, rels), variant=rnd.randrange(3))
+            # format rules (Dr. Zero): a non-empty short answer that the question does not give away
+            norm_label = normalize_answer(label)
+            if not norm_label or norm_label in normalize_answer(question):
+                continue
+            choice = _Choice([(d.id, r) for d, r in options], probs, chosen, len(rels))
+            out.append(Proposal(question, label, doc.id, pages, len(rels), choice))
+        return out
+
+    def update(self, proposals: Sequence[Proposal], rewards: Sequence[float]) -> dict:
+        """REINFORCE over the option choice, advantages normalised within the hop bucket."""
+        if self.frozen:
+            raise RuntimeError(f"{self.name} is a frozen snapshot")
+        advs = bucket_advantages(list(rewards), [p.hops for p in proposals])
+        for prop, adv in zip(proposals, advs):
+            if adv == 0.0:
+                continue
+            ch: _Choice = prop.trace
+            for j, ((src, rel), p) in enumerate(zip(ch.options, ch.probs)):
+                g = self.config.lr * adv * ((1.0 if j == ch.chosen else 0.0) - p)
+                self.w_source[src] = self.w_source.get(src, 0.0) + g
+                self.w_relation[rel] = self.w_relation.get(rel, 0.0) + g / len(proposals)
+        self.updates += 1
+        return {"proposals": len(proposals), "reward": sum(rewards) / max(1, len(rewards))}

@@ -1,0 +1,79 @@
+"""An imperfect page reader, shared by the sim proposer and solver.
+
+A page states its subject's facts and, in confusable sentences, a related entity's facts of the
+same relation. The reader extracts every fact-shaped statement (the world's language is known to
+it, as English is to a pretrained model); which statement it *believes* is decided by a scoring
+model plus a page-specific bias. The bias is a fixed function of (reader, page, candidate), so a
+misreading is systematic for that page: re-reading the same page repeats it. Two readers'
+biases are correlated by `shared` (the paper's "shared pretraining errors").
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import struct
+from dataclasses import dataclass
+
+from selfevo.records import Document
+from selfevo.world.language import Statement, read_statements
+
+# Reading features of a candidate answer for (mention, relation), in this order.
+FEATURES = ("about_page", "title_match", "about_and_title", "top_rank")
+
+
+def hash_normal(*keys: object) -> float:
+    """A standard normal that is a pure function of `keys` (Box-Muller on a hash)."""
+    h = hashlib.blake2b("\x1f".join(map(str, keys)).encode(), digest_size=16).digest()
+    a, b = struct.unpack("<QQ", h)
+    u1 = (a + 1) / 2.0**64
+    u2 = b / 2.0**64
+    return math.sqrt(-2.0 * math.log(u1)) * math.cos(2 * math.pi * u2)
+
+
+@dataclass(frozen=True)
+class PageReading:
+    doc_id: str
+    title: str
+    aliases: frozenset[str]
+    statements: dict[str, tuple[Statement, ...]]  # relation -> statements, page order
+
+
+class Reader:
+    def __init__(self, name: str, misread_scale: float, shared: float, seed: int):
+        if misread_scale < 0 or not 0 <= shared <= 1:
+            raise ValueError("misread_scale must be >= 0 and shared in [0, 1]")
+        self.name, self.scale, self.shared, self.seed = name, misread_scale, shared, seed
+        self._pages: dict[str, PageReading] = {}
+        self._bias: dict[tuple[str, str], float] = {}
+
+    def read(self, doc: Document) -> PageReading:
+        page = self._pages.get(doc.id)
+        if page is None:
+            statements, aliases = read_statements(doc.title, doc.text)
+            by_rel: dict[str, list[Statement]] = {}
+            for s in statements:
+                by_rel.setdefault(s.relation, []).append(s)
+            page = PageReading(doc.id, doc.title, frozenset(aliases),
+                               {r: tuple(v) for r, v in by_rel.items()})
+            self._pages[doc.id] = page
+        return page
+
+    def bias(self, doc_id: str, candidate: str) -> float:
+        """This reader's systematic pull towards `candidate` when reading page `doc_id`."""
+        if self.scale == 0:
+            return 0.0
+        key = (doc_id, candidate)
+        b = self._bias.get(key)
+        if b is None:
+            shared = hash_normal("shared", self.seed, doc_id, candidate)
+            own = hash_normal(self.name, self.seed, doc_id, candidate)
+            b = self.scale * (math.sqrt(self.shared) * shared + math.sqrt(1 - self.shared) * own)
+            self._bias[key] = b
+        return b
+
+
+def features(stmt: Statement, title_match: bool, rank: int) -> tuple[float, float, float, float]:
+    about = 1.0 if stmt.about_page else 0.0
+    title = 1.0 if title_match else 0.0
+    return (about, title, about * title, 1.0 if rank == 0 else 0.0)

@@ -1,0 +1,206 @@
+"""The sim solver: search, read, and score candidate answers with a learned model.
+
+logit(c) = theta . features(c)      generic reading skill (learned)
+         + bias(page, c)            the reader's systematic misreadings (fixed)
+         + memory[(mention, rel)][c]  parametric memory keyed on what the question says (learned)
+
+Multi-hop questions are answered by chaining hops, the answer of one hop being the mention of
+the next. Training is policy gradient on its own sampled rollouts, rewarded against the label it
+is given (GRPO-normalised within the five rollouts of a question). Because the memory is keyed on
+the mention and relation rather than on the question, what it absorbs from one question (right
+or wrong) is repeated on every other question that passes through the same (entity, relation).
+"""
+
+from __future__ import annotations
+
+import copy
+import random
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+
+from selfevo.agents.base import Trajectory
+from selfevo.agents.sim.reader import FEATURES, Reader, features
+from selfevo.algos import group_advantages, softmax
+from selfevo.evaluate import answers_match
+from selfevo.search.tool import SearchBudgetExhausted, SearchSession, SearchTool
+from selfevo.world.language import ChainQuery, CompareQuery, parse_question
+
+
+@dataclass(frozen=True)
+class SimSolverConfig:
+    theta0: tuple[float, ...] = (0.8, 0.8, 0.8, 0.5)  # initial reading weights, see FEATURES
+    misread_scale: float = 1.3  # std of the reader's page-specific bias
+    memory: bool = True  # ablation switch: no parametric memory at all
+    lr_memory: float = 1.5
+    lr_theta: float = 0.3
+    temperature: float = 1.0  # sampling temperature for non-greedy rollouts
+
+    def __post_init__(self):
+        if len(self.theta0) != len(FEATURES):
+            raise ValueError(f"solver.theta0: expected {len(FEATURES)} weights")
+        if self.temperature <= 0:
+            raise ValueError("solver.temperature: must be > 0")
+
+
+@dataclass
+class _Dist:
+    """The solver's distribution over candidate answers for one (mention, relation) hop."""
+
+    mkey: str
+    cands: list[str]
+    phis: list[tuple[float, ...]]
+    probs: list[float]
+
+
+@dataclass
+class SimSolver:
+    name: str
+    config: SimSolverConfig
+    reader: Reader
+    theta: list[float] = field(default_factory=list)
+    memory: dict[str, dict[str, float]] = field(default_factory=dict)
+    frozen: bool = False
+    updates: int = 0
+    lineage: dict = field(default_factory=dict)  # which folds/rounds its training data came from
+
+    def __post_init__(self):
+        if not self.theta:
+            self.theta = list(self.config.theta0)
+        self._cache: dict[tuple[str, str], _Dist | None] = {}
+        self._parsed: dict[str, ChainQuery | CompareQuery | None] = {}
+
+    # ---------------------------------------------------------------- Learner
+    def snapshot(self, name: str | None = None) -> SimSolver:
+        twin = SimSolver(name or self.name, self.config, self.reader, list(self.theta),
+                         copy.deepcopy(self.memory), frozen=True, updates=self.updates,
+                         lineage=copy.deepcopy(self.lineage))
+        return twin
+
+    def state_dict(self) -> dict:
+        return {"name": self.name, "config": asdict(self.config), "theta": self.theta,
+                "memory": self.memory, "updates": self.updates, "lineage": self.lineage}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.theta = [float(x) for x in state["theta"]]
+        self.memory = {k: {c: float(v) for c, v in d.items()} for k, d in state["memory"].items()}
+        self.updates = int(state["updates"])
+        self.lineage = state.get("lineage", {})
+        self._cache.clear()
+
+    # ---------------------------------------------------------------- reading
+    def _dist(self, session: SearchSession, mention: str, rel: str) -> _Dist | None:
+        hits = session.search(mention)  # budgeted: every hop costs one search
+        key = (mention, rel)
+        if key in self._cache:
+            return self._cache[key]
+        mkey = f"{mention.strip().lower()}|{rel}"
+        best: dict[str, tuple[float, tuple[float, ...]]] = {}
+        for rank, hit in enumerate(hits):
+            page = self.reader.read(hit.document)
+            title_match = mention in page.aliases
+            for stmt in page.statements.get(rel, ()):
+                phi = features(stmt, title_match, rank)
+                score = sum(t * f for t, f in zip(self.theta, phi)) + self.reader.bias(page.doc_id, stmt.object)
+                if stmt.object not in best or score > best[stmt.object][0]:
+                    best[stmt.object] = (score, phi)
+        zero = (0.0,) * len(FEATURES)
+        memory = self.memory.get(mkey, {}) if self.config.memory else {}
+        for cand in memory:  # memory can recall an answer the pages did not show
+            best.setdefault(cand, (0.0, zero))
+        if not best:
+            self._cache[key] = None
+            return None
+        cands = sorted(best)  # sorted: results must not depend on hash or page order
+        logits = [best[c][0] + memory.get(c, 0.0) for c in cands]
+        dist = _Dist(mkey, cands, [best[c][1] for c in cands], softmax(logits, self.config.temperature))
+        self._cache[key] = dist
+        return dist
+
+    @staticmethod
+    def _pick(dist: _Dist, greedy: bool, rnd: random.Random) -> int:
+        if greedy:
+            return max(range(len(dist.cands)), key=lambda i: (dist.probs[i], -i))
+        u, acc = rnd.random(), 0.0
+        for i, p in enumerate(dist.probs):
+            acc += p
+            if u < acc:
+                return i
+        return len(dist.probs) - 1
+
+    def _rollout(self, question: str, tool: SearchTool, greedy: bool, rnd: random.Random) -> Trajectory:
+        if question not in self._parsed:
+            self._parsed[question] = parse_question(question)
+        query = self._parsed[question]
+        session = tool.session()
+        trace: list[tuple[_Dist, int]] = []
+        try:
+            if isinstance(query, ChainQuery):
+                mention = query.mention
+                for rel in query.relations:
+                    dist = self._dist(session, mention, rel)
+                    if dist is None:
+                        return Trajectory("", session.queries, len(session.queries) + 1, trace)
+                    i = self._pick(dist, greedy, rnd)
+                    trace.append((dist, i))
+                    mention = dist.cands[i]
+                return Trajectory(mention, session.queries, len(session.queries) + 1, trace)
+            if isinstance(query, CompareQuery):
+                years = []
+                for m in query.mentions:
+                    dist = self._dist(session, m, query.relation)
+                    if dist is None:
+                        return Trajectory("", session.queries, len(session.queries) + 1, trace)
+                    i = self._pick(dist, greedy, rnd)
+                    trace.append((dist, i))
+                    years.append(int(dist.cands[i]) if dist.cands[i].isdigit() else 10**6)
+                answer = query.mentions[0] if years[0] <= years[1] else query.mentions[1]
+                return Trajectory(answer, session.queries, len(session.queries) + 1, trace)
+            # not a question of the world's language: fall back to the top page's title
+            hits = session.search(question)
+            return Trajectory(hits[0].document.title if hits else "", session.queries, 2, trace)
+        except SearchBudgetExhausted:
+            return Trajectory("", session.queries, len(session.queries), trace)
+
+    # ---------------------------------------------------------------- Solver
+    def answer(self, questions: Sequence[str], tool: SearchTool, *, greedy: bool = True,
+               n: int = 1, seed: int | None = None) -> list[list[Trajectory]]:
+        rnd = random.Random(seed)
+        return [[self._rollout(q, tool, greedy, rnd) for _ in range(n)] for q in questions]
+
+    def update(self, groups: Sequence[tuple[list[Trajectory], str]]) -> dict:
+        """Policy gradient on the solver's own rollouts, reward = answer matches the label.
+
+        d log p(c_t) / d logits = onehot(c_t) - p_t for every hop t of a rollout; the memory entry
+        of the hop's (mention, relation) and the reading weights both move along it. paper:
+        sequence-normalised (divided by the number of hops), GRPO advantage within the group.
+        """
+        if self.frozen:
+            raise RuntimeError(f"{self.name} is a frozen snapshot")
+        grad_theta = [0.0] * len(self.theta)
+        signal = 0
+        rewards_all = []
+        for trajs, label in groups:
+            rewards = [1.0 if answers_match(t.answer, label) else 0.0 for t in trajs]
+            rewards_all.extend(rewards)
+            advs = group_advantages(rewards)
+            if not any(advs):
+                continue
+            signal += 1
+            for traj, adv in zip(trajs, advs):
+                if adv == 0.0 or not traj.trace:
+                    continue
+                w = adv / (len(traj.trace) * len(trajs))
+                for dist, idx in traj.trace:
+                    for j, (cand, p) in enumerate(zip(dist.cands, dist.probs)):
+                        g = (1.0 if j == idx else 0.0) - p
+                        if self.config.memory:
+                            row = self.memory.setdefault(dist.mkey, {})
+                            row[cand] = row.get(cand, 0.0) + self.config.lr_memory * w * g
+                        for f, phi in enumerate(dist.phis[j]):
+                            grad_theta[f] += w * g * phi
+        if groups:
+            self.theta = [t + self.config.lr_theta * g / len(groups) for t, g in zip(self.theta, grad_theta)]
+        self.updates += 1
+        self._cache.clear()
+        return {"groups": len(groups), "groups_with_signal": signal,
+                "reward": sum(rewards_all) / max(1, len(rewards_all))}

@@ -1,0 +1,167 @@
+"""The resolved configuration of an `evolve` run: frozen dataclasses, strictly parsed.
+
+An unknown field, a wrong type or a NaN is an error naming the field (`loop.rounds: ...`); a
+config is parsed, never evaluated.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import sys
+import typing
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+from selfevo.agents.sim import SimProposerConfig, SimSolverConfig
+from selfevo.loop.schedule import LoopConfig
+from selfevo.world.generate import WorldConfig
+
+TREATMENTS = ("coupled",)
+
+
+class ConfigError(ValueError):
+    """A bad configuration value; the message names the field."""
+
+
+@dataclass(frozen=True)
+class WorldSpec:
+    name: str = "default"  # "small" | "default" | a world directory
+    seed: int = 0
+    confusable_rate: float = 0.6
+    shared_misreading: float = 0.1
+
+    def __post_init__(self):
+        # validate the world parameters here, so a bad one is reported before anything runs
+        WorldConfig(size="small", **self.params())
+
+    def params(self) -> dict:
+        return {"seed": self.seed, "confusable_rate": self.confusable_rate,
+                "shared_misreading": self.shared_misreading}
+
+
+@dataclass(frozen=True)
+class SearchConfig:
+    topk: int = 3
+    max_calls: int = 5
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    treatment: str = "coupled"
+    seed: int = 0
+    world: WorldSpec = field(default_factory=WorldSpec)
+    loop: LoopConfig = field(default_factory=LoopConfig)
+    search: SearchConfig = field(default_factory=SearchConfig)
+    solver: SimSolverConfig = field(default_factory=SimSolverConfig)
+    proposer: SimProposerConfig = field(default_factory=SimProposerConfig)
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+def _coerce(value: Any, typ: Any, where: str) -> Any:
+    if dataclasses.is_dataclass(typ):
+        if not isinstance(value, dict):
+            raise ConfigError(f"{where}: expected a table, got {type(value).__name__}")
+        return _build(typ, value, where)
+    if typing.get_origin(typ) is tuple:
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{where}: expected a list, got {type(value).__name__}")
+        inner = typing.get_args(typ)[0]
+        return tuple(_coerce(v, inner, f"{where}[{i}]") for i, v in enumerate(value))
+    if typ is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{where}: expected true/false, got {value!r}")
+        return value
+    if typ is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{where}: expected an integer, got {value!r}")
+        return value
+    if typ is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{where}: expected a number, got {value!r}")
+        if not math.isfinite(value):
+            raise ConfigError(f"{where}: must be finite, got {value!r}")
+        return float(value)
+    if typ is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{where}: expected a string, got {value!r}")
+        return value
+    raise ConfigError(f"{where}: unsupported type {typ}")
+
+
+def _build(cls, data: dict, prefix: str = ""):
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    kwargs = {}
+    for key, value in data.items():
+        where = f"{prefix}.{key}" if prefix else key
+        if key not in names:
+            raise ConfigError(f"{where}: unknown field (known: {', '.join(names)})")
+        kwargs[key] = _coerce(value, hints[key], where)
+    try:
+        return cls(**kwargs)
+    except ConfigError:
+        raise
+    except (ValueError, TypeError) as e:
+        # the components' own checks say "field: problem"; prefix the section they sit in
+        msg = str(e)
+        head = msg.split(":")[0]
+        if prefix and "." in head:
+            head = head.split(".", 1)[1]
+            msg = f"{prefix}.{head}:{msg.split(':', 1)[1]}"
+        elif prefix:
+            msg = f"{prefix}: {msg}"
+        raise ConfigError(msg) from None
+
+
+def config_from_dict(data: dict) -> RunConfig:
+    cfg = _build(RunConfig, data)
+    if cfg.treatment not in TREATMENTS:
+        raise ConfigError(f"treatment: expected one of {', '.join(TREATMENTS)}, got {cfg.treatment!r}")
+    return cfg
+
+
+def parse_override(text: str) -> tuple[list[str], Any]:
+    """`solver.memory=false` -> (["solver", "memory"], False); values are TOML literals."""
+    if "=" not in text:
+        raise ConfigError(f"--set {text!r}: expected KEY=VALUE")
+    key, raw = text.split("=", 1)
+    try:
+        value = tomllib.loads(f"v = {raw.strip()}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = raw.strip()  # a bare word is a string
+    return key.strip().split("."), value
+
+
+def merge(base: dict, path: list[str], value: Any) -> dict:
+    out = dict(base)
+    if len(path) == 1:
+        out[path[0]] = value
+    else:
+        out[path[0]] = merge(out.get(path[0], {}) or {}, path[1:], value)
+    return out
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] = (), **top: Any) -> RunConfig:
+    """A TOML file (optional), then `--set` overrides, then explicit top-level values."""
+    data: dict = {}
+    if path is not None:
+        try:
+            data = tomllib.loads(Path(path).read_text(encoding="utf-8"))
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"{path}: {e}") from None
+    for text in overrides:
+        keys, value = parse_override(text)
+        data = merge(data, keys, value)
+    for key, value in top.items():
+        if value is not None:
+            data = merge(data, key.split("."), value)
+    return config_from_dict(data)

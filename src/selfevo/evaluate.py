@@ -1,0 +1,387 @@
+"""Downstream evaluation: answer normalization, Cover-EM / EM / F1, and the benchmark runner.
+
+One normalizer and one matcher serve the whole project: `answers_match` is the loop's answer
+matcher (proposer reward, MSV majorities, audit A) and `cover_em` is the evaluation metric of
+every results row. Both follow FlashRAG / Search-R1 (`normalize_answer`) exactly, so numbers are
+comparable with the papers that report them.
+
+The runner gives every agent the same thing: one greedy trajectory per question through one
+`SearchTool` (top-3 passages, at most 5 searches), and the same scorer on the answer it returns.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import string
+import time
+from collections import Counter
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from selfevo._io import write_json, write_jsonl
+from selfevo.corpus import DataError, _iter_json_lines, _require_str, read_qa_dir
+from selfevo.records import QAItem
+
+if TYPE_CHECKING:  # only for annotations: importing agents here would be a cycle later
+    from selfevo.agents.base import Solver
+    from selfevo.search.tool import SearchTool
+
+BENCHMARKS = ("nq", "triviaqa", "popqa", "hotpotqa", "2wikimultihopqa", "musique", "bamboogle")
+SINGLE_HOP = BENCHMARKS[:3]
+MULTI_HOP = BENCHMARKS[3:]
+
+METRICS = ("cover_em", "em", "f1")
+
+# ---------------------------------------------------------------- normalization and metrics
+
+_PUNCTUATION = frozenset(string.punctuation)  # ASCII only, as FlashRAG: "’" and "é" survive
+_ARTICLES = re.compile(r"\b(a|an|the)\b")
+
+
+def normalize_answer(s: str) -> str:
+    """FlashRAG / Search-R1 / SQuAD normalization, in their order:
+    lower → remove punctuation → articles to a space → collapse whitespace."""
+    s = s.lower()
+    s = "".join(ch for ch in s if ch not in _PUNCTUATION)
+    s = _ARTICLES.sub(" ", s)
+    return " ".join(s.split())
+
+
+def _normalized_golds(golds: str | Iterable[str]) -> list[str]:
+    """Normalized gold aliases, empty ones dropped.
+
+    Departure from FlashRAG: there an alias that normalizes to "" (e.g. "The") is a substring of
+    every prediction and scores 1.0 for anything; here it is simply not an alias. (No gold of the
+    seven shipped benchmarks normalizes to "".)
+    """
+    if isinstance(golds, str):
+        golds = [golds]
+    return [g for g in (normalize_answer(x) for x in golds) if g]
+
+
+def _cover_em(pred: str, golds: list[str]) -> float:
+    return 1.0 if pred and any(g in pred for g in golds) else 0.0
+
+
+def _exact_match(pred: str, golds: list[str]) -> float:
+    return 1.0 if pred and pred in golds else 0.0
+
+
+# FlashRAG (after the HotpotQA script) gives no partial F1 credit around yes/no answers:
+# "yes it is" against gold "yes" scores 0, not 0.67, so a yes/no guess cannot farm F1.
+_NO_PARTIAL_CREDIT = ("yes", "no", "noanswer")
+
+
+def _token_f1(pred: str, golds: list[str]) -> float:
+    best = 0.0
+    pred_tokens = pred.split()
+    for gold in golds:
+        if (pred in _NO_PARTIAL_CREDIT or gold in _NO_PARTIAL_CREDIT) and pred != gold:
+            continue
+        gold_tokens = gold.split()
+        same = sum((Counter(pred_tokens) & Counter(gold_tokens)).values())
+        if same == 0:
+            continue
+        precision, recall = same / len(pred_tokens), same / len(gold_tokens)
+        best = max(best, 2 * precision * recall / (precision + recall))
+    return best
+
+
+def cover_em(prediction: str | None, golds: str | Iterable[str]) -> float:
+    """1.0 iff some normalized gold alias is a substring of the normalized prediction
+    (FlashRAG's `acc` / Search-R1's `subem`). An empty or missing prediction scores 0."""
+    return _cover_em(normalize_answer(prediction or ""), _normalized_golds(golds))
+
+
+def exact_match(prediction: str | None, golds: str | Iterable[str]) -> float:
+    """1.0 iff the normalized prediction equals some normalized gold alias."""
+    return _exact_match(normalize_answer(prediction or ""), _normalized_golds(golds))
+
+
+def token_f1(prediction: str | None, golds: str | Iterable[str]) -> float:
+    """SQuAD token F1 on normalized tokens, max over gold aliases, with FlashRAG's yes/no rule."""
+    return _token_f1(normalize_answer(prediction or ""), _normalized_golds(golds))
+
+
+def answers_match(a: str | None, b: str | None) -> bool:
+    """The loop's answer matcher (reward, MSV, audit A): normalized exact match.
+
+    Two answers that normalize to nothing never match: agreeing on "no answer" is not agreement
+    on an answer, and counting it would let two failures look like consensus.
+    """
+    na, nb = normalize_answer(a or ""), normalize_answer(b or "")
+    return bool(na) and na == nb
+
+
+@dataclass(frozen=True)
+class ItemScore:
+    cover_em: float
+    em: float
+    f1: float
+
+
+def score_item(prediction: str | None, golds: str | Iterable[str]) -> ItemScore:
+    """All three metrics for one answer, normalizing once."""
+    pred, gold = normalize_answer(prediction or ""), _normalized_golds(golds)
+    return ItemScore(_cover_em(pred, gold), _exact_match(pred, gold), _token_f1(pred, gold))
+
+
+# ---------------------------------------------------------------- aggregation
+
+
+def _benchmark_order(names: Iterable[str]) -> list[str]:
+    """The paper's column order first, then any other benchmark alphabetically."""
+    names = set(names)
+    return [b for b in BENCHMARKS if b in names] + sorted(names - set(BENCHMARKS))
+
+
+def _mean_over(per_bench: Mapping[str, Mapping[str, Any]], names: Sequence[str]) -> dict:
+    """Equal-weight mean over benchmarks (not items); None where no benchmark is present."""
+    if not names:
+        return {m: None for m in METRICS}
+    return {m: sum(per_bench[b][m] for b in names) / len(names) for m in METRICS}
+
+
+def score_items(data: Mapping[str, Sequence[QAItem]],
+                predictions: Mapping[str, str]) -> dict[str, ItemScore]:
+    """Per-item scores keyed by id. A prediction for an id the data does not hold is an error
+    (it usually means the wrong predictions file); an item with no prediction scores 0."""
+    known = {it.id for items in data.values() for it in items}
+    unknown = [pid for pid in predictions if pid not in known]
+    if unknown:
+        raise DataError("predictions", None,
+                        f"{len(unknown)} prediction id(s) not in the data, e.g. '{unknown[0]}'")
+    return {it.id: score_item(predictions.get(it.id), it.golden_answers)
+            for items in data.values() for it in items}
+
+
+def score_predictions(data: Mapping[str, Sequence[QAItem]],
+                      predictions: Mapping[str, str]) -> dict:
+    """Cover-EM / EM / F1 per benchmark, macro, single-hop and multi-hop.
+
+    Schema: `{"benchmarks": {NAME: {"cover_em","em","f1","n","missing"}},
+    "macro"|"single_hop"|"multi_hop": {"cover_em","em","f1"}}`. Macro is the equal-weight mean over
+    the benchmarks present; the hop groups average those of the seven standard names present.
+    """
+    empty = [b for b, items in data.items() if not items]
+    if empty:
+        raise ValueError(f"benchmark(s) with no questions: {', '.join(empty)}")
+    scores = score_items(data, predictions)
+    per_bench: dict[str, dict] = {}
+    for name in _benchmark_order(data):
+        items = data[name]
+        n = len(items)
+        row: dict[str, Any] = {m: sum(getattr(scores[it.id], m) for it in items) / n
+                               for m in METRICS}
+        row["n"] = n
+        row["missing"] = sum(1 for it in items if it.id not in predictions)
+        per_bench[name] = row
+    return {
+        "benchmarks": per_bench,
+        "macro": _mean_over(per_bench, list(per_bench)),
+        "single_hop": _mean_over(per_bench, [b for b in SINGLE_HOP if b in per_bench]),
+        "multi_hop": _mean_over(per_bench, [b for b in MULTI_HOP if b in per_bench]),
+    }
+
+
+# ---------------------------------------------------------------- files
+
+
+def _read_predictions(path: str | os.PathLike) -> tuple[dict[str, str], dict[str, int]]:
+    """Predictions and the line each came from (so later errors can name file:line)."""
+    preds: dict[str, str] = {}
+    lines: dict[str, int] = {}
+    for lineno, obj in _iter_json_lines(path):
+        pid = _require_str(obj, "id", path, lineno)
+        pred = _require_str(obj, "prediction", path, lineno, allow_empty=True)
+        if pid in preds:
+            raise DataError(path, lineno, f"duplicate id '{pid}' (first on line {lines[pid]})")
+        preds[pid], lines[pid] = pred, lineno
+    if not preds:
+        raise DataError(path, None, "no predictions in file")
+    return preds, lines
+
+
+def read_predictions(path: str | os.PathLike) -> dict[str, str]:
+    """Read `{"id","prediction"}` JSONL; every problem is a DataError naming file:line."""
+    return _read_predictions(path)[0]
+
+
+def score_files(data_dir: str | os.PathLike, predictions_path: str | os.PathLike,
+                out_path: str | os.PathLike) -> dict:
+    """Score a predictions file against a QA directory and write the result JSON atomically."""
+    data = read_qa_dir(data_dir)
+    preds, lines = _read_predictions(predictions_path)
+    known = {it.id for items in data.values() for it in items}
+    for pid, lineno in lines.items():
+        if pid not in known:
+            raise DataError(predictions_path, lineno, f"id '{pid}' is not in {data_dir}")
+    result = score_predictions(data, preds)
+    write_json(out_path, result)
+    return result
+
+
+_GROUP_ROWS = (("macro", "macro"), ("single-hop", "single_hop"), ("multi-hop", "multi_hop"))
+
+
+def _fmt(x: float | None) -> str:
+    return "–" if x is None else f"{x:.3f}"
+
+
+def print_score_table(result: Mapping[str, Any], console: Console) -> None:
+    """One row per benchmark, then macro / single-hop / multi-hop."""
+    table = Table(title="Cover-EM / EM / F1")
+    table.add_column("benchmark")
+    table.add_column("n", justify="right")
+    table.add_column("Cover-EM", justify="right")
+    table.add_column("EM", justify="right")
+    table.add_column("F1", justify="right")
+    for name, row in result["benchmarks"].items():
+        n = str(row["n"]) + (f" ({row['missing']} missing)" if row.get("missing") else "")
+        table.add_row(name, n, _fmt(row["cover_em"]), _fmt(row["em"]), _fmt(row["f1"]))
+    table.add_section()
+    n_total = sum(row["n"] for row in result["benchmarks"].values())
+    for label, key in _GROUP_ROWS:
+        group = result[key]
+        table.add_row(f"[bold]{label}[/bold]", str(n_total) if key == "macro" else "",
+                      _fmt(group["cover_em"]), _fmt(group["em"]), _fmt(group["f1"]))
+    console.print(table)
+
+
+def markdown_score_table(result: Mapping[str, Any]) -> str:
+    """The same table as Markdown, for docs and reports."""
+    lines = ["| benchmark | n | Cover-EM | EM | F1 |", "|---|---:|---:|---:|---:|"]
+    for name, row in result["benchmarks"].items():
+        lines.append(f"| {name} | {row['n']} | {_fmt(row['cover_em'])} | {_fmt(row['em'])} "
+                     f"| {_fmt(row['f1'])} |")
+    n_total = sum(row["n"] for row in result["benchmarks"].values())
+    for label, key in _GROUP_ROWS:
+        g = result[key]
+        n = str(n_total) if key == "macro" else ""
+        lines.append(f"| **{label}** | {n} | {_fmt(g['cover_em'])} | {_fmt(g['em'])} "
+                     f"| {_fmt(g['f1'])} |")
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------- the benchmark runner
+
+
+def _select(data: Mapping[str, Sequence[QAItem]], limit: int | None) -> dict[str, list[QAItem]]:
+    """The first `limit` questions of every benchmark (file order, so runs are comparable)."""
+    if limit is not None and limit < 1:
+        raise ValueError(f"limit must be >= 1, got {limit}")
+    return {b: list(data[b][:limit]) for b in _benchmark_order(data)}
+
+
+def evaluate_solver(solver: Solver, data: Mapping[str, Sequence[QAItem]], tool: SearchTool,
+                    out_dir: str | os.PathLike | None = None, limit: int | None = None,
+                    batch_size: int = 64, console: Console | None = None,
+                    progress: bool = True, run_info: Mapping[str, Any] | None = None) -> dict:
+    """Run `solver` once, greedily, on every question and score it.
+
+    Every agent gets the same `tool` (its budget, e.g. 5 searches of top-3, is the tool's, so it
+    is identical for every row) and the same scorer. Writes `predictions.jsonl` and `score.json`
+    to `out_dir` when given; returns the score dict plus a `run` block (timing, tool budget,
+    and whatever the caller passes in `run_info`).
+    """
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    data = _select(data, limit)
+    items = [(bench, it) for bench, its in data.items() for it in its]
+    answers: dict[str, Any] = {}
+    console = console or Console(stderr=True)
+    started = time.perf_counter()
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+               TimeElapsedColumn())
+    with Progress(*columns, console=console, disable=not progress) as bar:
+        task = bar.add_task(f"eval {getattr(solver, 'name', type(solver).__name__)}",
+                            total=len(items))
+        for start in range(0, len(items), batch_size):
+            batch = items[start:start + batch_size]
+            trajs = solver.answer([it.question for _, it in batch], tool, greedy=True, n=1)
+            if len(trajs) != len(batch) or any(len(t) < 1 for t in trajs):
+                raise RuntimeError(f"solver returned {len(trajs)} trajectory lists for "
+                                   f"{len(batch)} questions (or an empty list)")
+            for (_, it), (traj, *_) in zip(batch, trajs):
+                answers[it.id] = traj
+            bar.advance(task, len(batch))
+    elapsed = time.perf_counter() - started
+
+    predictions = {qid: traj.answer or "" for qid, traj in answers.items()}
+    result = score_predictions(data, predictions)
+    result["run"] = {
+        "agent": getattr(solver, "name", type(solver).__name__),
+        "questions": len(items),
+        "limit": limit,
+        "tool": {"topk": tool.topk, "max_calls": tool.max_calls},
+        "searches": sum(len(t.searches) for t in answers.values()),
+        "answer_seconds": round(elapsed, 3),
+        **(run_info or {}),
+    }
+    if out_dir is not None:
+        out_dir = Path(out_dir)
+        rows = []
+        for bench, it in items:
+            traj = answers[it.id]
+            rows.append({
+                "id": it.id, "benchmark": bench, "question": it.question,
+                "prediction": predictions[it.id], "golden_answers": list(it.golden_answers),
+                "cover_em": cover_em(predictions[it.id], it.golden_answers),
+                "searches": list(traj.searches),
+            })
+        write_jsonl(out_dir / "predictions.jsonl", rows)
+        write_json(out_dir / "score.json", result)
+    return result
+
+
+def run_eval(data_dir: str | os.PathLike, corpus: str | os.PathLike | None, agent: str,
+             out_dir: str | os.PathLike, limit: int | None = None,
+             retriever_url: str | None = None, index_dir: str | os.PathLike | None = None,
+             progress: bool = True) -> dict:
+    """`selfevo eval`: QA dir + retriever + agent spec → predictions.jsonl and score.json.
+
+    The retriever is a local BM25 index over `corpus` (cached in `index_dir`, by default
+    `out_dir/bm25-index`, so a rerun skips indexing) or a remote `/retrieve` server.
+    """
+    from selfevo.agents import load_agent
+    from selfevo.search.tool import SearchTool
+
+    started = time.perf_counter()
+    out_dir = Path(out_dir)
+    data = read_qa_dir(data_dir)
+    if limit is not None and limit < 1:
+        raise ValueError(f"limit must be >= 1, got {limit}")
+    solver = load_agent(agent, corpus=corpus)  # fail on a bad spec before indexing anything
+    if retriever_url:
+        from selfevo.search.client import RetrieverClient
+
+        retriever = RetrieverClient(retriever_url)
+    else:
+        if corpus is None:
+            raise ValueError("a corpus is needed unless a retriever URL is given")
+        from selfevo.search.bm25 import BM25Index
+
+        index_dir = index_dir or out_dir / "bm25-index"
+        retriever = BM25Index.from_corpus_file(corpus, index_dir=index_dir)
+    tool = SearchTool(retriever, topk=3, max_calls=5)  # paper: identical budget for every row
+    run_info = {
+        "agent": agent,
+        "data_dir": str(data_dir),
+        "corpus": None if retriever_url else str(corpus),
+        "retriever_url": retriever_url,
+        "setup_seconds": round(time.perf_counter() - started, 3),  # loading + indexing
+    }
+    try:
+        return evaluate_solver(solver, data, tool, out_dir=out_dir, limit=limit,
+                               progress=progress, run_info=run_info)
+    finally:
+        close = getattr(retriever, "close", None)  # the HTTP client holds a connection pool
+        if close is not None:
+            close()

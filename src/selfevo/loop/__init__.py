@@ -1,0 +1,1 @@
+"""The self-evolution engine: one loop, parameterised by its admission and feedback rules."""

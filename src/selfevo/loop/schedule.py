@@ -1,0 +1,57 @@
+"""The paper's schedule: rounds of proposer updates then main-solver updates."""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class LoopConfig:
+    rounds: int = 3
+    proposer_steps: int = 18  # paper: 18 proposer updates a round
+    solver_steps: int = 25  # paper: 25 main-solver updates a round
+    admit_per_round: int = 1600  # paper: 1,600 admitted questions a round
+    grader_samples: int = 5  # paper: the grader answers each question five times
+
+    def __post_init__(self):
+        for name in ("rounds", "proposer_steps", "solver_steps", "admit_per_round", "grader_samples"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"loop.{name}: must be a positive integer, got {value!r}")
+
+    @property
+    def proposals_per_step(self) -> int:
+        """Enough proposals over the proposer steps to fill the round's admission budget."""
+        return math.ceil(self.admit_per_round / self.proposer_steps)
+
+    @property
+    def solver_batch(self) -> int:
+        return math.ceil(self.admit_per_round / self.solver_steps)
+
+
+@dataclass(frozen=True)
+class ScheduledStep:
+    round: int
+    step: int  # 1-based over the whole run
+    step_in_round: int  # 1-based within the round, proposer steps first
+    kind: str  # "proposer" | "solver"
+
+
+def schedule(cfg: LoopConfig) -> list[ScheduledStep]:
+    steps, n = [], 0
+    for r in range(1, cfg.rounds + 1):
+        for i in range(cfg.proposer_steps + cfg.solver_steps):
+            n += 1
+            kind = "proposer" if i < cfg.proposer_steps else "solver"
+            steps.append(ScheduledStep(r, n, i + 1, kind))
+    return steps
+
+
+def derive_seed(seed: int, *keys: object) -> int:
+    """An independent seed for one purpose at one step. Deriving every seed from (run seed,
+    round, step, purpose) makes a resumed run draw exactly what an uninterrupted one draws,
+    without checkpointing any random state."""
+    h = hashlib.blake2b("\x1f".join(map(str, (seed, *keys))).encode(), digest_size=8)
+    return int.from_bytes(h.digest(), "little")

@@ -1,0 +1,110 @@
+"""A `Retriever` backed by any Search-R1-compatible `POST /retrieve` server (ours or theirs)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import httpx
+from pydantic import BaseModel, ValidationError
+
+from selfevo.records import Document
+from selfevo.search.tool import Hit
+
+if TYPE_CHECKING:
+    from typing_extensions import Self  # typing.Self needs Python 3.11
+
+
+class RetrieverError(RuntimeError):
+    """The server refused the request, kept failing, or answered something unreadable."""
+
+
+class _Doc(BaseModel):
+    id: str | int  # FlashRAG corpora in the wild carry numeric ids too
+    contents: str
+
+
+class _ScoredDoc(BaseModel):
+    document: _Doc
+    score: float
+
+
+class _Response(BaseModel):
+    result: list[list[_ScoredDoc]]
+
+
+# Worth another try: the server is starting, restarting, overloaded or briefly unreachable.
+# Retrieval is read-only, so repeating a request is always safe.
+_RETRY_STATUS = {429, 500, 502, 503, 504}
+
+
+class RetrieverClient:
+    """HTTP retriever. `url` is the server root (a trailing `/retrieve`, as Search-R1 configs
+    write it, is accepted too). Queries go out in batches of `batch_size`; transport errors,
+    429 and 5xx are retried `retries` times with exponential backoff. `transport` swaps the
+    network for an in-process fake (`httpx.MockTransport`)."""
+
+    def __init__(self, url: str, timeout: float = 30.0, batch_size: int = 64, retries: int = 3,
+                 backoff_s: float = 0.5, transport: httpx.BaseTransport | None = None):
+        if batch_size < 1 or retries < 0:
+            raise ValueError("batch_size must be >= 1 and retries >= 0")
+        self.url = url.rstrip("/").removesuffix("/retrieve")
+        self.batch_size, self.retries, self.backoff_s = batch_size, retries, backoff_s
+        # One pooled client: thousands of single-query calls must not each open a connection.
+        self._http = httpx.Client(timeout=timeout, transport=transport)
+
+    def close(self) -> None:
+        self._http.close()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _request(self, method: str, path: str, **kwargs: Any) -> Any:
+        """Send with retries; return the decoded JSON of a 2xx answer."""
+        url = f"{self.url}{path}"
+        for attempt in range(self.retries + 1):
+            last = attempt == self.retries
+            try:
+                resp = self._http.request(method, url, **kwargs)
+            except httpx.TransportError as e:
+                if last:
+                    raise RetrieverError(f"{method} {url}: {type(e).__name__}: {e} "
+                                         f"(after {self.retries + 1} attempts)") from e
+            else:
+                if resp.status_code < 300:
+                    try:
+                        return resp.json()
+                    except ValueError:
+                        raise RetrieverError(f"{method} {url}: response is not JSON: "
+                                             f"{resp.text[:200]!r}") from None
+                if resp.status_code not in _RETRY_STATUS or last:
+                    raise RetrieverError(f"{method} {url}: HTTP {resp.status_code}: "
+                                         f"{resp.text[:500]}")
+            time.sleep(self.backoff_s * 2**attempt)
+        raise AssertionError("unreachable")
+
+    def health(self) -> dict[str, Any]:
+        return self._request("GET", "/health")
+
+    def retrieve(self, queries: Sequence[str], topk: int = 3) -> list[list[Hit]]:
+        out: list[list[Hit]] = []
+        for start in range(0, len(queries), self.batch_size):
+            batch = list(queries[start:start + self.batch_size])
+            payload = self._request("POST", "/retrieve", json={
+                "queries": batch, "topk": topk, "return_scores": True})
+            try:
+                result = _Response.model_validate(payload).result
+            except ValidationError as e:
+                raise RetrieverError(f"malformed /retrieve response from {self.url}: "
+                                     f"{e.error_count()} problem(s), first: "
+                                     f"{e.errors()[0]['loc']}: {e.errors()[0]['msg']}") from None
+            if len(result) != len(batch):
+                raise RetrieverError(f"malformed /retrieve response from {self.url}: "
+                                     f"{len(result)} result lists for {len(batch)} queries")
+            out.extend([Hit(Document.from_contents(str(h.document.id), h.document.contents),
+                            h.score) for h in hits] for hits in result)
+        return out

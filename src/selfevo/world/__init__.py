@@ -1,0 +1,45 @@
+"""The synthetic world with exact truth (the embedded default).
+
+`make_world` generates it; `save_world` / `load_world` write and read a world directory:
+`corpus.jsonl` (FlashRAG corpus), `qa/<benchmark>.jsonl` (FlashRAG QA), `truth.json`, `world.json`.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import asdict
+from pathlib import Path
+
+from selfevo._io import read_json, write_json
+from selfevo.corpus import read_corpus, read_qa_dir, write_corpus, write_qa
+from selfevo.world.generate import SIZES, World, WorldConfig, make_world
+from selfevo.world.truth import Truth
+
+__all__ = ["SIZES", "World", "WorldConfig", "load_world", "make_world", "resolve_world", "save_world"]
+
+
+def save_world(world: World, out: str | os.PathLike) -> Path:
+    out = Path(out)
+    write_corpus(out / "corpus.jsonl", world.documents)
+    for bench, items in world.benchmarks.items():
+        write_qa(out / "qa" / f"{bench}.jsonl", items)
+    write_json(out / "truth.json", world.truth.to_json())
+    write_json(out / "world.json", {"format": 1, "config": asdict(world.config)})
+    return out
+
+
+def load_world(path: str | os.PathLike) -> World:
+    path = Path(path)
+    if not (path / "world.json").exists():
+        raise ValueError(f"{path}: not a world directory (no world.json); make one with `selfevo world make`")
+    meta = read_json(path / "world.json")
+    return World(WorldConfig(**meta["config"]), read_corpus(path / "corpus.jsonl"),
+                 read_qa_dir(path / "qa"), Truth.from_json(read_json(path / "truth.json")))
+
+
+def resolve_world(spec: str, **params) -> World:
+    """`small` / `default` generate a world (params: seed, confusable_rate, shared_misreading);
+    anything else is a world directory."""
+    if spec in SIZES:
+        return make_world(WorldConfig(size=spec, **params))
+    return load_world(spec)

@@ -1,0 +1,552 @@
+"""Evaluation: normalization, Cover-EM / EM / F1, scoring files, the runner and the CLI.
+
+The metric is checked against an independent reimplementation of FlashRAG's (written here
+without regexes, char by char) on thousands of predictions built from the real benchmark golds.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from selfevo.agents import known_agents, load_agent
+from selfevo.agents.base import Trajectory
+from selfevo.agents.baseline import RetrievalBaseline
+from selfevo.cli import app
+from selfevo.corpus import DataError, read_qa_dir
+from selfevo.evaluate import (
+    BENCHMARKS,
+    MULTI_HOP,
+    SINGLE_HOP,
+    answers_match,
+    cover_em,
+    evaluate_solver,
+    exact_match,
+    normalize_answer,
+    read_predictions,
+    score_files,
+    score_items,
+    score_predictions,
+    token_f1,
+)
+from selfevo.records import Document, QAItem
+from selfevo.search.tool import Hit, SearchTool
+
+SHARED = Path(__file__).resolve().parents[2] / "shared" / "data"
+QA_DIR = SHARED / "qa"
+CORPUS = SHARED / "corpus" / "wiki18-mini.jsonl"
+needs_data = pytest.mark.skipif(not QA_DIR.is_dir(), reason="shared QA data not present")
+
+
+@pytest.fixture(scope="module")
+def real_data() -> dict[str, list[QAItem]]:
+    if not QA_DIR.is_dir():
+        pytest.skip("shared QA data not present")
+    return read_qa_dir(QA_DIR)
+
+
+# ---------------------------------------------------------------- an independent FlashRAG
+
+# string.punctuation spelled as code-point ranges: "!" to "/", ":" to "@", "[" to "`", "{" to "~"
+_REF_PUNCT = {chr(c) for r in ((33, 48), (58, 65), (91, 97), (123, 127)) for c in range(*r)}
+
+
+def _ref_is_word_char(ch: str) -> bool:
+    # what `\w` means for a str pattern in Python's re: Unicode alphanumerics plus underscore
+    return ch.isalnum() or ch == "_"
+
+
+def ref_normalize(s: str) -> str:
+    """FlashRAG's normalize_answer, written without regexes.
+
+    `\\b(a|an|the)\\b` can only match a whole maximal run of word characters (the article's
+    letters are word characters, and a boundary is needed on both sides), so: cut the text into
+    runs of word / non-word characters and swap runs equal to an article for a space."""
+    s = s.lower()
+    s = "".join(ch for ch in s if ch not in _REF_PUNCT)
+    runs: list[str] = []
+    for ch in s:
+        if runs and _ref_is_word_char(runs[-1][-1]) == _ref_is_word_char(ch):
+            runs[-1] += ch
+        else:
+            runs.append(ch)
+    s = "".join(" " if run in ("a", "an", "the") else run for run in runs)
+    words, current = [], ""
+    for ch in s:
+        if ch.isspace():
+            if current:
+                words.append(current)
+            current = ""
+        else:
+            current += ch
+    if current:
+        words.append(current)
+    return " ".join(words)
+
+
+def ref_sub_em(pred: str, golds) -> float:  # FlashRAG Sub_ExactMatch ("acc")
+    p = ref_normalize(pred)
+    return float(any(p.find(ref_normalize(g)) >= 0 for g in golds))
+
+
+def ref_em(pred: str, golds) -> float:  # FlashRAG ExactMatch
+    p = ref_normalize(pred)
+    return float(any(ref_normalize(g) == p for g in golds))
+
+
+def ref_f1(pred: str, golds) -> float:  # FlashRAG F1_Score.token_level_scores(...)["f1"]
+    best = 0.0
+    p = ref_normalize(pred)
+    for g in golds:
+        g = ref_normalize(g)
+        if p != g and (p in ("yes", "no", "noanswer") or g in ("yes", "no", "noanswer")):
+            continue
+        p_toks, g_toks = p.split(), g.split()
+        counts: dict[str, int] = {}
+        for t in g_toks:
+            counts[t] = counts.get(t, 0) + 1
+        same = 0
+        for t in p_toks:
+            if counts.get(t, 0) > 0:
+                counts[t] -= 1
+                same += 1
+        if same:
+            prec, rec = same / len(p_toks), same / len(g_toks)
+            best = max(best, 2 * prec * rec / (prec + rec))
+    return best
+
+
+_ACCENTS = str.maketrans("aeiouAEIOUcn", "áéíóúÁÉÍÓÚçñ")
+
+
+def _mutate(item: QAItem, other: QAItem, rng: random.Random) -> str:
+    """One prediction string for `item`: right, wrong, or subtly different."""
+    gold = rng.choice(item.golden_answers)
+    kind = rng.randrange(21)
+    if kind == 0:
+        return gold
+    if kind == 1:
+        return gold.upper() if rng.random() < 0.5 else gold.title()
+    if kind == 2:  # ASCII punctuation anywhere, even inside words ("Phar-Lap" → "pharlap")
+        chars = list(gold)
+        for _ in range(rng.randint(1, 3)):
+            mark = rng.choice("!\"#$%&'()*+,-./:;<=>?@[\\]^_`{|}~")
+            chars.insert(rng.randint(0, len(chars)), mark)
+        return "".join(chars)
+    if kind == 3:
+        prefix = rng.choice(["The ", "the ", "A ", "an ", "THE "])
+        return prefix + gold + rng.choice(["", " a", " the."])
+    if kind == 4:
+        before = rng.choice(["I think it is", "Answer:", "Probably"])
+        after = rng.choice(["definitely", "as far as I know", ""])
+        return f"{before} {gold}, {after}."
+    if kind == 5:
+        return gold.translate(_ACCENTS)  # accents are not stripped: usually a miss
+    if kind == 6:
+        return rng.choice(["“", "‘", "«", '"']) + gold + rng.choice(["”", "’", "»", '"'])
+    if kind == 7:
+        return rng.choice(["", " ", "\t\n", ".", "the", "a an the"])
+    if kind == 8:
+        return gold[: max(1, len(gold) // 2)]  # truncation
+    if kind == 9:
+        return rng.choice(other.golden_answers)  # another question's answer
+    if kind == 10:
+        space = rng.choice(["  ", "\n", "\u2003", "\u00a0"])
+        return "\u00a0\t" + gold.replace(" ", space) + " \r\n"
+    if kind == 11:
+        return "the" + gold.replace(" ", "")  # an article glued to a word is not an article
+    if kind == 12:
+        # lower() changes lengths ("İ"); U+0301 (combining accent) is not a word char
+        return f"_the_ {gold} ß İstanbul ǅ the\u0301"
+    if kind == 13:
+        return " or ".join(item.golden_answers[:3])  # several aliases at once
+    if kind == 14:
+        return rng.choice(["yes", "no", "Yes.", "no answer", "noanswer", "yes it is"])
+    if kind == 15:
+        words = gold.split()
+        rng.shuffle(words)
+        return " ".join(words + [rng.choice(["extra", "the", "of"])])
+    if kind == 16:
+        return gold + " " + rng.choice(other.golden_answers)
+    if kind == 17:
+        return gold.replace("a", "ａ")  # fullwidth letters stay distinct
+    if kind == 18:
+        return gold.lower().replace(" ", "")
+    if kind == 19:  # non-ASCII punctuation for spaces: "Lord—of—the—Rings" keeps a space for "the"
+        return gold.replace(" ", rng.choice(["—", "’", "·", "«"]))
+    return f"{rng.choice(other.golden_answers)} ({gold})"
+
+
+@needs_data
+def test_metric_matches_independent_flashrag_on_real_golds(real_data):
+    items = [it for b in BENCHMARKS for it in real_data[b]]
+    assert len(items) == 1325
+    # the one place where the brief departs from FlashRAG (golds normalizing to "") never occurs
+    assert all(normalize_answer(g) for it in items for g in it.golden_answers)
+    rng = random.Random(20240601)
+    compared = 0
+    for _round in range(4):
+        preds = {it.id: _mutate(it, rng.choice(items), rng) for it in items}
+        per_item = score_items(real_data, preds)
+        ref: dict[str, dict[str, list[float]]] = {}
+        for bench, its in real_data.items():
+            for it in its:
+                p, golds = preds[it.id], it.golden_answers
+                expected = (ref_sub_em(p, golds), ref_em(p, golds), ref_f1(p, golds))
+                got = per_item[it.id]
+                assert (got.cover_em, got.em) == expected[:2], (p, golds)
+                assert got.f1 == pytest.approx(expected[2], abs=1e-12), (p, golds)
+                assert cover_em(p, golds) == expected[0]
+                assert normalize_answer(p) == ref_normalize(p)
+                for metric, value in zip(("cover_em", "em", "f1"), expected):
+                    ref.setdefault(bench, {}).setdefault(metric, []).append(value)
+                compared += 1
+        result = score_predictions(real_data, preds)
+        means = {b: {m: sum(v) / len(v) for m, v in ms.items()} for b, ms in ref.items()}
+        for b in BENCHMARKS:
+            for m in ("cover_em", "em", "f1"):
+                assert result["benchmarks"][b][m] == pytest.approx(means[b][m], abs=1e-12)
+        for group, names in (("macro", BENCHMARKS), ("single_hop", SINGLE_HOP),
+                             ("multi_hop", MULTI_HOP)):
+            for m in ("cover_em", "em", "f1"):
+                want = sum(means[b][m] for b in names) / len(names)
+                assert result[group][m] == pytest.approx(want, abs=1e-12)
+        # the mutations must produce both hits and misses, or this test proves little
+        assert 0.3 < result["macro"]["cover_em"] < 0.9
+        assert 0.05 < result["macro"]["em"] < result["macro"]["cover_em"]
+    assert compared == 4 * 1325
+
+
+# ---------------------------------------------------------------- hand-made cases
+
+
+@pytest.mark.parametrize("raw, expected", [
+    ("The Beatles", "beatles"),
+    ("  Hello,   World!  ", "hello world"),
+    ("a cat and an apple, the end.", "cat and apple end"),
+    ("theatre anthem banana", "theatre anthem banana"),  # articles only as whole words
+    ("Phar-Lap", "pharlap"),  # punctuation is removed, not replaced by a space
+    ("U.S.A.", "usa"),
+    ("A.", ""),
+    ("rock 'n' roll", "rock n roll"),
+    ("Café “Zoë”", "café “zoë”"),  # non-ASCII punctuation and accents are kept (FlashRAG)
+    ("THE\tEND\nof\u00a0the\u2003line", "end of line"),  # unicode whitespace collapses
+    ("the_the", "thethe"),  # "_" is in string.punctuation: removed before articles
+    ("thé end", "́ end"),  # a combining accent is not a word char: "the" is a word
+    ("l'the", "lthe"),  # apostrophe goes first, then "lthe" is one word
+    ("", ""),
+])
+def test_normalize_answer(raw, expected):
+    assert normalize_answer(raw) == expected
+    assert ref_normalize(raw) == expected
+
+
+def test_cover_em_exact_match_and_f1_by_hand():
+    assert cover_em("It was the Beatles, of course.", ["The Beatles"]) == 1.0
+    assert cover_em("beatle", ["The Beatles"]) == 0.0
+    assert cover_em("Paris, France", ["Lyon", "paris"]) == 1.0
+    assert cover_em("", ["x"]) == 0.0 and cover_em(None, ["x"]) == 0.0
+    assert cover_em("anything", ["The", "a"]) == 0.0  # empty golds are not aliases (departure)
+    assert cover_em("Paris", "paris") == 1.0  # a single gold string is accepted
+    assert exact_match("The Beatles!", ["beatles"]) == 1.0
+    assert exact_match("It was the Beatles", ["beatles"]) == 0.0
+    assert exact_match("", [""]) == 0.0
+    assert token_f1("Barack Obama", ["Obama"]) == pytest.approx(2 / 3)
+    assert token_f1("president barack h obama", ["Barack Obama", "Obama"]) == pytest.approx(2 / 3)
+    # articles gone: "cat" against "cat cat"
+    assert token_f1("the the cat", ["cat cat"]) == pytest.approx(2 / 3)
+    assert token_f1("yes it is", ["yes"]) == 0.0  # FlashRAG/HotpotQA: no partial yes/no credit
+    assert token_f1("yes", ["yes sir"]) == 0.0
+    assert token_f1("Yes.", ["yes"]) == 1.0
+    assert token_f1("", ["x"]) == 0.0 and token_f1("dog", ["cat"]) == 0.0
+
+
+def test_answers_match_is_normalized_exact_match():
+    assert answers_match("The Beatles", "beatles!")
+    assert answers_match("  NEW   york ", "New York")
+    assert not answers_match("New York City", "New York")
+    assert not answers_match("", "")  # two empty answers are not agreement
+    assert not answers_match("the", "a")
+    assert not answers_match(None, "x")
+
+
+# ---------------------------------------------------------------- aggregation
+
+
+def _item(i: str, bench: str, *golds: str) -> QAItem:
+    return QAItem(i, f"question {i}?", tuple(golds), {"benchmark": bench})
+
+
+def test_score_predictions_macro_hops_missing_and_other_benchmarks():
+    data = {
+        "nq": [_item("n1", "nq", "paris"), _item("n2", "nq", "rome")],
+        "hotpotqa": [_item("h1", "hotpotqa", "yes"), _item("h2", "hotpotqa", "no"),
+                     _item("h3", "hotpotqa", "x y")],
+        "custom": [_item("c1", "custom", "z")],
+    }
+    preds = {"n1": "Paris.", "h1": "yes", "h3": "x y z", "c1": "the z y"}
+    result = score_predictions(data, preds)
+    assert list(result["benchmarks"]) == ["nq", "hotpotqa", "custom"]  # paper order, then others
+    nq, hp, cu = (result["benchmarks"][b] for b in ("nq", "hotpotqa", "custom"))
+    assert nq == {"cover_em": 0.5, "em": 0.5, "f1": 0.5, "n": 2, "missing": 1}
+    assert hp["n"] == 3 and hp["missing"] == 1
+    assert hp["cover_em"] == pytest.approx(2 / 3) and hp["em"] == pytest.approx(1 / 3)
+    assert hp["f1"] == pytest.approx((1 + 0 + 0.8) / 3)
+    assert cu["cover_em"] == 1.0 and cu["em"] == 0.0
+    assert result["macro"]["cover_em"] == pytest.approx((0.5 + 2 / 3 + 1) / 3)
+    assert result["single_hop"]["cover_em"] == 0.5  # "custom" counts in macro only
+    assert result["multi_hop"]["cover_em"] == pytest.approx(2 / 3)
+
+    only_single = score_predictions({"nq": data["nq"]}, {"n1": "paris"})
+    assert only_single["multi_hop"] == {"cover_em": None, "em": None, "f1": None}
+
+
+def test_unknown_prediction_id_is_an_error():
+    data = {"nq": [_item("n1", "nq", "paris")]}
+    with pytest.raises(DataError, match="nope"):
+        score_predictions(data, {"n1": "paris", "nope": "x"})
+
+
+# ---------------------------------------------------------------- files
+
+
+def _write(path: Path, lines: list[str]) -> Path:
+    path.write_text("".join(line + "\n" for line in lines), encoding="utf-8")
+    return path
+
+
+def _tiny_qa_dir(tmp_path: Path) -> Path:
+    qa = tmp_path / "qa"
+    qa.mkdir()
+    _write(qa / "nq.jsonl", [json.dumps(_item("n1", "nq", "Paris").to_json()),
+                             json.dumps(_item("n2", "nq", "Rome").to_json())])
+    _write(qa / "musique.jsonl", [json.dumps(_item("m1", "musique", "Capitol Records",
+                                                   "Capitol").to_json())])
+    return qa
+
+
+@pytest.mark.parametrize("line, message", [
+    ('{"id": "n1", "prediction": "x"', "malformed JSON"),
+    ('{"prediction": "x"}', "missing field 'id'"),
+    ('{"id": "n1"}', "missing field 'prediction'"),
+    ('{"id": "n1", "prediction": null}', "must be a string"),
+    ('{"id": "n1", "prediction": ["x"]}', "must be a string"),
+    ('["n1", "x"]', "expected a JSON object"),
+])
+def test_read_predictions_reports_file_and_line(tmp_path, line, message):
+    path = _write(tmp_path / "p.jsonl", ['{"id": "n2", "prediction": "ok"}', "", line])
+    with pytest.raises(DataError, match=message) as err:
+        read_predictions(path)
+    assert err.value.line == 3 and str(err.value).startswith(f"{path}:3: ")
+
+
+def test_read_predictions_duplicates_and_good_file(tmp_path):
+    path = _write(tmp_path / "p.jsonl", ['{"id": "a", "prediction": ""}',
+                                         '{"id": 7, "prediction": "x"}',
+                                         '{"id": "a", "prediction": "y"}'])
+    with pytest.raises(DataError, match=r":3: duplicate id 'a'"):
+        read_predictions(path)
+    good = _write(tmp_path / "g.jsonl", ['{"id": "a", "prediction": ""}',
+                                         '{"id": 7, "prediction": "x", "extra": 1}'])
+    assert read_predictions(good) == {"a": "", "7": "x"}
+
+
+def test_score_files_schema_and_missing(tmp_path):
+    qa = _tiny_qa_dir(tmp_path)
+    preds = _write(tmp_path / "p.jsonl", ['{"id": "n1", "prediction": "paris"}',
+                                          '{"id": "m1", "prediction": "Capitol Records Inc."}'])
+    out = tmp_path / "out" / "score.json"
+    result = score_files(qa, preds, out)
+    on_disk = json.loads(out.read_text())
+    assert on_disk == result
+    assert set(on_disk) == {"benchmarks", "macro", "single_hop", "multi_hop"}
+    for row in on_disk["benchmarks"].values():
+        assert set(row) == {"cover_em", "em", "f1", "n", "missing"}
+    for group in ("macro", "single_hop", "multi_hop"):
+        assert set(on_disk[group]) == {"cover_em", "em", "f1"}
+    assert on_disk["benchmarks"]["nq"] == {"cover_em": 0.5, "em": 0.5, "f1": 0.5, "n": 2,
+                                           "missing": 1}
+    assert on_disk["benchmarks"]["musique"]["em"] == 0.0
+    assert on_disk["macro"]["cover_em"] == 0.75
+    assert on_disk["single_hop"]["cover_em"] == 0.5 and on_disk["multi_hop"]["cover_em"] == 1.0
+
+
+def test_score_files_unknown_id_names_file_and_line(tmp_path):
+    qa = _tiny_qa_dir(tmp_path)
+    preds = _write(tmp_path / "p.jsonl", ['{"id": "n1", "prediction": "paris"}',
+                                          '{"id": "zz", "prediction": "x"}'])
+    with pytest.raises(DataError, match="'zz' is not in") as err:
+        score_files(qa, preds, tmp_path / "s.json")
+    assert err.value.path == str(preds) and err.value.line == 2
+    assert not (tmp_path / "s.json").exists()
+
+
+def _squash(text: str) -> str:
+    return "".join(text.split())  # rich may wrap long paths across lines
+
+
+def test_cli_score(tmp_path):
+    qa = _tiny_qa_dir(tmp_path)
+    preds = _write(tmp_path / "p.jsonl", ['{"id": "n1", "prediction": "Paris"}',
+                                          '{"id": "n2", "prediction": "Rome"}',
+                                          '{"id": "m1", "prediction": "capitol"}'])
+    out = tmp_path / "score.json"
+    runner = CliRunner()
+    res = runner.invoke(app, ["score", "--data-dir", str(qa), "--predictions", str(preds),
+                              "--out", str(out)])
+    assert res.exit_code == 0, res.output
+    assert json.loads(out.read_text())["macro"] == {"cover_em": 1.0, "em": 1.0, "f1": 1.0}
+    assert "macro" in res.output and "1.000" in res.output
+
+    bad = _write(tmp_path / "bad.jsonl", ['{"id": "n1", "prediction": "Paris"}',
+                                          '{"id": "n2", "prediction": 3}'])
+    res = runner.invoke(app, ["score", "--data-dir", str(qa), "--predictions", str(bad),
+                              "--out", str(tmp_path / "bad-score.json")])
+    assert res.exit_code == 2
+    assert f"{bad}:2:" in _squash(res.output)
+    assert not (tmp_path / "bad-score.json").exists()
+
+
+# ---------------------------------------------------------------- runner and agents
+
+
+class _FakeRetriever:
+    """Returns fixed passages and records the queries it saw."""
+
+    def __init__(self, docs: list[Document]):
+        self.docs, self.queries = docs, []
+
+    def retrieve(self, queries, topk=3):
+        self.queries.extend(queries)
+        return [[Hit(d, 1.0 / (i + 1)) for i, d in enumerate(self.docs[:topk])] for _ in queries]
+
+
+class _EchoSolver:
+    """Answers with the first word of each question; records how it was called."""
+
+    name = "echo"
+
+    def __init__(self):
+        self.calls = []
+
+    def answer(self, questions, tool, *, greedy=True, n=1, seed=None):
+        self.calls.append((len(questions), greedy, n, tool.max_calls))
+        out = []
+        for q in questions:
+            session = tool.session()
+            session.search(q)
+            out.append([Trajectory(q.split()[0], list(session.queries), 1)])
+        return out
+
+
+def test_evaluate_solver_writes_predictions_and_score(tmp_path):
+    data = {"nq": [QAItem(f"n{i}", f"Paris{i} question", (f"paris{i}",), {"benchmark": "nq"})
+                   for i in range(5)],
+            "bamboogle": [QAItem("b0", "Rome question", ("Milan",), {"benchmark": "bamboogle"})]}
+    tool = SearchTool(_FakeRetriever([Document("d", "T", "text")]), topk=3, max_calls=5)
+    solver = _EchoSolver()
+    result = evaluate_solver(solver, data, tool, out_dir=tmp_path, limit=3, batch_size=2,
+                             progress=False)
+    assert solver.calls == [(2, True, 1, 5), (2, True, 1, 5)]  # 4 questions in batches of 2
+    assert result["benchmarks"]["nq"] == {"cover_em": 1.0, "em": 1.0, "f1": 1.0, "n": 3,
+                                          "missing": 0}
+    assert result["benchmarks"]["bamboogle"]["cover_em"] == 0.0
+    assert result["run"]["tool"] == {"topk": 3, "max_calls": 5} and result["run"]["searches"] == 4
+    rows = [json.loads(x) for x in (tmp_path / "predictions.jsonl").read_text().splitlines()]
+    assert [r["id"] for r in rows] == ["n0", "n1", "n2", "b0"]
+    assert set(rows[0]) == {"id", "benchmark", "question", "prediction", "golden_answers",
+                            "cover_em", "searches"}
+    assert rows[0]["prediction"] == "Paris0" and rows[0]["cover_em"] == 1.0
+    assert rows[3]["benchmark"] == "bamboogle" and rows[3]["searches"] == ["Rome question"]
+    assert json.loads((tmp_path / "score.json").read_text()) == result
+
+
+def test_evaluate_solver_rejects_a_solver_that_drops_questions():
+    class Dropper:
+        name = "dropper"
+
+        def answer(self, questions, tool, **kw):
+            return [[Trajectory("x")] for _ in questions[:-1]]
+
+    data = {"nq": [_item("n1", "nq", "a"), _item("n2", "nq", "b")]}
+    tool = SearchTool(_FakeRetriever([]))
+    with pytest.raises(RuntimeError, match="1 trajectory lists for 2 questions"):
+        evaluate_solver(Dropper(), data, tool, progress=False)
+
+
+def test_load_agent_registry():
+    assert isinstance(load_agent("retrieval-baseline"), RetrievalBaseline)
+    assert "retrieval-baseline" in known_agents()
+    with pytest.raises(ValueError, match="unknown agent spec 'nope:x'; known: .*baseline"):
+        load_agent("nope:x")
+    with pytest.raises(ValueError, match="takes no argument"):
+        load_agent("retrieval-baseline:3")
+
+
+@pytest.mark.parametrize("question, docs, expected", [
+    # the page BM25 finds is about something the question does not name: answer its title
+    ("Who sang the song about yellow submarines?",
+     [Document("1", "The Beatles (band)", "Yellow Submarine is a song.")], "The Beatles"),
+    # the question names the page: answer the span nearest the question's words
+    ("Which label released Yellow Submarine?",
+     [Document("1", "Yellow Submarine", "Yellow Submarine is a 1966 song. It was released by "
+                                        "the label Parlophone. The Beatles recorded it.")],
+     "Parlophone"),
+    # a date question takes a span with digits
+    ("When was Princess Marie Louise of Bulgaria born?",
+     [Document("1", "Princess Marie Louise of Bulgaria",
+               "Princess Marie Louise of Bulgaria (born 13 January 1933, Sofia) is a royal.")],
+     "13 January 1933"),
+    ("Who died first, Pierre Choffard or James Jacoby?",
+     [Document("1", "James Jacoby", "James Jacoby was a bridge player.")], "James Jacoby"),
+    ("Are both bands from the same country?", [Document("1", "X", "y")], "yes"),
+    ("Who wrote it?", [], ""),
+])
+def test_retrieval_baseline_heuristic(question, docs, expected):
+    retriever = _FakeRetriever(docs)
+    tool = SearchTool(retriever, topk=3, max_calls=5)
+    (trajs,) = RetrievalBaseline().answer([question], tool, greedy=True, n=2)
+    assert [t.answer for t in trajs] == [expected, expected]
+    assert trajs[0].searches == [question] and retriever.queries == [question]
+
+
+@needs_data
+def test_cli_eval_retrieval_baseline_end_to_end(tmp_path):
+    out = tmp_path / "eval"
+    res = CliRunner().invoke(app, ["eval", "--data-dir", str(QA_DIR), "--corpus", str(CORPUS),
+                                   "--agent", "retrieval-baseline", "--limit", "5",
+                                   "--out", str(out)])
+    assert res.exit_code == 0, res.output
+    rows = [json.loads(x) for x in (out / "predictions.jsonl").read_text().splitlines()]
+    assert len(rows) == 35 and len({r["id"] for r in rows}) == 35
+    assert [r["benchmark"] for r in rows[::5]] == list(BENCHMARKS)
+    assert all(len(r["searches"]) == 1 and isinstance(r["prediction"], str) for r in rows)
+    score = json.loads((out / "score.json").read_text())
+    assert set(score["benchmarks"]) == set(BENCHMARKS)
+    for b in BENCHMARKS:
+        row = score["benchmarks"][b]
+        assert row["n"] == 5 and row["missing"] == 0
+        assert row["cover_em"] == sum(r["cover_em"] for r in rows if r["benchmark"] == b) / 5
+    assert score["run"]["tool"] == {"topk": 3, "max_calls": 5}
+    # rescoring the written predictions with `selfevo score` gives the same numbers
+    rescored = score_files(QA_DIR, out / "predictions.jsonl", tmp_path / "rescore.json")
+    for b in BENCHMARKS:
+        n_bench = 125 if b == "bamboogle" else 200
+        assert rescored["benchmarks"][b]["missing"] == n_bench - 5
+        assert rescored["benchmarks"][b]["cover_em"] == pytest.approx(
+            score["benchmarks"][b]["cover_em"] * 5 / n_bench)
+
+
+def test_cli_eval_usage_errors(tmp_path):
+    qa = _tiny_qa_dir(tmp_path)
+    runner = CliRunner()
+    res = runner.invoke(app, ["eval", "--data-dir", str(qa), "--corpus", str(tmp_path / "c.jsonl"),
+                              "--agent", "nope", "--out", str(tmp_path / "o")])
+    assert res.exit_code == 2 and "retrieval-baseline" in res.output
+    res = runner.invoke(app, ["eval", "--data-dir", str(qa), "--corpus", str(tmp_path / "c.jsonl"),
+                              "--limit", "0", "--out", str(tmp_path / "o")])
+    assert res.exit_code == 2 and "limit" in res.output

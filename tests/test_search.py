@@ -1,0 +1,406 @@
+"""Search room: BM25 index, its on-disk cache, the budgeted tool, the HTTP server and client."""
+
+from __future__ import annotations
+
+import inspect
+import json
+import socket
+import threading
+import time
+from pathlib import Path
+
+import bm25s
+import httpx
+import pytest
+import uvicorn
+
+from selfevo.corpus import write_corpus
+from selfevo.records import Document
+from selfevo.search import SearchBudgetExhausted, SearchTool
+from selfevo.search.bm25 import MANIFEST, BM25Index, file_sha256
+from selfevo.search.client import RetrieverClient, RetrieverError
+from selfevo.search.server import make_app, serve
+from selfevo.search.tool import Hit
+
+REPO = Path(__file__).resolve().parents[1]
+WIKI = REPO.parent / "shared" / "data" / "corpus" / "wiki18-mini.jsonl"
+
+DOCS = [
+    Document("d0", "Zebra", "The zebra is an African equine with black and white stripes."),
+    Document("d1", "Horse", "The horse is a domesticated, one-toed, hoofed mammal."),
+    Document("d2", "Danube", "The Danube is a major river of central Europe."),
+    Document("d3", "Volga", "The Volga is the longest river in Europe, flowing into the Caspian."),
+    Document("d4", "Stripes", "Stripes appear on zebras, tigers and some fish."),
+    Document("d5", "Empty page", ""),
+]
+
+
+@pytest.fixture(scope="module")
+def small() -> BM25Index:
+    return BM25Index.build(DOCS)
+
+
+def ids(hits: list[Hit]) -> list[str]:
+    return [h.document.id for h in hits]
+
+
+# ------------------------------------------------------------------ BM25 index
+
+
+def test_retrieve_ranks_the_matching_document_first(small):
+    [hits] = small.retrieve(["Which river is the longest in Europe?"], topk=3)
+    assert ids(hits)[0] == "d3"  # "longest" only occurs in the Volga passage
+    assert ids(hits)[1] == "d2"
+    scores = [h.score for h in hits]
+    assert scores == sorted(scores, reverse=True) and scores[-1] > 0
+    assert hits[0].document == DOCS[3]  # the full document comes back, title included
+
+
+def test_retrieve_is_batched_and_matches_single_calls(small):
+    queries = ["zebra stripes", "river Europe", "hoofed mammal"]
+    batched = small.retrieve(queries, topk=2)
+    assert len(batched) == 3
+    assert batched == [small.retrieve([q], topk=2)[0] for q in queries]
+    assert ids(batched[2]) == ["d1"]  # only the horse passage mentions "hoofed"/"mammal"
+
+
+def test_topk_is_clipped_and_degenerate_queries_get_no_hits(small):
+    [hits] = small.retrieve(["the zebra and the river"], topk=50)
+    # topk 50 > 6 documents: only the three sharing a term come back ("zebras" in d4 is
+    # another token: no stemming)
+    assert sorted(ids(hits)) == ["d0", "d2", "d3"]
+    # empty, whitespace, stopwords only, unknown words only: no crash, no arbitrary hits
+    assert small.retrieve(["", "   ", "the of and", "qwertyuiop"], topk=3) == [[], [], [], []]
+    assert small.retrieve([], topk=3) == []
+    with pytest.raises(ValueError, match="topk"):
+        small.retrieve(["zebra"], topk=0)
+
+
+def test_ties_are_broken_by_corpus_order():
+    twins = [Document(f"t{i}", "Twin", "identical text about comets") for i in range(6)]
+    index = BM25Index.build([Document("x", "Other", "nothing relevant here")] + twins)
+    [hits] = index.retrieve(["comets"], topk=4)
+    assert ids(hits) == ["t0", "t1", "t2", "t3"]
+    assert len({h.score for h in hits}) == 1
+
+
+def test_scores_equal_bm25s_own_pipeline(small):
+    """Our tokenizer mirrors bm25s.tokenize(stopwords="en"), so scores must be identical."""
+    ref = bm25s.BM25()
+    ref.index(bm25s.tokenize([f"{d.title} {d.text}" for d in DOCS], stopwords="en",
+                             show_progress=False), show_progress=False)
+    query = "zebra river Europe stripes"
+    ref_scores = ref.get_scores(bm25s.tokenize([query], stopwords="en", return_ids=False,
+                                               show_progress=False)[0])
+    [hits] = small.retrieve([query], topk=len(DOCS))
+    pos = {d.id: i for i, d in enumerate(DOCS)}
+    for h in hits:
+        assert h.score == pytest.approx(float(ref_scores[pos[h.document.id]]), rel=1e-6)
+    assert len(hits) == int((ref_scores > 0).sum())
+
+
+# ------------------------------------------------------------------ persistence
+
+
+def test_save_load_round_trip(small, tmp_path):
+    small.save(tmp_path / "idx")
+    manifest = json.loads((tmp_path / "idx" / MANIFEST).read_text())
+    assert manifest["num_docs"] == len(DOCS)
+    assert manifest["format_version"] == 1
+    assert manifest["corpus_sha256"] == small.corpus_sha256 and len(small.corpus_sha256) == 64
+    assert not list((tmp_path / "idx").glob("*.pkl")) and not list((tmp_path / "idx").glob("*.pickle"))
+
+    loaded = BM25Index.load(tmp_path / "idx", expected_corpus_sha256=small.corpus_sha256)
+    assert loaded.docs == DOCS
+    queries = ["zebra", "river Europe longest", "domesticated horse", ""]
+    assert loaded.retrieve(queries, topk=3) == small.retrieve(queries, topk=3)
+
+
+def test_load_refuses_a_mismatched_or_incomplete_index(small, tmp_path):
+    small.save(tmp_path / "idx")
+    with pytest.raises(ValueError, match="corpus sha256"):
+        BM25Index.load(tmp_path / "idx", expected_corpus_sha256="0" * 64)
+
+    manifest_path = tmp_path / "idx" / MANIFEST
+    manifest = json.loads(manifest_path.read_text())
+    manifest_path.write_text(json.dumps({**manifest, "format_version": 99}))
+    with pytest.raises(ValueError, match="format version"):
+        BM25Index.load(tmp_path / "idx")
+
+    manifest_path.write_text(json.dumps({**manifest, "num_docs": 5}))
+    with pytest.raises(ValueError, match="6"):
+        BM25Index.load(tmp_path / "idx")
+
+    manifest_path.unlink()
+    with pytest.raises(ValueError, match="manifest"):
+        BM25Index.load(tmp_path / "idx")
+
+
+def test_from_corpus_file_caches_and_rebuilds_on_change(tmp_path, monkeypatch):
+    corpus = tmp_path / "corpus.jsonl"
+    write_corpus(corpus, DOCS)
+    built = BM25Index.from_corpus_file(corpus, index_dir=tmp_path / "idx")
+    assert built.corpus_sha256 == file_sha256(corpus)
+    assert json.loads((tmp_path / "idx" / MANIFEST).read_text())["corpus_sha256"] == file_sha256(corpus)
+
+    # Second call must come from the cache: building is forbidden.
+    real_build = BM25Index.build.__func__
+
+    def no_build(cls, *a, **k):
+        raise AssertionError("rebuilt although the cache matches")
+
+    monkeypatch.setattr(BM25Index, "build", classmethod(no_build))
+    cached = BM25Index.from_corpus_file(corpus, index_dir=tmp_path / "idx")
+    assert cached.retrieve(["zebra"], 2) == built.retrieve(["zebra"], 2)
+
+    # A changed corpus file has another hash: the stale cache is rebuilt and overwritten.
+    monkeypatch.setattr(BM25Index, "build", classmethod(real_build))
+    write_corpus(corpus, DOCS + [Document("d6", "Okapi", "The okapi is related to the giraffe.")])
+    rebuilt = BM25Index.from_corpus_file(corpus, index_dir=tmp_path / "idx")
+    assert len(rebuilt) == 7 and ids(rebuilt.retrieve(["okapi"], 1)[0]) == ["d6"]
+    assert BM25Index.load(tmp_path / "idx", expected_corpus_sha256=file_sha256(corpus)).docs[-1].id == "d6"
+
+
+# ------------------------------------------------------------------ the real corpus
+
+
+@pytest.fixture(scope="module")
+def wiki() -> BM25Index:
+    if not WIKI.exists():
+        pytest.skip(f"real corpus not found at {WIKI}")
+    return BM25Index.from_corpus_file(WIKI)
+
+
+def test_real_corpus_index(wiki, tmp_path):
+    assert len(wiki) == 21_845
+    [hits] = wiki.retrieve(["Vanuatu Labor Corps"], topk=3)
+    assert hits[0].document.id == "17840574"
+    assert hits[0].document.title == "Vanuatu Labor Corps"
+    assert len(hits) == 3
+
+    wiki.save(tmp_path / "wiki")
+    loaded = BM25Index.load(tmp_path / "wiki", expected_corpus_sha256=file_sha256(WIKI))
+    queries = ["Who wrote The Book of the Law?", "Melbourne Cup 1930 racehorse"]
+    assert loaded.retrieve(queries, 3) == wiki.retrieve(queries, 3)
+
+
+def test_single_query_retrieve_is_cheap(wiki):
+    """Simulated agents issue thousands of single queries: guard against per-call overhead
+    (progress bars, tokenizer construction). Typical: ~0.15 ms; the bound is generous."""
+    wiki.retrieve(["warm up"], 3)
+    start = time.perf_counter()
+    for i in range(200):
+        wiki.retrieve([f"history of golf tournament {i}"], 3)
+    assert (time.perf_counter() - start) / 200 < 0.02
+
+
+# ------------------------------------------------------------------ SearchTool
+
+
+class CountingRetriever:
+    def __init__(self, inner: BM25Index):
+        self.inner, self.calls, self.queries = inner, 0, 0
+
+    def retrieve(self, queries, topk=3):
+        self.calls += 1
+        self.queries += len(queries)
+        return self.inner.retrieve(queries, topk)
+
+
+def test_search_tool_budget(small):
+    tool = SearchTool(CountingRetriever(small), topk=2, max_calls=3)
+    session = tool.session()
+    for q in ["zebra", "river", "horse"]:
+        assert len(session.search(q)) >= 1
+    assert session.calls_left == 0
+    with pytest.raises(SearchBudgetExhausted):
+        session.search("stripes")
+    assert session.queries == ["zebra", "river", "horse"]
+    assert len(tool.session().search("stripes")) == 2  # a new trajectory gets a new budget
+
+
+def test_search_tool_cache_skips_the_retriever(small):
+    counting = CountingRetriever(small)
+    tool = SearchTool(counting, topk=2, max_calls=5)
+    first = tool.session().search("zebra stripes")
+    again = tool.session().search("zebra stripes")
+    assert again == first and ids(first)[0] in {"d0", "d4"}
+    assert counting.calls == 1 and tool.queries_issued == 1 and tool.calls == 2
+    tool.lookup(["zebra stripes", "river", "river"])
+    assert counting.calls == 2 and counting.queries == 2  # only "river" was new, asked once
+
+
+# ------------------------------------------------------------------ server over real HTTP
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server_url(small):
+    app = make_app(small, max_queries=8, max_topk=5)
+    config = uvicorn.Config(app, host="127.0.0.1", port=_free_port(), log_level="warning")
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 10
+    while not server.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "server did not start"
+        time.sleep(0.02)
+    yield f"http://127.0.0.1:{config.port}"
+    server.should_exit = True
+    thread.join(timeout=10)
+    assert not thread.is_alive()
+
+
+def test_health(server_url):
+    r = httpx.get(f"{server_url}/health")
+    assert r.status_code == 200 and r.json() == {"status": "ok", "documents": len(DOCS)}
+    with RetrieverClient(server_url) as client:
+        assert client.health()["documents"] == 6
+
+
+def test_client_round_trip_equals_local(small, server_url):
+    queries = ["river Europe longest", "zebra", "", "hoofed", "stripes tigers"]
+    # batch_size=2 forces three requests; a trailing /retrieve in the URL is accepted
+    with RetrieverClient(f"{server_url}/retrieve", batch_size=2) as client:
+        remote = client.retrieve(queries, topk=3)
+    local = small.retrieve(queries, topk=3)
+    assert [ids(h) for h in remote] == [ids(h) for h in local]
+    assert ids(remote[0])[:2] == ["d3", "d2"] and remote[2] == []
+    for r_hits, l_hits in zip(remote, local):
+        for r, l in zip(r_hits, l_hits):
+            assert r.document == l.document and r.score == pytest.approx(l.score, rel=1e-6)
+
+
+def test_raw_api_shapes(server_url):
+    r = httpx.post(f"{server_url}/retrieve",
+                   json={"queries": ["longest river"], "topk": 2, "return_scores": True})
+    assert r.status_code == 200
+    [[first, second]] = r.json()["result"]
+    assert first["document"] == {"id": "d3", "contents": DOCS[3].contents}
+    assert first["score"] > second["score"] > 0
+
+    r = httpx.post(f"{server_url}/retrieve", json={"queries": ["longest river"], "topk": 1,
+                                                   "return_scores": False})
+    assert r.json() == {"result": [[{"id": "d3", "contents": DOCS[3].contents}]]}
+    # Search-R1 defaults: return_scores false; topk defaults to 3 here
+    r = httpx.post(f"{server_url}/retrieve", json={"queries": ["zebra stripes river Europe"]})
+    assert r.status_code == 200 and len(r.json()["result"][0]) == 3
+    assert set(r.json()["result"][0][0]) == {"id", "contents"}
+
+
+@pytest.mark.parametrize("body, status", [
+    (b"{not json", 422),
+    (b"\xff\xfe", 422),
+    (b"[]", 422),
+    (json.dumps({"topk": 3}).encode(), 422),  # no queries
+    (json.dumps({"queries": "zebra"}).encode(), 422),  # not a list
+    (json.dumps({"queries": [1, 2]}).encode(), 422),
+    (json.dumps({"queries": []}).encode(), 422),
+    (json.dumps({"queries": ["q"] * 9}).encode(), 422),  # max_queries=8
+    (json.dumps({"queries": ["q"], "topk": 0}).encode(), 422),
+    (json.dumps({"queries": ["q"], "topk": 6}).encode(), 422),  # max_topk=5
+    (json.dumps({"queries": ["q"], "topk": "many"}).encode(), 422),
+    (json.dumps({"queries": ["x" * 2001]}).encode(), 422),
+    (json.dumps({"queries": ["x" * 2000]}).encode(), 200),  # the limit itself is allowed
+    (json.dumps({"queries": ["q"], "pad": "y" * (2 << 20)}).encode(), 413),
+])
+def test_malformed_requests_get_4xx(server_url, body, status):
+    r = httpx.post(f"{server_url}/retrieve", content=body,
+                   headers={"content-type": "application/json"})
+    assert r.status_code == status, r.text
+
+
+def test_oversized_chunked_body_gets_413(server_url):
+    def chunks():  # no Content-Length: the cap must hold while the body streams in
+        yield b'{"queries": ["q"], "pad": "'
+        for _ in range(40):
+            yield b"y" * 65_536
+        yield b'"}'
+
+    r = httpx.post(f"{server_url}/retrieve", content=chunks(),
+                   headers={"content-type": "application/json"})
+    assert r.status_code == 413
+
+
+def test_serve_binds_loopback_by_default():
+    assert inspect.signature(serve).parameters["host"].default == "127.0.0.1"
+
+
+# ------------------------------------------------------------------ client errors and retries
+
+
+def _mock_client(handler, **kwargs) -> tuple[RetrieverClient, list[httpx.Request]]:
+    seen: list[httpx.Request] = []
+
+    def record(request: httpx.Request) -> httpx.Response:
+        seen.append(request)
+        return handler(len(seen), request)
+
+    return RetrieverClient("http://fake", backoff_s=0, transport=httpx.MockTransport(record),
+                           **kwargs), seen
+
+
+GOOD = {"result": [[{"document": {"id": 7, "contents": '"T"\nbody'}, "score": 1.5}]]}
+
+
+def test_client_retries_transient_errors():
+    client, seen = _mock_client(
+        lambda n, req: httpx.Response(503 if n == 1 else 429 if n == 2 else 200, json=GOOD))
+    [[hit]] = client.retrieve(["q"], topk=1)
+    assert len(seen) == 3
+    assert hit == Hit(Document("7", "T", "body"), 1.5)
+    assert json.loads(seen[-1].content) == {"queries": ["q"], "topk": 1, "return_scores": True}
+
+
+def test_client_gives_up_after_retries_and_on_4xx():
+    client, seen = _mock_client(lambda n, req: httpx.Response(500, text="boom"), retries=2)
+    with pytest.raises(RetrieverError, match="HTTP 500"):
+        client.retrieve(["q"])
+    assert len(seen) == 3
+
+    client, seen = _mock_client(lambda n, req: httpx.Response(422, json={"detail": "bad topk"}))
+    with pytest.raises(RetrieverError, match="bad topk"):
+        client.retrieve(["q"])
+    assert len(seen) == 1  # a client error is not retried
+
+
+def test_client_connection_refused_is_retried_then_reported():
+    client = RetrieverClient(f"http://127.0.0.1:{_free_port()}", retries=1, backoff_s=0)
+    with pytest.raises(RetrieverError, match="after 2 attempts"):
+        client.retrieve(["q"])
+
+
+@pytest.mark.parametrize("payload, match", [
+    ({"results": []}, "malformed"),
+    ({"result": [[{"document": {"id": "1"}, "score": 1.0}]]}, "malformed"),
+    ({"result": [[{"document": {"id": "1", "contents": "c"}, "score": "high"}]]}, "malformed"),
+    ({"result": [[], []]}, "2 result lists for 1 queries"),
+])
+def test_client_rejects_malformed_responses(payload, match):
+    client, _ = _mock_client(lambda n, req: httpx.Response(200, json=payload))
+    with pytest.raises(RetrieverError, match=match):
+        client.retrieve(["q"])
+
+
+def test_client_rejects_non_json():
+    client, _ = _mock_client(lambda n, req: httpx.Response(200, text="<html>"))
+    with pytest.raises(RetrieverError, match="not JSON"):
+        client.retrieve(["q"])
+
+
+def test_client_batches_queries():
+    def echo(n, req):
+        qs = json.loads(req.content)["queries"]
+        return httpx.Response(200, json={"result": [
+            [{"document": {"id": q, "contents": f'"{q}"\ntext'}, "score": 1.0}] for q in qs]})
+
+    client, seen = _mock_client(echo, batch_size=3)
+    out = client.retrieve([f"q{i}" for i in range(7)])
+    assert [len(json.loads(r.content)["queries"]) for r in seen] == [3, 3, 1]
+    assert [hits[0].document.id for hits in out] == [f"q{i}" for i in range(7)]
+    assert [hits[0].document.title for hits in out] == [f"q{i}" for i in range(7)]
