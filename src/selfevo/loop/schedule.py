@@ -14,8 +14,13 @@ class LoopConfig:
     solver_steps: int = 25  # paper: 25 main-solver updates a round
     admit_per_round: int = 1600  # paper: 1,600 admitted questions a round
     grader_samples: int = 5  # paper: the grader answers each question five times
+    # Dr. Zero draws its seed documents from a fixed training pool, not the whole corpus; the
+    # pool's size sets how often a source comes back across rounds (0 = every document)
+    source_docs: int = 300
 
     def __post_init__(self):
+        if not isinstance(self.source_docs, int) or isinstance(self.source_docs, bool) or self.source_docs < 0:
+            raise ValueError(f"loop.source_docs: must be an integer >= 0, got {self.source_docs!r}")
         for name in ("rounds", "proposer_steps", "solver_steps", "admit_per_round", "grader_samples"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:

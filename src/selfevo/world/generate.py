@@ -164,10 +164,10 @@ def _page(e: Entity, truth: Truth, cfg: WorldConfig, rng: np.random.Generator,
     if len(e.aliases) > 1:
         sentences.append(f"{e.name} is also known as {' and '.join(e.aliases[1:])}.")
     body = []
-    surname = e.name.split()[-1]
-    relatives = [x for x in same_type if x.id != e.id and (e.type != "person" or x.name.endswith(" " + surname))]
-    if not relatives:
-        relatives = [x for x in same_type if x.id != e.id]
+    # The related entity of a confusable sentence is drawn at random, not from the subject's
+    # family: a same-surname relative's own page would also rank for the subject's name and hand
+    # every reader the same wrong value, making misreadings shared by construction.
+    relatives = [x for x in same_type if x.id != e.id]
     for rel, value in e.facts.items():
         obj = truth.entities[value].name if value in truth.entities else value
         subj = pronoun if rng.random() < 0.5 else e.name

@@ -28,11 +28,13 @@ from selfevo.world.language import ChainQuery, CompareQuery, parse_question
 
 @dataclass(frozen=True)
 class SimSolverConfig:
-    theta0: tuple[float, ...] = (0.8, 0.8, 0.8, 0.5)  # initial reading weights, see FEATURES
-    misread_scale: float = 1.3  # std of the reader's page-specific bias
+    # initial reading weights (see FEATURES): trusts who a sentence is about, but has not yet
+    # learned to prefer the page whose title is the mention (training teaches it that)
+    theta0: tuple[float, ...] = (2.5, 0.0, 0.3, 0.2)
+    misread_scale: float = 1.5  # std of the reader's page-specific bias
     memory: bool = True  # ablation switch: no parametric memory at all
-    lr_memory: float = 1.5
-    lr_theta: float = 0.3
+    lr_memory: float = 4.0
+    lr_theta: float = 0.05
     temperature: float = 1.0  # sampling temperature for non-greedy rollouts
 
     def __post_init__(self):

@@ -1,0 +1,57 @@
+"""The post-hoc audit: judge every saved step item, compute A/T_P/T_S/F/L/coverage per step and
+per round. Reads only the run directory (and the judge's own source of truth); writes only
+`RUN_DIR/audit/`. Nothing in the loop reads what it writes."""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Sequence
+
+from selfevo._io import write_json
+from selfevo.audit.judges import Judge, OracleJudge, Verdict
+from selfevo.audit.metrics import METRICS, JudgedItem, audit_metrics
+from selfevo.evaluate import answers_match
+from selfevo.runs import RunDir
+
+__all__ = ["METRICS", "Judge", "JudgedItem", "OracleJudge", "Verdict", "audit_metrics", "audit_run"]
+
+
+def _judged(item: dict, verdict: Verdict) -> JudgedItem:
+    matches = tuple(answers_match(r, item["adopted_label"]) for r in item["responses"])
+    return JudgedItem(matches, verdict.resolved, verdict.label_correct, verdict.responses_correct)
+
+
+def _mix(items: Sequence[dict]) -> dict:
+    """The hop mix of items: lower F could come from fewer hard questions (DESIGN §1)."""
+    counts = Counter(it["hops"] for it in items)
+    n = sum(counts.values())
+    return {str(h): round(c / n, 4) for h, c in sorted(counts.items())} if n else {}
+
+
+def audit_steps(steps: Sequence[dict], judge: Judge) -> dict:
+    """Per step (both kinds) and per round. Round metrics aggregate the proposer steps, whose
+    responses are the grader's (the feedback the proposer is paid with); `solver` holds the same
+    metrics over the main solver's training rollouts."""
+    per_step, by_round = [], {}
+    for st in steps:
+        items = st["items"]
+        verdicts = judge.judge(items)
+        judged = [_judged(it, v) for it, v in zip(items, verdicts, strict=True)]
+        per_step.append({"round": st["round"], "step": st["step"], "kind": st["kind"],
+                         **audit_metrics(judged)})
+        slot = by_round.setdefault(st["round"], {"proposer": ([], []), "solver": ([], [])})
+        slot[st["kind"]][0].extend(judged)
+        slot[st["kind"]][1].extend(items)
+    rounds = []
+    for r in sorted(by_round):
+        (pj, pi), (sj, si) = by_round[r]["proposer"], by_round[r]["solver"]
+        admitted = [it for it in pi if it.get("admitted")]
+        rounds.append({"round": r, **audit_metrics(pj), "admitted": len(admitted),
+                       "hop_mix_admitted": _mix(admitted), "solver": audit_metrics(sj)})
+    return {"judge": judge.name, "rounds": rounds, "steps": per_step}
+
+
+def audit_run(run: RunDir, judge: Judge) -> dict:
+    result = audit_steps(run.steps(), judge)
+    write_json(run.path / "audit" / "metrics.json", result)
+    return result

@@ -1,0 +1,57 @@
+"""Judges decide, after the fact, whether saved labels and responses are correct. They never feed
+back into the loop. The oracle judge uses the synthetic world's exact truth."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol, Sequence
+
+from selfevo.evaluate import answers_match
+from selfevo.world.language import parse_question
+from selfevo.world.truth import Truth
+
+
+@dataclass(frozen=True)
+class Verdict:
+    resolved: bool
+    label_correct: bool | None = None
+    responses_correct: tuple[bool, ...] | None = None
+    reference: tuple[str, ...] | None = None  # the answers the judge accepts
+    reason: str = ""
+
+
+class Judge(Protocol):
+    name: str
+
+    def judge(self, items: Sequence[dict]) -> list[Verdict]:
+        """Items are step-record items: question, adopted_label, responses, source ids."""
+        ...
+
+
+class OracleJudge:
+    """Exact truth: parse the question in the world's language, follow the true facts. A question
+    whose entity is unknown or ambiguous, or whose chain hits a missing fact, stays unresolved."""
+
+    name = "oracle"
+
+    def __init__(self, truth: Truth):
+        self.truth = truth
+
+    def reference(self, question: str) -> list[str] | None:
+        query = parse_question(question)
+        return None if query is None else self.truth.answer(query)
+
+    def judge(self, items: Sequence[dict]) -> list[Verdict]:
+        out = []
+        for it in items:
+            ref = self.reference(it["question"])
+            if ref is None:
+                out.append(Verdict(False, reason="no true answer for this question"))
+                continue
+
+            def correct(ans: str, ref=ref) -> bool:
+                return any(answers_match(ans, g) for g in ref)
+
+            out.append(Verdict(True, correct(it["adopted_label"]),
+                               tuple(correct(r) for r in it["responses"]), tuple(ref)))
+        return out

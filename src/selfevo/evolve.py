@@ -1,0 +1,88 @@
+"""`selfevo evolve`: build the world, the search tool, the agents and the treatment's rules from
+one resolved config, run the loop into a run directory, then audit it with the oracle judge.
+
+This is the one place that holds both the world's truth (for the audit and the evaluation's gold
+answers) and the agents; it hands the agents only documents, questions and the search tool.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import time
+from pathlib import Path
+
+from selfevo.agents.sim import Reader, SimProposer, SimSolver
+from selfevo.audit import OracleJudge, audit_run
+from selfevo.config import RunConfig
+from selfevo.evaluate import evaluate_solver
+from selfevo.loop.admission import AdmitAll
+from selfevo.loop.engine import Loop
+from selfevo.loop.feedback import CoupledFeedback
+from selfevo.loop.schedule import derive_seed
+from selfevo.runs import RunDir
+from selfevo.search.bm25 import BM25Index
+from selfevo.search.tool import SearchTool
+from selfevo.world import World, resolve_world
+
+
+def load_run_world(cfg: RunConfig) -> World:
+    params = cfg.world.params() if cfg.world.name in ("small", "default") else {}
+    return resolve_world(cfg.world.name, **params)
+
+
+def make_rules(cfg: RunConfig):
+    """The treatment: an admission rule and a feedback rule for the one loop."""
+    if cfg.treatment == "coupled":
+        return AdmitAll(), CoupledFeedback()
+    raise ValueError(f"treatment: unknown {cfg.treatment!r}")
+
+
+def source_pool(cfg: RunConfig, world: World) -> list:
+    """The proposer's seed documents: a fixed, seeded sample of the corpus (or all of it)."""
+    docs = world.documents
+    n = cfg.loop.source_docs
+    if n == 0 or n >= len(docs):
+        return list(docs)
+    rng = random.Random(derive_seed(cfg.seed, "source-pool"))
+    return sorted(rng.sample(list(docs), n), key=lambda d: d.id)
+
+
+def build_loop(cfg: RunConfig, world: World, tool: SearchTool, evaluate=None) -> Loop:
+    shared = world.config.shared_misreading
+    solver_reader = Reader("solver", cfg.solver.misread_scale, shared, cfg.seed)
+    proposer_reader = Reader("proposer", cfg.proposer.misread_scale, shared, cfg.seed)
+    main = SimSolver("main", cfg.solver, solver_reader)
+    proposer = SimProposer("proposer", cfg.proposer, proposer_reader, source_pool(cfg, world))
+    admission, feedback = make_rules(cfg)
+    return Loop(cfg.loop, cfg.seed, proposer, main, admission, feedback, tool, evaluate=evaluate)
+
+
+def evolve(cfg: RunConfig, out: str | os.PathLike, resume: bool = False, progress: bool = True,
+           audit: bool = True) -> RunDir:
+    started = time.perf_counter()
+    run = RunDir(out)
+    if resume and run.exists():
+        done = run.open_for_resume(cfg.to_json())
+    else:
+        run.create(cfg.to_json())
+        done = 0
+    world = load_run_world(cfg)
+    tool = SearchTool(BM25Index.build(world.documents), topk=cfg.search.topk, max_calls=cfg.search.max_calls)
+
+    def evaluate(solver, round_: int) -> None:
+        result = evaluate_solver(solver, world.benchmarks, tool, out_dir=run.path / "eval" / f"round-{round_}",
+                                 progress=False, run_info={"round": round_})
+        run.write_eval(round_, result)
+
+    loop = build_loop(cfg, world, tool, evaluate)
+    if done:
+        loop.load_state_dict(run.load_checkpoint(done))
+    elif not run.eval_path(0).exists():
+        evaluate(loop.main, 0)  # the base model, before any training
+    loop.run(run, start_round=done + 1, progress=progress)
+    run.finish()
+    if audit:
+        audit_run(run, OracleJudge(world.truth))
+    run.note(wall_seconds_last_invocation=round(time.perf_counter() - started, 3))
+    return run
