@@ -77,5 +77,101 @@ def eval_(
     print_score_table(result, console)
 
 
+world_app = typer.Typer(add_completion=False, no_args_is_help=True, help="The synthetic world.")
+app.add_typer(world_app, name="world")
+
+
+@world_app.command("make")
+def world_make(
+    size: str = typer.Option("default", help="small | default"),
+    seed: int = typer.Option(0),
+    out: Path = typer.Option(..., help="directory for corpus.jsonl, qa/, truth.json, world.json"),
+    confusable_rate: float = typer.Option(0.6, help="share of facts with a confusable sentence"),
+    shared_misreading: float = typer.Option(0.1, help="correlation of proposer and solver misreadings"),
+) -> None:
+    """Write a synthetic world: corpus, seven benchmarks and exact truth."""
+    from selfevo.world import WorldConfig, make_world, save_world
+
+    try:
+        world = make_world(WorldConfig(size, seed, confusable_rate, shared_misreading))
+    except ValueError as e:
+        _fail(str(e))
+    save_world(world, out)
+    n = sum(len(v) for v in world.benchmarks.values())
+    console.print(f"wrote {len(world.documents)} pages and {n} benchmark questions to {out}")
+
+
+@app.command("evolve")
+def evolve_cmd(
+    out: Path = typer.Option(..., help="run directory"),
+    world: str | None = typer.Option(None, help="small | default | a world directory"),
+    treatment: str | None = typer.Option(None, help="coupled"),
+    seed: int | None = typer.Option(None),
+    rounds: int | None = typer.Option(None),
+    config: Path | None = typer.Option(None, help="TOML config (see configs/)"),
+    set_: list[str] = typer.Option([], "--set", help="override a config field, e.g. solver.memory=false"),
+    resume: bool = typer.Option(False, help="continue a killed run in --out"),
+    audit: bool = typer.Option(True, help="run the oracle audit at the end"),
+) -> None:
+    """Run the self-evolution loop into a run directory (then audit it against exact truth)."""
+    from selfevo.config import ConfigError, load_config
+    from selfevo.evolve import evolve
+    from selfevo.runs import RunError
+
+    try:
+        cfg = load_config(config, set_, treatment=treatment, seed=seed, **{"world.name": world,
+                                                                           "loop.rounds": rounds})
+        run = evolve(cfg, out, resume=resume, audit=audit)
+    except (ConfigError, RunError, DataError) as e:
+        _fail(str(e))
+    _print_run(run.path)
+
+
+def _print_run(path: Path) -> None:
+    from rich.table import Table
+
+    from selfevo._io import read_json
+
+    metrics = path / "audit" / "metrics.json"
+    if metrics.exists():
+        table = Table(title=f"audit ({read_json(metrics)['judge']}) by round")
+        cols = ["round", "A", "T_P", "T_S", "F", "L", "coverage", "admitted"]
+        for c in cols:
+            table.add_column(c, justify="right")
+        for r in read_json(metrics)["rounds"]:
+            table.add_row(*[str(r[c]) if c in ("round", "admitted") else
+                            ("-" if r[c] is None else f"{r[c]:.3f}") for c in cols])
+        console.print(table)
+    evals = sorted((path / "eval").glob("round-*.json"), key=lambda p: int(p.stem.split("-")[1]))
+    if evals:
+        line = ", ".join(f"r{p.stem.split('-')[1]} {read_json(p)['macro']['cover_em']:.3f}" for p in evals)
+        console.print(f"main solver macro Cover-EM by round: {line}")
+    console.print(f"run directory: {path}")
+
+
+@app.command("audit")
+def audit_cmd(
+    run_dir: Path = typer.Argument(..., help="a run directory"),
+    judge: str = typer.Option("oracle", help="oracle (exact truth of the synthetic world)"),
+) -> None:
+    """Audit a run's saved steps post hoc: A, T_P, T_S, F, L, coverage per step and round."""
+    from selfevo.audit import OracleJudge, audit_run
+    from selfevo.config import ConfigError, config_from_dict
+    from selfevo.evolve import load_run_world
+    from selfevo.runs import RunDir
+
+    run = RunDir(run_dir)
+    if not run.exists():
+        _fail(f"{run_dir}: not a run directory (no manifest.json)")
+    if judge != "oracle":
+        _fail(f"--judge: unknown judge {judge!r} (known: oracle)")
+    try:
+        world = load_run_world(config_from_dict(run.config()))
+    except (ConfigError, ValueError) as e:
+        _fail(str(e))
+    audit_run(run, OracleJudge(world.truth))
+    _print_run(run.path)
+
+
 if __name__ == "__main__":
     app()

@@ -283,13 +283,15 @@ def _select(data: Mapping[str, Sequence[QAItem]], limit: int | None) -> dict[str
 def evaluate_solver(solver: Solver, data: Mapping[str, Sequence[QAItem]], tool: SearchTool,
                     out_dir: str | os.PathLike | None = None, limit: int | None = None,
                     batch_size: int = 64, console: Console | None = None,
-                    progress: bool = True, run_info: Mapping[str, Any] | None = None) -> dict:
+                    progress: bool = True, run_info: Mapping[str, Any] | None = None,
+                    predictions_path: str | os.PathLike | None = None,
+                    score_path: str | os.PathLike | None = None, timing: bool = True) -> dict:
     """Run `solver` once, greedily, on every question and score it.
 
     Every agent gets the same `tool` (its budget, e.g. 5 searches of top-3, is the tool's, so it
     is identical for every row) and the same scorer. Writes `predictions.jsonl` and `score.json`
-    to `out_dir` when given; returns the score dict plus a `run` block (timing, tool budget,
-    and whatever the caller passes in `run_info`).
+    to `out_dir` when given (or to the explicit paths); returns the score dict plus a `run` block
+    (tool budget, timing unless `timing=False`, and whatever the caller passes in `run_info`).
     """
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
@@ -322,11 +324,13 @@ def evaluate_solver(solver: Solver, data: Mapping[str, Sequence[QAItem]], tool: 
         "limit": limit,
         "tool": {"topk": tool.topk, "max_calls": tool.max_calls},
         "searches": sum(len(t.searches) for t in answers.values()),
-        "answer_seconds": round(elapsed, 3),
+        **({"answer_seconds": round(elapsed, 3)} if timing else {}),
         **(run_info or {}),
     }
     if out_dir is not None:
-        out_dir = Path(out_dir)
+        predictions_path = predictions_path or Path(out_dir) / "predictions.jsonl"
+        score_path = score_path or Path(out_dir) / "score.json"
+    if predictions_path is not None:
         rows = []
         for bench, it in items:
             traj = answers[it.id]
@@ -336,8 +340,9 @@ def evaluate_solver(solver: Solver, data: Mapping[str, Sequence[QAItem]], tool: 
                 "cover_em": cover_em(predictions[it.id], it.golden_answers),
                 "searches": list(traj.searches),
             })
-        write_jsonl(out_dir / "predictions.jsonl", rows)
-        write_json(out_dir / "score.json", result)
+        write_jsonl(predictions_path, rows)
+    if score_path is not None:
+        write_json(score_path, result)
     return result
 
 

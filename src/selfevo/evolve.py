@@ -10,7 +10,6 @@ from __future__ import annotations
 import os
 import random
 import time
-from pathlib import Path
 
 from selfevo.agents.sim import Reader, SimProposer, SimSolver
 from selfevo.audit import OracleJudge, audit_run
@@ -71,9 +70,10 @@ def evolve(cfg: RunConfig, out: str | os.PathLike, resume: bool = False, progres
     tool = SearchTool(BM25Index.build(world.documents), topk=cfg.search.topk, max_calls=cfg.search.max_calls)
 
     def evaluate(solver, round_: int) -> None:
-        result = evaluate_solver(solver, world.benchmarks, tool, out_dir=run.path / "eval" / f"round-{round_}",
-                                 progress=False, run_info={"round": round_})
-        run.write_eval(round_, result)
+        # timings live in compute.json, so that eval files are byte-identical across reruns
+        evaluate_solver(solver, world.benchmarks, tool, progress=False, run_info={"round": round_},
+                        predictions_path=run.eval_predictions_path(round_),
+                        score_path=run.eval_path(round_), timing=False)
 
     loop = build_loop(cfg, world, tool, evaluate)
     if done:

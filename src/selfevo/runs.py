@@ -5,7 +5,7 @@ evaluations, compute accounting and round checkpoints — and resuming from them
     RUN_DIR/manifest.json            status, rounds completed, versions
     RUN_DIR/records/steps.jsonl      one line per scheduled step (append-only)
     RUN_DIR/eval/round-R.json        main solver on the seven benchmarks after round R (0 = base)
-    RUN_DIR/eval/round-R/predictions.jsonl  per-item predictions of that evaluation
+    RUN_DIR/eval/round-R.predictions.jsonl  per-item predictions of that evaluation
     RUN_DIR/compute.json             generations, updates per model, wall seconds per phase
     RUN_DIR/checkpoints/round-R.json every model's parameters after round R (JSON, no pickle)
     RUN_DIR/audit/metrics.json       written by `selfevo audit`
@@ -38,6 +38,9 @@ class RunDir:
 
     def eval_path(self, round: int) -> Path:
         return self.path / "eval" / f"round-{round}.json"
+
+    def eval_predictions_path(self, round: int) -> Path:
+        return self.path / "eval" / f"round-{round}.predictions.jsonl"
 
     def checkpoint_path(self, round: int) -> Path:
         return self.path / "checkpoints" / f"round-{round}.json"
@@ -86,8 +89,6 @@ class RunDir:
     def append_steps(self, rows: list[dict]) -> None:
         append_jsonl(self.steps_path, rows)
 
-    def write_eval(self, round: int, score: dict) -> None:
-        write_json(self.eval_path(round), score)
 
     def checkpoint(self, round: int, state: dict) -> None:
         # checkpoint first, then the manifest: a kill between the two only repeats a round

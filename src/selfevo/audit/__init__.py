@@ -5,7 +5,7 @@ per round. Reads only the run directory (and the judge's own source of truth); w
 from __future__ import annotations
 
 from collections import Counter
-from typing import Sequence
+from collections.abc import Sequence
 
 from selfevo._io import write_json
 from selfevo.audit.judges import Judge, OracleJudge, Verdict
@@ -44,7 +44,7 @@ def audit_steps(steps: Sequence[dict], judge: Judge) -> dict:
         slot[st["kind"]][1].extend(items)
     rounds = []
     for r in sorted(by_round):
-        (pj, pi), (sj, si) = by_round[r]["proposer"], by_round[r]["solver"]
+        (pj, pi), (sj, _) = by_round[r]["proposer"], by_round[r]["solver"]
         admitted = [it for it in pi if it.get("admitted")]
         rounds.append({"round": r, **audit_metrics(pj), "admitted": len(admitted),
                        "hop_mix_admitted": _mix(admitted), "solver": audit_metrics(sj)})

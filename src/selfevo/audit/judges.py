@@ -3,8 +3,9 @@ back into the loop. The oracle judge uses the synthetic world's exact truth."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol, Sequence
+from typing import Protocol
 
 from selfevo.evaluate import answers_match
 from selfevo.world.language import parse_question

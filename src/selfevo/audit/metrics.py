@@ -12,8 +12,8 @@ T_S while F stays low.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 METRICS = ("A", "T_P", "T_S", "F", "L", "coverage")
 

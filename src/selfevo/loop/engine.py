@@ -98,7 +98,9 @@ class Loop:
         return t1
 
     # ---------------------------------------------------------------- one proposer step
-    def proposer_step(self, st: ScheduledStep) -> tuple[dict, list[Candidate]]:
+    def proposer_step(self, st: ScheduledStep, room: int) -> tuple[dict, list[Candidate]]:
+        """`room`: admissions left in this round's budget; admitted candidates beyond it are
+        recorded as not admitted (`over_budget`)."""
         cfg, t = self.config, time.perf_counter()
         proposals = self.proposer.propose(cfg.proposals_per_step, self.tool,
                                           derive_seed(self.seed, st.round, st.step, "propose"))
@@ -106,6 +108,11 @@ class Loop:
         t = self._timed("propose", t)
         decisions = self.admission.decide(proposals, self.tool,
                                           derive_seed(self.seed, st.round, st.step, "admit"))
+        for d in decisions:
+            if d.admitted:
+                if room <= 0:
+                    d.admitted, d.detail = False, {**d.detail, "over_budget": True}
+                room -= 1
         t = self._timed("admit", t)
         cands = [Candidate(f"r{st.round}-s{st.step}-{i}", p, fold_of(p.source_id, self.seed, self.folds),
                            d, st.round, st.step) for i, (p, d) in enumerate(zip(proposals, decisions))]
@@ -117,7 +124,7 @@ class Loop:
             graders[i] = g
             by_grader.setdefault(id(g), []).append(i)
         responses: dict[int, list[str]] = {}
-        for gi, idx in sorted(by_grader.items(), key=lambda kv: kv[1][0]):
+        for idx in sorted(by_grader.values(), key=lambda v: v[0]):
             g = graders[idx[0]]
             trajs = g.answer([cands[i].proposal.question for i in idx], self.tool, greedy=False,
                              n=cfg.grader_samples,
@@ -190,11 +197,10 @@ class Loop:
                 round_steps = [s for s in steps if s.round == r]
                 for st in round_steps[: cfg.proposer_steps]:
                     bar.update(task, description=f"round {r} proposer step {st.step_in_round}")
-                    record, admitted = self.proposer_step(st)
+                    record, admitted = self.proposer_step(st, cfg.admit_per_round - len(pool))
                     sink.append_steps([record])
                     pool.extend(admitted)
                     bar.advance(task)
-                pool = pool[: cfg.admit_per_round]
                 bs = max(1, -(-len(pool) // cfg.solver_steps)) if pool else 0
                 for j, st in enumerate(round_steps[cfg.proposer_steps:]):
                     bar.update(task, description=f"round {r} solver step {st.step_in_round}")
