@@ -17,14 +17,14 @@ import argparse
 import datetime as dt
 import os
 import platform
-import re
 import statistics
 import tempfile
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import bm25s
+from _common import REPO, cpu_model, replace_section
+from _common import median_time as _median_time
 from rich.console import Console
 from rich.markup import escape
 from rich.progress import Progress
@@ -34,37 +34,13 @@ from selfevo.corpus import read_corpus, read_qa_dir
 from selfevo.evaluate import BENCHMARKS, MULTI_HOP, SINGLE_HOP, cover_em
 from selfevo.search.bm25 import BM25Index
 
-REPO = Path(__file__).resolve().parents[1]
 SECTION = "## Retrieval (BM25)"
 TOPK = 3
 REPEATS = 3
 
 
-def median_time(fn: Callable[[], object], repeats: int = REPEATS) -> float:
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
-
-
-def replace_section(text: str, section: str) -> str:
-    """Swap our section (heading up to the next "## " heading) in place, or append it."""
-    pattern = re.compile(rf"^{re.escape(SECTION)}\n.*?(?=^## |\Z)", re.DOTALL | re.MULTILINE)
-    if pattern.search(text):
-        return pattern.sub(lambda _: section, text, count=1)
-    return text.rstrip("\n") + "\n\n" + section if text.strip() else "# Benchmarks\n\n" + section
+def median_time(fn) -> float:
+    return _median_time(fn, REPEATS)[0]
 
 
 def main() -> None:
@@ -168,7 +144,7 @@ def main() -> None:
     ]
     args.out.parent.mkdir(parents=True, exist_ok=True)
     old = args.out.read_text(encoding="utf-8") if args.out.exists() else ""
-    args.out.write_text(replace_section(old, "\n".join(lines)), encoding="utf-8")
+    args.out.write_text(replace_section(old, SECTION, "\n".join(lines), "# Benchmarks"), encoding="utf-8")
     console.print(f"wrote {args.out}")
 
 

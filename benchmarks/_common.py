@@ -1,0 +1,65 @@
+"""Helpers shared by the benchmark scripts: machine facts, timing, and rewriting one "## "
+section of a Markdown results file in place (other sections are left as they are)."""
+
+from __future__ import annotations
+
+import datetime as dt
+import os
+import platform
+import re
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def median_time(fn: Callable[[], object], repeats: int = 3) -> tuple[float, list[float]]:
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times), times
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown CPU"
+
+
+def machine_line() -> str:
+    return (f"{os.cpu_count()} cores, {cpu_model()}; Python {platform.python_version()}; "
+            f"date {dt.date.today().isoformat()}")
+
+
+def replace_section(text: str, heading: str, section: str, title: str = "# Results") -> str:
+    """Swap the section starting at `heading` (up to the next "## " heading) or append it."""
+    pattern = re.compile(rf"^{re.escape(heading)}\n.*?(?=^## |\Z)", re.DOTALL | re.MULTILINE)
+    if pattern.search(text):
+        return pattern.sub(lambda _: section.rstrip("\n") + "\n\n", text, count=1)
+    return text.rstrip("\n") + "\n\n" + section if text.strip() else f"{title}\n\n" + section
+
+
+def write_section(path: Path, heading: str, section: str, title: str = "# Results") -> None:
+    old = path.read_text(encoding="utf-8") if path.exists() else ""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(replace_section(old, heading, section, title), encoding="utf-8")
+
+
+def mean_std(values: list[float]) -> tuple[float, float]:
+    vals = [v for v in values if v is not None]
+    if not vals:
+        return float("nan"), float("nan")
+    return statistics.fmean(vals), (statistics.stdev(vals) if len(vals) > 1 else 0.0)
+
+
+def fmt(values: list[float], digits: int = 3) -> str:
+    m, s = mean_std(values)
+    return f"{m:.{digits}f} ± {s:.{digits}f}"

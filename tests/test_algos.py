@@ -1,0 +1,134 @@
+"""The method's math (selfevo.algos): frontier reward, GRPO / hop-bucket advantages, softmax."""
+
+import math
+import statistics
+
+import pytest
+
+from selfevo.algos import bucket_advantages, frontier_reward, group_advantages, softmax
+
+# ------------------------------------------------------------------ frontier reward
+
+
+@pytest.mark.parametrize("k, expected", [(0, 0.0), (1, 1.0), (2, 0.75), (3, 0.5), (4, 0.25), (5, 0.0)])
+def test_frontier_reward_paper_values(k, expected):
+    # paper: f(k) = (5 - k) / 4 if 0 < k < 5 else 0
+    assert frontier_reward(k) == pytest.approx(expected, abs=1e-12)
+
+
+def test_frontier_reward_is_highest_when_the_grader_is_barely_able():
+    values = [frontier_reward(k) for k in range(6)]
+    assert max(values) == values[1] == 1.0
+    assert values[1] > values[2] > values[3] > values[4] > values[5] == values[0] == 0.0
+
+
+@pytest.mark.parametrize("k", [-1, 6, 100])
+def test_frontier_reward_out_of_range_raises(k):
+    with pytest.raises(ValueError, match=str(k)):
+        frontier_reward(k)
+
+
+def test_frontier_reward_other_sample_counts():
+    # the same shape for n samples: (n - k) / (n - 1) strictly inside, 0 at the ends
+    assert frontier_reward(1, n=3) == pytest.approx(1.0)
+    assert frontier_reward(2, n=3) == pytest.approx(0.5)
+    assert frontier_reward(3, n=3) == 0.0
+    with pytest.raises(ValueError):
+        frontier_reward(4, n=3)
+
+
+# ------------------------------------------------------------------ group advantages
+
+
+def test_group_advantages_zero_mean_unit_std():
+    rewards = [1.0, 0.0, 0.0, 1.0, 1.0]
+    adv = group_advantages(rewards)
+    assert len(adv) == 5
+    assert sum(adv) == pytest.approx(0.0, abs=1e-9)
+    assert statistics.pstdev(adv) == pytest.approx(1.0, abs=1e-5)
+    # hand computation: mean 0.6, population std sqrt(0.24)
+    std = math.sqrt(0.24)
+    assert adv[0] == pytest.approx(0.4 / std, rel=1e-5)
+    assert adv[1] == pytest.approx(-0.6 / std, rel=1e-5)
+
+
+def test_group_advantages_preserve_order_of_rewards():
+    adv = group_advantages([0.25, 1.0, 0.0, 0.5])
+    assert sorted(range(4), key=lambda i: adv[i]) == [2, 0, 3, 1]
+
+
+def test_group_advantages_all_equal_is_zero():
+    assert group_advantages([0.7, 0.7, 0.7]) == [0.0, 0.0, 0.0]
+    assert group_advantages([1.0]) == [0.0]
+
+
+def test_group_advantages_empty():
+    assert group_advantages([]) == []
+
+
+# ------------------------------------------------------------------ bucket advantages
+
+
+def test_bucket_advantages_normalise_within_each_bucket_independently():
+    rewards = [1.0, 0.0, 0.5, 0.25, 0.75, 0.0]
+    buckets = [1, 1, 2, 2, 2, 3]
+    adv = bucket_advantages(rewards, buckets)
+    # bucket 1: [1, 0] -> [+1, -1]
+    assert adv[0] == pytest.approx(1.0, abs=1e-5)
+    assert adv[1] == pytest.approx(-1.0, abs=1e-5)
+    # bucket 2: [0.5, 0.25, 0.75], mean 0.5, std sqrt(1/24)
+    std = math.sqrt(((0.0) ** 2 + 0.25**2 + 0.25**2) / 3)
+    assert adv[2] == pytest.approx(0.0, abs=1e-9)
+    assert adv[3] == pytest.approx(-0.25 / std, rel=1e-5)
+    assert adv[4] == pytest.approx(0.25 / std, rel=1e-5)
+    # bucket 3: a single item carries no signal
+    assert adv[5] == 0.0
+
+
+def test_bucket_advantages_differ_from_one_global_group():
+    # 1-hop and 4-hop questions must not compete: a 4-hop question with a low reward can still
+    # be the best of its bucket
+    rewards = [1.0, 0.75, 0.25, 0.0]
+    buckets = ["1", "1", "4", "4"]
+    adv = bucket_advantages(rewards, buckets)
+    assert adv[2] > 0 > adv[1]
+    assert group_advantages(rewards)[2] < 0  # globally it would be pushed down
+
+
+def test_bucket_advantages_length_mismatch_raises():
+    with pytest.raises(ValueError, match="length"):
+        bucket_advantages([1.0, 0.0], [1])
+
+
+# ------------------------------------------------------------------ softmax
+
+
+def test_softmax_sums_to_one_and_orders():
+    p = softmax([1.0, 2.0, 3.0])
+    assert sum(p) == pytest.approx(1.0)
+    assert p[0] < p[1] < p[2]
+    e = [math.exp(x) for x in (1.0, 2.0, 3.0)]
+    assert p == pytest.approx([x / sum(e) for x in e])
+
+
+def test_softmax_is_stable_for_large_logits():
+    p = softmax([1000.0, 1000.0, -1000.0])
+    assert p == pytest.approx([0.5, 0.5, 0.0])
+
+
+def test_softmax_temperature_sharpens_and_flattens():
+    logits = [0.0, 1.0, 2.0]
+    base, sharp, flat = softmax(logits), softmax(logits, 0.25), softmax(logits, 4.0)
+    assert sharp[2] > base[2] > flat[2]
+    assert sum(sharp) == pytest.approx(1.0) and sum(flat) == pytest.approx(1.0)
+    assert softmax(logits, 0.5) == pytest.approx(softmax([0.0, 2.0, 4.0]))
+
+
+@pytest.mark.parametrize("temperature", [0.0, -1.0])
+def test_softmax_nonpositive_temperature_raises(temperature):
+    with pytest.raises(ValueError, match="temperature"):
+        softmax([1.0, 2.0], temperature)
+
+
+def test_softmax_empty():
+    assert softmax([]) == []
