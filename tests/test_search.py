@@ -272,8 +272,8 @@ def test_client_round_trip_equals_local(small, server_url):
     assert [ids(h) for h in remote] == [ids(h) for h in local]
     assert ids(remote[0])[:2] == ["d3", "d2"] and remote[2] == []
     for r_hits, l_hits in zip(remote, local):
-        for r, l in zip(r_hits, l_hits):
-            assert r.document == l.document and r.score == pytest.approx(l.score, rel=1e-6)
+        for r, loc in zip(r_hits, l_hits):
+            assert r.document == loc.document and r.score == pytest.approx(loc.score, rel=1e-6)
 
 
 def test_raw_api_shapes(server_url):

@@ -117,12 +117,13 @@ def evolve_cmd(
     from selfevo.config import ConfigError, load_config
     from selfevo.evolve import evolve
     from selfevo.runs import RunError
+    from selfevo.world import WorldError
 
     try:
         cfg = load_config(config, set_, treatment=treatment, seed=seed, **{"world.name": world,
                                                                            "loop.rounds": rounds})
         run = evolve(cfg, out, resume=resume, audit=audit)
-    except (ConfigError, RunError, DataError) as e:
+    except (ConfigError, RunError, DataError, WorldError) as e:
         _fail(str(e))
     _print_run(run.path)
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 import sys
 import typing
 from dataclasses import asdict, dataclass, field
@@ -21,9 +22,8 @@ else:  # pragma: no cover
 
 from selfevo.agents.sim import SimProposerConfig, SimSolverConfig
 from selfevo.loop.schedule import LoopConfig
+from selfevo.loop.treatments import parse_treatment
 from selfevo.world.generate import WorldConfig
-
-TREATMENTS = ("coupled",)
 
 
 class ConfigError(ValueError):
@@ -50,6 +50,12 @@ class WorldSpec:
 class SearchConfig:
     topk: int = 3
     max_calls: int = 5
+
+    def __post_init__(self):
+        if self.topk < 1:
+            raise ValueError(f"search.topk: must be >= 1, got {self.topk}")
+        if self.max_calls < 1:
+            raise ValueError(f"search.max_calls: must be >= 1, got {self.max_calls}")
 
 
 @dataclass(frozen=True)
@@ -111,21 +117,19 @@ def _build(cls, data: dict, prefix: str = ""):
     except ConfigError:
         raise
     except (ValueError, TypeError) as e:
-        # the components' own checks say "field: problem"; prefix the section they sit in
+        # the components' own checks say "section.field: problem"; keep that, else name the section
         msg = str(e)
-        head = msg.split(":")[0]
-        if prefix and "." in head:
-            head = head.split(".", 1)[1]
-            msg = f"{prefix}.{head}:{msg.split(':', 1)[1]}"
-        elif prefix:
-            msg = f"{prefix}: {msg}"
+        if not re.match(r"^[\w.]+: ", msg):
+            msg = f"{prefix or 'config'}: {msg}"
         raise ConfigError(msg) from None
 
 
 def config_from_dict(data: dict) -> RunConfig:
     cfg = _build(RunConfig, data)
-    if cfg.treatment not in TREATMENTS:
-        raise ConfigError(f"treatment: expected one of {', '.join(TREATMENTS)}, got {cfg.treatment!r}")
+    try:
+        parse_treatment(cfg.treatment)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     return cfg
 
 

@@ -11,14 +11,17 @@ import os
 import random
 import time
 
+from selfevo._io import read_json, write_json
 from selfevo.agents.sim import Reader, SimProposer, SimSolver
 from selfevo.audit import OracleJudge, audit_run
 from selfevo.config import RunConfig
 from selfevo.evaluate import evaluate_solver
-from selfevo.loop.admission import AdmitAll
+from selfevo.loop.admission import MSV, AdmitAll
 from selfevo.loop.engine import Loop
-from selfevo.loop.feedback import CoupledFeedback
+from selfevo.loop.feedback import AuxFeedback, CoupledFeedback
+from selfevo.loop.folds import FoldAssignment, assign_folds
 from selfevo.loop.schedule import derive_seed
+from selfevo.loop.treatments import parse_treatment
 from selfevo.runs import RunDir
 from selfevo.search.bm25 import BM25Index
 from selfevo.search.tool import SearchTool
@@ -30,11 +33,32 @@ def load_run_world(cfg: RunConfig) -> World:
     return resolve_world(cfg.world.name, **params)
 
 
-def make_rules(cfg: RunConfig):
+def make_rules(cfg: RunConfig, documents, folds: FoldAssignment, make_solver):
     """The treatment: an admission rule and a feedback rule for the one loop."""
-    if cfg.treatment == "coupled":
-        return AdmitAll(), CoupledFeedback()
-    raise ValueError(f"treatment: unknown {cfg.treatment!r}")
+    t = parse_treatment(cfg.treatment)
+    admission = MSV({d.id: d for d in documents}) if t.msv else AdmitAll()
+    updates, samples = cfg.loop.solver_steps, cfg.loop.grader_samples
+    if t.feedback == "coupled":
+        feedback = CoupledFeedback(folds)
+    elif t.feedback == "crossfit":
+        feedback = AuxFeedback(t.name, folds, make_solver, updates, samples,
+                               lineage_aware=t.grouping == "connected")
+    elif t.feedback == "half-budget":
+        feedback = AuxFeedback(t.name, folds, make_solver, updates, samples, budget=0.5)
+    elif t.feedback == "same-source":
+        feedback = AuxFeedback(t.name, folds, make_solver, updates, samples, grades="own-fold")
+    elif t.feedback == "full-data":
+        feedback = AuxFeedback(t.name, folds, make_solver, updates, samples, trains="everything", grades="full")
+    elif t.feedback == "question-split":
+        feedback = AuxFeedback(t.name, folds, make_solver, updates, samples, split="question")
+    else:  # parse_treatment admits nothing else
+        raise AssertionError(t)
+    return admission, feedback
+
+
+def fold_assignment(cfg: RunConfig, documents) -> FoldAssignment:
+    t = parse_treatment(cfg.treatment)
+    return assign_folds(documents, cfg.seed, t.k, t.grouping)
 
 
 def source_pool(cfg: RunConfig, world: World) -> list:
@@ -47,27 +71,32 @@ def source_pool(cfg: RunConfig, world: World) -> list:
     return sorted(rng.sample(list(docs), n), key=lambda d: d.id)
 
 
-def build_loop(cfg: RunConfig, world: World, tool: SearchTool, evaluate=None) -> Loop:
+def build_loop(cfg: RunConfig, world: World, tool: SearchTool, folds: FoldAssignment, evaluate=None) -> Loop:
     shared = world.config.shared_misreading
     solver_reader = Reader("solver", cfg.solver.misread_scale, shared, cfg.seed)
     proposer_reader = Reader("proposer", cfg.proposer.misread_scale, shared, cfg.seed)
-    main = SimSolver("main", cfg.solver, solver_reader)
+
+    def make_solver(name: str) -> SimSolver:  # every solver starts as the same base model
+        return SimSolver(name, cfg.solver, solver_reader)
+
+    main = make_solver("main")
     proposer = SimProposer("proposer", cfg.proposer, proposer_reader, source_pool(cfg, world))
-    admission, feedback = make_rules(cfg)
-    return Loop(cfg.loop, cfg.seed, proposer, main, admission, feedback, tool, evaluate=evaluate)
+    admission, feedback = make_rules(cfg, world.documents, folds, make_solver)
+    return Loop(cfg.loop, cfg.seed, proposer, main, admission, feedback, tool, folds, evaluate=evaluate)
 
 
 def evolve(cfg: RunConfig, out: str | os.PathLike, resume: bool = False, progress: bool = True,
            audit: bool = True) -> RunDir:
     started = time.perf_counter()
+    # everything that can fail on bad input happens before the run directory is written
+    world = load_run_world(cfg)
+    tool = SearchTool(BM25Index.build(world.documents), topk=cfg.search.topk, max_calls=cfg.search.max_calls)
     run = RunDir(out)
     if resume and run.exists():
         done = run.open_for_resume(cfg.to_json())
     else:
         run.create(cfg.to_json())
         done = 0
-    world = load_run_world(cfg)
-    tool = SearchTool(BM25Index.build(world.documents), topk=cfg.search.topk, max_calls=cfg.search.max_calls)
 
     def evaluate(solver, round_: int) -> None:
         # timings live in compute.json, so that eval files are byte-identical across reruns
@@ -75,7 +104,13 @@ def evolve(cfg: RunConfig, out: str | os.PathLike, resume: bool = False, progres
                         predictions_path=run.eval_predictions_path(round_),
                         score_path=run.eval_path(round_), timing=False)
 
-    loop = build_loop(cfg, world, tool, evaluate)
+    folds_path = run.path / "folds.json"
+    if folds_path.exists():  # permanent: a resumed run keeps the assignment it started with
+        folds = FoldAssignment.from_json(read_json(folds_path))
+    else:
+        folds = fold_assignment(cfg, world.documents)
+        write_json(folds_path, folds.to_json())
+    loop = build_loop(cfg, world, tool, folds, evaluate)
     if done:
         loop.load_state_dict(run.load_checkpoint(done))
     elif not run.eval_path(0).exists():

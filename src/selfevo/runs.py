@@ -23,6 +23,18 @@ from selfevo._io import append_jsonl, atomic_writer, read_json, read_jsonl_log, 
 from selfevo.records import SCHEMA_VERSION
 
 
+def _differences(a: dict, b: dict, prefix: str = "") -> list[str]:
+    """Dotted paths of the fields where two configs differ."""
+    out = []
+    for key in sorted(set(a) | set(b)):
+        x, y, path = a.get(key), b.get(key), f"{prefix}{key}"
+        if isinstance(x, dict) and isinstance(y, dict):
+            out += _differences(x, y, path + ".")
+        elif x != y:
+            out.append(path)
+    return out
+
+
 class RunError(ValueError):
     """A run directory that cannot be used as asked (exists, mismatched config, incomplete)."""
 
@@ -63,8 +75,9 @@ class RunDir:
         if not self.exists():
             raise RunError(f"{self.path}: no run to resume (no manifest.json)")
         saved = read_json(self.path / "config.json")
-        if saved != json.loads(json.dumps(config)):
-            diff = sorted(k for k in set(saved) | set(config) if saved.get(k) != config.get(k))
+        config = json.loads(json.dumps(config))  # tuples -> lists, as saved
+        if saved != config:
+            diff = _differences(saved, config)
             raise RunError(f"{self.path}: config differs from the saved run (fields: {', '.join(diff)})")
         done = self.manifest().get("rounds_completed", 0)
         if done and not self.checkpoint_path(done).exists():

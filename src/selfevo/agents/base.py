@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from selfevo.records import Document
 from selfevo.search.tool import SearchTool
 
 
@@ -25,8 +26,10 @@ class Solver(Protocol):
     name: str
 
     def answer(self, questions: Sequence[str], tool: SearchTool, *, greedy: bool = True,
-               n: int = 1, seed: int | None = None) -> list[list[Trajectory]]:
-        """`n` trajectories per question (greedy: deterministic; else sampled)."""
+               n: int = 1, seed: int | None = None,
+               contexts: Sequence[Document] | None = None) -> list[list[Trajectory]]:
+        """`n` trajectories per question (greedy: deterministic; else sampled). `contexts`, one
+        per question, puts a document in front of the model (MSV's "with the source")."""
         ...
 
 

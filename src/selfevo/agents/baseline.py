@@ -27,6 +27,7 @@ from collections.abc import Sequence
 
 from selfevo.agents.base import Trajectory
 from selfevo.evaluate import normalize_answer
+from selfevo.records import Document
 from selfevo.search.tool import Hit, SearchTool
 
 _YES_NO_STARTS = frozenset({
@@ -130,9 +131,10 @@ class RetrievalBaseline:
 
     name = "retrieval-baseline"
 
-    def answer_one(self, question: str, tool: SearchTool) -> Trajectory:
+    def answer_one(self, question: str, tool: SearchTool, context: Document | None = None) -> Trajectory:
         session = tool.session()
-        hits = session.search(question)
+        # a document in context stands in for the search result
+        hits = [Hit(context, 0.0)] if context is not None else session.search(question)
         return Trajectory(self._pick(question, hits), list(session.queries), actions=1)
 
     def _pick(self, question: str, hits: list[Hit]) -> str:
@@ -154,12 +156,14 @@ class RetrievalBaseline:
         return title
 
     def answer(self, questions: Sequence[str], tool: SearchTool, *, greedy: bool = True,
-               n: int = 1, seed: int | None = None) -> list[list[Trajectory]]:
+               n: int = 1, seed: int | None = None,
+               contexts: Sequence[Document] | None = None) -> list[list[Trajectory]]:
         # Deterministic: sampling (greedy=False) or a seed changes nothing, so the n
         # trajectories of a question are n copies of one.
         out = []
-        for q in questions:
-            traj = self.answer_one(q, tool)
+        contexts = contexts if contexts is not None else [None] * len(questions)
+        for q, c in zip(questions, contexts, strict=True):
+            traj = self.answer_one(q, tool, c)
             out.append([traj] + [Trajectory(traj.answer, list(traj.searches), traj.actions)
                                  for _ in range(n - 1)])
         return out

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from selfevo.agents.base import Proposal
+from selfevo.agents.base import Proposal, Solver, TrainableSolver
+from selfevo.evaluate import answers_match
+from selfevo.loop.schedule import derive_seed
+from selfevo.records import Document
 from selfevo.search.tool import SearchTool
 
 
@@ -20,20 +23,68 @@ class Decision:
 class Admission(Protocol):
     name: str
 
-    def decide(self, proposals: Sequence[Proposal], tool: SearchTool, seed: int) -> list[Decision]: ...
+    def begin_round(self, round: int, main: TrainableSolver) -> None: ...
 
-    def generations(self) -> int:
-        """Extra model generations this rule has spent so far (compute accounting)."""
-        ...
+    # extra model generations per candidate (compute accounting)
+    generations_per_candidate: int
+
+    def decide(self, proposals: Sequence[Proposal], tool: SearchTool, seed: int) -> list[Decision]: ...
 
 
 class AdmitAll:
     """Dr. Zero: every well-formed proposal is admitted with its draft label."""
 
     name = "none"
+    generations_per_candidate = 0
+
+    def begin_round(self, round: int, main: TrainableSolver) -> None:
+        pass
 
     def decide(self, proposals: Sequence[Proposal], tool: SearchTool, seed: int) -> list[Decision]:
         return [Decision(True, p.draft_label) for p in proposals]
 
-    def generations(self) -> int:
-        return 0
+
+def majority(answers: Sequence[str], min_count: int = 2) -> str | None:
+    """An answer that at least `min_count` of `answers` share under the loop's matcher (the
+    first such in order), else None. Empty answers never form a majority."""
+    for a in answers:
+        if sum(answers_match(a, b) for b in answers) >= min_count:
+            return a
+    return None
+
+
+class MSV:
+    """Multi-sample verification. For a candidate (x, q, y~): sample the model 3 times with the
+    source x in context and 3 times without it; neither sees y~. Admit iff both majorities exist
+    and match; the matched majority replaces y~ as the training label.
+
+    The model is the main solver as it stood at the start of the round (the one the coupled
+    loop grades with), so MSV alone cannot see past what that solver already believes.
+    """
+
+    name = "msv"
+
+    def __init__(self, documents: Mapping[str, Document], samples: int = 3):
+        self.documents, self.samples = documents, samples
+        self.generations_per_candidate = 2 * samples  # paper: 6 extra generations a candidate
+        self.model: Solver | None = None
+
+    def begin_round(self, round: int, main: TrainableSolver) -> None:
+        self.model = main.snapshot(name=f"msv@r{round - 1}")
+
+    def decide(self, proposals: Sequence[Proposal], tool: SearchTool, seed: int) -> list[Decision]:
+        assert self.model is not None, "begin_round first"
+        questions = [p.question for p in proposals]
+        contexts = [self.documents[p.source_id] for p in proposals]
+        with_src = self.model.answer(questions, tool, greedy=False, n=self.samples,
+                                     seed=derive_seed(seed, "with-source"), contexts=contexts)
+        without = self.model.answer(questions, tool, greedy=False, n=self.samples,
+                                    seed=derive_seed(seed, "without-source"))
+        out = []
+        for p, ws, wo in zip(proposals, with_src, without, strict=True):
+            a, b = [t.answer for t in ws], [t.answer for t in wo]
+            ma, mb = majority(a), majority(b)
+            ok = ma is not None and mb is not None and answers_match(ma, mb)
+            detail = {"with_source": a, "without_source": b, "majority_with": ma, "majority_without": mb}
+            out.append(Decision(ok, ma if ok else p.draft_label, detail))
+        return out

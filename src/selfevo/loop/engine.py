@@ -25,8 +25,8 @@ from selfevo.agents.base import Proposal, Proposer, TrainableSolver
 from selfevo.algos import frontier_reward
 from selfevo.evaluate import answers_match
 from selfevo.loop.admission import Admission, Decision
-from selfevo.loop.feedback import Feedback, lineage_of
-from selfevo.loop.folds import fold_of
+from selfevo.loop.feedback import Feedback, lineage_of, record_training
+from selfevo.loop.folds import FoldAssignment
 from selfevo.loop.schedule import LoopConfig, ScheduledStep, derive_seed, schedule
 from selfevo.records import SCHEMA_VERSION
 from selfevo.search.tool import SearchTool
@@ -38,7 +38,8 @@ class Candidate:
 
     item_id: str
     proposal: Proposal
-    fold: int
+    fold: int  # the fold used for cross-fitting (its source's; the question's under question-split)
+    source_folds: tuple[int, ...]  # folds of every page read while composing it (lineage)
     decision: Decision
     round: int
     step: int
@@ -88,7 +89,7 @@ class Loop:
     admission: Admission
     feedback: Feedback
     tool: SearchTool
-    folds: int = 2
+    folds: FoldAssignment
     evaluate: Callable[[TrainableSolver, int], None] | None = None  # (solver, round) -> writes eval
     compute: Compute = field(default_factory=Compute)
 
@@ -108,19 +109,23 @@ class Loop:
         t = self._timed("propose", t)
         decisions = self.admission.decide(proposals, self.tool,
                                           derive_seed(self.seed, st.round, st.step, "admit"))
+        self.compute.add("generations", "msv", self.admission.generations_per_candidate * len(proposals))
         for d in decisions:
             if d.admitted:
                 if room <= 0:
                     d.admitted, d.detail = False, {**d.detail, "over_budget": True}
                 room -= 1
         t = self._timed("admit", t)
-        cands = [Candidate(f"r{st.round}-s{st.step}-{i}", p, fold_of(p.source_id, self.seed, self.folds),
-                           d, st.round, st.step) for i, (p, d) in enumerate(zip(proposals, decisions))]
-        # grade: each question by the grader its source's fold is allowed (the feedback rule)
+        cands = []
+        for i, (p, d) in enumerate(zip(proposals, decisions, strict=True)):
+            item_id = f"r{st.round}-s{st.step}-{i}"
+            cands.append(Candidate(item_id, p, self.feedback.item_fold(p, item_id),
+                                   tuple(sorted(self.folds.lineage(p.source_ids))), d, st.round, st.step))
+        # grade: each question by the grader its lineage allows (the feedback rule)
         by_grader: dict[int, list[int]] = {}
         graders = {}
         for i, c in enumerate(cands):
-            g = self.feedback.grader_for(c.fold)
+            g = self.feedback.grader_for(c)
             graders[i] = g
             by_grader.setdefault(id(g), []).append(i)
         responses: dict[int, list[str]] = {}
@@ -157,9 +162,7 @@ class Loop:
         identity = lineage_of(self.main)
         stats = self.main.update([(ts, c.label) for ts, c in zip(trajs, batch)])
         self.compute.add("updates", "main", 1)
-        lin = self.main.lineage
-        lin["folds"] = sorted(set(lin.get("folds", [])) | {c.fold for c in batch})
-        lin["rounds"] = sorted(set(lin.get("rounds", [])) | {st.round})
+        record_training(self.main, sorted({f for c in batch for f in c.source_folds}), st.round)
         self._timed("solver_update", t)
         items = []
         for c, ts in zip(batch, trajs):
@@ -173,7 +176,7 @@ class Loop:
     def _item_record(c: Candidate, responses: list[str], k: int, reward: float, grader: dict) -> dict:
         p = c.proposal
         return {"item_id": c.item_id, "source_id": p.source_id, "source_ids": list(p.source_ids),
-                "fold": c.fold, "hops": p.hops, "question": p.question,
+                "fold": c.fold, "source_folds": list(c.source_folds), "hops": p.hops, "question": p.question,
                 "draft_label": p.draft_label, "adopted_label": c.label,
                 "admitted": c.decision.admitted, "responses": responses, "k": k,
                 "reward": round(reward, 6), "grader": grader,
@@ -193,6 +196,7 @@ class Loop:
             task = bar.add_task("evolve", total=len(steps))
             for r in range(start_round, cfg.rounds + 1):
                 self.feedback.begin_round(r, self.main)
+                self.admission.begin_round(r, self.main)
                 pool: list[Candidate] = []
                 round_steps = [s for s in steps if s.round == r]
                 for st in round_steps[: cfg.proposer_steps]:
@@ -201,20 +205,20 @@ class Loop:
                     sink.append_steps([record])
                     pool.extend(admitted)
                     bar.advance(task)
-                bs = max(1, -(-len(pool) // cfg.solver_steps)) if pool else 0
                 for j, st in enumerate(round_steps[cfg.proposer_steps:]):
                     bar.update(task, description=f"round {r} solver step {st.step_in_round}")
-                    batch = pool[j * bs:(j + 1) * bs]
+                    # an even split, so every scheduled step trains when the pool allows
+                    batch = pool[j * len(pool) // cfg.solver_steps:(j + 1) * len(pool) // cfg.solver_steps]
                     record = self.solver_step(st, batch) if batch else self._step_record(st, "solver", [], {})
                     sink.append_steps([record])
                     bar.advance(task)
                 t = time.perf_counter()
-                aux = self.feedback.end_round(r, pool, self.tool, derive_seed(self.seed, r, "aux"))
+                aux = self.feedback.end_round(r, pool, self.tool, derive_seed(self.seed, r, "aux"),
+                                              last=r == cfg.rounds)
                 for key, value in aux.get("updates", {}).items():
                     self.compute.add("updates", key, value)
                 for key, value in aux.get("generations", {}).items():
                     self.compute.add("generations", key, value)
-                self.compute.generations["msv"] = self.admission.generations()
                 t = self._timed("aux", t)
                 if self.evaluate is not None:
                     self.evaluate(self.main, r)

@@ -1,8 +1,19 @@
-"""Permanent source-level fold assignment (CrossFit's unit of cross-fitting is the source)."""
+"""Permanent source-level fold assignment (CrossFit's unit of cross-fitting is the source).
+
+Plain CrossFit hashes each source document into a fold. A question composed through several pages
+can still reach a grader that trained on pseudo-labels from one of those pages (the paper's open
+problem). The `connected` grouping first clusters the link graph (pages that mention each other's
+titles) and assigns whole clusters to folds, so multi-hop questions mostly stay inside one fold.
+"""
 
 from __future__ import annotations
 
 import hashlib
+import re
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+from selfevo.records import Document
 
 
 def fold_of(source_id: str, seed: int, k: int = 2) -> int:
@@ -11,3 +22,90 @@ def fold_of(source_id: str, seed: int, k: int = 2) -> int:
         raise ValueError(f"folds: k must be >= 2, got {k}")
     h = hashlib.blake2b(f"{seed}\x1f{source_id}".encode(), digest_size=8).digest()
     return int.from_bytes(h, "little") % k
+
+
+@dataclass
+class FoldAssignment:
+    k: int
+    seed: int
+    grouping: str  # "source" | "connected"
+    folds: dict[str, int] = field(default_factory=dict)  # source id -> fold
+    groups: dict[str, str] = field(default_factory=dict)  # source id -> cluster id (connected)
+
+    def of(self, source_id: str) -> int:
+        fold = self.folds.get(source_id)
+        return fold if fold is not None else fold_of(source_id, self.seed, self.k)
+
+    def lineage(self, source_ids: Iterable[str]) -> set[int]:
+        """Every fold a question touched (the folds of all pages read while composing it)."""
+        return {self.of(s) for s in source_ids}
+
+    def to_json(self) -> dict:
+        return {"k": self.k, "seed": self.seed, "grouping": self.grouping, "folds": self.folds,
+                "groups": self.groups}
+
+    @classmethod
+    def from_json(cls, obj: dict) -> FoldAssignment:
+        return cls(int(obj["k"]), int(obj["seed"]), obj["grouping"], dict(obj["folds"]), dict(obj["groups"]))
+
+
+_WORD = re.compile(r"[\w'-]+")
+
+
+def link_graph(docs: Sequence[Document], max_title_words: int = 6) -> list[tuple[str, str]]:
+    """Edges (a, b) where page a's text mentions page b's title (word n-gram lookup, so it is
+    linear in the corpus size rather than pages × titles)."""
+    by_title: dict[tuple[str, ...], str] = {}
+    for d in docs:
+        key = tuple(_WORD.findall(d.title))
+        if key and len(key) <= max_title_words:
+            by_title.setdefault(key, d.id)
+    edges = set()
+    for d in docs:
+        words = _WORD.findall(d.text)
+        for i in range(len(words)):
+            for n in range(1, max_title_words + 1):
+                target = by_title.get(tuple(words[i:i + n]))
+                if target is not None and target != d.id:
+                    edges.add((d.id, target) if d.id < target else (target, d.id))
+    return sorted(edges)
+
+
+def connected_groups(docs: Sequence[Document], seed: int) -> dict[str, str]:
+    """Clusters of the link graph (Louvain communities, seeded): source id -> cluster id."""
+    import networkx as nx
+
+    graph = nx.Graph()
+    graph.add_nodes_from(d.id for d in docs)
+    graph.add_edges_from(link_graph(docs))
+    communities = nx.community.louvain_communities(graph, seed=seed % 2**32)
+    out = {}
+    for members in communities:
+        cid = min(members)
+        for m in members:
+            out[m] = cid
+    return out
+
+
+def assign_folds(docs: Sequence[Document], seed: int, k: int = 2, grouping: str = "source") -> FoldAssignment:
+    """`source`: each document hashed to a fold. `connected`: link-graph clusters assigned whole,
+    largest first, to the fold with the fewest documents so far (balanced, deterministic)."""
+    if k < 2:
+        raise ValueError(f"folds: k must be >= 2, got {k}")
+    if grouping == "source":
+        return FoldAssignment(k, seed, grouping, {d.id: fold_of(d.id, seed, k) for d in docs})
+    if grouping != "connected":
+        raise ValueError(f"folds: unknown grouping {grouping!r} (source | connected)")
+    groups = connected_groups(docs, seed)
+    members: dict[str, list[str]] = {}
+    for sid, cid in groups.items():
+        members.setdefault(cid, []).append(sid)
+    order = sorted(members, key=lambda c: (-len(members[c]), fold_of(c, seed, 2**31 - 1)))
+    load = [0] * k
+    folds = {}
+    for cid in order:
+        f = min(range(k), key=lambda j: (load[j], j))
+        for sid in members[cid]:
+            folds[sid] = f
+        load[f] += len(members[cid])
+    return FoldAssignment(k, seed, grouping, folds, groups)

@@ -9,13 +9,32 @@ from __future__ import annotations
 import os
 from dataclasses import asdict
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from selfevo._io import read_json, write_json
 from selfevo.corpus import read_corpus, read_qa_dir, write_corpus, write_qa
-from selfevo.world.generate import SIZES, World, WorldConfig, make_world
-from selfevo.world.truth import Truth
 
-__all__ = ["SIZES", "World", "WorldConfig", "load_world", "make_world", "resolve_world", "save_world"]
+if TYPE_CHECKING:
+    from selfevo.world.generate import World
+
+_LAZY = {"SIZES": "generate", "World": "generate", "WorldConfig": "generate", "make_world": "generate",
+         "Truth": "truth"}
+
+
+def __getattr__(name: str):
+    # Lazy, so that importing the world's language (what agents may read) does not load the
+    # world's truth and generator into the agents' process at all.
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(f"selfevo.world.{_LAZY[name]}"), name)
+    raise AttributeError(name)
+
+__all__ = ["SIZES", "World", "WorldConfig", "WorldError", "load_world", "make_world", "resolve_world", "save_world"]
+
+
+class WorldError(ValueError):
+    """A world that cannot be made or read (bad spec, missing or broken world directory)."""
 
 
 def save_world(world: World, out: str | os.PathLike) -> Path:
@@ -29,9 +48,13 @@ def save_world(world: World, out: str | os.PathLike) -> Path:
 
 
 def load_world(path: str | os.PathLike) -> World:
+    from selfevo.world.generate import World, WorldConfig
+    from selfevo.world.truth import Truth
+
     path = Path(path)
     if not (path / "world.json").exists():
-        raise ValueError(f"{path}: not a world directory (no world.json); make one with `selfevo world make`")
+        raise WorldError(f"{path}: not a world directory (no world.json); make one with `selfevo world make`"
+                         " or use --world small|default")
     meta = read_json(path / "world.json")
     return World(WorldConfig(**meta["config"]), read_corpus(path / "corpus.jsonl"),
                  read_qa_dir(path / "qa"), Truth.from_json(read_json(path / "truth.json")))
@@ -40,6 +63,8 @@ def load_world(path: str | os.PathLike) -> World:
 def resolve_world(spec: str, **params) -> World:
     """`small` / `default` generate a world (params: seed, confusable_rate, shared_misreading);
     anything else is a world directory."""
+    from selfevo.world.generate import SIZES, WorldConfig, make_world
+
     if spec in SIZES:
         return make_world(WorldConfig(size=spec, **params))
     return load_world(spec)

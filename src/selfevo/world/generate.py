@@ -42,6 +42,8 @@ class WorldConfig:
     shared_misreading: float = 0.1
 
     def __post_init__(self):
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
+            raise ValueError(f"world.seed: must be an integer >= 0, got {self.seed!r}")
         if self.size not in SIZES:
             raise ValueError(f"world.size: expected one of {sorted(SIZES)}, got {self.size!r}")
         if not 0.0 <= self.confusable_rate <= 1.0:

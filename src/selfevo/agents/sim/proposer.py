@@ -34,8 +34,14 @@ class SimProposerConfig:
     def __post_init__(self):
         if len(self.theta) != len(FEATURES):
             raise ValueError(f"proposer.theta: expected {len(FEATURES)} weights")
-        if self.options < 1 or not self.hop_ratio or min(self.hop_ratio) < 0:
-            raise ValueError("proposer.options must be >= 1 and hop_ratio non-negative")
+        if self.options < 1:
+            raise ValueError(f"proposer.options: must be >= 1, got {self.options}")
+        if not self.hop_ratio or min(self.hop_ratio) < 0 or sum(self.hop_ratio) <= 0:
+            raise ValueError(f"proposer.hop_ratio: must be non-negative with a positive sum, got {self.hop_ratio}")
+        if self.read_temperature <= 0:
+            raise ValueError(f"proposer.read_temperature: must be > 0, got {self.read_temperature}")
+        if self.misread_scale < 0:
+            raise ValueError(f"proposer.misread_scale: must be >= 0, got {self.misread_scale}")
 
 
 @dataclass
@@ -52,7 +58,8 @@ class SimProposer:
     config: SimProposerConfig
     reader: Reader
     sources: Sequence[Document]
-    w_source: dict[str, float] = field(default_factory=dict)
+    w_source: dict[str, float] = field(default_factory=dict)  # keyed "source id"
+    w_fact: dict[str, float] = field(default_factory=dict)  # keyed "source id|relation"
     w_relation: dict[str, float] = field(default_factory=dict)
     frozen: bool = False
     updates: int = 0
@@ -60,14 +67,15 @@ class SimProposer:
     # ---------------------------------------------------------------- Learner
     def snapshot(self, name: str | None = None) -> SimProposer:
         return SimProposer(name or self.name, self.config, self.reader, self.sources,
-                           dict(self.w_source), dict(self.w_relation), True, self.updates)
+                           dict(self.w_source), dict(self.w_fact), dict(self.w_relation), True, self.updates)
 
     def state_dict(self) -> dict:
         return {"name": self.name, "config": asdict(self.config), "w_source": self.w_source,
-                "w_relation": self.w_relation, "updates": self.updates}
+                "w_fact": self.w_fact, "w_relation": self.w_relation, "updates": self.updates}
 
     def load_state_dict(self, state: dict) -> None:
         self.w_source = {k: float(v) for k, v in state["w_source"].items()}
+        self.w_fact = {k: float(v) for k, v in state["w_fact"].items()}
         self.w_relation = {k: float(v) for k, v in state["w_relation"].items()}
         self.updates = int(state["updates"])
 
@@ -124,14 +132,21 @@ class SimProposer:
         return tuple(rels), value, tuple(pages)
 
     # ---------------------------------------------------------------- Proposer
+    def _score(self, source: str, rel: str) -> float:
+        """The policy's preference for asking about `rel` on page `source`."""
+        return (self.w_source.get(source, 0.0) + self.w_fact.get(f"{source}|{rel}", 0.0)
+                + self.w_relation.get(rel, 0.0))
+
     def propose(self, n: int, tool: SearchTool, seed: int) -> list[Proposal]:
         rnd = random.Random(seed)
         out: list[Proposal] = []
         hop_values = list(range(1, len(self.config.hop_ratio) + 1))
         attempts = 0
+        hops = None
         while len(out) < n and attempts < 20 * n:
             attempts += 1
-            hops = rnd.choices(hop_values, weights=self.config.hop_ratio)[0]
+            # a failed attempt keeps its hop count, so the produced questions follow the ratio
+            hops = hops or rnd.choices(hop_values, weights=self.config.hop_ratio)[0]
             options = []
             for _ in range(self.config.options):
                 doc = self.sources[rnd.randrange(len(self.sources))]
@@ -140,7 +155,7 @@ class SimProposer:
                     options.append((doc, rel))
             if not options:
                 continue
-            logits = [self.w_source.get(d.id, 0.0) + self.w_relation.get(r, 0.0) for d, r in options]
+            logits = [self._score(d.id, r) for d, r in options]
             probs = softmax(logits)
             chosen = rnd.choices(range(len(options)), weights=probs)[0]
             doc, rel = options[chosen]
@@ -158,6 +173,7 @@ class SimProposer:
                 continue
             choice = _Choice([(d.id, r) for d, r in options], probs, chosen, len(rels))
             out.append(Proposal(question, label, doc.id, pages, len(rels), choice))
+            hops = None
         return out
 
     def update(self, proposals: Sequence[Proposal], rewards: Sequence[float]) -> dict:
@@ -172,6 +188,8 @@ class SimProposer:
             for j, ((src, rel), p) in enumerate(zip(ch.options, ch.probs)):
                 g = self.config.lr * adv * ((1.0 if j == ch.chosen else 0.0) - p)
                 self.w_source[src] = self.w_source.get(src, 0.0) + g
+                key = f"{src}|{rel}"
+                self.w_fact[key] = self.w_fact.get(key, 0.0) + g
                 self.w_relation[rel] = self.w_relation.get(rel, 0.0) + g / len(proposals)
         self.updates += 1
         return {"proposals": len(proposals), "reward": sum(rewards) / max(1, len(rewards))}

@@ -22,7 +22,8 @@ from selfevo.agents.base import Trajectory
 from selfevo.agents.sim.reader import FEATURES, Reader, features
 from selfevo.algos import group_advantages, softmax
 from selfevo.evaluate import answers_match
-from selfevo.search.tool import SearchBudgetExhausted, SearchSession, SearchTool
+from selfevo.records import Document
+from selfevo.search.tool import Hit, SearchBudgetExhausted, SearchSession, SearchTool
 from selfevo.world.language import ChainQuery, CompareQuery, parse_question
 
 
@@ -41,7 +42,9 @@ class SimSolverConfig:
         if len(self.theta0) != len(FEATURES):
             raise ValueError(f"solver.theta0: expected {len(FEATURES)} weights")
         if self.temperature <= 0:
-            raise ValueError("solver.temperature: must be > 0")
+            raise ValueError(f"solver.temperature: must be > 0, got {self.temperature}")
+        if self.misread_scale < 0:
+            raise ValueError(f"solver.misread_scale: must be >= 0, got {self.misread_scale}")
 
 
 @dataclass
@@ -68,7 +71,7 @@ class SimSolver:
     def __post_init__(self):
         if not self.theta:
             self.theta = list(self.config.theta0)
-        self._cache: dict[tuple[str, str], _Dist | None] = {}
+        self._cache: dict[tuple[str, str, str | None], _Dist | None] = {}
         self._parsed: dict[str, ChainQuery | CompareQuery | None] = {}
 
     # ---------------------------------------------------------------- Learner
@@ -90,9 +93,12 @@ class SimSolver:
         self._cache.clear()
 
     # ---------------------------------------------------------------- reading
-    def _dist(self, session: SearchSession, mention: str, rel: str) -> _Dist | None:
-        hits = session.search(mention)  # budgeted: every hop costs one search
-        key = (mention, rel)
+    def _dist(self, session: SearchSession, mention: str, rel: str,
+              context: Document | None = None) -> _Dist | None:
+        # a document given in context is read instead of searching; otherwise every hop costs
+        # one budgeted search
+        hits = [Hit(context, 0.0)] if context is not None else session.search(mention)
+        key = (mention, rel, context.id if context is not None else None)
         if key in self._cache:
             return self._cache[key]
         mkey = f"{mention.strip().lower()}|{rel}"
@@ -129,7 +135,8 @@ class SimSolver:
                 return i
         return len(dist.probs) - 1
 
-    def _rollout(self, question: str, tool: SearchTool, greedy: bool, rnd: random.Random) -> Trajectory:
+    def _rollout(self, question: str, tool: SearchTool, greedy: bool, rnd: random.Random,
+                 context: Document | None = None) -> Trajectory:
         if question not in self._parsed:
             self._parsed[question] = parse_question(question)
         query = self._parsed[question]
@@ -138,8 +145,8 @@ class SimSolver:
         try:
             if isinstance(query, ChainQuery):
                 mention = query.mention
-                for rel in query.relations:
-                    dist = self._dist(session, mention, rel)
+                for hop, rel in enumerate(query.relations):
+                    dist = self._dist(session, mention, rel, context if hop == 0 else None)
                     if dist is None:
                         return Trajectory("", session.queries, len(session.queries) + 1, trace)
                     i = self._pick(dist, greedy, rnd)
@@ -165,9 +172,12 @@ class SimSolver:
 
     # ---------------------------------------------------------------- Solver
     def answer(self, questions: Sequence[str], tool: SearchTool, *, greedy: bool = True,
-               n: int = 1, seed: int | None = None) -> list[list[Trajectory]]:
+               n: int = 1, seed: int | None = None,
+               contexts: Sequence[Document] | None = None) -> list[list[Trajectory]]:
         rnd = random.Random(seed)
-        return [[self._rollout(q, tool, greedy, rnd) for _ in range(n)] for q in questions]
+        contexts = contexts if contexts is not None else [None] * len(questions)
+        return [[self._rollout(q, tool, greedy, rnd, c) for _ in range(n)]
+                for q, c in zip(questions, contexts, strict=True)]
 
     def update(self, groups: Sequence[tuple[list[Trajectory], str]]) -> dict:
         """Policy gradient on the solver's own rollouts, reward = answer matches the label.

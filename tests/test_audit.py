@@ -1,0 +1,244 @@
+"""The post-hoc audit: A / T_P / T_S / F / L / coverage on hand-made items, the oracle judge, and
+per-step / per-round aggregation."""
+
+import pytest
+
+from selfevo.audit import METRICS, JudgedItem, OracleJudge, Verdict, audit_metrics
+from selfevo.audit import audit_steps as _audit_steps
+from selfevo.world import WorldConfig, make_world
+from selfevo.world.language import ChainQuery, CompareQuery, render_chain, render_compare
+
+T, F = True, False
+
+
+def test_metric_names():
+    assert METRICS == ("A", "T_P", "T_S", "F", "L", "coverage")
+
+
+# ------------------------------------------------------------------ audit_metrics by hand
+
+
+def three_items():
+    return [
+        # correct label, all five responses agree with it (and are correct)
+        JudgedItem((T, T, T, T, T), True, True, (T, T, T, T, T)),
+        # wrong label; 2 of 5 responses match the wrong label; 1 response is correct
+        JudgedItem((T, T, F, F, F), True, False, (F, F, T, F, F)),
+        # the judge could not resolve it: counts for coverage only
+        JudgedItem((T, F, F, F, F), False),
+    ]
+
+
+def test_audit_metrics_by_hand():
+    m = audit_metrics(three_items())
+    assert m["items"] == 3 and m["resolved"] == 2 and m["pairs"] == 10
+    assert m["A"] == pytest.approx(7 / 10)  # 5 + 2 matching pairs
+    assert m["T_P"] == pytest.approx(1 / 2)  # one of two resolved labels is correct
+    assert m["T_S"] == pytest.approx(6 / 10)  # 5 + 1 correct responses
+    assert m["F"] == pytest.approx(2 / 10)  # the two responses agreeing on the wrong label
+    assert m["L"] == pytest.approx(1 / 10)  # the correct response the wrong label denied
+    assert m["coverage"] == pytest.approx(2 / 3)
+
+
+def test_audit_metrics_alias_and_partial_agreement():
+    items = three_items() + [
+        # correct label; a correct response phrased differently (an alias) does not match it:
+        # it counts for T_S but neither for A nor for L (the label is not wrong)
+        JudgedItem((T, T, F, F, F), True, True, (T, T, T, F, F)),
+    ]
+    m = audit_metrics(items)
+    assert m["pairs"] == 15
+    assert m["A"] == pytest.approx(9 / 15)
+    assert m["T_P"] == pytest.approx(2 / 3)
+    assert m["T_S"] == pytest.approx(9 / 15)
+    assert m["F"] == pytest.approx(2 / 15)
+    assert m["L"] == pytest.approx(1 / 15)
+    assert m["coverage"] == pytest.approx(3 / 4)
+
+
+def test_false_agreement_and_lost_credit_are_disjoint_shares_of_wrong_label_pairs():
+    # with a wrong label, every pair is either agreeing (F), correct (L) or neither
+    items = [JudgedItem((T, T, T, F, F), True, False, (F, F, F, T, F))]
+    m = audit_metrics(items)
+    assert (m["F"], m["L"], m["A"], m["T_S"], m["T_P"]) == pytest.approx((0.6, 0.2, 0.6, 0.2, 0.0))
+
+
+def test_no_resolved_items_gives_none_not_zero():
+    m = audit_metrics([JudgedItem((T, T, T, T, T), False), JudgedItem((F,) * 5, False)])
+    assert m["coverage"] == 0.0
+    assert all(m[k] is None for k in ("A", "T_P", "T_S", "F", "L"))
+    empty = audit_metrics([])
+    assert empty["items"] == 0 and empty["coverage"] is None and empty["A"] is None
+
+
+def test_judged_item_validation():
+    with pytest.raises(ValueError, match="label_correct"):
+        JudgedItem((T, F), True, None, (T, F))
+    with pytest.raises(ValueError, match="label_correct"):
+        JudgedItem((T, F), True, True, None)
+    with pytest.raises(ValueError, match="length"):
+        JudgedItem((T, F, T), True, True, (T, F))
+    JudgedItem((T, F), False)  # unresolved items need no verdict
+
+
+# ------------------------------------------------------------------ the oracle judge
+
+
+@pytest.fixture(scope="module")
+def world():
+    return make_world(WorldConfig(size="small", seed=0))
+
+
+def _person_with_aliased_spouse(world):
+    for e in world.truth.entities.values():
+        if e.type == "person" and "spouse" in e.facts and world.truth.resolve(e.name) is e:
+            spouse = world.truth.entities[e.facts["spouse"]]
+            if len(spouse.aliases) > 1:
+                return e, spouse
+    raise AssertionError("no person with an aliased spouse")
+
+
+def test_oracle_judge_on_hand_made_items(world):
+    person, spouse = _person_with_aliased_spouse(world)
+    other = next(e for e in world.truth.entities.values() if e.type == "person" and e.id not in
+                 (person.id, spouse.id))
+    q = render_chain(ChainQuery(person.name, ("spouse",)))
+    items = [
+        {"question": q, "adopted_label": spouse.name,
+         "responses": [spouse.name, spouse.aliases[1], other.name, "", spouse.name.upper()]},
+        {"question": q, "adopted_label": other.name, "responses": [other.name, spouse.name, "", "", ""]},
+        {"question": "Where was Nobody Anywhere born?", "adopted_label": "Kell", "responses": ["Kell"] * 5},
+        {"question": "Tell me a story.", "adopted_label": "x", "responses": ["x"] * 5},
+    ]
+    v = OracleJudge(world.truth).judge(items)
+    assert [x.resolved for x in v] == [True, True, False, False]
+    assert v[0].label_correct is True
+    assert v[0].responses_correct == (True, True, False, False, True)
+    assert set(v[0].reference) == set(spouse.aliases)
+    assert v[1].label_correct is False and v[1].responses_correct == (False, True, False, False, False)
+    assert v[2].label_correct is None and v[2].responses_correct is None
+
+
+def test_oracle_judge_multi_hop_and_compare(world):
+    truth = world.truth
+    person = next(e for e in truth.entities.values() if e.type == "person" and truth.resolve(e.name) is e)
+    city = truth.entities[person.facts["born_in"]]
+    country = truth.entities[city.facts["located_in"]]
+    q = render_chain(ChainQuery(person.name, ("born_in", "located_in")))
+    a, b = [e for e in truth.entities.values() if e.type == "org"][:2]
+    first = a if int(a.facts["founded_year"]) < int(b.facts["founded_year"]) else b
+    second = b if first is a else a
+    cq = render_compare(CompareQuery((a.name, b.name), "founded_year"))
+    v = OracleJudge(truth).judge([
+        {"question": q, "adopted_label": country.name, "responses": [city.name, country.name]},
+        {"question": cq, "adopted_label": second.name, "responses": [first.name, second.name]},
+    ])
+    assert v[0].label_correct is True and v[0].responses_correct == (False, True)
+    assert v[1].label_correct is False and v[1].responses_correct == (True, False)
+
+
+# ------------------------------------------------------------------ aggregation per step and round
+
+
+class TableJudge:
+    """A judge with fixed verdicts by item id (so aggregation can be checked by hand)."""
+
+    name = "table"
+
+    def __init__(self, table):
+        self.table = table
+
+    def judge(self, items):
+        return [self.table[it["item_id"]] for it in items]
+
+
+def _item(item_id, hops, label, responses, admitted=True):
+    return {"item_id": item_id, "question": f"q-{item_id}", "hops": hops, "adopted_label": label,
+            "responses": responses, "admitted": admitted}
+
+
+def _steps():
+    return [
+        {"round": 1, "step": 1, "kind": "proposer", "items": [
+            _item("a", 1, "Kell", ["Kell", "kell", "the Kell", "Kell.", "KELL"]),
+            _item("b", 2, "Drax", ["Drax", "Drax", "Port Vale", "Mira", ""]),
+        ]},
+        {"round": 1, "step": 2, "kind": "solver", "items": [
+            _item("c", 1, "Kell", ["Kell", "Mira", "Mira", "Mira", "Mira"]),
+        ]},
+        {"round": 2, "step": 3, "kind": "proposer", "items": [
+            _item("d", 1, "Oren", ["Oren"] * 5),
+            _item("e", 3, "Ada", ["Zed"] * 5, admitted=False),
+        ]},
+        {"round": 2, "step": 4, "kind": "solver", "items": []},
+    ]
+
+
+TABLE = {
+    "a": Verdict(True, True, (T, T, T, T, T)),
+    "b": Verdict(True, False, (F, F, T, F, F)),
+    "c": Verdict(True, True, (T, F, F, F, F)),
+    "d": Verdict(False),
+    "e": Verdict(True, True, (F, F, F, F, F)),
+}
+
+
+def test_audit_steps_per_step():
+    out = _audit_steps(_steps(), TableJudge(TABLE))
+    assert out["judge"] == "table"
+    steps = {s["step"]: s for s in out["steps"]}
+    assert [s["kind"] for s in out["steps"]] == ["proposer", "solver", "proposer", "solver"]
+    assert steps[1]["A"] == pytest.approx(0.7) and steps[1]["F"] == pytest.approx(0.2)
+    assert steps[1]["L"] == pytest.approx(0.1) and steps[1]["T_P"] == pytest.approx(0.5)
+    assert steps[2]["A"] == pytest.approx(0.2) and steps[2]["T_S"] == pytest.approx(0.2)
+    assert steps[3]["coverage"] == pytest.approx(0.5) and steps[3]["A"] == 0.0
+    assert steps[4]["items"] == 0 and steps[4]["A"] is None
+
+
+def test_audit_steps_per_round_uses_proposer_steps_only():
+    out = _audit_steps(_steps(), TableJudge(TABLE))
+    r1, r2 = out["rounds"]
+    assert (r1["round"], r2["round"]) == (1, 2)
+    # round 1 = items a, b (the grader's responses); the solver's item c is kept apart
+    assert r1["items"] == 2 and r1["pairs"] == 10
+    assert (r1["A"], r1["T_P"], r1["T_S"], r1["F"], r1["L"], r1["coverage"]) == pytest.approx(
+        (0.7, 0.5, 0.6, 0.2, 0.1, 1.0))
+    assert r1["solver"]["items"] == 1
+    assert (r1["solver"]["A"], r1["solver"]["T_S"], r1["solver"]["T_P"]) == pytest.approx((0.2, 0.2, 1.0))
+    assert r1["admitted"] == 2 and r1["hop_mix_admitted"] == {"1": 0.5, "2": 0.5}
+    # round 2: d unresolved, e resolved with a correct label nobody agreed with
+    assert r2["coverage"] == pytest.approx(0.5)
+    assert (r2["A"], r2["T_P"], r2["T_S"], r2["F"], r2["L"]) == pytest.approx((0.0, 1.0, 0.0, 0.0, 0.0))
+    assert r2["admitted"] == 1 and r2["hop_mix_admitted"] == {"1": 1.0}
+    assert r2["solver"]["items"] == 0 and r2["solver"]["A"] is None
+
+
+def test_audit_uses_the_adopted_label_not_the_draft():
+    steps = [{"round": 1, "step": 1, "kind": "proposer", "items": [
+        {**_item("a", 1, "Kell", ["Kell"] * 5), "draft_label": "Drax"}]}]
+    out = _audit_steps(steps, TableJudge(TABLE))
+    assert out["rounds"][0]["A"] == 1.0
+
+
+def test_audit_steps_with_the_oracle_on_world_items(world):
+    truth = world.truth
+    persons = [e for e in truth.entities.values() if e.type == "person" and truth.resolve(e.name) is e][:6]
+    items = []
+    for i, p in enumerate(persons):
+        q = render_chain(ChainQuery(p.name, ("born_in",)))
+        right = truth.entities[p.facts["born_in"]].name
+        label = right if i % 2 == 0 else "Nowhere"
+        items.append({"item_id": str(i), "question": q, "hops": 1 + i % 3, "adopted_label": label,
+                      "responses": [right, right, label, "Nowhere", ""], "admitted": True})
+    out = _audit_steps([{"round": 1, "step": 1, "kind": "proposer", "items": items}], OracleJudge(truth))
+    r = out["rounds"][0]
+    # even items: label right -> matches at 0,1,2 ; odd: label wrong -> matches at 2,3
+    assert r["A"] == pytest.approx((3 * 3 + 3 * 2) / 30)
+    assert r["T_P"] == pytest.approx(0.5)
+    assert r["T_S"] == pytest.approx((3 * 3 + 3 * 2) / 30)
+    assert r["F"] == pytest.approx(6 / 30)
+    assert r["L"] == pytest.approx(6 / 30)
+    assert r["coverage"] == 1.0
+    # shares are rounded to 4 places, so three thirds sum to 0.9999
+    assert sum(r["hop_mix_admitted"].values()) == pytest.approx(1.0, abs=1e-3)
+    assert r["hop_mix_admitted"] == {"1": 0.3333, "2": 0.3333, "3": 0.3333}

@@ -1,0 +1,171 @@
+"""The resolved config: overrides, TOML files, strict errors naming the field, and the CLI's
+usage errors (exit code 2, nothing half-written)."""
+
+import json
+import math
+
+import pytest
+from typer.testing import CliRunner
+
+from selfevo.cli import app
+from selfevo.config import ConfigError, RunConfig, config_from_dict, load_config
+
+
+def flat(text: str) -> str:
+    """CLI output with rich's line wrapping undone."""
+    return " ".join(text.split())
+
+
+# ------------------------------------------------------------------ overrides and files
+
+
+def test_defaults():
+    cfg = load_config()
+    assert cfg == RunConfig()
+    assert cfg.treatment == "coupled" and cfg.loop.rounds == 3 and cfg.solver.memory is True
+    assert cfg.world.name == "default"
+
+
+def test_overrides():
+    cfg = load_config(None, ["solver.memory=false", "loop.rounds=2", "world.name=small",
+                             "solver.lr_theta=0.1", "proposer.hop_ratio=[1, 1, 1, 1]"])
+    assert cfg.solver.memory is False
+    assert cfg.loop.rounds == 2
+    assert cfg.world.name == "small"
+    assert cfg.solver.lr_theta == 0.1 and isinstance(cfg.solver.lr_theta, float)
+    assert cfg.proposer.hop_ratio == (1, 1, 1, 1)
+    # untouched fields keep their defaults
+    assert cfg.loop.solver_steps == RunConfig().loop.solver_steps
+    assert cfg.solver.lr_memory == RunConfig().solver.lr_memory
+
+
+def test_integer_given_for_a_float_is_a_float():
+    cfg = load_config(None, ["solver.lr_theta=1"])
+    assert cfg.solver.lr_theta == 1.0 and isinstance(cfg.solver.lr_theta, float)
+
+
+def test_toml_file_then_overrides_then_top_level(tmp_path):
+    path = tmp_path / "run.toml"
+    path.write_text('seed = 4\n\n[world]\nname = "small"\nconfusable_rate = 0.3\n\n'
+                    '[loop]\nrounds = 2\nproposer_steps = 6\n\n[solver]\nmemory = false\n', encoding="utf-8")
+    cfg = load_config(path)
+    assert (cfg.seed, cfg.world.name, cfg.world.confusable_rate) == (4, "small", 0.3)
+    assert (cfg.loop.rounds, cfg.loop.proposer_steps, cfg.solver.memory) == (2, 6, False)
+    cfg = load_config(path, ["loop.rounds=1", "seed=5"])
+    assert (cfg.loop.rounds, cfg.seed, cfg.loop.proposer_steps) == (1, 5, 6)
+    cfg = load_config(path, ["loop.rounds=1"], **{"loop.rounds": 3, "seed": None})
+    assert cfg.loop.rounds == 3 and cfg.seed == 4  # None means "not given"
+
+
+def test_round_trip_through_json():
+    cfg = load_config(None, ["solver.memory=false", "loop.rounds=2", "world.name=small"])
+    assert config_from_dict(json.loads(json.dumps(cfg.to_json()))) == cfg
+
+
+def test_bad_toml_file_names_the_file(tmp_path):
+    path = tmp_path / "bad.toml"
+    path.write_text("[loop\nrounds = 2\n", encoding="utf-8")
+    with pytest.raises(ConfigError, match="bad.toml"):
+        load_config(path)
+
+
+# ------------------------------------------------------------------ errors name the field
+
+
+@pytest.mark.parametrize("override, field", [
+    ("loop.foo=1", "loop.foo"),
+    ("foo=1", "foo"),
+    ("world.size=small", "world.size"),
+    ("solver.memory=3", "solver.memory"),
+    ("solver.memory='yes'", "solver.memory"),
+    ("loop.rounds=2.5", "loop.rounds"),
+    ("loop.rounds=true", "loop.rounds"),
+    ("loop.rounds=0", "loop.rounds"),
+    ("loop=3", "loop"),
+    ("solver.lr_theta=nan", "solver.lr_theta"),
+    ("solver.lr_theta=inf", "solver.lr_theta"),
+    ("solver.lr_theta='fast'", "solver.lr_theta"),
+    ("solver.theta0=[1.0, 2.0]", "solver.theta0"),
+    ("solver.temperature=0", "solver.temperature"),
+    ("world.confusable_rate=2.0", "world.confusable_rate"),
+    ("world.shared_misreading=-0.5", "world.shared_misreading"),
+    ("treatment=bogus", "treatment"),
+    ("seed='x'", "seed"),
+])
+def test_bad_values_raise_config_error_naming_the_field(override, field):
+    with pytest.raises(ConfigError) as exc:
+        load_config(None, [override])
+    assert str(exc.value).startswith(f"{field}:") or f"{field}:" in str(exc.value), str(exc.value)
+
+
+def test_nan_is_never_accepted_anywhere():
+    for key in ("solver.lr_memory", "solver.misread_scale", "proposer.lr", "world.confusable_rate"):
+        with pytest.raises(ConfigError, match=key):
+            load_config(None, [f"{key}=nan"])
+    assert not math.isnan(load_config(None, ["solver.lr_memory=1e-3"]).solver.lr_memory)
+
+
+def test_override_without_equals_is_an_error():
+    with pytest.raises(ConfigError, match="KEY=VALUE"):
+        load_config(None, ["loop.rounds"])
+
+
+@pytest.mark.parametrize("override", ["proposer.options=0", "proposer.hop_ratio=[1, -1]"])
+def test_bad_proposer_values_raise_config_error(override):
+    # regression: a component message without "field:" once made config._build raise IndexError
+    with pytest.raises(ConfigError, match=override.split("=")[0]):
+        load_config(None, [override])
+
+
+# ------------------------------------------------------------------ the CLI
+
+
+def test_cli_bad_config_exits_2_and_leaves_no_run_directory(tmp_path):
+    out = tmp_path / "run"
+    result = CliRunner().invoke(app, ["evolve", "--set", "loop.rounds=0", "--out", str(out)])
+    assert result.exit_code == 2, result.output
+    assert "loop.rounds" in flat(result.output)
+    assert "Traceback" not in result.output
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("args, field", [
+    (["--set", "loop.foo=1"], "loop.foo"),
+    (["--set", "solver.lr_theta=nan"], "solver.lr_theta"),
+    (["--set", "world.confusable_rate=2.0"], "world.confusable_rate"),
+    (["--treatment", "bogus"], "treatment"),
+    (["--rounds", "0"], "loop.rounds"),
+])
+def test_cli_config_errors(tmp_path, args, field):
+    out = tmp_path / "run"
+    result = CliRunner().invoke(app, ["evolve", "--out", str(out), *args])
+    assert result.exit_code == 2, result.output
+    assert field in flat(result.output)
+    assert not out.exists()
+
+
+def test_cli_bad_search_budget_exits_2_and_leaves_no_run_directory(tmp_path):
+    # regression: search.* was unvalidated; the tool's ValueError escaped after the run dir was written
+    out = tmp_path / "run"
+    result = CliRunner().invoke(app, ["evolve", "--world", "small", "--set", "search.topk=0", "--out", str(out)])
+    assert (result.exit_code, "search.topk" in flat(result.output), (out / "manifest.json").exists()) == (
+        2, True, False)
+
+
+def test_cli_missing_world_directory_exits_2_and_leaves_no_run_directory(tmp_path):
+    # regression: the world was loaded after the run dir was written, and its ValueError escaped the CLI
+    out = tmp_path / "run"
+    result = CliRunner().invoke(app, ["evolve", "--world", str(tmp_path / "no-such-world"), "--out", str(out)])
+    assert (result.exit_code, (out / "manifest.json").exists()) == (2, False)
+
+
+def test_cli_audit_on_a_missing_run(tmp_path):
+    result = CliRunner().invoke(app, ["audit", str(tmp_path / "nothing")])
+    assert result.exit_code == 2 and "not a run directory" in flat(result.output)
+
+
+def test_cli_negative_world_seed_exits_2_naming_the_field(tmp_path):
+    out = tmp_path / "run"
+    result = CliRunner().invoke(app, ["evolve", "--set", "world.seed=-1", "--out", str(out)])
+    assert (result.exit_code, "world.seed" in flat(result.output)) == (2, True)
+    assert not (out / "manifest.json").exists()

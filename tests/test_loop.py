@@ -1,0 +1,291 @@
+"""The loop: schedule, seeds, folds, and an end-to-end `evolve` on the small world."""
+
+import json
+from collections import Counter
+
+import pytest
+from typer.testing import CliRunner
+
+from selfevo.algos import frontier_reward
+from selfevo.audit import METRICS, OracleJudge, audit_steps
+from selfevo.cli import app
+from selfevo.config import load_config
+from selfevo.evaluate import answers_match, score_files
+from selfevo.evolve import evolve, load_run_world
+from selfevo.loop.folds import fold_of
+from selfevo.loop.schedule import LoopConfig, derive_seed, schedule
+from selfevo.runs import RunDir
+from selfevo.world import save_world
+
+# ------------------------------------------------------------------ schedule
+
+
+def test_paper_schedule_has_129_steps():
+    steps = schedule(LoopConfig())
+    assert len(steps) == 129
+    assert [s.step for s in steps] == list(range(1, 130))
+    kinds = Counter((s.round, s.kind) for s in steps)
+    assert kinds == {(r, k): n for r in (1, 2, 3) for k, n in (("proposer", 18), ("solver", 25))}
+    for r in (1, 2, 3):
+        in_round = [s for s in steps if s.round == r]
+        assert [s.step_in_round for s in in_round] == list(range(1, 44))
+        assert [s.kind for s in in_round] == ["proposer"] * 18 + ["solver"] * 25
+
+
+def test_paper_budget_per_step():
+    cfg = LoopConfig()
+    assert cfg.proposals_per_step * cfg.proposer_steps >= cfg.admit_per_round == 1600
+    assert cfg.proposals_per_step == 89 and cfg.solver_batch == 64
+    assert cfg.grader_samples == 5
+
+
+def test_scaled_schedule():
+    steps = schedule(LoopConfig(rounds=2, proposer_steps=3, solver_steps=2))
+    assert [(s.round, s.step, s.step_in_round, s.kind) for s in steps] == [
+        (1, 1, 1, "proposer"), (1, 2, 2, "proposer"), (1, 3, 3, "proposer"), (1, 4, 4, "solver"),
+        (1, 5, 5, "solver"), (2, 6, 1, "proposer"), (2, 7, 2, "proposer"), (2, 8, 3, "proposer"),
+        (2, 9, 4, "solver"), (2, 10, 5, "solver")]
+
+
+@pytest.mark.parametrize("field, value", [
+    ("rounds", 0), ("rounds", -1), ("rounds", 1.5), ("rounds", True), ("proposer_steps", 0),
+    ("solver_steps", 0), ("admit_per_round", 0), ("grader_samples", 0), ("source_docs", -1),
+    ("source_docs", "all"),
+])
+def test_loop_config_bad_values_name_the_field(field, value):
+    with pytest.raises(ValueError, match=f"loop.{field}"):
+        LoopConfig(**{field: value})
+
+
+def test_derive_seed_stable_and_distinct():
+    a = derive_seed(0, 1, 2, "propose")
+    assert a == derive_seed(0, 1, 2, "propose")
+    assert isinstance(a, int) and 0 <= a < 2**64
+    keys = [(s, r, st, p) for s in (0, 1) for r in (1, 2, 3) for st in range(1, 20)
+            for p in ("propose", "admit", "grade", "rollout")]
+    seeds = {derive_seed(*k) for k in keys}
+    assert len(seeds) == len(keys)
+    assert derive_seed(0, 1, 2) != derive_seed(0, 12)  # keys are separated, not concatenated
+
+
+def test_fold_of_is_stable_balanced_and_seeded():
+    ids = [f"doc-{i}" for i in range(1000)]
+    folds = [fold_of(i, seed=0) for i in ids]
+    assert folds == [fold_of(i, seed=0) for i in ids]
+    assert set(folds) == {0, 1}
+    assert 430 <= folds.count(0) <= 570
+    assert folds != [fold_of(i, seed=1) for i in ids]
+    three = Counter(fold_of(i, seed=0, k=3) for i in ids)
+    assert set(three) == {0, 1, 2} and min(three.values()) > 280
+
+
+@pytest.mark.parametrize("k", [1, 0, -2])
+def test_fold_of_needs_two_folds(k):
+    with pytest.raises(ValueError, match="k"):
+        fold_of("doc", 0, k)
+
+
+# ------------------------------------------------------------------ end to end
+
+SCALED = ["world.name=small", "loop.admit_per_round=100", "loop.proposer_steps=6", "loop.solver_steps=5"]
+
+
+def run_evolve(path, seed=0, extra=()):
+    cfg = load_config(None, [*SCALED, f"seed={seed}", *extra])
+    evolve(cfg, path, progress=False)
+    return cfg, RunDir(path)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    base = tmp_path_factory.mktemp("loop")
+    cfg, a = run_evolve(base / "a", seed=0)
+    _, b = run_evolve(base / "b", seed=0)
+    _, c = run_evolve(base / "c", seed=1)
+    return cfg, a, b, c
+
+
+def test_run_directory_layout(runs):
+    cfg, run, _, _ = runs
+    assert json.loads((run.path / "config.json").read_text()) == json.loads(json.dumps(cfg.to_json()))
+    m = run.manifest()
+    assert m["status"] == "complete" and m["rounds_completed"] == 3
+    for r in (0, 1, 2, 3):
+        assert run.eval_path(r).exists() and run.eval_predictions_path(r).exists()
+    for r in (1, 2, 3):
+        assert run.checkpoint_path(r).exists()
+    assert (run.path / "compute.json").exists() and (run.path / "audit" / "metrics.json").exists()
+
+
+def test_one_step_record_per_scheduled_step(runs):
+    cfg, run, _, _ = runs
+    rows = run.steps()
+    sched = schedule(cfg.loop)
+    assert len(rows) == len(sched) == 3 * 11
+    assert [(r["round"], r["step"], r["step_in_round"], r["kind"]) for r in rows] == [
+        (s.round, s.step, s.step_in_round, s.kind) for s in sched]
+    assert all(r["schema"] == 1 for r in rows)
+
+
+def test_proposer_items_carry_lineage_and_a_consistent_reward(runs):
+    cfg, run, _, _ = runs
+    n_items = 0
+    for row in run.steps():
+        if row["kind"] != "proposer":
+            continue
+        assert row["items"], row["step"]
+        for it in row["items"]:
+            n_items += 1
+            for key in ("source_id", "fold", "question", "draft_label", "adopted_label"):
+                assert key in it and it[key] not in (None, ""), key
+            assert it["fold"] == fold_of(it["source_id"], cfg.seed, 2)
+            assert it["source_ids"][0] == it["source_id"]
+            assert len(it["responses"]) == 5
+            k = sum(answers_match(z, it["draft_label"]) for z in it["responses"])
+            assert it["k"] == k
+            assert it["reward"] == pytest.approx(frontier_reward(k))
+            # the coupled loop admits every proposal with its draft label (within the budget)
+            assert it["adopted_label"] == it["draft_label"]
+    assert n_items >= 3 * 6 * 15
+
+
+def test_coupled_grader_is_the_main_solver_of_the_previous_round(runs):
+    _, run, _, _ = runs
+    for row in run.steps():
+        if row["kind"] != "proposer":
+            continue
+        r = row["round"]
+        for it in row["items"]:
+            g = it["grader"]
+            assert g["id"] == f"main@r{r - 1}"
+            assert g["trained_on"]["rounds"] == list(range(1, r))
+            assert g["trained_on"]["folds"] == ([] if r == 1 else [0, 1])
+
+
+def test_solver_steps_train_on_admitted_items(runs):
+    _, run, _, _ = runs
+    rows = run.steps()
+    for r in (1, 2, 3):
+        admitted = [it["item_id"] for row in rows if row["round"] == r and row["kind"] == "proposer"
+                    for it in row["items"] if it["admitted"]]
+        trained = [it["item_id"] for row in rows if row["round"] == r and row["kind"] == "solver"
+                   for it in row["items"]]
+        assert trained == admitted  # every admitted question trains the main solver once
+        for row in rows:
+            if row["round"] == r and row["kind"] == "solver":
+                for it in row["items"]:
+                    assert it["k"] == sum(answers_match(z, it["adopted_label"]) for z in it["responses"])
+
+
+def test_admission_budget_per_round(runs):
+    cfg, run, _, _ = runs
+    rows = run.steps()
+    assert cfg.loop.proposals_per_step * cfg.loop.proposer_steps > cfg.loop.admit_per_round
+    over = 0
+    for r in (1, 2, 3):
+        items = [it for row in rows if row["round"] == r and row["kind"] == "proposer" for it in row["items"]]
+        admitted = sum(it["admitted"] for it in items)
+        assert admitted <= cfg.loop.admit_per_round
+        over += sum(bool(it.get("admission", {}).get("over_budget")) for it in items)
+        if len(items) > cfg.loop.admit_per_round:
+            assert admitted == cfg.loop.admit_per_round
+    assert over > 0  # the budget actually bound in this configuration
+
+
+def test_eval_files_have_the_score_schema(runs, tmp_path):
+    cfg, run, _, _ = runs
+    world = load_run_world(cfg)
+    save_world(world, tmp_path / "world")
+    for r in (0, 1, 2, 3):
+        ev = json.loads(run.eval_path(r).read_text())
+        assert set(ev) == {"benchmarks", "macro", "single_hop", "multi_hop", "run"}
+        assert ev["run"]["round"] == r and ev["run"]["questions"] == 1325
+        # rescoring the saved predictions with `selfevo score` gives the same numbers
+        rescored = score_files(tmp_path / "world" / "qa", run.eval_predictions_path(r), tmp_path / f"s{r}.json")
+        assert {k: v for k, v in ev.items() if k != "run"} == rescored
+    r0 = json.loads(run.eval_path(0).read_text())["macro"]["cover_em"]
+    r3 = json.loads(run.eval_path(3).read_text())["macro"]["cover_em"]
+    assert 0.2 < r0 < 0.9 and 0.2 < r3 < 0.95
+
+
+def test_compute_accounting(runs):
+    cfg, run, _, _ = runs
+    comp = json.loads((run.path / "compute.json").read_text())
+    loop = cfg.loop
+    assert comp["updates"]["proposer"] == loop.rounds * loop.proposer_steps == 18
+    assert comp["updates"]["main"] == loop.rounds * loop.solver_steps == 15
+    rows = run.steps()
+    n_prop = sum(len(r["items"]) for r in rows if r["kind"] == "proposer")
+    n_solv = sum(len(r["items"]) for r in rows if r["kind"] == "solver")
+    assert comp["generations"]["proposer"] == n_prop
+    assert comp["generations"]["grader"] == 5 * n_prop
+    assert comp["generations"]["solver_rollouts"] == 5 * n_solv
+    assert comp["total_generations"] == sum(comp["generations"].values())
+    assert comp["total_updates"] == sum(comp["updates"].values())
+
+
+def test_audit_metrics_file(runs):
+    cfg, run, _, _ = runs
+    metrics = json.loads((run.path / "audit" / "metrics.json").read_text())
+    assert metrics["judge"] == "oracle"
+    assert [r["round"] for r in metrics["rounds"]] == [1, 2, 3]
+    for r in metrics["rounds"]:
+        for m in METRICS:
+            assert isinstance(r[m], float) and 0.0 <= r[m] <= 1.0, (r["round"], m)
+        assert r["coverage"] > 0.9
+        assert r["F"] <= r["A"] and r["L"] <= 1 - r["T_P"]
+        assert r["admitted"] <= cfg.loop.admit_per_round
+        assert sum(r["hop_mix_admitted"].values()) == pytest.approx(1.0, abs=1e-3)
+    assert len(metrics["steps"]) == len(schedule(cfg.loop))
+    # the file is exactly what the audit computes from the saved steps
+    redo = audit_steps(run.steps(), OracleJudge(load_run_world(cfg).truth))
+    assert json.loads(json.dumps(redo)) == metrics
+
+
+def test_cli_audit_reproduces_metrics(runs, tmp_path):
+    _, run, _, _ = runs
+    before = (run.path / "audit" / "metrics.json").read_bytes()
+    result = CliRunner().invoke(app, ["audit", str(run.path)])
+    assert result.exit_code == 0, result.output
+    assert (run.path / "audit" / "metrics.json").read_bytes() == before
+    assert "audit (oracle) by round" in result.output
+
+
+FILES = ("records/steps.jsonl", "audit/metrics.json", "eval/round-3.json")
+
+
+def test_same_seed_is_byte_identical(runs):
+    _, a, b, _ = runs
+    for f in FILES:
+        assert (a.path / f).read_bytes() == (b.path / f).read_bytes(), f
+    for r in (1, 2, 3):  # checkpoints too, up to the wall-clock seconds in their compute block
+        ca, cb = a.load_checkpoint(r), b.load_checkpoint(r)
+        del ca["compute"]["seconds"], cb["compute"]["seconds"]
+        assert ca == cb
+
+
+def test_different_seed_differs(runs):
+    _, a, _, c = runs
+    for f in FILES:
+        assert (a.path / f).read_bytes() != (c.path / f).read_bytes(), f
+
+
+def test_evolve_refuses_an_existing_run(runs):
+    from selfevo.runs import RunError
+
+    cfg, run, _, _ = runs
+    with pytest.raises(RunError, match="already exists"):
+        evolve(cfg, run.path, progress=False)
+
+
+def test_every_scheduled_solver_step_updates_when_the_pool_allows(tmp_path):
+    # regression: ceil(n/steps)-sized batches left the last scheduled step(s) empty (24 of 25 trained)
+    cfg = load_config(None, ["world.name=small", "loop.rounds=1", "loop.admit_per_round=120",
+                             "loop.proposer_steps=6", "loop.solver_steps=25"])
+    evolve(cfg, tmp_path / "run", progress=False, audit=False)
+    run = RunDir(tmp_path / "run")
+    pool = sum(it["admitted"] for row in run.steps() if row["kind"] == "proposer" for it in row["items"])
+    assert pool >= 25
+    empty = [row["step_in_round"] for row in run.steps() if row["kind"] == "solver" and not row["items"]]
+    comp = json.loads((run.path / "compute.json").read_text())
+    assert (empty, comp["updates"]["main"]) == ([], 25)

@@ -1,0 +1,193 @@
+"""Resume (torchtune-style): a run killed anywhere and resumed gives the numbers of a run that was
+never interrupted, byte for byte."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+from typer.testing import CliRunner
+
+from selfevo.cli import app
+from selfevo.config import load_config
+from selfevo.evolve import evolve
+from selfevo.loop.engine import Loop
+from selfevo.runs import RunDir
+
+SCALED = ["world.name=small", "loop.admit_per_round=100", "loop.proposer_steps=6", "loop.solver_steps=5"]
+CLI_SCALED = [x for s in SCALED for x in ("--set", s)]
+COMPARED = ("records/steps.jsonl", "audit/metrics.json", "eval/round-1.json", "eval/round-2.json",
+            "eval/round-3.json")
+
+
+def cfg_for(seed=0, extra=()):
+    return load_config(None, [*SCALED, f"seed={seed}", *extra])
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    path = tmp_path_factory.mktemp("resume") / "reference"
+    evolve(cfg_for(), path, progress=False)
+    return RunDir(path)
+
+
+def assert_same_results(run: RunDir, reference: RunDir, files=COMPARED):
+    for f in files:
+        assert (run.path / f).read_bytes() == (reference.path / f).read_bytes(), f
+    assert run.manifest()["status"] == "complete" and run.manifest()["rounds_completed"] == 3
+
+
+def crash_at(monkeypatch, method: str, round_: int, step_in_round: int):
+    """Make Loop.<method> raise the first time it runs the given step."""
+    original = getattr(Loop, method)
+    fired = []
+
+    def wrapper(self, st, *args, **kwargs):
+        if st.round == round_ and st.step_in_round == step_in_round and not fired:
+            fired.append(st.step)
+            raise RuntimeError(f"simulated crash at round {st.round} step {st.step_in_round}")
+        return original(self, st, *args, **kwargs)
+
+    monkeypatch.setattr(Loop, method, wrapper)
+    return fired
+
+
+# ------------------------------------------------------------------ in-process crash + resume
+
+
+def test_crash_in_round_2_then_resume_matches_an_uninterrupted_run(tmp_path, monkeypatch, reference):
+    cfg = cfg_for()
+    fired = crash_at(monkeypatch, "solver_step", 2, cfg.loop.proposer_steps + 3)
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        evolve(cfg, tmp_path / "run", progress=False)
+    assert fired
+    run = RunDir(tmp_path / "run")
+    m = run.manifest()
+    assert m["status"] == "running" and m["rounds_completed"] == 1
+    rounds_logged = [r["round"] for r in run.steps()]
+    assert rounds_logged.count(2) == cfg.loop.proposer_steps + 2  # round 2 was half done
+    assert not run.eval_path(2).exists()
+
+    monkeypatch.undo()
+    evolve(cfg, run.path, resume=True, progress=False)
+    assert_same_results(run, reference)
+
+
+def test_crash_in_round_1_then_resume(tmp_path, monkeypatch, reference):
+    cfg = cfg_for()
+    crash_at(monkeypatch, "proposer_step", 1, 4)
+    with pytest.raises(RuntimeError):
+        evolve(cfg, tmp_path / "run", progress=False)
+    run = RunDir(tmp_path / "run")
+    assert run.manifest()["rounds_completed"] == 0 and len(run.steps()) == 3
+    monkeypatch.undo()
+    evolve(cfg, run.path, resume=True, progress=False)
+    assert_same_results(run, reference, (*COMPARED, "eval/round-0.json"))
+
+
+def test_torn_last_line_is_repaired_on_resume(tmp_path, monkeypatch, reference):
+    cfg = cfg_for()
+    # crash right at the start of round 2, so the log holds exactly round 1 ...
+    crash_at(monkeypatch, "proposer_step", 2, 1)
+    with pytest.raises(RuntimeError):
+        evolve(cfg, tmp_path / "run", progress=False)
+    run = RunDir(tmp_path / "run")
+    n_round_1 = len(run.steps())
+    assert n_round_1 == cfg.loop.proposer_steps + cfg.loop.solver_steps
+    # ... plus half a line, as a kill in the middle of a write leaves it
+    with open(run.steps_path, "ab") as fh:
+        fh.write(b'{"schema": 1, "round": 2, "step": 12, "step_in_round": 1, "kind": "prop')
+    assert len(run.steps()) == n_round_1  # readers skip the torn tail
+    monkeypatch.undo()
+    evolve(cfg, run.path, resume=True, progress=False)
+    assert_same_results(run, reference)
+    assert b"kind\": \"prop{" not in run.steps_path.read_bytes()
+
+
+def test_resuming_a_complete_run_is_a_no_op(tmp_path):
+    cfg = cfg_for()
+    evolve(cfg, tmp_path / "run", progress=False)
+    run = RunDir(tmp_path / "run")
+    files = [*COMPARED, "eval/round-0.json", "compute.json", "checkpoints/round-3.json"]
+    before = {f: (run.path / f).read_bytes() for f in files}
+    evolve(cfg, run.path, resume=True, progress=False)
+    assert {f: (run.path / f).read_bytes() for f in files} == before
+    assert run.manifest()["status"] == "complete"
+
+
+def test_resume_of_a_missing_run_starts_it(tmp_path, reference):
+    evolve(cfg_for(), tmp_path / "run", resume=True, progress=False)
+    assert_same_results(RunDir(tmp_path / "run"), reference)
+
+
+def test_resume_with_a_different_config_exits_2_naming_the_field(reference, tmp_path):
+    before = (reference.path / "records" / "steps.jsonl").read_bytes()
+    result = CliRunner().invoke(app, ["evolve", "--out", str(reference.path), *CLI_SCALED,
+                                      "--set", "loop.solver_steps=7", "--resume"])
+    assert result.exit_code == 2, result.output
+    text = " ".join(result.output.split())
+    assert "config differs" in text and "loop" in text
+    result = CliRunner().invoke(app, ["evolve", "--out", str(reference.path), *CLI_SCALED, "--seed", "9",
+                                      "--resume"])
+    assert result.exit_code == 2 and "seed" in " ".join(result.output.split())
+    # nothing of the saved run was touched
+    assert (reference.path / "records" / "steps.jsonl").read_bytes() == before
+
+
+def test_resume_mismatch_names_only_the_differing_section(reference):
+    # regression: saved lists vs in-memory tuples once named solver and proposer as differing too
+    result = CliRunner().invoke(app, ["evolve", "--out", str(reference.path), *CLI_SCALED,
+                                      "--set", "loop.solver_steps=7", "--resume"])
+    assert result.exit_code == 2
+    text = " ".join(result.output.split())
+    assert "fields: loop.solver_steps)" in text, text
+
+
+# ------------------------------------------------------------------ a real kill -9
+
+
+def _cli(out, *extra):
+    return [sys.executable, "-m", "selfevo.cli", "evolve", "--out", str(out), "--world", "default",
+            "--seed", "2", *extra]
+
+
+@pytest.mark.slow
+def test_sigkill_during_round_2_then_resume(tmp_path):
+    env = {**os.environ, "COLUMNS": "200"}
+    # the uninterrupted run, alongside the one we kill
+    ref = subprocess.Popen(_cli(tmp_path / "ref"), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env)
+    out = tmp_path / "killed"
+    steps = out / "records" / "steps.jsonl"
+    child = subprocess.Popen(_cli(out), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
+    seen, offset, deadline = False, 0, time.monotonic() + 120
+    try:
+        while time.monotonic() < deadline and child.poll() is None:
+            if steps.exists():
+                with open(steps, "rb") as fh:
+                    fh.seek(max(0, offset - 32))
+                    chunk = fh.read()
+                offset += len(chunk) - min(offset, 32)
+                if b'"round": 2' in chunk:
+                    seen = True
+                    break
+            time.sleep(0.005)
+        child.send_signal(signal.SIGKILL)
+    finally:
+        child.wait()
+    if not seen or child.returncode != -signal.SIGKILL:
+        pytest.fail(f"the child was not killed during round 2 (saw round 2: {seen}, "
+                    f"exit code {child.returncode}); the test proved nothing")
+    killed = RunDir(out)
+    assert killed.manifest()["status"] == "running"
+    assert killed.manifest()["rounds_completed"] == 1
+
+    resumed = subprocess.run(_cli(out, "--resume"), capture_output=True, text=True, env=env, timeout=300)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert ref.wait(timeout=300) == 0, ref.stderr.read()[-2000:]
+    for f in ("audit/metrics.json", "eval/round-3.json", "records/steps.jsonl"):
+        assert (out / f).read_bytes() == (tmp_path / "ref" / f).read_bytes(), f
+    metrics = json.loads((out / "audit" / "metrics.json").read_text())
+    assert [r["round"] for r in metrics["rounds"]] == [1, 2, 3]

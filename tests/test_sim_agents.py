@@ -1,0 +1,302 @@
+"""The sim backends: SimSolver (search, read, memory, policy gradient) and SimProposer."""
+
+import json
+from collections import Counter
+
+import pytest
+
+from selfevo.agents.sim import Reader, SimProposer, SimProposerConfig, SimSolver, SimSolverConfig
+from selfevo.audit import OracleJudge
+from selfevo.evaluate import answers_match, normalize_answer
+from selfevo.search.bm25 import BM25Index
+from selfevo.search.tool import SearchTool
+from selfevo.world import WorldConfig, make_world
+from selfevo.world.language import ChainQuery, parse_question, render_chain
+
+
+@pytest.fixture(scope="module")
+def env():
+    world = make_world(WorldConfig(size="small", seed=0))
+    index = BM25Index.build(world.documents)
+    return world, index, SearchTool(index, topk=3, max_calls=5)
+
+
+def make_solver(memory: bool = True, name: str = "main") -> SimSolver:
+    cfg = SimSolverConfig(memory=memory)
+    return SimSolver(name, cfg, Reader("solver", cfg.misread_scale, 0.1, 0))
+
+
+def make_proposer(sources, misread_scale: float = 1.6) -> SimProposer:
+    cfg = SimProposerConfig(misread_scale=misread_scale)
+    return SimProposer("proposer", cfg, Reader("proposer", misread_scale, 0.1, 0), sources)
+
+
+def questions(world, n_per_bench: int = 15) -> list[str]:
+    return [it.question for items in world.benchmarks.values() for it in items[:n_per_bench]]
+
+
+def answers_of(solver, qs, tool, **kw) -> list[list[str]]:
+    return [[t.answer for t in ts] for ts in solver.answer(qs, tool, **kw)]
+
+
+# ------------------------------------------------------------------ SimSolver: answering
+
+
+def test_greedy_answers_are_deterministic(env):
+    world, _, tool = env
+    qs = questions(world)
+    a = answers_of(make_solver(), qs, tool, greedy=True)
+    b = answers_of(make_solver(), qs, tool, greedy=True)
+    assert a == b
+    assert all(len(x) == 1 for x in a)
+    # the untrained solver already answers a fair share correctly (it can read)
+    gold = {it.question: it.golden_answers for items in world.benchmarks.values() for it in items}
+    correct = sum(any(answers_match(x[0], g) for g in gold[q]) for q, x in zip(qs, a))
+    assert 0.2 < correct / len(qs) < 0.95
+
+
+def test_sampled_answers_follow_the_seed(env):
+    world, _, tool = env
+    qs = questions(world, 10)
+    solver = make_solver()
+    a = answers_of(solver, qs, tool, greedy=False, n=5, seed=7)
+    b = answers_of(solver, qs, tool, greedy=False, n=5, seed=7)
+    c = answers_of(solver, qs, tool, greedy=False, n=5, seed=8)
+    assert a == b
+    assert a != c
+    assert all(len(x) == 5 for x in a)
+    # sampling is not greedy: some question gets more than one distinct answer
+    assert any(len(set(x)) > 1 for x in a)
+
+
+def test_search_budget_is_respected(env):
+    world, index, tool = env
+    solver = make_solver()
+    qs = [it.question for items in world.benchmarks.values() for it in items]
+    for ts in solver.answer(qs, tool, greedy=False, n=2, seed=0):
+        for t in ts:
+            assert len(t.searches) <= tool.max_calls
+    four_hop = [it.question for it in world.benchmarks["musique"] if it.metadata["hops"] == 4]
+    assert len(four_hop) >= 10
+    tight = SearchTool(index, topk=3, max_calls=2)
+    for q, ts in zip(four_hop, solver.answer(four_hop, tight, greedy=True)):
+        assert ts[0].answer == "", q
+        assert len(ts[0].searches) == 2
+    # with the normal budget the same questions are answered
+    answered = [ts[0].answer for ts in solver.answer(four_hop, tool, greedy=True)]
+    assert sum(a != "" for a in answered) >= 0.8 * len(four_hop)
+
+
+# ------------------------------------------------------------------ SimSolver: memory
+
+
+def _label_prob(solver, question, label, tool, hop: int = 0) -> float:
+    """The solver's probability of `label` at hop `hop` of `question` (read off a greedy trace)."""
+    traj = solver.answer([question], tool, greedy=True)[0][0]
+    dist = traj.trace[hop][0]
+    return dist.probs[dist.cands.index(label)] if label in dist.cands else 0.0
+
+
+@pytest.fixture(scope="module")
+def wrong_candidate(env):
+    """A person, and a wrong birthplace the untrained solver samples with moderate probability."""
+    world, _, tool = env
+    probe = make_solver()
+    for e in world.truth.entities.values():
+        if e.type != "person" or world.truth.resolve(e.name) is not e:
+            continue
+        q = render_chain(ChainQuery(e.name, ("born_in",)), variant=0)
+        dist = probe.answer([q], tool, greedy=True)[0][0].trace[0][0]
+        truth = world.truth.value_aliases(e.facts["born_in"])
+        for cand, p in zip(dist.cands, dist.probs):
+            if cand not in truth and 0.2 < p < 0.45:
+                return e, cand, p
+    raise AssertionError("no person with a moderately likely wrong birthplace")
+
+
+def _train_on_wrong_label(solver, question, label, tool, steps: int = 4) -> int:
+    signal = 0
+    for s in range(steps):
+        trajs = solver.answer([question], tool, greedy=False, n=5, seed=100 + s)[0]
+        signal += solver.update([(trajs, label)])["groups_with_signal"]
+    return signal
+
+
+def test_memory_generalises_a_wrong_label_to_other_phrasings(env, wrong_candidate):
+    """Co-cheating's mechanism: a wrong label absorbed from one question is repeated on every
+    other question that passes through the same (entity, relation)."""
+    world, _, tool = env
+    person, wrong, _ = wrong_candidate
+    trained_on = render_chain(ChainQuery(person.name, ("born_in",)), variant=0)  # Where was X born?
+    rephrased = render_chain(ChainQuery(person.name, ("born_in",)), variant=2)  # What is the birthplace of X?
+    two_hop = render_chain(ChainQuery(person.name, ("born_in", "located_in")))  # country of the birthplace
+    assert len({trained_on, rephrased, two_hop}) == 3
+
+    deltas = {}
+    for memory in (True, False):
+        solver = make_solver(memory=memory)
+        before = (_label_prob(solver, rephrased, wrong, tool), _label_prob(solver, two_hop, wrong, tool, hop=0))
+        assert _train_on_wrong_label(solver, trained_on, wrong, tool) >= 2
+        after = (_label_prob(solver, rephrased, wrong, tool), _label_prob(solver, two_hop, wrong, tool, hop=0))
+        deltas[memory] = (after[0] - before[0], after[1] - before[1])
+
+    # with memory: the wrong birthplace becomes much more likely on both other phrasings
+    assert deltas[True][0] > 0.25
+    assert deltas[True][1] > 0.25
+    # without memory only the generic reading weights move: a far smaller effect
+    assert abs(deltas[False][0]) < 0.25 * deltas[True][0]
+    assert abs(deltas[False][1]) < 0.25 * deltas[True][1]
+
+
+def test_memory_shows_in_sampled_answers_of_the_rephrased_question(env, wrong_candidate):
+    world, _, tool = env
+    person, wrong, _ = wrong_candidate
+    rephrased = render_chain(ChainQuery(person.name, ("born_in",)), variant=2)
+    solver = make_solver()
+    before = answers_of(solver, [rephrased], tool, greedy=False, n=200, seed=1)[0].count(wrong)
+    _train_on_wrong_label(solver, render_chain(ChainQuery(person.name, ("born_in",)), variant=0), wrong, tool)
+    after = answers_of(solver, [rephrased], tool, greedy=False, n=200, seed=1)[0].count(wrong)
+    assert after > before + 50
+
+
+def test_update_without_signal_changes_nothing(env, wrong_candidate):
+    world, _, tool = env
+    person, _, _ = wrong_candidate
+    solver = make_solver()
+    q = render_chain(ChainQuery(person.name, ("born_in",)), variant=0)
+    trajs = solver.answer([q], tool, greedy=True, n=5)[0]  # five identical answers
+    stats = solver.update([(trajs, "Nowhere At All")])  # all rewards 0: no advantage
+    assert stats["groups_with_signal"] == 0 and stats["reward"] == 0.0
+    assert solver.memory == {} and solver.theta == list(solver.config.theta0)
+
+
+def test_frozen_snapshot_refuses_update_and_does_not_move(env, wrong_candidate):
+    world, _, tool = env
+    person, wrong, _ = wrong_candidate
+    solver = make_solver()
+    snap = solver.snapshot(name="main@r0")
+    assert snap.frozen and snap.name == "main@r0"
+    q = render_chain(ChainQuery(person.name, ("born_in",)), variant=0)
+    trajs = snap.answer([q], tool, greedy=False, n=5, seed=0)[0]
+    with pytest.raises(RuntimeError, match="frozen"):
+        snap.update([(trajs, wrong)])
+    p0 = _label_prob(snap, q, wrong, tool)
+    _train_on_wrong_label(solver, q, wrong, tool)
+    assert _label_prob(snap, q, wrong, tool) == p0  # the grader does not change while it grades
+    assert _label_prob(solver, q, wrong, tool) > p0
+
+
+def test_state_dict_json_round_trip(env, wrong_candidate):
+    world, _, tool = env
+    person, wrong, _ = wrong_candidate
+    solver = make_solver()
+    _train_on_wrong_label(solver, render_chain(ChainQuery(person.name, ("born_in",))), wrong, tool)
+    qs = questions(world, 10)
+    trajs = solver.answer(qs, tool, greedy=False, n=5, seed=3)
+    solver.update([(ts, it) for ts, it in zip(trajs, [ts[0].answer for ts in trajs])])
+    assert solver.memory and solver.updates == 5
+
+    state = json.loads(json.dumps(solver.state_dict()))
+    twin = make_solver()
+    twin.load_state_dict(state)
+    assert json.loads(json.dumps(twin.state_dict())) == state
+    assert answers_of(twin, qs, tool, greedy=True) == answers_of(solver, qs, tool, greedy=True)
+    assert (answers_of(twin, qs, tool, greedy=False, n=5, seed=11)
+            == answers_of(solver, qs, tool, greedy=False, n=5, seed=11))
+    # and the trained solver really differs from a fresh one
+    assert answers_of(make_solver(), qs, tool, greedy=False, n=5, seed=11) != answers_of(
+        solver, qs, tool, greedy=False, n=5, seed=11)
+
+
+# ------------------------------------------------------------------ SimProposer
+
+
+@pytest.fixture(scope="module")
+def proposals(env):
+    world, _, tool = env
+    return make_proposer(world.documents).propose(400, tool, seed=0)
+
+
+def test_proposals_are_well_formed(env, proposals):
+    world, _, _ = env
+    titles = {d.id: d.title for d in world.documents}
+    assert len(proposals) == 400
+    for p in proposals:
+        q = parse_question(p.question)
+        assert isinstance(q, ChainQuery), p.question
+        assert 1 <= p.hops <= 4 and q.hops == p.hops
+        assert q.mention == titles[p.source_id]
+        label = normalize_answer(p.draft_label)
+        assert label and label not in normalize_answer(p.question)
+        assert p.source_ids[0] == p.source_id and len(p.source_ids) == p.hops
+        assert all(s in titles for s in p.source_ids)
+
+
+def test_proposals_are_deterministic_per_seed(env):
+    world, _, tool = env
+    a = make_proposer(world.documents).propose(50, tool, seed=5)
+    b = make_proposer(world.documents).propose(50, tool, seed=5)
+    c = make_proposer(world.documents).propose(50, tool, seed=6)
+    key = [(p.question, p.draft_label, p.source_ids) for p in a]
+    assert key == [(p.question, p.draft_label, p.source_ids) for p in b]
+    assert key != [(p.question, p.draft_label, p.source_ids) for p in c]
+
+
+def test_hop_mix_roughly_follows_4_3_2_1(proposals):
+    counts = Counter(p.hops for p in proposals)
+    share = [counts[h] / len(proposals) for h in (1, 2, 3, 4)]
+    assert share[0] > share[1] > share[2] > share[3] > 0
+    for got, want in zip(share, (0.4, 0.3, 0.2, 0.1)):
+        assert abs(got - want) < 0.1, share
+
+
+def test_update_raises_the_rewarded_sources_choice_probability(env):
+    world, _, tool = env
+    pool = [d for d in world.documents if d.id.startswith("person-")][:20]
+    proposer = make_proposer(pool)
+    before = Counter(p.source_id for p in make_proposer(pool).propose(300, tool, seed=999))
+    target = before.most_common()[len(before) // 2][0]  # an ordinary source, not the favourite
+    for step in range(6):
+        batch = proposer.propose(60, tool, seed=step)
+        rewards = [1.0 if p.source_id == target else 0.0 for p in batch]
+        stats = proposer.update(batch, rewards)
+        assert stats["proposals"] == 60
+    assert proposer.updates == 6
+    w = proposer.w_source
+    assert w[target] > 0 and w[target] == max(w.values())
+    after = Counter(p.source_id for p in proposer.propose(300, tool, seed=999))
+    assert after[target] > 2 * before[target]
+
+
+def test_frozen_proposer_refuses_update(env, proposals):
+    world, _, _ = env
+    snap = make_proposer(world.documents).snapshot()
+    with pytest.raises(RuntimeError, match="frozen"):
+        snap.update(proposals[:3], [1.0, 0.0, 0.5])
+
+
+def test_proposer_state_dict_round_trip(env):
+    world, _, tool = env
+    pool = world.documents[:60]
+    p = make_proposer(pool)
+    batch = p.propose(40, tool, seed=0)
+    p.update(batch, [float(i % 3 == 0) for i in range(len(batch))])
+    twin = make_proposer(pool)
+    twin.load_state_dict(json.loads(json.dumps(p.state_dict())))
+    key = lambda ps: [(x.question, x.draft_label) for x in ps]  # noqa: E731
+    assert key(twin.propose(40, tool, seed=1)) == key(p.propose(40, tool, seed=1))
+
+
+def _label_truth(world, props) -> float:
+    verdicts = OracleJudge(world.truth).judge(
+        [{"question": p.question, "adopted_label": p.draft_label, "responses": []} for p in props])
+    resolved = [v for v in verdicts if v.resolved]
+    assert len(resolved) >= 0.9 * len(props)
+    return sum(v.label_correct for v in resolved) / len(resolved)
+
+
+def test_label_truth_depends_on_the_readers_misreadings(env, proposals):
+    world, _, tool = env
+    careful = make_proposer(world.documents, misread_scale=0.0).propose(400, tool, seed=0)
+    assert _label_truth(world, careful) >= 0.97
+    assert 0.55 <= _label_truth(world, proposals) <= 0.92

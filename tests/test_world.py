@@ -1,0 +1,264 @@
+"""The synthetic world: determinism, benchmarks with exact answers, the language, save/load, CLI."""
+
+import json
+from dataclasses import replace
+
+import pytest
+from typer.testing import CliRunner
+
+from selfevo.cli import app
+from selfevo.corpus import read_corpus, read_qa_dir
+from selfevo.world import WorldConfig, load_world, make_world, resolve_world, save_world
+from selfevo.world.generate import BENCHMARK_SIZES
+from selfevo.world.language import (
+    COMPARE_TEMPLATES,
+    RELATIONS,
+    SINGLE_HOP_TEMPLATES,
+    ChainQuery,
+    CompareQuery,
+    parse_question,
+    read_statements,
+    render_chain,
+    render_compare,
+)
+
+SMALL = WorldConfig(size="small", seed=0)
+
+
+@pytest.fixture(scope="module")
+def world():
+    return make_world(SMALL)
+
+
+def _dump(w) -> str:
+    return json.dumps({"docs": [d.to_json() for d in w.documents],
+                       "bench": {b: [it.to_json() for it in items] for b, items in w.benchmarks.items()},
+                       "truth": w.truth.to_json()}, sort_keys=True)
+
+
+# ------------------------------------------------------------------ determinism
+
+
+def test_make_world_is_deterministic(world):
+    again = make_world(WorldConfig(size="small", seed=0))
+    assert _dump(again) == _dump(world)
+
+
+def test_different_seed_gives_a_different_world(world):
+    other = make_world(WorldConfig(size="small", seed=1))
+    assert [d.text for d in other.documents] != [d.text for d in world.documents]
+    assert other.truth.to_json() != world.truth.to_json()
+    assert [it.question for it in other.benchmarks["nq"]] != [it.question for it in world.benchmarks["nq"]]
+
+
+def test_confusable_rate_changes_pages_not_truth(world):
+    other = make_world(replace(SMALL, confusable_rate=0.0))
+    # entities and facts are drawn before any page is written: the rate only changes the pages
+    assert other.truth.to_json() == world.truth.to_json()
+    assert sum(len(d.text) for d in other.documents) < sum(len(d.text) for d in world.documents)
+
+
+# ------------------------------------------------------------------ benchmarks
+
+
+def test_benchmark_sizes_and_metadata(world):
+    sizes = {b: len(items) for b, items in world.benchmarks.items()}
+    assert sizes == {"nq": 200, "triviaqa": 200, "popqa": 200, "hotpotqa": 200,
+                     "2wikimultihopqa": 200, "musique": 200, "bamboogle": 125}
+    assert sum(sizes.values()) == 1325 == sum(BENCHMARK_SIZES.values())
+    for bench, items in world.benchmarks.items():
+        assert len({it.id for it in items}) == len(items)
+        assert len({it.question for it in items}) == len(items)
+        for it in items:
+            assert it.metadata["benchmark"] == bench
+            expected_hop = "single" if bench in ("nq", "triviaqa", "popqa") else "multi"
+            assert it.metadata["hop"] == expected_hop
+            assert (it.metadata["hops"] == 1) == (expected_hop == "single")
+            assert it.golden_answers and all(g.strip() for g in it.golden_answers)
+    assert {it.metadata["hops"] for it in world.benchmarks["bamboogle"]} == {3}
+    assert {it.metadata["hops"] for it in world.benchmarks["musique"]} <= {2, 3, 4}
+
+
+def test_every_benchmark_question_parses_and_truth_gives_its_gold(world):
+    kinds = {"chain": 0, "compare": 0}
+    for items in world.benchmarks.values():
+        for it in items:
+            q = parse_question(it.question)
+            assert q is not None, it.question
+            assert q.hops == it.metadata["hops"], it.question
+            kinds["compare" if isinstance(q, CompareQuery) else "chain"] += 1
+            assert world.truth.answer(q) == list(it.golden_answers), it.question
+    assert kinds["compare"] > 50  # 2WikiMQA mixes in comparison questions
+
+
+def test_triviaqa_asks_by_alias(world):
+    names = {e.name for e in world.truth.entities.values()}
+    by_alias = [it for it in world.benchmarks["triviaqa"] if parse_question(it.question).mention not in names]
+    assert len(by_alias) == len(world.benchmarks["triviaqa"])
+
+
+# ------------------------------------------------------------------ the language
+
+
+RELATION_CHAINS = [
+    ("born_in",),
+    ("employer", "headquarters"),
+    ("author", "born_in", "located_in"),
+    ("founder", "spouse", "born_in", "located_in"),
+    ("author", "employer", "founder", "birth_year"),
+]
+
+
+@pytest.mark.parametrize("relations", RELATION_CHAINS)
+@pytest.mark.parametrize("variant", [0, 1, 2])
+def test_render_parse_round_trip_chain(relations, variant):
+    for mention in ("Oren Vale", "The Song of Kell", "Port Drax"):
+        q = ChainQuery(mention, relations)
+        text = render_chain(q, variant)
+        assert text.endswith("?")
+        assert parse_question(text) == q, text
+
+
+def test_render_parse_every_single_hop_template():
+    for rel, templates in SINGLE_HOP_TEMPLATES.items():
+        texts = {render_chain(ChainQuery("Mira Stone", (rel,)), v) for v in range(len(templates) + 1)}
+        # every template plus the nested-noun fallback
+        assert len(texts) == len(templates) + 1
+        for t in texts:
+            assert parse_question(t) == ChainQuery("Mira Stone", (rel,)), t
+
+
+@pytest.mark.parametrize("rel", sorted(COMPARE_TEMPLATES))
+def test_render_parse_round_trip_compare(rel):
+    q = CompareQuery(("Oren Vale", "The Map of Dun"), rel)
+    assert parse_question(render_compare(q)) == q
+
+
+@pytest.mark.parametrize("text", ["", "Hello there.", "What is?", "What is Oren Vale?", "Who is the best?"])
+def test_parse_rejects_text_outside_the_language(text):
+    assert parse_question(text) is None
+
+
+PAGE_TITLE = "Oren Vale"
+PAGE = ("Oren Vale is a person. Oren Vale is also known as Oren the Bold. "
+        "He was born in Port Drax. His brother Tam Vale was born in Kell. "
+        "Oren the Bold worked for Gibym Bank. His cousin Ada Moor was employed by Zor Press. "
+        "He was born in the year 1901. Oren Vale is married to Ada Moor.")
+
+
+def test_read_statements_about_page():
+    stmts, aliases = read_statements(PAGE_TITLE, PAGE)
+    assert aliases == ["Oren Vale", "Oren the Bold"]
+    got = {(s.relation, s.subject, s.object, s.about_page) for s in stmts}
+    assert got == {
+        ("born_in", "He", "Port Drax", True),
+        ("born_in", "His brother Tam Vale", "Kell", False),
+        ("employer", "Oren the Bold", "Gibym Bank", True),
+        ("employer", "His cousin Ada Moor", "Zor Press", False),
+        ("birth_year", "He", "1901", True),
+        ("spouse", "Oren Vale", "Ada Moor", True),
+    }
+    # sentence indices point at the page's sentences (0: type sentence, 1: aliases)
+    assert sorted(s.sentence for s in stmts) == [2, 3, 4, 5, 6, 7]
+
+
+def test_birth_year_sentences_are_not_birthplaces():
+    stmts, _ = read_statements("X", "X was born in the year 1850. X came into the world in 1851.")
+    assert [(s.relation, s.object) for s in stmts] == [("birth_year", "1850"), ("birth_year", "1851")]
+    # a bare year after a place template is not read as a place either
+    stmts, _ = read_statements("X", "X was born in 1850.")
+    assert all(s.relation != "born_in" for s in stmts)
+    # and a place is not read as a year
+    stmts, _ = read_statements("X", "X was founded in the year Kell.")
+    assert all(s.relation != "founded_year" for s in stmts)
+
+
+def test_confusable_rate_zero_pages_only_state_their_subject():
+    w = make_world(replace(SMALL, confusable_rate=0.0))
+    n_statements = 0
+    for d in w.documents:
+        stmts, _ = read_statements(d.title, d.text)
+        n_statements += len(stmts)
+        assert all(s.about_page for s in stmts), d.title
+    assert n_statements > 2 * len(w.documents)
+
+
+def test_default_pages_carry_confusable_statements(world):
+    wrong = total = 0
+    for d in world.documents:
+        stmts, _ = read_statements(d.title, d.text)
+        total += len(stmts)
+        wrong += sum(not s.about_page for s in stmts)
+    assert 0.1 < wrong / total < 0.5
+
+
+def test_pages_state_exactly_the_true_facts(world):
+    """Every about-page statement is a true fact of the page's entity, and every fact is stated."""
+    for d in world.documents:
+        e = world.truth.entities[d.id]
+        stmts, aliases = read_statements(d.title, d.text)
+        assert aliases == e.aliases
+        about = {(s.relation, s.object) for s in stmts if s.about_page}
+        true = {(rel, world.truth.entities[v].name if v in world.truth.entities else v)
+                for rel, v in e.facts.items()}
+        assert about == true, d.title
+        for s in stmts:
+            assert s.relation in RELATIONS
+
+
+# ------------------------------------------------------------------ save / load / CLI
+
+
+def test_save_load_round_trip(world, tmp_path):
+    out = save_world(world, tmp_path / "w")
+    loaded = load_world(out)
+    assert loaded.config == world.config
+    assert loaded.documents == world.documents
+    assert loaded.truth.to_json() == world.truth.to_json()
+    assert set(loaded.benchmarks) == set(world.benchmarks)
+    for b, items in world.benchmarks.items():
+        assert [it.to_json() for it in loaded.benchmarks[b]] == [it.to_json() for it in items]
+    # the files are ordinary FlashRAG data
+    assert read_corpus(out / "corpus.jsonl") == world.documents
+    qa = read_qa_dir(out / "qa")
+    assert {b: len(v) for b, v in qa.items()} == {b: len(v) for b, v in world.benchmarks.items()}
+    # resolve_world takes a directory as well as a size
+    assert resolve_world(str(out)).truth.to_json() == world.truth.to_json()
+
+
+def test_load_world_rejects_a_non_world_directory(tmp_path):
+    with pytest.raises(ValueError, match="world.json"):
+        load_world(tmp_path)
+
+
+def test_cli_world_make(tmp_path):
+    out = tmp_path / "w"
+    result = CliRunner().invoke(app, ["world", "make", "--size", "small", "--seed", "3", "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    assert (out / "corpus.jsonl").exists() and (out / "truth.json").exists()
+    qa_files = sorted(p.name for p in (out / "qa").iterdir())
+    assert qa_files == sorted(f"{b}.jsonl" for b in BENCHMARK_SIZES)
+    w = load_world(out)
+    assert w.config.seed == 3 and w.config.size == "small"
+    assert len(read_corpus(out / "corpus.jsonl")) == len(w.documents) == 398
+    assert sum(len(v) for v in read_qa_dir(out / "qa").values()) == 1325
+    assert "398 pages" in result.output and "1325" in result.output
+
+
+def test_cli_world_make_bad_value_exits_2(tmp_path):
+    result = CliRunner().invoke(app, ["world", "make", "--size", "huge", "--out", str(tmp_path / "w")])
+    assert result.exit_code == 2
+    assert "world.size" in result.output
+    assert not (tmp_path / "w").exists()
+
+
+@pytest.mark.parametrize("kwargs, field", [
+    ({"size": "huge"}, "world.size"),
+    ({"confusable_rate": 1.5}, "world.confusable_rate"),
+    ({"confusable_rate": -0.1}, "world.confusable_rate"),
+    ({"shared_misreading": 2.0}, "world.shared_misreading"),
+    ({"shared_misreading": -1.0}, "world.shared_misreading"),
+])
+def test_bad_world_config_raises_naming_field(kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        WorldConfig(**kwargs)
