@@ -93,7 +93,8 @@ def main() -> None:
         f3 = [r["rounds"][-1]["F"] for r in rows]
         if mean_std(f1)[0] >= 1e-3:
             per_seed = ", ".join(f"{b / a:.1f}" if a > 0 else "n/a" for a, b in zip(f1, f3))
-            rise = f"F round 3 / round 1: {mean_std(f3)[0] / mean_std(f1)[0]:.2f} (ratio of means; per seed {per_seed})."
+            ratio = mean_std(f3)[0] / mean_std(f1)[0]
+            rise = f"F round 3 / round 1: {ratio:.2f} (ratio of means; per seed {per_seed})."
         else:
             rise = f"F stays below 0.001 (round 1 {mean_std(f1)[0]:.4f}, round 3 {mean_std(f3)[0]:.4f})."
         lines += ["", rise + "  ",

@@ -6,6 +6,7 @@ clear message; nothing is half-written.
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import typer
@@ -15,7 +16,8 @@ from selfevo.corpus import DataError
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="Self-evolving search agents without co-cheating.")
-console = Console()
+# wide enough for the tables when the output is a pipe or a log file (rich assumes 80 columns)
+console = Console(width=None if sys.stdout.isatty() else 160)
 
 
 def _fail(msg: str) -> None:
@@ -172,6 +174,37 @@ def audit_cmd(
         _fail(str(e))
     audit_run(run, OracleJudge(world.truth))
     _print_run(run.path)
+
+
+@app.command("compare")
+def compare_cmd(run_dirs: list[Path] = typer.Argument(..., help="run directories")) -> None:
+    """Compute overhead (generations, updates, wall seconds) against the coupled run of the same
+    seed, next to each run's last-round F / T_P / A and Cover-EM."""
+    from rich.table import Table
+
+    from selfevo.report.compare import compare
+    from selfevo.runs import RunError
+
+    try:
+        rows = compare(run_dirs)
+    except RunError as e:
+        _fail(str(e))
+
+    def pct(x):
+        return "-" if x is None else f"{x:+.0%}"
+
+    def num(x):
+        return "-" if x is None else f"{x:.3f}"
+
+    table = Table(title="compute overhead vs coupled (same seed)")
+    for col in ("treatment", "seed", "generations", "updates", "seconds", "+gen", "+upd", "+time",
+                "F", "T_P", "A", "Cover-EM"):
+        table.add_column(col, justify="right")
+    for r in rows:
+        table.add_row(r["treatment"], str(r["seed"]), str(r["generations"]), str(r["updates"]),
+                      f"{r['seconds']:.2f}", pct(r["extra_generations"]), pct(r["extra_updates"]),
+                      pct(r["extra_seconds"]), num(r["F"]), num(r["T_P"]), num(r["A"]), num(r["cover_em"]))
+    console.print(table)
 
 
 if __name__ == "__main__":

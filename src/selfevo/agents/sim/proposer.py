@@ -1,8 +1,9 @@
 """The sim proposer: reads a source page, composes a 1-4 hop question by following links with the
 search tool, and learns *what to ask* by policy gradient on the frontier reward.
 
-Its policy scores options (source page, first relation) with per-source and per-relation weights,
-so its curriculum can concentrate on sources that pay, as a language-model proposer's can. Its
+Its policy scores (page, relation) options with per-page, per-fact and per-relation weights, for the
+source fact and for the fact it follows at every later page, so its curriculum can concentrate on
+what pays, as a language-model proposer's can. Its
 draft answer is what its imperfect reader believes the page says, so a systematic misreading of a
 page becomes a wrong pseudo-label every time the page is used.
 """
@@ -46,10 +47,11 @@ class SimProposerConfig:
 
 @dataclass
 class _Choice:
-    options: list[tuple[str, str]]  # (source id, first relation)
+    """One decision of the policy: which (page, relation) to ask about next."""
+
+    options: list[tuple[str, str]]  # (page id, relation)
     probs: list[float]
     chosen: int
-    hops: int
 
 
 @dataclass
@@ -105,11 +107,16 @@ class SimProposer:
         """Relations the page states (as the reader sees it) that can continue the chain."""
         return [r for r in sorted(page.statements) if last_hop or RELATIONS[r][1] != "year"]
 
+    def _choose(self, options: list[tuple[str, str]], rnd: random.Random) -> _Choice:
+        probs = softmax([self._score(page, rel) for page, rel in options])
+        return _Choice(options, probs, rnd.choices(range(len(options)), weights=probs)[0])
+
     def _compose(self, doc: Document, first_rel: str, hops: int, session: SearchSession,
-                 rnd: random.Random) -> tuple[tuple[str, ...], str, tuple[str, ...]] | None:
-        """Follow links from the source: returns (relations, draft answer, pages read)."""
+                 rnd: random.Random) -> tuple[tuple[str, ...], str, tuple[str, ...], list[_Choice]] | None:
+        """Follow links from the source, choosing at every page which fact to follow with the
+        same learned policy: returns (relations, draft answer, pages read, choices made)."""
         page = self.reader.read(doc)
-        rels, pages, seen = [first_rel], [doc.id], {doc.title}
+        rels, pages, seen, choices = [first_rel], [doc.id], {doc.title}, []
         value = self._read_value(page, first_rel, rnd)
         while value is not None and len(rels) < hops:
             if value in seen:
@@ -121,15 +128,17 @@ class SimProposer:
             nxt = next((h.document for h in hits if h.document.title == value), hits[0].document)
             page = self.reader.read(nxt)
             pages.append(nxt.id)
-            options = [r for r in self._usable(page, len(rels) == hops - 1)]
-            if not options:
+            usable = self._usable(page, len(rels) == hops - 1)
+            if not usable:
                 return None
-            rel = options[rnd.randrange(len(options))]
+            choice = self._choose([(nxt.id, r) for r in usable], rnd)
+            choices.append(choice)
+            rel = usable[choice.chosen]
             rels.append(rel)
             value = self._read_value(page, rel, rnd)
         if value is None or value in seen:
             return None
-        return tuple(rels), value, tuple(pages)
+        return tuple(rels), value, tuple(pages), choices
 
     # ---------------------------------------------------------------- Proposer
     def _score(self, source: str, rel: str) -> float:
@@ -147,49 +156,47 @@ class SimProposer:
             attempts += 1
             # a failed attempt keeps its hop count, so the produced questions follow the ratio
             hops = hops or rnd.choices(hop_values, weights=self.config.hop_ratio)[0]
+            docs = {}
             options = []
             for _ in range(self.config.options):
                 doc = self.sources[rnd.randrange(len(self.sources))]
-                page = self.reader.read(doc)
-                for rel in self._usable(page, hops == 1):
-                    options.append((doc, rel))
+                docs[doc.id] = doc
+                options += [(doc.id, rel) for rel in self._usable(self.reader.read(doc), hops == 1)]
             if not options:
                 continue
-            logits = [self._score(d.id, r) for d, r in options]
-            probs = softmax(logits)
-            chosen = rnd.choices(range(len(options)), weights=probs)[0]
-            doc, rel = options[chosen]
+            first = self._choose(options, rnd)
+            doc, rel = docs[options[first.chosen][0]], options[first.chosen][1]
             try:
                 composed = self._compose(doc, rel, hops, tool.session(), rnd)
             except SearchBudgetExhausted:
                 composed = None
             if composed is None:
                 continue
-            rels, label, pages = composed
+            rels, label, pages, later = composed
             question = render_chain(ChainQuery(doc.title, rels), variant=rnd.randrange(3))
             # format rules (Dr. Zero): a non-empty short answer that the question does not give away
             norm_label = normalize_answer(label)
             if not norm_label or norm_label in normalize_answer(question):
                 continue
-            choice = _Choice([(d.id, r) for d, r in options], probs, chosen, len(rels))
-            out.append(Proposal(question, label, doc.id, pages, len(rels), choice))
+            out.append(Proposal(question, label, doc.id, pages, len(rels), [first, *later]))
             hops = None
         return out
 
     def update(self, proposals: Sequence[Proposal], rewards: Sequence[float]) -> dict:
-        """REINFORCE over the option choice, advantages normalised within the hop bucket."""
+        """REINFORCE over every choice a proposal made (the source fact, then the fact followed
+        at each later page), advantages normalised within the hop bucket."""
         if self.frozen:
             raise RuntimeError(f"{self.name} is a frozen snapshot")
         advs = bucket_advantages(list(rewards), [p.hops for p in proposals])
         for prop, adv in zip(proposals, advs):
             if adv == 0.0:
                 continue
-            ch: _Choice = prop.trace
-            for j, ((src, rel), p) in enumerate(zip(ch.options, ch.probs)):
-                g = self.config.lr * adv * ((1.0 if j == ch.chosen else 0.0) - p)
-                self.w_source[src] = self.w_source.get(src, 0.0) + g
-                key = f"{src}|{rel}"
-                self.w_fact[key] = self.w_fact.get(key, 0.0) + g
-                self.w_relation[rel] = self.w_relation.get(rel, 0.0) + g / len(proposals)
+            for ch in prop.trace:
+                for j, ((page, rel), p) in enumerate(zip(ch.options, ch.probs)):
+                    g = self.config.lr * adv * ((1.0 if j == ch.chosen else 0.0) - p)
+                    self.w_source[page] = self.w_source.get(page, 0.0) + g
+                    key = f"{page}|{rel}"
+                    self.w_fact[key] = self.w_fact.get(key, 0.0) + g
+                    self.w_relation[rel] = self.w_relation.get(rel, 0.0) + g / len(proposals)
         self.updates += 1
         return {"proposals": len(proposals), "reward": sum(rewards) / max(1, len(rewards))}

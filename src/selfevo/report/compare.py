@@ -1,0 +1,62 @@
+"""`selfevo compare`: compute overhead of treatments against the coupled run of the same seed
+(the paper's Table 3), next to what each run bought (F, T_P, A in the last round; Cover-EM)."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from selfevo._io import read_json
+from selfevo.runs import RunDir, RunError
+
+
+@dataclass
+class RunSummary:
+    path: Path
+    treatment: str
+    seed: int
+    generations: int
+    updates: int
+    seconds: float
+    last_round: dict | None  # audit metrics of the last round, if audited
+    cover_em: float | None  # main solver macro Cover-EM after the last round
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> RunSummary:
+        run = RunDir(path)
+        if not run.exists():
+            raise RunError(f"{path}: not a run directory (no manifest.json)")
+        cfg = run.config()
+        compute = read_json(run.path / "compute.json") if (run.path / "compute.json").exists() else None
+        if compute is None:
+            raise RunError(f"{path}: no compute.json (the run has not finished a round)")
+        audit = run.path / "audit" / "metrics.json"
+        rounds = read_json(audit)["rounds"] if audit.exists() else []
+        done = run.manifest().get("rounds_completed", 0)
+        cover = read_json(run.eval_path(done))["macro"]["cover_em"] if run.eval_path(done).exists() else None
+        return cls(run.path, cfg["treatment"], cfg["seed"], compute["total_generations"], compute["total_updates"],
+                   sum(compute["seconds"].values()), rounds[-1] if rounds else None, cover)
+
+
+def compare(paths: list[str | os.PathLike]) -> list[dict]:
+    """One row per run, with ratios against the coupled run of the same seed (None if absent)."""
+    runs = [RunSummary.load(p) for p in paths]
+    base = {r.seed: r for r in runs if r.treatment == "coupled"}
+    rows = []
+    for r in runs:
+        b = base.get(r.seed)
+
+        def ratio(x: float, y: float | None) -> float | None:
+            return None if not y else x / y - 1.0
+
+        rows.append({
+            "run": str(r.path), "treatment": r.treatment, "seed": r.seed,
+            "generations": r.generations, "updates": r.updates, "seconds": round(r.seconds, 3),
+            "extra_generations": ratio(r.generations, b and b.generations),
+            "extra_updates": ratio(r.updates, b and b.updates),
+            "extra_seconds": ratio(r.seconds, b and b.seconds),
+            "F": r.last_round and r.last_round["F"], "T_P": r.last_round and r.last_round["T_P"],
+            "A": r.last_round and r.last_round["A"], "cover_em": r.cover_em,
+        })
+    return rows
