@@ -14,6 +14,9 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
+_UMASK = os.umask(0)
+os.umask(_UMASK)
+
 
 @contextlib.contextmanager
 def atomic_writer(path: str | os.PathLike, mode: str = "w", fsync: bool = True) -> Iterator[Any]:
@@ -21,6 +24,7 @@ def atomic_writer(path: str | os.PathLike, mode: str = "w", fsync: bool = True) 
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    os.chmod(tmp, 0o666 & ~_UMASK)  # mkstemp makes 0600; the result should read like any new file
     try:
         with os.fdopen(fd, mode, **({} if "b" in mode else {"encoding": "utf-8"})) as fh:
             yield fh

@@ -207,5 +207,40 @@ def compare_cmd(run_dirs: list[Path] = typer.Argument(..., help="run directories
     console.print(table)
 
 
+@app.command("demo")
+def demo_cmd(
+    out: Path = typer.Option(Path("runs/demo"), help="output directory (runs, replay bank, report)"),
+    seeds: int | None = typer.Option(None, help="seeds per treatment (default: the config's, 3)"),
+    world: str | None = typer.Option(None, help="small | default | a world directory"),
+    executor: str | None = typer.Option(None, help="local | ray (RAY_ADDRESS names a cluster)"),
+    config: Path | None = typer.Option(None, help="demo config (default: configs/demo.toml)"),
+    workers: int | None = typer.Option(None, help="local worker processes (default: all cores)"),
+) -> None:
+    """The paper's whole protocol on the embedded world: every treatment over several seeds, the
+    audit, the downstream evaluation, the replay bank study, and one report."""
+    from selfevo.config import ConfigError
+    from selfevo.demo import load_plan, run_demo
+
+    try:
+        plan = load_plan(config, seeds=seeds, world=world, executor=executor)
+    except ConfigError as e:
+        _fail(str(e))
+    run_demo(plan, out, console, workers)
+
+
+@app.command("report")
+def report_cmd(run_root: Path = typer.Argument(..., help="a directory of runs (e.g. a demo's --out)")) -> None:
+    """Collect every run below a directory into report.html, report.md and results.json."""
+    from selfevo.demo import headline
+    from selfevo.report.build import build_report
+
+    try:
+        res = build_report(run_root)
+    except ValueError as e:
+        _fail(str(e))
+    headline(res, console)
+    console.print(f"report: {run_root / 'report.html'}")
+
+
 if __name__ == "__main__":
     app()

@@ -29,8 +29,23 @@ from selfevo.world import World, resolve_world
 
 
 def load_run_world(cfg: RunConfig) -> World:
-    params = cfg.world.params() if cfg.world.name in ("small", "default") else {}
-    return resolve_world(cfg.world.name, **params)
+    return world_and_index(cfg)[0]
+
+
+# A process that runs many jobs on the same world (a grid, the demo) generates and indexes it once.
+# Both are pure functions of the world spec, so sharing them cannot change a result.
+_WORLDS: dict[str, tuple[World, BM25Index]] = {}
+
+
+def world_and_index(cfg: RunConfig) -> tuple[World, BM25Index]:
+    key = repr(cfg.world)
+    if key not in _WORLDS:
+        params = cfg.world.params() if cfg.world.name in ("small", "default") else {}
+        world = resolve_world(cfg.world.name, **params)
+        if len(_WORLDS) >= 4:
+            _WORLDS.pop(next(iter(_WORLDS)))
+        _WORLDS[key] = (world, BM25Index.build(world.documents))
+    return _WORLDS[key]
 
 
 def make_rules(cfg: RunConfig, documents, folds: FoldAssignment, make_solver):
@@ -89,8 +104,8 @@ def evolve(cfg: RunConfig, out: str | os.PathLike, resume: bool = False, progres
            audit: bool = True) -> RunDir:
     started = time.perf_counter()
     # everything that can fail on bad input happens before the run directory is written
-    world = load_run_world(cfg)
-    tool = SearchTool(BM25Index.build(world.documents), topk=cfg.search.topk, max_calls=cfg.search.max_calls)
+    world, index = world_and_index(cfg)
+    tool = SearchTool(index, topk=cfg.search.topk, max_calls=cfg.search.max_calls)
     run = RunDir(out)
     if resume and run.exists():
         done = run.open_for_resume(cfg.to_json())

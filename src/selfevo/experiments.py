@@ -1,0 +1,86 @@
+"""Grids of treatments x seeds x configs as independent jobs on an executor: local worker
+processes, or Ray (`ray.init()` locally, or the cluster named by RAY_ADDRESS).
+
+Every job is one `evolve` run into its own directory, fully determined by its config, so results
+are identical whichever executor runs them. A failed job is reported with its error and the rest
+still complete; rerunning a grid skips finished jobs and resumes interrupted ones.
+"""
+
+from __future__ import annotations
+
+import os
+import traceback
+from collections.abc import Callable, Sequence
+from concurrent.futures import ProcessPoolExecutor, as_completed
+from dataclasses import dataclass
+from pathlib import Path
+
+EXECUTORS = ("local", "ray")
+
+
+@dataclass(frozen=True)
+class Job:
+    name: str
+    overrides: tuple[str, ...]  # `--set`-style config overrides, e.g. ("treatment=crossfit", "seed=0")
+    out: str  # its run directory
+
+
+def grid(treatments: Sequence[str], seeds: Sequence[int], root: str | os.PathLike,
+         common: Sequence[str] = ()) -> list[Job]:
+    root = Path(root)
+    return [Job(f"{t}-s{s}", (*common, f"treatment={t}", f"seed={s}"), str(root / f"{t}-s{s}"))
+            for t in treatments for s in seeds]
+
+
+def run_job(job: Job) -> dict:
+    """Run one job; never raises (a failure is a result)."""
+    from selfevo.config import load_config
+    from selfevo.evolve import evolve
+    from selfevo.runs import RunDir
+
+    run = RunDir(job.out)
+    try:
+        if run.exists() and run.manifest().get("status") == "complete":
+            return {"job": job.name, "status": "skipped", "run": job.out}
+        evolve(load_config(overrides=list(job.overrides)), job.out, resume=run.exists(), progress=False)
+        return {"job": job.name, "status": "ok", "run": job.out}
+    except Exception as e:  # noqa: BLE001 - one job's failure must not stop the grid
+        return {"job": job.name, "status": "failed", "run": job.out, "error": f"{type(e).__name__}: {e}",
+                "traceback": traceback.format_exc()}
+
+
+def run_grid(jobs: Sequence[Job], executor: str = "local", workers: int | None = None,
+             on_done: Callable[[dict], None] | None = None) -> list[dict]:
+    """Run every job; results in job order. `on_done` is called as each finishes (progress)."""
+    if executor not in EXECUTORS:
+        raise ValueError(f"executor: expected one of {', '.join(EXECUTORS)}, got {executor!r}")
+    results: dict[str, dict] = {}
+
+    def done(res: dict) -> None:
+        results[res["job"]] = res
+        if on_done:
+            on_done(res)
+
+    if executor == "ray":
+        import ray
+
+        if not ray.is_initialized():
+            ray.init(address=os.environ.get("RAY_ADDRESS"), include_dashboard=False, log_to_driver=False)
+        remote = ray.remote(run_job)
+        pending = {remote.remote(job): job for job in jobs}
+        while pending:
+            ready, _ = ray.wait(list(pending), num_returns=1)
+            for ref in ready:
+                pending.pop(ref)
+                done(ray.get(ref))
+    else:
+        workers = workers or min(len(jobs), os.cpu_count() or 1) or 1
+        if workers == 1:
+            for job in jobs:
+                done(run_job(job))
+        else:
+            with ProcessPoolExecutor(max_workers=workers) as pool:
+                futures = [pool.submit(run_job, job) for job in jobs]
+                for fut in as_completed(futures):
+                    done(fut.result())
+    return [results[j.name] for j in jobs]

@@ -1,0 +1,46 @@
+"""`selfevo report DIR`: collect every run below DIR (and DIR/replay/results.json if present) into
+DIR/results.json, DIR/report.md (+ DIR/figures/*.png) and one self-contained DIR/report.html."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from selfevo._io import atomic_writer, read_json, write_json
+from selfevo.report import figures as figs
+from selfevo.report.collect import collect_runs, find_runs
+from selfevo.report.render import html_page, markdown
+
+
+def build_report(root: str | os.PathLike, context: str = "") -> dict:
+    root = Path(root)
+    runs = find_runs(root)
+    if not runs:
+        raise ValueError(f"{root}: no run directories found below it")
+    res = collect_runs(runs)
+    res["context"] = context
+    replay = root / "replay" / "results.json"
+    if replay.exists():
+        res["replay"] = read_json(replay)
+    pngs: dict[str, bytes] = {}
+    if "coupled" in res["audit"]:
+        pngs["Coupled loop: A, T_P, T_S, F, L by scheduled step (mean over seeds; Figure 1/3 analogue)"] = \
+            figs.steps_figure(res["audit"]["coupled"]["steps"], "coupled (Dr. Zero) loop")
+    pngs["A, T_P and F by round per treatment (Figure 5/6 analogue)"] = figs.rounds_figure(res["audit"])
+    if (root / "replay" / "replay.png").exists():
+        pngs["Fixed replay bank (Figure 7 analogue)"] = (root / "replay" / "replay.png").read_bytes()
+    if "coupled" in res["downstream"] and len(res["downstream"]) > 1:
+        pngs["Downstream gain vs compute (cost-effectiveness)"] = figs.cost_figure(res["downstream"], res["compute"])
+    paths = {}
+    for i, (caption, png) in enumerate(pngs.items()):
+        path = root / "figures" / f"figure-{i + 1}.png"
+        with atomic_writer(path, "wb") as fh:
+            fh.write(png)
+        paths[caption] = f"figures/{path.name}"
+    write_json(root / "results.json", json.loads(json.dumps(res, default=str)))
+    with atomic_writer(root / "report.md") as fh:
+        fh.write(markdown(res, paths))
+    with atomic_writer(root / "report.html") as fh:
+        fh.write(html_page(res, pngs))
+    return res

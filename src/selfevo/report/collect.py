@@ -1,0 +1,149 @@
+"""Collect the numbers of a grid of runs (treatments x seeds) into one results dict: downstream
+Cover-EM with 95% intervals and paired gains over coupled, audit metrics by round and by step,
+compute and overhead, and the readings the paper draws from them."""
+
+from __future__ import annotations
+
+import math
+import os
+import statistics
+from collections.abc import Sequence
+from pathlib import Path
+
+from selfevo._io import read_json
+from selfevo.audit import METRICS
+from selfevo.evaluate import BENCHMARKS
+from selfevo.report.compare import compare
+from selfevo.runs import RunDir
+
+# two-sided 95% Student-t quantiles by degrees of freedom (a table: no scipy dependency)
+_T95 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262,
+        10: 2.228, 15: 2.131, 20: 2.086, 30: 2.042}
+
+
+def t95(df: int) -> float:
+    if df <= 0:
+        return float("nan")
+    if df > 30:
+        return 1.96
+    return _T95[max(k for k in _T95 if k <= df)]  # conservative between tabulated values
+
+
+def summary(values: Sequence[float | None]) -> dict:
+    """Mean, std and a 95% t-interval over seeds (None values are skipped)."""
+    vals = [v for v in values if v is not None and not (isinstance(v, float) and math.isnan(v))]
+    if not vals:
+        return {"mean": None, "std": None, "lo": None, "hi": None, "n": 0}
+    m = statistics.fmean(vals)
+    s = statistics.stdev(vals) if len(vals) > 1 else 0.0
+    half = t95(len(vals) - 1) * s / math.sqrt(len(vals)) if len(vals) > 1 else float("nan")
+    return {"mean": m, "std": s, "lo": m - half, "hi": m + half, "n": len(vals)}
+
+
+def _eval_row(score: dict) -> dict:
+    row = {b: v["cover_em"] for b, v in score["benchmarks"].items()}
+    row.update(macro=score["macro"]["cover_em"], single_hop=score["single_hop"]["cover_em"],
+               multi_hop=score["multi_hop"]["cover_em"])
+    return row
+
+
+def collect_runs(run_dirs: Sequence[str | os.PathLike]) -> dict:
+    runs: dict[str, dict[int, RunDir]] = {}
+    for d in run_dirs:
+        run = RunDir(d)
+        cfg = run.config()
+        runs.setdefault(cfg["treatment"], {})[cfg["seed"]] = run
+    treatments = sorted(runs, key=lambda t: (t != "coupled", t))
+    seeds = sorted({s for by_seed in runs.values() for s in by_seed})
+    columns = [*[b for b in BENCHMARKS], "macro", "single_hop", "multi_hop"]
+
+    def last_eval(run: RunDir) -> dict:
+        return _eval_row(read_json(run.eval_path(run.manifest()["rounds_completed"])))
+
+    out: dict = {"treatments": treatments, "seeds": seeds, "downstream": {}, "audit": {}, "compute": {}}
+    # the untrained base model (round-0 evaluation; identical across treatments of a seed)
+    any_t = treatments[0]
+    base_rows = [_eval_row(read_json(runs[any_t][s].eval_path(0))) for s in sorted(runs[any_t])]
+    out["base"] = {c: summary([r.get(c) for r in base_rows]) for c in columns}
+    coupled = {s: last_eval(r) for s, r in runs.get("coupled", {}).items()}
+    for t in treatments:
+        rows = {s: last_eval(r) for s, r in runs[t].items()}
+        entry = {c: summary([row.get(c) for row in rows.values()]) for c in columns}
+        if coupled and t != "coupled":
+            common = sorted(set(rows) & set(coupled))
+            entry["gain_vs_coupled"] = {c: summary([rows[s][c] - coupled[s][c] for s in common])
+                                        for c in ("macro", "single_hop", "multi_hop")}
+        out["downstream"][t] = entry
+        by_seed = {s: read_json(r.path / "audit" / "metrics.json") for s, r in runs[t].items()
+                   if (r.path / "audit" / "metrics.json").exists()}
+        audits = list(by_seed.values())
+        n_rounds = min((len(a["rounds"]) for a in audits), default=0)
+        out["audit"][t] = {
+            "rounds": [{"round": i + 1, **{m: summary([a["rounds"][i][m] for a in audits]) for m in METRICS}}
+                       for i in range(n_rounds)],
+            "steps": _mean_steps(audits),
+            "last_by_seed": {s: a["rounds"][-1] for s, a in by_seed.items() if a["rounds"]},
+        }
+    rows = compare([r.path for by_seed in runs.values() for r in by_seed.values()])
+    for t in treatments:
+        mine = [r for r in rows if r["treatment"] == t]
+        out["compute"][t] = {k: summary([r[k] for r in mine]) for k in
+                             ("generations", "updates", "seconds", "extra_generations", "extra_updates",
+                              "extra_seconds")}
+    out["readings"] = readings(out)
+    return out
+
+
+def _mean_steps(audits: list[dict]) -> list[dict]:
+    """Per-step metrics averaged over seeds (steps align: same schedule)."""
+    if not audits:
+        return []
+    n = min(len(a["steps"]) for a in audits)
+    steps = []
+    for i in range(n):
+        first = audits[0]["steps"][i]
+        steps.append({"step": first["step"], "round": first["round"], "kind": first["kind"],
+                      **{m: summary([a["steps"][i][m] for a in audits])["mean"] for m in METRICS}})
+    return steps
+
+
+def readings(res: dict) -> list[str]:
+    """The paper's qualitative findings, stated only where the numbers show them."""
+    out = []
+    coupled = res["audit"].get("coupled")
+    if coupled and len(coupled["rounds"]) >= 2:
+        f1, fl = coupled["rounds"][0]["F"]["mean"], coupled["rounds"][-1]["F"]["mean"]
+        a1, al = coupled["rounds"][0]["A"]["mean"], coupled["rounds"][-1]["A"]["mean"]
+        t1, tl = coupled["rounds"][0]["T_P"]["mean"], coupled["rounds"][-1]["T_P"]["mean"]
+        if f1 is not None and fl is not None and fl > f1:
+            out.append(f"Coupled loop: false agreement F rises from {f1:.3f} (round 1) to {fl:.3f} "
+                       f"(round {len(coupled['rounds'])}) while A goes {a1:.3f} -> {al:.3f} and label "
+                       f"truth T_P {t1:.3f} -> {tl:.3f}: rising agreement is partly co-cheating.")
+    for t, a in res["audit"].items():
+        if t == "coupled" or not coupled or not a["rounds"]:
+            continue
+        mine, base = a["rounds"][-1], coupled["rounds"][-1]
+        seeds = sorted(set(a["last_by_seed"]) & set(coupled["last_by_seed"]))
+
+        def paired(metric: str, seeds=seeds, a=a) -> dict:
+            return summary([a["last_by_seed"][s][metric] - coupled["last_by_seed"][s][metric] for s in seeds])
+
+        d_a, d_tp = paired("A"), paired("T_P")
+        # stated only when both paired intervals exclude 0 in the telling direction
+        if d_a["n"] > 1 and d_a["hi"] is not None and d_a["hi"] < 0 and d_tp["lo"] > 0:
+            out.append(f"{t}: agreement looks worse (A {mine['A']['mean']:.3f} vs coupled "
+                       f"{base['A']['mean']:.3f}) while truth is better (T_P {mine['T_P']['mean']:.3f} vs "
+                       f"{base['T_P']['mean']:.3f}; F {mine['F']['mean']:.3f} vs {base['F']['mean']:.3f}). "
+                       "An operator watching only in-loop agreement would call this a regression.")
+    for t, d in res["downstream"].items():
+        g = d.get("gain_vs_coupled", {}).get("macro")
+        if g and g["n"] > 1 and g["lo"] is not None:
+            verdict = ("an interval excluding 0" if g["lo"] > 0 or g["hi"] < 0 else "an interval including 0")
+            out.append(f"{t}: downstream macro Cover-EM {g['mean']:+.3f} vs coupled, 95% interval "
+                       f"[{g['lo']:+.3f}, {g['hi']:+.3f}] ({verdict}; {g['n']} seeds).")
+    return out
+
+
+def find_runs(root: str | os.PathLike) -> list[Path]:
+    """Every run directory below `root`."""
+    return sorted(p.parent for p in Path(root).rglob("manifest.json") if (p.parent / "config.json").exists())

@@ -1,0 +1,79 @@
+"""Figures as PNG bytes (matplotlib, Agg): what a person would rather look at than read."""
+
+from __future__ import annotations
+
+import io
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+COLORS = {"A": "#4c72b0", "T_P": "#55a868", "T_S": "#8172b2", "F": "#c44e52", "L": "#dd8452"}
+
+
+def _png(fig) -> bytes:
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=110, bbox_inches="tight")
+    plt.close(fig)
+    return buf.getvalue()
+
+
+def steps_figure(steps: list[dict], title: str) -> bytes:
+    """A, T_P, T_S, F, L at every proposer step (the grader's responses), rounds shaded."""
+    rows = [s for s in steps if s["kind"] == "proposer"]
+    fig, ax = plt.subplots(figsize=(8, 3.6))
+    for r in sorted({s["round"] for s in rows}):  # one segment per round: solver steps sit between
+        seg = [s for s in rows if s["round"] == r]
+        for m, c in COLORS.items():
+            ax.plot([s["step"] for s in seg], [s[m] for s in seg], marker="o", ms=3, lw=1.4, color=c,
+                    label=m if r == 1 else None)
+    for r in sorted({s["round"] for s in rows}):
+        in_r = [s["step"] for s in rows if s["round"] == r]
+        ax.axvspan(min(in_r) - 0.5, max(in_r) + 0.5, color="grey", alpha=0.07 if r % 2 else 0.0)
+        ax.text((min(in_r) + max(in_r)) / 2, 1.02, f"round {r}", ha="center", fontsize=8,
+                transform=ax.get_xaxis_transform())
+    ax.set_xlabel("scheduled step (proposer steps; the main solver's 25 steps of each round lie between)")
+    ax.set_ylim(0, 1)
+    ax.set_title(title, fontsize=10, pad=16)
+    ax.legend(ncol=5, fontsize=8, loc="upper left")
+    ax.grid(alpha=0.3)
+    return _png(fig)
+
+
+def rounds_figure(audit: dict[str, dict], metrics=("A", "T_P", "F")) -> bytes:
+    """Each metric by round, one line per treatment (mean and std over seeds)."""
+    fig, axes = plt.subplots(1, len(metrics), figsize=(3.3 * len(metrics), 3.2))
+    for ax, m in zip(axes, metrics, strict=True):
+        for t, a in audit.items():
+            rounds = [r["round"] for r in a["rounds"]]
+            mean = [r[m]["mean"] for r in a["rounds"]]
+            std = [r[m]["std"] or 0 for r in a["rounds"]]
+            ax.errorbar(rounds, mean, yerr=std, marker="o", ms=4, capsize=3, lw=1.5 if t == "coupled" else 1.2,
+                        label=t)
+        ax.set_title(m, fontsize=10)
+        ax.set_xlabel("round")
+        ax.set_xticks(rounds)
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=7)
+    fig.tight_layout()
+    return _png(fig)
+
+
+def cost_figure(downstream: dict, compute: dict) -> bytes:
+    """Downstream gain over coupled against extra wall time (and 95% interval of the gain)."""
+    fig, ax = plt.subplots(figsize=(5, 3.6))
+    for t, d in downstream.items():
+        g = d.get("gain_vs_coupled", {}).get("macro")
+        c = compute.get(t, {}).get("extra_seconds", {}).get("mean")
+        if not g or c is None or g["mean"] is None:
+            continue
+        lo = g["mean"] - g["lo"] if g["lo"] is not None else 0
+        ax.errorbar([100 * c], [g["mean"]], yerr=[[lo], [lo]], fmt="o", capsize=3)
+        ax.annotate(t, (100 * c, g["mean"]), fontsize=7, xytext=(4, 4), textcoords="offset points")
+    ax.axhline(0, color="grey", lw=0.8)
+    ax.set_xlabel("extra wall time over coupled (%)")
+    ax.set_ylabel("macro Cover-EM gain over coupled")
+    ax.grid(alpha=0.3)
+    ax.set_title("cost-effectiveness", fontsize=10)
+    return _png(fig)

@@ -1,0 +1,95 @@
+"""Render collected results as Markdown and as one self-contained HTML page (figures inlined)."""
+
+from __future__ import annotations
+
+import base64
+import html
+
+from selfevo.audit import METRICS
+from selfevo.evaluate import BENCHMARKS
+
+
+def _f(s: dict | None, ci: bool = False) -> str:
+    if not s or s.get("mean") is None:
+        return "-"
+    if ci and s.get("lo") is not None and s["n"] > 1:
+        return f"{s['mean']:.3f} [{s['lo']:.3f}, {s['hi']:.3f}]"
+    return f"{s['mean']:.3f} ± {s['std']:.3f}"
+
+
+def _gain(s: dict | None) -> str:
+    if not s or s.get("mean") is None:
+        return ""
+    if s["n"] > 1 and s["lo"] is not None:
+        return f"{s['mean']:+.3f} [{s['lo']:+.3f}, {s['hi']:+.3f}]"
+    return f"{s['mean']:+.3f}"
+
+
+def tables(res: dict) -> dict[str, tuple[list[str], list[list[str]]]]:
+    """Every table as (header, rows), shared by the Markdown and HTML renderings."""
+    cols = [b for b in BENCHMARKS if any(b in d for d in res["downstream"].values())]
+    t1_head = ["treatment", *cols, "macro", "single-hop", "multi-hop", "Δ macro vs coupled"]
+    t1 = [["base (untrained)", *[_f(res["base"].get(c), True) for c in cols],
+           *[_f(res["base"].get(c), True) for c in ("macro", "single_hop", "multi_hop")], ""]]
+    for t, d in res["downstream"].items():
+        t1.append([t, *[_f(d.get(c), True) for c in cols],
+                   *[_f(d.get(c), True) for c in ("macro", "single_hop", "multi_hop")],
+                   _gain(d.get("gain_vs_coupled", {}).get("macro"))])
+    audit_head = ["treatment", "round", *METRICS]
+    audit = [[t, str(r["round"]), *[_f(r[m]) for m in METRICS]] for t, a in res["audit"].items()
+             for r in a["rounds"]]
+    comp_head = ["treatment", "generations", "updates", "wall s", "extra generations", "extra updates",
+                 "extra wall time"]
+
+    def pct(s):
+        return "-" if not s or s.get("mean") is None else f"{s['mean']:+.0%}"
+
+    comp = [[t, f"{c['generations']['mean']:.0f}", f"{c['updates']['mean']:.0f}", f"{c['seconds']['mean']:.2f}",
+             pct(c["extra_generations"]), pct(c["extra_updates"]), pct(c["extra_seconds"])]
+            for t, c in res["compute"].items()]
+    out = {"Downstream Cover-EM after the last round (mean [95% CI] over seeds)": (t1_head, t1),
+           "Audit by round (mean ± std over seeds)": (audit_head, audit),
+           "Compute and overhead against coupled": (comp_head, comp)}
+    if res.get("replay"):
+        rp = res["replay"]["conditions"]
+        keys = ["F", "solver_truth", "replay_accuracy", "A"]
+        out["Fixed replay bank (mean ± std over seeds)"] = (
+            ["condition", *keys], [[n, *[_f(c.get(k)) for k in keys]] for n, c in rp.items()])
+    return out
+
+
+def markdown(res: dict, figures: dict[str, str]) -> str:
+    lines = ["# selfevo report", "", f"Treatments: {', '.join(res['treatments'])}; seeds: "
+             f"{', '.join(map(str, res['seeds']))}. {res.get('context', '')}", "", "## Readings", ""]
+    lines += [f"- {r}" for r in res["readings"]] or ["- (none)"]
+    for title, (head, rows) in tables(res).items():
+        lines += ["", f"## {title}", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+        lines += ["| " + " | ".join(r) + " |" for r in rows]
+    lines += ["", "## Figures", ""]
+    lines += [f"![{caption}]({path})" for caption, path in figures.items()]
+    return "\n".join(lines) + "\n"
+
+
+def html_page(res: dict, figures: dict[str, bytes]) -> str:
+    esc = html.escape
+    parts = ["<!doctype html><html><head><meta charset='utf-8'><title>selfevo report</title>",
+             "<style>body{font-family:system-ui,sans-serif;max-width:1200px;margin:2em auto;padding:0 1em;"
+             "color:#222}table{border-collapse:collapse;font-size:13px;margin:1em 0}td,th{border:1px solid #ccc;"
+             "padding:3px 7px;text-align:right}td:first-child,th:first-child{text-align:left}"
+             "figure{margin:1.5em 0}img{max-width:100%}li{margin:.3em 0}</style></head><body>",
+             "<h1>selfevo report</h1>",
+             f"<p>Treatments: {esc(', '.join(res['treatments']))}; seeds: {esc(', '.join(map(str, res['seeds'])))}."
+             f" {esc(res.get('context', ''))}</p>", "<h2>Readings</h2><ul>"]
+    parts += [f"<li>{esc(r)}</li>" for r in res["readings"]] or ["<li>(none)</li>"]
+    parts.append("</ul>")
+    for title, (head, rows) in tables(res).items():
+        parts.append(f"<h2>{esc(title)}</h2><table><tr>" + "".join(f"<th>{esc(h)}</th>" for h in head) + "</tr>")
+        parts += ["<tr>" + "".join(f"<td>{esc(c)}</td>" for c in r) + "</tr>" for r in rows]
+        parts.append("</table>")
+    parts.append("<h2>Figures</h2>")
+    for caption, png in figures.items():
+        data = base64.b64encode(png).decode()
+        parts.append(f"<figure><img alt='{esc(caption)}' src='data:image/png;base64,{data}'>"
+                     f"<figcaption>{esc(caption)}</figcaption></figure>")
+    parts.append("</body></html>")
+    return "\n".join(parts)
