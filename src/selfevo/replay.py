@@ -1,0 +1,624 @@
+"""The fixed replay bank (DESIGN.md §1): freeze questions, adopted labels, matcher and evaluation,
+and vary only the training provenance of the feedback solver.
+
+    build_bank(run dirs)          round >= 2 proposals of completed runs with their adopted labels
+                                  (wrong ones included: that is what a grader can learn to agree with)
+    run_replay(bank, conditions)  per (condition, seed): train the feedback solver(s) on the bank under
+                                  the condition's provenance, let them grade every bank item, audit
+
+In the loop, a change of grader also changes what the proposer writes next (the curriculum), so
+a lower F there could come from easier questions. Here the questions are fixed: the only thing a
+condition changes is which bank items each feedback solver trained on (and with which label under
+MSV). `check_invariants` asserts that.
+
+Like `evolve.py`, this room holds the world's truth (the oracle judge, read at replay time only)
+and the agents; the agents get questions, documents and the search tool. The bank holds no truth.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import random
+import statistics
+from collections.abc import Iterable, Mapping, Sequence
+from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
+from dataclasses import asdict, dataclass, fields, replace
+from pathlib import Path
+
+from selfevo._io import atomic_writer, read_json, write_json
+from selfevo.agents.base import Proposal
+from selfevo.agents.sim import Reader, SimSolver, SimSolverConfig
+from selfevo.audit import JudgedItem, OracleJudge, audit_metrics
+from selfevo.evaluate import answers_match
+from selfevo.loop.admission import MSV
+from selfevo.loop.folds import assign_folds, fold_of
+from selfevo.loop.schedule import derive_seed
+from selfevo.runs import RunDir
+from selfevo.search.bm25 import BM25Index
+from selfevo.search.tool import SearchTool
+
+FORMAT = 1
+# The one answer matcher (DESIGN §2). Referenced through this name at grading time so that the
+# invariant check can see which function actually graded (and a test can break it).
+MATCHER = answers_match
+_CANONICAL_MATCHER = "selfevo.evaluate.answers_match"
+
+# what results.json reports per condition; "solver_truth" is the audit's T_S
+REPORTED = ("F", "solver_truth", "replay_accuracy", "A", "coverage", "L")
+
+
+class ReplayError(ValueError):
+    """Bad input to the replay (run dirs, bank file, conditions); the message says what to fix."""
+
+
+class InvariantError(AssertionError):
+    """The replay changed something other than the feedback solver's training data."""
+
+
+# ---------------------------------------------------------------- conditions
+
+
+@dataclass(frozen=True)
+class Condition:
+    """One provenance of the feedback solver.
+
+    split   how bank items are divided among feedback solvers: "none" (one solver on everything),
+            "source" (by source document), "question" (by item), "connected" (by link-graph group)
+    grades  "all" (the one solver grades everything), "own-fold" or "other-fold"
+    budget  share of the full update budget each solver gets
+    stream  the rollout seed stream: full-data is a second solver with the same data as coupled
+    """
+
+    name: str
+    split: str
+    grades: str
+    budget: float = 1.0
+    stream: str = "a"
+    msv: bool = False
+
+
+_BASE = (
+    Condition("coupled", "none", "all"),  # the grader trained on the graded item itself
+    Condition("same-source", "source", "own-fold"),
+    Condition("full-data", "none", "all", stream="b"),  # paper: more data is not the cure
+    Condition("question-split", "question", "other-fold"),
+    Condition("source-id", "source", "other-fold"),  # CrossFit
+    Condition("source-id-half", "source", "other-fold", budget=0.5),
+    Condition("connected", "connected", "other-fold"),
+)
+CONDITIONS: dict[str, Condition] = {c.name: c for c in _BASE}
+CONDITIONS.update({f"{c.name}+msv": replace(c, name=f"{c.name}+msv", msv=True) for c in _BASE})
+
+
+def parse_conditions(names: Iterable[str] | str | None) -> list[Condition]:
+    """Names (a list, or one comma-separated string; None or "all" = every condition) in the
+    table's order; an unknown name is an error listing the known ones."""
+    if names is None or names == "all":
+        return list(CONDITIONS.values())
+    if isinstance(names, str):
+        names = names.split(",")
+    wanted = [n.strip() for n in names if n.strip()]
+    if "all" in wanted:
+        return list(CONDITIONS.values())
+    unknown = [n for n in wanted if n not in CONDITIONS]
+    if unknown:
+        raise ReplayError(f"--conditions: unknown {', '.join(map(repr, unknown))} "
+                          f"(known: {', '.join(CONDITIONS)}, or all)")
+    if not wanted:
+        raise ReplayError("--conditions: no condition named")
+    return [c for c in CONDITIONS.values() if c.name in wanted]
+
+
+@dataclass(frozen=True)
+class ReplaySettings:
+    # paper: each aux solver gets 25 updates a round over the two rounds it is trained = 50
+    updates: int = 50
+    rollouts: int = 5  # training rollouts per question (GRPO group)
+    samples: int = 5  # grader samples per bank item, as in the loop
+    msv_samples: int = 3  # paper: 3 with the source, 3 without
+
+    def __post_init__(self):
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ReplayError(f"{f.name}: must be a positive integer, got {v!r}")
+        if self.updates < 2:
+            raise ReplayError(f"updates: must be >= 2 (the half budget halves it), got {self.updates}")
+
+
+# ---------------------------------------------------------------- the bank
+
+
+@dataclass(frozen=True)
+class BankItem:
+    item_id: str  # unique in the bank: "run<i>/<the run's item id>"
+    question: str
+    label: str  # the adopted label (what the loop trained on and graded against)
+    draft_label: str
+    source_id: str
+    source_ids: tuple[str, ...]
+    group: str  # connected-source group (link-graph cluster) of the source
+    run: str
+    round: int
+    hops: int
+
+    def to_json(self) -> dict:
+        return {**asdict(self), "source_ids": list(self.source_ids)}
+
+
+@dataclass
+class Bank:
+    world: dict  # the runs' `world` config block
+    seed: int  # sampling seed; also seeds the replay's base model (see _Context)
+    sources: list[str]
+    items: list[BankItem]
+    # the runs' solver and search config: the replay's feedback solvers start as their base model
+    solver: dict
+    search: dict
+
+    def to_json(self) -> dict:
+        return {"format": FORMAT, "world": self.world, "seed": self.seed, "sources": self.sources,
+                "solver": self.solver, "search": self.search, "items": [it.to_json() for it in self.items]}
+
+    @classmethod
+    def from_json(cls, obj: dict, where: str = "bank") -> Bank:
+        if not isinstance(obj, dict) or "format" not in obj:
+            raise ReplayError(f"{where}: not a replay bank (no format field)")
+        if obj["format"] != FORMAT:
+            raise ReplayError(f"{where}: bank format {obj['format']!r}, this selfevo reads format {FORMAT}")
+        missing = [k for k in ("world", "seed", "sources", "solver", "search", "items") if k not in obj]
+        if missing:
+            raise ReplayError(f"{where}: missing field(s) {', '.join(missing)}")
+        items = []
+        names = [f.name for f in fields(BankItem)]
+        for i, it in enumerate(obj["items"]):
+            lost = [k for k in names if k not in it]
+            if lost:
+                raise ReplayError(f"{where}: item {i}: missing field(s) {', '.join(lost)}")
+            items.append(BankItem(**{**{k: it[k] for k in names}, "source_ids": tuple(it["source_ids"])}))
+        ids = [it.item_id for it in items]
+        if len(set(ids)) != len(ids):
+            raise ReplayError(f"{where}: duplicate item ids")
+        if not items:
+            raise ReplayError(f"{where}: the bank holds no items")
+        return cls(dict(obj["world"]), int(obj["seed"]), list(obj["sources"]), items,
+                   dict(obj["solver"]), dict(obj["search"]))
+
+    def save(self, path: str | os.PathLike) -> Path:
+        write_json(path, self.to_json())
+        return Path(path)
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> Bank:
+        path = Path(path)
+        if not path.is_file():
+            raise ReplayError(f"{path}: no bank file; make one with `selfevo replay build`")
+        try:
+            obj = read_json(path)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ReplayError(f"{path}: not valid JSON ({e})") from None
+        return cls.from_json(obj, str(path))
+
+    def digest(self) -> str:
+        return hashlib.sha256(json.dumps(self.to_json(), sort_keys=True).encode()).hexdigest()
+
+
+def _load_world(block: dict):
+    # the same resolution as `selfevo evolve` (a generated world or a world directory)
+    from selfevo.config import ConfigError, config_from_dict
+    from selfevo.evolve import load_run_world
+    from selfevo.world import WorldError
+
+    try:
+        return load_run_world(config_from_dict({"world": block}))
+    except (ConfigError, WorldError) as e:
+        raise ReplayError(f"bank world: {e}") from None
+
+
+def build_bank(run_dirs: Sequence[str | os.PathLike], size: int = 3000, seed: int = 0,
+               min_round: int = 2) -> Bank:
+    """Admitted proposer-step items of rounds >= `min_round` of completed runs (one world),
+    identical (question, label) pairs once, then a seeded sample of `size`.
+
+    Rounds >= 2 because by then the coupled grader has trained on pseudo-labels, so the bank
+    holds the wrong labels co-cheating agrees with (round 1 is graded by the base model)."""
+    if not run_dirs:
+        raise ReplayError("--from: name at least one run directory")
+    if size < 1:
+        raise ReplayError(f"--size: must be >= 1, got {size}")
+    configs = []
+    for d in run_dirs:
+        run = RunDir(d)
+        if not run.exists():
+            raise ReplayError(f"{d}: not a run directory (no manifest.json)")
+        status = run.manifest().get("status")
+        if status != "complete":
+            raise ReplayError(f"{d}: the run is not complete (status {status!r}); finish it with "
+                              "`selfevo evolve --resume`")
+        configs.append(run.config())
+    for key in ("world", "solver", "search"):
+        for d, cfg in zip(run_dirs[1:], configs[1:]):
+            if cfg.get(key) != configs[0].get(key):
+                raise ReplayError(f"runs differ in their {key} config: {run_dirs[0]} has {configs[0].get(key)}, "
+                                  f"{d} has {cfg.get(key)}; a bank is built from runs of one {key}")
+    world = _load_world(configs[0]["world"])
+    groups = assign_folds(world.documents, seed, 2, "connected").groups
+    pool: list[BankItem] = []
+    seen: set[tuple[str, str]] = set()
+    for i, d in enumerate(run_dirs):
+        for row in RunDir(d).steps():
+            if row["kind"] != "proposer" or row["round"] < min_round:
+                continue
+            for it in row["items"]:
+                key = (it["question"], it["adopted_label"])
+                if not it["admitted"] or key in seen:
+                    continue
+                seen.add(key)
+                if it["source_id"] not in groups:
+                    raise ReplayError(f"{d}: source {it['source_id']!r} is not a page of the run's world")
+                pool.append(BankItem(f"run{i}/{it['item_id']}", it["question"], it["adopted_label"],
+                                     it["draft_label"], it["source_id"], tuple(it["source_ids"]),
+                                     groups[it["source_id"]], str(d), int(row["round"]), int(it["hops"])))
+    if len(pool) < size:
+        raise ReplayError(f"only {len(pool)} distinct admitted items of rounds >= {min_round} in "
+                          f"{len(run_dirs)} run(s), fewer than --size {size}; add runs or lower --size")
+    chosen = sorted(random.Random(derive_seed(seed, "bank")).sample(range(len(pool)), size))
+    return Bank(configs[0]["world"], seed, [str(d) for d in run_dirs], [pool[j] for j in chosen],
+                configs[0]["solver"], configs[0]["search"])
+
+
+# ---------------------------------------------------------------- one process's world
+
+
+class _Context:
+    """What every replay job of a process shares: the world, the BM25 tool (the expensive part,
+    built once per process), the base model's reader and the oracle."""
+
+    def __init__(self, bank: Bank, settings: ReplaySettings):
+        self.bank, self.settings = bank, settings
+        world = _load_world(bank.world)
+        self.documents = {d.id: d for d in world.documents}
+        absent = sorted({s for it in bank.items for s in it.source_ids if s not in self.documents})
+        if absent:
+            raise ReplayError(f"bank: {len(absent)} source page(s) (e.g. {absent[0]!r}) are not in its world")
+        self.tool = SearchTool(BM25Index.build(world.documents), topk=int(bank.search["topk"]),
+                               max_calls=int(bank.search["max_calls"]))
+        self.solver_config = SimSolverConfig(**{**bank.solver, "theta0": tuple(bank.solver["theta0"])})
+        # One base model for every seed, as the paper replays with one pretrained model: its
+        # misreadings are seeded by the bank's seed, and replay seeds vary only folds, orders and
+        # sampling. (A reader seeded per replay seed would be a different base model per seed.)
+        self.reader = Reader("solver", self.solver_config.misread_scale, world.config.shared_misreading,
+                             bank.seed)
+        self.judge = OracleJudge(world.truth)
+
+    def make_solver(self, name: str) -> SimSolver:
+        return SimSolver(name, self.solver_config, self.reader)
+
+
+_CONTEXT: tuple[str, _Context] | None = None
+
+
+def _set_context(bank: Bank, settings: ReplaySettings) -> _Context:
+    global _CONTEXT
+    key = f"{bank.digest()}:{settings}"
+    if _CONTEXT is None or _CONTEXT[0] != key:
+        _CONTEXT = (key, _Context(bank, settings))
+    return _CONTEXT[1]
+
+
+def _init_worker(bank_json: dict, settings: ReplaySettings) -> None:
+    _set_context(Bank.from_json(bank_json), settings)
+
+
+def _ctx() -> _Context:
+    assert _CONTEXT is not None, "replay context not set"
+    return _CONTEXT[1]
+
+
+# ---------------------------------------------------------------- jobs
+
+
+def _msv_job(seed: int) -> dict[str, str | None]:
+    """MSV by the untrained base solver over the whole bank: item id -> replacement label, or
+    None when rejected. Computed once per seed and shared by every +msv condition."""
+    ctx = _ctx()
+    msv = MSV(ctx.documents, samples=ctx.settings.msv_samples)
+    msv.begin_round(1, ctx.make_solver("base"))
+    proposals = [Proposal(it.question, it.label, it.source_id, it.source_ids, it.hops) for it in ctx.bank.items]
+    decisions = msv.decide(proposals, ctx.tool, derive_seed(seed, "replay-msv"))
+    return {it.item_id: (d.label if d.admitted else None) for it, d in zip(ctx.bank.items, decisions, strict=True)}
+
+
+def _fold_function(split: str, seed: int):
+    """item -> fold (0/1); "none" puts everything in fold 0."""
+    if split == "source":
+        return lambda it: fold_of(it.source_id, seed, 2)
+    if split == "question":
+        return lambda it: fold_of(it.item_id, seed, 2)
+    if split == "connected":
+        return lambda it: fold_of(it.group, seed, 2)
+    if split == "none":
+        return lambda it: 0
+    raise AssertionError(split)
+
+
+def _train(ctx: _Context, name: str, train: list, updates: int, seed: int) -> SimSolver:
+    """`updates` policy-gradient steps on `train` [(item, label)] in a seeded order. The batches
+    are the full budget's even split, so a smaller budget sees fewer batches (as AuxFeedback)."""
+    s = ctx.settings
+    if len(train) < s.updates:
+        raise ReplayError(f"feedback solver {name}: {len(train)} training items, fewer than the "
+                          f"{s.updates} updates; use a larger bank or fewer --updates")
+    solver = ctx.make_solver(name)
+    order = list(train)
+    random.Random(derive_seed(seed, "order")).shuffle(order)
+    for u in range(updates):
+        batch = order[u * len(order) // s.updates:(u + 1) * len(order) // s.updates]
+        trajs = solver.answer([it.question for it, _ in batch], ctx.tool, greedy=False, n=s.rollouts,
+                              seed=derive_seed(seed, "rollout", u))
+        solver.update([(ts, label) for ts, (_, label) in zip(trajs, batch, strict=True)])
+    return solver
+
+
+def _labels_digest(pairs: Iterable[tuple[str, str]]) -> str:
+    return hashlib.sha256(json.dumps(list(pairs)).encode()).hexdigest()
+
+
+def _condition_job(name: str, seed: int, msv_labels: Mapping[str, str | None] | None) -> dict:
+    """Train the condition's feedback solver(s), grade every bank item, audit with the oracle."""
+    ctx, s = _ctx(), _ctx().settings
+    cond = CONDITIONS[name]
+    items = ctx.bank.items
+    if cond.msv:  # MSV filters the training items and replaces their labels; grading does not change
+        train_pool = [(it, msv_labels[it.item_id]) for it in items if msv_labels[it.item_id] is not None]
+    else:
+        train_pool = [(it, it.label) for it in items]
+    fold = _fold_function(cond.split, seed)
+    k = 1 if cond.split == "none" else 2
+    n_updates = math.floor(s.updates * cond.budget)
+    solvers = []
+    for h in range(k):
+        # the seed names the training data, not the condition: same-source and source-id train the
+        # same fold solvers and differ only in who grades; the half budget is the first half of it
+        key = derive_seed(seed, "train", cond.split, h, cond.stream)
+        solvers.append(_train(ctx, f"{cond.split}-{h}", [p for p in train_pool if fold(p[0]) == h],
+                              n_updates, key))
+
+    def grader(it) -> int:
+        if cond.grades == "all":
+            return 0
+        return fold(it) if cond.grades == "own-fold" else 1 - fold(it)
+
+    # grading: every bank item, 5 sampled answers and one greedy, by its grader
+    by_grader: dict[int, list[int]] = {}
+    for i, it in enumerate(items):
+        by_grader.setdefault(grader(it), []).append(i)
+    responses: list[list[str]] = [[] for _ in items]
+    greedy: list[str] = [""] * len(items)
+    for g, idx in sorted(by_grader.items()):
+        questions = [items[i].question for i in idx]
+        sampled = solvers[g].answer(questions, ctx.tool, greedy=False, n=s.samples,
+                                    seed=derive_seed(seed, "grade", cond.split, g, cond.stream))
+        best = solvers[g].answer(questions, ctx.tool, greedy=True, n=1)
+        for i, ts, bs in zip(idx, sampled, best, strict=True):
+            responses[i] = [t.answer for t in ts]
+            greedy[i] = bs[0].answer
+    graded = [(it.item_id, it.label) for it in items]  # what the judge and the matcher compare
+    matcher = MATCHER
+    verdicts = ctx.judge.judge([{"question": it.question, "adopted_label": label, "responses": rs}
+                                for it, (_, label), rs in zip(items, graded, responses)])
+    judged = [JudgedItem(tuple(matcher(r, label) for r in rs), v.resolved, v.label_correct, v.responses_correct)
+              for (_, label), rs, v in zip(graded, responses, verdicts)]
+    m = audit_metrics(judged)
+    resolved = [i for i, v in enumerate(verdicts) if v.resolved]
+    accuracy = (sum(matcher(greedy[i], graded[i][1]) for i in resolved) / len(resolved)) if resolved else None
+    return {"condition": name, "seed": seed,
+            "metrics": {"F": m["F"], "solver_truth": m["T_S"], "replay_accuracy": accuracy, "A": m["A"],
+                        "coverage": m["coverage"], "L": m["L"], "T_P": m["T_P"]},
+            "graded": _labels_digest(graded), "n_graded": len(graded),
+            "matcher": f"{matcher.__module__}.{matcher.__qualname__}",
+            "updates": {sv.name: sv.updates for sv in solvers},
+            "train_items": {sv.name: len([p for p in train_pool if fold(p[0]) == h])
+                            for h, sv in enumerate(solvers)}}
+
+
+# ---------------------------------------------------------------- the study
+
+
+def check_invariants(outcomes: Mapping[tuple[str, int], dict], bank: Bank, settings: ReplaySettings) -> dict:
+    """Between conditions only the feedback solver's training data may change: every outcome
+    graded the bank's items with the bank's labels under the one matcher, and every feedback
+    solver made the full number of updates (half for the half-budget condition)."""
+    want_graded = _labels_digest((it.item_id, it.label) for it in bank.items)
+    for (name, seed), out in sorted(outcomes.items()):
+        where = f"replay invariant broken in {name} seed {seed}"
+        if out["graded"] != want_graded or out["n_graded"] != len(bank.items):
+            raise InvariantError(f"{where}: graded items or labels differ from the bank's")
+        if out["matcher"] != _CANONICAL_MATCHER:
+            raise InvariantError(f"{where}: graded with {out['matcher']}, not {_CANONICAL_MATCHER}")
+        # stated here independently of the condition table, so a wrong table entry is caught
+        want = settings.updates // 2 if name.startswith("source-id-half") else settings.updates
+        wrong = {k: v for k, v in out["updates"].items() if v != want}
+        if wrong or not out["updates"]:
+            raise InvariantError(f"{where}: feedback solver updates {out['updates']}, expected {want} each")
+    return {"items": len(bank.items), "labels_sha256": want_graded, "matcher": _CANONICAL_MATCHER,
+            "updates": {name: out["updates"] for (name, seed), out in sorted(outcomes.items()) if seed == 0}}
+
+
+class _InProcess:
+    """workers=1: the same job code path as the pool, run at submit in this process."""
+
+    def __init__(self, bank: Bank, settings: ReplaySettings):
+        _set_context(bank, settings)
+
+    def submit(self, fn, *args) -> Future:
+        f: Future = Future()
+        try:
+            f.set_result(fn(*args))
+        except BaseException as e:  # re-raised by f.result(), as a pool would
+            f.set_exception(e)
+        return f
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        pass
+
+
+def _mean_std(values: list) -> dict:
+    vals = [v for v in values if v is not None]
+    if not vals:
+        return {"mean": None, "std": None}
+    return {"mean": statistics.fmean(vals), "std": statistics.stdev(vals) if len(vals) > 1 else 0.0}
+
+
+def run_replay(bank: Bank, conditions: Iterable[str] | str | None = None, seeds: int | Sequence[int] = 5,
+               settings: ReplaySettings | None = None, workers: int = 1, progress: bool = False) -> dict:
+    """Every (condition, seed) job; results are identical for any `workers` (each job is a pure
+    function of the bank, the condition, the seed and that seed's MSV labels)."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    settings = settings or ReplaySettings()
+    conds = parse_conditions(conditions)
+    seeds = list(range(seeds)) if isinstance(seeds, int) else list(seeds)
+    if not seeds:
+        raise ReplayError("--seeds: must be >= 1")
+    if workers < 1:
+        raise ReplayError(f"--workers: must be >= 1, got {workers}")
+    need_msv = any(c.msv for c in conds)
+    total = len(conds) * len(seeds) + (len(seeds) if need_msv else 0)
+    executor = (_InProcess(bank, settings) if workers == 1 else
+                ProcessPoolExecutor(workers, initializer=_init_worker, initargs=(bank.to_json(), settings)))
+    outcomes: dict[tuple[str, int], dict] = {}
+    msv: dict[int, dict] = {}
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    with executor as pool, Progress(*columns, disable=not progress, transient=True) as bar:
+        task = bar.add_task("replay", total=total)
+        pending: dict[Future, tuple[str, int]] = {}
+        for s in seeds:
+            if need_msv:
+                pending[pool.submit(_msv_job, s)] = ("msv", s)
+        for c in conds:
+            for s in seeds:
+                if not c.msv:
+                    pending[pool.submit(_condition_job, c.name, s, None)] = (c.name, s)
+        while pending:
+            done, _ = wait(list(pending), return_when=FIRST_COMPLETED)
+            for f in sorted(done, key=lambda f: pending[f]):
+                name, s = pending.pop(f)
+                result = f.result()
+                if name == "msv":  # this seed's +msv conditions can start now
+                    msv[s] = result
+                    for c in conds:
+                        if c.msv:
+                            pending[pool.submit(_condition_job, c.name, s, result)] = (c.name, s)
+                else:
+                    outcomes[(name, s)] = result
+                bar.update(task, advance=1, description=f"replay {name} seed {s}")
+    invariants = check_invariants(outcomes, bank, settings)
+    first = outcomes[(conds[0].name, seeds[0])]["metrics"]
+    out = {"format": FORMAT, "settings": asdict(settings), "seeds": seeds,
+           "bank": {"items": len(bank.items), "seed": bank.seed, "sources": bank.sources, "world": bank.world,
+                    "T_P": first["T_P"], "coverage": first["coverage"], "sha256": bank.digest()},
+           "conditions": {}, "invariants": invariants}
+    for c in conds:
+        rows = [outcomes[(c.name, s)] for s in seeds]
+        entry = {m: _mean_std([r["metrics"][m] for r in rows]) for m in REPORTED}
+        entry["seeds"] = len(seeds)
+        entry["per_seed"] = {m: [r["metrics"][m] for r in rows] for m in REPORTED}
+        entry["train_items"] = {str(s): r["train_items"] for s, r in zip(seeds, rows)}
+        if c.msv:
+            entry["msv_admitted"] = _mean_std([sum(v is not None for v in msv[s].values()) for s in seeds])
+        out["conditions"][c.name] = entry
+    return out
+
+
+# ---------------------------------------------------------------- reporting
+
+_COLUMNS = (("F", "F"), ("solver_truth", "solver truth"), ("replay_accuracy", "replay accuracy"),
+            ("A", "A"), ("coverage", "coverage"))
+
+
+def _fmt(cell: dict) -> str:
+    return "-" if cell["mean"] is None else f"{cell['mean']:.3f} ± {cell['std']:.3f}"
+
+
+def results_markdown(results: dict) -> str:
+    head = "| condition | " + " | ".join(t for _, t in _COLUMNS) + " |"
+    lines = [head, "|---|" + "---:|" * len(_COLUMNS)]
+    for name, entry in results["conditions"].items():
+        lines.append(f"| {name} | " + " | ".join(_fmt(entry[k]) for k, _ in _COLUMNS) + " |")
+    return "\n".join(lines)
+
+
+def results_table(results: dict):
+    from rich.table import Table
+
+    bank = results["bank"]
+    table = Table(title=f"fixed replay bank: {bank['items']} items, T_P {bank['T_P']:.3f}, "
+                        f"{len(results['seeds'])} seeds (mean ± std)")
+    table.add_column("condition")
+    for _, title in _COLUMNS:
+        table.add_column(title, justify="right")
+    for name, entry in results["conditions"].items():
+        table.add_row(name, *[_fmt(entry[k]) for k, _ in _COLUMNS])
+    return table
+
+
+def plot_results(results: dict, path: str | os.PathLike) -> Path:
+    """Grouped bars like the paper's Figure 7: F, solver truth and replay accuracy per condition,
+    std error bars, MSV variants hatched."""
+    from matplotlib.figure import Figure  # no pyplot: no global backend state, Agg canvas
+
+    conds = results["conditions"]
+    bases = list(dict.fromkeys(n.removesuffix("+msv") for n in conds))
+    metrics = (("F", "F (false agreement)"), ("solver_truth", "solver truth"),
+               ("replay_accuracy", "replay accuracy"))
+    fig = Figure(figsize=(4.2 * len(metrics), 3.8), layout="constrained")
+    axes = fig.subplots(1, len(metrics))
+    width = 0.4
+    for ax, (key, title) in zip(axes, metrics):
+        for j, (suffix, hatch) in enumerate((("", None), ("+msv", "//"))):
+            xs, means, stds, colors = [], [], [], []
+            for i, b in enumerate(bases):
+                e = conds.get(b + suffix)
+                if e is None or e[key]["mean"] is None:
+                    continue
+                xs.append(i + (j - 0.5) * width)
+                means.append(e[key]["mean"])
+                stds.append(e[key]["std"])
+                colors.append(f"C{i}")
+            if xs:
+                ax.bar(xs, means, width, yerr=stds, color=colors, hatch=hatch, edgecolor="black",
+                       linewidth=0.5, capsize=2, label="with MSV" if suffix else "without MSV")
+        ax.set_xticks(range(len(bases)), bases, rotation=40, ha="right", fontsize=8)
+        ax.set_title(title, fontsize=10)
+        ax.grid(axis="y", alpha=0.3)
+    axes[0].legend(fontsize=7)
+    fig.suptitle(f"Fixed replay bank ({results['bank']['items']} items, {len(results['seeds'])} seeds)",
+                 fontsize=11)
+    with atomic_writer(path, "wb") as fh:
+        fig.savefig(fh, format="png", dpi=130)
+    return Path(path)
+
+
+def write_results(results: dict, out: str | os.PathLike) -> Path:
+    """DIR/results.json, DIR/results.md (the table) and DIR/replay.png."""
+    out = Path(out)
+    write_json(out / "results.json", results)
+    with atomic_writer(out / "results.md") as fh:
+        fh.write(f"# Fixed replay bank\n\n{results['bank']['items']} items, bank T_P "
+                 f"{results['bank']['T_P']:.3f}, seeds {results['seeds']}, mean ± std over seeds.\n\n")
+        fh.write(results_markdown(results) + "\n")
+    plot_results(results, out / "replay.png")
+    return out
+
+
+__all__ = ["CONDITIONS", "MATCHER", "Bank", "BankItem", "Condition", "InvariantError", "ReplayError",
+           "ReplaySettings", "build_bank", "check_invariants", "parse_conditions", "plot_results",
+           "results_markdown", "results_table", "run_replay", "write_results"]
+

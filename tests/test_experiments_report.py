@@ -1,0 +1,122 @@
+"""Experiment grids (local processes and Ray give identical results; failures are reported and
+the rest completes; reruns skip finished jobs) and the report built from a grid."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from selfevo.cli import app
+from selfevo.experiments import Job, grid, run_grid
+from selfevo.report.build import build_report
+
+SMALL = ["world.name=\"small\"", "loop.admit_per_round=120", "loop.proposer_steps=6", "loop.solver_steps=5"]
+
+
+def _tables(root: Path) -> dict:
+    """Every result a run writes that must not depend on the executor."""
+    out = {}
+    for run in sorted(p for p in root.iterdir() if p.is_dir()):
+        for rel in ("records/steps.jsonl", "audit/metrics.json", "eval/round-3.json"):
+            out[f"{run.name}/{rel}"] = (run / rel).read_bytes()
+        state = json.loads((run / "checkpoints" / "round-3.json").read_text())
+        state["compute"].pop("seconds")  # wall time is the one thing allowed to differ
+        out[f"{run.name}/models"] = state
+    return out
+
+
+@pytest.fixture(scope="module")
+def local_grid(tmp_path_factory):
+    root = tmp_path_factory.mktemp("local")
+    jobs = grid(["coupled", "crossfit"], [0, 1], root, SMALL)
+    results = run_grid(jobs, "local", workers=2)
+    return root, jobs, results
+
+
+def test_grid_names_and_overrides(tmp_path):
+    jobs = grid(["coupled", "msv"], [0, 3], tmp_path, ["loop.rounds=2"])
+    assert [j.name for j in jobs] == ["coupled-s0", "coupled-s3", "msv-s0", "msv-s3"]
+    assert jobs[3].overrides == ("loop.rounds=2", "treatment=msv", "seed=3")
+    assert jobs[0].out == str(tmp_path / "coupled-s0")
+
+
+def test_local_grid_runs_every_job(local_grid):
+    root, jobs, results = local_grid
+    assert [r["status"] for r in results] == ["ok"] * 4
+    assert [r["job"] for r in results] == [j.name for j in jobs]
+    for j in jobs:
+        assert json.loads((Path(j.out) / "manifest.json").read_text())["status"] == "complete"
+
+
+def test_workers_do_not_change_results(local_grid, tmp_path):
+    root, jobs, _ = local_grid
+    serial = grid(["coupled", "crossfit"], [0, 1], tmp_path, SMALL)
+    run_grid(serial, "local", workers=1)
+    assert _tables(tmp_path) == _tables(root)
+
+
+def test_rerun_skips_finished_jobs(local_grid):
+    root, jobs, _ = local_grid
+    before = _tables(root)
+    assert [r["status"] for r in run_grid(jobs, "local", workers=2)] == ["skipped"] * 4
+    assert _tables(root) == before
+
+
+def test_a_failed_job_is_reported_and_the_rest_complete(tmp_path):
+    jobs = [Job("bad", (*SMALL, "treatment=no-such-treatment"), str(tmp_path / "bad")),
+            *grid(["coupled"], [0], tmp_path, SMALL)]
+    results = run_grid(jobs, "local", workers=2)
+    assert results[0]["status"] == "failed" and "no-such-treatment" in results[0]["error"]
+    assert results[1]["status"] == "ok"
+
+
+def test_unknown_executor():
+    with pytest.raises(ValueError, match="executor"):
+        run_grid([], "dask")
+
+
+def test_ray_matches_local(local_grid, tmp_path):
+    ray = pytest.importorskip("ray")
+    root, _, _ = local_grid
+    jobs = grid(["coupled", "crossfit"], [0, 1], tmp_path, SMALL)
+    try:
+        results = run_grid(jobs, "ray")
+    finally:
+        ray.shutdown()
+    assert [r["status"] for r in results] == ["ok"] * 4
+    assert _tables(tmp_path) == _tables(root)
+
+
+def test_report_from_a_grid(local_grid):
+    root, _, _ = local_grid
+    res = build_report(root, context="test")
+    assert res["treatments"] == ["coupled", "crossfit"] and res["seeds"] == [0, 1]
+    gain = res["downstream"]["crossfit"]["gain_vs_coupled"]["macro"]
+    coupled = [json.loads((root / f"coupled-s{s}" / "eval" / "round-3.json").read_text())["macro"]["cover_em"]
+               for s in (0, 1)]
+    crossfit = [json.loads((root / f"crossfit-s{s}" / "eval" / "round-3.json").read_text())["macro"]["cover_em"]
+                for s in (0, 1)]
+    assert gain["mean"] == pytest.approx(sum(crossfit) / 2 - sum(coupled) / 2)
+    f3 = [json.loads((root / f"coupled-s{s}" / "audit" / "metrics.json").read_text())["rounds"][-1]["F"]
+          for s in (0, 1)]
+    assert res["audit"]["coupled"]["rounds"][-1]["F"]["mean"] == pytest.approx(sum(f3) / 2)
+    html = (root / "report.html").read_text()
+    assert html.count("data:image/png;base64,") >= 3 and "Readings" in html
+    md = (root / "report.md").read_text()
+    assert "| coupled |" in md and "figures/figure-1.png" in md
+    assert (root / "figures" / "figure-1.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert json.loads((root / "results.json").read_text())["treatments"] == ["coupled", "crossfit"]
+    assert oct(os.stat(root / "report.html").st_mode & 0o777) != oct(0o600)
+
+
+def test_report_cli(local_grid, tmp_path):
+    root, _, _ = local_grid
+    result = CliRunner().invoke(app, ["report", str(root)])
+    assert result.exit_code == 0, result.output
+    assert "Downstream" in result.output
+    result = CliRunner().invoke(app, ["report", str(tmp_path)])
+    assert result.exit_code == 2 and "no run directories" in result.output
