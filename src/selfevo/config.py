@@ -93,9 +93,13 @@ def _coerce(value: Any, typ: Any, where: str) -> Any:
     if typ is float:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ConfigError(f"{where}: expected a number, got {value!r}")
+        try:
+            value = float(value)
+        except OverflowError:  # an integer literal too large for a float
+            raise ConfigError(f"{where}: must be finite, got an integer of {len(str(value))} digits") from None
         if not math.isfinite(value):
             raise ConfigError(f"{where}: must be finite, got {value!r}")
-        return float(value)
+        return value
     if typ is str:
         if not isinstance(value, str):
             raise ConfigError(f"{where}: expected a string, got {value!r}")
@@ -145,12 +149,16 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     return key.strip().split("."), value
 
 
-def merge(base: dict, path: list[str], value: Any) -> dict:
+def merge(base: dict, path: list[str], value: Any, _where: str = "") -> dict:
     out = dict(base)
+    where = f"{_where}.{path[0]}" if _where else path[0]
     if len(path) == 1:
         out[path[0]] = value
     else:
-        out[path[0]] = merge(out.get(path[0], {}) or {}, path[1:], value)
+        inner = out.get(path[0], {})
+        if not isinstance(inner, dict):  # e.g. `--set loop=3 --set loop.rounds=2`
+            raise ConfigError(f"{where}: expected a table, got {type(inner).__name__}")
+        out[path[0]] = merge(inner, path[1:], value, where)
     return out
 
 
@@ -162,6 +170,10 @@ def load_config(path: str | Path | None = None, overrides: list[str] = (), **top
             data = tomllib.loads(Path(path).read_text(encoding="utf-8"))
         except tomllib.TOMLDecodeError as e:
             raise ConfigError(f"{path}: {e}") from None
+        except UnicodeDecodeError as e:
+            raise ConfigError(f"{path}: invalid UTF-8 at byte {e.start}") from None
+        except OSError as e:  # missing, a directory, no permission
+            raise ConfigError(f"{path}: cannot read: {e.strerror}") from None
     for text in overrides:
         keys, value = parse_override(text)
         data = merge(data, keys, value)

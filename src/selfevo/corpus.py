@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
@@ -31,7 +32,11 @@ def _iter_json_lines(path: str | os.PathLike) -> Iterator[tuple[int, dict[str, A
     path = Path(path)
     if not path.exists():
         raise DataError(path, None, "file not found")
-    with open(path, "rb") as fh:
+    try:
+        fh = open(path, "rb")
+    except OSError as e:  # a directory, no permission
+        raise DataError(path, None, f"cannot read: {e.strerror}") from None
+    with fh:
         for lineno, raw in enumerate(fh, start=1):
             try:
                 text = raw.decode("utf-8")
@@ -43,9 +48,25 @@ def _iter_json_lines(path: str | os.PathLike) -> Iterator[tuple[int, dict[str, A
                 obj = json.loads(text)
             except json.JSONDecodeError as e:
                 raise DataError(path, lineno, f"malformed JSON: {e.msg} (column {e.colno})") from None
+            except RecursionError:
+                raise DataError(path, lineno, "malformed JSON: nested too deeply") from None
             if not isinstance(obj, dict):
                 raise DataError(path, lineno, f"expected a JSON object, got {type(obj).__name__}")
+            if _SURROGATE_ESCAPE.search(text) and not _encodable(obj):
+                # valid JSON, but "\ud800" alone is no character: it would fail every later write
+                raise DataError(path, lineno, "invalid Unicode: a lone surrogate escape (\\ud800-\\udfff)")
             yield lineno, obj
+
+
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
+
+
+def _encodable(obj: Any) -> bool:
+    try:
+        json.dumps(obj, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _require_str(obj: dict, key: str, path, lineno, allow_empty: bool = False) -> str:
@@ -100,7 +121,13 @@ def _qa_item(obj: dict, path, lineno, default_benchmark: str | None) -> QAItem:
     question = _require_str(obj, "question", path, lineno)
     golds = obj.get("golden_answers")
     if golds is None:  # Search-R1 parquet nests the target under reward_model.ground_truth
-        golds = ((obj.get("reward_model") or {}).get("ground_truth") or {}).get("target")
+        reward_model = obj.get("reward_model") or {}
+        if not isinstance(reward_model, dict):
+            raise DataError(path, lineno, "field 'reward_model' must be an object")
+        truth = reward_model.get("ground_truth") or {}
+        if not isinstance(truth, dict):
+            raise DataError(path, lineno, "field 'reward_model.ground_truth' must be an object")
+        golds = truth.get("target")
     if golds is None:
         raise DataError(path, lineno, "missing field 'golden_answers'")
     if isinstance(golds, str):
@@ -120,6 +147,9 @@ def _qa_item(obj: dict, path, lineno, default_benchmark: str | None) -> QAItem:
         bench = obj.get("data_source") or default_benchmark
         if bench:
             metadata["benchmark"] = bench
+    if "benchmark" in metadata and not isinstance(metadata["benchmark"], str):
+        field = "metadata.benchmark" if "benchmark" in (obj.get("metadata") or {}) else "data_source"
+        raise DataError(path, lineno, f"field '{field}' must be a string")
     return QAItem(item_id, question, tuple(g for g in golds if g.strip()), metadata)
 
 

@@ -81,7 +81,7 @@ def load_plan(path: str | os.PathLike | None = None, **changes) -> DemoPlan:
 
 def run_demo(plan: DemoPlan, out: str | os.PathLike, console: Console | None = None,
              workers: int | None = None) -> dict:
-    from selfevo.replay import build_bank, run_study
+    from selfevo.replay import build_bank, run_replay, write_results
     from selfevo.report.build import build_report
 
     console = console or Console()
@@ -105,10 +105,13 @@ def run_demo(plan: DemoPlan, out: str | os.PathLike, console: Console | None = N
         console.print(f"[red]job {res['job']} failed:[/red] {res['error']}")
     coupled = [r["run"] for r in results if r["job"].startswith("coupled-") and r["status"] != "failed"]
     if plan.replay_conditions and coupled:
-        console.print("replay bank study ...")
-        bank = out / "replay" / "bank.json"
-        build_bank(coupled, plan.replay_size, seed=0, out=bank)
-        run_study(bank, list(plan.replay_conditions), seeds, out / "replay", workers=workers)
+        console.print(f"fixed replay bank: {plan.replay_size} questions from the coupled runs' rounds 2-3, "
+                      f"{len(plan.replay_conditions)} conditions x {len(seeds)} seeds")
+        bank = build_bank(coupled, plan.replay_size, seed=0)
+        bank.save(out / "replay" / "bank.json")
+        results = run_replay(bank, list(plan.replay_conditions), seeds, workers=workers or os.cpu_count() or 1,
+                             progress=True)
+        write_results(results, out / "replay")
     res = build_report(out, context=f"World `{plan.world}`; demo wall time "
                                     f"{time.perf_counter() - started:.0f} s on {os.cpu_count()} cores.")
     headline(res, console)

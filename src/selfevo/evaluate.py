@@ -349,11 +349,15 @@ def evaluate_solver(solver: Solver, data: Mapping[str, Sequence[QAItem]], tool: 
 def run_eval(data_dir: str | os.PathLike, corpus: str | os.PathLike | None, agent: str,
              out_dir: str | os.PathLike, limit: int | None = None,
              retriever_url: str | None = None, index_dir: str | os.PathLike | None = None,
-             progress: bool = True) -> dict:
+             progress: bool = True, retriever_kind: str | None = None,
+             index: str | os.PathLike | None = None, dense_options: Any = None) -> dict:
     """`selfevo eval`: QA dir + retriever + agent spec → predictions.jsonl and score.json.
 
-    The retriever is a local BM25 index over `corpus` (cached in `index_dir`, by default
-    `out_dir/bm25-index`, so a rerun skips indexing) or a remote `/retrieve` server.
+    The retriever is a remote `/retrieve` server (`retriever_url`), a saved index directory of
+    any kind (`index`, checked against `corpus` when given), or an index of `retriever_kind`
+    (bm25 | dense | hybrid, default bm25) over `corpus`, cached in `index_dir` (by default
+    `out_dir/<kind>-index`, so a rerun skips indexing). `dense_options` (a
+    `selfevo.search.index.DenseOptions`) choose the encoder of a dense or hybrid index.
     """
     from selfevo.agents import load_agent
     from selfevo.search.tool import SearchTool
@@ -369,18 +373,22 @@ def run_eval(data_dir: str | os.PathLike, corpus: str | os.PathLike | None, agen
 
         retriever = RetrieverClient(retriever_url)
     else:
-        if corpus is None:
-            raise ValueError("a corpus is needed unless a retriever URL is given")
-        from selfevo.search.bm25 import BM25Index
+        if corpus is None and index is None:
+            raise ValueError("a corpus or a saved index is needed unless a retriever URL is given")
+        from selfevo.search.index import get_retriever, index_kind
 
-        index_dir = index_dir or out_dir / "bm25-index"
-        retriever = BM25Index.from_corpus_file(corpus, index_dir=index_dir)
+        retriever_kind = index_kind(index) if index is not None and retriever_kind is None else retriever_kind
+        index_dir = index_dir or out_dir / f"{retriever_kind or 'bm25'}-index"
+        retriever = get_retriever(corpus=corpus, index=index, kind=retriever_kind, cache_dir=index_dir,
+                                  options=dense_options, progress=progress)
     tool = SearchTool(retriever, topk=3, max_calls=5)  # paper: identical budget for every row
     run_info = {
         "agent": agent,
         "data_dir": str(data_dir),
-        "corpus": None if retriever_url else str(corpus),
+        "corpus": None if retriever_url or corpus is None else str(corpus),
         "retriever_url": retriever_url,
+        "retriever": None if retriever_url else getattr(retriever, "kind", "bm25"),
+        "index": None if index is None or retriever_url else str(index),
         "setup_seconds": round(time.perf_counter() - started, 3),  # loading + indexing
     }
     try:

@@ -20,9 +20,11 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import multiprocessing
 import os
 import random
 import statistics
+import sys
 from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
 from dataclasses import asdict, dataclass, fields, replace
@@ -172,18 +174,19 @@ class Bank:
         missing = [k for k in ("world", "seed", "sources", "solver", "search", "items") if k not in obj]
         if missing:
             raise ReplayError(f"{where}: missing field(s) {', '.join(missing)}")
-        items = []
+        if not isinstance(obj["items"], list) or not obj["items"]:
+            raise ReplayError(f"{where}: the bank holds no items")
         names = [f.name for f in fields(BankItem)]
+        items = []
         for i, it in enumerate(obj["items"]):
-            lost = [k for k in names if k not in it]
+            lost = [k for k in names if not isinstance(it, dict) or k not in it]
             if lost:
                 raise ReplayError(f"{where}: item {i}: missing field(s) {', '.join(lost)}")
             items.append(BankItem(**{**{k: it[k] for k in names}, "source_ids": tuple(it["source_ids"])}))
         ids = [it.item_id for it in items]
         if len(set(ids)) != len(ids):
-            raise ReplayError(f"{where}: duplicate item ids")
-        if not items:
-            raise ReplayError(f"{where}: the bank holds no items")
+            dup = next(i for i in ids if ids.count(i) > 1)
+            raise ReplayError(f"{where}: duplicate item id {dup!r}")
         return cls(dict(obj["world"]), int(obj["seed"]), list(obj["sources"]), items,
                    dict(obj["solver"]), dict(obj["search"]))
 
@@ -284,9 +287,12 @@ class _Context:
         absent = sorted({s for it in bank.items for s in it.source_ids if s not in self.documents})
         if absent:
             raise ReplayError(f"bank: {len(absent)} source page(s) (e.g. {absent[0]!r}) are not in its world")
-        self.tool = SearchTool(BM25Index.build(world.documents), topk=int(bank.search["topk"]),
-                               max_calls=int(bank.search["max_calls"]))
-        self.solver_config = SimSolverConfig(**{**bank.solver, "theta0": tuple(bank.solver["theta0"])})
+        try:
+            self.solver_config = SimSolverConfig(**{**bank.solver, "theta0": tuple(bank.solver["theta0"])})
+            topk, max_calls = int(bank.search["topk"]), int(bank.search["max_calls"])
+        except (KeyError, TypeError, ValueError) as e:
+            raise ReplayError(f"bank: bad solver or search config ({e})") from None
+        self.tool = SearchTool(BM25Index.build(world.documents), topk=topk, max_calls=max_calls)
         # One base model for every seed, as the paper replays with one pretrained model: its
         # misreadings are seeded by the bank's seed, and replay seeds vary only folds, orders and
         # sampling. (A reader seeded per replay seed would be a different base model per seed.)
@@ -392,7 +398,23 @@ def _condition_job(name: str, seed: int, msv_labels: Mapping[str, str | None] | 
             return 0
         return fold(it) if cond.grades == "own-fold" else 1 - fold(it)
 
-    # grading: every bank item, 5 sampled answers and one greedy, by its grader
+    outcome = _grade(ctx, solvers, grader, derive_seed(seed, "grade", cond.split, cond.stream))
+    return {"condition": name, "seed": seed, **outcome,
+            "updates": {sv.name: sv.updates for sv in solvers},
+            "train_items": {sv.name: sum(fold(it) == h for it, _ in train_pool) for h, sv in enumerate(solvers)}}
+
+
+def _base_job(seed: int) -> dict:
+    """Reference, not a condition: the untrained base model grades the bank. Its F is the floor
+    no provenance can go below (errors the base solver shares with the proposer's reading)."""
+    ctx = _ctx()
+    return {"seed": seed, **_grade(ctx, [ctx.make_solver("base")], lambda it: 0, derive_seed(seed, "grade", "base"))}
+
+
+def _grade(ctx: _Context, solvers: Sequence[SimSolver], grader, seed: int) -> dict:
+    """Every bank item answered `samples` times (sampled) and once greedily by its grader
+    (`grader(item)` indexes `solvers`), judged by the oracle against the bank's adopted label."""
+    s, items = ctx.settings, ctx.bank.items
     by_grader: dict[int, list[int]] = {}
     for i, it in enumerate(items):
         by_grader.setdefault(grader(it), []).append(i)
@@ -400,13 +422,12 @@ def _condition_job(name: str, seed: int, msv_labels: Mapping[str, str | None] | 
     greedy: list[str] = [""] * len(items)
     for g, idx in sorted(by_grader.items()):
         questions = [items[i].question for i in idx]
-        sampled = solvers[g].answer(questions, ctx.tool, greedy=False, n=s.samples,
-                                    seed=derive_seed(seed, "grade", cond.split, g, cond.stream))
+        sampled = solvers[g].answer(questions, ctx.tool, greedy=False, n=s.samples, seed=derive_seed(seed, g))
         best = solvers[g].answer(questions, ctx.tool, greedy=True, n=1)
         for i, ts, bs in zip(idx, sampled, best, strict=True):
             responses[i] = [t.answer for t in ts]
             greedy[i] = bs[0].answer
-    graded = [(it.item_id, it.label) for it in items]  # what the judge and the matcher compare
+    graded = [(it.item_id, it.label) for it in items]  # exactly what the judge and the matcher compare
     matcher = MATCHER
     verdicts = ctx.judge.judge([{"question": it.question, "adopted_label": label, "responses": rs}
                                 for it, (_, label), rs in zip(items, graded, responses)])
@@ -414,15 +435,12 @@ def _condition_job(name: str, seed: int, msv_labels: Mapping[str, str | None] | 
               for (_, label), rs, v in zip(graded, responses, verdicts)]
     m = audit_metrics(judged)
     resolved = [i for i, v in enumerate(verdicts) if v.resolved]
-    accuracy = (sum(matcher(greedy[i], graded[i][1]) for i in resolved) / len(resolved)) if resolved else None
-    return {"condition": name, "seed": seed,
-            "metrics": {"F": m["F"], "solver_truth": m["T_S"], "replay_accuracy": accuracy, "A": m["A"],
+    # replay accuracy: the grader's one greedy answer against the bank label, over resolved items
+    accuracy = sum(matcher(greedy[i], graded[i][1]) for i in resolved) / len(resolved) if resolved else None
+    return {"metrics": {"F": m["F"], "solver_truth": m["T_S"], "replay_accuracy": accuracy, "A": m["A"],
                         "coverage": m["coverage"], "L": m["L"], "T_P": m["T_P"]},
             "graded": _labels_digest(graded), "n_graded": len(graded),
-            "matcher": f"{matcher.__module__}.{matcher.__qualname__}",
-            "updates": {sv.name: sv.updates for sv in solvers},
-            "train_items": {sv.name: len([p for p in train_pool if fold(p[0]) == h])
-                            for h, sv in enumerate(solvers)}}
+            "matcher": f"{matcher.__module__}.{matcher.__qualname__}"}
 
 
 # ---------------------------------------------------------------- the study
@@ -449,24 +467,32 @@ def check_invariants(outcomes: Mapping[tuple[str, int], dict], bank: Bank, setti
 
 
 class _InProcess:
-    """workers=1: the same job code path as the pool, run at submit in this process."""
+    """workers=1: the same job code path as the pool, in this process; a job runs when the
+    study loop asks for the next finished one (so the progress bar moves)."""
 
     def __init__(self, bank: Bank, settings: ReplaySettings):
         _set_context(bank, settings)
+        self._calls: dict[Future, tuple] = {}
 
     def submit(self, fn, *args) -> Future:
         f: Future = Future()
+        self._calls[f] = (fn, args)
+        return f
+
+    def run_next(self, pending: Iterable[Future]) -> list[Future]:
+        f = next(iter(pending))
+        fn, args = self._calls.pop(f)
         try:
             f.set_result(fn(*args))
         except BaseException as e:  # re-raised by f.result(), as a pool would
             f.set_exception(e)
-        return f
+        return [f]
 
     def __enter__(self):
         return self
 
     def __exit__(self, *exc) -> None:
-        pass
+        self._calls.clear()
 
 
 def _mean_std(values: list) -> dict:
@@ -478,8 +504,11 @@ def _mean_std(values: list) -> dict:
 
 def run_replay(bank: Bank, conditions: Iterable[str] | str | None = None, seeds: int | Sequence[int] = 5,
                settings: ReplaySettings | None = None, workers: int = 1, progress: bool = False) -> dict:
-    """Every (condition, seed) job; results are identical for any `workers` (each job is a pure
-    function of the bank, the condition, the seed and that seed's MSV labels)."""
+    """Every (condition, seed) job, checked against the invariants, summarised over seeds.
+
+    Results are identical for any `workers`: each job is a pure function of the bank, the
+    condition, the seed and that seed's MSV labels (computed once per seed, before its +msv jobs).
+    """
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     settings = settings or ReplaySettings()
@@ -487,54 +516,74 @@ def run_replay(bank: Bank, conditions: Iterable[str] | str | None = None, seeds:
     seeds = list(range(seeds)) if isinstance(seeds, int) else list(seeds)
     if not seeds:
         raise ReplayError("--seeds: must be >= 1")
-    if workers < 1:
-        raise ReplayError(f"--workers: must be >= 1, got {workers}")
+    if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
+        raise ReplayError(f"--workers: must be a positive integer, got {workers!r}")
     need_msv = any(c.msv for c in conds)
-    total = len(conds) * len(seeds) + (len(seeds) if need_msv else 0)
-    executor = (_InProcess(bank, settings) if workers == 1 else
-                ProcessPoolExecutor(workers, initializer=_init_worker, initargs=(bank.to_json(), settings)))
+    if workers == 1:
+        executor = _InProcess(bank, settings)
+    else:
+        # fork where it is the platform's own (Linux): works from any __main__ (stdin, notebooks)
+        method = "fork" if sys.platform.startswith("linux") else "spawn"
+        executor = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context(method),
+                                       initializer=_init_worker, initargs=(bank.to_json(), settings))
     outcomes: dict[tuple[str, int], dict] = {}
     msv: dict[int, dict] = {}
+    base: dict[int, dict] = {}
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
-    with executor as pool, Progress(*columns, disable=not progress, transient=True) as bar:
-        task = bar.add_task("replay", total=total)
-        pending: dict[Future, tuple[str, int]] = {}
-        for s in seeds:
-            if need_msv:
-                pending[pool.submit(_msv_job, s)] = ("msv", s)
-        for c in conds:
-            for s in seeds:
-                if not c.msv:
-                    pending[pool.submit(_condition_job, c.name, s, None)] = (c.name, s)
-        while pending:
-            done, _ = wait(list(pending), return_when=FIRST_COMPLETED)
-            for f in sorted(done, key=lambda f: pending[f]):
-                name, s = pending.pop(f)
-                result = f.result()
-                if name == "msv":  # this seed's +msv conditions can start now
-                    msv[s] = result
-                    for c in conds:
-                        if c.msv:
-                            pending[pool.submit(_condition_job, c.name, s, result)] = (c.name, s)
+    with executor as pool:
+        if not isinstance(pool, _InProcess):  # a fork pool starts every worker now, before the bar's thread
+            pool.submit(int).result()
+        total = len(seeds) * (len(conds) + 1 + need_msv)
+        with Progress(*columns, disable=not progress, transient=True) as bar:
+            task = bar.add_task("replay", total=total)
+            pending: dict[Future, tuple[str, int]] = {}
+            for s in seeds:  # short jobs first: MSV unblocks the +msv conditions
+                if need_msv:
+                    pending[pool.submit(_msv_job, s)] = ("msv", s)
+                pending[pool.submit(_base_job, s)] = ("base", s)
+            for c in conds:
+                for s in seeds:
+                    if not c.msv:
+                        pending[pool.submit(_condition_job, c.name, s, None)] = (c.name, s)
+            while pending:
+                if isinstance(pool, _InProcess):
+                    done = pool.run_next(pending)
                 else:
-                    outcomes[(name, s)] = result
-                bar.update(task, advance=1, description=f"replay {name} seed {s}")
+                    done, _ = wait(list(pending), return_when=FIRST_COMPLETED)
+                for f in sorted(done, key=lambda f: pending[f]):
+                    name, s = pending.pop(f)
+                    result = f.result()
+                    if name == "msv":  # this seed's +msv conditions can start now
+                        msv[s] = result
+                        for c in conds:
+                            if c.msv:
+                                pending[pool.submit(_condition_job, c.name, s, result)] = (c.name, s)
+                    elif name == "base":
+                        base[s] = result
+                    else:
+                        outcomes[(name, s)] = result
+                    bar.update(task, advance=1, description=f"replay {name} seed {s}")
     invariants = check_invariants(outcomes, bank, settings)
-    first = outcomes[(conds[0].name, seeds[0])]["metrics"]
+    ref = base[seeds[0]]["metrics"]  # T_P and coverage are properties of the bank (same for every grader)
     out = {"format": FORMAT, "settings": asdict(settings), "seeds": seeds,
            "bank": {"items": len(bank.items), "seed": bank.seed, "sources": bank.sources, "world": bank.world,
-                    "T_P": first["T_P"], "coverage": first["coverage"], "sha256": bank.digest()},
-           "conditions": {}, "invariants": invariants}
+                    "T_P": ref["T_P"], "coverage": ref["coverage"], "sha256": bank.digest()},
+           "conditions": {}, "reference": {"base": _summary([base[s] for s in seeds])},
+           "invariants": invariants}
     for c in conds:
-        rows = [outcomes[(c.name, s)] for s in seeds]
-        entry = {m: _mean_std([r["metrics"][m] for r in rows]) for m in REPORTED}
-        entry["seeds"] = len(seeds)
-        entry["per_seed"] = {m: [r["metrics"][m] for r in rows] for m in REPORTED}
-        entry["train_items"] = {str(s): r["train_items"] for s, r in zip(seeds, rows)}
+        entry = _summary([outcomes[(c.name, s)] for s in seeds])
+        entry["train_items"] = {str(s): outcomes[(c.name, s)]["train_items"] for s in seeds}
         if c.msv:
             entry["msv_admitted"] = _mean_std([sum(v is not None for v in msv[s].values()) for s in seeds])
         out["conditions"][c.name] = entry
     return out
+
+
+def _summary(rows: list[dict]) -> dict:
+    entry = {m: _mean_std([r["metrics"][m] for r in rows]) for m in REPORTED}
+    entry["seeds"] = len(rows)
+    entry["per_seed"] = {m: [r["metrics"][m] for r in rows] for m in REPORTED}
+    return entry
 
 
 # ---------------------------------------------------------------- reporting
@@ -547,10 +596,20 @@ def _fmt(cell: dict) -> str:
     return "-" if cell["mean"] is None else f"{cell['mean']:.3f} ± {cell['std']:.3f}"
 
 
+_BASE_ROW = "base model (untrained, reference)"
+
+
+def _rows(results: dict) -> list[tuple[str, dict]]:
+    rows = list(results["conditions"].items())
+    if "reference" in results:
+        rows.append((_BASE_ROW, results["reference"]["base"]))
+    return rows
+
+
 def results_markdown(results: dict) -> str:
     head = "| condition | " + " | ".join(t for _, t in _COLUMNS) + " |"
     lines = [head, "|---|" + "---:|" * len(_COLUMNS)]
-    for name, entry in results["conditions"].items():
+    for name, entry in _rows(results):
         lines.append(f"| {name} | " + " | ".join(_fmt(entry[k]) for k, _ in _COLUMNS) + " |")
     return "\n".join(lines)
 
@@ -564,8 +623,8 @@ def results_table(results: dict):
     table.add_column("condition")
     for _, title in _COLUMNS:
         table.add_column(title, justify="right")
-    for name, entry in results["conditions"].items():
-        table.add_row(name, *[_fmt(entry[k]) for k, _ in _COLUMNS])
+    for name, entry in _rows(results):
+        table.add_row(name, *[_fmt(entry[k]) for k, _ in _COLUMNS], style="dim" if name == _BASE_ROW else None)
     return table
 
 
@@ -573,6 +632,8 @@ def plot_results(results: dict, path: str | os.PathLike) -> Path:
     """Grouped bars like the paper's Figure 7: F, solver truth and replay accuracy per condition,
     std error bars, MSV variants hatched."""
     from matplotlib.figure import Figure  # no pyplot: no global backend state, Agg canvas
+    from matplotlib.lines import Line2D
+    from matplotlib.patches import Patch
 
     conds = results["conditions"]
     bases = list(dict.fromkeys(n.removesuffix("+msv") for n in conds))
@@ -594,11 +655,17 @@ def plot_results(results: dict, path: str | os.PathLike) -> Path:
                 colors.append(f"C{i}")
             if xs:
                 ax.bar(xs, means, width, yerr=stds, color=colors, hatch=hatch, edgecolor="black",
-                       linewidth=0.5, capsize=2, label="with MSV" if suffix else "without MSV")
+                       linewidth=0.5, capsize=2)
+        base = results.get("reference", {}).get("base", {}).get(key, {}).get("mean")
+        if base is not None:  # the floor: what the untrained base model already agrees on
+            ax.axhline(base, color="gray", linestyle="--", linewidth=1)
         ax.set_xticks(range(len(bases)), bases, rotation=40, ha="right", fontsize=8)
         ax.set_title(title, fontsize=10)
         ax.grid(axis="y", alpha=0.3)
-    axes[0].legend(fontsize=7)
+    handles = [Patch(facecolor="lightgray", edgecolor="black", label="without MSV"),
+               Patch(facecolor="lightgray", edgecolor="black", hatch="//", label="with MSV (+msv)"),
+               Line2D([], [], color="gray", linestyle="--", label="untrained base model")]
+    axes[0].legend(handles=handles, fontsize=7)
     fig.suptitle(f"Fixed replay bank ({results['bank']['items']} items, {len(results['seeds'])} seeds)",
                  fontsize=11)
     with atomic_writer(path, "wb") as fh:

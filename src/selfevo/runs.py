@@ -74,20 +74,37 @@ class RunDir:
         of completed rounds (0 = nothing checkpointed yet)."""
         if not self.exists():
             raise RunError(f"{self.path}: no run to resume (no manifest.json)")
-        saved = read_json(self.path / "config.json")
+        saved = self._read_for_resume(self.path / "config.json")
         config = json.loads(json.dumps(config))  # tuples -> lists, as saved
         if saved != config:
             diff = _differences(saved, config)
             raise RunError(f"{self.path}: config differs from the saved run (fields: {', '.join(diff)})")
-        done = self.manifest().get("rounds_completed", 0)
+        done = self._read_for_resume(self.path / "manifest.json").get("rounds_completed", 0)
         if done and not self.checkpoint_path(done).exists():
             raise RunError(f"{self.path}: manifest says round {done} is done but its checkpoint is missing")
+        # a kill inside an atomic write leaves its temp file (`.NAME.XXXXXXXX.tmp`), never read: clear it
+        for tmp in self.path.rglob(".*.tmp"):
+            tmp.unlink(missing_ok=True)
         # a killed run may have logged steps of an unfinished round, and a torn last line
-        rows = read_jsonl_log(self.steps_path, repair=True)
+        try:
+            rows = read_jsonl_log(self.steps_path, repair=True)
+        except ValueError as e:  # corruption before the last line is no crash artefact: refuse
+            raise RunError(f"{e}; refusing to resume over it") from None
         keep = [r for r in rows if r["round"] <= done]
         if len(keep) != len(rows):
             write_jsonl(self.steps_path, keep)
         return done
+
+    @staticmethod
+    def _read_for_resume(path: Path) -> dict:
+        # written atomically, so unreadable only if changed by hand: one clear error, not a traceback
+        try:
+            data = read_json(path)
+        except (OSError, ValueError) as e:
+            raise RunError(f"{path}: unreadable ({e}); cannot resume") from None
+        if not isinstance(data, dict):
+            raise RunError(f"{path}: expected a JSON object; cannot resume")
+        return data
 
     def manifest(self) -> dict:
         return read_json(self.path / "manifest.json")

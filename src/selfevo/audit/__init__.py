@@ -28,15 +28,22 @@ def _mix(items: Sequence[dict]) -> dict:
     return {str(h): round(c / n, 4) for h, c in sorted(counts.items())} if n else {}
 
 
-def audit_steps(steps: Sequence[dict], judge: Judge) -> dict:
+def audit_steps(steps: Sequence[dict], judge: Judge, verdicts: Sequence[Verdict] | None = None) -> dict:
     """Per step (both kinds) and per round. Round metrics aggregate the proposer steps, whose
     responses are the grader's (the feedback the proposer is paid with); `solver` holds the same
-    metrics over the main solver's training rollouts."""
-    per_step, by_round = [], {}
+    metrics over the main solver's training rollouts.
+
+    The judge sees every item in one call (an LLM judge batches, caches and parallelises across
+    steps); `verdicts`, aligned with the items of `steps` in order, skips the call."""
+    flat = [it for st in steps for it in st["items"]]
+    verdicts = list(judge.judge(flat) if verdicts is None else verdicts)
+    if len(verdicts) != len(flat):
+        raise ValueError(f"{len(verdicts)} verdicts for {len(flat)} items")
+    per_step, by_round, pos = [], {}, 0
     for st in steps:
         items = st["items"]
-        verdicts = judge.judge(items)
-        judged = [_judged(it, v) for it, v in zip(items, verdicts, strict=True)]
+        judged = [_judged(it, v) for it, v in zip(items, verdicts[pos:pos + len(items)], strict=True)]
+        pos += len(items)
         per_step.append({"round": st["round"], "step": st["step"], "kind": st["kind"],
                          **audit_metrics(judged)})
         slot = by_round.setdefault(st["round"], {"proposer": ([], []), "solver": ([], [])})

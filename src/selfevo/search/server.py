@@ -6,25 +6,31 @@ when `return_scores` is false, exactly as Search-R1's `retrieval_server.py` does
 Search-R1 or verl trainer can point its `retriever.url` here unchanged.
 
 Departures from Search-R1's server, all on the side of refusing bad input: limits on queries,
-query length, topk and body size; every bad request is a 4xx, never a 500; `topk` defaults to 3
-(Search-R1 falls back to its launch-time `--topk`, which its scripts set to 3).
+query length, topk and body size; every bad request is a 4xx, never a 500; a body that does not
+arrive within `timeout_s` is a 408 and a retrieval that does not finish within it a 504, so no
+request holds a connection forever; `topk` defaults to 3 (Search-R1 falls back to its launch-time
+`--topk`, which its scripts set to 3).
 """
 
 from __future__ import annotations
 
+import asyncio
 import os
 import time
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 from fastapi import FastAPI, HTTPException, Request
-from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError
 
 from selfevo.search.tool import Retriever
 
+if TYPE_CHECKING:
+    from selfevo.search.index import DenseOptions
+
 MAX_QUERY_CHARS = 2_000
 MAX_BODY_BYTES = 1 << 20  # 1 MiB: 256 queries of 2,000 characters fit with room to spare
+TIMEOUT_S = 30.0  # for the body to arrive, and again for the retrieval to finish
 
 
 def _request_model(max_queries: int, max_topk: int) -> type[BaseModel]:
@@ -57,7 +63,7 @@ async def _read_body(request: Request, limit: int) -> bytes:
 
 
 def make_app(retriever: Retriever, max_queries: int = 256, max_topk: int = 50,
-             max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
+             max_body_bytes: int = MAX_BODY_BYTES, timeout_s: float = TIMEOUT_S) -> FastAPI:
     """A FastAPI app serving `retriever`. The body is parsed by hand (not as a FastAPI body
     parameter) so that its size is capped before any JSON parsing happens."""
     app = FastAPI(title="selfevo retriever", docs_url=None, redoc_url=None)
@@ -70,15 +76,25 @@ def make_app(retriever: Retriever, max_queries: int = 256, max_topk: int = 50,
 
     @app.post("/retrieve")
     async def retrieve(request: Request) -> JSONResponse:
-        body = await _read_body(request, max_body_bytes)
+        try:
+            body = await asyncio.wait_for(_read_body(request, max_body_bytes), timeout_s)
+        except asyncio.TimeoutError:  # a client trickling its body in
+            raise HTTPException(408, f"request body not received within {timeout_s:g} s") from None
         try:
             req = request_model.model_validate_json(body)
         except ValidationError as e:
             # include_input=False: never echo a (possibly huge) offending value back.
             raise HTTPException(422, e.errors(include_url=False, include_input=False,
                                               include_context=False)) from None
-        # Retrieval is CPU-bound and synchronous: keep it off the event loop.
-        results = await run_in_threadpool(retriever.retrieve, req.queries, req.topk)
+        # Retrieval is CPU-bound and synchronous: keep it off the event loop, in a worker thread
+        # that the request stops waiting for after timeout_s (a thread cannot be killed: a stuck
+        # retrieval finishes, or not, in the background while the server keeps answering).
+        loop = asyncio.get_running_loop()
+        try:
+            results = await asyncio.wait_for(
+                loop.run_in_executor(None, retriever.retrieve, req.queries, req.topk), timeout_s)
+        except asyncio.TimeoutError:
+            raise HTTPException(504, f"retrieval did not finish within {timeout_s:g} s") from None
         if req.return_scores:
             out = [[{"document": h.document.to_json(), "score": h.score} for h in hits]
                    for hits in results]
@@ -90,21 +106,28 @@ def make_app(retriever: Retriever, max_queries: int = 256, max_topk: int = 50,
     return app
 
 
-def serve(corpus: str | os.PathLike, host: str = "127.0.0.1", port: int = 8000,
-          index_dir: str | os.PathLike | None = None) -> None:
-    """Build (or load from `index_dir`) a BM25 index over `corpus` and serve it until killed.
-    Binds loopback by default: the API has no authentication."""
+def serve(corpus: str | os.PathLike | None = None, host: str = "127.0.0.1", port: int = 8000,
+          index_dir: str | os.PathLike | None = None, retriever: str | None = None,
+          index: str | os.PathLike | None = None, options: DenseOptions | None = None) -> None:
+    """Serve a saved index directory `index` of any kind (bm25, dense, hybrid; checked against
+    `corpus` when given), or build an index of kind `retriever` (default bm25) over `corpus`
+    (cached in `index_dir`), and answer `/retrieve` until killed. `options` choose the encoder
+    of a dense or hybrid index. Binds loopback by default: the API has no authentication."""
     import uvicorn
     from rich.console import Console
 
-    from selfevo.search.bm25 import BM25Index
+    from selfevo.search.index import get_retriever, index_kind
 
     console = Console()
+    kind = index_kind(index) if index is not None else (retriever or "bm25")
+    source = index if index is not None else corpus
     start = time.perf_counter()
-    with console.status(f"BM25 index for {corpus}"
-                        + (f" (cache: {index_dir})" if index_dir else "") + " ..."):
-        index = BM25Index.from_corpus_file(corpus, index_dir=index_dir)
-    console.print(f"[green]BM25 index ready[/green]: {len(index):,} documents in "
-                  f"{time.perf_counter() - start:.1f} s; corpus sha256 {index.corpus_sha256[:12]}")
+    # A plain line, not a spinner: building a dense index shows its own progress bar.
+    console.print(f"{kind} index for {source}"
+                  + (f" (cache: {index_dir})" if index_dir and index is None else "") + " ...")
+    searcher = get_retriever(corpus=corpus, index=index, kind=retriever, cache_dir=index_dir,
+                             options=options, progress=True)
+    console.print(f"[green]{kind} index ready[/green]: {len(searcher):,} documents in "
+                  f"{time.perf_counter() - start:.1f} s; corpus sha256 {searcher.corpus_sha256[:12]}")
     console.print(f"serving POST http://{host}:{port}/retrieve and GET /health")
-    uvicorn.run(make_app(index), host=host, port=port, log_level="info")
+    uvicorn.run(make_app(searcher), host=host, port=port, log_level="info")

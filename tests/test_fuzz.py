@@ -1,0 +1,521 @@
+"""Bad input, generated (hypothesis): corpus and QA readers, writers, configs and the retriever API.
+
+Every case must end in a successful read or in one clear error naming the file and line (or the
+config field): never another exception, never a 5xx, never a half-written file. `max_examples`
+is bounded so the whole module runs in well under a minute; `docs/reliability.md` says how many
+examples each target saw (`pytest tests/test_fuzz.py --hypothesis-show-statistics`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+import string
+import typing
+from pathlib import Path
+
+import httpx
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from fastapi.testclient import TestClient
+from hypothesis import HealthCheck, given, settings
+from hypothesis import event as _event
+from hypothesis import strategies as st
+from hypothesis.control import currently_in_test_context
+from test_config import flat
+from test_search import server_url, small  # noqa: F401  (fixtures: a BM25 index, a real uvicorn on 127.0.0.1)
+from typer.testing import CliRunner
+
+from selfevo.cli import app
+from selfevo.config import ConfigError, RunConfig, config_from_dict, load_config
+from selfevo.corpus import DataError, read_corpus, read_qa, read_qa_dir, write_corpus, write_qa
+from selfevo.records import Document, QAItem
+from selfevo.search.server import make_app
+
+FUZZ = settings(max_examples=150, deadline=None,
+                suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+MAX_MESSAGE = 600  # one clear line, never an echo of a (possibly 10 MB) input
+
+
+def event(label: str) -> None:
+    """Count an outcome in hypothesis' statistics (`--hypothesis-show-statistics`)."""
+    if currently_in_test_context():
+        _event(label)
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("fuzz")
+
+
+# ------------------------------------------------------------------ strategies
+
+ID = st.text(string.ascii_letters + string.digits + "-_.:", min_size=1, max_size=8)
+TEXT = st.text(max_size=40)  # any code point except lone surrogates (hypothesis leaves those out)
+SCALAR = st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=8)
+JSON = st.recursive(SCALAR, lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=5), inner,
+                                                                                           max_size=3), max_leaves=8)
+BAD_UTF8 = st.sampled_from([b"\xff", b"\xfe\xff", b"\xc3(", b"\x80", b"\xed\xa0\x80", b"\xf4\x90\x80\x80", b"\xe2\x82"])
+
+
+@st.composite
+def corpus_rows(draw) -> list[dict]:
+    ids = draw(st.lists(ID, min_size=1, max_size=6, unique=True))
+    return [{"id": i, "contents": draw(TEXT)} for i in ids]
+
+
+@st.composite
+def qa_rows(draw) -> list[dict]:
+    ids = draw(st.lists(ID, min_size=1, max_size=6, unique=True))
+    rows = []
+    for i in ids:
+        row = {"id": i, "question": draw(TEXT.filter(str.strip)),
+               "golden_answers": draw(st.lists(TEXT.filter(str.strip), min_size=1, max_size=3))}
+        if draw(st.booleans()):
+            row["metadata"] = {"benchmark": draw(st.sampled_from(["nq", "hotpotqa", "musique"]))}
+        rows.append(row)
+    return rows
+
+
+def _line(obj, ascii_only: bool = False) -> bytes:
+    return json.dumps(obj, ensure_ascii=ascii_only).encode("utf-8")
+
+
+# Mutations of one line. "certain" ones must be refused at exactly that line; the others may
+# read (a wrong type can be one the reader accepts, e.g. a numeric id) or be refused at that
+# line or later (a numeric id can duplicate a later one).
+CERTAIN = ("drop_field", "bad_utf8", "truncate", "not_object", "lone_surrogate", "duplicate_id", "deep_nesting")
+OPS = (*CERTAIN, "retype", "garbage", "blank")
+
+
+@st.composite
+def mutated_file(draw, rows_strategy, required: tuple[str, ...]):
+    """(file bytes, the mutation, 1-based line that may be refused or None, whether it must be)."""
+    rows = draw(rows_strategy)
+    lines = [_line(r) for r in rows]
+    op = draw(st.sampled_from(("none", *OPS)))
+    if op == "duplicate_id" and len(rows) < 2:
+        op = "none"
+    i = draw(st.integers(1 if op == "duplicate_id" else 0, len(rows) - 1))
+    row = dict(rows[i])
+    field = draw(st.sampled_from(required))
+    if op == "drop_field":
+        del row[field]
+        lines[i] = _line(row)
+    elif op == "retype":
+        row[field] = draw(JSON.filter(lambda v: not isinstance(v, str)))
+        lines[i] = _line(row)
+    elif op == "bad_utf8":
+        at = draw(st.integers(0, len(lines[i])))
+        lines[i] = lines[i][:at] + draw(BAD_UTF8) + lines[i][at:]
+    elif op == "truncate":
+        lines[i] = lines[i][:draw(st.integers(1, len(lines[i]) - 1))]
+    elif op == "not_object":
+        lines[i] = _line(draw(JSON.filter(lambda v: not isinstance(v, dict))))
+    elif op == "lone_surrogate":  # valid UTF-8, valid JSON, yet no text: "\ud800" never encodes
+        row[field] = draw(TEXT) + draw(st.sampled_from(["\ud800", "\udfff", "\udc00x"]))
+        lines[i] = _line(row, ascii_only=True)
+    elif op == "duplicate_id":
+        row["id"] = rows[draw(st.integers(0, i - 1))]["id"]
+        lines[i] = _line(row)
+    elif op == "deep_nesting":  # shallow: a wrong type; deep: past the JSON parser's recursion limit
+        depth = draw(st.sampled_from([1, 2, 50, 5_000, 200_000]))
+        lines[i] = _line(row)[:-1] + f', "{field}": '.encode() + b"[" * depth + b"]" * depth + b"}"
+    elif op == "garbage":
+        lines[i] = draw(st.binary(min_size=1, max_size=64).filter(lambda b: b"\n" not in b))
+    elif op == "blank":
+        lines[i] = draw(st.sampled_from([b"", b"   ", b"\t", b"\r"]))
+    data = b"\n".join(lines) + draw(st.sampled_from([b"\n", b"", b"\r\n", b"\n\n"]))
+    return data, op, (None if op in ("none", "blank") else i + 1), op in CERTAIN
+
+
+def check_read(reader, path: Path, bad_line: int | None = None, certain: bool = False):
+    """The reader's only acceptable outcomes: a value, or one DataError naming file (and line)."""
+    try:
+        out = reader(path)
+    except DataError as e:
+        event("outcome: DataError")
+        msg = str(e)
+        assert e.path == str(path) and msg.startswith(f"{path}"), msg
+        assert len(msg) < MAX_MESSAGE and "\n" not in msg, msg[:MAX_MESSAGE]
+        if e.line is None:  # only whole-file problems carry no line
+            assert any(w in e.message for w in ("empty", "parquet", "not found", "cannot read")), msg
+            assert not certain, (msg, bad_line)
+        else:
+            assert msg.startswith(f"{path}:{e.line}: ") and e.line >= 1, msg
+            if bad_line is not None:
+                assert e.line >= bad_line, (msg, bad_line)  # every line before it was valid
+                if certain:
+                    assert e.line == bad_line, (msg, bad_line)
+        return e
+    assert not certain, f"{path}: line {bad_line} should have been refused"
+    event("outcome: read")
+    return out
+
+
+# ------------------------------------------------------------------ corpus and QA readers
+
+
+@FUZZ
+@given(case=mutated_file(corpus_rows(), ("id", "contents")))
+def test_corpus_reader_on_mutated_lines(work, case):
+    data, op, bad, certain = case
+    event(f"mutation: {op}")
+    path = work / "corpus.jsonl"
+    path.write_bytes(data)
+    out = check_read(read_corpus, path, bad, certain)
+    if op in ("none", "blank"):  # valid: every non-blank line reads back
+        ids = [json.loads(line)["id"] for line in data.splitlines() if line.strip()]
+        assert [d.id for d in out] == ids if ids else isinstance(out, DataError)
+
+
+@FUZZ
+@given(case=mutated_file(qa_rows(), ("id", "question", "golden_answers")))
+def test_qa_reader_on_mutated_lines(work, case):
+    data, op, bad, certain = case
+    event(f"mutation: {op}")
+    path = work / "qa.jsonl"
+    path.write_bytes(data)
+    out = check_read(read_qa, path, bad, certain)
+    if op in ("none", "blank"):
+        assert [it.id for it in out] == [json.loads(line)["id"] for line in data.splitlines() if line.strip()]
+
+
+@FUZZ
+@given(data=st.binary(max_size=400) | st.lists(st.sampled_from(
+    [b"{", b"}", b'"id"', b'"contents"', b'"question"', b'"golden_answers"', b":", b",", b"[", b"]", b'"x"', b"1",
+     b"NaN", b"null", b"\n", b" ", b"\xff", b"\xef\xbb\xbf", b'"\\ud800"']), max_size=40).map(b"".join))
+def test_readers_on_arbitrary_bytes(work, data):
+    for reader, name in ((read_corpus, "bytes.corpus.jsonl"), (read_qa, "bytes.qa.jsonl")):
+        path = work / name
+        path.write_bytes(data)
+        check_read(reader, path)
+
+
+@settings(FUZZ, max_examples=60)
+@given(rows=qa_rows(), cut=st.floats(0, 1), flips=st.lists(st.tuples(st.floats(0, 1), st.integers(0, 255)),
+                                                          max_size=4))
+def test_parquet_reader_on_corrupted_files(work, rows, cut, flips):
+    path = work / "qa.parquet"
+    items = [QAItem(r["id"], r["question"], tuple(r["golden_answers"]), r.get("metadata", {})) for r in rows]
+    write_qa(path, items)
+    assert [it.id for it in read_qa(path)] == [it.id for it in items]  # the intact file reads
+    data = bytearray(path.read_bytes())
+    for where, byte in flips:
+        data[int(where * (len(data) - 1))] = byte
+    path.write_bytes(bytes(data[: max(1, int(cut * len(data)))] if cut < 1 else data))
+    check_read(read_qa, path)
+
+
+PARQUET_COLUMNS = {
+    "id": st.sampled_from([pa.string(), pa.int64(), pa.float64(), pa.bool_()]),
+    "question": st.sampled_from([pa.string(), pa.int64(), pa.list_(pa.string())]),
+    "golden_answers": st.sampled_from([pa.list_(pa.string()), pa.list_(pa.int64()), pa.string(), pa.int64(),
+                                       pa.struct([("a", pa.string())])]),
+}
+
+
+@settings(FUZZ, max_examples=60)
+@given(types=st.fixed_dictionaries(PARQUET_COLUMNS), drop=st.sets(st.sampled_from(list(PARQUET_COLUMNS))),
+       n=st.integers(0, 4), nulls=st.booleans(), dup=st.booleans())
+def test_parquet_reader_on_wrong_column_types(work, types, drop, n, nulls, dup):
+    def value(t: pa.DataType, i: int):
+        if nulls and i == n - 1:
+            return None
+        if pa.types.is_list(t):
+            return [value(t.value_type, i)]
+        if pa.types.is_struct(t):
+            return {"a": "x"}
+        return {pa.string(): f"v{0 if dup else i}", pa.int64(): i if not dup else 0,
+                pa.float64(): i + 0.5, pa.bool_(): i % 2 == 0}[t]
+
+    cols = {c: pa.array([value(t, i) for i in range(n)], type=t) for c, t in types.items() if c not in drop}
+    path = work / "typed.parquet"
+    pq.write_table(pa.table(cols) if cols else pa.table({"other": pa.array([1] * n)}), path)
+    out = check_read(read_qa, path)
+    if isinstance(out, DataError) and out.line is not None:
+        assert 1 <= out.line <= n
+
+
+def test_huge_document_reads_and_a_broken_one_is_named_briefly(tmp_path):
+    """A 10 MB document is valid input; a broken 10 MB line is one short error, not an echo."""
+    big = "lorem ipsum dolor " * (10 * 2**20 // 18)
+    assert len(big) >= 10_000_000
+    path = tmp_path / "corpus.jsonl"
+    write_corpus(path, [Document("a", "A", "small"), Document("big", "Big", big), Document("c", "C", "end")])
+    docs = read_corpus(path)
+    assert [d.id for d in docs] == ["a", "big", "c"] and docs[1].text == big
+    qa = tmp_path / "qa.jsonl"
+    write_qa(qa, [QAItem("q1", big, ("x",)), QAItem("q2", "short?", (big,))])
+    assert [len(it.question) for it in read_qa(qa)] == [len(big), 6]
+
+    lines = path.read_bytes().split(b"\n")
+    lines[1] = lines[1][:-2]  # drop the closing quote and brace of the 10 MB line
+    path.write_bytes(b"\n".join(lines))
+    e = check_read(read_corpus, path, bad_line=2, certain=True)
+    assert "malformed JSON" in e.message
+
+
+def test_empty_inputs(tmp_path):
+    for content in (b"", b"\n\n", b"   \n\t\n"):
+        (tmp_path / "c.jsonl").write_bytes(content)
+        e = check_read(read_corpus, tmp_path / "c.jsonl")
+        assert isinstance(e, DataError) and e.line is None and "corpus is empty" in str(e)
+        (tmp_path / "q.jsonl").write_bytes(content)
+        assert read_qa(tmp_path / "q.jsonl") == []  # an empty QA file is an empty benchmark
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(DataError, match="no .jsonl or .parquet"):
+        read_qa_dir(tmp_path / "empty")
+    for missing in (tmp_path / "nope.jsonl", tmp_path / "nope.parquet"):
+        assert isinstance(check_read(read_qa, missing), DataError)
+    # a directory where a file was expected is a usage error, not an IsADirectoryError
+    (tmp_path / "dir.jsonl").mkdir()
+    e = check_read(read_corpus, tmp_path / "dir.jsonl")
+    assert isinstance(e, DataError)
+
+
+def test_duplicate_ids_across_qa_files_name_both(tmp_path):
+    write_qa(tmp_path / "a.jsonl", [QAItem("1", "q?", ("x",))])
+    write_qa(tmp_path / "b.parquet", [QAItem("2", "q?", ("x",)), QAItem("1", "again?", ("y",))])
+    with pytest.raises(DataError) as exc:
+        read_qa_dir(tmp_path)
+    assert str(exc.value).startswith(str(tmp_path / "b.parquet")) and str(tmp_path / "a.jsonl") in str(exc.value)
+
+
+@pytest.mark.parametrize("row, problem", [
+    ({"id": "1", "question": "q", "reward_model": "x"}, "reward_model"),
+    ({"id": "1", "question": "q", "reward_model": {"ground_truth": ["x"]}}, "ground_truth"),
+    ({"id": "1", "question": "q", "golden_answers": ["a"], "data_source": 5}, "data_source"),
+    ({"id": "1", "question": "q", "golden_answers": ["a"], "metadata": {"benchmark": ["nq"]}}, "benchmark"),
+])
+def test_search_r1_fields_of_the_wrong_type_are_data_errors(tmp_path, row, problem):
+    # found by test_qa_reader_on_mutated_lines: these once raised AttributeError, or read a
+    # benchmark name that crashed read_qa_dir later (an unhashable list as a dict key)
+    path = tmp_path / "qa.jsonl"
+    path.write_text(json.dumps(row) + "\n", encoding="utf-8")
+    e = check_read(read_qa, path, bad_line=1, certain=True)
+    assert problem in e.message
+
+
+# ------------------------------------------------------------------ writers: all or nothing
+
+
+class Boom(RuntimeError):
+    pass
+
+
+@settings(FUZZ, max_examples=40)
+@given(n_before=st.integers(0, 5), how=st.sampled_from(["raise", "surrogate"]), existing=st.booleans(),
+       fmt=st.sampled_from(["corpus", "qa.jsonl", "qa.parquet"]))
+def test_a_writer_that_fails_midway_leaves_the_old_file_or_nothing(work, n_before, how, existing, fmt):
+    folder = work / f"writer-{fmt}-{existing}"
+    folder.mkdir(exist_ok=True)
+    for p in folder.iterdir():
+        p.unlink()
+    path = folder / ("corpus.jsonl" if fmt == "corpus" else f"out.{fmt.split('.')[1]}")
+    old = b""
+    if existing:
+        if fmt == "corpus":
+            write_corpus(path, [Document("old", "Old", "previous content")])
+        else:
+            write_qa(path, [QAItem("old", "previous?", ("yes",))])
+        old = path.read_bytes()
+
+    def items():
+        for i in range(n_before):
+            yield (Document(f"d{i}", "T", "text " * 100) if fmt == "corpus" else QAItem(f"q{i}", "q?", ("a",)))
+        if how == "raise":
+            raise Boom("the source failed midway")
+        bad = "lone \ud800 surrogate"  # cannot be encoded: the writer itself fails midway
+        yield Document("bad", bad, bad) if fmt == "corpus" else QAItem("bad", bad, (bad,))
+
+    with pytest.raises((Boom, UnicodeEncodeError, pa.ArrowException)):
+        (write_corpus if fmt == "corpus" else write_qa)(path, items())
+    assert sorted(p.name for p in folder.iterdir()) == (["corpus.jsonl" if fmt == "corpus" else path.name]
+                                                        if existing else [])  # no temp file left over
+    if existing:
+        assert path.read_bytes() == old
+
+
+# ------------------------------------------------------------------ configs
+
+
+def _schema_keys(cls=RunConfig, prefix: str = "") -> list[str]:
+    out = []
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        key = f"{prefix}{f.name}"
+        out.append(key)
+        if dataclasses.is_dataclass(hints[f.name]):
+            out += _schema_keys(hints[f.name], key + ".")
+    return out
+
+
+SCHEMA_KEYS = _schema_keys()
+KEYS = (st.sampled_from(SCHEMA_KEYS) | st.sampled_from(SCHEMA_KEYS).map(lambda k: k + ".x")
+        | st.sampled_from(["bogus", "loop.bogus", "loop..rounds", "solver.memory.deep.er", ".seed", "seed."]))
+TOML_SCALAR = st.one_of(
+    st.integers(-(2**70), 2**70).map(str),
+    st.sampled_from(["nan", "+nan", "-nan", "inf", "-inf", "1e400", "-0.0", "1e308", "0", "1" + "0" * 400,
+                     "0x10", "1_000", "true", "false", "1979-05-27", "07:32:00", "1979-05-27T07:32:00Z",
+                     "{a = 1}", "{}", "[]", "'[/x]'", '"\\ud800"', "", "=", "[1, 'a']", "[[1], [2]]"]),
+    st.floats().map(repr),
+    st.text(max_size=12).map(json.dumps),
+    st.text(string.printable.replace("\n", "").replace("\r", ""), max_size=12),  # often not TOML: a bare string
+)
+TOML_VALUE = TOML_SCALAR | st.lists(TOML_SCALAR, max_size=5).map(lambda xs: "[" + ", ".join(xs) + "]")
+OVERRIDES = st.lists(st.tuples(KEYS, TOML_VALUE), min_size=1, max_size=4)
+
+
+def names_a_given_field(message: str, keys: list[str]) -> bool:
+    field = message.split(": ", 1)[0]
+    return any(k == field or k.startswith(field + ".") or field.startswith((k + ".", k + "["))
+               for k in (k.strip() for k in keys))
+
+
+@settings(FUZZ, max_examples=300)
+@given(pairs=OVERRIDES)
+def test_config_overrides_give_a_valid_config_or_an_error_naming_the_field(pairs):
+    overrides = [f"{k}={v}" for k, v in pairs]
+    try:
+        cfg = load_config(None, overrides)
+    except ConfigError as e:
+        event("outcome: ConfigError")
+        assert names_a_given_field(str(e), [k for k, _ in pairs]), (str(e), overrides)
+        assert len(str(e)) < 2 * MAX_MESSAGE
+        return
+    assert isinstance(cfg, RunConfig)
+    event("outcome: valid config")
+    text = json.dumps(cfg.to_json(), allow_nan=False)  # no NaN or infinity survives parsing
+    assert config_from_dict(json.loads(text)) == cfg
+
+
+@settings(FUZZ, max_examples=40)
+@given(pairs=OVERRIDES)
+def test_cli_bad_overrides_exit_2_and_write_nothing(work, pairs):
+    overrides = [f"{k}={v}" for k, v in pairs]
+    if any("[/" in o for o in overrides):
+        event("skipped: markup-like text (known bug below)")
+        return  # the known rich-markup bug below (test_cli_error_message_with_markup_like_text)
+    try:
+        load_config(None, overrides)
+        event("skipped: a valid config")
+        return  # a valid config would start a real run; the property is about the bad ones
+    except ConfigError as e:
+        field = str(e).split(": ", 1)[0]
+    event("ran the CLI")
+    out = work / "cli-run"
+    args = ["evolve", "--out", str(out)]
+    for o in overrides:
+        args += ["--set", o]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 2, (overrides, result.output, result.exception)
+    assert "Traceback" not in result.output and field in flat(result.output), (field, result.output)
+    assert not (out / "manifest.json").exists() and not out.exists()
+
+
+@pytest.mark.xfail(strict=True, reason="cli._fail prints the message as rich markup; a value like "
+                                       "'[/x]' in it raises MarkupError (a traceback, exit 1). Fix: "
+                                       "rich.markup.escape(msg) in cli._fail (cli.py is not ours).")
+def test_cli_error_message_with_markup_like_text(tmp_path):
+    result = CliRunner().invoke(app, ["evolve", "--out", str(tmp_path / "r"), "--set", "treatment=[/x]"])
+    assert result.exit_code == 2 and "[/x]" in result.output
+
+
+@settings(FUZZ, max_examples=60)
+@given(data=st.binary(max_size=200) | TOML_VALUE.map(lambda v: f"seed = 1\n[loop]\nrounds = {v}\n".encode()))
+def test_config_files_give_a_config_or_an_error_naming_the_file_or_field(work, data):
+    path = work / "fuzz.toml"
+    path.write_bytes(data)
+    try:
+        load_config(path)
+        event("outcome: valid config")
+    except ConfigError as e:
+        event("outcome: ConfigError")
+        assert str(e).startswith((str(path), "loop.rounds:", "loop:", "seed:")), str(e)
+
+
+def test_unreadable_config_file_is_a_config_error(tmp_path):
+    for path in (tmp_path / "missing.toml", tmp_path):
+        with pytest.raises(ConfigError, match=re.escape(str(path))):
+            load_config(path)
+    (tmp_path / "latin1.toml").write_bytes(b"treatment = \"caf\xe9\"\n")
+    with pytest.raises(ConfigError, match="latin1.toml"):
+        load_config(tmp_path / "latin1.toml")
+    result = CliRunner().invoke(app, ["evolve", "--out", str(tmp_path / "r"), "--config", str(tmp_path / "no.toml")])
+    assert result.exit_code == 2 and not (tmp_path / "r").exists()
+
+
+# ------------------------------------------------------------------ bad data through the CLI
+
+
+def test_cli_data_errors_exit_2_naming_file_and_line_and_write_nothing(tmp_path):
+    qa = tmp_path / "qa"
+    qa.mkdir()
+    write_qa(qa / "nq.jsonl", [QAItem("1", "Who?", ("x",))])
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_bytes(b'{"id": "1", "contents": "\\"A\\"\\ntext"}\n{"id": "2", "contents": 3}\n')
+    out = tmp_path / "eval"
+    result = CliRunner().invoke(app, ["eval", "--data-dir", str(qa), "--corpus", str(corpus), "--out", str(out)])
+    assert result.exit_code == 2 and f"{corpus}:2:" in flat(result.output), result.output
+    assert not [p for p in out.rglob("*") if p.is_file()]
+
+    (qa / "bad.jsonl").write_bytes(b'{"id": "2", "question": "Q", "golden_answers": ["a"]}\n{"id": \xff}\n')
+    preds = tmp_path / "preds.jsonl"
+    preds.write_text('{"id": "1", "prediction": "x"}\n', encoding="utf-8")
+    result = CliRunner().invoke(app, ["score", "--data-dir", str(qa), "--predictions", str(preds),
+                                      "--out", str(tmp_path / "score.json")])
+    assert result.exit_code == 2 and f"{qa / 'bad.jsonl'}:2:" in flat(result.output), result.output
+    assert not (tmp_path / "score.json").exists()
+
+    result = CliRunner().invoke(app, ["serve-retriever", "--corpus", str(corpus), "--port", "1"])
+    assert result.exit_code == 2 and f"{corpus}:2:" in flat(result.output), result.output
+
+
+# ------------------------------------------------------------------ the retriever API
+
+QUERY = st.text(max_size=30) | st.sampled_from(["zebra", "river Europe", "", " ", "x" * 2000, "x" * 2001])
+RETRIEVE_BODY = st.one_of(
+    JSON.map(lambda v: json.dumps(v).encode()),
+    st.fixed_dictionaries(
+        {"queries": st.lists(QUERY, max_size=10) | JSON},
+        optional={"topk": st.integers(-3, 8) | JSON | st.sampled_from([3.0, "3", 1e400, True]),
+                  "return_scores": st.booleans() | JSON, "extra": JSON},
+    ).map(lambda d: json.dumps(d).encode()),
+    st.binary(max_size=200),
+)
+
+
+def check_retrieve_answer(r: httpx.Response, body: bytes) -> None:
+    event(f"status: {r.status_code}")
+    assert r.status_code == 200 or 400 <= r.status_code < 500, (r.status_code, body[:200], r.text[:300])
+    if r.status_code == 200:
+        req = json.loads(body)
+        result = r.json()["result"]
+        assert len(result) == len(req["queries"]) and all(len(hits) <= 5 for hits in result)
+    else:
+        assert "detail" in r.json() and len(r.content) < 20_000  # a clear refusal, no echo of the input
+
+
+@pytest.fixture(scope="module")
+def api(small):  # noqa: F811
+    with TestClient(make_app(small, max_queries=8, max_topk=5), raise_server_exceptions=False) as client:
+        yield client
+
+
+@settings(FUZZ, max_examples=300)
+@given(body=RETRIEVE_BODY, content_type=st.sampled_from(["application/json", "text/plain", None]))
+def test_retrieve_answers_200_or_4xx_never_5xx(api, body, content_type):
+    headers = {"content-type": content_type} if content_type else {}
+    check_retrieve_answer(api.post("/retrieve", content=body, headers=headers), body)
+    assert api.get("/health").status_code == 200
+
+
+@settings(FUZZ, max_examples=25)
+@given(body=RETRIEVE_BODY)
+def test_retrieve_over_real_http_answers_200_or_4xx(server_url, body):  # noqa: F811
+    r = httpx.post(f"{server_url}/retrieve", content=body, headers={"content-type": "application/json"})
+    check_retrieve_answer(r, body)
+    assert httpx.get(f"{server_url}/health").json()["status"] == "ok"
