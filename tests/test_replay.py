@@ -129,6 +129,8 @@ def test_bank_build_errors(runs, tmp_path):
     (lambda o: {**o, "items": [{k: v for k, v in o["items"][0].items() if k != "label"}]}, "item 0.*label"),
     (lambda o: {**o, "items": [o["items"][0], o["items"][0]]}, "duplicate item id"),
     (lambda o: [1, 2], "not a replay bank"),
+    (lambda o: {**o, "seed": "zero"}, "invalid literal"),
+    (lambda o: {**o, "items": [{**o["items"][0], "round": "late"}]}, "item 0: invalid literal"),
 ])
 def test_bank_load_errors(bank, tmp_path, edit, message):
     path = tmp_path / "bank.json"

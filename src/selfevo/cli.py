@@ -372,6 +372,7 @@ def serve_model_cmd(
     host: str = typer.Option("127.0.0.1", help="bind address (loopback unless told otherwise)"),
     port: int = typer.Option(8001),
     max_new_tokens: int = typer.Option(1024, "--max-new-tokens", min=1, help="cap on max_tokens per reply"),
+    threads: int | None = typer.Option(None, min=1, help="torch CPU threads (1 is fastest on a busy machine)"),
     script_file: Path | None = typer.Option(None, "--script-file",
                                             help="scripted:judge: its answer key, JSON {question: {reference, quote}}"),
     obey_injections: bool = typer.Option(False, "--obey-injections",
@@ -408,7 +409,7 @@ def serve_model_cmd(
     else:
         if fail_rate or garbage_rate or slow_rate or delay:
             _fail("fault injection (--fail-rate, --garbage-rate, --slow-rate, --delay) needs a scripted model")
-        options = {"max_new_tokens": max_new_tokens}
+        options = {"max_new_tokens": max_new_tokens, "threads": threads}
     api_key = None
     if api_key_env:
         api_key = os.environ.get(api_key_env)

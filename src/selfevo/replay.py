@@ -42,6 +42,10 @@ from selfevo.runs import RunDir
 from selfevo.search.bm25 import BM25Index
 from selfevo.search.tool import SearchTool
 
+__all__ = ["CONDITIONS", "MATCHER", "Bank", "BankItem", "Condition", "InvariantError", "ReplayError",
+           "ReplaySettings", "build_bank", "check_invariants", "parse_conditions", "plot_results",
+           "results_markdown", "results_table", "run_replay", "write_results"]
+
 FORMAT = 1
 # The one answer matcher (DESIGN §2). Referenced through this name at grading time so that the
 # invariant check can see which function actually graded (and a test can break it).
@@ -182,13 +186,21 @@ class Bank:
             lost = [k for k in names if not isinstance(it, dict) or k not in it]
             if lost:
                 raise ReplayError(f"{where}: item {i}: missing field(s) {', '.join(lost)}")
-            items.append(BankItem(**{**{k: it[k] for k in names}, "source_ids": tuple(it["source_ids"])}))
-        ids = [it.item_id for it in items]
-        if len(set(ids)) != len(ids):
-            dup = next(i for i in ids if ids.count(i) > 1)
-            raise ReplayError(f"{where}: duplicate item id {dup!r}")
-        return cls(dict(obj["world"]), int(obj["seed"]), list(obj["sources"]), items,
-                   dict(obj["solver"]), dict(obj["search"]))
+            try:
+                items.append(BankItem(**{**{k: it[k] for k in names}, "source_ids": tuple(it["source_ids"]),
+                                         "round": int(it["round"]), "hops": int(it["hops"])}))
+            except (TypeError, ValueError) as e:
+                raise ReplayError(f"{where}: item {i}: {e}") from None
+        seen: set[str] = set()
+        for it in items:
+            if it.item_id in seen:
+                raise ReplayError(f"{where}: duplicate item id {it.item_id!r}")
+            seen.add(it.item_id)
+        try:
+            return cls(dict(obj["world"]), int(obj["seed"]), list(obj["sources"]), items,
+                       dict(obj["solver"]), dict(obj["search"]))
+        except (TypeError, ValueError) as e:
+            raise ReplayError(f"{where}: {e}") from None
 
     def save(self, path: str | os.PathLike) -> Path:
         write_json(path, self.to_json())
@@ -390,8 +402,8 @@ def _condition_job(name: str, seed: int, msv_labels: Mapping[str, str | None] | 
         # the seed names the training data, not the condition: same-source and source-id train the
         # same fold solvers and differ only in who grades; the half budget is the first half of it
         key = derive_seed(seed, "train", cond.split, h, cond.stream)
-        solvers.append(_train(ctx, f"{cond.split}-{h}", [p for p in train_pool if fold(p[0]) == h],
-                              n_updates, key))
+        label = ("all" if cond.stream == "a" else f"all-{cond.stream}") if k == 1 else f"{cond.split}-fold{h}"
+        solvers.append(_train(ctx, label, [p for p in train_pool if fold(p[0]) == h], n_updates, key))
 
     def grader(it) -> int:
         if cond.grades == "all":
@@ -405,8 +417,9 @@ def _condition_job(name: str, seed: int, msv_labels: Mapping[str, str | None] | 
 
 
 def _base_job(seed: int) -> dict:
-    """Reference, not a condition: the untrained base model grades the bank. Its F is the floor
-    no provenance can go below (errors the base solver shares with the proposer's reading)."""
+    """Reference, not a condition: the untrained base model grades the bank. Its F is what a
+    grader that learned nothing from the bank already shows (misreadings it shares with the
+    proposer's reader), the level against which a provenance's leak is measured."""
     ctx = _ctx()
     return {"seed": seed, **_grade(ctx, [ctx.make_solver("base")], lambda it: 0, derive_seed(seed, "grade", "base"))}
 
@@ -683,9 +696,3 @@ def write_results(results: dict, out: str | os.PathLike) -> Path:
         fh.write(results_markdown(results) + "\n")
     plot_results(results, out / "replay.png")
     return out
-
-
-__all__ = ["CONDITIONS", "MATCHER", "Bank", "BankItem", "Condition", "InvariantError", "ReplayError",
-           "ReplaySettings", "build_bank", "check_invariants", "parse_conditions", "plot_results",
-           "results_markdown", "results_table", "run_replay", "write_results"]
-

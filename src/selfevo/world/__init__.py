@@ -55,9 +55,13 @@ def load_world(path: str | os.PathLike) -> World:
     if not (path / "world.json").exists():
         raise WorldError(f"{path}: not a world directory (no world.json); make one with `selfevo world make`"
                          " or use --world small|default")
-    meta = read_json(path / "world.json")
-    return World(WorldConfig(**meta["config"]), read_corpus(path / "corpus.jsonl"),
-                 read_qa_dir(path / "qa"), Truth.from_json(read_json(path / "truth.json")))
+    try:
+        meta = read_json(path / "world.json")
+        config = WorldConfig(**meta["config"])
+        truth = Truth.from_json(read_json(path / "truth.json"))
+    except (OSError, ValueError, TypeError, KeyError) as e:  # JSONDecodeError is a ValueError
+        raise WorldError(f"{path}: broken world directory ({type(e).__name__}: {e})") from None
+    return World(config, read_corpus(path / "corpus.jsonl"), read_qa_dir(path / "qa"), truth)
 
 
 def resolve_world(spec: str, **params) -> World:

@@ -216,9 +216,13 @@ class TransformersChatModel:
     not a grammar): the reply is "{" plus what the model continues with."""
 
     def __init__(self, model_id_or_path: str | os.PathLike, name: str | None = None,
-                 max_new_tokens: int = 1024, device: str = "cpu", dtype: str = "float32"):
+                 max_new_tokens: int = 1024, device: str = "cpu", dtype: str = "float32",
+                 threads: int | None = None):
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        if threads:  # process-wide; on a busy CPU one thread avoids OpenMP oversubscription (~10x)
+            torch.set_num_threads(threads)
 
         self.name = name or str(model_id_or_path)
         self.max_new_tokens = max_new_tokens
