@@ -226,9 +226,11 @@ def test_invariant_graded_labels(bank, monkeypatch):
         run_replay(bank, ["coupled", "source-id"], seeds=1, settings=FAST)
 
 
-def test_too_small_a_fold_is_an_error(bank):
+@pytest.mark.parametrize("workers", [1, 2])
+def test_too_small_a_fold_is_an_error(bank, workers):
+    # raised in a worker process too, and reported as it is
     with pytest.raises(ReplayError, match="fewer than the 100 updates"):
-        run_replay(bank, ["source-id"], seeds=1, settings=ReplaySettings(updates=100))
+        run_replay(bank, ["source-id"], seeds=2, settings=ReplaySettings(updates=100), workers=workers)
 
 
 def test_two_workers_equal_one(bank):

@@ -249,6 +249,8 @@ def audit_cmd(
     judge_retries: int = typer.Option(4, "--judge-retries", min=0, max=20,
                                       help="retries of a call on timeouts, 429 and 5xx"),
     judge_max_tokens: int = typer.Option(384, "--judge-max-tokens", min=16),
+    judge_malformed_retries: int = typer.Option(2, "--judge-malformed-retries", min=0, max=10,
+                                                help="corrective retries of a reply that is not the asked JSON"),
     judge_cache: Path | None = typer.Option(None, "--judge-cache", help="call cache JSONL (default: OUT/cache.jsonl)"),
     max_items_per_step: int | None = typer.Option(None, "--max-items-per-step", min=1,
                                                   help="audit only the first N items of every step"),
@@ -317,7 +319,8 @@ def audit_cmd(
         the_judge = LLMJudge(judge_url, judge_model, documents=documents,
                              cache_path=judge_cache or out_dir / "cache.jsonl", concurrency=judge_concurrency,
                              timeout=judge_timeout, max_retries=judge_retries,
-                             max_tokens=judge_max_tokens, progress=progress and sys.stdout.isatty())
+                             max_tokens=judge_max_tokens, malformed_retries=judge_malformed_retries,
+                             progress=progress and sys.stdout.isatty())
     else:
         the_judge = oracle if judge == "oracle" else gold
     info = {"source": str(records or run_dir), "max_items_per_step": max_items_per_step}

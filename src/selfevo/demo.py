@@ -105,9 +105,9 @@ def run_demo(plan: DemoPlan, out: str | os.PathLike, console: Console | None = N
         console.print(f"[red]job {res['job']} failed:[/red] {res['error']}")
     coupled = [r["run"] for r in results if r["job"].startswith("coupled-") and r["status"] != "failed"]
     if plan.replay_conditions and coupled:
-        console.print(f"fixed replay bank: {plan.replay_size} questions from the coupled runs' rounds 2-3, "
+        console.print(f"fixed replay bank: up to {plan.replay_size} questions from the coupled runs' rounds 2-3, "
                       f"{len(plan.replay_conditions)} conditions x {len(seeds)} seeds")
-        bank = build_bank(coupled, plan.replay_size, seed=0)
+        bank = build_bank(coupled, plan.replay_size, seed=0, allow_fewer=True)
         bank.save(out / "replay" / "bank.json")
         results = run_replay(bank, list(plan.replay_conditions), seeds, workers=workers or os.cpu_count() or 1,
                              progress=True)

@@ -234,7 +234,7 @@ def _load_world(block: dict):
 
 
 def build_bank(run_dirs: Sequence[str | os.PathLike], size: int = 3000, seed: int = 0,
-               min_round: int = 2) -> Bank:
+               min_round: int = 2, allow_fewer: bool = False) -> Bank:
     """Admitted proposer-step items of rounds >= `min_round` of completed runs (one world),
     identical (question, label) pairs once, then a seeded sample of `size`.
 
@@ -278,8 +278,10 @@ def build_bank(run_dirs: Sequence[str | os.PathLike], size: int = 3000, seed: in
                                      it["draft_label"], it["source_id"], tuple(it["source_ids"]),
                                      groups[it["source_id"]], str(d), int(row["round"]), int(it["hops"])))
     if len(pool) < size:
-        raise ReplayError(f"only {len(pool)} distinct admitted items of rounds >= {min_round} in "
-                          f"{len(run_dirs)} run(s), fewer than --size {size}; add runs or lower --size")
+        if not allow_fewer:
+            raise ReplayError(f"only {len(pool)} distinct admitted items of rounds >= {min_round} in "
+                              f"{len(run_dirs)} run(s), fewer than --size {size}; add runs or lower --size")
+        size = len(pool)  # a demo on a small world takes what there is
     chosen = sorted(random.Random(derive_seed(seed, "bank")).sample(range(len(pool)), size))
     return Bank(configs[0]["world"], seed, [str(d) for d in run_dirs], [pool[j] for j in chosen],
                 configs[0]["solver"], configs[0]["search"])
@@ -515,6 +517,49 @@ def _mean_std(values: list) -> dict:
     return {"mean": statistics.fmean(vals), "std": statistics.stdev(vals) if len(vals) > 1 else 0.0}
 
 
+def _run_jobs(pool, conds: list[Condition], seeds: list[int], bar) -> tuple[dict, dict, dict]:
+    """Submit every job, collect results as they finish; a seed's MSV result releases its +msv
+    conditions. Returns (condition outcomes, MSV labels, base reference) keyed by seed."""
+    need_msv = any(c.msv for c in conds)
+    task = bar.add_task("replay", total=len(seeds) * (len(conds) + 1 + need_msv))
+    outcomes: dict[tuple[str, int], dict] = {}
+    msv: dict[int, dict] = {}
+    base: dict[int, dict] = {}
+    pending: dict[Future, tuple[str, int]] = {}
+    for s in seeds:  # short jobs first: MSV unblocks the +msv conditions
+        if need_msv:
+            pending[pool.submit(_msv_job, s)] = ("msv", s)
+        pending[pool.submit(_base_job, s)] = ("base", s)
+    for c in conds:
+        for s in seeds:
+            if not c.msv:
+                pending[pool.submit(_condition_job, c.name, s, None)] = (c.name, s)
+    try:
+        while pending:
+            if isinstance(pool, _InProcess):
+                done = pool.run_next(pending)
+            else:
+                done, _ = wait(list(pending), return_when=FIRST_COMPLETED)
+            for f in sorted(done, key=lambda f: pending[f]):
+                name, s = pending.pop(f)
+                result = f.result()
+                if name == "msv":
+                    msv[s] = result
+                    for c in conds:
+                        if c.msv:
+                            pending[pool.submit(_condition_job, c.name, s, result)] = (c.name, s)
+                elif name == "base":
+                    base[s] = result
+                else:
+                    outcomes[(name, s)] = result
+                bar.update(task, advance=1, description=f"replay {name} seed {s}")
+    except BaseException:  # fail fast: do not let the pool finish the queued jobs first
+        for f in pending:
+            f.cancel()
+        raise
+    return outcomes, msv, base
+
+
 def run_replay(bank: Bank, conditions: Iterable[str] | str | None = None, seeds: int | Sequence[int] = 5,
                settings: ReplaySettings | None = None, workers: int = 1, progress: bool = False) -> dict:
     """Every (condition, seed) job, checked against the invariants, summarised over seeds.
@@ -531,7 +576,6 @@ def run_replay(bank: Bank, conditions: Iterable[str] | str | None = None, seeds:
         raise ReplayError("--seeds: must be >= 1")
     if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
         raise ReplayError(f"--workers: must be a positive integer, got {workers!r}")
-    need_msv = any(c.msv for c in conds)
     if workers == 1:
         executor = _InProcess(bank, settings)
     else:
@@ -539,43 +583,12 @@ def run_replay(bank: Bank, conditions: Iterable[str] | str | None = None, seeds:
         method = "fork" if sys.platform.startswith("linux") else "spawn"
         executor = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context(method),
                                        initializer=_init_worker, initargs=(bank.to_json(), settings))
-    outcomes: dict[tuple[str, int], dict] = {}
-    msv: dict[int, dict] = {}
-    base: dict[int, dict] = {}
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     with executor as pool:
         if not isinstance(pool, _InProcess):  # a fork pool starts every worker now, before the bar's thread
             pool.submit(int).result()
-        total = len(seeds) * (len(conds) + 1 + need_msv)
         with Progress(*columns, disable=not progress, transient=True) as bar:
-            task = bar.add_task("replay", total=total)
-            pending: dict[Future, tuple[str, int]] = {}
-            for s in seeds:  # short jobs first: MSV unblocks the +msv conditions
-                if need_msv:
-                    pending[pool.submit(_msv_job, s)] = ("msv", s)
-                pending[pool.submit(_base_job, s)] = ("base", s)
-            for c in conds:
-                for s in seeds:
-                    if not c.msv:
-                        pending[pool.submit(_condition_job, c.name, s, None)] = (c.name, s)
-            while pending:
-                if isinstance(pool, _InProcess):
-                    done = pool.run_next(pending)
-                else:
-                    done, _ = wait(list(pending), return_when=FIRST_COMPLETED)
-                for f in sorted(done, key=lambda f: pending[f]):
-                    name, s = pending.pop(f)
-                    result = f.result()
-                    if name == "msv":  # this seed's +msv conditions can start now
-                        msv[s] = result
-                        for c in conds:
-                            if c.msv:
-                                pending[pool.submit(_condition_job, c.name, s, result)] = (c.name, s)
-                    elif name == "base":
-                        base[s] = result
-                    else:
-                        outcomes[(name, s)] = result
-                    bar.update(task, advance=1, description=f"replay {name} seed {s}")
+            outcomes, msv, base = _run_jobs(pool, conds, seeds, bar)
     invariants = check_invariants(outcomes, bank, settings)
     ref = base[seeds[0]]["metrics"]  # T_P and coverage are properties of the bank (same for every grader)
     out = {"format": FORMAT, "settings": asdict(settings), "seeds": seeds,

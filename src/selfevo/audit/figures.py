@@ -32,6 +32,14 @@ def _png(fig) -> bytes:
     return buf.getvalue()
 
 
+def _legend_or_note(ax, **kw) -> None:
+    """A legend, or (when the judge resolved nothing to plot) a note saying so."""
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(**kw)
+    else:
+        ax.text(0.5, 0.5, "nothing resolved", ha="center", va="center", transform=ax.transAxes, color="grey")
+
+
 def _round_x(steps: list[dict]) -> dict[int, float]:
     by: dict[int, list[int]] = {}
     for s in steps:
@@ -55,7 +63,7 @@ def metrics_figure(result: dict, kind: str = "proposer") -> bytes:
     ax.set_xlabel(f"scheduled step ({kind} steps: small points; rounds: large markers)")
     ax.set_ylim(-0.02, 1.02)
     ax.set_title(f"audit by step and round — judge {result['judge']}", fontsize=10, pad=16)
-    ax.legend(ncol=5, fontsize=8, loc="upper left")
+    _legend_or_note(ax, ncol=5, fontsize=8, loc="upper left")
     ax.grid(alpha=0.3)
     return _png(fig)
 
@@ -80,7 +88,7 @@ def f_vs_l_figure(result: dict, kind: str = "proposer") -> bytes:
     ax.set_xlabel("L (lost credit: correct response, wrong label)")
     ax.set_ylabel("F (false agreement on a wrong label)")
     ax.set_title(f"F against L — judge {result['judge']}", fontsize=10)
-    ax.legend(fontsize=8)
+    _legend_or_note(ax, fontsize=8)
     ax.grid(alpha=0.3)
     return _png(fig)
 
@@ -107,7 +115,7 @@ def comparison_figure(cmp: dict) -> bytes:
         bottom.set_xlabel("round")
         bottom.set_xticks(rounds)
         bottom.grid(alpha=0.3)
-    axes[0][0].legend(fontsize=7)
+    _legend_or_note(axes[0][0], fontsize=7)
     axes[1][0].set_ylabel("judge − truth (95% CI)")
     fig.suptitle(f"judge {cmp['judge']} against {cmp['truth']}", fontsize=10)
     fig.tight_layout()

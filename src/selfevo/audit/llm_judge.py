@@ -53,7 +53,7 @@ from typing import Any, Literal
 
 import httpx
 from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
-from tenacity import Retrying, retry_if_exception_type, stop_after_attempt, wait_exponential_jitter
+from tenacity import Retrying, retry_if_exception_type, stop_after_attempt, wait_exponential, wait_random
 
 from selfevo._io import append_jsonl, read_jsonl_log
 from selfevo.agents.lm.model import messages_digest
@@ -299,7 +299,7 @@ class ChatClient:
         self.endpoint = url if url.endswith("/chat/completions") else f"{url}/chat/completions"
         self.model, self.max_retries = model, max_retries
         self.settings = {"max_tokens": max_tokens, "temperature": temperature, "json_mode": json_mode}
-        self._expo = wait_exponential_jitter(initial=backoff, max=max_backoff)
+        self._expo = wait_exponential(multiplier=backoff, max=max_backoff) + wait_random(0, backoff)  # with jitter
         self._event = on_event or (lambda _: None)
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._http = httpx.Client(timeout=httpx.Timeout(timeout), headers=headers)
