@@ -36,7 +36,9 @@ class DemoPlan:
     world: str = "default"
     executor: str = "local"
     replay_size: int = 3000
-    replay_conditions: tuple[str, ...] = ("coupled", "question-split", "source-id")
+    replay_conditions: tuple[str, ...] = ("coupled", "same-source", "full-data", "question-split", "source-id",
+                                          "source-id-half", "connected", "coupled+msv", "question-split+msv",
+                                          "source-id+msv")
     run: dict = field(default_factory=dict)  # run-config tables applied to every run
 
     def __post_init__(self):

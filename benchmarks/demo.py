@@ -1,0 +1,74 @@
+"""Time `selfevo demo` (the README's main job) from a fresh output directory, median of 3, and
+check that its report renders in headless Chromium (Debian's `chromium`), saving a screenshot.
+
+    python benchmarks/demo.py [--repeats 3] [--out docs/results.md]
+
+Writes the "## The demo" section of docs/results.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from _common import REPO, machine_line, write_section
+
+HEADING = "## The demo"
+CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                  "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+
+
+def render(html: Path, png: Path) -> str:
+    """Screenshot the page with headless Chromium; returns what happened, in words."""
+    exe = shutil.which("chromium") or shutil.which("chromium-browser")
+    if exe is None:
+        return "not checked: no chromium on this machine (apt-get install chromium)"
+    with tempfile.TemporaryDirectory() as profile:
+        proc = subprocess.run([exe, *CHROMIUM_FLAGS, f"--user-data-dir={profile}", "--window-size=1300,2400",
+                               f"--screenshot={png}", html.resolve().as_uri()],
+                              capture_output=True, text=True, timeout=120)
+    if proc.returncode != 0 or not png.exists() or png.stat().st_size < 10_000:
+        return f"FAILED (exit {proc.returncode}): {proc.stderr[-300:]}"
+    return f"rendered by {exe}: screenshot {png.relative_to(REPO)} ({png.stat().st_size // 1024} KiB)"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--out", type=Path, default=REPO / "docs" / "results.md")
+    args = ap.parse_args()
+    walls = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for i in range(args.repeats):
+            out = Path(tmp) / f"demo-{i}"
+            load_before = os.getloadavg()
+            start = time.perf_counter()
+            subprocess.run([sys.executable, "-m", "selfevo.cli", "demo", "--out", str(out)], check=True,
+                           stdout=subprocess.DEVNULL)
+            walls.append(time.perf_counter() - start)
+            print(f"run {i + 1}: {walls[-1]:.1f} s (load average before {load_before[0]:.1f})", flush=True)
+        shot = REPO / "docs" / "figures" / "demo-report.png"
+        rendered = render(out / "report.html", shot)
+        sizes = {p.name: p.stat().st_size for p in out.iterdir() if p.is_file()}
+    median = sorted(walls)[len(walls) // 2]
+    lines = [HEADING, "",
+             "Command: `python benchmarks/demo.py` (runs `selfevo demo` from a fresh output directory, "
+             f"{args.repeats} times)  ",
+             f"Machine: {machine_line()}  ",
+             f"Wall time of `selfevo demo` (4 treatments × 3 seeds on the default world, the audit, the "
+             f"evaluation after every round, the replay study, the report): **{median:.0f} s** median "
+             f"(runs: {', '.join(f'{w:.0f}' for w in walls)} s). Target: under 3 minutes.  ",
+             f"Report files: {', '.join(f'{k} ({v // 1024} KiB)' for k, v in sorted(sizes.items()))}.  ",
+             f"Headless Chromium: {rendered}.", ""]
+    write_section(args.out, HEADING, "\n".join(lines))
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,78 @@
+"""`selfevo demo` end to end on a small world (one seed, a scaled-down schedule, a few replay
+conditions), and the plan's validation."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from selfevo.cli import app
+from selfevo.config import ConfigError
+from selfevo.demo import DemoPlan, load_plan
+
+SMALL_DEMO = """
+[demo]
+treatments = ["coupled", "crossfit"]
+seeds = 1
+world = "small"
+replay_size = 200
+replay_conditions = ["coupled", "source-id"]
+
+[loop]
+admit_per_round = 240
+proposer_steps = 6
+solver_steps = 5
+"""
+
+
+def test_plan_defaults_match_the_shipped_config():
+    assert load_plan() == DemoPlan(run=load_plan().run)
+    assert load_plan().seeds == 3 and "crossfit" in load_plan().treatments
+
+
+def test_plan_validation(tmp_path):
+    with pytest.raises(ConfigError, match="demo.executor"):
+        DemoPlan(executor="dask")
+    with pytest.raises(ConfigError, match="coupled"):
+        DemoPlan(treatments=("crossfit",))
+    with pytest.raises(ConfigError, match="treatment"):
+        DemoPlan(treatments=("coupled", "nope"))
+    bad = tmp_path / "bad.toml"
+    bad.write_text('[demo]\nsedes = 3\n')
+    with pytest.raises(ConfigError, match="demo.sedes"):
+        load_plan(bad)
+    bad.write_text('[loop]\nrounds = 0\n')
+    with pytest.raises(ConfigError, match="loop.rounds"):
+        load_plan(bad)
+    assert DemoPlan(run={"loop": {"rounds": 2}}).overrides() == ["loop.rounds=2", 'world.name="default"']
+
+
+def test_demo_end_to_end(tmp_path):
+    cfg = tmp_path / "demo.toml"
+    cfg.write_text(SMALL_DEMO)
+    out = tmp_path / "demo"
+    result = CliRunner().invoke(app, ["demo", "--config", str(cfg), "--out", str(out), "--workers", "1"])
+    assert result.exit_code == 0, result.output
+    res = json.loads((out / "results.json").read_text())
+    assert res["treatments"] == ["coupled", "crossfit"] and res["seeds"] == [0]
+    assert set(res["replay"]["conditions"]) == {"coupled", "source-id"}
+    assert len(res["audit"]["coupled"]["rounds"]) == 3
+    html = (out / "report.html").read_text()
+    assert html.count("data:image/png;base64,") == 4  # steps, rounds, replay bars, cost
+    assert "Fixed replay bank" in (out / "report.md").read_text()
+    assert "Downstream" in result.output and "report:" in result.output
+    # a rerun skips the finished runs and rebuilds the same report
+    before = (out / "results.json").read_text()
+    again = CliRunner().invoke(app, ["demo", "--config", str(cfg), "--out", str(out), "--workers", "1"])
+    assert again.exit_code == 0, again.output
+    assert json.loads((out / "results.json").read_text())["downstream"] == json.loads(before)["downstream"]
+
+
+def test_demo_bad_config_exits_2(tmp_path):
+    cfg = tmp_path / "demo.toml"
+    cfg.write_text('[demo]\nexecutor = "dask"\n')
+    result = CliRunner().invoke(app, ["demo", "--config", str(cfg), "--out", str(tmp_path / "o")])
+    assert result.exit_code == 2 and "demo.executor" in " ".join(result.output.split())
+    assert not (tmp_path / "o").exists()
