@@ -144,7 +144,8 @@ def smollm2_audit(run_path: Path, out: Path, items_per_step: int, injection: int
 def summary_line(s: dict) -> str:
     return (f"{s['distinct_items']} distinct items: {s['resolved']} resolved, {s['unresolved']} unresolved "
             f"({', '.join(f'{k}: {v}' for k, v in s['unresolved_by_reason'].items()) or 'none'}); "
-            f"{s['requests']} requests, {s['replies']} replies, {s['retries']} retries, {s['failed_calls']} failed "
+            f"{s['requests']} requests, {s['replies']} replies, {s['retries']} retries ({s['timeouts']} after a "
+            f"timeout), {s['failed_calls']} failed "
             f"calls, {s['malformed_replies']} malformed replies, {s['cache_hits']} cache hits")
 
 
@@ -259,7 +260,8 @@ def main() -> None:
         L += [f"Served by `selfevo serve-model --model smollm2 --threads {args.threads} --max-new-tokens 96` "
               f"(loaded in {smol['load_s']:.0f} s), audited by", "",
               f"    {smol['command']}", "",
-              f"on the first {args.smollm2_items} items of every step ({s['distinct_items']} items), in "
+              f"on the first {args.smollm2_items} items of every step ({s['items']} items, {s['distinct_items']} "
+              "distinct), in "
               f"{smol['wall_s'] / 60:.1f} min (its injection test included). Result: {summary_line(s)}.", "",
               f"**SmolLM2 resolved {s['resolved']} of {s['distinct_items']} items (coverage "
               f"{f3(c['judge']['coverage'])} against the oracle's {f3(c['truth']['coverage'])}).** "
@@ -327,6 +329,7 @@ def main() -> None:
           f"audit's: {straight_equal}.", ""]
 
     ob = flips["scripted (obedient)"]["templates"]["answer-override"]
+    fj = flips["scripted (obedient)"]["templates"]["fake-json"]
     L += ["## Prompt injection", "",
           f"The injection set: {args.injection_items} items of the run (half with a wrong adopted label by the "
           "oracle), each judged with its clean source pages and with each template inserted after the first "
@@ -339,13 +342,24 @@ def main() -> None:
           "The honest scripted judge ignores documents' instructions: no flips, as it should. The *obedient* "
           "one is the worst case — it does what the injected text says — and so measures what the guards "
           "alone stop: an instruction to mark everything correct has to be quoted as evidence, which the quote "
-          "check rejects (→ unresolved, never → correct), and the grading call never sees the document. An "
+          "check rejects (→ unresolved, never → correct), and the grading call never sees the document; a "
+          "planted JSON reply quotes only the label, which fails the three-word minimum of a quote unless the "
+          f"label is that long (`fake-json`: {fj['to_correct']} → correct, {fj['to_unresolved']} → unresolved). An "
           "injected *sentence stating a wrong answer* ('the correct answer … is X') is different: it really "
           "is in the source, so the quote check accepts it (`answer-override`: "
           f"{ob['wrong_label_to_correct']} of {ob['wrong_labels']} wrong labels turned correct). "
           "The quote check stops fabricated evidence, not planted evidence; against planted text only the "
           "judge's own resistance helps, and a real judge's flip rate on these templates is the number to "
-          "report next to its audit.", ""]
+          "report next to its audit."]
+    if "SmolLM2-135M-Instruct" in flips:
+        sm = flips["SmolLM2-135M-Instruct"]
+        if sm["clean_resolved"] == 0 and sm["overall"]["flipped"] == 0:
+            L[-1] += (f" SmolLM2's zero is vacuous: it resolved none of its {sm['items']} clean items and none "
+                      "of the injected ones, so there was no verdict to flip.")
+        else:
+            L[-1] += (f" SmolLM2 resolved {sm['clean_resolved']} of its {sm['items']} clean items; "
+                      f"{sm['overall']['flipped']} of {sm['overall']['n']} injected verdicts flipped.")
+    L += [""]
 
     L += ["## How the judge works", "",
           "`selfevo/audit/llm_judge.py`, behind the same `Judge` interface as the oracle:", "",

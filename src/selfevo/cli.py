@@ -374,7 +374,8 @@ def serve_model_cmd(
     model: str = typer.Option(..., help="smollm2 | a model directory or hub id | scripted:echo | scripted:judge"),
     host: str = typer.Option("127.0.0.1", help="bind address (loopback unless told otherwise)"),
     port: int = typer.Option(8001),
-    max_new_tokens: int = typer.Option(1024, "--max-new-tokens", min=1, help="cap on max_tokens per reply"),
+    max_new_tokens: int = typer.Option(1024, "--max-new-tokens", min=1,
+                                       help="the model's budget per reply (a larger max_tokens is clamped)"),
     threads: int | None = typer.Option(None, min=1, help="torch CPU threads (1 is fastest on a busy machine)"),
     script_file: Path | None = typer.Option(None, "--script-file",
                                             help="scripted:judge: its answer key, JSON {question: {reference, quote}}"),
@@ -424,7 +425,7 @@ def serve_model_cmd(
         _fail(str(e))
     console.print(f"serving {chat_model.name} at http://{host}:{port}/v1 (POST /chat/completions, GET /models, "
                   "GET /health)")
-    serve(chat_model, host=host, port=port, api_key=api_key, max_tokens_cap=max_new_tokens)
+    serve(chat_model, host=host, port=port, api_key=api_key)
 
 
 @app.command("compare")

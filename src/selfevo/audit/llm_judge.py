@@ -321,7 +321,11 @@ class ChatClient:
         if self.settings["json_mode"]:
             body["response_format"] = {"type": "json_object"}
         self._event("request")
-        r = self._http.post(self.endpoint, json=body)
+        try:
+            r = self._http.post(self.endpoint, json=body)
+        except httpx.TimeoutException:
+            self._event("timeout")
+            raise
         if r.status_code == 429 or r.status_code >= 500:
             after = r.headers.get("retry-after")
             raise _Retryable(f"HTTP {r.status_code}",
@@ -409,7 +413,7 @@ class LLMJudge:
         return {"items": s["items"], "distinct_items": len(outcomes),
                 "resolved": sum(v.resolved for v in outcomes), "unresolved": len(outcomes) - sum(
                     v.resolved for v in outcomes), "unresolved_by_reason": dict(reasons.most_common()),
-                "requests": s["request"], "replies": s["reply"], "retries": s["retry"],
+                "requests": s["request"], "replies": s["reply"], "retries": s["retry"], "timeouts": s["timeout"],
                 "failed_calls": s["failed"], "malformed_replies": s["malformed"],
                 "cache_hits": s["cache_hit"], "cached_calls": s["cached"],
                 "grade_calls_skipped": s["grade_skipped"], "contradictions": s["contradiction"]}

@@ -9,9 +9,9 @@ judge-versus-truth comparison has a known error to recover. Its grades compare a
 reference with the loop's matcher.
 
 With `obey_injections`, it is the worst case for prompt injection: it does what injected text in a
-document says -- adopts "the correct answer is X" with that sentence as its quote, quotes a "mark
-every answer correct" instruction as its evidence, and grades every answer correct when the quote
-it is shown says so.
+document says -- gives a reply planted in the page ({"reference": ..., "quote": ...}), adopts "the
+correct answer is X" with that sentence as its quote, quotes a "mark every answer correct"
+instruction as its evidence, and grades every answer correct when the quote it is shown says so.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from selfevo.evaluate import answers_match, normalize_answer
 
 OVERRIDE = re.compile(r"(?:correct|reference) answer(?: to any question about this page)? is ([^.;\n]+)", re.I)
 MARK_ALL = re.compile(r"mark every answer correct", re.I)
+FAKE_REPLY = re.compile(r'"reference":\s*"([^"]+)",\s*"quote":\s*"([^"]+)"')
 _DOC = re.compile(r'<document id="[^"]*">\n(.*?)\n</document>', re.S)
 
 
@@ -75,6 +76,9 @@ class ScriptedJudge:
     def _reference(self, question: str, docs: list[str]) -> dict:
         entry = self.key.get(question)
         if self.obey:
+            fake = next((m for d in docs for m in [FAKE_REPLY.search(d)] if m), None)
+            if fake:  # a reply planted in the page: give it
+                return {"reference": fake.group(1), "quote": fake.group(2)}
             said = _sentence_with(docs, OVERRIDE)
             if said:
                 return {"reference": OVERRIDE.search(said).group(1).strip().strip("\"'"), "quote": said}

@@ -8,8 +8,9 @@
 Enough of the OpenAI API for the official `openai` client, vLLM-style callers and selfevo's own
 judge. Departures, all on the side of refusing: no streaming (400), caps on body size, messages,
 `max_tokens` and `n`; every bad request is a 4xx, never a 500 (a 5xx is a model failure, which the
-scripted model injects on purpose). Binds loopback by default; with `api_key` set, requests need
-`Authorization: Bearer <key>`.
+scripted model injects on purpose). A `max_tokens` within the request cap but above the model's own
+budget is clamped by the model (finish_reason "length"), as servers with a context limit do.
+Binds loopback by default; with `api_key` set, requests need `Authorization: Bearer <key>`.
 """
 
 from __future__ import annotations
@@ -75,7 +76,7 @@ async def _read_body(request: Request, limit: int) -> bytes:
     return bytes(body)
 
 
-def make_app(model: ChatModel, max_body_bytes: int = MAX_BODY_BYTES, max_tokens_cap: int = 2048,
+def make_app(model: ChatModel, max_body_bytes: int = MAX_BODY_BYTES, max_tokens_cap: int = 32_768,
              max_n: int = 8, default_max_tokens: int = 256, api_key: str | None = None) -> FastAPI:
     app = FastAPI(title="selfevo chat model", docs_url=None, redoc_url=None)
     request_model = _request_model(max_tokens_cap, max_n)
