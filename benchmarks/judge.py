@@ -264,11 +264,15 @@ def main() -> None:
               "distinct), in "
               f"{smol['wall_s'] / 60:.1f} min (its injection test included). Result: {summary_line(s)}.", "",
               f"**SmolLM2 resolved {s['resolved']} of {s['distinct_items']} items (coverage "
-              f"{f3(c['judge']['coverage'])} against the oracle's {f3(c['truth']['coverage'])}).** "
-              "A 135M model does not produce the asked JSON object with a verbatim quote: it writes JSON about "
-              "the page (`{\"id\": ..., \"name\": ..., \"family\": {...`), runs out of tokens, or copies the "
-              "prompt's example, whose quote does not occur in the source. Every such item is unresolved, "
-              "never guessed; that is the measurement. First replies, verbatim:", ""]
+              f"{f3(c['judge']['coverage'])} against the oracle's {f3(c['truth']['coverage'])}).** "]
+        if s["resolved"] == 0:
+            L[-1] += ("A 135M model does not produce the asked JSON object with a verbatim quote: it writes JSON "
+                      "about the page (`{\"id\": ..., \"name\": ..., \"family\": {...`), repeats itself until it "
+                      "runs out of tokens, or borrows the answer of the prompt's example (\"Kelda\"); unresolved "
+                      f"by reason: {s['unresolved_by_reason']}. Every such item is unresolved, never guessed; that "
+                      "is the measurement.")
+        L[-1] += " First replies, verbatim:"
+        L += [""]
         L += [f"    {json.dumps(x)}" for x in smol["samples"]]
         L += ["", "Side by side with the oracle (metrics are `–` where the judge resolved nothing):", "",
               comparison_markdown(smol["comparison"]), ""]
@@ -298,9 +302,9 @@ def main() -> None:
           "responses); its other misses are aliases its single reference does not name, and its gap is "
           f"coverage ({f3(tr['judge']['coverage'])} against the oracle's {f3(tr['truth']['coverage'])}): a "
           "question no sentence of its source pages answers stays unresolved. Coverage is not random: over all "
-          f"saved items, the oracle calls {f3(sum(wrong_unres) / max(len(wrong_unres), 1))} of the labels wrong "
-          f"among the items this judge left unresolved, against {f3(sum(wrong_res) / max(len(wrong_res), 1))} "
-          "among those it resolved — so a judge's T_P, F and L are always *over what it resolved*, and its "
+          f"saved items, the oracle finds the label wrong in {f3(sum(wrong_unres) / max(len(wrong_unres), 1))} "
+          f"of the items this judge left unresolved, against {f3(sum(wrong_res) / max(len(wrong_res), 1))} "
+          "of those it resolved — so a judge's T_P, F and L are always *over what it resolved*, and its "
           f"T_P difference here is {f3(tr['diff']['T_P']['diff'])} [{f3(tr['diff']['T_P']['lo'])}, "
           f"{f3(tr['diff']['T_P']['hi'])}]. The misreading judge's F differs from the oracle's by "
           f"{f3(mr['diff']['F']['diff'])} [{f3(mr['diff']['F']['lo'])}, {f3(mr['diff']['F']['hi'])}], and its "

