@@ -23,6 +23,7 @@ from fastapi import FastAPI, HTTPException, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError
 
+from selfevo._http import read_body
 from selfevo.search.tool import Retriever
 
 if TYPE_CHECKING:
@@ -48,20 +49,6 @@ def _request_model(max_queries: int, max_topk: int) -> type[BaseModel]:
     return RetrieveRequest
 
 
-async def _read_body(request: Request, limit: int) -> bytes:
-    """The request body, refusing (413) anything over `limit` bytes without reading it all:
-    a declared Content-Length is checked first, a chunked body while it streams in."""
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise HTTPException(413, f"request body over {limit} bytes")
-    body = bytearray()
-    async for chunk in request.stream():
-        body += chunk
-        if len(body) > limit:
-            raise HTTPException(413, f"request body over {limit} bytes")
-    return bytes(body)
-
-
 def make_app(retriever: Retriever, max_queries: int = 256, max_topk: int = 50,
              max_body_bytes: int = MAX_BODY_BYTES, timeout_s: float = TIMEOUT_S) -> FastAPI:
     """A FastAPI app serving `retriever`. The body is parsed by hand (not as a FastAPI body
@@ -77,7 +64,7 @@ def make_app(retriever: Retriever, max_queries: int = 256, max_topk: int = 50,
     @app.post("/retrieve")
     async def retrieve(request: Request) -> JSONResponse:
         try:
-            body = await asyncio.wait_for(_read_body(request, max_body_bytes), timeout_s)
+            body = await asyncio.wait_for(read_body(request, max_body_bytes), timeout_s)
         except asyncio.TimeoutError:  # a client trickling its body in
             raise HTTPException(408, f"request body not received within {timeout_s:g} s") from None
         try:

@@ -28,6 +28,7 @@ from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse, PlainTextResponse
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError
 
+from selfevo._http import read_body
 from selfevo.agents.lm.model import ChatModel, GarbageBody, ModelFault
 
 MAX_BODY_BYTES = 4 << 20  # 4 MiB
@@ -64,18 +65,6 @@ def _request_model(max_tokens_cap: int, max_n: int) -> type[BaseModel]:
     return ChatRequest
 
 
-async def _read_body(request: Request, limit: int) -> bytes:
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise HTTPException(413, f"request body over {limit} bytes")
-    body = bytearray()
-    async for chunk in request.stream():
-        body += chunk
-        if len(body) > limit:
-            raise HTTPException(413, f"request body over {limit} bytes")
-    return bytes(body)
-
-
 def make_app(model: ChatModel, max_body_bytes: int = MAX_BODY_BYTES, max_tokens_cap: int = 32_768,
              max_n: int = 8, default_max_tokens: int = 256, api_key: str | None = None) -> FastAPI:
     app = FastAPI(title="selfevo chat model", docs_url=None, redoc_url=None)
@@ -102,7 +91,7 @@ def make_app(model: ChatModel, max_body_bytes: int = MAX_BODY_BYTES, max_tokens_
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> JSONResponse:
         check_key(request)
-        body = await _read_body(request, max_body_bytes)
+        body = await read_body(request, max_body_bytes)
         try:
             req = request_model.model_validate_json(body)
         except ValidationError as e:
