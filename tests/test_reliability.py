@@ -27,12 +27,11 @@ import sys
 import textwrap
 import threading
 import time
-from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
 import typer
-import uvicorn
+from _servers import serve_app
 from fastapi.testclient import TestClient
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -275,35 +274,19 @@ def test_a_slow_retrieval_times_out_with_504_and_the_server_keeps_answering(smal
         slow.gate.set()
 
 
-@contextmanager
-def serving(app):
-    """`app` on a real uvicorn, 127.0.0.1, a free port, in a thread."""
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=load_bench.free_port(), log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 10
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "server did not start"
-        time.sleep(0.02)
-    try:
-        yield server.config.host, server.config.port
-    finally:
-        server.should_exit = True
-        thread.join(timeout=10)
-
-
 def test_a_trickling_body_gets_408_and_a_hung_retrieval_504_over_http(small_index):
     slow = GatedRetriever(small_index)
     try:
-        with serving(make_app(slow, timeout_s=0.5)) as (host, port):
-            with socket.create_connection((host, port), timeout=10) as s:  # promise 100 bytes, send 10
+        with serve_app(make_app(slow, timeout_s=0.5)) as url:
+            host, port = url.removeprefix("http://").split(":")
+            with socket.create_connection((host, int(port)), timeout=10) as s:  # promise 100 bytes, send 10
                 s.sendall(b"POST /retrieve HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                           b"Content-Length: 100\r\n\r\n" + b'{"queries"')
                 start = time.monotonic()
                 reply = s.recv(4096)
             assert reply.startswith(b"HTTP/1.1 408"), reply[:200]
             assert time.monotonic() - start < 5
-            with RetrieverClient(f"http://{host}:{port}", retries=0) as client:
+            with RetrieverClient(url, retries=0) as client:
                 with pytest.raises(RetrieverError, match="HTTP 504"):
                     client.retrieve(["zebra"])
                 assert client.health()["status"] == "ok"

@@ -4,15 +4,13 @@ from __future__ import annotations
 
 import inspect
 import json
-import socket
-import threading
 import time
 from pathlib import Path
 
 import bm25s
 import httpx
 import pytest
-import uvicorn
+from _servers import free_port, serve_app
 
 from selfevo.corpus import write_corpus
 from selfevo.records import Document
@@ -233,27 +231,10 @@ def test_search_tool_cache_skips_the_retriever(small):
 # ------------------------------------------------------------------ server over real HTTP
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def server_url(small):
-    app = make_app(small, max_queries=8, max_topk=5)
-    config = uvicorn.Config(app, host="127.0.0.1", port=_free_port(), log_level="warning")
-    server = uvicorn.Server(config)
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 10
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "server did not start"
-        time.sleep(0.02)
-    yield f"http://127.0.0.1:{config.port}"
-    server.should_exit = True
-    thread.join(timeout=10)
-    assert not thread.is_alive()
+    with serve_app(make_app(small, max_queries=8, max_topk=5)) as url:
+        yield url
 
 
 def test_health(server_url):
@@ -370,7 +351,7 @@ def test_client_gives_up_after_retries_and_on_4xx():
 
 
 def test_client_connection_refused_is_retried_then_reported():
-    client = RetrieverClient(f"http://127.0.0.1:{_free_port()}", retries=1, backoff_s=0)
+    client = RetrieverClient(f"http://127.0.0.1:{free_port()}", retries=1, backoff_s=0)
     with pytest.raises(RetrieverError, match="after 2 attempts"):
         client.retrieve(["q"])
 
