@@ -307,7 +307,10 @@ def audit_cmd(
         except (ConfigError, ValueError) as e:
             _fail(str(e))
         oracle = OracleJudge(world.truth)
-        steps = run.steps()
+        try:
+            steps = run.steps()
+        except ValueError as e:  # a corrupt line before the last (a torn last line is dropped)
+            _fail(str(e))
         documents = {d.id: d.contents for d in world.documents}
         truth = oracle if compare == "oracle" else None
         out_dir = out or run.path / "audit" / ("llm" if judge == "llm" else "")
