@@ -19,6 +19,7 @@ import argparse
 import json
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -208,8 +209,19 @@ def experiment(root: Path, world: str = "default", seed: int = 0, overrides: lis
 
     def one(k: int) -> dict:
         out = root / f"killed-{k}"
-        landing = run_and_kill(evolve_cmd(out, world, seed, overrides), out, points[k], delays[k],
-                               hash_seed=k + 1, per_round=per_round, rounds=rounds)
+        target, delay = points[k], delays[k]
+        for _ in range(3):
+            try:
+                landing = run_and_kill(evolve_cmd(out, world, seed, overrides), out, target, delay,
+                                       hash_seed=k + 1, per_round=per_round, rounds=rounds)
+                break
+            except KillMissed:
+                # a point near the end can race the run's last milliseconds on a fast machine: start
+                # over one line earlier and without the extra delay (the point is recorded as landed)
+                shutil.rmtree(out, ignore_errors=True)
+                target, delay = (max(0, target - 1) if isinstance(target, int) else target), 0.0
+        else:
+            raise KillMissed(f"{out}: three attempts to kill near line {points[k]} all finished first")
         before = check_records(out, allow_torn_steps_tail=True)
         left_by_kill = [str(p.relative_to(out)) for p in out.rglob(".*.tmp")]
         t = time.perf_counter()
