@@ -17,26 +17,24 @@ import statistics
 import tempfile
 from pathlib import Path
 
-from _common import REPO, fmt, machine_line, mean_std, write_section
+from _common import REPO, fmt, machine_line, write_section
 from rich.console import Console
 from rich.progress import Progress
 
 from selfevo.config import load_config
 from selfevo.evolve import evolve
+from selfevo.report.collect import summary
 from selfevo.report.compare import compare
 
 HEADING = "## Mitigations: CrossFit, MSV and controls"
 TREATMENTS = ["coupled", "msv", "crossfit", "msv+crossfit", "same-source", "full-data", "question-split",
               "half-budget", "crossfit-k3", "crossfit-connected", "crossfit-connected-k3"]
-# two-sided 95% t quantiles by degrees of freedom
-T95 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228}
 
 
 def ci95(diffs: list[float]) -> tuple[float, float, float]:
-    """Mean and 95% t-interval of paired differences over seeds."""
-    m, s = mean_std(diffs)
-    half = T95.get(len(diffs) - 1, 1.96) * s / len(diffs) ** 0.5 if len(diffs) > 1 else float("nan")
-    return m, m - half, m + half
+    """Mean and 95% t-interval of paired differences over seeds (the report's own interval)."""
+    s = summary(diffs)
+    return s["mean"], s["lo"], s["hi"]
 
 
 def memory_facts(run_dir: Path) -> tuple[int, int]:
@@ -51,13 +49,17 @@ def memory_facts(run_dir: Path) -> tuple[int, int]:
     run = RunDir(run_dir)
     truth = load_run_world(config_from_dict(run.config())).truth
     memory = run.load_checkpoint(run.manifest()["rounds_completed"])["main"]["memory"]
+    by_alias: dict[str, list] = {}  # memory keys are lowercased mentions
+    for e in truth.entities.values():
+        for a in {a.lower() for a in e.aliases}:
+            by_alias.setdefault(a, []).append(e)
     right = wrong = 0
     for key, row in memory.items():
         best = max(row, key=row.get, default=None)
         if best is None or row[best] <= 0.5:
             continue
         mention, rel = key.rsplit("|", 1)
-        matches = [e for e in truth.entities.values() if any(a.lower() == mention for a in e.aliases)]
+        matches = by_alias.get(mention, [])
         if len(matches) != 1 or rel not in matches[0].facts:
             continue
         golds = truth.value_aliases(matches[0].facts[rel])

@@ -46,6 +46,17 @@ def bucket_advantages(rewards: Sequence[float], buckets: Sequence[Hashable],
     return out
 
 
+def sample_index(probs: Sequence[float], u: float) -> int:
+    """Inverse-CDF draw: the index whose cumulative probability first exceeds `u` in [0, 1)
+    (the last index if rounding leaves the sum just under `u`)."""
+    acc = 0.0
+    for i, p in enumerate(probs):
+        acc += p
+        if u < acc:
+            return i
+    return len(probs) - 1
+
+
 def softmax(logits: Sequence[float], temperature: float = 1.0) -> list[float]:
     if not logits:
         return []

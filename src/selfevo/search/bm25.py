@@ -19,13 +19,13 @@ import bm25s
 import numpy as np
 from bm25s.stopwords import STOPWORDS_EN
 
-from selfevo._io import read_json, write_json
+from selfevo._io import write_json
 from selfevo.corpus import iter_corpus, read_corpus, write_corpus
 from selfevo.records import Document
+from selfevo.search._manifest import MANIFEST, read_manifest
 from selfevo.search.tool import Hit
 
 FORMAT_VERSION = 1
-MANIFEST = "manifest.json"
 DOCS_FILE = "docs.jsonl"
 
 # bm25s's own default splitter and English stop list, so an index built here scores exactly as
@@ -131,12 +131,7 @@ class BM25Index:
         another corpus when `expected_corpus_sha256` is given."""
         index_dir = Path(index_dir)
         manifest_path = index_dir / MANIFEST
-        if not manifest_path.exists():
-            raise ValueError(f"{index_dir}: no {MANIFEST}; not a (complete) BM25 index")
-        manifest = read_json(manifest_path)
-        if manifest.get("format_version") != FORMAT_VERSION:
-            raise ValueError(f"{manifest_path}: format version {manifest.get('format_version')!r}, "
-                             f"this code reads {FORMAT_VERSION}")
+        manifest = read_manifest(index_dir, "BM25", FORMAT_VERSION)
         if expected_corpus_sha256 is not None and manifest.get("corpus_sha256") != expected_corpus_sha256:
             raise ValueError(f"{manifest_path}: index was built from corpus sha256 "
                              f"{manifest.get('corpus_sha256')}, expected {expected_corpus_sha256}")

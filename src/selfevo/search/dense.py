@@ -26,15 +26,15 @@ from typing import Any
 
 import numpy as np
 
-from selfevo._io import read_json, write_json
+from selfevo._io import write_json
 from selfevo.corpus import iter_corpus, read_corpus, write_corpus
 from selfevo.records import Document
+from selfevo.search._manifest import MANIFEST, read_manifest
 from selfevo.search.bm25 import docs_sha256, file_sha256
 from selfevo.search.tool import Hit
 
 FORMAT_VERSION = 1
 KIND = "dense"
-MANIFEST = "manifest.json"
 DOCS_FILE = "docs.jsonl"
 VECTORS_FILE = "vectors.faiss"
 
@@ -350,16 +350,7 @@ class DenseIndex:
     @staticmethod
     def read_manifest(index_dir: str | os.PathLike) -> dict[str, Any]:
         """The manifest of a dense index directory, format and kind checked."""
-        path = Path(index_dir) / MANIFEST
-        if not path.exists():
-            raise ValueError(f"{index_dir}: no {MANIFEST}; not a (complete) dense index")
-        manifest = read_json(path)
-        if manifest.get("kind") != KIND:
-            raise ValueError(f"{path}: a {manifest.get('kind') or 'bm25'!r} index, not a dense one")
-        if manifest.get("format_version") != FORMAT_VERSION:
-            raise ValueError(f"{path}: format version {manifest.get('format_version')!r}, "
-                             f"this code reads {FORMAT_VERSION}")
-        return manifest
+        return read_manifest(index_dir, "dense", FORMAT_VERSION, KIND)
 
     @classmethod
     def load(cls, index_dir: str | os.PathLike, encoder: Encoder | None = None, *,

@@ -16,16 +16,16 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from selfevo._io import read_json, write_json
+from selfevo._io import write_json
 from selfevo.corpus import read_corpus
 from selfevo.records import Document
+from selfevo.search._manifest import MANIFEST, read_manifest
 from selfevo.search.bm25 import BM25Index, docs_sha256, file_sha256
 from selfevo.search.dense import DenseIndex, Encoder
 from selfevo.search.tool import Hit
 
 FORMAT_VERSION = 1
 KIND = "hybrid"
-MANIFEST = "manifest.json"
 RRF_K = 60
 DEPTH = 50
 
@@ -142,14 +142,7 @@ class HybridIndex:
         """Load both halves; the same refusals as `BM25Index.load` and `DenseIndex.load`."""
         index_dir = Path(index_dir)
         path = index_dir / MANIFEST
-        if not path.exists():
-            raise ValueError(f"{index_dir}: no {MANIFEST}; not a (complete) hybrid index")
-        manifest = read_json(path)
-        if manifest.get("kind") != KIND:
-            raise ValueError(f"{path}: a {manifest.get('kind') or 'bm25'!r} index, not a hybrid one")
-        if manifest.get("format_version") != FORMAT_VERSION:
-            raise ValueError(f"{path}: format version {manifest.get('format_version')!r}, "
-                             f"this code reads {FORMAT_VERSION}")
+        manifest = read_manifest(index_dir, "hybrid", FORMAT_VERSION, KIND)
         digest = expected_corpus_sha256 or manifest["corpus_sha256"]
         if manifest.get("corpus_sha256") != digest:
             raise ValueError(f"{path}: index was built from corpus sha256 "

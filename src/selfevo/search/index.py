@@ -14,10 +14,10 @@ from pathlib import Path
 from typing import Any
 
 from selfevo._io import read_json
+from selfevo.search._manifest import MANIFEST
 from selfevo.search.tool import Retriever
 
 KINDS = ("bm25", "dense", "hybrid")
-MANIFEST = "manifest.json"
 
 
 @dataclass(frozen=True)

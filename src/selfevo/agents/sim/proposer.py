@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass, field
 
 from selfevo.agents.base import Proposal
 from selfevo.agents.sim.reader import FEATURES, PageReading, Reader, features
-from selfevo.algos import bucket_advantages, softmax
+from selfevo.algos import bucket_advantages, sample_index, softmax
 from selfevo.evaluate import normalize_answer
 from selfevo.records import Document
 from selfevo.search.tool import SearchBudgetExhausted, SearchSession, SearchTool
@@ -91,16 +91,10 @@ class SimProposer:
         cands = sorted({s.object for s in stmts})
         scores = {}
         for s in stmts:
-            phi = features(s, True, 0)
-            sc = sum(t * f for t, f in zip(self.config.theta, phi)) + self.reader.bias(page.doc_id, s.object)
+            sc = self.reader.score(self.config.theta, features(s, True, 0), page.doc_id, s.object)
             scores[s.object] = max(scores.get(s.object, -1e9), sc)
         probs = softmax([scores[c] for c in cands], self.config.read_temperature)
-        u, acc = rnd.random(), 0.0
-        for c, p in zip(cands, probs):
-            acc += p
-            if u < acc:
-                return c
-        return cands[-1]
+        return cands[sample_index(probs, rnd.random())]
 
     @staticmethod
     def _usable(page: PageReading, last_hop: bool) -> list[str]:

@@ -20,7 +20,7 @@ from dataclasses import asdict, dataclass, field
 
 from selfevo.agents.base import Trajectory
 from selfevo.agents.sim.reader import FEATURES, Reader, features
-from selfevo.algos import group_advantages, softmax
+from selfevo.algos import group_advantages, sample_index, softmax
 from selfevo.evaluate import answers_match
 from selfevo.records import Document
 from selfevo.search.tool import Hit, SearchBudgetExhausted, SearchSession, SearchTool
@@ -108,7 +108,7 @@ class SimSolver:
             title_match = mention in page.aliases
             for stmt in page.statements.get(rel, ()):
                 phi = features(stmt, title_match, rank)
-                score = sum(t * f for t, f in zip(self.theta, phi)) + self.reader.bias(page.doc_id, stmt.object)
+                score = self.reader.score(self.theta, phi, page.doc_id, stmt.object)
                 if stmt.object not in best or score > best[stmt.object][0]:
                     best[stmt.object] = (score, phi)
         zero = (0.0,) * len(FEATURES)
@@ -128,12 +128,7 @@ class SimSolver:
     def _pick(dist: _Dist, greedy: bool, rnd: random.Random) -> int:
         if greedy:
             return max(range(len(dist.cands)), key=lambda i: (dist.probs[i], -i))
-        u, acc = rnd.random(), 0.0
-        for i, p in enumerate(dist.probs):
-            acc += p
-            if u < acc:
-                return i
-        return len(dist.probs) - 1
+        return sample_index(dist.probs, rnd.random())
 
     def _rollout(self, question: str, tool: SearchTool, greedy: bool, rnd: random.Random,
                  context: Document | None = None) -> Trajectory:
