@@ -411,7 +411,7 @@ def test_cli_audit_llm_with_compare_writes_metrics_comparison_and_figures(world_
     cmp = json.loads((tmp_path / "comparison.json").read_text())
     assert [b["round"] for b in cmp["rounds"]] == [1, 2]
     assert cmp["rounds"][0]["truth"] == {k: v for k, v in oracle_metrics["rounds"][0].items()
-                                         if k not in ("round", "admitted", "hop_mix_admitted", "solver")}
+                                         if k not in ("round", "admitted", "malformed", "hop_mix_admitted", "solver")}
     for name in ("metrics.png", "f_vs_l.png", "comparison.png"):
         assert (tmp_path / "figures" / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert json.loads((tmp_path / "injection.json").read_text())["items"] == 4

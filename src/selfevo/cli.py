@@ -157,6 +157,45 @@ def eval_(
     print_score_table(result, console)
 
 
+data_app = typer.Typer(add_completion=False, no_args_is_help=True,
+                       help="Real data: the seven FlashRAG benchmarks and the wiki-18 corpus.")
+app.add_typer(data_app, name="data")
+
+
+@data_app.command("download")
+def data_download(
+    out: Path = typer.Option(..., help="directory for qa/<benchmark>.jsonl, corpus/wiki-18.jsonl, manifest.json"),
+    benchmarks: str = typer.Option("all", help="comma-separated: nq, triviaqa, popqa, hotpotqa, "
+                                               "2wikimultihopqa, musique, bamboogle; or all"),
+    per_benchmark: int = typer.Option(200, "--per-benchmark", min=0,
+                                      help="items kept per benchmark (0: all; Bamboogle is always whole)"),
+    seed: int = typer.Option(0, help="subsampling seed"),
+    corpus: bool = typer.Option(True, "--corpus/--no-corpus",
+                                help="also fetch wiki-18 (21M passages, over 10 GB unpacked)"),
+    revision: str | None = typer.Option(None, help="branch, tag or commit of the benchmarks' repository"),
+    corpus_revision: str | None = typer.Option(None, "--corpus-revision",
+                                               help="branch, tag or commit of the corpus repository"),
+    qa_repo: str = typer.Option("RUC-NLPIR/FlashRAG_datasets", "--qa-repo", help="benchmarks' dataset repo"),
+    corpus_repo: str = typer.Option("PeterJinGo/wiki-18-corpus", "--corpus-repo", help="corpus dataset repo"),
+    corpus_file: str = typer.Option("wiki-18.jsonl.gz", "--corpus-file",
+                                    help="corpus file in that repo: .jsonl, .jsonl.gz or a .zip of one .jsonl"),
+    dry_run: bool = typer.Option(False, "--dry-run", help="print what would be fetched; fetch and write nothing"),
+) -> None:
+    """Fetch the benchmarks and the corpus from the Hugging Face Hub, convert, validate and record them
+    (HF_TOKEN, HF_ENDPOINT and HF_HUB_OFFLINE apply). Re-running skips what is already complete."""
+    from selfevo.data import DownloadError, download_data
+
+    try:
+        res = download_data(out, benchmarks, per_benchmark=per_benchmark, seed=seed, corpus=corpus,
+                            revision=revision, corpus_revision=corpus_revision, qa_repo=qa_repo,
+                            corpus_repo=corpus_repo, corpus_file=corpus_file, dry_run=dry_run,
+                            log=lambda msg: console.print(escape(msg)))
+    except (DownloadError, DataError, ValueError, OSError) as e:
+        _fail(str(e))
+    if not dry_run:
+        console.print(f"data ready in {out} (sources, counts and sha256 in {res['out']}/manifest.json)")
+
+
 world_app = typer.Typer(add_completion=False, no_args_is_help=True, help="The synthetic world.")
 app.add_typer(world_app, name="world")
 
@@ -191,17 +230,26 @@ def evolve_cmd(
     config: Path | None = typer.Option(None, help="TOML config (see configs/)"),
     set_: list[str] = typer.Option([], "--set", help="override a config field, e.g. solver.memory=false"),
     resume: bool = typer.Option(False, help="continue a killed run in --out"),
-    audit: bool = typer.Option(True, help="run the oracle audit at the end"),
+    audit: bool = typer.Option(True, help="audit at the end (exact truth on a world; an LLM judge on a corpus)"),
+    backend: str | None = typer.Option(None, help="sim (the embedded learners) | lm (language models)"),
+    model: str | None = typer.Option(None, help="lm backend: smollm2-135m | a local directory | a hub id"),
+    corpus: Path | None = typer.Option(None, help="lm backend: a FlashRAG corpus JSONL instead of the world"),
+    qa_dir: Path | None = typer.Option(None, "--qa-dir", help="benchmarks to evaluate on (default with "
+                                       "--corpus: the qa/ directory beside the corpus's directory)"),
 ) -> None:
-    """Run the self-evolution loop into a run directory (then audit it against exact truth)."""
+    """Run the self-evolution loop into a run directory, then audit it."""
     from selfevo.config import ConfigError, load_config
     from selfevo.evolve import evolve
     from selfevo.runs import RunError
     from selfevo.world import WorldError
 
     try:
-        cfg = load_config(config, set_, treatment=treatment, seed=seed, **{"world.name": world,
-                                                                           "loop.rounds": rounds})
+        if corpus is not None and qa_dir is None and (corpus.resolve().parent.parent / "qa").is_dir():
+            qa_dir = corpus.resolve().parent.parent / "qa"
+        cfg = load_config(config, set_, treatment=treatment, seed=seed, backend=backend, **{
+            "world.name": world, "loop.rounds": rounds, "lm.model": model,
+            "data.corpus": None if corpus is None else str(corpus),
+            "data.qa_dir": None if qa_dir is None else str(qa_dir)})
         run = evolve(cfg, out, resume=resume, audit=audit)
     except (ConfigError, RunError, DataError, WorldError) as e:
         _fail(str(e))
@@ -300,18 +348,20 @@ def audit_cmd(
             _fail("--judge gold reads gold answers from --records; a world run is audited with --judge oracle")
         if compare not in (None, "oracle"):
             _fail("--compare: a world run is compared with its exact truth only (--compare oracle)")
-        from selfevo.evolve import load_run_world
+        from selfevo.evolve import environment
 
         try:
-            world = load_run_world(config_from_dict(run.config()))
+            env = environment(config_from_dict(run.config()))
         except (ConfigError, ValueError) as e:
             _fail(str(e))
-        oracle = OracleJudge(world.truth)
+        if env.truth is None and "oracle" in (judge, compare):
+            _fail(f"{run_dir}: a run on a real corpus has no exact truth; audit it with --judge llm")
+        oracle = OracleJudge(env.truth) if env.truth is not None else None
         try:
             steps = run.steps()
         except ValueError as e:  # a corrupt line before the last (a torn last line is dropped)
             _fail(str(e))
-        documents = {d.id: d.contents for d in world.documents}
+        documents = {d.id: d.contents for d in env.documents}
         truth = oracle if compare == "oracle" else None
         out_dir = out or run.path / "audit" / ("llm" if judge == "llm" else "")
     steps = limit_items(steps, max_items_per_step)

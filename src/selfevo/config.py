@@ -20,6 +20,7 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover
     import tomli as tomllib
 
+from selfevo.agents.lm.config import LMConfig
 from selfevo.agents.sim import SimProposerConfig, SimSolverConfig
 from selfevo.loop.schedule import LoopConfig
 from selfevo.loop.treatments import parse_treatment
@@ -59,14 +60,39 @@ class SearchConfig:
 
 
 @dataclass(frozen=True)
+class DataSpec:
+    """A real corpus instead of the synthetic world (the lm backend only: sim agents read the
+    world's language)."""
+
+    corpus: str = ""  # FlashRAG corpus JSONL: the proposer's sources and the search index ("": the world)
+    qa_dir: str = ""  # FlashRAG QA directory for the per-round evaluation (needed with a corpus)
+    eval_limit: int = 0  # at most N questions per benchmark in the per-round evaluation (0: all)
+
+    def __post_init__(self):
+        if self.eval_limit < 0:
+            raise ValueError(f"data.eval_limit: must be >= 0, got {self.eval_limit}")
+        if self.corpus and not self.qa_dir:
+            raise ValueError("data.qa_dir: needed with data.corpus (the benchmarks to evaluate on)")
+
+
+@dataclass(frozen=True)
 class RunConfig:
     treatment: str = "coupled"
     seed: int = 0
+    backend: str = "sim"  # sim: the embedded numpy learners | lm: language models (transformers)
     world: WorldSpec = field(default_factory=WorldSpec)
+    data: DataSpec = field(default_factory=DataSpec)
     loop: LoopConfig = field(default_factory=LoopConfig)
     search: SearchConfig = field(default_factory=SearchConfig)
     solver: SimSolverConfig = field(default_factory=SimSolverConfig)
     proposer: SimProposerConfig = field(default_factory=SimProposerConfig)
+    lm: LMConfig = field(default_factory=LMConfig)
+
+    def __post_init__(self):
+        if self.backend not in ("sim", "lm"):
+            raise ValueError(f"backend: must be sim or lm, got {self.backend!r}")
+        if self.backend == "sim" and self.data.corpus:
+            raise ValueError("data.corpus: the sim backend runs on the synthetic world only; use backend = \"lm\"")
 
     def to_json(self) -> dict:
         return asdict(self)

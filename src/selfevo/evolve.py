@@ -7,14 +7,18 @@ answers) and the agents; it hands the agents only documents, questions and the s
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import time
+from dataclasses import dataclass
+from pathlib import Path
 
 from selfevo._io import read_json, write_json
 from selfevo.agents.sim import Reader, SimProposer, SimSolver
 from selfevo.audit import OracleJudge, audit_run
 from selfevo.config import RunConfig
+from selfevo.corpus import read_corpus, read_qa_dir
 from selfevo.evaluate import evaluate_solver
 from selfevo.loop.admission import MSV, AdmitAll
 from selfevo.loop.engine import Loop
@@ -76,9 +80,9 @@ def fold_assignment(cfg: RunConfig, documents) -> FoldAssignment:
     return assign_folds(documents, cfg.seed, t.k, t.grouping)
 
 
-def source_pool(cfg: RunConfig, world: World) -> list:
+def source_pool(cfg: RunConfig, documents) -> list:
     """The proposer's seed documents: a fixed, seeded sample of the corpus (or all of it)."""
-    docs = world.documents
+    docs = documents
     n = cfg.loop.source_docs
     if n == 0 or n >= len(docs):
         return list(docs)
@@ -86,7 +90,55 @@ def source_pool(cfg: RunConfig, world: World) -> list:
     return sorted(rng.sample(list(docs), n), key=lambda d: d.id)
 
 
-def build_loop(cfg: RunConfig, world: World, tool: SearchTool, folds: FoldAssignment, evaluate=None) -> Loop:
+@dataclass
+class Environment:
+    """What a run works on: documents and their index, the benchmarks it is evaluated on, and
+    exact truth where there is one (the synthetic world; None for a real corpus)."""
+
+    documents: list
+    index: object
+    benchmarks: dict
+    world: World | None = None
+
+    @property
+    def truth(self):
+        return None if self.world is None else self.world.truth
+
+
+_CORPORA: dict[str, tuple[list, BM25Index]] = {}
+
+
+def environment(cfg: RunConfig) -> Environment:
+    """The synthetic world, or (data.corpus) a real corpus and QA directory."""
+    if not cfg.data.corpus:
+        world, index = world_and_index(cfg)
+        return Environment(list(world.documents), index, world.benchmarks, world)
+    key = str(Path(cfg.data.corpus).resolve())
+    if key not in _CORPORA:
+        docs = read_corpus(cfg.data.corpus)
+        _CORPORA.clear()  # a real corpus is large: keep one
+        _CORPORA[key] = (docs, BM25Index.build(docs))
+    docs, index = _CORPORA[key]
+    return Environment(docs, index, read_qa_dir(cfg.data.qa_dir))
+
+
+def build_loop(cfg: RunConfig, env: Environment, tool: SearchTool, folds: FoldAssignment, evaluate=None,
+               store: Path | None = None) -> Loop:
+    """The loop of `cfg.backend` (`store`: where an lm backend keeps its checkpointed tensors)."""
+    pool = source_pool(cfg, env.documents)
+    if cfg.backend == "lm":
+        from selfevo.agents.lm.agents import LMProposer, LMSolver
+        from selfevo.agents.lm.policy import LMPolicy
+
+        policy = LMPolicy(cfg.lm, store=store)
+
+        def make_lm_solver(name: str) -> LMSolver:  # every solver starts as the same base model
+            return LMSolver.trainable(policy, name)
+
+        admission, feedback = make_rules(cfg, env.documents, folds, make_lm_solver)
+        return Loop(cfg.loop, cfg.seed, LMProposer(policy, "proposer", pool), make_lm_solver("main"),
+                    admission, feedback, tool, folds, evaluate=evaluate)
+    world = env.world
     shared = world.config.shared_misreading
     solver_reader = Reader("solver", cfg.solver.misread_scale, shared, cfg.seed)
     proposer_reader = Reader("proposer", cfg.proposer.misread_scale, shared, cfg.seed)
@@ -95,17 +147,20 @@ def build_loop(cfg: RunConfig, world: World, tool: SearchTool, folds: FoldAssign
         return SimSolver(name, cfg.solver, solver_reader)
 
     main = make_solver("main")
-    proposer = SimProposer("proposer", cfg.proposer, proposer_reader, source_pool(cfg, world))
+    proposer = SimProposer("proposer", cfg.proposer, proposer_reader, pool)
     admission, feedback = make_rules(cfg, world.documents, folds, make_solver)
     return Loop(cfg.loop, cfg.seed, proposer, main, admission, feedback, tool, folds, evaluate=evaluate)
 
 
 def evolve(cfg: RunConfig, out: str | os.PathLike, resume: bool = False, progress: bool = True,
-           audit: bool = True) -> RunDir:
+           audit: bool = True, judge=None) -> RunDir:
+    """Run, then audit: with the world's exact truth (OracleJudge), or on a real corpus with
+    `judge` (e.g. an LLMJudge; None: `selfevo.evolve.default_judge`, the base model served on
+    loopback). The judge only reads the finished records: it never feeds back."""
     started = time.perf_counter()
     # everything that can fail on bad input happens before the run directory is written
-    world, index = world_and_index(cfg)
-    tool = SearchTool(index, topk=cfg.search.topk, max_calls=cfg.search.max_calls)
+    env = environment(cfg)
+    tool = SearchTool(env.index, topk=cfg.search.topk, max_calls=cfg.search.max_calls)
     run = RunDir(out)
     if resume and run.exists():
         done = run.open_for_resume(cfg.to_json())
@@ -115,7 +170,8 @@ def evolve(cfg: RunConfig, out: str | os.PathLike, resume: bool = False, progres
 
     def evaluate(solver, round_: int) -> None:
         # timings live in compute.json, so that eval files are byte-identical across reruns
-        evaluate_solver(solver, world.benchmarks, tool, progress=False, run_info={"round": round_},
+        evaluate_solver(solver, env.benchmarks, tool, progress=False, run_info={"round": round_},
+                        limit=cfg.data.eval_limit or None,
                         predictions_path=run.eval_predictions_path(round_),
                         score_path=run.eval_path(round_), timing=False)
 
@@ -123,9 +179,9 @@ def evolve(cfg: RunConfig, out: str | os.PathLike, resume: bool = False, progres
     if folds_path.exists():  # permanent: a resumed run keeps the assignment it started with
         folds = FoldAssignment.from_json(read_json(folds_path))
     else:
-        folds = fold_assignment(cfg, world.documents)
+        folds = fold_assignment(cfg, env.documents)
         write_json(folds_path, folds.to_json())
-    loop = build_loop(cfg, world, tool, folds, evaluate)
+    loop = build_loop(cfg, env, tool, folds, evaluate, store=run.path / "checkpoints" / "tensors")
     if done:
         loop.load_state_dict(run.load_checkpoint(done))
     elif not run.eval_path(0).exists():
@@ -133,6 +189,28 @@ def evolve(cfg: RunConfig, out: str | os.PathLike, resume: bool = False, progres
     loop.run(run, start_round=done + 1, progress=progress)
     run.finish()
     if audit:
-        audit_run(run, OracleJudge(world.truth))
+        if env.truth is not None:
+            audit_run(run, OracleJudge(env.truth))
+        elif judge is not None:
+            audit_run(run, judge)
+        else:
+            with default_judge(cfg, env) as j:
+                audit_run(run, j)
     run.note(wall_seconds_last_invocation=round(time.perf_counter() - started, 3))
     return run
+
+
+@contextlib.contextmanager
+def default_judge(cfg: RunConfig, env: Environment):
+    """A real corpus has no exact truth: the LLM judge (evidence-checked references, see
+    audit/llm_judge.py), here over the run's own base model served on loopback for the audit's
+    duration. A stronger judge is one flag away: `selfevo audit RUN --judge llm --judge-url ...`."""
+    from selfevo.agents.lm.model import TransformersChatModel
+    from selfevo.agents.lm.policy import resolve_model
+    from selfevo.agents.lm.server import make_app, running
+    from selfevo.audit.llm_judge import LLMJudge
+
+    model = TransformersChatModel(resolve_model(cfg.lm.model), name=cfg.lm.model, max_new_tokens=256)
+    docs = {d.id: d.contents for d in env.documents}
+    with running(make_app(model)) as url, LLMJudge(url, cfg.lm.model, documents=docs, concurrency=1) as judge:
+        yield judge

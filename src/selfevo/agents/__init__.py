@@ -1,6 +1,7 @@
 """Agents: the Proposer/Solver protocols (`base`) and their backends, loaded by spec.
 
-A spec is `PREFIX` or `PREFIX:ARG` (e.g. `retrieval-baseline`, later `sim:...`, `lm:...`).
+A spec is `PREFIX` or `PREFIX:ARG` (e.g. `retrieval-baseline`, `remote:MODEL@URL`, later
+`sim:...`, `lm:...`).
 Factories import their backend lazily, so asking for the baseline never imports torch.
 """
 
@@ -22,7 +23,23 @@ def _retrieval_baseline(arg: str, **context: Any) -> Solver:
     return RetrievalBaseline()
 
 
-_REGISTRY: dict[str, AgentFactory] = {"retrieval-baseline": _retrieval_baseline}
+def _remote(arg: str, **context: Any) -> Solver:
+    """`remote:MODEL@URL`: an OpenAI-compatible chat endpoint (inference only). The endpoint is
+    probed once here, so a wrong URL or key fails before any indexing or evaluation."""
+    from selfevo.agents.chat_client import EndpointError
+    from selfevo.agents.remote import RemoteSolver, parse_remote_spec
+
+    model, url = parse_remote_spec(arg)
+    solver = RemoteSolver(url, model)
+    try:
+        solver.check()
+    except EndpointError as e:
+        solver.close()
+        raise ValueError(f"agent 'remote:{arg}': {e}") from None
+    return solver
+
+
+_REGISTRY: dict[str, AgentFactory] = {"retrieval-baseline": _retrieval_baseline, "remote": _remote}
 
 
 def register_agent(prefix: str, factory: AgentFactory) -> None:

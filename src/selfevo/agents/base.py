@@ -43,6 +43,9 @@ class Proposal:
     source_ids: tuple[str, ...]  # every page it read while composing (lineage of connected sources)
     hops: int
     trace: Any = field(default=None, repr=False, compare=False)
+    # the format rule it breaks (LM proposers: empty, long answer, answer in the question), or None;
+    # a malformed proposal is neither graded nor admitted, and earns -format_penalty
+    format_error: str | None = None
 
 
 class Learner(Protocol):

@@ -35,6 +35,10 @@ def audit_steps(steps: Sequence[dict], judge: Judge, verdicts: Sequence[Verdict]
 
     The judge sees every item in one call (an LLM judge batches, caches and parallelises across
     steps); `verdicts`, aligned with the items of `steps` in order, skips the call."""
+    # malformed proposals (kept apart in the step record) were never graded: only counted
+    malformed = Counter()
+    for st in steps:
+        malformed[st["round"]] += len(st.get("malformed", ()))
     flat = [it for st in steps for it in st["items"]]
     verdicts = list(judge.judge(flat) if verdicts is None else verdicts)
     if len(verdicts) != len(flat):
@@ -53,7 +57,7 @@ def audit_steps(steps: Sequence[dict], judge: Judge, verdicts: Sequence[Verdict]
     for r in sorted(by_round):
         (pj, pi), (sj, _) = by_round[r]["proposer"], by_round[r]["solver"]
         admitted = [it for it in pi if it.get("admitted")]
-        rounds.append({"round": r, **audit_metrics(pj), "admitted": len(admitted),
+        rounds.append({"round": r, **audit_metrics(pj), "admitted": len(admitted), "malformed": malformed[r],
                        "hop_mix_admitted": _mix(admitted), "solver": audit_metrics(sj)})
     return {"judge": judge.name, "rounds": rounds, "steps": per_step}
 

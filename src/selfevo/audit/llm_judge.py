@@ -23,10 +23,11 @@ How the verdicts are combined (`combine`): the verified reference is the ground.
 So (b) can only mark answers incorrect or withhold a verdict; correctness comes from the quote.
 
 Operations: bounded concurrency (a thread pool), retries with exponential backoff and jitter on
-timeouts, connection errors, 429 and 5xx (tenacity; Retry-After honoured), a malformed reply is
-retried with a corrective message and then left unresolved, and every finished call is appended to
-a persistent JSONL cache keyed by sha256(judge model, prompt version, generation settings, stage,
-the call's content): a rerun, or a resume after a crash, repeats no call whose reply was stored.
+timeouts, connection errors, 429 and 5xx (tenacity, Retry-After honoured: the HTTP client is the
+shared `selfevo.agents.chat_client.ChatClient`), a malformed reply is retried with a corrective
+message and then left unresolved, and every finished call is appended to a persistent JSONL cache
+keyed by sha256(judge model, prompt version, generation settings, stage, the call's content): a
+rerun, or a resume after a crash, repeats no call whose reply was stored.
 Calls that failed for good (after the retries) are not cached: a rerun tries them again.
 
 Prompt-injection safety: documents are untrusted. They are fenced in <document> tags (tag-like
@@ -51,11 +52,10 @@ from concurrent.futures import Future, ThreadPoolExecutor, as_completed
 from pathlib import Path
 from typing import Any, Literal
 
-import httpx
 from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
-from tenacity import Retrying, retry_if_exception_type, stop_after_attempt, wait_exponential, wait_random
 
 from selfevo._io import append_jsonl, read_jsonl_log
+from selfevo.agents.chat_client import CallFailed, ChatClient, EndpointError
 from selfevo.agents.lm.model import messages_digest
 from selfevo.audit.judges import Verdict
 from selfevo.evaluate import answers_match, normalize_answer
@@ -102,18 +102,12 @@ CORRECTION = ("Your reply could not be used ({error}). Reply again with only the
 Grade = Literal["correct", "incorrect", "unresolved"]
 
 
-class JudgeError(RuntimeError):
+class JudgeError(EndpointError):
     """The judge cannot work at all (wrong URL, model or API key): the audit stops."""
 
 
-class CallFailed(RuntimeError):
-    """One call failed for good after its retries; its item stays unresolved (and uncached)."""
-
-
-class _Retryable(RuntimeError):
-    def __init__(self, message: str, retry_after: float | None = None):
-        super().__init__(message)
-        self.retry_after = retry_after
+# A call that failed for good after its retries (`CallFailed`, from the shared client) leaves its
+# item unresolved (and uncached).
 
 
 # ---------------------------------------------------------------- reply schemas
@@ -285,78 +279,6 @@ class JudgeCache:
                 append_jsonl(self.path, [row])
 
 
-# ---------------------------------------------------------------- the HTTP client
-
-
-class ChatClient:
-    """POST {url}/chat/completions with retries. `url` is the OpenAI base URL (…/v1)."""
-
-    def __init__(self, url: str, model: str, api_key: str | None = None, timeout: float = 60.0,
-                 max_retries: int = 4, backoff: float = 0.5, max_backoff: float = 30.0,
-                 max_tokens: int = 384, temperature: float = 0.0, json_mode: bool = True,
-                 on_event: Callable[[str], None] | None = None):
-        url = url.rstrip("/")
-        self.endpoint = url if url.endswith("/chat/completions") else f"{url}/chat/completions"
-        self.model, self.max_retries = model, max_retries
-        self.settings = {"max_tokens": max_tokens, "temperature": temperature, "json_mode": json_mode}
-        self._expo = wait_exponential(multiplier=backoff, max=max_backoff) + wait_random(0, backoff)  # with jitter
-        self._event = on_event or (lambda _: None)
-        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        self._http = httpx.Client(timeout=httpx.Timeout(timeout), headers=headers)
-
-    def __repr__(self) -> str:  # never the key
-        return f"ChatClient({self.endpoint!r}, model={self.model!r})"
-
-    def close(self) -> None:
-        self._http.close()
-
-    def _wait(self, state) -> float:
-        exc = state.outcome.exception() if state.outcome else None
-        after = getattr(exc, "retry_after", None) or 0.0
-        return min(max(self._expo(state), after), 60.0)
-
-    def _send(self, messages: list[dict]) -> str:
-        body = {"model": self.model, "messages": messages, "max_tokens": self.settings["max_tokens"],
-                "temperature": self.settings["temperature"], "n": 1, "seed": 0}
-        if self.settings["json_mode"]:
-            body["response_format"] = {"type": "json_object"}
-        self._event("request")
-        try:
-            r = self._http.post(self.endpoint, json=body)
-        except httpx.TimeoutException:
-            self._event("timeout")
-            raise
-        if r.status_code == 429 or r.status_code >= 500:
-            after = r.headers.get("retry-after")
-            raise _Retryable(f"HTTP {r.status_code}",
-                             float(after) if after and after.replace(".", "", 1).isdigit() else None)
-        if r.status_code in (401, 403):
-            raise JudgeError(f"{self.endpoint}: HTTP {r.status_code} (is {API_KEY_ENV} set correctly?)")
-        if r.status_code == 404:
-            raise JudgeError(f"{self.endpoint}: HTTP 404 (wrong --judge-url or --judge-model?)")
-        if r.status_code >= 400:
-            raise CallFailed(f"HTTP {r.status_code}: {r.text[:200]}")
-        self._event("reply")
-        try:
-            content = r.json()["choices"][0]["message"]["content"]
-        except (ValueError, KeyError, IndexError, TypeError):
-            return r.text  # a 200 that is no chat completion: a malformed reply
-        return content if isinstance(content, str) else ""
-
-    def complete(self, messages: list[dict]) -> str:
-        """The reply text. Raises CallFailed after `max_retries` retries, JudgeError at once on
-        401/403/404."""
-        try:
-            for attempt in Retrying(retry=retry_if_exception_type((httpx.TransportError, _Retryable)),
-                                    stop=stop_after_attempt(self.max_retries + 1), wait=self._wait,
-                                    before_sleep=lambda _: self._event("retry"), reraise=True):
-                with attempt:
-                    return self._send(messages)
-        except (httpx.TransportError, _Retryable) as e:
-            raise CallFailed(f"{type(e).__name__}: {e}" if str(e) else type(e).__name__) from None
-        raise AssertionError("unreachable")
-
-
 # ---------------------------------------------------------------- the judge
 
 
@@ -385,9 +307,12 @@ class LLMJudge:
         self._has_key = bool(key)
         self.client = ChatClient(url, model, api_key=key, timeout=timeout, max_retries=max_retries,
                                  backoff=backoff, max_tokens=max_tokens, temperature=temperature,
-                                 json_mode=json_mode, on_event=self._count)
+                                 seed=0, json_mode=json_mode, key_env=API_KEY_ENV,
+                                 hint_404="wrong --judge-url or --judge-model?", on_event=self._count)
         self.cache = JudgeCache(cache_path)
-        self._settings = {"model": model, "prompt_version": PROMPT_VERSION, **self.client.settings}
+        # the generation settings are part of every cache key (keep these names: old caches hit)
+        self._settings = {"model": model, "prompt_version": PROMPT_VERSION, "max_tokens": max_tokens,
+                          "temperature": temperature, "json_mode": json_mode}
         self._inflight: dict[str, Future] = {}
         self._results: dict[str, tuple[Verdict, dict]] = {}
 
@@ -461,7 +386,10 @@ class LLMJudge:
                 return row
             convo, error, raw = list(messages), "", ""
             for _ in range(1 + self.malformed_retries):
-                raw = self.client.complete(convo)
+                try:
+                    raw = self.client.complete(convo)
+                except EndpointError as e:
+                    raise JudgeError(str(e)) from None
                 try:
                     reply = schema.model_validate(parse_json_object(raw))
                     if check:

@@ -107,9 +107,13 @@ class Loop:
                                           derive_seed(self.seed, st.round, st.step, "propose"))
         self.compute.add("generations", "proposer", len(proposals))
         t = self._timed("propose", t)
-        decisions = self.admission.decide(proposals, self.tool,
-                                          derive_seed(self.seed, st.round, st.step, "admit"))
-        self.compute.add("generations", "msv", self.admission.generations_per_candidate * len(proposals))
+        # a malformed proposal (LM proposers) is neither admitted nor graded
+        wellformed = [p for p in proposals if p.format_error is None]
+        decided = iter(self.admission.decide(wellformed, self.tool,
+                                             derive_seed(self.seed, st.round, st.step, "admit")))
+        decisions = [next(decided) if p.format_error is None else
+                     Decision(False, p.draft_label) for p in proposals]
+        self.compute.add("generations", "msv", self.admission.generations_per_candidate * len(wellformed))
         for d in decisions:
             if d.admitted:
                 if room <= 0:
@@ -125,6 +129,8 @@ class Loop:
         by_grader: dict[int, list[int]] = {}
         graders = {}
         for i, c in enumerate(cands):
+            if c.proposal.format_error is not None:
+                continue
             g = self.feedback.grader_for(c)
             graders[i] = g
             by_grader.setdefault(id(g), []).append(i)
@@ -136,11 +142,19 @@ class Loop:
                              seed=derive_seed(self.seed, st.round, st.step, "grade", g.name))
             for i, ts in zip(idx, trajs):
                 responses[i] = [tr.answer for tr in ts]
-        self.compute.add("generations", "grader", cfg.grader_samples * len(cands))
+        self.compute.add("generations", "grader", cfg.grader_samples * len(graders))
         t = self._timed("grade", t)
         # paper: k counts grader samples matching the proposer's draft answer; f(k) pays it
-        rewards, items = [], []
+        rewards, items, malformed = [], [], []
         for i, c in enumerate(cands):
+            if c.proposal.format_error is not None:  # recorded apart: no grader, nothing to audit
+                r = -getattr(self.proposer, "format_penalty", 0.0)
+                p = c.proposal
+                malformed.append({"item_id": c.item_id, "source_id": p.source_id, "hops": p.hops,
+                                  "question": p.question, "draft_label": p.draft_label,
+                                  "format_error": p.format_error, "reward": r})
+                rewards.append(r)
+                continue
             k = sum(answers_match(z, c.proposal.draft_label) for z in responses[i])
             r = frontier_reward(k, cfg.grader_samples)
             rewards.append(r)
@@ -149,7 +163,8 @@ class Loop:
         self.compute.add("updates", "proposer", 1)
         self._timed("proposer_update", t)
         admitted = [c for c in cands if c.decision.admitted]
-        return self._step_record(st, "proposer", items, stats), admitted
+        record = self._step_record(st, "proposer", items, stats)
+        return ({**record, "malformed": malformed} if malformed else record), admitted
 
     # ---------------------------------------------------------------- one main-solver step
     def solver_step(self, st: ScheduledStep, batch: Sequence[Candidate]) -> dict:

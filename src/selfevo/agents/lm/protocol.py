@@ -1,0 +1,160 @@
+"""The text protocols of language-model agents, as pure functions (no torch, no model).
+
+Solver (the Search-R1 protocol). The model reasons in `<think>…</think>`, searches with
+`<search> query </search>` -- the tool's top passages come back in `<information>…</information>`
+-- and ends with `<answer> … </answer>`. One assistant action is one generation that stops at the
+first `</search>` or `</answer>`; at most `max_actions` actions a trajectory. An action that is
+neither gets a corrective message and costs an action. Over a chat API the information goes back as
+a user turn, so local models, vLLM and hosted endpoints all see the same conversation.
+
+Proposer (the Dr. Zero style). From the first 256 tokens of a source document the model writes an
+exactly-n-hop question, `<question>…</question>` then `<answer>…</answer>`, optionally searching
+first. `check_proposal` applies the format rules: both non-empty, the answer short and not inside
+the question.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from selfevo.algos import sample_index
+from selfevo.evaluate import normalize_answer
+
+STOP_STRINGS = ("</search>", "</answer>")
+HOP_RATIO = (4, 3, 2, 1)  # paper (Dr. Zero): 1-, 2-, 3-, 4-hop questions in ratio 4:3:2:1
+MAX_ANSWER_WORDS = 8  # a "short answer": a name, a place, a date
+PASSAGE_WORDS = 100  # each passage in an observation is cut to this many words
+
+SOLVER_SYSTEM = (
+    "You answer questions with the help of a search engine. Think step by step inside <think> and "
+    "</think> whenever you get new information. If you need knowledge you do not have, search by "
+    "writing <search> your query </search>; the results come back between <information> and "
+    "</information>. Search as often as you need. When you know the answer, give it inside <answer> "
+    "and </answer>, as a few words only, for example <answer> Stratford-upon-Avon </answer>."
+)
+
+PROPOSER_SYSTEM = (
+    "You write quiz questions from a document. Read the document and write one question that takes "
+    "exactly {hops} reasoning hop(s) to answer and whose answer is stated in the document. You may "
+    "first search for related facts by writing <search> query </search>; results come back between "
+    "<information> and </information>. Then write the question inside <question> and </question> "
+    "followed by its short answer (a few words) inside <answer> and </answer>. The answer must not "
+    "appear in the question. For example:\n"
+    "<question> In which city was the author of Hamlet born? </question> <answer> Stratford-upon-Avon </answer>"
+)
+
+CORRECTIVE = ("My previous action is invalid. If I want to search, I should put the query between "
+              "<search> and </search>. If I want to give the final answer, I should put the answer "
+              "between <answer> and </answer>. Let me try again.")
+BUDGET_SPENT = "The search budget is spent. Give your final answer now inside <answer> and </answer>."
+
+_TAG = {name: re.compile(rf"<{name}>(.*?)</{name}>", re.DOTALL) for name in ("search", "answer", "question")}
+
+
+@dataclass(frozen=True)
+class Action:
+    kind: str  # "search" | "answer" | "invalid"
+    content: str = ""
+
+
+def cut_at_stop(text: str, stops: Sequence[str] = STOP_STRINGS) -> str:
+    """The text up to and including the first stop string (generation may run a few tokens past
+    it, since a stop string can end inside a token; an API may also drop it: see `close_action`)."""
+    ends = [text.find(s) + len(s) for s in stops if s in text]
+    return text[:min(ends)] if ends else text
+
+
+def close_action(text: str, finish_reason: str) -> str:
+    """OpenAI-compatible servers drop the stop string from the reply: put it back, so the action
+    reads the same whoever generated it."""
+    if finish_reason == "stop":
+        for name in ("search", "answer"):
+            opened = text.rfind(f"<{name}>")
+            if opened >= 0 and f"</{name}>" not in text[opened:]:
+                return text + f"</{name}>"
+    return text
+
+
+def parse_action(text: str) -> Action:
+    """The action one assistant turn takes: the first closed `<search>` or `<answer>` (after any
+    thinking); anything else is invalid."""
+    text = cut_at_stop(text)
+    found = []
+    for kind in ("search", "answer"):
+        m = _TAG[kind].search(text)
+        if m:
+            found.append((m.start(), kind, m.group(1).strip()))
+    if not found:
+        return Action("invalid")
+    _, kind, content = min(found)
+    if not content:
+        return Action("invalid")
+    return Action(kind, content)
+
+
+def format_information(passages: Sequence[tuple[str, str]], max_words: int = PASSAGE_WORDS) -> str:
+    """The observation for one search: `(title, text)` passages, each cut to `max_words` words."""
+    lines = []
+    for i, (title, text) in enumerate(passages, 1):
+        words = text.split()
+        body = " ".join(words[:max_words]) + (" ..." if len(words) > max_words else "")
+        lines.append(f"Doc {i} (Title: {title}) {body}")
+    return "<information>" + "\n".join(lines) + "</information>"
+
+
+def solver_messages(question: str, context: str | None = None) -> list[dict]:
+    """The opening of a solver conversation. `context` (MSV's "with the source") is put in front
+    of the question as a document to read."""
+    user = f"Question: {question.strip()}"
+    if context is not None:
+        user = f"<document>\n{context}\n</document>\n{user}"
+    return [{"role": "system", "content": SOLVER_SYSTEM}, {"role": "user", "content": user}]
+
+
+# ---------------------------------------------------------------- proposer
+
+
+def sample_hops(u: float, ratio: Sequence[int] = HOP_RATIO) -> int:
+    """A hop count 1..len(ratio) drawn with `u` in [0, 1) in the given ratio."""
+    total = sum(ratio)
+    return 1 + sample_index([r / total for r in ratio], u)
+
+
+def proposer_messages(document: str, hops: int) -> list[dict]:
+    return [{"role": "system", "content": PROPOSER_SYSTEM.format(hops=hops)},
+            {"role": "user", "content": f"<document>\n{document}\n</document>\nWrite a {hops}-hop question."}]
+
+
+def parse_proposal(text: str) -> tuple[str, str]:
+    """`(question, answer)` from the proposer's final turn ('' where a tag is missing)."""
+    q = _TAG["question"].search(text)
+    a = _TAG["answer"].search(text[q.end():] if q else text)
+    return (q.group(1).strip() if q else ""), (a.group(1).strip() if a else "")
+
+
+def parse_proposer_action(text: str) -> Action:
+    """The proposer's action: a search written before any question, else its final turn once the
+    <answer> after the <question> is closed (the whole text is the content), else invalid."""
+    text = cut_at_stop(text)
+    s, q = _TAG["search"].search(text), text.find("<question>")
+    if s and (q < 0 or s.start() < q) and s.group(1).strip():
+        return Action("search", s.group(1).strip())
+    if "</answer>" in text:
+        return Action("answer", text)
+    return Action("invalid")
+
+
+def check_proposal(question: str, answer: str, max_answer_words: int = MAX_ANSWER_WORDS) -> str | None:
+    """The format rule a proposal breaks, or None: non-empty question and answer, a short answer,
+    the answer not given away inside the question (under the loop's normalisation)."""
+    if not question.strip():
+        return "empty question"
+    if not answer.strip() or not normalize_answer(answer):
+        return "empty answer"
+    if len(answer.split()) > max_answer_words:
+        return "long answer"
+    if f" {normalize_answer(answer)} " in f" {normalize_answer(question)} ":
+        return "answer in question"
+    return None

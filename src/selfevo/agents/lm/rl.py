@@ -1,0 +1,101 @@
+"""The policy-gradient math of the language-model backend, as pure functions over tensors and
+strings (after verl's core_algos): which tokens are trained, their log-probabilities, the loss.
+
+The objective is the paper's Equation (1), sequence-normalised policy gradient:
+
+    L(θ) = -(1/G) Σ_i A_i · (1/|o_i|) Σ_{t ∈ o_i} log π_θ(o_{i,t} | context)
+
+over the G sequences of a batch, where o_i are the trained tokens of sequence i (its mask) and A_i
+its advantage (normalised within the five responses to one question for a solver, within the hop
+bucket for the proposer: `selfevo.algos`). Each batch is sampled from the current policy and used
+for one step, so the PPO ratio is 1 and its clipping never binds: this is that objective's gradient.
+
+Masks: prompt tokens and tool observations (the <information> turns, corrective messages) are never
+trained; every assistant action is, except, for the proposer, its terminal <answer> span (the label
+is what the grader is paid against, not something the proposer is rewarded for phrasing).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Sequence
+
+Span = tuple[int, int]  # [start, end) character offsets
+
+_ANSWER = re.compile(r"<answer>.*?</answer>", re.DOTALL)
+
+
+def content_spans(rendered: Sequence[str], messages: Sequence[dict]) -> list[Span]:
+    """Where each message's content sits in the fully rendered chat. `rendered[i]` is the chat
+    template applied to `messages[:i+1]` (each a prefix of the next, as chat templates are)."""
+    spans, prev = [], 0
+    for i, m in enumerate(messages):
+        text = rendered[i]
+        start = text.rfind(m["content"]) if m["content"] else len(text)
+        if start < prev:
+            raise ValueError(f"message {i}: content not found after the previous message in the rendered chat")
+        spans.append((start, start + len(m["content"])))
+        prev = start + len(m["content"])
+    return spans
+
+
+def trained_spans(messages: Sequence[dict], spans: Sequence[Span], mask_final_answer: bool = False) -> list[Span]:
+    """The character spans trained: every assistant message's content; with `mask_final_answer`
+    (the proposer) the last assistant message's <answer>…</answer> is cut out."""
+    last = max((i for i, m in enumerate(messages) if m["role"] == "assistant"), default=-1)
+    out: list[Span] = []
+    for i, (m, (a, b)) in enumerate(zip(messages, spans, strict=True)):
+        if m["role"] != "assistant" or a == b:
+            continue
+        if mask_final_answer and i == last:
+            cut = [(a + x.start(), a + x.end()) for x in _ANSWER.finditer(m["content"])]
+            for s, e in cut:
+                if s > a:
+                    out.append((a, s))
+                a = e
+            if a < b:
+                out.append((a, b))
+        else:
+            out.append((a, b))
+    return out
+
+
+def token_mask(offsets: Sequence[Span], spans: Sequence[Span]) -> list[int]:
+    """1 for each token that starts inside a trained span, else 0. `offsets` are the tokenizer's
+    character offsets; special tokens (empty offsets) are never trained."""
+    spans = sorted(spans)
+    mask, j = [], 0
+    for s, e in offsets:
+        while j < len(spans) and spans[j][1] <= s:
+            j += 1
+        inside = e > s and j < len(spans) and spans[j][0] <= s < spans[j][1]
+        mask.append(1 if inside else 0)
+    return mask
+
+
+def token_logprobs(logits, input_ids):
+    """log π(token_t | tokens_<t) for t = 1..T-1: logits [B, T, V], ids [B, T] -> [B, T-1]."""
+    import torch
+
+    logp = torch.log_softmax(logits[:, :-1].float(), dim=-1)
+    return logp.gather(-1, input_ids[:, 1:].unsqueeze(-1)).squeeze(-1)
+
+
+def sequence_pg_loss(logprobs, mask, advantages, n_sequences: int | None = None):
+    """Equation (1): -(1/G) Σ_i A_i · mean over sequence i's trained tokens of log π.
+    `logprobs`, `mask`: [B, T]; `advantages`: [B]. `n_sequences` (G) defaults to B; pass the whole
+    batch's size when summing the loss over micro-batches."""
+    mask = mask.to(logprobs.dtype)
+    per_seq = (logprobs * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)
+    g = logprobs.shape[0] if n_sequences is None else n_sequences
+    return -(advantages.to(logprobs.dtype) * per_seq).sum() / g
+
+
+def encode_conversation(tokenizer, messages: Sequence[dict], mask_final_answer: bool = False,
+                        render: Callable[[Sequence[dict]], str] | None = None) -> tuple[list[int], list[int]]:
+    """Token ids of a whole conversation and its training mask (see `token_mask`)."""
+    render = render or (lambda ms: tokenizer.apply_chat_template(list(ms), tokenize=False))
+    rendered = [render(messages[:i + 1]) for i in range(len(messages))]
+    spans = trained_spans(messages, content_spans(rendered, messages), mask_final_answer)
+    enc = tokenizer(rendered[-1], add_special_tokens=False, return_offsets_mapping=True)
+    return list(enc["input_ids"]), token_mask(enc["offset_mapping"], spans)

@@ -1,0 +1,102 @@
+"""Multi-turn search rollouts, written once for every language-model backend.
+
+A backend supplies `generate(conversations, seed) -> [(text, finish_reason)]`, one assistant action
+for each conversation (a local batched transformers model, vLLM, or an OpenAI-compatible endpoint);
+this module runs the conversations to their end: each action is parsed, a search is answered with
+the tool's passages, an invalid action gets the corrective message, and a trajectory ends at its
+answer or after `max_actions` actions, or at once, unanswered, when the backend reports the
+finish_reason "error" for it. Conversations still running are generated together, so a batched
+backend keeps its batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from selfevo.agents.lm.protocol import (
+    BUDGET_SPENT,
+    CORRECTIVE,
+    Action,
+    close_action,
+    cut_at_stop,
+    format_information,
+    parse_action,
+)
+from selfevo.loop.schedule import derive_seed
+from selfevo.search.tool import SearchBudgetExhausted, SearchTool
+
+Generate = Callable[[list[list[dict]], int | None], list[tuple[str, str]]]
+
+
+@dataclass
+class Rollout:
+    """One finished conversation. `messages` is the whole chat (system, user, assistant actions,
+    observations as user turns): what training scores, with only the assistant turns trained."""
+
+    messages: list[dict]
+    answer: str = ""  # the content of the final <answer>, '' if none was given
+    final: str = ""  # the whole text of the final assistant action ('' if it never answered)
+    searches: list[str] = field(default_factory=list)
+    read: list[str] = field(default_factory=list)  # ids of the passages its searches returned
+    actions: int = 0
+    invalid: int = 0
+    truncated: bool = False  # an action hit the token budget
+    failed: bool = False  # the backend could not generate an action (finish_reason "error")
+
+    @property
+    def answered(self) -> bool:
+        return bool(self.final)
+
+
+def run_rollouts(starts: Sequence[list[dict]], tool: SearchTool, generate: Generate, *,
+                 max_actions: int = 5, seed: int | None = None,
+                 parse: Callable[[str], Action] = parse_action) -> list[Rollout]:
+    """Run every conversation in `starts` to its end (see the module docstring)."""
+    if max_actions < 1:
+        raise ValueError(f"max_actions must be >= 1, got {max_actions}")
+    rollouts = [Rollout([dict(m) for m in s]) for s in starts]
+    sessions = [tool.session() for _ in starts]
+    active = list(range(len(starts)))
+    for turn in range(max_actions):
+        if not active:
+            break
+        replies = generate([rollouts[i].messages for i in active],
+                           None if seed is None else derive_seed(seed, "turn", turn))
+        if len(replies) != len(active):
+            raise RuntimeError(f"generate returned {len(replies)} replies for {len(active)} conversations")
+        # the searches of this turn go to the retriever as one batch
+        pending: list[tuple[int, str]] = []
+        still = []
+        for i, (text, finish) in zip(active, replies):
+            ro = rollouts[i]
+            if finish == "error":  # e.g. an API call that failed for good: end it, unanswered
+                ro.failed = True
+                continue
+            text = cut_at_stop(close_action(text, finish))
+            ro.messages.append({"role": "assistant", "content": text})
+            ro.actions += 1
+            ro.truncated |= finish == "length"
+            action = parse(text)
+            if action.kind == "answer":
+                ro.answer, ro.final = action.content, text
+                continue
+            if action.kind == "search":
+                pending.append((i, action.content))
+            else:
+                ro.invalid += 1
+                ro.messages.append({"role": "user", "content": CORRECTIVE})
+            still.append(i)
+        for i, query in pending:
+            ro = rollouts[i]
+            try:
+                hits = sessions[i].search(query)
+            except SearchBudgetExhausted:
+                ro.messages.append({"role": "user", "content": BUDGET_SPENT})
+                continue
+            ro.searches.append(query)
+            ro.read.extend(h.document.id for h in hits)
+            ro.messages.append({"role": "user", "content": format_information(
+                [(h.document.title, h.document.text) for h in hits])})
+        active = still
+    return rollouts

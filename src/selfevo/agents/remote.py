@@ -1,0 +1,175 @@
+"""An inference-only solver over any OpenAI-compatible chat endpoint (vLLM, llama.cpp's server, a
+hosted API, `selfevo serve-model`): the spec `remote:MODEL@URL`, e.g.
+
+    selfevo eval --agent remote:qwen@http://127.0.0.1:8000/v1 --data-dir qa/ --corpus wiki.jsonl --out ev/
+
+It speaks the Search-R1 protocol of the local LM backends (`agents.lm.protocol`) through the one
+rollout driver (`agents.lm.rollout.run_rollouts`); it only supplies `generate`: every running
+conversation is one chat call, sent concurrently (a bounded thread pool) with
+`stop=["</search>", "</answer>"]`, so one call is one assistant action. Greedy is temperature 0;
+sampling uses temperature 0.8, top-p 0.95 (paper). Each call carries a seed derived from the batch
+seed, the turn and the row, so a seeded server samples reproducibly and the n samples of a question
+differ.
+
+Failures: the HTTP client (`agents.chat_client`, shared with the LLM judge) retries timeouts,
+connection errors, 429, 5xx and 200s that are no chat completion. A call that still fails ends its
+trajectory unanswered (an empty answer, scored as wrong) and is counted in `stats` -- one bad call
+does not stop an evaluation of 1,325 questions. HTTP 401/403/404 raise `EndpointError` at once
+(wrong key, URL or model: nothing would work).
+
+The API key comes from `api_key` or the SELFEVO_API_KEY environment variable; it is never logged,
+printed or written (`describe()` says only whether one is set).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import re
+import threading
+from collections import Counter
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+
+from selfevo.agents.base import Trajectory
+from selfevo.agents.chat_client import CallFailed, ChatClient, EndpointError
+from selfevo.agents.lm.protocol import STOP_STRINGS, solver_messages
+from selfevo.agents.lm.rollout import run_rollouts
+from selfevo.loop.schedule import derive_seed
+from selfevo.records import Document
+from selfevo.search.tool import SearchTool
+
+API_KEY_ENV = "SELFEVO_API_KEY"
+SAMPLE_TEMPERATURE, SAMPLE_TOP_P = 0.8, 0.95  # paper: the grader's five samples
+SEED_MASK = 0x7FFF_FFFF  # request seeds fit every server (llama.cpp reads a uint32, vLLM an int64)
+
+log = logging.getLogger(__name__)
+# the client's events, as counted in `stats` (which also has calls, failed_calls, trajectories, ...)
+_EVENTS = {"request": "requests", "reply": "replies", "retry": "retries", "timeout": "timeouts",
+           "malformed_body": "malformed_bodies"}
+
+_SPEC = re.compile(r"(?P<model>\S+?)@(?P<url>https?://\S+)")  # the model ends at the first "@http"
+
+
+def parse_remote_spec(arg: str) -> tuple[str, str]:
+    """`MODEL@URL` (the part of `remote:MODEL@URL` after the colon) -> (model, url)."""
+    m = _SPEC.fullmatch(arg.strip())
+    if not m:
+        raise ValueError(f"agent 'remote' needs MODEL@URL, e.g. remote:qwen@http://127.0.0.1:8000/v1; got '{arg}'")
+    return m["model"], m["url"]
+
+
+class RemoteSolver:
+    """A `Solver` whose every action is one chat call to an OpenAI-compatible endpoint (see the
+    module docstring). Inference only: it has no `update`."""
+
+    def __init__(self, url: str, model: str, api_key: str | None = None, *,
+                 temperature: float = SAMPLE_TEMPERATURE, top_p: float = SAMPLE_TOP_P,
+                 max_tokens: int = 512, max_actions: int = 5, concurrency: int = 4,
+                 timeout: float = 120.0, max_retries: int = 4, backoff: float = 0.5):
+        if concurrency < 1:
+            raise ValueError(f"concurrency: must be >= 1, got {concurrency}")
+        if max_actions < 1:
+            raise ValueError(f"max_actions: must be >= 1, got {max_actions}")
+        self.name = f"remote:{model}@{url}"
+        self.url, self.model = url, model
+        self.temperature, self.top_p = temperature, top_p
+        self.max_tokens, self.max_actions, self.concurrency = max_tokens, max_actions, concurrency
+        key = api_key if api_key is not None else os.environ.get(API_KEY_ENV) or None
+        self._has_key = bool(key)
+        self.stats: Counter[str] = Counter()
+        self._lock = threading.Lock()
+        self.client = ChatClient(url, model, api_key=key, timeout=timeout, max_retries=max_retries,
+                                 backoff=backoff, max_tokens=max_tokens, stop=STOP_STRINGS,
+                                 retry_malformed=True, key_env=API_KEY_ENV,
+                                 hint_404="is the URL the OpenAI base URL (…/v1) and the model one it serves?",
+                                 on_event=lambda what: self._count(_EVENTS.get(what, what)))
+
+    def __repr__(self) -> str:  # never the key
+        return f"RemoteSolver({self.url!r}, model={self.model!r})"
+
+    def _count(self, what: str, n: int = 1) -> None:
+        with self._lock:
+            self.stats[what] += n
+
+    def close(self) -> None:
+        self.client.close()
+
+    def __enter__(self) -> RemoteSolver:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def check(self) -> None:
+        """Fail fast (EndpointError) when the endpoint is unreachable or refuses the key."""
+        self.client.check()
+
+    def describe(self) -> dict:
+        """Settings and counters, for a run's records (no API key, only whether one is set)."""
+        return {"agent": self.name, "url": self.url, "model": self.model,
+                "api_key": "set" if self._has_key else "unset", "temperature": self.temperature,
+                "top_p": self.top_p, "max_tokens": self.max_tokens, "max_actions": self.max_actions,
+                "stop": list(STOP_STRINGS), "concurrency": self.concurrency,
+                "max_retries": self.client.max_retries, "stats": dict(self.stats)}
+
+    # -------------------------------------------------------------- generation
+    def _generate(self, conversations: list[list[dict]], seed: int | None, greedy: bool) -> list[tuple[str, str]]:
+        """One assistant action per conversation, `(text, finish_reason)`; "error" for a call that
+        failed for good (the rollout then ends that conversation unanswered)."""
+        temperature, top_p = (0.0, 1.0) if greedy else (self.temperature, self.top_p)
+
+        def one(row: int) -> tuple[str, str]:
+            self._count("calls")
+            row_seed = None if seed is None else derive_seed(seed, "row", row) & SEED_MASK
+            try:
+                choice = self.client.chat(conversations[row], temperature=temperature, top_p=top_p,
+                                          seed=row_seed)[0]
+            except CallFailed as e:
+                self._count("failed_calls")
+                log.debug("remote call failed for good: %s", e)
+                return "", "error"
+            return choice.text, choice.finish_reason
+
+        with ThreadPoolExecutor(max_workers=min(self.concurrency, max(1, len(conversations))),
+                                thread_name_prefix="remote") as pool:
+            futures = [pool.submit(one, row) for row in range(len(conversations))]
+            try:
+                return [f.result() for f in futures]
+            except EndpointError:
+                for f in futures:  # nothing else will work either: do not send the rest
+                    f.cancel()
+                raise
+
+    # -------------------------------------------------------------- the Solver protocol
+    def answer(self, questions: Sequence[str], tool: SearchTool, *, greedy: bool = True, n: int = 1,
+               seed: int | None = None,
+               contexts: Sequence[Document | None] | None = None) -> list[list[Trajectory]]:
+        if n < 1:
+            raise ValueError(f"n must be >= 1, got {n}")
+        if contexts is not None and len(contexts) != len(questions):
+            raise ValueError(f"{len(contexts)} contexts for {len(questions)} questions")
+        starts = [solver_messages(q, context=None if contexts is None or contexts[i] is None
+                                  else contexts[i].contents) for i, q in enumerate(questions)]
+        copies = 1 if greedy else n  # greedy: the n trajectories are identical, run one
+        failed_before = self.stats["failed_calls"]
+        rollouts = run_rollouts([s for s in starts for _ in range(copies)], tool,
+                                lambda convs, s: self._generate(convs, s, greedy),
+                                max_actions=self.max_actions, seed=seed)
+        trajs = [Trajectory(answer=ro.answer, searches=list(ro.searches), actions=ro.actions, trace=ro)
+                 for ro in rollouts]
+        self._count("trajectories", len(trajs))
+        self._count("unanswered", sum(not ro.answered for ro in rollouts))
+        self._count("failed_trajectories", sum(ro.failed for ro in rollouts))
+        self._count("invalid_actions", sum(ro.invalid for ro in rollouts))
+        self._count("truncated_trajectories", sum(ro.truncated for ro in rollouts))
+        failed = self.stats["failed_calls"] - failed_before
+        if failed:
+            log.warning("%s: %d call(s) failed for good after retries; their trajectories have no answer",
+                        self.name, failed)
+        groups = [trajs[i * copies:(i + 1) * copies] for i in range(len(questions))]
+        if greedy and n > 1:
+            groups = [[g[0]] + [dataclasses.replace(g[0], searches=list(g[0].searches)) for _ in range(n - 1)]
+                      for g in groups]
+        return groups

@@ -1,0 +1,397 @@
+"""`selfevo data download`: conversion, subsampling and validation on the real files in
+../shared/data, and the downloader's orchestration against a fake Hub (an injected `download`)."""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import json
+import os
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from selfevo import data
+from selfevo.cli import app
+from selfevo.corpus import DataError, read_corpus, read_qa, read_qa_dir
+from selfevo.data import (
+    BENCHMARKS,
+    MissingFileError,
+    commit_of,
+    convert_benchmark,
+    convert_corpus,
+    describe_hub_error,
+    download_data,
+    load_split,
+    sha256_file,
+    subsample,
+)
+
+SHARED = Path(__file__).resolve().parents[2] / "shared" / "data"
+QA = SHARED / "qa"
+CORPUS = SHARED / "corpus" / "wiki18-mini.jsonl"
+pytestmark = pytest.mark.skipif(not QA.is_dir(), reason="../shared/data is not there")
+# the split each benchmark has on the Hub (FlashRAG_datasets): test where labelled, else dev
+HUB_SPLIT = {"nq": "test", "triviaqa": "test", "popqa": "test", "bamboogle": "test",
+             "hotpotqa": "dev", "2wikimultihopqa": "dev", "musique": "dev"}
+
+
+# ---------------------------------------------------------------- a fake Hub
+
+
+def make_hub(root: Path, corpus_lines: int = 1500, splits: dict[str, str] | None = None) -> Path:
+    """Lay out FlashRAG_datasets and wiki-18-corpus as the Hub has them, from the shared files:
+    FlashRAG ids (`test_0`, repeated across benchmarks) and FlashRAG's own metadata."""
+    qa_repo = root / "RUC-NLPIR" / "FlashRAG_datasets"
+    for name, split in (splits or HUB_SPLIT).items():
+        rows = [json.loads(line) for line in (QA / f"{name}.jsonl").read_text(encoding="utf-8").splitlines()]
+        out = qa_repo / name / f"{split}.jsonl"
+        out.parent.mkdir(parents=True, exist_ok=True)
+        with open(out, "w", encoding="utf-8") as fh:
+            for i, row in enumerate(rows):
+                fh.write(json.dumps({"id": f"{split}_{i}", "question": row["question"],
+                                     "golden_answers": row["golden_answers"],
+                                     "metadata": {"type": "bridge", "level": "hard"}}) + "\n")
+        (out.parent / "train.jsonl").write_text('{"id": "train_0"}\n')  # never read
+    corpus_repo = root / "PeterJinGo" / "wiki-18-corpus"
+    corpus_repo.mkdir(parents=True)
+    with open(CORPUS, "rb") as src, gzip.open(corpus_repo / "wiki-18.jsonl.gz", "wb", compresslevel=1) as gz:
+        for i, line in enumerate(src):
+            if i == corpus_lines:
+                break
+            gz.write(line)
+    return root
+
+
+class FakeHub:
+    """`download(repo_id, filename, revision) -> local path`, serving a directory; records calls."""
+
+    def __init__(self, root: Path, fail_on: str | None = None):
+        self.root, self.fail_on, self.calls = root, fail_on, []
+
+    def __call__(self, repo_id: str, filename: str, revision: str | None) -> Path:
+        self.calls.append((repo_id, filename, revision))
+        if self.fail_on and self.fail_on in filename:
+            raise data.DownloadError(f"cannot fetch {repo_id}/{filename}: the Hub is unreachable")
+        path = self.root / repo_id / filename
+        if not path.exists():
+            raise MissingFileError(f"cannot fetch {repo_id}/{filename}: no such file in the repository")
+        return path
+
+
+def no_network(repo_id, filename, revision):
+    raise AssertionError(f"fetched {repo_id}/{filename} though it was complete")
+
+
+@pytest.fixture(scope="module")
+def hub(tmp_path_factory) -> Path:
+    return make_hub(tmp_path_factory.mktemp("hub"))
+
+
+# ---------------------------------------------------------------- conversion (pure, local files)
+
+
+@pytest.mark.parametrize("name", list(BENCHMARKS))
+def test_shared_files_convert_to_themselves(name, tmp_path):
+    """The shared files are the FlashRAG format with selfevo ids: converting one (200 kept of 200,
+    125 of Bamboogle) reproduces it byte for byte, and it reads back through the corpus readers."""
+    src = QA / f"{name}.jsonl"
+    info = convert_benchmark(src, name, tmp_path / f"{name}.jsonl", per_benchmark=200, seed=0)
+    assert (tmp_path / f"{name}.jsonl").read_bytes() == src.read_bytes()
+    assert info["items"] == info["available"] == (125 if name == "bamboogle" else 200)
+    assert info["sha256"] == sha256_file(src) and info["skipped"] == 0
+    assert [p.name for p in tmp_path.iterdir()] == [f"{name}.jsonl"]  # no staging file left
+
+
+def test_flashrag_ids_are_prefixed_and_metadata_replaced(hub, tmp_path):
+    src = hub / "RUC-NLPIR/FlashRAG_datasets/hotpotqa/dev.jsonl"
+    items, skipped = load_split(src, "hotpotqa")
+    assert skipped == 0 and len(items) == 200
+    assert items[0].id == "hotpotqa-dev_0" and items[0].metadata == {"benchmark": "hotpotqa", "hop": "multi"}
+    shared = read_qa(QA / "hotpotqa.jsonl")
+    assert [(i.question, i.golden_answers) for i in items] == [(i.question, i.golden_answers) for i in shared]
+
+
+def test_subsample_rule_is_the_documented_one():
+    items, _ = load_split(QA / "nq.jsonl", "nq")
+    picked = subsample(items, 20, seed=3, benchmark="nq")
+    by_digest = sorted(items, key=lambda it: hashlib.sha256(f"3:nq:{it.id[3:]}".encode()).hexdigest())[:20]
+    assert {it.id for it in picked} == {it.id for it in by_digest}
+    assert picked == sorted(picked, key=items.index)  # source-file order
+    assert subsample(items, 20, seed=3, benchmark="nq") == picked  # deterministic
+    assert {it.id for it in subsample(items, 20, seed=4, benchmark="nq")} != {it.id for it in picked}
+    # an item's selection depends on its own id only: dropping unpicked items changes nothing
+    fewer = [it for i, it in enumerate(items) if it in picked or i % 2]
+    assert subsample(fewer, 20, seed=3, benchmark="nq") == picked
+    assert subsample(items, 0, 0, "nq") == items and subsample(items, 500, 0, "nq") == items
+
+
+def test_bamboogle_is_never_subsampled(tmp_path):
+    info = convert_benchmark(QA / "bamboogle.jsonl", "bamboogle", tmp_path / "b.jsonl", per_benchmark=10)
+    assert info["items"] == 125
+    info = convert_benchmark(QA / "musique.jsonl", "musique", tmp_path / "m.jsonl", per_benchmark=10)
+    assert info["items"] == 10 and info["available"] == 200
+
+
+def _qa_fixture(tmp_path, lines: list[str]) -> Path:
+    path = tmp_path / "test.jsonl"
+    path.write_text("".join(line + "\n" for line in lines), encoding="utf-8")
+    return path
+
+
+GOOD = '{"id": "test_%d", "question": "q%d?", "golden_answers": ["a"]}'
+
+
+@pytest.mark.parametrize("bad, message", [
+    ('{"id": "test_9", "question": "q?", "golden_answers": ["a"]', "malformed JSON"),
+    ('["not", "an", "object"]', "expected a JSON object"),
+    ('{"id": "test_9", "golden_answers": ["a"]}', "missing field 'question'"),
+    ('{"id": "test_9", "question": "  ", "golden_answers": ["a"]}', "field 'question' is empty"),
+    ('{"id": "test_9", "question": "q?"}', "missing field 'golden_answers'"),
+    ('{"id": "test_9", "question": "q?", "golden_answers": {"a": 1}}', "must be a list of strings"),
+    ('{"id": "test_9", "question": "q?", "golden_answers": [["a"]]}', "must hold only strings"),
+    ('{"id": "test_0", "question": "q?", "golden_answers": ["a"]}', "duplicate id 'test_0'"),
+])
+def test_malformed_split_names_file_and_line(tmp_path, bad, message):
+    src = _qa_fixture(tmp_path, [GOOD % (0, 0), GOOD % (1, 1), bad, GOOD % (2, 2)])
+    dest = tmp_path / "out" / "nq.jsonl"
+    with pytest.raises(DataError) as err:
+        convert_benchmark(src, "nq", dest)
+    assert str(err.value).startswith(f"{src}:3: ") and message in str(err.value)
+    assert not dest.parent.exists() or not any(dest.parent.iterdir())  # nothing written, nothing staged
+
+
+def test_items_without_answers_are_skipped_and_numbers_kept(tmp_path):
+    src = _qa_fixture(tmp_path, [
+        '{"id": 7, "question": "q?", "golden_answers": [1969, "nineteen sixty-nine"]}',
+        '{"id": "test_1", "question": "q?", "golden_answers": ["", " "]}',
+        '{"id": "test_2", "question": "q?", "answers": "only one"}',
+    ])
+    info = convert_benchmark(src, "popqa", tmp_path / "popqa.jsonl")
+    assert (info["items"], info["skipped"]) == (2, 1)
+    items = read_qa(tmp_path / "popqa.jsonl")
+    assert [(i.id, i.golden_answers) for i in items] == [("popqa-7", ("1969", "nineteen sixty-nine")),
+                                                        ("popqa-test_2", ("only one",))]
+
+
+# ---------------------------------------------------------------- the corpus
+
+
+def test_corpus_copies_the_shared_corpus_exactly(tmp_path):
+    info = convert_corpus(CORPUS, tmp_path / "wiki.jsonl")
+    assert info["passages"] == 21845 and info["sha256"] == sha256_file(CORPUS) == info["source_sha256"]
+    assert (tmp_path / "wiki.jsonl").read_bytes() == CORPUS.read_bytes()
+
+
+def _gz(path: Path, lines: list[bytes]) -> Path:
+    with gzip.open(path, "wb") as fh:
+        fh.writelines(lines)
+    return path
+
+
+def _head(n: int) -> list[bytes]:
+    with open(CORPUS, "rb") as fh:
+        return [next(fh) for _ in range(n)]
+
+
+def test_corpus_gz_and_zip_are_streamed(tmp_path):
+    lines = _head(300)
+    src = _gz(tmp_path / "wiki-18.jsonl.gz", lines[:150] + [b"\n"] + lines[150:-1] + [lines[-1].rstrip(b"\n")])
+    info = convert_corpus(src, tmp_path / "a.jsonl")
+    assert info["passages"] == 300 and info["source_sha256"] == sha256_file(src)
+    assert (tmp_path / "a.jsonl").read_bytes() == b"".join(lines)
+    with zipfile.ZipFile(tmp_path / "wiki18_100w.zip", "w") as zf:
+        zf.writestr("wiki18_100w.jsonl", b"".join(lines))
+    info = convert_corpus(tmp_path / "wiki18_100w.zip", tmp_path / "b.jsonl")
+    assert info["passages"] == 300 and len(read_corpus(tmp_path / "b.jsonl")) == 300
+
+
+@pytest.mark.parametrize("bad, message", [
+    (b'{"id": "x", "contents": "\\"T\\"\\ntext"\n', "malformed JSON"),
+    (b'{"id": "x"}\n', "missing field 'contents'"),
+    (b'{"id": "x", "contents": 5}\n', "field 'contents' must be a string"),
+    (b'{"id": "x", "contents": "\\ud800"}\n', "lone surrogate"),
+    (b'{"id": "x", "contents": "\xff"}\n', "invalid UTF-8"),
+])
+def test_malformed_corpus_line_names_the_archive_and_line(tmp_path, bad, message):
+    lines = _head(3)
+    src = _gz(tmp_path / "wiki-18.jsonl.gz", [lines[0], bad, lines[1]])
+    with pytest.raises(DataError) as err:
+        convert_corpus(src, tmp_path / "out" / "wiki-18.jsonl")
+    assert str(err.value).startswith(f"{src}:2: ") and message in str(err.value)
+    assert not any((tmp_path / "out").iterdir())
+
+
+def test_corpus_duplicate_ids_numeric_and_not(tmp_path):
+    for ids in (["5", "12", "5"], ["a", "b", "a"]):
+        src = tmp_path / "c.jsonl"
+        src.write_text("".join(json.dumps({"id": i, "contents": '"T"\nx'}) + "\n" for i in ids))
+        with pytest.raises(DataError, match=r"c\.jsonl:3: duplicate id"):
+            convert_corpus(src, tmp_path / "out.jsonl")
+    src.write_text("".join(json.dumps({"id": i, "contents": '"T"\nx'}) + "\n" for i in ["7", "07", 8, "8x"]))
+    assert convert_corpus(src, tmp_path / "out.jsonl")["passages"] == 4  # "7" and "07" are different ids
+
+
+def test_truncated_gzip_is_one_clear_error(tmp_path):
+    src = _gz(tmp_path / "wiki-18.jsonl.gz", _head(2000))
+    src.write_bytes(src.read_bytes()[: src.stat().st_size // 2])
+    with pytest.raises(DataError, match="corrupt or truncated archive"):
+        convert_corpus(src, tmp_path / "out.jsonl")
+    assert not (tmp_path / "out.jsonl").exists()
+
+
+# ---------------------------------------------------------------- orchestration (fake Hub)
+
+
+def test_download_converts_validates_and_records(hub, tmp_path):
+    fake, out, logs = FakeHub(hub), tmp_path / "data", []
+    res = download_data(out, per_benchmark=50, seed=0, download=fake, log=logs.append)
+    # the known split first: no test.jsonl request for the dev-split benchmarks
+    assert sorted(f for _, f, _ in fake.calls) == sorted(
+        [f"{n}/{s}.jsonl" for n, s in HUB_SPLIT.items()] + ["wiki-18.jsonl.gz"])
+    qa = read_qa_dir(out / "qa")
+    assert {n: len(v) for n, v in qa.items()} == {n: 125 if n == "bamboogle" else 50 for n in BENCHMARKS}
+    nq = read_qa(out / "qa" / "nq.jsonl")
+    assert all(i.id.startswith("nq-test_") and i.metadata == {"benchmark": "nq", "hop": "single"} for i in nq)
+    assert {i.metadata["hop"] for i in qa["musique"]} == {"multi"}
+    assert len(read_corpus(out / "corpus" / "wiki-18.jsonl")) == 1500
+
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest == res["manifest"]
+    files = manifest["files"]
+    assert set(files) == {f"qa/{n}.jsonl" for n in BENCHMARKS} | {"corpus/wiki-18.jsonl"}
+    for rel, entry in files.items():
+        assert entry["sha256"] == sha256_file(out / rel) and entry["bytes"] == (out / rel).stat().st_size
+    assert files["qa/hotpotqa.jsonl"]["source"] == {
+        "repo_id": "RUC-NLPIR/FlashRAG_datasets", "repo_type": "dataset", "filename": "hotpotqa/dev.jsonl",
+        "revision": None, "commit": None, "sha256": sha256_file(hub / "RUC-NLPIR/FlashRAG_datasets/hotpotqa/dev.jsonl")}
+    assert (files["qa/nq.jsonl"]["split"], files["qa/nq.jsonl"]["items"], files["qa/nq.jsonl"]["available"]) == \
+        ("test", 50, 200)
+    corpus = files["corpus/wiki-18.jsonl"]
+    assert corpus["passages"] == 1500 and corpus["source"]["repo_id"] == "PeterJinGo/wiki-18-corpus"
+    assert corpus["source"]["sha256"] == sha256_file(hub / "PeterJinGo/wiki-18-corpus/wiki-18.jsonl.gz")
+    assert any(line.startswith("wrote qa/nq.jsonl: 50 of 200 items") for line in logs)
+    assert not [p for p in out.rglob(".*")]  # no temp or staging files
+
+    # a second run finds everything complete and touches no network
+    again = download_data(out, per_benchmark=50, seed=0, download=no_network, log=logs.append)
+    assert {p["action"] for p in again["plan"]} == {"skip"}
+
+    # a damaged file is fetched again, and only that one
+    (out / "qa" / "nq.jsonl").write_text((out / "qa" / "nq.jsonl").read_text()[:-40])
+    fake2 = FakeHub(hub)
+    download_data(out, per_benchmark=50, seed=0, download=fake2, log=logs.append)
+    assert [f for _, f, _ in fake2.calls] == ["nq/test.jsonl"]
+    assert sha256_file(out / "qa" / "nq.jsonl") == files["qa/nq.jsonl"]["sha256"]
+
+    # other settings make other files: the QA sets are redone, the corpus is kept
+    fake3 = FakeHub(hub)
+    download_data(out, benchmarks="nq,musique", per_benchmark=20, seed=1, download=fake3, log=logs.append)
+    assert sorted(f for _, f, _ in fake3.calls) == ["musique/dev.jsonl", "nq/test.jsonl"]
+    assert len(read_qa(out / "qa" / "nq.jsonl")) == 20
+    assert json.loads((out / "manifest.json").read_text())["files"]["qa/hotpotqa.jsonl"]["items"] == 50
+
+
+def test_missing_split_falls_back_to_the_other(tmp_path):
+    hub = make_hub(tmp_path / "hub", corpus_lines=10, splits={"nq": "dev", "hotpotqa": "test"})
+    fake = FakeHub(hub)
+    res = download_data(tmp_path / "out", "nq,hotpotqa", download=fake, corpus=False, log=lambda m: None)
+    assert [f for _, f, _ in fake.calls] == ["nq/test.jsonl", "nq/dev.jsonl", "hotpotqa/dev.jsonl",
+                                             "hotpotqa/test.jsonl"]
+    assert res["manifest"]["files"]["qa/nq.jsonl"]["split"] == "dev"
+    with pytest.raises(MissingFileError, match="popqa/dev.jsonl: no such file"):
+        download_data(tmp_path / "out", "popqa", download=fake, corpus=False, log=lambda m: None)
+
+
+def test_network_failure_keeps_what_was_finished(hub, tmp_path):
+    out = tmp_path / "data"
+    with pytest.raises(data.DownloadError, match="unreachable"):
+        download_data(out, download=FakeHub(hub, fail_on="musique"), log=lambda m: None)
+    done = json.loads((out / "manifest.json").read_text())["files"]
+    assert set(done) == {"qa/nq.jsonl", "qa/triviaqa.jsonl", "qa/popqa.jsonl", "qa/hotpotqa.jsonl",
+                         "qa/2wikimultihopqa.jsonl"}
+    assert not (out / "qa" / "musique.jsonl").exists()
+    fake = FakeHub(hub)
+    download_data(out, download=fake, log=lambda m: None)  # resumes where it stopped
+    assert [f for _, f, _ in fake.calls] == ["musique/dev.jsonl", "bamboogle/test.jsonl", "wiki-18.jsonl.gz"]
+
+
+def test_dry_run_fetches_and_writes_nothing(tmp_path):
+    logs = []
+    res = download_data(tmp_path / "out", "nq,bamboogle", revision="v1", download=no_network, dry_run=True,
+                        log=logs.append)
+    assert [p["output"] for p in res["plan"]] == ["qa/nq.jsonl", "qa/bamboogle.jsonl", "corpus/wiki-18.jsonl"]
+    assert {p["action"] for p in res["plan"]} == {"fetch"}
+    assert logs[0] == f"would fetch RUC-NLPIR/FlashRAG_datasets@v1: nq/test.jsonl or nq/dev.jsonl -> " \
+                      f"{tmp_path / 'out' / 'qa' / 'nq.jsonl'}"
+    assert not (tmp_path / "out").exists()
+
+
+def test_bad_arguments(tmp_path):
+    with pytest.raises(ValueError, match="unknown benchmark"):
+        download_data(tmp_path, "nq,squad", download=no_network)
+    with pytest.raises(ValueError, match=">= 0"):
+        download_data(tmp_path, per_benchmark=-1, download=no_network)
+    (tmp_path / "manifest.json").write_text("{not json")
+    with pytest.raises(DataError, match="unreadable manifest"):
+        download_data(tmp_path, download=no_network)
+
+
+# ---------------------------------------------------------------- the Hub adapter and the CLI
+
+
+def test_hub_errors_become_one_line():
+    LocalEntryNotFoundError = pytest.importorskip("huggingface_hub.errors").LocalEntryNotFoundError
+
+    msg = str(describe_hub_error(LocalEntryNotFoundError("long\nstory"), "o/r", "nq/test.jsonl", None))
+    assert msg.startswith("cannot fetch o/r/nq/test.jsonl: ") and "\n" not in msg and "cache" in msg
+
+    def named(name, base=Exception):  # matched by class name, so any huggingface_hub version maps alike
+        return type(name, (base,), {})("detail")
+
+    assert isinstance(describe_hub_error(named("RemoteEntryNotFoundError"), "o/r", "f", None), MissingFileError)
+    assert "gated" in str(describe_hub_error(named("GatedRepoError"), "o/r", "f", None))
+    assert "no such dataset repository" in str(describe_hub_error(named("RepositoryNotFoundError"), "o/r", "f", None))
+    assert "no such revision 'v9'" in str(describe_hub_error(named("RevisionNotFoundError"), "o/r", "f", "v9"))
+    other = describe_hub_error(ConnectionError("boom\n  twice"), "o/r", "f", "main")
+    assert str(other) == "cannot fetch o/r/f@main: boom twice" and not isinstance(other, MissingFileError)
+
+
+def test_commit_of_reads_the_hf_cache_path():
+    sha = "a" * 40
+    assert commit_of(f"/c/datasets--o--r/snapshots/{sha}/nq/test.jsonl") == sha
+    assert commit_of("/somewhere/nq/test.jsonl") is None
+
+
+def test_cli_offline_fails_in_one_line(tmp_path):
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf"), "COLUMNS": "200"}
+    env.pop("HF_HUB_CACHE", None)
+    env.pop("HUGGINGFACE_HUB_CACHE", None)
+    proc = subprocess.run([sys.executable, "-m", "selfevo.cli", "data", "download", "--out", str(tmp_path / "d"),
+                           "--benchmarks", "bamboogle"], capture_output=True, text=True, env=env, timeout=120)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "Traceback" not in proc.stdout + proc.stderr
+    lines = proc.stdout.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: cannot fetch RUC-NLPIR/FlashRAG_datasets/bamboogle/")
+    assert "HF_HUB_OFFLINE" in lines[0]
+    assert not (tmp_path / "d").exists()
+
+
+def test_cli_downloads_through_the_hub_function(hub, tmp_path, monkeypatch):
+    monkeypatch.setattr(data, "hub_download", FakeHub(hub))
+    runner = CliRunner()
+    out = tmp_path / "d"
+    res = runner.invoke(app, ["data", "download", "--out", str(out), "--benchmarks", "nq,bamboogle",
+                              "--per-benchmark", "30", "--no-corpus"])
+    assert res.exit_code == 0, res.output
+    assert "wrote qa/nq.jsonl: 30 of 200 items" in res.output and "data ready" in res.output
+    assert {n: len(v) for n, v in read_qa_dir(out / "qa").items()} == {"nq": 30, "bamboogle": 125}
+    res = runner.invoke(app, ["data", "download", "--out", str(out), "--benchmarks", "nq,bamboogle",
+                              "--per-benchmark", "30", "--no-corpus", "--dry-run"])
+    assert res.exit_code == 0 and res.output.count("skip qa/") == 2
+    res = runner.invoke(app, ["data", "download", "--out", str(out), "--benchmarks", "nope"])
+    assert res.exit_code == 2 and "unknown benchmark(s) nope" in res.output

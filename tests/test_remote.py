@@ -1,0 +1,367 @@
+"""The remote solver (`remote:MODEL@URL`) over real HTTP on loopback: selfevo's OpenAI-compatible
+server in front of a ScriptedModel whose script plays a Search-R1 agent, a small in-memory
+retriever whose pages name a secret word per query, and one `selfevo eval` run through the CLI on
+the shared QA sets and the wiki18-mini corpus. One slow test checks `stop` on a real SmolLM2."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+import threading
+from pathlib import Path
+
+import pytest
+from _servers import serve_app
+from typer.testing import CliRunner
+
+from selfevo.agents import load_agent
+from selfevo.agents.chat_client import CallFailed, ChatClient, EndpointError
+from selfevo.agents.lm.model import GarbageBody, ScriptedModel
+from selfevo.agents.lm.protocol import BUDGET_SPENT, CORRECTIVE, STOP_STRINGS
+from selfevo.agents.lm.server import make_app
+from selfevo.agents.remote import RemoteSolver, parse_remote_spec
+from selfevo.cli import app
+from selfevo.evaluate import evaluate_solver
+from selfevo.records import Document, QAItem
+from selfevo.search.tool import Hit, SearchTool
+
+SHARED = Path("/work/shared/data")
+
+
+# ------------------------------------------------------------------ the world of the tests
+
+
+def secret(query: str) -> str:
+    """The word the pages found for `query` name (a different one per query)."""
+    return "w" + hashlib.sha256(query.strip().lower().encode()).hexdigest()[:6]
+
+
+class WordRetriever:
+    """Every query finds `topk` pages; the first names the query's secret word."""
+
+    def __init__(self):
+        self.queries: list[str] = []
+
+    def retrieve(self, queries, topk=3):
+        self.queries.extend(queries)
+        return [[Hit(Document(f"{secret(q)}-{k}", f"Page {k}",
+                              f"Filler about {q}. " + (f"The secret word is {secret(q)}." if k == 0 else "")),
+                     1.0 - k / 10) for k in range(topk)] for q in queries]
+
+
+def tool(max_calls: int = 5) -> SearchTool:
+    return SearchTool(WordRetriever(), topk=3, max_calls=max_calls)
+
+
+def question_of(messages) -> str:
+    return re.search(r"Question: (.*)", messages[1]["content"]).group(1)
+
+
+def searcher(messages) -> str:
+    """Searches the question, then answers with the secret word the results name. Like a real
+    model, it runs on past its action (made-up results and an answer) unless `stop` cuts it."""
+    last = messages[-1]["content"]
+    found = re.search(r"The secret word is (\w+)", last)
+    if last.startswith("<information>") and found:
+        return f"<think>The pages say it.</think>\n<answer> {found.group(1)} </answer>\nmore talk"
+    return (f"<think>I should look it up.</think>\n<search> {question_of(messages)} </search>\n"
+            "<information>made-up results</information>\n<answer> wrong </answer>")
+
+
+class Recording:
+    """A ChatModel that records every request's messages and settings, then lets `inner` reply."""
+
+    def __init__(self, inner):
+        self.inner, self.name = inner, inner.name
+        self.calls: list[dict] = []
+        self._lock = threading.Lock()
+
+    def generate(self, messages, **settings):
+        with self._lock:
+            self.calls.append({"messages": [dict(m) for m in messages], **settings})
+        return self.inner.generate(messages, **settings)
+
+
+def recording(script, **faults) -> Recording:
+    return Recording(ScriptedModel(script, name="scripted", **faults))
+
+
+def solver(url, **kw) -> RemoteSolver:
+    kw.setdefault("backoff", 0.001)
+    return RemoteSolver(url, "scripted", **kw)
+
+
+QUESTIONS = ["who wrote the red book", "where is mount ebor"]
+
+
+# ------------------------------------------------------------------ the protocol
+
+
+def test_multi_turn_search_protocol_over_http():
+    model = recording(searcher)
+    with serve_app(make_app(model)) as base, solver(f"{base}/v1") as s:
+        t = tool()
+        groups = s.answer(QUESTIONS, t)
+    assert [len(g) for g in groups] == [1, 1]
+    for q, (traj,) in zip(QUESTIONS, groups):
+        ro = traj.trace
+        assert traj.answer == secret(q)  # the word reached the model only through <information>
+        assert traj.searches == [q] and traj.actions == 2 and ro.invalid == 0 and not ro.failed
+        # the server cut the reply before "</search>"; the rollout closed the tag again
+        assert ro.messages[2] == {"role": "assistant",
+                                  "content": f"<think>I should look it up.</think>\n<search> {q} </search>"}
+        assert ro.messages[3]["role"] == "user" and f"The secret word is {secret(q)}." in ro.messages[3]["content"]
+        assert ro.messages[4]["content"].endswith(f"<answer> {secret(q)} </answer>")
+    assert t.retriever.queries == QUESTIONS
+    assert len(model.calls) == 4
+    for c in model.calls:  # greedy, with the solver's stop strings and token budget
+        assert (c["temperature"], c["top_p"], c["max_tokens"]) == (0.0, 1.0, 512)
+        assert c["stop"] == list(STOP_STRINGS) and c["seed"] is None and c["n"] == 1
+    assert s.stats["calls"] == s.stats["requests"] == s.stats["replies"] == 4
+    assert s.stats["failed_calls"] == s.stats["unanswered"] == 0
+
+
+def test_stop_is_honoured_by_the_server():
+    model = ScriptedModel(searcher)
+    convo = [{"role": "user", "content": "x"}, {"role": "user", "content": "Question: q1"}]
+    assert model.generate(convo, stop=["</search>"])[0].text == "<think>I should look it up.</think>\n<search> q1 "
+    with serve_app(make_app(model)) as base, ChatClient(f"{base}/v1", "m", backoff=0.001) as client:
+        plain = client.chat(convo)[0]
+        assert "made-up results" in plain.text and plain.finish_reason == "stop"
+        cut = client.chat(convo, stop=list(STOP_STRINGS))[0]
+        assert cut.text == "<think>I should look it up.</think>\n<search> q1 " and cut.finish_reason == "stop"
+        assert client.chat(convo, stop=["</answer>"])[0].text.endswith("<answer> wrong ")
+        # a single string is allowed too (OpenAI); more than 4, or an empty one, is a 4xx
+        single = client._http.post(client.endpoint, json={"messages": convo, "stop": "</search>"})
+        assert single.json()["choices"][0]["message"]["content"] == cut.text
+        for bad in (["a", "b", "c", "d", "e"], [""]):
+            with pytest.raises(CallFailed, match="HTTP 422"):
+                client.chat(convo, stop=bad)
+    assert model.requests and sum(model.requests.values()) == 5
+
+
+def test_invalid_actions_get_the_correction_and_count_against_max_actions():
+    def rambler(messages):
+        return "I am not sure what to do."
+
+    model = recording(rambler)
+    with serve_app(make_app(model)) as base, solver(f"{base}/v1", max_actions=3) as s:
+        (traj,), = s.answer(["q"], tool())
+    assert traj.answer == "" and traj.actions == 3 and traj.trace.invalid == 3 and traj.searches == []
+    assert len(model.calls) == 3
+    assert [c["messages"][-1]["content"] for c in model.calls[1:]] == [CORRECTIVE, CORRECTIVE]
+    assert s.stats["invalid_actions"] == 3 and s.stats["unanswered"] == 1
+
+    def learner(messages):  # invalid once, then corrected
+        return "<answer> fixed </answer>" if messages[-1]["content"] == CORRECTIVE else "no tags here"
+
+    with serve_app(make_app(ScriptedModel(learner))) as base, solver(f"{base}/v1", max_actions=3) as s:
+        (traj,), = s.answer(["q"], tool())
+    assert traj.answer == "fixed" and traj.actions == 2 and traj.trace.invalid == 1
+
+
+def test_the_tool_budget_holds():
+    def hoarder(messages):  # searches forever, a new query every action
+        return f"<search> query {sum(m['role'] == 'assistant' for m in messages)} </search>"
+
+    model = recording(hoarder)
+    with serve_app(make_app(model)) as base, solver(f"{base}/v1", max_actions=4) as s:
+        t = tool(max_calls=2)
+        (traj,), = s.answer(["q"], t)
+    assert traj.searches == ["query 0", "query 1"] and traj.actions == 4 and traj.answer == ""
+    assert t.retriever.queries == ["query 0", "query 1"]
+    assert [c["messages"][-1]["content"] for c in model.calls[3:]] == [BUDGET_SPENT]
+    assert traj.trace.messages[-1]["content"] == BUDGET_SPENT
+
+
+def test_n_samples_use_the_paper_settings_and_distinct_seeds():
+    model = recording(searcher)
+    with serve_app(make_app(model)) as base, solver(f"{base}/v1", concurrency=3) as s:
+        groups = s.answer(QUESTIONS, tool(), greedy=False, n=3, seed=11)
+        first = sorted(c["seed"] for c in model.calls)
+        model.calls.clear()
+        s.answer(QUESTIONS, tool(), greedy=False, n=3, seed=11)
+        again = sorted(c["seed"] for c in model.calls)
+        model.calls.clear()
+        s.answer(QUESTIONS, tool(), greedy=False, n=3, seed=12)
+        other = sorted(c["seed"] for c in model.calls)
+        model.calls.clear()
+        greedy = s.answer(QUESTIONS, tool(), greedy=True, n=3)
+        greedy_calls = list(model.calls)
+    assert [len(g) for g in groups] == [3, 3]
+    assert [[t.answer for t in g] for g in groups] == [[secret(q)] * 3 for q in QUESTIONS]
+    assert len(first) == 12 and len(set(first)) == 12  # 6 rollouts x 2 actions, every call its own seed
+    assert all(0 <= x < 2**31 for x in first)
+    assert first == again and set(first).isdisjoint(other)
+    # greedy: one rollout per question, copied n times
+    assert [len(g) for g in greedy] == [3, 3] and len(greedy_calls) == 4
+    assert all(t.answer == secret(q) for q, g in zip(QUESTIONS, greedy) for t in g)
+    assert greedy[0][0] is not greedy[0][1]
+
+
+def test_sampled_settings_are_sent():
+    model = recording(searcher)
+    with serve_app(make_app(model)) as base, solver(f"{base}/v1", temperature=0.7, top_p=0.9,
+                                                      max_tokens=64) as s:
+        s.answer(["q"], tool(), greedy=False, n=2, seed=1)
+    assert {(c["temperature"], c["top_p"], c["max_tokens"]) for c in model.calls} == {(0.7, 0.9, 64)}
+    assert RemoteSolver("http://127.0.0.1:1/v1", "m").describe()["temperature"] == 0.8  # paper defaults
+    assert RemoteSolver("http://127.0.0.1:1/v1", "m").describe()["top_p"] == 0.95
+
+
+def test_contexts_go_into_the_prompt():
+    def reader(messages):  # reads the document when it has one, searches otherwise
+        doc = re.search(r"<document>.*The secret word is (\w+)\..*</document>", messages[1]["content"], re.S)
+        return f"<answer> {doc.group(1)} </answer>" if doc else searcher(messages)
+
+    model = recording(reader)
+    page = Document("p1", "Zebra page", "The secret word is zebra.")
+    with serve_app(make_app(model)) as base, solver(f"{base}/v1") as s:
+        (with_doc,), (without,) = s.answer(QUESTIONS, tool(), contexts=[page, None])
+    assert with_doc.answer == "zebra" and with_doc.searches == [] and with_doc.actions == 1
+    assert without.answer == secret(QUESTIONS[1]) and without.searches == [QUESTIONS[1]]
+    opening = {c["messages"][1]["content"] for c in model.calls if len(c["messages"]) == 2}
+    assert opening == {f'<document>\n"Zebra page"\nThe secret word is zebra.\n</document>\n'
+                       f"Question: {QUESTIONS[0]}", f"Question: {QUESTIONS[1]}"}
+    with pytest.raises(ValueError, match="contexts"):
+        s.answer(QUESTIONS, tool(), contexts=[page])
+
+
+# ------------------------------------------------------------------ failures
+
+
+def test_faults_do_not_stop_an_evaluation_and_are_counted():
+    items = [QAItem(f"q{i}", f"question number {i}", (secret(f"question number {i}"),)) for i in range(30)]
+    faulty = ScriptedModel(searcher, fail_rate=0.35, garbage_rate=0.2, seed=5)
+    with serve_app(make_app(faulty)) as base, solver(f"{base}/v1", max_retries=1, concurrency=8) as s:
+        result = evaluate_solver(s, {"nq": items}, tool(), progress=False, batch_size=16)
+        trajs = s.answer([it.question for it in items], tool())
+    st = s.stats
+    assert result["run"]["questions"] == 30
+    assert st["failed_calls"] > 0 and st["retries"] > 0 and st["invalid_actions"] > 0  # all three happened
+    assert st["requests"] == st["calls"] + st["retries"] == sum(faulty.requests.values())
+    assert st["failed_trajectories"] == st["failed_calls"]  # each failure ends exactly one trajectory
+    assert st["trajectories"] == 60 and st["unanswered"] >= st["failed_trajectories"]
+    # a failed trajectory has no answer; every other one found the right word despite the garbage,
+    # unless garbage used up all its actions
+    for it, (t,) in zip(items, trajs):
+        if t.trace.failed:
+            assert t.answer == "" and t.actions < 5
+        elif t.answer:
+            assert t.answer == it.golden_answers[0]
+        else:
+            assert t.actions == 5 and t.trace.invalid >= 4
+    cover = result["benchmarks"]["nq"]["cover_em"]
+    answered = 1 - sum(t.trace.failed for (t,) in trajs) / 30
+    assert 0 < cover < 1 and 0 < answered < 1
+
+
+def test_a_body_that_is_no_completion_is_retried_by_the_solver_not_by_the_judge():
+    class GarbageFirst:
+        name = "garbage-first"
+
+        def __init__(self):
+            self.n = 0
+
+        def generate(self, messages, **settings):
+            self.n += 1
+            if self.n == 1:
+                raise GarbageBody("injected")
+            return ScriptedModel(searcher).generate(messages, **settings)
+
+    with serve_app(make_app(GarbageFirst())) as base, solver(f"{base}/v1") as s:
+        (traj,), = s.answer(["q"], tool())
+        assert traj.answer == secret("q") and s.stats["malformed_bodies"] == 1 and s.stats["retries"] == 1
+    with serve_app(make_app(GarbageFirst())) as base, ChatClient(f"{base}/v1", "m") as judge_client:
+        first = judge_client.chat([{"role": "user", "content": "x"}])
+        assert first[0].finish_reason == "malformed" and "502 Bad Gateway" in first[0].text
+
+
+def test_a_wrong_key_raises_at_once_and_never_leaks(monkeypatch):
+    model = recording(searcher)
+    with serve_app(make_app(model, api_key="right-key")) as base:
+        url = f"{base}/v1"
+        s = solver(url, api_key="wrong-key", concurrency=2)
+        with pytest.raises(EndpointError) as e:
+            s.answer([f"q{i}" for i in range(8)], tool())
+        assert "401" in str(e.value) and "SELFEVO_API_KEY" in str(e.value) and "wrong-key" not in str(e.value)
+        assert "wrong-key" not in repr(s) and "wrong-key" not in json.dumps(s.describe())
+        assert s.stats["retries"] == 0 and s.stats["requests"] <= 8 and model.calls == []
+        # through the registry: the key from the environment, checked before any work
+        monkeypatch.setenv("SELFEVO_API_KEY", "wrong-key")
+        with pytest.raises(ValueError, match="401"):
+            load_agent(f"remote:scripted@{url}", corpus=None)
+        monkeypatch.setenv("SELFEVO_API_KEY", "right-key")
+        good = load_agent(f"remote:scripted@{url}", corpus=None)
+        assert good.describe()["api_key"] == "set" and "right-key" not in json.dumps(good.describe())
+        (traj,), = good.answer(["q"], tool())
+        assert traj.answer == secret("q")
+        # a wrong path is a 404, also at once
+        with pytest.raises(EndpointError, match="404"):
+            solver(base, api_key="right-key").answer(["q"], tool())
+    with pytest.raises(ValueError, match="cannot connect"):  # the server is gone
+        load_agent(f"remote:scripted@{url}")
+
+
+def test_remote_spec():
+    assert parse_remote_spec("qwen@http://127.0.0.1:8000/v1") == ("qwen", "http://127.0.0.1:8000/v1")
+    assert parse_remote_spec("Qwen/Qwen3-4B@https://api.example/v1") == ("Qwen/Qwen3-4B", "https://api.example/v1")
+    for bad in ("qwen", "@http://h/v1", "qwen@ftp://h"):
+        with pytest.raises(ValueError, match="MODEL@URL"):
+            load_agent(f"remote:{bad}")
+
+
+# ------------------------------------------------------------------ the CLI
+
+
+def titled(messages) -> str:
+    """Searches the question, then answers with the title of the first page found."""
+    found = re.search(r"Doc 1 \(Title: (.*?)\)", messages[-1]["content"])
+    if messages[-1]["content"].startswith("<information>") and found:
+        return f"<answer> {found.group(1)} </answer>"
+    return f"<search> {question_of(messages)} </search>"
+
+
+@pytest.mark.skipif(not (SHARED / "qa").is_dir(), reason="shared QA data not present")
+def test_selfevo_eval_with_a_remote_agent(tmp_path, monkeypatch):
+    monkeypatch.delenv("SELFEVO_API_KEY", raising=False)
+    model = recording(titled)
+    out = tmp_path / "ev"
+    with serve_app(make_app(model)) as base:
+        spec = f"remote:scripted@{base}/v1"
+        res = CliRunner().invoke(app, ["eval", "--data-dir", str(SHARED / "qa"), "--corpus",
+                                       str(SHARED / "corpus" / "wiki18-mini.jsonl"), "--agent", spec,
+                                       "--out", str(out), "--limit", "2"])
+    assert res.exit_code == 0, res.output
+    score = json.loads((out / "score.json").read_text())
+    assert score["run"]["agent"] == spec and score["run"]["questions"] == 14 == score["run"]["searches"]
+    assert len(score["benchmarks"]) == 7
+    rows = [json.loads(line) for line in (out / "predictions.jsonl").read_text().splitlines()]
+    assert len(rows) == 14 and len(model.calls) == 28
+    seen = {c["messages"][1]["content"]: c["messages"][-1]["content"] for c in model.calls if len(c["messages"]) == 4}
+    for row in rows:
+        assert row["searches"] == [row["question"].strip()] and row["prediction"]
+        # the prediction is the first title the retriever gave the model for this question
+        assert f"Doc 1 (Title: {row['prediction']})" in seen[f"Question: {row['question'].strip()}"]
+
+
+# ------------------------------------------------------------------ a real model
+
+
+@pytest.mark.slow
+def test_transformers_model_honours_stop():
+    from selfevo.agents.lm.model import load_chat_model
+
+    try:
+        model = load_chat_model("smollm2", threads=1, max_new_tokens=40)
+    except (FileNotFoundError, ImportError, OSError) as e:
+        pytest.skip(str(e))
+    msgs = [{"role": "user", "content": "Write two sentences about the sea."}]
+    full = model.generate(msgs, max_tokens=40)[0].text
+    words = full.split()
+    assert len(words) > 6, full
+    stop = " " + words[4]  # a string that occurs in the greedy reply, mid-way
+    cut = model.generate(msgs, max_tokens=40, stop=[stop, "never-occurs-xyz"])[0]
+    assert cut.text == full[:full.find(stop)] and cut.finish_reason == "stop"
+    assert stop not in cut.text and cut.completion_tokens < model.generate(msgs, max_tokens=40)[0].completion_tokens
