@@ -168,11 +168,12 @@ def test_trained_spans_mask_prompt_tools_and_the_proposers_answer():
     assert proposer == ["<search> q </search>", "<question> W? </question> "]
 
 
-def test_token_mask_marks_tokens_starting_inside_a_span():
+def test_token_mask_marks_tokens_wholly_inside_a_span():
     offsets = [(0, 3), (3, 5), (5, 9), (0, 0), (9, 12), (12, 14)]
     assert token_mask(offsets, [(3, 9), (12, 20)]) == [0, 1, 1, 0, 0, 1]
     assert token_mask(offsets, []) == [0] * 6
     assert token_mask([(0, 0), (0, 2)], [(0, 2)]) == [0, 1]  # a special token (empty span) never trains
+    assert token_mask([(0, 4), (4, 7), (7, 9)], [(0, 5), (7, 9)]) == [1, 0, 1]  # straddling an edge: not trained
 
 
 def test_token_logprobs_shift_by_one():

@@ -143,6 +143,8 @@ def eval_(
     retriever: str | None = typer.Option(None, help=f"{_RETRIEVER_HELP}; default bm25, or --index's kind"),
     index: Path | None = typer.Option(None, "--index", help="a saved index directory of any kind"),
     model: str | None = typer.Option(None, help=_MODEL_HELP),
+    workers: int = typer.Option(0, "--workers", min=0, help="lm: agents: answer on N Ray actors, each "
+                                "with its own copy of the model (0: in this process)"),
 ) -> None:
     """Run an agent on the seven benchmarks end to end; write predictions.jsonl and score.json."""
     from selfevo.evaluate import print_score_table, run_eval
@@ -151,7 +153,8 @@ def eval_(
     try:
         result = run_eval(data_dir=data_dir, corpus=corpus, agent=agent, out_dir=out,
                           limit=limit, retriever_url=retriever_url, retriever_kind=retriever,
-                          index=index, dense_options=_dense_options(model))
+                          index=index, dense_options=_dense_options(model),
+                          agent_context={"workers": workers} if workers else None)
     except (DataError, ValueError, RetrieverError, ImportError) as e:  # one line, not a traceback
         _fail(str(e))
     print_score_table(result, console)

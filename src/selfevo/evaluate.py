@@ -350,7 +350,8 @@ def run_eval(data_dir: str | os.PathLike, corpus: str | os.PathLike | None, agen
              out_dir: str | os.PathLike, limit: int | None = None,
              retriever_url: str | None = None, index_dir: str | os.PathLike | None = None,
              progress: bool = True, retriever_kind: str | None = None,
-             index: str | os.PathLike | None = None, dense_options: Any = None) -> dict:
+             index: str | os.PathLike | None = None, dense_options: Any = None,
+             agent_context: Mapping[str, Any] | None = None) -> dict:
     """`selfevo eval`: QA dir + retriever + agent spec → predictions.jsonl and score.json.
 
     The retriever is a remote `/retrieve` server (`retriever_url`), a saved index directory of
@@ -358,6 +359,7 @@ def run_eval(data_dir: str | os.PathLike, corpus: str | os.PathLike | None, agen
     (bm25 | dense | hybrid, default bm25) over `corpus`, cached in `index_dir` (by default
     `out_dir/<kind>-index`, so a rerun skips indexing). `dense_options` (a
     `selfevo.search.index.DenseOptions`) choose the encoder of a dense or hybrid index.
+    `agent_context` goes to the agent's factory (e.g. `{"workers": 4}` for `lm:` agents).
     """
     from selfevo.agents import load_agent
     from selfevo.search.tool import SearchTool
@@ -367,7 +369,8 @@ def run_eval(data_dir: str | os.PathLike, corpus: str | os.PathLike | None, agen
     data = read_qa_dir(data_dir)
     if limit is not None and limit < 1:
         raise ValueError(f"limit must be >= 1, got {limit}")
-    solver = load_agent(agent, corpus=corpus)  # fail on a bad spec before indexing anything
+    # fail on a bad spec before indexing anything
+    solver = load_agent(agent, corpus=corpus, retriever_url=retriever_url, **(agent_context or {}))
     if retriever_url:
         from selfevo.search.client import RetrieverClient
 

@@ -39,7 +39,33 @@ def _remote(arg: str, **context: Any) -> Solver:
     return solver
 
 
-_REGISTRY: dict[str, AgentFactory] = {"retrieval-baseline": _retrieval_baseline, "remote": _remote}
+def _lm(arg: str, **context: Any) -> Solver:
+    """`lm:MODEL[@ADAPTER]`: a language model answering in the Search-R1 protocol, untrained (the
+    base model) or with a LoRA adapter saved by a run (a `.safetensors` file from its
+    checkpoints/tensors). `context` may carry `lm_options` (LMConfig fields, e.g. device), and
+    `workers` (N >= 1: answer on N Ray actors, each searching `retriever_url` or `corpus`)."""
+    from selfevo.agents.lm.agents import LMSolver
+    from selfevo.agents.lm.config import LMConfig
+    from selfevo.agents.lm.policy import LMPolicy
+
+    model, _, adapter = arg.partition("@")
+    if not model:
+        raise ValueError("agent 'lm' needs a model: lm:smollm2-135m, lm:/path/to/model or lm:org/name")
+    cfg = LMConfig(model=model, **(context.get("lm_options") or {}))
+    workers = int(context.get("workers") or 0)
+    if workers:  # `selfevo eval --workers N`: the rollouts run on N Ray actors (agents/lm/workers.py)
+        from selfevo.agents.lm.workers import RolloutWorkers
+
+        return RolloutWorkers(cfg, workers, {"evaluated": adapter} if adapter else None,
+                              policy_name="evaluated" if adapter else None, name=f"lm:{arg}",
+                              retriever_url=context.get("retriever_url"), corpus=context.get("corpus"))
+    policy = LMPolicy(cfg)
+    if not adapter:
+        return LMSolver(policy, f"lm:{model}", policy_name=None, frozen=True)
+    return LMSolver.from_file(policy, f"lm:{arg}", adapter)
+
+
+_REGISTRY: dict[str, AgentFactory] = {"retrieval-baseline": _retrieval_baseline, "remote": _remote, "lm": _lm}
 
 
 def register_agent(prefix: str, factory: AgentFactory) -> None:

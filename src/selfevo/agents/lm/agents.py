@@ -44,6 +44,12 @@ class LMSolver:
         policy.new(name)  # a fresh adapter: the base model's function
         return cls(policy, name, policy_name=name)
 
+    @classmethod
+    def from_file(cls, policy: LMPolicy, name: str, path: str) -> LMSolver:
+        """A frozen solver with the policy saved in `path` (a checkpoint's safetensors file)."""
+        policy.load_file("evaluated", path)
+        return cls(policy, name, policy_name="evaluated", frozen=True)
+
     def snapshot(self, name: str | None = None) -> LMSolver:
         name = name or f"{self.name}@frozen"
         self.policy.new(name, like=self.policy_name)

@@ -33,6 +33,10 @@ class LMConfig:
     format_penalty: float = 0.5  # reward of a proposal that breaks the format rules: -format_penalty
     gen_batch: int = 32  # rows generated together
     train_batch: int = 4  # sequences per forward/backward micro-batch
+    # hf: transformers' generate (any device) | vllm: a vLLM engine on the same GPU serves the base
+    # model and every LoRA policy (agents/lm/vllm_engine.py); training stays with transformers
+    generator: str = "hf"
+    vllm_gpu_memory: float = 0.45  # share of the GPU vLLM may take (weights + KV cache); the rest trains
 
     def __post_init__(self):
         if self.adapter not in ("lora", "full"):
@@ -57,3 +61,11 @@ class LMConfig:
             raise ValueError(f"lm.format_penalty: must be >= 0, got {self.format_penalty}")
         if not self.lora_targets:
             raise ValueError("lm.lora_targets: name at least one module")
+        if self.generator not in ("hf", "vllm"):
+            raise ValueError(f"lm.generator: must be hf or vllm, got {self.generator!r}")
+        if self.generator == "vllm" and self.adapter != "lora":
+            # vLLM serves LoRA adapters over one loaded base; a fully fine-tuned copy per policy
+            # would need the engine's weights reloaded after every update
+            raise ValueError("lm.generator: lm.generator=vllm needs lm.adapter=lora")
+        if not 0 < self.vllm_gpu_memory < 1:
+            raise ValueError(f"lm.vllm_gpu_memory: must be in (0, 1), got {self.vllm_gpu_memory}")

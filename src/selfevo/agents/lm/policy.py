@@ -56,6 +56,10 @@ class LMPolicy:
         if cfg.threads:
             torch.set_num_threads(cfg.threads)
         self.cfg = cfg
+        if cfg.generator == "vllm":  # fail before loading anything when vLLM cannot run here
+            from selfevo.agents.lm.vllm_engine import check_vllm
+
+            check_vllm(cfg)
         self.store = Path(store) if store is not None else None
         self.device = _device(cfg.device)
         path = resolve_model(cfg.model)
@@ -74,6 +78,8 @@ class LMPolicy:
         self.peft = None  # adapter="lora": one PeftModel holding every adapter
         self.optimizers: dict[str, torch.optim.Optimizer] = {}
         self.steps: dict[str, int] = {}
+        self.revision: dict[str, int] = {}  # changes of each policy's weights (see _changed)
+        self._vllm = None  # lm.generator = "vllm": the engine, built at the first generation
 
     # ---------------------------------------------------------------- policies
     def _lora_config(self):
@@ -112,6 +118,7 @@ class LMPolicy:
             set_peft_model_state_dict(self.peft, {k: v.clone() for k, v in state.items()}, adapter_name=name)
 
     def drop(self, name: str) -> None:
+        self._changed(name)
         self.optimizers.pop(name, None)
         self.steps.pop(name, None)
         if self.cfg.adapter == "full":
@@ -143,6 +150,18 @@ class LMPolicy:
         return [(n.replace(f".{name}.", ".<policy>."), p) for n, p in self.peft.named_parameters()
                 if f".{name}." in n and "lora_" in n]
 
+    def _changed(self, name: str) -> None:
+        """Policy `name`'s weights changed (update, new, load): a vLLM engine exports its adapter
+        again before it next generates from it. The count never resets, not even on drop."""
+        self.revision[name] = self.revision.get(name, 0) + 1
+
+    def _vllm_engine(self):
+        if self._vllm is None:
+            from selfevo.agents.lm.vllm_engine import VLLMEngine
+
+            self._vllm = VLLMEngine(self)
+        return self._vllm
+
     # ---------------------------------------------------------------- generation
     def render(self, messages: Sequence[dict]) -> str:
         return self.tokenizer.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=True)
@@ -158,6 +177,9 @@ class LMPolicy:
         """One assistant action for each conversation: `(text, finish_reason)`, the text cut after
         the first stop string. Batches of `gen_batch` rows, left-padded, with the KV cache.
         `prefix` starts every reply, or each its own (it is part of the returned text)."""
+        if self.cfg.generator == "vllm":
+            return self._vllm_engine().generate(name, conversations, greedy=greedy, seed=seed,
+                                                max_new_tokens=max_new_tokens, stops=stops, prefix=prefix)
         import torch
 
         cfg, tok = self.cfg, self.tokenizer
@@ -234,7 +256,7 @@ class LMPolicy:
                     adv = torch.tensor([advantages[i] for i in idx], device=self.device)
                     loss = sequence_pg_loss(lp, mask[:, 1:], adv, n_sequences=g)
                     loss.backward()
-                    loss_total += float(loss)
+                    loss_total += float(loss.detach())
                     tokens += int(mask[:, 1:].sum())
             finally:
                 model.eval()
@@ -244,6 +266,7 @@ class LMPolicy:
             opt.step()
         opt.zero_grad(set_to_none=True)
         self.steps[name] = self.steps.get(name, 0) + 1
+        self._changed(name)
         return {"loss": loss_total, "grad_norm": grad_norm, "trained_sequences": len(live),
                 "sequences": g, "trained_tokens": tokens}
 
@@ -292,19 +315,40 @@ class LMPolicy:
 
     def load(self, name: str, ref: dict) -> None:
         """Restore policy `name` from a `save` reference (the file's hash is checked)."""
-        import torch
-        from safetensors.torch import load
-
         if self.store is None:
             raise RuntimeError("LMPolicy has no store directory: cannot load a checkpoint")
         path = self.store / ref["file"]
         blob = path.read_bytes()
         if hashlib.sha256(blob).hexdigest() != ref["sha256"]:
             raise ValueError(f"{path}: checksum mismatch (corrupt or replaced checkpoint)")
-        tensors = load(blob)
+        self._restore(name, blob)
+        self.steps[name] = int(ref.get("steps", 0))
+
+    def load_file(self, name: str, path: str | os.PathLike) -> None:
+        """Policy `name` from a saved safetensors file (e.g. a run's main solver, to evaluate it)."""
+        try:
+            blob = Path(path).read_bytes()
+        except OSError as e:
+            raise ValueError(f"{path}: cannot read the policy file ({e.strerror})") from None
+        self._restore(name, blob)
+
+    def _restore(self, name: str, blob: bytes) -> None:
+        import torch
+        from safetensors.torch import load
+
+        try:
+            tensors = load(blob)
+        except Exception as e:  # safetensors raises its own error types on a bad header
+            raise ValueError(f"not a safetensors policy file ({e})") from None
+        if not any(k.startswith("param.") for k in tensors):
+            raise ValueError("not a selfevo policy file (no param.* tensors)")
         if name not in self.names():
             self.new(name)
         params = dict(self.parameters(name))
+        missing = [n for n in params if f"param.{n}" not in tensors]
+        if missing:
+            raise ValueError(f"the policy file does not fit lm.model/lm.adapter/lm.lora_*: "
+                             f"{len(missing)} parameters missing (e.g. {missing[0]})")
         with torch.no_grad():
             for n, p in params.items():
                 p.copy_(tensors[f"param.{n}"].to(p.device, p.dtype))
@@ -317,8 +361,8 @@ class LMPolicy:
                 if st:
                     st["step"] = st["step"].to("cpu")
                     opt.state[p] = st
-        self.steps[name] = int(ref.get("steps", 0))
         torch.set_rng_state(tensors["rng.torch"])
+        self._changed(name)
 
     def describe(self) -> dict:
         return {"model": self.cfg.model, "adapter": self.cfg.adapter, "device": self.device,

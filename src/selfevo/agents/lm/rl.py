@@ -61,14 +61,16 @@ def trained_spans(messages: Sequence[dict], spans: Sequence[Span], mask_final_an
 
 
 def token_mask(offsets: Sequence[Span], spans: Sequence[Span]) -> list[int]:
-    """1 for each token that starts inside a trained span, else 0. `offsets` are the tokenizer's
-    character offsets; special tokens (empty offsets) are never trained."""
+    """1 for each token lying wholly inside a trained span, else 0. A token straddling a span's
+    edge (BPE merges "</think><" across the proposer's masked answer) is not trained: masking
+    errs on the side of not training. `offsets` are the tokenizer's character offsets; special
+    tokens (empty offsets) are never trained."""
     spans = sorted(spans)
     mask, j = [], 0
     for s, e in offsets:
         while j < len(spans) and spans[j][1] <= s:
             j += 1
-        inside = e > s and j < len(spans) and spans[j][0] <= s < spans[j][1]
+        inside = e > s and j < len(spans) and spans[j][0] <= s and e <= spans[j][1]
         mask.append(1 if inside else 0)
     return mask
 

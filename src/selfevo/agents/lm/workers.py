@@ -1,0 +1,187 @@
+"""Rollout workers: Search-R1 rollouts of one LM solver spread over Ray actors (inference only).
+
+Each actor holds its own `LMPolicy` (the base model, plus any adapters given as saved policy
+files) and its own `SearchTool`, and answers a contiguous shard of the questions with exactly
+`LMSolver.answer` -- the one rollout driver, the same protocol, the same tool budget. The shards
+come back in order, so the result lists line up with the questions.
+
+Greedy decoding is deterministic, so the answers are those of a single-process `LMSolver` (up to
+the floating-point effects of a different batch composition: each worker pads its own batches).
+Sampled rollouts are reproducible for a given seed and number of workers: shard k samples with
+`derive_seed(seed, "shard", k)`.
+
+The search tool cannot travel to the actors (an index may be gigabytes), so each actor builds its
+own retriever: a `RetrieverClient` on the same `/retrieve` server when the caller's tool uses one
+(or `retriever_url` is given), else a BM25 index over `corpus`, checked against the caller's
+BM25 index so that both search the same documents. A dense or hybrid tool must be served
+(`selfevo serve-retriever`) and reached by URL.
+
+    workers = RolloutWorkers(LMConfig(model="smollm2-135m"), 4, corpus="wiki18-mini.jsonl")
+    trajectories = workers.answer(questions, tool)   # the Solver protocol
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from selfevo.agents.base import Trajectory
+from selfevo.agents.lm.config import LMConfig
+from selfevo.loop.schedule import derive_seed
+from selfevo.records import Document
+from selfevo.search.tool import SearchTool
+
+
+def shard_bounds(n_items: int, n_shards: int) -> list[tuple[int, int]]:
+    """Contiguous `[start, end)` ranges splitting `n_items` into at most `n_shards` non-empty
+    shards whose sizes differ by at most one (the first ones take the remainder)."""
+    if n_shards < 1:
+        raise ValueError(f"n_shards must be >= 1, got {n_shards}")
+    n = min(n_shards, n_items)
+    bounds, start = [], 0
+    for k in range(n):
+        size = n_items // n + (1 if k < n_items % n else 0)
+        bounds.append((start, start + size))
+        start += size
+    return bounds
+
+
+class _RolloutWorker:
+    """One actor: a policy for inference and one search tool per retriever source."""
+
+    def __init__(self, cfg: LMConfig, adapter_refs: Mapping[str, str]):
+        from selfevo.agents.lm.policy import LMPolicy
+
+        self.policy = LMPolicy(cfg)
+        for name, path in adapter_refs.items():
+            self.policy.load_file(name, path)
+        self._retrievers: dict[tuple, Any] = {}
+
+    def ready(self) -> bool:
+        return True
+
+    def _retriever(self, source: tuple):
+        if source not in self._retrievers:
+            kind, where = source
+            if kind == "url":
+                from selfevo.search.client import RetrieverClient
+
+                self._retrievers[source] = RetrieverClient(where)
+            else:
+                from selfevo.search.bm25 import BM25Index
+
+                self._retrievers[source] = BM25Index.from_corpus_file(where)
+        return self._retrievers[source]
+
+    def answer(self, source: tuple, topk: int, max_calls: int, policy_name: str | None,
+               questions: list[str], greedy: bool, n: int, seed: int | None,
+               contexts: list[Document] | None) -> list[list[Trajectory]]:
+        from selfevo.agents.lm.agents import LMSolver
+
+        tool = SearchTool(self._retriever(source), topk=topk, max_calls=max_calls)
+        solver = LMSolver(self.policy, "worker", policy_name=policy_name, frozen=True)
+        return solver.answer(questions, tool, greedy=greedy, n=n, seed=seed, contexts=contexts)
+
+
+class RolloutWorkers:
+    """A `Solver` whose rollouts run on `n_workers` Ray actors.
+
+    `adapter_refs` maps policy names to saved policy files (`LMPolicy.save` output, a run's
+    checkpoints/tensors/*.safetensors) that every actor loads; `policy_name` picks the policy that
+    answers (None: the base model). Ray is started locally (or joins RAY_ADDRESS) if it is not
+    running. Each actor takes one CPU, and one GPU when `lm.device` is cuda (or auto and the
+    cluster has a GPU per worker)."""
+
+    def __init__(self, cfg: LMConfig, n_workers: int, adapter_refs: Mapping[str, str | os.PathLike] | None = None,
+                 *, policy_name: str | None = None, name: str | None = None,
+                 retriever_url: str | None = None, corpus: str | os.PathLike | None = None):
+        import ray
+
+        if n_workers < 1:
+            raise ValueError(f"workers: must be >= 1, got {n_workers}")
+        refs = {k: str(v) for k, v in (adapter_refs or {}).items()}
+        if policy_name is not None and policy_name not in refs:
+            raise ValueError(f"policy {policy_name!r} is not among the adapters given ({', '.join(refs) or 'none'})")
+        for path in refs.values():
+            if not os.path.isfile(path):
+                raise ValueError(f"{path}: no such policy file")
+        self.cfg, self.policy_name = cfg, policy_name
+        self.name = name or f"lm:{cfg.model}"
+        self.retriever_url = retriever_url
+        self.corpus = None if corpus is None else str(corpus)
+        self._corpus_sha: str | None = None
+        if not ray.is_initialized():
+            ray.init(address=os.environ.get("RAY_ADDRESS"), include_dashboard=False, log_to_driver=False)
+        gpus = 0
+        if cfg.device.startswith("cuda"):
+            gpus = 1
+        elif cfg.device == "auto" and ray.cluster_resources().get("GPU", 0) >= n_workers:
+            gpus = 1
+        actor = ray.remote(num_cpus=1, num_gpus=gpus)(_RolloutWorker)
+        self._actors = [actor.remote(cfg, refs) for _ in range(n_workers)]
+        # wait for the models here, so a bad model or adapter fails now, not at the first question
+        self._get([a.ready.remote() for a in self._actors])
+
+    @property
+    def n_workers(self) -> int:
+        return len(self._actors)
+
+    @staticmethod
+    def _get(refs):
+        import ray
+
+        try:
+            return ray.get(refs)
+        except ray.exceptions.RayTaskError as e:  # re-raise the worker's own error (ValueError, ...)
+            raise e.as_instanceof_cause() from None
+        except ray.exceptions.RayActorError as e:
+            raise RuntimeError(f"a rollout worker died: {e}") from None
+
+    def _source(self, tool: SearchTool) -> tuple[str, str]:
+        """Where the actors search: the same documents the caller's `tool` searches."""
+        from selfevo.search.bm25 import BM25Index, file_sha256
+        from selfevo.search.client import RetrieverClient
+
+        if isinstance(tool.retriever, RetrieverClient):
+            return ("url", tool.retriever.url)
+        if self.retriever_url:
+            return ("url", self.retriever_url.rstrip("/").removesuffix("/retrieve"))
+        if self.corpus is None:
+            raise ValueError("rollout workers need a retriever URL or a corpus file to build their search tool")
+        if not isinstance(tool.retriever, BM25Index):
+            raise ValueError(f"rollout workers rebuild a BM25 index from the corpus, but this tool searches "
+                             f"{type(tool.retriever).__name__}: serve it (selfevo serve-retriever) and give its URL")
+        if self._corpus_sha is None:
+            self._corpus_sha = file_sha256(self.corpus)
+        if tool.retriever.corpus_sha256 != self._corpus_sha:
+            raise ValueError(f"rollout workers: {self.corpus} is not the corpus the tool's BM25 index was built from")
+        return ("corpus", self.corpus)
+
+    def answer(self, questions: Sequence[str], tool: SearchTool, *, greedy: bool = True, n: int = 1,
+               seed: int | None = None, contexts: Sequence[Document] | None = None) -> list[list[Trajectory]]:
+        if contexts is not None and len(contexts) != len(questions):
+            raise ValueError("one context per question")
+        if not questions:
+            return []
+        source = self._source(tool)
+        refs = []
+        for k, (a, b) in enumerate(shard_bounds(len(questions), self.n_workers)):
+            shard_seed = None if greedy else derive_seed(0 if seed is None else seed, "shard", k)
+            refs.append(self._actors[k].answer.remote(
+                source, tool.topk, tool.max_calls, self.policy_name, list(questions[a:b]), greedy, n, shard_seed,
+                None if contexts is None else list(contexts[a:b])))
+        return [trajs for part in self._get(refs) for trajs in part]
+
+    def close(self) -> None:
+        import ray
+
+        for a in self._actors:
+            ray.kill(a)
+        self._actors = []
+
+    def __enter__(self) -> RolloutWorkers:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

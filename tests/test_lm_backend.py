@@ -1,0 +1,241 @@
+"""The language-model backend on the real SmolLM2-135M-Instruct (offline, CPU): policy-gradient
+steps move the right parameters the right way, checkpoints round-trip, and `selfevo evolve
+--backend lm` runs CrossFit end to end on the real corpus, resumably, with the sim backend's schema.
+Slow: one converted model shared by the session, tiny schedules."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from selfevo.agents.lm.protocol import solver_messages
+
+SHARED = Path(__file__).resolve().parents[2] / "shared" / "data"
+CORPUS = SHARED / "corpus" / "wiki18-mini.jsonl"
+TINY = Path(__file__).resolve().parents[1] / "configs" / "lm-tiny.toml"
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="session")
+def smollm2_path():
+    pytest.importorskip("peft")
+    from selfevo.agents.lm.model import smollm2_dir, smollm2_gguf
+
+    try:
+        smollm2_gguf()
+    except FileNotFoundError as e:
+        pytest.skip(str(e))
+    return smollm2_dir()
+
+
+@pytest.fixture(scope="module")
+def policy(smollm2_path, tmp_path_factory):
+    from selfevo.agents.lm.config import LMConfig
+    from selfevo.agents.lm.policy import LMPolicy
+
+    return LMPolicy(LMConfig(model=str(smollm2_path), device="cpu", threads=2, lr=1e-3, max_new_tokens=16),
+                    store=tmp_path_factory.mktemp("store"))
+
+
+CONVERSATION = [*solver_messages("Who wrote Hamlet?"),
+                {"role": "assistant", "content": "<think>I know this.</think><answer> William Shakespeare </answer>"}]
+
+
+def test_masks_on_the_real_tokenizer_train_only_the_assistant_tokens(policy):
+    ids, mask = policy.encode(CONVERSATION)
+    tok = policy.tokenizer
+    trained = tok.decode([i for i, m in zip(ids, mask) if m])
+    assert trained == CONVERSATION[-1]["content"]
+    ids_p, mask_p = policy.encode(CONVERSATION, mask_final_answer=True)
+    # the answer is masked, and so is a token straddling its edge ("</think><" may be one token)
+    assert ids_p == ids and tok.decode([i for i, m in zip(ids_p, mask_p) if m]) in (
+        "<think>I know this.</think>", "<think>I know this.</think")
+    assert "answer" not in tok.decode([i for i, m in zip(ids_p, mask_p) if m])
+
+
+def test_a_rewarded_sequence_gains_probability_and_nothing_else_moves(policy):
+    policy.new("up")
+    policy.new("down")
+    policy.new("bystander")
+    seq = policy.encode(CONVERSATION)
+    before = {n: policy.sequence_logprob(n, *seq) for n in (None, "up", "down", "bystander")}
+    assert len(set(round(v, 5) for v in before.values())) == 1  # fresh adapters = the base model
+    frozen = {n: p.detach().clone() for n, p in policy.parameters("bystander")}
+    for _ in range(2):
+        stats_up = policy.update("up", [seq], [1.0])
+        policy.update("down", [seq], [-1.0])
+    assert stats_up["trained_sequences"] == 1 and stats_up["trained_tokens"] == sum(seq[1]) - seq[1][0]
+    after = {n: policy.sequence_logprob(n, *seq) for n in (None, "up", "down", "bystander")}
+    assert after["up"] > before["up"] + 0.05
+    assert after["down"] < before["down"] - 0.05
+    assert after[None] == pytest.approx(before[None], abs=1e-6)  # the base stays frozen
+    assert after["bystander"] == pytest.approx(before["bystander"], abs=1e-6)
+    assert all((p == frozen[n]).all() for n, p in policy.parameters("bystander"))
+    # a zero advantage is no signal: no step is taken
+    moved = {n: p.detach().clone() for n, p in policy.parameters("up")}
+    assert policy.update("up", [seq], [0.0])["trained_sequences"] == 0
+    assert all((p == moved[n]).all() for n, p in policy.parameters("up"))
+
+
+def test_checkpoint_round_trip_restores_weights_and_optimizer(policy, smollm2_path):
+    from selfevo.agents.lm.config import LMConfig
+    from selfevo.agents.lm.policy import LMPolicy
+
+    policy.new("ck")
+    seq = policy.encode(CONVERSATION)
+    policy.update("ck", [seq], [1.0])
+    ref = policy.save("ck")
+    assert (policy.store / ref["file"]).exists() and ref["steps"] == 1
+    other = LMPolicy(policy.cfg, store=policy.store)
+    other.load("ck", ref)
+    assert other.sequence_logprob("ck", *seq) == pytest.approx(policy.sequence_logprob("ck", *seq), abs=1e-6)
+    # the next step from the restored optimizer equals the next step of the original
+    policy.update("ck", [seq], [1.0])
+    other.update("ck", [seq], [1.0])
+    assert other.sequence_logprob("ck", *seq) == pytest.approx(policy.sequence_logprob("ck", *seq), abs=1e-5)
+    # a corrupted file is refused
+    bad = dict(ref, sha256="0" * 64)
+    with pytest.raises(ValueError, match="checksum"):
+        other.load("ck", bad)
+    del LMConfig
+
+
+def test_snapshots_are_frozen_copies(policy):
+    from selfevo.agents.lm.agents import LMSolver
+
+    solver = LMSolver.trainable(policy, "s")
+    seq = policy.encode(CONVERSATION)
+    policy.update("s", [seq], [1.0])
+    snap = solver.snapshot("s@r1")
+    assert policy.sequence_logprob("s@r1", *seq) == pytest.approx(policy.sequence_logprob("s", *seq), abs=1e-6)
+    policy.update("s", [seq], [1.0])
+    assert policy.sequence_logprob("s@r1", *seq) < policy.sequence_logprob("s", *seq)
+    with pytest.raises(RuntimeError, match="frozen"):
+        snap.update([])
+
+
+def test_full_fine_tuning_moves_the_same_way(smollm2_path):
+    from selfevo.agents.lm.config import LMConfig
+    from selfevo.agents.lm.policy import LMPolicy
+
+    full = LMPolicy(LMConfig(model=str(smollm2_path), adapter="full", device="cpu", threads=2, lr=1e-5))
+    full.new("p")
+    seq = full.encode(CONVERSATION)
+    before = full.sequence_logprob("p", *seq)
+    full.update("p", [seq], [1.0])
+    assert full.sequence_logprob("p", *seq) > before
+    assert full.sequence_logprob(None, *seq) == pytest.approx(before, abs=1e-6)
+
+
+def test_batched_generation_answers_every_row(policy):
+    from selfevo.agents.lm.protocol import STOP_STRINGS
+
+    convs = [solver_messages(q) for q in ("Who wrote Hamlet?", "What is the capital of France?", "Who painted it?")]
+    out = policy.generate(None, convs, greedy=True, seed=None, max_new_tokens=12)
+    assert len(out) == 3 and all(f in ("stop", "length") for _, f in out)
+    # greedy is deterministic, and a row's reply does not depend on its batch mates
+    again = policy.generate(None, convs[:1], greedy=True, seed=None, max_new_tokens=12)
+    assert again[0][0].split()[:3] == out[0][0].split()[:3]
+    assert all(not any(s in t[:-len(s)] for s in STOP_STRINGS) for t, _ in out)  # cut after the first stop
+
+
+# ------------------------------------------------------------------ evolve end to end
+
+
+def _keys(obj):
+    return sorted(obj)
+
+
+@pytest.fixture(scope="module")
+def sim_run(tmp_path_factory):
+    from selfevo.config import load_config
+    from selfevo.evolve import evolve
+    from selfevo.runs import RunDir
+
+    path = tmp_path_factory.mktemp("sim") / "run"
+    cfg = load_config(None, ["world.name=small", "loop.rounds=2", "loop.admit_per_round=40",
+                             "loop.proposer_steps=2", "loop.solver_steps=2", "treatment=crossfit"])
+    evolve(cfg, path, progress=False)
+    return RunDir(path)
+
+
+@pytest.fixture(scope="module")
+def lm_run(smollm2_path, tmp_path_factory):
+    from selfevo.cli import app
+
+    out = tmp_path_factory.mktemp("lm") / "run"
+    result = CliRunner().invoke(app, ["evolve", "--config", str(TINY), "--backend", "lm", "--model", "smollm2-135m",
+                                      "--corpus", str(CORPUS), "--treatment", "crossfit", "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    return out
+
+
+def test_evolve_lm_crossfit_writes_the_sim_schema(lm_run, sim_run):
+    from selfevo.runs import RunDir
+
+    run = RunDir(lm_run)
+    assert run.manifest()["status"] == "complete" and run.manifest()["rounds_completed"] == 2
+    cfg = run.config()
+    assert cfg["backend"] == "lm" and cfg["treatment"] == "crossfit" and cfg["data"]["qa_dir"].endswith("qa")
+    steps, sim_steps = run.steps(), sim_run.steps()
+    assert [(s["round"], s["kind"]) for s in steps] == [(1, "proposer"), (1, "solver"), (2, "proposer"), (2, "solver")]
+    for kind in ("proposer", "solver"):
+        ref = next(s for s in sim_steps if s["kind"] == kind and s["items"])
+        for st in (s for s in steps if s["kind"] == kind):
+            assert set(_keys(st)) - {"malformed"} == set(_keys(ref))
+            for it in st["items"]:
+                assert _keys(it) == _keys(ref["items"][0])
+                assert len(it["responses"]) == 5
+    # every proposal is accounted for: graded, or malformed with its rule
+    for st in (s for s in steps if s["kind"] == "proposer"):
+        assert len(st["items"]) + len(st.get("malformed", [])) == 4
+        assert all(m["format_error"] and m["reward"] == -0.5 for m in st.get("malformed", []))
+    # CrossFit: round 2's graders are the aux solvers of the other fold
+    for it in next(s for s in steps if s["round"] == 2 and s["kind"] == "proposer")["items"]:
+        assert it["grader"]["id"] == f"aux-{1 - it['fold']}@r1"
+        assert it["fold"] not in it["grader"]["trained_on"]["folds"]
+    audit, sim_audit = (json.loads((p / "audit" / "metrics.json").read_text()) for p in (lm_run, sim_run.path))
+    assert audit["judge"] == "llm:smollm2-135m"
+    assert _keys(audit) == _keys(sim_audit) and _keys(audit["rounds"][0]) == _keys(sim_audit["rounds"][0])
+    for r in range(3):
+        ev, sim_ev = (json.loads((p / "eval" / f"round-{r}.json").read_text()) for p in (lm_run, sim_run.path))
+        assert _keys(ev) == _keys(sim_ev) and ev["run"]["questions"] == 7  # one per benchmark
+        assert 0.0 <= ev["macro"]["cover_em"] <= 1.0
+    compute = json.loads((lm_run / "compute.json").read_text())
+    assert compute["updates"]["proposer"] == 2
+    assert compute["updates"].get("main", 0) >= 1  # some proposal was admitted and trained the solver
+    tensors = list((lm_run / "checkpoints" / "tensors").glob("*.safetensors"))
+    assert {p.name.split("-")[0] for p in tensors} >= {"main", "proposer", "aux"}
+    ck = json.loads((lm_run / "checkpoints" / "round-2.json").read_text())
+    assert ck["main"]["policy"]["file"] in {p.name for p in tensors}
+
+
+def test_evolve_lm_resumes_after_a_crash_to_the_same_records(lm_run, tmp_path, monkeypatch):
+    """Generation on CPU is deterministic at a fixed thread count: a run killed in round 2 and
+    resumed from its round-1 checkpoint (adapters, optimizers, RNG) writes what the uninterrupted
+    run wrote."""
+    from selfevo.config import config_from_dict
+    from selfevo.evolve import evolve
+    from selfevo.loop.engine import Loop
+    from selfevo.runs import RunDir
+
+    cfg = config_from_dict(json.loads((lm_run / "config.json").read_text()))
+    original = Loop.proposer_step
+
+    def crash(self, st, *a, **k):
+        if st.round == 2:
+            raise RuntimeError("simulated crash")
+        return original(self, st, *a, **k)
+
+    monkeypatch.setattr(Loop, "proposer_step", crash)
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        evolve(cfg, tmp_path / "run", progress=False, audit=False)
+    monkeypatch.undo()
+    assert RunDir(tmp_path / "run").manifest()["rounds_completed"] == 1
+    evolve(cfg, tmp_path / "run", resume=True, progress=False, audit=False)
+    for f in ("records/steps.jsonl", "eval/round-1.json", "eval/round-2.json"):
+        assert (tmp_path / "run" / f).read_bytes() == (lm_run / f).read_bytes(), f

@@ -1,0 +1,500 @@
+"""Scale-out of the language-model backend: vLLM generation (the mapping to SamplingParams, the
+prompts, finish reasons, versioned LoRA exports, the clear errors where vLLM cannot run), Ray
+rollout workers (the same greedy answers as one process), `selfevo eval --workers`, and the run
+recipes under configs/.
+
+What runs here: the pure mappings; the engine against a stand-in for the `vllm` module (a real
+SmolLM2 policy, real peft exports, a fake LLM that records what it is asked); Ray on CPU. The one
+test that drives a real vLLM engine skips unless vllm and a CUDA GPU are present."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import json
+import sys
+import types
+from pathlib import Path
+
+import pytest
+
+from selfevo.agents.lm.config import LMConfig
+from selfevo.agents.lm.protocol import STOP_STRINGS, solver_messages
+from selfevo.agents.lm.vllm_engine import (
+    VLLM_LORA_RANKS,
+    check_vllm,
+    finish,
+    max_lora_rank,
+    prompt_token_ids,
+    sampling_kwargs,
+)
+from selfevo.agents.lm.workers import shard_bounds
+from selfevo.config import ConfigError, config_from_dict, load_config
+from selfevo.loop.schedule import derive_seed
+
+ROOT = Path(__file__).resolve().parents[1]
+SHARED = ROOT.parent / "shared" / "data"
+
+# ---------------------------------------------------------------- config
+
+
+def test_generator_is_validated_and_vllm_needs_lora():
+    assert LMConfig().generator == "hf"
+    with pytest.raises(ValueError, match=r"^lm\.generator: must be hf or vllm"):
+        LMConfig(generator="sglang")
+    with pytest.raises(ValueError, match="lm.generator=vllm needs lm.adapter=lora"):
+        LMConfig(generator="vllm", adapter="full")
+    with pytest.raises(ConfigError, match="lm.generator=vllm needs lm.adapter=lora"):
+        config_from_dict({"backend": "lm", "lm": {"generator": "vllm", "adapter": "full"}})
+    for bad in (0.0, 1.0, -0.1):
+        with pytest.raises(ValueError, match="lm.vllm_gpu_memory"):
+            LMConfig(vllm_gpu_memory=bad)
+    assert config_from_dict({"backend": "lm", "lm": {"generator": "vllm"}}).lm.generator == "vllm"
+
+
+# ---------------------------------------------------------------- pure vLLM mappings
+
+
+def test_sampling_params_map_greedy_and_seeded_sampling():
+    cfg = LMConfig(temperature=0.7, top_p=0.9)
+    g = sampling_kwargs(cfg, greedy=True, seed=5, row=0, max_tokens=64, stops=("</search>", "</answer>"))
+    assert g == {"n": 1, "max_tokens": 64, "stop": ["</search>", "</answer>"], "include_stop_str_in_output": True,
+                 "skip_special_tokens": True, "temperature": 0.0, "top_p": 1.0}  # greedy: no seed, no nucleus
+    s = [sampling_kwargs(cfg, greedy=False, seed=5, row=i, max_tokens=32, n=2) for i in range(3)]
+    assert [x["temperature"] for x in s] == [0.7] * 3 and [x["top_p"] for x in s] == [0.9] * 3
+    assert s[0]["n"] == 2 and s[0]["max_tokens"] == 32 and s[0]["stop"] == list(STOP_STRINGS)
+    assert "top_k" not in s[0]  # disabled, as in the HF path (top_k=0)
+    # one seed per request, derived from (seed, row): distinct rows differ, the same row repeats
+    assert s[1]["seed"] == derive_seed(5, "row", 1) % 2**31
+    assert len({x["seed"] for x in s}) == 3
+    assert sampling_kwargs(cfg, greedy=False, seed=5, row=1, max_tokens=32)["seed"] == s[1]["seed"]
+    assert "seed" not in sampling_kwargs(cfg, greedy=False, seed=None, row=0, max_tokens=8)
+
+
+def test_finish_keeps_the_prefix_cuts_after_the_stop_and_maps_the_reason():
+    assert finish("", "<think>x</think><search> q </search>", "stop") == (
+        "<think>x</think><search> q </search>", "stop")
+    # a stop string reached by the last budgeted token still stops the action
+    assert finish("", "<answer> Paris </answer>", "length") == ("<answer> Paris </answer>", "stop")
+    assert finish("", "<think> a long thought", "length") == ("<think> a long thought", "length")
+    assert finish("", "no tags, ended at eos", "stop") == ("no tags, ended at eos", "stop")
+    # the forced prefix starts the text; generation run past the stop is cut off
+    assert finish("<question>", " Who? </question> more", "stop", stops=("</question>", "\n")) == (
+        "<question> Who? </question>", "stop")
+
+
+def test_max_lora_rank_rounds_up_to_a_rank_vllm_accepts():
+    assert [max_lora_rank(r) for r in (1, 2, 8, 16, 17, 64, 300)] == [1, 8, 8, 16, 32, 64, 320]
+    assert max_lora_rank(512) == 512 and VLLM_LORA_RANKS[-1] == 512
+    with pytest.raises(ValueError, match="lm.lora_r"):
+        max_lora_rank(513)
+
+
+@pytest.fixture(scope="module")
+def smollm2_path():
+    pytest.importorskip("peft")
+    from selfevo.agents.lm.model import smollm2_dir, smollm2_gguf
+
+    try:
+        smollm2_gguf()
+    except FileNotFoundError as e:
+        pytest.skip(str(e))
+    return smollm2_dir()
+
+
+def test_prompt_token_ids_are_the_hf_batch_without_its_padding(smollm2_path):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(smollm2_path)
+    tok.padding_side = "left"
+    prompts = [tok.apply_chat_template(solver_messages(q), tokenize=False, add_generation_prompt=True) + head
+               for q, head in (("Who wrote Hamlet?", ""), ("Where is the Eiffel Tower, and who built it?",
+                                                            "<think>"))]
+    for limit in (4096, 20):  # long enough, and cut by the tokenizer
+        enc = tok(prompts, padding=True, add_special_tokens=False, truncation=True, max_length=limit)
+        hf = [[i for i, a in zip(ids, att) if a] for ids, att in zip(enc["input_ids"], enc["attention_mask"])]
+        assert prompt_token_ids(tok, prompts, limit) == hf
+    assert len(prompt_token_ids(tok, prompts, 20)[1]) == 20
+
+
+def test_shard_bounds_are_contiguous_balanced_and_in_order():
+    assert shard_bounds(10, 3) == [(0, 4), (4, 7), (7, 10)]
+    assert shard_bounds(2, 4) == [(0, 1), (1, 2)]  # never an empty shard
+    assert shard_bounds(0, 2) == []
+    for n in range(0, 30):
+        for k in range(1, 6):
+            b = shard_bounds(n, k)
+            assert [x for a, e in b for x in range(a, e)] == list(range(n))
+            sizes = [e - a for a, e in b]
+            assert not sizes or max(sizes) - min(sizes) <= 1
+    with pytest.raises(ValueError):
+        shard_bounds(3, 0)
+
+
+# ---------------------------------------------------------------- vLLM missing / no GPU
+
+
+def _fake_vllm(monkeypatch, llm_calls: list | None = None):
+    """A stand-in for the `vllm` package: SamplingParams and LoRARequest record their arguments."""
+    vllm = types.ModuleType("vllm")
+    lora = types.ModuleType("vllm.lora")
+    request = types.ModuleType("vllm.lora.request")
+
+    class SamplingParams:
+        def __init__(self, **kwargs):
+            self.kwargs = kwargs
+
+    class LoRARequest:
+        def __init__(self, lora_name, lora_int_id, lora_path):
+            self.lora_name, self.lora_int_id, self.lora_path = lora_name, lora_int_id, lora_path
+
+    vllm.SamplingParams, request.LoRARequest, vllm.lora, lora.request = SamplingParams, LoRARequest, lora, request
+    for name, mod in (("vllm", vllm), ("vllm.lora", lora), ("vllm.lora.request", request)):
+        monkeypatch.setitem(sys.modules, name, mod)
+    return vllm
+
+
+def test_missing_vllm_is_a_clear_error_naming_lm_generator(monkeypatch):
+    monkeypatch.setitem(sys.modules, "vllm", None)  # `import vllm` raises ImportError
+    cfg = LMConfig(generator="vllm")
+    with pytest.raises(ValueError, match=r"^lm\.generator: .*vllm package.*lm\.generator = \"hf\""):
+        check_vllm(cfg)
+    pytest.importorskip("torch")
+    from selfevo.agents.lm.policy import LMPolicy
+
+    # the check runs before anything is loaded: a model that does not exist is never looked up
+    with pytest.raises(ValueError, match=r"^lm\.generator: "):
+        LMPolicy(LMConfig(model="/nonexistent/model", generator="vllm"))
+
+
+def test_vllm_without_a_cuda_gpu_is_a_clear_error(monkeypatch):
+    torch = pytest.importorskip("torch")
+    _fake_vllm(monkeypatch)
+    with pytest.raises(ValueError, match=r"^lm\.generator: .*CUDA GPU.*lm\.device = \"cpu\""):
+        check_vllm(LMConfig(generator="vllm", device="cpu"))
+    with pytest.raises(ValueError, match="CUDA_VISIBLE_DEVICES=1"):
+        check_vllm(LMConfig(generator="vllm", device="cuda:1"))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ValueError, match=r"^lm\.generator: .*torch sees none"):
+        check_vllm(LMConfig(generator="vllm", device="auto"))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    check_vllm(LMConfig(generator="vllm", device="cuda"))  # importable and a GPU: no complaint
+
+
+# ---------------------------------------------------------------- the engine, with a stand-in LLM
+
+
+class _Out:
+    def __init__(self, text, finish_reason):
+        self.outputs = [types.SimpleNamespace(text=text, finish_reason=finish_reason)]
+
+
+class _FakeLLM:
+    """Records each generate call; replies with `reply(prompt_ids, params)` -> (text, finish)."""
+
+    def __init__(self, reply):
+        self.reply, self.calls = reply, []
+
+    def generate(self, prompts, params, lora_request=None, use_tqdm=True):
+        self.calls.append({"prompts": prompts, "params": params, "lora": lora_request})
+        return [_Out(*self.reply(p["prompt_token_ids"], sp)) for p, sp in zip(prompts, params)]
+
+
+def _adapter_tensors(path: Path) -> dict:
+    from safetensors.torch import load_file
+
+    return load_file(path / "adapter_model.safetensors")
+
+
+@pytest.mark.slow
+def test_engine_serves_each_policy_change_as_a_new_lora_version(smollm2_path, monkeypatch, tmp_path):
+    import torch
+    from peft import get_peft_model_state_dict
+
+    from selfevo.agents.lm.policy import LMPolicy
+    from selfevo.agents.lm.vllm_engine import VLLMEngine
+
+    _fake_vllm(monkeypatch)
+    cfg = LMConfig(model=str(smollm2_path), device="cpu", threads=2, lr=1e-3, max_new_tokens=16,
+                   max_prompt_tokens=512)
+    policy = LMPolicy(cfg)
+    llm = _FakeLLM(lambda ids, sp: ("<think>hm</think><search> Hamlet </search> trailing", "stop")
+                   if sp.kwargs["max_tokens"] > 4 else ("<think> cut", "length"))
+    engine = VLLMEngine(policy, llm=llm, adapter_root=tmp_path / "adapters")
+    # generation goes through the engine once lm.generator says vllm (the HF path is untouched)
+    policy.cfg, policy._vllm = dataclasses.replace(cfg, generator="vllm"), engine
+    convs = [solver_messages("Who wrote Hamlet?"), solver_messages("What is the capital of France?")]
+
+    out = policy.generate(None, convs, greedy=True, seed=None)
+    assert out == [("<think>hm</think><search> Hamlet </search>", "stop")] * 2
+    call = llm.calls[-1]
+    assert call["lora"] is None  # the base model: no adapter
+    assert [p["prompt_token_ids"] for p in call["prompts"]] == prompt_token_ids(
+        policy.tokenizer, [policy.render(c) for c in convs], cfg.max_prompt_tokens)
+    assert [sp.kwargs for sp in call["params"]] == [
+        sampling_kwargs(cfg, greedy=True, seed=None, row=i, max_tokens=16) for i in range(2)]
+    # a prefix starts the prompt and the returned text; the budget maps to max_tokens and "length"
+    out = policy.generate(None, convs[:1], greedy=False, seed=3, max_new_tokens=2, prefix="<think>")
+    assert out == [("<think><think> cut", "length")]
+    sp = llm.calls[-1]["params"][0].kwargs
+    assert sp["max_tokens"] == 2 and sp["temperature"] == cfg.temperature and sp["seed"] == derive_seed(3, "row", 0) % 2**31
+    assert llm.calls[-1]["prompts"][0]["prompt_token_ids"] == prompt_token_ids(
+        policy.tokenizer, [policy.render(convs[0]) + "<think>"], cfg.max_prompt_tokens)[0]
+
+    def exported(name):
+        state = get_peft_model_state_dict(policy.peft, adapter_name=name)
+        return {k: v.detach().clone() for k, v in state.items()}
+
+    # a fresh policy is exported once, and served under the same id until it changes
+    policy.new("main")
+    policy.generate("main", convs, greedy=True, seed=None)
+    first = llm.calls[-1]["lora"]
+    assert first.lora_int_id == 1 and first.lora_name == "main#1"
+    path1 = Path(first.lora_path)
+    config = json.loads((path1 / "adapter_config.json").read_text())
+    assert config["r"] == cfg.lora_r and sorted(config["target_modules"]) == sorted(cfg.lora_targets)
+    saved = _adapter_tensors(path1)
+    want = exported("main")
+    assert len(saved) == len(want) > 0
+    assert all(torch.equal(saved[k], want[k]) for k in want)
+    policy.generate("main", convs, greedy=True, seed=None)
+    assert llm.calls[-1]["lora"] is first and engine.exports == 1
+
+    # an update changes the weights: a new version, a new id, the new weights on disk
+    seq = policy.encode([*convs[0], {"role": "assistant", "content": "<answer> Shakespeare </answer>"}])
+    policy.update("main", [seq], [1.0])
+    policy.generate("main", convs, greedy=True, seed=None)
+    second = llm.calls[-1]["lora"]
+    assert second.lora_int_id == 2 and engine.exports == 2
+    saved2, want2 = _adapter_tensors(Path(second.lora_path)), exported("main")
+    assert all(torch.equal(saved2[k], want2[k]) for k in want2)
+    assert any(not torch.equal(saved2[k], saved[k]) for k in saved)  # the step moved something
+    assert not path1.exists()  # the stale version is removed
+
+    # a snapshot (new, like=...) is a policy of its own; replacing it re-exports it
+    policy.new("main@frozen", like="main")
+    policy.generate("main@frozen", convs[:1], greedy=True, seed=None)
+    snap = llm.calls[-1]["lora"]
+    assert snap.lora_int_id == 3
+    assert all(torch.equal(_adapter_tensors(Path(snap.lora_path))[k], want2[k]) for k in want2)
+    policy.update("main", [seq], [1.0])
+    policy.new("main@frozen", like="main")  # the next round's grader: same name, new weights
+    policy.generate("main@frozen", convs[:1], greedy=True, seed=None)
+    assert llm.calls[-1]["lora"].lora_int_id == 4
+    # loading a saved policy into a name also counts as a change
+    policy.store = tmp_path / "store"
+    ref = policy.save("main")
+    policy.generate("main", convs[:1], greedy=True, seed=None)
+    before = llm.calls[-1]["lora"].lora_int_id
+    policy.load("main", ref)
+    policy.generate("main", convs[:1], greedy=True, seed=None)
+    assert llm.calls[-1]["lora"].lora_int_id == before + 1
+    engine.close()
+
+
+# ---------------------------------------------------------------- a real vLLM engine (GPU only)
+
+
+def _has_vllm_and_cuda() -> bool:
+    if importlib.util.find_spec("vllm") is None or importlib.util.find_spec("torch") is None:
+        return False
+    import torch
+
+    return torch.cuda.is_available()
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not _has_vllm_and_cuda(), reason="needs the vllm package and a CUDA GPU")
+def test_vllm_generation_matches_hf_for_the_base_and_an_updated_adapter(smollm2_path):
+    """On a GPU: the vLLM path gives the HF path's greedy actions for the base model and for a
+    LoRA policy after training steps (served as a new adapter version), and seeded sampling repeats."""
+    from selfevo.agents.lm.policy import LMPolicy
+
+    cfg = LMConfig(model=str(smollm2_path), device="cuda", dtype="bfloat16", generator="vllm", lr=2e-3,
+                   max_new_tokens=24, max_prompt_tokens=1024, vllm_gpu_memory=0.3)
+    policy = LMPolicy(cfg)
+
+    def hf(name, convs, **kw):  # the same weights through the transformers path
+        policy.cfg = dataclasses.replace(cfg, generator="hf")
+        try:
+            return policy.generate(name, convs, **kw)
+        finally:
+            policy.cfg = cfg
+
+    questions = ["Who wrote Hamlet?", "What is the capital of France?", "Who painted the Mona Lisa?",
+                 "What is the largest planet of the solar system?"]
+    convs = [solver_messages(q) for q in questions]
+    base_v = policy.generate(None, convs, greedy=True, seed=None)
+    base_h = hf(None, convs, greedy=True, seed=None)
+    assert sum(a == b for a, b in zip(base_v, base_h)) >= 3, (base_v, base_h)  # bf16 kernels may split a tie
+    assert policy.generate(None, convs[:1], greedy=True, seed=None, max_new_tokens=2)[0][1] == "length"
+
+    policy.new("main")
+    target = "<think>I know it.</think><answer> Bob Marley </answer>"
+    seq = policy.encode([*convs[0], {"role": "assistant", "content": target}])
+    for _ in range(40):
+        policy.update("main", [seq], [1.0])
+    engine = policy._vllm
+    trained_v = policy.generate("main", convs, greedy=True, seed=None)
+    trained_h = hf("main", convs, greedy=True, seed=None)
+    assert engine.exports >= 1
+    assert "Bob Marley" in trained_h[0][0]  # the steps took (HF path)
+    assert "Bob Marley" in trained_v[0][0]  # and vLLM serves the trained adapter, not a stale one
+    assert sum(a == b for a, b in zip(trained_v, trained_h)) >= 3, (trained_v, trained_h)
+    first_id = engine.lora_request("main").lora_int_id
+    policy.update("main", [seq], [1.0])
+    policy.generate("main", convs[:1], greedy=True, seed=None)
+    assert engine.lora_request("main").lora_int_id == first_id + 1
+
+    s1 = policy.generate("main", convs, greedy=False, seed=11)
+    s2 = policy.generate("main", convs, greedy=False, seed=11)
+    assert s1 == s2
+
+
+# ---------------------------------------------------------------- Ray rollout workers
+
+
+TINY_DOCS = [
+    ("d1", "Hamlet", "Hamlet is a tragedy written by William Shakespeare around 1600."),
+    ("d2", "Paris", "Paris is the capital and largest city of France."),
+    ("d3", "Mona Lisa", "The Mona Lisa is a portrait painted by Leonardo da Vinci."),
+    ("d4", "Jupiter", "Jupiter is the largest planet in the Solar System."),
+    ("d5", "Nile", "The Nile is a river in Africa that flows through Egypt and Sudan."),
+    ("d6", "Mount Everest", "Mount Everest is Earth's highest mountain above sea level."),
+]
+QUESTIONS = ["Who wrote Hamlet?", "What is the capital of France?", "Who painted the Mona Lisa?",
+             "Which river flows through Egypt?"]
+
+
+@pytest.fixture
+def tiny_corpus(tmp_path):
+    path = tmp_path / "corpus.jsonl"
+    path.write_text("".join(json.dumps({"id": i, "contents": f'"{t}"\n{x}'}) + "\n" for i, t, x in TINY_DOCS))
+    return path
+
+
+@pytest.fixture
+def ray_cpu():
+    ray = pytest.importorskip("ray")
+    started = not ray.is_initialized()
+    if started:
+        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    yield ray
+    if started:
+        ray.shutdown()
+
+
+@pytest.mark.slow
+def test_two_ray_workers_answer_exactly_as_one_process(smollm2_path, tiny_corpus, ray_cpu):
+    import torch
+
+    from selfevo.agents import load_agent
+    from selfevo.agents.lm.agents import LMSolver
+    from selfevo.agents.lm.policy import LMPolicy
+    from selfevo.agents.lm.workers import RolloutWorkers
+    from selfevo.search.bm25 import BM25Index
+    from selfevo.search.tool import SearchTool
+
+    options = {"device": "cpu", "threads": 1, "max_new_tokens": 16, "max_actions": 2}
+    tool = SearchTool(BM25Index.from_corpus_file(tiny_corpus), topk=2, max_calls=2)
+    threads = torch.get_num_threads()
+    try:
+        local = LMSolver(LMPolicy(LMConfig(model="smollm2-135m", **options)), "lm:smollm2-135m")
+        expected = local.answer(QUESTIONS, tool, greedy=True)
+    finally:
+        torch.set_num_threads(threads)
+    # `selfevo eval --agent lm:smollm2-135m --workers 2` builds exactly this
+    workers = load_agent("lm:smollm2-135m", corpus=tiny_corpus, retriever_url=None, workers=2, lm_options=options)
+    try:
+        assert isinstance(workers, RolloutWorkers) and workers.n_workers == 2
+        assert workers.name == "lm:smollm2-135m"
+        got = workers.answer(QUESTIONS, tool, greedy=True, n=2)
+        assert len(got) == len(QUESTIONS) and all(len(ts) == 2 for ts in got)
+        for want, have in zip(expected, got):
+            for t in have:
+                assert (t.answer, t.searches, t.actions) == (want[0].answer, want[0].searches, want[0].actions)
+                assert t.trace.messages == want[0].trace.messages
+        # the trajectories really ran the protocol: every one is one or two assistant actions
+        assert all(1 <= ts[0].actions <= 2 for ts in got)
+        # the workers refuse a tool whose documents they cannot rebuild
+        other = tiny_corpus.parent / "other.jsonl"
+        other.write_text(tiny_corpus.read_text().replace("1600", "1601"))
+        with pytest.raises(ValueError, match="not the corpus"):
+            workers.answer(QUESTIONS[:1], SearchTool(BM25Index.from_corpus_file(other)))
+    finally:
+        workers.close()
+
+
+def test_workers_reject_a_policy_they_were_not_given(tmp_path):
+    pytest.importorskip("ray")
+    from selfevo.agents.lm.workers import RolloutWorkers
+
+    with pytest.raises(ValueError, match="not among the adapters"):
+        RolloutWorkers(LMConfig(), 2, policy_name="main")
+    with pytest.raises(ValueError, match="no such policy file"):
+        RolloutWorkers(LMConfig(), 2, {"main": tmp_path / "missing.safetensors"}, policy_name="main")
+    with pytest.raises(ValueError, match="workers: must be >= 1"):
+        RolloutWorkers(LMConfig(), 0)
+
+
+def test_eval_workers_option_reaches_the_agent_factory(tmp_path, tiny_corpus):
+    from typer.testing import CliRunner
+
+    from selfevo import agents
+    from selfevo.agents.baseline import RetrievalBaseline
+    from selfevo.cli import app
+
+    seen = []
+
+    def probe(arg, **context):
+        seen.append(context)
+        return RetrievalBaseline()
+
+    agents.register_agent("probe-workers", probe)
+    try:
+        args = ["eval", "--data-dir", str(SHARED / "qa"), "--corpus", str(tiny_corpus), "--agent", "probe-workers",
+                "--limit", "1"]
+        r = CliRunner().invoke(app, [*args, "--out", str(tmp_path / "a"), "--workers", "3"])
+        assert r.exit_code == 0, r.output
+        r = CliRunner().invoke(app, [*args, "--out", str(tmp_path / "b")])
+        assert r.exit_code == 0, r.output
+        r = CliRunner().invoke(app, [*args, "--out", str(tmp_path / "c"), "--workers", "-1"])
+        assert r.exit_code == 2
+    finally:
+        agents._REGISTRY.pop("probe-workers", None)
+    assert seen[0]["workers"] == 3 and seen[0]["corpus"] == tiny_corpus and seen[0]["retriever_url"] is None
+    assert "workers" not in seen[1]
+    assert len(seen) == 2
+
+
+# ---------------------------------------------------------------- recipes
+
+
+CONFIGS = sorted((ROOT / "configs").glob("*.toml"))
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=[p.name for p in CONFIGS])
+def test_every_shipped_config_loads(path):
+    if path.name == "demo.toml":  # a plan ([demo]) around run tables: its own loader
+        from selfevo.demo import load_plan
+
+        cfg = load_config(None, load_plan(path).overrides())
+    else:
+        cfg = load_config(path)
+    assert cfg.to_json()  # resolvable into the run directory's config.json
+
+
+@pytest.mark.parametrize("name", ["qwen3.5-4b.toml", "qwen3.5-9b.toml"])
+def test_qwen_recipes_follow_the_paper_schedule(name):
+    cfg = load_config(ROOT / "configs" / name)
+    assert cfg.backend == "lm"
+    loop, lm = cfg.loop, cfg.lm
+    assert (loop.rounds, loop.proposer_steps, loop.solver_steps) == (3, 18, 25)
+    assert (loop.admit_per_round, loop.grader_samples) == (1600, 5)
+    assert (lm.temperature, lm.top_p, lm.max_actions, lm.max_new_tokens, lm.doc_tokens) == (0.8, 0.95, 5, 512, 256)
+    assert (lm.device, lm.dtype, lm.generator, lm.adapter) == ("cuda", "bfloat16", "vllm", "lora")
+    assert (cfg.search.topk, cfg.search.max_calls) == (3, 5)
+    assert lm.model == {"qwen3.5-4b.toml": "Qwen/Qwen3.5-4B", "qwen3.5-9b.toml": "Qwen/Qwen3.5-9B"}[name]
+    # a whole trajectory (five actions and their observations) fits the context the engine is sized for
+    assert lm.max_prompt_tokens >= 4096 and lm.max_train_tokens >= lm.max_prompt_tokens
+    assert max_lora_rank(lm.lora_r) == lm.lora_r
