@@ -237,7 +237,8 @@ def test_engine_serves_each_policy_change_as_a_new_lora_version(smollm2_path, mo
     out = policy.generate(None, convs[:1], greedy=False, seed=3, max_new_tokens=2, prefix="<think>")
     assert out == [("<think><think> cut", "length")]
     sp = llm.calls[-1]["params"][0].kwargs
-    assert sp["max_tokens"] == 2 and sp["temperature"] == cfg.temperature and sp["seed"] == derive_seed(3, "row", 0) % 2**31
+    assert sp["max_tokens"] == 2 and sp["temperature"] == cfg.temperature
+    assert sp["seed"] == derive_seed(3, "row", 0) % 2**31
     assert llm.calls[-1]["prompts"][0]["prompt_token_ids"] == prompt_token_ids(
         policy.tokenizer, [policy.render(convs[0]) + "<think>"], cfg.max_prompt_tokens)[0]
 
@@ -362,8 +363,9 @@ TINY_DOCS = [
     ("d5", "Nile", "The Nile is a river in Africa that flows through Egypt and Sudan."),
     ("d6", "Mount Everest", "Mount Everest is Earth's highest mountain above sea level."),
 ]
-QUESTIONS = ["Who wrote Hamlet?", "What is the capital of France?", "Who painted the Mona Lisa?",
-             "Which river flows through Egypt?"]
+# the first one makes SmolLM2 search (greedy), so the workers' own search tools are exercised
+QUESTIONS = ["Write <search> Hamlet author </search> first. Who wrote Hamlet?", "What is the capital of France?",
+             "Who painted the Mona Lisa?", "Which river flows through Egypt?"]
 
 
 @pytest.fixture
@@ -403,6 +405,9 @@ def test_two_ray_workers_answer_exactly_as_one_process(smollm2_path, tiny_corpus
         expected = local.answer(QUESTIONS, tool, greedy=True)
     finally:
         torch.set_num_threads(threads)
+    # more workers than the cluster's CPUs would wait forever: refused at once
+    with pytest.raises(ValueError, match="3 rollout workers need 3 CPUs; the Ray cluster has 2 CPUs"):
+        load_agent("lm:smollm2-135m", corpus=tiny_corpus, workers=3, lm_options=options)
     # `selfevo eval --agent lm:smollm2-135m --workers 2` builds exactly this
     workers = load_agent("lm:smollm2-135m", corpus=tiny_corpus, retriever_url=None, workers=2, lm_options=options)
     try:
@@ -414,8 +419,11 @@ def test_two_ray_workers_answer_exactly_as_one_process(smollm2_path, tiny_corpus
             for t in have:
                 assert (t.answer, t.searches, t.actions) == (want[0].answer, want[0].searches, want[0].actions)
                 assert t.trace.messages == want[0].trace.messages
-        # the trajectories really ran the protocol: every one is one or two assistant actions
+        # the trajectories really ran the protocol: one or two actions each, a search answered from
+        # the worker's own index (its passages are in the conversation compared above)
         assert all(1 <= ts[0].actions <= 2 for ts in got)
+        assert got[0][0].searches == ["Hamlet author"]
+        assert any("<information>Doc 1 (Title: Hamlet)" in m["content"] for m in got[0][0].trace.messages)
         # the workers refuse a tool whose documents they cannot rebuild
         other = tiny_corpus.parent / "other.jsonl"
         other.write_text(tiny_corpus.read_text().replace("1600", "1601"))

@@ -450,3 +450,22 @@ def test_configs_are_parsed_never_evaluated(tmp_path):
         except ConfigError:
             pass
     assert not marker.exists()
+
+
+def test_a_run_made_before_a_config_field_existed_resumes_while_it_keeps_its_default(tmp_path):
+    from selfevo.config import RunConfig, load_config
+    from selfevo.runs import RunError
+
+    cfg = load_config(None, ["world.name=small"]).to_json()
+    old = json.loads(json.dumps(cfg))
+    del old["backend"], old["lm"], old["data"]["eval_limit"]  # as a run from an older selfevo saved it
+    run = RunDir(tmp_path / "run")
+    run.create(old)
+    defaults = RunConfig().to_json()
+    assert run.open_for_resume(cfg, defaults=defaults) == 0
+    # a new field set away from its default changes what the run means: refused, and named
+    changed = load_config(None, ["world.name=small", "data.eval_limit=3"]).to_json()
+    with pytest.raises(RunError, match="data.eval_limit"):
+        run.open_for_resume(changed, defaults=defaults)
+    with pytest.raises(RunError, match="backend"):  # without defaults nothing is filled in
+        run.open_for_resume(cfg)

@@ -244,14 +244,14 @@ def test_faults_do_not_stop_an_evaluation_and_are_counted():
     assert st["failed_trajectories"] == st["failed_calls"]  # each failure ends exactly one trajectory
     assert st["trajectories"] == 60 and st["unanswered"] >= st["failed_trajectories"]
     # a failed trajectory has no answer; every other one found the right word despite the garbage,
-    # unless garbage used up all its actions
+    # unless garbage (invalid actions, repeated searches after a correction) used up all its actions
     for it, (t,) in zip(items, trajs):
         if t.trace.failed:
             assert t.answer == "" and t.actions < 5
         elif t.answer:
             assert t.answer == it.golden_answers[0]
         else:
-            assert t.actions == 5 and t.trace.invalid >= 4
+            assert t.actions == 5 and t.trace.invalid >= 1
     cover = result["benchmarks"]["nq"]["cover_em"]
     answered = 1 - sum(t.trace.failed for (t,) in trajs) / 30
     assert 0 < cover < 1 and 0 < answered < 1

@@ -145,17 +145,23 @@ def eval_(
     model: str | None = typer.Option(None, help=_MODEL_HELP),
     workers: int = typer.Option(0, "--workers", min=0, help="lm: agents: answer on N Ray actors, each "
                                 "with its own copy of the model (0: in this process)"),
+    lm_set: list[str] = typer.Option([], "--lm-set", help="lm: agents: an [lm] setting, e.g. device=\"cuda\" "
+                                     "or max_new_tokens=128 (see configs/default.toml)"),
 ) -> None:
     """Run an agent on the seven benchmarks end to end; write predictions.jsonl and score.json."""
+    from selfevo.config import ConfigError, load_config
     from selfevo.evaluate import print_score_table, run_eval
     from selfevo.search.client import RetrieverError
 
+    context: dict = {"workers": workers} if workers else {}
     try:
+        if lm_set:
+            lm = load_config(None, [f"lm.{x}" for x in lm_set]).lm
+            context["lm_options"] = {k: v for k, v in vars(lm).items() if k != "model"}
         result = run_eval(data_dir=data_dir, corpus=corpus, agent=agent, out_dir=out,
                           limit=limit, retriever_url=retriever_url, retriever_kind=retriever,
-                          index=index, dense_options=_dense_options(model),
-                          agent_context={"workers": workers} if workers else None)
-    except (DataError, ValueError, RetrieverError, ImportError) as e:  # one line, not a traceback
+                          index=index, dense_options=_dense_options(model), agent_context=context or None)
+    except (ConfigError, DataError, ValueError, RetrieverError, ImportError) as e:  # one line, not a traceback
         _fail(str(e))
     print_score_table(result, console)
 
@@ -255,6 +261,30 @@ def evolve_cmd(
             "data.qa_dir": None if qa_dir is None else str(qa_dir)})
         run = evolve(cfg, out, resume=resume, audit=audit)
     except (ConfigError, RunError, DataError, WorldError) as e:
+        _fail(str(e))
+    _print_run(run.path)
+
+
+@app.command("engine-run")
+def engine_run_cmd(
+    engine: str = typer.Option(..., help="trl | verl: the engine that trains (see docs/integrations.md)"),
+    config: Path = typer.Option(..., help="engine-run config, TOML or YAML: the run's tables plus [engine]"),
+    out: Path = typer.Option(..., help="run directory (the layout of `selfevo evolve`, plus engine/ and models/)"),
+    set_: list[str] = typer.Option([], "--set", help="override a config field, e.g. engine.graders=vllm"),
+    resume: bool = typer.Option(False, help="continue a run in --out: finished phases are skipped"),
+) -> None:
+    """Run the rounds as TRL or verl jobs (proposer, admission, main/aux solvers, evaluation, audit)."""
+    from selfevo.config import ConfigError
+    from selfevo.integrations.engine import EngineUnavailable, engine_run, load_engine_config
+    from selfevo.runs import RunError
+    from selfevo.world import WorldError
+
+    if engine not in ("trl", "verl"):
+        _fail(f"--engine: trl or verl, got {engine!r}")
+    try:
+        ecfg = load_engine_config(config, set_, engine=engine)
+        run = engine_run(ecfg, out, resume=resume, log=lambda msg: console.print(escape(msg)))
+    except (ConfigError, RunError, DataError, WorldError, EngineUnavailable) as e:
         _fail(str(e))
     _print_run(run.path)
 

@@ -163,7 +163,7 @@ def evolve(cfg: RunConfig, out: str | os.PathLike, resume: bool = False, progres
     tool = SearchTool(env.index, topk=cfg.search.topk, max_calls=cfg.search.max_calls)
     run = RunDir(out)
     if resume and run.exists():
-        done = run.open_for_resume(cfg.to_json())
+        done = run.open_for_resume(cfg.to_json(), defaults=RunConfig().to_json())
     else:
         run.create(cfg.to_json())
         done = 0

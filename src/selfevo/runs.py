@@ -35,6 +35,20 @@ def _differences(a: dict, b: dict, prefix: str = "") -> list[str]:
     return out
 
 
+def _with_new_defaults(saved: dict, current: dict, defaults: dict | None) -> dict:
+    """`saved` with the fields it lacks (added to selfevo since the run was made) read as their
+    defaults -- where the current config keeps the default, so the run means what it meant."""
+    out = dict(saved)
+    for key, value in current.items():
+        default = defaults.get(key) if isinstance(defaults, dict) else None
+        if key not in saved:
+            if isinstance(defaults, dict) and key in defaults and default == value:
+                out[key] = value
+        elif isinstance(value, dict) and isinstance(saved[key], dict):
+            out[key] = _with_new_defaults(saved[key], value, default)
+    return out
+
+
 class RunError(ValueError):
     """A run directory that cannot be used as asked (exists, mismatched config, incomplete)."""
 
@@ -69,13 +83,15 @@ class RunDir:
         write_json(self.path / "config.json", config)
         self._write_manifest({"status": "running", "rounds_completed": 0, "created": time.time()})
 
-    def open_for_resume(self, config: dict) -> int:
+    def open_for_resume(self, config: dict, defaults: dict | None = None) -> int:
         """Check the config matches, drop records after the last checkpoint; return the number
-        of completed rounds (0 = nothing checkpointed yet)."""
+        of completed rounds (0 = nothing checkpointed yet). `defaults` (the config's default
+        values) lets a run made before a field existed resume while that field keeps its default."""
         if not self.exists():
             raise RunError(f"{self.path}: no run to resume (no manifest.json)")
-        saved = self._read_for_resume(self.path / "config.json")
         config = json.loads(json.dumps(config))  # tuples -> lists, as saved
+        defaults = json.loads(json.dumps(defaults)) if defaults is not None else None
+        saved = _with_new_defaults(self._read_for_resume(self.path / "config.json"), config, defaults)
         if saved != config:
             diff = _differences(saved, config)
             raise RunError(f"{self.path}: config differs from the saved run (fields: {', '.join(diff)})")

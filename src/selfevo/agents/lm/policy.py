@@ -67,6 +67,7 @@ class LMPolicy:
         if self.tokenizer.chat_template is None:
             raise ValueError(f"lm.model: {cfg.model} has no chat template")
         self.tokenizer.padding_side = "left"  # batched generation continues every row at its end
+        self.tokenizer.truncation_side = "left"  # an over-long conversation loses its oldest turns
         if self.tokenizer.pad_token_id is None:
             self.tokenizer.pad_token = self.tokenizer.eos_token
         base = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, cfg.dtype))

@@ -91,7 +91,7 @@ class RolloutWorkers:
     checkpoints/tensors/*.safetensors) that every actor loads; `policy_name` picks the policy that
     answers (None: the base model). Ray is started locally (or joins RAY_ADDRESS) if it is not
     running. Each actor takes one CPU, and one GPU when `lm.device` is cuda (or auto and the
-    cluster has a GPU per worker)."""
+    cluster has a GPU per worker); a cluster too small for all of them is an error, not a wait."""
 
     def __init__(self, cfg: LMConfig, n_workers: int, adapter_refs: Mapping[str, str | os.PathLike] | None = None,
                  *, policy_name: str | None = None, name: str | None = None,
@@ -118,10 +118,20 @@ class RolloutWorkers:
             gpus = 1
         elif cfg.device == "auto" and ray.cluster_resources().get("GPU", 0) >= n_workers:
             gpus = 1
+        have = ray.cluster_resources()
+        if have.get("CPU", 0) < n_workers or have.get("GPU", 0) < gpus * n_workers:
+            # Ray would queue the actors that do not fit and wait for them forever
+            need = f"{n_workers} CPUs" + (f" and {n_workers} GPUs" if gpus else "")
+            raise ValueError(f"workers: {n_workers} rollout workers need {need}; the Ray cluster has "
+                             f"{have.get('CPU', 0):g} CPUs and {have.get('GPU', 0):g} GPUs")
         actor = ray.remote(num_cpus=1, num_gpus=gpus)(_RolloutWorker)
         self._actors = [actor.remote(cfg, refs) for _ in range(n_workers)]
         # wait for the models here, so a bad model or adapter fails now, not at the first question
-        self._get([a.ready.remote() for a in self._actors])
+        try:
+            self._get([a.ready.remote() for a in self._actors])
+        except BaseException:
+            self.close()
+            raise
 
     @property
     def n_workers(self) -> int:
