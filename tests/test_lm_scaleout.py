@@ -90,18 +90,6 @@ def test_max_lora_rank_rounds_up_to_a_rank_vllm_accepts():
         max_lora_rank(513)
 
 
-@pytest.fixture(scope="module")
-def smollm2_path():
-    pytest.importorskip("peft")
-    from selfevo.agents.lm.model import smollm2_dir, smollm2_gguf
-
-    try:
-        smollm2_gguf()
-    except FileNotFoundError as e:
-        pytest.skip(str(e))
-    return smollm2_dir()
-
-
 def test_prompt_token_ids_are_the_hf_batch_without_its_padding(smollm2_path):
     from transformers import AutoTokenizer
 

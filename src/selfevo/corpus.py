@@ -38,24 +38,31 @@ def _iter_json_lines(path: str | os.PathLike) -> Iterator[tuple[int, dict[str, A
         raise DataError(path, None, f"cannot read: {e.strerror}") from None
     with fh:
         for lineno, raw in enumerate(fh, start=1):
-            try:
-                text = raw.decode("utf-8")
-            except UnicodeDecodeError as e:
-                raise DataError(path, lineno, f"invalid UTF-8 at byte {e.start}") from None
-            if not text.strip():
-                continue
-            try:
-                obj = json.loads(text)
-            except json.JSONDecodeError as e:
-                raise DataError(path, lineno, f"malformed JSON: {e.msg} (column {e.colno})") from None
-            except RecursionError:
-                raise DataError(path, lineno, "malformed JSON: nested too deeply") from None
-            if not isinstance(obj, dict):
-                raise DataError(path, lineno, f"expected a JSON object, got {type(obj).__name__}")
-            if _SURROGATE_ESCAPE.search(text) and not _encodable(obj):
-                # valid JSON, but "\ud800" alone is no character: it would fail every later write
-                raise DataError(path, lineno, "invalid Unicode: a lone surrogate escape (\\ud800-\\udfff)")
-            yield lineno, obj
+            obj = parse_json_line(raw, path, lineno)
+            if obj is not None:
+                yield lineno, obj
+
+
+def parse_json_line(raw: bytes, path: str | os.PathLike, lineno: int) -> dict[str, Any] | None:
+    """One JSONL line as an object (None for a blank line), or a DataError naming file and line."""
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise DataError(path, lineno, f"invalid UTF-8 at byte {e.start}") from None
+    if not text.strip():
+        return None
+    try:
+        obj = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise DataError(path, lineno, f"malformed JSON: {e.msg} (column {e.colno})") from None
+    except RecursionError:
+        raise DataError(path, lineno, "malformed JSON: nested too deeply") from None
+    if not isinstance(obj, dict):
+        raise DataError(path, lineno, f"expected a JSON object, got {type(obj).__name__}")
+    if _SURROGATE_ESCAPE.search(text) and not _encodable(obj):
+        # valid JSON, but "\ud800" alone is no character: it would fail every later write
+        raise DataError(path, lineno, "invalid Unicode: a lone surrogate escape (\\ud800-\\udfff)")
+    return obj
 
 
 _SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")

@@ -51,12 +51,11 @@ from selfevo._io import atomic_writer, read_json, write_json
 
 # the readers' own line checks, so a downloaded file fails exactly where `selfevo.corpus` would fail it
 from selfevo.corpus import (
-    _SURROGATE_ESCAPE,
     DataError,
-    _encodable,
     _iter_json_lines,
     _require_str,
     iter_qa,
+    parse_json_line,
     read_qa_dir,
 )
 from selfevo.records import QAItem
@@ -334,20 +333,7 @@ class _IdSet:
 
 def _check_passage(raw: bytes, path: Path, lineno: int, ids: _IdSet) -> None:
     """The checks of `selfevo.corpus.iter_corpus`, applied to one line of a stream."""
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise DataError(path, lineno, f"invalid UTF-8 at byte {e.start}") from None
-    try:
-        obj = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise DataError(path, lineno, f"malformed JSON: {e.msg} (column {e.colno})") from None
-    except RecursionError:
-        raise DataError(path, lineno, "malformed JSON: nested too deeply") from None
-    if not isinstance(obj, dict):
-        raise DataError(path, lineno, f"expected a JSON object, got {type(obj).__name__}")
-    if _SURROGATE_ESCAPE.search(text) and not _encodable(obj):
-        raise DataError(path, lineno, "invalid Unicode: a lone surrogate escape (\\ud800-\\udfff)")
+    obj = parse_json_line(raw, path, lineno)
     doc_id = _require_str(obj, "id", path, lineno)
     _require_str(obj, "contents", path, lineno, allow_empty=True)
     if not ids.add(doc_id):
