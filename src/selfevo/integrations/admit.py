@@ -1,0 +1,119 @@
+"""Admission between proposal generation and solver training, and the proposer step records.
+
+The proposer's training rollouts are the round's proposals, as in the loop (`Loop.proposer_step`:
+propose -> admit -> grade -> pay). The reward has graded them and staged every item; this step runs
+the admission rule over them in step order -- every well-formed proposal (Dr. Zero), or MSV
+(`loop.admission.MSV`, here over the main solver's served endpoint: sample it 3 times with the
+source and 3 times without; admit iff both majorities exist and match; the majority becomes the
+label) -- caps the round at its budget (1,600 in the paper; the rest are recorded `over_budget`),
+and writes the proposer step records, in the loop's schema, to the run's `records/steps.jsonl`.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+
+from selfevo._io import append_jsonl, read_jsonl_log, write_jsonl
+from selfevo.agents.base import Proposal, Solver
+from selfevo.loop.admission import MSV, Decision
+from selfevo.loop.schedule import derive_seed
+from selfevo.records import SCHEMA_VERSION, Document
+from selfevo.search.tool import SearchTool
+
+
+def read_staged(path: str | os.PathLike) -> list[dict]:
+    """The staged items (a torn last line, from a kill, is dropped)."""
+    return read_jsonl_log(path, repair=True)
+
+
+def group_steps(staged: Sequence[dict], proposer_steps: int) -> list[tuple[int, list[dict], list[dict]]]:
+    """`(step_in_round, items, malformed)` per proposer step. TRL knows each item's step; verl scores
+    samples one at a time in step order, so its items are cut into `proposer_steps` equal runs."""
+    if all(r.get("step_in_round") is not None for r in staged):
+        keys = sorted({r["step_in_round"] for r in staged})
+        chunks = [[r for r in staged if r["step_in_round"] == s] for s in keys]
+    else:
+        size = math.ceil(len(staged) / proposer_steps) if staged else 1
+        keys = list(range(1, proposer_steps + 1))
+        chunks = [list(staged[i * size:(i + 1) * size]) for i in range(proposer_steps)]
+    return [(s, [r["item"] for r in c if "item" in r], [r["malformed"] for r in c if "malformed" in r])
+            for s, c in zip(keys, chunks) if c]
+
+
+def msv_filter(items: Sequence[dict], model: Solver, documents: Mapping[str, Document], tool: SearchTool,
+               seed: int, samples: int = 3) -> list[Decision]:
+    """MSV as a data filter: one decision per item (the loop's MSV over any Solver, e.g. a
+    RemoteSolver on the main solver's endpoint)."""
+    rule = MSV(documents, samples=samples)
+    rule.model = model  # the main solver as it stood at the start of the round (the loop's choice)
+    proposals = [Proposal(it["question"], it["draft_label"], it["source_id"], tuple(it["source_ids"]), it["hops"])
+                 for it in items]
+    return rule.decide(proposals, tool, seed) if proposals else []
+
+
+def admit_round(staged: Sequence[dict], *, round: int, step_base: int, proposer_steps: int, budget: int,
+                seed: int, decide: Callable[[list[dict], int], list[Decision]] | None = None
+                ) -> tuple[list[dict], list[dict]]:
+    """Step records and admitted items of one round. `decide(items, seed)` is the admission rule
+    (None: admit every well-formed proposal with its draft label)."""
+    records, admitted, room = [], [], budget
+    for sir, items, malformed in group_steps(staged, proposer_steps):
+        step = step_base + sir
+        items = [dict(it) for it in items]
+        decisions = (decide(items, derive_seed(seed, round, step, "admit")) if decide and items
+                     else [Decision(True, it["draft_label"]) for it in items])
+        for it, d in zip(items, decisions, strict=True):
+            if d.admitted:
+                if room <= 0:
+                    d.admitted, d.detail = False, {**d.detail, "over_budget": True}
+                room -= 1
+            it["admitted"], it["adopted_label"] = d.admitted, d.label
+            if d.detail:
+                it["admission"] = d.detail
+            if d.admitted:
+                admitted.append(it)
+        rewards = [it["reward"] for it in items] + [m["reward"] for m in malformed]
+        record = {"schema": SCHEMA_VERSION, "round": round, "step": step, "step_in_round": sir, "kind": "proposer",
+                  "items": items, "stats": {"reward": round_(sum(rewards) / max(1, len(rewards))),
+                                            "malformed": len(malformed),
+                                            "admitted": sum(it["admitted"] for it in items)}}
+        if malformed:
+            record["malformed"] = malformed
+        records.append(record)
+    return records, admitted
+
+
+def round_(x: float) -> float:
+    return round(x, 6)
+
+
+def merge_step_records(records: Sequence[dict]) -> list[dict]:
+    """One record per step: data-parallel processes each log their share of a step's items."""
+    merged: dict[tuple[int, int], dict] = {}
+    for rec in records:
+        key = (rec["round"], rec["step"])
+        if key not in merged:
+            merged[key] = {**rec, "items": list(rec["items"])}
+        else:
+            merged[key]["items"].extend(rec["items"])
+    out = []
+    for rec in sorted(merged.values(), key=lambda r: r["step"]):
+        n = sum(len(it["responses"]) for it in rec["items"])
+        if n and "reward" in rec.get("stats", {}):
+            rec["stats"] = {**rec["stats"], "reward": round_(sum(it["k"] for it in rec["items"]) / n)}
+        out.append(rec)
+    return out
+
+
+def commit_records(steps_path: str | os.PathLike, records: Sequence[dict], round: int, kind: str) -> None:
+    """Append a phase's step records to the run's log, first dropping what a killed earlier attempt
+    of the same phase left (its round's records of this kind, and anything later)."""
+    path = Path(steps_path)
+    rows = read_jsonl_log(path, repair=True)
+    keep = [r for r in rows if r["round"] < round or (r["round"] == round and r["kind"] != kind)]
+    if len(keep) != len(rows):
+        write_jsonl(path, keep)
+    append_jsonl(path, records)

@@ -1,0 +1,647 @@
+"""`selfevo engine-run`: the paper's rounds as engine jobs (TRL or verl), resumable phase by phase.
+
+    r0/eval                      the base model on the benchmarks
+    for each round r:
+      r{r}/proposer              serve the graders the round allows (main@r-1; CrossFit from round 2:
+                                 aux-j@r-1), train the proposer with GRPO; every rollout is a proposal,
+                                 graded by its lineage's grader and paid f(k) (rewards.FrontierReward)
+      r{r}/admit                 admission over the round's proposals (all | MSV on main@r-1), capped
+                                 at the budget; proposer step records -> records/steps.jsonl; the
+                                 solver training sets, split by fold for the auxiliary solvers
+      r{r}/main                  train the main solver on every admitted question (solver step records)
+      r{r}/aux-j                 train each auxiliary solver on its fold's questions (not after the
+                                 last round: nobody would be graded by them)
+      r{r}/eval                  the main solver on the benchmarks; round checkpoint
+    audit                        the post-hoc audit (oracle on the synthetic world; an LLM judge on a corpus)
+
+Proposal generation happens inside proposer training, as in the loop (`Loop.proposer_step`: the
+proposals a step writes are graded, paid and offered for admission); the phase list above is the
+issue's (proposer training, proposal generation, admission, main and aux solver training, grader
+serving, evaluation) with generation folded into the proposer phase.
+
+Resume: `engine/phases.jsonl` logs every finished phase with its outputs; a rerun with `--resume`
+skips them and restarts an unfinished phase from its start (what it staged is discarded; the step
+records it commits replace any a killed attempt left). The run directory is `selfevo evolve`'s:
+config.json, manifest.json, folds.json, records/steps.jsonl, eval/round-R.json, compute.json,
+checkpoints/round-R.json, audit/metrics.json -- plus engine/ (jobs, datasets, staged items, the
+phase log) and models/<role>/round-R/ (HF directories).
+
+TRL jobs run in this process (CPU, one GPU) or under `engine.launcher` (e.g. `accelerate launch …`).
+verl jobs are shell scripts (`verl_launch.py`) run where verl and GPUs are present; elsewhere the
+phase stops with `EngineUnavailable`, naming the script it wrote.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import math
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from selfevo._io import append_jsonl, read_json, read_jsonl_log, write_json, write_jsonl
+from selfevo.config import ConfigError, RunConfig, config_from_dict, merge, parse_override
+from selfevo.integrations.admit import admit_round, commit_records, merge_step_records, msv_filter, read_staged
+from selfevo.integrations.datasets import aux_training_sets, proposer_rows, solver_rows, write_verl
+from selfevo.integrations.routing import Grader, aux_roles
+from selfevo.loop.engine import Compute
+from selfevo.loop.folds import FoldAssignment
+from selfevo.loop.treatments import parse_treatment
+from selfevo.runs import RunDir, RunError
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+
+class EngineUnavailable(RuntimeError):
+    """A phase needs what this machine lacks (verl, GPUs, vLLM)."""
+
+
+class EngineSpec(BaseModel):
+    """The `[engine]` table of an engine-run config."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    engine: Literal["trl", "verl"] = "trl"
+    proposer_generations: int = Field(4, ge=2)  # GRPO group size of the proposer (completions a prompt)
+    proposer_prompts: int = Field(0, ge=0)  # prompts a proposer update (0: fill loop.proposals_per_step)
+    solver_generations: int = Field(5, ge=2)  # paper: five responses to each admitted question
+    graders: Literal["local", "vllm"] = "local"  # local: transformers servers in this process
+    grader_gpus: str = ""  # GPUs of the vllm grader servers, e.g. "6,7" (server i gets the i-th, cycling)
+    train_gpus: str = ""  # CUDA_VISIBLE_DEVICES of training jobs run as subprocesses ("": inherited)
+    train_processes: int = Field(1, ge=1)  # data-parallel processes of a training job (batches split evenly)
+    grader_port: int = Field(8100, ge=1024, le=65535)
+    grader_gpu_memory: float = Field(0.4, gt=0, lt=1)
+    grader_concurrency: int = Field(8, ge=1)
+    retriever_url: str = ""  # a Search-R1 /retrieve server ("": the run's own BM25 index, in process)
+    msv_samples: int = Field(3, ge=1)  # paper: 3 with the source, 3 without
+    audit: Literal["auto", "none"] = "auto"
+    launcher: str = ""  # TRL: "" in process, else e.g. "accelerate launch --config_file FILE"
+    rollout_backend: Literal["hf", "vllm"] = "hf"  # TRL rollouts: the training model, or colocated vLLM
+    trl: dict[str, Any] = Field(default_factory=dict)  # more GRPOConfig fields
+    verl: dict[str, Any] = Field(default_factory=dict)  # more main_ppo overrides (dotted key -> value)
+    verl_gpus: int = Field(8, ge=1)
+    verl_max_prompt_length: int = Field(1024, ge=1)
+    verl_max_response_length: int = Field(2048, ge=1)
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    run: RunConfig
+    engine: EngineSpec
+
+    def to_json(self) -> dict:
+        return {**self.run.to_json(), "engine": self.engine.model_dump()}
+
+
+def engine_config_from_dict(data: Mapping, engine: str | None = None) -> EngineConfig:
+    data = dict(data)
+    spec_data = dict(data.pop("engine", {}) or {})
+    if engine is not None:
+        if spec_data.get("engine", engine) != engine:
+            raise ConfigError(f"engine.engine: the config says {spec_data['engine']!r}, --engine says {engine!r}")
+        spec_data["engine"] = engine
+    run = config_from_dict(data)
+    if run.backend != "lm":
+        raise ConfigError('backend: engine-run trains language models; set backend = "lm"')
+    try:
+        spec = EngineSpec(**spec_data)
+    except ValidationError as e:
+        err = e.errors()[0]
+        raise ConfigError(f"engine.{'.'.join(map(str, err['loc']))}: {err['msg']}") from None
+    if spec.launcher and not spec.retriever_url:
+        raise ConfigError("engine.retriever_url: a launched TRL job searches through a /retrieve server; set it")
+    if spec.engine == "verl" and not spec.retriever_url:
+        raise ConfigError("engine.retriever_url: verl's search tool needs a /retrieve server "
+                          "(selfevo serve-retriever --corpus ... --port 8000 -> http://127.0.0.1:8000/retrieve)")
+    return EngineConfig(run, spec)
+
+
+def load_engine_config(path: str | Path, overrides: list[str] = (), engine: str | None = None) -> EngineConfig:
+    """A TOML or YAML file: the run config's tables plus an `[engine]` table; then `--set` overrides."""
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot read: {e.strerror}") from None
+    try:
+        if path.suffix in (".yaml", ".yml"):
+            import yaml
+
+            data = yaml.safe_load(text) or {}
+        else:
+            data = tomllib.loads(text)
+    except Exception as e:  # TOML or YAML syntax
+        raise ConfigError(f"{path}: {e}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: expected a table at the top level")
+    for item in overrides:
+        keys, value = parse_override(item)
+        data = merge(data, keys, value)
+    return engine_config_from_dict(data, engine)
+
+
+# ---------------------------------------------------------------- the phase log
+
+
+class PhaseLog:
+    """Append-only: one line per finished phase, with its outputs."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.entries = {e["phase"]: e for e in read_jsonl_log(path, repair=True)} if path.exists() else {}
+
+    def get(self, name: str) -> dict | None:
+        return self.entries.get(name)
+
+    def add(self, entry: dict) -> None:
+        append_jsonl(self.path, [entry])
+        self.entries[entry["phase"]] = entry
+
+    def compute(self) -> dict:
+        c = Compute()
+        for e in self.entries.values():
+            for table in ("generations", "updates"):
+                for key, value in (e.get(table) or {}).items():
+                    c.add(table, key, value)
+            c.add("seconds", e["phase"].split("/")[-1], e.get("seconds", 0.0))
+        return c.to_json()
+
+    def lineage(self, role: str, upto_round: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """(folds, rounds) the role trained on up to the end of `upto_round`."""
+        folds, rounds = set(), set()
+        for e in self.entries.values():
+            t = e.get("trained_on")
+            if t and t["role"] == role and e["round"] <= upto_round:
+                folds |= set(t["folds"])
+                rounds |= set(t["rounds"])
+        return tuple(sorted(folds)), tuple(sorted(rounds))
+
+
+# ---------------------------------------------------------------- the orchestrator
+
+
+class EngineRun:
+    def __init__(self, ecfg: EngineConfig, out: str | os.PathLike, resume: bool = False,
+                 log: Callable[[str], None] = print):
+        from selfevo.evolve import environment, source_pool
+
+        self.cfg, self.spec, self.say = ecfg.run, ecfg.engine, log
+        self.treatment = parse_treatment(self.cfg.treatment)
+        # bad data fails before anything is written; with a /retrieve server no local index is built
+        self.env = environment(self.cfg) if not (self.spec.retriever_url and self.cfg.data.corpus) else _corpus_env(
+            self.cfg)
+        self.pool = source_pool(self.cfg, self.env.documents)
+        self.tool = self._tool()
+        self.run = RunDir(out)
+        engine_json = self.run.path / "engine" / "engine.json"
+        if self.run.exists():
+            if not resume:
+                raise RunError(f"{self.run.path}: a run already exists here; pass --resume to continue it")
+            saved = (read_json(self.run.path / "config.json"), read_json(engine_json) if engine_json.exists() else None)
+            import json
+
+            now = (json.loads(json.dumps(self.cfg.to_json())), self.spec.model_dump())
+            if saved != now:
+                raise RunError(f"{self.run.path}: config or [engine] differs from the saved run; refusing to resume")
+        else:
+            self.run.create(self.cfg.to_json())
+            write_json(engine_json, self.spec.model_dump())
+            self.run.note(engine=self.spec.engine)
+        folds_path = self.run.path / "folds.json"
+        if folds_path.exists():  # permanent: a resumed run keeps the assignment it started with
+            self.folds = FoldAssignment.from_json(read_json(folds_path))
+        else:
+            from selfevo.evolve import fold_assignment
+            from selfevo.loop.folds import fold_of
+
+            t = self.treatment
+            if t.grouping == "source":  # hashed per source: the pool's folds are enough, the rest hash alike
+                self.folds = FoldAssignment(t.k, self.cfg.seed, "source",
+                                            {d.id: fold_of(d.id, self.cfg.seed, t.k) for d in self.pool})
+            else:  # connected: link-graph clusters over the whole corpus
+                self.folds = fold_assignment(self.cfg, self.env.documents)
+            write_json(folds_path, self.folds.to_json())
+        self.phases = PhaseLog(self.run.path / "engine" / "phases.jsonl")
+        L = self.cfg.loop
+        self.steps_per_round = L.proposer_steps + L.solver_steps
+
+    # ------------------------------------------------------------ plumbing
+    def _tool(self):
+        from selfevo.search.tool import SearchTool
+
+        retriever = self.env.index
+        if self.spec.retriever_url:
+            from selfevo.search.client import RetrieverClient
+
+            retriever = RetrieverClient(self.spec.retriever_url)
+        return SearchTool(retriever, topk=self.cfg.search.topk, max_calls=self.cfg.search.max_calls)
+
+    def base_model(self) -> str:
+        from selfevo.agents.lm.policy import resolve_model
+
+        return resolve_model(self.cfg.lm.model)
+
+    def model_dir(self, role: str, round: int) -> str:
+        """The role's model after `round` (the latest round it trained in; the base model before)."""
+        for r in range(round, 0, -1):
+            d = self.run.path / "models" / role / f"round-{r}"
+            if (d / "config.json").exists():
+                return str(d)
+        return self.base_model()
+
+    def round_dir(self, r: int) -> Path:
+        d = self.run.path / "engine" / f"round-{r}"
+        d.mkdir(parents=True, exist_ok=True)
+        return d
+
+    def phase(self, name: str, round: int, fn: Callable[[], dict]) -> dict:
+        done = self.phases.get(name)
+        if done is not None:
+            self.say(f"{name}: done, skipped")
+            return done
+        self.say(f"{name}: running")
+        t = time.perf_counter()
+        out = fn()
+        entry = {"phase": name, "round": round, **out, "seconds": round_(time.perf_counter() - t)}
+        self.phases.add(entry)
+        write_json(self.run.path / "compute.json", self.phases.compute())
+        return entry
+
+    # ------------------------------------------------------------ serving graders
+    @contextlib.contextmanager
+    def serving(self, models: Mapping[str, tuple[str, str]]) -> Iterator[dict[str, tuple[str, str]]]:
+        """role -> (model dir, name)  =>  role -> (OpenAI base URL, served model name), for the block's
+        duration. Roles with the same model directory share one server (and its name)."""
+        with contextlib.ExitStack() as stack:
+            out, by_dir = {}, {}
+            for i, (role, (path, name)) in enumerate(sorted(models.items())):
+                if path not in by_dir:
+                    by_dir[path] = (stack.enter_context(self._serve(path, name, i)), name)
+                out[role] = by_dir[path]
+            yield out
+
+    @contextlib.contextmanager
+    def _serve(self, path: str, name: str, i: int) -> Iterator[str]:
+        lm = self.cfg.lm
+        if self.spec.graders == "local":
+            from selfevo.agents.lm.model import TransformersChatModel
+            from selfevo.agents.lm.server import make_app, running
+
+            device = "cpu" if lm.device == "auto" and not _cuda() else ("cuda" if lm.device == "auto" else lm.device)
+            model = TransformersChatModel(path, name=name, max_new_tokens=lm.max_new_tokens, device=device,
+                                          dtype=lm.dtype, threads=lm.threads or None)
+            with running(make_app(model, max_n=max(8, self.cfg.loop.grader_samples))) as url:
+                yield url
+            return
+        gpus = [g.strip() for g in self.spec.grader_gpus.split(",") if g.strip()]
+        yield from _vllm_server(path, name, self.spec.grader_port + i, gpus[i % len(gpus)] if gpus else "",
+                                self.spec.grader_gpu_memory, self.say)
+
+    def graders_for(self, r: int) -> dict[str, tuple[str, str, tuple, tuple]]:
+        """role -> (model dir, served name, folds, rounds) of the graders round r allows (the main
+        solver in round 1 and under coupled feedback; the auxiliary solvers after that)."""
+        aux = aux_roles(self.treatment)
+        roles = aux if aux and r > 1 else ["main"]
+        out = {}
+        for role in roles:
+            folds, rounds = self.phases.lineage(role, r - 1)
+            out[role] = (self.model_dir(role, r - 1), f"{role}@r{r - 1}", folds, rounds)
+        return out
+
+    def remote_options(self) -> dict:
+        lm = self.cfg.lm
+        return {"max_tokens": lm.max_new_tokens, "max_actions": lm.max_actions,
+                "concurrency": self.spec.grader_concurrency, "temperature": lm.temperature, "top_p": lm.top_p}
+
+    # ------------------------------------------------------------ training jobs
+    def train(self, name: str, kind: str, role: str, r: int, rows: list[dict], steps: int, prompts_per_step: int,
+              generations: int, reward: dict) -> dict:
+        out = self.run.path / "models" / role / f"round-{r}"
+        if self.spec.engine == "verl":
+            return self._train_verl(name, kind, role, r, rows, steps, prompts_per_step, generations, reward, out)
+        lm = self.cfg.lm
+        d = self.round_dir(r)
+        write_jsonl(d / f"{role}.rows.jsonl", rows)
+        job = {"kind": kind, "model": self.model_dir(role, r - 1), "out": str(out),
+               "rows": str(d / f"{role}.rows.jsonl"),
+               "steps": steps, "prompts_per_step": prompts_per_step, "generations": generations, "lr": lm.lr,
+               "max_grad_norm": lm.max_grad_norm, "seed": self.cfg.seed, "dtype": lm.dtype,
+               "device": "cpu" if lm.device == "cpu" or (lm.device == "auto" and not _cuda()) else "cuda",
+               "threads": lm.threads,
+               "lora": ({"r": lm.lora_r, "alpha": lm.lora_alpha, "dropout": lm.lora_dropout,
+                         "targets": list(lm.lora_targets)} if lm.adapter == "lora" else None),
+               "rollout": {"max_actions": lm.max_actions, "max_new_tokens": lm.max_new_tokens,
+                           "max_tokens": lm.max_train_tokens, "temperature": lm.temperature, "top_p": lm.top_p,
+                           "scaffold": kind == "proposer" and lm.proposer_scaffold, "search": lm.proposer_search,
+                           "backend": self.spec.rollout_backend},
+               "search": {"retriever_url": self.spec.retriever_url, "topk": self.cfg.search.topk,
+                          "max_calls": self.cfg.search.max_calls},
+               "reward": reward, "grpo": dict(self.spec.trl)}
+        path = d / f"{role}.job.json"
+        write_json(path, job)
+        if not self.spec.launcher:
+            from selfevo.integrations.trl_job import run_job
+
+            return run_job(job, tool=self.tool)
+        cmd = [*shlex.split(self.spec.launcher), "-m", "selfevo.integrations.trl_job", str(path)]
+        self.say("  $ " + " ".join(shlex.quote(c) for c in cmd))
+        subprocess.run(cmd, check=True, env=self._train_env())
+        return read_json(path.with_suffix(".result.json"))
+
+    def _train_verl(self, name, kind, role, r, rows, steps, prompts_per_step, generations, reward, out) -> dict:
+        from selfevo.integrations.rewards import reward_settings
+        from selfevo.integrations.verl_launch import VerlPhase, phase_script, write_reward_shim
+        from selfevo.integrations.verl_search import agent_loop_config, tool_config, write_yaml
+
+        lm, d = self.cfg.lm, self.round_dir(r)
+        eng = self.run.path / "engine"
+        write_yaml(tool_config(self.spec.retriever_url, self.cfg.search.topk, self.cfg.search.max_calls),
+                   eng / "verl-tool.yaml")
+        write_yaml(agent_loop_config(), eng / "verl-agent-loop.yaml")
+        write_reward_shim(eng / "verl_reward.py")
+        data = write_verl(rows, d / f"{role}.parquet")
+        settings = ""
+        if kind == "proposer":
+            settings = str(reward_settings(
+                d / "reward-settings.json", treatment=reward["treatment"], round=r, folds=self.folds,
+                graders={g["role"]: Grader.from_json(g) for g in reward["graders"]}, items_path=reward["items_path"],
+                retriever_url=self.spec.retriever_url, topk=self.cfg.search.topk,
+                max_calls=self.cfg.search.max_calls, samples=reward["samples"],
+                format_penalty=reward["format_penalty"], seed=reward["seed"], step_base=reward["step_base"],
+                remote=reward["remote"]))
+        phase = VerlPhase(name=name.replace("/", "-"), model=self.model_dir(role, r - 1), train_files=str(data),
+                          out=str(out), ckpt_dir=str(d / f"{role}.verl-ckpt"), steps=steps,
+                          prompts_per_step=prompts_per_step, n=generations, lr=lm.lr,
+                          tool_config=str(eng / "verl-tool.yaml"),
+                          agent_loop_config=str(eng / "verl-agent-loop.yaml"), reward_file=str(eng / "verl_reward.py"),
+                          settings=settings, max_prompt_length=self.spec.verl_max_prompt_length,
+                          max_response_length=self.spec.verl_max_response_length, max_actions=lm.max_actions,
+                          temperature=lm.temperature, top_p=lm.top_p, gpus=self.spec.verl_gpus, extra=self.spec.verl)
+        script = phase_script(phase, d / f"{role}.verl.sh",
+                              {"CUDA_VISIBLE_DEVICES": self.spec.train_gpus} if self.spec.train_gpus else None)
+        missing = verl_missing()
+        if missing:
+            raise EngineUnavailable(f"{name}: verl training needs {missing}; the launch script is written: {script}")
+        self.say(f"  $ bash {script}")
+        subprocess.run(["bash", str(script)], check=True)  # the script sets CUDA_VISIBLE_DEVICES itself
+        return {"steps": steps, "completions": steps * prompts_per_step * generations}
+
+    def _train_env(self) -> dict:
+        return {**os.environ, **({"CUDA_VISIBLE_DEVICES": self.spec.train_gpus} if self.spec.train_gpus else {})}
+
+    def per_step(self, n_rows: int, steps: int) -> int:
+        """Prompts a step so the steps cover the rows once (the loop's even split), rounded up to a
+        multiple of the training processes so every process gets the same share."""
+        p = self.spec.train_processes
+        return math.ceil(_per_step(n_rows, steps) / p) * p
+
+    # ------------------------------------------------------------ the phases
+    def run_all(self) -> RunDir:
+        started = time.perf_counter()
+        R = self.cfg.loop.rounds
+        self.phase("r0/eval", 0, lambda: self.evaluate(0))
+        for r in range(1, R + 1):
+            self.phase(f"r{r}/proposer", r, lambda r=r: self.proposer(r))
+            self.phase(f"r{r}/admit", r, lambda r=r: self.admit(r))
+            self.phase(f"r{r}/main", r, lambda r=r: self.main(r))
+            if r < R:  # after the last round nobody would be graded by them
+                for role in aux_roles(self.treatment):
+                    self.phase(f"r{r}/{role}", r, lambda r=r, role=role: self.aux(r, role))
+            self.phase(f"r{r}/eval", r, lambda r=r: self.evaluate(r))
+        self.run.finish()
+        self.phase("audit", R, self.audit)
+        self.run.note(wall_seconds_last_invocation=round_(time.perf_counter() - started))
+        return self.run
+
+    def proposer(self, r: int) -> dict:
+        cfg, spec, lm = self.cfg, self.spec, self.cfg.lm
+        G = spec.proposer_generations
+        prompts = spec.proposer_prompts or math.ceil(cfg.loop.proposals_per_step / G)
+        prompts = math.ceil(prompts / spec.train_processes) * spec.train_processes
+        truncate = _truncator(self.model_dir("proposer", r - 1), lm.doc_tokens)
+        rows = proposer_rows(self.pool, self.folds, r, cfg.loop.proposer_steps * prompts, cfg.seed, truncate)
+        items_path = self.round_dir(r) / "proposer-items.jsonl"
+        items_path.unlink(missing_ok=True)  # a restarted phase stages afresh
+        graders = self.graders_for(r)
+        with self.serving({role: (g[0], g[1]) for role, g in graders.items()}) as served:
+            reward = {"treatment": cfg.treatment, "round": r, "folds": self.folds.to_json(),
+                      "graders": [Grader(role, *served[role], name, folds, rounds).to_json()
+                                  for role, (_, name, folds, rounds) in graders.items()],
+                      "items_path": str(items_path), "samples": cfg.loop.grader_samples,
+                      "format_penalty": lm.format_penalty, "seed": cfg.seed,
+                      "step_base": (r - 1) * self.steps_per_round, "remote": self.remote_options()}
+            res = self.train(f"r{r}/proposer", "proposer", "proposer", r, rows, cfg.loop.proposer_steps, prompts, G,
+                             reward)
+        graded = sum(1 for row in read_staged(items_path) if "item" in row)
+        return {"model": self.model_dir("proposer", r), "prompts_per_step": prompts,
+                "updates": {"proposer": res["steps"]},
+                "generations": {"proposer": res["completions"], "grader": graded * cfg.loop.grader_samples}}
+
+    def admit(self, r: int) -> dict:
+        cfg = self.cfg
+        staged = read_staged(self.round_dir(r) / "proposer-items.jsonl")
+        wellformed = sum(1 for row in staged if "item" in row)
+        kwargs = dict(round=r, step_base=(r - 1) * self.steps_per_round, proposer_steps=cfg.loop.proposer_steps,
+                      budget=cfg.loop.admit_per_round, seed=cfg.seed)
+        if self.treatment.msv:
+            from selfevo.agents.remote import RemoteSolver
+
+            docs = {d.id: d for d in self.pool}  # proposals are written from the pool's documents
+            path, name = self.model_dir("main", r - 1), f"main@r{r - 1}"  # MSV samples the main solver
+            with self.serving({"main": (path, name)}) as served, \
+                    RemoteSolver(*served["main"], **self.remote_options()) as model:
+                records, admitted = admit_round(staged, decide=lambda items, seed: msv_filter(
+                    items, model, docs, self.tool, seed, self.spec.msv_samples), **kwargs)
+        else:
+            records, admitted = admit_round(staged, **kwargs)
+        commit_records(self.run.steps_path, records, r, "proposer")
+        write_jsonl(self.round_dir(r) / "admitted.jsonl", admitted)
+        msv = 2 * self.spec.msv_samples * wellformed if self.treatment.msv else 0
+        return {"candidates": wellformed, "admitted": len(admitted), "generations": {"msv": msv}}
+
+    def _admitted_rows(self, r: int) -> list[dict]:
+        path = self.round_dir(r) / "admitted.jsonl"
+        return solver_rows(read_jsonl_log(path), self.folds, r)
+
+    def main(self, r: int) -> dict:
+        cfg = self.cfg
+        rows = self._admitted_rows(r)
+        staging = self.round_dir(r) / "solver-steps.jsonl"
+        staging.unlink(missing_ok=True)
+        S = cfg.loop.solver_steps
+        if not rows:  # nothing admitted: the loop writes empty solver steps and trains nothing
+            from selfevo.records import SCHEMA_VERSION
+
+            base = (r - 1) * self.steps_per_round + cfg.loop.proposer_steps
+            commit_records(self.run.steps_path, [
+                {"schema": SCHEMA_VERSION, "round": r, "step": base + j, "step_in_round": cfg.loop.proposer_steps + j,
+                 "kind": "solver", "items": [], "stats": {}} for j in range(1, S + 1)], r, "solver")
+            return {"trained": False}
+        folds, rounds = self.phases.lineage("main", r - 1)
+        reward = {"records_path": str(staging), "round": r, "step_base": (r - 1) * self.steps_per_round,
+                  "first_step_in_round": cfg.loop.proposer_steps + 1,
+                  "grader": Grader("main", "", "main", "main", folds, rounds).lineage()}
+        G = self.spec.solver_generations
+        res = self.train(f"r{r}/main", "solver", "main", r, rows, S, self.per_step(len(rows), S), G, reward)
+        commit_records(self.run.steps_path, merge_step_records(read_jsonl_log(staging, repair=True)), r, "solver")
+        return {"model": self.model_dir("main", r), "updates": {"main": res["steps"]},
+                "generations": {"solver_rollouts": res["completions"]},
+                "trained_on": {"role": "main", "folds": sorted({f for x in rows for f in x["source_folds"]}),
+                               "rounds": [r]}}
+
+    def aux(self, r: int, role: str) -> dict:
+        cfg, t = self.cfg, self.treatment
+        lineage_aware = t.feedback == "crossfit" and t.grouping == "connected"
+        rows = aux_training_sets(self._admitted_rows(r), [role], lineage_aware)[role]
+        if not rows:
+            return {"trained": False}
+        roles = aux_roles(t)
+        # paper: each aux solver gets 25 updates a round; half budget: 25 a round in total
+        budget = 0.5 if t.feedback == "half-budget" else 1.0
+        total = round(cfg.loop.solver_steps * len(roles) * budget)
+        j = roles.index(role)
+        updates = total // len(roles) + (1 if j < total % len(roles) else 0)
+        per = self.per_step(len(rows), cfg.loop.solver_steps)  # the full-budget batch; less budget, fewer batches
+        steps = min(updates, math.ceil(len(rows) / per))
+        res = self.train(f"r{r}/{role}", "solver", role, r, rows, steps, per, self.spec.solver_generations,
+                         {"records_path": None, "round": r})
+        folds = sorted({f for x in rows for f in (x["source_folds"] if lineage_aware else [x["fold"]])})
+        return {"model": self.model_dir(role, r), "updates": {role: res["steps"]},
+                "generations": {"aux_rollouts": res["completions"]},
+                "trained_on": {"role": role, "folds": folds, "rounds": [r]}}
+
+    def evaluate(self, r: int) -> dict:
+        from selfevo.agents.remote import RemoteSolver
+        from selfevo.evaluate import evaluate_solver
+
+        path, name = self.model_dir("main", r), f"main@r{r}"
+        with self.serving({"main": (path, name)}) as served, \
+                RemoteSolver(*served["main"], **self.remote_options()) as solver:
+            result = evaluate_solver(solver, self.env.benchmarks, self.tool, progress=False, run_info={"round": r},
+                                     limit=self.cfg.data.eval_limit or None,
+                                     predictions_path=self.run.eval_predictions_path(r),
+                                     score_path=self.run.eval_path(r), timing=False)
+        if r > 0:
+            self.run.checkpoint(r, {"models": {role: self.model_dir(role, r)
+                                               for role in ["proposer", "main", *aux_roles(self.treatment)]},
+                                    "lineage": {role: dict(zip(("folds", "rounds"), self.phases.lineage(role, r),
+                                                               strict=True))
+                                                for role in ["main", *aux_roles(self.treatment)]},
+                                    "compute": self.phases.compute()})
+        macro = result.get("macro", {})
+        return {"macro_cover_em": macro.get("cover_em") if isinstance(macro, dict) else macro}
+
+    def audit(self) -> dict:
+        from selfevo.audit import OracleJudge, audit_run
+
+        if self.spec.audit == "none":
+            return {"audit": "skipped"}
+        if self.env.truth is not None:
+            result = audit_run(self.run, OracleJudge(self.env.truth))
+        else:
+            from selfevo.evolve import default_judge
+
+            with default_judge(self.cfg, self.env) as judge:
+                result = audit_run(self.run, judge)
+        return {"audit": result["judge"], "rounds": len(result["rounds"])}
+
+
+def engine_run(ecfg: EngineConfig, out: str | os.PathLike, resume: bool = False,
+               log: Callable[[str], None] = print) -> RunDir:
+    return EngineRun(ecfg, out, resume=resume, log=log).run_all()
+
+
+# ---------------------------------------------------------------- helpers
+
+
+def _corpus_env(cfg: RunConfig):
+    """A real corpus searched through a /retrieve server: documents and benchmarks, no local index."""
+    from selfevo.corpus import read_corpus, read_qa_dir
+    from selfevo.evolve import Environment
+
+    return Environment(read_corpus(cfg.data.corpus), None, read_qa_dir(cfg.data.qa_dir))
+
+
+def round_(x: float) -> float:
+    return round(x, 3)
+
+
+def _per_step(n_rows: int, steps: int) -> int:
+    return max(1, math.ceil(n_rows / max(1, steps)))
+
+
+def _cuda() -> bool:
+    try:
+        import torch
+    except ImportError:
+        return False
+    return torch.cuda.is_available()
+
+
+def verl_missing() -> str:
+    """What a verl phase lacks here ('' when it can run)."""
+    lacks = []
+    if importlib.util.find_spec("verl") is None:
+        lacks.append("the verl package")
+    if not _cuda():
+        lacks.append("CUDA GPUs (none here)")
+    return " and ".join(lacks)
+
+
+def _truncator(model_dir: str, n_tokens: int) -> Callable[[str], str]:
+    """Dr. Zero: the proposer sees the first `n_tokens` tokens of its source."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+
+    def cut(text: str) -> str:
+        ids = tok(text, add_special_tokens=False)["input_ids"]
+        return text if len(ids) <= n_tokens else tok.decode(ids[:n_tokens])
+    return cut
+
+
+def _vllm_server(path: str, name: str, port: int, gpus: str, memory: float, say) -> Iterator[str]:
+    """`vllm serve` in a subprocess for the block's duration (an OpenAI-compatible endpoint)."""
+    import httpx
+
+    exe = shutil.which("vllm")
+    if exe is None or not _cuda():
+        raise EngineUnavailable(f"graders = 'vllm' needs the vllm command and CUDA GPUs "
+                                f"(vllm: {'found' if exe else 'missing'}, GPUs: {'yes' if _cuda() else 'none'}); "
+                                "use graders = 'local' on a CPU")
+    env = {**os.environ, **({"CUDA_VISIBLE_DEVICES": gpus} if gpus else {})}
+    cmd = [exe, "serve", path, "--served-model-name", name, "--port", str(port), "--host", "127.0.0.1",
+           "--gpu-memory-utilization", str(memory)]
+    say("  $ " + " ".join(shlex.quote(c) for c in cmd))
+    proc = subprocess.Popen(cmd, env=env)
+    try:
+        deadline = time.monotonic() + 900
+        while True:
+            if proc.poll() is not None:
+                raise EngineUnavailable(f"vllm serve {path} exited with {proc.returncode}")
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                    break
+            if time.monotonic() > deadline:
+                raise EngineUnavailable(f"vllm serve {path}: not healthy after 900 s")
+            time.sleep(2)
+        yield f"http://127.0.0.1:{port}/v1"
+    finally:
+        proc.terminate()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=60)
+        if proc.poll() is None:
+            proc.kill()

@@ -1,0 +1,345 @@
+"""The loop's two rewards, in the calling conventions of TRL and verl.
+
+Proposer (the frontier reward). A completion is parsed with the Dr. Zero rules
+(`protocol.parse_proposal`, `check_proposal`); a malformed one earns `-format_penalty` and is
+neither graded nor admitted. A well-formed one is routed by its lineage to the grader its
+treatment allows (`routing.route`: coupled -> the main solver after the previous round; CrossFit ->
+the auxiliary solver of another fold), which answers it `samples` times (5; temperature 0.8, top-p
+0.95) through its OpenAI-compatible endpoint with the search tool (`agents.remote.RemoteSolver`,
+the Search-R1 protocol). k = answers matching the draft label under the loop's one matcher
+(`evaluate.answers_match`); the reward is `algos.frontier_reward(k)`. Every graded item is appended,
+with the loop's item schema (`loop.engine.Loop._item_record`), to an append-only staging log; the
+admission step (`admit.py`) adds the admission decision and writes the proposer step records that
+`selfevo audit` reads.
+
+Solver. 1 if the answer extracted from the completion (the last `<answer>…</answer>`, as the
+Search-R1 protocol ends a trajectory) matches the adopted label under the same matcher, else 0.
+
+Conventions:
+  TRL   reward_funcs: `f(prompts, completions, **columns) -> list[float]`; completions are chat
+        message lists or strings; the dataset's lineage columns (and the rollout's `answer`,
+        `final`, `read` fields) arrive as keyword lists.
+  verl  custom_reward_function: `compute_score(data_source, solution_str, ground_truth,
+        extra_info=None, **reward_kwargs)` per sample (the naive reward manager), or
+        `compute_score_batch(data_sources, solution_strs, ground_truths, extra_infos, **kw)` (batch).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import threading
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from selfevo._io import append_jsonl, read_json
+from selfevo.agents.lm.protocol import check_proposal, parse_proposal
+from selfevo.algos import frontier_reward
+from selfevo.evaluate import answers_match
+from selfevo.integrations.datasets import PROPOSER_SOURCE, SOLVER_SOURCE
+from selfevo.integrations.routing import Grader, item_fold, route, touched_folds, treatment_of
+from selfevo.loop.folds import FoldAssignment
+from selfevo.loop.schedule import derive_seed
+from selfevo.records import SCHEMA_VERSION
+from selfevo.search.tool import SearchTool
+
+_ANSWER = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
+
+
+# ---------------------------------------------------------------- text helpers
+
+
+def completion_text(completion: Any) -> str:
+    """TRL hands a completion as a string or as chat messages: the text of its assistant turns."""
+    if isinstance(completion, str):
+        return completion
+    if isinstance(completion, Mapping):
+        return str(completion.get("content") or "")
+    return "\n".join(str(m.get("content") or "") for m in completion if m.get("role", "assistant") == "assistant")
+
+
+def extract_answer(text: str) -> str:
+    """The final answer of a Search-R1 trajectory: the content of its last <answer>…</answer>."""
+    found = _ANSWER.findall(text or "")
+    return found[-1].strip() if found else ""
+
+
+def final_turn(text: str) -> str:
+    """The last action of a multi-turn completion (after the last observation)."""
+    return text.rsplit("</information>", 1)[-1]
+
+
+def solver_reward(answer: str, label: str) -> float:
+    """The solver's reward: the loop's matcher against the adopted label."""
+    return 1.0 if answers_match(answer, label) else 0.0
+
+
+# ---------------------------------------------------------------- the frontier reward
+
+
+@dataclass(frozen=True)
+class ProposalSample:
+    """One proposer completion with what the reward needs of its lineage."""
+
+    text: str  # the proposer's final turn (<question>…</question> <answer>…</answer>)
+    source_id: str
+    hops: int
+    read: tuple[str, ...] = ()  # pages its searches returned while composing (lineage)
+    item_id: str = ""  # given by the caller, else derived
+
+
+class FrontierReward:
+    """Grade proposals with the grader their lineage allows; pay f(k); log every item.
+
+    `items_path`: the append-only staging log (one JSON line per item or malformed proposal, with
+    the round and the step within the round when the caller knows it). `graders`: role -> Grader
+    (endpoint + lineage). `tool`: the search tool the graders use (a local index or a `/retrieve`
+    client behind `SearchTool`). Thread-safe: verl scores samples concurrently."""
+
+    def __init__(self, *, treatment: str, round: int, folds: FoldAssignment, graders: Mapping[str, Grader],
+                 tool: SearchTool, items_path: str | os.PathLike, samples: int = 5, format_penalty: float = 0.5,
+                 seed: int = 0, step_base: int = 0, remote: Mapping[str, Any] | None = None):
+        self.treatment, self.round, self.folds = treatment_of(treatment), round, folds
+        self.graders, self.tool, self.items_path = dict(graders), tool, Path(items_path)
+        self.samples, self.format_penalty, self.seed, self.step_base = samples, format_penalty, seed, step_base
+        self.remote = dict(remote or {})
+        self._solvers: dict[str, Any] = {}
+        self._lock = threading.Lock()
+
+    def _solver(self, g: Grader):
+        from selfevo.agents.remote import RemoteSolver
+
+        with self._lock:
+            if g.role not in self._solvers:
+                self._solvers[g.role] = RemoteSolver(g.url, g.model, **self.remote)
+            return self._solvers[g.role]
+
+    def close(self) -> None:
+        for s in self._solvers.values():
+            s.close()
+        self._solvers.clear()
+
+    def _tool(self) -> SearchTool:
+        # a tool per call: budgets are per trajectory and the result cache is not shared across threads
+        return SearchTool(self.tool.retriever, topk=self.tool.topk, max_calls=self.tool.max_calls)
+
+    def score(self, batch: Sequence[ProposalSample], step: int | None = None) -> list[float]:
+        """Rewards for one batch (`step`: the step within the round, when known)."""
+        rewards: list[float | None] = [None] * len(batch)
+        rows, graded = [], []
+        for i, s in enumerate(batch):
+            question, label = parse_proposal(s.text)
+            error = check_proposal(question, label)
+            item_id = s.item_id or self._item_id(s, step, i)
+            if error is not None:
+                rewards[i] = -self.format_penalty
+                rows.append({"round": self.round, "step_in_round": step, "malformed": {
+                    "item_id": item_id, "source_id": s.source_id, "hops": s.hops, "question": question,
+                    "draft_label": label, "format_error": error, "reward": rewards[i]}})
+                continue
+            source_ids = tuple(dict.fromkeys([s.source_id, *s.read]))
+            fold = item_fold(self.treatment, self.folds, s.source_id, item_id)
+            touched = touched_folds(self.treatment, self.folds, fold, source_ids)
+            r = route(self.treatment, self.round, fold, touched, self.graders)
+            graded.append((i, item_id, question, label, source_ids, fold, r))
+        by_role: dict[str, list[int]] = {}
+        for n, (*_, r) in enumerate(graded):
+            by_role.setdefault(r.grader.role, []).append(n)
+        responses: dict[int, list[str]] = {}
+        for role, idx in by_role.items():
+            g = self.graders[role]
+            key = step if step is not None else graded[idx[0]][1]
+            trajs = self._solver(g).answer([graded[n][2] for n in idx], self._tool(), greedy=False, n=self.samples,
+                                           seed=derive_seed(self.seed, self.round, key, "grade", g.name or role))
+            for n, ts in zip(idx, trajs, strict=True):
+                responses[n] = [t.answer for t in ts]
+        for n, (i, item_id, question, label, source_ids, fold, r) in enumerate(graded):
+            answers = responses[n]
+            # paper: k counts grader samples matching the proposer's draft answer; f(k) pays it
+            k = sum(answers_match(z, label) for z in answers)
+            rewards[i] = frontier_reward(k, self.samples)
+            s = batch[i]
+            item = {"item_id": item_id, "source_id": s.source_id, "source_ids": list(source_ids), "fold": fold,
+                    "source_folds": sorted(self.folds.lineage(source_ids)), "hops": s.hops, "question": question,
+                    "draft_label": label, "adopted_label": label, "admitted": False, "responses": answers, "k": k,
+                    "reward": round(rewards[i], 6), "grader": r.grader.lineage()}
+            if r.fallback:
+                item["routing"] = {"fallback": True, "touched": list(r.touched)}
+            rows.append({"round": self.round, "step_in_round": step, "item": item})
+        append_jsonl(self.items_path, rows)  # one write: a kill leaves at most a torn last line
+        return [float(x) for x in rewards]
+
+    def _item_id(self, s: ProposalSample, step: int | None, i: int) -> str:
+        if step is not None:  # the loop's ids: round, global step, position (and process, when several)
+            rank = f"p{os.environ.get('RANK', '0')}-" if int(os.environ.get("WORLD_SIZE", "1")) > 1 else ""
+            return f"r{self.round}-s{self.step_base + step}-{rank}{i}"
+        h = hashlib.blake2b(f"{s.source_id}\x1f{s.text}".encode(), digest_size=6).hexdigest()
+        return f"r{self.round}-v-{h}"
+
+
+# ---------------------------------------------------------------- TRL
+
+
+class TRLFrontierReward:
+    """The frontier reward as a TRL reward function. One call scores one generation batch, which is
+    one proposer update (GRPOConfig: steps_per_generation = gradient_accumulation_steps = 1), so the
+    call count is the step within the round."""
+
+    def __init__(self, reward: FrontierReward):
+        self.reward = reward
+        self.__name__ = "frontier_reward"  # TRL logs a reward function under its __name__
+        self.calls = 0
+
+    def __call__(self, prompts, completions, source_id, hops, final=None, read=None, **_) -> list[float]:
+        self.calls += 1
+        texts = final if final is not None else [completion_text(c) for c in completions]
+        batch = [ProposalSample(final_turn(t), sid, int(h), tuple(read[i]) if read is not None else ())
+                 for i, (t, sid, h) in enumerate(zip(texts, source_id, hops, strict=True))]
+        return self.reward.score(batch, step=self.calls)
+
+
+class TRLSolverReward:
+    """The solver reward as a TRL reward function; with `records_path`, also the loop's solver step
+    record for each call (its items: each question's responses, k and k/n)."""
+
+    def __init__(self, records_path: str | os.PathLike | None = None, *, round: int = 0, step_base: int = 0,
+                 first_step_in_round: int = 1, grader: Mapping | None = None):
+        self.records_path = Path(records_path) if records_path else None
+        self.round, self.step_base, self.first = round, step_base, first_step_in_round
+        self.grader = dict(grader or {"id": "main", "trained_on": {"folds": [], "rounds": []}})
+        self.__name__ = "solver_reward"
+        self.calls = 0
+
+    def __call__(self, prompts, completions, label, answer=None, **columns) -> list[float]:
+        answers = answer if answer is not None else [extract_answer(final_turn(completion_text(c)))
+                                                     for c in completions]
+        rewards = [solver_reward(a, y) for a, y in zip(answers, label, strict=True)]
+        if self.records_path is not None:
+            self._record(prompts, answers, label, columns)
+        self.calls += 1
+        return rewards
+
+    def _record(self, prompts: Sequence, answers: Sequence[str], labels: Sequence[str],
+                cols: Mapping[str, Sequence]) -> None:
+        groups: dict[str, list[int]] = {}
+        for i, item_id in enumerate(cols["item_id"]):
+            groups.setdefault(item_id, []).append(i)
+        items = []
+        for item_id, idx in groups.items():
+            i0, resp = idx[0], [answers[i] for i in idx]
+            k = sum(answers_match(z, labels[i0]) for z in resp)
+            items.append({"item_id": item_id, "source_id": cols["source_id"][i0],
+                          "source_ids": list(cols["source_ids"][i0]), "fold": int(cols["fold"][i0]),
+                          "source_folds": list(cols["source_folds"][i0]), "hops": int(cols["hops"][i0]),
+                          "question": _question(prompts[i0]), "draft_label": cols["draft_label"][i0],
+                          "adopted_label": labels[i0], "admitted": True, "responses": resp, "k": k,
+                          "reward": round(k / len(resp), 6), "grader": self.grader})
+        sir = self.first + self.calls
+        append_jsonl(self.records_path, [{
+            "schema": SCHEMA_VERSION, "round": self.round, "step": self.step_base + sir, "step_in_round": sir,
+            "kind": "solver", "items": items,
+            "stats": {"reward": round(sum(it["k"] for it in items) / max(1, sum(len(it["responses"])
+                                                                            for it in items)), 6)}}])
+
+
+def _question(prompt: Any) -> str:
+    """The question of a solver prompt (`protocol.solver_messages`: the last user turn)."""
+    text = prompt if isinstance(prompt, str) else prompt[-1]["content"]
+    return text.rsplit("Question: ", 1)[-1].strip()
+
+
+# ---------------------------------------------------------------- verl
+
+
+_SETTINGS: dict[str, tuple[float, FrontierReward]] = {}
+_SETTINGS_LOCK = threading.Lock()
+
+
+def reward_settings(path: str | os.PathLike, *, treatment: str, round: int, folds: FoldAssignment,
+                    graders: Mapping[str, Grader], items_path: str | os.PathLike, retriever_url: str,
+                    topk: int = 3, max_calls: int = 5, samples: int = 5, format_penalty: float = 0.5,
+                    seed: int = 0, step_base: int = 0, remote: Mapping[str, Any] | None = None) -> Path:
+    """Write the JSON a verl reward worker builds its FrontierReward from (passed to
+    `compute_score` as `reward_kwargs.selfevo_settings`)."""
+    from selfevo._io import write_json
+
+    write_json(path, {"treatment": treatment, "round": round, "folds": folds.to_json(),
+                      "graders": [g.to_json() for g in graders.values()], "items_path": str(items_path),
+                      "retriever_url": retriever_url, "topk": topk, "max_calls": max_calls, "samples": samples,
+                      "format_penalty": format_penalty, "seed": seed, "step_base": step_base,
+                      "remote": dict(remote or {})})
+    return Path(path)
+
+
+def _frontier_from_settings(path: str) -> FrontierReward:
+    with _SETTINGS_LOCK:
+        mtime = os.stat(path).st_mtime
+        cached = _SETTINGS.get(path)
+        if cached is None or cached[0] != mtime:
+            from selfevo.search.client import RetrieverClient
+
+            s = read_json(path)
+            graders = {g["role"]: Grader.from_json(g) for g in s["graders"]}
+            tool = SearchTool(RetrieverClient(s["retriever_url"]), topk=s["topk"], max_calls=s["max_calls"])
+            reward = FrontierReward(treatment=s["treatment"], round=s["round"],
+                                    folds=FoldAssignment.from_json(s["folds"]), graders=graders, tool=tool,
+                                    items_path=s["items_path"], samples=s["samples"],
+                                    format_penalty=s["format_penalty"], seed=s["seed"], step_base=s["step_base"],
+                                    remote=s.get("remote"))
+            _SETTINGS[path] = (mtime, reward)
+        return _SETTINGS[path][1]
+
+
+def _target(ground_truth: Any) -> str:
+    if isinstance(ground_truth, Mapping):
+        target = ground_truth.get("target")
+        if isinstance(target, str):
+            return target
+        return str(list(target)[0]) if target is not None and len(target) else ""
+    return str(ground_truth or "")
+
+
+def compute_score(data_source: str, solution_str: str, ground_truth: Any, extra_info: Mapping | None = None,
+                  selfevo_settings: str | None = None, **_) -> float:
+    """verl's per-sample reward: the solver reward for selfevo_solver rows, the frontier reward (graded
+    through the served graders, logged for the audit) for selfevo_proposer rows."""
+    if data_source == SOLVER_SOURCE:
+        return solver_reward(extract_answer(final_turn(solution_str)), _target(ground_truth))
+    if data_source != PROPOSER_SOURCE:
+        raise ValueError(f"compute_score: unknown data_source {data_source!r} "
+                         f"(selfevo writes {SOLVER_SOURCE} and {PROPOSER_SOURCE})")
+    if not selfevo_settings:
+        raise ValueError("compute_score: proposer rows need reward_kwargs.selfevo_settings (see engine.py)")
+    info = dict(extra_info or {})
+    read = tuple(info.get("selfevo_read") or ())  # pages the search tool returned (verl_search.py)
+    sample = ProposalSample(final_turn(solution_str), info["source_id"], int(info.get("hops", 1)), read)
+    return _frontier_from_settings(selfevo_settings).score([sample])[0]
+
+
+def compute_score_batch(data_sources: Sequence[str], solution_strs: Sequence[str], ground_truths: Sequence[Any],
+                        extra_infos: Sequence[Mapping | None], selfevo_settings: str | None = None,
+                        **_) -> list[float]:
+    """verl's batch reward manager: the same rewards, proposer rows graded together."""
+    out: list[float | None] = [None] * len(data_sources)
+    proposer = []
+    for i, (ds, sol, gt, info) in enumerate(zip(data_sources, solution_strs, ground_truths, extra_infos,
+                                                strict=True)):
+        if ds == PROPOSER_SOURCE:
+            proposer.append(i)
+        else:
+            out[i] = compute_score(ds, sol, gt, info)
+    if proposer:
+        if not selfevo_settings:
+            raise ValueError("compute_score_batch: proposer rows need reward_kwargs.selfevo_settings")
+        samples = []
+        for i in proposer:
+            info = dict(extra_infos[i] or {})
+            samples.append(ProposalSample(final_turn(solution_strs[i]), info["source_id"], int(info.get("hops", 1)),
+                                          tuple(info.get("selfevo_read") or ())))
+        for i, r in zip(proposer, _frontier_from_settings(selfevo_settings).score(samples), strict=True):
+            out[i] = r
+    return [float(x) for x in out]
+

@@ -1,0 +1,177 @@
+"""One TRL training job: GRPO on a lineage-carrying dataset with selfevo's rollout and reward.
+
+A job is a JSON file the orchestrator writes (`engine.py`), so the same job runs in process on a
+CPU or under a launcher on many GPUs:
+
+    python -m selfevo.integrations.trl_job JOB.json
+    accelerate launch --config_file configs/trl-accelerate-6gpu.yaml -m selfevo.integrations.trl_job JOB.json
+
+Job fields: kind (proposer | solver), model (HF directory to start from), out (HF directory to write:
+a LoRA adapter is merged into its base), rows (JSONL of `datasets.py` rows), steps (optimizer steps),
+prompts_per_step, generations (GRPO group size), lr, max_grad_norm, seed, lora ({r, alpha,
+dropout, targets} or null: full fine-tuning), rollout (`trl_env.SearchRollout` fields), search
+({retriever_url} or, in process only, the caller's tool), reward (proposer: `rewards.FrontierReward`
+fields with graders; solver: records path, round, step numbering, identity), grpo (extra GRPOConfig
+fields: bf16, gradient_checkpointing, use_vllm, vllm_mode, ...), dtype, device, threads.
+
+Departures from the loop's own trainer (`agents/lm/policy.py`), all TRL's: advantages are normalised
+within each prompt's group of completions (the proposer's group shares its document and hop count,
+so it sits inside one hop bucket), the optimizer state starts fresh every round, and TRL's sampler
+draws each step's batch (the loop splits the admitted pool in order).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+from pathlib import Path
+
+from selfevo._io import read_json
+from selfevo.search.tool import SearchTool
+
+
+def _rows(path: str) -> list[dict]:
+    with open(path, encoding="utf-8") as fh:
+        return [json.loads(line) for line in fh if line.strip()]
+
+
+def job_tool(job: dict, tool: SearchTool | None = None) -> SearchTool:
+    s = job["search"]
+    if tool is not None:
+        return tool
+    if not s.get("retriever_url"):
+        raise ValueError("trl job: run in its own process, it needs search.retriever_url (a /retrieve server)")
+    from selfevo.search.client import RetrieverClient
+
+    return SearchTool(RetrieverClient(s["retriever_url"]), topk=s.get("topk", 3), max_calls=s.get("max_calls", 5))
+
+
+def grpo_args(job: dict, world_size: int = 1):
+    from trl import GRPOConfig
+
+    g = job["generations"]
+    per_step = job["prompts_per_step"] * g
+    if per_step % world_size:
+        raise ValueError(f"trl job: {per_step} completions a step do not split over {world_size} processes")
+    extra = dict(job.get("grpo") or {})
+    vllm = bool(extra.get("use_vllm"))
+    if vllm:  # the rollout stops at each action's end (trl_env._vllm_generate)
+        extra.setdefault("vllm_mode", "colocate")
+        extra["generation_kwargs"] = {"stop": ["</search>", "</answer>"], "include_stop_str_in_output": True,
+                                      **(extra.get("generation_kwargs") or {})}
+    cpu = job.get("device", "cpu") == "cpu"
+    kwargs = dict(output_dir=str(Path(job["out"]).parent / f".trainer-{Path(job['out']).name}"),
+                  per_device_train_batch_size=per_step // world_size, num_generations=g,
+                  max_steps=job["steps"], learning_rate=job["lr"], max_grad_norm=job.get("max_grad_norm", 1.0),
+                  # paper Eq. (1): on-policy, sequence-normalised policy gradient, no KL term
+                  beta=0.0, num_iterations=1, steps_per_generation=1, gradient_accumulation_steps=1,
+                  loss_type="grpo", max_completion_length=job["rollout"].get("max_new_tokens", 512),
+                  temperature=job["rollout"].get("temperature", 0.8), top_p=job["rollout"].get("top_p", 0.95),
+                  logging_steps=1, save_strategy="no", report_to=[], seed=job.get("seed", 0) % 2**31,
+                  use_cpu=cpu, dataloader_num_workers=0, remove_unused_columns=False,
+                  model_init_kwargs={"dtype": job.get("dtype", "float32")})
+    kwargs.update(extra)
+    return GRPOConfig(**kwargs)
+
+
+def run_job(job: dict, tool: SearchTool | None = None) -> dict:
+    """Train, save the model to `job["out"]`; return {steps, completions, graded, seconds}."""
+    import time
+
+    os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
+    import torch
+    from trl import GRPOTrainer
+
+    from selfevo.integrations.datasets import to_trl
+    from selfevo.integrations.rewards import FrontierReward, TRLFrontierReward, TRLSolverReward
+    from selfevo.integrations.routing import Grader
+    from selfevo.integrations.trl_env import SearchRollout
+    from selfevo.loop.folds import FoldAssignment
+
+    started = time.perf_counter()
+    if job.get("threads"):  # on a busy CPU one thread avoids OpenMP oversubscription
+        torch.set_num_threads(int(job["threads"]))
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    tool = job_tool(job, tool)
+    rows = _rows(job["rows"])
+    r = job["reward"]
+    closer = None
+    if job["kind"] == "proposer":
+        frontier = FrontierReward(treatment=r["treatment"], round=r["round"],
+                                  folds=FoldAssignment.from_json(r["folds"]),
+                                  graders={g["role"]: Grader.from_json(g) for g in r["graders"]}, tool=tool,
+                                  items_path=r["items_path"], samples=r.get("samples", 5),
+                                  format_penalty=r.get("format_penalty", 0.5), seed=r.get("seed", 0),
+                                  step_base=r.get("step_base", 0), remote=r.get("remote"))
+        reward, closer = TRLFrontierReward(frontier), frontier.close
+    else:
+        reward = TRLSolverReward(r.get("records_path"), round=r["round"], step_base=r.get("step_base", 0),
+                                 first_step_in_round=r.get("first_step_in_round", 1), grader=r.get("grader"))
+    rollout = SearchRollout(tool, role=job["kind"], seed=job.get("seed", 0), **job["rollout"])
+    peft_config = None
+    if job.get("lora"):
+        from peft import LoraConfig
+
+        lo = job["lora"]
+        peft_config = LoraConfig(r=lo["r"], lora_alpha=lo["alpha"], lora_dropout=lo.get("dropout", 0.0),
+                                 target_modules=list(lo["targets"]), task_type="CAUSAL_LM")
+    trainer = GRPOTrainer(model=job["model"], reward_funcs=[reward], args=grpo_args(job, world_size),
+                          train_dataset=to_trl(rows), rollout_func=rollout, peft_config=peft_config)
+    try:
+        trainer.train()
+    finally:
+        if closer:
+            closer()
+    _save(trainer, job)
+    steps = int(trainer.state.global_step)
+    return {"steps": steps, "completions": steps * job["prompts_per_step"] * job["generations"],
+            "seconds": round(time.perf_counter() - started, 3)}
+
+
+def _save(trainer, job: dict) -> None:
+    """Write the trained policy as a plain HF directory (a LoRA adapter merged into its base), so
+    every consumer -- the next round, a grader server, vLLM -- loads it the same way."""
+    out = Path(job["out"])
+    tmp = out.parent / f".{out.name}.tmp"
+    if trainer.accelerator.is_main_process:
+        shutil.rmtree(tmp, ignore_errors=True)
+    trainer.accelerator.wait_for_everyone()
+    if job.get("lora"):
+        adapter = out.parent / f".{out.name}.adapter"
+        trainer.save_model(str(adapter))
+        if trainer.accelerator.is_main_process:
+            import torch
+            from peft import AutoPeftModelForCausalLM
+
+            merged = AutoPeftModelForCausalLM.from_pretrained(str(adapter), dtype=getattr(torch, job.get("dtype",
+                                                                                                 "float32")))
+            merged.merge_and_unload().save_pretrained(str(tmp))
+            shutil.rmtree(adapter, ignore_errors=True)
+    else:
+        trainer.save_model(str(tmp))
+    if trainer.accelerator.is_main_process:
+        trainer.processing_class.save_pretrained(str(tmp))
+        shutil.rmtree(out, ignore_errors=True)
+        os.replace(tmp, out)
+        shutil.rmtree(Path(job["out"]).parent / f".trainer-{out.name}", ignore_errors=True)
+    trainer.accelerator.wait_for_everyone()
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) != 1:
+        print("usage: python -m selfevo.integrations.trl_job JOB.json", file=sys.stderr)
+        return 2
+    job = read_json(args[0])
+    result = run_job(job)
+    if int(os.environ.get("RANK", "0")) == 0:
+        from selfevo._io import write_json
+
+        write_json(Path(args[0]).with_suffix(".result.json"), result)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

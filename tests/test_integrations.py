@@ -1,0 +1,650 @@
+"""selfevo.integrations on CPU, without training: routing by lineage, the rewards in TRL's and verl's
+calling conventions against real loopback grader endpoints, datasets as the libraries load them,
+admission (MSV included) and the verl configs."""
+
+from __future__ import annotations
+
+import importlib.util
+import itertools
+import json
+import random
+import threading
+
+import pytest
+
+from selfevo.agents.lm.model import ScriptedModel
+from selfevo.agents.lm.server import make_app, running
+from selfevo.algos import frontier_reward
+from selfevo.integrations.admit import admit_round, commit_records, msv_filter, read_staged
+from selfevo.integrations.datasets import (
+    aux_training_sets,
+    proposer_rows,
+    read_verl,
+    solver_rows,
+    to_trl,
+    write_verl,
+)
+from selfevo.integrations.rewards import (
+    FrontierReward,
+    TRLFrontierReward,
+    TRLSolverReward,
+    compute_score,
+    compute_score_batch,
+    extract_answer,
+    reward_settings,
+)
+from selfevo.integrations.routing import Grader, RoutingError, grader_role, route
+from selfevo.loop.feedback import AuxFeedback, CoupledFeedback
+from selfevo.loop.folds import FoldAssignment
+from selfevo.loop.treatments import parse_treatment
+from selfevo.records import Document
+from selfevo.search.bm25 import BM25Index
+from selfevo.search.server import make_app as retriever_app
+from selfevo.search.tool import SearchTool
+
+DOCS = [Document("d0", "Alpha", "Alpha is a river in the north."), Document("d1", "Beta", "Beta is a city by the sea."),
+        Document("d2", "Gamma", "Gamma was founded by Alpha settlers."), Document("d3", "Delta", "Delta is a delta.")]
+FOLDS = FoldAssignment(2, 0, "connected", {"d0": 0, "d1": 1, "d2": 0, "d3": 1}, {"d0": "d0", "d2": "d0"})
+HAVE_VERL = importlib.util.find_spec("verl") is not None
+
+
+@pytest.fixture(scope="module")
+def tool():
+    return SearchTool(BM25Index.build(DOCS), topk=2, max_calls=2)
+
+
+# ---------------------------------------------------------------- routing
+
+
+class _Stub:
+    def __init__(self, name):
+        self.name, self.lineage = name, {}
+
+    def snapshot(self, name=None):
+        return _Stub(name)
+
+
+class _Item:
+    def __init__(self, fold, source_ids):
+        self.fold = fold
+        self.proposal = type("P", (), {"source_ids": tuple(source_ids)})()
+
+
+@pytest.mark.parametrize("treatment", ["coupled", "crossfit", "crossfit-connected", "crossfit-k3", "same-source",
+                                       "full-data", "question-split", "half-budget"])
+def test_grader_role_is_the_loops_rule(treatment):
+    """The endpoint routing and `loop.feedback` choose the same grader for every fold, lineage and round."""
+    t = parse_treatment(treatment)
+    folds = FoldAssignment(t.k, 0, t.grouping, {f"s{i}": i % t.k for i in range(6)})
+    if t.feedback == "coupled":
+        rule = CoupledFeedback(folds)
+    else:
+        opts = {"crossfit": {}, "half-budget": {"budget": 0.5}, "same-source": {"grades": "own-fold"},
+                "full-data": {"trains": "everything", "grades": "full"}, "question-split": {"split": "question"}}
+        rule = AuxFeedback(t.name, folds, _Stub, 25, 5, lineage_aware=t.grouping == "connected", **opts[t.feedback])
+    rnd = random.Random(0)
+    for r in (1, 2, 3):
+        rule.begin_round(r, _Stub("main"))
+        for _ in range(30):
+            sources = rnd.sample(sorted(folds.folds), rnd.randint(1, 3))
+            item = _Item(rnd.randrange(t.k), sources)
+            touched = folds.lineage(sources) if t.grouping == "connected" else {item.fold}
+            role, _ = grader_role(t, r, item.fold, touched)
+            assert rule.grader_for(item).name.split("@")[0] == role
+
+
+def _seeded_grader(name: str, calls: list, answers):
+    """A loopback grader whose i-th reply answers answers(i, question) (concurrency 1: calls in row order)."""
+    lock = threading.Lock()
+
+    def script(messages):
+        question = messages[-1]["content"].rsplit("Question: ", 1)[-1]
+        with lock:
+            i = len(calls)
+            calls.append(question)
+        return f"<answer> {answers(i, question)} </answer>"
+    return ScriptedModel(script, name=name)
+
+
+def _graders(urls_and_lineage):
+    return {role: Grader(role, url, role, f"{role}@r1", folds, (1,)) for role, (url, folds) in urls_and_lineage.items()}
+
+
+REMOTE = {"concurrency": 1, "max_actions": 1, "max_tokens": 32, "max_retries": 0}
+
+
+def test_frontier_reward_routes_each_fold_to_the_other_folds_grader(tool, tmp_path):
+    """Two aux graders on real loopback endpoints, each answering with its identity twice in five
+    (so k = 2 when the draft label names the grader): a fold-0 question is graded by aux-1 only,
+    a fold-1 question by aux-0 only, and the reward is f(k) of the responses recorded."""
+    calls0, calls1 = [], []
+    aux0 = _seeded_grader("aux-0", calls0, lambda i, q: "zero" if i % 5 < 2 else "none")
+    aux1 = _seeded_grader("aux-1", calls1, lambda i, q: "one" if i % 5 < 2 else "none")
+    with running(make_app(aux0)) as url0, running(make_app(aux1)) as url1:
+        graders = _graders({"aux-0": (url0, (0,)), "aux-1": (url1, (1,)), "main": (url0, (0, 1))})
+        reward = FrontierReward(treatment="crossfit", round=2, folds=FOLDS, graders=graders, tool=tool,
+                                items_path=tmp_path / "items.jsonl", remote=REMOTE, step_base=43)
+        trl = TRLFrontierReward(reward)
+        completions = [[{"role": "assistant", "content": "<question> Which river is in the north? </question> "
+                                                         "<answer> one </answer>"}],
+                       [{"role": "assistant", "content": "<question> What city is by the sea? </question> "
+                                                         "<answer> one </answer>"}],
+                       [{"role": "assistant", "content": "<question> no question here"}]]
+        rewards = trl([[]] * 3, completions, source_id=["d0", "d1", "d3"], hops=[1, 1, 2])
+        reward.close()
+    # d0 (fold 0) -> aux-1, which says "one" twice: k=2; d1 (fold 1) -> aux-0, never "one": k=0
+    assert rewards == [frontier_reward(2), 0.0, -0.5]
+    assert calls1 == ["Which river is in the north?"] * 5 and calls0 == ["What city is by the sea?"] * 5
+    staged = read_staged(tmp_path / "items.jsonl")
+    items = [r["item"] for r in staged if "item" in r]
+    assert [it["grader"]["id"] for it in items] == ["aux-1@r1", "aux-0@r1"]
+    for it in items:  # the rule the issue names: never a grader whose lineage includes the item's fold
+        assert it["fold"] not in it["grader"]["trained_on"]["folds"]
+        assert it["k"] == sum(z == it["draft_label"] for z in it["responses"])
+        assert it["reward"] == frontier_reward(it["k"])
+    assert items[0]["item_id"] == "r2-s44-0" and items[0]["responses"].count("one") == 2
+    malformed = [r["malformed"] for r in staged if "malformed" in r]
+    assert malformed[0]["format_error"] == "empty question" and malformed[0]["reward"] == -0.5
+
+
+def test_a_grader_trained_on_the_questions_fold_is_refused(tool, tmp_path):
+    graders = _graders({"aux-0": ("http://127.0.0.1:9/v1", (0,)), "aux-1": ("http://127.0.0.1:9/v1", (0, 1))})
+    with pytest.raises(RoutingError, match="aux-1@r1 trained on fold"):
+        route("crossfit", 2, 0, {0}, graders)
+    with pytest.raises(RoutingError, match="no such grader"):
+        route("crossfit", 2, 0, {0}, {"aux-0": graders["aux-0"]})
+    # same-source is the control that grades with the own fold on purpose: allowed
+    assert route("same-source", 2, 0, {0}, graders).grader.role == "aux-0"
+
+
+def test_connected_grouping_routes_by_every_page_read(tool, tmp_path):
+    """crossfit-connected: a question from a fold-1 source that read a fold-0 page touches both
+    folds (the loop's fallback, recorded); one that read only fold-1 pages goes to aux-0."""
+    calls0, calls1 = [], []
+    with running(make_app(_seeded_grader("aux-0", calls0, lambda i, q: "x"))) as url0, \
+            running(make_app(_seeded_grader("aux-1", calls1, lambda i, q: "x"))) as url1:
+        graders = _graders({"aux-0": (url0, (0,)), "aux-1": (url1, (1,))})
+        reward = FrontierReward(treatment="crossfit-connected", round=3, folds=FOLDS, graders=graders, tool=tool,
+                                items_path=tmp_path / "items.jsonl", remote=REMOTE)
+        text = "<question> Where is Beta? </question> <answer> sea </answer>"
+        from selfevo.integrations.rewards import ProposalSample
+
+        reward.score([ProposalSample(text, "d1", 1, ("d3",)), ProposalSample(text, "d1", 1, ("d0",))], step=1)
+        reward.close()
+    a, b = [r["item"] for r in read_staged(tmp_path / "items.jsonl")]
+    assert a["source_folds"] == [1] and a["grader"]["id"] == "aux-0@r1" and "routing" not in a
+    assert b["source_folds"] == [0, 1] and b["routing"] == {"fallback": True, "touched": [0, 1]}
+
+
+def test_coupled_grades_everything_with_the_main_solver(tool, tmp_path):
+    calls = []
+    with running(make_app(_seeded_grader("main", calls, lambda i, q: "sea"))) as url:
+        reward = FrontierReward(treatment="msv+coupled", round=2, folds=FOLDS,
+                                graders=_graders({"main": (url, (0, 1))}), tool=tool,
+                                items_path=tmp_path / "i.jsonl", remote=REMOTE)
+        from selfevo.integrations.rewards import ProposalSample
+
+        out = reward.score([ProposalSample("<question> Where is Beta? </question> <answer> sea </answer>", s, 1)
+                            for s in ("d0", "d1")], step=1)
+        reward.close()
+    assert out == [0.0, 0.0] and len(calls) == 10  # k = 5: a question every sample gets right pays nothing
+
+
+# ---------------------------------------------------------------- solver reward, verl convention
+
+
+def test_solver_reward_trl_and_records(tmp_path):
+    rf = TRLSolverReward(tmp_path / "steps.jsonl", round=1, step_base=0, first_step_in_round=19,
+                         grader={"id": "main", "trained_on": {"folds": [], "rounds": []}})
+    prompts = [[{"role": "user", "content": "Question: Where is Beta?"}]] * 2 + \
+              [[{"role": "user", "content": "Question: What is Alpha?"}]] * 2
+    completions = ["<search> beta </search>\n<information>Doc 1 <answer> decoy </answer></information>"
+                   "<answer> The sea </answer>", [{"role": "assistant", "content": "<answer> land </answer>"}],
+                   "no answer at all", [{"role": "assistant", "content": "<answer> a river! </answer>"}]]
+    cols = {"item_id": ["a", "a", "b", "b"], "source_id": ["d1", "d1", "d0", "d0"],
+            "source_ids": [["d1"]] * 2 + [["d0"]] * 2, "fold": [1, 1, 0, 0], "source_folds": [[1]] * 2 + [[0]] * 2,
+            "hops": [1] * 4, "draft_label": ["sea"] * 2 + ["river"] * 2}
+    assert rf(prompts, completions, label=["sea", "sea", "river", "river"], **cols) == [1.0, 0.0, 0.0, 1.0]
+    (record,) = [json.loads(line) for line in (tmp_path / "steps.jsonl").read_text().splitlines()]
+    assert record["kind"] == "solver" and record["step"] == 19 and record["step_in_round"] == 19
+    assert [(it["item_id"], it["question"], it["k"], it["reward"]) for it in record["items"]] == \
+        [("a", "Where is Beta?", 1, 0.5), ("b", "What is Alpha?", 1, 0.5)]
+
+
+def test_verl_compute_score_solver_rows():
+    gt = {"target": ["Stratford-upon-Avon"]}
+    assert compute_score("selfevo_solver", "<think>x</think><answer> stratford upon avon </answer>", gt) == 0.0
+    assert compute_score("selfevo_solver", "<answer> Stratford-upon-Avon. </answer>", gt) == 1.0
+    assert extract_answer("<answer> a </answer> then <answer> b </answer>") == "b"
+    with pytest.raises(ValueError, match="unknown data_source"):
+        compute_score("nq", "<answer> x </answer>", gt)
+    with pytest.raises(ValueError, match="selfevo_settings"):
+        compute_score("selfevo_proposer", "<question> q </question> <answer> a </answer>", None, {"source_id": "d0"})
+
+
+def test_verl_compute_score_proposer_through_retriever_and_graders(tmp_path):
+    """verl's convention end to end: settings JSON, a /retrieve server for the graders' searches, the
+    graders on loopback; the pages the proposer read (extra_info.selfevo_read) decide the lineage."""
+    index = BM25Index.build(DOCS)
+    calls = []
+
+    def answers(i, q):
+        return "sea" if i % 5 < 3 else "land"
+    with running(retriever_app(index)) as rurl, running(make_app(_seeded_grader("g", calls, answers))) as gurl:
+        graders = _graders({"aux-0": (gurl, (0,)), "aux-1": (gurl, (1,))})
+        settings = reward_settings(tmp_path / "s.json", treatment="crossfit", round=2, folds=FOLDS, graders=graders,
+                                   items_path=tmp_path / "items.jsonl", retriever_url=rurl.removesuffix("/v1"),
+                                   remote=REMOTE)
+        sol = ("<search> beta </search>\n<information>Doc 1 (Title: Beta) …</information>\n"
+               "<question> Where is Beta? </question> <answer> sea </answer>")
+        one = compute_score("selfevo_proposer", sol, {"target": []}, {"source_id": "d1", "hops": 1,
+                                                                      "selfevo_read": ["d1"]},
+                            selfevo_settings=str(settings))
+        batch = compute_score_batch(["selfevo_proposer", "selfevo_solver"], [sol, "<answer> sea </answer>"],
+                                    [{"target": []}, {"target": ["sea"]}],
+                                    [{"source_id": "d0", "hops": 2}, {}], selfevo_settings=str(settings))
+    assert one == frontier_reward(3) and batch == [frontier_reward(3), 1.0]
+    items = [r["item"] for r in read_staged(tmp_path / "items.jsonl")]
+    assert [it["step_in_round"] if "step_in_round" in it else None for it in items] == [None, None]
+    assert [(it["source_id"], it["grader"]["id"]) for it in items] == [("d1", "aux-0@r1"), ("d0", "aux-1@r1")]
+    assert items[0]["item_id"].startswith("r2-v-")
+
+
+# ---------------------------------------------------------------- datasets
+
+
+def test_proposer_rows_are_seeded_and_carry_lineage():
+    a = proposer_rows(DOCS, FOLDS, 2, 8, seed=3, truncate=lambda s: s[:20])
+    assert a == proposer_rows(DOCS, FOLDS, 2, 8, seed=3, truncate=lambda s: s[:20])
+    assert a != proposer_rows(DOCS, FOLDS, 3, 8, seed=3, truncate=lambda s: s[:20])
+    for row in a:
+        assert row["fold"] == FOLDS.of(row["source_id"]) and row["round"] == 2 and 1 <= row["hops"] <= 4
+        assert row["group"] == FOLDS.groups.get(row["source_id"], row["source_id"])
+        assert row["prompt"][0]["role"] == "system" and f"{row['hops']} reasoning hop" in row["prompt"][0]["content"]
+        assert len(row["prompt"][1]["content"].split("<document>\n")[1].split("\n</document>")[0]) <= 20
+
+
+def _admitted():
+    return [{"item_id": f"r1-s{i}-0", "question": f"Q{i}?", "adopted_label": f"a{i}", "draft_label": f"d{i}",
+             "source_id": s, "source_ids": ids, "fold": FOLDS.of(s), "hops": 1}
+            for i, (s, ids) in enumerate([("d0", ["d0"]), ("d1", ["d1", "d0"]), ("d2", ["d2"]), ("d3", ["d3"])])]
+
+
+def test_trl_dataset_loads_with_datasets_and_splits_by_fold(tmp_path):
+    datasets = pytest.importorskip("datasets")
+    rows = solver_rows(_admitted(), FOLDS, 1)
+    ds = to_trl(rows)
+    assert isinstance(ds, datasets.Dataset) and len(ds) == 4
+    assert {"prompt", "source_id", "fold", "round", "group", "label", "item_id", "source_folds"} <= set(ds.column_names)
+    ds.save_to_disk(tmp_path / "ds")
+    back = datasets.load_from_disk(str(tmp_path / "ds"))
+    assert back[1]["prompt"][-1] == {"role": "user", "content": "Question: Q1?"}
+    assert back[1]["source_folds"] == [0, 1] and back[1]["label"] == "a1" and back[2]["group"] == "d0"
+    from trl.data_utils import is_conversational
+
+    assert is_conversational(back[0])
+    sets = aux_training_sets(rows, ["aux-0", "aux-1"])
+    assert [r["item_id"] for r in sets["aux-0"]] == ["r1-s0-0", "r1-s2-0"]
+    assert [r["item_id"] for r in sets["aux-1"]] == ["r1-s1-0", "r1-s3-0"]
+    # lineage-aware (connected): a question that read a fold-0 page trains neither aux solver
+    aware = aux_training_sets(rows, ["aux-0", "aux-1"], lineage_aware=True)
+    assert [r["item_id"] for r in aware["aux-1"]] == ["r1-s3-0"]
+    assert len(aux_training_sets(rows, ["aux-all"])["aux-all"]) == 4
+
+
+def test_verl_parquet_has_search_r1s_layout(tmp_path):
+    import pyarrow.parquet as pq
+
+    rows = solver_rows(_admitted(), FOLDS, 1) + proposer_rows(DOCS, FOLDS, 1, 2, seed=0)
+    path = write_verl(rows, tmp_path / "train.parquet")
+    table = pq.read_table(path)
+    assert table.column_names == ["data_source", "prompt", "ability", "reward_model", "extra_info", "agent_name"]
+    back = read_verl(path)
+    assert back[0]["data_source"] == "selfevo_solver" and back[0]["prompt"][-1]["content"] == "Question: Q0?"
+    assert back[0]["reward_model"] == {"style": "rule", "ground_truth": {"target": ["a0"]}}
+    assert back[1]["extra_info"]["source_folds"] == [0, 1] and back[1]["extra_info"]["fold"] == 1
+    assert back[1]["extra_info"]["question"] == "Q1?" and back[3]["extra_info"]["index"] == 3
+    assert back[4]["data_source"] == "selfevo_proposer" and back[4]["reward_model"]["ground_truth"]["target"] == []
+    assert {r["agent_name"] for r in back} == {"search_r1_agent"}
+
+
+@pytest.mark.skipif(not HAVE_VERL, reason="verl is not installed (its imports need deps selfevo does not ship)")
+def test_verl_loads_the_parquet_with_its_own_dataset_class(tmp_path, smollm2_path):
+    from omegaconf import OmegaConf
+    from transformers import AutoTokenizer
+    from verl.utils.dataset.rl_dataset import RLHFDataset
+
+    path = write_verl(solver_rows(_admitted(), FOLDS, 1), tmp_path / "train.parquet")
+    tok = AutoTokenizer.from_pretrained(smollm2_path)
+    ds = RLHFDataset([str(path)], tok, OmegaConf.create({"max_prompt_length": 512, "return_raw_chat": True,
+                                                         "filter_overlong_prompts": False,
+                                                         "cache_dir": str(tmp_path / "cache")}))
+    assert len(ds) == 4
+    row = ds[1]
+    assert row["raw_prompt"][-1]["content"] == "Question: Q1?" and row["data_source"] == "selfevo_solver"
+    assert list(row["extra_info"]["source_folds"]) == [0, 1]
+    assert row["index"] == 1
+
+
+# ---------------------------------------------------------------- admission
+
+
+def _staged(n_steps=2, per=3):
+    rows = []
+    for s, i in itertools.product(range(1, n_steps + 1), range(per)):
+        rows.append({"round": 1, "step_in_round": s, "item": {
+            "item_id": f"r1-s{s}-{i}", "source_id": DOCS[i].id, "source_ids": [DOCS[i].id],
+            "fold": FOLDS.of(DOCS[i].id),
+            "source_folds": [FOLDS.of(DOCS[i].id)], "hops": 1, "question": f"Where is {DOCS[i].title}?",
+            "draft_label": DOCS[i].title, "adopted_label": DOCS[i].title, "admitted": False, "responses": [],
+            "k": 0, "reward": 0.0, "grader": {}}})
+    rows.append({"round": 1, "step_in_round": 2, "malformed": {"item_id": "r1-s2-9", "reward": -0.5}})
+    return rows
+
+
+def test_admit_round_caps_the_budget_in_step_order(tmp_path):
+    records, admitted = admit_round(_staged(), round=1, step_base=0, proposer_steps=2, budget=4, seed=0)
+    assert [r["step"] for r in records] == [1, 2] and [r["kind"] for r in records] == ["proposer"] * 2
+    assert [it["item_id"] for it in admitted] == ["r1-s1-0", "r1-s1-1", "r1-s1-2", "r1-s2-0"]
+    assert records[1]["items"][1]["admission"] == {"over_budget": True} and not records[1]["items"][1]["admitted"]
+    assert records[1]["malformed"] == [{"item_id": "r1-s2-9", "reward": -0.5}] and records[1]["stats"]["malformed"] == 1
+    # verl items carry no step: they are cut into proposer_steps runs in arrival order
+    unstepped = [{**r, "step_in_round": None} for r in _staged()]
+    recs, _ = admit_round(unstepped, round=1, step_base=0, proposer_steps=2, budget=99, seed=0)
+    assert [len(r["items"]) + len(r.get("malformed", [])) for r in recs] == [4, 3]
+
+
+def test_msv_filter_over_a_served_model(tmp_path, tool):
+    """MSV as a data filter: the model, served on loopback, answers 'sea' with the source and
+    'land' without for Beta (rejected), and 'river' both ways for Alpha (admitted, relabelled)."""
+    def script(messages):
+        user = messages[-1]["content"]
+        if "Beta" in user:
+            return "<answer> sea </answer>" if "<document>" in user else "<answer> land </answer>"
+        return "<answer> the River </answer>"
+    with running(make_app(ScriptedModel(script))) as url:
+        from selfevo.agents.remote import RemoteSolver
+
+        with RemoteSolver(url, "scripted", **REMOTE) as model:
+            items = [r["item"] for r in _staged(1, 2) if "item" in r]
+            decisions = msv_filter(items, model, {d.id: d for d in DOCS}, tool, seed=0)
+            records, admitted = admit_round(_staged(1, 2), round=1, step_base=0, proposer_steps=1, budget=9, seed=0,
+                                            decide=lambda its, s: msv_filter(its, model, {d.id: d for d in DOCS},
+                                                                             tool, s))
+    assert [d.admitted for d in decisions] == [True, False]
+    assert decisions[0].label == "the River" and decisions[0].detail["majority_without"] == "the River"
+    assert [it["adopted_label"] for it in admitted] == ["the River"] and admitted[0]["draft_label"] == "Alpha"
+    assert records[0]["items"][1]["admission"]["with_source"] == ["sea"] * 3
+
+
+def test_commit_records_replaces_what_a_killed_attempt_left(tmp_path):
+    path = tmp_path / "steps.jsonl"
+    first = [{"round": 1, "kind": "proposer", "step": 1}, {"round": 1, "kind": "solver", "step": 2}]
+    commit_records(path, first[:1], 1, "proposer")
+    commit_records(path, first[1:], 1, "solver")
+    commit_records(path, [{"round": 1, "kind": "solver", "step": 2, "again": True}], 1, "solver")  # a rerun
+    with open(path, "a") as fh:
+        fh.write('{"round": 2, "kind": "prop')  # a torn line from a kill
+    commit_records(path, [{"round": 2, "kind": "proposer", "step": 3}], 2, "proposer")
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    assert rows == [first[0], {"round": 1, "kind": "solver", "step": 2, "again": True},
+                    {"round": 2, "kind": "proposer", "step": 3}]
+
+
+# ---------------------------------------------------------------- verl configs
+
+
+def test_verl_tool_and_agent_configs(tmp_path):
+    import yaml
+
+    from selfevo.integrations.verl_search import agent_loop_config, parse_search_call, tool_config, write_yaml
+
+    write_yaml(tool_config("http://127.0.0.1:8000/retrieve", topk=3, max_calls=5), tmp_path / "tool.yaml")
+    write_yaml(agent_loop_config(), tmp_path / "agent.yaml")
+    tools = yaml.safe_load((tmp_path / "tool.yaml").read_text())["tools"]
+    assert tools[0]["class_name"] == "selfevo.integrations.verl_search.SearchR1Tool"
+    assert tools[0]["config"] == {"type": "native", "retrieval_service_url": "http://127.0.0.1:8000/retrieve",
+                                  "topk": 3, "max_calls": 5, "timeout": 30.0}
+    assert tools[0]["tool_schema"]["function"]["name"] == "search"
+    assert tools[0]["tool_schema"]["function"]["parameters"]["required"] == ["query"]
+    assert yaml.safe_load((tmp_path / "agent.yaml").read_text()) == [
+        {"name": "search_r1_agent", "_target_": "selfevo.integrations.verl_search.SearchR1AgentLoop"}]
+    assert parse_search_call("<think>hm</think><search> Beta city </search> trailing") == \
+        ("<think>hm</think><search> Beta city </search>", "Beta city")
+    assert parse_search_call("<answer> sea </answer>")[1] is None
+
+
+def _phase(tmp_path):
+    from selfevo.integrations.verl_launch import VerlPhase
+
+    return VerlPhase(name="r2-aux-0", model="/models/main", train_files=str(tmp_path / "t.parquet"),
+                     out=str(tmp_path / "out"), ckpt_dir=str(tmp_path / "ckpt"), steps=25, prompts_per_step=64, n=5,
+                     lr=1e-6, tool_config="/t.yaml", agent_loop_config="/a.yaml", reward_file="/r.py",
+                     settings="/s.json", gpus=8, extra={"actor_rollout_ref.rollout.gpu_memory_utilization": 0.5})
+
+
+def test_verl_launch_script(tmp_path):
+    import shlex
+
+    from selfevo.integrations.verl_launch import phase_overrides, phase_script
+
+    overrides = dict(o.split("=", 1) for o in phase_overrides(_phase(tmp_path)))
+    assert overrides["algorithm.adv_estimator"] == "grpo" and overrides["actor_rollout_ref.rollout.n"] == "5"
+    assert overrides["trainer.total_training_steps"] == "25" and overrides["data.train_batch_size"] == "64"
+    assert overrides["actor_rollout_ref.rollout.multi_turn.format"] == "search_r1"
+    assert overrides["+reward.custom_reward_function.reward_kwargs.selfevo_settings"] == "/s.json"
+    assert overrides["actor_rollout_ref.rollout.gpu_memory_utilization"] == "0.5"
+    script = phase_script(_phase(tmp_path), tmp_path / "job.sh").read_text()
+    lines = script.replace("\\\n", "").splitlines()
+    train = shlex.split(next(line for line in lines if "verl.trainer.main_ppo" in line))
+    assert train[:3] == ["python3", "-m", "verl.trainer.main_ppo"] and "trainer.logger=[console]" in train
+    assert f"--local_dir {tmp_path}/ckpt/global_step_25/actor" in script and "set -euo pipefail" in script
+
+
+@pytest.mark.skipif(not HAVE_VERL, reason="verl is not installed (its imports need deps selfevo does not ship)")
+def test_verl_accepts_the_overrides_and_runs_the_tool_and_parser(tmp_path):
+    """verl's own config tree (Hydra compose) accepts every override; the tool answers from a real
+    /retrieve server and keeps its budget and lineage; the parser turns <search> into a call."""
+    import asyncio
+    import os
+
+    import verl
+    from hydra import compose, initialize_config_dir
+
+    from selfevo.integrations import verl_search
+    from selfevo.integrations.verl_launch import phase_overrides
+
+    with initialize_config_dir(config_dir=os.path.join(os.path.dirname(verl.__file__), "trainer", "config"),
+                               version_base=None):
+        cfg = compose(config_name="ppo_trainer", overrides=phase_overrides(_phase(tmp_path)))
+    assert cfg.reward.custom_reward_function.reward_kwargs.selfevo_settings == "/s.json"
+    assert cfg.actor_rollout_ref.rollout.agent.default_agent_loop == "search_r1_agent"
+
+    class Agent:
+        extra_fields: dict = {}
+
+    with running(retriever_app(BM25Index.build(DOCS))) as url:
+        tool = verl_search.SearchR1Tool({"retrieval_service_url": url.removesuffix("/v1") + "/retrieve",
+                                         "topk": 2, "max_calls": 1, "type": "native"})
+        agent = Agent()
+        resp, score, _ = asyncio.run(tool.execute("i", {"query": "Beta city"}, agent_data=agent))
+        spent, _, _ = asyncio.run(tool.execute("i", {"query": "Alpha"}, agent_data=agent))
+    assert resp.text.startswith("<information>Doc 1 (Title: Beta)") and score == 0.0
+    assert agent.extra_fields["selfevo_read"][0] == "d1" and "budget is spent" in spent.text
+
+    class Tok:
+        def decode(self, ids):
+            return "<search> Beta </search> extra"
+    parser = verl_search.SearchR1ToolParser(Tok())
+    content, calls = asyncio.run(parser.extract_tool_calls([1, 2]))
+    assert content == "<search> Beta </search>" and json.loads(calls[0].arguments) == {"query": "Beta"}
+
+
+# ---------------------------------------------------------------- recipes
+
+
+RECIPES = ["trl-qwen3.5-4b.toml", "trl-qwen3.5-9b.toml", "verl-qwen3.5-4b.yaml", "verl-qwen3.5-9b.yaml"]
+
+
+@pytest.mark.parametrize("name", RECIPES)
+def test_recipes_hold_the_papers_schedule(name):
+    from pathlib import Path
+
+    from selfevo.integrations.engine import load_engine_config
+
+    path = Path(__file__).resolve().parents[1] / "configs" / name
+    ecfg = load_engine_config(path, engine=name.split("-")[0])
+    loop, spec = ecfg.run.loop, ecfg.engine
+    assert (loop.rounds, loop.proposer_steps, loop.solver_steps, loop.admit_per_round, loop.grader_samples) == \
+        (3, 18, 25, 1600, 5)
+    assert ecfg.run.treatment == "crossfit" and spec.solver_generations == 5
+    assert spec.proposer_prompts * spec.proposer_generations * loop.proposer_steps >= loop.admit_per_round
+    assert (ecfg.run.lm.max_actions, ecfg.run.lm.max_new_tokens, ecfg.run.lm.temperature, ecfg.run.lm.top_p) == \
+        (5, 512, 0.8, 0.95)
+    assert spec.proposer_prompts % spec.train_processes == 0 and spec.retriever_url.endswith("/retrieve")
+    assert ("4B" in ecfg.run.lm.model) == ("4b" in name)
+
+
+def test_engine_config_errors_name_the_field(tmp_path):
+    from selfevo.config import ConfigError
+    from selfevo.integrations.engine import load_engine_config
+
+    path = tmp_path / "c.toml"
+    path.write_text('backend = "lm"\n[engine]\nengine = "trl"\nsolver_generations = 1\n')
+    with pytest.raises(ConfigError, match="engine.solver_generations"):
+        load_engine_config(path)
+    path.write_text('backend = "lm"\n[engine]\nbogus = 1\n')
+    with pytest.raises(ConfigError, match="engine.bogus"):
+        load_engine_config(path)
+    path.write_text('backend = "lm"\n[engine]\nengine = "verl"\n')
+    with pytest.raises(ConfigError, match="retriever_url"):
+        load_engine_config(path, engine="verl")
+    with pytest.raises(ConfigError, match="--engine says 'trl'"):
+        load_engine_config(path, engine="trl")
+    path.write_text('[engine]\nengine = "trl"\n')
+    with pytest.raises(ConfigError, match='backend = "lm"'):
+        load_engine_config(path)
+
+
+@pytest.mark.skipif(not HAVE_VERL, reason="verl is not installed (its imports need deps selfevo does not ship)")
+@pytest.mark.parametrize("name", ["verl-qwen3.5-4b.yaml", "verl-qwen3.5-9b.yaml"])
+def test_verl_accepts_the_recipes_overrides(name, tmp_path):
+    import os
+    from pathlib import Path
+
+    import verl
+    from hydra import compose, initialize_config_dir
+
+    from selfevo.integrations.engine import load_engine_config
+    from selfevo.integrations.verl_launch import VerlPhase, phase_overrides
+
+    ecfg = load_engine_config(Path(__file__).resolve().parents[1] / "configs" / name, engine="verl")
+    spec = ecfg.engine
+    phase = VerlPhase(name="r1-main", model=ecfg.run.lm.model, train_files="/t.parquet", out="/o", ckpt_dir="/c",
+                      steps=25, prompts_per_step=66, n=spec.solver_generations, lr=ecfg.run.lm.lr,
+                      tool_config="/t.yaml", agent_loop_config="/a.yaml", reward_file="/r.py",
+                      max_prompt_length=spec.verl_max_prompt_length,
+                      max_response_length=spec.verl_max_response_length, gpus=spec.verl_gpus, extra=spec.verl)
+    with initialize_config_dir(config_dir=os.path.join(os.path.dirname(verl.__file__), "trainer", "config"),
+                               version_base=None):
+        cfg = compose(config_name="ppo_trainer", overrides=phase_overrides(phase))
+    assert cfg.trainer.n_gpus_per_node == 6 and cfg.actor_rollout_ref.rollout.n == 5
+    assert cfg.actor_rollout_ref.rollout.gpu_memory_utilization == 0.5
+    assert (66 * 5) % cfg.trainer.n_gpus_per_node == 0
+
+
+# ---------------------------------------------------------------- the orchestrator, engine faked
+
+
+class _FakeEngine:
+    """Stands in for TRL: 'trains' by writing a model directory, stages what the rewards would."""
+
+    def __init__(self, run):
+        self.run, self.jobs = run, []
+
+    def train(self, name, kind, role, r, rows, steps, prompts_per_step, generations, reward):
+        from selfevo._io import append_jsonl
+
+        self.jobs.append({"name": name, "role": role, "round": r, "rows": rows, "steps": steps,
+                          "per_step": prompts_per_step, "reward": reward})
+        out = self.run.run.path / "models" / role / f"round-{r}"
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "config.json").write_text("{}")
+        if kind == "proposer":  # every prompt becomes one graded, well-formed proposal
+            append_jsonl(reward["items_path"], [{"round": r, "step_in_round": 1 + i // prompts_per_step, "item": {
+                "item_id": f"r{r}-{i}", "source_id": row["source_id"], "source_ids": row["source_ids"],
+                "fold": row["fold"], "source_folds": row["source_folds"], "hops": row["hops"],
+                "question": f"q{i}", "draft_label": f"a{i}", "adopted_label": f"a{i}", "admitted": False,
+                "responses": ["x"] * 5, "k": 0, "reward": 0.0, "grader": {}}} for i, row in enumerate(rows)])
+        return {"steps": steps, "completions": steps * prompts_per_step * generations}
+
+
+@pytest.mark.parametrize("treatment", ["crossfit", "half-budget"])
+def test_engine_run_phases_lineage_and_resume(treatment, tmp_path, monkeypatch):
+    """Two rounds with the engine faked: the phases run in the paper's order (aux solvers only
+    before the last round), each aux solver trains on its fold alone with its budget, round 2's
+    graders are the aux solvers with that lineage, and a rerun skips every finished phase."""
+    import contextlib
+
+    from selfevo.integrations import engine as eng
+
+    monkeypatch.setattr(eng, "_truncator", lambda path, n: (lambda text: text))
+    monkeypatch.setattr(eng.EngineRun, "evaluate", lambda self, r: {"macro_cover_em": 0.0})
+
+    @contextlib.contextmanager
+    def fake_serving(self, models):
+        yield {role: (f"http://127.0.0.1:9/{role}/v1", name) for role, (path, name) in models.items()}
+    monkeypatch.setattr(eng.EngineRun, "serving", fake_serving)
+    cfg = {"backend": "lm", "treatment": treatment, "world": {"name": "small"},
+           "loop": {"rounds": 2, "proposer_steps": 2, "solver_steps": 3, "admit_per_round": 10, "source_docs": 40},
+           "engine": {"proposer_generations": 2, "proposer_prompts": 6}}
+    ecfg = eng.engine_config_from_dict(cfg, engine="trl")
+    run = eng.EngineRun(ecfg, tmp_path / "run", log=lambda m: None)
+    fake = _FakeEngine(run)
+    monkeypatch.setattr(run, "train", fake.train)
+    monkeypatch.setattr(run, "audit", lambda: {"audit": "skipped"})
+    run.run_all()
+    names = [e["phase"] for e in run.phases.entries.values()]
+    assert names == ["r0/eval", "r1/proposer", "r1/admit", "r1/main", "r1/aux-0", "r1/aux-1", "r1/eval",
+                     "r2/proposer", "r2/admit", "r2/main", "r2/eval", "audit"]
+    jobs = {j["name"]: j for j in fake.jobs}
+    # 12 proposals a round, the budget admits 10; the main solver sees all 10, each aux its fold's
+    assert len(jobs["r1/main"]["rows"]) == 10 and jobs["r1/main"]["steps"] == 3
+    for j in (0, 1):
+        rows = jobs[f"r1/aux-{j}"]["rows"]
+        assert rows and all(r["fold"] == j for r in rows)
+        full = math_ceil(len(rows), jobs[f"r1/aux-{j}"]["per_step"])
+        assert jobs[f"r1/aux-{j}"]["steps"] == (min(3, full) if treatment == "crossfit" else min((2, 1)[j], full))
+    # round 1 is graded by the base model; round 2 by the aux solvers, each with its lineage
+    assert [g["name"] for g in jobs["r1/proposer"]["reward"]["graders"]] == ["main@r0"]
+    graders = {g["role"]: g for g in jobs["r2/proposer"]["reward"]["graders"]}
+    assert sorted(graders) == ["aux-0", "aux-1"]
+    assert graders["aux-0"]["folds"] == [0] and graders["aux-1"]["folds"] == [1] and graders["aux-0"]["rounds"] == [1]
+    steps = [json.loads(line) for line in (tmp_path / "run" / "records" / "steps.jsonl").read_text().splitlines()]
+    assert [(s["round"], s["kind"]) for s in steps] == [(1, "proposer")] * 2 + [(2, "proposer")] * 2
+    assert sum(it["admitted"] for s in steps[:2] for it in s["items"]) == 10
+    compute = json.loads((tmp_path / "run" / "compute.json").read_text())
+    assert compute["updates"]["main"] == 6 and compute["generations"]["proposer"] == 2 * 2 * 6 * 2
+    # rerun: everything is done
+    again = eng.EngineRun(ecfg, tmp_path / "run", resume=True, log=lambda m: None)
+    fake2 = _FakeEngine(again)
+    monkeypatch.setattr(again, "train", fake2.train)
+    again.run_all()
+    assert fake2.jobs == []
+    with pytest.raises(Exception, match="pass --resume"):
+        eng.EngineRun(ecfg, tmp_path / "run", log=lambda m: None)
+
+
+def math_ceil(a, b):
+    return -(-a // b)
+
+
+def test_step_records_of_several_processes_merge():
+    from selfevo.integrations.admit import merge_step_records
+
+    def rec(step, ids, k):
+        return {"round": 1, "step": step, "kind": "solver", "stats": {"reward": 0.0},
+                "items": [{"item_id": i, "k": k, "responses": ["a"] * 5} for i in ids]}
+    merged = merge_step_records([rec(20, ["a"], 5), rec(20, ["b"], 0), rec(19, ["c"], 1)])
+    assert [(r["step"], [it["item_id"] for it in r["items"]]) for r in merged] == [(19, ["c"]), (20, ["a", "b"])]
+    assert merged[1]["stats"]["reward"] == 0.5
