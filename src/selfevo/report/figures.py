@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import math
 
 import matplotlib
 
@@ -47,8 +48,9 @@ def rounds_figure(audit: dict[str, dict], metrics=("A", "T_P", "F")) -> bytes:
     for ax, m in zip(axes, metrics, strict=True):
         for t, a in audit.items():
             rounds = [r["round"] for r in a["rounds"]]
-            mean = [r[m]["mean"] for r in a["rounds"]]
-            std = [r[m]["std"] or 0 for r in a["rounds"]]
+            # a round the judge resolved nothing of has no value: a gap in the line, not a crash
+            mean = [math.nan if not r[m] or r[m]["mean"] is None else r[m]["mean"] for r in a["rounds"]]
+            std = [0 if not r[m] else r[m]["std"] or 0 for r in a["rounds"]]
             ax.errorbar(rounds, mean, yerr=std, marker="o", ms=4, capsize=3, lw=1.5 if t == "coupled" else 1.2,
                         label=t)
         ax.set_title(m, fontsize=10)
