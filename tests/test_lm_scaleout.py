@@ -466,7 +466,7 @@ def test_eval_workers_option_reaches_the_agent_factory(tmp_path, tiny_corpus):
 # ---------------------------------------------------------------- recipes
 
 
-CONFIGS = sorted((ROOT / "configs").glob("*.toml"))
+CONFIGS = sorted([*(ROOT / "configs").glob("*.toml"), *(ROOT / "configs").glob("verl-*.yaml")])
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=[p.name for p in CONFIGS])
@@ -475,6 +475,10 @@ def test_every_shipped_config_loads(path):
         from selfevo.demo import load_plan
 
         cfg = load_config(None, load_plan(path).overrides())
+    elif path.name.startswith(("trl-", "verl-")):  # run tables plus [engine]: `selfevo engine-run`'s loader
+        from selfevo.integrations.engine import load_engine_config
+
+        cfg = load_engine_config(path).run
     else:
         cfg = load_config(path)
     assert cfg.to_json()  # resolvable into the run directory's config.json
