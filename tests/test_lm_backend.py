@@ -180,7 +180,7 @@ def test_evolve_lm_crossfit_writes_the_sim_schema(lm_run, sim_run):
                 assert len(it["responses"]) == 5
     # every proposal is accounted for: graded, or malformed with its rule
     for st in (s for s in steps if s["kind"] == "proposer"):
-        assert len(st["items"]) + len(st.get("malformed", [])) == 4
+        assert len(st["items"]) + len(st.get("malformed", [])) == 8
         assert all(m["format_error"] and m["reward"] == -0.5 for m in st.get("malformed", []))
     # CrossFit: round 2's graders are the aux solvers of the other fold
     for it in next(s for s in steps if s["round"] == 2 and s["kind"] == "proposer")["items"]:
@@ -196,6 +196,7 @@ def test_evolve_lm_crossfit_writes_the_sim_schema(lm_run, sim_run):
     compute = json.loads((lm_run / "compute.json").read_text())
     assert compute["updates"]["proposer"] == 2
     assert compute["updates"].get("main", 0) >= 1  # some proposal was admitted and trained the solver
+    assert any(k.startswith("aux-") for k in compute["updates"])  # and an auxiliary solver (CrossFit)
     tensors = list((lm_run / "checkpoints" / "tensors").glob("*.safetensors"))
     assert {p.name.split("-")[0] for p in tensors} >= {"main", "proposer", "aux"}
     ck = json.loads((lm_run / "checkpoints" / "round-2.json").read_text())
