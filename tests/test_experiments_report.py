@@ -127,5 +127,6 @@ def test_rounds_figure_leaves_a_gap_where_the_judge_resolved_nothing():
 
     audit = {"coupled": {"rounds": [
         {"round": 1, "A": None, "T_P": {"mean": None, "std": None}, "F": {"mean": 0.1, "std": 0.01}},
-        {"round": 2, "A": {"mean": 0.5, "std": None}, "T_P": {"mean": 0.7, "std": 0.1}, "F": {"mean": 0.2, "std": 0.0}}]}}
+        {"round": 2, "A": {"mean": 0.5, "std": None}, "T_P": {"mean": 0.7, "std": 0.1},
+         "F": {"mean": 0.2, "std": 0.0}}]}}
     assert rounds_figure(audit)[:8] == b"\x89PNG\r\n\x1a\n"

@@ -239,6 +239,8 @@ def test_faults_do_not_stop_an_evaluation_and_are_counted():
         trajs = s.answer([it.question for it in items], tool())
     st = s.stats
     assert result["run"]["questions"] == 30
+    detail = result["run"]["agent_detail"]  # the counters reach score.json, the key never does
+    assert detail["stats"]["calls"] >= 30 and detail["api_key"] == "unset"
     assert st["failed_calls"] > 0 and st["retries"] > 0 and st["invalid_actions"] > 0  # all three happened
     assert st["requests"] == st["calls"] + st["retries"] == sum(faulty.requests.values())
     assert st["failed_trajectories"] == st["failed_calls"]  # each failure ends exactly one trajectory

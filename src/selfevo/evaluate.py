@@ -327,6 +327,9 @@ def evaluate_solver(solver: Solver, data: Mapping[str, Sequence[QAItem]], tool: 
         **({"answer_seconds": round(elapsed, 3)} if timing else {}),
         **(run_info or {}),
     }
+    describe = getattr(solver, "describe", None)
+    if describe is not None:  # e.g. a remote solver's settings and failed-call counters
+        result["run"]["agent_detail"] = describe()
     if out_dir is not None:
         predictions_path = predictions_path or Path(out_dir) / "predictions.jsonl"
         score_path = score_path or Path(out_dir) / "score.json"
