@@ -17,7 +17,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import hashlib
-import json
 import os
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -364,7 +363,3 @@ class LMPolicy:
                     opt.state[p] = st
         torch.set_rng_state(tensors["rng.torch"])
         self._changed(name)
-
-    def describe(self) -> dict:
-        return {"model": self.cfg.model, "adapter": self.cfg.adapter, "device": self.device,
-                "policies": self.names(), "config": json.loads(json.dumps(self.cfg.__dict__, default=list))}
