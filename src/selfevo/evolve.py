@@ -82,12 +82,11 @@ def fold_assignment(cfg: RunConfig, documents) -> FoldAssignment:
 
 def source_pool(cfg: RunConfig, documents) -> list:
     """The proposer's seed documents: a fixed, seeded sample of the corpus (or all of it)."""
-    docs = documents
     n = cfg.loop.source_docs
-    if n == 0 or n >= len(docs):
-        return list(docs)
+    if n == 0 or n >= len(documents):
+        return list(documents)
     rng = random.Random(derive_seed(cfg.seed, "source-pool"))
-    return sorted(rng.sample(list(docs), n), key=lambda d: d.id)
+    return sorted(rng.sample(list(documents), n), key=lambda d: d.id)
 
 
 @dataclass
