@@ -140,7 +140,8 @@ def main() -> None:
                   "corrupted once however often co-cheating re-asks it later; CrossFit's curriculum follows "
                   "the auxiliary solvers' frontier, so the main solver meets fewer facts it does not know. "
                   "In this world co-cheating inflates agreement (A, F) without corrupting more knowledge, so "
-                  "removing it does not raise downstream accuracy."]
+                  "removing it does not raise downstream accuracy. Which solver property the gain depends on: "
+                  "\"## Downstream sensitivity\" (benchmarks/downstream.py)."]
     lines += ["", "Compute against coupled (same seed), mean over seeds:", "",
               "| treatment | extra generations | extra updates | extra wall time |", "|---|---:|---:|---:|"]
     for t, rows in overhead.items():

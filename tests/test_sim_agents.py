@@ -159,6 +159,27 @@ def test_memory_shows_in_sampled_answers_of_the_rephrased_question(env, wrong_ca
     assert after > before + 50
 
 
+def test_bounded_memory_keeps_a_learned_wrong_label_uncertain(env, wrong_candidate):
+    """memory_cap bounds every memory logit, so many updates towards a wrong label leave the
+    solver partly agreeing (the co-cheating that keeps paying the proposer), where an unbounded
+    memory makes it certain."""
+    world, _, tool = env
+    person, wrong, _ = wrong_candidate
+    q = render_chain(ChainQuery(person.name, ("born_in",)), variant=0)
+    probs = {}
+    for cap in (0.0, 1.0):
+        cfg = SimSolverConfig(memory_cap=cap)
+        solver = SimSolver("main", cfg, Reader("solver", cfg.misread_scale, 0.1, 0))
+        assert _train_on_wrong_label(solver, q, wrong, tool, steps=12) >= 2
+        if cap:
+            assert all(abs(v) <= cap for row in solver.memory.values() for v in row.values())
+        probs[cap] = _label_prob(solver, q, wrong, tool)
+    assert probs[0.0] > 0.95
+    assert probs[1.0] < 0.9
+    with pytest.raises(ValueError, match="solver.memory_cap"):
+        SimSolverConfig(memory_cap=-1.0)
+
+
 def test_update_without_signal_changes_nothing(env, wrong_candidate):
     world, _, tool = env
     person, _, _ = wrong_candidate

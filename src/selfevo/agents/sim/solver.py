@@ -2,7 +2,8 @@
 
 logit(c) = theta . features(c)      generic reading skill (learned)
          + bias(page, c)            the reader's systematic misreadings (fixed)
-         + memory[(mention, rel)][c]  parametric memory keyed on what the question says (learned)
+         + memory[(mention, rel)][c]  parametric memory keyed on what the question says (learned,
+                                      optionally bounded by memory_cap)
 
 Multi-hop questions are answered by chaining hops, the answer of one hop being the mention of
 the next. Training is policy gradient on its own sampled rollouts, rewarded against the label it
@@ -35,6 +36,10 @@ class SimSolverConfig:
     misread_scale: float = 1.5  # std of the reader's page-specific bias
     memory: bool = True  # ablation switch: no parametric memory at all
     lr_memory: float = 4.0
+    # bound on a memory logit (0 = unbounded): a bounded memory never becomes certain of a
+    # pseudo-label, so agreement with a learned wrong label stays partial (k < 5) and keeps paying
+    # the coupled proposer instead of saturating at k = 5, where the frontier reward is 0
+    memory_cap: float = 0.0
     lr_theta: float = 0.05
     temperature: float = 1.0  # sampling temperature for non-greedy rollouts
 
@@ -45,6 +50,8 @@ class SimSolverConfig:
             raise ValueError(f"solver.temperature: must be > 0, got {self.temperature}")
         if self.misread_scale < 0:
             raise ValueError(f"solver.misread_scale: must be >= 0, got {self.misread_scale}")
+        if self.memory_cap < 0:
+            raise ValueError(f"solver.memory_cap: must be >= 0 (0 = unbounded), got {self.memory_cap}")
 
 
 @dataclass
@@ -202,7 +209,9 @@ class SimSolver:
                         g = (1.0 if j == idx else 0.0) - p
                         if self.config.memory:
                             row = self.memory.setdefault(dist.mkey, {})
-                            row[cand] = row.get(cand, 0.0) + self.config.lr_memory * w * g
+                            v = row.get(cand, 0.0) + self.config.lr_memory * w * g
+                            cap = self.config.memory_cap
+                            row[cand] = min(cap, max(-cap, v)) if cap else v
                         for f, phi in enumerate(dist.phis[j]):
                             grad_theta[f] += w * g * phi
         if groups:

@@ -1,0 +1,140 @@
+"""Where CrossFit's downstream gain comes from in the embedded world: a sensitivity study.
+
+    python benchmarks/downstream.py [--seeds 10] [--world default] [--out docs/results.md]
+
+The paper's downstream gain (Dr. Zero 0.400 -> CrossFit 0.488) does not appear on the default world
+(benchmarks/mitigations.py). This script asks which property of the solver the gain depends on.
+Two solver variants, fixed before running (not searched for a result):
+
+- `default`: configs/default.toml (memory unbounded, sampling temperature 1.0, lr_theta 0.05);
+- `bounded memory`: a memory logit bounded at 1.5, so a learned pseudo-label never becomes certain
+  and co-cheating keeps paying the proposer instead of saturating at k = 5; the paper's sampling
+  temperature 0.8; reading weights that learn at lr_theta 0.6, so reading skill, which is what
+  transfers to the benchmarks, moves within three rounds.
+
+For each: coupled, MSV and CrossFit, and coupled and CrossFit with the memory switched off (the
+ablation: no reuse path, no co-cheating). Reported per treatment: round-3 F, T_P, A (oracle judge),
+the main solver's macro Cover-EM after round 3 with the paired difference to coupled (mean and 95%
+t-interval over seeds), and its learned `about_page` reading weight (how much it trusts what a page
+says about its own subject over a confusable sentence about someone else; a wrong pseudo-label is
+such a sentence, so training to agree with one lowers this weight).
+Writes the "## Downstream sensitivity" section of docs/results.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import tempfile
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+
+from _common import REPO, fmt, machine_line, write_section
+from rich.console import Console
+from rich.progress import Progress
+
+from selfevo.config import load_config
+from selfevo.evolve import evolve
+from selfevo.report.collect import summary
+from selfevo.runs import RunDir
+
+HEADING = "## Downstream sensitivity"
+VARIANTS = {
+    "default": [],
+    "bounded memory": ["solver.memory_cap=1.5", "solver.temperature=0.8", "solver.lr_theta=0.6"],
+}
+# (label, treatment, extra overrides)
+ARMS = [("coupled", "coupled", []), ("msv", "msv", []), ("crossfit", "crossfit", []),
+        ("coupled, no memory", "coupled", ["solver.memory=false"]),
+        ("crossfit, no memory", "crossfit", ["solver.memory=false"])]
+
+
+def run_one(job: tuple[str, str, int, str, Path]) -> dict:
+    variant, label, seed, world, root = job
+    treatment, extra = next((t, e) for name, t, e in ARMS if name == label)
+    out = root / f"{variant}-{label}-{seed}".replace(" ", "_").replace(",", "")
+    if not (out / "manifest.json").exists():
+        overrides = [f"treatment={treatment}", f"seed={seed}", f"world.name={world}", *VARIANTS[variant], *extra]
+        evolve(load_config(overrides=overrides), out, progress=False)
+    last = json.loads((out / "audit" / "metrics.json").read_text())["rounds"][-1]
+    ev = json.loads((out / "eval" / "round-3.json").read_text())
+    run = RunDir(out)
+    theta = run.load_checkpoint(run.manifest()["rounds_completed"])["main"]["theta"]
+    return {"variant": variant, "arm": label, "seed": seed, "F": last["F"], "T_P": last["T_P"], "A": last["A"],
+            "macro": ev["macro"]["cover_em"], "about_page": theta[0]}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--seeds", type=int, default=10)
+    ap.add_argument("--world", default="default")
+    ap.add_argument("--workers", type=int, default=min(2, os.cpu_count() or 1))
+    ap.add_argument("--out", type=Path, default=REPO / "docs" / "results.md")
+    ap.add_argument("--keep", type=Path, default=None, help="keep the run directories here")
+    args = ap.parse_args()
+    console = Console()
+    tmp = tempfile.TemporaryDirectory()
+    root = args.keep or Path(tmp.name)
+    root.mkdir(parents=True, exist_ok=True)
+    jobs = [(v, arm, s, args.world, root) for v in VARIANTS for s in range(args.seeds) for arm, _, _ in ARMS]
+    rows: list[dict] = []
+    with Progress(console=console) as bar, ProcessPoolExecutor(args.workers) as pool:
+        task = bar.add_task("runs", total=len(jobs))
+        for row in pool.map(run_one, jobs):
+            rows.append(row)
+            bar.advance(task)
+
+    lines = [HEADING, "",
+             f"Command: `python benchmarks/downstream.py --seeds {args.seeds} --world {args.world}`  ",
+             f"Machine: {machine_line()}  ",
+             f"Seeds 0..{args.seeds - 1}, world `{args.world}`, the paper's schedule; mean ± std over seeds; "
+             "round-3 audit metrics (oracle judge); macro Cover-EM of the main solver after round 3; "
+             "Δ = paired difference to coupled of the same variant and seed, mean [95% t-interval]; "
+             "`about_page` = the main solver's learned weight on what a page says about its own subject "
+             "(the variants and the seed count were fixed before the runs: see the script's docstring).", ""]
+    for variant in VARIANTS:
+        lines += [f"**{variant}** (`{' '.join(VARIANTS[variant]) or 'configs/default.toml'}`)", "",
+                  "| treatment | F | T_P | A | macro Cover-EM | Δ macro vs coupled | about_page |",
+                  "|---|---:|---:|---:|---:|---:|---:|"]
+        by_arm = {arm: sorted((r for r in rows if r["variant"] == variant and r["arm"] == arm),
+                              key=lambda r: r["seed"]) for arm, _, _ in ARMS}
+        base = by_arm["coupled"]
+        for arm, runs in by_arm.items():
+            cells = [fmt([r[m] for r in runs]) for m in ("F", "T_P", "A", "macro")]
+            if arm == "coupled":
+                cells.append("")
+            else:
+                ref = base if "no memory" not in arm else by_arm["coupled, no memory"]
+                d = summary([r["macro"] - b["macro"] for r, b in zip(runs, ref)])
+                cells.append("" if runs is ref else f"{d['mean']:+.3f} [{d['lo']:+.3f}, {d['hi']:+.3f}]")
+            cells.append(fmt([r["about_page"] for r in runs], 2))
+            lines.append(f"| {arm} | " + " | ".join(cells) + " |")
+        lines.append("")
+    lines.append("Δ for the no-memory CrossFit row is against coupled with no memory (the same ablation).")
+    lines += ["", "Reading (numbers from the tables above):"]
+    for variant in VARIANTS:
+        def mean(arm: str, key: str, variant=variant) -> float:
+            return statistics.fmean(r[key] for r in rows if r["variant"] == variant and r["arm"] == arm)
+
+        cost = mean("coupled, no memory", "macro") - mean("coupled", "macro")
+        gain = mean("crossfit", "macro") - mean("coupled", "macro")
+        lines.append(f"- `{variant}`: the reuse path costs the coupled main solver {cost:+.3f} macro Cover-EM "
+                     f"(no memory minus memory); CrossFit wins back {gain:+.3f} of it "
+                     f"({gain / cost:.0%}) while cutting round-3 F from {mean('coupled', 'F'):.3f} to "
+                     f"{mean('crossfit', 'F'):.3f}. `about_page` {mean('coupled', 'about_page'):.2f} (coupled) vs "
+                     f"{mean('crossfit', 'about_page'):.2f} (CrossFit) vs "
+                     f"{mean('coupled, no memory', 'about_page'):.2f} (no memory).")
+    lines.append("- CrossFit changes who grades the proposer, not what the main solver trains on: the main solver "
+                 "still trains on every admitted question, a quarter or more of them with wrong labels, and its "
+                 "own memory still learns them. So the downstream harm of the reuse path, large when memory and "
+                 "skill compete, is only partly removed; in this world the gain is small next to the seed spread.")
+    text = "\n".join(lines)
+    write_section(args.out, HEADING, text)
+    console.print(text)
+    tmp.cleanup()
+
+
+if __name__ == "__main__":
+    main()
