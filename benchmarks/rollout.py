@@ -3,7 +3,8 @@ KV cache (what `LMPolicy.generate` does) against one prompt at a time, same mode
 greedy, the same token budget.
 
     python benchmarks/rollout.py [--model smollm2-135m] [--prompts 16] [--new-tokens 64]
-                                 [--repeats 3] [--threads 2] [--out docs/benchmarks.md]
+                                 [--repeats 3] [--threads 2] [--device cpu] [--dtype float32]
+                                 [--out docs/benchmarks.md]
 
 Three ways to generate the first solver action for `--prompts` benchmark questions
 (../shared/data/qa, the Search-R1 system prompt, a LoRA adapter active as in training):
@@ -12,7 +13,8 @@ Three ways to generate the first solver action for `--prompts` benchmark questio
   no-cache     one prompt at a time, KV cache off (every new token recomputes the whole prefix)
 Stop strings are off so every row generates the same budget and the rates compare like with like;
 tokens counted are the generated ones (eos padding excluded). Median of `--repeats` runs.
-Writes the "## Rollout throughput (LM backend)" section of docs/benchmarks.md.
+Writes the "## Rollout throughput (LM backend)" section of docs/benchmarks.md (with a device other
+than the CPU: "## Rollout throughput (LM backend, GPU)").
 """
 
 from __future__ import annotations
@@ -31,7 +33,13 @@ from selfevo.agents.lm.policy import LMPolicy
 from selfevo.agents.lm.protocol import solver_messages
 from selfevo.corpus import read_qa_dir
 
-HEADING = "## Rollout throughput (LM backend)"
+HEADING = "## Rollout throughput (LM backend"  # + ")" or ", GPU)"
+
+
+def gpu_name(device: str) -> str:
+    import torch
+
+    return torch.cuda.get_device_name(torch.device(device))
 
 
 def prompts(qa_dir: Path, n: int) -> list[list[dict]]:
@@ -54,7 +62,7 @@ def run_mode(policy: LMPolicy, convs: list[list[dict]], mode: str, new_tokens: i
     start = time.perf_counter()
     with torch.no_grad():
         for batch in batches:
-            enc = tok(batch, return_tensors="pt", padding=True, add_special_tokens=False)
+            enc = tok(batch, return_tensors="pt", padding=True, add_special_tokens=False).to(model.device)
             out = model.generate(**enc, **kwargs)
             generated += int((out[:, enc["input_ids"].shape[1]:] != tok.pad_token_id).sum())
     return generated, time.perf_counter() - start
@@ -69,10 +77,12 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--modes", default="batched,sequential,no-cache")
+    ap.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N")
+    ap.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16")
     ap.add_argument("--out", type=Path, default=REPO / "docs" / "benchmarks.md")
     args = ap.parse_args()
 
-    policy = LMPolicy(LMConfig(model=args.model, device="cpu", threads=args.threads))
+    policy = LMPolicy(LMConfig(model=args.model, device=args.device, dtype=args.dtype, threads=args.threads))
     policy.new("bench")
     convs = prompts(args.qa_dir, args.prompts)
     rows = {}
@@ -89,17 +99,20 @@ def main() -> None:
         table.add_row(mode, str(n), f"{secs:.2f}", f"{rate:.1f}", f"{rate / base:.2f}x")
     Console().print(table)
 
-    lines = [HEADING, "",
+    gpu = args.device != "cpu"
+    where = (f"{gpu_name(args.device)}, {args.dtype}" if gpu else f"CPU, {args.dtype}, torch threads {args.threads}")
+    lines = [HEADING + (", GPU)" if gpu else ")"), "",
              f"`python benchmarks/rollout.py --model {args.model} --prompts {args.prompts} --new-tokens "
-             f"{args.new_tokens} --repeats {args.repeats} --threads {args.threads}` — {machine_line()}; "
-             f"CPU, float32, torch threads {args.threads}, a LoRA adapter (r={policy.cfg.lora_r}) active; greedy; "
+             f"{args.new_tokens} --repeats {args.repeats} --threads {args.threads} --device {args.device} --dtype "
+             f"{args.dtype} --modes {args.modes}` — {machine_line()}; "
+             f"{where}, a LoRA adapter (r={policy.cfg.lora_r}) active; greedy; "
              f"the first solver action of {args.prompts} benchmark questions; median of {args.repeats} runs.", "",
              "| mode | generated tokens | seconds | tokens/s | vs sequential |", "|---|---:|---:|---:|---:|"]
     for mode, (n, secs, rate) in rows.items():
         lines.append(f"| {mode} | {n} | {secs:.2f} | {rate:.1f} | {rate / base:.2f}x |")
     lines += ["", "batched: one left-padded batch with the KV cache (`LMPolicy.generate`); sequential: one prompt "
               "at a time with the KV cache; no-cache: one at a time, recomputing the prefix for every token."]
-    write_section(args.out, HEADING, "\n".join(lines) + "\n")
+    write_section(args.out, lines[0], "\n".join(lines) + "\n")
     print(f"wrote {args.out}")
 
 

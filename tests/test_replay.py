@@ -122,6 +122,16 @@ def test_bank_build_errors(runs, tmp_path):
         build_bank([runs[1], other], size=10)
 
 
+def test_bank_hops_filter(runs, bank):
+    one_hop = build_bank(runs, size=30, seed=0, hops=[1])
+    assert len(one_hop.items) == 30 and {it.hops for it in one_hop.items} == {1}
+    assert {it.hops for it in bank.items} > {1}  # the unfiltered bank mixes hop counts
+    with pytest.raises(ReplayError, match="hop counts must be >= 1"):
+        build_bank(runs, size=10, hops=[0])
+    with pytest.raises(ReplayError, match=r"with hops in \[4\] .* fewer than --size"):
+        build_bank(runs, size=100_000, hops=[4])
+
+
 @pytest.mark.parametrize("edit, message", [
     (lambda o: {**o, "format": 2}, "bank format 2"),
     (lambda o: {k: v for k, v in o.items() if k != "world"}, "missing field.*world"),
@@ -274,6 +284,7 @@ def test_cli_build_and_run(runs, tmp_path):
     (["build", "--from", "{run0}", "--size", "100000", "--out", "{tmp}/b.json"], "fewer than --size"),
     (["build", "--from", "{run0}", "--from", "{other}", "--size", "10", "--out", "{tmp}/b.json"],
      "runs differ in their world"),
+    (["build", "--from", "{run0}", "--hops", "one", "--out", "{tmp}/b.json"], "--hops: expected comma-separated"),
     (["run", "--bank", "{tmp}/absent.json", "--out", "{tmp}/o"], "no bank file"),
     (["run", "--bank", "{bank}", "--conditions", "coupled,nope", "--out", "{tmp}/o"], "known: coupled"),
     (["run", "--bank", "{bank}", "--seeds", "0", "--out", "{tmp}/o"], "--seeds"),

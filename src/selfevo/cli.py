@@ -592,13 +592,18 @@ def replay_build(
     more: list[Path] = typer.Argument(None, metavar="RUN_DIR", help="more run directories", show_default=False),
     size: int = typer.Option(3000, help="items in the bank"),
     seed: int = typer.Option(0, help="sampling seed; also seeds the replay's base model"),
+    hops: str = typer.Option("", help="keep only these hop counts, comma-separated (e.g. 1); default all"),
     out: Path = typer.Option(..., help="the bank file to write (JSON)"),
 ) -> None:
     """Save round-2/3 questions of completed runs with their adopted labels (wrong ones included)."""
     from selfevo.replay import ReplayError, build_bank
 
     try:
-        bank = build_bank([*from_, *(more or [])], size=size, seed=seed)
+        wanted = [int(h) for h in hops.split(",") if h.strip()] or None
+    except ValueError:
+        _fail(f"--hops: expected comma-separated integers, got {hops!r}")
+    try:
+        bank = build_bank([*from_, *(more or [])], size=size, seed=seed, hops=wanted)
     except ReplayError as e:
         _fail(str(e))
     bank.save(out)

@@ -234,9 +234,10 @@ def _load_world(block: dict):
 
 
 def build_bank(run_dirs: Sequence[str | os.PathLike], size: int = 3000, seed: int = 0,
-               min_round: int = 2, allow_fewer: bool = False) -> Bank:
+               min_round: int = 2, allow_fewer: bool = False, hops: Iterable[int] | None = None) -> Bank:
     """Admitted proposer-step items of rounds >= `min_round` of completed runs (one world),
-    identical (question, label) pairs once, then a seeded sample of `size`.
+    identical (question, label) pairs once, then a seeded sample of `size`. `hops`: keep only
+    questions of these hop counts (e.g. {1}: every page a question read is its source).
 
     Rounds >= 2 because by then the coupled grader has trained on pseudo-labels, so the bank
     holds the wrong labels co-cheating agrees with (round 1 is graded by the base model)."""
@@ -244,6 +245,9 @@ def build_bank(run_dirs: Sequence[str | os.PathLike], size: int = 3000, seed: in
         raise ReplayError("--from: name at least one run directory")
     if size < 1:
         raise ReplayError(f"--size: must be >= 1, got {size}")
+    hops = set(hops) if hops is not None else None
+    if hops is not None and (not hops or min(hops) < 1):
+        raise ReplayError(f"--hops: hop counts must be >= 1, got {sorted(hops)}")
     configs = []
     for d in run_dirs:
         run = RunDir(d)
@@ -269,7 +273,7 @@ def build_bank(run_dirs: Sequence[str | os.PathLike], size: int = 3000, seed: in
                 continue
             for it in row["items"]:
                 key = (it["question"], it["adopted_label"])
-                if not it["admitted"] or key in seen:
+                if not it["admitted"] or key in seen or (hops is not None and it["hops"] not in hops):
                     continue
                 seen.add(key)
                 if it["source_id"] not in groups:
@@ -279,7 +283,8 @@ def build_bank(run_dirs: Sequence[str | os.PathLike], size: int = 3000, seed: in
                                      groups[it["source_id"]], str(d), int(row["round"]), int(it["hops"])))
     if len(pool) < size:
         if not allow_fewer:
-            raise ReplayError(f"only {len(pool)} distinct admitted items of rounds >= {min_round} in "
+            which = f" with hops in {sorted(hops)}" if hops is not None else ""
+            raise ReplayError(f"only {len(pool)} distinct admitted items{which} of rounds >= {min_round} in "
                               f"{len(run_dirs)} run(s), fewer than --size {size}; add runs or lower --size")
         size = len(pool)  # a demo on a small world takes what there is
     chosen = sorted(random.Random(derive_seed(seed, "bank")).sample(range(len(pool)), size))
