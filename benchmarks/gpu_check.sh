@@ -13,6 +13,7 @@ set -uo pipefail
 OUT=${OUT:-gpu-out}
 CORPUS=${CORPUS:-../shared/data/corpus/wiki18-mini.jsonl}
 QA=${QA:-../shared/data/qa}
+RUN=${RUN:-$OUT/run}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 python3 - <<'EOF' 2>&1 | tee "$OUT/gpu.txt"
@@ -28,18 +29,18 @@ python3 -m pytest -q -p no:cacheprovider tests/test_lm_backend.py -k "not evolve
 
 echo "== 2. rollout throughput"
 python3 benchmarks/rollout.py --device cuda --dtype bfloat16 --prompts 32 --new-tokens 64 --repeats 2 \
-  --modes batched,sequential --out "$OUT/benchmarks.md" 2>&1 | tail -12
+  --modes batched,sequential --qa-dir "$QA" --out "$OUT/benchmarks.md" 2>&1 | tail -12
 
 echo "== 3. CrossFit end to end on the GPU" | tee "$OUT/loop.txt"
 start=$(date +%s.%N)
 timeout 300 python3 -m selfevo.cli evolve --config configs/lm-tiny.toml --backend lm --model smollm2-135m \
-  --corpus "$CORPUS" --qa-dir "$QA" --treatment crossfit --no-audit --out "$OUT/run" \
+  --corpus "$CORPUS" --qa-dir "$QA" --treatment crossfit --no-audit --out "$RUN" \
   --set lm.device=cuda --set lm.dtype=bfloat16 --set loop.admit_per_round=32 --set lm.max_new_tokens=128 \
   --set data.eval_limit=20 2>&1 | tail -5 | tee -a "$OUT/loop.txt"
 rc=$?
 end=$(date +%s.%N)
 echo "exit ${rc}; wall seconds $(python3 -c "print(round($end - $start, 1))")" | tee -a "$OUT/loop.txt"
-python3 - "$OUT/run" <<'EOF' 2>&1 | tee -a "$OUT/loop.txt"
+python3 - "$RUN" <<'EOF' 2>&1 | tee -a "$OUT/loop.txt"
 import json, sys
 from pathlib import Path
 run = Path(sys.argv[1])

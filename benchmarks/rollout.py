@@ -112,6 +112,11 @@ def main() -> None:
         lines.append(f"| {mode} | {n} | {secs:.2f} | {rate:.1f} | {rate / base:.2f}x |")
     lines += ["", "batched: one left-padded batch with the KV cache (`LMPolicy.generate`); sequential: one prompt "
               "at a time with the KV cache; no-cache: one at a time, recomputing the prefix for every token."]
+    if gpu:
+        import torch
+
+        peak = torch.cuda.max_memory_allocated(torch.device(args.device)) / 2**30
+        lines.append(f"Peak GPU memory allocated by the process (model, adapter, KV caches): {peak:.2f} GiB.")
     write_section(args.out, lines[0], "\n".join(lines) + "\n")
     print(f"wrote {args.out}")
 
