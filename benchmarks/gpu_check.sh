@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The language-model backend on a CUDA GPU, with the shipped SmolLM2-135M-Instruct:
-#   1. the real-model backend tests (tests/test_lm_backend.py, LMConfig device "auto" -> cuda):
+#   1. the real-model backend tests on the GPU (tests/test_lm_backend.py, SELFEVO_TEST_DEVICE=cuda):
 #      masks on the real tokenizer, a rewarded sequence gains probability, checkpoint round trip
 #      (weights + AdamW moments), frozen snapshots, full fine-tuning, batched generation;
 #   2. rollout throughput, bfloat16 (benchmarks/rollout.py --device cuda);
@@ -25,7 +25,7 @@ EOF
 python3 -c "from selfevo.agents.lm.model import smollm2_dir; print(smollm2_dir())" 2>&1 | tail -1 | tee -a "$OUT/gpu.txt"
 
 echo "== 1. backend tests on the GPU" | tee "$OUT/tests.txt"
-python3 -m pytest -q -p no:cacheprovider tests/test_lm_backend.py -k "not evolve" 2>&1 | tee -a "$OUT/tests.txt" | tail -5
+SELFEVO_TEST_DEVICE=cuda python3 -m pytest -q -p no:cacheprovider tests/test_lm_backend.py -k "not evolve" 2>&1 | tee -a "$OUT/tests.txt" | tail -5
 
 echo "== 2. rollout throughput"
 python3 benchmarks/rollout.py --device cuda --dtype bfloat16 --prompts 32 --new-tokens 64 --repeats 2 \

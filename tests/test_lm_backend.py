@@ -6,6 +6,7 @@ Slow: one converted model shared by the session, tiny schedules."""
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -18,6 +19,8 @@ CORPUS = SHARED / "corpus" / "wiki18-mini.jsonl"
 TINY = Path(__file__).resolve().parents[1] / "configs" / "lm-tiny.toml"
 
 pytestmark = pytest.mark.slow
+# where the real-model tests run: cpu here and in CI; benchmarks/gpu_check.sh sets cuda on a GPU machine
+DEVICE = os.environ.get("SELFEVO_TEST_DEVICE", "cpu")
 
 
 @pytest.fixture(scope="module")
@@ -25,7 +28,7 @@ def policy(smollm2_path, tmp_path_factory):
     from selfevo.agents.lm.config import LMConfig
     from selfevo.agents.lm.policy import LMPolicy
 
-    return LMPolicy(LMConfig(model=str(smollm2_path), device="cpu", threads=2, lr=1e-3, max_new_tokens=16),
+    return LMPolicy(LMConfig(model=str(smollm2_path), device=DEVICE, threads=2, lr=1e-3, max_new_tokens=16),
                     store=tmp_path_factory.mktemp("store"))
 
 
@@ -43,6 +46,12 @@ def test_masks_on_the_real_tokenizer_train_only_the_assistant_tokens(policy):
     assert ids_p == ids and tok.decode([i for i, m in zip(ids_p, mask_p) if m]) in (
         "<think>I know this.</think>", "<think>I know this.</think")
     assert "answer" not in tok.decode([i for i, m in zip(ids_p, mask_p) if m])
+
+
+def test_the_policy_runs_on_the_requested_device(policy):
+    policy.new("placed")
+    assert {p.device.type for p in policy.base.parameters()} == {DEVICE.split(":")[0]}
+    assert {p.device.type for _, p in policy.parameters("placed")} == {DEVICE.split(":")[0]}
 
 
 def test_a_rewarded_sequence_gains_probability_and_nothing_else_moves(policy):
@@ -110,7 +119,7 @@ def test_full_fine_tuning_moves_the_same_way(smollm2_path):
     from selfevo.agents.lm.config import LMConfig
     from selfevo.agents.lm.policy import LMPolicy
 
-    full = LMPolicy(LMConfig(model=str(smollm2_path), adapter="full", device="cpu", threads=2, lr=1e-5))
+    full = LMPolicy(LMConfig(model=str(smollm2_path), adapter="full", device=DEVICE, threads=2, lr=1e-5))
     full.new("p")
     seq = full.encode(CONVERSATION)
     before = full.sequence_logprob("p", *seq)
