@@ -535,6 +535,21 @@ def smollm2(smollm2_path):
 
 
 @pytest.mark.slow
+def test_a_generation_past_max_seconds_is_cut_and_says_length(smollm2, monkeypatch):
+    """A wall-time bound ends a long generation early; the reply is marked truncated ("length"),
+    and the same request without the bound runs its whole budget."""
+    messages = [{"role": "user", "content": "Explain in detail how a steam engine works."}]
+    full = smollm2.generate(messages, max_tokens=64, temperature=0.0)[0]
+    monkeypatch.setattr(smollm2, "max_seconds", 0.05)
+    cut = smollm2.generate(messages, max_tokens=64, temperature=0.0)[0]
+    assert full.completion_tokens == 64 and full.finish_reason == "length"
+    assert cut.completion_tokens < full.completion_tokens and cut.finish_reason == "length"
+    assert full.text.startswith(cut.text.strip()[:20])  # the same greedy reply, stopped sooner
+    with pytest.raises(ValueError, match="max_seconds"):  # checked before anything loads
+        type(smollm2)("never-loaded", max_seconds=0)
+
+
+@pytest.mark.slow
 def test_smollm2_judge_over_real_http(smollm2, world_run, tmp_path):
     """The whole pipeline with a real (weak) model: every item ends resolved or unresolved with a
     reason, every reply is cached, and a rerun makes no call."""

@@ -463,6 +463,8 @@ def serve_model_cmd(
     max_new_tokens: int = typer.Option(1024, "--max-new-tokens", min=1,
                                        help="the model's budget per reply (a larger max_tokens is clamped)"),
     threads: int | None = typer.Option(None, min=1, help="torch CPU threads (1 is fastest on a busy machine)"),
+    max_seconds: float | None = typer.Option(None, "--max-seconds", min=0.001,
+                                             help="wall-time bound on one generation (cut: finish_reason length)"),
     script_file: Path | None = typer.Option(None, "--script-file",
                                             help="scripted:judge: its answer key, JSON {question: {reference, quote}}"),
     obey_injections: bool = typer.Option(False, "--obey-injections",
@@ -499,7 +501,7 @@ def serve_model_cmd(
     else:
         if fail_rate or garbage_rate or slow_rate or delay:
             _fail("fault injection (--fail-rate, --garbage-rate, --slow-rate, --delay) needs a scripted model")
-        options = {"max_new_tokens": max_new_tokens, "threads": threads}
+        options = {"max_new_tokens": max_new_tokens, "threads": threads, "max_seconds": max_seconds}
     api_key = None
     if api_key_env:
         api_key = os.environ.get(api_key_env)

@@ -225,19 +225,24 @@ class TransformersChatModel:
     """A causal LM with a chat template. Greedy at temperature 0, sampling otherwise; one generation
     at a time (a lock: a CPU model gains nothing from interleaving, and memory stays bounded);
     `max_tokens` is capped at `max_new_tokens`. JSON mode prefills the reply with "{" (a nudge,
-    not a grammar): the reply is "{" plus what the model continues with."""
+    not a grammar): the reply is "{" plus what the model continues with. `max_seconds` bounds one
+    generation's wall time (transformers' `max_time`): a reply cut by it ends with finish_reason
+    "length", and a server's queue behind the lock never waits on a runaway generation."""
 
     def __init__(self, model_id_or_path: str | os.PathLike, name: str | None = None,
                  max_new_tokens: int = 1024, device: str = "cpu", dtype: str = "float32",
-                 threads: int | None = None):
+                 threads: int | None = None, max_seconds: float | None = None):
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         if threads:  # process-wide; on a busy CPU one thread avoids OpenMP oversubscription (~10x)
             torch.set_num_threads(threads)
 
+        if max_seconds is not None and max_seconds <= 0:
+            raise ValueError(f"max_seconds: must be > 0, got {max_seconds}")
         self.name = name or str(model_id_or_path)
         self.max_new_tokens = max_new_tokens
+        self.max_seconds = max_seconds
         self.tokenizer = AutoTokenizer.from_pretrained(model_id_or_path)
         if self.tokenizer.chat_template is None:
             raise ValueError(f"{model_id_or_path}: the tokenizer has no chat template")
@@ -266,10 +271,14 @@ class TransformersChatModel:
         stop = [s for s in stop or () if s]
         if stop:  # transformers stops a sequence once its text contains one (matched on tokens)
             kwargs.update(stop_strings=stop, tokenizer=self.tokenizer)
+        if self.max_seconds is not None:
+            kwargs["max_time"] = self.max_seconds
         with self._lock, torch.no_grad():
             if seed is not None:
                 torch.manual_seed(seed)
+            started = time.monotonic()
             out = self.model.generate(**enc, **kwargs)
+            timed_out = self.max_seconds is not None and time.monotonic() - started >= self.max_seconds
         start = enc["input_ids"].shape[1]
         eos = self.tokenizer.eos_token_id
         comps = []
@@ -279,8 +288,8 @@ class TransformersChatModel:
             # the stop string may end inside a token, so the generated text can run past it: cut
             text, cut = cut_before_stop(prefix + text, stop)
             stopped = cut or bool(eos is not None and (new == eos).any())
-            comps.append(Completion(text, "stop" if stopped or len(new) < budget else "length",
-                                    start, int(len(new))))
+            cut_short = len(new) >= budget or (timed_out and not stopped)
+            comps.append(Completion(text, "length" if cut_short else "stop", start, int(len(new))))
         return comps * n if greedy else comps
 
 
