@@ -15,7 +15,6 @@ Writes the "## Where wrong labels come from" section of docs/results.md.
 from __future__ import annotations
 
 import argparse
-import json
 import tempfile
 from pathlib import Path
 
@@ -26,14 +25,15 @@ from rich.progress import track
 from selfevo.config import load_config
 from selfevo.evaluate import answers_match
 from selfevo.evolve import environment, evolve
+from selfevo.runs import RunDir
 from selfevo.world.language import ChainQuery, parse_question
 
 HEADING = "## Where wrong labels come from"
 
 
-def misread_hop(truth, question: str, pages: list[str]) -> int | None:
-    """Index of the page whose reading left the true chain (0 = the source page); None for a
-    question that is not a chain of the world's language."""
+def misread_hop(truth, question: str, pages: list[str], label: str) -> int | None:
+    """Index of the page whose reading left the true chain (0 = the source page) when `label` is
+    wrong; None when it is right, or for a question that is not a chain of the world's language."""
     q = parse_question(question)
     if not isinstance(q, ChainQuery):
         return None
@@ -41,21 +41,21 @@ def misread_hop(truth, question: str, pages: list[str]) -> int | None:
     path = truth.follow(start, q.relations) if start else None
     if path is None:  # the chain asks for a fact that does not exist: left at the first page
         return 0
+    if any(answers_match(label, g) for g in truth.value_aliases(path[-1])):
+        return None
     return next((i for i in range(len(pages) - 1) if pages[i + 1] != path[i]), len(pages) - 1)
 
 
 def count(run_dir: Path, truth) -> dict:
     out = {"source": 0, "later": 0, "source_agree": 0, "later_agree": 0, "responses": 0}
-    for line in (run_dir / "records" / "steps.jsonl").read_text().splitlines():
-        rec = json.loads(line)
+    for rec in RunDir(run_dir).steps():
         if rec["kind"] != "proposer" or rec["round"] < 2:
             continue
         for it in rec["items"]:
             out["responses"] += len(it["responses"])
-            golds = truth.answer(parse_question(it["question"])) or []
-            if not it["admitted"] or any(answers_match(it["adopted_label"], g) for g in golds):
+            if not it["admitted"]:
                 continue
-            hop = misread_hop(truth, it["question"], it["source_ids"])
+            hop = misread_hop(truth, it["question"], it["source_ids"], it["adopted_label"])
             if hop is None:
                 continue
             where = "source" if hop == 0 else "later"

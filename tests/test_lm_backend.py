@@ -10,12 +10,11 @@ import os
 from pathlib import Path
 
 import pytest
+from _shared import CORPUS
 from typer.testing import CliRunner
 
 from selfevo.agents.lm.protocol import solver_messages
 
-SHARED = Path(__file__).resolve().parents[2] / "shared" / "data"
-CORPUS = SHARED / "corpus" / "wiki18-mini.jsonl"
 TINY = Path(__file__).resolve().parents[1] / "configs" / "lm-tiny.toml"
 
 pytestmark = pytest.mark.slow

@@ -17,6 +17,7 @@ import types
 from pathlib import Path
 
 import pytest
+from _shared import QA_DIR, REPO
 
 from selfevo.agents.lm.config import LMConfig
 from selfevo.agents.lm.protocol import STOP_STRINGS, solver_messages
@@ -31,9 +32,6 @@ from selfevo.agents.lm.vllm_engine import (
 from selfevo.agents.lm.workers import shard_bounds
 from selfevo.config import ConfigError, config_from_dict, load_config
 from selfevo.loop.schedule import derive_seed
-
-ROOT = Path(__file__).resolve().parents[1]
-SHARED = ROOT.parent / "shared" / "data"
 
 # ---------------------------------------------------------------- config
 
@@ -448,7 +446,7 @@ def test_eval_workers_option_reaches_the_agent_factory(tmp_path, tiny_corpus):
 
     agents.register_agent("probe-workers", probe)
     try:
-        args = ["eval", "--data-dir", str(SHARED / "qa"), "--corpus", str(tiny_corpus), "--agent", "probe-workers",
+        args = ["eval", "--data-dir", str(QA_DIR), "--corpus", str(tiny_corpus), "--agent", "probe-workers",
                 "--limit", "1"]
         r = CliRunner().invoke(app, [*args, "--out", str(tmp_path / "a"), "--workers", "3"])
         assert r.exit_code == 0, r.output
@@ -466,7 +464,7 @@ def test_eval_workers_option_reaches_the_agent_factory(tmp_path, tiny_corpus):
 # ---------------------------------------------------------------- recipes
 
 
-CONFIGS = sorted([*(ROOT / "configs").glob("*.toml"), *(ROOT / "configs").glob("verl-*.yaml")])
+CONFIGS = sorted([*(REPO / "configs").glob("*.toml"), *(REPO / "configs").glob("verl-*.yaml")])
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=[p.name for p in CONFIGS])
@@ -486,7 +484,7 @@ def test_every_shipped_config_loads(path):
 
 @pytest.mark.parametrize("name", ["qwen3.5-4b.toml", "qwen3.5-9b.toml"])
 def test_qwen_recipes_follow_the_paper_schedule(name):
-    cfg = load_config(ROOT / "configs" / name)
+    cfg = load_config(REPO / "configs" / name)
     assert cfg.backend == "lm"
     loop, lm = cfg.loop, cfg.lm
     assert (loop.rounds, loop.proposer_steps, loop.solver_steps) == (3, 18, 25)

@@ -32,6 +32,7 @@ from pathlib import Path
 import pytest
 import typer
 from _servers import serve_app
+from _shared import QA_DIR, REPO
 from fastapi.testclient import TestClient
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -46,9 +47,7 @@ from selfevo.search.bm25 import BM25Index
 from selfevo.search.client import RetrieverClient, RetrieverError
 from selfevo.search.server import make_app
 
-REPO = Path(__file__).resolve().parents[1]
 SRC = REPO / "src" / "selfevo"
-QA_DIR = REPO.parent / "shared" / "data" / "qa"
 
 
 def _benchmark(name: str):

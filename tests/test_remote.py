@@ -9,10 +9,10 @@ import hashlib
 import json
 import re
 import threading
-from pathlib import Path
 
 import pytest
 from _servers import serve_app
+from _shared import CORPUS, QA_DIR
 from typer.testing import CliRunner
 
 from selfevo.agents import load_agent
@@ -25,9 +25,6 @@ from selfevo.cli import app
 from selfevo.evaluate import evaluate_solver
 from selfevo.records import Document, QAItem
 from selfevo.search.tool import Hit, SearchTool
-
-SHARED = Path("/work/shared/data")
-
 
 # ------------------------------------------------------------------ the world of the tests
 
@@ -325,15 +322,15 @@ def titled(messages) -> str:
     return f"<search> {question_of(messages)} </search>"
 
 
-@pytest.mark.skipif(not (SHARED / "qa").is_dir(), reason="shared QA data not present")
+@pytest.mark.skipif(not QA_DIR.is_dir(), reason="shared QA data not present")
 def test_selfevo_eval_with_a_remote_agent(tmp_path, monkeypatch):
     monkeypatch.delenv("SELFEVO_API_KEY", raising=False)
     model = recording(titled)
     out = tmp_path / "ev"
     with serve_app(make_app(model)) as base:
         spec = f"remote:scripted@{base}/v1"
-        res = CliRunner().invoke(app, ["eval", "--data-dir", str(SHARED / "qa"), "--corpus",
-                                       str(SHARED / "corpus" / "wiki18-mini.jsonl"), "--agent", spec,
+        res = CliRunner().invoke(app, ["eval", "--data-dir", str(QA_DIR), "--corpus",
+                                       str(CORPUS), "--agent", spec,
                                        "--out", str(out), "--limit", "2"])
     assert res.exit_code == 0, res.output
     score = json.loads((out / "score.json").read_text())

@@ -5,12 +5,12 @@ from __future__ import annotations
 import inspect
 import json
 import time
-from pathlib import Path
 
 import bm25s
 import httpx
 import pytest
 from _servers import free_port, serve_app
+from _shared import CORPUS
 
 from selfevo.corpus import write_corpus
 from selfevo.records import Document
@@ -19,9 +19,6 @@ from selfevo.search.bm25 import MANIFEST, BM25Index, file_sha256
 from selfevo.search.client import RetrieverClient, RetrieverError
 from selfevo.search.server import make_app, serve
 from selfevo.search.tool import Hit
-
-REPO = Path(__file__).resolve().parents[1]
-WIKI = REPO.parent / "shared" / "data" / "corpus" / "wiki18-mini.jsonl"
 
 DOCS = [
     Document("d0", "Zebra", "The zebra is an African equine with black and white stripes."),
@@ -164,9 +161,9 @@ def test_from_corpus_file_caches_and_rebuilds_on_change(tmp_path, monkeypatch):
 
 @pytest.fixture(scope="module")
 def wiki() -> BM25Index:
-    if not WIKI.exists():
-        pytest.skip(f"real corpus not found at {WIKI}")
-    return BM25Index.from_corpus_file(WIKI)
+    if not CORPUS.exists():
+        pytest.skip(f"real corpus not found at {CORPUS}")
+    return BM25Index.from_corpus_file(CORPUS)
 
 
 def test_real_corpus_index(wiki, tmp_path):
@@ -177,7 +174,7 @@ def test_real_corpus_index(wiki, tmp_path):
     assert len(hits) == 3
 
     wiki.save(tmp_path / "wiki")
-    loaded = BM25Index.load(tmp_path / "wiki", expected_corpus_sha256=file_sha256(WIKI))
+    loaded = BM25Index.load(tmp_path / "wiki", expected_corpus_sha256=file_sha256(CORPUS))
     queries = ["Who wrote The Book of the Law?", "Melbourne Cup 1930 racehorse"]
     assert loaded.retrieve(queries, 3) == wiki.retrieve(queries, 3)
 
