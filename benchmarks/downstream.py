@@ -15,11 +15,18 @@ runs it, with the seed count fixed in advance, to see whether that holds:
   transfers to the benchmarks, moves within three rounds.
 
 For each: coupled, MSV and CrossFit, and coupled and CrossFit with the memory switched off (the
-ablation: no reuse path, no co-cheating). Reported per treatment: round-3 F, T_P, A (oracle judge),
-the main solver's macro Cover-EM after round 3 with the paired difference to coupled (mean and 95%
-t-interval over seeds), and its learned `about_page` reading weight (how much it trusts what a page
-says about its own subject over a confusable sentence about someone else; a wrong pseudo-label is
-such a sentence, so training to agree with one lowers this weight).
+ablation: no reuse path, no co-cheating), and a ceiling: coupled with every wrong pseudo-label
+withheld from the main solver (the oracle decides admission; a diagnostic no loop may offer, since
+agents never see truth). It bounds what any mitigation that only cleans the main solver's training
+labels, as CrossFit does through the proposer's curriculum, could gain downstream.
+
+Reported per treatment: round-3 F, T_P, A (oracle judge), the main solver's macro Cover-EM after
+round 3 with the paired difference to coupled (mean and 95% t-interval over seeds), and its learned
+`about_page` reading weight (how much it trusts what a page says about its own subject over a
+confusable sentence about someone else; a wrong pseudo-label is such a sentence, so training to
+agree with one lowers this weight), and what the main solver's rounds-2/3 training items carry: the
+share whose five rollouts were mixed (the only items with a policy-gradient signal), split by
+whether the label was right or wrong (oracle, after the run).
 Writes the "## Downstream sensitivity" section of docs/results.md.
 """
 
@@ -28,6 +35,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import statistics
 import tempfile
 from concurrent.futures import ProcessPoolExecutor
@@ -37,12 +45,16 @@ from _common import REPO, fmt, machine_line, write_section
 from rich.console import Console
 from rich.progress import Progress
 
+import selfevo.evolve as evolve_module
+from selfevo.audit.judges import OracleJudge
 from selfevo.config import load_config
-from selfevo.evolve import evolve
+from selfevo.evaluate import answers_match
+from selfevo.evolve import environment, evolve
 from selfevo.report.collect import summary
 from selfevo.runs import RunDir
 
 HEADING = "## Downstream sensitivity"
+CEILING = "coupled, wrong labels withheld (ceiling)"
 VARIANTS = {
     "default": [],
     "bounded memory": ["solver.memory_cap=1.5", "solver.temperature=0.8", "solver.lr_theta=0.6"],
@@ -50,22 +62,73 @@ VARIANTS = {
 # (label, treatment, extra overrides)
 ARMS = [("coupled", "coupled", []), ("msv", "msv", []), ("crossfit", "crossfit", []),
         ("coupled, no memory", "coupled", ["solver.memory=false"]),
-        ("crossfit, no memory", "crossfit", ["solver.memory=false"])]
+        ("crossfit, no memory", "crossfit", ["solver.memory=false"]),
+        (CEILING, "coupled", [])]
+
+
+class WithholdWrongLabels:
+    """Admission for the ceiling arm only: the run's own rule, then the oracle withholds every
+    candidate whose label is wrong. The proposer's reward is untouched (admission never sets it)."""
+
+    def __init__(self, inner, judge: OracleJudge):
+        self.inner, self.judge = inner, judge
+        self.name, self.generations_per_candidate = f"{inner.name}+oracle-withheld", inner.generations_per_candidate
+
+    def begin_round(self, round: int, main) -> None:
+        self.inner.begin_round(round, main)
+
+    def decide(self, proposals, tool, seed):
+        decisions = self.inner.decide(proposals, tool, seed)
+        for p, d in zip(proposals, decisions, strict=True):
+            ref = self.judge.reference(p.question)
+            if d.admitted and not (ref and any(answers_match(d.label, g) for g in ref)):
+                d.admitted = False
+        return decisions
+
+
+def training_signal(out: Path, judge: OracleJudge) -> dict:
+    """Shares of the main solver's rounds-2/3 training items with mixed rollouts (0 < k < 5), by
+    label correctness, over resolved items."""
+    counts = {"right": 0, "wrong": 0, "all": 0}
+    for rec in RunDir(out).steps():
+        if rec["kind"] != "solver" or rec["round"] < 2:
+            continue
+        for it, v in zip(rec["items"], judge.judge(rec["items"]), strict=True):
+            if v.resolved:
+                counts["all"] += 1
+                if 0 < it["k"] < 5:
+                    counts["right" if v.label_correct else "wrong"] += 1
+    return {k: counts[k] / max(1, counts["all"]) for k in ("right", "wrong")}
 
 
 def run_one(job: tuple[str, str, int, str, Path]) -> dict:
     variant, label, seed, world, root = job
     treatment, extra = next((t, e) for name, t, e in ARMS if name == label)
-    out = root / f"{variant}-{label}-{seed}".replace(" ", "_").replace(",", "")
+    out = root / re.sub(r"[^\w-]+", "_", f"{variant}-{label}-{seed}")
+    cfg = load_config(overrides=[f"treatment={treatment}", f"seed={seed}", f"world.name={world}",
+                                 *VARIANTS[variant], *extra])
+    judge = OracleJudge(environment(cfg).truth)
     if not (out / "manifest.json").exists():
-        overrides = [f"treatment={treatment}", f"seed={seed}", f"world.name={world}", *VARIANTS[variant], *extra]
-        evolve(load_config(overrides=overrides), out, progress=False)
+        if label == CEILING:  # this process runs one job at a time, so the swap is scoped to it
+            rules = evolve_module.make_rules
+
+            def withheld(*args):
+                admission, feedback = rules(*args)
+                return WithholdWrongLabels(admission, judge), feedback
+
+            evolve_module.make_rules = withheld
+            try:
+                evolve(cfg, out, progress=False)
+            finally:
+                evolve_module.make_rules = rules
+        else:
+            evolve(cfg, out, progress=False)
     last = json.loads((out / "audit" / "metrics.json").read_text())["rounds"][-1]
     ev = json.loads((out / "eval" / "round-3.json").read_text())
     run = RunDir(out)
     theta = run.load_checkpoint(run.manifest()["rounds_completed"])["main"]["theta"]
     return {"variant": variant, "arm": label, "seed": seed, "F": last["F"], "T_P": last["T_P"], "A": last["A"],
-            "macro": ev["macro"]["cover_em"], "about_page": theta[0]}
+            "macro": ev["macro"]["cover_em"], "about_page": theta[0], "signal": training_signal(out, judge)}
 
 
 def main() -> None:
@@ -99,8 +162,9 @@ def main() -> None:
              "script's docstring).", ""]
     for variant in VARIANTS:
         lines += [f"**{variant}** (`{' '.join(VARIANTS[variant]) or 'configs/default.toml'}`)", "",
-                  "| treatment | F | T_P | A | macro Cover-EM | Δ macro vs coupled | about_page |",
-                  "|---|---:|---:|---:|---:|---:|---:|"]
+                  "| treatment | F | T_P | A | macro Cover-EM | Δ macro vs coupled | about_page "
+                  "| mixed, right label | mixed, wrong label |",
+                  "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
         by_arm = {arm: sorted((r for r in rows if r["variant"] == variant and r["arm"] == arm),
                               key=lambda r: r["seed"]) for arm, _, _ in ARMS}
         base = by_arm["coupled"]
@@ -113,13 +177,15 @@ def main() -> None:
                 d = summary([r["macro"] - b["macro"] for r, b in zip(runs, ref)])
                 cells.append("" if runs is ref else f"{d['mean']:+.3f} [{d['lo']:+.3f}, {d['hi']:+.3f}]")
             cells.append(fmt([r["about_page"] for r in runs], 2))
+            cells += [fmt([r["signal"][k] for r in runs]) for k in ("right", "wrong")]
             lines.append(f"| {arm} | " + " | ".join(cells) + " |")
         lines.append("")
     lines.append("Δ for the no-memory CrossFit row is against coupled with no memory (the same ablation).")
     lines += ["", "Reading (numbers from the tables above):"]
     for variant in VARIANTS:
         def mean(arm: str, key: str, variant=variant) -> float:
-            return statistics.fmean(r[key] for r in rows if r["variant"] == variant and r["arm"] == arm)
+            return statistics.fmean(r[key] if key in r else r["signal"][key]
+                                    for r in rows if r["variant"] == variant and r["arm"] == arm)
 
         cost = mean("coupled, no memory", "macro") - mean("coupled", "macro")
         gain = mean("crossfit", "macro") - mean("coupled", "macro")
@@ -129,10 +195,17 @@ def main() -> None:
                      f"{mean('crossfit', 'F'):.3f}. `about_page` {mean('coupled', 'about_page'):.2f} (coupled) vs "
                      f"{mean('crossfit', 'about_page'):.2f} (CrossFit) vs "
                      f"{mean('coupled, no memory', 'about_page'):.2f} (no memory).")
+        ceiling = mean(CEILING, "macro") - mean("coupled", "macro")
+        lines.append(f"  Withholding every wrong label from the main solver would gain {ceiling:+.3f}; CrossFit's "
+                     f"{gain:+.3f} is {gain / ceiling:.0%} of that ceiling. Items with a learning signal "
+                     f"(mixed rollouts), right / wrong label: coupled {mean('coupled', 'right'):.3f} / "
+                     f"{mean('coupled', 'wrong'):.3f}, CrossFit {mean('crossfit', 'right'):.3f} / "
+                     f"{mean('crossfit', 'wrong'):.3f}.")
     lines.append("- CrossFit changes who grades the proposer, not what the main solver trains on: the main solver "
-                 "still trains on every admitted question, a quarter or more of them with wrong labels, and its "
-                 "own memory still learns them. So the downstream harm of the reuse path, large when memory and "
-                 "skill compete, is only partly removed; in this world the gain is small next to the seed spread.")
+                 "still trains on every admitted question, and its curriculum now follows the auxiliary solvers' "
+                 "frontier rather than its own, so fewer of its items carry a signal (the mixed columns): it "
+                 "loses wrong-label signal and right-label signal together. The ceiling row bounds what cleaner "
+                 "labels alone could buy in this world.")
     text = "\n".join(lines)
     write_section(args.out, HEADING, text)
     console.print(text)
