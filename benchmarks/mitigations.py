@@ -135,13 +135,11 @@ def main() -> None:
                   f"`memory_facts` in this script): coupled {mem('coupled', 'memory_right')} right / "
                   f"{mem('coupled', 'memory_wrong')} wrong, CrossFit {mem('crossfit', 'memory_right')} right / "
                   f"{mem('crossfit', 'memory_wrong')} wrong. CrossFit admits fewer wrong labels (T_P above), "
-                  "yet the main solver ends with as many wrong facts and fewer right ones. Our reading (not separately "
-                  "measured): round 1, which every arm shares, already plants the wrong facts, and a fact is "
-                  "corrupted once however often co-cheating re-asks it later; CrossFit's curriculum follows "
-                  "the auxiliary solvers' frontier, so the main solver meets fewer facts it does not know. "
-                  "In this world co-cheating inflates agreement (A, F) without corrupting more knowledge, so "
-                  "removing it does not raise downstream accuracy. Which solver property the gain depends on: "
-                  "\"## Downstream sensitivity\" (benchmarks/downstream.py)."]
+                  "yet the main solver ends with as many wrong facts and fewer right ones: round 1, which every "
+                  "arm shares, already plants the wrong facts, and CrossFit's curriculum follows the auxiliary "
+                  "solvers' frontier, so fewer of the main solver's items carry a learning signal, right-label "
+                  "ones included (measured in \"## Downstream sensitivity\", benchmarks/downstream.py: the "
+                  "mixed-rollout columns, and the ceiling of withholding every wrong label)."]
     lines += ["", "Compute against coupled (same seed), mean over seeds:", "",
               "| treatment | extra generations | extra updates | extra wall time |", "|---|---:|---:|---:|"]
     for t, rows in overhead.items():
