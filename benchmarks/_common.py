@@ -1,18 +1,32 @@
-"""Helpers shared by the benchmark scripts: machine facts, timing, and rewriting one "## "
-section of a Markdown results file in place (other sections are left as they are)."""
+"""Helpers shared by the benchmark scripts: machine facts, timing, where runs go, and rewriting
+one "## " section of a Markdown results file in place (other sections are left as they are)."""
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import os
 import platform
 import re
 import statistics
+import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+
+
+@contextlib.contextmanager
+def run_root(keep: Path | None) -> Iterator[Path]:
+    """Where a benchmark writes its runs: `--keep DIR` (created and kept, so a rerun skips finished
+    runs), else a temporary directory removed afterwards."""
+    if keep is not None:
+        keep.mkdir(parents=True, exist_ok=True)
+        yield keep
+        return
+    with tempfile.TemporaryDirectory() as tmp:
+        yield Path(tmp)
 
 
 def median_time(fn: Callable[[], object], repeats: int = 3) -> tuple[float, list[float]]:

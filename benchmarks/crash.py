@@ -23,7 +23,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
@@ -295,11 +294,9 @@ def main() -> None:
     ap.add_argument("--workers", type=int, default=1, help="experiments at a time")
     ap.add_argument("--keep", type=Path, default=None, help="keep the run directories here")
     args = ap.parse_args()
-    from _common import write_section
+    from _common import run_root, write_section
 
-    with tempfile.TemporaryDirectory(prefix="selfevo-crash-") as tmp:
-        root = args.keep or Path(tmp)
-        root.mkdir(parents=True, exist_ok=True)
+    with run_root(args.keep) as root:
         summary = experiment(root, args.world, args.seed, args.overrides, args.kills, args.points_seed,
                              workers=args.workers)
     print(json.dumps({k: v for k, v in summary.items() if k != "kills"}, indent=2))

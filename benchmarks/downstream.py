@@ -37,11 +37,10 @@ import json
 import os
 import re
 import statistics
-import tempfile
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
-from _common import REPO, fmt, machine_line, write_section
+from _common import REPO, fmt, machine_line, run_root, write_section
 from rich.console import Console
 from rich.progress import Progress
 
@@ -86,11 +85,11 @@ class WithholdWrongLabels:
         return decisions
 
 
-def training_signal(out: Path, judge: OracleJudge) -> dict:
+def training_signal(run: RunDir, judge: OracleJudge) -> dict:
     """Shares of the main solver's rounds-2/3 training items with mixed rollouts (0 < k < 5), by
     label correctness, over resolved items."""
     counts = {"right": 0, "wrong": 0, "all": 0}
-    for rec in RunDir(out).steps():
+    for rec in run.steps():
         if rec["kind"] != "solver" or rec["round"] < 2:
             continue
         for it, v in zip(rec["items"], judge.judge(rec["items"]), strict=True):
@@ -128,7 +127,7 @@ def run_one(job: tuple[str, str, int, str, Path]) -> dict:
     run = RunDir(out)
     theta = run.load_checkpoint(run.manifest()["rounds_completed"])["main"]["theta"]
     return {"variant": variant, "arm": label, "seed": seed, "F": last["F"], "T_P": last["T_P"], "A": last["A"],
-            "macro": ev["macro"]["cover_em"], "about_page": theta[0], "signal": training_signal(out, judge)}
+            "macro": ev["macro"]["cover_em"], "about_page": theta[0], "signal": training_signal(run, judge)}
 
 
 def main() -> None:
@@ -140,12 +139,9 @@ def main() -> None:
     ap.add_argument("--keep", type=Path, default=None, help="keep the run directories here")
     args = ap.parse_args()
     console = Console()
-    tmp = tempfile.TemporaryDirectory()
-    root = args.keep or Path(tmp.name)
-    root.mkdir(parents=True, exist_ok=True)
-    jobs = [(v, arm, s, args.world, root) for v in VARIANTS for s in range(args.seeds) for arm, _, _ in ARMS]
     rows: list[dict] = []
-    with Progress(console=console) as bar, ProcessPoolExecutor(args.workers) as pool:
+    with run_root(args.keep) as root, Progress(console=console) as bar, ProcessPoolExecutor(args.workers) as pool:
+        jobs = [(v, arm, s, args.world, root) for v in VARIANTS for s in range(args.seeds) for arm, _, _ in ARMS]
         task = bar.add_task("runs", total=len(jobs))
         for row in pool.map(run_one, jobs):
             rows.append(row)
@@ -209,7 +205,6 @@ def main() -> None:
     text = "\n".join(lines)
     write_section(args.out, HEADING, text)
     console.print(text)
-    tmp.cleanup()
 
 
 if __name__ == "__main__":

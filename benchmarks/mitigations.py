@@ -14,10 +14,9 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import tempfile
 from pathlib import Path
 
-from _common import REPO, fmt, machine_line, write_section
+from _common import REPO, fmt, machine_line, run_root, write_section
 from rich.console import Console
 from rich.progress import Progress
 
@@ -79,11 +78,9 @@ def main() -> None:
     ap.add_argument("--keep", type=Path, default=None, help="keep the run directories here")
     args = ap.parse_args()
     console = Console()
-    tmp = tempfile.TemporaryDirectory()
-    root = args.keep or Path(tmp.name)
     res: dict[str, list[dict]] = {t: [] for t in args.treatments}
     overhead: dict[str, list[dict]] = {t: [] for t in args.treatments}
-    with Progress(console=console) as bar:
+    with run_root(args.keep) as root, Progress(console=console) as bar:
         task = bar.add_task("runs", total=len(args.treatments) * args.seeds)
         for seed in range(args.seeds):
             dirs = []
@@ -149,7 +146,6 @@ def main() -> None:
         lines.append(f"| {t} | {pct('extra_generations')} | {pct('extra_updates')} | {pct('extra_seconds')} |")
     write_section(args.out, HEADING, "\n".join(lines))
     console.print("\n".join(lines))
-    tmp.cleanup()
 
 
 if __name__ == "__main__":

@@ -18,10 +18,9 @@ import resource
 import statistics
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
-from _common import REPO, machine_line, median_time, write_section
+from _common import REPO, machine_line, median_time, run_root, write_section
 from rich.console import Console
 from rich.progress import Progress
 
@@ -69,86 +68,86 @@ def main() -> None:
     ap.add_argument("--keep", type=Path, default=None, help="keep the runs, bank and study here")
     args = ap.parse_args()
     console = Console()
-    tmp = tempfile.TemporaryDirectory()
-    root = args.keep or Path(tmp.name)
+    with run_root(args.keep) as root:  # the runs, the bank and the study
 
-    run_dirs = []
-    with Progress(console=console, transient=True) as bar:
-        task = bar.add_task("coupled runs", total=args.runs)
-        for seed in range(args.runs):
-            out = root / f"coupled-{seed}"
-            if not (out / "manifest.json").exists():
-                evolve(load_config(overrides=[f"seed={seed}", "world.name=default"]), out, progress=False, audit=False)
-            run_dirs.append(out)
-            bar.advance(task)
-    bank_path = root / "bank.json"
-    bank = build_bank(run_dirs, size=args.size, seed=0)
-    bank.save(bank_path)
+        run_dirs = []
+        with Progress(console=console, transient=True) as bar:
+            task = bar.add_task("coupled runs", total=args.runs)
+            for seed in range(args.runs):
+                out = root / f"coupled-{seed}"
+                if not (out / "manifest.json").exists():
+                    cfg = load_config(overrides=[f"seed={seed}", "world.name=default"])
+                    evolve(cfg, out, progress=False, audit=False)
+                run_dirs.append(out)
+                bar.advance(task)
+        bank_path = root / "bank.json"
+        bank = build_bank(run_dirs, size=args.size, seed=0)
+        bank.save(bank_path)
 
-    # the whole study, as a user runs it (a fresh process each time: imports, world, BM25 included)
-    study = root / "study"
-    cmd = [sys.executable, "-m", "selfevo.cli", "replay", "run", "--bank", str(bank_path), "--conditions", "all",
-           "--seeds", str(args.seeds), "--workers", str(args.workers), "--out", str(study)]
-    outputs, cpu = [], []
+        # the whole study, as a user runs it (a fresh process each time: imports, world, BM25 included)
+        study = root / "study"
+        cmd = [sys.executable, "-m", "selfevo.cli", "replay", "run", "--bank", str(bank_path), "--conditions", "all",
+               "--seeds", str(args.seeds), "--workers", str(args.workers), "--out", str(study)]
+        outputs, cpu = [], []
 
-    def once() -> None:
-        # CPU seconds of the command and its workers: a load-independent companion to wall time
-        # on a shared machine (CPU / cores is the wall time on idle cores)
-        before = resource.getrusage(resource.RUSAGE_CHILDREN)
-        subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
-        after = resource.getrusage(resource.RUSAGE_CHILDREN)
-        cpu.append(after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime)
-        outputs.append((study / "results.json").read_bytes())
+        def once() -> None:
+            # CPU seconds of the command and its workers: a load-independent companion to wall time
+            # on a shared machine (CPU / cores is the wall time on idle cores)
+            before = resource.getrusage(resource.RUSAGE_CHILDREN)
+            subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+            after = resource.getrusage(resource.RUSAGE_CHILDREN)
+            cpu.append(after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime)
+            outputs.append((study / "results.json").read_bytes())
 
-    load_before = load_average()
-    wall, walls = median_time(once, repeats=args.repeats)
-    load_after = load_average()
-    identical = len(set(outputs)) == 1
-    res = read_json(study / "results.json")
-    console.print(results_table(res))
+        load_before = load_average()
+        wall, walls = median_time(once, repeats=args.repeats)
+        load_after = load_average()
+        identical = len(set(outputs)) == 1
+        res = read_json(study / "results.json")
+        console.print(results_table(res))
 
-    c = res["conditions"]
-    F = {n: e["F"] for n, e in c.items()}
-    truth = {n: e["solver_truth"] for n, e in c.items()}
-    base = res["reference"]["base"]
-    ratio = F["source-id"]["mean"] / F["question-split"]["mean"]
-    per_seed = [s / q for s, q in zip(c["source-id"]["per_seed"]["F"], c["question-split"]["per_seed"]["F"])]
-    excess = ((F["source-id"]["mean"] - base["F"]["mean"]) / (F["question-split"]["mean"] - base["F"]["mean"]))
-    msv_f = [e["F"]["mean"] for n, e in c.items() if n.endswith("+msv")]
-    msv_range = f"{min(msv_f):.3f}–{max(msv_f):.3f}" if msv_f else "n/a"
-    checks = [
-        ("source-id F ≤ 0.2 × question-split F",
-         ratio <= 0.2,
-         f"ratio {ratio:.2f} (per seed {', '.join(f'{r:.2f}' for r in per_seed)}); paper 0.004 / 0.050 = 0.08"),
-        *[(f"{n} F near coupled (within 2× the combined seed spread)",
-           abs(F[n]["mean"] - F["coupled"]["mean"]) <= spread(F[n], F["coupled"]),
-           f"{F[n]['mean']:.3f} vs {F['coupled']['mean']:.3f} (Δ {F[n]['mean'] - F['coupled']['mean']:+.3f}, "
-           f"bound ±{spread(F[n], F['coupled']):.3f})") for n in ("same-source", "full-data")],
-        ("source-id raises solver truth over coupled",
-         truth["source-id"]["mean"] > truth["coupled"]["mean"],
-         f"{truth['source-id']['mean']:.3f} vs {truth['coupled']['mean']:.3f}"),
-        ("source-id-half F matches source-id F within the spread",
-         abs(F["source-id-half"]["mean"] - F["source-id"]["mean"]) <= spread(F["source-id-half"], F["source-id"]),
-         f"{F['source-id-half']['mean']:.3f} vs {F['source-id']['mean']:.3f} "
-         f"(Δ {F['source-id-half']['mean'] - F['source-id']['mean']:+.3f}, "
-         f"bound ±{spread(F['source-id-half'], F['source-id']):.3f})"),
-        ("whole study (14 conditions × seeds) < 2 minutes", wall < 120,
-         f"median {wall:.1f} s of {', '.join(f'{w:.1f}' for w in walls)} "
-         f"({statistics.median(cpu):.1f} CPU s, load average {load_after})"),
-    ]
-    for name, ok, detail in checks:
-        console.print(f"{'PASS' if ok else 'FAIL'}  {name}: {detail}")
+        c = res["conditions"]
+        F = {n: e["F"] for n, e in c.items()}
+        truth = {n: e["solver_truth"] for n, e in c.items()}
+        base = res["reference"]["base"]
+        ratio = F["source-id"]["mean"] / F["question-split"]["mean"]
+        per_seed = [s / q for s, q in zip(c["source-id"]["per_seed"]["F"], c["question-split"]["per_seed"]["F"])]
+        excess = ((F["source-id"]["mean"] - base["F"]["mean"]) / (F["question-split"]["mean"] - base["F"]["mean"]))
+        msv_f = [e["F"]["mean"] for n, e in c.items() if n.endswith("+msv")]
+        msv_range = f"{min(msv_f):.3f}–{max(msv_f):.3f}" if msv_f else "n/a"
+        checks = [
+            ("source-id F ≤ 0.2 × question-split F",
+             ratio <= 0.2,
+             f"ratio {ratio:.2f} (per seed {', '.join(f'{r:.2f}' for r in per_seed)}); paper 0.004 / 0.050 = 0.08"),
+            *[(f"{n} F near coupled (within 2× the combined seed spread)",
+               abs(F[n]["mean"] - F["coupled"]["mean"]) <= spread(F[n], F["coupled"]),
+               f"{F[n]['mean']:.3f} vs {F['coupled']['mean']:.3f} (Δ {F[n]['mean'] - F['coupled']['mean']:+.3f}, "
+               f"bound ±{spread(F[n], F['coupled']):.3f})") for n in ("same-source", "full-data")],
+            ("source-id raises solver truth over coupled",
+             truth["source-id"]["mean"] > truth["coupled"]["mean"],
+             f"{truth['source-id']['mean']:.3f} vs {truth['coupled']['mean']:.3f}"),
+            ("source-id-half F matches source-id F within the spread",
+             abs(F["source-id-half"]["mean"] - F["source-id"]["mean"]) <= spread(F["source-id-half"], F["source-id"]),
+             f"{F['source-id-half']['mean']:.3f} vs {F['source-id']['mean']:.3f} "
+             f"(Δ {F['source-id-half']['mean'] - F['source-id']['mean']:+.3f}, "
+             f"bound ±{spread(F['source-id-half'], F['source-id']):.3f})"),
+            ("whole study (14 conditions × seeds) < 2 minutes", wall < 120,
+             f"median {wall:.1f} s of {', '.join(f'{w:.1f}' for w in walls)} "
+             f"({statistics.median(cpu):.1f} CPU s, load average {load_after})"),
+        ]
+        for name, ok, detail in checks:
+            console.print(f"{'PASS' if ok else 'FAIL'}  {name}: {detail}")
 
-    # the same contrast on banks of one-hop questions (every page read is the source) and of
-    # multi-hop ones (later pages, often popular ones, are shared by chains from many sources)
-    by_hops = []
-    for name, hops in (("1-hop", [1]), ("2–4-hop", [2, 3, 4])):
-        sub = build_bank(run_dirs, size=args.size, seed=0, hops=hops, allow_fewer=True)
-        r = run_replay(sub, HOP_CONDITIONS, seeds=args.seeds, workers=args.workers)
-        by_hops.append((name, r))
+        # the same contrast on banks of one-hop questions (every page read is the source) and of
+        # multi-hop ones (later pages, often popular ones, are shared by chains from many sources)
+        by_hops = []
+        for name, hops in (("1-hop", [1]), ("2–4-hop", [2, 3, 4])):
+            sub = build_bank(run_dirs, size=args.size, seed=0, hops=hops, allow_fewer=True)
+            r = run_replay(sub, HOP_CONDITIONS, seeds=args.seeds, workers=args.workers)
+            by_hops.append((name, r))
 
-    args.figure.parent.mkdir(parents=True, exist_ok=True)
-    args.figure.write_bytes((study / "replay.png").read_bytes())
+        args.figure.parent.mkdir(parents=True, exist_ok=True)
+        args.figure.write_bytes((study / "replay.png").read_bytes())
     fig_rel = os.path.relpath(args.figure, args.out.parent)
     n_conds = len(c)
     lines = [HEADING, "",
@@ -212,7 +211,6 @@ def main() -> None:
               f"{'yes' if identical else 'NO'}."]
     write_section(args.out, HEADING, "\n".join(lines))
     print("\n".join(lines))  # plain: the Markdown's [..] is not rich markup
-    tmp.cleanup()
 
 
 if __name__ == "__main__":

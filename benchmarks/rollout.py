@@ -24,6 +24,7 @@ import statistics
 import time
 from pathlib import Path
 
+import torch
 from _common import REPO, machine_line, write_section
 from rich.console import Console
 from rich.table import Table
@@ -37,8 +38,6 @@ HEADING = "## Rollout throughput (LM backend"  # + ")" or ", GPU)"
 
 
 def gpu_name(device: str) -> str:
-    import torch
-
     return torch.cuda.get_device_name(torch.device(device))
 
 
@@ -50,8 +49,6 @@ def prompts(qa_dir: Path, n: int) -> list[list[dict]]:
 
 
 def run_mode(policy: LMPolicy, convs: list[list[dict]], mode: str, new_tokens: int) -> tuple[int, float]:
-    import torch
-
     tok, model = policy.tokenizer, policy.peft
     policy.peft.set_adapter("bench")
     texts = [policy.render(c) for c in convs]
@@ -113,8 +110,6 @@ def main() -> None:
     lines += ["", "batched: one left-padded batch with the KV cache (`LMPolicy.generate`); sequential: one prompt "
               "at a time with the KV cache; no-cache: one at a time, recomputing the prefix for every token."]
     if gpu:
-        import torch
-
         peak = torch.cuda.max_memory_allocated(torch.device(args.device)) / 2**30
         lines.append(f"Peak GPU memory allocated by the process (model, adapter, KV caches): {peak:.2f} GiB.")
     write_section(args.out, lines[0], "\n".join(lines) + "\n")
