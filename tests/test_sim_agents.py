@@ -180,6 +180,46 @@ def test_bounded_memory_keeps_a_learned_wrong_label_uncertain(env, wrong_candida
         SimSolverConfig(memory_cap=-1.0)
 
 
+def test_question_keyed_memory_does_not_ripple_through_an_intermediate_entity(env):
+    """memory_key="entity" reuses a learned wrong value on any chain passing the same (entity,
+    relation); memory_key="question" keeps it to questions starting from the same mention."""
+    world, _, tool = env
+    probe = make_solver()
+    found = None
+    for x in world.truth.entities.values():
+        if x.type != "person" or world.truth.resolve(x.name) is not x:
+            continue
+        two_hop = render_chain(ChainQuery(x.name, ("born_in", "located_in")))
+        trace = probe.answer([two_hop], tool, greedy=True)[0][0].trace
+        if len(trace) < 2:
+            continue
+        city = trace[0][0].cands[trace[0][1]]
+        if city not in world.truth.value_aliases(x.facts["born_in"]):
+            continue  # the chain must pass the true birthplace, so hop 1 asks its country
+        one_hop = render_chain(ChainQuery(city, ("located_in",)), variant=0)
+        dist = probe.answer([one_hop], tool, greedy=True)[0][0].trace[0][0]
+        truth = world.truth.value_aliases(world.truth.resolve(city).facts["located_in"])
+        wrong = [c for c, p in zip(dist.cands, dist.probs) if c not in truth and 0.15 < p < 0.5]
+        if wrong:
+            found = (two_hop, one_hop, wrong[0])
+            break
+    assert found, "no birthplace with a moderately likely wrong country"
+    two_hop, one_hop, wrong = found
+    deltas = {}
+    for key in ("entity", "question"):
+        cfg = SimSolverConfig(memory_key=key)
+        solver = SimSolver("main", cfg, Reader("solver", cfg.misread_scale, 0.1, 0))
+        before = (_label_prob(solver, one_hop, wrong, tool), _label_prob(solver, two_hop, wrong, tool, hop=1))
+        assert _train_on_wrong_label(solver, one_hop, wrong, tool) >= 1
+        after = (_label_prob(solver, one_hop, wrong, tool), _label_prob(solver, two_hop, wrong, tool, hop=1))
+        deltas[key] = (after[0] - before[0], after[1] - before[1])
+    assert deltas["entity"][0] > 0.25 and deltas["question"][0] > 0.25  # the trained question itself
+    assert deltas["entity"][1] > 0.25  # ripples into the chain through that city
+    assert abs(deltas["question"][1]) < 0.25 * deltas["entity"][1]
+    with pytest.raises(ValueError, match="solver.memory_key"):
+        SimSolverConfig(memory_key="page")
+
+
 def test_update_without_signal_changes_nothing(env, wrong_candidate):
     world, _, tool = env
     person, _, _ = wrong_candidate

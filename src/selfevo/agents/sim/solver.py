@@ -2,14 +2,17 @@
 
 logit(c) = theta . features(c)      generic reading skill (learned)
          + bias(page, c)            the reader's systematic misreadings (fixed)
-         + memory[(mention, rel)][c]  parametric memory keyed on what the question says (learned,
-                                      optionally bounded by memory_cap)
+         + memory[key][c]           parametric memory keyed on what the question says (learned,
+                                      optionally bounded by memory_cap): key = (mention, rel) of
+                                      the hop, or with memory_key="question" (first mention,
+                                      relations so far)
 
 Multi-hop questions are answered by chaining hops, the answer of one hop being the mention of
 the next. Training is policy gradient on its own sampled rollouts, rewarded against the label it
 is given (GRPO-normalised within the five rollouts of a question). Because the memory is keyed on
 the mention and relation rather than on the question, what it absorbs from one question (right
-or wrong) is repeated on every other question that passes through the same (entity, relation).
+or wrong) is repeated on every other question that passes through the same (entity, relation);
+keyed by question, only on questions that start from the same mention with the same relations.
 """
 
 from __future__ import annotations
@@ -40,6 +43,12 @@ class SimSolverConfig:
     # pseudo-label, so agreement with a learned wrong label stays partial (k < 5) and keeps paying
     # the coupled proposer instead of saturating at k = 5, where the frontier reward is 0
     memory_cap: float = 0.0
+    # what a memory row is keyed on: "entity" = (mention, relation) of every hop, so a fact learned
+    # through one question is reused by any question whose chain passes the same entity;
+    # "question" = (the question's first mention, its relations up to this hop), so it is reused
+    # only by questions that start from the same entity (fine-tuned facts in language models
+    # transfer to paraphrases but rarely ripple into other multi-hop questions)
+    memory_key: str = "entity"
     lr_theta: float = 0.05
     temperature: float = 1.0  # sampling temperature for non-greedy rollouts
 
@@ -50,6 +59,8 @@ class SimSolverConfig:
             raise ValueError(f"solver.temperature: must be > 0, got {self.temperature}")
         if self.misread_scale < 0:
             raise ValueError(f"solver.misread_scale: must be >= 0, got {self.misread_scale}")
+        if self.memory_key not in ("entity", "question"):
+            raise ValueError(f"solver.memory_key: 'entity' or 'question', got {self.memory_key!r}")
         if self.memory_cap < 0:
             raise ValueError(f"solver.memory_cap: must be >= 0 (0 = unbounded), got {self.memory_cap}")
 
@@ -100,15 +111,14 @@ class SimSolver:
         self._cache.clear()
 
     # ---------------------------------------------------------------- reading
-    def _dist(self, session: SearchSession, mention: str, rel: str,
+    def _dist(self, session: SearchSession, mention: str, rel: str, mkey: str,
               context: Document | None = None) -> _Dist | None:
         # a document given in context is read instead of searching; otherwise every hop costs
         # one budgeted search
         hits = [Hit(context, 0.0)] if context is not None else session.search(mention)
-        key = (mention, rel, context.id if context is not None else None)
+        key = (mention, rel, mkey, context.id if context is not None else None)
         if key in self._cache:
             return self._cache[key]
-        mkey = f"{mention.strip().lower()}|{rel}"
         best: dict[str, tuple[float, tuple[float, ...]]] = {}
         for rank, hit in enumerate(hits):
             page = self.reader.read(hit.document)
@@ -131,6 +141,13 @@ class SimSolver:
         self._cache[key] = dist
         return dist
 
+    def _mkey(self, first: str, mention: str, rels: Sequence[str]) -> str:
+        """The memory row of a hop that asks rels[-1] of `mention`, in a question whose first
+        mention is `first` and whose relations so far are `rels`."""
+        if self.config.memory_key == "question":
+            return f"{first.strip().lower()}|{'/'.join(rels)}"
+        return f"{mention.strip().lower()}|{rels[-1]}"
+
     @staticmethod
     def _pick(dist: _Dist, greedy: bool, rnd: random.Random) -> int:
         if greedy:
@@ -148,7 +165,8 @@ class SimSolver:
             if isinstance(query, ChainQuery):
                 mention = query.mention
                 for hop, rel in enumerate(query.relations):
-                    dist = self._dist(session, mention, rel, context if hop == 0 else None)
+                    mkey = self._mkey(query.mention, mention, query.relations[:hop + 1])
+                    dist = self._dist(session, mention, rel, mkey, context if hop == 0 else None)
                     if dist is None:
                         return Trajectory("", session.queries, len(session.queries) + 1, trace)
                     i = self._pick(dist, greedy, rnd)
@@ -158,7 +176,7 @@ class SimSolver:
             if isinstance(query, CompareQuery):
                 years = []
                 for m in query.mentions:
-                    dist = self._dist(session, m, query.relation)
+                    dist = self._dist(session, m, query.relation, self._mkey(m, m, (query.relation,)))
                     if dist is None:
                         return Trajectory("", session.queries, len(session.queries) + 1, trace)
                     i = self._pick(dist, greedy, rnd)
