@@ -4,15 +4,25 @@
 
 The paper's downstream gain (Dr. Zero 0.400 -> CrossFit 0.488) does not appear on the default world
 (benchmarks/mitigations.py). This script asks which property of the solver the gain depends on.
-Two solver variants. The second is the one that looked best in an earlier 5-seed exploration of
+Four solver variants. The second is the one that looked best in an earlier 5-seed exploration of
 memory bounds, learning rates and temperatures (CrossFit - coupled +0.021 there); this script then
-runs it, with the seed count fixed in advance, to see whether that holds:
+runs it, with the seed count fixed in advance, to see whether that holds. The third and fourth
+come from a later exploration (seeds 100..102, not the seeds below) of the two properties that
+separate the sim from the paper most: a learned value rippling into every chain through the same
+entity, and an untrained solver that agrees with the proposer's wrong labels 5-7x as often as the
+paper's (round-1 F 0.029 vs 0.004):
 
 - `default`: configs/default.toml (memory unbounded, sampling temperature 1.0, lr_theta 0.05);
 - `bounded memory`: a memory logit bounded at 1.5, so a learned pseudo-label never becomes certain
   and co-cheating keeps paying the proposer instead of saturating at k = 5; the paper's sampling
   temperature 0.8; reading weights that learn at lr_theta 0.6, so reading skill, which is what
-  transfers to the benchmarks, moves within three rounds.
+  transfers to the benchmarks, moves within three rounds;
+- `question-keyed memory`: `solver.memory_key="question"`, a learned value is reused only by questions
+  that start from the same mention (no ripple through shared intermediate pages), so a source-level
+  fold does hold every reuse path out;
+- `careful reader`: the untrained solver trusts what a page says about its own subject more
+  (`about_page` 4.0 instead of 2.5), so it rarely reads the confusable sentence the proposer misread:
+  round 1, which every arm shares, plants fewer wrong values in the main solver.
 
 For each: coupled, MSV and CrossFit, and coupled and CrossFit with the memory switched off (the
 ablation: no reuse path, no co-cheating), and a ceiling: coupled with every wrong pseudo-label
@@ -26,7 +36,9 @@ round 3 with the paired difference to coupled (mean and 95% t-interval over seed
 confusable sentence about someone else; a wrong pseudo-label is such a sentence, so training to
 agree with one lowers this weight), and what the main solver's rounds-2/3 training items carry: the
 share whose five rollouts were mixed (the only items with a policy-gradient signal), split by
-whether the label was right or wrong (oracle, after the run).
+whether the label was right or wrong (oracle, after the run), and the share with a right label that
+the main solver already answered five times out of five (no signal: what a curriculum following
+another solver's frontier spends on it).
 Writes the "## Downstream sensitivity" section of docs/results.md.
 """
 
@@ -57,6 +69,8 @@ CEILING = "coupled, wrong labels withheld (ceiling)"
 VARIANTS = {
     "default": [],
     "bounded memory": ["solver.memory_cap=1.5", "solver.temperature=0.8", "solver.lr_theta=0.6"],
+    "question-keyed memory": ['solver.memory_key="question"'],
+    "careful reader": ["solver.theta0=[4.0,0.0,0.3,0.2]"],
 }
 # (label, treatment, extra overrides)
 ARMS = [("coupled", "coupled", []), ("msv", "msv", []), ("crossfit", "crossfit", []),
@@ -88,7 +102,7 @@ class WithholdWrongLabels:
 def training_signal(run: RunDir, judge: OracleJudge) -> dict:
     """Shares of the main solver's rounds-2/3 training items with mixed rollouts (0 < k < 5), by
     label correctness, over resolved items."""
-    counts = {"right": 0, "wrong": 0, "all": 0}
+    counts = {"right": 0, "wrong": 0, "solved": 0, "all": 0}
     for rec in run.steps():
         if rec["kind"] != "solver" or rec["round"] < 2:
             continue
@@ -97,7 +111,9 @@ def training_signal(run: RunDir, judge: OracleJudge) -> dict:
                 counts["all"] += 1
                 if 0 < it["k"] < 5:
                     counts["right" if v.label_correct else "wrong"] += 1
-    return {k: counts[k] / max(1, counts["all"]) for k in ("right", "wrong")}
+                elif it["k"] == 5 and v.label_correct:
+                    counts["solved"] += 1
+    return {k: counts[k] / max(1, counts["all"]) for k in ("right", "wrong", "solved")}
 
 
 def run_one(job: tuple[str, str, int, str, Path]) -> dict:
@@ -154,13 +170,13 @@ def main() -> None:
              "round-3 audit metrics (oracle judge); macro Cover-EM of the main solver after round 3; "
              "Δ = paired difference to coupled of the same variant and seed, mean [95% t-interval]; "
              "`about_page` = the main solver's learned weight on what a page says about its own subject "
-             "(the bounded variant was picked from a 5-seed exploration; the 10 seeds check it: see the "
-             "script's docstring).", ""]
+             "(the bounded variant was picked from a 5-seed exploration, the question-keyed and careful-reader "
+             "variants from one on seeds 100..102; these seeds check them: see the script's docstring).", ""]
     for variant in VARIANTS:
         lines += [f"**{variant}** (`{' '.join(VARIANTS[variant]) or 'configs/default.toml'}`)", "",
                   "| treatment | F | T_P | A | macro Cover-EM | Δ macro vs coupled | about_page "
-                  "| mixed, right label | mixed, wrong label |",
-                  "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+                  "| mixed, right label | mixed, wrong label | solved, right label |",
+                  "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
         by_arm = {arm: sorted((r for r in rows if r["variant"] == variant and r["arm"] == arm),
                               key=lambda r: r["seed"]) for arm, _, _ in ARMS}
         base = by_arm["coupled"]
@@ -173,7 +189,7 @@ def main() -> None:
                 d = summary([r["macro"] - b["macro"] for r, b in zip(runs, ref)])
                 cells.append("" if runs is ref else f"{d['mean']:+.3f} [{d['lo']:+.3f}, {d['hi']:+.3f}]")
             cells.append(fmt([r["about_page"] for r in runs], 2))
-            cells += [fmt([r["signal"][k] for r in runs]) for k in ("right", "wrong")]
+            cells += [fmt([r["signal"][k] for r in runs]) for k in ("right", "wrong", "solved")]
             lines.append(f"| {arm} | " + " | ".join(cells) + " |")
         lines.append("")
     lines.append("Δ for the no-memory CrossFit row is against coupled with no memory (the same ablation).")
@@ -196,12 +212,22 @@ def main() -> None:
                      f"{gain:+.3f} is {gain / ceiling:.0%} of that ceiling. Items with a learning signal "
                      f"(mixed rollouts), right / wrong label: coupled {mean('coupled', 'right'):.3f} / "
                      f"{mean('coupled', 'wrong'):.3f}, CrossFit {mean('crossfit', 'right'):.3f} / "
-                     f"{mean('crossfit', 'wrong'):.3f}.")
+                     f"{mean('crossfit', 'wrong'):.3f}; already solved, right label: coupled "
+                     f"{mean('coupled', 'solved'):.3f}, CrossFit {mean('crossfit', 'solved'):.3f}.")
+        cleaned = (mean("crossfit", "T_P") - mean("coupled", "T_P")) / (1 - mean("coupled", "T_P"))
+        lines.append(f"  CrossFit removes {cleaned:.0%} of the wrong labels the ceiling withholds (round-3 T_P "
+                     f"{mean('coupled', 'T_P'):.3f} → {mean('crossfit', 'T_P'):.3f}); at that share, cleaner labels "
+                     f"would be worth about {cleaned * ceiling:+.3f}, and CrossFit measures {gain:+.3f}.")
     lines.append("- CrossFit changes who grades the proposer, not what the main solver trains on: the main solver "
                  "still trains on every admitted question, and its curriculum now follows the auxiliary solvers' "
-                 "frontier rather than its own, so fewer of its items carry a signal (the mixed columns): it "
-                 "loses wrong-label signal and right-label signal together. The ceiling row bounds what cleaner "
-                 "labels alone could buy in this world.")
+                 "frontier rather than its own, so more of its items are ones it already answers five times out "
+                 "of five (the solved column) and fewer carry a signal (the mixed columns): it loses wrong-label "
+                 "signal and right-label signal together. Most wrong labels are the proposer's own misreadings, "
+                 "which no grader choice removes, so the share CrossFit can clean is small; the ceiling row "
+                 "bounds what cleaner labels alone could buy in this world. Neither keeping learned values from "
+                 "rippling across sources (question-keyed) nor a base solver that rarely shares the proposer's "
+                 "misreadings (careful reader) changes that: in both, CrossFit cuts round-3 F to under half "
+                 "of coupled's and its downstream difference stays below zero (above).")
     text = "\n".join(lines)
     write_section(args.out, HEADING, text)
     console.print(text)
