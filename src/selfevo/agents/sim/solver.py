@@ -9,10 +9,10 @@ logit(c) = theta . features(c)      generic reading skill (learned)
 
 Multi-hop questions are answered by chaining hops, the answer of one hop being the mention of
 the next. Training is policy gradient on its own sampled rollouts, rewarded against the label it
-is given (GRPO-normalised within the five rollouts of a question). Because the memory is keyed on
-the mention and relation rather than on the question, what it absorbs from one question (right
-or wrong) is repeated on every other question that passes through the same (entity, relation);
-keyed by question, only on questions that start from the same mention with the same relations.
+is given (GRPO-normalised within the five rollouts of a question). With the default entity keys,
+what the memory absorbs from one question (right or wrong) is repeated on every other question
+that passes through the same (entity, relation); with question keys, only on questions that start
+from the same mention with the same relations.
 """
 
 from __future__ import annotations
