@@ -21,8 +21,8 @@ def env():
     return world, index, SearchTool(index, topk=3, max_calls=5)
 
 
-def make_solver(memory: bool = True, name: str = "main") -> SimSolver:
-    cfg = SimSolverConfig(memory=memory)
+def make_solver(name: str = "main", **config) -> SimSolver:
+    cfg = SimSolverConfig(**config)
     return SimSolver(name, cfg, Reader("solver", cfg.misread_scale, 0.1, 0))
 
 
@@ -168,8 +168,7 @@ def test_bounded_memory_keeps_a_learned_wrong_label_uncertain(env, wrong_candida
     q = render_chain(ChainQuery(person.name, ("born_in",)), variant=0)
     probs = {}
     for cap in (0.0, 1.0):
-        cfg = SimSolverConfig(memory_cap=cap)
-        solver = SimSolver("main", cfg, Reader("solver", cfg.misread_scale, 0.1, 0))
+        solver = make_solver(memory_cap=cap)
         assert _train_on_wrong_label(solver, q, wrong, tool, steps=12) >= 2
         if cap:
             assert all(abs(v) <= cap for row in solver.memory.values() for v in row.values())
@@ -207,8 +206,7 @@ def test_question_keyed_memory_does_not_ripple_through_an_intermediate_entity(en
     two_hop, one_hop, wrong = found
     deltas = {}
     for key in ("entity", "question"):
-        cfg = SimSolverConfig(memory_key=key)
-        solver = SimSolver("main", cfg, Reader("solver", cfg.misread_scale, 0.1, 0))
+        solver = make_solver(memory_key=key)
         before = (_label_prob(solver, one_hop, wrong, tool), _label_prob(solver, two_hop, wrong, tool, hop=1))
         assert _train_on_wrong_label(solver, one_hop, wrong, tool) >= 1
         after = (_label_prob(solver, one_hop, wrong, tool), _label_prob(solver, two_hop, wrong, tool, hop=1))
