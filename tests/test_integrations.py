@@ -33,8 +33,9 @@ from selfevo.integrations.rewards import (
     extract_answer,
     reward_settings,
 )
-from selfevo.integrations.routing import Grader, RoutingError, grader_role, route
+from selfevo.integrations.routing import Grader, RoutingError, grader_role, item_fold, route
 from selfevo.loop.feedback import AuxFeedback, CoupledFeedback
+from selfevo.agents.base import Proposal
 from selfevo.loop.folds import FoldAssignment
 from selfevo.loop.treatments import parse_treatment
 from selfevo.records import Document
@@ -91,6 +92,24 @@ def test_grader_role_is_the_loops_rule(treatment):
             touched = folds.lineage(sources) if t.grouping == "connected" else {item.fold}
             role, _ = grader_role(t, r, item.fold, touched)
             assert rule.grader_for(item).name.split("@")[0] == role
+
+
+def test_question_split_folds_questions_not_proposals():
+    """The question-level control: a question asked again (another proposal, another source id,
+    other case or spacing) lands in the fold it had, in the loop and at the endpoint alike, while
+    questions from one source land in both folds."""
+    folds = FoldAssignment(2, 0, "source", {"s0": 0, "s1": 1})
+    rule = AuxFeedback("question-split", folds, _Stub, 25, 5, split="question")
+    questions = [f"Where was Person {i} born?" for i in range(40)]
+    got = []
+    for i, q in enumerate(questions):
+        fold = rule.item_fold(Proposal(q, "x", "s0", ("s0",), 1), f"r1-s1-{i}")
+        again = Proposal("  " + q.upper().replace(" ", "  "), "y", "s1", ("s1",), 1)
+        assert rule.item_fold(again, f"r2-s3-{i}") == fold
+        assert item_fold("question-split", folds, "s0", q) == fold
+        got.append(fold)
+    assert set(got) == {0, 1}
+    assert item_fold("crossfit", folds, "s1", questions[0]) == 1  # CrossFit: the source's fold
 
 
 def _seeded_grader(name: str, calls: list, answers):

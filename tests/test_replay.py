@@ -71,7 +71,6 @@ def test_bank_items_are_round_2_3_proposals_with_their_adopted_labels(runs, bank
     cfg = load_config(None, SCALED)
     groups = assign_folds(load_run_world(cfg).documents, 0, 2, "connected").groups
     assert len(bank.items) == 150
-    assert len({(it.question, it.label) for it in bank.items}) == 150  # deduplicated
     for it in bank.items:
         r, src = by_id[it.item_id]
         assert it.round == r >= 2
@@ -82,6 +81,32 @@ def test_bank_items_are_round_2_3_proposals_with_their_adopted_labels(runs, bank
     assert {it.round for it in bank.items} == {2, 3}
     assert {it.run for it in bank.items} == {str(r) for r in runs}
     assert bank.world == RunDir(runs[0]).config()["world"]
+
+
+def test_bank_keeps_repeated_questions_unless_distinct(runs):
+    """A question the proposer asked again is in the bank as often as the loop trained on it;
+    --distinct keeps each (question, label) once."""
+    cands = _candidates(runs)
+    pairs = [(it["question"], it["adopted_label"]) for _, _, it in cands]
+    assert len(set(pairs)) < len(pairs)  # the sim proposer repeats itself
+    whole = build_bank(runs, size=len(cands), seed=0)
+    assert sorted((it.question, it.label) for it in whole.items) == sorted(pairs)
+    distinct = build_bank(runs, size=len(set(pairs)), seed=0, distinct=True)
+    assert sorted((it.question, it.label) for it in distinct.items) == sorted(set(pairs))
+    with pytest.raises(ReplayError, match=r"only \d+ distinct admitted items"):
+        build_bank(runs, size=len(set(pairs)) + 1, distinct=True)
+
+
+def test_question_split_keeps_a_repeated_question_on_one_side(runs):
+    whole = build_bank(runs, size=len(_candidates(runs)), seed=0)
+    fold = replay._fold_function("question", 0)
+    by_question: dict[str, set[int]] = {}
+    by_source: dict[str, set[int]] = {}
+    for it in whole.items:
+        by_question.setdefault(it.question, set()).add(fold(it))
+        by_source.setdefault(it.source_id, set()).add(fold(it))
+    assert all(len(f) == 1 for f in by_question.values())
+    assert any(len(f) == 2 for f in by_source.values())  # a source's questions fall on both sides
 
 
 def test_bank_records_no_truth(bank, tmp_path):
@@ -105,7 +130,7 @@ def test_bank_build_errors(runs, tmp_path):
         build_bank([tmp_path / "nope"], size=10)
     with pytest.raises(ReplayError, match="at least one run"):
         build_bank([], size=10)
-    with pytest.raises(ReplayError, match=r"only \d+ distinct .* fewer than --size 100000"):
+    with pytest.raises(ReplayError, match=r"only \d+ admitted .* fewer than --size 100000"):
         build_bank(runs, size=100_000)
     # an unfinished run
     unfinished = tmp_path / "unfinished"

@@ -595,6 +595,8 @@ def replay_build(
     size: int = typer.Option(3000, help="items in the bank"),
     seed: int = typer.Option(0, help="sampling seed; also seeds the replay's base model"),
     hops: str = typer.Option("", help="keep only these hop counts, comma-separated (e.g. 1); default all"),
+    distinct: bool = typer.Option(False, help="keep a question asked again (same question, same label) once; "
+                                              "default: as often as the loop trained on it"),
     out: Path = typer.Option(..., help="the bank file to write (JSON)"),
 ) -> None:
     """Save round-2/3 questions of completed runs with their adopted labels (wrong ones included)."""
@@ -605,7 +607,7 @@ def replay_build(
     except ValueError:
         _fail(f"--hops: expected comma-separated integers, got {hops!r}")
     try:
-        bank = build_bank([*from_, *(more or [])], size=size, seed=seed, hops=wanted)
+        bank = build_bank([*from_, *(more or [])], size=size, seed=seed, hops=wanted, distinct=distinct)
     except ReplayError as e:
         _fail(str(e))
     bank.save(out)

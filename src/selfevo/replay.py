@@ -36,7 +36,7 @@ from selfevo.agents.sim import Reader, SimSolver, SimSolverConfig
 from selfevo.audit import JudgedItem, OracleJudge, audit_metrics
 from selfevo.evaluate import answers_match
 from selfevo.loop.admission import MSV
-from selfevo.loop.folds import assign_folds, fold_of
+from selfevo.loop.folds import assign_folds, fold_of, question_fold
 from selfevo.loop.schedule import derive_seed
 from selfevo.runs import RunDir
 from selfevo.search.bm25 import BM25Index
@@ -234,13 +234,17 @@ def _load_world(block: dict):
 
 
 def build_bank(run_dirs: Sequence[str | os.PathLike], size: int = 3000, seed: int = 0,
-               min_round: int = 2, allow_fewer: bool = False, hops: Iterable[int] | None = None) -> Bank:
-    """Admitted proposer-step items of rounds >= `min_round` of completed runs (one world),
-    identical (question, label) pairs once, then a seeded sample of `size`. `hops`: keep only
-    questions of these hop counts (e.g. {1}: every page a question read is its source).
+               min_round: int = 2, allow_fewer: bool = False, hops: Iterable[int] | None = None,
+               distinct: bool = False) -> Bank:
+    """Admitted proposer-step items of rounds >= `min_round` of completed runs (one world), then a
+    seeded sample of `size`. `hops`: keep only questions of these hop counts (e.g. {1}: every page
+    a question read is its source). `distinct`: keep identical (question, label) pairs once.
 
     Rounds >= 2 because by then the coupled grader has trained on pseudo-labels, so the bank
-    holds the wrong labels co-cheating agrees with (round 1 is graded by the base model)."""
+    holds the wrong labels co-cheating agrees with (round 1 is graded by the base model). By
+    default a question the proposer asked several times is in the bank as often as the loop
+    trained on it (paper: 3,000 of one run's 3,200 round-2/3 admitted questions); the question
+    split keeps such repeats on one side (`question_fold`)."""
     if not run_dirs:
         raise ReplayError("--from: name at least one run directory")
     if size < 1:
@@ -273,7 +277,7 @@ def build_bank(run_dirs: Sequence[str | os.PathLike], size: int = 3000, seed: in
                 continue
             for it in row["items"]:
                 key = (it["question"], it["adopted_label"])
-                if not it["admitted"] or key in seen or (hops is not None and it["hops"] not in hops):
+                if not it["admitted"] or (distinct and key in seen) or (hops is not None and it["hops"] not in hops):
                     continue
                 seen.add(key)
                 if it["source_id"] not in groups:
@@ -284,7 +288,7 @@ def build_bank(run_dirs: Sequence[str | os.PathLike], size: int = 3000, seed: in
     if len(pool) < size:
         if not allow_fewer:
             which = f" with hops in {sorted(hops)}" if hops is not None else ""
-            raise ReplayError(f"only {len(pool)} distinct admitted items{which} of rounds >= {min_round} in "
+            raise ReplayError(f"only {len(pool)}{' distinct' if distinct else ''} admitted items{which} of rounds >= {min_round} in "
                               f"{len(run_dirs)} run(s), fewer than --size {size}; add runs or lower --size")
         size = len(pool)  # a demo on a small world takes what there is
     chosen = sorted(random.Random(derive_seed(seed, "bank")).sample(range(len(pool)), size))
@@ -362,7 +366,7 @@ def _fold_function(split: str, seed: int):
     if split == "source":
         return lambda it: fold_of(it.source_id, seed, 2)
     if split == "question":
-        return lambda it: fold_of(it.item_id, seed, 2)
+        return lambda it: question_fold(it.question, seed, 2)
     if split == "connected":
         return lambda it: fold_of(it.group, seed, 2)
     if split == "none":

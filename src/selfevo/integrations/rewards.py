@@ -141,7 +141,7 @@ class FrontierReward:
                     "draft_label": label, "format_error": error, "reward": rewards[i]}})
                 continue
             source_ids = tuple(dict.fromkeys([s.source_id, *s.read]))
-            fold = item_fold(self.treatment, self.folds, s.source_id, item_id)
+            fold = item_fold(self.treatment, self.folds, s.source_id, question)
             touched = touched_folds(self.treatment, self.folds, fold, source_ids)
             r = route(self.treatment, self.round, fold, touched, self.graders)
             graded.append((i, item_id, question, label, source_ids, fold, r))

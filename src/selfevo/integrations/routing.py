@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
-from selfevo.loop.folds import FoldAssignment, fold_of
+from selfevo.loop.folds import FoldAssignment, question_fold
 from selfevo.loop.treatments import Treatment, parse_treatment
 
 
@@ -74,11 +74,11 @@ def aux_roles(treatment: str | Treatment) -> list[str]:
     return [f"aux-{j}" for j in range(t.k)]
 
 
-def item_fold(treatment: str | Treatment, folds: FoldAssignment, source_id: str, item_id: str) -> int:
+def item_fold(treatment: str | Treatment, folds: FoldAssignment, source_id: str, question: str) -> int:
     """The fold used for cross-fitting: the source's, or (question-split control) the question's."""
     t = treatment_of(treatment)
     if t.feedback == "question-split":
-        return fold_of(item_id, folds.seed, folds.k)
+        return question_fold(question, folds.seed, folds.k)
     return folds.of(source_id)
 
 

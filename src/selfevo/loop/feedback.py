@@ -20,7 +20,7 @@ from collections.abc import Callable, Sequence
 from typing import Protocol
 
 from selfevo.agents.base import Proposal, Solver, TrainableSolver
-from selfevo.loop.folds import FoldAssignment, fold_of
+from selfevo.loop.folds import FoldAssignment, question_fold
 from selfevo.loop.schedule import derive_seed
 
 
@@ -115,7 +115,7 @@ class AuxFeedback:
     # ---------------------------------------------------------------- folds
     def item_fold(self, proposal: Proposal, item_id: str) -> int:
         if self.split == "question":  # control: the same source lands in both folds
-            return fold_of(item_id, self.folds.seed, self.folds.k)
+            return question_fold(proposal.question, self.folds.seed, self.folds.k)
         return self.folds.of(proposal.source_id)
 
     def _item_folds(self, item) -> set[int]:

@@ -24,6 +24,14 @@ def fold_of(source_id: str, seed: int, k: int = 2) -> int:
     return int.from_bytes(h, "little") % k
 
 
+def question_fold(question: str, seed: int, k: int = 2) -> int:
+    """Fold of a question under the question-level split control: a hash of its text (lowercased,
+    whitespace collapsed), so a question asked again lands in the fold it landed in before. The
+    control splits questions, not proposals; paraphrases and other questions from the same source
+    still fall on both sides, which is the leak the control exists to show."""
+    return fold_of("question\x1f" + " ".join(question.lower().split()), seed, k)
+
+
 @dataclass
 class FoldAssignment:
     k: int
