@@ -12,6 +12,7 @@ import threading
 
 import pytest
 
+from selfevo.agents.base import Proposal
 from selfevo.agents.lm.model import ScriptedModel
 from selfevo.agents.lm.server import make_app, running
 from selfevo.algos import frontier_reward
@@ -35,7 +36,6 @@ from selfevo.integrations.rewards import (
 )
 from selfevo.integrations.routing import Grader, RoutingError, grader_role, item_fold, route
 from selfevo.loop.feedback import AuxFeedback, CoupledFeedback
-from selfevo.agents.base import Proposal
 from selfevo.loop.folds import FoldAssignment
 from selfevo.loop.treatments import parse_treatment
 from selfevo.records import Document

@@ -288,7 +288,8 @@ def build_bank(run_dirs: Sequence[str | os.PathLike], size: int = 3000, seed: in
     if len(pool) < size:
         if not allow_fewer:
             which = f" with hops in {sorted(hops)}" if hops is not None else ""
-            raise ReplayError(f"only {len(pool)}{' distinct' if distinct else ''} admitted items{which} of rounds >= {min_round} in "
+            kind = "distinct admitted" if distinct else "admitted"
+            raise ReplayError(f"only {len(pool)} {kind} items{which} of rounds >= {min_round} in "
                               f"{len(run_dirs)} run(s), fewer than --size {size}; add runs or lower --size")
         size = len(pool)  # a demo on a small world takes what there is
     chosen = sorted(random.Random(derive_seed(seed, "bank")).sample(range(len(pool)), size))
