@@ -92,8 +92,9 @@ def main() -> None:
         f"| F from those labels alone (share of all grader responses) | {fmt(f_later)} |", "",
         "A source-level fold cannot hold those pages out: the same popular page sits in chains from "
         "sources of both folds, so a grader trained on the other fold can have learned the wrong value "
-        "(its memory is keyed on the page's entity and the relation). That is why the replay bank's "
-        "source-id F stays near question-split F in this world (\"## Fixed replay bank\"); the `connected` "
+        "(its memory is keyed on the page's entity and the relation). That is why, on the replay bank's "
+        "multi-hop questions, a source-held-out grader keeps much of question-split's F above the untrained "
+        "level (\"## Fixed replay bank\", the by-bank table); the `connected` "
         "condition there, which holds out link-graph clusters, measures about the same F: a cluster does "
         "not hold out the popular pages its chains pass through."])
     write_section(args.out, HEADING, text)
