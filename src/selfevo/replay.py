@@ -72,7 +72,8 @@ class Condition:
     """One provenance of the feedback solver.
 
     split   how bank items are divided among feedback solvers: "none" (one solver on everything),
-            "source" (by source document), "question" (by item), "connected" (by link-graph group)
+            "source" (by source document), "question" (by question text, `question_fold`),
+            "connected" (by link-graph group)
     grades  "all" (the one solver grades everything), "own-fold" or "other-fold"
     budget  share of the full update budget each solver gets
     stream  the rollout seed stream: full-data is a second solver with the same data as coupled
