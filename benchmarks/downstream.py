@@ -46,6 +46,7 @@ Writes the "## Downstream sensitivity" section of docs/results.md.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import re
@@ -197,9 +198,12 @@ def main() -> None:
         lines.append("")
     lines.append("Δ for the no-memory CrossFit row is against coupled with no memory (the same ablation).")
     lines += ["", "Reading (numbers from the tables above):"]
+
+    def avg(variant: str, arm: str, key: str) -> float:
+        return statistics.fmean(r[key] for r in rows if r["variant"] == variant and r["arm"] == arm)
+
     for variant in VARIANTS:
-        def mean(arm: str, key: str, variant=variant) -> float:
-            return statistics.fmean(r[key] for r in rows if r["variant"] == variant and r["arm"] == arm)
+        mean = functools.partial(avg, variant)
 
         cost = mean("coupled, no memory", "macro") - mean("coupled", "macro")
         gain = mean("crossfit", "macro") - mean("coupled", "macro")
@@ -232,8 +236,7 @@ def main() -> None:
                  "rippling across sources (question-keyed) nor a base solver that rarely shares the proposer's "
                  "misreadings (careful reader) changes that: in both, CrossFit cuts round-3 F to under half "
                  "of coupled's and its downstream difference stays below zero (above).")
-    d = {k: {arm: statistics.fmean(r[k] for r in rows if r["variant"] == "default" and r["arm"] == arm)
-             for arm in ("coupled", "crossfit", "coupled, no memory", CEILING)}
+    d = {k: {arm: avg("default", arm, k) for arm in ("coupled", "crossfit", "coupled, no memory", CEILING)}
          for k in ("solved", "title_match", "macro")}
     lines.append("- Why the reuse path costs more than its wrong labels (`default`): with a memory the main solver "
                  "soon answers its training items from memory, right ones included (solved, right label: "

@@ -1,6 +1,6 @@
 """The fixed replay bank on the embedded world: every feedback provenance over one frozen bank.
 
-    python benchmarks/replay.py [--runs 3] [--size 3000] [--seeds 5] [--out docs/results.md]
+    python benchmarks/replay.py [--runs 1] [--size 3000] [--seeds 5] [--out docs/results.md]
 
 Makes the bank from fresh default-world coupled runs (the paper's schedule, seeds 0..runs-1;
 their round-2/3 admitted proposals, so wrong labels are present; by default one run, whose 3,200
@@ -50,21 +50,23 @@ HOP_CONDITIONS = ["coupled", "question-split", "source-id", "connected"]
 QUESTION_KEYED = 'solver.memory_key="question"'
 
 
+def mean_F(res: dict) -> tuple[dict[str, float], float]:
+    """A study's mean F per condition, and the untrained base model's."""
+    return {n: e["F"]["mean"] for n, e in res["conditions"].items()}, res["reference"]["base"]["F"]["mean"]
+
+
 def excess_of(res: dict) -> float:
     """(source-id F - untrained F) / (question-split F - untrained F): the share of the question
     split's learned false agreement a source-held-out grader keeps."""
-    F = {n: e["F"]["mean"] for n, e in res["conditions"].items()}
-    base = res["reference"]["base"]["F"]["mean"]
+    F, base = mean_F(res)
     return (F["source-id"] - base) / (F["question-split"] - base) if F["question-split"] != base else float("nan")
 
 
 def hop_row(name: str, res: dict) -> str:
-    F = {n: e["F"]["mean"] for n, e in res["conditions"].items()}
-    base = res["reference"]["base"]["F"]["mean"]
-    excess = excess_of(res)
+    F, base = mean_F(res)
     return (f"| {name} | {res['bank']['items']} | {res['bank']['T_P']:.3f} | {base:.4f} | {F['coupled']:.4f} | "
             f"{F['question-split']:.4f} | {F['source-id']:.4f} | {F['connected']:.4f} | "
-            f"{F['source-id'] / F['question-split']:.2f} | {excess:.2f} |")
+            f"{F['source-id'] / F['question-split']:.2f} | {excess_of(res):.2f} |")
 
 
 def coupled_runs(root: Path, n: int, overrides: list[str], bar, name: str) -> list[Path]:
@@ -91,8 +93,7 @@ def repeats(bank) -> tuple[float, float]:
 
 
 def question_keyed_reading(res: dict, once: float, q_once: float, per_source: float) -> str:
-    F = {n: e["F"]["mean"] for n, e in res["conditions"].items()}
-    base = res["reference"]["base"]["F"]["mean"]
+    F, base = mean_F(res)
     return (f"With a question-keyed memory (last row) source-id F is {F['source-id']:.4f} against the untrained "
             f"{base:.4f}: holding a source out now holds out every path by which a learned value comes back. "
             f"Question-split F is {F['question-split']:.4f}: a question split leaves a source's other questions, "
@@ -196,6 +197,7 @@ def main() -> None:
         q_bank = build_bank(q_dirs, size=args.size, seed=0)
         by_hops.append(("all hops, question-keyed memory",
                         run_replay(q_bank, HOP_CONDITIONS, seeds=args.seeds, workers=args.workers)))
+        once_F, _ = mean_F(by_hops[2][1])
         once, per_source = repeats(bank)
         q_once, _ = repeats(q_bank)
 
@@ -252,10 +254,9 @@ def main() -> None:
               "trained on other sources has learned its wrong value (\"## Where wrong labels come from\").",
               "",
               f"Keeping each (question, label) once (third row) leaves question-split F at "
-              f"{by_hops[2][1]['conditions']['question-split']['F']['mean']:.4f} against "
-              f"{c['question-split']['F']['mean']:.4f} on the bank as the loop trained on it, and source-id F at "
-              f"{by_hops[2][1]['conditions']['source-id']['F']['mean']:.4f} against "
-              f"{c['source-id']['F']['mean']:.4f}: a question asked again stays on one side of the split, but "
+              f"{once_F['question-split']:.4f} against {F['question-split']['mean']:.4f} on the bank as the loop "
+              f"trained on it, and source-id F at {once_F['source-id']:.4f} against "
+              f"{F['source-id']['mean']:.4f}: a question asked again stays on one side of the split, but "
               "it trains the grader of its other wordings more often and weighs more in F.",
               "",
               question_keyed_reading(by_hops[-1][1], once, q_once, per_source),

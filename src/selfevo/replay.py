@@ -277,10 +277,13 @@ def build_bank(run_dirs: Sequence[str | os.PathLike], size: int = 3000, seed: in
             if row["kind"] != "proposer" or row["round"] < min_round:
                 continue
             for it in row["items"]:
-                key = (it["question"], it["adopted_label"])
-                if not it["admitted"] or (distinct and key in seen) or (hops is not None and it["hops"] not in hops):
+                if not it["admitted"] or (hops is not None and it["hops"] not in hops):
                     continue
-                seen.add(key)
+                if distinct:
+                    key = (it["question"], it["adopted_label"])
+                    if key in seen:
+                        continue
+                    seen.add(key)
                 if it["source_id"] not in groups:
                     raise ReplayError(f"{d}: source {it['source_id']!r} is not a page of the run's world")
                 pool.append(BankItem(f"run{i}/{it['item_id']}", it["question"], it["adopted_label"],

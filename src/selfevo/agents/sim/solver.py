@@ -116,7 +116,7 @@ class SimSolver:
         # a document given in context is read instead of searching; otherwise every hop costs
         # one budgeted search
         hits = [Hit(context, 0.0)] if context is not None else session.search(mention)
-        key = (mention, rel, mkey, context.id if context is not None else None)
+        key = (mention, mkey, context.id if context is not None else None)  # mkey names the relation
         if key in self._cache:
             return self._cache[key]
         best: dict[str, tuple[float, tuple[float, ...]]] = {}
