@@ -236,3 +236,76 @@ def test_evolve_lm_resumes_after_a_crash_to_the_same_records(lm_run, tmp_path, m
     evolve(cfg, tmp_path / "run", resume=True, progress=False, audit=False)
     for f in ("records/steps.jsonl", "eval/round-1.json", "eval/round-2.json"):
         assert (tmp_path / "run" / f).read_bytes() == (lm_run / f).read_bytes(), f
+
+
+# ------------------------------------------------------------------ the replay bank on a language model
+
+
+def test_replay_of_a_language_model_run_on_a_real_corpus(lm_run, tmp_path):
+    """`selfevo replay` on a bank of an lm run: the feedback solvers are fresh adapters on the run's
+    base model trained by GRPO on the bank's labels, and the metrics follow the judge given (a real
+    corpus has no exact truth; here a judge that calls every adopted label right, so no agreement
+    can be false)."""
+    from selfevo.audit import Verdict
+    from selfevo.evaluate import answers_match
+    from selfevo.replay import Bank, ReplayError, ReplaySettings, _ctx, build_bank, run_replay
+
+    bank = build_bank([lm_run], size=1000, min_round=1, allow_fewer=True)
+    assert bank.backend == "lm" and bank.corpus == str(CORPUS) and bank.lm["model"] == "smollm2-135m"
+    assert len(bank.items) >= 4 and all(it.source_id in it.source_ids for it in bank.items)
+    assert Bank.load(bank.save(tmp_path / "bank.json")).to_json() == bank.to_json()
+    settings = ReplaySettings(updates=2, rollouts=2, samples=2)
+    with pytest.raises(ReplayError, match="no exact truth"):
+        run_replay(bank, "coupled", seeds=1, settings=settings)
+
+    seen = []
+
+    class LabelsAreRight:
+        name = "labels-are-right"
+
+        def judge(self, items):
+            seen.extend(items)
+            return [Verdict(True, True, tuple(answers_match(r, it["adopted_label"]) for r in it["responses"]),
+                            (it["adopted_label"],)) for it in items]
+
+    res = run_replay(bank, "coupled,full-data", seeds=1, settings=settings, workers=2, judge=LabelsAreRight())
+    assert set(res["conditions"]) == {"coupled", "full-data"}
+    assert res["invariants"]["updates"] == {"coupled": {"all": 2}, "full-data": {"all-b": 2}}
+    for entry in (*res["conditions"].values(), res["reference"]["base"]):
+        assert entry["F"]["mean"] == 0.0 and entry["L"]["mean"] == 0.0
+        assert entry["solver_truth"]["mean"] == entry["A"]["mean"]  # truth is agreement with a right label
+        assert 0.0 <= entry["A"]["mean"] <= 1.0
+    assert res["bank"]["T_P"] == 1.0 and res["judge"] == "labels-are-right"
+    # the judge saw each bank item's sources (an LLM judge reads them); every adapter was freed
+    assert {tuple(it["source_ids"]) for it in seen} == {it.source_ids for it in bank.items}
+    assert _ctx().policy.names() == []
+
+    # the command, judged by an LLM judge over HTTP (a scripted one: a 135M model resolves nothing),
+    # its calls cached in OUT; the same settings reuse the loaded model
+    from selfevo.agents.lm.model import ScriptedModel
+    from selfevo.agents.lm.server import make_app, running
+    from selfevo.audit.scripted import ScriptedJudge, sentences
+    from selfevo.cli import app
+    from selfevo.corpus import read_corpus
+
+    docs = {d.id: d.contents for d in read_corpus(CORPUS) if d.id in {it.source_id for it in bank.items}}
+    key = {}
+    for it in bank.items:  # the label where a source sentence states it, else some other word of one
+        quotable = [q for q in sentences(docs[it.source_id]) if len(q.split()) <= 100]
+        quote = next((q for q in quotable if answers_match(q, it.label)), quotable[0])
+        key[it.question] = {"reference": it.label if answers_match(quote, it.label) else quote.split()[0],
+                            "quote": quote}
+    out = tmp_path / "replay"
+    with running(make_app(ScriptedModel(ScriptedJudge(key), name="judge"))) as url:
+        result = CliRunner().invoke(app, ["replay", "run", "--bank", str(tmp_path / "bank.json"), "--conditions",
+                                          "coupled", "--seeds", "1", "--updates", "2", "--rollouts", "2",
+                                          "--samples", "2", "--out", str(out), "--judge-url", url,
+                                          "--judge-model", "judge"])
+    assert result.exit_code == 0, result.output
+    res = json.loads((out / "results.json").read_text())
+    assert res["judge"] == "llm:judge" and set(res["conditions"]) == {"coupled"}
+    # graded by what the judge resolved: coverage and truth are the judge's, the same for every grader
+    assert res["bank"]["coverage"] > 0 and res["bank"]["T_P"] is not None
+    assert res["conditions"]["coupled"]["coverage"]["mean"] == res["bank"]["coverage"]
+    assert res["bank"]["backend"] == "lm" and res["bank"]["corpus"] == str(CORPUS)
+    assert (out / "judge-cache.jsonl").stat().st_size > 0 and (out / "replay.png").exists()

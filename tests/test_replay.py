@@ -111,7 +111,9 @@ def test_question_split_keeps_a_repeated_question_on_one_side(runs):
 
 def test_bank_records_no_truth(bank, tmp_path):
     obj = read_json(bank.save(tmp_path / "bank.json"))
-    assert obj["format"] == 1 and set(obj) == {"format", "world", "seed", "sources", "solver", "search", "items"}
+    assert obj["format"] == 2 and set(obj) == {"format", "world", "seed", "sources", "solver", "search", "backend",
+                                               "data", "lm", "items"}
+    assert (obj["backend"], obj["data"], obj["lm"]) == ("sim", {}, {})
     assert set(obj["items"][0]) == {"item_id", "question", "label", "draft_label", "source_id", "source_ids",
                                     "group", "run", "round", "hops"}
 
@@ -158,7 +160,8 @@ def test_bank_hops_filter(runs, bank):
 
 
 @pytest.mark.parametrize("edit, message", [
-    (lambda o: {**o, "format": 2}, "bank format 2"),
+    (lambda o: {**o, "format": 3}, "bank format 3"),
+    (lambda o: {**o, "backend": "jax"}, "backend 'jax'"),
     (lambda o: {k: v for k, v in o.items() if k != "world"}, "missing field.*world"),
     (lambda o: {**o, "items": []}, "no items"),
     (lambda o: {**o, "items": [{k: v for k, v in o["items"][0].items() if k != "label"}]}, "item 0.*label"),
@@ -172,6 +175,14 @@ def test_bank_load_errors(bank, tmp_path, edit, message):
     write_json(path, edit(bank.to_json()))
     with pytest.raises(ReplayError, match=message):
         Bank.load(path)
+
+
+def test_a_format_1_bank_loads_as_a_sim_bank(bank, tmp_path):
+    """Banks written before the language-model replay (no backend, corpus or lm field) still load."""
+    old = {k: v for k, v in bank.to_json().items() if k not in ("backend", "data", "lm")}
+    write_json(tmp_path / "old.json", {**old, "format": 1})
+    loaded = Bank.load(tmp_path / "old.json")
+    assert loaded.to_json() == bank.to_json() and loaded.run_config().backend == "sim"
 
 
 def test_bank_load_missing_and_corrupt(tmp_path):
@@ -315,6 +326,10 @@ def test_cli_build_and_run(runs, tmp_path):
     (["run", "--bank", "{bank}", "--seeds", "0", "--out", "{tmp}/o"], "--seeds"),
     (["run", "--bank", "{bank}", "--workers", "0", "--out", "{tmp}/o"], "--workers"),
     (["run", "--bank", "{bank}", "--updates", "1", "--out", "{tmp}/o"], "updates"),
+    (["run", "--bank", "{bank}", "--rollouts", "0", "--out", "{tmp}/o"], "rollouts"),
+    (["run", "--bank", "{bank}", "--judge-url", "http://127.0.0.1:9/v1", "--out", "{tmp}/o"],
+     "--judge-url and --judge-model go together"),
+    (["run", "--bank", "{corpus_bank}", "--out", "{tmp}/o"], "absent.jsonl"),
 ])
 def test_cli_usage_errors_exit_2(runs, bank, tmp_path, args, message):
     other = tmp_path / "other"
@@ -322,7 +337,10 @@ def test_cli_usage_errors_exit_2(runs, bank, tmp_path, args, message):
     cfg = read_json(other / "config.json")
     write_json(other / "config.json", {**cfg, "world": {**cfg["world"], "seed": 7}})
     bank_path = bank.save(tmp_path / "bank.json")
-    subs = {"tmp": str(tmp_path), "run0": str(runs[0]), "other": str(other), "bank": str(bank_path)}
+    # a language-model bank whose corpus is gone: an error naming it, before any model loads
+    corpus_bank = replace(bank, backend="lm", data={"corpus": str(tmp_path / "absent.jsonl"), "qa_dir": str(tmp_path)})
+    subs = {"tmp": str(tmp_path), "run0": str(runs[0]), "other": str(other), "bank": str(bank_path),
+            "corpus_bank": str(corpus_bank.save(tmp_path / "corpus-bank.json"))}
     res = CliRunner().invoke(app, ["replay", *[a.format(**subs) for a in args]])
     assert res.exit_code == 2, res.output
     assert message in " ".join(res.output.split())

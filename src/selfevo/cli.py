@@ -622,18 +622,40 @@ def replay_run(
                                                "each also +msv; or all"),
     seeds: int = typer.Option(5, help="seeds 0..N-1"),
     out: Path = typer.Option(..., help="output directory: results.json, results.md, replay.png"),
-    workers: int = typer.Option(min(2, os.cpu_count() or 1), help="parallel processes"),
+    workers: int = typer.Option(min(2, os.cpu_count() or 1), help="parallel processes (a language-model "
+                                                                     "bank runs in this process)"),
     updates: int = typer.Option(50, help="updates per feedback solver (half budget: half)"),
+    rollouts: int = typer.Option(5, help="training rollouts per question (the GRPO group)"),
+    samples: int = typer.Option(5, help="sampled grader answers per bank item (and one greedy)"),
+    judge_url: str | None = typer.Option(None, "--judge-url", help="judge with an LLM at this OpenAI base URL "
+                                         "(e.g. http://127.0.0.1:8001/v1) instead of the world's exact truth; "
+                                         "a corpus bank without one is judged by its base model on 127.0.0.1"),
+    judge_model: str | None = typer.Option(None, "--judge-model", help="model name at --judge-url"),
+    judge_concurrency: int = typer.Option(4, "--judge-concurrency", min=1, max=256, help="judge calls in flight"),
+    judge_cache: Path | None = typer.Option(None, "--judge-cache", help="judge call cache JSONL, so a rerun "
+                                            "repeats no call (default: OUT/judge-cache.jsonl)"),
 ) -> None:
     """Replay the bank through feedback solvers trained under each condition's provenance."""
-    from selfevo.replay import Bank, ReplayError, ReplaySettings, results_table, run_replay, write_results
+    from selfevo.audit.llm_judge import JudgeError
+    from selfevo.replay import (
+        Bank,
+        ReplayError,
+        ReplaySettings,
+        replay_judge,
+        results_table,
+        run_replay,
+        write_results,
+    )
 
     if seeds < 1:
         _fail(f"--seeds: must be >= 1, got {seeds}")
     try:
-        results = run_replay(Bank.load(bank), conditions, seeds, ReplaySettings(updates=updates),
-                             workers=workers, progress=True)
-    except ReplayError as e:
+        b = Bank.load(bank)
+        with replay_judge(b, judge_url, judge_model, judge_cache or out / "judge-cache.jsonl",
+                          judge_concurrency) as judge:
+            results = run_replay(b, conditions, seeds, ReplaySettings(updates, rollouts, samples),
+                                 workers=workers, progress=True, judge=judge)
+    except (ReplayError, JudgeError) as e:
         _fail(str(e))
     write_results(results, out)
     console.print(results_table(results))

@@ -107,8 +107,9 @@ class Environment:
 _CORPORA: dict[str, tuple[list, BM25Index]] = {}
 
 
-def environment(cfg: RunConfig) -> Environment:
-    """The synthetic world, or (data.corpus) a real corpus and QA directory."""
+def environment(cfg: RunConfig, benchmarks: bool = True) -> Environment:
+    """The synthetic world, or (data.corpus) a real corpus and QA directory (`benchmarks=False`:
+    the documents and their index only, for work that evaluates nothing, like the replay)."""
     if not cfg.data.corpus:
         world, index = world_and_index(cfg)
         return Environment(list(world.documents), index, world.benchmarks, world)
@@ -118,7 +119,7 @@ def environment(cfg: RunConfig) -> Environment:
         _CORPORA.clear()  # a real corpus is large: keep one
         _CORPORA[key] = (docs, BM25Index.build(docs))
     docs, index = _CORPORA[key]
-    return Environment(docs, index, read_qa_dir(cfg.data.qa_dir))
+    return Environment(docs, index, read_qa_dir(cfg.data.qa_dir) if benchmarks else {})
 
 
 def build_loop(cfg: RunConfig, env: Environment, tool: SearchTool, folds: FoldAssignment, evaluate=None,
@@ -200,10 +201,11 @@ def evolve(cfg: RunConfig, out: str | os.PathLike, resume: bool = False, progres
 
 
 @contextlib.contextmanager
-def default_judge(cfg: RunConfig, env: Environment):
+def default_judge(cfg: RunConfig, env: Environment, cache_path: str | os.PathLike | None = None):
     """A real corpus has no exact truth: the LLM judge (evidence-checked references, see
     audit/llm_judge.py), here over the run's own base model served on loopback for the audit's
-    duration. A stronger judge is one flag away: `selfevo audit RUN --judge llm --judge-url ...`."""
+    duration (`cache_path`: its call cache). A stronger judge is one flag away: `selfevo audit RUN
+    --judge llm --judge-url ...`."""
     from selfevo.agents.lm.model import TransformersChatModel
     from selfevo.agents.lm.policy import resolve_model
     from selfevo.agents.lm.server import make_app, running
@@ -211,5 +213,6 @@ def default_judge(cfg: RunConfig, env: Environment):
 
     model = TransformersChatModel(resolve_model(cfg.lm.model), name=cfg.lm.model, max_new_tokens=256)
     docs = {d.id: d.contents for d in env.documents}
-    with running(make_app(model)) as url, LLMJudge(url, cfg.lm.model, documents=docs, concurrency=1) as judge:
+    with (running(make_app(model)) as url,
+          LLMJudge(url, cfg.lm.model, documents=docs, concurrency=1, cache_path=cache_path) as judge):
         yield judge

@@ -17,6 +17,7 @@ and the agents; the agents get questions, documents and the search tool. The ban
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import math
@@ -27,26 +28,28 @@ import statistics
 import sys
 from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 
 from selfevo._io import atomic_writer, read_json, write_json
 from selfevo.agents.base import Proposal
-from selfevo.agents.sim import Reader, SimSolver, SimSolverConfig
+from selfevo.agents.sim import Reader, SimSolver
 from selfevo.audit import JudgedItem, OracleJudge, audit_metrics
 from selfevo.evaluate import answers_match
 from selfevo.loop.admission import MSV
 from selfevo.loop.folds import assign_folds, fold_of, question_fold
 from selfevo.loop.schedule import derive_seed
 from selfevo.runs import RunDir
-from selfevo.search.bm25 import BM25Index
 from selfevo.search.tool import SearchTool
 
 __all__ = ["CONDITIONS", "MATCHER", "Bank", "BankItem", "Condition", "InvariantError", "ReplayError",
            "ReplaySettings", "build_bank", "check_invariants", "parse_conditions", "plot_results",
-           "results_markdown", "results_table", "run_replay", "write_results"]
+           "replay_judge", "results_markdown", "results_table", "run_replay", "write_results"]
 
-FORMAT = 1
+FORMAT = 1  # results.json
+# bank files: 2 added the runs' backend, data and language-model config (format 1 banks are sim
+# banks on a world and still load)
+BANK_FORMAT = 2
 # The one answer matcher (DESIGN §2). Referenced through this name at grading time so that the
 # invariant check can see which function actually graded (and a test can break it).
 MATCHER = answers_match
@@ -165,17 +168,39 @@ class Bank:
     # the runs' solver and search config: the replay's feedback solvers start as their base model
     solver: dict
     search: dict
+    backend: str = "sim"  # "lm": the feedback solvers are adapters on the runs' language model
+    data: dict = field(default_factory=dict)  # the runs' data block: data.corpus = a real corpus, no truth
+    lm: dict = field(default_factory=dict)  # the runs' lm config block (backend "lm")
 
     def to_json(self) -> dict:
-        return {"format": FORMAT, "world": self.world, "seed": self.seed, "sources": self.sources,
-                "solver": self.solver, "search": self.search, "items": [it.to_json() for it in self.items]}
+        return {"format": BANK_FORMAT, "world": self.world, "seed": self.seed, "sources": self.sources,
+                "solver": self.solver, "search": self.search, "backend": self.backend, "data": self.data,
+                "lm": self.lm, "items": [it.to_json() for it in self.items]}
+
+    @property
+    def corpus(self) -> str:
+        return self.data.get("corpus", "")
+
+    def run_config(self):
+        """The config the replay rebuilds the runs' documents, search tool and base model from."""
+        from selfevo.config import ConfigError, config_from_dict
+
+        block = {"backend": self.backend, "world": self.world, "solver": self.solver, "search": self.search,
+                 "data": self.data}
+        if self.lm:
+            block["lm"] = self.lm
+        try:
+            return config_from_dict(block)
+        except ConfigError as e:
+            raise ReplayError(f"bank: {e}") from None
 
     @classmethod
     def from_json(cls, obj: dict, where: str = "bank") -> Bank:
         if not isinstance(obj, dict) or "format" not in obj:
             raise ReplayError(f"{where}: not a replay bank (no format field)")
-        if obj["format"] != FORMAT:
-            raise ReplayError(f"{where}: bank format {obj['format']!r}, this selfevo reads format {FORMAT}")
+        if obj["format"] not in (1, BANK_FORMAT):
+            raise ReplayError(f"{where}: bank format {obj['format']!r}, this selfevo reads formats 1 "
+                              f"and {BANK_FORMAT}")
         missing = [k for k in ("world", "seed", "sources", "solver", "search", "items") if k not in obj]
         if missing:
             raise ReplayError(f"{where}: missing field(s) {', '.join(missing)}")
@@ -197,9 +222,12 @@ class Bank:
             if it.item_id in seen:
                 raise ReplayError(f"{where}: duplicate item id {it.item_id!r}")
             seen.add(it.item_id)
+        if obj.get("backend", "sim") not in ("sim", "lm"):
+            raise ReplayError(f"{where}: backend {obj['backend']!r} (known: sim, lm)")
         try:
             return cls(dict(obj["world"]), int(obj["seed"]), list(obj["sources"]), items,
-                       dict(obj["solver"]), dict(obj["search"]))
+                       dict(obj["solver"]), dict(obj["search"]), obj.get("backend", "sim"),
+                       dict(obj.get("data", {})), dict(obj.get("lm", {})))
         except (TypeError, ValueError) as e:
             raise ReplayError(f"{where}: {e}") from None
 
@@ -222,16 +250,25 @@ class Bank:
         return hashlib.sha256(json.dumps(self.to_json(), sort_keys=True).encode()).hexdigest()
 
 
-def _load_world(block: dict):
-    # the same resolution as `selfevo evolve` (a generated world or a world directory)
-    from selfevo.config import ConfigError, config_from_dict
-    from selfevo.evolve import load_run_world
+def _environment(cfg, where: str = "bank"):
+    """The runs' documents and index, as `selfevo evolve` resolves them (a generated world, a world
+    directory, or a corpus file)."""
+    from selfevo.corpus import DataError
+    from selfevo.evolve import environment
     from selfevo.world import WorldError
 
     try:
-        return load_run_world(config_from_dict({"world": block}))
-    except (ConfigError, WorldError) as e:
-        raise ReplayError(f"bank world: {e}") from None
+        return environment(cfg, benchmarks=False)
+    except (DataError, WorldError, OSError) as e:
+        raise ReplayError(f"{where}: {e}") from None
+
+
+def _bank_parts(cfg: dict) -> dict:
+    """What of a run's config a bank keeps (and its runs must share): where the documents come
+    from, the search tool, and the base model its feedback solvers start as."""
+    backend = cfg.get("backend", "sim")
+    return {"backend": backend, "world": cfg["world"], "corpus": cfg.get("data", {}).get("corpus", ""),
+            "solver": cfg["solver"], "search": cfg["search"], "lm": cfg.get("lm", {}) if backend == "lm" else {}}
 
 
 def build_bank(run_dirs: Sequence[str | os.PathLike], size: int = 3000, seed: int = 0,
@@ -263,13 +300,17 @@ def build_bank(run_dirs: Sequence[str | os.PathLike], size: int = 3000, seed: in
             raise ReplayError(f"{d}: the run is not complete (status {status!r}); finish it with "
                               "`selfevo evolve --resume`")
         configs.append(run.config())
-    for key in ("world", "solver", "search"):
-        for d, cfg in zip(run_dirs[1:], configs[1:]):
-            if cfg.get(key) != configs[0].get(key):
-                raise ReplayError(f"runs differ in their {key} config: {run_dirs[0]} has {configs[0].get(key)}, "
-                                  f"{d} has {cfg.get(key)}; a bank is built from runs of one {key}")
-    world = _load_world(configs[0]["world"])
-    groups = assign_folds(world.documents, seed, 2, "connected").groups
+    parts = [_bank_parts(cfg) for cfg in configs]
+    for key in parts[0]:
+        for d, other in zip(run_dirs[1:], parts[1:]):
+            if other[key] != parts[0][key]:
+                raise ReplayError(f"runs differ in their {key} config: {run_dirs[0]} has {parts[0][key]}, "
+                                  f"{d} has {other[key]}; a bank is built from runs of one {key}")
+    # the data block only says where a corpus is (a world's documents come from the world block)
+    data = configs[0].get("data", {}) if parts[0]["corpus"] else {}
+    shell = Bank(seed=seed, sources=[], items=[], data=data, **{k: v for k, v in parts[0].items() if k != "corpus"})
+    env = _environment(shell.run_config(), where=str(run_dirs[0]))
+    groups = assign_folds(env.documents, seed, 2, "connected").groups
     pool: list[BankItem] = []
     seen: set[tuple[str, str]] = set()
     for i, d in enumerate(run_dirs):
@@ -285,7 +326,8 @@ def build_bank(run_dirs: Sequence[str | os.PathLike], size: int = 3000, seed: in
                         continue
                     seen.add(key)
                 if it["source_id"] not in groups:
-                    raise ReplayError(f"{d}: source {it['source_id']!r} is not a page of the run's world")
+                    raise ReplayError(f"{d}: source {it['source_id']!r} is not a document of the run's "
+                                      f"{'corpus' if shell.corpus else 'world'}")
                 pool.append(BankItem(f"run{i}/{it['item_id']}", it["question"], it["adopted_label"],
                                      it["draft_label"], it["source_id"], tuple(it["source_ids"]),
                                      groups[it["source_id"]], str(d), int(row["round"]), int(it["hops"])))
@@ -297,39 +339,55 @@ def build_bank(run_dirs: Sequence[str | os.PathLike], size: int = 3000, seed: in
                               f"{len(run_dirs)} run(s), fewer than --size {size}; add runs or lower --size")
         size = len(pool)  # a demo on a small world takes what there is
     chosen = sorted(random.Random(derive_seed(seed, "bank")).sample(range(len(pool)), size))
-    return Bank(configs[0]["world"], seed, [str(d) for d in run_dirs], [pool[j] for j in chosen],
-                configs[0]["solver"], configs[0]["search"])
+    return replace(shell, sources=[str(d) for d in run_dirs], items=[pool[j] for j in chosen])
 
 
 # ---------------------------------------------------------------- one process's world
 
 
 class _Context:
-    """What every replay job of a process shares: the world, the BM25 tool (the expensive part,
-    built once per process), the base model's reader and the oracle."""
+    """What every replay job of a process shares: the documents, the BM25 tool (the expensive part,
+    built once per process), the base model (the sim reader, or the runs' language model with one
+    adapter per feedback solver) and the judge (the world's oracle unless one is given)."""
 
     def __init__(self, bank: Bank, settings: ReplaySettings):
         self.bank, self.settings = bank, settings
-        world = _load_world(bank.world)
-        self.documents = {d.id: d for d in world.documents}
+        cfg = bank.run_config()
+        self.env = _environment(cfg)
+        self.documents = {d.id: d for d in self.env.documents}
         absent = sorted({s for it in bank.items for s in it.source_ids if s not in self.documents})
         if absent:
-            raise ReplayError(f"bank: {len(absent)} source page(s) (e.g. {absent[0]!r}) are not in its world")
-        try:
-            self.solver_config = SimSolverConfig(**{**bank.solver, "theta0": tuple(bank.solver["theta0"])})
-            topk, max_calls = int(bank.search["topk"]), int(bank.search["max_calls"])
-        except (KeyError, TypeError, ValueError) as e:
-            raise ReplayError(f"bank: bad solver or search config ({e})") from None
-        self.tool = SearchTool(BM25Index.build(world.documents), topk=topk, max_calls=max_calls)
-        # One base model for every seed, as the paper replays with one pretrained model: its
-        # misreadings are seeded by the bank's seed, and replay seeds vary only folds, orders and
-        # sampling. (A reader seeded per replay seed would be a different base model per seed.)
-        self.reader = Reader("solver", self.solver_config.misread_scale, world.config.shared_misreading,
-                             bank.seed)
-        self.judge = OracleJudge(world.truth)
+            raise ReplayError(f"bank: {len(absent)} source document(s) (e.g. {absent[0]!r}) are not in its "
+                              f"{'corpus' if bank.corpus else 'world'}")
+        self.tool = SearchTool(self.env.index, topk=cfg.search.topk, max_calls=cfg.search.max_calls)
+        self.policy = None
+        if cfg.backend == "lm":
+            from selfevo.agents.lm.policy import LMPolicy
 
-    def make_solver(self, name: str) -> SimSolver:
+            self.policy = LMPolicy(cfg.lm)  # adapters live in memory: a replay keeps no checkpoints
+        else:
+            # One base model for every seed, as the paper replays with one pretrained model: its
+            # misreadings are seeded by the bank's seed, and replay seeds vary only folds, orders and
+            # sampling. (A reader seeded per replay seed would be a different base model per seed.)
+            self.reader = Reader("solver", cfg.solver.misread_scale, self.env.world.config.shared_misreading,
+                                 bank.seed)
+        self.solver_config = cfg.solver
+        self.oracle = OracleJudge(self.env.truth) if self.env.truth is not None else None
+        self.judge = self.oracle  # _InProcess may put a given judge here
+
+    def make_solver(self, name: str):
+        """A trainable solver that starts as the base model."""
+        if self.policy is not None:
+            from selfevo.agents.lm.agents import LMSolver
+
+            return LMSolver.trainable(self.policy, name)
         return SimSolver(name, self.solver_config, self.reader)
+
+    def release(self, solvers: Sequence) -> None:
+        """A finished job's solvers: their adapters are freed (the sim's are garbage)."""
+        if self.policy is not None:
+            for sv in solvers:
+                self.policy.drop(sv.policy_name)
 
 
 _CONTEXT: tuple[str, _Context] | None = None
@@ -339,6 +397,7 @@ def _set_context(bank: Bank, settings: ReplaySettings) -> _Context:
     global _CONTEXT
     key = f"{bank.digest()}:{settings}"
     if _CONTEXT is None or _CONTEXT[0] != key:
+        _CONTEXT = None  # the old one's model goes before the new one loads
         _CONTEXT = (key, _Context(bank, settings))
     return _CONTEXT[1]
 
@@ -360,9 +419,11 @@ def _msv_job(seed: int) -> dict[str, str | None]:
     None when rejected. Computed once per seed and shared by every +msv condition."""
     ctx = _ctx()
     msv = MSV(ctx.documents, samples=ctx.settings.msv_samples)
-    msv.begin_round(1, ctx.make_solver("base"))
+    base = ctx.make_solver("base")
+    msv.begin_round(1, base)
     proposals = [Proposal(it.question, it.label, it.source_id, it.source_ids, it.hops) for it in ctx.bank.items]
     decisions = msv.decide(proposals, ctx.tool, derive_seed(seed, "replay-msv"))
+    ctx.release([base])
     return {it.item_id: (d.label if d.admitted else None) for it, d in zip(ctx.bank.items, decisions, strict=True)}
 
 
@@ -379,7 +440,7 @@ def _fold_function(split: str, seed: int):
     raise AssertionError(split)
 
 
-def _train(ctx: _Context, name: str, train: list, updates: int, seed: int) -> SimSolver:
+def _train(ctx: _Context, name: str, train: list, updates: int, seed: int):
     """`updates` policy-gradient steps on `train` [(item, label)] in a seeded order. The batches
     are the full budget's even split, so a smaller budget sees fewer batches (as AuxFeedback)."""
     s = ctx.settings
@@ -427,6 +488,7 @@ def _condition_job(name: str, seed: int, msv_labels: Mapping[str, str | None] | 
         return fold(it) if cond.grades == "own-fold" else 1 - fold(it)
 
     outcome = _grade(ctx, solvers, grader, derive_seed(seed, "grade", cond.split, cond.stream))
+    ctx.release(solvers)
     return {"condition": name, "seed": seed, **outcome,
             "updates": {sv.name: sv.updates for sv in solvers},
             "train_items": {sv.name: sum(fold(it) == h for it, _ in train_pool) for h, sv in enumerate(solvers)}}
@@ -437,12 +499,16 @@ def _base_job(seed: int) -> dict:
     grader that learned nothing from the bank already shows (misreadings it shares with the
     proposer's reader), the level against which a provenance's leak is measured."""
     ctx = _ctx()
-    return {"seed": seed, **_grade(ctx, [ctx.make_solver("base")], lambda it: 0, derive_seed(seed, "grade", "base"))}
+    base = ctx.make_solver("base")
+    outcome = _grade(ctx, [base], lambda it: 0, derive_seed(seed, "grade", "base"))
+    ctx.release([base])
+    return {"seed": seed, **outcome}
 
 
-def _grade(ctx: _Context, solvers: Sequence[SimSolver], grader, seed: int) -> dict:
+def _grade(ctx: _Context, solvers: Sequence, grader, seed: int) -> dict:
     """Every bank item answered `samples` times (sampled) and once greedily by its grader
-    (`grader(item)` indexes `solvers`), judged by the oracle against the bank's adopted label."""
+    (`grader(item)` indexes `solvers`), judged (the oracle, or the judge given) against the bank's
+    adopted label."""
     s, items = ctx.settings, ctx.bank.items
     by_grader: dict[int, list[int]] = {}
     for i, it in enumerate(items):
@@ -458,7 +524,8 @@ def _grade(ctx: _Context, solvers: Sequence[SimSolver], grader, seed: int) -> di
             greedy[i] = bs[0].answer
     graded = [(it.item_id, it.label) for it in items]  # exactly what the judge and the matcher compare
     matcher = MATCHER
-    verdicts = ctx.judge.judge([{"question": it.question, "adopted_label": label, "responses": rs}
+    verdicts = ctx.judge.judge([{"question": it.question, "adopted_label": label, "responses": rs,
+                                 "source_id": it.source_id, "source_ids": list(it.source_ids)}
                                 for it, (_, label), rs in zip(items, graded, responses)])
     judged = [JudgedItem(tuple(matcher(r, label) for r in rs), v.resolved, v.label_correct, v.responses_correct)
               for (_, label), rs, v in zip(graded, responses, verdicts)]
@@ -499,8 +566,12 @@ class _InProcess:
     """workers=1: the same job code path as the pool, in this process; a job runs when the
     study loop asks for the next finished one (so the progress bar moves)."""
 
-    def __init__(self, bank: Bank, settings: ReplaySettings):
-        _set_context(bank, settings)
+    def __init__(self, bank: Bank, settings: ReplaySettings, judge=None):
+        ctx = _set_context(bank, settings)
+        ctx.judge = judge if judge is not None else ctx.oracle
+        if ctx.judge is None:
+            raise ReplayError("bank: its runs worked on a real corpus, which has no exact truth; give a judge "
+                              "(`selfevo replay run` serves the base model as an LLM judge, or --judge-url)")
         self._calls: dict[Future, tuple] = {}
 
     def submit(self, fn, *args) -> Future:
@@ -575,11 +646,16 @@ def _run_jobs(pool, conds: list[Condition], seeds: list[int], bar) -> tuple[dict
 
 
 def run_replay(bank: Bank, conditions: Iterable[str] | str | None = None, seeds: int | Sequence[int] = 5,
-               settings: ReplaySettings | None = None, workers: int = 1, progress: bool = False) -> dict:
+               settings: ReplaySettings | None = None, workers: int = 1, progress: bool = False,
+               judge=None) -> dict:
     """Every (condition, seed) job, checked against the invariants, summarised over seeds.
 
     Results are identical for any `workers`: each job is a pure function of the bank, the
     condition, the seed and that seed's MSV labels (computed once per seed, before its +msv jobs).
+    `judge` (any `selfevo.audit.Judge`, e.g. an LLMJudge) grades instead of the world's oracle; a
+    bank of runs on a real corpus needs one. A language-model bank, or a judge given here, runs
+    every job in this process (one model on one device; the judge's client lives here), whatever
+    `workers` says.
     """
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -590,8 +666,8 @@ def run_replay(bank: Bank, conditions: Iterable[str] | str | None = None, seeds:
         raise ReplayError("--seeds: must be >= 1")
     if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
         raise ReplayError(f"--workers: must be a positive integer, got {workers!r}")
-    if workers == 1:
-        executor = _InProcess(bank, settings)
+    if workers == 1 or bank.backend == "lm" or judge is not None:
+        executor = _InProcess(bank, settings, judge)
     else:
         # fork where it is the platform's own (Linux): works from any __main__ (stdin, notebooks)
         method = "fork" if sys.platform.startswith("linux") else "spawn"
@@ -601,15 +677,17 @@ def run_replay(bank: Bank, conditions: Iterable[str] | str | None = None, seeds:
     with executor as pool:
         if not isinstance(pool, _InProcess):  # a fork pool starts every worker now, before the bar's thread
             pool.submit(int).result()
+        judge_name = _ctx().judge.name if isinstance(pool, _InProcess) else OracleJudge.name
         with Progress(*columns, disable=not progress, transient=True) as bar:
             outcomes, msv, base = _run_jobs(pool, conds, seeds, bar)
     invariants = check_invariants(outcomes, bank, settings)
     ref = base[seeds[0]]["metrics"]  # T_P and coverage are properties of the bank (same for every grader)
     out = {"format": FORMAT, "settings": asdict(settings), "seeds": seeds,
-           "bank": {"items": len(bank.items), "seed": bank.seed, "sources": bank.sources, "world": bank.world,
+           "bank": {"items": len(bank.items), "seed": bank.seed, "sources": bank.sources, "backend": bank.backend,
+                    "world": bank.world, "corpus": bank.corpus,
                     "T_P": ref["T_P"], "coverage": ref["coverage"], "sha256": bank.digest()},
            "conditions": {}, "reference": {"base": _summary([base[s] for s in seeds])},
-           "invariants": invariants}
+           "judge": judge_name, "invariants": invariants}
     for c in conds:
         entry = _summary([outcomes[(c.name, s)] for s in seeds])
         entry["train_items"] = {str(s): outcomes[(c.name, s)]["train_items"] for s in seeds}
@@ -617,6 +695,32 @@ def run_replay(bank: Bank, conditions: Iterable[str] | str | None = None, seeds:
             entry["msv_admitted"] = _mean_std([sum(v is not None for v in msv[s].values()) for s in seeds])
         out["conditions"][c.name] = entry
     return out
+
+
+@contextlib.contextmanager
+def replay_judge(bank: Bank, url: str | None = None, model: str | None = None,
+                 cache_path: str | os.PathLike | None = None, concurrency: int = 4):
+    """The judge a replay of `bank` grades with, for its duration: an LLM judge at `url` (any
+    OpenAI-compatible endpoint serving `model`); else None (the world's exact-truth oracle); on a
+    real corpus, which has no truth, the runs' base model served on 127.0.0.1 as an LLM judge, as
+    `selfevo evolve` audits such runs (see `selfevo.evolve.default_judge`)."""
+    if (url is None) != (model is None):
+        raise ReplayError("--judge-url and --judge-model go together")
+    cfg = bank.run_config()
+    env = _environment(cfg)
+    if url is not None:
+        from selfevo.audit.llm_judge import LLMJudge
+
+        with LLMJudge(url, model, documents={d.id: d.contents for d in env.documents}, cache_path=cache_path,
+                      concurrency=concurrency) as judge:
+            yield judge
+    elif env.truth is not None:
+        yield None
+    else:
+        from selfevo.evolve import default_judge
+
+        with default_judge(cfg, env, cache_path) as judge:
+            yield judge
 
 
 def _summary(rows: list[dict]) -> dict:
@@ -634,6 +738,13 @@ _COLUMNS = (("F", "F"), ("solver_truth", "solver truth"), ("replay_accuracy", "r
 
 def _fmt(cell: dict) -> str:
     return "-" if cell["mean"] is None else f"{cell['mean']:.3f} ± {cell['std']:.3f}"
+
+
+def _bank_line(results: dict) -> str:
+    """'N items, bank T_P x (coverage c)': T_P is unknown where the judge resolved no item."""
+    bank = results["bank"]
+    tp = "-" if bank["T_P"] is None else f"{bank['T_P']:.3f}"
+    return f"{bank['items']} items, bank T_P {tp} (judge coverage {bank['coverage']:.3f})"
 
 
 _BASE_ROW = "base model (untrained, reference)"
@@ -657,9 +768,7 @@ def results_markdown(results: dict) -> str:
 def results_table(results: dict):
     from rich.table import Table
 
-    bank = results["bank"]
-    table = Table(title=f"fixed replay bank: {bank['items']} items, T_P {bank['T_P']:.3f}, "
-                        f"{len(results['seeds'])} seeds (mean ± std)")
+    table = Table(title=f"fixed replay bank: {_bank_line(results)}, {len(results['seeds'])} seeds (mean ± std)")
     table.add_column("condition")
     for _, title in _COLUMNS:
         table.add_column(title, justify="right")
@@ -718,8 +827,8 @@ def write_results(results: dict, out: str | os.PathLike) -> Path:
     out = Path(out)
     write_json(out / "results.json", results)
     with atomic_writer(out / "results.md") as fh:
-        fh.write(f"# Fixed replay bank\n\n{results['bank']['items']} items, bank T_P "
-                 f"{results['bank']['T_P']:.3f}, seeds {results['seeds']}, mean ± std over seeds.\n\n")
+        fh.write(f"# Fixed replay bank\n\n{_bank_line(results)}, judge {results.get('judge', 'oracle')}, "
+                 f"seeds {results['seeds']}, mean ± std over seeds.\n\n")
         fh.write(results_markdown(results) + "\n")
     plot_results(results, out / "replay.png")
     return out
