@@ -13,6 +13,9 @@ MSV). `check_invariants` asserts that.
 
 Like `evolve.py`, this room holds the world's truth (the oracle judge, read at replay time only)
 and the agents; the agents get questions, documents and the search tool. The bank holds no truth.
+Either backend: a bank of sim runs replays through sim solvers; a bank of language-model runs
+through fresh adapters on the runs' base model, and when those runs worked on a real corpus (no
+truth) the grading is judged by an LLM judge (`replay_judge`), as `selfevo evolve` audits them.
 """
 
 from __future__ import annotations
