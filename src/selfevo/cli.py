@@ -641,6 +641,7 @@ def replay_run(
         Bank,
         ReplayError,
         ReplaySettings,
+        parse_conditions,
         replay_judge,
         results_table,
         run_replay,
@@ -650,11 +651,12 @@ def replay_run(
     if seeds < 1:
         _fail(f"--seeds: must be >= 1, got {seeds}")
     try:
+        settings = ReplaySettings(updates, rollouts, samples)  # checked before any model loads
+        parse_conditions(conditions)
         b = Bank.load(bank)
         with replay_judge(b, judge_url, judge_model, judge_cache or out / "judge-cache.jsonl",
                           judge_concurrency) as judge:
-            results = run_replay(b, conditions, seeds, ReplaySettings(updates, rollouts, samples),
-                                 workers=workers, progress=True, judge=judge)
+            results = run_replay(b, conditions, seeds, settings, workers=workers, progress=True, judge=judge)
     except (ReplayError, JudgeError) as e:
         _fail(str(e))
     write_results(results, out)
