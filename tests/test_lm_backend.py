@@ -286,9 +286,8 @@ def test_replay_of_a_language_model_run_on_a_real_corpus(lm_run, tmp_path):
     from selfevo.agents.lm.server import make_app, running
     from selfevo.audit.scripted import ScriptedJudge, sentences
     from selfevo.cli import app
-    from selfevo.corpus import read_corpus
 
-    docs = {d.id: d.contents for d in read_corpus(CORPUS) if d.id in {it.source_id for it in bank.items}}
+    docs = {it.source_id: _ctx().documents[it.source_id].contents for it in bank.items}  # read once, above
     key = {}
     for it in bank.items:  # the label where a source sentence states it, else some other word of one
         quotable = [q for q in sentences(docs[it.source_id]) if len(q.split()) <= 100]

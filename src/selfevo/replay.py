@@ -184,6 +184,11 @@ class Bank:
     def corpus(self) -> str:
         return self.data.get("corpus", "")
 
+    @property
+    def documents_from(self) -> str:
+        """Where its runs' documents came from, for messages: "corpus" or "world"."""
+        return "corpus" if self.corpus else "world"
+
     def run_config(self):
         """The config the replay rebuilds the runs' documents, search tool and base model from."""
         from selfevo.config import ConfigError, config_from_dict
@@ -309,9 +314,10 @@ def build_bank(run_dirs: Sequence[str | os.PathLike], size: int = 3000, seed: in
             if other[key] != parts[0][key]:
                 raise ReplayError(f"runs differ in their {key} config: {run_dirs[0]} has {parts[0][key]}, "
                                   f"{d} has {other[key]}; a bank is built from runs of one {key}")
+    p = parts[0]
     # the data block only says where a corpus is (a world's documents come from the world block)
-    data = configs[0].get("data", {}) if parts[0]["corpus"] else {}
-    shell = Bank(seed=seed, sources=[], items=[], data=data, **{k: v for k, v in parts[0].items() if k != "corpus"})
+    shell = Bank(p["world"], seed, [], [], p["solver"], p["search"], p["backend"],
+                 configs[0]["data"] if p["corpus"] else {}, p["lm"])
     env = _environment(shell.run_config(), where=str(run_dirs[0]))
     groups = assign_folds(env.documents, seed, 2, "connected").groups
     pool: list[BankItem] = []
@@ -330,7 +336,7 @@ def build_bank(run_dirs: Sequence[str | os.PathLike], size: int = 3000, seed: in
                     seen.add(key)
                 if it["source_id"] not in groups:
                     raise ReplayError(f"{d}: source {it['source_id']!r} is not a document of the run's "
-                                      f"{'corpus' if shell.corpus else 'world'}")
+                                      f"{shell.documents_from}")
                 pool.append(BankItem(f"run{i}/{it['item_id']}", it["question"], it["adopted_label"],
                                      it["draft_label"], it["source_id"], tuple(it["source_ids"]),
                                      groups[it["source_id"]], str(d), int(row["round"]), int(it["hops"])))
@@ -361,7 +367,7 @@ class _Context:
         absent = sorted({s for it in bank.items for s in it.source_ids if s not in self.documents})
         if absent:
             raise ReplayError(f"bank: {len(absent)} source document(s) (e.g. {absent[0]!r}) are not in its "
-                              f"{'corpus' if bank.corpus else 'world'}")
+                              f"{bank.documents_from}")
         self.tool = SearchTool(self.env.index, topk=cfg.search.topk, max_calls=cfg.search.max_calls)
         self.policy = None
         if cfg.backend == "lm":
