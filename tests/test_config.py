@@ -5,6 +5,8 @@ import json
 import math
 
 import pytest
+import tomllib
+from _shared import REPO
 from typer.testing import CliRunner
 
 from selfevo.cli import app
@@ -60,6 +62,27 @@ def test_toml_file_then_overrides_then_top_level(tmp_path):
 def test_round_trip_through_json():
     cfg = load_config(None, ["solver.memory=false", "loop.rounds=2", "world.name=small"])
     assert config_from_dict(json.loads(json.dumps(cfg.to_json()))) == cfg
+
+
+def _keys(table: dict, prefix: str = "") -> set[str]:
+    out = set()
+    for key, value in table.items():
+        out |= _keys(value, f"{prefix}{key}.") if isinstance(value, dict) else {prefix + key}
+    return out
+
+
+def test_every_knob_is_written_out_in_a_documented_config():
+    """configs/default.toml is the sim run's defaults, knob by knob; the language-model knobs
+    (backend, data, lm) are written out in the Qwen recipe. A field added to the config without
+    its line there fails here."""
+    knobs = _keys(RunConfig().to_json())
+    default = tomllib.loads((REPO / "configs" / "default.toml").read_text(encoding="utf-8"))
+    assert load_config(REPO / "configs" / "default.toml") == RunConfig()
+    lm_knobs = {k for k in knobs if k == "backend" or k.split(".")[0] in ("data", "lm")}
+    assert knobs - lm_knobs - _keys(default) == set()
+    for name in ("qwen3.5-4b.toml", "qwen3.5-9b.toml"):
+        recipe = tomllib.loads((REPO / "configs" / name).read_text(encoding="utf-8"))
+        assert lm_knobs - _keys(recipe) == set(), name
 
 
 def test_bad_toml_file_names_the_file(tmp_path):
