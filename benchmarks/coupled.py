@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import tempfile
 from pathlib import Path
 
@@ -25,7 +24,7 @@ from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
-from selfevo.audit import METRICS
+from selfevo.audit import METRICS, hop_mix_text, mean_hop_mix
 from selfevo.config import load_config
 from selfevo.evolve import evolve
 
@@ -82,13 +81,12 @@ def main() -> None:
              ""]
     for arm, rows in results.items():
         rounds = len(rows[0]["rounds"])
-        lines += [f"**{arm}**", "", "| round | " + " | ".join(METRICS) + " | admitted hop mix (1/2/3/4) |",
+        lines += [f"**{arm}**", "", "| round | " + " | ".join(METRICS) + " | admitted hop mix |",
                   "|---|" + "---:|" * len(METRICS) + "---|"]
         for i in range(rounds):
-            mix = [statistics.fmean(float(r["rounds"][i]["hop_mix_admitted"].get(str(h), 0)) for r in rows)
-                   for h in range(1, 5)]
+            mix = mean_hop_mix([r["rounds"][i]["hop_mix_admitted"] for r in rows])
             lines.append(f"| {i + 1} | " + " | ".join(fmt([r["rounds"][i][m] for r in rows]) for m in METRICS)
-                         + " | " + "/".join(f"{x:.2f}" for x in mix) + " |")
+                         + f" | {hop_mix_text(mix)} |")
         f1 = [r["rounds"][0]["F"] for r in rows]
         f3 = [r["rounds"][-1]["F"] for r in rows]
         if mean_std(f1)[0] >= 1e-3:

@@ -3,9 +3,10 @@
     python benchmarks/mitigations.py [--seeds 5] [--world default] [--out docs/results.md]
 
 Every treatment runs the paper's schedule over the same seeds (round 1 is shared by all arms);
-reported: round-3 audit metrics, the main solver's downstream Cover-EM after round 3 (macro,
-single-hop, multi-hop) with the paired difference to coupled (mean and a 95% t-interval over seeds),
-and compute overhead against coupled (generations, updates, wall seconds).
+reported: round-3 audit metrics with the admitted questions' hop mix and base-model difficulty, the
+main solver's downstream Cover-EM after round 3 (macro, single-hop, multi-hop) with the paired
+difference to coupled (mean and a 95% t-interval over seeds), and compute overhead against coupled
+(generations, updates, wall seconds).
 Writes the "## Mitigations: CrossFit, MSV and controls" section of docs/results.md.
 """
 
@@ -20,10 +21,14 @@ from _common import REPO, fmt, machine_line, run_root, write_section
 from rich.console import Console
 from rich.progress import Progress
 
-from selfevo.config import load_config
-from selfevo.evolve import evolve
+from selfevo.audit import OracleJudge, hop_mix_text, mean_hop_mix
+from selfevo.config import config_from_dict, load_config
+from selfevo.evaluate import answers_match
+from selfevo.evolve import build_loop, environment, evolve, fold_assignment, load_run_world
 from selfevo.report.collect import summary
 from selfevo.report.compare import compare
+from selfevo.runs import RunDir
+from selfevo.search.tool import SearchTool
 
 HEADING = "## Mitigations: CrossFit, MSV and controls"
 TREATMENTS = ["coupled", "msv", "crossfit", "msv+crossfit", "same-source", "full-data", "question-split",
@@ -40,10 +45,6 @@ def memory_facts(run_dir: Path) -> tuple[int, int]:
     """(right, wrong) facts the main solver's memory holds after the last round: memory rows whose
     preferred answer clearly stands out (logit > 0.5), judged against the world's truth. A
     diagnostic of how much knowledge the training corrupted, not a metric of the method."""
-    from selfevo.config import config_from_dict
-    from selfevo.evaluate import answers_match
-    from selfevo.evolve import load_run_world
-    from selfevo.runs import RunDir
 
     run = RunDir(run_dir)
     truth = load_run_world(config_from_dict(run.config())).truth
@@ -67,6 +68,26 @@ def memory_facts(run_dir: Path) -> tuple[int, int]:
         else:
             wrong += 1
     return right, wrong
+
+
+def base_solved(run_dir: Path) -> float:
+    """Share of the last round's admitted questions the untrained solver answers right (one greedy
+    answer, exact truth): how hard what a treatment admits is for the base model, to read next to
+    F (DESIGN §1: lower F could come from fewer hard questions)."""
+
+    run = RunDir(run_dir)
+    cfg = config_from_dict(run.config())
+    env = environment(cfg)
+    tool = SearchTool(env.index, topk=cfg.search.topk, max_calls=cfg.search.max_calls)
+    base = build_loop(cfg, env, tool, fold_assignment(cfg, env.documents)).main  # before any update
+    last = run.manifest()["rounds_completed"]
+    questions = [it["question"] for st in run.steps() if st["round"] == last and st["kind"] == "proposer"
+                 for it in st["items"] if it.get("admitted")]
+    answers = [trajs[0].answer for trajs in base.answer(questions, tool, greedy=True)]
+    oracle = OracleJudge(env.world.truth)
+    right = [ref is not None and any(answers_match(a, r) for r in ref)
+             for a, ref in zip(answers, map(oracle.reference, questions))]
+    return sum(right) / max(1, len(right))
 
 
 def main() -> None:
@@ -96,7 +117,7 @@ def main() -> None:
                 right, wrong = memory_facts(out)
                 res[t].append({"audit": last, "macro": ev["macro"]["cover_em"],
                                "single": ev["single_hop"]["cover_em"], "multi": ev["multi_hop"]["cover_em"],
-                               "memory_right": right, "memory_wrong": wrong})
+                               "memory_right": right, "memory_wrong": wrong, "base_solved": base_solved(out)})
                 bar.advance(task)
             for row in compare(dirs):
                 overhead[row["treatment"]].append(row)
@@ -109,12 +130,14 @@ def main() -> None:
              "Audit metrics are those of round 3 (oracle judge, grader responses); Cover-EM is the main "
              "solver's after round 3. Δ = paired difference to coupled (same seed), mean [95% t-interval].",
              "",
-             "| treatment | F | T_P | A | T_S | coverage | admitted | macro Cover-EM | Δ macro | Δ single-hop "
-             "| Δ multi-hop |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "| treatment | F | T_P | A | T_S | coverage | admitted | admitted hop mix | base solves "
+             "| macro Cover-EM | Δ macro | Δ single-hop | Δ multi-hop |",
+             "|---|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|"]
     for t, rows in res.items():
         cells = [fmt([r["audit"][m] for r in rows]) for m in ("F", "T_P", "A", "T_S", "coverage")]
         cells.append(f"{statistics.fmean(r['audit']['admitted'] for r in rows):.0f}")
+        cells.append(hop_mix_text(mean_hop_mix([r["audit"]["hop_mix_admitted"] for r in rows])))
+        cells.append(fmt([r["base_solved"] for r in rows]))
         cells.append(fmt([r["macro"] for r in rows]))
         for key in ("macro", "single", "multi"):
             if base is None or t == "coupled":
@@ -126,6 +149,22 @@ def main() -> None:
     if base is not None and "crossfit" in res:
         def mem(t: str, key: str) -> str:
             return fmt([r[key] for r in res[t]], 1)
+
+        def difficulty(t: str) -> str:
+            m, lo, hi = ci95([r["base_solved"] - b["base_solved"] for r, b in zip(res[t], base)])
+            if lo <= 0 <= hi:
+                verdict = "no clear difference in difficulty"
+            elif m > 0:
+                verdict = "easier questions, which can account for part of its lower F"
+            else:
+                verdict = "harder questions: its lower F does not come from easier ones"
+            return f"{t} {m:+.3f} [{lo:+.3f}, {hi:+.3f}] ({verdict})"
+
+        lines += ["", "Harder questions (DESIGN §1): `admitted hop mix` is the share of round-3 admitted questions "
+                  "by hop count (the proposer draws hop counts by the 4:3:2:1 ratio, so only admission can "
+                  "move it); `base solves` is the share of them the untrained solver answers right (one greedy "
+                  "answer, exact truth; `base_solved` in this script). Paired difference to coupled: "
+                  + "; ".join(difficulty(t) for t in ("crossfit", "msv") if t in res) + "."]
 
         lines += ["", "Why the downstream gain does not appear in this world: facts the main solver's memory holds "
                   "after round 3 (rows whose preferred answer stands out, judged by the oracle; "

@@ -3,7 +3,7 @@ per-step / per-round aggregation."""
 
 import pytest
 
-from selfevo.audit import METRICS, JudgedItem, OracleJudge, Verdict, audit_metrics
+from selfevo.audit import METRICS, JudgedItem, OracleJudge, Verdict, audit_metrics, hop_mix_text, mean_hop_mix
 from selfevo.audit import audit_steps as _audit_steps
 from selfevo.world import WorldConfig, make_world
 from selfevo.world.language import ChainQuery, CompareQuery, render_chain, render_compare
@@ -242,3 +242,11 @@ def test_audit_steps_with_the_oracle_on_world_items(world):
     # shares are rounded to 4 places, so three thirds sum to 0.9999
     assert sum(r["hop_mix_admitted"].values()) == pytest.approx(1.0, abs=1e-3)
     assert r["hop_mix_admitted"] == {"1": 0.3333, "2": 0.3333, "3": 0.3333}
+
+
+def test_hop_mixes_average_over_runs_with_a_missing_hop_count_as_zero():
+    mix = mean_hop_mix([{"1": 0.5, "2": 0.5}, {"1": 0.25, "3": 0.75}])
+    assert mix == {"1": 0.375, "2": 0.25, "3": 0.375}
+    assert list(mean_hop_mix([{"10": 1.0}, {"2": 1.0}])) == ["2", "10"]  # ordered as numbers
+    assert hop_mix_text(mix) == "1: 0.38, 2: 0.25, 3: 0.38"
+    assert hop_mix_text({}) == "-"

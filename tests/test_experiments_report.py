@@ -104,10 +104,18 @@ def test_report_from_a_grid(local_grid):
     f3 = [json.loads((root / f"coupled-s{s}" / "audit" / "metrics.json").read_text())["rounds"][-1]["F"]
           for s in (0, 1)]
     assert res["audit"]["coupled"]["rounds"][-1]["F"]["mean"] == pytest.approx(sum(f3) / 2)
+    # next to F: how many questions were admitted and of which hop counts (DESIGN §1, harder questions)
+    last = [json.loads((root / f"crossfit-s{s}" / "audit" / "metrics.json").read_text())["rounds"][-1]
+            for s in (0, 1)]
+    mine = res["audit"]["crossfit"]["rounds"][-1]
+    assert mine["admitted"]["mean"] == pytest.approx(sum(r["admitted"] for r in last) / 2)
+    assert mine["hop_mix_admitted"]["1"] == pytest.approx(
+        sum(r["hop_mix_admitted"].get("1", 0) for r in last) / 2, abs=1e-4)
     html = (root / "report.html").read_text()
     assert html.count("data:image/png;base64,") >= 3 and "Readings" in html
     md = (root / "report.md").read_text()
     assert "| coupled |" in md and "figures/figure-1.png" in md
+    assert "admitted hop mix" in md and f"1: {mine['hop_mix_admitted']['1']:.2f}, 2: " in md
     assert (root / "figures" / "figure-1.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert json.loads((root / "results.json").read_text())["treatments"] == ["coupled", "crossfit"]
     assert oct(os.stat(root / "report.html").st_mode & 0o777) != oct(0o600)

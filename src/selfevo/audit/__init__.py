@@ -13,7 +13,8 @@ from selfevo.audit.metrics import METRICS, JudgedItem, audit_metrics
 from selfevo.evaluate import answers_match
 from selfevo.runs import RunDir
 
-__all__ = ["METRICS", "Judge", "JudgedItem", "OracleJudge", "Verdict", "audit_metrics", "audit_run"]
+__all__ = ["METRICS", "Judge", "JudgedItem", "OracleJudge", "Verdict", "audit_metrics", "audit_run", "hop_mix_text",
+           "mean_hop_mix"]
 
 
 def _judged(item: dict, verdict: Verdict) -> JudgedItem:
@@ -26,6 +27,18 @@ def _mix(items: Sequence[dict]) -> dict:
     counts = Counter(it["hops"] for it in items)
     n = sum(counts.values())
     return {str(h): round(c / n, 4) for h, c in sorted(counts.items())} if n else {}
+
+
+def mean_hop_mix(mixes: Sequence[dict]) -> dict:
+    """Hop mixes (as `audit_steps` writes them) averaged over runs: a hop count a run never
+    admitted counts as share 0 there."""
+    hops = sorted({h for m in mixes for h in m}, key=int)
+    return {h: round(sum(m.get(h, 0.0) for m in mixes) / len(mixes), 4) for h in hops}
+
+
+def hop_mix_text(mix: dict) -> str:
+    """`1: 0.40, 2: 0.30, ...`: the shares of a hop mix, each named by its hop count."""
+    return ", ".join(f"{h}: {share:.2f}" for h, share in mix.items()) or "-"
 
 
 def audit_steps(steps: Sequence[dict], judge: Judge, verdicts: Sequence[Verdict] | None = None) -> dict:

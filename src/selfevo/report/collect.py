@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from selfevo._io import read_json
-from selfevo.audit import METRICS
+from selfevo.audit import METRICS, mean_hop_mix
 from selfevo.evaluate import BENCHMARKS
 from selfevo.report.compare import compare
 from selfevo.runs import RunDir
@@ -79,7 +79,11 @@ def collect_runs(run_dirs: Sequence[str | os.PathLike]) -> dict:
         audits = list(by_seed.values())
         n_rounds = min((len(a["rounds"]) for a in audits), default=0)
         out["audit"][t] = {
-            "rounds": [{"round": i + 1, **{m: summary([a["rounds"][i][m] for a in audits]) for m in METRICS}}
+            # admitted count and hop mix beside F: lower F could come from fewer hard questions
+            "rounds": [{"round": i + 1, **{m: summary([a["rounds"][i][m] for a in audits]) for m in METRICS},
+                        "admitted": summary([a["rounds"][i].get("admitted") for a in audits]),
+                        "hop_mix_admitted": mean_hop_mix([a["rounds"][i].get("hop_mix_admitted", {})
+                                                          for a in audits])}
                        for i in range(n_rounds)],
             "steps": _mean_steps(audits),
             "last_by_seed": {s: a["rounds"][-1] for s, a in by_seed.items() if a["rounds"]},

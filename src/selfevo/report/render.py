@@ -5,7 +5,7 @@ from __future__ import annotations
 import base64
 import html
 
-from selfevo.audit import METRICS
+from selfevo.audit import METRICS, hop_mix_text
 from selfevo.evaluate import BENCHMARKS
 
 
@@ -15,6 +15,10 @@ def _f(s: dict | None, ci: bool = False) -> str:
     if ci and s.get("lo") is not None and s["n"] > 1:
         return f"{s['mean']:.3f} [{s['lo']:.3f}, {s['hi']:.3f}]"
     return f"{s['mean']:.3f} ± {s['std']:.3f}"
+
+
+def _count(s: dict | None) -> str:
+    return "-" if not s or s.get("mean") is None else f"{s['mean']:.0f}"
 
 
 def _gain(s: dict | None) -> str:
@@ -35,9 +39,9 @@ def tables(res: dict) -> dict[str, tuple[list[str], list[list[str]]]]:
         t1.append([t, *[_f(d.get(c), True) for c in cols],
                    *[_f(d.get(c), True) for c in ("macro", "single_hop", "multi_hop")],
                    _gain(d.get("gain_vs_coupled", {}).get("macro"))])
-    audit_head = ["treatment", "round", *METRICS]
-    audit = [[t, str(r["round"]), *[_f(r[m]) for m in METRICS]] for t, a in res["audit"].items()
-             for r in a["rounds"]]
+    audit_head = ["treatment", "round", *METRICS, "admitted", "admitted hop mix"]
+    audit = [[t, str(r["round"]), *[_f(r[m]) for m in METRICS], _count(r.get("admitted")),
+              hop_mix_text(r.get("hop_mix_admitted", {}))] for t, a in res["audit"].items() for r in a["rounds"]]
     comp_head = ["treatment", "generations", "updates", "wall s", "extra generations", "extra updates",
                  "extra wall time"]
 
