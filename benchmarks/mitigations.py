@@ -45,7 +45,6 @@ def memory_facts(run_dir: Path) -> tuple[int, int]:
     """(right, wrong) facts the main solver's memory holds after the last round: memory rows whose
     preferred answer clearly stands out (logit > 0.5), judged against the world's truth. A
     diagnostic of how much knowledge the training corrupted, not a metric of the method."""
-
     run = RunDir(run_dir)
     truth = load_run_world(config_from_dict(run.config())).truth
     memory = run.load_checkpoint(run.manifest()["rounds_completed"])["main"]["memory"]
@@ -74,7 +73,6 @@ def base_solved(run_dir: Path) -> float:
     """Share of the last round's admitted questions the untrained solver answers right (one greedy
     answer, exact truth): how hard what a treatment admits is for the base model, to read next to
     F (DESIGN §1: lower F could come from fewer hard questions)."""
-
     run = RunDir(run_dir)
     cfg = config_from_dict(run.config())
     env = environment(cfg)

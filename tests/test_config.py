@@ -5,12 +5,16 @@ import json
 import math
 
 import pytest
-import tomllib
 from _shared import REPO
 from typer.testing import CliRunner
 
 from selfevo.cli import app
 from selfevo.config import ConfigError, RunConfig, config_from_dict, load_config
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10
+    import tomli as tomllib
 
 
 def flat(text: str) -> str:
