@@ -82,10 +82,10 @@ def base_solved(run_dir: Path) -> float:
     questions = [it["question"] for st in run.steps() if st["round"] == last and st["kind"] == "proposer"
                  for it in st["items"] if it.get("admitted")]
     answers = [trajs[0].answer for trajs in base.answer(questions, tool, greedy=True)]
-    oracle = OracleJudge(env.world.truth)
-    right = [ref is not None and any(answers_match(a, r) for r in ref)
-             for a, ref in zip(answers, map(oracle.reference, questions))]
-    return sum(right) / max(1, len(right))
+    # the answer in the label's place: the oracle's verdict on it is whether the base model is right
+    verdicts = OracleJudge(env.world.truth).judge([{"question": q, "adopted_label": a, "responses": []}
+                                                   for q, a in zip(questions, answers)])
+    return sum(v.resolved and v.label_correct for v in verdicts) / max(1, len(verdicts))
 
 
 def main() -> None:

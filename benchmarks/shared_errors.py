@@ -98,8 +98,8 @@ def main() -> None:
     def f(level: float, arm: str, rnd: int) -> list[float]:
         return [r["F"][rnd] for r in rows[(level, arm)]]
 
-    def mean(values: list[float]) -> float:
-        return statistics.fmean(values)
+    def at(level: float, arm: str, rnd: int) -> float:
+        return statistics.fmean(f(level, arm, rnd))
 
     lines = [HEADING, "",
              f"Command: `python benchmarks/shared_errors.py --seeds {args.seeds} --world {args.world}`  ",
@@ -116,14 +116,13 @@ def main() -> None:
         r1 = f(lv, "coupled", 0)
         c3, n3, x3 = f(lv, "coupled", -1), f(lv, "coupled, no memory", -1), f(lv, "crossfit", -1)
         gain = summary([x["macro"] - c["macro"] for x, c in zip(rows[(lv, "crossfit")], rows[(lv, "coupled")])])
-        tp = [mean([r["T_P"] for r in rows[(lv, arm)]]) for arm in ("coupled", "crossfit")]
-        lines.append(f"| {lv:g} | {fmt(r1)} | {fmt(c3)} | {mean(c3) / mean(r1):.1f}× | {fmt(n3)} "
-                     f"| {mean(n3) / mean(r1):.1f}× | {fmt(x3)} | {mean(x3) / mean(c3):.2f} "
+        tp = [statistics.fmean(r["T_P"] for r in rows[(lv, arm)]) for arm in ("coupled", "crossfit")]
+        r1_mean, c3_mean = at(lv, "coupled", 0), at(lv, "coupled", -1)
+        lines.append(f"| {lv:g} | {fmt(r1)} | {fmt(c3)} | {c3_mean / r1_mean:.1f}× | {fmt(n3)} "
+                     f"| {at(lv, 'coupled, no memory', -1) / r1_mean:.1f}× | {fmt(x3)} "
+                     f"| {at(lv, 'crossfit', -1) / c3_mean:.2f} "
                      f"| {tp[0]:.3f} / {tp[1]:.3f} | {gain['mean']:+.3f} [{gain['lo']:+.3f}, {gain['hi']:+.3f}] |")
     lo, hi = min(args.levels), max(args.levels)
-
-    def at(level: float, arm: str, rnd: int) -> float:
-        return mean(f(level, arm, rnd))
 
     lines += ["", f"Reading: from shared misreading {lo:g} to {hi:g}, round-1 F (the untrained grader agreeing with "
               f"wrong labels by itself) goes {at(lo, 'coupled', 0):.3f} → {at(hi, 'coupled', 0):.3f}; with no "

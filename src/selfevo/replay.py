@@ -715,16 +715,17 @@ def replay_judge(bank: Bank, url: str | None = None, model: str | None = None,
     `selfevo evolve` audits such runs (see `selfevo.evolve.default_judge`)."""
     if (url is None) != (model is None):
         raise ReplayError("--judge-url and --judge-model go together")
+    if url is None and not bank.corpus:  # a world has exact truth: nothing to load here
+        yield None
+        return
     cfg = bank.run_config()
-    env = _environment(cfg)
+    env = _environment(cfg)  # an LLM judge reads the sources (cached: the replay reuses it)
     if url is not None:
         from selfevo.audit.llm_judge import LLMJudge
 
         with LLMJudge(url, model, documents={d.id: d.contents for d in env.documents}, cache_path=cache_path,
                       concurrency=concurrency) as judge:
             yield judge
-    elif env.truth is not None:
-        yield None
     else:
         from selfevo.evolve import default_judge
 
