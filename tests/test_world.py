@@ -1,6 +1,7 @@
 """The synthetic world: determinism, benchmarks with exact answers, the language, save/load, CLI."""
 
 import json
+from collections import Counter
 from dataclasses import replace
 
 import pytest
@@ -56,6 +57,22 @@ def test_confusable_rate_changes_pages_not_truth(world):
     # entities and facts are drawn before any page is written: the rate only changes the pages
     assert other.truth.to_json() == world.truth.to_json()
     assert sum(len(d.text) for d in other.documents) < sum(len(d.text) for d in world.documents)
+
+
+def _top_share(world, relation: str) -> float:
+    """The share of `relation` facts whose value is the most common one."""
+    values = Counter(e.facts[relation] for e in world.truth.entities.values() if relation in e.facts)
+    return values.most_common(1)[0][1] / sum(values.values())
+
+
+def test_value_skew_flattens_fact_values_and_keeps_entities(world):
+    assert make_world(replace(SMALL, value_skew=1.0)).truth.to_json() == world.truth.to_json()  # the default
+    flat = make_world(replace(SMALL, value_skew=0.0))
+    # the same entities (names, popularity), only the values drawn for their facts change
+    assert [(e.id, e.name, e.popularity) for e in flat.truth.entities.values()] == \
+        [(e.id, e.name, e.popularity) for e in world.truth.entities.values()]
+    assert _top_share(flat, "born_in") < 0.5 * _top_share(world, "born_in")
+    assert _top_share(make_world(replace(SMALL, value_skew=0.5)), "born_in") < _top_share(world, "born_in")
 
 
 # ------------------------------------------------------------------ benchmarks
@@ -258,6 +275,7 @@ def test_cli_world_make_bad_value_exits_2(tmp_path):
     ({"confusable_rate": -0.1}, "world.confusable_rate"),
     ({"shared_misreading": 2.0}, "world.shared_misreading"),
     ({"shared_misreading": -1.0}, "world.shared_misreading"),
+    ({"value_skew": -0.5}, "world.value_skew"),
 ])
 def test_bad_world_config_raises_naming_field(kwargs, field):
     with pytest.raises(ValueError, match=field):

@@ -216,12 +216,13 @@ def world_make(
     out: Path = typer.Option(..., help="directory for corpus.jsonl, qa/, truth.json, world.json"),
     confusable_rate: float = typer.Option(0.6, help="share of facts with a confusable sentence"),
     shared_misreading: float = typer.Option(0.1, help="correlation of proposer and solver misreadings"),
+    value_skew: float = typer.Option(1.0, help="exponent on popularity when a fact's value is drawn (0 = uniform)"),
 ) -> None:
     """Write a synthetic world: corpus, seven benchmarks and exact truth."""
     from selfevo.world import WorldConfig, make_world, save_world
 
     try:
-        world = make_world(WorldConfig(size, seed, confusable_rate, shared_misreading))
+        world = make_world(WorldConfig(size, seed, confusable_rate, shared_misreading, value_skew))
     except ValueError as e:
         _fail(str(e))
     save_world(world, out)

@@ -37,6 +37,7 @@ class WorldSpec:
     seed: int = 0
     confusable_rate: float = 0.6
     shared_misreading: float = 0.1
+    value_skew: float = 1.0
 
     def __post_init__(self):
         # validate the world parameters here, so a bad one is reported before anything runs
@@ -44,7 +45,7 @@ class WorldSpec:
 
     def params(self) -> dict:
         return {"seed": self.seed, "confusable_rate": self.confusable_rate,
-                "shared_misreading": self.shared_misreading}
+                "shared_misreading": self.shared_misreading, "value_skew": self.value_skew}
 
 
 @dataclass(frozen=True)

@@ -65,8 +65,8 @@ def load_world(path: str | os.PathLike) -> World:
 
 
 def resolve_world(spec: str, **params) -> World:
-    """`small` / `default` generate a world (params: seed, confusable_rate, shared_misreading);
-    anything else is a world directory."""
+    """`small` / `default` generate a world (params: seed, confusable_rate, shared_misreading,
+    value_skew); anything else is a world directory."""
     from selfevo.world.generate import SIZES, WorldConfig, make_world
 
     if spec in SIZES:

@@ -40,6 +40,11 @@ class WorldConfig:
     # correlation of the proposer's and the solver's page-specific misreadings (the paper's
     # "shared pretraining errors" confound); low by default so the memory ablation isolates reuse
     shared_misreading: float = 0.1
+    # how strongly a fact's value follows entity popularity: values are drawn with weight
+    # popularity ** value_skew (1 = as popular entities are, Zipf 1.1, the most popular city is a
+    # fifth of all birthplaces; 0 = uniform). Two independent errors agree on a popular value by
+    # chance, so this sets part of the level at which an untrained grader agrees with wrong labels
+    value_skew: float = 1.0
 
     def __post_init__(self):
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
@@ -50,6 +55,8 @@ class WorldConfig:
             raise ValueError(f"world.confusable_rate: must be in [0, 1], got {self.confusable_rate}")
         if not 0.0 <= self.shared_misreading <= 1.0:
             raise ValueError(f"world.shared_misreading: must be in [0, 1], got {self.shared_misreading}")
+        if not 0.0 <= self.value_skew <= 4.0:
+            raise ValueError(f"world.value_skew: must be in [0, 4], got {self.value_skew}")
 
 
 _ONSETS = ["b", "d", "f", "g", "k", "l", "m", "n", "p", "r", "s", "t", "v", "z", "br", "dr", "gr",
@@ -124,7 +131,7 @@ def _make_entities(cfg: WorldConfig, rng: np.random.Generator) -> list[Entity]:
 
     def pick(type_: str, exclude: str | None = None) -> Entity:
         pool = ents[type_]
-        p = np.array([e.popularity for e in pool])
+        p = np.array([e.popularity for e in pool]) ** cfg.value_skew
         while True:
             e = pool[rng.choice(len(pool), p=p / p.sum())]
             if e.id != exclude:
