@@ -131,10 +131,10 @@ def main() -> None:
               f"{at(lo, 'coupled', -1):.3f} → {at(hi, 'coupled', -1):.3f}; CrossFit keeps "
               f"{at(lo, 'crossfit', -1) / at(lo, 'coupled', -1):.2f} → "
               f"{at(hi, 'crossfit', -1) / at(hi, 'coupled', -1):.2f} of coupled's round-3 F. With no correlation "
-              f"at all (level {lo:g}) round-1 F is still {at(lo, 'coupled', 0):.3f}: the untrained solver reads the "
-              "confusable sentence the proposer misread by its own error (a page offers a relation's true value "
-              "and a few confusable ones), which is the floor the replay bank's untrained grader sits on "
-              "(\"## Fixed replay bank\"). A grader that never "
+              f"at all (level {lo:g}) round-1 F is still {at(lo, 'coupled', 0):.3f}: the untrained solver lands on "
+              "the proposer's wrong value by its own error, the confusable sentence the proposer misread or a "
+              "popular value that another page states, the floor the replay bank's untrained grader sits on "
+              "(\"## Fixed replay bank\", by value skew). A grader that never "
               "saw a source's pseudo-labels still shares the proposer's misreadings, so the F that shared errors "
               "produce is what no choice of grader removes.", "",
               "![F by shared misreading](figures/shared-errors.png)"]
