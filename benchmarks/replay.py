@@ -120,16 +120,15 @@ def chance_agreement(bank, samples: int = 5) -> dict[str, float]:
     """Where the untrained grader's agreement with wrong labels comes from: over its sampled answers
     to the bank's wrong-labelled chain questions that match the label, the share that read a
     confusable sentence at some hop (a statement about another entity), else a statement from a page
-    that is not the mention's, else neither; `level` = matching pairs / all pairs of the bank."""
+    that is not the mention's, else neither."""
     cfg = bank.run_config()
     env = environment(cfg, benchmarks=False)
     tool = SearchTool(env.index, topk=cfg.search.topk, max_calls=cfg.search.max_calls)
     reader = Reader("solver", cfg.solver.misread_scale, env.world.config.shared_misreading, bank.seed)
     solver = SimSolver("base", cfg.solver, reader)  # the replay's base model
-    kinds, pairs = Counter(), 0
+    kinds = Counter()
     for it in bank.items:
         query = parse_question(it.question)
-        pairs += samples
         gold = env.world.truth.answer(query) if isinstance(query, ChainQuery) else None
         if not gold or any(answers_match(it.label, g) for g in gold):
             continue
@@ -139,9 +138,8 @@ def chance_agreement(bank, samples: int = 5) -> dict[str, float]:
             read = [dist.phis[i] for dist, i in traj.trace]  # (about_page, title_match, ...) per hop
             kinds["confusable" if any(phi[0] == 0 for phi in read) else
                   "another page" if any(phi[1] == 0 for phi in read) else "neither"] += 1
-    matched = sum(kinds.values())
-    shares = {k: kinds[k] / max(1, matched) for k in ("confusable", "another page", "neither")}
-    return {"level": matched / pairs, **shares}
+    matched = max(1, sum(kinds.values()))
+    return {k: kinds[k] / matched for k in ("confusable", "another page", "neither")}
 
 
 def skew_reading(by_skew: list[tuple[str, dict, dict]]) -> str:

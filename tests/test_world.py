@@ -66,7 +66,6 @@ def _top_share(world, relation: str) -> float:
 
 
 def test_value_skew_flattens_fact_values_and_keeps_entities(world):
-    assert make_world(replace(SMALL, value_skew=1.0)).truth.to_json() == world.truth.to_json()  # the default
     flat = make_world(replace(SMALL, value_skew=0.0))
     # the same entities (names, popularity), only the values drawn for their facts change
     assert [(e.id, e.name, e.popularity) for e in flat.truth.entities.values()] == \
