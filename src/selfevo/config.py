@@ -73,7 +73,7 @@ class DataSpec:
         if self.eval_limit < 0:
             raise ValueError(f"data.eval_limit: must be >= 0, got {self.eval_limit}")
         if self.corpus and not self.qa_dir:
-            raise ValueError("data.qa_dir: needed with data.corpus (the benchmarks to evaluate on)")
+            raise ValueError("data.corpus: needs data.qa_dir as well (the benchmarks to evaluate on)")
 
 
 @dataclass(frozen=True)
