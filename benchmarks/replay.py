@@ -109,6 +109,25 @@ def question_keyed_reading(res: dict, once: float, q_once: float, per_source: fl
             f"ratio needs question-split F ≥ 5× it, {5 * base:.3f} here (paper: 0.050 against about 0.004).")
 
 
+def wrong_label_truth(res: dict) -> str:
+    """Solver truth on the bank items whose label is wrong, L / (1 - T_P) per seed (L: pairs with a
+    correct response and a wrong label), where training on the label can only cost truth."""
+    tp = res["bank"]["T_P"]
+
+    def per_seed(entry: dict) -> list[float]:
+        return [lost / (1 - tp) for lost in entry["per_seed"]["L"]]
+
+    c = res["conditions"]
+    coupled, held_out = per_seed(c["coupled"]), per_seed(c["source-id"])
+    diffs = [h - k for h, k in zip(held_out, coupled)]
+    return (f"On the items whose label is wrong, where training on the label can only cost truth, the coupled "
+            f"grader answers {statistics.fmean(coupled):.3f} ± {statistics.stdev(coupled):.3f} truthfully, "
+            f"source-id {statistics.fmean(held_out):.3f} ± {statistics.stdev(held_out):.3f}, question-split "
+            f"{statistics.fmean(per_seed(c['question-split'])):.3f}, the untrained model "
+            f"{statistics.fmean(per_seed(res['reference']['base'])):.3f} (L / (1 − T_P)); source-id − coupled "
+            f"per seed {', '.join(f'{d:+.3f}' for d in diffs)}.")
+
+
 def top_share(skew: float) -> float:
     """The share of the default world's birthplaces that are its most common one, at `skew`."""
     world = make_world(WorldConfig("default", 0, value_skew=skew))
@@ -348,7 +367,8 @@ def main() -> None:
               f"for {res['bank']['T_P']:.0%} of them, and the sim solver's memory (keyed on mention and relation) "
               f"turns a trained label into that item's answer, so it answers them more truthfully "
               f"({truth['coupled']['mean']:.3f}) than a grader that never saw their sources "
-              f"({truth['source-id']['mean']:.3f}; untrained {base['solver_truth']['mean']:.3f}). With MSV, F is "
+              f"({truth['source-id']['mean']:.3f}; untrained {base['solver_truth']['mean']:.3f}). "
+              f"{wrong_label_truth(res)} With MSV, F is "
               f"{msv_range} (untrained {base['F']['mean']:.3f}) whatever the provenance: the feedback solver trains "
               f"only on labels the base model's own majorities agree on.",
               "",
