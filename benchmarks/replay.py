@@ -26,12 +26,10 @@ from rich.console import Console
 from rich.progress import Progress
 
 from selfevo._io import read_json
-from selfevo.agents.sim import Reader, SimSolver
 from selfevo.config import load_config
 from selfevo.evaluate import answers_match
-from selfevo.evolve import environment, evolve
-from selfevo.replay import build_bank, results_markdown, results_table, run_replay
-from selfevo.search.tool import SearchTool
+from selfevo.evolve import evolve
+from selfevo.replay import ReplaySettings, _Context, build_bank, results_markdown, results_table, run_replay
 from selfevo.world import WorldConfig, make_world
 from selfevo.world.language import ChainQuery, parse_question
 
@@ -140,18 +138,15 @@ def chance_agreement(bank, samples: int = 5) -> dict[str, float]:
     to the bank's wrong-labelled chain questions that match the label, the share that read a
     confusable sentence at some hop (a statement about another entity), else a statement from a page
     that is not the mention's, else neither."""
-    cfg = bank.run_config()
-    env = environment(cfg, benchmarks=False)
-    tool = SearchTool(env.index, topk=cfg.search.topk, max_calls=cfg.search.max_calls)
-    reader = Reader("solver", cfg.solver.misread_scale, env.world.config.shared_misreading, bank.seed)
-    solver = SimSolver("base", cfg.solver, reader)  # the replay's base model
+    ctx = _Context(bank, ReplaySettings())  # the replay's own base model, search tool and world
+    solver = ctx.make_solver("base")
     kinds = Counter()
     for it in bank.items:
         query = parse_question(it.question)
-        gold = env.world.truth.answer(query) if isinstance(query, ChainQuery) else None
+        gold = ctx.env.world.truth.answer(query) if isinstance(query, ChainQuery) else None
         if not gold or any(answers_match(it.label, g) for g in gold):
             continue
-        for traj in solver.answer([it.question], tool, greedy=False, n=samples, seed=0)[0]:
+        for traj in solver.answer([it.question], ctx.tool, greedy=False, n=samples, seed=0)[0]:
             if not answers_match(traj.answer, it.label):
                 continue
             read = [dist.phis[i] for dist, i in traj.trace]  # (about_page, title_match, ...) per hop
