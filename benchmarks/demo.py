@@ -47,12 +47,12 @@ def readme_main_job() -> str:
     return lines[lines.index("# run the main job") + 1]
 
 
-def time_fresh_clone(tmp: Path) -> float:
-    """Clone HEAD into `tmp` and run the README's first command there, as a new user would."""
+def time_fresh_clone(tmp: Path, command: str) -> float:
+    """Clone HEAD into `tmp` and run `command` (the README's first) there, as a new user would."""
     clone = tmp / "clone"
     subprocess.run(["git", "clone", "-q", str(REPO), str(clone)], check=True)
     start = time.perf_counter()
-    subprocess.run(["bash", "-c", readme_main_job()], cwd=clone, check=True, stdout=subprocess.DEVNULL,
+    subprocess.run(["bash", "-c", command], cwd=clone, check=True, stdout=subprocess.DEVNULL,
                    stderr=subprocess.DEVNULL, env={k: v for k, v in os.environ.items() if k != "VIRTUAL_ENV"})
     wall = time.perf_counter() - start
     if not (clone / "runs" / "demo" / "report.html").exists():
@@ -79,10 +79,10 @@ def main() -> None:
         shot = REPO / "docs" / "figures" / "demo-report.png"
         rendered = render(out / "report.html", shot)
         sizes = {p.name: p.stat().st_size for p in out.iterdir() if p.is_file()}
-    clones = []
+    clones, main_job = [], readme_main_job()
     for i in range(args.fresh_clones):
         with tempfile.TemporaryDirectory() as tmp:
-            clones.append(time_fresh_clone(Path(tmp)))
+            clones.append(time_fresh_clone(Path(tmp), main_job))
         print(f"fresh clone {i + 1}: {clones[-1]:.1f} s", flush=True)
     lines = [HEADING, "",
              "Command: `python benchmarks/demo.py` (runs `selfevo demo` from a fresh output directory, "
@@ -93,7 +93,7 @@ def main() -> None:
              f"**{statistics.median(walls):.0f} s** median "
              f"(runs: {', '.join(f'{w:.0f}' for w in walls)} s). Target: under 3 minutes.  ",
              f"Report files: {', '.join(f'{k} ({v // 1024} KiB)' for k, v in sorted(sizes.items()))}.  ",
-             *([f"Fresh clone of HEAD → the README's first command as written (`{readme_main_job()}`: venv, "
+             *([f"Fresh clone of HEAD → the README's first command as written (`{main_job}`: venv, "
                 "torch's CPU wheel, the package and its dependencies, `selfevo demo`, report in runs/demo): "
                 f"**{statistics.median(clones):.0f} s** median (runs: {', '.join(f'{w:.0f}' for w in clones)} s; "
                 "pip takes wheels from this machine's local wheel directory and file indexes (its pip config) "

@@ -133,7 +133,7 @@ def top_share(skew: float) -> float:
     return counts.most_common(1)[0][1] / sum(counts.values())
 
 
-def chance_agreement(bank, samples: int = 5) -> dict[str, float]:
+def chance_agreement(bank) -> dict[str, float]:
     """Where the untrained grader's agreement with wrong labels comes from: over its sampled answers
     to the bank's wrong-labelled chain questions that match the label, the share that read a
     confusable sentence at some hop (a statement about another entity), else a statement from a page
@@ -146,7 +146,8 @@ def chance_agreement(bank, samples: int = 5) -> dict[str, float]:
         gold = ctx.env.world.truth.answer(query) if isinstance(query, ChainQuery) else None
         if not gold or any(answers_match(it.label, g) for g in gold):
             continue
-        for traj in solver.answer([it.question], ctx.tool, greedy=False, n=samples, seed=0)[0]:
+        for traj in solver.answer([it.question], ctx.tool, greedy=False, n=ctx.settings.samples,
+                                   seed=0)[0]:
             if not answers_match(traj.answer, it.label):
                 continue
             read = [dist.phis[i] for dist, i in traj.trace]  # (about_page, title_match, ...) per hop
