@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import statistics
 from pathlib import Path
 
@@ -88,6 +89,22 @@ def base_solved(run_dir: Path) -> float:
     return sum(v.resolved and v.label_correct for v in verdicts) / max(1, len(verdicts))
 
 
+def timed_phases(root: Path, world: str, treatments: list[str], repeats: int) -> dict[str, dict[str, float]]:
+    """Median over `repeats` fresh runs of seed 0 of each phase's wall seconds (compute.json), per
+    treatment, the runs interleaved (t1, t2, ..., t1, t2, ...) so that a slow spell of the machine
+    falls on every treatment alike. A single ~3 s run per seed is too short to time: the five-seed
+    mean of single-run ratios gave CrossFit +17% in one run of this script and +35% in the next."""
+    seconds: dict[str, list[dict[str, float]]] = {t: [] for t in treatments}
+    for r in range(repeats):
+        for t in treatments:
+            out = root / f"timing-{t}-{r}"
+            shutil.rmtree(out, ignore_errors=True)  # always a fresh run: a finished one would be skipped
+            evolve(load_config(overrides=[f"treatment={t}", "seed=0", f"world.name={world}"]), out, progress=False)
+            seconds[t].append(json.loads((out / "compute.json").read_text())["seconds"])
+    return {t: {ph: statistics.median(s[ph] for s in runs) for ph in runs[0]} | {
+        "total": statistics.median(sum(s.values()) for s in runs)} for t, runs in seconds.items()}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seeds", type=int, default=5)
@@ -95,6 +112,7 @@ def main() -> None:
     ap.add_argument("--treatments", nargs="*", default=TREATMENTS)
     ap.add_argument("--out", type=Path, default=REPO / "docs" / "results.md")
     ap.add_argument("--keep", type=Path, default=None, help="keep the run directories here")
+    ap.add_argument("--timing-repeats", type=int, default=3, help="fresh seed-0 runs per treatment timed")
     args = ap.parse_args()
     console = Console()
     res: dict[str, list[dict]] = {t: [] for t in args.treatments}
@@ -119,6 +137,8 @@ def main() -> None:
                 bar.advance(task)
             for row in compare(dirs):
                 overhead[row["treatment"]].append(row)
+        bar.update(task, description=f"timing: {args.timing_repeats} fresh runs of seed 0 per treatment")
+        timing = timed_phases(root, args.world, args.treatments, args.timing_repeats)
 
     base = res.get("coupled")
     lines = [HEADING, "",
@@ -174,13 +194,27 @@ def main() -> None:
                   "solvers' frontier, so fewer of the main solver's items carry a learning signal, right-label "
                   "ones included (measured in \"## Downstream sensitivity\", benchmarks/downstream.py: the "
                   "mixed-rollout columns, and the ceiling of withholding every wrong label)."]
-    lines += ["", "Compute against coupled (same seed), mean over seeds:", "",
-              "| treatment | extra generations | extra updates | extra wall time |", "|---|---:|---:|---:|"]
+    ref = timing.get("coupled")
+    lines += ["", "Compute against coupled: generations and updates of the same seed, mean over seeds (the "
+              "counts do not depend on the machine); wall time of the loop's phases (compute.json, world and "
+              f"index building excluded), median of {args.timing_repeats} fresh interleaved runs of seed 0 per "
+              "treatment.", "",
+              "| treatment | extra generations | extra updates | wall seconds | extra wall time |",
+              "|---|---:|---:|---:|---:|"]
     for t, rows in overhead.items():
         def pct(key, rows=rows):
             vals = [r[key] for r in rows if r[key] is not None]
             return f"{statistics.fmean(vals):+.0%}" if vals else "-"
-        lines.append(f"| {t} | {pct('extra_generations')} | {pct('extra_updates')} | {pct('extra_seconds')} |")
+        wall = timing[t]["total"]
+        extra = f"{wall / ref['total'] - 1:+.0%}" if ref else "-"
+        lines.append(f"| {t} | {pct('extra_generations')} | {pct('extra_updates')} | {wall:.2f} | {extra} |")
+    if ref and "crossfit" in timing:
+        cf = timing["crossfit"]
+        where = sorted(((cf[ph] - ref.get(ph, 0.0), ph) for ph in cf if ph != "total"), reverse=True)
+        lines += ["", "Where CrossFit's extra wall time goes (median seconds, CrossFit − coupled, by phase): "
+                  + ", ".join(f"{ph} {d:+.2f} s" for d, ph in where if abs(d) >= 0.01)
+                  + " (`aux`: training the auxiliary solvers on their folds' admitted questions; `grade`: "
+                  "the grader's five answers per proposal, now from an auxiliary solver)."]
     write_section(args.out, HEADING, "\n".join(lines))
     console.print("\n".join(lines))
 

@@ -21,7 +21,7 @@ import sys
 from collections import Counter
 from pathlib import Path
 
-from _common import REPO, machine_line, median_time, run_root, write_section
+from _common import REPO, SKILL_LED, machine_line, median_time, run_root, write_section
 from rich.console import Console
 from rich.progress import Progress
 
@@ -107,23 +107,51 @@ def question_keyed_reading(res: dict, once: float, q_once: float, per_source: fl
             f"ratio needs question-split F ≥ 5× it, {5 * base:.3f} here (paper: 0.050 against about 0.004).")
 
 
-def wrong_label_truth(res: dict) -> str:
-    """Solver truth on the bank items whose label is wrong, L / (1 - T_P) per seed (L: pairs with a
+def truth_on_wrong(res: dict, name: str) -> list[float]:
+    """Per seed, solver truth on the bank items whose label is wrong, L / (1 - T_P) (L: pairs with a
     correct response and a wrong label), where training on the label can only cost truth."""
-    tp = res["bank"]["T_P"]
+    entry = res["reference"]["base"] if name == "base" else res["conditions"][name]
+    return [lost / (1 - res["bank"]["T_P"]) for lost in entry["per_seed"]["L"]]
 
-    def per_seed(entry: dict) -> list[float]:
-        return [lost / (1 - tp) for lost in entry["per_seed"]["L"]]
 
-    c = res["conditions"]
-    coupled, held_out = per_seed(c["coupled"]), per_seed(c["source-id"])
+def wrong_label_truth(res: dict) -> str:
+    coupled, held_out = truth_on_wrong(res, "coupled"), truth_on_wrong(res, "source-id")
     diffs = [h - k for h, k in zip(held_out, coupled)]
     return (f"On the items whose label is wrong, where training on the label can only cost truth, the coupled "
             f"grader answers {statistics.fmean(coupled):.3f} ± {statistics.stdev(coupled):.3f} truthfully, "
             f"source-id {statistics.fmean(held_out):.3f} ± {statistics.stdev(held_out):.3f}, question-split "
-            f"{statistics.fmean(per_seed(c['question-split'])):.3f}, the untrained model "
-            f"{statistics.fmean(per_seed(res['reference']['base'])):.3f} (L / (1 − T_P)); source-id − coupled "
+            f"{statistics.fmean(truth_on_wrong(res, 'question-split')):.3f}, the untrained model "
+            f"{statistics.fmean(truth_on_wrong(res, 'base')):.3f} (L / (1 − T_P)); source-id − coupled "
             f"per seed {', '.join(f'{d:+.3f}' for d in diffs)}.")
+
+
+def learner_row(name: str, res: dict) -> str:
+    """hop_row, then solver truth of coupled and source-id over all items and on wrong-labelled ones."""
+    c = res["conditions"]
+    cells = [f"{c[n]['solver_truth']['mean']:.3f} ± {c[n]['solver_truth']['std']:.3f}"
+             for n in ("coupled", "source-id")]
+    cells += [f"{statistics.fmean(truth_on_wrong(res, n)):.3f}" for n in ("coupled", "source-id")]
+    return f"{hop_row(name, res)} " + " | ".join(cells) + " |"
+
+
+def learner_reading(default: dict, skill: dict) -> str:
+    """The learner table in words."""
+    def truth(res: dict, name: str) -> float:
+        return res["conditions"][name]["solver_truth"]["mean"]
+
+    def gap(res: dict) -> str:
+        d = truth(res, "source-id") - truth(res, "coupled")
+        return f"{truth(res, 'source-id'):.3f} vs {truth(res, 'coupled'):.3f} ({d:+.3f})"
+
+    F, base = mean_F(skill)
+    below = "below" if F["source-id"] < base else "above"
+    raised = truth(skill, "source-id") > truth(skill, "coupled")
+    verdict = ("source-id does raise solver truth over coupled: what a grader learns from other sources "
+               "carries to the held-out ones" if raised else "source-id still does not raise solver truth over coupled")
+    return (f"Reading: source-id's solver truth against coupled's is {gap(default)} with the default learner and "
+            f"{gap(skill)} with the skill-led one, where {verdict}. Its F, {F['source-id']:.4f}, is {below} that "
+            f"learner's untrained level {base:.4f}, and the ratio to question-split is "
+            f"{F['source-id'] / F['question-split']:.2f}.")
 
 
 def top_share(skew: float) -> float:
@@ -282,6 +310,12 @@ def main() -> None:
             by_skew.append((f"{skew:g}", run_replay(s_bank, HOP_CONDITIONS, seeds=args.seeds, workers=args.workers),
                             chance_agreement(s_bank)))
         by_skew.insert(0, ("1 (default)", res, chance_agreement(bank)))
+        # the same contrast with a learner whose skill transfers across sources (SKILL_LED): runs,
+        # bank and feedback solvers all learn so
+        with Progress(console=console, transient=True) as bar:
+            k_dirs = coupled_runs(root, args.runs, SKILL_LED, bar, "skill-led")
+        skill = run_replay(build_bank(k_dirs, size=args.size, seed=0), HOP_CONDITIONS, seeds=args.seeds,
+                           workers=args.workers)
         once_F, _ = mean_F(by_hops[2][1])
         once, per_source = repeats(bank)
         q_once, _ = repeats(q_bank)
@@ -358,6 +392,21 @@ def main() -> None:
               *[f"{hop_row(name, r)} {c['confusable']:.0%} | {c['another page']:.0%} |" for name, r, c in by_skew],
               "",
               skew_reading(by_skew),
+              "",
+              f"By learner (the default sim solver, whose gains are mostly per-source memory, and a skill-led one, "
+              f"`{' '.join(SKILL_LED)}`, whose reading skill learns fast and memory slowly: benchmarks/_common.py "
+              f"says how it was picked; {args.runs} coupled run(s) each, the bank and conditions as above; truth = "
+              "solver truth of the condition's grader over all items, and on the wrong-labelled ones "
+              "(L / (1 − T_P))):",
+              "",
+              "| learner | items | T_P | base F | coupled F | question-split F | source-id F | connected F "
+              "| source-id / question-split | excess | coupled truth | source-id truth | coupled truth, wrong labels "
+              "| source-id truth, wrong labels |",
+              "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+              learner_row("memory-led (default)", res),
+              learner_row("skill-led", skill),
+              "",
+              learner_reading(res, skill),
               "",
               f"Solver truth: the coupled grader trained on the very items it grades, whose adopted labels are right "
               f"for {res['bank']['T_P']:.0%} of them, and the sim solver's memory (keyed on mention and relation) "
