@@ -156,9 +156,7 @@ def learner_reading(default: dict, skill: dict) -> str:
 
 def top_share(skew: float) -> float:
     """The share of the default world's birthplaces that are its most common one, at `skew`."""
-    world = make_world(WorldConfig("default", 0, value_skew=skew))
-    counts = Counter(e.facts["born_in"] for e in world.truth.entities.values() if "born_in" in e.facts)
-    return counts.most_common(1)[0][1] / sum(counts.values())
+    return make_world(WorldConfig("default", 0, value_skew=skew)).truth.top_value_share("born_in")
 
 
 def chance_agreement(bank) -> dict[str, float]:

@@ -1,7 +1,6 @@
 """The synthetic world: determinism, benchmarks with exact answers, the language, save/load, CLI."""
 
 import json
-from collections import Counter
 from dataclasses import replace
 
 import pytest
@@ -59,19 +58,14 @@ def test_confusable_rate_changes_pages_not_truth(world):
     assert sum(len(d.text) for d in other.documents) < sum(len(d.text) for d in world.documents)
 
 
-def _top_share(world, relation: str) -> float:
-    """The share of `relation` facts whose value is the most common one."""
-    values = Counter(e.facts[relation] for e in world.truth.entities.values() if relation in e.facts)
-    return values.most_common(1)[0][1] / sum(values.values())
-
-
 def test_value_skew_flattens_fact_values_and_keeps_entities(world):
     flat = make_world(replace(SMALL, value_skew=0.0))
     # the same entities (names, popularity), only the values drawn for their facts change
     assert [(e.id, e.name, e.popularity) for e in flat.truth.entities.values()] == \
         [(e.id, e.name, e.popularity) for e in world.truth.entities.values()]
-    assert _top_share(flat, "born_in") < 0.5 * _top_share(world, "born_in")
-    assert _top_share(make_world(replace(SMALL, value_skew=0.5)), "born_in") < _top_share(world, "born_in")
+    assert flat.truth.top_value_share("born_in") < 0.5 * world.truth.top_value_share("born_in")
+    assert make_world(replace(SMALL, value_skew=0.5)).truth.top_value_share("born_in") < \
+        world.truth.top_value_share("born_in")
 
 
 # ------------------------------------------------------------------ benchmarks

@@ -3,6 +3,7 @@ generator and the evaluation's gold answers may read it; agents and the loop nev
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, field
 
 from selfevo.world.language import ChainQuery, CompareQuery
@@ -39,6 +40,12 @@ class Truth:
         """A fact value's acceptable answers: an entity's aliases, or the literal (a year)."""
         ent = self.entities.get(value)
         return list(ent.aliases) if ent else [value]
+
+    def top_value_share(self, relation: str) -> float:
+        """The share of `relation` facts whose value is the most common one (how strongly values
+        follow popularity: see WorldConfig.value_skew)."""
+        values = Counter(e.facts[relation] for e in self.entities.values() if relation in e.facts)
+        return values.most_common(1)[0][1] / sum(values.values())
 
     def follow(self, start: Entity, relations: tuple[str, ...]) -> list[str] | None:
         """The entity ids / literals visited along a chain (None where a fact is missing)."""
