@@ -89,11 +89,13 @@ def base_solved(run_dir: Path) -> float:
     return sum(v.resolved and v.label_correct for v in verdicts) / max(1, len(verdicts))
 
 
-def timed_phases(root: Path, world: str, treatments: list[str], repeats: int) -> dict[str, dict[str, float]]:
-    """Median over `repeats` fresh runs of seed 0 of each phase's wall seconds (compute.json), per
-    treatment, the runs interleaved (t1, t2, ..., t1, t2, ...) so that a slow spell of the machine
-    falls on every treatment alike. A single ~3 s run per seed is too short to time: the five-seed
-    mean of single-run ratios gave CrossFit +17% in one run of this script and +35% in the next."""
+def timed_phases(root: Path, world: str, treatments: list[str], repeats: int) -> dict[str, dict]:
+    """Wall seconds of fresh runs of seed 0 per treatment (compute.json): each phase's median over
+    `repeats` runs, and every run's total. The runs are interleaved (t1, t2, ..., t1, t2, ...) so
+    that a treatment's r-th run and coupled's r-th run lie close in time and their ratio is paired:
+    a slow spell of the machine falls on both. A single ~2 s run per seed is too short to time: the
+    five-seed mean of single-run ratios gave CrossFit +17% in one run of this script and +35% in the
+    next; medians of 3 unpaired runs gave +18% and +8% in two sessions."""
     seconds: dict[str, list[dict[str, float]]] = {t: [] for t in treatments}
     for r in range(repeats):
         for t in treatments:
@@ -101,8 +103,14 @@ def timed_phases(root: Path, world: str, treatments: list[str], repeats: int) ->
             shutil.rmtree(out, ignore_errors=True)  # always a fresh run: a finished one would be skipped
             evolve(load_config(overrides=[f"treatment={t}", "seed=0", f"world.name={world}"]), out, progress=False)
             seconds[t].append(json.loads((out / "compute.json").read_text())["seconds"])
-    return {t: {ph: statistics.median(s[ph] for s in runs) for ph in runs[0]} | {
-        "total": statistics.median(sum(s.values()) for s in runs)} for t, runs in seconds.items()}
+    return {t: {"phases": {ph: statistics.median(s[ph] for s in runs) for ph in runs[0]},
+                "totals": [sum(s.values()) for s in runs]} for t, runs in seconds.items()}
+
+
+def paired_overhead(totals: list[float], ref_totals: list[float]) -> tuple[float, float, float]:
+    """Median, min and max over repeats of (this run / coupled's run of the same repeat) − 1."""
+    ratios = [a / b - 1 for a, b in zip(totals, ref_totals, strict=True)]
+    return statistics.median(ratios), min(ratios), max(ratios)
 
 
 def main() -> None:
@@ -112,7 +120,7 @@ def main() -> None:
     ap.add_argument("--treatments", nargs="*", default=TREATMENTS)
     ap.add_argument("--out", type=Path, default=REPO / "docs" / "results.md")
     ap.add_argument("--keep", type=Path, default=None, help="keep the run directories here")
-    ap.add_argument("--timing-repeats", type=int, default=3, help="fresh seed-0 runs per treatment timed")
+    ap.add_argument("--timing-repeats", type=int, default=5, help="fresh seed-0 runs per treatment timed")
     args = ap.parse_args()
     console = Console()
     res: dict[str, list[dict]] = {t: [] for t in args.treatments}
@@ -197,20 +205,24 @@ def main() -> None:
     ref = timing.get("coupled")
     lines += ["", "Compute against coupled: generations and updates of the same seed, mean over seeds (the "
               "counts do not depend on the machine); wall time of the loop's phases (compute.json, world and "
-              f"index building excluded), median of {args.timing_repeats} fresh interleaved runs of seed 0 per "
-              "treatment.", "",
+              f"index building excluded) over {args.timing_repeats} fresh interleaved runs of seed 0 per "
+              "treatment: the median run, and the extra wall time as the median [min, max] over repeats of "
+              "the ratio to coupled's run of the same repeat.", "",
               "| treatment | extra generations | extra updates | wall seconds | extra wall time |",
               "|---|---:|---:|---:|---:|"]
     for t, rows in overhead.items():
         def pct(key, rows=rows):
             vals = [r[key] for r in rows if r[key] is not None]
             return f"{statistics.fmean(vals):+.0%}" if vals else "-"
-        wall = timing[t]["total"]
-        extra = f"{wall / ref['total'] - 1:+.0%}" if ref else "-"
+        wall = statistics.median(timing[t]["totals"])
+        extra = "-"
+        if ref:
+            mid, lo, hi = paired_overhead(timing[t]["totals"], ref["totals"])
+            extra = f"{mid:+.0%} [{lo:+.0%}, {hi:+.0%}]"
         lines.append(f"| {t} | {pct('extra_generations')} | {pct('extra_updates')} | {wall:.2f} | {extra} |")
     if ref and "crossfit" in timing:
-        cf = timing["crossfit"]
-        where = sorted(((cf[ph] - ref.get(ph, 0.0), ph) for ph in cf if ph != "total"), reverse=True)
+        cf, co = timing["crossfit"]["phases"], ref["phases"]
+        where = sorted(((cf[ph] - co.get(ph, 0.0), ph) for ph in cf), reverse=True)
         lines += ["", "Where CrossFit's extra wall time goes (median seconds, CrossFit − coupled, by phase): "
                   + ", ".join(f"{ph} {d:+.2f} s" for d, ph in where if abs(d) >= 0.01)
                   + " (`aux`: training the auxiliary solvers on their folds' admitted questions; `grade`: "

@@ -138,3 +138,48 @@ def test_rounds_figure_leaves_a_gap_where_the_judge_resolved_nothing():
         {"round": 2, "A": {"mean": 0.5, "std": None}, "T_P": {"mean": 0.7, "std": 0.1},
          "F": {"mean": 0.2, "std": 0.0}}]}}
     assert rounds_figure(audit)[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def _res(coupled: dict[str, list[float]], other: dict[str, list[float]], gain: list[float]) -> dict:
+    """A results dict as collect_runs writes it: per-seed round-3 A / T_P / F of coupled and one
+    other treatment ("crossfit"), coupled's round-1 F below its round 3, and downstream macro gains."""
+    from selfevo.report.collect import summary
+
+    def audit(per_seed: dict[str, list[float]]) -> dict:
+        seeds = range(len(per_seed["A"]))
+        last = {s: {m: per_seed[m][s] for m in per_seed} for s in seeds}
+        round_3 = {m: summary(per_seed[m]) for m in per_seed}
+        round_1 = {m: summary([v / 4 for v in per_seed[m]]) for m in per_seed}
+        return {"rounds": [round_1, round_3], "last_by_seed": last}
+
+    return {"audit": {"coupled": audit(coupled), "crossfit": audit(other)},
+            "downstream": {"coupled": {}, "crossfit": {"gain_vs_coupled": {"macro": summary(gain)}}}}
+
+
+COUPLED = {"A": [0.70, 0.72, 0.69], "T_P": [0.76, 0.75, 0.77], "F": [0.11, 0.12, 0.10]}
+
+
+def test_readings_state_the_regression_only_where_paired_intervals_show_it():
+    from selfevo.report.collect import readings
+
+    clear = {"A": [0.42, 0.43, 0.41], "T_P": [0.83, 0.84, 0.83], "F": [0.04, 0.05, 0.04]}
+    lines = readings(_res(COUPLED, clear, [0.010, 0.012, 0.011]))
+    assert lines[0].startswith("Coupled loop: false agreement F rises from 0.028 (round 1) to 0.110")
+    said = [line for line in lines if line.startswith("crossfit: agreement looks worse")]
+    assert len(said) == 1 and said[0].endswith("would call this a regression.")
+    assert "(A 0.420 vs coupled 0.703)" in said[0]
+    assert "crossfit: downstream macro Cover-EM +0.011 vs coupled" in lines[-1]
+    assert "(an interval excluding 0; 3 seeds)" in lines[-1]
+
+    # the same means, but one seed's T_P below coupled's: the pattern is said with its intervals
+    noisy = dict(clear, T_P=[0.95, 0.99, 0.55])
+    said = [line for line in readings(_res(COUPLED, noisy, [0.03, -0.02, 0.00]))
+            if line.startswith("crossfit: agreement looks worse")]
+    assert len(said) == 1 and "on average over 3 seeds" in said[0] and "regression" not in said[0]
+    assert "do not both exclude 0" in said[0]
+
+    # agreement not lower: nothing is said about it, and an interval including 0 is called so
+    higher = dict(clear, A=[0.75, 0.76, 0.74])
+    lines = readings(_res(COUPLED, higher, [0.03, -0.02, 0.00]))
+    assert not any("looks worse" in line for line in lines)
+    assert "(an interval including 0; 3 seeds)" in lines[-1]

@@ -31,7 +31,9 @@ def build_report(root: str | os.PathLike, context: str = "") -> dict:
     if (root / "replay" / "replay.png").exists():
         pngs["Fixed replay bank (Figure 7 analogue)"] = (root / "replay" / "replay.png").read_bytes()
     if "coupled" in res["downstream"] and len(res["downstream"]) > 1:
-        pngs["Downstream gain vs compute (cost-effectiveness)"] = figs.cost_figure(res["downstream"], res["compute"])
+        pngs["Downstream gain vs compute: macro Cover-EM gain (95% interval) against extra wall time "
+             "(± std over seeds: single runs of seconds time noisily)"] = figs.cost_figure(res["downstream"],
+                                                                                      res["compute"])
     paths = {}
     for i, (caption, png) in enumerate(pngs.items()):
         path = root / "figures" / f"figure-{i + 1}.png"

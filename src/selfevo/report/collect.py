@@ -133,12 +133,17 @@ def readings(res: dict) -> list[str]:
             return summary([a["last_by_seed"][s][metric] - coupled["last_by_seed"][s][metric] for s in seeds])
 
         d_a, d_tp = paired("A"), paired("T_P")
-        # stated only when both paired intervals exclude 0 in the telling direction
-        if d_a["n"] > 1 and d_a["hi"] is not None and d_a["hi"] < 0 and d_tp["lo"] > 0:
-            out.append(f"{t}: agreement looks worse (A {mine['A']['mean']:.3f} vs coupled "
-                       f"{base['A']['mean']:.3f}) while truth is better (T_P {mine['T_P']['mean']:.3f} vs "
-                       f"{base['T_P']['mean']:.3f}; F {mine['F']['mean']:.3f} vs {base['F']['mean']:.3f}). "
-                       "An operator watching only in-loop agreement would call this a regression.")
+        if d_a["n"] < 2 or d_a["mean"] is None or d_tp["mean"] is None or not d_a["mean"] < 0 < d_tp["mean"]:
+            continue
+        pattern = (f"{t}: agreement looks worse (A {mine['A']['mean']:.3f} vs coupled {base['A']['mean']:.3f}) "
+                   f"while truth is better (T_P {mine['T_P']['mean']:.3f} vs {base['T_P']['mean']:.3f}; "
+                   f"F {mine['F']['mean']:.3f} vs {base['F']['mean']:.3f})")
+        if d_a["hi"] < 0 and d_tp["lo"] > 0:  # both paired intervals exclude 0 in the telling direction
+            out.append(pattern + ". An operator watching only in-loop agreement would call this a regression.")
+        else:  # the means show the pattern, the seeds do not yet settle it: say both
+            out.append(pattern + f" on average over {d_a['n']} seeds, but the paired 95% intervals (A "
+                       f"[{d_a['lo']:+.3f}, {d_a['hi']:+.3f}], T_P [{d_tp['lo']:+.3f}, {d_tp['hi']:+.3f}]) "
+                       "do not both exclude 0: more seeds would settle it.")
     for t, d in res["downstream"].items():
         g = d.get("gain_vs_coupled", {}).get("macro")
         if g and g["n"] > 1 and g["lo"] is not None:

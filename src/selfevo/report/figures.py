@@ -63,15 +63,18 @@ def rounds_figure(audit: dict[str, dict], metrics=("A", "T_P", "F")) -> bytes:
 
 
 def cost_figure(downstream: dict, compute: dict) -> bytes:
-    """Downstream gain over coupled against extra wall time (and 95% interval of the gain)."""
+    """Downstream gain over coupled (with its 95% interval) against extra wall time (± its std over
+    seeds: single runs of seconds time noisily)."""
     fig, ax = plt.subplots(figsize=(5, 3.6))
     for t, d in downstream.items():
         g = d.get("gain_vs_coupled", {}).get("macro")
-        c = compute.get(t, {}).get("extra_seconds", {}).get("mean")
+        cost = compute.get(t, {}).get("extra_seconds", {})
+        c = cost.get("mean")
         if not g or c is None or g["mean"] is None:
             continue
         lo = g["mean"] - g["lo"] if g["lo"] is not None else 0
-        ax.errorbar([100 * c], [g["mean"]], yerr=[[lo], [lo]], fmt="o", capsize=3)
+        ax.errorbar([100 * c], [g["mean"]], yerr=[[lo], [lo]], xerr=[[100 * (cost.get("std") or 0)]] * 2,
+                    fmt="o", capsize=3)
         ax.annotate(t, (100 * c, g["mean"]), fontsize=7, xytext=(4, 4), textcoords="offset points")
     ax.axhline(0, color="grey", lw=0.8)
     ax.set_xlabel("extra wall time over coupled (%)")

@@ -42,14 +42,18 @@ def tables(res: dict) -> dict[str, tuple[list[str], list[list[str]]]]:
     audit_head = ["treatment", "round", *METRICS, "admitted", "admitted hop mix"]
     audit = [[t, str(r["round"]), *[_f(r[m]) for m in METRICS], _count(r.get("admitted")),
               hop_mix_text(r.get("hop_mix_admitted", {}))] for t, a in res["audit"].items() for r in a["rounds"]]
+    # counts do not vary between runs of a schedule; wall time does (runs of seconds share the machine),
+    # so its spread over seeds is shown beside it
     comp_head = ["treatment", "generations", "updates", "wall s", "extra generations", "extra updates",
-                 "extra wall time"]
+                 "extra wall time (± std over seeds)"]
 
-    def pct(s):
-        return "-" if not s or s.get("mean") is None else f"{s['mean']:+.0%}"
+    def pct(s, spread=False):
+        if not s or s.get("mean") is None:
+            return "-"
+        return f"{s['mean']:+.0%} ± {s['std']:.0%}" if spread and s["n"] > 1 else f"{s['mean']:+.0%}"
 
     comp = [[t, f"{c['generations']['mean']:.0f}", f"{c['updates']['mean']:.0f}", f"{c['seconds']['mean']:.2f}",
-             pct(c["extra_generations"]), pct(c["extra_updates"]), pct(c["extra_seconds"])]
+             pct(c["extra_generations"]), pct(c["extra_updates"]), pct(c["extra_seconds"], spread=True)]
             for t, c in res["compute"].items()]
     out = {"Downstream Cover-EM after the last round (mean [95% CI] over seeds)": (t1_head, t1),
            "Audit by round (mean ± std over seeds)": (audit_head, audit),
