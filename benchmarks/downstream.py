@@ -43,7 +43,9 @@ share whose five rollouts were mixed (the only items with a policy-gradient sign
 whether the label was right or wrong (oracle, after the run), and the share with a right label that
 the main solver already answered five times out of five (no signal: what a curriculum following
 another solver's frontier spends on it).
-Writes the "## Downstream sensitivity" section of docs/results.md.
+A last table runs coupled and CrossFit (default config) for `--horizon` rounds instead of 3: if
+co-cheating compounded into the main solver faster than CrossFit's curriculum cost, CrossFit's gain
+would appear later. Writes the "## Downstream sensitivity" section of docs/results.md.
 """
 
 from __future__ import annotations
@@ -153,6 +155,52 @@ def run_one(job: tuple[str, str, int, str, Path]) -> dict:
             **training_signal(run, judge)}
 
 
+def run_horizon(job: tuple[str, int, str, int, Path]) -> dict:
+    """One coupled or CrossFit run of `rounds` rounds (default config): per round, the main solver's
+    macro Cover-EM after it and the round's F and T_P."""
+    treatment, seed, world, rounds, root = job
+    out = root / f"horizon-{rounds}-{treatment}-{seed}"
+    if not (out / "manifest.json").exists():
+        evolve(load_config(overrides=[f"treatment={treatment}", f"seed={seed}", f"world.name={world}",
+                                      f"loop.rounds={rounds}"]), out, progress=False)
+    audit = json.loads((out / "audit" / "metrics.json").read_text())["rounds"]
+    macro = [json.loads((out / "eval" / f"round-{r}.json").read_text())["macro"]["cover_em"]
+             for r in range(1, rounds + 1)]
+    return {"treatment": treatment, "seed": seed, "macro": macro,
+            "F": [a["F"] for a in audit], "T_P": [a["T_P"] for a in audit]}
+
+
+def horizon_lines(runs: list[dict], rounds: int, seeds: int) -> list[str]:
+    """The longer-horizon table (run_horizon rows) and its reading."""
+    by = {(r["treatment"], r["seed"]): r for r in runs}
+    co = [by[("coupled", s)] for s in range(seeds)]
+    cf = [by[("crossfit", s)] for s in range(seeds)]
+    lines = [f"**Longer horizon**: coupled and CrossFit (configs/default.toml) for {rounds} rounds, seeds "
+             f"0..{seeds - 1}; the main solver's macro Cover-EM after each round, Δ paired [95% t-interval].", "",
+             "| round | coupled macro | CrossFit − coupled | F coupled | F CrossFit | T_P coupled | T_P CrossFit |",
+             "|---:|---:|---:|---:|---:|---:|---:|"]
+    gaps = []
+    for i in range(rounds):
+        d = summary([b["macro"][i] - a["macro"][i] for a, b in zip(co, cf, strict=True)])
+        gaps.append(d)
+        lines.append(f"| {i + 1} | {fmt([r['macro'][i] for r in co])} | {d['mean']:+.3f} [{d['lo']:+.3f}, "
+                     f"{d['hi']:+.3f}] | {fmt([r['F'][i] for r in co])} | {fmt([r['F'][i] for r in cf])} | "
+                     f"{fmt([r['T_P'][i] for r in co])} | {fmt([r['T_P'][i] for r in cf])} |")
+    third, last = gaps[2], gaps[-1]
+    if last["lo"] > 0:
+        verdict = f"CrossFit's downstream gain appears by round {rounds}"
+    elif last["hi"] < 0:
+        verdict = (f"CrossFit is behind at round {rounds}, an interval excluding 0: a longer loop does not turn "
+                   "its cleaner grading into a downstream gain in this world")
+    else:
+        verdict = f"no downstream difference is settled at round {rounds}"
+    lines += ["", f"CrossFit − coupled: {third['mean']:+.3f} after round 3, {last['mean']:+.3f} [{last['lo']:+.3f}, "
+              f"{last['hi']:+.3f}] after round {rounds}, while round-{rounds} F is "
+              f"{statistics.fmean(r['F'][-1] for r in co):.3f} vs {statistics.fmean(r['F'][-1] for r in cf):.3f}: "
+              f"{verdict}.", ""]
+    return lines
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seeds", type=int, default=10)
@@ -160,15 +208,23 @@ def main() -> None:
     ap.add_argument("--workers", type=int, default=min(2, os.cpu_count() or 1))
     ap.add_argument("--out", type=Path, default=REPO / "docs" / "results.md")
     ap.add_argument("--keep", type=Path, default=None, help="keep the run directories here")
+    ap.add_argument("--horizon", type=int, default=6, help="rounds of the longer-horizon table (0: skip it)")
     args = ap.parse_args()
     console = Console()
     rows: list[dict] = []
+    horizon: list[dict] = []
     with run_root(args.keep) as root, Progress(console=console) as bar, ProcessPoolExecutor(args.workers) as pool:
         jobs = [(v, arm, s, args.world, root) for v in VARIANTS for s in range(args.seeds) for arm, _, _ in ARMS]
         task = bar.add_task("runs", total=len(jobs))
         for row in pool.map(run_one, jobs):
             rows.append(row)
             bar.advance(task)
+        if args.horizon > 3:
+            jobs = [(t, s, args.world, args.horizon, root) for s in range(args.seeds) for t in ("coupled", "crossfit")]
+            bar.update(task, description=f"{args.horizon} rounds", total=bar.tasks[0].total + len(jobs))
+            for row in pool.map(run_horizon, jobs):
+                horizon.append(row)
+                bar.advance(task)
 
     lines = [HEADING, "",
              f"Command: `python benchmarks/downstream.py --seeds {args.seeds} --world {args.world}`  ",
@@ -202,6 +258,8 @@ def main() -> None:
             lines.append(f"| {arm} | " + " | ".join(cells) + " |")
         lines.append("")
     lines.append("Δ for the no-memory CrossFit row is against coupled with no memory (the same ablation).")
+    if horizon:
+        lines += ["", *horizon_lines(horizon, args.horizon, args.seeds)]
     lines += ["", "Reading (numbers from the tables above):"]
 
     def avg(variant: str, arm: str, key: str) -> float:
