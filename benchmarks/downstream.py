@@ -197,7 +197,7 @@ def horizon_lines(runs: list[dict], rounds: int, seeds: int) -> list[str]:
     lines += ["", f"CrossFit − coupled: {third['mean']:+.3f} after round 3, {last['mean']:+.3f} [{last['lo']:+.3f}, "
               f"{last['hi']:+.3f}] after round {rounds}, while round-{rounds} F is "
               f"{statistics.fmean(r['F'][-1] for r in co):.3f} vs {statistics.fmean(r['F'][-1] for r in cf):.3f}: "
-              f"{verdict}.", ""]
+              f"{verdict}."]
     return lines
 
 
