@@ -215,14 +215,15 @@ def main() -> None:
     horizon: list[dict] = []
     with run_root(args.keep) as root, Progress(console=console) as bar, ProcessPoolExecutor(args.workers) as pool:
         jobs = [(v, arm, s, args.world, root) for v in VARIANTS for s in range(args.seeds) for arm, _, _ in ARMS]
-        task = bar.add_task("runs", total=len(jobs))
+        horizon_jobs = ([(t, s, args.world, args.horizon, root) for s in range(args.seeds)
+                         for t in ("coupled", "crossfit")] if args.horizon > 3 else [])
+        task = bar.add_task("runs", total=len(jobs) + len(horizon_jobs))
         for row in pool.map(run_one, jobs):
             rows.append(row)
             bar.advance(task)
-        if args.horizon > 3:
-            jobs = [(t, s, args.world, args.horizon, root) for s in range(args.seeds) for t in ("coupled", "crossfit")]
-            bar.update(task, description=f"{args.horizon} rounds", total=bar.tasks[0].total + len(jobs))
-            for row in pool.map(run_horizon, jobs):
+        if horizon_jobs:
+            bar.update(task, description=f"{args.horizon} rounds")
+            for row in pool.map(run_horizon, horizon_jobs):
                 horizon.append(row)
                 bar.advance(task)
 
