@@ -20,7 +20,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 from fastapi.testclient import TestClient
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import event as _event
 from hypothesis import strategies as st
 from hypothesis.control import currently_in_test_context
@@ -377,6 +377,7 @@ def names_a_given_field(message: str, keys: list[str]) -> bool:
 
 @settings(FUZZ, max_examples=300)
 @given(pairs=OVERRIDES)
+@example(pairs=[("lm.top_p", "0")])  # once named lm.temperature: two fields' checks shared one message
 def test_config_overrides_give_a_valid_config_or_an_error_naming_the_field(pairs):
     overrides = [f"{k}={v}" for k, v in pairs]
     try:
@@ -390,6 +391,17 @@ def test_config_overrides_give_a_valid_config_or_an_error_naming_the_field(pairs
     event("outcome: valid config")
     text = json.dumps(cfg.to_json(), allow_nan=False)  # no NaN or infinity survives parsing
     assert config_from_dict(json.loads(text)) == cfg
+
+
+@pytest.mark.parametrize("key", SCHEMA_KEYS)
+def test_every_field_with_an_out_of_range_value_is_named(key):
+    """Exhaustive where the fuzzer samples: each field of the schema with each of a few boundary
+    values either loads or fails naming that field (never a neighbour checked in the same line)."""
+    for value in ("0", "-1", "-0.5", "0.5", "3", "1e9", "nan", "inf", "'x'", "true", "[]", "[-1, 0]"):
+        try:
+            load_config(None, [f"{key}={value}"])
+        except ConfigError as e:
+            assert names_a_given_field(str(e), [key]), (key, value, str(e))
 
 
 @settings(FUZZ, max_examples=40)

@@ -53,10 +53,13 @@ class LMConfig:
             raise ValueError(f"lm.threads: must be >= 0, got {self.threads}")
         if not 0 <= self.lora_dropout < 1:
             raise ValueError(f"lm.lora_dropout: must be in [0, 1), got {self.lora_dropout}")
-        if not self.lr > 0 or not self.max_grad_norm > 0:
-            raise ValueError("lm.lr and lm.max_grad_norm: must be > 0")
-        if not 0 < self.temperature <= 2 or not 0 < self.top_p <= 1:
-            raise ValueError("lm.temperature: must be in (0, 2]; lm.top_p: in (0, 1]")
+        for name in ("lr", "max_grad_norm"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"lm.{name}: must be > 0, got {getattr(self, name)}")
+        if not 0 < self.temperature <= 2:
+            raise ValueError(f"lm.temperature: must be in (0, 2], got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"lm.top_p: must be in (0, 1], got {self.top_p}")
         if self.format_penalty < 0:
             raise ValueError(f"lm.format_penalty: must be >= 0, got {self.format_penalty}")
         if not self.lora_targets:
