@@ -164,8 +164,11 @@ def lm_run(smollm2_path, tmp_path_factory):
     from selfevo.cli import app
 
     out = tmp_path_factory.mktemp("lm") / "run"
+    # the audit's judge (the base model on loopback) resolves nothing at 135M, whatever its budget: a
+    # short one keeps the LLM-judge path under test at a quarter of its default cost
     result = CliRunner().invoke(app, ["evolve", "--config", str(TINY), "--backend", "lm", "--model", "smollm2-135m",
-                                      "--corpus", str(CORPUS), "--treatment", "crossfit", "--out", str(out)])
+                                      "--corpus", str(CORPUS), "--treatment", "crossfit", "--out", str(out),
+                                      "--set", "lm.judge_max_tokens=64"])
     assert result.exit_code == 0, result.output
     return out
 

@@ -211,7 +211,8 @@ def default_judge(cfg: RunConfig, env: Environment, cache_path: str | os.PathLik
     from selfevo.agents.lm.server import make_app, running
     from selfevo.audit.llm_judge import LLMJudge
 
-    model = TransformersChatModel(resolve_model(cfg.lm.model), name=cfg.lm.model, max_new_tokens=256)
+    model = TransformersChatModel(resolve_model(cfg.lm.model), name=cfg.lm.model,
+                                  max_new_tokens=cfg.lm.judge_max_tokens)
     docs = {d.id: d.contents for d in env.documents}
     with (running(make_app(model)) as url,
           LLMJudge(url, cfg.lm.model, documents=docs, concurrency=1, cache_path=cache_path) as judge):

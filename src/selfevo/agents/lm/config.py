@@ -32,6 +32,9 @@ class LMConfig:
     proposer_scaffold: bool = False
     format_penalty: float = 0.5  # reward of a proposal that breaks the format rules: -format_penalty
     gen_batch: int = 32  # rows generated together
+    # the default audit judge on a real corpus (the base model served on loopback, evolve.py):
+    # tokens one of its replies may use
+    judge_max_tokens: int = 256
     train_batch: int = 4  # sequences per forward/backward micro-batch
     # hf: transformers' generate (any device) | vllm: a vLLM engine on the same GPU serves the base
     # model and every LoRA policy (agents/lm/vllm_engine.py); training stays with transformers
@@ -46,7 +49,7 @@ class LMConfig:
         if not (self.device in ("auto", "cpu") or self.device.startswith("cuda")):
             raise ValueError(f"lm.device: must be auto, cpu, cuda or cuda:N, got {self.device!r}")
         for name in ("lora_r", "lora_alpha", "max_actions", "max_new_tokens", "max_prompt_tokens",
-                     "max_train_tokens", "doc_tokens", "gen_batch", "train_batch"):
+                     "max_train_tokens", "doc_tokens", "gen_batch", "train_batch", "judge_max_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"lm.{name}: must be >= 1, got {getattr(self, name)}")
         if self.threads < 0:
