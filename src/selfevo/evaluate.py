@@ -11,6 +11,7 @@ The runner gives every agent the same thing: one greedy trajectory per question 
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 import string
@@ -45,11 +46,14 @@ _PUNCTUATION = frozenset(string.punctuation)  # ASCII only, as FlashRAG: "’" a
 _ARTICLES = re.compile(r"\b(a|an|the)\b")
 
 
+_DROP_PUNCTUATION = str.maketrans("", "", "".join(_PUNCTUATION))
+
+
+@functools.lru_cache(maxsize=1 << 16)  # the loop matches the same few answers hundreds of thousands of times
 def normalize_answer(s: str) -> str:
     """FlashRAG / Search-R1 / SQuAD normalization, in their order:
     lower → remove punctuation → articles to a space → collapse whitespace."""
-    s = s.lower()
-    s = "".join(ch for ch in s if ch not in _PUNCTUATION)
+    s = s.lower().translate(_DROP_PUNCTUATION)
     s = _ARTICLES.sub(" ", s)
     return " ".join(s.split())
 

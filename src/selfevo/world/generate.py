@@ -129,11 +129,15 @@ def _make_entities(cfg: WorldConfig, rng: np.random.Generator) -> list[Entity]:
     add("work", lambda: f"The {_WORK_NOUNS[rng.integers(len(_WORK_NOUNS))]} of {names.word(2)}",
         lambda n: [n[len('The '):]])
 
+    weights: dict[str, np.ndarray] = {}
+
     def pick(type_: str, exclude: str | None = None) -> Entity:
         pool = ents[type_]
-        p = np.array([e.popularity for e in pool]) ** cfg.value_skew
+        if type_ not in weights:
+            p = np.array([e.popularity for e in pool]) ** cfg.value_skew
+            weights[type_] = p / p.sum()
         while True:
-            e = pool[rng.choice(len(pool), p=p / p.sum())]
+            e = pool[rng.choice(len(pool), p=weights[type_])]
             if e.id != exclude:
                 return e
 
@@ -164,9 +168,9 @@ def _make_entities(cfg: WorldConfig, rng: np.random.Generator) -> list[Entity]:
 
 
 def _page(e: Entity, truth: Truth, cfg: WorldConfig, rng: np.random.Generator,
-          same_type: list[Entity]) -> Document:
+          same_type: list[Entity], index: int) -> Document:
     """One page per entity: its facts in varied templates, links to the entities they name, and
-    confusable sentences (a related entity's fact of the same relation)."""
+    confusable sentences (a related entity's fact of the same relation). `same_type[index]` is e."""
     pronoun = PRONOUNS[int(rng.integers(2))] if e.type == "person" else "It"
     possessive = {"He": "His", "She": "Her"}.get(pronoun, "Its")
     sentences = [f"{e.name} is {_TYPE_NOUNS[e.type]}."]
@@ -176,14 +180,15 @@ def _page(e: Entity, truth: Truth, cfg: WorldConfig, rng: np.random.Generator,
     # The related entity of a confusable sentence is drawn at random, not from the subject's
     # family: a same-surname relative's own page would also rank for the subject's name and hand
     # every reader the same wrong value, making misreadings shared by construction.
-    relatives = [x for x in same_type if x.id != e.id]
+    n_relatives = len(same_type) - 1  # every entity of e's type but e (not listed: that is quadratic)
     for rel, value in e.facts.items():
         obj = truth.entities[value].name if value in truth.entities else value
         subj = pronoun if rng.random() < 0.5 else e.name
         tmpl = FACT_TEMPLATES[rel][rng.integers(len(FACT_TEMPLATES[rel]))]
         body.append(tmpl.format(s=subj, o=obj))
-        if rng.random() < cfg.confusable_rate and relatives:
-            other = relatives[rng.integers(len(relatives))]
+        if rng.random() < cfg.confusable_rate and n_relatives:
+            j = int(rng.integers(n_relatives))
+            other = same_type[j + (j >= index)]
             ov = other.facts.get(rel)
             if ov is not None and ov != value:
                 oobj = truth.entities[ov].name if ov in truth.entities else ov
@@ -273,9 +278,11 @@ def make_world(config: WorldConfig) -> World:
     entities = _make_entities(config, rng)
     truth = Truth(entities)
     by_type: dict[str, list[Entity]] = {}
+    index = {}
     for e in entities:
-        by_type.setdefault(e.type, []).append(e)
-    docs = [_page(e, truth, config, rng, by_type[e.type]) for e in entities]
+        index[e.id] = len(by_type.setdefault(e.type, []))
+        by_type[e.type].append(e)
+    docs = [_page(e, truth, config, rng, by_type[e.type], index[e.id]) for e in entities]
     return World(config, docs, _benchmarks(truth, rng), truth)
 
 
