@@ -289,6 +289,22 @@ def _admitted():
             for i, (s, ids) in enumerate([("d0", ["d0"]), ("d1", ["d1", "d0"]), ("d2", ["d2"]), ("d3", ["d3"])])]
 
 
+@pytest.mark.parametrize("dtype, extra, bf16, fp16", [("float32", {}, False, False), ("bfloat16", {}, True, False),
+                                                      ("float16", {}, False, True), ("float32", {"bf16": True}, True, False)])
+def test_trl_mixed_precision_follows_the_job_dtype(tmp_path, dtype, extra, bf16, fp16):
+    """TRL's GRPOConfig defaults to bf16 autocast; a float32 job must train in float32 (on a CPU
+    without bf16 units the autocast also made the tiny engine run's steps ~10x slower). An explicit
+    `[engine.trl] bf16` still wins."""
+    pytest.importorskip("trl")
+    from selfevo.integrations.trl_job import grpo_args
+
+    job = {"generations": 2, "prompts_per_step": 2, "out": str(tmp_path / "m"), "steps": 1, "lr": 1e-4,
+           "rollout": {}, "dtype": dtype, "grpo": extra}
+    args = grpo_args(job)
+    assert (args.bf16, args.fp16) == (bf16, fp16)
+    assert args.model_init_kwargs == {"dtype": dtype}
+
+
 def test_trl_dataset_loads_with_datasets_and_splits_by_fold(tmp_path):
     datasets = pytest.importorskip("datasets")
     rows = solver_rows(_admitted(), FOLDS, 1)

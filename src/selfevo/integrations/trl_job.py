@@ -62,6 +62,7 @@ def grpo_args(job: dict, world_size: int = 1):
         extra["generation_kwargs"] = {"stop": ["</search>", "</answer>"], "include_stop_str_in_output": True,
                                       **(extra.get("generation_kwargs") or {})}
     cpu = job.get("device", "cpu") == "cpu"
+    dtype = job.get("dtype", "float32")
     kwargs = dict(output_dir=str(Path(job["out"]).parent / f".trainer-{Path(job['out']).name}"),
                   per_device_train_batch_size=per_step // world_size, num_generations=g,
                   max_steps=job["steps"], learning_rate=job["lr"], max_grad_norm=job.get("max_grad_norm", 1.0),
@@ -71,7 +72,10 @@ def grpo_args(job: dict, world_size: int = 1):
                   temperature=job["rollout"].get("temperature", 0.8), top_p=job["rollout"].get("top_p", 0.95),
                   logging_steps=1, save_strategy="no", report_to=[], seed=job.get("seed", 0) % 2**31,
                   use_cpu=cpu, dataloader_num_workers=0, remove_unused_columns=False,
-                  model_init_kwargs={"dtype": job.get("dtype", "float32")})
+                  model_init_kwargs={"dtype": dtype},
+                  # mixed precision follows the job's dtype: TRL's own default (bf16 autocast) would
+                  # train a float32 job in bfloat16, which a CPU without bf16 units emulates ~10x slower
+                  bf16=dtype == "bfloat16", fp16=dtype == "float16")
     kwargs.update(extra)
     return GRPOConfig(**kwargs)
 
