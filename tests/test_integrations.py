@@ -293,7 +293,7 @@ def _admitted():
                                                       ("float16", {}, False, True), ("float32", {"bf16": True}, True, False)])
 def test_trl_mixed_precision_follows_the_job_dtype(tmp_path, dtype, extra, bf16, fp16):
     """TRL's GRPOConfig defaults to bf16 autocast; a float32 job must train in float32 (on a CPU
-    without bf16 units the autocast also made the tiny engine run's steps ~10x slower). An explicit
+    without bf16 units the autocast also made the tiny engine run 3x slower). An explicit
     `[engine.trl] bf16` still wins."""
     pytest.importorskip("trl")
     from selfevo.integrations.trl_job import grpo_args

@@ -74,7 +74,7 @@ def grpo_args(job: dict, world_size: int = 1):
                   use_cpu=cpu, dataloader_num_workers=0, remove_unused_columns=False,
                   model_init_kwargs={"dtype": dtype},
                   # mixed precision follows the job's dtype: TRL's own default (bf16 autocast) would
-                  # train a float32 job in bfloat16, which a CPU without bf16 units emulates ~10x slower
+                  # train a float32 job in bfloat16, which a CPU without bf16 units runs several times slower
                   bf16=dtype == "bfloat16", fp16=dtype == "float16")
     kwargs.update(extra)
     return GRPOConfig(**kwargs)
