@@ -289,8 +289,9 @@ def _admitted():
             for i, (s, ids) in enumerate([("d0", ["d0"]), ("d1", ["d1", "d0"]), ("d2", ["d2"]), ("d3", ["d3"])])]
 
 
-@pytest.mark.parametrize("dtype, extra, bf16, fp16", [("float32", {}, False, False), ("bfloat16", {}, True, False),
-                                                      ("float16", {}, False, True), ("float32", {"bf16": True}, True, False)])
+@pytest.mark.parametrize("dtype, extra, bf16, fp16", [
+    ("float32", {}, False, False), ("bfloat16", {}, True, False), ("float16", {}, False, True),
+    ("float32", {"bf16": True}, True, False)])
 def test_trl_mixed_precision_follows_the_job_dtype(tmp_path, dtype, extra, bf16, fp16):
     """TRL's GRPOConfig defaults to bf16 autocast; a float32 job must train in float32 (on a CPU
     without bf16 units the autocast also made the tiny engine run 3x slower). An explicit
