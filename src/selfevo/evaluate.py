@@ -42,11 +42,8 @@ METRICS = ("cover_em", "em", "f1")
 
 # ---------------------------------------------------------------- normalization and metrics
 
-_PUNCTUATION = frozenset(string.punctuation)  # ASCII only, as FlashRAG: "’" and "é" survive
+_DROP_PUNCTUATION = str.maketrans("", "", string.punctuation)  # ASCII only, as FlashRAG: "’" and "é" survive
 _ARTICLES = re.compile(r"\b(a|an|the)\b")
-
-
-_DROP_PUNCTUATION = str.maketrans("", "", "".join(_PUNCTUATION))
 
 
 @functools.lru_cache(maxsize=1 << 16)  # the loop matches the same few answers hundreds of thousands of times

@@ -53,12 +53,10 @@ class SearchTool:
 
     def lookup(self, queries: Sequence[str]) -> list[list[Hit]]:
         """Unbudgeted, cached batch lookup (the session enforces the budget)."""
-        if len(queries) == 1 and queries[0] in self._cache:  # the sim's hot path: one repeated query
-            self._cache.move_to_end(queries[0])
-            self.calls += 1
-            return [self._cache[queries[0]]]
-        missing = list(dict.fromkeys(q for q in queries if q not in self._cache))
+        # the common case is one query already cached (the sim's rollouts): nothing but this scan
+        missing = [q for q in queries if q not in self._cache]
         if missing:
+            missing = list(dict.fromkeys(missing))
             results = self.retriever.retrieve(missing, topk=self.topk)
             self.queries_issued += len(missing)
             for q, hits in zip(missing, results):
