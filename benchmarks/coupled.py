@@ -47,7 +47,7 @@ def run_arm(overrides: list[str], seed: int, world: str, root: Path) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--seeds", type=int, default=5)
     ap.add_argument("--world", default="default")
     ap.add_argument("--out", type=Path, default=REPO / "docs" / "results.md")

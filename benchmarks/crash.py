@@ -284,7 +284,7 @@ newline, no (round, step) twice, steps in order.
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--world", default="default")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--kills", type=int, default=10)

@@ -61,7 +61,7 @@ def time_fresh_clone(tmp: Path, command: str) -> float:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--fresh-clones", type=int, default=3, help="0: skip the fresh-clone timing")
     ap.add_argument("--out", type=Path, default=REPO / "docs" / "results.md")

@@ -202,7 +202,7 @@ def horizon_lines(runs: list[dict], rounds: int, seeds: int) -> list[str]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--seeds", type=int, default=10)
     ap.add_argument("--world", default="default")
     ap.add_argument("--workers", type=int, default=min(2, os.cpu_count() or 1))

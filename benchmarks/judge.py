@@ -4,8 +4,8 @@
 
 1. A small world run (small world, 3 rounds x (3 proposer + 3 solver steps), 60 admitted a round).
 2. Scripted judges (deterministic, no model) behind the real OpenAI-compatible server on loopback:
-   a truthful answer key built from the world's truth, and a misreading one (30% of questions read
-   off a confusable sentence) -- each audited with `--compare oracle`: per round side by side,
+   a truthful answer key built from the world's truth, and a misreading one (every question whose
+   source pages also state a wrong answer is read off that confusable sentence) -- each audited with `--compare oracle`: per round side by side,
    bootstrap 95% intervals, coverage, confusion matrices.
 3. Operational checks, counted: the truthful judge with 30% of calls failing (500/429) or garbage
    and 5% slower than the timeout; and a `selfevo audit --judge llm` process killed with SIGKILL,
@@ -161,7 +161,7 @@ def flip_table(reports: dict[str, dict]) -> list[str]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", type=Path, default=REPO / "docs" / "judge.md")
     ap.add_argument("--smollm2-items", type=int, default=2, help="SmolLM2: items per step (0: skip SmolLM2)")
     ap.add_argument("--smollm2-injection", type=int, default=4, help="SmolLM2: injection-set items")

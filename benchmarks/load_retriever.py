@@ -179,7 +179,7 @@ other address ({meta['other_address'] or 'none'}): {meta['other_reachable']}.
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--corpus", type=Path, default=REPO / "../shared/data/corpus/wiki18-mini.jsonl")
     ap.add_argument("--qa-dir", type=Path, default=REPO / "../shared/data/qa")
     ap.add_argument("--clients", type=int, nargs="+", default=[1, 4, 16, 64])

@@ -114,7 +114,7 @@ def paired_overhead(totals: list[float], ref_totals: list[float]) -> tuple[float
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--seeds", type=int, default=5)
     ap.add_argument("--world", default="default")
     ap.add_argument("--treatments", nargs="*", default=TREATMENTS)

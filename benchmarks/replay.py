@@ -206,7 +206,7 @@ def skew_reading(by_skew: list[tuple[str, dict, dict]]) -> str:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--runs", type=int, default=1, help="coupled runs the bank is drawn from")
     ap.add_argument("--size", type=int, default=3000)
     ap.add_argument("--seeds", type=int, default=5)

@@ -81,7 +81,7 @@ def throughput(index, questions: list[str], single_n: int | None = None) -> tupl
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--corpus", type=Path, default=REPO / "../shared/data/corpus/wiki18-mini.jsonl")
     ap.add_argument("--qa-dir", type=Path, default=REPO / "../shared/data/qa")
     ap.add_argument("--out", type=Path, default=REPO / "docs/benchmarks.md")

@@ -66,7 +66,7 @@ def run_mode(policy: LMPolicy, convs: list[list[dict]], mode: str, new_tokens: i
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--qa-dir", type=Path, default=REPO.parent / "shared" / "data" / "qa")
     ap.add_argument("--prompts", type=int, default=16)

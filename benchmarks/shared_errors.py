@@ -77,7 +77,7 @@ def write_figure(path: Path, levels: list[float], series: dict[str, tuple[list[f
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--seeds", type=int, default=5)
     ap.add_argument("--world", default="default")
     ap.add_argument("--levels", type=float, nargs="*", default=list(LEVELS))

@@ -5,6 +5,7 @@ tests, and one slow test with the real SmolLM2-135M-Instruct (transformers, offl
 from __future__ import annotations
 
 import json
+import re
 import os
 import signal
 import subprocess
@@ -300,6 +301,21 @@ def test_cache_survives_a_torn_last_line(tmp_path):
     assert len(again) == 2 and again.get("b")["reply"] == {"x": 2} and again.get("c") is None
     again.put({"key": "c", "ok": True, "reply": {}})
     assert [json.loads(x)["key"] for x in path.read_text().splitlines()] == ["a", "b", "c"]
+
+
+@pytest.mark.parametrize("content, named", [
+    (b"my important notes", "no complete row"),  # one unterminated line: would pass for a torn write
+    (b"line one\nline two\n", ":1: corrupt log line"),
+    (b'{"id": "q1", "prediction": "x"}\n', ":1: not a judge-cache row"),
+])
+def test_a_file_that_is_not_a_judge_cache_is_refused_untouched(tmp_path, content, named):
+    path = tmp_path / "notes.txt"
+    path.write_bytes(content)
+    with pytest.raises(JudgeError, match=re.escape(named)):
+        JudgeCache(path)
+    assert path.read_bytes() == content  # nothing truncated from a file the judge did not write
+    with pytest.raises(JudgeError, match="must be a file"):
+        JudgeCache(tmp_path)
 
 
 def test_killed_audit_resumes_from_the_cache_with_no_repeated_call(world_run, tmp_path):

@@ -197,6 +197,23 @@ def test_a_log_torn_anywhere_in_its_last_line_is_repaired(tmp_path_factory, rows
     assert read_jsonl_log(path) == [*rows[:-1], {"round": 9, "text": "after"}]
 
 
+def test_a_whole_last_row_without_its_newline_is_kept_and_its_line_ended(tmp_path):
+    """A kill just before the newline leaves a whole row: it is kept, and repair ends its line,
+    so the next append starts a line of its own instead of being glued onto it."""
+    path = tmp_path / "steps.jsonl"
+    path.write_bytes(b'{"round": 1}\n{"round": 2}')
+    assert read_jsonl_log(path, repair=True) == [{"round": 1}, {"round": 2}]
+    append_jsonl(path, [{"round": 3}])
+    assert read_jsonl_log(path) == [{"round": 1}, {"round": 2}, {"round": 3}]
+
+
+def test_a_log_line_that_is_not_an_object_is_corruption(tmp_path):
+    path = tmp_path / "steps.jsonl"
+    path.write_bytes(b'{"round": 1}\n[1, 2]\n')
+    with pytest.raises(ValueError, match=re.escape(f"{path}:2: corrupt log line (a JSON list")):
+        read_jsonl_log(path, repair=True)
+
+
 def test_a_corrupt_line_before_the_last_is_an_error_naming_it(tmp_path):
     path = tmp_path / "steps.jsonl"
     path.write_bytes(b'{"round": 1}\n{"round": \n{"round": 1}\n')

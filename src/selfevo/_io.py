@@ -68,10 +68,18 @@ def append_jsonl(path: str | os.PathLike, rows: Iterable[dict], fsync: bool = Tr
             os.fsync(fh.fileno())
 
 
+def check_local_path(name: str) -> None:
+    """A model or file named by a path (./x, ../x, /x, ~/x) must exist. Loaders that also accept
+    hub ids (transformers, sentence-transformers) report a missing directory as a malformed hub
+    id, which hides the typo."""
+    if name.startswith((".", "/", "~")) and not Path(name).expanduser().exists():
+        raise FileNotFoundError(2, "no such file or directory", name)
+
+
 def read_jsonl_log(path: str | os.PathLike, repair: bool = False) -> list[dict]:
-    """Read an append-only log. A torn (unterminated, unparsable) last line is a crash artefact:
-    it is dropped, and with `repair=True` truncated from the file so appends continue cleanly.
-    A malformed line anywhere else is corruption and raises."""
+    """Read an append-only log of JSON objects. A torn (unterminated, unparsable) last line is a
+    crash artefact: it is dropped, and with `repair=True` truncated from the file so appends
+    continue cleanly. A malformed line anywhere else is corruption and raises."""
     path = Path(path)
     if not path.exists():
         return []
@@ -84,7 +92,7 @@ def read_jsonl_log(path: str | os.PathLike, repair: bool = False) -> list[dict]:
         if last and line == b"":
             break
         try:
-            rows.append(json.loads(line))
+            row = json.loads(line)
         except (json.JSONDecodeError, UnicodeDecodeError):
             if last:  # torn tail: no newline was written after it
                 if repair:
@@ -92,5 +100,13 @@ def read_jsonl_log(path: str | os.PathLike, repair: bool = False) -> list[dict]:
                         fh.truncate(offset)
                 break
             raise ValueError(f"{path}:{i + 1}: corrupt log line") from None
+        if not isinstance(row, dict):  # no prefix of an object parses as anything else
+            raise ValueError(f"{path}:{i + 1}: corrupt log line (a JSON {type(row).__name__}, not an object)")
+        rows.append(row)
         offset += len(line) + 1
+        if last and repair:
+            # the write stopped just before its newline: the row is whole, so it is kept, but its
+            # line is ended, or the next append would be glued onto it
+            with open(path, "ab") as fh:
+                fh.write(b"\n")
     return rows

@@ -6,6 +6,7 @@ clear message; nothing is half-written.
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 from pathlib import Path
@@ -16,8 +17,6 @@ from rich.markup import escape
 
 from selfevo.corpus import DataError
 
-app = typer.Typer(add_completion=False, no_args_is_help=True,
-                  help="Self-evolving search agents without co-cheating.")
 # wide enough for the tables when the output is a pipe or a log file (rich assumes 80 columns)
 console = Console(width=None if sys.stdout.isatty() else 160)
 
@@ -26,6 +25,44 @@ def _fail(msg: str) -> None:
     # the message may quote user input; escape it so rich never reads it as markup
     console.print(f"[red]error:[/red] {escape(msg)}")
     raise typer.Exit(code=2)
+
+
+def _os_errors_as_usage_errors(command):
+    """A path the user named that is missing, a directory, a file or not theirs (an OSError)
+    ends the command with one line naming it, not a traceback; SELFEVO_TRACEBACK=1 re-raises."""
+
+    @functools.wraps(command)
+    def wrapper(*args, **kwargs):
+        try:
+            return command(*args, **kwargs)
+        except OSError as e:
+            if os.environ.get("SELFEVO_TRACEBACK"):
+                raise
+            _fail(f"{e.filename}: {e.strerror}" if e.filename and e.strerror else str(e))
+
+    return wrapper
+
+
+class _Typer(typer.Typer):
+    """Every command of the CLI gets the OSError rule above."""
+
+    def command(self, *args, **kwargs):
+        register = super().command(*args, **kwargs)
+        return lambda command: register(_os_errors_as_usage_errors(command))
+
+
+def _out_dir(path: Path) -> None:
+    """Create an output directory before the work, so a file in its way costs nothing."""
+    if path.exists() and not path.is_dir():
+        _fail(f"{path}: exists and is not a directory (--out names a directory)")
+    path.mkdir(parents=True, exist_ok=True)
+
+
+def _typer(help: str) -> _Typer:
+    return _Typer(add_completion=False, no_args_is_help=True, help=help)
+
+
+app = _typer("Self-evolving search agents without co-cheating.")
 
 
 def _dense_options(model: str | None, index_type: str = "flat", batch_size: int = 32, device: str = "cpu",
@@ -59,7 +96,7 @@ def serve_retriever(
     retriever: str | None = typer.Option(None, help=f"{_RETRIEVER_HELP}; default bm25, or --index's kind"),
     model: str | None = typer.Option(None, help=_MODEL_HELP),
     host: str = typer.Option("127.0.0.1", help="bind address (loopback unless told otherwise)"),
-    port: int = typer.Option(8000),
+    port: int = typer.Option(8000, min=1, max=65535),
     index_dir: Path | None = typer.Option(None, "--index-dir",
                                           help="cache/load the index built over --corpus here"),
 ) -> None:
@@ -75,7 +112,7 @@ def serve_retriever(
         _fail(str(e))
 
 
-index_app = typer.Typer(add_completion=False, no_args_is_help=True, help="Retrieval indexes.")
+index_app = _typer("Retrieval indexes.")
 app.add_typer(index_app, name="index")
 
 
@@ -137,7 +174,7 @@ def eval_(
                                                     "--index or --retriever-url is given)"),
     agent: str = typer.Option("retrieval-baseline", help="agent spec, e.g. retrieval-baseline"),
     out: Path = typer.Option(..., help="output directory"),
-    limit: int | None = typer.Option(None, help="at most N questions per benchmark"),
+    limit: int | None = typer.Option(None, min=1, help="at most N questions per benchmark"),
     retriever_url: str | None = typer.Option(None, "--retriever-url",
                                                 help="use a remote /retrieve server instead of a local index"),
     retriever: str | None = typer.Option(None, help=f"{_RETRIEVER_HELP}; default bm25, or --index's kind"),
@@ -145,14 +182,15 @@ def eval_(
     model: str | None = typer.Option(None, help=_MODEL_HELP),
     workers: int = typer.Option(0, "--workers", min=0, help="lm: agents: answer on N Ray actors, each "
                                 "with its own copy of the model (0: in this process)"),
-    lm_set: list[str] = typer.Option([], "--lm-set", help="lm: agents: an [lm] setting, e.g. device=\"cuda\" "
-                                     "or max_new_tokens=128 (see configs/default.toml)"),
+    lm_set: list[str] = typer.Option([], "--lm-set", help="lm: agents: an \\[lm] setting, e.g. device=\"cuda\" "
+                                     "or max_new_tokens=128 (see configs/qwen3.5-4b.toml)"),
 ) -> None:
     """Run an agent on the seven benchmarks end to end; write predictions.jsonl and score.json."""
     from selfevo.config import ConfigError, load_config
     from selfevo.evaluate import print_score_table, run_eval
     from selfevo.search.client import RetrieverError
 
+    _out_dir(out)
     context: dict = {"workers": workers} if workers else {}
     try:
         if lm_set:
@@ -166,8 +204,7 @@ def eval_(
     print_score_table(result, console)
 
 
-data_app = typer.Typer(add_completion=False, no_args_is_help=True,
-                       help="Real data: the seven FlashRAG benchmarks and the wiki-18 corpus.")
+data_app = _typer("Real data: the seven FlashRAG benchmarks and the wiki-18 corpus.")
 app.add_typer(data_app, name="data")
 
 
@@ -205,7 +242,7 @@ def data_download(
         console.print(f"data ready in {out} (sources, counts and sha256 in {res['out']}/manifest.json)")
 
 
-world_app = typer.Typer(add_completion=False, no_args_is_help=True, help="The synthetic world.")
+world_app = _typer("The synthetic world.")
 app.add_typer(world_app, name="world")
 
 
@@ -221,6 +258,9 @@ def world_make(
     """Write a synthetic world: corpus, seven benchmarks and exact truth."""
     from selfevo.world import WorldConfig, make_world, save_world
 
+    if out.is_dir() and any(out.iterdir()):
+        # runs made on a world are audited against its truth.json: never replace it under them
+        _fail(f"{out}: not empty; a world is written once, to a new directory")
     try:
         world = make_world(WorldConfig(size, seed, confusable_rate, shared_misreading, value_skew))
     except ValueError as e:
@@ -234,7 +274,9 @@ def world_make(
 def evolve_cmd(
     out: Path = typer.Option(..., help="run directory"),
     world: str | None = typer.Option(None, help="small | default | a world directory"),
-    treatment: str | None = typer.Option(None, help="coupled"),
+    treatment: str | None = typer.Option(None, help="coupled (default) | msv | crossfit | msv+crossfit | "
+                                           "same-source | full-data | question-split | half-budget | "
+                                           "crossfit-k<K> | crossfit-connected[-k<K>], any prefixed msv+"),
     seed: int | None = typer.Option(None),
     rounds: int | None = typer.Option(None),
     config: Path | None = typer.Option(None, help="TOML config (see configs/)"),
@@ -269,7 +311,7 @@ def evolve_cmd(
 @app.command("engine-run")
 def engine_run_cmd(
     engine: str = typer.Option(..., help="trl | verl: the engine that trains (see docs/integrations.md)"),
-    config: Path = typer.Option(..., help="engine-run config, TOML or YAML: the run's tables plus [engine]"),
+    config: Path = typer.Option(..., help="engine-run config, TOML or YAML: the run's tables plus \\[engine]"),
     out: Path = typer.Option(..., help="run directory (the layout of `selfevo evolve`, plus engine/ and models/)"),
     set_: list[str] = typer.Option([], "--set", help="override a config field, e.g. engine.graders=vllm"),
     resume: bool = typer.Option(False, help="continue a run in --out: finished phases are skipped"),
@@ -403,11 +445,14 @@ def audit_cmd(
     if judge == "llm":
         if not judge_url or not judge_model:
             _fail("--judge llm needs --judge-url and --judge-model")
-        the_judge = LLMJudge(judge_url, judge_model, documents=documents,
-                             cache_path=judge_cache or out_dir / "cache.jsonl", concurrency=judge_concurrency,
-                             timeout=judge_timeout, max_retries=judge_retries,
-                             max_tokens=judge_max_tokens, malformed_retries=judge_malformed_retries,
-                             progress=progress and sys.stdout.isatty())
+        try:
+            the_judge = LLMJudge(judge_url, judge_model, documents=documents,
+                                 cache_path=judge_cache or out_dir / "cache.jsonl", concurrency=judge_concurrency,
+                                 timeout=judge_timeout, max_retries=judge_retries,
+                                 max_tokens=judge_max_tokens, malformed_retries=judge_malformed_retries,
+                                 progress=progress and sys.stdout.isatty())
+        except JudgeError as e:  # e.g. --judge-cache names a file that is not a cache
+            _fail(str(e))
     else:
         the_judge = oracle if judge == "oracle" else gold
     info = {"source": str(records or run_dir), "max_items_per_step": max_items_per_step}
@@ -460,7 +505,7 @@ def audit_cmd(
 def serve_model_cmd(
     model: str = typer.Option(..., help="smollm2 | a model directory or hub id | scripted:echo | scripted:judge"),
     host: str = typer.Option("127.0.0.1", help="bind address (loopback unless told otherwise)"),
-    port: int = typer.Option(8001),
+    port: int = typer.Option(8001, min=1, max=65535),
     max_new_tokens: int = typer.Option(1024, "--max-new-tokens", min=1,
                                        help="the model's budget per reply (a larger max_tokens is clamped)"),
     threads: int | None = typer.Option(None, min=1, help="torch CPU threads (1 is fastest on a busy machine)"),
@@ -555,7 +600,7 @@ def demo_cmd(
     world: str | None = typer.Option(None, help="small | default | a world directory"),
     executor: str | None = typer.Option(None, help="local | ray (RAY_ADDRESS names a cluster)"),
     config: Path | None = typer.Option(None, help="demo config (default: configs/demo.toml)"),
-    workers: int | None = typer.Option(None, help="local worker processes (default: all cores)"),
+    workers: int | None = typer.Option(None, min=1, help="local worker processes (default: all cores)"),
 ) -> None:
     """The paper's whole protocol on the embedded world: every treatment over several seeds, the
     audit, the downstream evaluation, the replay bank study, and one report."""
@@ -566,7 +611,10 @@ def demo_cmd(
         plan = load_plan(config, seeds=seeds, world=world, executor=executor)
     except ConfigError as e:
         _fail(str(e))
-    run_demo(plan, out, console, workers)
+    try:
+        run_demo(plan, out, console, workers)
+    except ValueError as e:  # the project's errors (a world, a run, the bank, the report) are ValueErrors
+        _fail(str(e))
 
 
 @app.command("report")
@@ -583,8 +631,7 @@ def report_cmd(run_root: Path = typer.Argument(..., help="a directory of runs (e
     console.print(f"report: {run_root / 'report.html'}")
 
 
-replay_app = typer.Typer(add_completion=False, no_args_is_help=True,
-                         help="The fixed replay bank: feedback provenance with the curriculum held fixed.")
+replay_app = _typer("The fixed replay bank: feedback provenance with the curriculum held fixed.")
 app.add_typer(replay_app, name="replay")
 
 
@@ -651,6 +698,7 @@ def replay_run(
 
     if seeds < 1:
         _fail(f"--seeds: must be >= 1, got {seeds}")
+    _out_dir(out)
     try:
         settings = ReplaySettings(updates, rollouts, samples)  # checked before any model loads
         parse_conditions(conditions)

@@ -40,6 +40,8 @@ class WorldSpec:
     value_skew: float = 1.0
 
     def __post_init__(self):
+        if not self.name.strip():
+            raise ValueError("world.name: empty (small, default or a world directory)")
         # validate the world parameters here, so a bad one is reported before anything runs
         WorldConfig(size="small", **self.params())
 
@@ -169,6 +171,8 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     if "=" not in text:
         raise ConfigError(f"--set {text!r}: expected KEY=VALUE")
     key, raw = text.split("=", 1)
+    if not key.strip():
+        raise ConfigError(f"--set {text!r}: no field name before '='")
     try:
         value = tomllib.loads(f"v = {raw.strip()}")["v"]
     except tomllib.TOMLDecodeError:

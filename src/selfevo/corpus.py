@@ -170,7 +170,8 @@ def _iter_parquet_rows(path: Path) -> Iterator[tuple[int, dict]]:
     for i, row in enumerate(table.to_pylist(), start=1):
         if "id" not in row or row["id"] is None:
             extra = row.get("extra_info") or {}
-            row["id"] = str(extra.get("index", i - 1)) if isinstance(extra, dict) else str(i - 1)
+            index = extra.get("index") if isinstance(extra, dict) else None
+            row["id"] = str(index if index is not None else i - 1)
         yield i, row  # "line" of a parquet file = 1-based row number
 
 
@@ -201,11 +202,14 @@ def read_qa_dir(data_dir: str | os.PathLike) -> dict[str, list[QAItem]]:
     out: dict[str, list[QAItem]] = {}
     origin: dict[str, Path] = {}
     for f in files:
-        for item in iter_qa(f):
+        n = 0
+        for n, item in enumerate(iter_qa(f), start=1):
             if item.id in origin:
                 raise DataError(f, None, f"id '{item.id}' also appears in {origin[item.id]}")
             origin[item.id] = f
             out.setdefault(item.benchmark or f.stem, []).append(item)
+        if not n:  # a benchmark that silently drops out would change the macro average
+            raise DataError(f, None, "no questions (an empty QA file; a truncated download?)")
     return out
 
 

@@ -391,7 +391,9 @@ def parse_benchmarks(spec: str | Sequence[str] | None) -> list[str]:
     if spec is None:
         return list(BENCHMARKS)
     names = [s.strip().lower() for s in (spec.split(",") if isinstance(spec, str) else spec) if s.strip()]
-    if not names or names == ["all"]:
+    if not names:  # an empty --benchmarks is a slip, not a request for all seven
+        raise ValueError(f"--benchmarks: name at least one (or all); known: {', '.join(BENCHMARKS)}")
+    if names == ["all"]:
         return list(BENCHMARKS)
     unknown = [n for n in names if n not in BENCHMARKS]
     if unknown:

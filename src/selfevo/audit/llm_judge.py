@@ -255,15 +255,33 @@ def verdict_messages(question: str, reference: str, quote: str, label: str, resp
 
 class JudgeCache:
     """Append-only JSONL of finished calls, keyed by `key`; loaded at start. A torn last line
-    (a crash mid-append) is dropped and truncated; one fsync'd line per call."""
+    (a crash mid-append) is dropped and truncated; one fsync'd line per call. A file that is not
+    a cache is refused before anything is truncated from it."""
 
     def __init__(self, path: str | os.PathLike | None):
         self.path = Path(path) if path else None
         self._lock = threading.Lock()
         self._rows: dict[str, dict] = {}
         if self.path is not None:
-            for row in read_jsonl_log(self.path, repair=True):
+            for row in self._load(self.path):
                 self._rows[row["key"]] = row
+
+    @staticmethod
+    def _load(path: Path) -> list[dict]:
+        if path.exists() and not path.is_file():
+            raise JudgeError(f"{path}: the judge cache must be a file")
+        hint = "name a cache file the judge wrote, or a new file"
+        try:
+            rows = read_jsonl_log(path)  # no repair yet: first make sure it is a cache
+        except ValueError as e:
+            raise JudgeError(f"{e}: not a judge cache; {hint}") from None
+        for i, row in enumerate(rows):
+            if not isinstance(row.get("key"), str):
+                raise JudgeError(f"{path}:{i + 1}: not a judge-cache row (no key); {hint}")
+        if not rows and path.exists() and path.stat().st_size:
+            # a lone unparsable line could be a first write cut short, or any other file: refuse
+            raise JudgeError(f"{path}: not a judge cache (no complete row); {hint}")
+        return read_jsonl_log(path, repair=True)  # now drop a torn last line
 
     def __len__(self) -> int:
         return len(self._rows)

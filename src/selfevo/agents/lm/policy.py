@@ -21,9 +21,11 @@ import os
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
+from selfevo._io import check_local_path
 from selfevo.agents.lm.config import LMConfig
 from selfevo.agents.lm.protocol import STOP_STRINGS, cut_at_stop
 from selfevo.agents.lm.rl import encode_conversation, sequence_pg_loss, token_logprobs
+from selfevo.config import ConfigError
 from selfevo.loop.schedule import derive_seed
 
 SMOLLM2_IDS = ("smollm2-135m", "smollm2")
@@ -36,6 +38,7 @@ def resolve_model(model: str) -> str:
         from selfevo.agents.lm.model import smollm2_dir
 
         return str(smollm2_dir())
+    check_local_path(model)
     return model
 
 
@@ -44,6 +47,8 @@ def _device(spec: str) -> str:
 
     if spec == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
+    if spec.startswith("cuda") and not torch.cuda.is_available():
+        raise ConfigError(f"lm.device: {spec} asked for, but no CUDA GPU is available here (use auto or cpu)")
     return spec
 
 

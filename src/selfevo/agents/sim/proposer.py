@@ -39,6 +39,8 @@ class SimProposerConfig:
             raise ValueError(f"proposer.options: must be >= 1, got {self.options}")
         if not self.hop_ratio or min(self.hop_ratio) < 0 or sum(self.hop_ratio) <= 0:
             raise ValueError(f"proposer.hop_ratio: must be non-negative with a positive sum, got {self.hop_ratio}")
+        if not self.lr >= 0:  # 0 freezes the policy; below 0 learns away from the reward
+            raise ValueError(f"proposer.lr: must be >= 0, got {self.lr}")
         if self.read_temperature <= 0:
             raise ValueError(f"proposer.read_temperature: must be > 0, got {self.read_temperature}")
         if self.misread_scale < 0:

@@ -61,6 +61,9 @@ class SimSolverConfig:
             raise ValueError(f"solver.misread_scale: must be >= 0, got {self.misread_scale}")
         if self.memory_key not in ("entity", "question"):
             raise ValueError(f"solver.memory_key: 'entity' or 'question', got {self.memory_key!r}")
+        for name in ("lr_memory", "lr_theta"):
+            if not getattr(self, name) >= 0:  # 0 freezes that part; below 0 learns away from reward
+                raise ValueError(f"solver.{name}: must be >= 0, got {getattr(self, name)}")
         if self.memory_cap < 0:
             raise ValueError(f"solver.memory_cap: must be >= 0 (0 = unbounded), got {self.memory_cap}")
 

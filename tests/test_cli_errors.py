@@ -1,0 +1,111 @@
+"""Ordinary user mistakes at the command line: one `error:` line, exit 2, nothing lost, and the
+check made before any work that the mistake would waste."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+from typer.testing import CliRunner
+
+from selfevo._io import check_local_path
+from selfevo.cli import app
+from selfevo.config import ConfigError, load_config
+
+runner = CliRunner()
+
+
+def _usage_error(args: list[str]) -> str:
+    res = runner.invoke(app, args)
+    assert res.exit_code == 2, (res.exit_code, res.output, res.exception)
+    assert "Traceback" not in res.output
+    return " ".join(res.output.split())  # rich wraps long lines
+
+
+@pytest.mark.parametrize("args, named", [
+    (["score", "--data-dir", "{tmp}/nope", "--predictions", "{tmp}/p.jsonl", "--out", "{tmp}/s.json"],
+     "{tmp}/nope: No such file or directory"),
+    (["score", "--data-dir", "{tmp}/afile", "--predictions", "{tmp}/p.jsonl", "--out", "{tmp}/s.json"],
+     "{tmp}/afile: Not a directory"),
+    (["index", "build", "--corpus", "{tmp}/nope.jsonl", "--out", "{tmp}/idx"], "{tmp}/nope.jsonl: No such file"),
+    (["world", "make", "--size", "small", "--out", "{tmp}/afile"], "{tmp}/afile: File exists"),
+])
+def test_a_missing_or_misplaced_path_is_one_line_naming_it(tmp_path, args, named):
+    (tmp_path / "afile").write_text("mine\n")
+    out = _usage_error([a.format(tmp=tmp_path) for a in args])
+    assert named.format(tmp=tmp_path) in out
+    assert (tmp_path / "afile").read_text() == "mine\n"
+
+
+def test_an_output_path_in_the_way_fails_before_the_work(tmp_path):
+    """`--out` naming a file: refused before the bank is even read (the bank here does not exist,
+    so reaching it would be a different error), and before the benchmarks are answered."""
+    (tmp_path / "afile").write_text("mine\n")
+    out = _usage_error(["replay", "run", "--bank", str(tmp_path / "no-bank.json"), "--out", str(tmp_path / "afile")])
+    assert "afile: exists and is not a directory" in out
+    out = _usage_error(["eval", "--data-dir", str(tmp_path / "no-qa"), "--corpus", str(tmp_path / "no.jsonl"),
+                        "--out", str(tmp_path / "afile")])
+    assert "afile: exists and is not a directory" in out
+    assert (tmp_path / "afile").read_text() == "mine\n"
+
+
+def test_world_make_never_replaces_a_world(tmp_path):
+    """Runs made on a world are audited against its truth.json: writing another world over it
+    would make every later audit of them wrong."""
+    world = tmp_path / "w"
+    world.mkdir()
+    (world / "truth.json").write_text("{}\n")
+    out = _usage_error(["world", "make", "--size", "small", "--out", str(world)])
+    assert "not empty" in out and (world / "truth.json").read_text() == "{}\n"
+
+
+def test_an_empty_benchmark_file_is_an_error_not_a_smaller_macro_average(tmp_path):
+    qa = tmp_path / "qa"
+    qa.mkdir()
+    (qa / "nq.jsonl").write_text('{"id": "q1", "question": "who?", "golden_answers": ["x"]}\n')
+    (qa / "hotpotqa.jsonl").write_text("")
+    preds = tmp_path / "p.jsonl"
+    preds.write_text('{"id": "q1", "prediction": "x"}\n')
+    out = _usage_error(["score", "--data-dir", str(qa), "--predictions", str(preds), "--out", str(tmp_path / "s.json")])
+    assert "hotpotqa.jsonl: no questions" in out and not (tmp_path / "s.json").exists()
+
+
+@pytest.mark.parametrize("command", [["serve-model"], ["serve-retriever", "--corpus", "x.jsonl"]])
+def test_a_port_out_of_range_is_a_usage_error(command):
+    res = runner.invoke(app, [*command, "--port", "99999"])
+    assert res.exit_code == 2 and "--port" in res.output
+
+
+def test_help_texts_keep_their_bracketed_words():
+    """Rich reads [word] as markup: an unescaped [lm] vanished from the help."""
+    assert "an [lm] setting" in " ".join(runner.invoke(app, ["eval", "--help"]).output.split())
+    assert "plus [engine]" in " ".join(runner.invoke(app, ["engine-run", "--help"]).output.split())
+
+
+@pytest.mark.parametrize("override", ["solver.lr_theta=-5.0", "solver.lr_memory=-1", "proposer.lr=-0.5"])
+def test_a_negative_learning_rate_is_refused_naming_it(override):
+    with pytest.raises(ConfigError, match=re.escape(override.split("=")[0] + ": must be >= 0")):
+        load_config(None, [override])
+
+
+def test_a_model_named_by_a_missing_path_is_reported_as_missing(tmp_path):
+    """transformers would call ./typo a malformed hub id; a hub id itself passes."""
+    with pytest.raises(FileNotFoundError) as err:
+        check_local_path(str(tmp_path / "no-model"))
+    assert err.value.filename == str(tmp_path / "no-model")
+    check_local_path("Qwen/Qwen3.5-4B")
+    check_local_path(str(tmp_path))
+
+
+def test_an_encoding_device_that_does_not_exist_here_is_one_clear_error():
+    pytest.importorskip("torch")
+    import torch
+
+    from selfevo.search.dense import check_device
+
+    with pytest.raises(ValueError, match="--device"):
+        check_device("tpu9")
+    check_device("cpu")
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="no CUDA GPU"):
+            check_device("cuda")
