@@ -5,8 +5,9 @@
 1. A small world run (small world, 3 rounds x (3 proposer + 3 solver steps), 60 admitted a round).
 2. Scripted judges (deterministic, no model) behind the real OpenAI-compatible server on loopback:
    a truthful answer key built from the world's truth, and a misreading one (every question whose
-   source pages also state a wrong answer is read off that confusable sentence) -- each audited with `--compare oracle`: per round side by side,
-   bootstrap 95% intervals, coverage, confusion matrices.
+   source pages also state a wrong answer is read off that confusable sentence) -- each audited
+   with `--compare oracle`: per round side by side, bootstrap 95% intervals, coverage, confusion
+   matrices.
 3. Operational checks, counted: the truthful judge with 30% of calls failing (500/429) or garbage
    and 5% slower than the timeout; and a `selfevo audit --judge llm` process killed with SIGKILL,
    then resumed from its cache.

@@ -5,8 +5,8 @@ tests, and one slow test with the real SmolLM2-135M-Instruct (transformers, offl
 from __future__ import annotations
 
 import json
-import re
 import os
+import re
 import signal
 import subprocess
 import sys

@@ -202,14 +202,14 @@ def read_qa_dir(data_dir: str | os.PathLike) -> dict[str, list[QAItem]]:
     out: dict[str, list[QAItem]] = {}
     origin: dict[str, Path] = {}
     for f in files:
-        n = 0
-        for n, item in enumerate(iter_qa(f), start=1):
+        items = read_qa(f)
+        if not items:  # a benchmark that silently drops out would change the macro average
+            raise DataError(f, None, "no questions (an empty QA file; a truncated download?)")
+        for item in items:
             if item.id in origin:
                 raise DataError(f, None, f"id '{item.id}' also appears in {origin[item.id]}")
             origin[item.id] = f
             out.setdefault(item.benchmark or f.stem, []).append(item)
-        if not n:  # a benchmark that silently drops out would change the macro average
-            raise DataError(f, None, "no questions (an empty QA file; a truncated download?)")
     return out
 
 
