@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
@@ -27,6 +28,70 @@ else:  # pragma: no cover
     import tomli as tomllib
 
 DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "demo.toml"
+
+
+# fields of the run config the demo sets itself, per run or for the whole grid: a run table
+# setting them would be overridden without a word, so it is refused
+_SET_BY_THE_PLAN = {"treatment": "demo.treatments", "seed": "demo.seeds", "world.name": "demo.world"}
+
+
+def _int(name: str, value, least: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ConfigError(f"demo.{name}: expected an integer, got {value!r}")
+    if value < least:
+        raise ConfigError(f"demo.{name}: must be >= {least}, got {value}")
+    return value
+
+
+def _names(name: str, value) -> tuple[str, ...]:
+    # a bare string would be iterated letter by letter: say what is wrong instead
+    if not isinstance(value, (list, tuple)):
+        raise ConfigError(f"demo.{name}: expected a list of names, got {value!r}")
+    for i, v in enumerate(value):
+        if not isinstance(v, str):
+            raise ConfigError(f"demo.{name}[{i}]: expected a string, got {v!r}")
+    dup = sorted({v for v in value if value.count(v) > 1})
+    if dup:
+        raise ConfigError(f"demo.{name}: {dup[0]!r} is listed twice")
+    return tuple(value)
+
+
+def _check_field(name: str, value):
+    """One field of the plan, checked on its own; returns it normalised. Errors say
+    `demo.NAME: problem`, so the caller can say where the value came from."""
+    if name in ("seeds", "replay_size"):
+        return _int(name, value, 1)
+    if name == "treatments":
+        value = _names(name, value)
+        if "coupled" not in value:
+            raise ConfigError("demo.treatments: must include coupled (every comparison is against it)")
+        return value
+    if name == "replay_conditions":
+        from selfevo.replay import CONDITIONS
+
+        value = _names(name, value)  # empty: no replay study
+        unknown = [c for c in value if c not in CONDITIONS]
+        if unknown:
+            raise ConfigError(f"demo.replay_conditions: unknown {unknown[0]!r} (known: {', '.join(CONDITIONS)})")
+        return value
+    if name == "executor":
+        if value not in EXECUTORS:
+            raise ConfigError(f"demo.executor: expected one of {', '.join(EXECUTORS)}, got {value!r}")
+        return value
+    if name == "world":
+        from selfevo.world.generate import SIZES
+
+        if not isinstance(value, str) or not value:
+            raise ConfigError(f"demo.world: expected small, default or a world directory, got {value!r}")
+        if value in SIZES:
+            return value
+        # checked once here, not by every job of the grid (each would fail the same way)
+        if not (Path(value) / "world.json").is_file():
+            raise ConfigError(f"demo.world: {value}: not a world directory (no world.json); make one with "
+                              f"`selfevo world make` or use {' or '.join(SIZES)}")
+        # absolute: a job run from another directory (a ray worker) must read the same world
+        return str(Path(value).resolve())
+    raise ConfigError(f"demo.{name}: unknown field")
 
 
 @dataclass(frozen=True)
@@ -42,12 +107,18 @@ class DemoPlan:
     run: dict = field(default_factory=dict)  # run-config tables applied to every run
 
     def __post_init__(self):
-        if self.seeds < 1:
-            raise ConfigError(f"demo.seeds: must be >= 1, got {self.seeds}")
-        if self.executor not in EXECUTORS:
-            raise ConfigError(f"demo.executor: expected one of {', '.join(EXECUTORS)}, got {self.executor!r}")
-        if "coupled" not in self.treatments:
-            raise ConfigError("demo.treatments: must include coupled (every comparison is against it)")
+        # every field is checked before anything runs: a bad one found by the grid's jobs fails
+        # each of them, or (the replay size) only after all of them have finished
+        for f in self.__dataclass_fields__:
+            if f != "run":
+                object.__setattr__(self, f, _check_field(f, getattr(self, f)))
+        for key, where in _SET_BY_THE_PLAN.items():
+            *tables, last = key.split(".")
+            inner = self.run
+            for t in tables:
+                inner = inner.get(t) if isinstance(inner.get(t), dict) else {}
+            if last in inner:
+                raise ConfigError(f"{key}: set by the demo for every run; use {where}")
         for t in self.treatments:  # validate every treatment (and the run tables) before running
             config_from_dict({**self.run, "treatment": t})
 
@@ -66,19 +137,52 @@ class DemoPlan:
         return [*out, f"world.name={json.dumps(self.world)}"]
 
 
+def _read_toml(path: Path) -> dict:
+    # the messages of `selfevo evolve --config` (config.load_config)
+    try:
+        return tomllib.loads(path.read_text(encoding="utf-8"))
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{path}: {e}") from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{path}: invalid UTF-8 at byte {e.start}") from None
+    except OSError as e:  # missing, a directory, no permission
+        raise ConfigError(f"{path}: cannot read: {e.strerror}") from None
+
+
 def load_plan(path: str | os.PathLike | None = None, **changes) -> DemoPlan:
-    path = Path(path) if path else DEFAULT_CONFIG
-    data = tomllib.loads(path.read_text(encoding="utf-8")) if path.exists() else {}
-    demo = dict(data.pop("demo", {}))
-    known = {f for f in DemoPlan.__dataclass_fields__ if f != "run"}
-    unknown = set(demo) - known
-    if unknown:
-        raise ConfigError(f"demo.{sorted(unknown)[0]}: unknown field (known: {', '.join(sorted(known))})")
-    for key in ("treatments", "replay_conditions"):
-        if key in demo:
-            demo[key] = tuple(demo[key])
-    demo.update({k: v for k, v in changes.items() if v is not None})
-    return DemoPlan(**demo, run=data)
+    """The plan of a demo config file (default: configs/demo.toml), with `changes` (the command's
+    --seeds, --world, --executor; None: keep the file's) applied. Every error names where the bad
+    value came from: `FILE: demo.seeds: ...` or `--seeds: ...`."""
+    if path is None and not DEFAULT_CONFIG.exists():
+        data = {}  # an installed package has no configs/ directory: the plan's defaults are the same
+        path = DEFAULT_CONFIG
+    else:
+        path = Path(path) if path is not None else DEFAULT_CONFIG
+        data = _read_toml(path)
+    demo = data.pop("demo", {})
+    if not isinstance(demo, dict):
+        raise ConfigError(f"{path}: demo: expected a table, got {type(demo).__name__}")
+    demo = dict(demo)
+    known = [f for f in DemoPlan.__dataclass_fields__ if f != "run"]
+    for name, value in demo.items():
+        if name not in known:
+            raise ConfigError(f"{path}: demo.{name}: unknown field (known: {', '.join(sorted(known))})")
+        try:
+            demo[name] = _check_field(name, value)
+        except ConfigError as e:
+            raise ConfigError(f"{path}: {e}") from None
+    for name, value in changes.items():
+        if value is None:
+            continue
+        try:
+            demo[name] = _check_field(name, value)
+        except ConfigError as e:  # a flag's value: name the flag, not the file's field
+            flag = f"--{name.replace('_', '-')}"
+            raise ConfigError(str(e).replace(f"demo.{name}", flag, 1)) from None
+    try:
+        return DemoPlan(**demo, run=data)
+    except ConfigError as e:  # the treatments and run tables: both come from the file
+        raise ConfigError(f"{path}: {e}") from None
 
 
 def run_demo(plan: DemoPlan, out: str | os.PathLike, console: Console | None = None,
@@ -130,7 +234,8 @@ def headline(res: dict, console: Console) -> None:
             keep = [0, *range(len(head) - 4, len(head))]
             head, rows = [head[i] for i in keep], [[r[i] for i in keep] for r in rows]
         if title.startswith("Audit"):
-            rows = [r for r in rows if r[1] == str(max(int(x[1]) for x in rows))]  # last round only
+            last = max((int(x[1]) for x in rows), default=0)  # no rows: no run was audited
+            rows = [r for r in rows if r[1] == str(last)]  # last round only
             title = "Audit, last round (mean ± std over seeds)"
         table = Table(title=title)
         for h in head:
@@ -140,3 +245,5 @@ def headline(res: dict, console: Console) -> None:
         console.print(table)
     for r in res["readings"]:
         console.print(f"- {r}")
+    for r in res.get("excluded", []):
+        console.print(f"[yellow]left out (not complete):[/yellow] {escape(r['run'])} ({escape(r['why'])})")

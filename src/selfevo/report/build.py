@@ -7,9 +7,9 @@ import json
 import os
 from pathlib import Path
 
-from selfevo._io import atomic_writer, read_json, write_json
+from selfevo._io import atomic_writer
 from selfevo.report import figures as figs
-from selfevo.report.collect import collect_runs, find_runs
+from selfevo.report.collect import collect_runs, find_runs, read_object
 from selfevo.report.render import html_page, markdown
 
 
@@ -22,7 +22,7 @@ def build_report(root: str | os.PathLike, context: str = "") -> dict:
     res["context"] = context
     replay = root / "replay" / "results.json"
     if replay.exists():
-        res["replay"] = read_json(replay)
+        res["replay"] = read_object(replay)
     pngs: dict[str, bytes] = {}
     if "coupled" in res["audit"]:
         pngs["Coupled loop: A, T_P, T_S, F, L by scheduled step (mean over seeds; Figure 1/3 analogue)"] = \
@@ -34,13 +34,20 @@ def build_report(root: str | os.PathLike, context: str = "") -> dict:
         pngs["Downstream gain vs compute: macro Cover-EM gain (95% interval) against extra wall time "
              "(± std over seeds: single runs of seconds time noisily)"] = figs.cost_figure(res["downstream"],
                                                                                       res["compute"])
+    # strict JSON: an undefined statistic is null, and a NaN or infinity that slips in is a bug to
+    # raise here, not `NaN` in a file other JSON readers (browsers, Node, jq) refuse
+    try:
+        text = json.dumps(res, default=str, indent=2, allow_nan=False) + "\n"
+    except ValueError as e:
+        raise ValueError(f"{root / 'results.json'}: not written, a result is not a finite number ({e})") from None
     paths = {}
     for i, (caption, png) in enumerate(pngs.items()):
         path = root / "figures" / f"figure-{i + 1}.png"
         with atomic_writer(path, "wb") as fh:
             fh.write(png)
         paths[caption] = f"figures/{path.name}"
-    write_json(root / "results.json", json.loads(json.dumps(res, default=str)))
+    with atomic_writer(root / "results.json") as fh:
+        fh.write(text)
     with atomic_writer(root / "report.md") as fh:
         fh.write(markdown(res, paths))
     with atomic_writer(root / "report.html") as fh:

@@ -35,8 +35,10 @@ def summary(values: Sequence[float | None]) -> dict:
     if not vals:
         return {"mean": None, "std": None, "lo": None, "hi": None, "n": 0}
     m = statistics.fmean(vals)
-    s = statistics.stdev(vals) if len(vals) > 1 else 0.0
-    half = t95(len(vals) - 1) * s / math.sqrt(len(vals)) if len(vals) > 1 else float("nan")
+    if len(vals) == 1:  # one seed has no interval: None (JSON null), never NaN (not JSON)
+        return {"mean": m, "std": 0.0, "lo": None, "hi": None, "n": 1}
+    s = statistics.stdev(vals)
+    half = t95(len(vals) - 1) * s / math.sqrt(len(vals))
     return {"mean": m, "std": s, "lo": m - half, "hi": m + half, "n": len(vals)}
 
 
@@ -47,23 +49,61 @@ def _eval_row(score: dict) -> dict:
     return row
 
 
+def read_object(path: Path) -> dict:
+    """A JSON object a run (or the replay study) wrote; a damaged one is an error naming the file."""
+    try:
+        data = read_json(path)
+    except OSError as e:
+        raise ValueError(f"{path}: cannot read: {e.strerror}") from None
+    except ValueError as e:  # JSONDecodeError, bad UTF-8
+        raise ValueError(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: expected a JSON object, got a {type(data).__name__}")
+    return data
+
+
 def collect_runs(run_dirs: Sequence[str | os.PathLike]) -> dict:
+    """One run per (treatment, seed): two are an error (which one counts is not ours to guess).
+    Runs not complete are left out of every number and listed under "excluded": an interrupted
+    run stops rounds short, and its last evaluation pooled with the finished runs' would move the
+    means without a word. Leaving it out (rather than refusing) still reports a grid in which a
+    job failed, as `selfevo demo` does."""
     runs: dict[str, dict[int, RunDir]] = {}
+    seen: dict[tuple[str, int], Path] = {}
+    done: dict[Path, int] = {}  # rounds completed, by run directory
+    excluded = []
     for d in run_dirs:
         run = RunDir(d)
-        cfg = run.config()
-        runs.setdefault(cfg["treatment"], {})[cfg["seed"]] = run
+        cfg, manifest = read_object(run.path / "config.json"), read_object(run.path / "manifest.json")
+        treatment, seed = cfg.get("treatment"), cfg.get("seed")
+        if not isinstance(treatment, str) or isinstance(seed, bool) or not isinstance(seed, int):
+            raise ValueError(f"{run.path / 'config.json'}: no treatment and seed (not a run's config)")
+        if (treatment, seed) in seen:
+            raise ValueError(f"two runs of {treatment} seed {seed}: {seen[treatment, seed]} and {run.path}; "
+                             "a report pools one run per treatment and seed, so move one of them elsewhere")
+        seen[treatment, seed] = run.path
+        if manifest.get("status") != "complete":
+            excluded.append({"run": str(run.path), "treatment": treatment, "seed": seed,
+                             "why": f"status {manifest.get('status')!r}, "
+                                    f"{manifest.get('rounds_completed', 0)} round(s) done"})
+            continue
+        runs.setdefault(treatment, {})[seed] = run
+        done[run.path] = manifest.get("rounds_completed", 0)
+    if not runs:
+        raise ValueError(f"no complete run among the {len(excluded)} found ({excluded[0]['run']}: "
+                         f"{excluded[0]['why']}); finish them with `selfevo evolve --resume`")
     treatments = sorted(runs, key=lambda t: (t != "coupled", t))
     seeds = sorted({s for by_seed in runs.values() for s in by_seed})
     columns = [*[b for b in BENCHMARKS], "macro", "single_hop", "multi_hop"]
 
     def last_eval(run: RunDir) -> dict:
-        return _eval_row(read_json(run.eval_path(run.manifest()["rounds_completed"])))
+        return _eval_row(read_object(run.eval_path(done[run.path])))
 
-    out: dict = {"treatments": treatments, "seeds": seeds, "downstream": {}, "audit": {}, "compute": {}}
+    out: dict = {"treatments": treatments, "seeds": seeds, "downstream": {}, "audit": {}, "compute": {},
+                 "excluded": excluded}
     # the untrained base model (round-0 evaluation; identical across treatments of a seed)
     any_t = treatments[0]
-    base_rows = [_eval_row(read_json(runs[any_t][s].eval_path(0))) for s in sorted(runs[any_t])]
+    base_rows = [_eval_row(read_object(runs[any_t][s].eval_path(0))) for s in sorted(runs[any_t])]
     out["base"] = {c: summary([r.get(c) for r in base_rows]) for c in columns}
     coupled = {s: last_eval(r) for s, r in runs.get("coupled", {}).items()}
     for t in treatments:
@@ -74,7 +114,7 @@ def collect_runs(run_dirs: Sequence[str | os.PathLike]) -> dict:
             entry["gain_vs_coupled"] = {c: summary([rows[s][c] - coupled[s][c] for s in common])
                                         for c in ("macro", "single_hop", "multi_hop")}
         out["downstream"][t] = entry
-        by_seed = {s: read_json(r.path / "audit" / "metrics.json") for s, r in runs[t].items()
+        by_seed = {s: read_object(r.path / "audit" / "metrics.json") for s, r in runs[t].items()
                    if (r.path / "audit" / "metrics.json").exists()}
         audits = list(by_seed.values())
         n_rounds = min((len(a["rounds"]) for a in audits), default=0)

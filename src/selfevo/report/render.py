@@ -8,12 +8,16 @@ import html
 from selfevo.audit import METRICS, hop_mix_text
 from selfevo.evaluate import BENCHMARKS
 
+# runs collect_runs left out of every number (not complete), listed so the reader knows
+LEFT_OUT = "Runs left out (not complete; no number above includes them)"
+
 
 def _f(s: dict | None, ci: bool = False) -> str:
     if not s or s.get("mean") is None:
         return "-"
-    if ci and s.get("lo") is not None and s["n"] > 1:
-        return f"{s['mean']:.3f} [{s['lo']:.3f}, {s['hi']:.3f}]"
+    if ci:  # one seed has no interval: a dash, not a made-up "± 0.000"
+        lo, hi = s.get("lo"), s.get("hi")
+        return f"{s['mean']:.3f} [—]" if lo is None else f"{s['mean']:.3f} [{lo:.3f}, {hi:.3f}]"
     return f"{s['mean']:.3f} ± {s['std']:.3f}"
 
 
@@ -24,9 +28,9 @@ def _count(s: dict | None) -> str:
 def _gain(s: dict | None) -> str:
     if not s or s.get("mean") is None:
         return ""
-    if s["n"] > 1 and s["lo"] is not None:
-        return f"{s['mean']:+.3f} [{s['lo']:+.3f}, {s['hi']:+.3f}]"
-    return f"{s['mean']:+.3f}"
+    if s.get("lo") is None:  # one seed: no interval
+        return f"{s['mean']:+.3f} [—]"
+    return f"{s['mean']:+.3f} [{s['lo']:+.3f}, {s['hi']:+.3f}]"
 
 
 def tables(res: dict) -> dict[str, tuple[list[str], list[list[str]]]]:
@@ -70,6 +74,9 @@ def markdown(res: dict, figures: dict[str, str]) -> str:
     lines = ["# selfevo report", "", f"Treatments: {', '.join(res['treatments'])}; seeds: "
              f"{', '.join(map(str, res['seeds']))}. {res.get('context', '')}", "", "## Readings", ""]
     lines += [f"- {r}" for r in res["readings"]] or ["- (none)"]
+    if res.get("excluded"):
+        lines += ["", f"## {LEFT_OUT}", ""]
+        lines += [f"- `{r['run']}` ({r['treatment']} seed {r['seed']}): {r['why']}" for r in res["excluded"]]
     for title, (head, rows) in tables(res).items():
         lines += ["", f"## {title}", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
         lines += ["| " + " | ".join(r) + " |" for r in rows]
@@ -90,6 +97,11 @@ def html_page(res: dict, figures: dict[str, bytes]) -> str:
              f" {esc(res.get('context', ''))}</p>", "<h2>Readings</h2><ul>"]
     parts += [f"<li>{esc(r)}</li>" for r in res["readings"]] or ["<li>(none)</li>"]
     parts.append("</ul>")
+    if res.get("excluded"):
+        parts.append(f"<h2>{esc(LEFT_OUT)}</h2><ul>")
+        parts += [f"<li><code>{esc(r['run'])}</code> ({esc(r['treatment'])} seed {r['seed']}): {esc(r['why'])}</li>"
+                  for r in res["excluded"]]
+        parts.append("</ul>")
     for title, (head, rows) in tables(res).items():
         parts.append(f"<h2>{esc(title)}</h2><table><tr>" + "".join(f"<th>{esc(h)}</th>" for h in head) + "</tr>")
         parts += ["<tr>" + "".join(f"<td>{esc(c)}</td>" for c in r) + "</tr>" for r in rows]

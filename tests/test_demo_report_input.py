@@ -1,0 +1,199 @@
+"""Bad input to `selfevo demo` and `selfevo report`: a demo plan is checked whole before anything
+runs (errors name the file and the field, exit 2, no traceback); a report writes strict JSON,
+refuses two runs of one (treatment, seed) and leaves runs that are not complete out, visibly."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+import selfevo.demo
+from selfevo.cli import app
+from selfevo.config import ConfigError
+from selfevo.demo import load_plan
+from selfevo.report.build import build_report
+
+TINY = ["--world", "small", "--set", "loop.proposer_steps=2", "--set", "loop.solver_steps=2",
+        "--set", "loop.admit_per_round=20"]
+
+
+def _one_line(output: str) -> str:
+    return " ".join(output.split())  # rich wraps long lines
+
+
+@pytest.fixture
+def no_run(monkeypatch):
+    """A demo that got past its plan would start the grid: make that an error of the test."""
+    def run_demo(*args, **kwargs):
+        raise AssertionError("the demo ran on a bad plan")
+
+    monkeypatch.setattr(selfevo.demo, "run_demo", run_demo)
+
+
+def _demo(tmp_path: Path, *args: str):
+    out = tmp_path / "out"
+    result = CliRunner().invoke(app, ["demo", *args, "--out", str(out), "--workers", "1"])
+    assert not out.exists()
+    return result
+
+
+def test_a_missing_demo_config_is_an_error(tmp_path, no_run, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    result = _demo(tmp_path, "--config", "nosuch.toml")
+    assert result.exit_code == 2, result.output
+    assert _one_line(result.output) == "error: nosuch.toml: cannot read: No such file or directory"
+
+
+@pytest.mark.parametrize("text, message", [
+    ("[demo\n", "Expected ']'"),
+    ('[demo]\nseeds = "3"\n', "demo.seeds: expected an integer, got '3'"),
+    ("[demo]\nseeds = true\n", "demo.seeds: expected an integer, got True"),
+    ('[demo]\ntreatments = "coupled"\n', "demo.treatments: expected a list of names, got 'coupled'"),
+    ('[demo]\ntreatments = ["coupled", 3]\n', "demo.treatments[1]: expected a string, got 3"),
+    ('[demo]\ntreatments = ["coupled", "msv", "coupled"]\n', "demo.treatments: 'coupled' is listed twice"),
+    ("[demo]\nreplay_size = -5\n", "demo.replay_size: must be >= 1, got -5"),
+    ('[demo]\nreplay_size = "big"\n', "demo.replay_size: expected an integer, got 'big'"),
+    ('[demo]\nreplay_conditions = ["coupled", "nope"]\n', "demo.replay_conditions: unknown 'nope'"),
+    ('[demo]\nreplay_conditions = "coupled"\n', "demo.replay_conditions: expected a list of names"),
+    ('[demo]\nworld = "no-such-world"\n', "demo.world: no-such-world: not a world directory"),
+    ("[demo]\nworld = 3\n", "demo.world: expected small, default or a world directory, got 3"),
+    ("[demo]\nexecutor = 1\n", "demo.executor: expected one of local, ray, got 1"),
+    ("demo = 3\n", "demo: expected a table, got int"),
+    ("seed = 3\n", "seed: set by the demo for every run; use demo.seeds"),
+    ('[world]\nname = "small"\n', "world.name: set by the demo for every run; use demo.world"),
+    ("[loop]\nrounds = 0\n", "loop.rounds: "),
+])
+def test_every_plan_field_is_checked_before_anything_runs(tmp_path, no_run, text, message):
+    cfg = tmp_path / "demo.toml"
+    cfg.write_text(text)
+    result = _demo(tmp_path, "--config", str(cfg))
+    assert result.exit_code == 2, result.output  # 1 would be a traceback
+    assert _one_line(result.output).startswith(f"error: {cfg}: {message}")
+    with pytest.raises(ConfigError, match=f"^{re.escape(str(cfg))}: "):
+        load_plan(cfg)
+
+
+def test_a_directory_or_bad_utf8_as_the_demo_config(tmp_path, no_run):
+    result = _demo(tmp_path, "--config", str(tmp_path))
+    assert result.exit_code == 2 and _one_line(result.output) == f"error: {tmp_path}: cannot read: Is a directory"
+    cfg = tmp_path / "demo.toml"
+    cfg.write_bytes(b"[demo]\nworld = \"\xff\"\n")
+    result = _demo(tmp_path, "--config", str(cfg))
+    assert result.exit_code == 2 and "invalid UTF-8 at byte" in result.output
+
+
+def test_bad_flags_are_named_as_flags(tmp_path, no_run):
+    result = _demo(tmp_path, "--seeds", "0")
+    assert result.exit_code == 2 and _one_line(result.output) == "error: --seeds: must be >= 1, got 0"
+    result = _demo(tmp_path, "--world", str(tmp_path / "nowhere"))
+    assert result.exit_code == 2 and "error: --world: " in _one_line(result.output)
+    assert "not a world directory" in _one_line(result.output)
+    result = _demo(tmp_path, "--executor", "dask")
+    assert result.exit_code == 2 and "error: --executor: expected one of local, ray" in _one_line(result.output)
+
+
+def test_a_world_directory_is_kept_absolute(tmp_path, monkeypatch):
+    (tmp_path / "w").mkdir()
+    (tmp_path / "w" / "world.json").write_text("{}")
+    monkeypatch.chdir(tmp_path)
+    assert load_plan(world="w").world == str((tmp_path / "w").resolve())
+    assert load_plan(world="small").world == "small"
+
+
+# ---------------------------------------------------------------- report
+
+
+def _evolve(out: Path, *args: str) -> Path:
+    result = CliRunner().invoke(app, ["evolve", "--out", str(out), *TINY, *args])
+    assert result.exit_code == 0, result.output
+    return out
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> Path:
+    """coupled and crossfit, one seed, two rounds each; a one-round coupled seed 0 beside them."""
+    root = tmp_path_factory.mktemp("runs")
+    _evolve(root / "grid" / "coupled-s0", "--set", "loop.rounds=2")
+    _evolve(root / "grid" / "crossfit-s0", "--treatment", "crossfit", "--set", "loop.rounds=2")
+    _evolve(root / "short" / "coupled-s0", "--set", "loop.rounds=1")
+    return root
+
+
+def _strict(text: str):
+    def no_constant(name: str):
+        raise AssertionError(f"{name} is not JSON")
+
+    return json.loads(text, parse_constant=no_constant)
+
+
+def test_one_seed_report_is_strict_json(runs, tmp_path):
+    root = tmp_path / "r"
+    shutil.copytree(runs / "grid", root)
+    build_report(root)
+    res = _strict((root / "results.json").read_text())
+    gain = res["downstream"]["crossfit"]["gain_vs_coupled"]["macro"]
+    assert gain["n"] == 1 and gain["lo"] is None and gain["hi"] is None and gain["mean"] is not None
+    assert res["base"]["macro"]["lo"] is None
+    md = (root / "report.md").read_text()
+    assert "nan" not in md.lower() and "[—]" in md  # a missing interval is a dash
+    assert f"| {gain['mean']:+.3f} [—] |" in md
+
+
+def test_two_runs_of_one_treatment_and_seed_are_refused(runs, tmp_path):
+    root = tmp_path / "r"
+    shutil.copytree(runs / "grid" / "coupled-s0", root / "a")
+    shutil.copytree(runs / "short" / "coupled-s0", root / "b")
+    result = CliRunner().invoke(app, ["report", str(root)])
+    assert result.exit_code == 2, result.output
+    said = _one_line(result.output)
+    assert "two runs of coupled seed 0" in said and str(root / "a") in said and str(root / "b") in said
+    assert not (root / "results.json").exists()
+
+
+def _mark_running(run: Path) -> None:
+    manifest = json.loads((run / "manifest.json").read_text())
+    manifest["status"] = "running"
+    (run / "manifest.json").write_text(json.dumps(manifest))
+
+
+def test_a_run_not_complete_is_left_out_and_listed(runs, tmp_path):
+    root = tmp_path / "r"
+    shutil.copytree(runs / "grid", root / "grid")
+    shutil.copytree(runs / "short" / "coupled-s0", root / "killed" / "coupled-s1")
+    killed = root / "killed" / "coupled-s1"
+    config = json.loads((killed / "config.json").read_text())
+    (killed / "config.json").write_text(json.dumps({**config, "seed": 1}))
+    _mark_running(killed)
+    result = CliRunner().invoke(app, ["report", str(root)])
+    assert result.exit_code == 0, result.output
+    assert "left out (not complete):" in _one_line(result.output)
+    res = _strict((root / "results.json").read_text())
+    assert res["seeds"] == [0]  # the killed seed 1 is in no number
+    assert res["downstream"]["coupled"]["macro"]["n"] == 1
+    assert res["excluded"] == [{"run": str(killed), "treatment": "coupled", "seed": 1,
+                                "why": "status 'running', 1 round(s) done"}]
+    for page in ("report.md", "report.html"):
+        text = (root / page).read_text()
+        assert "Runs left out" in text and str(killed) in text
+
+
+def test_no_complete_run_is_an_error(runs, tmp_path):
+    root = tmp_path / "r"
+    shutil.copytree(runs / "short" / "coupled-s0", root / "coupled-s0")
+    _mark_running(root / "coupled-s0")
+    result = CliRunner().invoke(app, ["report", str(root)])
+    assert result.exit_code == 2 and "no complete run among the 1 found" in _one_line(result.output)
+
+
+def test_a_damaged_run_file_is_named(runs, tmp_path):
+    root = tmp_path / "r"
+    shutil.copytree(runs / "grid" / "coupled-s0", root / "coupled-s0")
+    (root / "coupled-s0" / "config.json").write_text("{not json")
+    result = CliRunner().invoke(app, ["report", str(root)])
+    assert result.exit_code == 2
+    assert f"error: {root / 'coupled-s0' / 'config.json'}: not valid JSON" in _one_line(result.output)
