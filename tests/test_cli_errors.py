@@ -109,3 +109,18 @@ def test_an_encoding_device_that_does_not_exist_here_is_one_clear_error():
     if not torch.cuda.is_available():
         with pytest.raises(ValueError, match="no CUDA GPU"):
             check_device("cuda")
+
+
+def test_an_audit_that_resolves_nothing_says_so(tmp_path):
+    """A judge whose every call fails writes a table of dashes: the command must not let it pass
+    for a result."""
+    tiny = ["--set", "loop.rounds=2", "--set", "loop.proposer_steps=2", "--set", "loop.solver_steps=2",
+            "--set", "loop.admit_per_round=20"]
+    run = tmp_path / "run"
+    assert runner.invoke(app, ["evolve", "--world", "small", "--out", str(run), "--no-audit", *tiny]).exit_code == 0
+    res = runner.invoke(app, ["audit", str(run), "--judge", "llm", "--judge-url", "http://127.0.0.1:1/v1",
+                              "--judge-model", "x", "--judge-retries", "0", "--out", str(tmp_path / "a")])
+    assert res.exit_code == 0, res.output
+    assert "the judge resolved no item" in " ".join(res.output.split())
+    res = runner.invoke(app, ["audit", str(run), "--out", str(tmp_path / "b")])  # the oracle resolves them
+    assert res.exit_code == 0 and "resolved no item" not in res.output

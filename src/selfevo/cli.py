@@ -475,6 +475,10 @@ def audit_cmd(
     for r in res["metrics"]["rounds"]:
         table.add_row(str(r["round"]), *[num(r[c]) for c in cols[1:]])
     console.print(table)
+    if not any(r["coverage"] for r in res["metrics"]["rounds"]):
+        # every metric above is undefined: say so, rather than let a table of dashes pass for a result
+        console.print("[yellow]warning:[/yellow] the judge resolved no item (no records, or every call "
+                      "failed or went unresolved); nothing above is a measurement")
     if "summary" in res:
         s = res["summary"]
         console.print(f"judge calls: {s['replies']} replies to {s['requests']} requests ({s['retries']} retries), "
