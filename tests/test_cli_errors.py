@@ -124,3 +124,27 @@ def test_an_audit_that_resolves_nothing_says_so(tmp_path):
     assert "the judge resolved no item" in " ".join(res.output.split())
     res = runner.invoke(app, ["audit", str(run), "--out", str(tmp_path / "b")])  # the oracle resolves them
     assert res.exit_code == 0 and "resolved no item" not in res.output
+
+
+def test_a_run_on_a_world_directory_is_tied_to_that_world(tmp_path, monkeypatch):
+    """The run stores the world's absolute path (an audit from another directory reads the same
+    world) and its fingerprint: a world rewritten in place is refused by audit, resume and
+    replay build instead of judging the records against other truth."""
+    tiny = ["--set", "loop.rounds=2", "--set", "loop.proposer_steps=2", "--set", "loop.solver_steps=2",
+            "--set", "loop.admit_per_round=20"]
+    monkeypatch.chdir(tmp_path)
+    assert runner.invoke(app, ["world", "make", "--size", "small", "--seed", "3", "--out", "w"]).exit_code == 0
+    res = runner.invoke(app, ["evolve", "--world", "w", "--out", "run", "--no-audit", *tiny])
+    assert res.exit_code == 0, res.output
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    res = runner.invoke(app, ["audit", str(tmp_path / "run"), "--out", "a"])
+    assert res.exit_code == 0, res.output
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "w").rename(tmp_path / "w-old")  # another world where the first one was
+    assert runner.invoke(app, ["world", "make", "--size", "small", "--seed", "0", "--out", "w"]).exit_code == 0
+    for args in (["audit", "run", "--out", "b"], ["replay", "build", "--from", "run", "--size", "5", "--out", "b.json"],
+                 ["evolve", "--world", "w", "--out", "run", "--no-audit", "--resume", *tiny]):
+        assert "the world directory has changed since run was made on it" in _usage_error(args)
+    assert not (tmp_path / "b").exists() and not (tmp_path / "b.json").exists()

@@ -196,4 +196,4 @@ def test_a_damaged_run_file_is_named(runs, tmp_path):
     (root / "coupled-s0" / "config.json").write_text("{not json")
     result = CliRunner().invoke(app, ["report", str(root)])
     assert result.exit_code == 2
-    assert f"error: {root / 'coupled-s0' / 'config.json'}: not valid JSON" in _one_line(result.output)
+    assert f"error: {root / 'coupled-s0' / 'config.json'}: unreadable, not valid JSON" in _one_line(result.output)

@@ -52,10 +52,13 @@ class _Typer(typer.Typer):
 
 
 def _out_dir(path: Path) -> None:
-    """Create an output directory before the work, so a file in its way costs nothing."""
-    if path.exists() and not path.is_dir():
-        _fail(f"{path}: exists and is not a directory (--out names a directory)")
-    path.mkdir(parents=True, exist_ok=True)
+    """Check, before the work, that an output directory can be made where --out says (a file in
+    the way would otherwise fail the write at the end); nothing is created yet."""
+    for p in [path, *path.parents]:
+        if p.exists():
+            if not p.is_dir():
+                _fail(f"{p}: exists and is not a directory (--out names a directory)")
+            return
 
 
 def _typer(help: str) -> _Typer:
@@ -424,10 +427,12 @@ def audit_cmd(
             _fail("--judge gold reads gold answers from --records; a world run is audited with --judge oracle")
         if compare not in (None, "oracle"):
             _fail("--compare: a world run is compared with its exact truth only (--compare oracle)")
-        from selfevo.evolve import environment
+        from selfevo.evolve import check_world, environment
 
         try:
-            env = environment(config_from_dict(run.config()))
+            cfg = config_from_dict(run.config())
+            env = environment(cfg)
+            check_world(run, cfg)
         except (ConfigError, ValueError) as e:
             _fail(str(e))
         if env.truth is None and "oracle" in (judge, compare):

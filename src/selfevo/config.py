@@ -24,11 +24,31 @@ from selfevo.agents.lm.config import LMConfig
 from selfevo.agents.sim import SimProposerConfig, SimSolverConfig
 from selfevo.loop.schedule import LoopConfig
 from selfevo.loop.treatments import parse_treatment
-from selfevo.world.generate import WorldConfig
+from selfevo.world.generate import SIZES, WorldConfig
 
 
 class ConfigError(ValueError):
     """A bad configuration value; the message names the field."""
+
+
+# Fields that name a file or directory. Stored absolute: a run audited, resumed or replayed from
+# another directory (or on a Ray worker) must read the same files, not whatever is there.
+PATH_FIELDS = (("world", "name"), ("data", "corpus"), ("data", "qa_dir"))
+
+
+def absolute(path: str) -> str:
+    return str(Path(path).expanduser().resolve())
+
+
+def with_absolute_paths(config: dict) -> dict:
+    """A config dict (e.g. one saved by an older selfevo, relative to its working directory) with
+    its path fields as a config now stores them."""
+    out = {k: dict(v) if isinstance(v, dict) else v for k, v in config.items()}
+    for table, key in PATH_FIELDS:
+        value = out.get(table, {}).get(key) if isinstance(out.get(table), dict) else None
+        if isinstance(value, str) and value and not (table == "world" and value in SIZES):
+            out[table][key] = absolute(value)
+    return out
 
 
 @dataclass(frozen=True)
@@ -42,6 +62,8 @@ class WorldSpec:
     def __post_init__(self):
         if not self.name.strip():
             raise ValueError("world.name: empty (small, default or a world directory)")
+        if self.name not in SIZES:
+            object.__setattr__(self, "name", absolute(self.name))
         # validate the world parameters here, so a bad one is reported before anything runs
         WorldConfig(size="small", **self.params())
 
@@ -76,6 +98,9 @@ class DataSpec:
             raise ValueError(f"data.eval_limit: must be >= 0, got {self.eval_limit}")
         if self.corpus and not self.qa_dir:
             raise ValueError("data.corpus: needs data.qa_dir as well (the benchmarks to evaluate on)")
+        for name in ("corpus", "qa_dir"):
+            if getattr(self, name):
+                object.__setattr__(self, name, absolute(getattr(self, name)))
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from selfevo._io import read_json, write_json
+from selfevo._io import write_json
 from selfevo.agents.sim import Reader, SimProposer, SimSolver
 from selfevo.audit import OracleJudge, audit_run
 from selfevo.config import RunConfig
@@ -26,10 +26,11 @@ from selfevo.loop.feedback import AuxFeedback, CoupledFeedback
 from selfevo.loop.folds import FoldAssignment, assign_folds
 from selfevo.loop.schedule import derive_seed
 from selfevo.loop.treatments import parse_treatment
-from selfevo.runs import RunDir
+from selfevo.runs import RunDir, RunError
 from selfevo.search.bm25 import BM25Index
 from selfevo.search.tool import SearchTool
-from selfevo.world import World, resolve_world
+from selfevo.world import World, resolve_world, world_fingerprint
+from selfevo.world.generate import SIZES
 
 
 def load_run_world(cfg: RunConfig) -> World:
@@ -152,20 +153,41 @@ def build_loop(cfg: RunConfig, env: Environment, tool: SearchTool, folds: FoldAs
     return Loop(cfg.loop, cfg.seed, proposer, main, admission, feedback, tool, folds, evaluate=evaluate)
 
 
+def world_sha256(cfg: RunConfig) -> str | None:
+    """The fingerprint of the world directory a run is made on (None: a generated world, which is
+    a pure function of its spec, or a real corpus)."""
+    if cfg.data.corpus or cfg.world.name in SIZES:
+        return None
+    return world_fingerprint(cfg.world.name)
+
+
+def check_world(run: RunDir, cfg: RunConfig) -> None:
+    """A run's records are judged against the truth of the world they were made on: a world
+    directory rewritten since (say by another `selfevo world make`) is refused."""
+    saved = run.manifest().get("world_sha256")
+    if saved is not None and saved != world_sha256(cfg):
+        raise RunError(f"{cfg.world.name}: the world directory has changed since {run.path} was made on it "
+                       "(its files no longer match the sha256 the run recorded); the run can only be audited "
+                       "or resumed on the world it was made on")
+
+
 def evolve(cfg: RunConfig, out: str | os.PathLike, resume: bool = False, progress: bool = True,
            audit: bool = True, judge=None) -> RunDir:
     """Run, then audit: with the world's exact truth (OracleJudge), or on a real corpus with
     `judge` (e.g. an LLMJudge; None: `selfevo.evolve.default_judge`, the base model served on
     loopback). The judge only reads the finished records: it never feeds back."""
     started = time.perf_counter()
-    # everything that can fail on bad input happens before the run directory is written
+    # Everything that can fail at start-up (bad data, a model that does not load) happens before
+    # a new run directory is written: a failed start leaves nothing to block the corrected retry.
     env = environment(cfg)
     tool = SearchTool(env.index, topk=cfg.search.topk, max_calls=cfg.search.max_calls)
     run = RunDir(out)
-    if resume and run.exists():
+    resuming = resume and run.exists()
+    if resuming:
         done = run.open_for_resume(cfg.to_json(), defaults=RunConfig().to_json())
+        check_world(run, cfg)
     else:
-        run.create(cfg.to_json())
+        run.check_new()  # now, not after the model load it would waste
         done = 0
 
     def evaluate(solver, round_: int) -> None:
@@ -176,14 +198,19 @@ def evolve(cfg: RunConfig, out: str | os.PathLike, resume: bool = False, progres
                         score_path=run.eval_path(round_), timing=False)
 
     folds_path = run.path / "folds.json"
-    if folds_path.exists():  # permanent: a resumed run keeps the assignment it started with
-        folds = FoldAssignment.from_json(read_json(folds_path))
+    if resuming and folds_path.exists():  # permanent: a resumed run keeps the assignment it started with
+        folds = FoldAssignment.from_json(run.folds())
     else:
         folds = fold_assignment(cfg, env.documents)
-        write_json(folds_path, folds.to_json())
     loop = build_loop(cfg, env, tool, folds, evaluate, store=run.path / "checkpoints" / "tensors")
+    if not resuming:
+        run.create(cfg.to_json())
+        if (sha := world_sha256(cfg)) is not None:
+            run.note(world_sha256=sha)
+    if not folds_path.exists():
+        write_json(folds_path, folds.to_json())
     if done:
-        loop.load_state_dict(run.load_checkpoint(done))
+        _restore(loop, run, done)
     elif not run.eval_path(0).exists():
         evaluate(loop.main, 0)  # the base model, before any training
     loop.run(run, start_round=done + 1, progress=progress)
@@ -198,6 +225,25 @@ def evolve(cfg: RunConfig, out: str | os.PathLike, resume: bool = False, progres
                 audit_run(run, j)
     run.note(wall_seconds_last_invocation=round(time.perf_counter() - started, 3))
     return run
+
+
+# what Loop.state_dict writes; each is an object
+_CHECKPOINT_PARTS = ("proposer", "main", "feedback", "compute")
+
+
+def _restore(loop: Loop, run: RunDir, round_: int) -> None:
+    """Load round `round_`'s checkpoint into `loop`. Written atomically, so a checkpoint that does
+    not load was edited or damaged: an error naming the file, not a traceback."""
+    path = run.checkpoint_path(round_)
+    state = run.load_checkpoint(round_)
+    for part in _CHECKPOINT_PARTS:
+        if not isinstance(state.get(part), dict):
+            what = "is missing" if part not in state else "should be an object"
+            raise RunError(f"{path}: field {part!r} {what}")
+    try:
+        loop.load_state_dict(state)
+    except (KeyError, IndexError, TypeError, ValueError, AttributeError) as e:
+        raise RunError(f"{path}: not a checkpoint this run can load ({type(e).__name__}: {e})") from None
 
 
 @contextlib.contextmanager

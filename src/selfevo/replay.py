@@ -42,7 +42,7 @@ from selfevo.evaluate import answers_match
 from selfevo.loop.admission import MSV
 from selfevo.loop.folds import assign_folds, fold_of, question_fold
 from selfevo.loop.schedule import derive_seed
-from selfevo.runs import RunDir
+from selfevo.runs import RunDir, RunError
 from selfevo.search.tool import SearchTool
 
 __all__ = ["CONDITIONS", "MATCHER", "Bank", "BankItem", "Condition", "InvariantError", "ReplayError",
@@ -295,19 +295,33 @@ def build_bank(run_dirs: Sequence[str | os.PathLike], size: int = 3000, seed: in
         raise ReplayError("--from: name at least one run directory")
     if size < 1:
         raise ReplayError(f"--size: must be >= 1, got {size}")
+    from selfevo.config import config_from_dict
+    from selfevo.evolve import check_world
+
     hops = set(hops) if hops is not None else None
     if hops is not None and (not hops or min(hops) < 1):
         raise ReplayError(f"--hops: hop counts must be >= 1, got {sorted(hops)}")
+    named: dict[Path, str] = {}
+    for d in run_dirs:  # one run named twice would put every question in the pool twice
+        key = Path(d).resolve()
+        if key in named:
+            raise ReplayError(f"--from: run directory {key} is named twice ({named[key]}, {d}); name each "
+                              "run once")
+        named[key] = str(d)
     configs = []
     for d in run_dirs:
         run = RunDir(d)
         if not run.exists():
             raise ReplayError(f"{d}: not a run directory (no manifest.json)")
-        status = run.manifest().get("status")
-        if status != "complete":
-            raise ReplayError(f"{d}: the run is not complete (status {status!r}); finish it with "
-                              "`selfevo evolve --resume`")
-        configs.append(run.config())
+        try:  # a damaged file: its name, line and field
+            status = run.manifest().get("status")
+            if status != "complete":
+                raise ReplayError(f"{d}: the run is not complete (status {status!r}); finish it with "
+                                  "`selfevo evolve --resume`")
+            configs.append(run.config())
+            check_world(run, config_from_dict(configs[-1]))  # its truth judges the replay
+        except RunError as e:
+            raise ReplayError(str(e)) from None
     parts = [_bank_parts(cfg) for cfg in configs]
     for key in parts[0]:
         for d, other in zip(run_dirs[1:], parts[1:]):
@@ -323,7 +337,11 @@ def build_bank(run_dirs: Sequence[str | os.PathLike], size: int = 3000, seed: in
     pool: list[BankItem] = []
     seen: set[tuple[str, str]] = set()
     for i, d in enumerate(run_dirs):
-        for row in RunDir(d).steps():
+        try:
+            rows = RunDir(d).steps()
+        except RunError as e:
+            raise ReplayError(str(e)) from None
+        for row in rows:
             if row["kind"] != "proposer" or row["round"] < min_round:
                 continue
             for it in row["items"]:

@@ -20,6 +20,7 @@ from pathlib import Path
 
 from selfevo import __version__
 from selfevo._io import append_jsonl, atomic_writer, read_json, read_jsonl_log, write_json, write_jsonl
+from selfevo.config import ConfigError, config_from_dict, with_absolute_paths
 from selfevo.records import SCHEMA_VERSION
 
 
@@ -50,7 +51,71 @@ def _with_new_defaults(saved: dict, current: dict, defaults: dict | None) -> dic
 
 
 class RunError(ValueError):
-    """A run directory that cannot be used as asked (exists, mismatched config, incomplete)."""
+    """A run directory that cannot be used as asked (exists, mismatched config, incomplete,
+    damaged); the message names the file (and line) at fault."""
+
+
+_TYPE_NAMES = {int: "an integer", str: "a string", bool: "true/false", list: "a list", dict: "an object"}
+
+# What the readers of a step record (audit, replay, resume) rely on. The loop and the engine
+# integrations write more; only these are checked, so a damaged row is an error naming the line
+# and field instead of a KeyError deep inside a reader.
+_STEP_FIELDS = {"round": int, "step": int, "kind": str, "items": list}
+_ITEM_FIELDS = {"item_id": str, "source_id": str, "source_ids": list, "hops": int, "question": str,
+                "draft_label": str, "adopted_label": str, "admitted": bool, "responses": list}
+_FOLDS_FIELDS = {"k": int, "seed": int, "grouping": str, "folds": dict, "groups": dict}
+_COMPUTE_FIELDS = {"generations": dict, "updates": dict, "seconds": dict, "total_generations": int,
+                   "total_updates": int}
+
+
+def _check(obj: dict, fields: dict, where: str, optional: bool = False) -> None:
+    """Each field of `fields` is in `obj` (unless `optional`) with the named type."""
+    for key, typ in fields.items():
+        if key not in obj:
+            if optional:
+                continue
+            raise RunError(f"{where}: field {key!r} is missing")
+        value = obj[key]
+        if not isinstance(value, typ) or (typ is not bool and isinstance(value, bool)):  # True is an int
+            raise RunError(f"{where}: field {key!r} should be {_TYPE_NAMES[typ]}, got {value!r:.60}")
+
+
+def read_object(path: Path) -> dict:
+    """A JSON file of a run directory (or one a study wrote beside its runs). Written atomically,
+    so a bad one was edited or damaged on disk: one error naming the file, not a traceback."""
+    try:
+        data = read_json(path)
+    except FileNotFoundError:
+        raise RunError(f"{path}: missing") from None
+    except OSError as e:
+        raise RunError(f"{path}: unreadable ({e.strerror or e})") from None
+    except (ValueError, RecursionError) as e:  # JSONDecodeError, UnicodeDecodeError, absurd nesting
+        raise RunError(f"{path}: unreadable, not valid JSON ({e})") from None
+    if not isinstance(data, dict):
+        raise RunError(f"{path}: expected a JSON object, got a JSON {type(data).__name__}")
+    return data
+
+
+def _check_steps(path: Path, rows: list) -> list[dict]:
+    """Step records as the loop writes them. read_jsonl_log keeps every line but a torn last one,
+    so row i is line i + 1."""
+    for i, row in enumerate(rows):
+        where = f"{path}:{i + 1}"
+        if not isinstance(row, dict):
+            raise RunError(f"{where}: expected a JSON object, got a JSON {type(row).__name__}")
+        _check(row, _STEP_FIELDS, where)
+        if row["kind"] not in ("proposer", "solver"):
+            raise RunError(f"{where}: field 'kind' should be proposer or solver, got {row['kind']!r:.60}")
+        _check(row, {"malformed": list}, where, optional=True)
+        for j, it in enumerate(row["items"]):
+            at = f"{where}: items[{j}]"
+            if not isinstance(it, dict):
+                raise RunError(f"{at}: expected an object, got {type(it).__name__}")
+            _check(it, _ITEM_FIELDS, at)
+            for key in ("responses", "source_ids"):
+                if not all(isinstance(x, str) for x in it[key]):
+                    raise RunError(f"{at}: field {key!r} should be a list of strings")
+    return rows
 
 
 class RunDir:
@@ -75,10 +140,17 @@ class RunDir:
     def exists(self) -> bool:
         return (self.path / "manifest.json").exists()
 
-    def create(self, config: dict) -> None:
+    def check_new(self) -> None:
+        """Refuse a place a new run cannot go: an existing run (never overwritten) or a file.
+        Cheap, so a caller can check before the slow start-up (a model load) it would waste."""
         if self.exists():
             raise RunError(f"{self.path}: a run already exists here; pass --resume to continue it "
                            "or choose another --out")
+        if self.path.exists() and not self.path.is_dir():
+            raise RunError(f"{self.path}: not a directory; choose another --out")
+
+    def create(self, config: dict) -> None:
+        self.check_new()
         self.path.mkdir(parents=True, exist_ok=True)
         write_json(self.path / "config.json", config)
         self._write_manifest({"status": "running", "rounds_completed": 0, "created": time.time()})
@@ -91,11 +163,17 @@ class RunDir:
             raise RunError(f"{self.path}: no run to resume (no manifest.json)")
         config = json.loads(json.dumps(config))  # tuples -> lists, as saved
         defaults = json.loads(json.dumps(defaults)) if defaults is not None else None
-        saved = _with_new_defaults(self._read_for_resume(self.path / "config.json"), config, defaults)
+        try:
+            # the saved config as written (not config()'s parse): a field since removed from
+            # selfevo is then named as a difference
+            saved = with_absolute_paths(read_object(self.path / "config.json"))
+            done = self.manifest().get("rounds_completed", 0)
+        except RunError as e:
+            raise RunError(f"{e}; cannot resume") from None
+        saved = _with_new_defaults(saved, config, defaults)
         if saved != config:
             diff = _differences(saved, config)
             raise RunError(f"{self.path}: config differs from the saved run (fields: {', '.join(diff)})")
-        done = self._read_for_resume(self.path / "manifest.json").get("rounds_completed", 0)
         if done and not self.checkpoint_path(done).exists():
             raise RunError(f"{self.path}: manifest says round {done} is done but its checkpoint is missing")
         # a kill inside an atomic write leaves its temp file (`.NAME.XXXXXXXX.tmp`), never read: clear it
@@ -103,7 +181,7 @@ class RunDir:
             tmp.unlink(missing_ok=True)
         # a killed run may have logged steps of an unfinished round, and a torn last line
         try:
-            rows = read_jsonl_log(self.steps_path, repair=True)
+            rows = _check_steps(self.steps_path, read_jsonl_log(self.steps_path, repair=True))
         except ValueError as e:  # corruption before the last line is no crash artefact: refuse
             raise RunError(f"{e}; refusing to resume over it") from None
         keep = [r for r in rows if r["round"] <= done]
@@ -111,23 +189,17 @@ class RunDir:
             write_jsonl(self.steps_path, keep)
         return done
 
-    @staticmethod
-    def _read_for_resume(path: Path) -> dict:
-        # written atomically, so unreadable only if changed by hand: one clear error, not a traceback
-        try:
-            data = read_json(path)
-        except (OSError, ValueError) as e:
-            raise RunError(f"{path}: unreadable ({e}); cannot resume") from None
-        if not isinstance(data, dict):
-            raise RunError(f"{path}: expected a JSON object; cannot resume")
-        return data
-
     def manifest(self) -> dict:
-        return read_json(self.path / "manifest.json")
+        path = self.path / "manifest.json"
+        m = read_object(path)
+        _check(m, {"status": str, "rounds_completed": int}, str(path), optional=True)
+        if m.get("rounds_completed", 0) < 0:
+            raise RunError(f"{path}: field 'rounds_completed' should be >= 0, got {m['rounds_completed']}")
+        return m
 
     def _write_manifest(self, update: dict) -> None:
         path = self.path / "manifest.json"
-        current = read_json(path) if path.exists() else {}
+        current = self.manifest() if path.exists() else {}
         current.update(update, schema=SCHEMA_VERSION, selfevo_version=__version__, updated=time.time())
         write_json(path, current)
 
@@ -151,11 +223,38 @@ class RunDir:
         self._write_manifest(fields)
 
     # ---------------------------------------------------------------- reading
+    # One checking reader per file kind: a damaged file is a RunError naming it (and the line
+    # and field), whichever command reads it.
     def steps(self) -> list[dict]:
-        return read_jsonl_log(self.steps_path)
+        try:
+            rows = read_jsonl_log(self.steps_path)
+        except ValueError as e:  # a corrupt line before the last (a torn last line is dropped)
+            raise RunError(str(e)) from None
+        return _check_steps(self.steps_path, rows)
 
     def load_checkpoint(self, round: int) -> dict:
-        return read_json(self.checkpoint_path(round))
+        return read_object(self.checkpoint_path(round))
 
     def config(self) -> dict:
-        return read_json(self.path / "config.json")
+        """The saved config, parsed as `selfevo evolve` would (a field added to selfevo since the
+        run was made reads as its default), as plain JSON."""
+        path = self.path / "config.json"
+        try:
+            cfg = config_from_dict(read_object(path))
+        except ConfigError as e:
+            raise RunError(f"{path}: {e}") from None
+        return json.loads(json.dumps(cfg.to_json()))  # tuples -> lists, as saved
+
+    def folds(self) -> dict:
+        """folds.json (see `selfevo.loop.folds.FoldAssignment.from_json`)."""
+        path = self.path / "folds.json"
+        data = read_object(path)
+        _check(data, _FOLDS_FIELDS, str(path))
+        return data
+
+    def compute(self) -> dict:
+        """compute.json: generations, updates and seconds by key, and the two totals."""
+        path = self.path / "compute.json"
+        data = read_object(path)
+        _check(data, _COMPUTE_FIELDS, str(path))
+        return data

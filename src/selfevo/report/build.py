@@ -9,8 +9,9 @@ from pathlib import Path
 
 from selfevo._io import atomic_writer
 from selfevo.report import figures as figs
-from selfevo.report.collect import collect_runs, find_runs, read_object
+from selfevo.report.collect import collect_runs, find_runs
 from selfevo.report.render import html_page, markdown
+from selfevo.runs import read_object
 
 
 def build_report(root: str | os.PathLike, context: str = "") -> dict:

@@ -10,11 +10,10 @@ import statistics
 from collections.abc import Sequence
 from pathlib import Path
 
-from selfevo._io import read_json
 from selfevo.audit import METRICS, mean_hop_mix
 from selfevo.evaluate import BENCHMARKS
 from selfevo.report.compare import compare
-from selfevo.runs import RunDir
+from selfevo.runs import RunDir, read_object
 
 # two-sided 95% Student-t quantiles by degrees of freedom (a table: no scipy dependency)
 _T95 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262,
@@ -49,19 +48,6 @@ def _eval_row(score: dict) -> dict:
     return row
 
 
-def read_object(path: Path) -> dict:
-    """A JSON object a run (or the replay study) wrote; a damaged one is an error naming the file."""
-    try:
-        data = read_json(path)
-    except OSError as e:
-        raise ValueError(f"{path}: cannot read: {e.strerror}") from None
-    except ValueError as e:  # JSONDecodeError, bad UTF-8
-        raise ValueError(f"{path}: not valid JSON ({e})") from None
-    if not isinstance(data, dict):
-        raise ValueError(f"{path}: expected a JSON object, got a {type(data).__name__}")
-    return data
-
-
 def collect_runs(run_dirs: Sequence[str | os.PathLike]) -> dict:
     """One run per (treatment, seed): two are an error (which one counts is not ours to guess).
     Runs not complete are left out of every number and listed under "excluded": an interrupted
@@ -74,10 +60,8 @@ def collect_runs(run_dirs: Sequence[str | os.PathLike]) -> dict:
     excluded = []
     for d in run_dirs:
         run = RunDir(d)
-        cfg, manifest = read_object(run.path / "config.json"), read_object(run.path / "manifest.json")
-        treatment, seed = cfg.get("treatment"), cfg.get("seed")
-        if not isinstance(treatment, str) or isinstance(seed, bool) or not isinstance(seed, int):
-            raise ValueError(f"{run.path / 'config.json'}: no treatment and seed (not a run's config)")
+        cfg, manifest = run.config(), run.manifest()  # checked: a damaged file is named
+        treatment, seed = cfg["treatment"], cfg["seed"]
         if (treatment, seed) in seen:
             raise ValueError(f"two runs of {treatment} seed {seed}: {seen[treatment, seed]} and {run.path}; "
                              "a report pools one run per treatment and seed, so move one of them elsewhere")

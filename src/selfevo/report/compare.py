@@ -7,8 +7,14 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from selfevo._io import read_json
-from selfevo.runs import RunDir, RunError
+from selfevo.runs import RunDir, RunError, read_object
+
+
+def _field(path: Path, obj: dict, key: str, typ: type):
+    value = obj.get(key)
+    if not isinstance(value, typ) and not (typ is float and isinstance(value, int) and not isinstance(value, bool)):
+        raise RunError(f"{path}: field {key!r} is missing or not {typ.__name__}")
+    return value
 
 
 @dataclass
@@ -28,13 +34,15 @@ class RunSummary:
         if not run.exists():
             raise RunError(f"{path}: not a run directory (no manifest.json)")
         cfg = run.config()
-        compute = read_json(run.path / "compute.json") if (run.path / "compute.json").exists() else None
-        if compute is None:
+        if not (run.path / "compute.json").exists():
             raise RunError(f"{path}: no compute.json (the run has not finished a round)")
+        compute = run.compute()
         audit = run.path / "audit" / "metrics.json"
-        rounds = read_json(audit)["rounds"] if audit.exists() else []
+        rounds = _field(audit, read_object(audit), "rounds", list) if audit.exists() else []
         done = run.manifest().get("rounds_completed", 0)
-        cover = read_json(run.eval_path(done))["macro"]["cover_em"] if run.eval_path(done).exists() else None
+        score = run.eval_path(done)
+        macro = _field(score, read_object(score), "macro", dict) if score.exists() else {}
+        cover = _field(score, macro, "cover_em", float) if macro else None
         return cls(run.path, cfg["treatment"], cfg["seed"], compute["total_generations"], compute["total_updates"],
                    sum(compute["seconds"].values()), rounds[-1] if rounds else None, cover)
 

@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
 from dataclasses import asdict
 from pathlib import Path
@@ -30,7 +31,8 @@ def __getattr__(name: str):
         return getattr(importlib.import_module(f"selfevo.world.{_LAZY[name]}"), name)
     raise AttributeError(name)
 
-__all__ = ["SIZES", "World", "WorldConfig", "WorldError", "load_world", "make_world", "resolve_world", "save_world"]
+__all__ = ["SIZES", "World", "WorldConfig", "WorldError", "load_world", "make_world", "resolve_world", "save_world",
+           "world_fingerprint"]
 
 
 class WorldError(ValueError):
@@ -62,6 +64,17 @@ def load_world(path: str | os.PathLike) -> World:
     except (OSError, ValueError, TypeError, KeyError) as e:  # JSONDecodeError is a ValueError
         raise WorldError(f"{path}: broken world directory ({type(e).__name__}: {e})") from None
     return World(config, read_corpus(path / "corpus.jsonl"), read_qa_dir(path / "qa"), truth)
+
+
+def world_fingerprint(path: str | os.PathLike) -> str:
+    """sha256 over a world directory's files (names and bytes): what a run made on it records, so
+    that an audit or resume on a world since rewritten is refused instead of judged by other truth."""
+    path = Path(path)
+    h = hashlib.sha256()
+    for f in sorted([path / "world.json", path / "truth.json", path / "corpus.jsonl", *(path / "qa").glob("*.jsonl")]):
+        h.update(f.relative_to(path).as_posix().encode() + b"\0")
+        h.update(f.read_bytes())
+    return h.hexdigest()
 
 
 def resolve_world(spec: str, **params) -> World:

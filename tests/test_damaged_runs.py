@@ -1,0 +1,239 @@
+"""A damaged run directory is a one-line error naming the file (and line, and field), never a
+traceback, whichever command reads it; a failed start leaves nothing that blocks the retry; a
+replay bank refuses the same run twice.
+
+Every test copies one small finished run (`--world small`, 2 rounds of 2 + 2 steps) and damages
+the copy."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+import selfevo.evolve
+from selfevo.cli import app
+from selfevo.config import load_config
+from selfevo.evolve import evolve
+from selfevo.runs import RunDir, RunError
+
+SMALL = ["world.name=small", "loop.rounds=2", "loop.proposer_steps=2", "loop.solver_steps=2",
+         "loop.admit_per_round=20"]
+CLI_SMALL = ["--world", "small", *[x for s in SMALL[1:] for x in ("--set", s)]]
+
+
+def small_cfg():
+    return load_config(None, SMALL)
+
+
+@pytest.fixture(scope="module")
+def finished(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("damaged") / "base"
+    evolve(small_cfg(), out, progress=False)
+    return out
+
+
+@pytest.fixture
+def run(tmp_path, finished) -> Path:
+    """A fresh copy of the finished run, to damage."""
+    return Path(shutil.copytree(finished, tmp_path / "run"))
+
+
+def cli(*args) -> tuple[int, str]:
+    res = CliRunner().invoke(app, [str(a) for a in args])
+    return res.exit_code, " ".join(res.output.split())  # rich wraps long lines
+
+
+def assert_one_line_error(rc: int, out: str, *named: str) -> None:
+    assert rc == 2, out
+    assert "Traceback" not in out and out.startswith("error:"), out
+    for text in named:
+        assert text in out, out
+
+
+def files(path: Path) -> dict:
+    return {p: p.read_bytes() for p in path.rglob("*") if p.is_file()}
+
+
+def n_lines(path: Path) -> int:
+    return len(path.read_text(encoding="utf-8").splitlines())
+
+
+def append_line(path: Path, text: str) -> int:
+    """Append one line; return its line number."""
+    with open(path, "a", encoding="utf-8") as fh:
+        fh.write(text + "\n")
+    return n_lines(path)
+
+
+def cut_line(path: Path, n: int) -> int:
+    """Cut line `n` (not the last) in half: corruption no kill can cause; return `n`."""
+    lines = path.read_text(encoding="utf-8").splitlines()
+    lines[n - 1] = lines[n - 1][:20]
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return n
+
+
+def edit_json(path: Path, **fields) -> None:
+    data = json.loads(path.read_text(encoding="utf-8"))
+    data.update(fields)
+    path.write_text(json.dumps(data), encoding="utf-8")
+
+
+# ------------------------------------------------------------------ evolve --resume
+
+
+def _steps(run):
+    return run / "records" / "steps.jsonl"
+
+
+@pytest.mark.parametrize("damage, named", [
+    (lambda run: append_line(_steps(run), '{"x": 1}'), "steps.jsonl:{line}: field 'round' is missing"),
+    (lambda run: append_line(_steps(run), '[1, 2]'), "steps.jsonl:{line}: "),
+    (lambda run: append_line(_steps(run), '{"round": 1, "step": 9, "kind": "solver", "items": [{"question": "q"}]}'),
+     "steps.jsonl:{line}: items[0]: field 'item_id' is missing"),
+    (lambda run: edit_json(run / "manifest.json", rounds_completed="1"),
+     "manifest.json: field 'rounds_completed' should be an integer, got '1'"),
+    (lambda run: (run / "checkpoints" / "round-2.json").write_text("{", encoding="utf-8"),
+     "checkpoints/round-2.json: unreadable, not valid JSON"),
+    (lambda run: (run / "checkpoints" / "round-2.json").write_text("{}", encoding="utf-8"),
+     "checkpoints/round-2.json: field 'proposer' is missing"),
+    (lambda run: (run / "checkpoints" / "round-2.json").write_text(
+        '{"proposer": {}, "main": {}, "feedback": {}, "compute": {}}', encoding="utf-8"),
+     "checkpoints/round-2.json: not a checkpoint this run can load"),
+    (lambda run: (run / "folds.json").write_text("{", encoding="utf-8"), "folds.json: unreadable, not valid JSON"),
+    (lambda run: edit_json(run / "folds.json", k="2"), "folds.json: field 'k' should be an integer"),
+])
+def test_resume_over_a_damaged_file_names_it_and_changes_nothing(run, damage, named):
+    line = damage(run)
+    before = files(run)
+    rc, out = cli("evolve", "--out", run, *CLI_SMALL, "--resume", "--no-audit")
+    assert_one_line_error(rc, out, str(run), named.format(line=line))
+    assert files(run) == before
+
+
+# ------------------------------------------------------------------ audit, replay build, compare, report
+
+
+def test_audit_of_a_step_row_without_its_fields_names_line_and_field(run):
+    line = append_line(_steps(run), '{"round": 1, "step": 99, "kind": "proposer"}')
+    rc, out = cli("audit", run, "--out", run / "again", "--no-figures")
+    assert_one_line_error(rc, out, f"{run}/records/steps.jsonl:{line}: field 'items' is missing")
+
+
+@pytest.mark.parametrize("command", [
+    lambda run: ["audit", run, "--out", run / "again", "--no-figures"],
+    lambda run: ["replay", "build", "--from", run, "--size", "5", "--out", run / "bank.json"],
+    lambda run: ["compare", run],
+])
+def test_a_corrupt_config_is_named(run, command):
+    (run / "config.json").write_text("{", encoding="utf-8")
+    rc, out = cli(*command(run))
+    assert_one_line_error(rc, out, f"{run}/config.json: unreadable, not valid JSON")
+
+
+def test_a_config_with_a_bad_field_is_named(run):
+    edit_json(run / "config.json", seed="0")
+    rc, out = cli("compare", run)
+    assert_one_line_error(rc, out, f"{run}/config.json: seed: expected an integer")
+
+
+def test_report_names_a_corrupt_config(tmp_path, finished):
+    shutil.copytree(finished, tmp_path / "runs" / "a")
+    (tmp_path / "runs" / "a" / "config.json").write_text("{", encoding="utf-8")
+    rc, out = cli("report", tmp_path / "runs")
+    assert_one_line_error(rc, out, "runs/a/config.json")
+
+
+@pytest.mark.parametrize("damage, named", [
+    (lambda steps: cut_line(steps, 2), "steps.jsonl:{line}: corrupt log line"),
+    (lambda steps: append_line(steps, '{"x": 1}'), "steps.jsonl:{line}: field 'round' is missing"),
+    (lambda steps: append_line(steps, '{"round": 2, "step": 99, "kind": "cheat", "items": []}'),
+     "steps.jsonl:{line}: field 'kind' should be proposer or solver"),
+])
+def test_replay_build_names_a_damaged_step_line(run, damage, named):
+    line = damage(_steps(run))
+    rc, out = cli("replay", "build", "--from", run, "--size", "5", "--out", run / "bank.json")
+    assert_one_line_error(rc, out, named.format(line=line))
+    assert not (run / "bank.json").exists()
+
+
+def test_replay_build_refuses_the_same_run_twice(run, tmp_path):
+    (tmp_path / "link").symlink_to(run)
+    for again in (run, tmp_path / "run" / ".." / "run", tmp_path / "link"):
+        rc, out = cli("replay", "build", "--from", run, again, "--size", "5", "--out", tmp_path / "bank.json")
+        assert_one_line_error(rc, out, "is named twice")
+    assert not (tmp_path / "bank.json").exists()
+    rc, out = cli("replay", "build", "--from", run, "--size", "5", "--out", tmp_path / "bank.json")
+    assert rc == 0 and "from 1 run(s)" in out, out
+
+
+# ------------------------------------------------------------------ the readers themselves
+
+
+def test_readers_name_file_and_field(run):
+    rd = RunDir(run)
+    edit_json(run / "compute.json", total_generations=None)
+    with pytest.raises(RunError, match=r"compute\.json: field 'total_generations' should be an integer"):
+        rd.compute()
+    (run / "compute.json").write_text('{"x": 1}', encoding="utf-8")
+    with pytest.raises(RunError, match=r"compute\.json: field 'generations' is missing"):
+        rd.compute()
+    edit_json(run / "manifest.json", rounds_completed=True)  # a bool is not a count
+    with pytest.raises(RunError, match=r"manifest\.json: field 'rounds_completed' should be an integer"):
+        rd.manifest()
+    edit_json(run / "manifest.json", rounds_completed=-1)
+    with pytest.raises(RunError, match=r"manifest\.json: field 'rounds_completed' should be >= 0"):
+        rd.manifest()
+    (run / "manifest.json").write_text("[]", encoding="utf-8")
+    with pytest.raises(RunError, match=r"manifest\.json: expected a JSON object, got a JSON list"):
+        rd.manifest()
+    (run / "config.json").unlink()
+    with pytest.raises(RunError, match=r"config\.json: missing"):
+        rd.config()
+
+
+# ------------------------------------------------------------------ a failed start
+
+
+def test_a_failed_start_leaves_nothing_that_blocks_the_retry(tmp_path, monkeypatch):
+    """Building the agents (loading a model) fails: no run directory is left, so the corrected
+    retry runs without --resume (before: "a run already exists here", and --resume said the
+    config differs)."""
+    def no_model(*args, **kwargs):
+        raise OSError("nosuch: not a model")
+
+    monkeypatch.setattr(selfevo.evolve, "build_loop", no_model)
+    out = tmp_path / "run"
+    with pytest.raises(OSError, match="not a model"):
+        evolve(small_cfg(), out, progress=False)
+    assert not out.exists()
+    monkeypatch.undo()
+    evolve(small_cfg(), out, progress=False)
+    assert RunDir(out).manifest()["status"] == "complete"
+
+
+def test_an_existing_run_is_refused_before_the_start_up_and_left_alone(run, monkeypatch):
+    built = []
+    real = selfevo.evolve.build_loop
+    monkeypatch.setattr(selfevo.evolve, "build_loop", lambda *a, **k: built.append(1) or real(*a, **k))
+    before = files(run)
+    with pytest.raises(RunError, match="a run already exists here; pass --resume"):
+        evolve(small_cfg(), run, progress=False)
+    assert built == [] and files(run) == before
+    # the same for a run that has logged steps but finished no round
+    edit_json(run / "manifest.json", rounds_completed=0, status="running")
+    before = files(run)
+    with pytest.raises(RunError, match="a run already exists here"):
+        evolve(small_cfg(), run, progress=False)
+    assert built == [] and files(run) == before
+
+
+def test_evolve_out_that_is_a_file_is_refused_before_the_start_up(tmp_path):
+    (tmp_path / "afile").write_text("notes", encoding="utf-8")
+    rc, out = cli("evolve", "--out", tmp_path / "afile", *CLI_SMALL, "--no-audit")
+    assert_one_line_error(rc, out, "afile: not a directory")
+    assert (tmp_path / "afile").read_text(encoding="utf-8") == "notes"
