@@ -19,7 +19,7 @@ from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from selfevo.config import ConfigError, config_from_dict
+from selfevo.config import ConfigError, absolute, config_from_dict
 from selfevo.experiments import EXECUTORS, grid, run_grid
 
 if sys.version_info >= (3, 11):
@@ -90,7 +90,7 @@ def _check_field(name: str, value):
             raise ConfigError(f"demo.world: {value}: not a world directory (no world.json); make one with "
                               f"`selfevo world make` or use {' or '.join(SIZES)}")
         # absolute: a job run from another directory (a ray worker) must read the same world
-        return str(Path(value).resolve())
+        return absolute(value)
     raise ConfigError(f"demo.{name}: unknown field")
 
 
