@@ -148,3 +148,15 @@ def test_a_run_on_a_world_directory_is_tied_to_that_world(tmp_path, monkeypatch)
                  ["evolve", "--world", "w", "--out", "run", "--no-audit", "--resume", *tiny]):
         assert "the world directory has changed since run was made on it" in _usage_error(args)
     assert not (tmp_path / "b").exists() and not (tmp_path / "b.json").exists()
+
+
+@pytest.mark.parametrize("args, named", [
+    (["evolve", "--world", "small", "--model", "smollm2-135m", "--out", "{tmp}/r"], "needs the lm backend"),
+    (["eval", "--data-dir", "{tmp}", "--corpus", "{tmp}/c.jsonl", "--lm-set", "device=cpu", "--out", "{tmp}/e"],
+     "are for lm: agents"),
+    (["eval", "--data-dir", "{tmp}", "--corpus", "{tmp}/c.jsonl", "--workers", "2", "--out", "{tmp}/e"],
+     "are for lm: agents"),
+])
+def test_an_option_the_chosen_agents_would_ignore_is_refused(tmp_path, args, named):
+    assert named in _usage_error([a.format(tmp=tmp_path) for a in args])
+    assert not (tmp_path / "r").exists() and not (tmp_path / "e").exists()

@@ -194,6 +194,8 @@ def eval_(
     from selfevo.search.client import RetrieverError
 
     _out_dir(out)
+    if (lm_set or workers) and not agent.startswith("lm:"):  # other agents would ignore them
+        _fail(f"--lm-set and --workers are for lm: agents; --agent is {agent}")
     context: dict = {"workers": workers} if workers else {}
     try:
         if lm_set:
@@ -305,6 +307,8 @@ def evolve_cmd(
             "world.name": world, "loop.rounds": rounds, "lm.model": model,
             "data.corpus": None if corpus is None else str(corpus),
             "data.qa_dir": None if qa_dir is None else str(qa_dir)})
+        if model is not None and cfg.backend != "lm":  # the sim learners would ignore it
+            _fail(f"--model {model}: a language model needs the lm backend (add --backend lm)")
         run = evolve(cfg, out, resume=resume, audit=audit)
     except (ConfigError, RunError, DataError, WorldError) as e:
         _fail(str(e))
