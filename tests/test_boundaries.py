@@ -7,6 +7,8 @@
 
 import ast
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -148,6 +150,16 @@ def test_agents_and_loop_never_import_truth_audit_or_evolve():
     for path in scanned_files():
         bad += violations(path.read_text(encoding="utf-8"), module_name(path), path.name == "__init__.py")
     assert bad == []
+
+
+@pytest.mark.parametrize("agents", ["selfevo.agents.sim", "selfevo.agents.lm.agents"])
+def test_loading_the_agents_loads_no_truth(agents):
+    """The scan above sees direct imports; this runs the import chain itself. A helper the lm
+    policy once imported from selfevo.config pulled in the world generator and its truth."""
+    code = f"import sys, {agents}; print(sorted(m for m in sys.modules if m.startswith(('selfevo.world.truth', "
+    code += "'selfevo.world.generate', 'selfevo.audit', 'selfevo.evolve'))))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
 
 
 def test_scan_would_see_a_real_violation(tmp_path):

@@ -649,8 +649,9 @@ def test_engine_run_phases_lineage_and_resume(treatment, tmp_path, monkeypatch):
     for j in (0, 1):
         rows = jobs[f"r1/aux-{j}"]["rows"]
         assert rows and all(r["fold"] == j for r in rows)
-        full = math_ceil(len(rows), jobs[f"r1/aux-{j}"]["per_step"])
-        assert jobs[f"r1/aux-{j}"]["steps"] == (min(3, full) if treatment == "crossfit" else min((2, 1)[j], full))
+        # every update of its budget trains (as the main solver's 3), at the full budget's batch size
+        assert jobs[f"r1/aux-{j}"]["per_step"] == math_ceil(len(rows), 3)
+        assert jobs[f"r1/aux-{j}"]["steps"] == (3 if treatment == "crossfit" else (2, 1)[j])
     # round 1 is graded by the base model; round 2 by the aux solvers, each with its lineage
     assert [g["name"] for g in jobs["r1/proposer"]["reward"]["graders"]] == ["main@r0"]
     graders = {g["role"]: g for g in jobs["r2/proposer"]["reward"]["graders"]}

@@ -289,3 +289,37 @@ def test_every_scheduled_solver_step_updates_when_the_pool_allows(tmp_path):
     empty = [row["step_in_round"] for row in run.steps() if row["kind"] == "solver" and not row["items"]]
     comp = json.loads((run.path / "compute.json").read_text())
     assert (empty, comp["updates"]["main"]) == ([], 25)
+
+
+class _CountingSolver:
+    """Counts updates and the batch sizes it was given (answers are irrelevant here)."""
+
+    def __init__(self, name):
+        self.name, self.lineage, self.batches = name, {}, []
+
+    def answer(self, questions, tool, **kw):
+        return [[None] for _ in questions]
+
+    def update(self, groups):
+        self.batches.append(len(groups))
+
+
+@pytest.mark.parametrize("n, budget, want", [(26, 1.0, 25), (306, 1.0, 25), (576, 1.0, 25), (800, 1.0, 25),
+                                              (576, 0.5, 13), (10, 1.0, 10)])
+def test_every_aux_update_of_the_budget_trains(n, budget, want):
+    """Each aux solver gets its 25 updates a round over its fold's items (the main solver's even
+    split): a batch size rounded up once ran out of items early (26 items: 13 updates, 576: 24).
+    Fewer items than updates: one item an update."""
+    from selfevo.agents.base import Proposal
+    from selfevo.loop.feedback import AuxFeedback
+    from selfevo.loop.folds import FoldAssignment
+
+    folds = FoldAssignment(2, 0, "source", {"s0": 0, "s1": 1})
+    rule = AuxFeedback("crossfit", folds, _CountingSolver, 25, 5, budget=budget)
+    items = [type("C", (), {"fold": 0, "label": "x", "proposal": Proposal(f"q{i}", "x", "s0", ("s0",), 1)})()
+             for i in range(n)]
+    rule.end_round(1, items, tool=None, seed=0, last=False)
+    aux0 = rule.aux[0]
+    assert len(aux0.batches) == want and max(aux0.batches) - min(aux0.batches) <= 1  # even
+    if budget == 1.0:
+        assert sum(aux0.batches) == n  # one pass over the fold

@@ -17,7 +17,7 @@ from pathlib import Path
 from selfevo._io import write_json
 from selfevo.agents.sim import Reader, SimProposer, SimSolver
 from selfevo.audit import OracleJudge, audit_run
-from selfevo.config import RunConfig
+from selfevo.config import ConfigError, RunConfig
 from selfevo.corpus import read_corpus, read_qa_dir
 from selfevo.evaluate import evaluate_solver
 from selfevo.loop.admission import MSV, AdmitAll
@@ -131,7 +131,10 @@ def build_loop(cfg: RunConfig, env: Environment, tool: SearchTool, folds: FoldAs
         from selfevo.agents.lm.agents import LMProposer, LMSolver
         from selfevo.agents.lm.policy import LMPolicy
 
-        policy = LMPolicy(cfg.lm, store=store)
+        try:
+            policy = LMPolicy(cfg.lm, store=store)
+        except ValueError as e:  # e.g. lm.device: cuda on a machine without one; a model with no chat template
+            raise ConfigError(str(e)) from None
 
         def make_lm_solver(name: str) -> LMSolver:  # every solver starts as the same base model
             return LMSolver.trainable(policy, name)

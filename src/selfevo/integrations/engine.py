@@ -515,8 +515,7 @@ class EngineRun:
         j = roles.index(role)
         updates = total // len(roles) + (1 if j < total % len(roles) else 0)
         per = self.per_step(len(rows), cfg.loop.solver_steps)  # the full-budget batch; less budget, fewer batches
-        steps = min(updates, math.ceil(len(rows) / per))
-        res = self.train(f"r{r}/{role}", "solver", role, r, rows, steps, per, self.spec.solver_generations,
+        res = self.train(f"r{r}/{role}", "solver", role, r, rows, updates, per, self.spec.solver_generations,
                          {"records_path": None, "round": r})
         folds = sorted({f for x in rows for f in (x["source_folds"] if lineage_aware else [x["fold"]])})
         return {"model": self.model_dir(role, r), "updates": {role: res["steps"]},

@@ -15,7 +15,6 @@ Round 1 is shared by every rule: no aux solver has trained yet, so the base mode
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
@@ -163,12 +162,13 @@ class AuxFeedback:
             items = [c for c in admitted if self._trains_on(j, c)]
             if not items:
                 continue
-            # the batch size is the full-budget one; a smaller budget sees fewer batches
-            bs = math.ceil(len(items) / self.full_updates)
+            # the full budget's even split (as the main solver's), so every one of its updates
+            # trains; a smaller budget takes the first of those batches
+            n, full = len(items), self.full_updates
             for u in range(self.updates[j]):
-                batch = items[u * bs:(u + 1) * bs]
-                if not batch:
-                    break
+                batch = items[u * n // full:(u + 1) * n // full]
+                if not batch:  # fewer items than updates
+                    continue
                 trajs = aux.answer([c.proposal.question for c in batch], tool, greedy=False, n=self.samples,
                                    seed=derive_seed(seed, aux.name, u))
                 aux.update([(ts, c.label) for ts, c in zip(trajs, batch, strict=True)])

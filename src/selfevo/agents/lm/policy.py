@@ -25,7 +25,6 @@ from selfevo._io import check_local_path
 from selfevo.agents.lm.config import LMConfig
 from selfevo.agents.lm.protocol import STOP_STRINGS, cut_at_stop
 from selfevo.agents.lm.rl import encode_conversation, sequence_pg_loss, token_logprobs
-from selfevo.config import ConfigError
 from selfevo.loop.schedule import derive_seed
 
 SMOLLM2_IDS = ("smollm2-135m", "smollm2")
@@ -48,7 +47,7 @@ def _device(spec: str) -> str:
     if spec == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
     if spec.startswith("cuda") and not torch.cuda.is_available():
-        raise ConfigError(f"lm.device: {spec} asked for, but no CUDA GPU is available here (use auto or cpu)")
+        raise ValueError(f"lm.device: {spec} asked for, but no CUDA GPU is available here (use auto or cpu)")
     return spec
 
 
