@@ -154,7 +154,10 @@ def main() -> None:
              f"Machine: {machine_line()}  ",
              f"Seeds 0..{args.seeds - 1}, world `{args.world}`; the paper's schedule; mean ± std over seeds. "
              "Audit metrics are those of round 3 (oracle judge, grader responses); Cover-EM is the main "
-             "solver's after round 3. Δ = paired difference to coupled (same seed), mean [95% t-interval].",
+             "solver's after round 3. Δ = paired difference to coupled (same seed), mean [95% t-interval]. "
+             "`admitted`: round-3 admitted questions; the budget is 1,600 a round, and a proposal MSV rejects "
+             "is not replaced, so the MSV arms train on fewer. Under MSV, A is agreement with the adopted "
+             "label (the MSV majority), while the proposer's reward counted agreement with its draft.",
              "",
              "| treatment | F | T_P | A | T_S | coverage | admitted | admitted hop mix | base solves "
              "| macro Cover-EM | Δ macro | Δ single-hop | Δ multi-hop |",
