@@ -218,18 +218,21 @@ def merge(base: dict, path: list[str], value: Any, _where: str = "") -> dict:
     return out
 
 
+def read_toml(path: str | Path) -> dict:
+    """A TOML config file; any reason it cannot be read is one ConfigError naming it."""
+    try:
+        return tomllib.loads(Path(path).read_text(encoding="utf-8"))
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{path}: {e}") from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{path}: invalid UTF-8 at byte {e.start}") from None
+    except OSError as e:  # missing, a directory, no permission
+        raise ConfigError(f"{path}: cannot read: {e.strerror}") from None
+
+
 def load_config(path: str | Path | None = None, overrides: list[str] = (), **top: Any) -> RunConfig:
     """A TOML file (optional), then `--set` overrides, then explicit top-level values."""
-    data: dict = {}
-    if path is not None:
-        try:
-            data = tomllib.loads(Path(path).read_text(encoding="utf-8"))
-        except tomllib.TOMLDecodeError as e:
-            raise ConfigError(f"{path}: {e}") from None
-        except UnicodeDecodeError as e:
-            raise ConfigError(f"{path}: invalid UTF-8 at byte {e.start}") from None
-        except OSError as e:  # missing, a directory, no permission
-            raise ConfigError(f"{path}: cannot read: {e.strerror}") from None
+    data: dict = read_toml(path) if path is not None else {}
     for text in overrides:
         keys, value = parse_override(text)
         data = merge(data, keys, value)

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,13 +18,8 @@ from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from selfevo.config import ConfigError, absolute, config_from_dict
+from selfevo.config import ConfigError, absolute, config_from_dict, read_toml
 from selfevo.experiments import EXECUTORS, grid, run_grid
-
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover
-    import tomli as tomllib
 
 DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "demo.toml"
 
@@ -137,18 +131,6 @@ class DemoPlan:
         return [*out, f"world.name={json.dumps(self.world)}"]
 
 
-def _read_toml(path: Path) -> dict:
-    # the messages of `selfevo evolve --config` (config.load_config)
-    try:
-        return tomllib.loads(path.read_text(encoding="utf-8"))
-    except tomllib.TOMLDecodeError as e:
-        raise ConfigError(f"{path}: {e}") from None
-    except UnicodeDecodeError as e:
-        raise ConfigError(f"{path}: invalid UTF-8 at byte {e.start}") from None
-    except OSError as e:  # missing, a directory, no permission
-        raise ConfigError(f"{path}: cannot read: {e.strerror}") from None
-
-
 def load_plan(path: str | os.PathLike | None = None, **changes) -> DemoPlan:
     """The plan of a demo config file (default: configs/demo.toml), with `changes` (the command's
     --seeds, --world, --executor; None: keep the file's) applied. Every error names where the bad
@@ -158,7 +140,7 @@ def load_plan(path: str | os.PathLike | None = None, **changes) -> DemoPlan:
         path = DEFAULT_CONFIG
     else:
         path = Path(path) if path is not None else DEFAULT_CONFIG
-        data = _read_toml(path)
+        data = read_toml(path)
     demo = data.pop("demo", {})
     if not isinstance(demo, dict):
         raise ConfigError(f"{path}: demo: expected a table, got {type(demo).__name__}")
