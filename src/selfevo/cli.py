@@ -194,8 +194,6 @@ def eval_(
     from selfevo.search.client import RetrieverError
 
     _out_dir(out)
-    if (lm_set or workers) and not agent.startswith("lm:"):  # other agents would ignore them
-        _fail(f"--lm-set and --workers are for lm: agents; --agent is {agent}")
     context: dict = {"workers": workers} if workers else {}
     try:
         if lm_set:
