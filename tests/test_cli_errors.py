@@ -13,6 +13,9 @@ from selfevo.cli import app
 from selfevo.config import ConfigError, load_config
 
 runner = CliRunner()
+# a run of a few seconds on the small world
+TINY = ["--set", "loop.rounds=2", "--set", "loop.proposer_steps=2", "--set", "loop.solver_steps=2",
+        "--set", "loop.admit_per_round=20"]
 
 
 def _usage_error(args: list[str]) -> str:
@@ -114,10 +117,8 @@ def test_an_encoding_device_that_does_not_exist_here_is_one_clear_error():
 def test_an_audit_that_resolves_nothing_says_so(tmp_path):
     """A judge whose every call fails writes a table of dashes: the command must not let it pass
     for a result."""
-    tiny = ["--set", "loop.rounds=2", "--set", "loop.proposer_steps=2", "--set", "loop.solver_steps=2",
-            "--set", "loop.admit_per_round=20"]
     run = tmp_path / "run"
-    assert runner.invoke(app, ["evolve", "--world", "small", "--out", str(run), "--no-audit", *tiny]).exit_code == 0
+    assert runner.invoke(app, ["evolve", "--world", "small", "--out", str(run), "--no-audit", *TINY]).exit_code == 0
     res = runner.invoke(app, ["audit", str(run), "--judge", "llm", "--judge-url", "http://127.0.0.1:1/v1",
                               "--judge-model", "x", "--judge-retries", "0", "--out", str(tmp_path / "a")])
     assert res.exit_code == 0, res.output
@@ -130,11 +131,9 @@ def test_a_run_on_a_world_directory_is_tied_to_that_world(tmp_path, monkeypatch)
     """The run stores the world's absolute path (an audit from another directory reads the same
     world) and its fingerprint: a world rewritten in place is refused by audit, resume and
     replay build instead of judging the records against other truth."""
-    tiny = ["--set", "loop.rounds=2", "--set", "loop.proposer_steps=2", "--set", "loop.solver_steps=2",
-            "--set", "loop.admit_per_round=20"]
     monkeypatch.chdir(tmp_path)
     assert runner.invoke(app, ["world", "make", "--size", "small", "--seed", "3", "--out", "w"]).exit_code == 0
-    res = runner.invoke(app, ["evolve", "--world", "w", "--out", "run", "--no-audit", *tiny])
+    res = runner.invoke(app, ["evolve", "--world", "w", "--out", "run", "--no-audit", *TINY])
     assert res.exit_code == 0, res.output
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
@@ -145,7 +144,7 @@ def test_a_run_on_a_world_directory_is_tied_to_that_world(tmp_path, monkeypatch)
     (tmp_path / "w").rename(tmp_path / "w-old")  # another world where the first one was
     assert runner.invoke(app, ["world", "make", "--size", "small", "--seed", "0", "--out", "w"]).exit_code == 0
     for args in (["audit", "run", "--out", "b"], ["replay", "build", "--from", "run", "--size", "5", "--out", "b.json"],
-                 ["evolve", "--world", "w", "--out", "run", "--no-audit", "--resume", *tiny]):
+                 ["evolve", "--world", "w", "--out", "run", "--no-audit", "--resume", *TINY]):
         assert "the world directory has changed since run was made on it" in _usage_error(args)
     assert not (tmp_path / "b").exists() and not (tmp_path / "b.json").exists()
 

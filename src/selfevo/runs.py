@@ -55,7 +55,8 @@ class RunError(ValueError):
     damaged); the message names the file (and line) at fault."""
 
 
-_TYPE_NAMES = {int: "an integer", str: "a string", bool: "true/false", list: "a list", dict: "an object"}
+_TYPE_NAMES = {int: "an integer", str: "a string", bool: "true/false", list: "a list", dict: "an object",
+               (int, float): "a number"}
 
 # What the readers of a step record (audit, replay, resume) rely on. The loop and the engine
 # integrations write more; only these are checked, so a damaged row is an error naming the line
@@ -68,7 +69,7 @@ _COMPUTE_FIELDS = {"generations": dict, "updates": dict, "seconds": dict, "total
                    "total_updates": int}
 
 
-def _check(obj: dict, fields: dict, where: str, optional: bool = False) -> None:
+def check_fields(obj: dict, fields: dict, where: str, optional: bool = False) -> None:
     """Each field of `fields` is in `obj` (unless `optional`) with the named type."""
     for key, typ in fields.items():
         if key not in obj:
@@ -100,18 +101,16 @@ def _check_steps(path: Path, rows: list) -> list[dict]:
     """Step records as the loop writes them. read_jsonl_log keeps every line but a torn last one,
     so row i is line i + 1."""
     for i, row in enumerate(rows):
-        where = f"{path}:{i + 1}"
-        if not isinstance(row, dict):
-            raise RunError(f"{where}: expected a JSON object, got a JSON {type(row).__name__}")
-        _check(row, _STEP_FIELDS, where)
+        where = f"{path}:{i + 1}"  # rows are objects: read_jsonl_log refuses any other line
+        check_fields(row, _STEP_FIELDS, where)
         if row["kind"] not in ("proposer", "solver"):
             raise RunError(f"{where}: field 'kind' should be proposer or solver, got {row['kind']!r:.60}")
-        _check(row, {"malformed": list}, where, optional=True)
+        check_fields(row, {"malformed": list}, where, optional=True)
         for j, it in enumerate(row["items"]):
             at = f"{where}: items[{j}]"
             if not isinstance(it, dict):
                 raise RunError(f"{at}: expected an object, got {type(it).__name__}")
-            _check(it, _ITEM_FIELDS, at)
+            check_fields(it, _ITEM_FIELDS, at)
             for key in ("responses", "source_ids"):
                 if not all(isinstance(x, str) for x in it[key]):
                     raise RunError(f"{at}: field {key!r} should be a list of strings")
@@ -192,7 +191,7 @@ class RunDir:
     def manifest(self) -> dict:
         path = self.path / "manifest.json"
         m = read_object(path)
-        _check(m, {"status": str, "rounds_completed": int}, str(path), optional=True)
+        check_fields(m, {"status": str, "rounds_completed": int}, str(path), optional=True)
         if m.get("rounds_completed", 0) < 0:
             raise RunError(f"{path}: field 'rounds_completed' should be >= 0, got {m['rounds_completed']}")
         return m
@@ -249,12 +248,12 @@ class RunDir:
         """folds.json (see `selfevo.loop.folds.FoldAssignment.from_json`)."""
         path = self.path / "folds.json"
         data = read_object(path)
-        _check(data, _FOLDS_FIELDS, str(path))
+        check_fields(data, _FOLDS_FIELDS, str(path))
         return data
 
     def compute(self) -> dict:
         """compute.json: generations, updates and seconds by key, and the two totals."""
         path = self.path / "compute.json"
         data = read_object(path)
-        _check(data, _COMPUTE_FIELDS, str(path))
+        check_fields(data, _COMPUTE_FIELDS, str(path))
         return data

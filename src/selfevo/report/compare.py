@@ -7,14 +7,12 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from selfevo.runs import RunDir, RunError, read_object
+from selfevo.runs import RunDir, RunError, check_fields, read_object
 
 
-def _field(path: Path, obj: dict, key: str, typ: type):
-    value = obj.get(key)
-    if not isinstance(value, typ) and not (typ is float and isinstance(value, int) and not isinstance(value, bool)):
-        raise RunError(f"{path}: field {key!r} is missing or not {typ.__name__}")
-    return value
+def _field(path: Path, obj: dict, key: str, typ: type | tuple):
+    check_fields(obj, {key: typ}, str(path))
+    return obj[key]
 
 
 @dataclass
@@ -42,7 +40,7 @@ class RunSummary:
         done = run.manifest().get("rounds_completed", 0)
         score = run.eval_path(done)
         macro = _field(score, read_object(score), "macro", dict) if score.exists() else {}
-        cover = _field(score, macro, "cover_em", float) if macro else None
+        cover = _field(score, macro, "cover_em", (int, float)) if macro else None
         return cls(run.path, cfg["treatment"], cfg["seed"], compute["total_generations"], compute["total_updates"],
                    sum(compute["seconds"].values()), rounds[-1] if rounds else None, cover)
 
