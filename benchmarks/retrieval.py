@@ -39,9 +39,10 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from selfevo._io import file_sha256
 from selfevo.corpus import read_corpus, read_qa_dir
 from selfevo.evaluate import BENCHMARKS, MULTI_HOP, SINGLE_HOP, cover_em
-from selfevo.search.bm25 import BM25Index, file_sha256
+from selfevo.search.bm25 import BM25Index
 from selfevo.search.index import index_size_bytes
 
 SECTION = "## Retrieval (BM25, dense, hybrid)"

@@ -17,6 +17,7 @@ from _shared import CORPUS, QA_DIR
 from typer.testing import CliRunner
 
 from selfevo import data
+from selfevo._io import file_sha256
 from selfevo.cli import app
 from selfevo.corpus import DataError, read_corpus, read_qa, read_qa_dir
 from selfevo.data import (
@@ -28,7 +29,6 @@ from selfevo.data import (
     describe_hub_error,
     download_data,
     load_split,
-    sha256_file,
     subsample,
 )
 
@@ -101,7 +101,7 @@ def test_shared_files_convert_to_themselves(name, tmp_path):
     info = convert_benchmark(src, name, tmp_path / f"{name}.jsonl", per_benchmark=200, seed=0)
     assert (tmp_path / f"{name}.jsonl").read_bytes() == src.read_bytes()
     assert info["items"] == info["available"] == (125 if name == "bamboogle" else 200)
-    assert info["sha256"] == sha256_file(src) and info["skipped"] == 0
+    assert info["sha256"] == file_sha256(src) and info["skipped"] == 0
     assert [p.name for p in tmp_path.iterdir()] == [f"{name}.jsonl"]  # no staging file left
 
 
@@ -181,7 +181,7 @@ def test_items_without_answers_are_skipped_and_numbers_kept(tmp_path):
 
 def test_corpus_copies_the_shared_corpus_exactly(tmp_path):
     info = convert_corpus(CORPUS, tmp_path / "wiki.jsonl")
-    assert info["passages"] == 21845 and info["sha256"] == sha256_file(CORPUS) == info["source_sha256"]
+    assert info["passages"] == 21845 and info["sha256"] == file_sha256(CORPUS) == info["source_sha256"]
     assert (tmp_path / "wiki.jsonl").read_bytes() == CORPUS.read_bytes()
 
 
@@ -200,7 +200,7 @@ def test_corpus_gz_and_zip_are_streamed(tmp_path):
     lines = _head(300)
     src = _gz(tmp_path / "wiki-18.jsonl.gz", lines[:150] + [b"\n"] + lines[150:-1] + [lines[-1].rstrip(b"\n")])
     info = convert_corpus(src, tmp_path / "a.jsonl")
-    assert info["passages"] == 300 and info["source_sha256"] == sha256_file(src)
+    assert info["passages"] == 300 and info["source_sha256"] == file_sha256(src)
     assert (tmp_path / "a.jsonl").read_bytes() == b"".join(lines)
     with zipfile.ZipFile(tmp_path / "wiki18_100w.zip", "w") as zf:
         zf.writestr("wiki18_100w.jsonl", b"".join(lines))
@@ -263,15 +263,15 @@ def test_download_converts_validates_and_records(hub, tmp_path):
     files = manifest["files"]
     assert set(files) == {f"qa/{n}.jsonl" for n in BENCHMARKS} | {"corpus/wiki-18.jsonl"}
     for rel, entry in files.items():
-        assert entry["sha256"] == sha256_file(out / rel) and entry["bytes"] == (out / rel).stat().st_size
+        assert entry["sha256"] == file_sha256(out / rel) and entry["bytes"] == (out / rel).stat().st_size
     assert files["qa/hotpotqa.jsonl"]["source"] == {
         "repo_id": "RUC-NLPIR/FlashRAG_datasets", "repo_type": "dataset", "filename": "hotpotqa/dev.jsonl",
-        "revision": None, "commit": None, "sha256": sha256_file(hub / "RUC-NLPIR/FlashRAG_datasets/hotpotqa/dev.jsonl")}
+        "revision": None, "commit": None, "sha256": file_sha256(hub / "RUC-NLPIR/FlashRAG_datasets/hotpotqa/dev.jsonl")}
     assert (files["qa/nq.jsonl"]["split"], files["qa/nq.jsonl"]["items"], files["qa/nq.jsonl"]["available"]) == \
         ("test", 50, 200)
     corpus = files["corpus/wiki-18.jsonl"]
     assert corpus["passages"] == 1500 and corpus["source"]["repo_id"] == "PeterJinGo/wiki-18-corpus"
-    assert corpus["source"]["sha256"] == sha256_file(hub / "PeterJinGo/wiki-18-corpus/wiki-18.jsonl.gz")
+    assert corpus["source"]["sha256"] == file_sha256(hub / "PeterJinGo/wiki-18-corpus/wiki-18.jsonl.gz")
     assert any(line.startswith("wrote qa/nq.jsonl: 50 of 200 items") for line in logs)
     assert not [p for p in out.rglob(".*")]  # no temp or staging files
 
@@ -284,7 +284,7 @@ def test_download_converts_validates_and_records(hub, tmp_path):
     fake2 = FakeHub(hub)
     download_data(out, per_benchmark=50, seed=0, download=fake2, log=logs.append)
     assert [f for _, f, _ in fake2.calls] == ["nq/test.jsonl"]
-    assert sha256_file(out / "qa" / "nq.jsonl") == files["qa/nq.jsonl"]["sha256"]
+    assert file_sha256(out / "qa" / "nq.jsonl") == files["qa/nq.jsonl"]["sha256"]
 
     # other settings make other files: the QA sets are redone, the corpus is kept
     fake3 = FakeHub(hub)

@@ -30,11 +30,12 @@ from _servers import serve_app  # noqa: E402
 from _shared import CORPUS
 from typer.testing import CliRunner  # noqa: E402
 
+from selfevo._io import file_sha256  # noqa: E402
 from selfevo.cli import app  # noqa: E402
 from selfevo.corpus import read_corpus, write_corpus  # noqa: E402
 from selfevo.records import Document  # noqa: E402
 from selfevo.search import dense as dense_mod  # noqa: E402
-from selfevo.search.bm25 import BM25Index, file_sha256  # noqa: E402
+from selfevo.search.bm25 import BM25Index  # noqa: E402
 from selfevo.search.client import RetrieverClient  # noqa: E402
 from selfevo.search.dense import (  # noqa: E402
     DEFAULT_MODEL,

@@ -12,10 +12,11 @@ import pytest
 from _servers import free_port, serve_app
 from _shared import CORPUS
 
+from selfevo._io import file_sha256
 from selfevo.corpus import write_corpus
 from selfevo.records import Document
 from selfevo.search import SearchBudgetExhausted, SearchTool
-from selfevo.search.bm25 import MANIFEST, BM25Index, file_sha256
+from selfevo.search.bm25 import MANIFEST, BM25Index
 from selfevo.search.client import RetrieverClient, RetrieverError
 from selfevo.search.server import make_app, serve
 from selfevo.search.tool import Hit

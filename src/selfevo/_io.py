@@ -7,6 +7,7 @@ a half-written file, and an append-only log must survive a torn last line.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 import tempfile
@@ -66,6 +67,15 @@ def append_jsonl(path: str | os.PathLike, rows: Iterable[dict], fsync: bool = Tr
         fh.flush()
         if fsync:
             os.fsync(fh.fileno())
+
+
+def file_sha256(path: str | os.PathLike) -> str:
+    """sha256 of a file's bytes, read in 4 MiB chunks (corpora are gigabytes)."""
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        while chunk := fh.read(1 << 22):
+            h.update(chunk)
+    return h.hexdigest()
 
 
 def check_local_path(name: str) -> None:

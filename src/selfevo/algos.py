@@ -3,6 +3,7 @@ Shapes are plain sequences; every function is unit-tested directly."""
 
 from __future__ import annotations
 
+import hashlib
 import math
 from collections.abc import Hashable, Sequence
 
@@ -66,3 +67,10 @@ def softmax(logits: Sequence[float], temperature: float = 1.0) -> list[float]:
     e = [math.exp((x - m) / temperature) for x in logits]
     s = sum(e)
     return [x / s for x in e]
+
+
+def hash_unit(*keys: object) -> float:
+    """A uniform draw in [0, 1) that is a pure function of `keys`: the same call gives the same
+    draw in any process, so injected faults and scripted errors repeat on a rerun."""
+    h = hashlib.sha256("|".join(map(str, keys)).encode()).digest()
+    return int.from_bytes(h[:8], "big") / 2**64

@@ -47,7 +47,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from selfevo._io import atomic_writer, read_json, write_json
+from selfevo._io import atomic_writer, file_sha256, read_json, write_json
 
 # the readers' own line checks, so a downloaded file fails exactly where `selfevo.corpus` would fail it
 from selfevo.corpus import (
@@ -249,7 +249,7 @@ def convert_benchmark(src: str | os.PathLike, benchmark: str, dest: str | os.Pat
         back = list(iter_qa(staged))
         if [it.id for it in back] != [it.id for it in chosen] or any(it.benchmark != benchmark for it in back):
             raise DataError(dest, None, "the written file does not read back as written")
-        digest = sha256_file(staged)
+        digest = file_sha256(staged)
         os.replace(staged, dest)
     finally:
         with contextlib.suppress(FileNotFoundError):
@@ -290,7 +290,7 @@ def _open_corpus(path: Path) -> Iterator[tuple[Any, Callable[[], str]]]:
             if len(members) != 1:
                 raise DataError(path, None, f"expected one .jsonl file in the archive, found {members or 'none'}")
             with zf.open(members[0]) as fh:
-                yield io.BufferedReader(fh, 1 << 20), lambda: sha256_file(path)
+                yield io.BufferedReader(fh, 1 << 20), lambda: file_sha256(path)
         return
     with open(path, "rb") as raw:
         reader = _HashingReader(raw)
@@ -375,14 +375,6 @@ def convert_corpus(src: str | os.PathLike, dest: str | os.PathLike,
     return {"passages": n, "sha256": out_sha.hexdigest(), "bytes": dest.stat().st_size, "source_sha256": src_sha}
 
 
-def sha256_file(path: str | os.PathLike) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        while chunk := fh.read(1 << 22):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 # ---------------------------------------------------------------- orchestration
 
 
@@ -425,7 +417,7 @@ def _complete(out: Path, rel: str, entry: dict | None, request: dict) -> bool:
             return False
     except OSError:
         return False
-    return sha256_file(path) == entry.get("sha256")
+    return file_sha256(path) == entry.get("sha256")
 
 
 def _fetch_first(download: Download, repo_id: str, files: Sequence[str], revision: str | None) -> tuple[str, Path]:
@@ -480,7 +472,7 @@ def download_data(
             log(f"converting {qa_repo}/{filename} -> {rel}")
             info = convert_benchmark(local, name, out / rel, per_benchmark, seed)
             source = {"repo_id": qa_repo, "repo_type": "dataset", "filename": filename, "revision": revision,
-                      "commit": commit_of(local), "sha256": sha256_file(local)}
+                      "commit": commit_of(local), "sha256": file_sha256(local)}
             return {"kind": "qa", "benchmark": name, "hop": bench.hop, "split": Path(filename).stem,
                     "subsample": SUBSAMPLE_RULE, **info, "source": source}
 

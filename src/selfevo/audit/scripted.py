@@ -16,12 +16,12 @@ instruction as its evidence, and grades every answer correct when the quote it i
 
 from __future__ import annotations
 
-import hashlib
 import json
 import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from selfevo.algos import hash_unit
 from selfevo.audit.judges import OracleJudge
 from selfevo.audit.llm_judge import MIN_QUOTE_WORDS, item_sources
 from selfevo.evaluate import answers_match, normalize_answer
@@ -90,10 +90,6 @@ class ScriptedJudge:
         return {"reference": entry["reference"], "quote": entry["quote"]}
 
 
-def _unit(seed: int, text: str) -> float:
-    return int.from_bytes(hashlib.sha256(f"{seed}|{text}".encode()).digest()[:8], "big") / 2**64
-
-
 def answer_key(items: Sequence[Mapping[str, Any]], documents: Mapping[str, str], oracle: OracleJudge,
                error_rate: float = 0.0, seed: int = 0) -> dict[str, dict]:
     """{question: {"reference", "quote"}} for every question whose true answer a sentence of its
@@ -113,7 +109,7 @@ def answer_key(items: Sequence[Mapping[str, Any]], documents: Mapping[str, str],
         if found is None:
             continue
         entry = {"reference": found[1], "quote": found[0]}
-        if error_rate and _unit(seed, q) < error_rate:
+        if error_rate and hash_unit(seed, q) < error_rate:
             wrong = [a for a in [it["adopted_label"], *it["responses"]]
                      if normalize_answer(a or "") and not any(answers_match(a, g) for g in truth)]
             misread = next(((s, a) for a in wrong for t in texts for s in sentences(t) if _mentions(s, a)), None)

@@ -8,11 +8,11 @@ titles) and assigns whole clusters to folds, so multi-hop questions mostly stay 
 
 from __future__ import annotations
 
-import hashlib
 import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
+from selfevo.loop.schedule import derive_seed
 from selfevo.records import Document
 
 
@@ -20,8 +20,7 @@ def fold_of(source_id: str, seed: int, k: int = 2) -> int:
     """Stable fold of a source document: a hash of (seed, source id), never of the question."""
     if k < 2:
         raise ValueError(f"folds: k must be >= 2, got {k}")
-    h = hashlib.blake2b(f"{seed}\x1f{source_id}".encode(), digest_size=8).digest()
-    return int.from_bytes(h, "little") % k
+    return derive_seed(seed, source_id) % k
 
 
 def question_fold(question: str, seed: int, k: int = 2) -> int:

@@ -19,7 +19,7 @@ import bm25s
 import numpy as np
 from bm25s.stopwords import STOPWORDS_EN
 
-from selfevo._io import write_json
+from selfevo._io import file_sha256, write_json
 from selfevo.corpus import iter_corpus, read_corpus, write_corpus
 from selfevo.records import Document
 from selfevo.search._manifest import MANIFEST, read_manifest
@@ -38,14 +38,6 @@ def _tokens(text: str) -> list[str]:
     """Lowercase, split, drop English stopwords. No stemming: Snowball (PyStemmer) measured no
     gain in answer recall@3 on wiki18-mini (macro 0.2249 vs 0.2250), so it is not a dependency."""
     return [w for w in _TOKEN_RE.findall(text.lower()) if w not in _STOPWORDS]
-
-
-def file_sha256(path: str | os.PathLike) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for chunk in iter(lambda: fh.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def docs_sha256(docs: Sequence[Document]) -> str:

@@ -26,11 +26,11 @@ from typing import Any
 
 import numpy as np
 
-from selfevo._io import check_local_path, write_json
+from selfevo._io import check_local_path, file_sha256, write_json
 from selfevo.corpus import iter_corpus, read_corpus, write_corpus
 from selfevo.records import Document
 from selfevo.search._manifest import MANIFEST, read_manifest
-from selfevo.search.bm25 import docs_sha256, file_sha256
+from selfevo.search.bm25 import docs_sha256
 from selfevo.search.tool import Hit
 
 FORMAT_VERSION = 1

@@ -16,11 +16,11 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from selfevo._io import write_json
+from selfevo._io import file_sha256, write_json
 from selfevo.corpus import read_corpus
 from selfevo.records import Document
 from selfevo.search._manifest import MANIFEST, read_manifest
-from selfevo.search.bm25 import BM25Index, docs_sha256, file_sha256
+from selfevo.search.bm25 import BM25Index, docs_sha256
 from selfevo.search.dense import DenseIndex, Encoder
 from selfevo.search.tool import Hit
 

@@ -113,8 +113,8 @@ def index_from_corpus_file(kind: str, corpus: str | os.PathLike,
 def build_index(kind: str, corpus: str | os.PathLike, out: str | os.PathLike,
                 options: DenseOptions | None = None, progress: bool = False) -> Retriever:
     """Build an index of `kind` over the corpus file and save it to `out` (always rebuilds)."""
+    from selfevo._io import file_sha256
     from selfevo.corpus import read_corpus
-    from selfevo.search.bm25 import file_sha256
 
     _check_kind(kind)
     options = options or DenseOptions()
@@ -156,7 +156,7 @@ def get_retriever(*, corpus: str | os.PathLike | None = None, index: str | os.Pa
         found = index_kind(index)
         if kind is not None and kind != found:
             raise ValueError(f"{index}: a {found} index, but retriever {kind!r} was asked for")
-        from selfevo.search.bm25 import file_sha256
+        from selfevo._io import file_sha256
 
         digest = file_sha256(corpus) if corpus is not None else None
         return open_index(index, expected_corpus_sha256=digest, options=options)

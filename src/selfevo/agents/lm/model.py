@@ -30,6 +30,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
+from selfevo.algos import hash_unit
+
 Messages = Sequence[Mapping[str, str]]
 Script = Callable[[Messages], str]
 
@@ -126,10 +128,6 @@ class ScriptedModel:
         self.faults: Counter[str] = Counter()
         self._lock = threading.Lock()
 
-    def _draw(self, digest: str, i: int, what: str) -> float:
-        h = hashlib.sha256(f"{self.seed}|{digest}|{i}|{what}".encode()).digest()
-        return int.from_bytes(h[:8], "big") / 2**64
-
     def generate(self, messages: Messages, *, temperature: float = 0.0, top_p: float = 1.0,
                  max_tokens: int = 256, n: int = 1, seed: int | None = None,
                  json_mode: bool = False, stop: Sequence[str] | None = None) -> list[Completion]:
@@ -137,16 +135,16 @@ class ScriptedModel:
         with self._lock:
             i = self.requests[digest]
             self.requests[digest] += 1
-        if self.slow_rate and self._draw(digest, i, "slow") < self.slow_rate:
+        if self.slow_rate and hash_unit(self.seed, digest, i, "slow") < self.slow_rate:
             time.sleep(self.delay)
-        u = self._draw(digest, i, "fault")
+        u = hash_unit(self.seed, digest, i, "fault")
         if u < self.fail_rate:
-            kind = "429" if self._draw(digest, i, "kind") < 0.3 else "500"
+            kind = "429" if hash_unit(self.seed, digest, i, "kind") < 0.3 else "500"
             with self._lock:
                 self.faults[kind] += 1
             raise ModelFault(int(kind), f"injected fault ({kind})")
         if u < self.fail_rate + self.garbage_rate:
-            g = int(self._draw(digest, i, "garbage") * (len(_GARBAGE) + 1))
+            g = int(hash_unit(self.seed, digest, i, "garbage") * (len(_GARBAGE) + 1))
             with self._lock:
                 self.faults["garbage"] += 1
             if g == len(_GARBAGE):

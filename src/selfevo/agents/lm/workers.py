@@ -150,7 +150,8 @@ class RolloutWorkers:
 
     def _source(self, tool: SearchTool) -> tuple[str, str]:
         """Where the actors search: the same documents the caller's `tool` searches."""
-        from selfevo.search.bm25 import BM25Index, file_sha256
+        from selfevo._io import file_sha256
+        from selfevo.search.bm25 import BM25Index
         from selfevo.search.client import RetrieverClient
 
         if isinstance(tool.retriever, RetrieverClient):
