@@ -14,6 +14,8 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+from selfevo.algos import summary
+
 REPO = Path(__file__).resolve().parents[1]
 
 # A sim solver whose reading skill learns fast and whose memory slowly (configs/default.toml:
@@ -76,10 +78,8 @@ def write_section(path: Path, heading: str, section: str, title: str = "# Result
 
 
 def mean_std(values: list[float]) -> tuple[float, float]:
-    vals = [v for v in values if v is not None]
-    if not vals:
-        return float("nan"), float("nan")
-    return statistics.fmean(vals), (statistics.stdev(vals) if len(vals) > 1 else 0.0)
+    s = summary(values)
+    return (float("nan"), float("nan")) if s["n"] == 0 else (s["mean"], s["std"])
 
 
 def fmt(values: list[float], digits: int = 3) -> str:

@@ -64,11 +64,11 @@ from rich.console import Console
 from rich.progress import Progress
 
 import selfevo.evolve as evolve_module
+from selfevo.algos import summary
 from selfevo.audit.judges import OracleJudge
 from selfevo.config import load_config
 from selfevo.evaluate import answers_match
 from selfevo.evolve import environment, evolve
-from selfevo.report.collect import summary
 from selfevo.runs import RunDir
 
 HEADING = "## Downstream sensitivity"

@@ -22,11 +22,11 @@ from _common import REPO, fmt, machine_line, run_root, write_section
 from rich.console import Console
 from rich.progress import Progress
 
+from selfevo.algos import summary
 from selfevo.audit import OracleJudge, hop_mix_text, mean_hop_mix
 from selfevo.config import config_from_dict, load_config
 from selfevo.evaluate import answers_match
 from selfevo.evolve import build_loop, environment, evolve, fold_assignment, load_run_world
-from selfevo.report.collect import summary
 from selfevo.report.compare import compare
 from selfevo.runs import RunDir
 from selfevo.search.tool import SearchTool

@@ -28,9 +28,9 @@ from _common import REPO, fmt, machine_line, run_root, write_section
 from rich.console import Console
 from rich.progress import Progress
 
+from selfevo.algos import summary
 from selfevo.config import WorldSpec, load_config
 from selfevo.evolve import evolve
-from selfevo.report.collect import summary
 
 HEADING = "## Shared errors"
 LEVELS = (0.0, 0.1, 0.3, 0.6, 0.9)

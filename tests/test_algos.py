@@ -5,7 +5,7 @@ import statistics
 
 import pytest
 
-from selfevo.algos import bucket_advantages, frontier_reward, group_advantages, softmax
+from selfevo.algos import bucket_advantages, frontier_reward, group_advantages, hash_unit, softmax, summary, t95
 
 # ------------------------------------------------------------------ frontier reward
 
@@ -132,3 +132,35 @@ def test_softmax_nonpositive_temperature_raises(temperature):
 
 def test_softmax_empty():
     assert softmax([]) == []
+
+
+# ------------------------------------------------------------------ statistics over seeds
+
+
+@pytest.mark.parametrize("df, q", [(1, 12.706), (4, 2.776), (9, 2.262), (29, 2.045), (30, 2.042),
+                                   (35, 2.042), (40, 2.021), (119, 1.984), (10_000, 1.980)])
+def test_t95_is_the_student_quantile_or_the_next_wider_one(df, q):
+    # between tabulated degrees of freedom the lower df's (wider) quantile: never too narrow
+    assert t95(df) == q
+
+
+def test_t95_of_no_degrees_of_freedom_is_nan():
+    assert math.isnan(t95(0))
+
+
+def test_summary_mean_std_and_t_interval():
+    s = summary([1.0, 2.0, 3.0, None, float("nan")])  # None and NaN are skipped
+    assert (s["n"], s["mean"], s["std"]) == (3, 2.0, 1.0)
+    assert s["lo"] == pytest.approx(2.0 - 4.303 / math.sqrt(3)) and s["hi"] == pytest.approx(2.0 + 4.303 / math.sqrt(3))
+
+
+def test_summary_of_one_seed_has_no_interval_and_of_none_nothing():
+    assert summary([0.5]) == {"mean": 0.5, "std": 0.0, "lo": None, "hi": None, "n": 1}
+    assert summary([None]) == {"mean": None, "std": None, "lo": None, "hi": None, "n": 0}
+
+
+def test_hash_unit_is_a_pure_uniform_draw():
+    draws = [hash_unit(7, "q", i) for i in range(2000)]
+    assert draws == [hash_unit(7, "q", i) for i in range(2000)]  # a pure function of its keys
+    assert all(0.0 <= u < 1.0 for u in draws) and abs(statistics.fmean(draws) - 0.5) < 0.02
+    assert hash_unit(7, "q", 0) != hash_unit(8, "q", 0)

@@ -143,7 +143,7 @@ def test_rounds_figure_leaves_a_gap_where_the_judge_resolved_nothing():
 def _res(coupled: dict[str, list[float]], other: dict[str, list[float]], gain: list[float]) -> dict:
     """A results dict as collect_runs writes it: per-seed round-3 A / T_P / F of coupled and one
     other treatment ("crossfit"), coupled's round-1 F below its round 3, and downstream macro gains."""
-    from selfevo.report.collect import summary
+    from selfevo.algos import summary
 
     def audit(per_seed: dict[str, list[float]]) -> dict:
         seeds = range(len(per_seed["A"]))

@@ -1,10 +1,12 @@
-"""The method's math as pure functions (after verl's core_algos): rewards and advantages.
+"""The method's math as pure functions (after verl's core_algos): rewards and advantages, and
+the statistics over seeds every report uses.
 Shapes are plain sequences; every function is unit-tested directly."""
 
 from __future__ import annotations
 
 import hashlib
 import math
+import statistics
 from collections.abc import Hashable, Sequence
 
 N_GRADER_SAMPLES = 5  # paper: the grader answers every proposed question five times
@@ -74,3 +76,32 @@ def hash_unit(*keys: object) -> float:
     draw in any process, so injected faults and scripted errors repeat on a rerun."""
     h = hashlib.sha256("|".join(map(str, keys)).encode()).digest()
     return int.from_bytes(h[:8], "big") / 2**64
+
+
+# two-sided 95% Student-t quantiles by degrees of freedom (a table: no scipy dependency); between
+# tabulated values the next lower df's quantile is used, so an interval is never too narrow
+_T95 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262,
+        10: 2.228, 11: 2.201, 12: 2.179, 13: 2.160, 14: 2.145, 15: 2.131, 16: 2.120, 17: 2.110,
+        18: 2.101, 19: 2.093, 20: 2.086, 21: 2.080, 22: 2.074, 23: 2.069, 24: 2.064, 25: 2.060,
+        26: 2.056, 27: 2.052, 28: 2.048, 29: 2.045, 30: 2.042, 40: 2.021, 50: 2.009, 60: 2.000,
+        80: 1.990, 100: 1.984, 120: 1.980}
+
+
+def t95(df: int) -> float:
+    """The two-sided 95% Student-t quantile for `df` degrees of freedom (NaN for df < 1)."""
+    if df <= 0:
+        return float("nan")
+    return _T95[max(k for k in _T95 if k <= df)]
+
+
+def summary(values: Sequence[float | None]) -> dict:
+    """Mean, std and a 95% t-interval over seeds (None and NaN values are skipped)."""
+    vals = [v for v in values if v is not None and not (isinstance(v, float) and math.isnan(v))]
+    if not vals:
+        return {"mean": None, "std": None, "lo": None, "hi": None, "n": 0}
+    m = statistics.fmean(vals)
+    if len(vals) == 1:  # one seed has no interval: None (JSON null), never NaN (not JSON)
+        return {"mean": m, "std": 0.0, "lo": None, "hi": None, "n": 1}
+    s = statistics.stdev(vals)
+    half = t95(len(vals) - 1) * s / math.sqrt(len(vals))
+    return {"mean": m, "std": s, "lo": m - half, "hi": m + half, "n": len(vals)}

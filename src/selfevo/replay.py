@@ -27,7 +27,6 @@ import math
 import multiprocessing
 import os
 import random
-import statistics
 import sys
 from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
@@ -37,6 +36,7 @@ from pathlib import Path
 from selfevo._io import atomic_writer, read_json, write_json
 from selfevo.agents.base import Proposal
 from selfevo.agents.sim import Reader, SimSolver
+from selfevo.algos import summary
 from selfevo.audit import JudgedItem, OracleJudge, audit_metrics
 from selfevo.evaluate import answers_match
 from selfevo.loop.admission import MSV
@@ -623,10 +623,9 @@ class _InProcess:
 
 
 def _mean_std(values: list) -> dict:
-    vals = [v for v in values if v is not None]
-    if not vals:
-        return {"mean": None, "std": None}
-    return {"mean": statistics.fmean(vals), "std": statistics.stdev(vals) if len(vals) > 1 else 0.0}
+    """results.json's cell: mean and std over seeds (the issue's schema: no interval)."""
+    s = summary(values)
+    return {"mean": s["mean"], "std": s["std"]}
 
 
 def _run_jobs(pool, conds: list[Condition], seeds: list[int], bar) -> tuple[dict, dict, dict]:

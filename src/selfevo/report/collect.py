@@ -4,41 +4,15 @@ compute and overhead, and the readings the paper draws from them."""
 
 from __future__ import annotations
 
-import math
 import os
-import statistics
 from collections.abc import Sequence
 from pathlib import Path
 
+from selfevo.algos import summary
 from selfevo.audit import METRICS, mean_hop_mix
 from selfevo.evaluate import BENCHMARKS
 from selfevo.report.compare import compare
 from selfevo.runs import RunDir, read_object
-
-# two-sided 95% Student-t quantiles by degrees of freedom (a table: no scipy dependency)
-_T95 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262,
-        10: 2.228, 15: 2.131, 20: 2.086, 30: 2.042}
-
-
-def t95(df: int) -> float:
-    if df <= 0:
-        return float("nan")
-    if df > 30:
-        return 1.96
-    return _T95[max(k for k in _T95 if k <= df)]  # conservative between tabulated values
-
-
-def summary(values: Sequence[float | None]) -> dict:
-    """Mean, std and a 95% t-interval over seeds (None values are skipped)."""
-    vals = [v for v in values if v is not None and not (isinstance(v, float) and math.isnan(v))]
-    if not vals:
-        return {"mean": None, "std": None, "lo": None, "hi": None, "n": 0}
-    m = statistics.fmean(vals)
-    if len(vals) == 1:  # one seed has no interval: None (JSON null), never NaN (not JSON)
-        return {"mean": m, "std": 0.0, "lo": None, "hi": None, "n": 1}
-    s = statistics.stdev(vals)
-    half = t95(len(vals) - 1) * s / math.sqrt(len(vals))
-    return {"mean": m, "std": s, "lo": m - half, "hi": m + half, "n": len(vals)}
 
 
 def _eval_row(score: dict) -> dict:
