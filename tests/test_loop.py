@@ -35,7 +35,7 @@ def test_paper_schedule_has_129_steps():
 def test_paper_budget_per_step():
     cfg = LoopConfig()
     assert cfg.proposals_per_step * cfg.proposer_steps >= cfg.admit_per_round == 1600
-    assert cfg.proposals_per_step == 89 and cfg.solver_batch == 64
+    assert cfg.proposals_per_step == 89
     assert cfg.grader_samples == 5
 
 

@@ -256,21 +256,6 @@ def print_score_table(result: Mapping[str, Any], console: Console) -> None:
     console.print(table)
 
 
-def markdown_score_table(result: Mapping[str, Any]) -> str:
-    """The same table as Markdown, for docs and reports."""
-    lines = ["| benchmark | n | Cover-EM | EM | F1 |", "|---|---:|---:|---:|---:|"]
-    for name, row in result["benchmarks"].items():
-        lines.append(f"| {name} | {row['n']} | {_fmt(row['cover_em'])} | {_fmt(row['em'])} "
-                     f"| {_fmt(row['f1'])} |")
-    n_total = sum(row["n"] for row in result["benchmarks"].values())
-    for label, key in _GROUP_ROWS:
-        g = result[key]
-        n = str(n_total) if key == "macro" else ""
-        lines.append(f"| **{label}** | {n} | {_fmt(g['cover_em'])} | {_fmt(g['em'])} "
-                     f"| {_fmt(g['f1'])} |")
-    return "\n".join(lines)
-
-
 # ---------------------------------------------------------------- the benchmark runner
 
 

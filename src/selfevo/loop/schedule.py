@@ -31,10 +31,6 @@ class LoopConfig:
         """Enough proposals over the proposer steps to fill the round's admission budget."""
         return math.ceil(self.admit_per_round / self.proposer_steps)
 
-    @property
-    def solver_batch(self) -> int:
-        return math.ceil(self.admit_per_round / self.solver_steps)
-
 
 @dataclass(frozen=True)
 class ScheduledStep:

@@ -6,7 +6,7 @@ for byte.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -14,6 +14,7 @@ from selfevo.records import Document, QAItem
 from selfevo.world.language import (
     COMPARE_TEMPLATES,
     FACT_TEMPLATES,
+    POSSESSIVES,
     PRONOUNS,
     RELATED_NOUNS,
     ChainQuery,
@@ -172,7 +173,7 @@ def _page(e: Entity, truth: Truth, cfg: WorldConfig, rng: np.random.Generator,
     """One page per entity: its facts in varied templates, links to the entities they name, and
     confusable sentences (a related entity's fact of the same relation). `same_type[index]` is e."""
     pronoun = PRONOUNS[int(rng.integers(2))] if e.type == "person" else "It"
-    possessive = {"He": "His", "She": "Her"}.get(pronoun, "Its")
+    possessive = dict(zip(PRONOUNS, POSSESSIVES))[pronoun]
     sentences = [f"{e.name} is {_TYPE_NOUNS[e.type]}."]
     if len(e.aliases) > 1:
         sentences.append(f"{e.name} is also known as {' and '.join(e.aliases[1:])}.")
@@ -286,5 +287,3 @@ def make_world(config: WorldConfig) -> World:
     return World(config, docs, _benchmarks(truth, rng), truth)
 
 
-def config_dict(config: WorldConfig) -> dict:
-    return asdict(config)
