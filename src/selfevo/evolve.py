@@ -8,6 +8,7 @@ answers) and the agents; it hands the agents only documents, questions and the s
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import random
 import time
@@ -25,7 +26,7 @@ from selfevo.loop.engine import Loop
 from selfevo.loop.feedback import AuxFeedback, CoupledFeedback
 from selfevo.loop.folds import FoldAssignment, assign_folds
 from selfevo.loop.schedule import derive_seed
-from selfevo.loop.treatments import parse_treatment
+from selfevo.loop.treatments import feedback_options, parse_treatment
 from selfevo.runs import RunDir, RunError
 from selfevo.search.bm25 import BM25Index
 from selfevo.search.tool import SearchTool
@@ -57,23 +58,11 @@ def make_rules(cfg: RunConfig, documents, folds: FoldAssignment, make_solver):
     """The treatment: an admission rule and a feedback rule for the one loop."""
     t = parse_treatment(cfg.treatment)
     admission = MSV({d.id: d for d in documents}) if t.msv else AdmitAll()
-    updates, samples = cfg.loop.solver_steps, cfg.loop.grader_samples
-    if t.feedback == "coupled":
-        feedback = CoupledFeedback(folds)
-    elif t.feedback == "crossfit":
-        feedback = AuxFeedback(t.name, folds, make_solver, updates, samples,
-                               lineage_aware=t.grouping == "connected")
-    elif t.feedback == "half-budget":
-        feedback = AuxFeedback(t.name, folds, make_solver, updates, samples, budget=0.5)
-    elif t.feedback == "same-source":
-        feedback = AuxFeedback(t.name, folds, make_solver, updates, samples, grades="own-fold")
-    elif t.feedback == "full-data":
-        feedback = AuxFeedback(t.name, folds, make_solver, updates, samples, trains="everything", grades="full")
-    elif t.feedback == "question-split":
-        feedback = AuxFeedback(t.name, folds, make_solver, updates, samples, split="question")
-    else:  # parse_treatment admits nothing else
-        raise AssertionError(t)
-    return admission, feedback
+    options = feedback_options(t)  # the one treatment -> aux-solver options mapping
+    if options is None:
+        return admission, CoupledFeedback(folds)
+    return admission, AuxFeedback(t.name, folds, make_solver, cfg.loop.solver_steps, cfg.loop.grader_samples,
+                                  **dataclasses.asdict(options))
 
 
 def fold_assignment(cfg: RunConfig, documents) -> FoldAssignment:

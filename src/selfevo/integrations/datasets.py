@@ -23,6 +23,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 from selfevo.agents.lm.protocol import proposer_messages, sample_hops, solver_messages
+from selfevo.loop.feedback import trains_on
 from selfevo.loop.folds import FoldAssignment
 from selfevo.loop.schedule import derive_seed
 from selfevo.records import Document
@@ -70,15 +71,15 @@ def solver_rows(items: Sequence[Mapping], folds: FoldAssignment, round: int) -> 
 
 
 def aux_training_sets(rows: Sequence[dict], roles: Sequence[str], lineage_aware: bool = False) -> dict[str, list[dict]]:
-    """The rows each auxiliary solver trains on (`loop.feedback.AuxFeedback._trains_on`): aux-j the
-    rows of fold j (lineage-aware: rows all of whose pages are fold j's); aux-all everything."""
+    """The rows each auxiliary solver trains on (`loop.feedback.trains_on`, as `AuxFeedback`): aux-j
+    the rows of fold j (lineage-aware: rows all of whose pages are fold j's); aux-all everything."""
     out = {}
     for role in roles:
         if role == "aux-all":
             out[role] = list(rows)
             continue
         j = int(role.removeprefix("aux-"))
-        out[role] = [r for r in rows if (set(r["source_folds"]) == {j} if lineage_aware else r["fold"] == j)]
+        out[role] = [r for r in rows if trains_on(j, r["fold"], r["source_folds"], lineage_aware)]
     return out
 
 

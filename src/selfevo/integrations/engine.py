@@ -53,8 +53,9 @@ from selfevo._io import append_jsonl, read_json, read_jsonl_log, write_json, wri
 from selfevo.config import ConfigError, RunConfig, config_from_dict, merge, parse_override
 from selfevo.integrations.admit import admit_round, commit_records, merge_step_records, msv_filter, read_staged
 from selfevo.integrations.datasets import aux_training_sets, proposer_rows, solver_rows, write_verl
-from selfevo.integrations.routing import Grader, aux_roles
+from selfevo.integrations.routing import Grader, aux_roles, options_of
 from selfevo.loop.engine import Compute
+from selfevo.loop.feedback import aux_updates, touched_folds
 from selfevo.loop.folds import FoldAssignment
 from selfevo.loop.treatments import parse_treatment
 from selfevo.runs import RunDir, RunError
@@ -503,21 +504,17 @@ class EngineRun:
                                "rounds": [r]}}
 
     def aux(self, r: int, role: str) -> dict:
-        cfg, t = self.cfg, self.treatment
-        lineage_aware = t.feedback == "crossfit" and t.grouping == "connected"
-        rows = aux_training_sets(self._admitted_rows(r), [role], lineage_aware)[role]
+        cfg, opts = self.cfg, options_of(self.treatment)  # the loop's AuxFeedback options
+        rows = aux_training_sets(self._admitted_rows(r), [role], opts.lineage_aware)[role]
         if not rows:
             return {"trained": False}
-        roles = aux_roles(t)
-        # paper: each aux solver gets 25 updates a round; half budget: 25 a round in total
-        budget = 0.5 if t.feedback == "half-budget" else 1.0
-        total = round(cfg.loop.solver_steps * len(roles) * budget)
-        j = roles.index(role)
-        updates = total // len(roles) + (1 if j < total % len(roles) else 0)
+        roles = aux_roles(self.treatment)
+        updates = aux_updates(cfg.loop.solver_steps, len(roles), opts.budget)[roles.index(role)]
         per = self.per_step(len(rows), cfg.loop.solver_steps)  # the full-budget batch; less budget, fewer batches
         res = self.train(f"r{r}/{role}", "solver", role, r, rows, updates, per, self.spec.solver_generations,
                          {"records_path": None, "round": r})
-        folds = sorted({f for x in rows for f in (x["source_folds"] if lineage_aware else [x["fold"]])})
+        # its lineage, as the loop's record_training writes it
+        folds = sorted({f for x in rows for f in touched_folds(x["fold"], x["source_folds"], opts.lineage_aware)})
         return {"model": self.model_dir(role, r), "updates": {role: res["steps"]},
                 "generations": {"aux_rollouts": res["completions"]},
                 "trained_on": {"role": role, "folds": folds, "rounds": [r]}}

@@ -14,8 +14,10 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
-from selfevo.loop.folds import FoldAssignment, question_fold
-from selfevo.loop.treatments import Treatment, parse_treatment
+from selfevo.loop.feedback import aux_names, crossfit_fold, grader_index
+from selfevo.loop.feedback import touched_folds as _touched
+from selfevo.loop.folds import FoldAssignment
+from selfevo.loop.treatments import FeedbackOptions, Treatment, feedback_options, parse_treatment
 
 
 class RoutingError(RuntimeError):
@@ -60,6 +62,11 @@ def treatment_of(name: str | Treatment) -> Treatment:
     return name if isinstance(name, Treatment) else parse_treatment(name)
 
 
+def options_of(treatment: str | Treatment) -> FeedbackOptions:
+    """The treatment's aux-solver options (coupled: the defaults, which route nothing to an aux)."""
+    return feedback_options(treatment_of(treatment)) or FeedbackOptions()
+
+
 def has_aux(treatment: str | Treatment) -> bool:
     return treatment_of(treatment).feedback != "coupled"
 
@@ -67,45 +74,30 @@ def has_aux(treatment: str | Treatment) -> bool:
 def aux_roles(treatment: str | Treatment) -> list[str]:
     """The auxiliary solvers a treatment trains (none for coupled)."""
     t = treatment_of(treatment)
-    if t.feedback == "coupled":
-        return []
-    if t.feedback == "full-data":
-        return ["aux-all"]
-    return [f"aux-{j}" for j in range(t.k)]
+    opts = feedback_options(t)
+    return [] if opts is None else aux_names(opts.trains, t.k)
 
 
 def item_fold(treatment: str | Treatment, folds: FoldAssignment, source_id: str, question: str) -> int:
     """The fold used for cross-fitting: the source's, or (question-split control) the question's."""
-    t = treatment_of(treatment)
-    if t.feedback == "question-split":
-        return question_fold(question, folds.seed, folds.k)
-    return folds.of(source_id)
+    return crossfit_fold(folds, options_of(treatment).split, source_id, question)
 
 
 def touched_folds(treatment: str | Treatment, folds: FoldAssignment, fold: int,
                   source_ids: Iterable[str]) -> set[int]:
     """The folds a question counts as touching: with the connected grouping every page it read
     (lineage-aware), else its own fold."""
-    t = treatment_of(treatment)
-    if t.feedback == "crossfit" and t.grouping == "connected":
-        return folds.lineage(source_ids)
-    return {fold}
+    return _touched(fold, folds.lineage(source_ids), options_of(treatment).lineage_aware)
 
 
 def grader_role(treatment: str | Treatment, round: int, fold: int, touched: set[int]) -> tuple[str, bool]:
-    """`(role, fallback)`: the loop's rule (`AuxFeedback.grader_for`, `CoupledFeedback`)."""
+    """`(role, fallback)`: the loop's rule (`loop.feedback.grader_index`, `CoupledFeedback`)."""
     t = treatment_of(treatment)
-    if t.feedback == "coupled" or round == 1:  # round 1 is shared: the base model grades
+    opts = feedback_options(t)
+    if opts is None or round == 1:  # coupled; round 1 is shared: the base model grades
         return "main", False
-    if t.feedback == "full-data":
-        return "aux-all", False
-    if t.feedback == "same-source":
-        return f"aux-{fold}", False
-    for step in range(1, t.k):  # prefer the next fold, deterministic
-        j = (fold + step) % t.k
-        if j not in touched:
-            return f"aux-{j}", False
-    return f"aux-{(fold + 1) % t.k}", True
+    j, fallback = grader_index(opts.grades, fold, touched, t.k)
+    return aux_names(opts.trains, t.k)[j], fallback
 
 
 def route(treatment: str | Treatment, round: int, fold: int, touched: set[int],
@@ -117,7 +109,9 @@ def route(treatment: str | Treatment, round: int, fold: int, touched: set[int],
     if grader is None:
         raise RoutingError(f"round {round}: the {t.name} rule sends a fold-{fold} question to {role!r}, "
                            f"but no such grader is served (have: {', '.join(sorted(graders)) or 'none'})")
-    cross_fitted = round > 1 and t.feedback in ("crossfit", "half-budget", "question-split")
+    # cross-fitted (CrossFit, half budget, question split): the grader must not have trained on
+    # a fold the question touched
+    cross_fitted = round > 1 and t.feedback != "coupled" and options_of(t).grades == "other-fold"
     if cross_fitted and not fallback and set(grader.folds) & touched:
         raise RoutingError(f"round {round}: {grader.name or role} trained on fold(s) {sorted(grader.folds)}, "
                            f"which a question touching fold(s) {sorted(touched)} must not be graded by")

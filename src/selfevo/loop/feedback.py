@@ -15,12 +15,69 @@ Round 1 is shared by every rule: no aux solver has trained yet, so the base mode
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import Protocol
 
 from selfevo.agents.base import Proposal, Solver, TrainableSolver
 from selfevo.loop.folds import FoldAssignment, question_fold
 from selfevo.loop.schedule import derive_seed
+
+# ---------------------------------------------------------------- the rules, as pure functions
+# One home for CrossFit's rules: AuxFeedback below and the engine integrations (routing, datasets,
+# engine) call these, so the loop and the served graders cannot drift apart.
+
+
+def crossfit_fold(folds: FoldAssignment, split: str, source_id: str, question: str) -> int:
+    """The fold used for cross-fitting: the source's, or (split="question", the control) the
+    question's, so the same source lands in both folds."""
+    if split == "question":
+        return question_fold(question, folds.seed, folds.k)
+    return folds.of(source_id)
+
+
+def touched_folds(fold: int, page_folds: Collection[int], lineage_aware: bool) -> set[int]:
+    """The folds a question counts as touching: lineage-aware, the folds of every page read while
+    composing it; else only its own fold."""
+    return set(page_folds) if lineage_aware else {fold}
+
+
+def trains_on(j: int, fold: int, page_folds: Collection[int], lineage_aware: bool) -> bool:
+    """Whether the aux solver of fold j trains on a question of `fold` whose pages lie in
+    `page_folds`. Lineage-aware: only a question all of whose pages are fold j's."""
+    return set(page_folds) == {j} if lineage_aware else fold == j
+
+
+def other_fold(h: int, touched: Collection[int], k: int) -> tuple[int, bool]:
+    """`(j, fallback)`: the fold whose aux solver grades a fold-h question -- the next fold after
+    h (deterministic) that the question did not touch; when it touched every fold, the next fold
+    all the same (`fallback`: the source rule, and the records say so)."""
+    for step in range(1, k):
+        j = (h + step) % k
+        if j not in touched:
+            return j, False
+    return (h + 1) % k, True
+
+
+def grader_index(grades: str, h: int, touched: Collection[int], k: int) -> tuple[int, bool]:
+    """`(index into aux_names, fallback)` of the grader of a fold-h question from round 2 on."""
+    if grades == "full":  # the full-data control: its one solver grades everything
+        return 0, False
+    if grades == "own-fold":  # the same-source control
+        return h, False
+    return other_fold(h, touched, k)
+
+
+def aux_names(trains: str, k: int) -> list[str]:
+    """The auxiliary solvers: one per fold, or one on everything (the full-data control)."""
+    return ["aux-all"] if trains == "everything" else [f"aux-{j}" for j in range(k)]
+
+
+def aux_updates(updates_per_round: int, n_aux: int, budget: float = 1.0) -> list[int]:
+    """Updates of each aux solver a round: `budget` of `updates_per_round` each, the total split
+    evenly (the first solvers take the remainder).
+    paper: each aux solver gets 25 updates a round; half budget: 25 a round in total."""
+    total = round(updates_per_round * n_aux * budget)
+    return [total // n_aux + (1 if j < total % n_aux else 0) for j in range(n_aux)]
 
 
 def lineage_of(solver) -> dict:
@@ -90,7 +147,8 @@ class CoupledFeedback:
 class AuxFeedback:
     """Auxiliary solvers trained on slices of the admitted questions, and a rule choosing which
     one grades a question. One class serves CrossFit and every control; the options say how
-    they differ (`trains`, `grades`, `split`, `budget`)."""
+    they differ (`trains`, `grades`, `split`, `budget`, `lineage_aware`: each treatment's are
+    `loop.treatments.feedback_options`)."""
 
     def __init__(self, name: str, folds: FoldAssignment, make_solver: Callable[[str], TrainableSolver],
                  updates_per_round: int, samples: int, trains: str = "own-fold",
@@ -102,32 +160,27 @@ class AuxFeedback:
             raise ValueError(f"feedback {name}: bad split or budget")
         self.name, self.folds, self.samples = name, folds, samples
         self.trains, self.grades, self.split, self.lineage_aware = trains, grades, split, lineage_aware
-        n_aux = 1 if trains == "everything" else folds.k
-        self.aux = [make_solver("aux-all" if n_aux == 1 else f"aux-{j}") for j in range(n_aux)]
-        # paper: each aux solver gets 25 updates a round; half budget: 25 a round in total
-        total = round(updates_per_round * n_aux * budget)
-        self.updates = [total // n_aux + (1 if j < total % n_aux else 0) for j in range(n_aux)]
+        self.aux = [make_solver(name) for name in aux_names(trains, folds.k)]
+        self.updates = aux_updates(updates_per_round, len(self.aux), budget)
         self.full_updates = updates_per_round
         self.graders: list[Solver] = []
         self.base: Solver | None = None
 
     # ---------------------------------------------------------------- folds
     def item_fold(self, proposal: Proposal, item_id: str) -> int:
-        if self.split == "question":  # control: the same source lands in both folds
-            return question_fold(proposal.question, self.folds.seed, self.folds.k)
-        return self.folds.of(proposal.source_id)
+        return crossfit_fold(self.folds, self.split, proposal.source_id, proposal.question)
+
+    def _page_folds(self, item) -> set[int]:
+        """The folds of every page read while composing the item (its lineage)."""
+        return self.folds.lineage(item.proposal.source_ids)
 
     def _item_folds(self, item) -> set[int]:
-        if self.lineage_aware:
-            return self.folds.lineage(item.proposal.source_ids)
-        return {item.fold}
+        return touched_folds(item.fold, self._page_folds(item), self.lineage_aware)
 
     def _trains_on(self, j: int, item) -> bool:
         if self.trains == "everything":
             return True
-        folds = self._item_folds(item)
-        # lineage-aware: an aux solver trains only on questions all of whose pages are its fold's
-        return folds == {j} if self.lineage_aware else item.fold == j
+        return trains_on(j, item.fold, self._page_folds(item), self.lineage_aware)
 
     # ---------------------------------------------------------------- grading
     def begin_round(self, round: int, main: TrainableSolver) -> None:
@@ -139,18 +192,8 @@ class AuxFeedback:
     def grader_for(self, item) -> Solver:
         if self._round == 1:
             return self.base
-        if self.grades == "full":
-            return self.graders[0]
-        h = item.fold
-        if self.grades == "own-fold":
-            return self.graders[h]
-        touched = self._item_folds(item)
-        k = self.folds.k
-        for step in range(1, k):  # prefer the next fold, deterministic
-            j = (h + step) % k
-            if j not in touched:
-                return self.graders[j]
-        return self.graders[(h + 1) % k]  # every fold touched: fall back to the source rule
+        j, _ = grader_index(self.grades, item.fold, self._item_folds(item), self.folds.k)
+        return self.graders[j]
 
     # ---------------------------------------------------------------- training
     def end_round(self, round: int, admitted: Sequence, tool, seed: int, last: bool) -> dict:

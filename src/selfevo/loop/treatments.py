@@ -5,6 +5,10 @@
 
 Any feedback name may be prefixed `msv+` (MSV decides admission and label; the feedback rule
 decides the grader).
+
+`feedback_options` is the one mapping from a treatment to how its auxiliary solvers train and
+grade; the loop (`evolve.make_rules` -> `loop.feedback.AuxFeedback`) and the engine integrations
+(`integrations.routing`, `datasets`, `engine`) all read it.
 """
 
 from __future__ import annotations
@@ -23,6 +27,36 @@ class Treatment:
     feedback: str  # one of FEEDBACKS
     k: int = 2
     grouping: str = "source"  # how sources are grouped into folds: source | connected
+
+
+@dataclass(frozen=True)
+class FeedbackOptions:
+    """How CrossFit and each of its controls differ (the options of `loop.feedback.AuxFeedback`)."""
+
+    trains: str = "own-fold"  # aux-j trains on fold j's questions | everything: one aux solver on all
+    grades: str = "other-fold"  # another fold's aux solver grades | own-fold: its own fold's | full: aux-all
+    split: str = "source"  # folds by source | question: by question text (the question-split control)
+    budget: float = 1.0  # share of the full aux budget (25 updates a round each); half budget: 0.5
+    lineage_aware: bool = False  # folds of every page read count (connected grouping), not only the source's
+
+
+def feedback_options(treatment: Treatment) -> FeedbackOptions | None:
+    """The aux-solver options of a treatment; None for coupled (the main solver grades, no aux)."""
+    f = treatment.feedback
+    if f == "coupled":
+        return None
+    if f == "crossfit":
+        return FeedbackOptions(lineage_aware=treatment.grouping == "connected")
+    if f == "half-budget":
+        # paper: each aux solver gets 25 updates a round; half budget: 25 a round in total
+        return FeedbackOptions(budget=0.5)
+    if f == "same-source":
+        return FeedbackOptions(grades="own-fold")
+    if f == "full-data":
+        return FeedbackOptions(trains="everything", grades="full")
+    if f == "question-split":
+        return FeedbackOptions(split="question")
+    raise AssertionError(f"feedback {f!r} has no options")  # parse_treatment admits nothing else
 
 
 def parse_treatment(name: str) -> Treatment:

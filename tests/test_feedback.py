@@ -1,0 +1,103 @@
+"""CrossFit's rules as pure functions (`loop.feedback`) and the one treatment -> options mapping
+(`loop.treatments.feedback_options`), with concrete numbers: the loop, the endpoint routing, the
+engine's datasets and its aux phases all call these."""
+
+from __future__ import annotations
+
+import pytest
+
+from selfevo.loop.feedback import (
+    aux_names,
+    aux_updates,
+    crossfit_fold,
+    grader_index,
+    other_fold,
+    touched_folds,
+    trains_on,
+)
+from selfevo.loop.folds import FoldAssignment, question_fold
+from selfevo.loop.treatments import FeedbackOptions, feedback_options, parse_treatment
+
+
+@pytest.mark.parametrize("updates, n_aux, budget, want", [
+    (25, 2, 1.0, [25, 25]),  # paper: each aux solver gets 25 updates a round
+    (25, 2, 0.5, [13, 12]),  # half budget: 25 a round in total, the first takes the remainder
+    (25, 1, 1.0, [25]),  # full-data: one solver on everything
+    (25, 3, 0.5, [13, 13, 12]),  # 37.5 rounds (half to even) to 38
+    (3, 2, 0.5, [2, 1]),
+    (1, 2, 0.5, [1, 0]),
+])
+def test_aux_updates_splits_the_budget(updates, n_aux, budget, want):
+    assert aux_updates(updates, n_aux, budget) == want
+
+
+@pytest.mark.parametrize("h, touched, k, want", [
+    (0, {0}, 2, (1, False)),
+    (1, {1}, 2, (0, False)),
+    (0, {0, 1}, 2, (1, True)),  # every fold touched: the source rule, flagged
+    (1, {1, 2}, 3, (0, False)),  # the next fold (2) is touched: the one after it
+    (2, {2}, 3, (0, False)),
+    (0, {0, 1, 2}, 3, (1, True)),
+])
+def test_other_fold(h, touched, k, want):
+    assert other_fold(h, touched, k) == want
+
+
+def test_grader_index_per_grading_rule():
+    assert grader_index("other-fold", 1, {1, 2}, 3) == (0, False)
+    assert grader_index("own-fold", 1, {1}, 2) == (1, False)  # same-source control
+    assert grader_index("full", 1, {0, 1}, 2) == (0, False)  # full-data control: aux-all
+
+
+def test_trains_on_and_touched_folds():
+    # a fold-0 question that also read a fold-1 page
+    assert trains_on(0, 0, {0, 1}, lineage_aware=False) and not trains_on(1, 0, {0, 1}, lineage_aware=False)
+    assert not trains_on(0, 0, {0, 1}, lineage_aware=True) and not trains_on(1, 0, {0, 1}, lineage_aware=True)
+    assert trains_on(0, 0, [0], lineage_aware=True)
+    assert touched_folds(0, {0, 1}, lineage_aware=False) == {0}
+    assert touched_folds(0, [0, 1], lineage_aware=True) == {0, 1}
+
+
+def test_crossfit_fold_by_source_or_by_question():
+    folds = FoldAssignment(2, 7, "source", {"s0": 0, "s1": 1})
+    assert crossfit_fold(folds, "source", "s1", "Where?") == 1
+    assert crossfit_fold(folds, "question", "s1", "Where?") == question_fold("Where?", 7, 2)
+
+
+def test_aux_names():
+    assert aux_names("own-fold", 3) == ["aux-0", "aux-1", "aux-2"]
+    assert aux_names("everything", 2) == ["aux-all"]
+
+
+@pytest.mark.parametrize("name, want", [
+    ("coupled", None),
+    ("msv", None),
+    ("crossfit", FeedbackOptions()),
+    ("msv+crossfit-k3", FeedbackOptions()),
+    ("crossfit-connected", FeedbackOptions(lineage_aware=True)),
+    ("half-budget", FeedbackOptions(budget=0.5)),
+    ("same-source", FeedbackOptions(grades="own-fold")),
+    ("full-data", FeedbackOptions(trains="everything", grades="full")),
+    ("question-split", FeedbackOptions(split="question")),
+])
+def test_feedback_options_of_each_treatment(name, want):
+    assert feedback_options(parse_treatment(name)) == want
+
+
+def test_make_rules_builds_the_options():
+    """`evolve.make_rules` passes the mapping to AuxFeedback unchanged."""
+    from selfevo.config import load_config
+    from selfevo.evolve import make_rules
+    from selfevo.loop.feedback import AuxFeedback, CoupledFeedback
+
+    class Stub:
+        def __init__(self, name):
+            self.name, self.lineage = name, {}
+
+    folds = FoldAssignment(2, 0, "source", {})
+    _, rule = make_rules(load_config(None, ["treatment=half-budget"]), [], folds, Stub)
+    assert isinstance(rule, AuxFeedback) and rule.updates == [13, 12] and rule.grades == "other-fold"
+    _, rule = make_rules(load_config(None, ["treatment=full-data"]), [], folds, Stub)
+    assert [a.name for a in rule.aux] == ["aux-all"] and rule.updates == [25] and rule.grades == "full"
+    _, rule = make_rules(load_config(None, ["treatment=coupled"]), [], folds, Stub)
+    assert isinstance(rule, CoupledFeedback)
