@@ -685,3 +685,40 @@ def test_step_records_of_several_processes_merge():
     merged = merge_step_records([rec(20, ["a"], 5), rec(20, ["b"], 0), rec(19, ["c"], 1)])
     assert [(r["step"], [it["item_id"] for it in r["items"]]) for r in merged] == [(19, ["c"]), (20, ["a", "b"])]
     assert merged[1]["stats"]["reward"] == 0.5
+
+
+ENGINE_CFG = {"backend": "lm", "treatment": "crossfit", "world": {"name": "small"},
+              "loop": {"rounds": 2, "proposer_steps": 2, "solver_steps": 3, "admit_per_round": 10, "source_docs": 40},
+              "engine": {"proposer_generations": 2, "proposer_prompts": 6}}
+
+
+def test_engine_resume_checks_the_saved_run_as_evolve_does(tmp_path):
+    """Resume reads the run directory with RunDir's checking readers: a difference is named by
+    field (engine.json's too), a field added since the run was made reads as its default, and a
+    damaged folds.json is an error naming it."""
+    import copy
+
+    from selfevo.integrations import engine as eng
+    from selfevo.runs import RunError
+
+    def make(cfg, resume=True):
+        return eng.EngineRun(eng.engine_config_from_dict(copy.deepcopy(cfg), engine="trl"), tmp_path / "run",
+                             resume=resume, log=lambda m: None)
+
+    first = make(ENGINE_CFG, resume=False)
+    assert make(ENGINE_CFG).folds == first.folds
+    other = copy.deepcopy(ENGINE_CFG)
+    other["loop"]["rounds"], other["engine"]["solver_generations"] = 3, 4
+    with pytest.raises(RunError, match=r"fields: loop\.rounds, engine\.solver_generations\)"):
+        make(other)
+    saved = json.loads((tmp_path / "run" / "config.json").read_text())
+    del saved["lm"]["format_penalty"]  # as a selfevo from before the field existed wrote it
+    (tmp_path / "run" / "config.json").write_text(json.dumps(saved))
+    make(ENGINE_CFG)
+    changed = copy.deepcopy(ENGINE_CFG)
+    changed["lm"] = {"format_penalty": 0.25}
+    with pytest.raises(RunError, match=r"fields: lm\.format_penalty\)"):
+        make(changed)
+    (tmp_path / "run" / "folds.json").write_text('{"k": 2}')
+    with pytest.raises(RunError, match=r"folds\.json: field 'seed' is missing"):
+        make(ENGINE_CFG)

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import json
 import math
 import os
 import shlex
@@ -58,7 +59,7 @@ from selfevo.loop.engine import Compute
 from selfevo.loop.feedback import aux_updates, touched_folds
 from selfevo.loop.folds import FoldAssignment
 from selfevo.loop.treatments import parse_treatment
-from selfevo.runs import RunDir, RunError
+from selfevo.runs import RunDir, RunError, _differences, read_object
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -211,19 +212,14 @@ class EngineRun:
         if self.run.exists():
             if not resume:
                 raise RunError(f"{self.run.path}: a run already exists here; pass --resume to continue it")
-            saved = (read_json(self.run.path / "config.json"), read_json(engine_json) if engine_json.exists() else None)
-            import json
-
-            now = (json.loads(json.dumps(self.cfg.to_json())), self.spec.model_dump())
-            if saved != now:
-                raise RunError(f"{self.run.path}: config or [engine] differs from the saved run; refusing to resume")
+            self._check_resume(engine_json)
         else:
             self.run.create(self.cfg.to_json())
             write_json(engine_json, self.spec.model_dump())
             self.run.note(engine=self.spec.engine)
         folds_path = self.run.path / "folds.json"
         if folds_path.exists():  # permanent: a resumed run keeps the assignment it started with
-            self.folds = FoldAssignment.from_json(read_json(folds_path))
+            self.folds = FoldAssignment.from_json(self.run.folds())
         else:
             from selfevo.evolve import fold_assignment
             from selfevo.loop.folds import fold_of
@@ -238,6 +234,24 @@ class EngineRun:
         self.phases = PhaseLog(self.run.path / "engine" / "phases.jsonl")
         L = self.cfg.loop
         self.steps_per_round = L.proposer_steps + L.solver_steps
+
+    def _check_resume(self, engine_json: Path) -> None:
+        """The saved config and [engine] must match this invocation's; a difference is named by field.
+        Not `RunDir.open_for_resume`: that also drops the step records after the last round
+        checkpoint, but this run resumes phase by phase -- a finished r/admit or r/main phase of the
+        unfinished round has committed its records, and the phase log skips it (`commit_records`
+        replaces what a killed phase left)."""
+        try:
+            saved = self.run.config()  # the checking reader; a field added since reads as its default
+            saved_engine = read_object(engine_json)
+            self.run.manifest()
+        except RunError as e:
+            raise RunError(f"{e}; cannot resume") from None
+        now = json.loads(json.dumps(self.cfg.to_json()))  # tuples -> lists, as saved
+        diff = _differences(saved, now) + [f"engine.{k}" for k in _differences(saved_engine, self.spec.model_dump())]
+        if diff:
+            raise RunError(f"{self.run.path}: config differs from the saved run (fields: {', '.join(diff)}); "
+                           "refusing to resume")
 
     # ------------------------------------------------------------ plumbing
     def _tool(self):
