@@ -34,6 +34,7 @@ import httpx
 from _common import REPO, machine_line
 from rich.console import Console
 
+from selfevo._fmt import DASH, num
 from selfevo.agents.lm.model import ScriptedModel
 from selfevo.agents.lm.server import make_app, running
 from selfevo.audit import OracleJudge
@@ -48,10 +49,6 @@ from selfevo.evolve import evolve, load_run_world
 RUN = ["world.name=small", "loop.rounds=3", "loop.proposer_steps=3", "loop.solver_steps=3",
        "loop.admit_per_round=60", "loop.source_docs=100", "seed=0"]
 console = Console()
-
-
-def f3(x) -> str:
-    return "–" if x is None else f"{x:.3f}"
 
 
 def serve_scripted(model: ScriptedModel):
@@ -155,8 +152,8 @@ def flip_table(reports: dict[str, dict]) -> list[str]:
              "|---|---|---:|---:|---:|---:|---:|"]
     for judge, rep in reports.items():
         for name, r in [*rep["templates"].items(), ("**all**", rep["overall"])]:
-            wl = (f"{r['wrong_label_to_correct']} / {r['wrong_labels']}" if r["wrong_labels"] else "–")
-            lines.append(f"| {judge} | {name} | {r['n']} | {r['flipped']} ({f3(r['flip_rate'])}) | "
+            wl = (f"{r['wrong_label_to_correct']} / {r['wrong_labels']}" if r["wrong_labels"] else DASH)
+            lines.append(f"| {judge} | {name} | {r['n']} | {r['flipped']} ({num(r['flip_rate'])}) | "
                          f"{r['to_correct']} | {r['to_unresolved']} | {wl} |")
     return lines
 
@@ -265,7 +262,7 @@ def main() -> None:
               "distinct), in "
               f"{smol['wall_s'] / 60:.1f} min (its injection test included). Result: {summary_line(s)}.", "",
               f"**SmolLM2 resolved {s['resolved']} of {s['distinct_items']} items (coverage "
-              f"{f3(c['judge']['coverage'])} against the oracle's {f3(c['truth']['coverage'])}).** "]
+              f"{num(c['judge']['coverage'])} against the oracle's {num(c['truth']['coverage'])}).** "]
         if s["resolved"] == 0:
             L[-1] += ("A 135M model does not produce the asked JSON object with a verbatim quote: it writes JSON "
                       "about the page (`{\"id\": ..., \"name\": ..., \"family\": {...`), repeats itself until it "
@@ -301,19 +298,19 @@ def main() -> None:
     L += ["Reading. The truthful judge never calls a wrong answer correct (`false_correct` = "
           f"{tr['confusion']['labels']['false_correct']} labels, {tr['confusion']['responses']['false_correct']} "
           "responses); its other misses are aliases its single reference does not name, and its gap is "
-          f"coverage ({f3(tr['judge']['coverage'])} against the oracle's {f3(tr['truth']['coverage'])}): a "
+          f"coverage ({num(tr['judge']['coverage'])} against the oracle's {num(tr['truth']['coverage'])}): a "
           "question no sentence of its source pages answers stays unresolved. Coverage is not random: over all "
-          f"saved items, the oracle finds the label wrong in {f3(sum(wrong_unres) / max(len(wrong_unres), 1))} "
-          f"of the items this judge left unresolved, against {f3(sum(wrong_res) / max(len(wrong_res), 1))} "
+          f"saved items, the oracle finds the label wrong in {num(sum(wrong_unres) / max(len(wrong_unres), 1))} "
+          f"of the items this judge left unresolved, against {num(sum(wrong_res) / max(len(wrong_res), 1))} "
           "of those it resolved — so a judge's T_P, F and L are always *over what it resolved*, and its "
-          f"T_P difference here is {f3(tr['diff']['T_P']['diff'])} [{f3(tr['diff']['T_P']['lo'])}, "
-          f"{f3(tr['diff']['T_P']['hi'])}]. The misreading judge's F differs from the oracle's by "
-          f"{f3(mr['diff']['F']['diff'])} [{f3(mr['diff']['F']['lo'])}, {f3(mr['diff']['F']['hi'])}], and its "
+          f"T_P difference here is {num(tr['diff']['T_P']['diff'])} [{num(tr['diff']['T_P']['lo'])}, "
+          f"{num(tr['diff']['T_P']['hi'])}]. The misreading judge's F differs from the oracle's by "
+          f"{num(mr['diff']['F']['diff'])} [{num(mr['diff']['F']['lo'])}, {num(mr['diff']['F']['hi'])}], and its "
           "response accuracy where both resolved is "
-          f"{f3(mr['confusion']['responses']['accuracy_when_both_resolved'])} (truthful: "
-          f"{f3(tr['confusion']['responses']['accuracy_when_both_resolved'])}); by round its F reads "
-          f"{' → '.join(f3(b['judge']['F']) for b in mis_rounds)} where "
-          f"the oracle's reads {' → '.join(f3(b['truth']['F']) for b in mis_rounds)}"
+          f"{num(mr['confusion']['responses']['accuracy_when_both_resolved'])} (truthful: "
+          f"{num(tr['confusion']['responses']['accuracy_when_both_resolved'])}); by round its F reads "
+          f"{' → '.join(num(b['judge']['F']) for b in mis_rounds)} where "
+          f"the oracle's reads {' → '.join(num(b['truth']['F']) for b in mis_rounds)}"
           ". For scale, the paper's headline "
           "co-cheating effect is coupled F rising by 0.057 (0.004 → 0.061, Qwen3.5-4B): a judge's own error "
           "has to be measured before its F can be read.", ""]

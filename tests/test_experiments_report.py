@@ -183,3 +183,11 @@ def test_readings_state_the_regression_only_where_paired_intervals_show_it():
     lines = readings(_res(COUPLED, higher, [0.03, -0.02, 0.00]))
     assert not any("looks worse" in line for line in lines)
     assert "(an interval including 0; 3 seeds)" in lines[-1]
+
+
+def test_every_table_formats_numbers_and_missing_numbers_alike():
+    from selfevo._fmt import DASH, mean_std_text, num
+
+    assert (num(0.12345), num(-0.5, "+.3f"), num(0.255, "+.0%"), num(None)) == ("0.123", "-0.500", "+26%", DASH)
+    assert mean_std_text({"mean": 0.5, "std": 0.01}) == "0.500 ± 0.010"
+    assert mean_std_text({"mean": None, "std": None}) == mean_std_text(None) == DASH

@@ -337,21 +337,29 @@ def engine_run_cmd(
     _print_run(run.path)
 
 
-def _print_run(path: Path) -> None:
+_AUDIT_COLUMNS = ("A", "T_P", "T_S", "F", "L", "coverage")
+
+
+def _print_audit_rounds(metrics: dict, counts: tuple[str, ...] = ()) -> None:
+    """The audit's metrics by round (audit/metrics.json's layout), with count columns after them."""
     from rich.table import Table
 
+    from selfevo._fmt import num
+
+    table = Table(title=f"audit ({metrics['judge']}) by round")
+    for c in ("round", *_AUDIT_COLUMNS, *counts):
+        table.add_column(c, justify="right")
+    for r in metrics["rounds"]:
+        table.add_row(str(r["round"]), *[num(r[c]) for c in _AUDIT_COLUMNS], *[str(r[c]) for c in counts])
+    console.print(table)
+
+
+def _print_run(path: Path) -> None:
     from selfevo._io import read_json
 
     metrics = path / "audit" / "metrics.json"
     if metrics.exists():
-        table = Table(title=f"audit ({read_json(metrics)['judge']}) by round")
-        cols = ["round", "A", "T_P", "T_S", "F", "L", "coverage", "admitted"]
-        for c in cols:
-            table.add_column(c, justify="right")
-        for r in read_json(metrics)["rounds"]:
-            table.add_row(*[str(r[c]) if c in ("round", "admitted") else
-                            ("-" if r[c] is None else f"{r[c]:.3f}") for c in cols])
-        console.print(table)
+        _print_audit_rounds(read_json(metrics), counts=("admitted",))
     evals = sorted((path / "eval").glob("round-*.json"), key=lambda p: int(p.stem.split("-")[1]))
     if evals:
         line = ", ".join(f"r{p.stem.split('-')[1]} {read_json(p)['macro']['cover_em']:.3f}" for p in evals)
@@ -394,6 +402,7 @@ def audit_cmd(
     an LLM judge or gold answers; optionally compare the judge with truth (audit the auditor)."""
     from rich.table import Table
 
+    from selfevo._fmt import DASH, num
     from selfevo.audit import OracleJudge
     from selfevo.audit.llm_judge import JudgeError, LLMJudge
     from selfevo.audit.pipeline import audit_to_dir, limit_items
@@ -472,16 +481,7 @@ def audit_cmd(
         if judge == "llm":
             the_judge.close()
 
-    def num(x):
-        return "-" if x is None else f"{x:.3f}"
-
-    cols = ["round", "A", "T_P", "T_S", "F", "L", "coverage"]
-    table = Table(title=f"audit ({res['metrics']['judge']}) by round")
-    for c in cols:
-        table.add_column(c, justify="right")
-    for r in res["metrics"]["rounds"]:
-        table.add_row(str(r["round"]), *[num(r[c]) for c in cols[1:]])
-    console.print(table)
+    _print_audit_rounds(res["metrics"])
     if not any(r["coverage"] for r in res["metrics"]["rounds"]):
         # every metric above is undefined: say so, rather than let a table of dashes pass for a result
         console.print("[yellow]warning:[/yellow] the judge resolved no item (no records, or every call "
@@ -495,13 +495,13 @@ def audit_cmd(
     if "comparison" in res:
         cmp = res["comparison"]
         t = Table(title=f"{cmp['judge']} − {cmp['truth']} by round (95% bootstrap interval)")
-        for c in ["round", "A", "T_P", "T_S", "F", "L", "coverage"]:
+        for c in ("round", *_AUDIT_COLUMNS):
             t.add_column(c, justify="right")
         for b in [*cmp["rounds"], {"round": "all", **cmp["all"]}]:
             cells = []
-            for m in cols[1:]:
+            for m in _AUDIT_COLUMNS:
                 d = b["diff"].get(m, {})
-                cells.append("-" if d.get("diff") is None else
+                cells.append(DASH if d.get("diff") is None else
                              f"{d['diff']:+.3f} [{d['lo']:+.3f}, {d['hi']:+.3f}]")
             t.add_row(str(b["round"]), *cells)
         console.print(t)
@@ -579,6 +579,7 @@ def compare_cmd(run_dirs: list[Path] = typer.Argument(..., help="run directories
     seed, next to each run's last-round F / T_P / A and Cover-EM."""
     from rich.table import Table
 
+    from selfevo._fmt import num
     from selfevo.report.compare import compare
     from selfevo.runs import RunError
 
@@ -587,20 +588,15 @@ def compare_cmd(run_dirs: list[Path] = typer.Argument(..., help="run directories
     except RunError as e:
         _fail(str(e))
 
-    def pct(x):
-        return "-" if x is None else f"{x:+.0%}"
-
-    def num(x):
-        return "-" if x is None else f"{x:.3f}"
-
     table = Table(title="compute overhead vs coupled (same seed)")
     for col in ("treatment", "seed", "generations", "updates", "seconds", "+gen", "+upd", "+time",
                 "F", "T_P", "A", "Cover-EM"):
         table.add_column(col, justify="right")
     for r in rows:
         table.add_row(r["treatment"], str(r["seed"]), str(r["generations"]), str(r["updates"]),
-                      f"{r['seconds']:.2f}", pct(r["extra_generations"]), pct(r["extra_updates"]),
-                      pct(r["extra_seconds"]), num(r["F"]), num(r["T_P"]), num(r["A"]), num(r["cover_em"]))
+                      f"{r['seconds']:.2f}", *[num(r[k], "+.0%") for k in ("extra_generations", "extra_updates",
+                                                                            "extra_seconds")],
+                      *[num(r[k]) for k in ("F", "T_P", "A", "cover_em")])
     console.print(table)
 
 

@@ -26,6 +26,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from selfevo._fmt import num
 from selfevo._io import write_json, write_jsonl
 from selfevo.corpus import DataError, _iter_json_lines, _require_str, read_qa_dir
 from selfevo.records import QAItem
@@ -232,10 +233,6 @@ def score_files(data_dir: str | os.PathLike, predictions_path: str | os.PathLike
 _GROUP_ROWS = (("macro", "macro"), ("single-hop", "single_hop"), ("multi-hop", "multi_hop"))
 
 
-def _fmt(x: float | None) -> str:
-    return "–" if x is None else f"{x:.3f}"
-
-
 def print_score_table(result: Mapping[str, Any], console: Console) -> None:
     """One row per benchmark, then macro / single-hop / multi-hop."""
     table = Table(title="Cover-EM / EM / F1")
@@ -246,13 +243,13 @@ def print_score_table(result: Mapping[str, Any], console: Console) -> None:
     table.add_column("F1", justify="right")
     for name, row in result["benchmarks"].items():
         n = str(row["n"]) + (f" ({row['missing']} missing)" if row.get("missing") else "")
-        table.add_row(name, n, _fmt(row["cover_em"]), _fmt(row["em"]), _fmt(row["f1"]))
+        table.add_row(name, n, num(row["cover_em"]), num(row["em"]), num(row["f1"]))
     table.add_section()
     n_total = sum(row["n"] for row in result["benchmarks"].values())
     for label, key in _GROUP_ROWS:
         group = result[key]
         table.add_row(f"[bold]{label}[/bold]", str(n_total) if key == "macro" else "",
-                      _fmt(group["cover_em"]), _fmt(group["em"]), _fmt(group["f1"]))
+                      num(group["cover_em"]), num(group["em"]), num(group["f1"]))
     console.print(table)
 
 

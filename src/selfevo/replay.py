@@ -33,6 +33,7 @@ from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wai
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 
+from selfevo._fmt import mean_std_text, num
 from selfevo._io import atomic_writer, read_json, write_json
 from selfevo.agents.base import Proposal
 from selfevo.agents.sim import Reader, SimSolver
@@ -763,15 +764,10 @@ _COLUMNS = (("F", "F"), ("solver_truth", "solver truth"), ("replay_accuracy", "r
             ("A", "A"), ("coverage", "coverage"))
 
 
-def _fmt(cell: dict) -> str:
-    return "-" if cell["mean"] is None else f"{cell['mean']:.3f} ± {cell['std']:.3f}"
-
-
 def _bank_line(results: dict) -> str:
     """'N items, bank T_P x (coverage c)': T_P is unknown where the judge resolved no item."""
     bank = results["bank"]
-    tp = "-" if bank["T_P"] is None else f"{bank['T_P']:.3f}"
-    return f"{bank['items']} items, bank T_P {tp} (judge coverage {bank['coverage']:.3f})"
+    return f"{bank['items']} items, bank T_P {num(bank['T_P'])} (judge coverage {bank['coverage']:.3f})"
 
 
 _BASE_ROW = "base model (untrained, reference)"
@@ -788,7 +784,7 @@ def results_markdown(results: dict) -> str:
     head = "| condition | " + " | ".join(t for _, t in _COLUMNS) + " |"
     lines = [head, "|---|" + "---:|" * len(_COLUMNS)]
     for name, entry in _rows(results):
-        lines.append(f"| {name} | " + " | ".join(_fmt(entry[k]) for k, _ in _COLUMNS) + " |")
+        lines.append(f"| {name} | " + " | ".join(mean_std_text(entry[k]) for k, _ in _COLUMNS) + " |")
     return "\n".join(lines)
 
 
@@ -800,7 +796,7 @@ def results_table(results: dict):
     for _, title in _COLUMNS:
         table.add_column(title, justify="right")
     for name, entry in _rows(results):
-        table.add_row(name, *[_fmt(entry[k]) for k, _ in _COLUMNS], style="dim" if name == _BASE_ROW else None)
+        table.add_row(name, *[mean_std_text(entry[k]) for k, _ in _COLUMNS], style="dim" if name == _BASE_ROW else None)
     return table
 
 

@@ -15,6 +15,7 @@ from typing import Any
 
 import numpy as np
 
+from selfevo._fmt import DASH, num
 from selfevo.audit import METRICS, JudgedItem, Verdict, _judged, audit_metrics
 
 STATES = ("correct", "incorrect", "unresolved")
@@ -113,14 +114,6 @@ def compare_judges(steps: Sequence[dict], judge_verdicts: Sequence[Verdict], tru
 # ---------------------------------------------------------------- presentation
 
 
-def _f(x: float | None) -> str:
-    return "–" if x is None else f"{x:.3f}"
-
-
-def _signed(x: float | None) -> str:
-    return "–" if x is None else f"{x:+.3f}"
-
-
 def comparison_markdown(cmp: dict) -> str:
     """The side-by-side table, the coverage and the confusion matrices as Markdown."""
     j, t = cmp["judge"], cmp["truth"]
@@ -132,15 +125,15 @@ def comparison_markdown(cmp: dict) -> str:
     for block in [*cmp["rounds"], {"round": "all", **cmp["all"]}]:
         for m in METRICS:
             d = block["diff"].get(m, {})
-            ci = "–" if d.get("lo") is None else f"[{d['lo']:+.3f}, {d['hi']:+.3f}]"
-            lines.append(f"| {block['round']} | {m} | {_f(block['truth'][m])} | {_f(block['judge'][m])} | "
-                         f"{_signed(d.get('diff'))} | {ci} |")
+            ci = DASH if d.get("lo") is None else f"[{d['lo']:+.3f}, {d['hi']:+.3f}]"
+            lines.append(f"| {block['round']} | {m} | {num(block['truth'][m])} | {num(block['judge'][m])} | "
+                         f"{num(d.get('diff'), '+.3f')} | {ci} |")
     lines += ["", f"Coverage: the judge resolved {cmp['all']['judge']['resolved']} of {cmp['all']['items']} items "
-              f"({_f(cmp['all']['judge']['coverage'])}); truth resolved {cmp['all']['truth']['resolved']}.", ""]
+              f"({num(cmp['all']['judge']['coverage'])}); truth resolved {cmp['all']['truth']['resolved']}.", ""]
     for part in ("labels", "responses"):
         c = cmp["all"]["confusion"][part]
         lines += [f"Confusion over {part} (rows: judge, columns: truth), all rounds; accuracy where both "
-                  f"resolved: {_f(c['accuracy_when_both_resolved'])} of {c['both_resolved']}.", "",
+                  f"resolved: {num(c['accuracy_when_both_resolved'])} of {c['both_resolved']}.", "",
                   "| judge \\ truth | correct | incorrect | unresolved |", "|---|---:|---:|---:|"]
         for a in STATES:
             lines.append(f"| {a} | " + " | ".join(str(c["matrix"][a][b]) for b in STATES) + " |")

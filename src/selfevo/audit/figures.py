@@ -21,11 +21,12 @@ from selfevo._io import atomic_writer  # noqa: E402
 from selfevo.audit.metrics import METRICS  # noqa: E402
 
 CURVES = ("A", "T_P", "T_S", "F", "L")
-# the colours of the report's figures (report/figures.py), so the two read alike
+# one colour per metric, shared with the report's figures (report/figures.py), so the two read alike
 COLORS = {"A": "#4c72b0", "T_P": "#55a868", "T_S": "#8172b2", "F": "#c44e52", "L": "#dd8452", "coverage": "#937860"}
 
 
-def _png(fig) -> bytes:
+def png(fig) -> bytes:
+    """A figure as PNG bytes (closed after: a grid of runs draws hundreds)."""
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=110, bbox_inches="tight")
     plt.close(fig)
@@ -65,7 +66,7 @@ def metrics_figure(result: dict, kind: str = "proposer") -> bytes:
     ax.set_title(f"audit by step and round — judge {result['judge']}", fontsize=10, pad=16)
     _legend_or_note(ax, ncol=5, fontsize=8, loc="upper left")
     ax.grid(alpha=0.3)
-    return _png(fig)
+    return png(fig)
 
 
 def f_vs_l_figure(result: dict, kind: str = "proposer") -> bytes:
@@ -90,7 +91,7 @@ def f_vs_l_figure(result: dict, kind: str = "proposer") -> bytes:
     ax.set_title(f"F against L — judge {result['judge']}", fontsize=10)
     _legend_or_note(ax, fontsize=8)
     ax.grid(alpha=0.3)
-    return _png(fig)
+    return png(fig)
 
 
 def comparison_figure(cmp: dict) -> bytes:
@@ -119,7 +120,7 @@ def comparison_figure(cmp: dict) -> bytes:
     axes[1][0].set_ylabel("judge − truth (95% CI)")
     fig.suptitle(f"judge {cmp['judge']} against {cmp['truth']}", fontsize=10)
     fig.tight_layout()
-    return _png(fig)
+    return png(fig)
 
 
 def write_figures(result: dict, out_dir: str | os.PathLike, cmp: dict | None = None) -> list[Path]:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import io
 import math
 
 import matplotlib
@@ -10,14 +9,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-COLORS = {"A": "#4c72b0", "T_P": "#55a868", "T_S": "#8172b2", "F": "#c44e52", "L": "#dd8452"}
-
-
-def _png(fig) -> bytes:
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=110, bbox_inches="tight")
-    plt.close(fig)
-    return buf.getvalue()
+from selfevo.audit.figures import COLORS, CURVES, png  # noqa: E402
 
 
 def steps_figure(steps: list[dict], title: str) -> bytes:
@@ -26,8 +18,8 @@ def steps_figure(steps: list[dict], title: str) -> bytes:
     fig, ax = plt.subplots(figsize=(8, 3.6))
     for r in sorted({s["round"] for s in rows}):  # one segment per round: solver steps sit between
         seg = [s for s in rows if s["round"] == r]
-        for m, c in COLORS.items():
-            ax.plot([s["step"] for s in seg], [s[m] for s in seg], marker="o", ms=3, lw=1.4, color=c,
+        for m in CURVES:
+            ax.plot([s["step"] for s in seg], [s[m] for s in seg], marker="o", ms=3, lw=1.4, color=COLORS[m],
                     label=m if r == 1 else None)
     for r in sorted({s["round"] for s in rows}):
         in_r = [s["step"] for s in rows if s["round"] == r]
@@ -39,7 +31,7 @@ def steps_figure(steps: list[dict], title: str) -> bytes:
     ax.set_title(title, fontsize=10, pad=16)
     ax.legend(ncol=5, fontsize=8, loc="upper left")
     ax.grid(alpha=0.3)
-    return _png(fig)
+    return png(fig)
 
 
 def rounds_figure(audit: dict[str, dict], metrics=("A", "T_P", "F")) -> bytes:
@@ -59,7 +51,7 @@ def rounds_figure(audit: dict[str, dict], metrics=("A", "T_P", "F")) -> bytes:
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=7)
     fig.tight_layout()
-    return _png(fig)
+    return png(fig)
 
 
 def cost_figure(downstream: dict, compute: dict) -> bytes:
@@ -81,4 +73,4 @@ def cost_figure(downstream: dict, compute: dict) -> bytes:
     ax.set_ylabel("macro Cover-EM gain over coupled")
     ax.grid(alpha=0.3)
     ax.set_title("cost-effectiveness", fontsize=10)
-    return _png(fig)
+    return png(fig)

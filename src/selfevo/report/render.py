@@ -5,6 +5,7 @@ from __future__ import annotations
 import base64
 import html
 
+from selfevo._fmt import DASH, mean_std_text, num
 from selfevo.audit import METRICS, hop_mix_text
 from selfevo.evaluate import BENCHMARKS
 
@@ -13,16 +14,14 @@ LEFT_OUT = "Runs left out (not complete; no number above includes them)"
 
 
 def _f(s: dict | None, ci: bool = False) -> str:
-    if not s or s.get("mean") is None:
-        return "-"
-    if ci:  # one seed has no interval: a dash, not a made-up "± 0.000"
-        lo, hi = s.get("lo"), s.get("hi")
-        return f"{s['mean']:.3f} [—]" if lo is None else f"{s['mean']:.3f} [{lo:.3f}, {hi:.3f}]"
-    return f"{s['mean']:.3f} ± {s['std']:.3f}"
+    if not ci or not s or s.get("mean") is None:
+        return mean_std_text(s)
+    lo, hi = s.get("lo"), s.get("hi")  # one seed has no interval: a dash, not a made-up "± 0.000"
+    return f"{s['mean']:.3f} [—]" if lo is None else f"{s['mean']:.3f} [{lo:.3f}, {hi:.3f}]"
 
 
 def _count(s: dict | None) -> str:
-    return "-" if not s or s.get("mean") is None else f"{s['mean']:.0f}"
+    return num(s.get("mean") if s else None, ".0f")
 
 
 def _gain(s: dict | None) -> str:
@@ -53,7 +52,7 @@ def tables(res: dict) -> dict[str, tuple[list[str], list[list[str]]]]:
 
     def pct(s, spread=False):
         if not s or s.get("mean") is None:
-            return "-"
+            return DASH
         return f"{s['mean']:+.0%} ± {s['std']:.0%}" if spread and s["n"] > 1 else f"{s['mean']:+.0%}"
 
     comp = [[t, f"{c['generations']['mean']:.0f}", f"{c['updates']['mean']:.0f}", f"{c['seconds']['mean']:.2f}",

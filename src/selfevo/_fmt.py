@@ -1,0 +1,17 @@
+"""Numbers as table cells: one format for every table, and one mark for "no number"."""
+
+from __future__ import annotations
+
+DASH = "–"  # a metric that is undefined (nothing resolved, one seed has no interval): never 0, never NaN
+
+
+def num(x: float | None, spec: str = ".3f") -> str:
+    """`x` formatted with `spec` (".3f", "+.3f", "+.0%"), or the dash when there is no number."""
+    return DASH if x is None else format(x, spec)
+
+
+def mean_std_text(cell: dict | None, spec: str = ".3f") -> str:
+    """A summary over seeds (`algos.summary`'s mean and std) as "mean ± std", or the dash."""
+    if not cell or cell.get("mean") is None:
+        return DASH
+    return f"{format(cell['mean'], spec)} ± {format(cell['std'], spec)}"
