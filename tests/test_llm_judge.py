@@ -519,6 +519,9 @@ def test_external_records_llm_judge_against_gold(world_run, tmp_path):
      "responses"),
     ('{"round": 1, "step": 1, "source_id": "d", "source": "s", "question": "q", "label": "x", "responses": ["a"], '
      '"gold_answers": "x"}', "gold_answers"),
+    ("[" * 100_000 + "]" * 100_000, "nested too deeply"),
+    ('{"round": 1, "step": 1, "source_id": "d", "source": "s", "question": "q\\ud800", "label": "x", '
+     '"responses": ["a"]}', "lone surrogate"),
 ])
 def test_malformed_records_get_file_line_errors(tmp_path, line, message):
     good = ('{"round": 1, "step": 1, "source_id": "d", "source": "s", "question": "q", "label": "x", '

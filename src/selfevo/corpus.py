@@ -26,7 +26,7 @@ class DataError(ValueError):
         super().__init__(f"{where}: {message}")
 
 
-def _iter_json_lines(path: str | os.PathLike) -> Iterator[tuple[int, dict[str, Any]]]:
+def iter_json_lines(path: str | os.PathLike) -> Iterator[tuple[int, dict[str, Any]]]:
     """Yield (line number, object) for every non-blank line; bytes are decoded per line so a
     bad byte is reported where it is."""
     path = Path(path)
@@ -95,7 +95,7 @@ def _require_str(obj: dict, key: str, path, lineno, allow_empty: bool = False) -
 def iter_corpus(path: str | os.PathLike) -> Iterator[Document]:
     """Stream a FlashRAG corpus (`{"id","contents"}` per line). Duplicate ids are an error."""
     seen: set[str] = set()
-    for lineno, obj in _iter_json_lines(path):
+    for lineno, obj in iter_json_lines(path):
         doc_id = _require_str(obj, "id", path, lineno)
         contents = _require_str(obj, "contents", path, lineno, allow_empty=True)
         if doc_id in seen:
@@ -178,7 +178,7 @@ def _iter_parquet_rows(path: Path) -> Iterator[tuple[int, dict]]:
 def iter_qa(path: str | os.PathLike) -> Iterator[QAItem]:
     """Stream a QA set: FlashRAG JSONL, or Search-R1 parquet (rows reported as lines)."""
     path = Path(path)
-    rows = _iter_parquet_rows(path) if path.suffix == ".parquet" else _iter_json_lines(path)
+    rows = _iter_parquet_rows(path) if path.suffix == ".parquet" else iter_json_lines(path)
     seen: set[str] = set()
     for lineno, obj in rows:
         item = _qa_item(obj, path, lineno, default_benchmark=path.stem)

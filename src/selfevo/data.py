@@ -52,8 +52,8 @@ from selfevo._io import atomic_writer, file_sha256, read_json, write_json
 # the readers' own line checks, so a downloaded file fails exactly where `selfevo.corpus` would fail it
 from selfevo.corpus import (
     DataError,
-    _iter_json_lines,
     _require_str,
+    iter_json_lines,
     iter_qa,
     parse_json_line,
     read_qa_dir,
@@ -194,7 +194,7 @@ def load_split(path: str | os.PathLike, benchmark: str) -> tuple[list[QAItem], i
     items: list[QAItem] = []
     seen: set[str] = set()
     skipped = 0
-    for lineno, obj in _iter_json_lines(path):
+    for lineno, obj in iter_json_lines(path):
         source_id = _require_str(obj, "id", path, lineno)
         question = _require_str(obj, "question", path, lineno)
         golds = _answers(obj, path, lineno)

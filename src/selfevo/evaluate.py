@@ -28,7 +28,7 @@ from rich.table import Table
 
 from selfevo._fmt import num
 from selfevo._io import write_json, write_jsonl
-from selfevo.corpus import DataError, _iter_json_lines, _require_str, read_qa_dir
+from selfevo.corpus import DataError, _require_str, iter_json_lines, read_qa_dir
 from selfevo.records import QAItem
 
 if TYPE_CHECKING:  # only for annotations: importing agents here would be a cycle later
@@ -200,7 +200,7 @@ def _read_predictions(path: str | os.PathLike) -> tuple[dict[str, str], dict[str
     """Predictions and the line each came from (so later errors can name file:line)."""
     preds: dict[str, str] = {}
     lines: dict[str, int] = {}
-    for lineno, obj in _iter_json_lines(path):
+    for lineno, obj in iter_json_lines(path):
         pid = _require_str(obj, "id", path, lineno)
         pred = _require_str(obj, "prediction", path, lineno, allow_empty=True)
         if pid in preds:

@@ -11,7 +11,6 @@ exactly as the oracle uses the world's answers; items without them stay unresolv
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Sequence
 from typing import Annotated
@@ -19,7 +18,7 @@ from typing import Annotated
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError
 
 from selfevo.audit.judges import Verdict
-from selfevo.corpus import DataError
+from selfevo.corpus import DataError, iter_json_lines
 from selfevo.evaluate import answers_match
 
 NonEmpty = Annotated[str, StringConstraints(min_length=1)]
@@ -40,33 +39,20 @@ class ExternalRecord(BaseModel):
 def read_records(path: str | os.PathLike) -> list[dict]:
     """Step records from a records JSONL file; a malformed line raises DataError(file:line)."""
     steps: dict[tuple[int, int], dict] = {}
-    if not os.path.exists(path):
-        raise DataError(path, None, "file not found")
-    with open(path, "rb") as fh:
-        for lineno, raw in enumerate(fh, 1):
-            if not raw.strip():
-                continue
-            try:
-                obj = json.loads(raw.decode("utf-8"))
-            except UnicodeDecodeError as e:
-                raise DataError(path, lineno, f"invalid UTF-8 at byte {e.start}") from None
-            except json.JSONDecodeError as e:
-                raise DataError(path, lineno, f"malformed JSON: {e.msg} (column {e.colno})") from None
-            if not isinstance(obj, dict):
-                raise DataError(path, lineno, f"expected a JSON object, got {type(obj).__name__}")
-            try:
-                rec = ExternalRecord.model_validate(obj)
-            except ValidationError as e:
-                err = e.errors(include_url=False, include_input=False)[0]
-                where = ".".join(str(x) for x in err["loc"]) or "record"
-                raise DataError(path, lineno, f"field '{where}': {err['msg']}") from None
-            step = steps.setdefault((rec.round, rec.step), {"round": rec.round, "step": rec.step,
-                                                            "kind": "proposer", "items": []})
-            step["items"].append({
-                "item_id": f"{os.path.basename(path)}:{lineno}", "source_id": rec.source_id,
-                "source_ids": [rec.source_id], "sources": [{"id": rec.source_id, "text": rec.source}],
-                "question": rec.question, "adopted_label": rec.label, "responses": rec.responses,
-                "gold_answers": rec.gold_answers, "line": lineno})
+    for lineno, obj in iter_json_lines(path):
+        try:
+            rec = ExternalRecord.model_validate(obj)
+        except ValidationError as e:
+            err = e.errors(include_url=False, include_input=False)[0]
+            where = ".".join(str(x) for x in err["loc"]) or "record"
+            raise DataError(path, lineno, f"field '{where}': {err['msg']}") from None
+        step = steps.setdefault((rec.round, rec.step), {"round": rec.round, "step": rec.step,
+                                                        "kind": "proposer", "items": []})
+        step["items"].append({
+            "item_id": f"{os.path.basename(path)}:{lineno}", "source_id": rec.source_id,
+            "source_ids": [rec.source_id], "sources": [{"id": rec.source_id, "text": rec.source}],
+            "question": rec.question, "adopted_label": rec.label, "responses": rec.responses,
+            "gold_answers": rec.gold_answers, "line": lineno})
     if not steps:
         raise DataError(path, None, "no records")
     return [steps[k] for k in sorted(steps)]
