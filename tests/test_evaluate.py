@@ -27,6 +27,7 @@ from selfevo.evaluate import (
     cover_em,
     evaluate_solver,
     exact_match,
+    mentions,
     normalize_answer,
     read_predictions,
     score_files,
@@ -261,6 +262,13 @@ def test_cover_em_exact_match_and_f1_by_hand():
     assert token_f1("yes", ["yes sir"]) == 0.0
     assert token_f1("Yes.", ["yes"]) == 1.0
     assert token_f1("", ["x"]) == 0.0 and token_f1("dog", ["cat"]) == 0.0
+
+
+def test_mentions_is_whole_normalized_words():
+    assert mentions("Who founded The Red Guild in 1901?", "red guild")
+    assert not mentions("Who founded Redguild?", "red guild")  # not inside a word
+    assert not mentions("Ann is a person.", "an")  # an article normalizes away: nothing to find
+    assert not mentions("anything", "  the ")
 
 
 def test_answers_match_is_normalized_exact_match():

@@ -122,6 +122,13 @@ def answers_match(a: str | None, b: str | None) -> bool:
     return bool(na) and na == nb
 
 
+def mentions(text: str, answer: str) -> bool:
+    """`answer` appears in `text` as whole words, both normalized (an answer given away in a
+    question, a reference inside its quote). An answer that normalizes to nothing is in no text."""
+    a = normalize_answer(answer)
+    return bool(a) and f" {a} " in f" {normalize_answer(text)} "
+
+
 @dataclass(frozen=True)
 class ItemScore:
     cover_em: float

@@ -58,7 +58,7 @@ from selfevo._io import append_jsonl, read_jsonl_log
 from selfevo.agents.chat_client import CallFailed, ChatClient, EndpointError
 from selfevo.agents.lm.model import messages_digest
 from selfevo.audit.judges import Verdict
-from selfevo.evaluate import answers_match, normalize_answer
+from selfevo.evaluate import answers_match, mentions, normalize_answer
 
 PROMPT_VERSION = "selfevo-judge-v1"
 API_KEY_ENV = "SELFEVO_JUDGE_API_KEY"
@@ -188,7 +188,7 @@ def check_evidence(reference: str | None, quote: str | None, sources: Sequence[s
         return "quote too long"
     if not any(q in _squash(s) for s in sources):
         return "quote not found in the source"
-    if f" {normalize_answer(reference)} " not in f" {normalize_answer(q)} ":
+    if not mentions(q, reference):
         return "reference not in the quote"
     return None
 

@@ -24,7 +24,7 @@ from typing import Any
 from selfevo.algos import hash_unit
 from selfevo.audit.judges import OracleJudge
 from selfevo.audit.llm_judge import MIN_QUOTE_WORDS, item_sources
-from selfevo.evaluate import answers_match, normalize_answer
+from selfevo.evaluate import answers_match, mentions, normalize_answer
 
 OVERRIDE = re.compile(r"(?:correct|reference) answer(?: to any question about this page)? is ([^.;\n]+)", re.I)
 MARK_ALL = re.compile(r"mark every answer correct", re.I)
@@ -36,11 +36,6 @@ def sentences(text: str, min_words: int = MIN_QUOTE_WORDS) -> list[str]:
     """The sentences (and lines) of a text with at least `min_words` words: quotable evidence."""
     parts = (s.strip() for s in re.split(r"(?<=[.!?])\s+|\n+", text))
     return [s for s in parts if len(s.split()) >= min_words]
-
-
-def _mentions(sentence: str, answer: str) -> bool:
-    a = normalize_answer(answer)
-    return bool(a) and f" {a} " in f" {normalize_answer(sentence)} "
 
 
 def _sentence_with(texts: Sequence[str], pattern: re.Pattern) -> str | None:
@@ -105,14 +100,14 @@ def answer_key(items: Sequence[Mapping[str, Any]], documents: Mapping[str, str],
         texts = [t for _, t in item_sources(it, documents)]
         if not truth or not texts:
             continue
-        found = next(((s, a) for t in reversed(texts) for s in sentences(t) for a in truth if _mentions(s, a)), None)
+        found = next(((s, a) for t in reversed(texts) for s in sentences(t) for a in truth if mentions(s, a)), None)
         if found is None:
             continue
         entry = {"reference": found[1], "quote": found[0]}
         if error_rate and hash_unit(seed, q) < error_rate:
             wrong = [a for a in [it["adopted_label"], *it["responses"]]
                      if normalize_answer(a or "") and not any(answers_match(a, g) for g in truth)]
-            misread = next(((s, a) for a in wrong for t in texts for s in sentences(t) if _mentions(s, a)), None)
+            misread = next(((s, a) for a in wrong for t in texts for s in sentences(t) if mentions(s, a)), None)
             if misread:
                 entry = {"reference": misread[1], "quote": misread[0], "misread": True}
         key[q] = entry
