@@ -126,7 +126,9 @@ class RunConfig:
         return asdict(self)
 
 
-def _coerce(value: Any, typ: Any, where: str) -> Any:
+def coerce(value: Any, typ: Any, where: str) -> Any:
+    """`value` as type `typ` (a dataclass, tuple[T, ...], bool, int, float, str...), or a ConfigError
+    naming `where`: the one type check of every config value."""
     if dataclasses.is_dataclass(typ):
         if not isinstance(value, dict):
             raise ConfigError(f"{where}: expected a table, got {type(value).__name__}")
@@ -135,7 +137,7 @@ def _coerce(value: Any, typ: Any, where: str) -> Any:
         if not isinstance(value, (list, tuple)):
             raise ConfigError(f"{where}: expected a list, got {type(value).__name__}")
         inner = typing.get_args(typ)[0]
-        return tuple(_coerce(v, inner, f"{where}[{i}]") for i, v in enumerate(value))
+        return tuple(coerce(v, inner, f"{where}[{i}]") for i, v in enumerate(value))
     if typ is bool:
         if not isinstance(value, bool):
             raise ConfigError(f"{where}: expected true/false, got {value!r}")
@@ -169,7 +171,7 @@ def _build(cls, data: dict, prefix: str = ""):
         where = f"{prefix}.{key}" if prefix else key
         if key not in names:
             raise ConfigError(f"{where}: unknown field (known: {', '.join(names)})")
-        kwargs[key] = _coerce(value, hints[key], where)
+        kwargs[key] = coerce(value, hints[key], where)
     try:
         return cls(**kwargs)
     except ConfigError:

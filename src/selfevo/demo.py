@@ -18,7 +18,7 @@ from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from selfevo.config import ConfigError, absolute, config_from_dict, read_toml
+from selfevo.config import ConfigError, absolute, coerce, config_from_dict, read_toml
 from selfevo.experiments import EXECUTORS, grid, run_grid
 
 DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "demo.toml"
@@ -30,20 +30,14 @@ _SET_BY_THE_PLAN = {"treatment": "demo.treatments", "seed": "demo.seeds", "world
 
 
 def _int(name: str, value, least: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ConfigError(f"demo.{name}: expected an integer, got {value!r}")
+    value = coerce(value, int, f"demo.{name}")
     if value < least:
         raise ConfigError(f"demo.{name}: must be >= {least}, got {value}")
     return value
 
 
 def _names(name: str, value) -> tuple[str, ...]:
-    # a bare string would be iterated letter by letter: say what is wrong instead
-    if not isinstance(value, (list, tuple)):
-        raise ConfigError(f"demo.{name}: expected a list of names, got {value!r}")
-    for i, v in enumerate(value):
-        if not isinstance(v, str):
-            raise ConfigError(f"demo.{name}[{i}]: expected a string, got {v!r}")
+    value = coerce(value, tuple[str, ...], f"demo.{name}")  # a bare string is an error, not its letters
     dup = sorted({v for v in value if value.count(v) > 1})
     if dup:
         raise ConfigError(f"demo.{name}: {dup[0]!r} is listed twice")
