@@ -722,3 +722,38 @@ def test_engine_resume_checks_the_saved_run_as_evolve_does(tmp_path):
     (tmp_path / "run" / "folds.json").write_text('{"k": 2}')
     with pytest.raises(RunError, match=r"folds\.json: field 'seed' is missing"):
         make(ENGINE_CFG)
+
+
+def test_engine_keeps_the_cuda_device_asked_for(tmp_path, monkeypatch):
+    """lm.device = "cuda:1" reaches the training job and the local grader server as cuda:1 (it once
+    became plain "cuda", i.e. cuda:0), resolved as the loop's policy resolves it; no GPU needed."""
+    import contextlib
+    import copy
+
+    import torch
+
+    import selfevo.agents.lm.model as lm_model
+    import selfevo.agents.lm.server as lm_server
+    import selfevo.integrations.trl_job as trl_job
+    from selfevo.integrations import engine as eng
+
+    cfg = copy.deepcopy(ENGINE_CFG)
+    cfg["lm"] = {"device": "cuda:1"}
+    run = eng.EngineRun(eng.engine_config_from_dict(cfg, engine="trl"), tmp_path / "run", log=lambda m: None)
+    jobs, served = [], []
+    monkeypatch.setattr(trl_job, "run_job", lambda job, tool=None: jobs.append(job) or {"steps": 0, "completions": 0})
+    monkeypatch.setattr(lm_model, "TransformersChatModel", lambda path, **kw: served.append(kw["device"]))
+    monkeypatch.setattr(lm_server, "make_app", lambda model, max_n: None)
+    monkeypatch.setattr(lm_server, "running", lambda app: contextlib.nullcontext("http://127.0.0.1:9/v1"))
+    for available, device, want in [(True, "cuda:1", "cuda:1"), (True, "auto", "cuda"), (False, "auto", "cpu"),
+                                    (False, "cpu", "cpu")]:
+        monkeypatch.setattr(torch.cuda, "is_available", lambda available=available: available)
+        run.cfg = eng.engine_config_from_dict({**cfg, "lm": {"device": device}}, engine="trl").run
+        run.train("r1/main", "solver", "main", 1, [], 3, 2, 5, {"records_path": None, "round": 1})
+        with run.serving({"main": ("/models/main", "main@r0")}):
+            pass
+        assert (jobs[-1]["device"], served[-1]) == (want, want)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    run.cfg = eng.engine_config_from_dict({**cfg, "lm": {"device": "cuda:1"}}, engine="trl").run
+    with pytest.raises(ValueError, match="lm.device: cuda:1 asked for, but no CUDA GPU"):
+        run.train("r1/main", "solver", "main", 1, [], 3, 2, 5, {"records_path": None, "round": 1})

@@ -315,9 +315,8 @@ class EngineRun:
             from selfevo.agents.lm.model import TransformersChatModel
             from selfevo.agents.lm.server import make_app, running
 
-            device = "cpu" if lm.device == "auto" and not _cuda() else ("cuda" if lm.device == "auto" else lm.device)
-            model = TransformersChatModel(path, name=name, max_new_tokens=lm.max_new_tokens, device=device,
-                                          dtype=lm.dtype, threads=lm.threads or None)
+            model = TransformersChatModel(path, name=name, max_new_tokens=lm.max_new_tokens,
+                                          device=lm_device(lm.device), dtype=lm.dtype, threads=lm.threads or None)
             with running(make_app(model, max_n=max(8, self.cfg.loop.grader_samples))) as url:
                 yield url
             return
@@ -354,7 +353,7 @@ class EngineRun:
                "rows": str(d / f"{role}.rows.jsonl"),
                "steps": steps, "prompts_per_step": prompts_per_step, "generations": generations, "lr": lm.lr,
                "max_grad_norm": lm.max_grad_norm, "seed": self.cfg.seed, "dtype": lm.dtype,
-               "device": "cpu" if lm.device == "cpu" or (lm.device == "auto" and not _cuda()) else "cuda",
+               "device": lm_device(lm.device),
                "threads": lm.threads,
                "lora": ({"r": lm.lora_r, "alpha": lm.lora_alpha, "dropout": lm.lora_dropout,
                          "targets": list(lm.lora_targets)} if lm.adapter == "lora" else None),
@@ -591,6 +590,15 @@ def round_(x: float) -> float:
 
 def _per_step(n_rows: int, steps: int) -> int:
     return max(1, math.ceil(n_rows / max(1, steps)))
+
+
+def lm_device(spec: str) -> str:
+    """The device an `lm.device` setting names here, resolved as the loop's own policy resolves it
+    (`agents.lm.policy._device`): auto -> cuda when a GPU is present, else cpu; cuda:N kept as
+    asked; cuda without a GPU an error. (A thin wrapper until policy.py makes its resolver public.)"""
+    from selfevo.agents.lm.policy import _device
+
+    return _device(spec)
 
 
 def _cuda() -> bool:
