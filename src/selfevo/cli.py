@@ -1,4 +1,4 @@
-"""The `selfevo` command. Each subcommand is a thin wrapper: parse, call one room, print.
+"""The `selfevo` command. Each subcommand checks its options, calls the rooms that do the work, prints.
 
 Usage errors (bad flags, bad config fields, malformed data files) exit with code 2 and one
 clear message; nothing is half-written.

@@ -6,6 +6,8 @@ import hashlib
 import math
 from dataclasses import dataclass
 
+from selfevo.algos import N_GRADER_SAMPLES
+
 
 @dataclass(frozen=True)
 class LoopConfig:
@@ -13,7 +15,7 @@ class LoopConfig:
     proposer_steps: int = 18  # paper: 18 proposer updates a round
     solver_steps: int = 25  # paper: 25 main-solver updates a round
     admit_per_round: int = 1600  # paper: 1,600 admitted questions a round
-    grader_samples: int = 5  # paper: the grader answers each question five times
+    grader_samples: int = N_GRADER_SAMPLES  # paper: the grader answers each question five times
     # Dr. Zero draws its seed documents from a fixed training pool, not the whole corpus; the
     # pool's size sets how often a source comes back across rounds (0 = every document)
     source_docs: int = 300
