@@ -8,6 +8,7 @@ import importlib.util
 import itertools
 import json
 import random
+import re
 import threading
 
 import pytest
@@ -560,6 +561,29 @@ def test_engine_config_errors_name_the_field(tmp_path):
     path.write_text('[engine]\nengine = "trl"\n')
     with pytest.raises(ConfigError, match='backend = "lm"'):
         load_engine_config(path)
+
+
+@pytest.mark.parametrize("suffix", [".toml", ".yaml"])
+def test_engine_config_file_errors_name_the_file(tmp_path, suffix):
+    """Read as config.read_toml reads a run config: bad bytes, a missing file and bad syntax are one
+    ConfigError naming the file; a YAML file reads the same tables; --set applies as load_config's."""
+    from selfevo.config import ConfigError
+    from selfevo.integrations.engine import load_engine_config
+
+    path = tmp_path / f"c{suffix}"
+    data = b'backend = "lm"\n# caf\xe9\n' if suffix == ".toml" else b"backend: lm\n# caf\xe9\n"
+    path.write_bytes(data)
+    with pytest.raises(ConfigError, match=rf"^{re.escape(str(path))}: invalid UTF-8 at byte {data.index(0xe9)}$"):
+        load_engine_config(path)
+    with pytest.raises(ConfigError, match=rf"^{re.escape(str(tmp_path / ('nope' + suffix)))}: cannot read"):
+        load_engine_config(tmp_path / f"nope{suffix}")
+    path.write_text('backend = "lm"\n[engine\n' if suffix == ".toml" else "backend: [lm\n")
+    with pytest.raises(ConfigError, match=rf"^{re.escape(str(path))}: "):
+        load_engine_config(path)
+    path.write_text('backend = "lm"\n[engine]\nsolver_generations = 3\n' if suffix == ".toml"
+                    else "backend: lm\nengine:\n  solver_generations: 3\n")
+    ecfg = load_engine_config(path, ["engine.msv_samples=2", "loop.rounds=2"])
+    assert (ecfg.engine.solver_generations, ecfg.engine.msv_samples, ecfg.run.loop.rounds) == (3, 2, 2)
 
 
 @pytest.mark.skipif(not HAVE_VERL, reason="verl is not installed (its imports need deps selfevo does not ship)")

@@ -41,7 +41,6 @@ import os
 import shlex
 import shutil
 import subprocess
-import sys
 import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
@@ -51,7 +50,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from selfevo._io import append_jsonl, read_json, read_jsonl_log, write_json, write_jsonl
-from selfevo.config import ConfigError, RunConfig, config_from_dict, merge, parse_override
+from selfevo.config import ConfigError, RunConfig, config_from_dict, merge, parse_override, read_toml
 from selfevo.integrations.admit import admit_round, commit_records, merge_step_records, msv_filter, read_staged
 from selfevo.integrations.datasets import aux_training_sets, proposer_rows, solver_rows, write_verl
 from selfevo.integrations.routing import Grader, aux_roles, options_of
@@ -60,11 +59,6 @@ from selfevo.loop.feedback import aux_updates, touched_folds
 from selfevo.loop.folds import FoldAssignment
 from selfevo.loop.treatments import parse_treatment
 from selfevo.runs import RunDir, RunError, _differences, read_object
-
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover
-    import tomli as tomllib
 
 
 class EngineUnavailable(RuntimeError):
@@ -132,27 +126,30 @@ def engine_config_from_dict(data: Mapping, engine: str | None = None) -> EngineC
 
 
 def load_engine_config(path: str | Path, overrides: list[str] = (), engine: str | None = None) -> EngineConfig:
-    """A TOML or YAML file: the run config's tables plus an `[engine]` table; then `--set` overrides."""
+    """A TOML or YAML file: the run config's tables plus an `[engine]` table; then `--set` overrides
+    (read and applied as `config.load_config` does)."""
     path = Path(path)
-    try:
-        text = path.read_text(encoding="utf-8")
-    except OSError as e:
-        raise ConfigError(f"{path}: cannot read: {e.strerror}") from None
-    try:
-        if path.suffix in (".yaml", ".yml"):
-            import yaml
-
-            data = yaml.safe_load(text) or {}
-        else:
-            data = tomllib.loads(text)
-    except Exception as e:  # TOML or YAML syntax
-        raise ConfigError(f"{path}: {e}") from None
+    data = _read_yaml(path) if path.suffix in (".yaml", ".yml") else read_toml(path)
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: expected a table at the top level")
     for item in overrides:
         keys, value = parse_override(item)
         data = merge(data, keys, value)
     return engine_config_from_dict(data, engine)
+
+
+def _read_yaml(path: Path):
+    """A YAML config file; any reason it cannot be read is one ConfigError naming it (as `read_toml`)."""
+    import yaml
+
+    try:
+        return yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{path}: invalid UTF-8 at byte {e.start}") from None
+    except OSError as e:  # missing, a directory, no permission
+        raise ConfigError(f"{path}: cannot read: {e.strerror}") from None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: {e}") from None
 
 
 # ---------------------------------------------------------------- the phase log
