@@ -273,3 +273,20 @@ def test_cli_world_make_bad_value_exits_2(tmp_path):
 def test_bad_world_config_raises_naming_field(kwargs, field):
     with pytest.raises(ValueError, match=field):
         WorldConfig(**kwargs)
+
+
+def test_a_world_directory_rewritten_in_the_same_process_is_read_again(tmp_path):
+    import shutil
+
+    from selfevo.config import load_config
+    from selfevo.evolve import world_and_index
+
+    path = tmp_path / "w"
+    save_world(make_world(WorldConfig(size="small", seed=1)), path)
+    cfg = load_config(None, [f"world.name={path}"])
+    first = world_and_index(cfg)[0]
+    assert world_and_index(cfg)[0] is first  # cached while its files stay the same
+    shutil.rmtree(path)
+    save_world(make_world(WorldConfig(size="small", seed=2)), path)
+    again = world_and_index(cfg)[0]
+    assert again is not first and again.documents == load_world(path).documents != first.documents

@@ -39,14 +39,15 @@ def load_run_world(cfg: RunConfig) -> World:
 
 
 # A process that runs many jobs on the same world (a grid, the demo) generates and indexes it once.
-# Both are pure functions of the world spec, so sharing them cannot change a result.
-_WORLDS: dict[str, tuple[World, BM25Index]] = {}
+# A generated world is a pure function of its spec; a world directory is keyed by its files' bytes
+# too, so one rewritten in the meantime is read again, never served stale.
+_WORLDS: dict[tuple[str, str | None], tuple[World, BM25Index]] = {}
 
 
 def world_and_index(cfg: RunConfig) -> tuple[World, BM25Index]:
-    key = repr(cfg.world)
+    key = (repr(cfg.world), world_sha256(cfg))
     if key not in _WORLDS:
-        params = cfg.world.params() if cfg.world.name in ("small", "default") else {}
+        params = cfg.world.params() if cfg.world.name in SIZES else {}
         world = resolve_world(cfg.world.name, **params)
         if len(_WORLDS) >= 4:
             _WORLDS.pop(next(iter(_WORLDS)))
