@@ -6,10 +6,51 @@ live with the loop's schema version so a reader can refuse records it does not u
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 SCHEMA_VERSION = 1
+
+
+# ---------------------------------------------------------------- step records
+# Built here only, by the loop (`loop.engine.Loop`) and the engine integrations (`integrations.rewards`,
+# `admit`, `engine`) alike: the audit, the replay and resume read them, so their keys, key order and
+# rounding must not drift between writers.
+
+
+def _round6(x: float) -> float:  # a function: `round` is a record field, and a parameter below
+    return round(x, 6)
+
+
+def item_record(*, item_id: str, source_id: str, source_ids: Sequence[str], fold: int, source_folds: Sequence[int],
+                hops: int, question: str, draft_label: str, adopted_label: str, admitted: bool,
+                responses: Sequence[str], k: int, reward: float, grader: Mapping, **extra: Any) -> dict[str, Any]:
+    """One graded item of a step: its lineage (source, every page read, their folds), the labels, the
+    grader's responses, k matching and the reward; `extra` (e.g. `admission`, `routing`) goes last."""
+    return {"item_id": item_id, "source_id": source_id, "source_ids": list(source_ids), "fold": fold,
+            "source_folds": list(source_folds), "hops": hops, "question": question, "draft_label": draft_label,
+            "adopted_label": adopted_label, "admitted": admitted, "responses": list(responses), "k": k,
+            "reward": _round6(reward), "grader": grader, **extra}
+
+
+def malformed_record(*, item_id: str, source_id: str, hops: int, question: str, draft_label: str,
+                     format_error: str, reward: float) -> dict[str, Any]:
+    """A proposal that broke the format rules: neither graded nor admitted, so nothing to audit."""
+    return {"item_id": item_id, "source_id": source_id, "hops": hops, "question": question,
+            "draft_label": draft_label, "format_error": format_error, "reward": reward}
+
+
+def step_record(*, round: int, step: int, step_in_round: int, kind: str, items: list[dict],
+                stats: Mapping[str, Any], malformed: list[dict] | None = None) -> dict[str, Any]:
+    """One scheduled step (`kind`: proposer | solver); float stats rounded to 6 places; `malformed`
+    only when there are any."""
+    record = {"schema": SCHEMA_VERSION, "round": round, "step": step, "step_in_round": step_in_round,
+              "kind": kind, "items": items,
+              "stats": {k: (_round6(v) if isinstance(v, float) else v) for k, v in stats.items()}}
+    if malformed:
+        record["malformed"] = malformed
+    return record
 
 
 @dataclass(frozen=True)

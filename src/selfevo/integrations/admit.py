@@ -19,8 +19,9 @@ from pathlib import Path
 from selfevo._io import append_jsonl, read_jsonl_log, write_jsonl
 from selfevo.agents.base import Proposal, Solver
 from selfevo.loop.admission import MSV, Decision
+from selfevo.loop.engine import cap_admissions
 from selfevo.loop.schedule import derive_seed
-from selfevo.records import SCHEMA_VERSION, Document
+from selfevo.records import Document, step_record
 from selfevo.search.tool import SearchTool
 
 
@@ -65,24 +66,19 @@ def admit_round(staged: Sequence[dict], *, round: int, step_base: int, proposer_
         items = [dict(it) for it in items]
         decisions = (decide(items, derive_seed(seed, round, step, "admit")) if decide and items
                      else [Decision(True, it["draft_label"]) for it in items])
+        room = cap_admissions(decisions, room)  # the loop's cap, carried across the round's steps
         for it, d in zip(items, decisions, strict=True):
-            if d.admitted:
-                if room <= 0:
-                    d.admitted, d.detail = False, {**d.detail, "over_budget": True}
-                room -= 1
             it["admitted"], it["adopted_label"] = d.admitted, d.label
             if d.detail:
                 it["admission"] = d.detail
             if d.admitted:
                 admitted.append(it)
         rewards = [it["reward"] for it in items] + [m["reward"] for m in malformed]
-        record = {"schema": SCHEMA_VERSION, "round": round, "step": step, "step_in_round": sir, "kind": "proposer",
-                  "items": items, "stats": {"reward": round_(sum(rewards) / max(1, len(rewards))),
-                                            "malformed": len(malformed),
-                                            "admitted": sum(it["admitted"] for it in items)}}
-        if malformed:
-            record["malformed"] = malformed
-        records.append(record)
+        records.append(step_record(round=round, step=step, step_in_round=sir, kind="proposer", items=items,
+                                   stats={"reward": sum(rewards) / max(1, len(rewards)),
+                                          "malformed": len(malformed),
+                                          "admitted": sum(it["admitted"] for it in items)},
+                                   malformed=malformed))
     return records, admitted
 
 

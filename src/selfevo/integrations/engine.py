@@ -494,12 +494,12 @@ class EngineRun:
         staging.unlink(missing_ok=True)
         S = cfg.loop.solver_steps
         if not rows:  # nothing admitted: the loop writes empty solver steps and trains nothing
-            from selfevo.records import SCHEMA_VERSION
+            from selfevo.records import step_record
 
             base = (r - 1) * self.steps_per_round + cfg.loop.proposer_steps
             commit_records(self.run.steps_path, [
-                {"schema": SCHEMA_VERSION, "round": r, "step": base + j, "step_in_round": cfg.loop.proposer_steps + j,
-                 "kind": "solver", "items": [], "stats": {}} for j in range(1, S + 1)], r, "solver")
+                step_record(round=r, step=base + j, step_in_round=cfg.loop.proposer_steps + j, kind="solver",
+                            items=[], stats={}) for j in range(1, S + 1)], r, "solver")
             return {"trained": False}
         folds, rounds = self.phases.lineage("main", r - 1)
         reward = {"records_path": str(staging), "round": r, "step_base": (r - 1) * self.steps_per_round,

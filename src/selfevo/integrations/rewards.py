@@ -8,7 +8,7 @@ the auxiliary solver of another fold), which answers it `samples` times (5; temp
 0.95) through its OpenAI-compatible endpoint with the search tool (`agents.remote.RemoteSolver`,
 the Search-R1 protocol). k = answers matching the draft label under the loop's one matcher
 (`evaluate.answers_match`); the reward is `algos.frontier_reward(k)`. Every graded item is appended,
-with the loop's item schema (`loop.engine.Loop._item_record`), to an append-only staging log; the
+with the loop's item schema (`records.item_record`), to an append-only staging log; the
 admission step (`admit.py`) adds the admission decision and writes the proposer step records that
 `selfevo audit` reads.
 
@@ -43,7 +43,7 @@ from selfevo.integrations.datasets import PROPOSER_SOURCE, SOLVER_SOURCE
 from selfevo.integrations.routing import Grader, item_fold, route, touched_folds, treatment_of
 from selfevo.loop.folds import FoldAssignment
 from selfevo.loop.schedule import derive_seed
-from selfevo.records import SCHEMA_VERSION
+from selfevo.records import item_record, malformed_record, step_record
 from selfevo.search.tool import SearchTool
 
 _ANSWER = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
@@ -136,9 +136,9 @@ class FrontierReward:
             item_id = s.item_id or self._item_id(s, step, i)
             if error is not None:
                 rewards[i] = -self.format_penalty
-                rows.append({"round": self.round, "step_in_round": step, "malformed": {
-                    "item_id": item_id, "source_id": s.source_id, "hops": s.hops, "question": question,
-                    "draft_label": label, "format_error": error, "reward": rewards[i]}})
+                rows.append({"round": self.round, "step_in_round": step, "malformed": malformed_record(
+                    item_id=item_id, source_id=s.source_id, hops=s.hops, question=question, draft_label=label,
+                    format_error=error, reward=rewards[i])})
                 continue
             source_ids = tuple(dict.fromkeys([s.source_id, *s.read]))
             fold = item_fold(self.treatment, self.folds, s.source_id, question)
@@ -162,12 +162,12 @@ class FrontierReward:
             k = sum(answers_match(z, label) for z in answers)
             rewards[i] = frontier_reward(k, self.samples)
             s = batch[i]
-            item = {"item_id": item_id, "source_id": s.source_id, "source_ids": list(source_ids), "fold": fold,
-                    "source_folds": sorted(self.folds.lineage(source_ids)), "hops": s.hops, "question": question,
-                    "draft_label": label, "adopted_label": label, "admitted": False, "responses": answers, "k": k,
-                    "reward": round(rewards[i], 6), "grader": r.grader.lineage()}
-            if r.fallback:
-                item["routing"] = {"fallback": True, "touched": list(r.touched)}
+            # adopted label and admission are the admission step's (admit.py) to set
+            item = item_record(item_id=item_id, source_id=s.source_id, source_ids=source_ids, fold=fold,
+                               source_folds=sorted(self.folds.lineage(source_ids)), hops=s.hops, question=question,
+                               draft_label=label, adopted_label=label, admitted=False, responses=answers, k=k,
+                               reward=rewards[i], grader=r.grader.lineage(),
+                               **({"routing": {"fallback": True, "touched": list(r.touched)}} if r.fallback else {}))
             rows.append({"round": self.round, "step_in_round": step, "item": item})
         append_jsonl(self.items_path, rows)  # one write: a kill leaves at most a torn last line
         return [float(x) for x in rewards]
@@ -231,18 +231,17 @@ class TRLSolverReward:
         for item_id, idx in groups.items():
             i0, resp = idx[0], [answers[i] for i in idx]
             k = sum(answers_match(z, labels[i0]) for z in resp)
-            items.append({"item_id": item_id, "source_id": cols["source_id"][i0],
-                          "source_ids": list(cols["source_ids"][i0]), "fold": int(cols["fold"][i0]),
-                          "source_folds": list(cols["source_folds"][i0]), "hops": int(cols["hops"][i0]),
-                          "question": _question(prompts[i0]), "draft_label": cols["draft_label"][i0],
-                          "adopted_label": labels[i0], "admitted": True, "responses": resp, "k": k,
-                          "reward": round(k / len(resp), 6), "grader": self.grader})
+            items.append(item_record(item_id=item_id, source_id=cols["source_id"][i0],
+                                     source_ids=cols["source_ids"][i0], fold=int(cols["fold"][i0]),
+                                     source_folds=cols["source_folds"][i0], hops=int(cols["hops"][i0]),
+                                     question=_question(prompts[i0]), draft_label=cols["draft_label"][i0],
+                                     adopted_label=labels[i0], admitted=True, responses=resp, k=k,
+                                     reward=k / len(resp), grader=self.grader))
         sir = self.first + self.calls
-        append_jsonl(self.records_path, [{
-            "schema": SCHEMA_VERSION, "round": self.round, "step": self.step_base + sir, "step_in_round": sir,
-            "kind": "solver", "items": items,
-            "stats": {"reward": round(sum(it["k"] for it in items) / max(1, sum(len(it["responses"])
-                                                                            for it in items)), 6)}}])
+        n = sum(len(it["responses"]) for it in items)
+        append_jsonl(self.records_path, [step_record(round=self.round, step=self.step_base + sir, step_in_round=sir,
+                                                     kind="solver", items=items,
+                                                     stats={"reward": sum(it["k"] for it in items) / max(1, n)})])
 
 
 def _question(prompt: Any) -> str:

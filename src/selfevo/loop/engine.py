@@ -28,8 +28,20 @@ from selfevo.loop.admission import Admission, Decision
 from selfevo.loop.feedback import Feedback, lineage_of, record_training
 from selfevo.loop.folds import FoldAssignment
 from selfevo.loop.schedule import LoopConfig, ScheduledStep, derive_seed, schedule
-from selfevo.records import SCHEMA_VERSION
+from selfevo.records import item_record, malformed_record, step_record
 from selfevo.search.tool import SearchTool
+
+
+def cap_admissions(decisions: Sequence[Decision], room: int) -> int:
+    """Hold a round to its admission budget: with `room` admissions left, the admitted decisions
+    beyond it, in order, become not admitted (`over_budget` in their detail). Returns the room left
+    (negative once over)."""
+    for d in decisions:
+        if d.admitted:
+            if room <= 0:
+                d.admitted, d.detail = False, {**d.detail, "over_budget": True}
+            room -= 1
+    return room
 
 
 @dataclass
@@ -114,11 +126,7 @@ class Loop:
         decisions = [next(decided) if p.format_error is None else
                      Decision(False, p.draft_label) for p in proposals]
         self.compute.add("generations", "msv", self.admission.generations_per_candidate * len(wellformed))
-        for d in decisions:
-            if d.admitted:
-                if room <= 0:
-                    d.admitted, d.detail = False, {**d.detail, "over_budget": True}
-                room -= 1
+        cap_admissions(decisions, room)
         t = self._timed("admit", t)
         cands = []
         for i, (p, d) in enumerate(zip(proposals, decisions, strict=True)):
@@ -150,9 +158,9 @@ class Loop:
             if c.proposal.format_error is not None:  # recorded apart: no grader, nothing to audit
                 r = -getattr(self.proposer, "format_penalty", 0.0)
                 p = c.proposal
-                malformed.append({"item_id": c.item_id, "source_id": p.source_id, "hops": p.hops,
-                                  "question": p.question, "draft_label": p.draft_label,
-                                  "format_error": p.format_error, "reward": r})
+                malformed.append(malformed_record(item_id=c.item_id, source_id=p.source_id, hops=p.hops,
+                                                  question=p.question, draft_label=p.draft_label,
+                                                  format_error=p.format_error, reward=r))
                 rewards.append(r)
                 continue
             k = sum(answers_match(z, c.proposal.draft_label) for z in responses[i])
@@ -163,8 +171,7 @@ class Loop:
         self.compute.add("updates", "proposer", 1)
         self._timed("proposer_update", t)
         admitted = [c for c in cands if c.decision.admitted]
-        record = self._step_record(st, "proposer", items, stats)
-        return ({**record, "malformed": malformed} if malformed else record), admitted
+        return self._step_record(st, "proposer", items, stats, malformed), admitted
 
     # ---------------------------------------------------------------- one main-solver step
     def solver_step(self, st: ScheduledStep, batch: Sequence[Candidate]) -> dict:
@@ -190,17 +197,17 @@ class Loop:
     @staticmethod
     def _item_record(c: Candidate, responses: list[str], k: int, reward: float, grader: dict) -> dict:
         p = c.proposal
-        return {"item_id": c.item_id, "source_id": p.source_id, "source_ids": list(p.source_ids),
-                "fold": c.fold, "source_folds": list(c.source_folds), "hops": p.hops, "question": p.question,
-                "draft_label": p.draft_label, "adopted_label": c.label,
-                "admitted": c.decision.admitted, "responses": responses, "k": k,
-                "reward": round(reward, 6), "grader": grader,
-                **({"admission": c.decision.detail} if c.decision.detail else {})}
+        return item_record(item_id=c.item_id, source_id=p.source_id, source_ids=p.source_ids, fold=c.fold,
+                           source_folds=c.source_folds, hops=p.hops, question=p.question,
+                           draft_label=p.draft_label, adopted_label=c.label, admitted=c.decision.admitted,
+                           responses=responses, k=k, reward=reward, grader=grader,
+                           **({"admission": c.decision.detail} if c.decision.detail else {}))
 
-    def _step_record(self, st: ScheduledStep, kind: str, items: list[dict], stats: dict) -> dict:
-        return {"schema": SCHEMA_VERSION, "round": st.round, "step": st.step,
-                "step_in_round": st.step_in_round, "kind": kind, "items": items,
-                "stats": {k: (round(v, 6) if isinstance(v, float) else v) for k, v in stats.items()}}
+    @staticmethod
+    def _step_record(st: ScheduledStep, kind: str, items: list[dict], stats: dict,
+                     malformed: list[dict] | None = None) -> dict:
+        return step_record(round=st.round, step=st.step, step_in_round=st.step_in_round, kind=kind, items=items,
+                           stats=stats, malformed=malformed)
 
     # ---------------------------------------------------------------- the run
     def run(self, sink: RunSink, start_round: int = 1, progress: bool = True) -> None:
