@@ -235,11 +235,31 @@ def test_verl_compute_score_solver_rows():
     gt = {"target": ["Stratford-upon-Avon"]}
     assert compute_score("selfevo_solver", "<think>x</think><answer> stratford upon avon </answer>", gt) == 0.0
     assert compute_score("selfevo_solver", "<answer> Stratford-upon-Avon. </answer>", gt) == 1.0
-    assert extract_answer("<answer> a </answer> then <answer> b </answer>") == "b"
+    assert extract_answer("<answer> a </answer> then <answer> b </answer>") == "a"
     with pytest.raises(ValueError, match="unknown data_source"):
         compute_score("nq", "<answer> x </answer>", gt)
     with pytest.raises(ValueError, match="selfevo_settings"):
         compute_score("selfevo_proposer", "<question> q </question> <answer> a </answer>", None, {"source_id": "d0"})
+
+
+def test_the_solver_reward_reads_the_answer_as_the_rollout_does(tool):
+    """Two answers in the last turn: the rollout takes the first (`protocol.parse_action`, the action
+    ends at its first </answer>), and so does the reward, in verl's string and TRL's chat form."""
+    from selfevo.agents.lm.rollout import run_rollouts
+
+    turns = ["<think>look it up</think> <search> Beta </search>",
+             "<think>got it</think> <answer> Beta city </answer> or maybe <answer> Gamma </answer>"]
+    (ro,) = run_rollouts([[{"role": "user", "content": "Question: what is Beta?"}]], tool,
+                         lambda convs, seed: [(turns[len(convs[0]) // 2], "stop")])  # 1 message, then 3
+    assert ro.searches == ["Beta"] and ro.answer == "Beta city"
+    assert extract_answer(ro.messages[1:]) == ro.answer  # chat: the last assistant turn
+    text = "".join(m["content"] for m in ro.messages[1:])  # verl: one decoded response string
+    assert "</information>" in text and extract_answer(text) == ro.answer
+    assert compute_score("selfevo_solver", text, {"target": ["Beta city"]}) == 1.0
+    assert compute_score("selfevo_solver", text, {"target": ["Gamma"]}) == 0.0
+    assert TRLSolverReward()([None], [ro.messages[1:]], label=["beta city"]) == [1.0]
+    # a last turn that searches first gives no answer, as in the rollout
+    assert extract_answer("<search> x </search> <answer> y </answer>") == ""
 
 
 def test_verl_compute_score_proposer_through_retriever_and_graders(tmp_path):

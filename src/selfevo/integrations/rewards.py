@@ -12,8 +12,9 @@ with the loop's item schema (`records.item_record`), to an append-only staging l
 admission step (`admit.py`) adds the admission decision and writes the proposer step records that
 `selfevo audit` reads.
 
-Solver. 1 if the answer extracted from the completion (the last `<answer>…</answer>`, as the
-Search-R1 protocol ends a trajectory) matches the adopted label under the same matcher, else 0.
+Solver. 1 if the answer extracted from the completion (its final turn read by `protocol.parse_action`,
+as the loop's rollouts read every turn: the first closed `<answer>…</answer>`) matches the adopted
+label under the same matcher, else 0.
 
 Conventions:
   TRL   reward_funcs: `f(prompts, completions, **columns) -> list[float]`; completions are chat
@@ -28,7 +29,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-import re
 import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from selfevo._io import append_jsonl, read_json
-from selfevo.agents.lm.protocol import check_proposal, parse_proposal
+from selfevo.agents.lm.protocol import check_proposal, parse_action, parse_proposal
 from selfevo.algos import frontier_reward
 from selfevo.evaluate import answers_match
 from selfevo.integrations.datasets import PROPOSER_SOURCE, SOLVER_SOURCE
@@ -45,9 +45,6 @@ from selfevo.loop.folds import FoldAssignment
 from selfevo.loop.schedule import derive_seed
 from selfevo.records import item_record, malformed_record, step_record
 from selfevo.search.tool import SearchTool
-
-_ANSWER = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
-
 
 # ---------------------------------------------------------------- text helpers
 
@@ -61,15 +58,23 @@ def completion_text(completion: Any) -> str:
     return "\n".join(str(m.get("content") or "") for m in completion if m.get("role", "assistant") == "assistant")
 
 
-def extract_answer(text: str) -> str:
-    """The final answer of a Search-R1 trajectory: the content of its last <answer>…</answer>."""
-    found = _ANSWER.findall(text or "")
-    return found[-1].strip() if found else ""
+def final_turn(completion: Any) -> str:
+    """The last action of a multi-turn completion: after the last observation of a string (verl's
+    decoded response), the last assistant turn of chat messages (observations come back as user turns)."""
+    if isinstance(completion, str):
+        return completion.rsplit("</information>", 1)[-1]
+    if isinstance(completion, Mapping):
+        return str(completion.get("content") or "")
+    turns = [m for m in completion if m.get("role", "assistant") == "assistant"]
+    return str(turns[-1].get("content") or "") if turns else ""
 
 
-def final_turn(text: str) -> str:
-    """The last action of a multi-turn completion (after the last observation)."""
-    return text.rsplit("</information>", 1)[-1]
+def extract_answer(completion: Any) -> str:
+    """The answer a Search-R1 trajectory gives, read as the loop's rollouts read it: its final turn
+    parsed by `protocol.parse_action` -- the first closed <answer> of that action ('' when the
+    action is no answer: a search, or nothing valid)."""
+    action = parse_action(final_turn(completion))
+    return action.content if action.kind == "answer" else ""
 
 
 def solver_reward(answer: str, label: str) -> float:
@@ -214,8 +219,7 @@ class TRLSolverReward:
         self.calls = 0
 
     def __call__(self, prompts, completions, label, answer=None, **columns) -> list[float]:
-        answers = answer if answer is not None else [extract_answer(final_turn(completion_text(c)))
-                                                     for c in completions]
+        answers = answer if answer is not None else [extract_answer(c) for c in completions]
         rewards = [solver_reward(a, y) for a, y in zip(answers, label, strict=True)]
         if self.records_path is not None:
             self._record(prompts, answers, label, columns)
@@ -306,7 +310,7 @@ def compute_score(data_source: str, solution_str: str, ground_truth: Any, extra_
     """verl's per-sample reward: the solver reward for selfevo_solver rows, the frontier reward (graded
     through the served graders, logged for the audit) for selfevo_proposer rows."""
     if data_source == SOLVER_SOURCE:
-        return solver_reward(extract_answer(final_turn(solution_str)), _target(ground_truth))
+        return solver_reward(extract_answer(solution_str), _target(ground_truth))
     if data_source != PROPOSER_SOURCE:
         raise ValueError(f"compute_score: unknown data_source {data_source!r} "
                          f"(selfevo writes {SOLVER_SOURCE} and {PROPOSER_SOURCE})")
