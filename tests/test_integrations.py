@@ -327,6 +327,23 @@ def test_trl_mixed_precision_follows_the_job_dtype(tmp_path, dtype, extra, bf16,
     assert args.model_init_kwargs == {"dtype": dtype}
 
 
+def test_trl_job_rows_are_read_with_file_and_line_errors(tmp_path):
+    from selfevo.corpus import DataError
+    from selfevo.integrations.trl_job import _rows
+
+    path = tmp_path / "main.rows.jsonl"
+    path.write_bytes(b'{"item_id": "a"}\n\n{"item_id": "b"}\n')
+    assert _rows(str(path)) == [{"item_id": "a"}, {"item_id": "b"}]
+    for bad, why in [(b'{"item_id": "b"', "malformed JSON"), (b'["b"]', "expected a JSON object"),
+                     (b'{"item_id": "caf\xe9"}', "invalid UTF-8")]:
+        path.write_bytes(b'{"item_id": "a"}\n' + bad + b"\n")
+        with pytest.raises(DataError, match=rf"main\.rows\.jsonl:2: {why}"):
+            _rows(str(path))
+    path.write_bytes(b'{"item_id": "a"}\n{"item_id": "b"')  # no torn-tail rule: a last line is a row too
+    with pytest.raises(DataError, match=r"main\.rows\.jsonl:2: malformed JSON"):
+        _rows(str(path))
+
+
 def test_trl_dataset_loads_with_datasets_and_splits_by_fold(tmp_path):
     datasets = pytest.importorskip("datasets")
     rows = solver_rows(_admitted(), FOLDS, 1)

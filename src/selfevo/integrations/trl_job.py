@@ -22,7 +22,6 @@ draws each step's batch (the loop splits the admitted pool in order).
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import sys
@@ -33,8 +32,14 @@ from selfevo.search.tool import SearchTool
 
 
 def _rows(path: str) -> list[dict]:
-    with open(path, encoding="utf-8") as fh:
-        return [json.loads(line) for line in fh if line.strip()]
+    """The job's training rows. Every line is checked (`corpus.parse_json_line`): a damaged one is a
+    DataError naming file and line; none is dropped (a log reader's torn-tail rule would silently
+    train on fewer rows)."""
+    from selfevo.corpus import parse_json_line
+
+    with open(path, "rb") as fh:
+        rows = [parse_json_line(raw, path, i) for i, raw in enumerate(fh, start=1)]
+    return [r for r in rows if r is not None]
 
 
 def job_tool(job: dict, tool: SearchTool | None = None) -> SearchTool:
