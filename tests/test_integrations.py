@@ -327,6 +327,29 @@ def test_trl_mixed_precision_follows_the_job_dtype(tmp_path, dtype, extra, bf16,
     assert args.model_init_kwargs == {"dtype": dtype}
 
 
+def test_proposer_scaffold_forces_both_tags(tool):
+    """`protocol.scaffolded`, the one scaffold of LMProposer and the TRL rollout: a reply started
+    "<question>" and stopped at its end, then continued from "… </question> <answer>" to the answer."""
+    from selfevo.agents.lm.protocol import parse_proposal, scaffolded
+    from selfevo.integrations.trl_env import SearchRollout
+
+    calls = []
+
+    def gen(convs, seed, prefix=None, stops=()):
+        calls.append((list(prefix), tuple(stops)))
+        tail = " Who founded Gamma?\n" if len(calls) % 2 else " Alpha settlers\n"  # the question, then the answer
+        return [(p + tail, "stop") for p in prefix]
+
+    convs = [[{"role": "user", "content": "doc"}]]
+    ((text, finish),) = scaffolded(gen)(convs, 0)
+    assert calls == [(["<question>"], ("</question>", "\n")),
+                     (["<question> Who founded Gamma?</question> <answer>"], ("</answer>", "\n"))]
+    assert (text, finish) == ("<question> Who founded Gamma?</question> <answer> Alpha settlers</answer>", "stop")
+    assert parse_proposal(text) == ("Who founded Gamma?", "Alpha settlers")
+    (ro,) = SearchRollout(tool, role="proposer", scaffold=True).rollouts(convs, gen, seed=0)
+    assert ro.final == text and ro.actions == 1
+
+
 def test_trl_job_rows_are_read_with_file_and_line_errors(tmp_path):
     from selfevo.corpus import DataError
     from selfevo.integrations.trl_job import _rows

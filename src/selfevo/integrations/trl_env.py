@@ -25,7 +25,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from selfevo.agents.lm.protocol import STOP_STRINGS, cut_at_stop, parse_action, parse_proposer_action
+from selfevo.agents.lm.protocol import STOP_STRINGS, cut_at_stop, parse_action, parse_proposer_action, scaffolded
 from selfevo.agents.lm.rl import content_spans, encode_conversation
 from selfevo.agents.lm.rollout import Rollout, run_rollouts
 from selfevo.loop.schedule import derive_seed
@@ -71,7 +71,7 @@ class SearchRollout:
     def rollouts(self, starts: list[list[dict]], gen, seed: int) -> list[Rollout]:
         solver = self.role == "solver"
         searching = solver or (self.search and not self.scaffold)
-        generate = gen if solver or not self.scaffold else self._scaffolded(gen)
+        generate = gen if solver or not self.scaffold else scaffolded(gen)
         return run_rollouts(starts, self.tool, generate, max_actions=self.max_actions if searching else 1,
                             seed=seed, parse=parse_action if solver else parse_proposer_action)
 
@@ -103,16 +103,6 @@ class SearchRollout:
         return lambda convs, seed, prefix=None, stops=STOP_STRINGS: hf_generate(
             trainer, tokenizer, convs, seed=seed, max_new_tokens=self.max_new_tokens, temperature=self.temperature,
             top_p=self.top_p, stops=stops, prefix=prefix)
-
-    @staticmethod
-    def _scaffolded(gen):
-        """The proposer scaffold (as `LMProposer`): "<question>" ..., then "</question> <answer>" ..."""
-        def generate(convs, seed):
-            qs = gen(convs, seed, prefix=["<question>"] * len(convs), stops=("</question>", "\n"))
-            heads = [q.removesuffix("</question>").rstrip("\n").strip() for q, _ in qs]
-            replies = gen(convs, seed, prefix=[f"{h}</question> <answer>" for h in heads], stops=("</answer>", "\n"))
-            return [(a.rstrip("\n").removesuffix("</answer>") + "</answer>", f) for a, f in replies]
-        return generate
 
 
 def _prompt_length(tokenizer, messages: Sequence[dict], n_prompt: int) -> int:

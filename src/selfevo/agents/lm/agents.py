@@ -19,6 +19,7 @@ from selfevo.agents.lm.protocol import (
     parse_proposer_action,
     proposer_messages,
     sample_hops,
+    scaffolded,
     solver_messages,
 )
 from selfevo.agents.lm.rollout import run_rollouts
@@ -125,16 +126,11 @@ class LMProposer:
         cfg = self.policy.cfg
         starts = [proposer_messages(self.policy.truncate(doc.contents, cfg.doc_tokens), hops) for doc, hops in picks]
 
-        def generate(convs, s):
-            if not cfg.proposer_scaffold:
-                return self.policy.generate(self.name, convs, greedy=False, seed=s)
-            qs = self.policy.generate(self.name, convs, greedy=False, seed=s, prefix="<question>",
-                                      stops=("</question>", "\n"))
-            heads = [q.removesuffix("</question>").rstrip("\n") for q, _ in qs]
-            replies = self.policy.generate(self.name, convs, greedy=False, seed=s, stops=("</answer>", "\n"),
-                                           prefix=[f"{h.strip()}</question> <answer>" for h in heads])
-            return [(a.rstrip("\n").removesuffix("</answer>") + "</answer>", f) for a, f in replies]
+        def generate(convs, s, **kw):  # kw: the scaffold's prefix and stops
+            return self.policy.generate(self.name, convs, greedy=False, seed=s, **kw)
 
+        if cfg.proposer_scaffold:
+            generate = scaffolded(generate)
         searching = cfg.proposer_search and not cfg.proposer_scaffold
         rollouts = run_rollouts(starts, tool, generate, max_actions=cfg.max_actions if searching else 1,
                                 seed=derive_seed(seed, "proposer"), parse=parse_proposer_action)

@@ -9,14 +9,14 @@ a user turn, so local models, vLLM and hosted endpoints all see the same convers
 
 Proposer (the Dr. Zero style). From the first 256 tokens of a source document the model writes an
 exactly-n-hop question, `<question>…</question>` then `<answer>…</answer>`, optionally searching
-first. `check_proposal` applies the format rules: both non-empty, the answer short and not inside
-the question.
+first (or, `scaffolded`, with both tags forced, for models too small to write them). `check_proposal`
+applies the format rules: both non-empty, the answer short and not inside the question.
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from selfevo.algos import sample_index
@@ -125,6 +125,21 @@ def sample_hops(u: float, ratio: Sequence[int] = HOP_RATIO) -> int:
 def proposer_messages(document: str, hops: int) -> list[dict]:
     return [{"role": "system", "content": PROPOSER_SYSTEM.format(hops=hops)},
             {"role": "user", "content": f"<document>\n{document}\n</document>\nWrite a {hops}-hop question."}]
+
+
+def scaffolded(generate: Callable[..., list[tuple[str, str]]]) -> Callable[..., list[tuple[str, str]]]:
+    """The proposer scaffold, for models too small to write the tags unprompted: each reply is made
+    to start "<question>" and stops at the question's end; a second generation continues from
+    "<question> …</question> <answer>" and stops at the answer's end, so the reply always has both
+    tags. `generate(conversations, seed, prefix=[...], stops=(...))` writes one reply a conversation,
+    starting with its prefix (part of the returned text); the result takes `(conversations, seed)`."""
+    def run(conversations, seed):
+        qs = generate(conversations, seed, prefix=["<question>"] * len(conversations), stops=("</question>", "\n"))
+        heads = [q.removesuffix("</question>").rstrip("\n").strip() for q, _ in qs]
+        replies = generate(conversations, seed, prefix=[f"{h}</question> <answer>" for h in heads],
+                           stops=("</answer>", "\n"))
+        return [(a.rstrip("\n").removesuffix("</answer>") + "</answer>", f) for a, f in replies]
+    return run
 
 
 def parse_proposal(text: str) -> tuple[str, str]:
