@@ -103,10 +103,10 @@ def test_question_split_folds_questions_not_proposals():
     rule = AuxFeedback("question-split", folds, _Stub, 25, 5, split="question")
     questions = [f"Where was Person {i} born?" for i in range(40)]
     got = []
-    for i, q in enumerate(questions):
-        fold = rule.item_fold(Proposal(q, "x", "s0", ("s0",), 1), f"r1-s1-{i}")
+    for q in questions:
+        fold = rule.item_fold(Proposal(q, "x", "s0", ("s0",), 1))
         again = Proposal("  " + q.upper().replace(" ", "  "), "y", "s1", ("s1",), 1)
-        assert rule.item_fold(again, f"r2-s3-{i}") == fold
+        assert rule.item_fold(again) == fold
         assert item_fold("question-split", folds, "s0", q) == fold
         got.append(fold)
     assert set(got) == {0, 1}

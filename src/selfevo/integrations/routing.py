@@ -67,10 +67,6 @@ def options_of(treatment: str | Treatment) -> FeedbackOptions:
     return feedback_options(treatment_of(treatment)) or FeedbackOptions()
 
 
-def has_aux(treatment: str | Treatment) -> bool:
-    return treatment_of(treatment).feedback != "coupled"
-
-
 def aux_roles(treatment: str | Treatment) -> list[str]:
     """The auxiliary solvers a treatment trains (none for coupled)."""
     t = treatment_of(treatment)

@@ -130,8 +130,7 @@ class Loop:
         t = self._timed("admit", t)
         cands = []
         for i, (p, d) in enumerate(zip(proposals, decisions, strict=True)):
-            item_id = f"r{st.round}-s{st.step}-{i}"
-            cands.append(Candidate(item_id, p, self.feedback.item_fold(p, item_id),
+            cands.append(Candidate(f"r{st.round}-s{st.step}-{i}", p, self.feedback.item_fold(p),
                                    tuple(sorted(self.folds.lineage(p.source_ids))), d, st.round, st.step))
         # grade: each question by the grader its lineage allows (the feedback rule)
         by_grader: dict[int, list[int]] = {}

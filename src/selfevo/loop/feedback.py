@@ -96,7 +96,7 @@ def record_training(solver, folds: Sequence[int], round: int) -> None:
 class Feedback(Protocol):
     name: str
 
-    def item_fold(self, proposal: Proposal, item_id: str) -> int:
+    def item_fold(self, proposal: Proposal) -> int:
         """The fold an item belongs to for cross-fitting (its source's, or its own)."""
         ...
 
@@ -124,7 +124,7 @@ class CoupledFeedback:
         self.folds = folds
         self.grader: Solver | None = None
 
-    def item_fold(self, proposal: Proposal, item_id: str) -> int:
+    def item_fold(self, proposal: Proposal) -> int:
         return self.folds.of(proposal.source_id)
 
     def begin_round(self, round: int, main: TrainableSolver) -> None:
@@ -167,7 +167,7 @@ class AuxFeedback:
         self.base: Solver | None = None
 
     # ---------------------------------------------------------------- folds
-    def item_fold(self, proposal: Proposal, item_id: str) -> int:
+    def item_fold(self, proposal: Proposal) -> int:
         return crossfit_fold(self.folds, self.split, proposal.source_id, proposal.question)
 
     def _page_folds(self, item) -> set[int]:
