@@ -365,6 +365,8 @@ def test_trl_job_rows_are_read_with_file_and_line_errors(tmp_path):
     path.write_bytes(b'{"item_id": "a"}\n{"item_id": "b"')  # no torn-tail rule: a last line is a row too
     with pytest.raises(DataError, match=r"main\.rows\.jsonl:2: malformed JSON"):
         _rows(str(path))
+    with pytest.raises(DataError, match=r"nope\.jsonl: file not found"):
+        _rows(str(tmp_path / "nope.jsonl"))
 
 
 def test_trl_dataset_loads_with_datasets_and_splits_by_fold(tmp_path):

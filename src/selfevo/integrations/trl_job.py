@@ -32,14 +32,12 @@ from selfevo.search.tool import SearchTool
 
 
 def _rows(path: str) -> list[dict]:
-    """The job's training rows. Every line is checked (`corpus.parse_json_line`): a damaged one is a
-    DataError naming file and line; none is dropped (a log reader's torn-tail rule would silently
-    train on fewer rows)."""
-    from selfevo.corpus import parse_json_line
+    """The job's training rows, read with the one checking JSONL reader (`corpus.iter_json_lines`): a
+    damaged line is a DataError naming file and line; none is dropped (a log reader's torn-tail rule
+    would silently train on fewer rows)."""
+    from selfevo.corpus import iter_json_lines
 
-    with open(path, "rb") as fh:
-        rows = [parse_json_line(raw, path, i) for i, raw in enumerate(fh, start=1)]
-    return [r for r in rows if r is not None]
+    return [row for _, row in iter_json_lines(path)]
 
 
 def job_tool(job: dict, tool: SearchTool | None = None) -> SearchTool:
