@@ -811,8 +811,9 @@ def test_engine_resume_checks_the_saved_run_as_evolve_does(tmp_path):
 
 
 def test_engine_keeps_the_cuda_device_asked_for(tmp_path, monkeypatch):
-    """lm.device = "cuda:1" reaches the training job and the local grader server as cuda:1 (it once
-    became plain "cuda", i.e. cuda:0), resolved as the loop's policy resolves it; no GPU needed."""
+    """lm.device reaches the training job and the local grader server resolved as the loop's policy
+    resolves it (cuda:1 once became plain "cuda", i.e. cuda:0); in-process TRL, which trains on
+    cuda:0 whatever it is asked, refuses cuda:1 by name; no GPU needed."""
     import contextlib
     import copy
 
@@ -821,17 +822,17 @@ def test_engine_keeps_the_cuda_device_asked_for(tmp_path, monkeypatch):
     import selfevo.agents.lm.model as lm_model
     import selfevo.agents.lm.server as lm_server
     import selfevo.integrations.trl_job as trl_job
+    from selfevo.config import ConfigError
     from selfevo.integrations import engine as eng
 
     cfg = copy.deepcopy(ENGINE_CFG)
-    cfg["lm"] = {"device": "cuda:1"}
     run = eng.EngineRun(eng.engine_config_from_dict(cfg, engine="trl"), tmp_path / "run", log=lambda m: None)
     jobs, served = [], []
     monkeypatch.setattr(trl_job, "run_job", lambda job, tool=None: jobs.append(job) or {"steps": 0, "completions": 0})
     monkeypatch.setattr(lm_model, "TransformersChatModel", lambda path, **kw: served.append(kw["device"]))
     monkeypatch.setattr(lm_server, "make_app", lambda model, max_n: None)
     monkeypatch.setattr(lm_server, "running", lambda app: contextlib.nullcontext("http://127.0.0.1:9/v1"))
-    for available, device, want in [(True, "cuda:1", "cuda:1"), (True, "auto", "cuda"), (False, "auto", "cpu"),
+    for available, device, want in [(True, "cuda:0", "cuda:0"), (True, "auto", "cuda"), (False, "auto", "cpu"),
                                     (False, "cpu", "cpu")]:
         monkeypatch.setattr(torch.cuda, "is_available", lambda available=available: available)
         run.cfg = eng.engine_config_from_dict({**cfg, "lm": {"device": device}}, engine="trl").run
@@ -839,7 +840,17 @@ def test_engine_keeps_the_cuda_device_asked_for(tmp_path, monkeypatch):
         with run.serving({"main": ("/models/main", "main@r0")}):
             pass
         assert (jobs[-1]["device"], served[-1]) == (want, want)
+    with pytest.raises(ConfigError, match=r"lm.device: cuda:1: TRL training in this process always uses cuda:0; "
+                                          r"start engine-run with CUDA_VISIBLE_DEVICES=1"):
+        eng.engine_config_from_dict({**cfg, "lm": {"device": "cuda:1"}}, engine="trl")
+    launched = {**cfg, "lm": {"device": "cuda:1"},
+                "engine": {**cfg["engine"], "launcher": "python", "retriever_url": "http://127.0.0.1:9/retrieve"}}
+    run.cfg = eng.engine_config_from_dict(launched, engine="trl").run  # a launched job may name its GPU
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    with run.serving({"main": ("/models/main", "main@r0")}):
+        pass
+    assert served[-1] == "cuda:1"  # the local grader server runs in this process, on the GPU asked for
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    run.cfg = eng.engine_config_from_dict({**cfg, "lm": {"device": "cuda:1"}}, engine="trl").run
-    with pytest.raises(ValueError, match="lm.device: cuda:1 asked for, but no CUDA GPU"):
+    run.cfg = eng.engine_config_from_dict({**cfg, "lm": {"device": "cuda:0"}}, engine="trl").run
+    with pytest.raises(ValueError, match="lm.device: cuda:0 asked for, but no CUDA GPU"):
         run.train("r1/main", "solver", "main", 1, [], 3, 2, 5, {"records_path": None, "round": 1})

@@ -1,6 +1,7 @@
 """The loop: schedule, seeds, folds, and an end-to-end `evolve` on the small world."""
 
 import json
+import os
 from collections import Counter
 
 import pytest
@@ -323,3 +324,16 @@ def test_every_aux_update_of_the_budget_trains(n, budget, want):
     assert len(aux0.batches) == want and max(aux0.batches) - min(aux0.batches) <= 1  # even
     if budget == 1.0:
         assert sum(aux0.batches) == n  # one pass over the fold
+
+
+def test_connected_folds_file_is_byte_identical_across_processes():
+    """folds.json of the connected grouping is the same bytes whatever a process's hash seed (its
+    clusters are built in set order)."""
+    import subprocess
+    import sys
+
+    code = ("import json; from selfevo.world import resolve_world; from selfevo.loop.folds import assign_folds; "
+            "print(json.dumps(assign_folds(resolve_world('small').documents, 0, 2, 'connected').to_json()))")
+    outs = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                           env={**os.environ, "PYTHONHASHSEED": seed}).stdout for seed in ("1", "2", "3")}
+    assert len(outs) == 1

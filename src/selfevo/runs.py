@@ -24,13 +24,13 @@ from selfevo.config import ConfigError, config_from_dict, with_absolute_paths
 from selfevo.records import SCHEMA_VERSION
 
 
-def _differences(a: dict, b: dict, prefix: str = "") -> list[str]:
+def differences(a: dict, b: dict, prefix: str = "") -> list[str]:
     """Dotted paths of the fields where two configs differ."""
     out = []
     for key in sorted(set(a) | set(b)):
         x, y, path = a.get(key), b.get(key), f"{prefix}{key}"
         if isinstance(x, dict) and isinstance(y, dict):
-            out += _differences(x, y, path + ".")
+            out += differences(x, y, path + ".")
         elif x != y:
             out.append(path)
     return out
@@ -171,7 +171,7 @@ class RunDir:
             raise RunError(f"{e}; cannot resume") from None
         saved = _with_new_defaults(saved, config, defaults)
         if saved != config:
-            diff = _differences(saved, config)
+            diff = differences(saved, config)
             raise RunError(f"{self.path}: config differs from the saved run (fields: {', '.join(diff)})")
         if done and not self.checkpoint_path(done).exists():
             raise RunError(f"{self.path}: manifest says round {done} is done but its checkpoint is missing")

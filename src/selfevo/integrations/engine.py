@@ -58,7 +58,7 @@ from selfevo.loop.engine import Compute
 from selfevo.loop.feedback import aux_updates, touched_folds
 from selfevo.loop.folds import FoldAssignment
 from selfevo.loop.treatments import parse_treatment
-from selfevo.runs import RunDir, RunError, _differences, read_object
+from selfevo.runs import RunDir, RunError, differences, read_object
 
 
 class EngineUnavailable(RuntimeError):
@@ -119,6 +119,13 @@ def engine_config_from_dict(data: Mapping, engine: str | None = None) -> EngineC
         raise ConfigError(f"engine.{'.'.join(map(str, err['loc']))}: {err['msg']}") from None
     if spec.launcher and not spec.retriever_url:
         raise ConfigError("engine.retriever_url: a launched TRL job searches through a /retrieve server; set it")
+    if spec.engine == "trl" and not spec.launcher and run.lm.device.startswith("cuda:") and run.lm.device != "cuda:0":
+        # HF's Trainer, in a single process, trains on cuda:0 (and DataParallel over every visible GPU),
+        # whatever device it is asked for; only the visible devices pin it
+        raise ConfigError(f"lm.device: {run.lm.device}: TRL training in this process always uses cuda:0; start "
+                          f"engine-run with CUDA_VISIBLE_DEVICES={run.lm.device.split(':')[1]} and lm.device = "
+                          "\"cuda\", or run training jobs as subprocesses on that GPU (engine.launcher and "
+                          "engine.train_gpus)")
     if spec.engine == "verl" and not spec.retriever_url:
         raise ConfigError("engine.retriever_url: verl's search tool needs a /retrieve server "
                           "(selfevo serve-retriever --corpus ... --port 8000 -> http://127.0.0.1:8000/retrieve)")
@@ -245,7 +252,7 @@ class EngineRun:
         except RunError as e:
             raise RunError(f"{e}; cannot resume") from None
         now = json.loads(json.dumps(self.cfg.to_json()))  # tuples -> lists, as saved
-        diff = _differences(saved, now) + [f"engine.{k}" for k in _differences(saved_engine, self.spec.model_dump())]
+        diff = differences(saved, now) + [f"engine.{k}" for k in differences(saved_engine, self.spec.model_dump())]
         if diff:
             raise RunError(f"{self.run.path}: config differs from the saved run (fields: {', '.join(diff)}); "
                            "refusing to resume")
@@ -310,10 +317,11 @@ class EngineRun:
         lm = self.cfg.lm
         if self.spec.graders == "local":
             from selfevo.agents.lm.model import TransformersChatModel
+            from selfevo.agents.lm.policy import resolve_device
             from selfevo.agents.lm.server import make_app, running
 
             model = TransformersChatModel(path, name=name, max_new_tokens=lm.max_new_tokens,
-                                          device=lm_device(lm.device), dtype=lm.dtype, threads=lm.threads or None)
+                                          device=resolve_device(lm.device), dtype=lm.dtype, threads=lm.threads or None)
             with running(make_app(model, max_n=max(8, self.cfg.loop.grader_samples))) as url:
                 yield url
             return
@@ -340,6 +348,8 @@ class EngineRun:
     # ------------------------------------------------------------ training jobs
     def train(self, name: str, kind: str, role: str, r: int, rows: list[dict], steps: int, prompts_per_step: int,
               generations: int, reward: dict) -> dict:
+        from selfevo.agents.lm.policy import resolve_device
+
         out = self.run.path / "models" / role / f"round-{r}"
         if self.spec.engine == "verl":
             return self._train_verl(name, kind, role, r, rows, steps, prompts_per_step, generations, reward, out)
@@ -350,7 +360,7 @@ class EngineRun:
                "rows": str(d / f"{role}.rows.jsonl"),
                "steps": steps, "prompts_per_step": prompts_per_step, "generations": generations, "lr": lm.lr,
                "max_grad_norm": lm.max_grad_norm, "seed": self.cfg.seed, "dtype": lm.dtype,
-               "device": lm_device(lm.device),
+               "device": resolve_device(lm.device),
                "threads": lm.threads,
                "lora": ({"r": lm.lora_r, "alpha": lm.lora_alpha, "dropout": lm.lora_dropout,
                          "targets": list(lm.lora_targets)} if lm.adapter == "lora" else None),
@@ -587,15 +597,6 @@ def round_(x: float) -> float:
 
 def _per_step(n_rows: int, steps: int) -> int:
     return max(1, math.ceil(n_rows / max(1, steps)))
-
-
-def lm_device(spec: str) -> str:
-    """The device an `lm.device` setting names here, resolved as the loop's own policy resolves it
-    (`agents.lm.policy._device`): auto -> cuda when a GPU is present, else cpu; cuda:N kept as
-    asked; cuda without a GPU an error. (A thin wrapper until policy.py makes its resolver public.)"""
-    from selfevo.agents.lm.policy import _device
-
-    return _device(spec)
 
 
 def _cuda() -> bool:

@@ -48,8 +48,9 @@ class FoldAssignment:
         return {self.of(s) for s in source_ids}
 
     def to_json(self) -> dict:
-        return {"k": self.k, "seed": self.seed, "grouping": self.grouping, "folds": self.folds,
-                "groups": self.groups}
+        # sorted: the connected grouping builds its maps in set order, which differs between processes
+        return {"k": self.k, "seed": self.seed, "grouping": self.grouping, "folds": dict(sorted(self.folds.items())),
+                "groups": dict(sorted(self.groups.items()))}
 
     @classmethod
     def from_json(cls, obj: dict) -> FoldAssignment:

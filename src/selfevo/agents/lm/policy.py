@@ -41,7 +41,9 @@ def resolve_model(model: str) -> str:
     return model
 
 
-def _device(spec: str) -> str:
+def resolve_device(spec: str) -> str:
+    """The torch device an `lm.device` setting names here: auto -> cuda when a GPU is present, else
+    cpu; cuda:N kept as asked; a cuda device on a machine without one is an error."""
     import torch
 
     if spec == "auto":
@@ -64,7 +66,7 @@ class LMPolicy:
 
             check_vllm(cfg)
         self.store = Path(store) if store is not None else None
-        self.device = _device(cfg.device)
+        self.device = resolve_device(cfg.device)
         path = resolve_model(cfg.model)
         self.tokenizer = AutoTokenizer.from_pretrained(path)
         if self.tokenizer.chat_template is None:
