@@ -20,7 +20,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from selfevo.algos import sample_index
-from selfevo.evaluate import normalize_answer
+from selfevo.evaluate import mentions, normalize_answer
 
 STOP_STRINGS = ("</search>", "</answer>")
 HOP_RATIO = (4, 3, 2, 1)  # paper (Dr. Zero): 1-, 2-, 3-, 4-hop questions in ratio 4:3:2:1
@@ -170,6 +170,6 @@ def check_proposal(question: str, answer: str, max_answer_words: int = MAX_ANSWE
         return "empty answer"
     if len(answer.split()) > max_answer_words:
         return "long answer"
-    if f" {normalize_answer(answer)} " in f" {normalize_answer(question)} ":
+    if mentions(question, answer):
         return "answer in question"
     return None
