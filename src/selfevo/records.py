@@ -19,7 +19,7 @@ SCHEMA_VERSION = 1
 # rounding must not drift between writers.
 
 
-def _round6(x: float) -> float:  # a function: `round` is a record field, and a parameter below
+def round6(x: float) -> float:  # a function: `round` is a record field, and a parameter below
     return round(x, 6)
 
 
@@ -31,7 +31,7 @@ def item_record(*, item_id: str, source_id: str, source_ids: Sequence[str], fold
     return {"item_id": item_id, "source_id": source_id, "source_ids": list(source_ids), "fold": fold,
             "source_folds": list(source_folds), "hops": hops, "question": question, "draft_label": draft_label,
             "adopted_label": adopted_label, "admitted": admitted, "responses": list(responses), "k": k,
-            "reward": _round6(reward), "grader": grader, **extra}
+            "reward": round6(reward), "grader": grader, **extra}
 
 
 def malformed_record(*, item_id: str, source_id: str, hops: int, question: str, draft_label: str,
@@ -47,7 +47,7 @@ def step_record(*, round: int, step: int, step_in_round: int, kind: str, items: 
     only when there are any."""
     record = {"schema": SCHEMA_VERSION, "round": round, "step": step, "step_in_round": step_in_round,
               "kind": kind, "items": items,
-              "stats": {k: (_round6(v) if isinstance(v, float) else v) for k, v in stats.items()}}
+              "stats": {k: (round6(v) if isinstance(v, float) else v) for k, v in stats.items()}}
     if malformed:
         record["malformed"] = malformed
     return record

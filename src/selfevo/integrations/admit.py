@@ -21,7 +21,7 @@ from selfevo.agents.base import Proposal, Solver
 from selfevo.loop.admission import MSV, Decision
 from selfevo.loop.engine import cap_admissions
 from selfevo.loop.schedule import derive_seed
-from selfevo.records import Document, step_record
+from selfevo.records import Document, round6, step_record
 from selfevo.search.tool import SearchTool
 
 
@@ -82,10 +82,6 @@ def admit_round(staged: Sequence[dict], *, round: int, step_base: int, proposer_
     return records, admitted
 
 
-def round_(x: float) -> float:
-    return round(x, 6)
-
-
 def merge_step_records(records: Sequence[dict]) -> list[dict]:
     """One record per step: data-parallel processes each log their share of a step's items."""
     merged: dict[tuple[int, int], dict] = {}
@@ -99,7 +95,7 @@ def merge_step_records(records: Sequence[dict]) -> list[dict]:
     for rec in sorted(merged.values(), key=lambda r: r["step"]):
         n = sum(len(it["responses"]) for it in rec["items"])
         if n and "reward" in rec.get("stats", {}):
-            rec["stats"] = {**rec["stats"], "reward": round_(sum(it["k"] for it in rec["items"]) / n)}
+            rec["stats"] = {**rec["stats"], "reward": round6(sum(it["k"] for it in rec["items"]) / n)}
         out.append(rec)
     return out
 

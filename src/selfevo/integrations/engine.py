@@ -294,7 +294,7 @@ class EngineRun:
         self.say(f"{name}: running")
         t = time.perf_counter()
         out = fn()
-        entry = {"phase": name, "round": round, **out, "seconds": round_(time.perf_counter() - t)}
+        entry = {"phase": name, "round": round, **out, "seconds": _seconds(time.perf_counter() - t)}
         self.phases.add(entry)
         write_json(self.run.path / "compute.json", self.phases.compute())
         return entry
@@ -444,7 +444,7 @@ class EngineRun:
             self.phase(f"r{r}/eval", r, lambda r=r: self.evaluate(r))
         self.run.finish()
         self.phase("audit", R, self.audit)
-        self.run.note(wall_seconds_last_invocation=round_(time.perf_counter() - started))
+        self.run.note(wall_seconds_last_invocation=_seconds(time.perf_counter() - started))
         return self.run
 
     def proposer(self, r: int) -> dict:
@@ -591,7 +591,7 @@ def _corpus_env(cfg: RunConfig):
     return Environment(read_corpus(cfg.data.corpus), None, read_qa_dir(cfg.data.qa_dir))
 
 
-def round_(x: float) -> float:
+def _seconds(x: float) -> float:
     return round(x, 3)
 
 
