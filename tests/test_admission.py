@@ -1,0 +1,67 @@
+"""MSV, the admission rule (DESIGN §1): the majority of 3 under the loop's matcher, with and without
+the source; admit iff both exist and match; the majority replaces the draft label."""
+
+import pytest
+
+from selfevo.agents.base import Proposal, Trajectory
+from selfevo.loop.admission import MSV, AdmitAll, majority
+from selfevo.records import Document
+
+
+@pytest.mark.parametrize("answers, want", [
+    (["Paris", "paris", "Rome"], "Paris"),  # 2 of 3 is a majority, under the matcher
+    (["Rome", "The Beatles", "beatles"], "The Beatles"),  # the first answer that has one
+    (["x", "y", "z"], None),
+    (["", "", "x"], None),  # agreeing on no answer is no majority
+    (["a", "an", "the"], None),  # articles normalize to nothing
+    (["x", "x", "x"], "x"),
+])
+def test_majority_is_two_of_three_under_the_matcher(answers, want):
+    assert majority(answers) == want
+
+
+def test_majority_min_count():
+    assert majority(["x", "y", "x"], min_count=3) is None and majority(["x"], min_count=1) == "x"
+
+
+class _Fake:
+    """A solver whose sampled answers are scripted per (question, source given or not)."""
+
+    def __init__(self, script):
+        self.script, self.calls = script, []
+
+    def snapshot(self, name=None):
+        return self
+
+    def answer(self, questions, tool, *, greedy=True, n=1, seed=None, contexts=None):
+        self.calls.append((greedy, n, seed, contexts is not None))
+        return [[Trajectory(a) for a in self.script[(q, contexts is not None)]] for q in questions]
+
+
+def _proposal(q, draft):
+    return Proposal(q, draft, "d1", ("d1",), 1)
+
+
+def test_msv_admits_matching_majorities_and_adopts_them():
+    script = {("q1", True): ["Paris", "paris", "Rome"], ("q1", False): ["Paris", "x", "PARIS"],   # match
+              ("q2", True): ["Paris", "Paris", "y"], ("q2", False): ["Rome", "Rome", "z"],        # differ
+              ("q3", True): ["x", "y", "z"], ("q3", False): ["x", "x", "x"],                      # no majority
+              ("q4", True): ["x", "x", "y"], ("q4", False): ["", "", "x"]}                        # empty
+    fake = _Fake(script)
+    msv = MSV({"d1": Document("d1", "T", "text")})
+    msv.begin_round(2, fake)
+    out = msv.decide([_proposal("q1", "Lyon"), _proposal("q2", "Paris"), _proposal("q3", "x"),
+                      _proposal("q4", "x")], tool=None, seed=7)
+    assert [d.admitted for d in out] == [True, False, False, False]
+    assert out[0].label == "Paris"  # the majority replaces the draft ("Lyon"), which neither side saw
+    assert [d.label for d in out[1:]] == ["Paris", "x", "x"]  # a rejection keeps the draft, untrained on
+    assert out[0].detail == {"with_source": ["Paris", "paris", "Rome"], "without_source": ["Paris", "x", "PARIS"],
+                             "majority_with": "Paris", "majority_without": "Paris"}
+    # 3 sampled answers with the source and 3 without, independently seeded: 6 generations a candidate
+    assert [(g, n, ctx) for g, n, _, ctx in fake.calls] == [(False, 3, True), (False, 3, False)]
+    assert fake.calls[0][2] != fake.calls[1][2] and msv.generations_per_candidate == 6
+
+
+def test_admit_all_keeps_the_draft():
+    d = AdmitAll().decide([_proposal("q", "draft")], tool=None, seed=0)
+    assert [(x.admitted, x.label) for x in d] == [(True, "draft")]
