@@ -191,3 +191,34 @@ def test_every_table_formats_numbers_and_missing_numbers_alike():
     assert (num(0.12345), num(-0.5, "+.3f"), num(0.255, "+.0%"), num(None)) == ("0.123", "-0.500", "+26%", DASH)
     assert mean_std_text({"mean": 0.5, "std": 0.01}) == "0.500 ± 0.010"
     assert mean_std_text({"mean": None, "std": None}) == mean_std_text(None) == DASH
+
+
+def test_report_gains_are_paired_by_seed(local_grid):
+    import statistics
+
+    root, _, _ = local_grid
+    gain = build_report(root, context="test")["downstream"]["crossfit"]["gain_vs_coupled"]["macro"]
+    macro = {(t, s): json.loads((root / f"{t}-s{s}" / "eval" / "round-3.json").read_text())["macro"]["cover_em"]
+             for t in ("coupled", "crossfit") for s in (0, 1)}
+    diffs = [macro[("crossfit", s)] - macro[("coupled", s)] for s in (0, 1)]  # same seed, not pooled
+    assert gain["std"] == pytest.approx(statistics.stdev(diffs), abs=1e-12)
+    assert gain["lo"] == pytest.approx(statistics.fmean(diffs) - 12.706 * statistics.stdev(diffs) / 2 ** 0.5)
+
+
+def test_compare_ratios_are_against_the_coupled_run_of_the_same_seed(local_grid):
+    from selfevo.report.compare import compare
+
+    root, _, _ = local_grid
+    runs = [root / f"{t}-s{s}" for t in ("coupled", "crossfit") for s in (0, 1)]
+    compute = {p.name: json.loads((p / "compute.json").read_text()) for p in runs}
+    rows = {Path(r["run"]).name: r for r in compare(runs)}
+    for s in (0, 1):
+        mine, base = compute[f"crossfit-s{s}"], compute[f"coupled-s{s}"]
+        row = rows[f"crossfit-s{s}"]
+        assert row["extra_generations"] == pytest.approx(mine["total_generations"] / base["total_generations"] - 1)
+        assert row["extra_updates"] == pytest.approx(mine["total_updates"] / base["total_updates"] - 1)
+        secs, base_secs = sum(mine["seconds"].values()), sum(base["seconds"].values())  # every phase
+        assert row["seconds"] == round(secs, 3)
+        assert row["extra_seconds"] == pytest.approx(secs / base_secs - 1)
+        assert rows[f"coupled-s{s}"]["extra_seconds"] == 0.0
+    assert compare([root / "crossfit-s0"])[0]["extra_generations"] is None  # no coupled run of its seed
