@@ -247,6 +247,36 @@ def test_compare_by_hand():
     assert resp["correct"]["correct"] == 2 and resp["correct"]["incorrect"] == 1 and resp["incorrect"]["correct"] == 2
 
 
+def test_compare_interval_is_the_paired_bootstrap_percentile_interval():
+    """The judge - truth difference is resampled with the same items for both judges, and its
+    interval is the 2.5th-97.5th percentile of those resamples: a judge that agrees with truth on
+    every item has the interval [0, 0] however the items vary."""
+    import numpy as np
+
+    from selfevo.audit import audit_metrics
+    from selfevo.audit.compare import _counts, _judged, _metrics_from_sums
+
+    rng = np.random.default_rng(3)
+    items, truth, judge = [], [], []
+    for i in range(40):
+        resp = [bool(x) for x in rng.integers(0, 2, 5)]
+        label = bool(rng.integers(0, 2))
+        items.append({"adopted_label": "K", "responses": ["K" if r else f"z{i}" for r in resp]})
+        truth.append(Verdict(True, label, tuple(resp if label else [not r for r in resp])))
+        judge.append(Verdict(True, True, tuple(resp)) if i % 4 == 0 else truth[-1])  # misjudges every 4th
+    steps = [{"round": 1, "step": 1, "kind": "proposer", "items": items}]
+    same = compare_judges(steps, truth, truth, "t", "t", n_boot=300)["rounds"][0]["diff"]
+    assert all((d["lo"], d["hi"]) == (0.0, 0.0) for d in same.values())
+    got = compare_judges(steps, judge, truth, "j", "t", n_boot=300, seed=5)["rounds"][0]["diff"]["T_P"]
+    w = np.random.default_rng(5).multinomial(40, np.full(40, 1 / 40), size=300)  # the resamples it drew
+    cj = np.array([_counts(_judged(it, v)) for it, v in zip(items, judge)])
+    ct = np.array([_counts(_judged(it, v)) for it, v in zip(items, truth)])
+    d = _metrics_from_sums(w @ cj, 40)["T_P"] - _metrics_from_sums(w @ ct, 40)["T_P"]
+    assert [got["lo"], got["hi"]] == pytest.approx(np.percentile(d, [2.5, 97.5]).tolist())
+    assert got["diff"] == pytest.approx(audit_metrics([_judged(it, v) for it, v in zip(items, judge)])["T_P"]
+                                        - audit_metrics([_judged(it, v) for it, v in zip(items, truth)])["T_P"])
+
+
 # ------------------------------------------------------------------ robustness
 
 
