@@ -63,6 +63,13 @@ def test_false_agreement_and_lost_credit_are_disjoint_shares_of_wrong_label_pair
     assert (m["F"], m["L"], m["A"], m["T_S"], m["T_P"]) == pytest.approx((0.6, 0.2, 0.6, 0.2, 0.0))
 
 
+def test_false_agreement_follows_the_label_verdict_when_a_judge_contradicts_itself():
+    # an LLM judge may call a label wrong and a response equal to it right: the pair still agrees
+    # on the label the judge called wrong, so it is false agreement (and, being correct, lost credit)
+    m = audit_metrics([JudgedItem((T, F, F, F, F), True, False, (T, F, F, F, F))])
+    assert (m["F"], m["L"], m["T_S"]) == pytest.approx((0.2, 0.2, 0.2))
+
+
 def test_no_resolved_items_gives_none_not_zero():
     m = audit_metrics([JudgedItem((T, T, T, T, T), False), JudgedItem((F,) * 5, False)])
     assert m["coverage"] == 0.0

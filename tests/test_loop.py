@@ -337,3 +337,17 @@ def test_connected_folds_file_is_byte_identical_across_processes():
     outs = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                            env={**os.environ, "PYTHONHASHSEED": seed}).stdout for seed in ("1", "2", "3")}
     assert len(outs) == 1
+
+
+def test_link_graph_links_a_page_to_every_title_its_text_names():
+    from selfevo.loop.folds import link_graph
+    from selfevo.records import Document
+
+    six, seven = "Alba Bren Cato Dov Eyr Fenn", "Alba Bren Cato Dov Eyr Fenn Gorm"
+    docs = [Document("a", six, "Alba Bren Cato Dov Eyr Fenn names itself."),
+            Document("b", seven, "Nothing here."),
+            Document("c", "Ivo", f"Ivo met {six} and {seven} in Ivo."),
+            Document("d", "Juno", "Juno met ivo (a title is matched as written).")]
+    # a six-word title is found (max_title_words=6), a seven-word one never; a page naming itself is no edge
+    assert link_graph(docs) == [("a", "c")]
+    assert link_graph(docs, max_title_words=7) == [("a", "c"), ("b", "c")]
