@@ -367,3 +367,62 @@ def test_source_held_out_grader_agrees_less_on_wrong_labels(tmp_path):
     sid = res["conditions"]["source-id"]["per_seed"]["F"]
     assert all(s < q for s, q in zip(sid, qs)), (sid, qs)
     assert sum(sid) < 0.85 * sum(qs), (sid, qs)
+
+
+# (F, solver truth, replay accuracy, A), mean over the 2 seeds of the `study` fixture, pinned at
+# commit a326e0d (tests/test_golden.py explains when to update them): every condition's numbers are
+# the replay's mechanism (which items train which grader, on which labels, with what budget and
+# sampling stream), so a change there moves one of them
+REPLAY_GOLDEN = {
+    "coupled": (0.096667, 0.534667, 0.563333, 0.532667),
+    "same-source": (0.108, 0.488, 0.583333, 0.524667),
+    "full-data": (0.086667, 0.518667, 0.58, 0.506),
+    "question-split": (0.069333, 0.418667, 0.406667, 0.387333),
+    "source-id": (0.060667, 0.428, 0.403333, 0.376667),
+    "source-id-half": (0.061333, 0.419333, 0.413333, 0.375333),
+    "connected": (0.060667, 0.434667, 0.4, 0.392667),
+    "coupled+msv": (0.063333, 0.468, 0.416667, 0.422),
+    "same-source+msv": (0.063333, 0.463333, 0.423333, 0.418),
+    "full-data+msv": (0.064667, 0.45, 0.426667, 0.402667),
+    "question-split+msv": (0.064, 0.419333, 0.406667, 0.384),
+    "source-id+msv": (0.063333, 0.427333, 0.406667, 0.386),
+    "source-id-half+msv": (0.063333, 0.418, 0.416667, 0.376667),
+    "connected+msv": (0.064667, 0.434, 0.41, 0.401333),
+}
+
+
+def test_replay_golden_numbers(study):
+    got = {n: tuple(c[m]["mean"] for m in ("F", "solver_truth", "replay_accuracy", "A"))
+           for n, c in study["conditions"].items()}
+    assert sorted(got) == sorted(REPLAY_GOLDEN)
+    for name, want in REPLAY_GOLDEN.items():
+        assert got[name] == pytest.approx(want, abs=1e-6), name
+
+
+def test_replay_accuracy_is_over_the_resolved_items():
+    from selfevo.replay import replay_accuracy
+
+    assert replay_accuracy(["Paris", "Rome", "Oslo"], ["paris", "Lima", "Oslo"], [True, True, False]) == 0.5
+    assert replay_accuracy(["Paris"], ["Paris"], [False]) is None
+
+
+def test_invariant_every_condition_trains(bank, monkeypatch):
+    real = replay._condition_job
+
+    def untrained(name, seed, msv_labels):  # a condition whose feedback solver never trained
+        out = real(name, seed, msv_labels)
+        return {**out, "updates": {}} if name == "source-id" else out
+
+    monkeypatch.setattr(replay, "_condition_job", untrained)
+    with pytest.raises(InvariantError, match="source-id seed 0: feedback solver updates {}"):
+        run_replay(bank, ["coupled", "source-id"], seeds=1, settings=FAST)
+
+
+def test_a_bank_from_msv_runs_is_graded_against_its_adopted_labels(tmp_path):
+    # MSV replaces a draft label by its majority: the bank keeps both, and the replay grades (and
+    # checks it graded) against the label the loop adopted and trained on, never the draft
+    evolve(load_config(None, [*SCALED, "treatment=msv"]), tmp_path / "msv", progress=False, audit=False)
+    bank = build_bank([tmp_path / "msv"], size=60, seed=0)
+    assert any(it.label != it.draft_label for it in bank.items)
+    res = run_replay(bank, ["coupled"], seeds=1, settings=FAST)
+    assert res["invariants"]["labels_sha256"] == replay._labels_digest((it.item_id, it.label) for it in bank.items)

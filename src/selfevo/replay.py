@@ -533,6 +533,14 @@ def _base_job(seed: int) -> dict:
     return {"seed": seed, **outcome}
 
 
+def replay_accuracy(greedy: Sequence[str], labels: Sequence[str], resolved: Sequence[bool],
+                    matcher=answers_match) -> float | None:
+    """The share of the items the judge resolved whose one greedy answer matches the bank label
+    (None when it resolved none)."""
+    hits = [matcher(g, y) for g, y, ok in zip(greedy, labels, resolved, strict=True) if ok]
+    return sum(hits) / len(hits) if hits else None
+
+
 def _grade(ctx: _Context, solvers: Sequence, grader, seed: int) -> dict:
     """Every bank item answered `samples` times (sampled) and once greedily by its grader
     (`grader(item)` indexes `solvers`), judged (the oracle, or the judge given) against the bank's
@@ -558,9 +566,7 @@ def _grade(ctx: _Context, solvers: Sequence, grader, seed: int) -> dict:
     judged = [JudgedItem(tuple(matcher(r, label) for r in rs), v.resolved, v.label_correct, v.responses_correct)
               for (_, label), rs, v in zip(graded, responses, verdicts)]
     m = audit_metrics(judged)
-    resolved = [i for i, v in enumerate(verdicts) if v.resolved]
-    # replay accuracy: the grader's one greedy answer against the bank label, over resolved items
-    accuracy = sum(matcher(greedy[i], graded[i][1]) for i in resolved) / len(resolved) if resolved else None
+    accuracy = replay_accuracy(greedy, [label for _, label in graded], [v.resolved for v in verdicts], matcher)
     return {"metrics": {"F": m["F"], "solver_truth": m["T_S"], "replay_accuracy": accuracy, "A": m["A"],
                         "coverage": m["coverage"], "L": m["L"], "T_P": m["T_P"]},
             "graded": _labels_digest(graded), "n_graded": len(graded),
