@@ -164,3 +164,11 @@ def test_hash_unit_is_a_pure_uniform_draw():
     assert draws == [hash_unit(7, "q", i) for i in range(2000)]  # a pure function of its keys
     assert all(0.0 <= u < 1.0 for u in draws) and abs(statistics.fmean(draws) - 0.5) < 0.02
     assert hash_unit(7, "q", 0) != hash_unit(8, "q", 0)
+
+
+def test_t95_table_is_student_t_to_three_places():
+    stats = pytest.importorskip("scipy.stats")  # a dev dependency's dependency; the package needs no scipy
+    from selfevo.algos import _T95
+
+    for df, q in _T95.items():
+        assert q == pytest.approx(stats.t.ppf(0.975, df), abs=5e-4), df
