@@ -160,7 +160,7 @@ class AuxFeedback:
             raise ValueError(f"feedback {name}: bad split or budget")
         self.name, self.folds, self.samples = name, folds, samples
         self.trains, self.grades, self.split, self.lineage_aware = trains, grades, split, lineage_aware
-        self.aux = [make_solver(name) for name in aux_names(trains, folds.k)]
+        self.aux = [make_solver(aux) for aux in aux_names(trains, folds.k)]
         self.updates = aux_updates(updates_per_round, len(self.aux), budget)
         self.full_updates = updates_per_round
         self.graders: list[Solver] = []
