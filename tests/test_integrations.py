@@ -851,6 +851,7 @@ def test_engine_keeps_the_cuda_device_asked_for(tmp_path, monkeypatch):
         pass
     assert served[-1] == "cuda:1"  # the local grader server runs in this process, on the GPU asked for
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    run.cfg = eng.engine_config_from_dict({**cfg, "lm": {"device": "cuda:0"}}, engine="trl").run
-    with pytest.raises(ValueError, match="lm.device: cuda:0 asked for, but no CUDA GPU"):
-        run.train("r1/main", "solver", "main", 1, [], 3, 2, 5, {"records_path": None, "round": 1})
+    no_gpu = eng.engine_config_from_dict({**cfg, "lm": {"device": "cuda:0"}}, engine="trl")
+    with pytest.raises(ConfigError, match="lm.device: cuda:0 asked for, but no CUDA GPU"):
+        eng.EngineRun(no_gpu, tmp_path / "other", log=lambda m: None)  # at start, before any work
+    assert not (tmp_path / "other").exists()

@@ -206,6 +206,15 @@ class EngineRun:
 
         self.cfg, self.spec, self.say = ecfg.run, ecfg.engine, log
         self.treatment = parse_treatment(self.cfg.treatment)
+        if self.spec.graders == "local" or (self.spec.engine == "trl" and not self.spec.launcher):
+            # a device this machine lacks fails now, not at the first training job (verl and launched
+            # jobs may run where this process is not)
+            from selfevo.agents.lm.policy import resolve_device
+
+            try:
+                resolve_device(self.cfg.lm.device)
+            except ValueError as e:
+                raise ConfigError(str(e)) from None
         # bad data fails before anything is written; with a /retrieve server no local index is built
         self.env = environment(self.cfg) if not (self.spec.retriever_url and self.cfg.data.corpus) else _corpus_env(
             self.cfg)
