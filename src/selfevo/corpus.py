@@ -21,6 +21,8 @@ class DataError(ValueError):
     """Malformed input data. `str()` reads `file:line: what is wrong`."""
 
     def __init__(self, path: str | os.PathLike, line: int | None, message: str):
+        # one line whatever a library put in it (pyarrow's messages carry newlines and raw bytes)
+        message = "".join(c if c.isprintable() else "?" for c in " ".join(message.split()))
         self.path, self.line, self.message = str(path), line, message
         where = f"{self.path}:{line}" if line is not None else self.path
         super().__init__(f"{where}: {message}")
@@ -164,10 +166,11 @@ def _iter_parquet_rows(path: Path) -> Iterator[tuple[int, dict]]:
     import pyarrow.parquet as pq
 
     try:
-        table = pq.read_table(path)
+        # to_pylist decodes the strings: a damaged page can hold bytes that are not UTF-8
+        rows = pq.read_table(path).to_pylist()
     except Exception as e:  # pyarrow raises several types for a broken file
         raise DataError(path, None, f"unreadable parquet: {e}") from None
-    for i, row in enumerate(table.to_pylist(), start=1):
+    for i, row in enumerate(rows, start=1):
         if "id" not in row or row["id"] is None:
             extra = row.get("extra_info") or {}
             index = extra.get("index") if isinstance(extra, dict) else None
