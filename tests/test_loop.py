@@ -351,3 +351,21 @@ def test_link_graph_links_a_page_to_every_title_its_text_names():
     # a six-word title is found (max_title_words=6), a seven-word one never; a page naming itself is no edge
     assert link_graph(docs) == [("a", "c")]
     assert link_graph(docs, max_title_words=7) == [("a", "c"), ("b", "c")]
+
+
+def test_connected_folds_keep_each_link_cluster_whole_and_balance_the_folds():
+    from selfevo.loop.folds import assign_folds
+    from selfevo.records import Document
+
+    # four link-graph components of 4, 3, 2 and 1 pages (each page names the next one's title)
+    names = {"a": ["Alda", "Bexo", "Cimu", "Dova"], "b": ["Ekro", "Fyla", "Gosu"], "c": ["Hiva", "Ivek"],
+             "d": ["Jolo"]}
+    docs = [Document(f"{c}{i}", t, f"{t} knows {ts[(i + 1) % len(ts)]}." if len(ts) > 1 else f"{t} alone.")
+            for c, ts in names.items() for i, t in enumerate(ts)]
+    fa = assign_folds(docs, seed=0, k=2, grouping="connected")
+    by_cluster = {c: {fa.of(f"{c}{i}") for i in range(len(ts))} for c, ts in names.items()}
+    assert all(len(f) == 1 for f in by_cluster.values())  # a cluster is never split
+    # largest first onto the lighter fold: 4 | 3, then 2 joins the 3, then 1 joins the 4: 5 and 5
+    f = {c: next(iter(v)) for c, v in by_cluster.items()}
+    assert f["a"] != f["b"] and f["c"] == f["b"] and f["d"] == f["a"]
+    assert sorted(list(fa.folds.values()).count(j) for j in (0, 1)) == [5, 5]
