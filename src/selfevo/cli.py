@@ -337,20 +337,18 @@ def engine_run_cmd(
     _print_run(run.path)
 
 
-_AUDIT_COLUMNS = ("A", "T_P", "T_S", "F", "L", "coverage")
-
-
 def _print_audit_rounds(metrics: dict, counts: tuple[str, ...] = ()) -> None:
     """The audit's metrics by round (audit/metrics.json's layout), with count columns after them."""
     from rich.table import Table
 
     from selfevo._fmt import num
+    from selfevo.audit import METRICS
 
     table = Table(title=f"audit ({metrics['judge']}) by round")
-    for c in ("round", *_AUDIT_COLUMNS, *counts):
+    for c in ("round", *METRICS, *counts):
         table.add_column(c, justify="right")
     for r in metrics["rounds"]:
-        table.add_row(str(r["round"]), *[num(r[c]) for c in _AUDIT_COLUMNS], *[str(r[c]) for c in counts])
+        table.add_row(str(r["round"]), *[num(r[c]) for c in METRICS], *[str(r[c]) for c in counts])
     console.print(table)
 
 
@@ -403,7 +401,7 @@ def audit_cmd(
     from rich.table import Table
 
     from selfevo._fmt import DASH, num
-    from selfevo.audit import OracleJudge
+    from selfevo.audit import METRICS, OracleJudge
     from selfevo.audit.llm_judge import JudgeError, LLMJudge
     from selfevo.audit.pipeline import audit_to_dir, limit_items
     from selfevo.config import ConfigError, config_from_dict
@@ -495,11 +493,11 @@ def audit_cmd(
     if "comparison" in res:
         cmp = res["comparison"]
         t = Table(title=f"{cmp['judge']} − {cmp['truth']} by round (95% bootstrap interval)")
-        for c in ("round", *_AUDIT_COLUMNS):
+        for c in ("round", *METRICS):
             t.add_column(c, justify="right")
         for b in [*cmp["rounds"], {"round": "all", **cmp["all"]}]:
             cells = []
-            for m in _AUDIT_COLUMNS:
+            for m in METRICS:
                 d = b["diff"].get(m, {})
                 cells.append(DASH if d.get("diff") is None else
                              f"{d['diff']:+.3f} [{d['lo']:+.3f}, {d['hi']:+.3f}]")

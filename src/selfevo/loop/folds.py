@@ -48,9 +48,8 @@ class FoldAssignment:
         return {self.of(s) for s in source_ids}
 
     def to_json(self) -> dict:
-        # sorted: the connected grouping builds its maps in set order, which differs between processes
-        return {"k": self.k, "seed": self.seed, "grouping": self.grouping, "folds": dict(sorted(self.folds.items())),
-                "groups": dict(sorted(self.groups.items()))}
+        return {"k": self.k, "seed": self.seed, "grouping": self.grouping, "folds": self.folds,
+                "groups": self.groups}
 
     @classmethod
     def from_json(cls, obj: dict) -> FoldAssignment:
@@ -88,9 +87,9 @@ def connected_groups(docs: Sequence[Document], seed: int) -> dict[str, str]:
     graph.add_edges_from(link_graph(docs))
     communities = nx.community.louvain_communities(graph, seed=seed % 2**32)
     out = {}
-    for members in communities:
+    for members in sorted(communities, key=min):  # sorted: communities are sets, their order differs by process
         cid = min(members)
-        for m in members:
+        for m in sorted(members):
             out[m] = cid
     return out
 
