@@ -140,6 +140,26 @@ def test_rounds_figure_leaves_a_gap_where_the_judge_resolved_nothing():
     assert rounds_figure(audit)[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_a_treatment_has_one_colour_in_every_figure_and_its_interval_as_given(monkeypatch):
+    from matplotlib.colors import to_hex
+
+    from selfevo.report import figures
+
+    monkeypatch.setattr(figures, "png", lambda fig: fig)  # inspect the figure instead of its bytes
+    rnd = {"round": 1, "A": {"mean": 0.5, "std": 0.0}, "T_P": {"mean": 0.7, "std": 0.0}, "F": {"mean": 0.1, "std": 0.0}}
+    audit = {"coupled": {"rounds": [rnd]}, "msv": {"rounds": [rnd]}, "crossfit": {"rounds": [rnd]}}
+    lines = {c.get_label(): to_hex(c.lines[0].get_color()) for c in figures.rounds_figure(audit).axes[0].containers}
+    gain = {"mean": 0.02, "lo": 0.01, "hi": 0.05}
+    downstream = {"coupled": {}, "msv": {"gain_vs_coupled": {"macro": None}},
+                  "crossfit": {"gain_vs_coupled": {"macro": gain}}}
+    ax = figures.cost_figure(downstream, {"crossfit": {"extra_seconds": {"mean": 0.2, "std": 0.05}}}).axes[0]
+    (bar,) = ax.containers  # coupled and msv have no point
+    point, _, (_, ybar) = bar.lines
+    assert to_hex(point.get_color()) == lines["crossfit"] != lines["msv"]
+    ys = sorted(y for seg in ybar.get_segments() for _, y in seg)
+    assert ys == pytest.approx([0.01, 0.05])
+
+
 def _res(coupled: dict[str, list[float]], other: dict[str, list[float]], gain: list[float]) -> dict:
     """A results dict as collect_runs writes it: per-seed round-3 A / T_P / F of coupled and one
     other treatment ("crossfit"), coupled's round-1 F below its round 3, and downstream macro gains."""

@@ -34,8 +34,14 @@ def steps_figure(steps: list[dict], title: str) -> bytes:
     return png(fig)
 
 
+def treatment_colors(treatments) -> dict[str, str]:
+    """One colour per treatment, the same in every figure of a report (coupled first, as listed)."""
+    return {t: f"C{i}" for i, t in enumerate(treatments)}
+
+
 def rounds_figure(audit: dict[str, dict], metrics=("A", "T_P", "F")) -> bytes:
     """Each metric by round, one line per treatment (mean and std over seeds)."""
+    color = treatment_colors(audit)
     fig, axes = plt.subplots(1, len(metrics), figsize=(3.3 * len(metrics), 3.2))
     for ax, m in zip(axes, metrics, strict=True):
         for t, a in audit.items():
@@ -44,7 +50,7 @@ def rounds_figure(audit: dict[str, dict], metrics=("A", "T_P", "F")) -> bytes:
             mean = [math.nan if not r[m] or r[m]["mean"] is None else r[m]["mean"] for r in a["rounds"]]
             std = [0 if not r[m] else r[m]["std"] or 0 for r in a["rounds"]]
             ax.errorbar(rounds, mean, yerr=std, marker="o", ms=4, capsize=3, lw=1.5 if t == "coupled" else 1.2,
-                        label=t)
+                        color=color[t], label=t)
         ax.set_title(m, fontsize=10)
         ax.set_xlabel("round")
         ax.set_xticks(rounds)
@@ -57,6 +63,7 @@ def rounds_figure(audit: dict[str, dict], metrics=("A", "T_P", "F")) -> bytes:
 def cost_figure(downstream: dict, compute: dict) -> bytes:
     """Downstream gain over coupled (with its 95% interval) against extra wall time (± its std over
     seeds: single runs of seconds time noisily)."""
+    color = treatment_colors(downstream)
     fig, ax = plt.subplots(figsize=(5, 3.6))
     for t, d in downstream.items():
         g = d.get("gain_vs_coupled", {}).get("macro")
@@ -64,9 +71,10 @@ def cost_figure(downstream: dict, compute: dict) -> bytes:
         c = cost.get("mean")
         if not g or c is None or g["mean"] is None:
             continue
-        lo = g["mean"] - g["lo"] if g["lo"] is not None else 0
-        ax.errorbar([100 * c], [g["mean"]], yerr=[[lo], [lo]], xerr=[[100 * (cost.get("std") or 0)]] * 2,
-                    fmt="o", capsize=3)
+        below = g["mean"] - g["lo"] if g["lo"] is not None else 0
+        above = g["hi"] - g["mean"] if g["hi"] is not None else 0
+        ax.errorbar([100 * c], [g["mean"]], yerr=[[below], [above]], xerr=[[100 * (cost.get("std") or 0)]] * 2,
+                    fmt="o", capsize=3, color=color[t])
         ax.annotate(t, (100 * c, g["mean"]), fontsize=7, xytext=(4, 4), textcoords="offset points")
     ax.axhline(0, color="grey", lw=0.8)
     ax.set_xlabel("extra wall time over coupled (%)")
