@@ -199,6 +199,12 @@ def test_evolve_lm_crossfit_writes_the_sim_schema(lm_run, sim_run):
         assert it["fold"] not in it["grader"]["trained_on"]["folds"]
     audit, sim_audit = (json.loads((p / "audit" / "metrics.json").read_text()) for p in (lm_run, sim_run.path))
     assert audit["judge"] == "llm:smollm2-135m"
+    # as `selfevo audit` writes it: the judge's settings and calls, a line per item judged, the call cache
+    judge = json.loads((lm_run / "audit" / "judge.json").read_text())
+    assert judge["judge"] == audit["judge"] and judge["summary"]["requests"] > 0
+    assert judge["cache"] == str(lm_run / "audit" / "cache.jsonl") and (lm_run / "audit" / "cache.jsonl").stat().st_size
+    rows = [json.loads(x) for x in (lm_run / "audit" / "judgements.jsonl").read_text().splitlines()]
+    assert rows and all("resolved" in r and "reason" in r for r in rows)
     assert _keys(audit) == _keys(sim_audit) and _keys(audit["rounds"][0]) == _keys(sim_audit["rounds"][0])
     for r in range(3):
         ev, sim_ev = (json.loads((p / "eval" / f"round-{r}.json").read_text()) for p in (lm_run, sim_run.path))

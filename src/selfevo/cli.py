@@ -350,6 +350,10 @@ def _print_audit_rounds(metrics: dict, counts: tuple[str, ...] = ()) -> None:
     for r in metrics["rounds"]:
         table.add_row(str(r["round"]), *[num(r[c]) for c in METRICS], *[str(r[c]) for c in counts])
     console.print(table)
+    if not any(r["coverage"] for r in metrics["rounds"]):
+        # every metric above is undefined: say so, rather than let a table of dashes pass for a result
+        console.print("[yellow]warning:[/yellow] the judge resolved no item (no records, or every call "
+                      "failed or went unresolved); nothing above is a measurement")
 
 
 def _print_run(path: Path) -> None:
@@ -480,10 +484,6 @@ def audit_cmd(
             the_judge.close()
 
     _print_audit_rounds(res["metrics"])
-    if not any(r["coverage"] for r in res["metrics"]["rounds"]):
-        # every metric above is undefined: say so, rather than let a table of dashes pass for a result
-        console.print("[yellow]warning:[/yellow] the judge resolved no item (no records, or every call "
-                      "failed or went unresolved); nothing above is a measurement")
     if "summary" in res:
         s = res["summary"]
         console.print(f"judge calls: {s['replies']} replies to {s['requests']} requests ({s['retries']} retries), "

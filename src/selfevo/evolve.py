@@ -214,7 +214,7 @@ def evolve(cfg: RunConfig, out: str | os.PathLike, resume: bool = False, progres
         elif judge is not None:
             audit_run(run, judge)
         else:
-            with default_judge(cfg, env) as j:
+            with default_judge(cfg, env, run.path / "audit" / "cache.jsonl") as j:
                 audit_run(run, j)
     run.note(wall_seconds_last_invocation=round(time.perf_counter() - started, 3))
     return run

@@ -7,7 +7,6 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Sequence
 
-from selfevo._io import write_json
 from selfevo.audit.judges import Judge, OracleJudge, Verdict
 from selfevo.audit.metrics import METRICS, JudgedItem, audit_metrics
 from selfevo.evaluate import answers_match
@@ -76,6 +75,8 @@ def audit_steps(steps: Sequence[dict], judge: Judge, verdicts: Sequence[Verdict]
 
 
 def audit_run(run: RunDir, judge: Judge) -> dict:
-    result = audit_steps(run.steps(), judge)
-    write_json(run.path / "audit" / "metrics.json", result)
-    return result
+    """Audit a finished run into RUN/audit/ as `selfevo audit` does (metrics.json, judge.json, and an
+    LLM judge's judgements.jsonl), without figures; returns the metrics."""
+    from selfevo.audit.pipeline import audit_to_dir  # it imports this module
+
+    return audit_to_dir(run.steps(), judge, run.path / "audit", figures=False)["metrics"]

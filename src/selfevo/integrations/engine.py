@@ -579,7 +579,7 @@ class EngineRun:
         else:
             from selfevo.evolve import default_judge
 
-            with default_judge(self.cfg, self.env) as judge:
+            with default_judge(self.cfg, self.env, self.run.path / "audit" / "cache.jsonl") as judge:
                 result = audit_run(self.run, judge)
         return {"audit": result["judge"], "rounds": len(result["rounds"])}
 
