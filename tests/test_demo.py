@@ -76,3 +76,43 @@ def test_demo_bad_config_exits_2(tmp_path):
     result = CliRunner().invoke(app, ["demo", "--config", str(cfg), "--out", str(tmp_path / "o")])
     assert result.exit_code == 2 and "demo.executor" in " ".join(result.output.split())
     assert not (tmp_path / "o").exists()
+
+
+def _quick(**fields) -> DemoPlan:
+    run = {"loop": {"admit_per_round": 120, "proposer_steps": 4, "solver_steps": 3, "rounds": 2}}
+    return DemoPlan(**{"treatments": ("coupled", "crossfit"), "seeds": 1, "world": "small",
+                       "replay_size": 100, "replay_conditions": (), "run": run, **fields})
+
+
+def test_a_rerun_with_another_plan_reports_that_plan_only(tmp_path):
+    from io import StringIO
+
+    from rich.console import Console
+
+    from selfevo.demo import run_demo
+
+    quiet = Console(file=StringIO())
+    out = tmp_path / "demo"
+    run_demo(_quick(seeds=2, replay_conditions=("coupled",)), out, console=quiet, workers=1)
+    res = run_demo(_quick(treatments=("coupled",)), out, console=quiet, workers=1)
+    # seed 1, crossfit and the replay study are left from the first plan; this one ran none of them
+    assert res["treatments"] == ["coupled"] and res["seeds"] == [0] and "replay" not in res
+    assert "Fixed replay bank" not in (out / "report.md").read_text()
+
+
+def test_a_job_that_failed_before_its_run_directory_is_named_in_the_report(tmp_path):
+    from io import StringIO
+
+    from rich.console import Console
+
+    from selfevo.demo import run_demo
+
+    buf = StringIO()
+    out = tmp_path / "exp[v2]"  # brackets are rich markup: the error must print them as they are
+    (out / "runs").mkdir(parents=True)
+    (out / "runs" / "crossfit-s0").write_text("a file where the run directory goes")
+    res = run_demo(_quick(), out, console=Console(file=buf, width=400), workers=1)
+    assert f"job crossfit-s0 failed: RunError: {out / 'runs' / 'crossfit-s0'}" in buf.getvalue()
+    (left,) = res["excluded"]
+    assert (left["treatment"], left["seed"]) == ("crossfit", 0) and "failed before it wrote" in left["why"]
+    assert "crossfit seed 0" in (out / "report.md").read_text()

@@ -242,3 +242,79 @@ def test_compare_ratios_are_against_the_coupled_run_of_the_same_seed(local_grid)
         assert row["extra_seconds"] == pytest.approx(secs / base_secs - 1)
         assert rows[f"coupled-s{s}"]["extra_seconds"] == 0.0
     assert compare([root / "crossfit-s0"])[0]["extra_generations"] is None  # no coupled run of its seed
+
+
+ONE_ROUND = [*SMALL, "loop.rounds=1"]
+
+
+def test_a_run_killed_in_its_audit_is_audited_on_rerun_not_skipped(tmp_path, monkeypatch):
+    import selfevo.evolve
+
+    (job,) = grid(["coupled"], [0], tmp_path, ONE_ROUND)
+    real = selfevo.evolve.audit_run
+
+    def dies(*args, **kwargs):
+        raise RuntimeError("judge died")
+
+    monkeypatch.setattr(selfevo.evolve, "audit_run", dies)
+    (res,) = run_grid([job], "local", workers=1)
+    assert res["status"] == "failed" and "judge died" in res["error"]
+    assert json.loads((Path(job.out) / "manifest.json").read_text())["status"] != "complete"
+    monkeypatch.setattr(selfevo.evolve, "audit_run", real)
+    (res,) = run_grid([job], "local", workers=1)
+    assert res["status"] == "ok" and (Path(job.out) / "audit" / "metrics.json").exists()
+    assert json.loads((Path(job.out) / "manifest.json").read_text())["status"] == "complete"
+
+
+def test_a_finished_job_under_another_config_is_refused_not_skipped(tmp_path):
+    (job,) = grid(["coupled"], [0], tmp_path, ONE_ROUND)
+    assert run_grid([job], "local", workers=1)[0]["status"] == "ok"
+    (changed,) = grid(["coupled"], [0], tmp_path, [*SMALL, "loop.rounds=2"])
+    (res,) = run_grid([changed], "local", workers=1)
+    assert res["status"] == "failed" and "config differs" in res["error"] and "loop.rounds" in res["error"]
+    assert run_grid([job], "local", workers=1)[0]["status"] == "skipped"  # its own config: finished
+
+
+def test_a_worker_that_dies_fails_its_job_and_the_grid_still_returns(tmp_path, monkeypatch):
+    import signal
+
+    import selfevo.evolve
+
+    real = selfevo.evolve.evolve
+
+    def evolve(cfg, out, **kwargs):  # the forked workers inherit this
+        if str(out).endswith("coupled-s1"):
+            os.kill(os.getpid(), signal.SIGKILL)
+        return real(cfg, out, **kwargs)
+
+    monkeypatch.setattr(selfevo.evolve, "evolve", evolve)
+    jobs = grid(["coupled"], [0, 1], tmp_path, ONE_ROUND)
+    results = run_grid(jobs, "local", workers=2)
+    assert [r["job"] for r in results] == ["coupled-s0", "coupled-s1"]
+    assert results[1]["status"] == "failed" and "worker process died" in results[1]["error"]
+    assert results[0]["status"] in ("ok", "failed")  # a broken pool also fails a job still in flight
+    monkeypatch.setattr(selfevo.evolve, "evolve", real)
+    assert [r["status"] for r in run_grid(jobs, "local", workers=2)] in (["ok"] * 2, ["skipped", "ok"])
+
+
+def test_collect_pairs_only_values_that_exist(local_grid, tmp_path):
+    """No multi-hop benchmark (a corpus's single-hop QA set) leaves that column's gain empty, and a
+    seed whose last round the judge resolved nothing of drops out of the readings' pairs."""
+    import shutil
+
+    from selfevo.report.collect import collect_runs, readings
+
+    root, jobs, _ = local_grid
+    copies = []
+    for j in jobs:
+        dst = tmp_path / Path(j.out).name
+        shutil.copytree(j.out, dst)
+        copies.append(dst)
+        ev = json.loads((dst / "eval" / "round-3.json").read_text())
+        ev["multi_hop"] = {"cover_em": None, "em": None, "f1": None}
+        (dst / "eval" / "round-3.json").write_text(json.dumps(ev))
+    res = collect_runs(copies)
+    gain = res["downstream"]["crossfit"]["gain_vs_coupled"]
+    assert gain["multi_hop"]["n"] == 0 and gain["macro"]["n"] == 2
+    res["audit"]["crossfit"]["last_by_seed"][1].update(A=None, T_P=None, F=None)
+    readings(res)  # one seed left to pair: no reading of the pattern, and no crash

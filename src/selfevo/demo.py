@@ -11,6 +11,7 @@ import json
 import os
 import time
 from dataclasses import dataclass, field
+from itertools import product
 from pathlib import Path
 
 from rich.console import Console
@@ -20,6 +21,7 @@ from rich.table import Table
 
 from selfevo.config import ConfigError, absolute, coerce, config_from_dict, read_toml
 from selfevo.experiments import EXECUTORS, grid, run_grid
+from selfevo.runs import RunDir
 
 DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "demo.toml"
 
@@ -184,9 +186,16 @@ def run_demo(plan: DemoPlan, out: str | os.PathLike, console: Console | None = N
 
         results = run_grid(jobs, plan.executor, workers, on_done)
     for res in failed:
-        console.print(f"[red]job {res['job']} failed:[/red] {res['error']}")
+        console.print(f"[red]job {escape(res['job'])} failed:[/red] {escape(res['error'])}")
+    # this plan's runs only: a run directory below `out` from an earlier plan is not this demo's
+    runs = [r["run"] for r in results if RunDir(r["run"]).exists()]
+    cell = {job.name: (t, s) for job, (t, s) in zip(jobs, product(plan.treatments, seeds), strict=True)}
+    never = [{"run": r["run"], "treatment": cell[r["job"]][0], "seed": cell[r["job"]][1],
+              "why": f"the job failed before it wrote a run directory: {r['error']}"}
+             for r in failed if r["run"] not in runs]
     coupled = [r["run"] for r in results if r["job"].startswith("coupled-") and r["status"] != "failed"]
-    if plan.replay_conditions and coupled:
+    replay = bool(plan.replay_conditions and coupled)
+    if replay:
         console.print(f"fixed replay bank: up to {plan.replay_size} questions from the coupled runs' rounds 2-3, "
                       f"{len(plan.replay_conditions)} conditions x {len(seeds)} seeds")
         bank = build_bank(coupled, plan.replay_size, seed=0, allow_fewer=True)
@@ -195,7 +204,8 @@ def run_demo(plan: DemoPlan, out: str | os.PathLike, console: Console | None = N
                              progress=True)
         write_results(results, out / "replay")
     res = build_report(out, context=f"World `{plan.world}`; demo wall time "
-                                    f"{time.perf_counter() - started:.0f} s on {os.cpu_count()} cores.")
+                                    f"{time.perf_counter() - started:.0f} s on {os.cpu_count()} cores.",
+                       runs=runs, replay=replay, excluded=never)
     headline(res, console)
     console.print(f"report: {out / 'report.html'}  (also report.md, results.json)")
     return res

@@ -207,7 +207,6 @@ def evolve(cfg: RunConfig, out: str | os.PathLike, resume: bool = False, progres
     elif not run.eval_path(0).exists():
         evaluate(loop.main, 0)  # the base model, before any training
     loop.run(run, start_round=done + 1, progress=progress)
-    run.finish()
     if audit:
         if env.truth is not None:
             audit_run(run, OracleJudge(env.truth))
@@ -216,6 +215,7 @@ def evolve(cfg: RunConfig, out: str | os.PathLike, resume: bool = False, progres
         else:
             with default_judge(cfg, env, run.path / "audit" / "cache.jsonl") as j:
                 audit_run(run, j)
+    run.finish()  # after the audit: a run killed in it is resumed (rounds done, audit again), not skipped
     run.note(wall_seconds_last_invocation=round(time.perf_counter() - started, 3))
     return run
 

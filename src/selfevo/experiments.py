@@ -34,15 +34,18 @@ def grid(treatments: Sequence[str], seeds: Sequence[int], root: str | os.PathLik
 
 def run_job(job: Job) -> dict:
     """Run one job; never raises (a failure is a result)."""
-    from selfevo.config import load_config
+    from selfevo.config import RunConfig, load_config
     from selfevo.evolve import evolve
     from selfevo.runs import RunDir
 
     run = RunDir(job.out)
     try:
+        cfg = load_config(overrides=list(job.overrides))
         if run.exists() and run.manifest().get("status") == "complete":
+            # finished under this job's config, or its results would pass for this grid's
+            run.check_config(cfg.to_json(), defaults=RunConfig().to_json())
             return {"job": job.name, "status": "skipped", "run": job.out}
-        evolve(load_config(overrides=list(job.overrides)), job.out, resume=run.exists(), progress=False)
+        evolve(cfg, job.out, resume=run.exists(), progress=False)
         return {"job": job.name, "status": "ok", "run": job.out}
     except Exception as e:  # noqa: BLE001 - one job's failure must not stop the grid
         return {"job": job.name, "status": "failed", "run": job.out, "error": f"{type(e).__name__}: {e}",
@@ -71,8 +74,11 @@ def run_grid(jobs: Sequence[Job], executor: str = "local", workers: int | None =
         while pending:
             ready, _ = ray.wait(list(pending), num_returns=1)
             for ref in ready:
-                pending.pop(ref)
-                done(ray.get(ref))
+                job = pending.pop(ref)
+                try:
+                    done(ray.get(ref))
+                except Exception as e:  # noqa: BLE001 - run_job never raises: its worker died
+                    done(_died(job, e))
     else:
         workers = workers or min(len(jobs), os.cpu_count() or 1) or 1
         if workers == 1:
@@ -80,7 +86,17 @@ def run_grid(jobs: Sequence[Job], executor: str = "local", workers: int | None =
                 done(run_job(job))
         else:
             with ProcessPoolExecutor(max_workers=workers) as pool:
-                futures = [pool.submit(run_job, job) for job in jobs]
+                futures = {pool.submit(run_job, job): job for job in jobs}
                 for fut in as_completed(futures):
-                    done(fut.result())
+                    try:
+                        done(fut.result())
+                    except Exception as e:  # noqa: BLE001 - run_job never raises: a worker died (a
+                        # killed process breaks the pool, so every job not yet finished ends here too;
+                        # a rerun of the grid resumes them)
+                        done(_died(futures[fut], e))
     return [results[j.name] for j in jobs]
+
+
+def _died(job: Job, e: BaseException) -> dict:
+    return {"job": job.name, "status": "failed", "run": job.out,
+            "error": f"worker process died ({type(e).__name__}: {e}); rerun the grid to resume it"}

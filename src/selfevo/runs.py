@@ -160,19 +160,11 @@ class RunDir:
         values) lets a run made before a field existed resume while that field keeps its default."""
         if not self.exists():
             raise RunError(f"{self.path}: no run to resume (no manifest.json)")
-        config = json.loads(json.dumps(config))  # tuples -> lists, as saved
-        defaults = json.loads(json.dumps(defaults)) if defaults is not None else None
         try:
-            # the saved config as written (not config()'s parse): a field since removed from
-            # selfevo is then named as a difference
-            saved = with_absolute_paths(read_object(self.path / "config.json"))
+            self.check_config(config, defaults)
             done = self.manifest().get("rounds_completed", 0)
         except RunError as e:
             raise RunError(f"{e}; cannot resume") from None
-        saved = _with_new_defaults(saved, config, defaults)
-        if saved != config:
-            diff = differences(saved, config)
-            raise RunError(f"{self.path}: config differs from the saved run (fields: {', '.join(diff)})")
         if done and not self.checkpoint_path(done).exists():
             raise RunError(f"{self.path}: manifest says round {done} is done but its checkpoint is missing")
         # a kill inside an atomic write leaves its temp file (`.NAME.XXXXXXXX.tmp`), never read: clear it
@@ -187,6 +179,18 @@ class RunDir:
         if len(keep) != len(rows):
             write_jsonl(self.steps_path, keep)
         return done
+
+    def check_config(self, config: dict, defaults: dict | None = None) -> None:
+        """Refuse (RunError naming the fields) a config other than the one this run was made with;
+        `defaults` as for open_for_resume."""
+        config = json.loads(json.dumps(config))  # tuples -> lists, as saved
+        defaults = json.loads(json.dumps(defaults)) if defaults is not None else None
+        # the saved config as written (not config()'s parse): a field since removed from selfevo is
+        # then named as a difference
+        saved = _with_new_defaults(with_absolute_paths(read_object(self.path / "config.json")), config, defaults)
+        if saved != config:
+            diff = differences(saved, config)
+            raise RunError(f"{self.path}: config differs from the saved run (fields: {', '.join(diff)})")
 
     def manifest(self) -> dict:
         path = self.path / "manifest.json"

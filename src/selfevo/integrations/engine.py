@@ -451,8 +451,8 @@ class EngineRun:
                 for role in aux_roles(self.treatment):
                     self.phase(f"r{r}/{role}", r, lambda r=r, role=role: self.aux(r, role))
             self.phase(f"r{r}/eval", r, lambda r=r: self.evaluate(r))
-        self.run.finish()
         self.phase("audit", R, self.audit)
+        self.run.finish()  # after the audit, as `evolve` does
         self.run.note(wall_seconds_last_invocation=_seconds(time.perf_counter() - started))
         return self.run
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Sequence
 from pathlib import Path
 
 from selfevo._io import atomic_writer
@@ -14,22 +15,28 @@ from selfevo.report.render import html_page, markdown
 from selfevo.runs import read_object
 
 
-def build_report(root: str | os.PathLike, context: str = "") -> dict:
+def build_report(root: str | os.PathLike, context: str = "", runs: Sequence[str | os.PathLike] | None = None,
+                 replay: bool = True, excluded: Sequence[dict] = ()) -> dict:
+    """The report of `runs` (None: every run directory below `root`) and, with `replay`, of
+    root/replay/results.json if present; `excluded` lists planned runs that left no run directory
+    (as collect_runs lists the unfinished ones)."""
     root = Path(root)
-    runs = find_runs(root)
+    runs = find_runs(root) if runs is None else runs
     if not runs:
         raise ValueError(f"{root}: no run directories found below it")
     res = collect_runs(runs)
     res["context"] = context
-    replay = root / "replay" / "results.json"
-    if replay.exists():
-        res["replay"] = read_object(replay)
+    res["excluded"] += excluded
+    replay_results = root / "replay" / "results.json"
+    replay = replay and replay_results.exists()
+    if replay:
+        res["replay"] = read_object(replay_results)
     pngs: dict[str, bytes] = {}
     if "coupled" in res["audit"]:
         pngs["Coupled loop: A, T_P, T_S, F, L by scheduled step (mean over seeds; Figure 1/3 analogue)"] = \
             figs.steps_figure(res["audit"]["coupled"]["steps"], "coupled (Dr. Zero) loop")
     pngs["A, T_P and F by round per treatment (Figure 5/6 analogue)"] = figs.rounds_figure(res["audit"])
-    if (root / "replay" / "replay.png").exists():
+    if replay and (root / "replay" / "replay.png").exists():
         pngs["Fixed replay bank (Figure 7 analogue)"] = (root / "replay" / "replay.png").read_bytes()
     if "coupled" in res["downstream"] and len(res["downstream"]) > 1:
         pngs["Downstream gain vs compute: macro Cover-EM gain (95% interval) against extra wall time "

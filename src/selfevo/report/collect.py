@@ -69,7 +69,8 @@ def collect_runs(run_dirs: Sequence[str | os.PathLike]) -> dict:
         entry = {c: summary([row.get(c) for row in rows.values()]) for c in columns}
         if coupled and t != "coupled":
             common = sorted(set(rows) & set(coupled))
-            entry["gain_vs_coupled"] = {c: summary([rows[s][c] - coupled[s][c] for s in common])
+            # a column with no value (e.g. no multi-hop benchmark in a corpus's QA set) has no gain
+            entry["gain_vs_coupled"] = {c: summary([_minus(rows[s][c], coupled[s][c]) for s in common])
                                         for c in ("macro", "single_hop", "multi_hop")}
         out["downstream"][t] = entry
         by_seed = {s: read_object(r.path / "audit" / "metrics.json") for s, r in runs[t].items()
@@ -94,6 +95,11 @@ def collect_runs(run_dirs: Sequence[str | os.PathLike]) -> dict:
                               "extra_seconds")}
     out["readings"] = readings(out)
     return out
+
+
+def _minus(a: float | None, b: float | None) -> float | None:
+    """A paired difference, None where either side has no value (summary skips it)."""
+    return None if a is None or b is None else a - b
 
 
 def _mean_steps(audits: list[dict]) -> list[dict]:
@@ -128,7 +134,9 @@ def readings(res: dict) -> list[str]:
         seeds = sorted(set(a["last_by_seed"]) & set(coupled["last_by_seed"]))
 
         def paired(metric: str, seeds=seeds, a=a) -> dict:
-            return summary([a["last_by_seed"][s][metric] - coupled["last_by_seed"][s][metric] for s in seeds])
+            # a seed whose judge resolved nothing in the last round has no value: no pair
+            return summary([_minus(a["last_by_seed"][s][metric], coupled["last_by_seed"][s][metric])
+                            for s in seeds])
 
         d_a, d_tp = paired("A"), paired("T_P")
         if d_a["n"] < 2 or not d_a["mean"] < 0 < d_tp["mean"]:  # both over the same seeds
