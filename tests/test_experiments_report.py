@@ -318,3 +318,11 @@ def test_collect_pairs_only_values_that_exist(local_grid, tmp_path):
     assert gain["multi_hop"]["n"] == 0 and gain["macro"]["n"] == 2
     res["audit"]["crossfit"]["last_by_seed"][1].update(A=None, T_P=None, F=None)
     readings(res)  # one seed left to pair: no reading of the pattern, and no crash
+
+
+def test_the_base_row_covers_every_seed_any_treatment_completed(local_grid):
+    from selfevo.report.collect import collect_runs
+
+    root, _, _ = local_grid
+    res = collect_runs([root / "coupled-s0", root / "crossfit-s0", root / "crossfit-s1"])  # coupled-s1 failed
+    assert res["base"]["macro"]["n"] == 2

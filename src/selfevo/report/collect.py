@@ -59,9 +59,10 @@ def collect_runs(run_dirs: Sequence[str | os.PathLike]) -> dict:
 
     out: dict = {"treatments": treatments, "seeds": seeds, "downstream": {}, "audit": {}, "compute": {},
                  "excluded": excluded}
-    # the untrained base model (round-0 evaluation; identical across treatments of a seed)
-    any_t = treatments[0]
-    base_rows = [_eval_row(read_object(runs[any_t][s].eval_path(0))) for s in sorted(runs[any_t])]
+    # the untrained base model (round-0 evaluation; identical across treatments of a seed): every
+    # seed any treatment completed, not only the first treatment's
+    base_rows = [_eval_row(read_object(next(runs[t][s] for t in treatments if s in runs[t]).eval_path(0)))
+                 for s in seeds]
     out["base"] = {c: summary([r.get(c) for r in base_rows]) for c in columns}
     coupled = {s: last_eval(r) for s, r in runs.get("coupled", {}).items()}
     for t in treatments:
