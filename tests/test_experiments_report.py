@@ -210,6 +210,7 @@ def test_every_table_formats_numbers_and_missing_numbers_alike():
 
     assert (num(0.12345), num(-0.5, "+.3f"), num(0.255, "+.0%"), num(None)) == ("0.123", "-0.500", "+26%", DASH)
     assert mean_std_text({"mean": 0.5, "std": 0.01}) == "0.500 ± 0.010"
+    assert mean_std_text({"mean": 0.5, "std": 0.0, "n": 1}) == f"0.500 ± {DASH}"  # one seed: no spread
     assert mean_std_text({"mean": None, "std": None}) == mean_std_text(None) == DASH
 
 

@@ -11,7 +11,9 @@ def num(x: float | None, spec: str = ".3f") -> str:
 
 
 def mean_std_text(cell: dict | None, spec: str = ".3f") -> str:
-    """A summary over seeds (`algos.summary`'s mean and std) as "mean ± std", or the dash."""
+    """A summary over seeds (`algos.summary`'s mean and std) as "mean ± std", or the dash; one seed
+    has no spread to show (its std of 0.0 would read as seeds that agree)."""
     if not cell or cell.get("mean") is None:
         return DASH
-    return f"{format(cell['mean'], spec)} ± {format(cell['std'], spec)}"
+    std = DASH if cell.get("n") == 1 or cell.get("std") is None else format(cell["std"], spec)
+    return f"{format(cell['mean'], spec)} ± {std}"
