@@ -11,7 +11,6 @@ import json
 import os
 import time
 from dataclasses import dataclass, field
-from itertools import product
 from pathlib import Path
 
 from rich.console import Console
@@ -189,11 +188,11 @@ def run_demo(plan: DemoPlan, out: str | os.PathLike, console: Console | None = N
         console.print(f"[red]job {escape(res['job'])} failed:[/red] {escape(res['error'])}")
     # this plan's runs only: a run directory below `out` from an earlier plan is not this demo's
     runs = [r["run"] for r in results if RunDir(r["run"]).exists()]
-    cell = {job.name: (t, s) for job, (t, s) in zip(jobs, product(plan.treatments, seeds), strict=True)}
-    never = [{"run": r["run"], "treatment": cell[r["job"]][0], "seed": cell[r["job"]][1],
+    job = {j.name: j for j in jobs}
+    never = [{"run": r["run"], "treatment": job[r["job"]].treatment, "seed": job[r["job"]].seed,
               "why": f"the job failed before it wrote a run directory: {r['error']}"}
              for r in failed if r["run"] not in runs]
-    coupled = [r["run"] for r in results if r["job"].startswith("coupled-") and r["status"] != "failed"]
+    coupled = [r["run"] for r in results if job[r["job"]].treatment == "coupled" and r["status"] != "failed"]
     replay = bool(plan.replay_conditions and coupled)
     if replay:
         console.print(f"fixed replay bank: up to {plan.replay_size} questions from the coupled runs' rounds 2-3, "

@@ -23,12 +23,14 @@ class Job:
     name: str
     overrides: tuple[str, ...]  # `--set`-style config overrides, e.g. ("treatment=crossfit", "seed=0")
     out: str  # its run directory
+    treatment: str | None = None  # the grid cell it runs (grid() sets both)
+    seed: int | None = None
 
 
 def grid(treatments: Sequence[str], seeds: Sequence[int], root: str | os.PathLike,
          common: Sequence[str] = ()) -> list[Job]:
     root = Path(root)
-    return [Job(f"{t}-s{s}", (*common, f"treatment={t}", f"seed={s}"), str(root / f"{t}-s{s}"))
+    return [Job(f"{t}-s{s}", (*common, f"treatment={t}", f"seed={s}"), str(root / f"{t}-s{s}"), t, s)
             for t in treatments for s in seeds]
 
 
