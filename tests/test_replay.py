@@ -23,6 +23,7 @@ from selfevo.replay import (
     ReplaySettings,
     build_bank,
     parse_conditions,
+    results_markdown,
     run_replay,
     write_results,
 )
@@ -426,3 +427,11 @@ def test_a_bank_from_msv_runs_is_graded_against_its_adopted_labels(tmp_path):
     assert any(it.label != it.draft_label for it in bank.items)
     res = run_replay(bank, ["coupled"], seeds=1, settings=FAST)
     assert res["invariants"]["labels_sha256"] == replay._labels_digest((it.item_id, it.label) for it in bank.items)
+
+
+def test_a_one_seed_study_shows_no_spread_rather_than_a_spread_of_zero(bank):
+    # one seed has no std to show: "± 0.000" would read as seeds that agree
+    one = run_replay(bank, ["coupled"], seeds=1, settings=FAST, workers=1)
+    text = results_markdown(one)
+    assert "± –" in text and "± 0.000" not in text
+    assert "± –" not in results_markdown(run_replay(bank, ["coupled"], seeds=2, settings=FAST, workers=1))
