@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -327,3 +328,27 @@ def test_the_base_row_covers_every_seed_any_treatment_completed(local_grid):
     root, _, _ = local_grid
     res = collect_runs([root / "coupled-s0", root / "crossfit-s0", root / "crossfit-s1"])  # coupled-s1 failed
     assert res["base"]["macro"]["n"] == 2
+
+
+def test_a_grid_refuses_two_jobs_on_one_run_directory(tmp_path):
+    # both would write the same run directory at once; results keyed by name would drop one
+    with pytest.raises(ValueError, match="two jobs share the name 'coupled-s0'"):
+        run_grid(grid(["coupled", "crossfit", "coupled"], [0], tmp_path, ONE_ROUND), "local", workers=1)
+    with pytest.raises(ValueError, match="two jobs share the name 'coupled-s1'"):
+        run_grid(grid(["coupled"], [1, 1], tmp_path, ONE_ROUND), "local", workers=1)
+    a, b = grid(["coupled", "crossfit"], [0], tmp_path, ONE_ROUND)
+    with pytest.raises(ValueError, match="two jobs share the run directory"):
+        run_grid([a, replace(b, out=a.out + "/")], "local", workers=1)
+    assert not any(tmp_path.iterdir())  # refused before any job ran
+
+
+def test_a_report_leaves_no_figure_of_an_earlier_report_behind(local_grid, tmp_path):
+    import shutil
+
+    root = tmp_path / "grid"
+    shutil.copytree(local_grid[0], root)
+    build_report(root)
+    assert len(list((root / "figures").glob("figure-*.png"))) == 3  # steps, rounds, cost
+    build_report(root, runs=[root / "crossfit-s0", root / "crossfit-s1"])  # no coupled: rounds only
+    assert sorted(p.name for p in (root / "figures").iterdir()) == ["figure-1.png"]
+    assert "figures/figure-1.png" in (root / "report.md").read_text()

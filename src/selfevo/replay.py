@@ -807,7 +807,8 @@ def results_table(results: dict):
     for _, title in _COLUMNS:
         table.add_column(title, justify="right")
     for name, entry in _rows(results):
-        table.add_row(name, *[condition_cell(entry, k) for k, _ in _COLUMNS], style="dim" if name == _BASE_ROW else None)
+        table.add_row(name, *[condition_cell(entry, k) for k, _ in _COLUMNS],
+                      style="dim" if name == _BASE_ROW else None)
     return table
 
 

@@ -54,6 +54,9 @@ def build_report(root: str | os.PathLike, context: str = "", runs: Sequence[str 
         with atomic_writer(path, "wb") as fh:
             fh.write(png)
         paths[caption] = f"figures/{path.name}"
+    for old in (root / "figures").glob("figure-*.png"):  # a previous report's extra figure would
+        if f"figures/{old.name}" not in paths.values():  # sit beside this one as if it were its own
+            old.unlink()
     with atomic_writer(root / "results.json") as fh:
         fh.write(text)
     with atomic_writer(root / "report.md") as fh:
