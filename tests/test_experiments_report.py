@@ -84,12 +84,21 @@ def test_ray_matches_local(local_grid, tmp_path):
     ray = pytest.importorskip("ray")
     root, _, _ = local_grid
     jobs = grid(["coupled", "crossfit"], [0, 1], tmp_path, SMALL)
+
+    class Dies(tuple):  # a local class: Ray ships it to the worker by value, where reading it kills
+        def __iter__(self):  # the worker as an OOM kill or a segfault would
+            import signal
+
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    dies = Job("dies", Dies(SMALL), str(tmp_path.parent / f"{tmp_path.name}-dies"))
     try:
-        results = run_grid(jobs, "ray")
+        results = run_grid([*jobs, dies], "ray")
     finally:
         ray.shutdown()
-    assert [r["status"] for r in results] == ["ok"] * 4
-    assert _tables(tmp_path) == _tables(root)
+    assert [r["status"] for r in results] == ["ok"] * 4 + ["failed"]  # Ray retried it, then gave up
+    assert "worker process died" in results[-1]["error"]
+    assert _tables(tmp_path) == _tables(root)  # the death changed nothing in the other jobs
 
 
 def test_report_from_a_grid(local_grid):
