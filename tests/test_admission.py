@@ -65,3 +65,20 @@ def test_msv_admits_matching_majorities_and_adopts_them():
 def test_admit_all_keeps_the_draft():
     d = AdmitAll().decide([_proposal("q", "draft")], tool=None, seed=0)
     assert [(x.admitted, x.label) for x in d] == [(True, "draft")]
+
+
+@pytest.mark.parametrize("samples, with_src, without, want", [
+    (3, ["Paris", "paris", "Rome"], ["Paris", "x", "PARIS"], (True, "Paris")),  # the paper's 2 of 3
+    # 2 of 5 is no majority: two answers tie and the sample order would pick the label
+    (5, ["Paris", "Paris", "Rome", "Rome", "Lyon"], ["Paris", "Paris", "Rome", "Rome", "Nice"], (False, "draft")),
+    (5, ["Rome", "Rome", "Paris", "Paris", "Lyon"], ["Rome", "Paris", "Paris", "Rome", "Nice"], (False, "draft")),
+    (5, ["Rome", "Rome", "Rome", "Paris", "Lyon"], ["Rome", "Paris", "Rome", "Rome", "Nice"], (True, "Rome")),
+    (1, ["Paris"], ["paris"], (True, "Paris")),  # one sample a side: it is the majority
+    (1, ["Paris"], ["Rome"], (False, "draft")),
+])
+def test_msv_majority_is_a_strict_majority_of_its_samples(samples, with_src, without, want):
+    fake = _Fake({("q", True): with_src, ("q", False): without})
+    msv = MSV({"d1": Document("d1", "T", "text")}, samples=samples)
+    msv.begin_round(1, fake)
+    d = msv.decide([_proposal("q", "draft")], tool=None, seed=0)[0]
+    assert (d.admitted, d.label) == want

@@ -627,3 +627,51 @@ def test_messages_digest_is_what_the_server_counts():
     msgs = [{"role": "user", "content": "a"}]
     model.generate(msgs)
     assert model.served[messages_digest(msgs)] == 1
+
+
+def test_judgements_follow_the_items_not_the_calls_finishing_order():
+    """judgements.jsonl is the same file whatever order the concurrent calls finish in."""
+    import time
+
+    items = [{"question": f"Where is thing {i}?", "adopted_label": f"Town{i}", "responses": [f"Town{i}"] * 5,
+              "sources": [{"id": f"d{i}", "text": f"Thing {i} is a thing. It stands in the town of Town{i}."}]}
+             for i in range(6)]
+
+    def rows(delays):
+        judge = LLMJudge("http://127.0.0.1:9/v1", "judge", concurrency=6)
+
+        def complete(messages):  # the reference call only: every answer equals the reference
+            i = int(messages[-1]["content"].split("QUESTION: Where is thing ")[1].split("?")[0])
+            time.sleep(delays[i])
+            return json.dumps({"reference": f"Town{i}", "quote": f"It stands in the town of Town{i}."})
+
+        judge.client.complete = complete
+        with judge:
+            assert all(v.resolved for v in judge.judge(items))
+            return judge.judgements()
+
+    first, last = rows([0.0, 0.04, 0.08, 0.12, 0.16, 0.2]), rows([0.2, 0.16, 0.12, 0.08, 0.04, 0.0])
+    assert [r["question"] for r in first] == [it["question"] for it in items]
+    assert first == last
+
+
+def test_gold_judge_ignores_gold_answers_that_normalize_to_nothing():
+    """"The The" (a band), "-" or "the" normalize to nothing: no answer can match them (Cover-EM
+    drops such aliases), so they must not resolve an item as all-incorrect."""
+    items = [{"question": "Which band recorded Soul Mining?", "adopted_label": "The The", "responses": ["The The"] * 5,
+              "gold_answers": ["The The", "-"]},
+             {"question": "q", "adopted_label": "Paris", "responses": ["Rome", "Paris"],
+              "gold_answers": ["the", "Paris"]}]
+    first, second = GoldJudge().judge(items)
+    assert (first.resolved, first.label_correct) == (False, None)
+    assert (second.resolved, second.label_correct, second.responses_correct) == (True, True, (False, True))
+
+
+@pytest.mark.parametrize("question", ["Where does Mount Ebor rise?", "Where does  Mount Ebor rise? ",
+                                      "Where does\nMount Ebor rise?"])
+def test_scripted_judge_finds_a_question_whatever_its_whitespace(question):
+    """The prompt collapses the question's whitespace; the answer key is keyed by the raw question."""
+    src = [("d1", "Mount Ebor is a mountain. It rises above the town of Kelda.")]
+    key = {question: {"reference": "Kelda", "quote": "It rises above the town of Kelda."}}
+    reply = json.loads(ScriptedJudge(key)(reference_messages(question, src)))
+    assert reply == {"reference": "Kelda", "quote": "It rises above the town of Kelda."}

@@ -369,3 +369,26 @@ def test_connected_folds_keep_each_link_cluster_whole_and_balance_the_folds():
     f = {c: next(iter(v)) for c, v in by_cluster.items()}
     assert f["a"] != f["b"] and f["c"] == f["b"] and f["d"] == f["a"]
     assert sorted(list(fa.folds.values()).count(j) for j in (0, 1)) == [5, 5]
+
+
+def test_a_fallback_grading_is_recorded_as_the_engine_integrations_record_it(tmp_path):
+    """crossfit-connected: a round>=2 question whose pages touch every fold is graded by the
+    fallback rule (`other_fold`), and its record says so, as engine-run's do
+    (tests/test_integrations.py: `routing == {"fallback": True, "touched": [0, 1]}`)."""
+    cfg = load_config(None, [*SCALED, "treatment=crossfit-connected"])
+    evolve(cfg, tmp_path / "run", progress=False, audit=False)
+    items = [(row["round"], it) for row in RunDir(tmp_path / "run").steps() if row["kind"] == "proposer"
+             for it in row["items"]]
+    both = [it for r, it in items if r >= 2 and set(it["source_folds"]) == {0, 1}]
+    assert both
+    assert all(it["routing"] == {"fallback": True, "touched": [0, 1]} for it in both)
+    assert all(it["grader"]["id"] == f"aux-{1 - it['fold']}@r{r - 1}" for r, it in items
+               if r >= 2 and "routing" in it)
+    assert not any("routing" in it for r, it in items if r == 1 or set(it["source_folds"]) != {0, 1})
+
+
+def test_one_grader_sample_is_refused_as_the_frontier_reward_pays_nothing():
+    """f(k) = (n-k)/(n-1) for 0 < k < n: with n = 1 every proposal's reward would be 0."""
+    with pytest.raises(ValueError, match="loop.grader_samples: the frontier reward needs at least 2"):
+        LoopConfig(grader_samples=1)
+    assert LoopConfig(grader_samples=2).grader_samples == 2

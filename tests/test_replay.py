@@ -435,3 +435,22 @@ def test_a_one_seed_study_shows_no_spread_rather_than_a_spread_of_zero(bank):
     text = results_markdown(one)
     assert "± –" in text and "± 0.000" not in text
     assert "± –" not in results_markdown(run_replay(bank, ["coupled"], seeds=2, settings=FAST, workers=1))
+
+
+def test_a_judge_given_to_an_earlier_study_does_not_grade_a_later_pool_study(bank):
+    """Fork workers inherit the process's cached replay context: a judge given to an earlier
+    in-process study must not grade a later study that names none (and reports 'oracle')."""
+    from selfevo.audit import Verdict
+
+    class Nothing:
+        name = "nothing"
+
+        def judge(self, items):
+            return [Verdict(False, reason="resolves nothing") for _ in items]
+
+    before = run_replay(bank, ["coupled"], seeds=1, settings=FAST, workers=2)
+    assert run_replay(bank, ["coupled"], seeds=1, settings=FAST, workers=1, judge=Nothing())["judge"] == "nothing"
+    after = run_replay(bank, ["coupled"], seeds=1, settings=FAST, workers=2)
+    assert after["judge"] == "oracle"
+    assert after["conditions"]["coupled"]["coverage"]["mean"] == before["conditions"]["coupled"]["coverage"]["mean"] > 0
+    assert after["conditions"]["coupled"]["F"] == before["conditions"]["coupled"]["F"]

@@ -427,7 +427,11 @@ def _set_context(bank: Bank, settings: ReplaySettings) -> _Context:
     if _CONTEXT is None or _CONTEXT[0] != key:
         _CONTEXT = None  # the old one's model goes before the new one loads
         _CONTEXT = (key, _Context(bank, settings))
-    return _CONTEXT[1]
+    ctx = _CONTEXT[1]
+    # a judge an earlier study of this process gave (_InProcess) is not this study's: a fork pool's
+    # workers inherit this context and grade with the oracle, as results.json says they do
+    ctx.judge = ctx.oracle
+    return ctx
 
 
 def _init_worker(bank_json: dict, settings: ReplaySettings) -> None:

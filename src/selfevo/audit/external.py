@@ -19,7 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, StringConstraints, Validation
 
 from selfevo.audit.judges import Verdict
 from selfevo.corpus import DataError, iter_json_lines
-from selfevo.evaluate import answers_match
+from selfevo.evaluate import answers_match, normalize_answer
 
 NonEmpty = Annotated[str, StringConstraints(min_length=1)]
 
@@ -67,7 +67,9 @@ class GoldJudge:
     def judge(self, items: Sequence[dict]) -> list[Verdict]:
         out = []
         for it in items:
-            gold = [g for g in (it.get("gold_answers") or []) if g and g.strip()]
+            # an alias that normalizes to nothing ("The The", "-") matches no answer under the matcher
+            # (as Cover-EM drops it): it is no gold answer, so it cannot resolve the item
+            gold = [g for g in (it.get("gold_answers") or []) if normalize_answer(g or "")]
             if not gold:
                 out.append(Verdict(False, reason="no gold answers"))
                 continue

@@ -502,12 +502,16 @@ class LLMJudge:
         bar = Progress(TextColumn(f"judging ({self.name})"), BarColumn(), MofNCompleteColumn(),
                        TimeRemainingColumn(), disable=not self.progress, transient=False)
         pool = ThreadPoolExecutor(max_workers=self.concurrency, thread_name_prefix="judge")
+        done: dict[str, tuple[Verdict, dict]] = {}
         try:
             with bar:
                 task = bar.add_task("judge", total=len(todo))
                 futures = {pool.submit(self._safe_one, it): k for k, it in todo.items()}
                 for fut in as_completed(futures):
-                    self._results[futures[fut]] = fut.result()  # JudgeError propagates: stop
+                    done[futures[fut]] = fut.result()  # JudgeError propagates: stop
                     bar.advance(task)
         finally:
             pool.shutdown(wait=True, cancel_futures=True)
+            # in the items' order, not the calls' finishing order: judgements.jsonl and the
+            # summary's reasons must not depend on thread timing
+            self._results.update((k, done[k]) for k in todo if k in done)

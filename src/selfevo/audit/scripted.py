@@ -46,7 +46,9 @@ class ScriptedJudge:
     """The script: chat messages -> reply text (see the module docstring)."""
 
     def __init__(self, key: Mapping[str, Mapping[str, Any]], obey_injections: bool = False):
-        self.key, self.obey = dict(key), obey_injections
+        # the prompts carry the question whitespace-collapsed (llm_judge.reference_messages): so do the keys
+        self.key = {" ".join(q.split()): v for q, v in key.items()}
+        self.obey = obey_injections
 
     def __call__(self, messages: Sequence[Mapping[str, str]]) -> str:
         user = next(m["content"] for m in messages if m["role"] == "user")  # the first: corrections come later

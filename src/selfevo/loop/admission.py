@@ -66,6 +66,9 @@ class MSV:
 
     def __init__(self, documents: Mapping[str, Document], samples: int = 3):
         self.documents, self.samples = documents, samples
+        # paper: 2 of 3; in general a strict majority of the samples (1 of 1, 2 of 2, 3 of 5...),
+        # so at most one answer qualifies and the sample order cannot pick the label
+        self.min_count = samples // 2 + 1
         self.generations_per_candidate = 2 * samples  # paper: 6 extra generations a candidate
         self.model: Solver | None = None
 
@@ -83,7 +86,7 @@ class MSV:
         out = []
         for p, ws, wo in zip(proposals, with_src, without, strict=True):
             a, b = [t.answer for t in ws], [t.answer for t in wo]
-            ma, mb = majority(a), majority(b)
+            ma, mb = majority(a, self.min_count), majority(b, self.min_count)
             ok = ma is not None and mb is not None and answers_match(ma, mb)
             detail = {"with_source": a, "without_source": b, "majority_with": ma, "majority_without": mb}
             out.append(Decision(ok, ma if ok else p.draft_label, detail))

@@ -134,12 +134,12 @@ class Loop:
                                    tuple(sorted(self.folds.lineage(p.source_ids))), d, st.round, st.step))
         # grade: each question by the grader its lineage allows (the feedback rule)
         by_grader: dict[int, list[int]] = {}
-        graders = {}
+        graders, routes = {}, {}
         for i, c in enumerate(cands):
             if c.proposal.format_error is not None:
                 continue
             g = self.feedback.grader_for(c)
-            graders[i] = g
+            graders[i], routes[i] = g, self.feedback.routing(c)
             by_grader.setdefault(id(g), []).append(i)
         responses: dict[int, list[str]] = {}
         for idx in sorted(by_grader.values(), key=lambda v: v[0]):
@@ -165,7 +165,7 @@ class Loop:
             k = sum(answers_match(z, c.proposal.draft_label) for z in responses[i])
             r = frontier_reward(k, cfg.grader_samples)
             rewards.append(r)
-            items.append(self._item_record(c, responses[i], k, r, lineage_of(graders[i])))
+            items.append(self._item_record(c, responses[i], k, r, lineage_of(graders[i]), routes[i]))
         stats = self.proposer.update([c.proposal for c in cands], rewards)
         self.compute.add("updates", "proposer", 1)
         self._timed("proposer_update", t)
@@ -194,12 +194,15 @@ class Loop:
 
     # ---------------------------------------------------------------- records
     @staticmethod
-    def _item_record(c: Candidate, responses: list[str], k: int, reward: float, grader: dict) -> dict:
+    def _item_record(c: Candidate, responses: list[str], k: int, reward: float, grader: dict,
+                     routing: dict | None = None) -> dict:
         p = c.proposal
+        # `routing` before `admission`, in the order the engine integrations write them
         return item_record(item_id=c.item_id, source_id=p.source_id, source_ids=p.source_ids, fold=c.fold,
                            source_folds=c.source_folds, hops=p.hops, question=p.question,
                            draft_label=p.draft_label, adopted_label=c.label, admitted=c.decision.admitted,
                            responses=responses, k=k, reward=reward, grader=grader,
+                           **({"routing": routing} if routing else {}),
                            **({"admission": c.decision.detail} if c.decision.detail else {}))
 
     @staticmethod

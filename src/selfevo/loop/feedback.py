@@ -106,6 +106,10 @@ class Feedback(Protocol):
         """The frozen solver that grades this item (a `loop.engine.Candidate`)."""
         ...
 
+    def routing(self, item) -> dict | None:
+        """The record's `routing` field for this item (a fallback grader), or None."""
+        ...
+
     def end_round(self, round: int, admitted: Sequence, tool, seed: int, last: bool) -> dict:
         """Train whatever the rule trains besides the main solver (aux solvers)."""
         ...
@@ -133,6 +137,9 @@ class CoupledFeedback:
     def grader_for(self, item) -> Solver:
         assert self.grader is not None, "begin_round first"
         return self.grader
+
+    def routing(self, item) -> dict | None:
+        return None
 
     def end_round(self, round: int, admitted: Sequence, tool, seed: int, last: bool) -> dict:
         return {}
@@ -189,11 +196,22 @@ class AuxFeedback:
         self.graders = [a.snapshot(name=f"{a.name}@r{round - 1}") for a in self.aux]
         self._round = round
 
+    def _route(self, item) -> tuple[int, set[int], bool]:
+        """(grader index, folds the question touched, fallback) from round 2 on."""
+        touched = self._item_folds(item)
+        j, fallback = grader_index(self.grades, item.fold, touched, self.folds.k)
+        return j, touched, fallback
+
     def grader_for(self, item) -> Solver:
+        return self.base if self._round == 1 else self.graders[self._route(item)[0]]
+
+    def routing(self, item) -> dict | None:
+        """`{"fallback": True, "touched": [...]}` when the question touched every fold and the
+        fallback grader graded it (as the engine integrations record it); else None."""
         if self._round == 1:
-            return self.base
-        j, _ = grader_index(self.grades, item.fold, self._item_folds(item), self.folds.k)
-        return self.graders[j]
+            return None
+        _, touched, fallback = self._route(item)
+        return {"fallback": True, "touched": sorted(touched)} if fallback else None
 
     # ---------------------------------------------------------------- training
     def end_round(self, round: int, admitted: Sequence, tool, seed: int, last: bool) -> dict:

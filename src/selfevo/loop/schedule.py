@@ -27,6 +27,10 @@ class LoopConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"loop.{name}: must be a positive integer, got {value!r}")
+        if self.grader_samples < 2:
+            # f(k) = (n-k)/(n-1) pays only 0 < k < n: with one sample no k qualifies, every reward is 0
+            raise ValueError(f"loop.grader_samples: the frontier reward needs at least 2 grader samples, "
+                             f"got {self.grader_samples}")
 
     @property
     def proposals_per_step(self) -> int:
