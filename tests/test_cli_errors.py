@@ -153,3 +153,78 @@ def test_a_model_on_the_sim_backend_is_refused(tmp_path):
     """The sim learners would ignore --model without a word."""
     out = _usage_error(["evolve", "--world", "small", "--model", "smollm2-135m", "--out", str(tmp_path / "r")])
     assert "needs the lm backend" in out and not (tmp_path / "r").exists()
+
+
+# a world directory fixes its parameters when made (its world.json); a run asking for others would
+# record them in config.json and run with the directory's
+@pytest.fixture(scope="module")
+def world_dir(tmp_path_factory):
+    from selfevo.world import WorldConfig, make_world, save_world
+
+    path = tmp_path_factory.mktemp("w") / "world"
+    save_world(make_world(WorldConfig(size="small", seed=0, confusable_rate=0.6, shared_misreading=0.1)), path)
+    return path
+
+
+ONE_ROUND = ["--set", "loop.rounds=1", "--set", "loop.proposer_steps=2", "--set", "loop.solver_steps=2",
+             "--set", "loop.admit_per_round=20", "--set", "loop.source_docs=40", "--no-audit"]
+
+
+@pytest.mark.parametrize("field, value", [("shared_misreading", "0.9"), ("confusable_rate", "0.0"),
+                                          ("value_skew", "3.0")])
+def test_a_world_directory_refuses_parameters_it_was_not_made_with(tmp_path, world_dir, field, value):
+    out = _usage_error(["evolve", "--world", str(world_dir), "--out", str(tmp_path / "run"), *ONE_ROUND,
+                        "--set", f"world.{field}={value}"])
+    assert f"world.{field}" in out
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_world_directory_accepts_the_parameters_it_was_made_with(tmp_path, world_dir):
+    res = runner.invoke(app, ["evolve", "--world", str(world_dir), "--out", str(tmp_path / "run"), *ONE_ROUND,
+                              "--set", "world.shared_misreading=0.1"])
+    assert res.exit_code == 0, (res.output, res.exception)
+
+
+def test_a_mistyped_world_is_named_as_not_a_world_directory(tmp_path):
+    from selfevo.world import WorldError, world_fingerprint
+
+    out = _usage_error(["evolve", "--world", str(tmp_path / "smal"), "--out", str(tmp_path / "run")])
+    assert "not a world directory" in out and "corpus.jsonl" not in out
+    assert not (tmp_path / "run").exists()
+    with pytest.raises(WorldError, match="not a world directory"):
+        world_fingerprint(tmp_path)
+
+
+def test_qa_dir_without_a_corpus_is_an_error_naming_it(tmp_path):
+    # a world run is evaluated on the world's benchmarks: the QA directory would be recorded and ignored
+    with pytest.raises(ConfigError, match=r"^data\.qa_dir: "):
+        load_config(None, [f'data.qa_dir="{tmp_path}"'])
+    out = _usage_error(["evolve", "--world", "small", "--qa-dir", str(tmp_path), "--out", str(tmp_path / "run")])
+    assert "data.qa_dir" in out
+    assert not (tmp_path / "run").exists()
+    cfg = load_config(None, ['backend="lm"', f'data.corpus="{tmp_path}/c.jsonl"', f'data.qa_dir="{tmp_path}"'])
+    assert cfg.data.qa_dir == str(tmp_path)
+
+
+def test_a_corpus_rewritten_in_the_same_process_is_read_again(tmp_path):
+    # the process keeps one corpus and its index (a grid worker, a notebook); a rewrite must not be served stale
+    import json
+
+    from selfevo.evolve import environment
+
+    (tmp_path / "qa").mkdir()
+    (tmp_path / "qa" / "nq.jsonl").write_text(json.dumps(
+        {"id": "nq-0", "question": "q?", "golden_answers": ["a"], "metadata": {"benchmark": "nq", "hop": "single"}})
+        + "\n")
+    corpus = tmp_path / "corpus.jsonl"
+
+    def write(n):
+        corpus.write_text("".join(json.dumps({"id": str(i), "contents": f"Page {i}\ntext number {i}"}) + "\n"
+                                  for i in range(n)))
+
+    cfg = load_config(None, ['backend="lm"', f'data.corpus="{corpus}"', f'data.qa_dir="{tmp_path / "qa"}"'])
+    write(2)
+    assert len(environment(cfg).documents) == 2
+    assert environment(cfg).documents is environment(cfg).documents  # an unchanged file stays cached
+    write(5)
+    assert len(environment(cfg).documents) == 5

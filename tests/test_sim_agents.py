@@ -136,7 +136,8 @@ def test_memory_generalises_a_wrong_label_to_other_phrasings(env, wrong_candidat
     for memory in (True, False):
         solver = make_solver(memory=memory)
         before = (_label_prob(solver, rephrased, wrong, tool), _label_prob(solver, two_hop, wrong, tool, hop=0))
-        assert _train_on_wrong_label(solver, trained_on, wrong, tool) >= 2
+        # >= 1: with memory, one update can already make the label certain (no signal after it)
+        assert _train_on_wrong_label(solver, trained_on, wrong, tool) >= 1
         after = (_label_prob(solver, rephrased, wrong, tool), _label_prob(solver, two_hop, wrong, tool, hop=0))
         deltas[memory] = (after[0] - before[0], after[1] - before[1])
 

@@ -290,3 +290,18 @@ def test_a_world_directory_rewritten_in_the_same_process_is_read_again(tmp_path)
     save_world(make_world(WorldConfig(size="small", seed=2)), path)
     again = world_and_index(cfg)[0]
     assert again is not first and again.documents == load_world(path).documents != first.documents
+
+
+def test_the_world_parameters_have_one_default_everywhere():
+    # `selfevo world make`, a run's [world] table and make_world() in Python build the same world
+    import dataclasses
+    import inspect
+
+    from selfevo.cli import world_make
+    from selfevo.config import WorldSpec
+
+    options = inspect.signature(world_make).parameters
+    spec = {f.name: f.default for f in dataclasses.fields(WorldSpec)}
+    for f in dataclasses.fields(WorldConfig):
+        if f.name != "size":
+            assert options[f.name].default.default == spec[f.name] == f.default, f.name

@@ -54,10 +54,10 @@ def with_absolute_paths(config: dict) -> dict:
 @dataclass(frozen=True)
 class WorldSpec:
     name: str = "default"  # "small" | "default" | a world directory
-    seed: int = 0
-    confusable_rate: float = 0.6
-    shared_misreading: float = 0.1
-    value_skew: float = 1.0
+    seed: int = 0  # the world parameters' defaults are the generator's (one home)
+    confusable_rate: float = WorldConfig.confusable_rate
+    shared_misreading: float = WorldConfig.shared_misreading
+    value_skew: float = WorldConfig.value_skew
 
     def __post_init__(self):
         if not self.name.strip():
@@ -98,6 +98,9 @@ class DataSpec:
             raise ValueError(f"data.eval_limit: must be >= 0, got {self.eval_limit}")
         if self.corpus and not self.qa_dir:
             raise ValueError("data.corpus: needs data.qa_dir as well (the benchmarks to evaluate on)")
+        if self.qa_dir and not self.corpus:  # a world run is evaluated on its world's benchmarks only
+            raise ValueError("data.qa_dir: only with data.corpus (a run on the synthetic world is evaluated on "
+                             "the world's own seven benchmarks)")
         for name in ("corpus", "qa_dir"):
             if getattr(self, name):
                 object.__setattr__(self, name, absolute(getattr(self, name)))

@@ -18,7 +18,7 @@ from pathlib import Path
 from selfevo._io import write_json
 from selfevo.agents.sim import Reader, SimProposer, SimSolver
 from selfevo.audit import OracleJudge, audit_run
-from selfevo.config import ConfigError, RunConfig
+from selfevo.config import ConfigError, RunConfig, WorldSpec
 from selfevo.corpus import read_corpus, read_qa_dir
 from selfevo.evaluate import evaluate_solver
 from selfevo.loop.admission import MSV, AdmitAll
@@ -95,7 +95,18 @@ class Environment:
         return None if self.world is None else self.world.truth
 
 
-_CORPORA: dict[str, tuple[list, BM25Index]] = {}
+_CORPORA: dict[tuple, tuple[list, BM25Index]] = {}
+
+
+def _file_key(path: str) -> tuple:
+    """A corpus file as a cache key: its path and what a rewrite changes (size, mtime, inode), so a file
+    rewritten while a process runs is read again, never served stale (hashing wiki-18 would take minutes)."""
+    p = Path(path).resolve()
+    try:
+        st = p.stat()
+    except OSError:  # missing: read_corpus names it
+        return (str(p),)
+    return (str(p), st.st_size, st.st_mtime_ns, st.st_ino)
 
 
 def environment(cfg: RunConfig, benchmarks: bool = True) -> Environment:
@@ -104,7 +115,7 @@ def environment(cfg: RunConfig, benchmarks: bool = True) -> Environment:
     if not cfg.data.corpus:
         world, index = world_and_index(cfg)
         return Environment(list(world.documents), index, world.benchmarks, world)
-    key = str(Path(cfg.data.corpus).resolve())
+    key = _file_key(cfg.data.corpus)
     if key not in _CORPORA:
         docs = read_corpus(cfg.data.corpus)
         _CORPORA.clear()  # a real corpus is large: keep one
@@ -154,6 +165,21 @@ def world_sha256(cfg: RunConfig) -> str | None:
     return world_fingerprint(cfg.world.name)
 
 
+def check_world_params(cfg: RunConfig, world: World | None) -> None:
+    """A world directory's parameters were fixed when it was made (its world.json); a run config that
+    asks for other values would be recorded in config.json but not used. Refuse it, naming the field.
+    (world.seed is documented as ignored for a world directory.)"""
+    if world is None or cfg.data.corpus or cfg.world.name in SIZES:
+        return
+    default = WorldSpec()
+    for name in ("confusable_rate", "shared_misreading", "value_skew"):
+        asked, made = getattr(cfg.world, name), getattr(world.config, name)
+        if asked != getattr(default, name) and asked != made:
+            raise ConfigError(f"world.{name}: {asked} asked, but the world directory {cfg.world.name} was made "
+                              f"with {made} (its world.json fixes it); make a world with "
+                              f"`selfevo world make --{name.replace('_', '-')} {asked}`")
+
+
 def check_world(run: RunDir, cfg: RunConfig) -> None:
     """A run's records are judged against the truth of the world they were made on: a world
     directory rewritten since (say by another `selfevo world make`) is refused."""
@@ -180,6 +206,7 @@ def evolve(cfg: RunConfig, out: str | os.PathLike, resume: bool = False, progres
         done = run.open_for_resume(cfg.to_json(), defaults=RunConfig().to_json())
         check_world(run, cfg)
     else:
+        check_world_params(cfg, env.world)
         run.check_new()  # now, not after the model load it would waste
         done = 0
 

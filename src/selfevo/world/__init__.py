@@ -49,14 +49,18 @@ def save_world(world: World, out: str | os.PathLike) -> Path:
     return out
 
 
+def _require_world_dir(path: Path) -> None:
+    if not (path / "world.json").exists():
+        raise WorldError(f"{path}: not a world directory (no world.json); make one with `selfevo world make`"
+                         " or use --world small|default")
+
+
 def load_world(path: str | os.PathLike) -> World:
     from selfevo.world.generate import World, WorldConfig
     from selfevo.world.truth import Truth
 
     path = Path(path)
-    if not (path / "world.json").exists():
-        raise WorldError(f"{path}: not a world directory (no world.json); make one with `selfevo world make`"
-                         " or use --world small|default")
+    _require_world_dir(path)
     try:
         meta = read_json(path / "world.json")
         config = WorldConfig(**meta["config"])
@@ -70,6 +74,7 @@ def world_fingerprint(path: str | os.PathLike) -> str:
     """sha256 over a world directory's files (names and bytes): what a run made on it records, so
     that an audit or resume on a world since rewritten is refused instead of judged by other truth."""
     path = Path(path)
+    _require_world_dir(path)  # else a mistyped --world is reported as a missing corpus.jsonl
     h = hashlib.sha256()
     for f in sorted([path / "world.json", path / "truth.json", path / "corpus.jsonl", *(path / "qa").glob("*.jsonl")]):
         h.update(f.relative_to(path).as_posix().encode() + b"\0")

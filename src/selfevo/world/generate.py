@@ -37,7 +37,7 @@ class WorldConfig:
     size: str = "default"
     seed: int = 0
     # share of facts whose page also states the same relation for a related entity
-    confusable_rate: float = 0.45
+    confusable_rate: float = 0.6
     # correlation of the proposer's and the solver's page-specific misreadings (the paper's
     # "shared pretraining errors" confound); low by default so the memory ablation isolates reuse
     shared_misreading: float = 0.1
