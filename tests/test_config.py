@@ -3,6 +3,7 @@ usage errors (exit code 2, nothing half-written)."""
 
 import json
 import math
+import re
 
 import pytest
 from _shared import REPO
@@ -198,3 +199,15 @@ def test_cli_negative_world_seed_exits_2_naming_the_field(tmp_path):
     result = CliRunner().invoke(app, ["evolve", "--set", "world.seed=-1", "--out", str(out)])
     assert (result.exit_code, "world.seed" in flat(result.output)) == (2, True)
     assert not (out / "manifest.json").exists()
+
+
+@pytest.mark.parametrize("overrides, field", [
+    (["lm.lr=3e-5"], "lm.lr"),  # sim backend: no language model to train
+    (['backend="lm"', "solver.lr_theta=0.5"], "solver.lr_theta"),  # lm backend: no sim learners
+    (['backend="lm"', "proposer.lr=0.7"], "proposer.lr"),
+    (['backend="lm"', "world.shared_misreading=0.9"], "world.shared_misreading"),  # only sim readers misread
+])
+def test_a_setting_the_backend_never_reads_is_refused(overrides, field):
+    # it would be recorded in config.json and silently ignored
+    with pytest.raises(ConfigError, match=rf"^{re.escape(field)}: only the .* would ignore it"):
+        load_config(None, overrides)

@@ -124,6 +124,17 @@ class RunConfig:
             raise ValueError(f"backend: must be sim or lm, got {self.backend!r}")
         if self.backend == "sim" and self.data.corpus:
             raise ValueError("data.corpus: the sim backend runs on the synthetic world only; use backend = \"lm\"")
+        # a setting only the other backend reads would be recorded in config.json and silently ignored
+        for table in ("lm",) if self.backend == "sim" else ("solver", "proposer"):
+            default = type(getattr(self, table))()
+            for f in dataclasses.fields(default):
+                if getattr(getattr(self, table), f.name) != getattr(default, f.name):
+                    reader = "lm backend (--backend lm)" if table == "lm" else "sim backend's learners"
+                    raise ValueError(f"{table}.{f.name}: only the {reader} read it; backend {self.backend!r} "
+                                     "would ignore it")
+        if self.backend == "lm" and self.world.shared_misreading != WorldSpec.shared_misreading:
+            raise ValueError("world.shared_misreading: only the sim backend's readers read it; backend 'lm' "
+                             "would ignore it")
 
     def to_json(self) -> dict:
         return asdict(self)
