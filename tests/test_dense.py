@@ -515,3 +515,41 @@ def test_real_corpus_slice_titles_find_their_passage(encoder, tmp_path):
     assert sum(hits[0].document.title == d.title for d, hits in zip(sample, results)) >= 29
     assert sum(d.id in ids(hits) for d, hits in zip(sample, results)) >= 27
     assert results == index.retrieve([d.title for d in sample], topk=3)
+
+
+def test_a_cached_index_is_rebuilt_when_its_faiss_settings_change(encoder, tmp_path):
+    """The cache is reused only for the FAISS settings asked for now: a changed nprobe / nlist
+    (or ef_search, hnsw_m) rebuilds instead of silently searching with the old ones."""
+    docs = [Document(f"d{i}", f"Page {i}", f"Passage {i} about river {i % 5}.") for i in range(120)]
+    corpus = tmp_path / "corpus.jsonl"
+    write_corpus(corpus, docs)
+    for cls in (DenseIndex, HybridIndex):
+        d = tmp_path / cls.__name__
+        a = cls.from_corpus_file(corpus, d, encoder, index_type="ivf", nlist=3, nprobe=1)
+        again = cls.from_corpus_file(corpus, d, encoder, index_type="ivf", nlist=3, nprobe=1)
+        b = cls.from_corpus_file(corpus, d, encoder, index_type="ivf", nlist=2, nprobe=2)
+        dense = [x if cls is DenseIndex else x.dense for x in (a, again, b)]
+        assert dense[0].params == dense[1].params == {"nlist": 3, "nprobe": 1}
+        assert dense[1].build_seconds == dense[0].build_seconds  # the same settings: the cache
+        assert dense[2].params == {"nlist": 2, "nprobe": 2}
+        assert (dense[2].index.nlist, dense[2].index.nprobe) == (2, 2)
+
+
+def test_a_cache_directory_of_another_kind_is_refused_not_overwritten(tmp_path):
+    """`--index-dir` holding a dense index, asked for bm25 (or the reverse): a clear error; the
+    cache is left as it was (the rebuild used to overwrite it: BM25 manifests carry no kind)."""
+    from selfevo.search.index import get_retriever, index_kind
+
+    corpus = tmp_path / "corpus.jsonl"
+    write_corpus(corpus, [Document(f"d{i}", f"Page {i}", f"Passage {i} about river {i % 5}.") for i in range(30)])
+    dense, bm25 = tmp_path / "dense", tmp_path / "bm25"
+    get_retriever(corpus=corpus, kind="dense", cache_dir=dense)
+    get_retriever(corpus=corpus, kind="bm25", cache_dir=bm25)
+    before = {p.name: p.read_bytes() for p in dense.iterdir()}
+    with pytest.raises(ValueError, match="holds a dense index, not a bm25 one"):
+        get_retriever(corpus=corpus, kind="bm25", cache_dir=dense)
+    with pytest.raises(ValueError, match="holds a bm25 index, not a dense one"):
+        get_retriever(corpus=corpus, kind="dense", cache_dir=bm25)
+    assert {p.name: p.read_bytes() for p in dense.iterdir()} == before
+    assert index_kind(dense) == "dense" and index_kind(bm25) == "bm25"
+    assert len(get_retriever(corpus=corpus, kind="dense", cache_dir=dense)) == 30  # still the cache

@@ -28,6 +28,8 @@ from selfevo.integrations.datasets import (
 )
 from selfevo.integrations.rewards import (
     FrontierReward,
+    GradingFailed,
+    ProposalSample,
     TRLFrontierReward,
     TRLSolverReward,
     compute_score,
@@ -187,8 +189,6 @@ def test_connected_grouping_routes_by_every_page_read(tool, tmp_path):
         reward = FrontierReward(treatment="crossfit-connected", round=3, folds=FOLDS, graders=graders, tool=tool,
                                 items_path=tmp_path / "items.jsonl", remote=REMOTE)
         text = "<question> Where is Beta? </question> <answer> sea </answer>"
-        from selfevo.integrations.rewards import ProposalSample
-
         reward.score([ProposalSample(text, "d1", 1, ("d3",)), ProposalSample(text, "d1", 1, ("d0",))], step=1)
         reward.close()
     a, b = [r["item"] for r in read_staged(tmp_path / "items.jsonl")]
@@ -855,3 +855,23 @@ def test_engine_keeps_the_cuda_device_asked_for(tmp_path, monkeypatch):
     with pytest.raises(ConfigError, match="lm.device: cuda:0 asked for, but no CUDA GPU"):
         eng.EngineRun(no_gpu, tmp_path / "other", log=lambda m: None)  # at start, before any work
     assert not (tmp_path / "other").exists()
+
+
+def test_a_failed_grader_call_is_an_error_not_a_wrong_answer(tmp_path):
+    """A grader that answers the draft label every time gives k = 5 and reward 0; when some of its
+    calls fail for good, the proposal must not be paid for the outage (k = 3 -> f = 0.5): the
+    batch is an error and nothing of it is staged for admission or the audit."""
+    tool = SearchTool(BM25Index.build(DOCS[:2]), topk=2, max_calls=2)
+    folds = FoldAssignment(2, 0, "source", {"d0": 0, "d1": 1})
+    text = "<question> Where is Beta? </question> <answer> sea </answer>"
+    remote = {"concurrency": 1, "max_actions": 1, "max_tokens": 32, "max_retries": 0}
+    model = ScriptedModel(lambda m: "<answer> sea </answer>", name="main", fail_rate=0.5, seed=3)
+    with running(make_app(model)) as url:
+        reward = FrontierReward(treatment="coupled", round=1, folds=folds,
+                                graders={"main": Grader("main", url, "main")}, tool=tool,
+                                items_path=tmp_path / "items.jsonl", remote=remote)
+        with pytest.raises(GradingFailed, match="failed after retries"):
+            reward.score([ProposalSample(text, "d1", 1)], step=1)
+        reward.close()
+    assert sum(model.faults.values()) > 0  # the case: some calls did fail
+    assert not (tmp_path / "items.jsonl").exists() or read_staged(tmp_path / "items.jsonl") == []

@@ -317,3 +317,56 @@ def test_replay_of_a_language_model_run_on_a_real_corpus(lm_run, tmp_path):
     assert res["conditions"]["coupled"]["coverage"]["mean"] == res["bank"]["coverage"]
     assert res["bank"]["backend"] == "lm" and res["bank"]["corpus"] == str(CORPUS)
     assert (out / "judge-cache.jsonl").stat().st_size > 0 and (out / "replay.png").exists()
+
+
+def test_sampled_replies_that_end_early_are_not_length(smollm2_path):
+    """n > 1 samples come back padded to the longest row: a reply that ended at EOS or a stop
+    string is finish_reason "stop" with its own token count, whatever the other rows did."""
+    from selfevo.agents.lm.model import TransformersChatModel
+
+    m = TransformersChatModel(smollm2_path, threads=1)
+    msgs = [{"role": "user", "content": "Name one colour. Answer with one word."}]
+    seen_short = seen_long = False
+    for seed in range(6):
+        for c in m.generate(msgs, temperature=1.0, top_p=1.0, max_tokens=10, n=4, seed=seed, stop=["."]):
+            tokens = len(m.tokenizer(c.text, add_special_tokens=False)["input_ids"])
+            assert c.completion_tokens <= 10
+            if c.finish_reason == "length":
+                seen_long = True
+                assert c.completion_tokens == 10 and tokens >= 9  # it really ran out of budget
+            else:
+                seen_short |= c.completion_tokens < 10
+        if seen_short and seen_long:
+            break
+    assert seen_short and seen_long  # the case: early and budget-bound rows in one batch
+
+
+def test_chat_server_refuses_a_seed_torch_cannot_take(smollm2_path):
+    """'Every bad request is a 4xx, never a 500': a seed outside torch.manual_seed's range is a 422
+    (a 500 would be retried by every client as a server fault), the edges of the range work."""
+    from fastapi.testclient import TestClient
+
+    from selfevo.agents.lm.model import TransformersChatModel
+    from selfevo.agents.lm.server import make_app
+
+    client = TestClient(make_app(TransformersChatModel(smollm2_path, threads=1)), raise_server_exceptions=False)
+    body = {"messages": [{"role": "user", "content": "Say hi."}], "max_tokens": 2, "temperature": 0.8}
+    for seed in (2**64, -(2**63) - 1, 10**30):
+        assert client.post("/v1/chat/completions", json={**body, "seed": seed}).status_code == 422
+    for seed in (0, -1, 2**64 - 1, -(2**63)):
+        assert client.post("/v1/chat/completions", json={**body, "seed": seed}).status_code == 200
+
+
+def test_a_policy_file_of_another_lora_rank_is_a_clear_error(smollm2_path, tmp_path):
+    """LoRA parameter names carry no rank, so a file saved with lm.lora_r = 8 passes the name check
+    where lm.lora_r = 16: it must be the ValueError naming lm.lora_* (which `selfevo eval` reports
+    in one line), not torch's RuntimeError from copy_ (a traceback)."""
+    from selfevo.agents.lm.config import LMConfig
+    from selfevo.agents.lm.policy import LMPolicy
+
+    saver = LMPolicy(LMConfig(model=str(smollm2_path), lora_r=8, threads=1), store=tmp_path)
+    saver.new("main")
+    ref = saver.save("main")
+    loader = LMPolicy(LMConfig(model=str(smollm2_path), lora_r=16, threads=1))
+    with pytest.raises(ValueError, match=r"lm\.lora_r"):
+        loader.load_file("evaluated", tmp_path / ref["file"])

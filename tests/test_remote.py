@@ -364,3 +364,31 @@ def test_transformers_model_honours_stop():
     cut = model.generate(msgs, max_tokens=40, stop=[stop, "never-occurs-xyz"])[0]
     assert cut.text == full[:full.find(stop)] and cut.finish_reason == "stop"
     assert stop not in cut.text and cut.completion_tokens < model.generate(msgs, max_tokens=40)[0].completion_tokens
+
+
+@pytest.mark.slow
+def test_msv_with_the_source_shows_a_served_solver_what_the_loops_solver_sees(smollm2_path):
+    """MSV's "with the source" samples: engine-run's RemoteSolver (admit.py) must show the same
+    first lm.doc_tokens tokens of the source as the loop's LMSolver, not the whole document."""
+    from selfevo.agents.lm.agents import LMSolver
+    from selfevo.agents.lm.config import LMConfig
+    from selfevo.agents.lm.policy import LMPolicy
+    from selfevo.agents.remote import RemoteSolver
+    from selfevo.integrations.engine import _truncator
+    from selfevo.records import Document
+    from selfevo.search.bm25 import BM25Index
+    from selfevo.search.tool import SearchTool
+
+    doc = Document("d0", "Long page", " ".join(f"word{i}" for i in range(2000)))
+    tool, seen = SearchTool(BM25Index.build([doc])), {}
+    cfg = LMConfig(model=str(smollm2_path), threads=1)
+    policy = LMPolicy(cfg)
+    policy.generate = lambda name, convs, **kw: (seen.setdefault("loop", convs[0][-1]["content"]),
+                                                 [("<answer> x </answer>", "stop")] * len(convs))[1]
+    LMSolver(policy, "main").answer(["Q?"], tool, greedy=False, n=1, seed=0, contexts=[doc])
+    remote = RemoteSolver("http://127.0.0.1:9/v1", "main", context=_truncator(str(smollm2_path), cfg.doc_tokens))
+    remote._generate = lambda convs, seed, greedy: (seen.setdefault("engine", convs[0][-1]["content"]),
+                                                    [("<answer> x </answer>", "stop")] * len(convs))[1]
+    remote.answer(["Q?"], tool, greedy=False, n=1, seed=0, contexts=[doc])
+    assert seen["engine"] == seen["loop"]
+    assert "word1999" not in seen["engine"]

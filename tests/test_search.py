@@ -383,3 +383,24 @@ def test_client_batches_queries():
     assert [len(json.loads(r.content)["queries"]) for r in seen] == [3, 3, 1]
     assert [hits[0].document.id for hits in out] == [f"q{i}" for i in range(7)]
     assert [hits[0].document.title for hits in out] == [f"q{i}" for i in range(7)]
+
+
+def test_a_runaway_query_searches_the_same_locally_and_through_the_server():
+    """A model that writes a search query past the server's 2,000-character cap must not end the
+    batch (and the evaluation) with RetrieverError: every retriever sees the query cut to the cap."""
+    from selfevo.agents.lm.rollout import run_rollouts
+
+    index = BM25Index.build([Document("d0", "Danube", "The Danube is a major river of central Europe."),
+                             Document("d1", "Volga", "The Volga is the longest river in Europe.")])
+    query = " ".join(["longest river in europe"] * 100)  # 2,399 characters
+
+    def generate(convs, seed):
+        return [("<answer> Volga </answer>", "stop") if any(m["role"] == "assistant" for m in c)
+                else (f"<search> {query} </search>", "stop") for c in convs]
+
+    local = run_rollouts([[{"role": "user", "content": "q"}]], SearchTool(index), generate)
+    with serve_app(make_app(index)) as url, RetrieverClient(url) as client:
+        remote = run_rollouts([[{"role": "user", "content": "q"}]], SearchTool(client), generate)
+        assert [h.document.id for h in client.retrieve([query], topk=2)[0]] == ["d1", "d0"]
+    assert local[0].answer == remote[0].answer == "Volga"
+    assert local[0].read == remote[0].read == ["d1", "d0"]

@@ -29,7 +29,7 @@ import os
 import re
 import threading
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 from selfevo.agents.base import Trajectory
@@ -67,7 +67,8 @@ class RemoteSolver:
     def __init__(self, url: str, model: str, api_key: str | None = None, *,
                  temperature: float = SAMPLE_TEMPERATURE, top_p: float = SAMPLE_TOP_P,
                  max_tokens: int = 512, max_actions: int = 5, concurrency: int = 4,
-                 timeout: float = 120.0, max_retries: int = 4, backoff: float = 0.5):
+                 timeout: float = 120.0, max_retries: int = 4, backoff: float = 0.5,
+                 context: Callable[[str], str] | None = None):
         if concurrency < 1:
             raise ValueError(f"concurrency: must be >= 1, got {concurrency}")
         if max_actions < 1:
@@ -76,6 +77,9 @@ class RemoteSolver:
         self.url, self.model = url, model
         self.temperature, self.top_p = temperature, top_p
         self.max_tokens, self.max_actions, self.concurrency = max_tokens, max_actions, concurrency
+        # what a source shown with a question becomes (MSV's "with the source"); the loop's LMSolver
+        # shows the first lm.doc_tokens tokens, the proposer's view, and so should a served solver
+        self._context = context or (lambda text: text)
         key = api_key if api_key is not None else os.environ.get(API_KEY_ENV) or None
         self._has_key = bool(key)
         self.stats: Counter[str] = Counter()
@@ -151,7 +155,7 @@ class RemoteSolver:
         if contexts is not None and len(contexts) != len(questions):
             raise ValueError(f"{len(contexts)} contexts for {len(questions)} questions")
         starts = [solver_messages(q, context=None if contexts is None or contexts[i] is None
-                                  else contexts[i].contents) for i, q in enumerate(questions)]
+                                  else self._context(contexts[i].contents)) for i, q in enumerate(questions)]
         copies = 1 if greedy else n  # greedy: the n trajectories are identical, run one
         failed_before = self.stats["failed_calls"]
         rollouts = run_rollouts([s for s in starts for _ in range(copies)], tool,

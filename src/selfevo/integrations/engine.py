@@ -492,7 +492,8 @@ class EngineRun:
             docs = {d.id: d for d in self.pool}  # proposals are written from the pool's documents
             path, name = self.model_dir("main", r - 1), f"main@r{r - 1}"  # MSV samples the main solver
             with self.serving({"main": (path, name)}) as served, \
-                    RemoteSolver(*served["main"], **self.remote_options()) as model:
+                    RemoteSolver(*served["main"], **self.remote_options(),
+                                 context=_truncator(path, cfg.lm.doc_tokens)) as model:  # the loop's LMSolver view
                 records, admitted = admit_round(staged, decide=lambda items, seed: msv_filter(
                     items, model, docs, self.tool, seed, self.spec.msv_samples), **kwargs)
         else:

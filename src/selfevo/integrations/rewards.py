@@ -85,6 +85,11 @@ def solver_reward(answer: str, label: str) -> float:
 # ---------------------------------------------------------------- the frontier reward
 
 
+class GradingFailed(RuntimeError):
+    """A grader call failed for good (after the client's retries): its sample has no answer, and
+    counting it as a wrong one would lower k and pay the proposer for the grader's outage."""
+
+
 @dataclass(frozen=True)
 class ProposalSample:
     """One proposer completion with what the reward needs of its lineage."""
@@ -159,6 +164,10 @@ class FrontierReward:
             key = step if step is not None else graded[idx[0]][1]
             trajs = self._solver(g).answer([graded[n][2] for n in idx], self._tool(), greedy=False, n=self.samples,
                                            seed=derive_seed(self.seed, self.round, key, "grade", g.name or role))
+            failed = sum(bool(getattr(t.trace, "failed", False)) for ts in trajs for t in ts)
+            if failed:  # a broken scorer is an error, never a silent 0 (nothing of this batch is staged)
+                raise GradingFailed(f"round {self.round}: {failed} of {len(idx) * self.samples} samples of grader "
+                                    f"{g.name or role} ({g.url}) failed after retries; rerun the phase")
             for n, ts in zip(idx, trajs, strict=True):
                 responses[n] = [t.answer for t in ts]
         for n, (i, item_id, question, label, source_ids, fold, r) in enumerate(graded):

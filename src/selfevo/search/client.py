@@ -10,7 +10,7 @@ import httpx
 from pydantic import BaseModel, ValidationError
 
 from selfevo.records import Document
-from selfevo.search.tool import Hit
+from selfevo.search.tool import Hit, clip_query
 
 if TYPE_CHECKING:
     from typing_extensions import Self  # typing.Self needs Python 3.11
@@ -93,7 +93,7 @@ class RetrieverClient:
     def retrieve(self, queries: Sequence[str], topk: int = 3) -> list[list[Hit]]:
         out: list[list[Hit]] = []
         for start in range(0, len(queries), self.batch_size):
-            batch = list(queries[start:start + self.batch_size])
+            batch = [clip_query(q) for q in queries[start:start + self.batch_size]]  # the server's cap
             payload = self._request("POST", "/retrieve", json={
                 "queries": batch, "topk": topk, "return_scores": True})
             try:

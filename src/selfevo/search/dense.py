@@ -320,7 +320,9 @@ class DenseIndex:
         if index_dir is not None and (Path(index_dir) / MANIFEST).exists():
             try:
                 cached = cls.load(index_dir, encoder=encoder, expected_corpus_sha256=digest)
-                if cached.index_type == index_type:
+                # the FAISS settings asked for now, not only the type (nprobe, ef_search, nlist, ...)
+                if cached.index_type == index_type and \
+                        cached.params == default_params(index_type, len(cached), **params):
                     return cached
             except (ValueError, OSError, RuntimeError):
                 pass  # stale, foreign or damaged cache (FAISS raises RuntimeError): rebuild it

@@ -21,7 +21,7 @@ from selfevo.corpus import read_corpus
 from selfevo.records import Document
 from selfevo.search._manifest import MANIFEST, read_manifest
 from selfevo.search.bm25 import BM25Index, docs_sha256
-from selfevo.search.dense import DenseIndex, Encoder
+from selfevo.search.dense import DenseIndex, Encoder, default_params
 from selfevo.search.tool import Hit
 
 FORMAT_VERSION = 1
@@ -102,7 +102,8 @@ class HybridIndex:
         if index_dir is not None and (Path(index_dir) / MANIFEST).exists():
             try:
                 cached = cls.load(index_dir, encoder=encoder, expected_corpus_sha256=digest)
-                if cached.dense.index_type == index_type:
+                if cached.dense.index_type == index_type and \
+                        cached.dense.params == default_params(index_type, len(cached), **params):
                     cached.rrf_k, cached.depth = rrf_k, depth
                     return cached
             except (ValueError, OSError, RuntimeError):

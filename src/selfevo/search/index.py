@@ -95,6 +95,15 @@ def index_from_corpus_file(kind: str, corpus: str | os.PathLike,
     from this exact file (and, for dense/hybrid, this encoder), else built and saved there."""
     _check_kind(kind)
     options = options or DenseOptions()
+    if index_dir is not None and (Path(index_dir) / MANIFEST).exists():
+        try:
+            found = index_kind(index_dir)
+        except (ValueError, OSError):
+            found = None  # unreadable: a damaged cache of any kind is rebuilt, as before
+        if found is not None and found != kind:
+            # a cache of another kind would be overwritten by the rebuild (a dense one: hours of encoding)
+            raise ValueError(f"{index_dir}: holds a {found} index, not a {kind} one; give another cache "
+                             "directory (or remove this one)")
     if kind == "bm25":
         from selfevo.search.bm25 import BM25Index
 

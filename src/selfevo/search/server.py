@@ -24,12 +24,11 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError
 
 from selfevo._http import read_body
-from selfevo.search.tool import Retriever
+from selfevo.search.tool import MAX_QUERY_CHARS, Retriever
 
 if TYPE_CHECKING:
     from selfevo.search.index import DenseOptions
 
-MAX_QUERY_CHARS = 2_000
 MAX_BODY_BYTES = 1 << 20  # 1 MiB: 256 queries of 2,000 characters fit with room to spare
 TIMEOUT_S = 30.0  # for the body to arrive, and again for the retrieval to finish
 

@@ -26,6 +26,16 @@ class Retriever(Protocol):
     def retrieve(self, queries: Sequence[str], topk: int = 3) -> list[list[Hit]]: ...
 
 
+MAX_QUERY_CHARS = 2_000  # the /retrieve server's cap (search/server.py); longer queries are cut here
+
+
+def clip_query(query: str) -> str:
+    """A query as every retriever sees it: at most MAX_QUERY_CHARS characters, so a model that writes
+    a runaway query gets the same hits from a local index and from a `/retrieve` server (which would
+    refuse it with a 422 and end the whole batch)."""
+    return query[:MAX_QUERY_CHARS]
+
+
 class SearchBudgetExhausted(RuntimeError):
     """Raised when a trajectory asks for more searches than its budget allows."""
 
@@ -53,6 +63,7 @@ class SearchTool:
 
     def lookup(self, queries: Sequence[str]) -> list[list[Hit]]:
         """Unbudgeted, cached batch lookup (the session enforces the budget)."""
+        queries = [clip_query(q) for q in queries]
         # the common case is one query already cached (the sim's rollouts): nothing but this scan
         missing = [q for q in queries if q not in self._cache]
         if missing:

@@ -278,16 +278,19 @@ class TransformersChatModel:
             out = self.model.generate(**enc, **kwargs)
             timed_out = self.max_seconds is not None and time.monotonic() - started >= self.max_seconds
         start = enc["input_ids"].shape[1]
-        eos = self.tokenizer.eos_token_id
+        eos, pad = self.tokenizer.eos_token_id, kwargs["pad_token_id"]
         comps = []
         for row in out:
             new = row[start:]
+            # with n > 1 samples every row is padded to the longest one: a row that ended early
+            # (EOS, a stop string) is neither "length" nor as long as the batch
+            n_new = int((new != pad).sum()) + int(eos is not None and eos == pad and bool((new == eos).any()))
             text = self.tokenizer.decode(new, skip_special_tokens=True)
             # the stop string may end inside a token, so the generated text can run past it: cut
             text, cut = cut_before_stop(prefix + text, stop)
             stopped = cut or bool(eos is not None and (new == eos).any())
-            cut_short = len(new) >= budget or (timed_out and not stopped)
-            comps.append(Completion(text, "length" if cut_short else "stop", start, int(len(new))))
+            cut_short = not stopped and (n_new >= budget or timed_out)
+            comps.append(Completion(text, "length" if cut_short else "stop", start, n_new))
         return comps * n if greedy else comps
 
 

@@ -355,6 +355,14 @@ class LMPolicy:
         if missing:
             raise ValueError(f"the policy file does not fit lm.model/lm.adapter/lm.lora_*: "
                              f"{len(missing)} parameters missing (e.g. {missing[0]})")
+        # LoRA parameter names do not carry the rank: another lm.lora_r passes the name check
+        misshaped = [(n, tuple(tensors[f"param.{n}"].shape), tuple(p.shape)) for n, p in params.items()
+                     if tuple(tensors[f"param.{n}"].shape) != tuple(p.shape)]
+        if misshaped:
+            n, there, here = misshaped[0]
+            raise ValueError(f"the policy file does not fit lm.model/lm.adapter/lm.lora_*: {len(misshaped)} "
+                             f"parameters of another shape (e.g. {n}: {list(there)} in the file, {list(here)} "
+                             f"here; a different lm.lora_r?)")
         with torch.no_grad():
             for n, p in params.items():
                 p.copy_(tensors[f"param.{n}"].to(p.device, p.dtype))

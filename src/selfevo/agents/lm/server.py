@@ -62,7 +62,8 @@ def _request_model(max_tokens_cap: int, max_n: int) -> type[BaseModel]:
         max_tokens: int | None = Field(None, ge=1, le=max_tokens_cap)
         max_completion_tokens: int | None = Field(None, ge=1, le=max_tokens_cap)
         n: int = Field(1, ge=1, le=max_n)
-        seed: int | None = None
+        # torch.manual_seed takes [-2**63, 2**64): outside it the model would fail (a 500, retried)
+        seed: int | None = Field(None, ge=-(2**63), lt=2**64)
         # a string or up to 4; the reply ends before the first one found (which is not returned)
         stop: StopString | Annotated[list[StopString], Field(max_length=MAX_STOP)] | None = None
         stream: bool = False
