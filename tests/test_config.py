@@ -209,5 +209,5 @@ def test_cli_negative_world_seed_exits_2_naming_the_field(tmp_path):
 ])
 def test_a_setting_the_backend_never_reads_is_refused(overrides, field):
     # it would be recorded in config.json and silently ignored
-    with pytest.raises(ConfigError, match=rf"^{re.escape(field)}: only the .* would ignore it"):
+    with pytest.raises(ConfigError, match=rf"^{re.escape(field)}: read only by the .* would ignore it"):
         load_config(None, overrides)

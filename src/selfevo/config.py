@@ -130,10 +130,10 @@ class RunConfig:
             for f in dataclasses.fields(default):
                 if getattr(getattr(self, table), f.name) != getattr(default, f.name):
                     reader = "lm backend (--backend lm)" if table == "lm" else "sim backend's learners"
-                    raise ValueError(f"{table}.{f.name}: only the {reader} read it; backend {self.backend!r} "
+                    raise ValueError(f"{table}.{f.name}: read only by the {reader}; backend {self.backend!r} "
                                      "would ignore it")
         if self.backend == "lm" and self.world.shared_misreading != WorldSpec.shared_misreading:
-            raise ValueError("world.shared_misreading: only the sim backend's readers read it; backend 'lm' "
+            raise ValueError("world.shared_misreading: read only by the sim backend's readers; backend 'lm' "
                              "would ignore it")
 
     def to_json(self) -> dict:
