@@ -11,6 +11,7 @@ Writes the "## The demo" section of docs/results.md.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import statistics
@@ -39,6 +40,61 @@ def render(html: Path, png: Path) -> str:
     if proc.returncode != 0 or not png.exists() or png.stat().st_size < 10_000:
         return f"FAILED (exit {proc.returncode}): {proc.stderr[-300:]}"
     return f"rendered by {exe}: screenshot {png.relative_to(REPO)} ({png.stat().st_size // 1024} KiB)"
+
+
+def headline(demo: dict) -> list[str]:
+    """The README's headline table from the last timed run's results.json: round-3 audit metrics
+    (mean ± std over seeds) and macro Cover-EM with the paired Δ to coupled (mean [95% t-interval])."""
+    lines = [f"Headline of the last timed run (seeds {', '.join(map(str, demo['seeds']))}), "
+             "round 3, mean ± std over seeds:", "",
+             "| treatment | A | T_P | F | macro Cover-EM | Δ vs coupled [95% CI] |", "|---|---:|---:|---:|---:|---:|"]
+    for t in demo["treatments"]:
+        last = demo["audit"][t]["rounds"][-1]
+        cells = [f"{last[m]['mean']:.3f} ± {last[m]['std']:.3f}" for m in ("A", "T_P", "F")]
+        ds = demo["downstream"][t]
+        gain = (ds.get("gain_vs_coupled") or {}).get("macro")
+        ok = gain and gain["lo"] is not None
+        cells += [f"{ds['macro']['mean']:.3f}",
+                  f"{gain['mean']:+.3f} [{gain['lo']:+.3f}, {gain['hi']:+.3f}]" if ok else ""]
+        lines.append(f"| {t} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def acceptance(demo: dict, clones: list[float]) -> list[str]:
+    """Issue 7's acceptance items on the last timed run: the paper's qualitative findings, each as
+    PASS or FAIL with its numbers (means over the run's seeds)."""
+    def last(t: str, m: str) -> float:
+        return demo["audit"][t]["rounds"][-1][m]["mean"]
+
+    checks = []
+    if clones:
+        checks.append(("fresh clone → the README's first command → report in under 3 minutes (median)",
+                       statistics.median(clones) < 180, f"{statistics.median(clones):.0f} s"))
+    f = [r["F"]["mean"] for r in demo["audit"]["coupled"]["rounds"]]
+    checks.append(("coupled F rising by round", all(a < b for a, b in zip(f, f[1:])),
+                   " → ".join(f"{x:.3f}" for x in f)))
+    co, cf = ({m: last(t, m) for m in ("F", "A", "T_P")} for t in ("coupled", "crossfit"))
+    checks.append(("CrossFit halving F with lower A and higher T_P",
+                   cf["F"] <= 0.5 * co["F"] and cf["A"] < co["A"] and cf["T_P"] > co["T_P"],
+                   f"F {cf['F']:.3f} vs {co['F']:.3f}, A {cf['A']:.3f} vs {co['A']:.3f}, "
+                   f"T_P {cf['T_P']:.3f} vs {co['T_P']:.3f}"))
+    if "msv" in demo["audit"]:
+        msv = last("msv", "F")
+        checks.append(("MSV's effect on F smaller than CrossFit's", co["F"] - msv < co["F"] - cf["F"],
+                       f"F {co['F']:.3f} → MSV {msv:.3f}, CrossFit {cf['F']:.3f}"))
+    if demo.get("replay"):
+        rp = {n: demo["replay"]["conditions"][n]["F"]["mean"] for n in ("question-split", "source-id")}
+        checks.append(("replay bars: source-id F below question-split F", rp["source-id"] < rp["question-split"],
+                       f"{rp['source-id']:.3f} vs {rp['question-split']:.3f} "
+                       f"(ratio {rp['source-id'] / rp['question-split']:.2f}; issue 6 asks ≤ 0.2)"))
+    gain = demo["downstream"]["crossfit"]["gain_vs_coupled"]["macro"]
+    checks.append(("CrossFit's downstream gain with a 95% interval excluding 0",
+                   gain["lo"] is not None and gain["lo"] > 0,
+                   f"{gain['mean']:+.3f} [{gain['lo']:+.3f}, {gain['hi']:+.3f}]" if gain["lo"] is not None
+                   else f"{gain['mean']:+.3f} (one seed: no interval)"))
+    return ["Acceptance (issue 7), on the last timed run (`--executor ray` giving byte-identical tables is "
+            "`tests/test_experiments_report.py::test_ray_matches_local`, run by CI):", "",
+            *(f"- {'PASS' if ok else '**FAIL**'} {name}: {detail}" for name, ok, detail in checks)]
 
 
 def readme_main_job() -> str:
@@ -79,6 +135,7 @@ def main() -> None:
         shot = REPO / "docs" / "figures" / "demo-report.png"
         rendered = render(out / "report.html", shot)
         sizes = {p.name: p.stat().st_size for p in out.iterdir() if p.is_file()}
+        demo = json.loads((out / "results.json").read_text())  # the last timed run: the README's headline
     clones, main_job = [], readme_main_job()
     for i in range(args.fresh_clones):
         with tempfile.TemporaryDirectory() as tmp:
@@ -88,7 +145,8 @@ def main() -> None:
              "Command: `python benchmarks/demo.py` (runs `selfevo demo` from a fresh output directory, "
              f"{args.repeats} times, then the README's first command in {args.fresh_clones} fresh clones)  ",
              f"Machine: {machine_line()}  ",
-             f"Wall time of `selfevo demo` (4 treatments × 3 seeds on the default world, the audit, the "
+             f"Wall time of `selfevo demo` ({len(demo['treatments'])} treatments × seeds "
+             f"{', '.join(map(str, demo['seeds']))} (configs/demo.toml), the audit, the "
              "evaluation after every round, the replay study, the report): "
              f"**{statistics.median(walls):.0f} s** median "
              f"(runs: {', '.join(f'{w:.0f}' for w in walls)} s). Target: under 3 minutes.  ",
@@ -99,7 +157,8 @@ def main() -> None:
                 "pip takes wheels from this machine's local wheel directory and file indexes (its pip config) "
                 "where they are there; a machine that downloads every wheel takes longer). Target: under "
                 "3 minutes.  "] if clones else []),
-             f"Headless Chromium: {rendered}.", ""]
+             f"Headless Chromium: {rendered}.", "",
+             *headline(demo), "", *acceptance(demo, clones), ""]
     write_section(args.out, HEADING, "\n".join(lines))
     print("\n".join(lines))
 

@@ -18,7 +18,7 @@ import shutil
 import statistics
 from pathlib import Path
 
-from _common import REPO, fmt, machine_line, run_root, write_section
+from _common import REPO, fmt, machine_line, mean_std, run_root, write_section
 from rich.console import Console
 from rich.progress import Progress
 
@@ -113,6 +113,48 @@ def paired_overhead(totals: list[float], ref_totals: list[float]) -> tuple[float
     return statistics.median(ratios), min(ratios), max(ratios)
 
 
+def acceptance(res: dict[str, list[dict]], timing: dict[str, dict]) -> list[tuple[str, bool, str]]:
+    """Issue 5's acceptance items on this run's numbers: (item, holds, the numbers). Means over seeds;
+    Δ paired by seed; "most" = more than half; "does not help" = less than half of CrossFit's F cut."""
+    def mean(t: str, key: str) -> float:
+        return statistics.fmean(r["audit"][key] for r in res[t])
+
+    co, checks = res["coupled"], []
+    co_f = mean("coupled", "F")
+    cut = {t: co_f - mean(t, "F") for t in res}
+    if "crossfit" in res:
+        f, tp, a = (mean("crossfit", k) for k in ("F", "T_P", "A"))
+        checks.append(("CrossFit round-3 F ≤ 0.5 × coupled's, with T_P higher and A not higher",
+                       f <= 0.5 * co_f and tp > mean("coupled", "T_P") and a <= mean("coupled", "A"),
+                       f"F {f:.3f} vs {0.5 * co_f:.3f}; T_P {tp:.3f} vs {mean('coupled', 'T_P'):.3f}; "
+                       f"A {a:.3f} vs {mean('coupled', 'A'):.3f}"))
+        m, lo, hi = ci95([r["macro"] - b["macro"] for r, b in zip(res["crossfit"], co)])
+        checks.append(("downstream macro Cover-EM, CrossFit − coupled > 0 with a 95% interval excluding 0",
+                       lo is not None and lo > 0,
+                       f"{m:+.3f} [{lo:+.3f}, {hi:+.3f}]" if lo is not None else f"{m:+.3f} (one seed)"))
+        if "msv" in res:
+            d = {t: statistics.fmean(r["macro"] - b["macro"] for r, b in zip(res[t], co)) for t in ("msv", "crossfit")}
+            checks.append(("MSV moves F and macro Cover-EM less than CrossFit does",
+                           abs(cut["msv"]) < abs(cut["crossfit"]) and abs(d["msv"]) < abs(d["crossfit"]),
+                           f"ΔF {-cut['msv']:+.3f} vs {-cut['crossfit']:+.3f}; Δ macro {d['msv']:+.3f} vs "
+                           f"{d['crossfit']:+.3f}"))
+        if "question-split" in res:
+            keep = mean("question-split", "F") / co_f
+            checks.append(("question-split keeps most of coupled's F", keep > 0.5, f"{keep:.2f} of it"))
+        for t in ("same-source", "full-data"):
+            if t in res:
+                checks.append((f"{t} does not help", cut[t] < 0.5 * cut["crossfit"],
+                               f"F cut {cut[t]:+.3f} vs CrossFit's {cut['crossfit']:+.3f}"))
+        if "half-budget" in res:
+            share = cut["half-budget"] / cut["crossfit"] if cut["crossfit"] else float("nan")
+            checks.append(("half budget keeps most of CrossFit's F reduction", share > 0.5, f"{share:.2f} of it"))
+        if "coupled" in timing and "crossfit" in timing:
+            mid, lo, hi = paired_overhead(timing["crossfit"]["totals"], timing["coupled"]["totals"])
+            checks.append(("CrossFit's wall-time overhead ≤ +40%", mid <= 0.40,
+                           f"{mid:+.0%} [{lo:+.0%}, {hi:+.0%}] (median [min, max] of paired ratios)"))
+    return checks
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--seeds", type=int, default=5)
@@ -195,12 +237,23 @@ def main() -> None:
                   "answer, exact truth; `base_solved` in this script). Paired difference to coupled: "
                   + "; ".join(difficulty(t) for t in ("crossfit", "msv") if t in res) + "."]
 
-        lines += ["", "Why the downstream gain does not appear in this world: facts the main solver's memory holds "
+        def than(key: str) -> str:
+            """CrossFit's memory facts against coupled's: 'as many' within the larger seed std."""
+            (c, cs), (x, xs) = (mean_std([r[key] for r in res[t]]) for t in ("coupled", "crossfit"))
+            return "as many" if abs(x - c) <= max(cs, xs) else "more" if x > c else "fewer"
+
+        _, gain_lo, _ = ci95([r["macro"] - b["macro"] for r, b in zip(res["crossfit"], base)])
+        tp_up = statistics.fmean(r["audit"]["T_P"] for r in res["crossfit"]) > statistics.fmean(
+            r["audit"]["T_P"] for r in base)
+        lines += ["", ("Why the downstream gain does not appear in this world" if gain_lo is None or gain_lo <= 0 else
+                       "The downstream gain appears here (interval above 0); what the memory holds")
+                  + ": facts the main solver's memory holds "
                   "after round 3 (rows whose preferred answer stands out, judged by the oracle; "
                   f"`memory_facts` in this script): coupled {mem('coupled', 'memory_right')} right / "
                   f"{mem('coupled', 'memory_wrong')} wrong, CrossFit {mem('crossfit', 'memory_right')} right / "
-                  f"{mem('crossfit', 'memory_wrong')} wrong. CrossFit admits fewer wrong labels (T_P above), "
-                  "yet the main solver ends with as many wrong facts and fewer right ones: round 1, which every "
+                  f"{mem('crossfit', 'memory_wrong')} wrong. CrossFit admits {'fewer' if tp_up else 'no fewer'} "
+                  f"wrong labels (T_P above), and the main solver ends with {than('memory_wrong')} wrong facts and "
+                  f"{than('memory_right')} right ones: round 1, which every "
                   "arm shares, already plants the wrong facts, and CrossFit's curriculum follows the auxiliary "
                   "solvers' frontier, so fewer of the main solver's items carry a learning signal, right-label "
                   "ones included (measured in \"## Downstream sensitivity\", benchmarks/downstream.py: the "
@@ -230,6 +283,9 @@ def main() -> None:
                   + ", ".join(f"{ph} {d:+.2f} s" for d, ph in where if abs(d) >= 0.01)
                   + " (`aux`: training the auxiliary solvers on their folds' admitted questions; `grade`: "
                   "the grader's five answers per proposal, now from an auxiliary solver)."]
+    if base is not None:
+        lines += ["", "Acceptance (issue 5):", "", *(f"- {'PASS' if ok else '**FAIL**'} {name}: {detail}"
+                                                      for name, ok, detail in acceptance(res, timing))]
     write_section(args.out, HEADING, "\n".join(lines))
     console.print("\n".join(lines))
 

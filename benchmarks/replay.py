@@ -44,7 +44,8 @@ def load_average() -> str:
 
 
 def spread(a: dict, b: dict) -> float:
-    """Two seed spreads combined: a difference within 2x this is 'within the spread'."""
+    """2x the two seed spreads combined, 2 * sqrt(std_a^2 + std_b^2): a difference of means within
+    this is 'within the spread' (the issue's wording; the stds are over seeds, not of the mean)."""
     return 2 * (a["std"] ** 2 + b["std"] ** 2) ** 0.5
 
 
@@ -97,14 +98,24 @@ def repeats(bank) -> tuple[float, float]:
 
 def question_keyed_reading(res: dict, once: float, q_once: float, per_source: float) -> str:
     F, base = mean_F(res)
+    held = ("holding a source out now holds out every path by which a learned value comes back"
+            if F["source-id"] <= base else "a source-held-out grader still learns some values that come back")
     return (f"With a question-keyed memory (last row) source-id F is {F['source-id']:.4f} against the untrained "
-            f"{base:.4f}: holding a source out now holds out every path by which a learned value comes back. "
+            f"{base:.4f}: {held}. "
             f"Question-split F is {F['question-split']:.4f}: a question split leaves a source's other questions, "
             f"repeats in other wordings included, on both sides ({once:.0%} of the bank's items ask a question "
             f"(first mention and relations, in any wording) no other item asks, {q_once:.0%} in the "
-            f"question-keyed bank; a source has {per_source:.1f} items on average). What keeps the ratio at "
-            f"{F['source-id'] / F['question-split']:.2f} rather than ≤ 0.2 is the untrained level itself: the "
-            f"ratio needs question-split F ≥ 5× it, {5 * base:.3f} here (paper: 0.050 against about 0.004).")
+            f"question-keyed bank; a source has {per_source:.1f} items on average). " + ratio_reading(F, base))
+
+
+def ratio_reading(F: dict[str, float], base: float) -> str:
+    """source-id / question-split against 0.2: it needs question-split F >= 5x source-id's F (and
+    5x the untrained level, where a held-out grader is not expected to fall below it)."""
+    ratio = F["source-id"] / F["question-split"]
+    if ratio <= 0.2:
+        return f"The ratio is {ratio:.2f}, at or below 0.2."
+    return (f"The ratio is {ratio:.2f}: ≤ 0.2 needs question-split F ≥ 5× source-id's, {5 * F['source-id']:.3f} "
+            f"here (5× the untrained level: {5 * base:.3f}; paper: 0.050 against about 0.004).")
 
 
 def truth_on_wrong(res: dict, name: str) -> list[float]:
@@ -194,8 +205,11 @@ def skew_reading(by_skew: list[tuple[str, dict, dict]]) -> str:
     other = [f"{c['another page']:.0%}" for _, _, c in by_skew]
     excess = [f"{excess_of(r):.2f}" for _, r, _ in by_skew]
     ratios = [mean_F(r)[0]["source-id"] / mean_F(r)[0]["question-split"] for _, r, _ in by_skew]
-    verdict = ("below 0.2 in no world here: question-split F stays under 5× the untrained level"
-               if min(ratios) > 0.2 else "at or below 0.2 in at least one world")
+    under = [mean_F(r)[0]["question-split"] < 5 * mean_F(r)[1] for _, r, _ in by_skew]
+    verdict = ("at or below 0.2 in at least one world" if min(ratios) <= 0.2 else
+               "below 0.2 in no world here" + (": question-split F stays under 5× the untrained level" if all(under)
+                                               else f"; question-split F is under 5× the untrained level in "
+                                               f"{sum(under)} of {len(under)} worlds"))
     return ("Reading (`base: …`: the untrained grader's sampled answers to the bank's wrong-labelled questions "
             "that match the label, by what it read at the hop it got wrong; one sampling seed): the untrained "
             f"level is {col(base)}. A statement of another page that ranks for the mention (a popular value: "
@@ -267,12 +281,13 @@ def main() -> None:
             ("source-id raises solver truth over coupled",
              truth["source-id"]["mean"] > truth["coupled"]["mean"],
              f"{truth['source-id']['mean']:.3f} vs {truth['coupled']['mean']:.3f}"),
-            ("source-id-half F matches source-id F within the spread",
+            ("source-id-half F matches source-id F (within 2× the combined seed spread)",
              abs(F["source-id-half"]["mean"] - F["source-id"]["mean"]) <= spread(F["source-id-half"], F["source-id"]),
              f"{F['source-id-half']['mean']:.3f} vs {F['source-id']['mean']:.3f} "
              f"(Δ {F['source-id-half']['mean'] - F['source-id']['mean']:+.3f}, "
              f"bound ±{spread(F['source-id-half'], F['source-id']):.3f})"),
-            ("whole study (14 conditions × seeds) < 2 minutes", wall < 120,
+            (f"whole study ({len(c)} conditions × {args.seeds} seeds, {res['bank']['items']} items) < 2 minutes",
+             wall < 120 and args.seeds >= 5 and res["bank"]["items"] >= 3000,
              f"median {wall:.1f} s of {', '.join(f'{w:.1f}' for w in walls)} "
              f"({statistics.median(cpu):.1f} CPU s, load average {load_after})"),
         ]
@@ -408,7 +423,8 @@ def main() -> None:
               "",
               f"Solver truth: the coupled grader trained on the very items it grades, whose adopted labels are right "
               f"for {res['bank']['T_P']:.0%} of them, and the sim solver's memory (keyed on mention and relation) "
-              f"turns a trained label into that item's answer, so it answers them more truthfully "
+              f"turns a trained label into that item's answer, so it answers them "
+              f"{'more' if truth['coupled']['mean'] > truth['source-id']['mean'] else 'no more'} truthfully "
               f"({truth['coupled']['mean']:.3f}) than a grader that never saw their sources "
               f"({truth['source-id']['mean']:.3f}; untrained {base['solver_truth']['mean']:.3f}). "
               f"{wrong_label_truth(res)} With MSV, F is "
