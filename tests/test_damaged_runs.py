@@ -237,3 +237,36 @@ def test_evolve_out_that_is_a_file_is_refused_before_the_start_up(tmp_path):
     rc, out = cli("evolve", "--out", tmp_path / "afile", *CLI_SMALL, "--no-audit")
     assert_one_line_error(rc, out, "afile: not a directory")
     assert (tmp_path / "afile").read_text(encoding="utf-8") == "notes"
+
+
+def _edit(path: Path, fn) -> None:
+    data = json.loads(path.read_text(encoding="utf-8"))
+    fn(data)
+    path.write_text(json.dumps(data), encoding="utf-8")
+
+
+@pytest.mark.parametrize("damage, named", [
+    (lambda root: _edit(root / "a" / "eval" / "round-2.json", lambda o: o.pop("benchmarks")),
+     "a/eval/round-2.json: field 'benchmarks' is missing"),
+    (lambda root: _edit(root / "a" / "eval" / "round-0.json", lambda o: o.update(macro=None)),
+     "a/eval/round-0.json: field macro: should be an object"),
+    (lambda root: _edit(root / "a" / "eval" / "round-2.json", lambda o: o["benchmarks"]["nq"].update(cover_em="x")),
+     "a/eval/round-2.json: field benchmarks.nq.cover_em should be a number or null"),
+    (lambda root: _edit(root / "a" / "audit" / "metrics.json", lambda o: o["rounds"][1].pop("F")),
+     "a/audit/metrics.json: field rounds[1].F should be a number or null"),
+    (lambda root: _edit(root / "a" / "audit" / "metrics.json", lambda o: o.pop("steps")),
+     "a/audit/metrics.json: field 'steps' is missing"),
+    (lambda root: (root / "replay").mkdir() or (root / "replay" / "results.json").write_text('{"bank": 1}'),
+     "replay/results.json: field 'conditions' should be an object of objects"),
+])
+def test_report_names_a_damaged_eval_audit_or_replay_file(tmp_path, finished, damage, named):
+    # the report read these without the checks config, manifest and compute have: a KeyError traceback
+    root = tmp_path / "runs"
+    shutil.copytree(finished, root / "a")
+    damage(root)
+    rc, out = cli("report", root)
+    assert_one_line_error(rc, out, named)
+    assert not (root / "results.json").exists()
+    if "replay" not in named and "round-0" not in named:  # compare reads the last round's files
+        rc, out = cli("compare", root / "a")
+        assert_one_line_error(rc, out, named.split(": field")[0])

@@ -393,3 +393,20 @@ def test_cli_downloads_through_the_hub_function(hub, tmp_path, monkeypatch):
     assert res.exit_code == 0 and res.output.count("skip qa/") == 2
     res = runner.invoke(app, ["data", "download", "--out", str(out), "--benchmarks", "nope"])
     assert res.exit_code == 2 and "unknown benchmark(s) nope" in res.output
+
+
+def test_a_rerun_clears_the_temp_files_a_killed_conversion_left(hub, tmp_path):
+    out = tmp_path / "data"
+    # what kill -9 inside convert_corpus / convert_benchmark leaves: atomic_writer's temp file beside
+    # the output (`.NAME.XXXXXXXX.tmp`; wiki-18's is ~14 GB) and the QA staging file
+    leftovers = [out / "corpus" / ".wiki-18.jsonl.k1ll3d00.tmp", out / "corpus" / ".wiki-18.jsonl.k1ll3d01.tmp",
+                 out / "qa" / ".nq.jsonl.staged", out / "qa" / ".nq.jsonl.staged.k1ll3d02.tmp"]
+    for p in leftovers:
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_bytes(b'{"id": "1", "contents": "half a li')
+    keep = out / "corpus" / "notes.tmp"  # not a temp file of ours
+    keep.write_text("mine")
+    download_data(out, benchmarks="nq", per_benchmark=50, download=FakeHub(hub), log=lambda m: None)
+    assert [p for p in leftovers if p.exists()] == []
+    assert keep.read_text() == "mine"
+    assert sorted(p.name for p in (out / "corpus").iterdir()) == ["notes.tmp", "wiki-18.jsonl"]

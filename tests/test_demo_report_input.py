@@ -197,3 +197,30 @@ def test_a_damaged_run_file_is_named(runs, tmp_path):
     result = CliRunner().invoke(app, ["report", str(root)])
     assert result.exit_code == 2
     assert f"error: {root / 'coupled-s0' / 'config.json'}: unreadable, not valid JSON" in _one_line(result.output)
+
+
+def test_runs_of_another_config_are_neither_pooled_nor_paired(runs, tmp_path):
+    from selfevo.report.collect import collect_runs
+
+    # a one-round coupled seed 1 pooled with the two-round coupled seed 0: "after the last round"
+    # averaged a round-1 and a round-2 evaluation, and the audit table silently showed one round
+    root = tmp_path / "pooled"
+    shutil.copytree(runs / "grid", root / "grid")
+    short = root / "other" / "coupled-s1"
+    shutil.copytree(runs / "short" / "coupled-s0", short)
+    config = json.loads((short / "config.json").read_text())
+    (short / "config.json").write_text(json.dumps({**config, "seed": 1}))
+    with pytest.raises(ValueError, match="different configs.*loop.rounds"):
+        collect_runs([root / "grid" / "coupled-s0", root / "grid" / "crossfit-s0", short])
+    # crossfit (two rounds) paired with a coupled run of one round: Δ against another setting
+    paired = tmp_path / "paired"
+    shutil.copytree(runs / "grid" / "crossfit-s0", paired / "crossfit-s0")
+    shutil.copytree(runs / "short" / "coupled-s0", paired / "coupled-s0")
+    result = CliRunner().invoke(app, ["report", str(paired)])
+    assert result.exit_code == 2, result.output
+    said = " ".join(result.output.split())
+    assert "different configs" in said and "loop.rounds" in said
+    assert str(paired / "coupled-s0") in said and str(paired / "crossfit-s0") in said
+    assert not (paired / "results.json").exists()
+    assert collect_runs([runs / "grid" / "coupled-s0", runs / "grid" / "crossfit-s0"])["treatments"] == \
+        ["coupled", "crossfit"]  # one config: reported as before

@@ -361,3 +361,39 @@ def test_a_report_leaves_no_figure_of_an_earlier_report_behind(local_grid, tmp_p
     build_report(root, runs=[root / "crossfit-s0", root / "crossfit-s1"])  # no coupled: rounds only
     assert sorted(p.name for p in (root / "figures").iterdir()) == ["figure-1.png"]
     assert "figures/figure-1.png" in (root / "report.md").read_text()
+
+
+TWO_SMALL = ["world.name=\"small\"", "loop.admit_per_round=20", "loop.proposer_steps=2", "loop.solver_steps=2"]
+
+
+def test_compare_ratios_are_against_the_coupled_run_of_the_same_config_and_rounds(tmp_path):
+    import shutil
+
+    from selfevo.report.compare import compare
+    from selfevo.runs import RunError
+
+    two = grid(["coupled", "crossfit"], [0], tmp_path / "two", [*TWO_SMALL, "loop.rounds=2"])
+    (one,) = grid(["coupled"], [0], tmp_path / "one", [*TWO_SMALL, "loop.rounds=1"])
+    assert [r["status"] for r in run_grid(two, "local", workers=1)] == ["ok"] * 2
+    assert run_grid([one], "local", workers=1)[0]["status"] == "ok"
+    coupled, crossfit, short = Path(two[0].out), Path(two[1].out), Path(one.out)
+    gen = {p: json.loads((p / "compute.json").read_text())["total_generations"] for p in (coupled, crossfit)}
+    want = gen[crossfit] / gen[coupled] - 1
+    for order in ([coupled, short, crossfit], [short, coupled, crossfit]):  # the order chose the base
+        rows = {Path(r["run"]): r for r in compare(order)}
+        assert rows[crossfit]["extra_generations"] == pytest.approx(want)
+        assert rows[coupled]["extra_generations"] == rows[short]["extra_generations"] == 0.0
+    # a coupled run of seed 0 killed after round 1 of 2: its counts are of one round, no base
+    killed = tmp_path / "killed" / "coupled-s0"
+    shutil.copytree(coupled, killed)
+    manifest = json.loads((killed / "manifest.json").read_text())
+    (killed / "manifest.json").write_text(json.dumps({**manifest, "status": "running", "rounds_completed": 1}))
+    state = json.loads((killed / "checkpoints" / "round-1.json").read_text())
+    (killed / "compute.json").write_text(json.dumps(state["compute"]))
+    rows = {Path(r["run"]): r for r in compare([killed, crossfit])}
+    assert rows[crossfit]["extra_generations"] is None and rows[killed]["extra_generations"] == 0.0
+    # two coupled runs of one seed and config: which one is the base is not guessed
+    twin = tmp_path / "twin" / "coupled-s0"
+    shutil.copytree(coupled, twin)
+    with pytest.raises(RunError, match="two coupled runs of seed 0"):
+        compare([coupled, twin, crossfit])

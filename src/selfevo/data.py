@@ -502,6 +502,12 @@ def download_data(
         if dry_run:
             log(f"would fetch {repo}{at}: {' or '.join(request['files'])} -> {out / rel}")
             continue
+        # a kill inside an earlier conversion left its temp file beside the output (wiki-18: ~14 GB,
+        # never read by anything): clear it, as a run's resume does
+        dest = out / rel
+        for tmp in dest.parent.glob(f".{dest.name}.*"):
+            if tmp.name.endswith((".tmp", ".staged")):
+                tmp.unlink(missing_ok=True)
         entry = run()
         entry["request"] = request
         files[rel] = entry

@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import os
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 from selfevo import __version__
@@ -115,6 +116,19 @@ def _check_steps(path: Path, rows: list) -> list[dict]:
                 if not all(isinstance(x, str) for x in it[key]):
                     raise RunError(f"{at}: field {key!r} should be a list of strings")
     return rows
+
+
+def _check_numbers(obj, keys: Sequence[str], where: str) -> None:
+    """Each of `keys` is in `obj` (an object) as a number or null (a metric with nothing to measure)."""
+    if not isinstance(obj, dict):
+        raise RunError(f"{where}: should be an object, got {obj!r:.60}")
+    for key in keys:
+        value = obj.get(key, "missing")
+        if value is not None and (not isinstance(value, (int, float)) or isinstance(value, bool)):
+            raise RunError(f"{where}.{key} should be a number or null, got {value!r:.60}")
+
+
+_EVAL_GROUPS = ("macro", "single_hop", "multi_hop")
 
 
 class RunDir:
@@ -253,6 +267,30 @@ class RunDir:
         path = self.path / "folds.json"
         data = read_object(path)
         check_fields(data, _FOLDS_FIELDS, str(path))
+        return data
+
+    def evaluation(self, round: int) -> dict:
+        """eval/round-N.json: Cover-EM per benchmark and of the macro, single- and multi-hop averages
+        (what the report and compare read of it, checked)."""
+        path = self.eval_path(round)
+        data = read_object(path)
+        check_fields(data, {"benchmarks": dict}, str(path))
+        for b, row in data["benchmarks"].items():
+            _check_numbers(row, ("cover_em",), f"{path}: field benchmarks.{b}")
+        for group in _EVAL_GROUPS:
+            _check_numbers(data.get(group), ("cover_em",), f"{path}: field {group}")
+        return data
+
+    def audit_metrics(self) -> dict:
+        """audit/metrics.json: the audit's metrics by round and by step, checked."""
+        from selfevo.audit import METRICS
+
+        path = self.path / "audit" / "metrics.json"
+        data = read_object(path)
+        check_fields(data, {"rounds": list, "steps": list}, str(path))
+        for part in ("rounds", "steps"):
+            for i, row in enumerate(data[part]):
+                _check_numbers(row, METRICS, f"{path}: field {part}[{i}]")
         return data
 
     def compute(self) -> dict:

@@ -12,7 +12,7 @@ from selfevo._io import atomic_writer
 from selfevo.report import figures as figs
 from selfevo.report.collect import collect_runs, find_runs
 from selfevo.report.render import html_page, markdown
-from selfevo.runs import read_object
+from selfevo.runs import RunError, read_object
 
 
 def build_report(root: str | os.PathLike, context: str = "", runs: Sequence[str | os.PathLike] | None = None,
@@ -31,6 +31,9 @@ def build_report(root: str | os.PathLike, context: str = "", runs: Sequence[str 
     replay = replay and replay_results.exists()
     if replay:
         res["replay"] = read_object(replay_results)
+        conditions = res["replay"].get("conditions")  # what the replay table reads of it
+        if not isinstance(conditions, dict) or not all(isinstance(c, dict) for c in conditions.values()):
+            raise RunError(f"{replay_results}: field 'conditions' should be an object of objects")
     pngs: dict[str, bytes] = {}
     if "coupled" in res["audit"]:
         pngs["Coupled loop: A, T_P, T_S, F, L by scheduled step (mean over seeds; Figure 1/3 analogue)"] = \

@@ -12,10 +12,14 @@ from selfevo.algos import summary
 from selfevo.audit import METRICS, mean_hop_mix
 from selfevo.evaluate import BENCHMARKS
 from selfevo.report.compare import compare
-from selfevo.runs import RunDir, read_object
+from selfevo.runs import RunDir, differences
+
+# what may differ between the runs of one report: every other field is the setting they share
+_VARIED = ("treatment", "seed")
 
 
-def _eval_row(score: dict) -> dict:
+def _eval_row(run: RunDir, round: int) -> dict:
+    score = run.evaluation(round)
     row = {b: v["cover_em"] for b, v in score["benchmarks"].items()}
     row.update(macro=score["macro"]["cover_em"], single_hop=score["single_hop"]["cover_em"],
                multi_hop=score["multi_hop"]["cover_em"])
@@ -32,6 +36,7 @@ def collect_runs(run_dirs: Sequence[str | os.PathLike]) -> dict:
     seen: dict[tuple[str, int], Path] = {}
     done: dict[Path, int] = {}  # rounds completed, by run directory
     excluded = []
+    setting: tuple[dict, Path] | None = None  # the config every complete run shares, but _VARIED
     for d in run_dirs:
         run = RunDir(d)
         cfg, manifest = run.config(), run.manifest()  # checked: a damaged file is named
@@ -45,6 +50,15 @@ def collect_runs(run_dirs: Sequence[str | os.PathLike]) -> dict:
                              "why": f"status {manifest.get('status')!r}, "
                                     f"{manifest.get('rounds_completed', 0)} round(s) done"})
             continue
+        # runs of another setting (rounds, world, learner...) pooled under one treatment name, or
+        # paired with a coupled run of another setting, would mix numbers that mean different things
+        mine = {k: v for k, v in cfg.items() if k not in _VARIED}
+        if setting is None:
+            setting = (mine, run.path)
+        elif mine != setting[0]:
+            raise ValueError(f"{run.path} and {setting[1]} were made with different configs (fields: "
+                             f"{', '.join(differences(setting[0], mine))}); a report compares treatments and "
+                             "seeds of one config, so report them apart")
         runs.setdefault(treatment, {})[seed] = run
         done[run.path] = manifest.get("rounds_completed", 0)
     if not runs:
@@ -55,14 +69,13 @@ def collect_runs(run_dirs: Sequence[str | os.PathLike]) -> dict:
     columns = [*[b for b in BENCHMARKS], "macro", "single_hop", "multi_hop"]
 
     def last_eval(run: RunDir) -> dict:
-        return _eval_row(read_object(run.eval_path(done[run.path])))
+        return _eval_row(run, done[run.path])
 
     out: dict = {"treatments": treatments, "seeds": seeds, "downstream": {}, "audit": {}, "compute": {},
                  "excluded": excluded}
     # the untrained base model (round-0 evaluation; identical across treatments of a seed): every
     # seed any treatment completed, not only the first treatment's
-    base_rows = [_eval_row(read_object(next(runs[t][s] for t in treatments if s in runs[t]).eval_path(0)))
-                 for s in seeds]
+    base_rows = [_eval_row(next(runs[t][s] for t in treatments if s in runs[t]), 0) for s in seeds]
     out["base"] = {c: summary([r.get(c) for r in base_rows]) for c in columns}
     coupled = {s: last_eval(r) for s, r in runs.get("coupled", {}).items()}
     for t in treatments:
@@ -74,7 +87,7 @@ def collect_runs(run_dirs: Sequence[str | os.PathLike]) -> dict:
             entry["gain_vs_coupled"] = {c: summary([_minus(rows[s][c], coupled[s][c]) for s in common])
                                         for c in ("macro", "single_hop", "multi_hop")}
         out["downstream"][t] = entry
-        by_seed = {s: read_object(r.path / "audit" / "metrics.json") for s, r in runs[t].items()
+        by_seed = {s: r.audit_metrics() for s, r in runs[t].items()
                    if (r.path / "audit" / "metrics.json").exists()}
         audits = list(by_seed.values())
         n_rounds = min((len(a["rounds"]) for a in audits), default=0)

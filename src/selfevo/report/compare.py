@@ -3,16 +3,12 @@
 
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from selfevo.runs import RunDir, RunError, check_fields, read_object
-
-
-def _field(path: Path, obj: dict, key: str, typ: type | tuple):
-    check_fields(obj, {key: typ}, str(path))
-    return obj[key]
+from selfevo.runs import RunDir, RunError
 
 
 @dataclass
@@ -25,6 +21,9 @@ class RunSummary:
     seconds: float
     last_round: dict | None  # audit metrics of the last round, if audited
     cover_em: float | None  # main solver macro Cover-EM after the last round
+    # what a treatment's run must share with its coupled run: the config but the treatment, and the
+    # rounds done (compute.json counts those only)
+    setting: str = ""
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> RunSummary:
@@ -35,23 +34,28 @@ class RunSummary:
         if not (run.path / "compute.json").exists():
             raise RunError(f"{path}: no compute.json (the run has not finished a round)")
         compute = run.compute()
-        audit = run.path / "audit" / "metrics.json"
-        rounds = _field(audit, read_object(audit), "rounds", list) if audit.exists() else []
+        rounds = run.audit_metrics()["rounds"] if (run.path / "audit" / "metrics.json").exists() else []
         done = run.manifest().get("rounds_completed", 0)
-        score = run.eval_path(done)
-        macro = _field(score, read_object(score), "macro", dict) if score.exists() else {}
-        cover = _field(score, macro, "cover_em", (int, float)) if macro else None
+        cover = run.evaluation(done)["macro"]["cover_em"] if run.eval_path(done).exists() else None
+        setting = json.dumps([{k: v for k, v in cfg.items() if k != "treatment"}, done], sort_keys=True)
         return cls(run.path, cfg["treatment"], cfg["seed"], compute["total_generations"], compute["total_updates"],
-                   sum(compute["seconds"].values()), rounds[-1] if rounds else None, cover)
+                   sum(compute["seconds"].values()), rounds[-1] if rounds else None, cover, setting)
 
 
 def compare(paths: list[str | os.PathLike]) -> list[dict]:
-    """One row per run, with ratios against the coupled run of the same seed (None if absent)."""
+    """One row per run, with ratios against the coupled run of the same seed, config and rounds done
+    (None if absent)."""
     runs = [RunSummary.load(p) for p in paths]
-    base = {r.seed: r for r in runs if r.treatment == "coupled"}
+    base: dict[str, RunSummary] = {}
+    for r in runs:
+        if r.treatment == "coupled":
+            if r.setting in base:  # which one is the base is not ours to guess
+                raise RunError(f"two coupled runs of seed {r.seed} with one config: {base[r.setting].path} and "
+                               f"{r.path}; compare against one of them")
+            base[r.setting] = r
     rows = []
     for r in runs:
-        b = base.get(r.seed)
+        b = base.get(r.setting)  # the setting holds the seed
 
         def ratio(x: float, y: float | None) -> float | None:
             return None if not y else x / y - 1.0
