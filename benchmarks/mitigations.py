@@ -126,8 +126,8 @@ def acceptance(res: dict[str, list[dict]], timing: dict[str, dict]) -> list[tupl
         f, tp, a = (mean("crossfit", k) for k in ("F", "T_P", "A"))
         checks.append(("CrossFit round-3 F ≤ 0.5 × coupled's, with T_P higher and A not higher",
                        f <= 0.5 * co_f and tp > mean("coupled", "T_P") and a <= mean("coupled", "A"),
-                       f"F {f:.3f} vs {0.5 * co_f:.3f}; T_P {tp:.3f} vs {mean('coupled', 'T_P'):.3f}; "
-                       f"A {a:.3f} vs {mean('coupled', 'A'):.3f}"))
+                       f"F {f:.3f} vs 0.5 × {co_f:.3f} = {0.5 * co_f:.3f}; "
+                       f"T_P {tp:.3f} vs {mean('coupled', 'T_P'):.3f}; A {a:.3f} vs {mean('coupled', 'A'):.3f}"))
         m, lo, hi = ci95([r["macro"] - b["macro"] for r, b in zip(res["crossfit"], co)])
         checks.append(("downstream macro Cover-EM, CrossFit − coupled > 0 with a 95% interval excluding 0",
                        lo is not None and lo > 0,

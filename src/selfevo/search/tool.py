@@ -63,12 +63,11 @@ class SearchTool:
 
     def lookup(self, queries: Sequence[str]) -> list[list[Hit]]:
         """Unbudgeted, cached batch lookup (the session enforces the budget)."""
-        queries = [clip_query(q) for q in queries]
         # the common case is one query already cached (the sim's rollouts): nothing but this scan
         missing = [q for q in queries if q not in self._cache]
         if missing:
             missing = list(dict.fromkeys(missing))
-            results = self.retriever.retrieve(missing, topk=self.topk)
+            results = self.retriever.retrieve([clip_query(q) for q in missing], topk=self.topk)
             self.queries_issued += len(missing)
             for q, hits in zip(missing, results):
                 self._cache[q] = hits
