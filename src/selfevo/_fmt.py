@@ -10,10 +10,12 @@ def num(x: float | None, spec: str = ".3f") -> str:
     return DASH if x is None else format(x, spec)
 
 
-def mean_std_text(cell: dict | None, spec: str = ".3f") -> str:
+def mean_std_text(cell: dict | None, spec: str = ".3f", n: int | None = None) -> str:
     """A summary over seeds (`algos.summary`'s mean and std) as "mean ± std", or the dash; one seed
-    has no spread to show (its std of 0.0 would read as seeds that agree)."""
+    has no spread to show (its std of 0.0 would read as seeds that agree). `n`: the seed count where
+    the cell does not carry it (a replay condition keeps it beside its cells)."""
     if not cell or cell.get("mean") is None:
         return DASH
-    std = DASH if cell.get("n") == 1 or cell.get("std") is None else format(cell["std"], spec)
+    n = cell.get("n") if n is None else n
+    std = DASH if n == 1 or cell.get("std") is None else format(cell["std"], spec)
     return f"{format(cell['mean'], spec)} ± {std}"

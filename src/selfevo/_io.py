@@ -39,6 +39,15 @@ def atomic_writer(path: str | os.PathLike, mode: str = "w", fsync: bool = True) 
         raise
 
 
+def remove_leftover_temps(directory: str | os.PathLike, name: str = "*", recursive: bool = False) -> None:
+    """Remove the temp files a kill inside `atomic_writer` left for `name` (any file: "*") in
+    `directory` (and below it, `recursive`): `.NAME.XXXXXXXX.tmp`, never read by anything."""
+    directory = Path(directory)
+    pattern = f".{name}.*.tmp"
+    for tmp in directory.rglob(pattern) if recursive else directory.glob(pattern):
+        tmp.unlink(missing_ok=True)
+
+
 def write_json(path: str | os.PathLike, obj: Any) -> None:
     with atomic_writer(path) as fh:
         json.dump(obj, fh, indent=2, sort_keys=False)

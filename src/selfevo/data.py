@@ -47,7 +47,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from selfevo._io import atomic_writer, file_sha256, read_json, write_json
+from selfevo._io import atomic_writer, file_sha256, read_json, remove_leftover_temps, write_json
 
 # the readers' own line checks, so a downloaded file fails exactly where `selfevo.corpus` would fail it
 from selfevo.corpus import (
@@ -229,6 +229,11 @@ def subsample(items: Sequence[QAItem], k: int, seed: int, benchmark: str) -> lis
     return [it for i, it in enumerate(items) if i in keep]
 
 
+def _staged(dest: Path) -> Path:
+    """Where a benchmark file is written and read back before it replaces `dest`."""
+    return dest.parent / f".{dest.name}.staged"
+
+
 def convert_benchmark(src: str | os.PathLike, benchmark: str, dest: str | os.PathLike,
                       per_benchmark: int = 200, seed: int = 0) -> dict[str, Any]:
     """Convert one downloaded split file to `dest` (FlashRAG QA JSONL). The file is written beside
@@ -241,7 +246,7 @@ def convert_benchmark(src: str | os.PathLike, benchmark: str, dest: str | os.Pat
     chosen = subsample(items, k, seed, benchmark)
     dest = Path(dest)
     dest.parent.mkdir(parents=True, exist_ok=True)
-    staged = dest.parent / f".{dest.name}.staged"
+    staged = _staged(dest)
     try:
         with atomic_writer(staged) as fh:
             for it in chosen:
@@ -503,11 +508,10 @@ def download_data(
             log(f"would fetch {repo}{at}: {' or '.join(request['files'])} -> {out / rel}")
             continue
         # a kill inside an earlier conversion left its temp file beside the output (wiki-18: ~14 GB,
-        # never read by anything): clear it, as a run's resume does
+        # never read by anything) or the QA staging file: clear them, as a run's resume does
         dest = out / rel
-        for tmp in dest.parent.glob(f".{dest.name}.*"):
-            if tmp.name.endswith((".tmp", ".staged")):
-                tmp.unlink(missing_ok=True)
+        remove_leftover_temps(dest.parent, dest.name)  # .staged's own temp files match too
+        _staged(dest).unlink(missing_ok=True)
         entry = run()
         entry["request"] = request
         files[rel] = entry

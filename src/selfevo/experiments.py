@@ -59,8 +59,8 @@ def run_grid(jobs: Sequence[Job], executor: str = "local", workers: int | None =
     """Run every job; results in job order. `on_done` is called as each finishes (progress)."""
     if executor not in EXECUTORS:
         raise ValueError(f"executor: expected one of {', '.join(EXECUTORS)}, got {executor!r}")
-    for key, what in ((lambda j: j.name, "name"), (lambda j: str(Path(j.out).resolve()), "run directory")):
-        seen = [key(j) for j in jobs]  # two jobs on one directory would write it at the same time
+    # two jobs on one directory would write it at the same time; results are keyed by name
+    for what, seen in (("name", [j.name for j in jobs]), ("run directory", [str(Path(j.out).resolve()) for j in jobs])):
         dup = next((k for k in seen if seen.count(k) > 1), None)
         if dup is not None:
             raise ValueError(f"jobs: two jobs share the {what} {dup!r}")

@@ -790,16 +790,12 @@ def _rows(results: dict) -> list[tuple[str, dict]]:
     return rows
 
 
-def condition_cell(entry: dict, metric: str) -> str:
-    """One condition's metric as "mean ± std"; with one seed the std is a dash, not a spread of 0."""
-    return mean_std_text({**entry[metric], "n": entry.get("seeds")})
-
-
 def results_markdown(results: dict) -> str:
     head = "| condition | " + " | ".join(t for _, t in _COLUMNS) + " |"
     lines = [head, "|---|" + "---:|" * len(_COLUMNS)]
     for name, entry in _rows(results):
-        lines.append(f"| {name} | " + " | ".join(condition_cell(entry, k) for k, _ in _COLUMNS) + " |")
+        cells = (mean_std_text(entry[k], n=entry["seeds"]) for k, _ in _COLUMNS)
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
@@ -811,7 +807,7 @@ def results_table(results: dict):
     for _, title in _COLUMNS:
         table.add_column(title, justify="right")
     for name, entry in _rows(results):
-        table.add_row(name, *[condition_cell(entry, k) for k, _ in _COLUMNS],
+        table.add_row(name, *[mean_std_text(entry[k], n=entry["seeds"]) for k, _ in _COLUMNS],
                       style="dim" if name == _BASE_ROW else None)
     return table
 

@@ -20,7 +20,15 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from selfevo import __version__
-from selfevo._io import append_jsonl, atomic_writer, read_json, read_jsonl_log, write_json, write_jsonl
+from selfevo._io import (
+    append_jsonl,
+    atomic_writer,
+    read_json,
+    read_jsonl_log,
+    remove_leftover_temps,
+    write_json,
+    write_jsonl,
+)
 from selfevo.config import ConfigError, config_from_dict, with_absolute_paths
 from selfevo.records import SCHEMA_VERSION
 
@@ -181,9 +189,7 @@ class RunDir:
             raise RunError(f"{e}; cannot resume") from None
         if done and not self.checkpoint_path(done).exists():
             raise RunError(f"{self.path}: manifest says round {done} is done but its checkpoint is missing")
-        # a kill inside an atomic write leaves its temp file (`.NAME.XXXXXXXX.tmp`), never read: clear it
-        for tmp in self.path.rglob(".*.tmp"):
-            tmp.unlink(missing_ok=True)
+        remove_leftover_temps(self.path, recursive=True)  # a kill inside an atomic write leaves one
         # a killed run may have logged steps of an unfinished round, and a torn last line
         try:
             rows = _check_steps(self.steps_path, read_jsonl_log(self.steps_path, repair=True))

@@ -138,8 +138,8 @@ class Loop:
         for i, c in enumerate(cands):
             if c.proposal.format_error is not None:
                 continue
-            g = self.feedback.grader_for(c)
-            graders[i], routes[i] = g, self.feedback.routing(c)
+            g, routes[i] = self.feedback.route(c)
+            graders[i] = g
             by_grader.setdefault(id(g), []).append(i)
         responses: dict[int, list[str]] = {}
         for idx in sorted(by_grader.values(), key=lambda v: v[0]):

@@ -102,12 +102,13 @@ class Feedback(Protocol):
 
     def begin_round(self, round: int, main: TrainableSolver) -> None: ...
 
-    def grader_for(self, item) -> Solver:
-        """The frozen solver that grades this item (a `loop.engine.Candidate`)."""
+    def route(self, item) -> tuple[Solver, dict | None]:
+        """The frozen solver that grades this item (a `loop.engine.Candidate`), and the record's
+        `routing` field for it (where a fallback grader grades it), else None."""
         ...
 
-    def routing(self, item) -> dict | None:
-        """The record's `routing` field for this item (a fallback grader), or None."""
+    def grader_for(self, item) -> Solver:
+        """`route(item)`'s grader."""
         ...
 
     def end_round(self, round: int, admitted: Sequence, tool, seed: int, last: bool) -> dict:
@@ -134,12 +135,12 @@ class CoupledFeedback:
     def begin_round(self, round: int, main: TrainableSolver) -> None:
         self.grader = main.snapshot(name=f"main@r{round - 1}")
 
-    def grader_for(self, item) -> Solver:
+    def route(self, item) -> tuple[Solver, dict | None]:
         assert self.grader is not None, "begin_round first"
-        return self.grader
+        return self.grader, None
 
-    def routing(self, item) -> dict | None:
-        return None
+    def grader_for(self, item) -> Solver:
+        return self.route(item)[0]
 
     def end_round(self, round: int, admitted: Sequence, tool, seed: int, last: bool) -> dict:
         return {}
@@ -196,22 +197,18 @@ class AuxFeedback:
         self.graders = [a.snapshot(name=f"{a.name}@r{round - 1}") for a in self.aux]
         self._round = round
 
-    def _route(self, item) -> tuple[int, set[int], bool]:
-        """(grader index, folds the question touched, fallback) from round 2 on."""
+    def route(self, item) -> tuple[Solver, dict | None]:
+        """Round 1: the shared base model. Later: the grader `grader_index` allows; where the question
+        touched every fold, the fallback grader, recorded `{"fallback": True, "touched": [...]}` as the
+        engine integrations record it."""
+        if self._round == 1:
+            return self.base, None
         touched = self._item_folds(item)
         j, fallback = grader_index(self.grades, item.fold, touched, self.folds.k)
-        return j, touched, fallback
+        return self.graders[j], {"fallback": True, "touched": sorted(touched)} if fallback else None
 
     def grader_for(self, item) -> Solver:
-        return self.base if self._round == 1 else self.graders[self._route(item)[0]]
-
-    def routing(self, item) -> dict | None:
-        """`{"fallback": True, "touched": [...]}` when the question touched every fold and the
-        fallback grader graded it (as the engine integrations record it); else None."""
-        if self._round == 1:
-            return None
-        _, touched, fallback = self._route(item)
-        return {"fallback": True, "touched": sorted(touched)} if fallback else None
+        return self.route(item)[0]
 
     # ---------------------------------------------------------------- training
     def end_round(self, round: int, admitted: Sequence, tool, seed: int, last: bool) -> dict:

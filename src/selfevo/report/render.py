@@ -8,7 +8,6 @@ import html
 from selfevo._fmt import DASH, mean_std_text, num
 from selfevo.audit import METRICS, hop_mix_text
 from selfevo.evaluate import BENCHMARKS
-from selfevo.replay import condition_cell
 
 # runs collect_runs left out of every number (not complete), listed so the reader knows
 LEFT_OUT = "Runs left out (not complete; no number above includes them)"
@@ -66,7 +65,8 @@ def tables(res: dict) -> dict[str, tuple[list[str], list[list[str]]]]:
         rp = res["replay"]["conditions"]
         keys = ["F", "solver_truth", "replay_accuracy", "A"]
         out["Fixed replay bank (mean ± std over seeds)"] = (
-            ["condition", *keys], [[n, *[condition_cell(c, k) for k in keys]] for n, c in rp.items()])
+            ["condition", *keys],
+            [[n, *[mean_std_text(c.get(k), n=c.get("seeds")) for k in keys]] for n, c in rp.items()])
     return out
 
 
