@@ -116,3 +116,30 @@ def test_a_job_that_failed_before_its_run_directory_is_named_in_the_report(tmp_p
     (left,) = res["excluded"]
     assert (left["treatment"], left["seed"]) == ("crossfit", 0) and "failed before it wrote" in left["why"]
     assert "crossfit seed 0" in (out / "report.md").read_text()
+
+
+def test_a_job_refused_for_another_config_is_left_out_not_reported(tmp_path):
+    from io import StringIO
+
+    from rich.console import Console
+
+    from selfevo.demo import run_demo
+
+    quiet = Console(file=StringIO(), width=400)
+    out = tmp_path / "demo"
+    first = run_demo(_quick(), out, console=quiet, workers=1)
+    changed = {"loop": {**_quick().run["loop"], "rounds": 1}}
+    # every job is refused (its run directory holds the 2-round plan): the old numbers must not be
+    # reported as this plan's
+    with pytest.raises(ValueError, match="no job of this plan finished"):
+        run_demo(_quick(run=changed), out, console=quiet, workers=1)
+    assert json.loads((out / "results.json").read_text())["downstream"] == first["downstream"]
+    # one job refused: the report is of this plan's other runs, the refused one listed as left out
+    (out / "runs" / "crossfit-s0").rename(tmp_path / "moved")
+    (tmp_path / "old").mkdir()
+    (out / "runs" / "coupled-s0").rename(tmp_path / "old" / "coupled-s0")
+    (tmp_path / "moved").rename(out / "runs" / "crossfit-s0")  # a 2-round run where a 1-round one goes
+    res = run_demo(_quick(run=changed), out, console=quiet, workers=1)
+    assert res["treatments"] == ["coupled"] and len(res["audit"]["coupled"]["rounds"]) == 1
+    (left,) = res["excluded"]
+    assert (left["treatment"], left["seed"]) == ("crossfit", 0) and "config differs" in left["why"]

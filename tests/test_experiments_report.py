@@ -397,3 +397,41 @@ def test_compare_ratios_are_against_the_coupled_run_of_the_same_config_and_round
     shutil.copytree(coupled, twin)
     with pytest.raises(RunError, match="two coupled runs of seed 0"):
         compare([coupled, twin, crossfit])
+
+
+@pytest.mark.parametrize("signame", ["SIGINT", "SIGTERM"])
+def test_an_interrupted_grid_stops_with_its_workers(tmp_path, signame):
+    """Ctrl-C (or SIGTERM) of a local grid ends it now: no worker goes on running the queued jobs,
+    before the grid returns (Ctrl-C) or after it is gone (SIGTERM: orphans writing run directories
+    that a rerun resumes at the same time)."""
+    import contextlib
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    script = (f"from selfevo.experiments import grid, run_grid\n"
+              f"run_grid(grid(['coupled'], range(8), {str(tmp_path)!r}, {ONE_ROUND!r}), 'local', workers=2)\n")
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1] / "src")},
+                            start_new_session=True)  # its own group: the test cleans up whatever outlives it
+    try:
+        deadline = time.monotonic() + 120
+        while not list(tmp_path.glob("*/manifest.json")) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        proc.send_signal(getattr(signal, signame))  # the grid's process only, as `kill PID` does
+        proc.wait(timeout=30)
+        after = time.monotonic()
+
+        def state() -> list:
+            return sorted((p.parent.name, p.read_bytes()) for p in tmp_path.glob("*/manifest.json"))
+
+        seen = state()
+        while time.monotonic() - after < 4:  # nothing left running writes another manifest
+            time.sleep(0.2)
+            assert state() == seen
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+    complete = [name for name, m in seen if json.loads(m)["status"] == "complete"]
+    assert len(seen) < 8 and len(complete) < 8

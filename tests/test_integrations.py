@@ -875,3 +875,15 @@ def test_a_failed_grader_call_is_an_error_not_a_wrong_answer(tmp_path):
         reward.close()
     assert sum(model.faults.values()) > 0  # the case: some calls did fail
     assert not (tmp_path / "items.jsonl").exists() or read_staged(tmp_path / "items.jsonl") == []
+
+
+def test_engine_run_refuses_a_run_another_process_is_writing(tmp_path):
+    """Like `evolve`: a second writer of one run directory is refused before it writes anything."""
+    from selfevo.integrations import engine as eng
+    from selfevo.runs import RunDir, RunError
+
+    cfg = {"backend": "lm", "treatment": "crossfit", "world": {"name": "small"}}
+    ecfg = eng.engine_config_from_dict(cfg, engine="trl")
+    with RunDir(tmp_path / "run").lock(), pytest.raises(RunError, match="another process is writing this run"):
+        eng.engine_run(ecfg, tmp_path / "run", resume=True, log=lambda m: None)
+    assert not (tmp_path / "run").exists()

@@ -191,3 +191,26 @@ def test_sigkill_during_round_2_then_resume(tmp_path):
         assert (out / f).read_bytes() == (tmp_path / "ref" / f).read_bytes(), f
     metrics = json.loads((out / "audit" / "metrics.json").read_text())
     assert [r["round"] for r in metrics["rounds"]] == [1, 2, 3]
+
+
+def test_a_run_still_being_written_is_not_resumed_beside_its_writer(tmp_path):
+    """`--resume` (or a grid rerun) while another process still writes the run: refused, naming
+    the run, instead of both processes appending the same steps to one log."""
+    from selfevo.runs import RunError
+
+    out = tmp_path / "run"
+    args = ["evolve", "--out", str(out), "--rounds", "2", "--world", "small"]  # the full small schedule: seconds
+    src = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src")
+    writer = subprocess.Popen([sys.executable, "-c", "from selfevo.cli import app; app()", *args],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                              env={**os.environ, "PYTHONPATH": src})
+    deadline = time.monotonic() + 120
+    while not (out / "records" / "steps.jsonl").exists() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    try:
+        with pytest.raises(RunError, match="another process is writing this run"):
+            evolve(load_config(None, ["world.name=small", "loop.rounds=2"]), out, resume=True, progress=False)
+    finally:
+        assert writer.wait(timeout=300) == 0
+    keys = [(r["round"], r["step"]) for r in RunDir(out).steps()]
+    assert keys == sorted(set(keys)) and len(keys) == 2 * (18 + 25)

@@ -186,12 +186,17 @@ def run_demo(plan: DemoPlan, out: str | os.PathLike, console: Console | None = N
         results = run_grid(jobs, plan.executor, workers, on_done)
     for res in failed:
         console.print(f"[red]job {escape(res['job'])} failed:[/red] {escape(res['error'])}")
-    # this plan's runs only: a run directory below `out` from an earlier plan is not this demo's
-    runs = [r["run"] for r in results if RunDir(r["run"]).exists()]
+    # this plan's runs only: a run directory below `out` from an earlier plan is not this demo's,
+    # and neither is the directory of a failed job (one made under another config, say)
+    runs = [r["run"] for r in results if r["status"] != "failed" and RunDir(r["run"]).exists()]
     job = {j.name: j for j in jobs}
     never = [{"run": r["run"], "treatment": job[r["job"]].treatment, "seed": job[r["job"]].seed,
-              "why": f"the job failed before it wrote a run directory: {r['error']}"}
-             for r in failed if r["run"] not in runs]
+              "why": (f"the job failed: {r['error']}" if RunDir(r["run"]).exists()
+                      else f"the job failed before it wrote a run directory: {r['error']}")}
+             for r in failed]
+    if not runs:  # the old plan's directories would otherwise pass for this plan's results
+        raise ValueError(f"{out}: no job of this plan finished, nothing to report (job {failed[0]['job']}: "
+                         f"{failed[0]['error']})")
     coupled = [r["run"] for r in results if job[r["job"]].treatment == "coupled" and r["status"] != "failed"]
     replay = bool(plan.replay_conditions and coupled)
     if replay:

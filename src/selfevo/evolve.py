@@ -201,50 +201,51 @@ def evolve(cfg: RunConfig, out: str | os.PathLike, resume: bool = False, progres
     env = environment(cfg)
     tool = SearchTool(env.index, topk=cfg.search.topk, max_calls=cfg.search.max_calls)
     run = RunDir(out)
-    resuming = resume and run.exists()
-    if resuming:
-        done = run.open_for_resume(cfg.to_json(), defaults=RunConfig().to_json())
-        check_world(run, cfg)
-    else:
-        check_world_params(cfg, env.world)
-        run.check_new()  # now, not after the model load it would waste
-        done = 0
-
-    def evaluate(solver, round_: int) -> None:
-        # timings live in compute.json, so that eval files are byte-identical across reruns
-        evaluate_solver(solver, env.benchmarks, tool, progress=False, run_info={"round": round_},
-                        limit=cfg.data.eval_limit or None,
-                        predictions_path=run.eval_predictions_path(round_),
-                        score_path=run.eval_path(round_), timing=False)
-
-    folds_path = run.path / "folds.json"
-    if resuming and folds_path.exists():  # permanent: a resumed run keeps the assignment it started with
-        folds = FoldAssignment.from_json(run.folds())
-    else:
-        folds = fold_assignment(cfg, env.documents)
-    loop = build_loop(cfg, env, tool, folds, evaluate, store=run.path / "checkpoints" / "tensors")
-    if not resuming:
-        run.create(cfg.to_json())
-        if (sha := world_sha256(cfg)) is not None:
-            run.note(world_sha256=sha)
-    if not folds_path.exists():
-        write_json(folds_path, folds.to_json())
-    if done:
-        _restore(loop, run, done)
-    elif not run.eval_path(0).exists():
-        evaluate(loop.main, 0)  # the base model, before any training
-    loop.run(run, start_round=done + 1, progress=progress)
-    if audit:
-        if env.truth is not None:
-            audit_run(run, OracleJudge(env.truth))
-        elif judge is not None:
-            audit_run(run, judge)
+    with run.lock():  # one writer: a second (a rerun beside a live orphan) would interleave its records
+        resuming = resume and run.exists()
+        if resuming:
+            done = run.open_for_resume(cfg.to_json(), defaults=RunConfig().to_json())
+            check_world(run, cfg)
         else:
-            with default_judge(cfg, env, run.path / "audit" / "cache.jsonl") as j:
-                audit_run(run, j)
-    run.finish()  # after the audit: a run killed in it is resumed (rounds done, audit again), not skipped
-    run.note(wall_seconds_last_invocation=round(time.perf_counter() - started, 3))
-    return run
+            check_world_params(cfg, env.world)
+            run.check_new()  # now, not after the model load it would waste
+            done = 0
+
+        def evaluate(solver, round_: int) -> None:
+            # timings live in compute.json, so that eval files are byte-identical across reruns
+            evaluate_solver(solver, env.benchmarks, tool, progress=False, run_info={"round": round_},
+                            limit=cfg.data.eval_limit or None,
+                            predictions_path=run.eval_predictions_path(round_),
+                            score_path=run.eval_path(round_), timing=False)
+
+        folds_path = run.path / "folds.json"
+        if resuming and folds_path.exists():  # permanent: a resumed run keeps the assignment it started with
+            folds = FoldAssignment.from_json(run.folds())
+        else:
+            folds = fold_assignment(cfg, env.documents)
+        loop = build_loop(cfg, env, tool, folds, evaluate, store=run.path / "checkpoints" / "tensors")
+        if not resuming:
+            run.create(cfg.to_json())
+            if (sha := world_sha256(cfg)) is not None:
+                run.note(world_sha256=sha)
+        if not folds_path.exists():
+            write_json(folds_path, folds.to_json())
+        if done:
+            _restore(loop, run, done)
+        elif not run.eval_path(0).exists():
+            evaluate(loop.main, 0)  # the base model, before any training
+        loop.run(run, start_round=done + 1, progress=progress)
+        if audit:
+            if env.truth is not None:
+                audit_run(run, OracleJudge(env.truth))
+            elif judge is not None:
+                audit_run(run, judge)
+            else:
+                with default_judge(cfg, env, run.path / "audit" / "cache.jsonl") as j:
+                    audit_run(run, j)
+        run.finish()  # after the audit: a run killed in it is resumed (rounds done, audit again), not skipped
+        run.note(wall_seconds_last_invocation=round(time.perf_counter() - started, 3))
+        return run
 
 
 # what Loop.state_dict writes; each is an object

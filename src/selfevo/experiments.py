@@ -8,7 +8,10 @@ still complete; rerunning a grid skips finished jobs and resumes interrupted one
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
+import threading
 import traceback
 from collections.abc import Callable, Sequence
 from concurrent.futures import ProcessPoolExecutor, as_completed
@@ -92,16 +95,46 @@ def run_grid(jobs: Sequence[Job], executor: str = "local", workers: int | None =
             for job in jobs:
                 done(run_job(job))
         else:
-            with ProcessPoolExecutor(max_workers=workers) as pool:
+            # a worker keeps SIGTERM's default action (it is forked inside _terminate_raises)
+            with (ProcessPoolExecutor(max_workers=workers, initializer=signal.signal,
+                                      initargs=(signal.SIGTERM, signal.SIG_DFL)) as pool,
+                  _terminate_raises()):
                 futures = {pool.submit(run_job, job): job for job in jobs}
-                for fut in as_completed(futures):
-                    try:
-                        done(fut.result())
-                    except Exception as e:  # noqa: BLE001 - run_job never raises: a worker died (a
-                        # killed process breaks the pool, so every job not yet finished ends here too;
-                        # a rerun of the grid resumes them)
-                        done(_died(futures[fut], e))
+                try:
+                    for fut in as_completed(futures):
+                        try:
+                            done(fut.result())
+                        except Exception as e:  # noqa: BLE001 - run_job never raises: a worker died (a
+                            # killed process breaks the pool, so every job not yet finished ends here too;
+                            # a rerun of the grid resumes them)
+                            done(_died(futures[fut], e))
+                except BaseException:  # Ctrl-C, SIGTERM: stop now, not after the pool has run every
+                    # queued job; the workers go too (an orphan would go on writing run directories a
+                    # rerun resumes). A run killed mid-way resumes on the rerun, as after kill -9.
+                    for fut in futures:
+                        fut.cancel()
+                    for proc in list((getattr(pool, "_processes", None) or {}).values()):
+                        proc.kill()
+                    raise
     return [results[j.name] for j in jobs]
+
+
+@contextlib.contextmanager
+def _terminate_raises():
+    """SIGTERM raises SystemExit here (in the main thread), so the pool's workers are stopped
+    with the grid instead of outliving it; elsewhere, nothing changes."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handler(signum, frame):
+        raise SystemExit(128 + signum)
+
+    previous = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def _died(job: Job, e: BaseException) -> dict:

@@ -13,6 +13,7 @@ evaluations, compute accounting and round checkpoints — and resuming from them
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import time
@@ -31,6 +32,11 @@ from selfevo._io import (
 )
 from selfevo.config import ConfigError, config_from_dict, with_absolute_paths
 from selfevo.records import SCHEMA_VERSION
+
+try:
+    import fcntl
+except ImportError:  # pragma: no cover - not POSIX: no lock
+    fcntl = None
 
 
 def differences(a: dict, b: dict, prefix: str = "") -> list[str]:
@@ -169,6 +175,29 @@ class RunDir:
                            "or choose another --out")
         if self.path.exists() and not self.path.is_dir():
             raise RunError(f"{self.path}: not a directory; choose another --out")
+
+    @contextlib.contextmanager
+    def lock(self):
+        """Hold the run directory for this process while it writes the run: a second writer (an
+        `evolve --resume` of a run still going, a grid rerun beside the workers of one killed) is a
+        RunError, not records of two processes interleaved. Released when the process ends, however."""
+        if self.path.exists() and not self.path.is_dir():
+            raise RunError(f"{self.path}: not a directory; choose another --out")
+        made = not self.path.exists()
+        self.path.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.path, os.O_RDONLY)
+        try:
+            if fcntl is not None:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    raise RunError(f"{self.path}: another process is writing this run; wait for it to end "
+                                   "(or stop it), then rerun") from None
+            yield
+        finally:
+            if made and not any(self.path.iterdir()):  # a start that failed leaves no directory
+                self.path.rmdir()
+            os.close(fd)
 
     def create(self, config: dict) -> None:
         self.check_new()

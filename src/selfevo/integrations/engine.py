@@ -587,7 +587,8 @@ class EngineRun:
 
 def engine_run(ecfg: EngineConfig, out: str | os.PathLike, resume: bool = False,
                log: Callable[[str], None] = print) -> RunDir:
-    return EngineRun(ecfg, out, resume=resume, log=log).run_all()
+    with RunDir(out).lock():  # one writer, as for `evolve`
+        return EngineRun(ecfg, out, resume=resume, log=log).run_all()
 
 
 # ---------------------------------------------------------------- helpers
