@@ -228,3 +228,45 @@ def test_a_corpus_rewritten_in_the_same_process_is_read_again(tmp_path):
     assert environment(cfg).documents is environment(cfg).documents  # an unchanged file stays cached
     write(5)
     assert len(environment(cfg).documents) == 5
+
+
+@pytest.mark.parametrize("command", [["index", "build", "--out"], ["serve-retriever", "--index-dir"]])
+def test_an_index_is_never_written_over_its_own_corpus(tmp_path, monkeypatch, command):
+    """A corpus named docs.jsonl in the directory named as the index's: the index's docs.jsonl would
+    replace it (fields beyond id and contents dropped, titles re-quoted), and the index then refuses
+    the very corpus it was built from (its sha256 changed)."""
+    import uvicorn
+
+    monkeypatch.setattr(uvicorn, "run", lambda *a, **k: None)  # serve-retriever: never start serving
+    data = tmp_path / "data"
+    data.mkdir()
+    corpus = data / "docs.jsonl"
+    corpus.write_text('{"id": "1", "contents": "Alpha\\nalpha text", "meta": "keep me"}\n')
+    before = corpus.read_bytes()
+    out = _usage_error([*command[:-1], "--corpus", str(corpus), command[-1], str(data)])
+    assert "would write its docs.jsonl over this corpus file" in out
+    assert corpus.read_bytes() == before
+    assert sorted(p.name for p in data.iterdir()) == ["docs.jsonl"]
+
+
+def test_names_from_the_data_and_paths_print_as_they_are(tmp_path):
+    """Rich reads [word] as markup: a benchmark named "hotpot[/dev]" (metadata.benchmark, or a file
+    stem) raised MarkupError after score.json was written (a traceback, exit 1), "nq[dev]" printed as
+    "nq", and an --out with brackets did the same to `index build` after the index was built."""
+    qa = tmp_path / "qa"
+    qa.mkdir()
+    (qa / "mine.jsonl").write_text(
+        '{"id": "a", "question": "q?", "golden_answers": ["Paris"], "metadata": {"benchmark": "nq[dev]"}}\n'
+        '{"id": "b", "question": "q2?", "golden_answers": ["x"], "metadata": {"benchmark": "hotpot[/dev]"}}\n')
+    preds = tmp_path / "p.jsonl"
+    preds.write_text('{"id": "a", "prediction": "paris"}\n{"id": "b", "prediction": "y"}\n')
+    res = runner.invoke(app, ["score", "--data-dir", str(qa), "--predictions", str(preds),
+                              "--out", str(tmp_path / "s.json")])
+    assert res.exit_code == 0, res.output
+    assert "nq[dev]" in res.output and "hotpot[/dev]" in res.output
+    corpus = tmp_path / "c.jsonl"
+    corpus.write_text('{"id": "1", "contents": "\\"Paris\\"\\nParis is the capital of France."}\n')
+    out = tmp_path / "idx[/x]"
+    res = runner.invoke(app, ["index", "build", "--corpus", str(corpus), "--out", str(out)])
+    assert res.exit_code == 0, res.output
+    assert str(out) in " ".join(res.output.split())

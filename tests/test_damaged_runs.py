@@ -270,3 +270,37 @@ def test_report_names_a_damaged_eval_audit_or_replay_file(tmp_path, finished, da
     if "replay" not in named and "round-0" not in named:  # compare reads the last round's files
         rc, out = cli("compare", root / "a")
         assert_one_line_error(rc, out, named.split(": field")[0])
+
+
+def test_a_corpus_rewritten_since_the_run_is_refused(tmp_path, monkeypatch):
+    """A run on a real corpus records its documents' sha256, as a world run records its world's:
+    resume and audit refuse a corpus file edited since (before: the resumed rounds drew their sources
+    from the new documents, and the audit's judge read whatever text the ids now name, exit 0)."""
+    from types import SimpleNamespace
+
+    from selfevo.agents.baseline import RetrievalBaseline
+
+    corpus, qa = tmp_path / "data" / "corpus" / "c.jsonl", tmp_path / "data" / "qa"
+    corpus.parent.mkdir(parents=True)
+    qa.mkdir()
+    docs = [{"id": str(i), "contents": f'"Page {i}"\nPage {i} was founded in {1900 + i}.'} for i in range(3)]
+    corpus.write_text("".join(json.dumps(d) + "\n" for d in docs), encoding="utf-8")
+    (qa / "nq.jsonl").write_text(json.dumps({"id": "q0", "question": "When was Page 1 founded?",
+                                             "golden_answers": ["1901"]}) + "\n", encoding="utf-8")
+    # the language model is not what is checked here: a loop that trains nothing, a main solver that loads none
+    monkeypatch.setattr(selfevo.evolve, "build_loop",
+                        lambda *a, **k: SimpleNamespace(main=RetrievalBaseline(), run=lambda *a, **k: None))
+    cfg = load_config(None, [], backend="lm", **{"data.corpus": str(corpus), "data.qa_dir": str(qa)})
+    out = tmp_path / "run"
+    evolve(cfg, out, progress=False, audit=False)
+    assert RunDir(out).manifest()["corpus_sha256"]
+    evolve(cfg, out, resume=True, progress=False, audit=False)  # the same corpus: resumes
+
+    docs[1]["contents"] = '"Page 1"\nPage 1 was founded in 1950.'  # the user edits the corpus in place
+    corpus.write_text("".join(json.dumps(d) + "\n" for d in docs), encoding="utf-8")
+    before = files(out)
+    with pytest.raises(RunError, match="c.jsonl: the corpus has changed since"):
+        evolve(cfg, out, resume=True, progress=False, audit=False)
+    rc, text = cli("audit", out, "--judge", "llm", "--judge-url", "http://127.0.0.1:9/v1", "--judge-model", "m")
+    assert_one_line_error(rc, text, "the corpus has changed since")
+    assert files(out) == before

@@ -151,7 +151,7 @@ def index_build(
     except (DataError, ValueError, ImportError) as e:
         _fail(str(e))
     console.print(f"built a {retriever} index over {len(index):,} passages in {time.perf_counter() - start:.1f} s: "
-                  f"{out} ({index_size_bytes(out) / 2**20:.1f} MiB)")
+                  f"{escape(str(out))} ({index_size_bytes(out) / 2**20:.1f} MiB)")
 
 
 @app.command("score")
@@ -242,7 +242,7 @@ def data_download(
     except (DownloadError, DataError, ValueError, OSError) as e:
         _fail(str(e))
     if not dry_run:
-        console.print(f"data ready in {out} (sources, counts and sha256 in {res['out']}/manifest.json)")
+        console.print(escape(f"data ready in {out} (sources, counts and sha256 in {res['out']}/manifest.json)"))
 
 
 world_app = _typer("The synthetic world.")
@@ -270,7 +270,7 @@ def world_make(
         _fail(str(e))
     save_world(world, out)
     n = sum(len(v) for v in world.benchmarks.values())
-    console.print(f"wrote {len(world.documents)} pages and {n} benchmark questions to {out}")
+    console.print(escape(f"wrote {len(world.documents)} pages and {n} benchmark questions to {out}"))
 
 
 @app.command("evolve")
@@ -366,7 +366,7 @@ def _print_run(path: Path) -> None:
     if evals:
         line = ", ".join(f"r{p.stem.split('-')[1]} {read_json(p)['macro']['cover_em']:.3f}" for p in evals)
         console.print(f"main solver macro Cover-EM by round: {line}")
-    console.print(f"run directory: {path}")
+    console.print(escape(f"run directory: {path}"))
 
 
 @app.command("audit")
@@ -507,7 +507,7 @@ def audit_cmd(
         o = res["injection"]["overall"]
         console.print(f"injection test: {o['flipped']} of {o['n']} verdicts flipped ({num(o['flip_rate'])}), "
                       f"{o['to_correct']} towards correct")
-    console.print(f"audit written to {out_dir}")
+    console.print(escape(f"audit written to {out_dir}"))
 
 
 @app.command("serve-model")
@@ -633,7 +633,7 @@ def report_cmd(run_root: Path = typer.Argument(..., help="a directory of runs (e
     except ValueError as e:
         _fail(str(e))
     headline(res, console)
-    console.print(f"report: {run_root / 'report.html'}")
+    console.print(escape(f"report: {run_root / 'report.html'}"))
 
 
 replay_app = _typer("The fixed replay bank: feedback provenance with the curriculum held fixed.")
@@ -664,7 +664,7 @@ def replay_build(
     except ReplayError as e:
         _fail(str(e))
     bank.save(out)
-    console.print(f"wrote a bank of {len(bank.items)} items from {len(bank.sources)} run(s) to {out}")
+    console.print(escape(f"wrote a bank of {len(bank.items)} items from {len(bank.sources)} run(s) to {out}"))
 
 
 @replay_app.command("run")
@@ -715,7 +715,7 @@ def replay_run(
         _fail(str(e))
     write_results(results, out)
     console.print(results_table(results))
-    console.print(f"wrote {out / 'results.json'}, {out / 'results.md'} and {out / 'replay.png'}")
+    console.print(escape(f"wrote {out / 'results.json'}, {out / 'results.md'} and {out / 'replay.png'}"))
 
 
 if __name__ == "__main__":

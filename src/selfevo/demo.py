@@ -211,7 +211,7 @@ def run_demo(plan: DemoPlan, out: str | os.PathLike, console: Console | None = N
                                     f"{time.perf_counter() - started:.0f} s on {os.cpu_count()} cores.",
                        runs=runs, replay=replay, excluded=never)
     headline(res, console)
-    console.print(f"report: {out / 'report.html'}  (also report.md, results.json)")
+    console.print(escape(f"report: {out / 'report.html'}  (also report.md, results.json)"))
     return res
 
 

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
@@ -250,7 +251,8 @@ def print_score_table(result: Mapping[str, Any], console: Console) -> None:
     table.add_column("F1", justify="right")
     for name, row in result["benchmarks"].items():
         n = str(row["n"]) + (f" ({row['missing']} missing)" if row.get("missing") else "")
-        table.add_row(name, n, num(row["cover_em"]), num(row["em"]), num(row["f1"]))
+        # a name from the data (metadata.benchmark, a file stem): "nq[dev]" is no markup
+        table.add_row(escape(name), n, num(row["cover_em"]), num(row["em"]), num(row["f1"]))
     table.add_section()
     n_total = sum(row["n"] for row in result["benchmarks"].values())
     for label, key in _GROUP_ROWS:
@@ -293,7 +295,7 @@ def evaluate_solver(solver: Solver, data: Mapping[str, Sequence[QAItem]], tool: 
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                TimeElapsedColumn())
     with Progress(*columns, console=console, disable=not progress) as bar:
-        task = bar.add_task(f"eval {getattr(solver, 'name', type(solver).__name__)}",
+        task = bar.add_task(escape(f"eval {getattr(solver, 'name', type(solver).__name__)}"),  # lm:PATH
                             total=len(items))
         for start in range(0, len(items), batch_size):
             batch = items[start:start + batch_size]

@@ -19,7 +19,7 @@ from selfevo._io import write_json
 from selfevo.agents.sim import Reader, SimProposer, SimSolver
 from selfevo.audit import OracleJudge, audit_run
 from selfevo.config import ConfigError, RunConfig, WorldSpec
-from selfevo.corpus import read_corpus, read_qa_dir
+from selfevo.corpus import DataError, read_corpus, read_qa_dir
 from selfevo.evaluate import evaluate_solver
 from selfevo.loop.admission import MSV, AdmitAll
 from selfevo.loop.engine import Loop
@@ -182,12 +182,24 @@ def check_world_params(cfg: RunConfig, world: World | None) -> None:
 
 def check_world(run: RunDir, cfg: RunConfig) -> None:
     """A run's records are judged against the truth of the world they were made on: a world
-    directory rewritten since (say by another `selfevo world make`) is refused."""
-    saved = run.manifest().get("world_sha256")
+    directory rewritten since (say by another `selfevo world make`) is refused, and so is a corpus
+    file whose documents have changed since (its sources, the judge's evidence)."""
+    manifest = run.manifest()
+    saved = manifest.get("world_sha256")
     if saved is not None and saved != world_sha256(cfg):
         raise RunError(f"{cfg.world.name}: the world directory has changed since {run.path} was made on it "
                        "(its files no longer match the sha256 the run recorded); the run can only be audited "
                        "or resumed on the world it was made on")
+    saved = manifest.get("corpus_sha256")
+    if saved is not None and cfg.data.corpus:
+        try:
+            now = environment(cfg, benchmarks=False).index.corpus_sha256
+        except (DataError, OSError) as e:
+            raise RunError(str(e)) from None
+        if saved != now:
+            raise RunError(f"{cfg.data.corpus}: the corpus has changed since {run.path} was made on it (its "
+                           "documents no longer match the sha256 the run recorded); the run can only be audited "
+                           "or resumed on the corpus it was made on")
 
 
 def evolve(cfg: RunConfig, out: str | os.PathLike, resume: bool = False, progress: bool = True,
@@ -228,6 +240,8 @@ def evolve(cfg: RunConfig, out: str | os.PathLike, resume: bool = False, progres
             run.create(cfg.to_json())
             if (sha := world_sha256(cfg)) is not None:
                 run.note(world_sha256=sha)
+            if cfg.data.corpus:  # the documents' content hash, computed when they were indexed
+                run.note(corpus_sha256=env.index.corpus_sha256)
         if not folds_path.exists():
             write_json(folds_path, folds.to_json())
         if done:

@@ -88,6 +88,18 @@ def open_index(index_dir: str | os.PathLike, *, expected_corpus_sha256: str | No
     return index
 
 
+def _check_not_corpus(corpus: str | os.PathLike, index_dir: str | os.PathLike) -> None:
+    """An index writes its own docs.jsonl (a hybrid one under bm25/ and dense/): never over the corpus
+    it is built from, which would be rewritten in place (its other fields dropped, its bytes changed)."""
+    from selfevo.search.bm25 import DOCS_FILE  # dense's is the same name
+
+    for part in ("", "bm25", "dense"):
+        target = Path(index_dir) / part / DOCS_FILE
+        if target.is_file() and Path(corpus).is_file() and os.path.samefile(target, corpus):
+            raise ValueError(f"{corpus}: the index would write its {DOCS_FILE} over this corpus file; "
+                             "choose another --out / --index-dir (or move the corpus)")
+
+
 def index_from_corpus_file(kind: str, corpus: str | os.PathLike,
                            index_dir: str | os.PathLike | None = None,
                            options: DenseOptions | None = None, progress: bool = False) -> Retriever:
@@ -95,6 +107,8 @@ def index_from_corpus_file(kind: str, corpus: str | os.PathLike,
     from this exact file (and, for dense/hybrid, this encoder), else built and saved there."""
     _check_kind(kind)
     options = options or DenseOptions()
+    if index_dir is not None:
+        _check_not_corpus(corpus, index_dir)
     if index_dir is not None and (Path(index_dir) / MANIFEST).exists():
         try:
             found = index_kind(index_dir)
@@ -128,6 +142,7 @@ def build_index(kind: str, corpus: str | os.PathLike, out: str | os.PathLike,
     _check_kind(kind)
     options = options or DenseOptions()
     digest = file_sha256(corpus)
+    _check_not_corpus(corpus, out)
     docs = read_corpus(corpus)
     if kind == "bm25":
         from selfevo.search.bm25 import BM25Index

@@ -101,6 +101,7 @@ def serve(corpus: str | os.PathLike | None = None, host: str = "127.0.0.1", port
     of a dense or hybrid index. Binds loopback by default: the API has no authentication."""
     import uvicorn
     from rich.console import Console
+    from rich.markup import escape
 
     from selfevo.search.index import get_retriever, index_kind
 
@@ -109,8 +110,8 @@ def serve(corpus: str | os.PathLike | None = None, host: str = "127.0.0.1", port
     source = index if index is not None else corpus
     start = time.perf_counter()
     # A plain line, not a spinner: building a dense index shows its own progress bar.
-    console.print(f"{kind} index for {source}"
-                  + (f" (cache: {index_dir})" if index_dir and index is None else "") + " ...")
+    console.print(escape(f"{kind} index for {source}"  # paths the user named: brackets are no markup
+                         + (f" (cache: {index_dir})" if index_dir and index is None else "") + " ..."))
     searcher = get_retriever(corpus=corpus, index=index, kind=retriever, cache_dir=index_dir,
                              options=options, progress=True)
     console.print(f"[green]{kind} index ready[/green]: {len(searcher):,} documents in "
