@@ -279,7 +279,7 @@ def test_empty_inputs(tmp_path):
         (tmp_path / "q.jsonl").write_bytes(content)
         assert read_qa(tmp_path / "q.jsonl") == []  # an empty QA file is an empty benchmark
     (tmp_path / "empty").mkdir()
-    with pytest.raises(DataError, match="no .jsonl or .parquet"):
+    with pytest.raises(DataError, match="no .jsonl, .jsonl.gz or .parquet"):
         read_qa_dir(tmp_path / "empty")
     for missing in (tmp_path / "nope.jsonl", tmp_path / "nope.parquet"):
         assert isinstance(check_read(read_qa, missing), DataError)
@@ -540,3 +540,29 @@ def test_retrieve_over_real_http_answers_200_or_4xx(server_url, body):  # noqa: 
     r = httpx.post(f"{server_url}/retrieve", content=body, headers={"content-type": "application/json"})
     check_retrieve_answer(r, body)
     assert httpx.get(f"{server_url}/health").json()["status"] == "ok"
+
+
+def test_gzipped_and_bom_files_read_as_plain_jsonl(tmp_path):
+    """A QA file as `nq.jsonl.gz` was skipped by read_qa_dir without a word (the macro average lost a
+    benchmark); a corpus gzipped under any name, or with the UTF-8 BOM Windows tools write, was refused."""
+    import gzip
+
+    write_qa(tmp_path / "qa" / "tq.jsonl", [QAItem("t1", "q?", ("x",))])
+    plain = tmp_path / "nq.jsonl"
+    write_qa(plain, [QAItem("n1", "q?", ("x",)), QAItem("n2", "q2?", ("y",))])
+    (tmp_path / "qa" / "nq.jsonl.gz").write_bytes(gzip.compress(plain.read_bytes()))
+    got = read_qa_dir(tmp_path / "qa")
+    assert {name: [it.id for it in items] for name, items in got.items()} == {"nq": ["n1", "n2"], "tq": ["t1"]}
+
+    corpus = tmp_path / "c.jsonl"
+    write_corpus(corpus, [Document("a", "A", "alpha"), Document("b", "B", "beta")])
+    (tmp_path / "bom.jsonl").write_bytes(b"\xef\xbb\xbf" + corpus.read_bytes())
+    (tmp_path / "c.jsonl.gz").write_bytes(gzip.compress(corpus.read_bytes()))
+    for path in (tmp_path / "bom.jsonl", tmp_path / "c.jsonl.gz"):
+        assert read_corpus(path) == read_corpus(corpus)
+    # a BOM anywhere but the file's start is still no JSON; a truncated gzip is one error naming the file
+    (tmp_path / "bom2.jsonl").write_bytes(corpus.read_bytes() + b"\xef\xbb\xbf{}\n")
+    assert check_read(read_corpus, tmp_path / "bom2.jsonl", bad_line=3, certain=True)
+    (tmp_path / "cut.jsonl.gz").write_bytes(gzip.compress(corpus.read_bytes() * 50)[:60])
+    e = check_read(read_corpus, tmp_path / "cut.jsonl.gz")
+    assert isinstance(e, DataError) and "damaged gzip" in e.message

@@ -6,9 +6,12 @@ Writers are atomic: a failed write leaves the old file (or nothing), never half 
 
 from __future__ import annotations
 
+import codecs
+import gzip
 import json
 import os
 import re
+import zlib
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
@@ -39,10 +42,19 @@ def iter_json_lines(path: str | os.PathLike) -> Iterator[tuple[int, dict[str, An
     except OSError as e:  # a directory, no permission
         raise DataError(path, None, f"cannot read: {e.strerror}") from None
     with fh:
-        for lineno, raw in enumerate(fh, start=1):
-            obj = parse_json_line(raw, path, lineno)
-            if obj is not None:
-                yield lineno, obj
+        gzipped = fh.read(2) == b"\x1f\x8b"  # by content, whatever the name: a gzip stream is read through
+        fh.seek(0)
+        lines = gzip.GzipFile(fileobj=fh) if gzipped else fh
+        lineno = 0
+        try:
+            for lineno, raw in enumerate(lines, start=1):
+                if lineno == 1 and raw.startswith(codecs.BOM_UTF8):  # as Windows tools write it
+                    raw = raw[len(codecs.BOM_UTF8):]
+                obj = parse_json_line(raw, path, lineno)
+                if obj is not None:
+                    yield lineno, obj
+        except (EOFError, gzip.BadGzipFile, zlib.error) as e:  # a truncated or damaged download
+            raise DataError(path, lineno + 1, f"damaged gzip stream: {e}") from None
 
 
 def parse_json_line(raw: bytes, path: str | os.PathLike, lineno: int) -> dict[str, Any] | None:
@@ -178,13 +190,22 @@ def _iter_parquet_rows(path: Path) -> Iterator[tuple[int, dict]]:
         yield i, row  # "line" of a parquet file = 1-based row number
 
 
+QA_SUFFIXES = (".jsonl", ".jsonl.gz", ".parquet")
+
+
+def qa_name(path: str | os.PathLike) -> str:
+    """A QA file's benchmark name when its rows name none: the file name without its suffix."""
+    name = Path(path).name
+    return next((name[:-len(s)] for s in QA_SUFFIXES if name.endswith(s)), Path(path).stem)
+
+
 def iter_qa(path: str | os.PathLike) -> Iterator[QAItem]:
-    """Stream a QA set: FlashRAG JSONL, or Search-R1 parquet (rows reported as lines)."""
+    """Stream a QA set: FlashRAG JSONL (gzipped or not), or Search-R1 parquet (rows reported as lines)."""
     path = Path(path)
     rows = _iter_parquet_rows(path) if path.suffix == ".parquet" else iter_json_lines(path)
     seen: set[str] = set()
     for lineno, obj in rows:
-        item = _qa_item(obj, path, lineno, default_benchmark=path.stem)
+        item = _qa_item(obj, path, lineno, default_benchmark=qa_name(path))
         if item.id in seen:
             raise DataError(path, lineno, f"duplicate id '{item.id}'")
         seen.add(item.id)
@@ -199,9 +220,9 @@ def read_qa_dir(data_dir: str | os.PathLike) -> dict[str, list[QAItem]]:
     """Every QA file of a directory, grouped by benchmark name (`metadata.benchmark`, else the
     file stem). Ids must be unique across the whole directory."""
     data_dir = Path(data_dir)
-    files = sorted(p for p in data_dir.iterdir() if p.suffix in (".jsonl", ".parquet"))
+    files = sorted(p for p in data_dir.iterdir() if p.name.endswith(QA_SUFFIXES))
     if not files:
-        raise DataError(data_dir, None, "no .jsonl or .parquet QA files found")
+        raise DataError(data_dir, None, "no .jsonl, .jsonl.gz or .parquet QA files found")
     out: dict[str, list[QAItem]] = {}
     origin: dict[str, Path] = {}
     for f in files:
@@ -212,7 +233,7 @@ def read_qa_dir(data_dir: str | os.PathLike) -> dict[str, list[QAItem]]:
             if item.id in origin:
                 raise DataError(f, None, f"id '{item.id}' also appears in {origin[item.id]}")
             origin[item.id] = f
-            out.setdefault(item.benchmark or f.stem, []).append(item)
+            out.setdefault(item.benchmark or qa_name(f), []).append(item)
     return out
 
 
