@@ -211,3 +211,15 @@ def test_a_setting_the_backend_never_reads_is_refused(overrides, field):
     # it would be recorded in config.json and silently ignored
     with pytest.raises(ConfigError, match=rf"^{re.escape(field)}: read only by the .* would ignore it"):
         load_config(None, overrides)
+
+
+@pytest.mark.parametrize("override", ['world.name="small"', "world.confusable_rate=0.2", "world.value_skew=0.0"])
+def test_a_world_setting_on_a_corpus_run_is_refused(tmp_path, override):
+    # `--world small --corpus FILE`: the corpus replaces the world, so the setting would be recorded
+    # in config.json and silently ignored
+    on_corpus = ['backend="lm"', f'data.corpus="{tmp_path / "c.jsonl"}"', f'data.qa_dir="{tmp_path / "qa"}"']
+    field = override.partition("=")[0]
+    with pytest.raises(ConfigError, match=rf"^{re.escape(field)}: read only on the synthetic world"):
+        load_config(None, [*on_corpus, override])
+    assert load_config(None, on_corpus).data.corpus  # the defaults pass
+    assert load_config(None, ['backend="lm"', override]).world  # the lm backend on the world reads it

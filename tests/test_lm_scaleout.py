@@ -461,6 +461,35 @@ def test_eval_workers_option_reaches_the_agent_factory(tmp_path, tiny_corpus):
     assert len(seen) == 2
 
 
+def test_eval_lm_set_reaches_the_agent_factory(tmp_path, tiny_corpus):
+    """`selfevo eval --lm-set max_new_tokens=128` (README, docs/benchmarks.md) sets an [lm] field for
+    the agent; it is not a sim run's [lm] table, which the backend check would refuse."""
+    from typer.testing import CliRunner
+
+    from selfevo import agents
+    from selfevo.agents.baseline import RetrievalBaseline
+    from selfevo.cli import app
+
+    seen = []
+
+    def probe(arg, **context):
+        seen.append(context)
+        return RetrievalBaseline()
+
+    agents.register_agent("probe-lm-set", probe)
+    try:
+        args = ["eval", "--data-dir", str(QA_DIR), "--corpus", str(tiny_corpus), "--agent", "probe-lm-set",
+                "--limit", "1", "--out", str(tmp_path / "a")]
+        r = CliRunner().invoke(app, [*args, "--lm-set", "max_new_tokens=128", "--lm-set", 'device="cpu"'])
+        assert r.exit_code == 0, r.output
+        r = CliRunner().invoke(app, [*args, "--lm-set", "max_new_tokens=0"])
+        assert r.exit_code == 2 and "lm.max_new_tokens" in r.output
+    finally:
+        agents._REGISTRY.pop("probe-lm-set", None)
+    assert len(seen) == 1
+    assert seen[0]["lm_options"]["max_new_tokens"] == 128 and seen[0]["lm_options"]["device"] == "cpu"
+
+
 # ---------------------------------------------------------------- recipes
 
 

@@ -197,7 +197,8 @@ def eval_(
     context: dict = {"workers": workers} if workers else {}
     try:
         if lm_set:
-            lm = load_config(None, [f"lm.{x}" for x in lm_set]).lm
+            # the [lm] table is read by the lm backend only: checked as that backend's settings
+            lm = load_config(None, [f"lm.{x}" for x in lm_set], backend="lm").lm
             context["lm_options"] = {k: v for k, v in vars(lm).items() if k != "model"}
         result = run_eval(data_dir=data_dir, corpus=corpus, agent=agent, out_dir=out,
                           limit=limit, retriever_url=retriever_url, retriever_kind=retriever,

@@ -135,6 +135,11 @@ class RunConfig:
         if self.backend == "lm" and self.world.shared_misreading != WorldSpec.shared_misreading:
             raise ValueError("world.shared_misreading: read only by the sim backend's readers; backend 'lm' "
                              "would ignore it")
+        if self.data.corpus:  # the corpus replaces the synthetic world: a [world] setting would be ignored too
+            for f in dataclasses.fields(WorldSpec):
+                if getattr(self.world, f.name) != getattr(WorldSpec(), f.name):
+                    raise ValueError(f"world.{f.name}: read only on the synthetic world; a run on a corpus "
+                                     "(data.corpus) would ignore it")
 
     def to_json(self) -> dict:
         return asdict(self)
