@@ -304,3 +304,9 @@ def test_a_corpus_rewritten_since_the_run_is_refused(tmp_path, monkeypatch):
     rc, text = cli("audit", out, "--judge", "llm", "--judge-url", "http://127.0.0.1:9/v1", "--judge-model", "m")
     assert_one_line_error(rc, text, "the corpus has changed since")
     assert files(out) == before
+    # the audit reads the run's documents, not its QA set: one moved away since is no error
+    docs[1]["contents"] = '"Page 1"\nPage 1 was founded in 1901.'
+    corpus.write_text("".join(json.dumps(d) + "\n" for d in docs), encoding="utf-8")
+    qa.rename(tmp_path / "moved-qa")
+    rc, text = cli("audit", out, "--judge", "llm", "--judge-url", "http://127.0.0.1:9/v1", "--judge-model", "m")
+    assert rc == 0, text

@@ -445,7 +445,7 @@ def audit_cmd(
 
         try:
             cfg = config_from_dict(run.config())
-            env = environment(cfg)
+            env = environment(cfg, benchmarks=False)  # the documents and truth; no QA set is read
             check_world(run, cfg)
         except (ConfigError, ValueError) as e:
             _fail(str(e))
