@@ -173,6 +173,9 @@ class RunDir:
         if self.exists():
             raise RunError(f"{self.path}: a run already exists here; pass --resume to continue it "
                            "or choose another --out")
+        self._refuse_file()
+
+    def _refuse_file(self) -> None:
         if self.path.exists() and not self.path.is_dir():
             raise RunError(f"{self.path}: not a directory; choose another --out")
 
@@ -181,8 +184,7 @@ class RunDir:
         """Hold the run directory for this process while it writes the run: a second writer (an
         `evolve --resume` of a run still going, a grid rerun beside the workers of one killed) is a
         RunError, not records of two processes interleaved. Released when the process ends, however."""
-        if self.path.exists() and not self.path.is_dir():
-            raise RunError(f"{self.path}: not a directory; choose another --out")
+        self._refuse_file()
         made = not self.path.exists()
         self.path.mkdir(parents=True, exist_ok=True)
         fd = os.open(self.path, os.O_RDONLY)
