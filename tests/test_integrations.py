@@ -262,6 +262,18 @@ def test_the_solver_reward_reads_the_answer_as_the_rollout_does(tool):
     assert extract_answer("<search> x </search> <answer> y </answer>") == ""
 
 
+def test_the_solver_reward_reads_a_whole_trajectory_in_one_assistant_message():
+    """TRL decodes a rollout_func's completion_ids (actions and <information> observations) into ONE
+    assistant message; without the rollout's `answer` column the reward must read it as the string
+    form (and verl) read it, not stop at the first <search>."""
+    traj = ("<search> beta </search>\n\n<information>Doc 1 (Title: Beta) Beta is a city by the sea.</information>"
+            "\n\n<answer> sea </answer>")
+    assert TRLSolverReward()([None], [traj], label=["sea"]) == [1.0]
+    assert TRLSolverReward()([None], [[{"role": "assistant", "content": traj}]], label=["sea"]) == [1.0]
+    assert extract_answer([{"role": "assistant", "content": traj}]) == extract_answer(traj) == "sea"
+    assert compute_score("selfevo_solver", traj, {"target": ["sea"]}) == 1.0
+
+
 def test_verl_compute_score_proposer_through_retriever_and_graders(tmp_path):
     """verl's convention end to end: settings JSON, a /retrieve server for the graders' searches, the
     graders on loopback; the pages the proposer read (extra_info.selfevo_read) decide the lineage."""
@@ -288,6 +300,25 @@ def test_verl_compute_score_proposer_through_retriever_and_graders(tmp_path):
     assert [it["step_in_round"] if "step_in_round" in it else None for it in items] == [None, None]
     assert [(it["source_id"], it["grader"]["id"]) for it in items] == [("d1", "aux-0@r1"), ("d0", "aux-1@r1")]
     assert items[0]["item_id"].startswith("r2-v-")
+
+
+def test_verl_identical_proposals_are_distinct_items(tmp_path):
+    """verl's per-sample compute_score: two of a prompt's rollout.n samples with the same text are two
+    items with two ids (a repeated id makes a replay bank built from the run unloadable)."""
+    index = BM25Index.build(DOCS)
+    with running(retriever_app(index)) as rurl, \
+            running(make_app(_seeded_grader("g", [], lambda i, q: "sea" if i % 5 < 2 else "land"))) as gurl:
+        settings = reward_settings(tmp_path / "s.json", treatment="coupled", round=1, folds=FOLDS,
+                                   graders=_graders({"main": (gurl, ())}), items_path=tmp_path / "items.jsonl",
+                                   retriever_url=rurl.removesuffix("/v1"), remote=REMOTE)
+        sol = "<question> Where is Beta? </question> <answer> sea </answer>"
+        for _ in range(2):
+            assert compute_score("selfevo_proposer", sol, {"target": []}, {"source_id": "d1", "hops": 1},
+                                 selfevo_settings=str(settings)) == frontier_reward(2)
+    staged = read_staged(tmp_path / "items.jsonl")
+    _, admitted = admit_round(staged, round=1, step_base=0, proposer_steps=1, budget=10, seed=0)
+    ids = [it["item_id"] for it in admitted]
+    assert len(ids) == 2 and len(set(ids)) == 2 and all(i.startswith("r1-v-") for i in ids)
 
 
 # ---------------------------------------------------------------- datasets
@@ -623,6 +654,23 @@ def test_engine_config_errors_name_the_field(tmp_path):
     path.write_text('[engine]\nengine = "trl"\n')
     with pytest.raises(ConfigError, match='backend = "lm"'):
         load_engine_config(path)
+
+
+def test_engine_config_engine_not_a_table_names_the_field(tmp_path):
+    """A top-level `engine = "trl"` (or `--set engine=verl`) is a ConfigError naming `engine`, not a
+    ValueError from dict()."""
+    from selfevo.config import ConfigError
+    from selfevo.integrations.engine import load_engine_config
+
+    path = tmp_path / "c.toml"
+    path.write_text('backend = "lm"\nengine = "trl"\n')
+    with pytest.raises(ConfigError, match=r"engine: expected a table"):
+        load_engine_config(path)
+    path.write_text('backend = "lm"\n[engine]\nengine = "trl"\n')
+    with pytest.raises(ConfigError, match=r"engine: expected a table"):
+        load_engine_config(path, ["engine=verl"])
+    path.write_text('backend = "lm"\n')
+    assert load_engine_config(path).engine.engine == "trl"  # no [engine] table: the defaults
 
 
 @pytest.mark.parametrize("suffix", [".toml", ".yaml"])

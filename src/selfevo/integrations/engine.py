@@ -104,7 +104,13 @@ class EngineConfig:
 
 def engine_config_from_dict(data: Mapping, engine: str | None = None) -> EngineConfig:
     data = dict(data)
-    spec_data = dict(data.pop("engine", {}) or {})
+    spec_data = data.pop("engine", None)
+    if spec_data is None:
+        spec_data = {}
+    if not isinstance(spec_data, Mapping):  # e.g. `engine = "trl"` at the top level, or `--set engine=verl`
+        raise ConfigError(f"engine: expected a table ([engine]), got {type(spec_data).__name__}; the engine "
+                          "itself is engine.engine or --engine")
+    spec_data = dict(spec_data)
     if engine is not None:
         if spec_data.get("engine", engine) != engine:
             raise ConfigError(f"engine.engine: the config says {spec_data['engine']!r}, --engine says {engine!r}")

@@ -30,6 +30,7 @@ from __future__ import annotations
 import hashlib
 import os
 import threading
+import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -60,13 +61,14 @@ def completion_text(completion: Any) -> str:
 
 def final_turn(completion: Any) -> str:
     """The last action of a multi-turn completion: after the last observation of a string (verl's
-    decoded response), the last assistant turn of chat messages (observations come back as user turns)."""
+    decoded response), the last assistant turn of chat messages (observations come back as user turns),
+    read as a string too: TRL hands a `rollout_func`'s whole trajectory back as one assistant message."""
     if isinstance(completion, str):
         return completion.rsplit("</information>", 1)[-1]
     if isinstance(completion, Mapping):
-        return str(completion.get("content") or "")
+        return final_turn(str(completion.get("content") or ""))
     turns = [m for m in completion if m.get("role", "assistant") == "assistant"]
-    return str(turns[-1].get("content") or "") if turns else ""
+    return final_turn(str(turns[-1].get("content") or "")) if turns else ""
 
 
 def extract_answer(completion: Any) -> str:
@@ -161,7 +163,8 @@ class FrontierReward:
         responses: dict[int, list[str]] = {}
         for role, idx in by_role.items():
             g = self.graders[role]
-            key = step if step is not None else graded[idx[0]][1]
+            # verl: one sample a call, seeded by its content (the same text is graded alike)
+            key = step if step is not None else _content_key(batch[graded[idx[0]][0]])
             trajs = self._solver(g).answer([graded[n][2] for n in idx], self._tool(), greedy=False, n=self.samples,
                                            seed=derive_seed(self.seed, self.round, key, "grade", g.name or role))
             failed = sum(bool(getattr(t.trace, "failed", False)) for ts in trajs for t in ts)
@@ -190,8 +193,13 @@ class FrontierReward:
         if step is not None:  # the loop's ids: round, global step, position (and process, when several)
             rank = f"p{os.environ.get('RANK', '0')}-" if int(os.environ.get("WORLD_SIZE", "1")) > 1 else ""
             return f"r{self.round}-s{self.step_base + step}-{rank}{i}"
-        h = hashlib.blake2b(f"{s.source_id}\x1f{s.text}".encode(), digest_size=6).hexdigest()
-        return f"r{self.round}-v-{h}"
+        # verl scores one sample a call, concurrently and in several workers: the rollout.n samples of a
+        # prompt can be the same text, and each is its own item (ids are unique in a run, as the loop's)
+        return f"r{self.round}-v-{_content_key(s)}-{uuid.uuid4().hex[:8]}"
+
+
+def _content_key(s: ProposalSample) -> str:
+    return hashlib.blake2b(f"{s.source_id}\x1f{s.text}".encode(), digest_size=6).hexdigest()
 
 
 # ---------------------------------------------------------------- TRL
