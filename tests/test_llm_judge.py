@@ -572,6 +572,37 @@ def test_gold_judge_leaves_items_without_gold_unresolved():
     assert states(v[0]) == (True, True, (True, False)) and not v[1].resolved and not v[2].resolved
 
 
+def test_a_rerun_into_the_same_out_leaves_no_output_of_the_earlier_audit(tmp_path):
+    """An audit into a directory an earlier audit wrote (with --compare, --injection-test, other
+    records) must not leave that audit's comparison or injection files beside its own metrics."""
+    src = "Mount Ebor is a mountain. It rises above the town of Kelda. The river Vell flows past Tarn."
+    row = {"round": 1, "step": 0, "source_id": "d1", "source": src, "question": "Which town does Mount Ebor rise above?",
+           "label": "Kelda", "responses": ["Kelda", "Tarn", "Kelda", "x", "Kelda"], "gold_answers": ["Kelda"]}
+    (tmp_path / "a.jsonl").write_text(json.dumps(row) + "\n")
+    (tmp_path / "b.jsonl").write_text(json.dumps({**row, "gold_answers": ["Tarn"]}) + "\n")
+    out = tmp_path / "out"
+    first = CliRunner().invoke(app, ["audit", "--records", str(tmp_path / "a.jsonl"), "--judge", "gold", "--compare",
+                                     "gold", "--injection-test", "1", "--bootstrap", "100", "--out", str(out)])
+    assert first.exit_code == 0, first.output
+    assert (out / "comparison.json").exists() and (out / "injection.json").exists()
+    assert (out / "figures" / "comparison.png").exists()
+    (out / "cache.jsonl").write_text("")  # a cache beside it is never touched
+    second = CliRunner().invoke(app, ["audit", "--records", str(tmp_path / "b.jsonl"), "--judge", "gold",
+                                      "--no-figures", "--out", str(out)])
+    assert second.exit_code == 0, second.output
+    assert json.loads((out / "metrics.json").read_text())["rounds"][0]["T_P"] == 0.0
+    assert sorted(p.name for p in out.rglob("*") if p.is_file()) == ["cache.jsonl", "judge.json", "metrics.json"]
+
+    class Broken(GoldJudge):  # a judge that fails (an endpoint gone) leaves the earlier audit whole
+        def judge(self, items):
+            raise RuntimeError("endpoint gone")
+
+    before = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    with pytest.raises(RuntimeError):
+        audit_to_dir(read_records(tmp_path / "a.jsonl"), Broken(), out, truth=GoldJudge(), injection_items=1)
+    assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
+
+
 # ------------------------------------------------------------------ the real model
 
 

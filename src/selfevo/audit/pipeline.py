@@ -18,6 +18,11 @@ from typing import Any
 from selfevo._io import atomic_writer, write_json, write_jsonl
 from selfevo.audit import Judge, audit_steps
 
+# what an audit may write besides metrics.json and judge.json, by its options and judge (the call
+# cache is not among them: a rerun needs it)
+EARLIER_OUTPUTS = ("comparison.json", "comparison.md", "injection.json", "judgements.jsonl",
+                   "figures/metrics.png", "figures/f_vs_l.png", "figures/comparison.png")
+
 
 def limit_items(steps: Sequence[dict], per_step: int | None) -> list[dict]:
     """The first `per_step` items of every step (None: all), for audits on a budget."""
@@ -33,27 +38,21 @@ def audit_to_dir(steps: Sequence[dict], judge: Judge, out_dir: str | os.PathLike
     from selfevo.audit.compare import compare_judges, comparison_markdown
 
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
     flat = [it for st in steps for it in st["items"]]
+    # judge first (the slow part, the one that can fail): a failed audit leaves the earlier one whole
     verdicts = judge.judge(flat)
     result = audit_steps(steps, judge, verdicts=verdicts)
-    write_json(out / "metrics.json", result)
     done: dict[str, Any] = {"metrics": result, "out": str(out)}
-
     cmp = None
     if truth is not None:
         cmp = compare_judges(steps, verdicts, truth.judge(flat), judge.name, truth.name, n_boot=n_boot, seed=seed)
-        write_json(out / "comparison.json", cmp)
-        with atomic_writer(out / "comparison.md") as fh:
-            fh.write(comparison_markdown(cmp) + "\n")
         done["comparison"] = cmp
-
     described = getattr(judge, "describe", None)
-    write_json(out / "judge.json", {**(described() if described else {"judge": judge.name}), **(info or {})})
+    judge_json = {**(described() if described else {"judge": judge.name}), **(info or {})}
+    judgements = None
     if hasattr(judge, "judgements"):
-        write_jsonl(out / "judgements.jsonl", judge.judgements())
+        judgements = list(judge.judgements())
         done["summary"] = judge.summary()
-
     if injection_items:
         from selfevo.audit.injection import flip_report, injection_set
 
@@ -61,6 +60,21 @@ def audit_to_dir(steps: Sequence[dict], judge: Judge, out_dir: str | os.PathLike
         done["injection"] = flip_report(judge, clean, injected)
         if hasattr(judge, "summary"):  # the calls so far, the injection test's included
             done["injection"]["judge_summary_after"] = judge.summary()
+
+    # an earlier audit into this directory (another judge, --compare, --injection-test, other records)
+    # may have written outputs this one does not: beside the new metrics they would contradict them
+    out.mkdir(parents=True, exist_ok=True)
+    for name in EARLIER_OUTPUTS:
+        (out / name).unlink(missing_ok=True)
+    write_json(out / "metrics.json", result)
+    if cmp is not None:
+        write_json(out / "comparison.json", cmp)
+        with atomic_writer(out / "comparison.md") as fh:
+            fh.write(comparison_markdown(cmp) + "\n")
+    write_json(out / "judge.json", judge_json)
+    if judgements is not None:
+        write_jsonl(out / "judgements.jsonl", judgements)
+    if injection_items:
         write_json(out / "injection.json", done["injection"])
     if figures:
         from selfevo.audit.figures import write_figures
