@@ -576,7 +576,8 @@ def test_a_rerun_into_the_same_out_leaves_no_output_of_the_earlier_audit(tmp_pat
     """An audit into a directory an earlier audit wrote (with --compare, --injection-test, other
     records) must not leave that audit's comparison or injection files beside its own metrics."""
     src = "Mount Ebor is a mountain. It rises above the town of Kelda. The river Vell flows past Tarn."
-    row = {"round": 1, "step": 0, "source_id": "d1", "source": src, "question": "Which town does Mount Ebor rise above?",
+    row = {"round": 1, "step": 0, "source_id": "d1", "source": src,
+           "question": "Which town does Mount Ebor rise above?",
            "label": "Kelda", "responses": ["Kelda", "Tarn", "Kelda", "x", "Kelda"], "gold_answers": ["Kelda"]}
     (tmp_path / "a.jsonl").write_text(json.dumps(row) + "\n")
     (tmp_path / "b.jsonl").write_text(json.dumps({**row, "gold_answers": ["Tarn"]}) + "\n")
