@@ -257,3 +257,29 @@ def test_hop_mixes_average_over_runs_with_a_missing_hop_count_as_zero():
     assert list(mean_hop_mix([{"10": 1.0}, {"2": 1.0}])) == ["2", "10"]  # ordered as numbers
     assert hop_mix_text(mix) == "1: 0.38, 2: 0.25, 3: 0.38"
     assert hop_mix_text({}) == "-"
+
+
+def test_metrics_figure_keeps_rounds_in_order_when_records_number_steps_within_each_round(monkeypatch):
+    """External records may number steps 0, 1, ... in every round: round 2 must still be drawn
+    right of round 1, not on top of (or left of) it."""
+    from selfevo.audit import figures
+
+    monkeypatch.setattr(figures, "png", lambda fig: fig)  # inspect the figure instead of its bytes
+
+    def step(r, s, a):
+        return {"round": r, "step": s, "kind": "proposer", "A": a, "T_P": a, "T_S": a, "F": 0.0, "L": 0.0}
+
+    def rnd(r, a):
+        return {"round": r, "A": a, "T_P": a, "T_S": a, "F": 0.0, "L": 0.0}
+
+    per_round = {"judge": "gold", "steps": [step(1, 0, 0.5), step(1, 1, 0.5), step(2, 0, 0.2)],
+                 "rounds": [rnd(1, 0.5), rnd(2, 0.2)]}
+    ax = figures.metrics_figure(per_round).axes[0]
+    rounds_x = list(next(line for line in ax.lines if line.get_label() == "A").get_xdata())
+    assert rounds_x == [0.5, 2.0]  # round 1 over its steps at 0 and 1, round 2 after it
+    steps_x = sorted(float(x) for x, _ in ax.collections[0].get_offsets())
+    assert steps_x == [0.0, 1.0, 2.0]
+    # scheduled (global) step numbers are drawn where they are
+    global_steps = {**per_round, "steps": [step(1, 0, 0.5), step(1, 1, 0.5), step(2, 43, 0.2)]}
+    ax = figures.metrics_figure(global_steps).axes[0]
+    assert list(next(line for line in ax.lines if line.get_label() == "A").get_xdata()) == [0.5, 43.0]

@@ -687,6 +687,35 @@ def test_judgements_follow_the_items_not_the_calls_finishing_order():
     assert first == last
 
 
+def test_a_rerun_with_more_malformed_retries_asks_again_what_fewer_left_malformed(tmp_path):
+    """A reply stored as malformed after 0 corrective retries does not stand in for a judge that
+    makes 2: the rerun asks again (and one that makes as many as stored hits the cache)."""
+    item = {"question": "Where is thing 1?", "adopted_label": "Town1", "responses": ["Town1"] * 5,
+            "sources": [{"id": "d1", "text": "Thing 1 is a thing. It stands in the town of Town1."}]}
+    calls = []
+
+    def complete(messages):  # garbage first; the corrected conversation gets the JSON object
+        calls.append(len(messages))
+        if len(messages) == 2:
+            return "I think it is Town1."
+        return json.dumps({"reference": "Town1", "quote": "It stands in the town of Town1."})
+
+    def run(retries):
+        judge = LLMJudge("http://127.0.0.1:9/v1", "judge", cache_path=tmp_path / "c.jsonl", malformed_retries=retries)
+        judge.client.complete = complete
+        with judge:
+            return judge.judge([item])[0], judge.summary()
+
+    v, s = run(0)
+    assert not v.resolved and "malformed" in v.reason and s["requests"] == 0 and len(calls) == 1
+    v, s = run(0)  # the same settings: the stored reply stands, no call
+    assert not v.resolved and s["cache_hits"] == 1 and len(calls) == 1
+    v, s = run(2)
+    assert v.resolved and v.label_correct and len(calls) == 3 and s["cache_hits"] == 0
+    v, s = run(2)
+    assert v.resolved and s["cache_hits"] == 1 and len(calls) == 3
+
+
 def test_gold_judge_ignores_gold_answers_that_normalize_to_nothing():
     """"The The" (a band), "-" or "the" normalize to nothing: no answer can match them (Cover-EM
     drops such aliases), so they must not resolve an item as all-incorrect."""

@@ -41,19 +41,30 @@ def _legend_or_note(ax, **kw) -> None:
         ax.text(0.5, 0.5, "nothing resolved", ha="center", va="center", transform=ax.transAxes, color="grey")
 
 
-def _round_x(steps: list[dict]) -> dict[int, float]:
+def _step_x(steps: list[dict]) -> dict[tuple[int, int], int]:
+    """Where each (round, step) is drawn: its scheduled step, or, where the step numbers do not
+    rise with the rounds (records that number steps within each round), its place in (round, step)
+    order, so that a later round never lands on or left of an earlier one."""
+    keys = sorted({(s["round"], s["step"]) for s in steps})
+    if all(a[1] < b[1] for a, b in zip(keys, keys[1:])):
+        return {k: k[1] for k in keys}
+    return {k: i for i, k in enumerate(keys)}
+
+
+def _round_x(steps: list[dict], pos: dict[tuple[int, int], int]) -> dict[int, float]:
     by: dict[int, list[int]] = {}
     for s in steps:
-        by.setdefault(s["round"], []).append(s["step"])
+        by.setdefault(s["round"], []).append(pos[(s["round"], s["step"])])
     return {r: (min(v) + max(v)) / 2 for r, v in by.items()}
 
 
 def metrics_figure(result: dict, kind: str = "proposer") -> bytes:
     steps = [s for s in result["steps"] if s["kind"] == kind]
-    xs = _round_x(steps)
+    pos = _step_x(steps)
+    xs = _round_x(steps, pos)
     fig, ax = plt.subplots(figsize=(8, 3.8))
     for m in CURVES:
-        pts = [(s["step"], s[m]) for s in steps if s[m] is not None]
+        pts = [(pos[(s["round"], s["step"])], s[m]) for s in steps if s[m] is not None]
         if pts:
             ax.scatter(*zip(*pts), s=9, color=COLORS[m], alpha=0.55)
         rows = [(xs[r["round"]], r[m]) for r in result["rounds"] if r[m] is not None and r["round"] in xs]

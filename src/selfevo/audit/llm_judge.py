@@ -399,7 +399,10 @@ class LLMJudge:
 
         def fetch() -> dict:
             row = self.cache.get(key)
-            if row is not None:
+            # a reply stored as malformed after fewer corrective retries than this judge makes is
+            # asked again (--judge-malformed-retries raised on a rerun); a row from before
+            # `attempts` was stored counts as one attempt
+            if row is not None and (row["ok"] or row.get("attempts", 1) >= 1 + self.malformed_retries):
                 self._count("cache_hit")
                 return row
             convo, error, raw = list(messages), "", ""
@@ -422,7 +425,7 @@ class LLMJudge:
                 break
             else:
                 row = {"key": key, "stage": stage, "ok": False, "error": f"malformed reply: {error}",
-                       "raw": raw[:RAW_KEEP_CHARS]}
+                       "raw": raw[:RAW_KEEP_CHARS], "attempts": 1 + self.malformed_retries}
             row.update(prompt_sha=messages_digest(messages), model=self.model, prompt_version=PROMPT_VERSION)
             self.cache.put(row)
             self._count("cached")
