@@ -283,3 +283,19 @@ def test_metrics_figure_keeps_rounds_in_order_when_records_number_steps_within_e
     global_steps = {**per_round, "steps": [step(1, 0, 0.5), step(1, 1, 0.5), step(2, 43, 0.2)]}
     ax = figures.metrics_figure(global_steps).axes[0]
     assert list(next(line for line in ax.lines if line.get_label() == "A").get_xdata()) == [0.5, 43.0]
+
+
+def test_audit_run_takes_a_run_directory_path(tmp_path):
+    """Every other entry point takes a run directory as a path (evolve's out, build_bank): audit_run
+    raised AttributeError ('str' object has no attribute 'steps') on one."""
+    from selfevo.audit import audit_run
+    from selfevo.runs import RunDir
+
+    run = RunDir(tmp_path / "run")
+    run.create({})
+    # the fields RunDir.steps() checks that the hand-made items leave out
+    run.append_steps([{**st, "items": [{**it, "source_id": "s", "source_ids": ["s"], "draft_label": it["adopted_label"]}
+                                       for it in st["items"]]} for st in _steps()])
+    by_path = audit_run(str(run.path), TableJudge(TABLE))
+    assert by_path == audit_run(run, TableJudge(TABLE)) == _audit_steps(_steps(), TableJudge(TABLE))
+    assert (run.path / "audit" / "metrics.json").exists()

@@ -556,3 +556,14 @@ def test_cli_eval_usage_errors(tmp_path):
     res = runner.invoke(app, ["eval", "--data-dir", str(qa), "--corpus", str(tmp_path / "c.jsonl"),
                               "--limit", "0", "--out", str(tmp_path / "o")])
     assert res.exit_code == 2 and "limit" in res.output
+
+
+@pytest.mark.parametrize("prefix", ["my:agent", "", " spaced"])
+def test_register_agent_refuses_a_prefix_no_spec_can_name(prefix):
+    """load_agent splits a spec at its first ':' and strips it, so such a prefix was registered,
+    listed as known, and every spec naming it was 'unknown'."""
+    from selfevo import agents
+
+    with pytest.raises(ValueError, match="agent prefix"):
+        agents.register_agent(prefix, lambda arg, **context: RetrievalBaseline())
+    assert prefix not in known_agents()

@@ -392,3 +392,19 @@ def test_one_grader_sample_is_refused_as_the_frontier_reward_pays_nothing():
     with pytest.raises(ValueError, match="loop.grader_samples: the frontier reward needs at least 2"):
         LoopConfig(grader_samples=1)
     assert LoopConfig(grader_samples=2).grader_samples == 2
+
+
+@pytest.mark.parametrize("change", [{"seed": "1"}, {"treatment": "crosfit"}])
+def test_evolve_checks_a_config_built_in_code(tmp_path, change):
+    """A RunConfig made with dataclasses.replace skips the parser: a str seed ran to completion and
+    wrote a config.json that RunDir.config() (audit, resume, report, replay build) then refused."""
+    import dataclasses
+
+    from selfevo.config import ConfigError
+
+    cfg = dataclasses.replace(load_config(None, [*SCALED, "loop.rounds=1"]), **change)
+    with pytest.raises(ConfigError, match=next(iter(change))):
+        evolve(cfg, tmp_path / "run", progress=False)
+    assert not (tmp_path / "run").exists()
+    with pytest.raises(TypeError, match="expected a RunConfig"):
+        evolve(cfg.to_json(), tmp_path / "run", progress=False)

@@ -4,7 +4,7 @@ question-split one)."""
 
 import json
 import shutil
-from dataclasses import replace
+from dataclasses import asdict, replace
 
 import pytest
 from typer.testing import CliRunner
@@ -12,7 +12,7 @@ from typer.testing import CliRunner
 from selfevo import replay
 from selfevo._io import read_json, write_json
 from selfevo.cli import app
-from selfevo.config import load_config
+from selfevo.config import WorldSpec, load_config
 from selfevo.evolve import evolve, load_run_world
 from selfevo.loop.folds import assign_folds
 from selfevo.replay import (
@@ -339,7 +339,9 @@ def test_cli_usage_errors_exit_2(runs, bank, tmp_path, args, message):
     write_json(other / "config.json", {**cfg, "world": {**cfg["world"], "seed": 7}})
     bank_path = bank.save(tmp_path / "bank.json")
     # a language-model bank whose corpus is gone: an error naming it, before any model loads
-    corpus_bank = replace(bank, backend="lm", data={"corpus": str(tmp_path / "absent.jsonl"), "qa_dir": str(tmp_path)})
+    # (a corpus run's world block is the default one: a corpus replaces the world)
+    corpus_bank = replace(bank, backend="lm", world=asdict(WorldSpec()),
+                          data={"corpus": str(tmp_path / "absent.jsonl"), "qa_dir": str(tmp_path)})
     subs = {"tmp": str(tmp_path), "run0": str(runs[0]), "other": str(other), "bank": str(bank_path),
             "corpus_bank": str(corpus_bank.save(tmp_path / "corpus-bank.json"))}
     res = CliRunner().invoke(app, ["replay", *[a.format(**subs) for a in args]])
@@ -454,3 +456,10 @@ def test_a_judge_given_to_an_earlier_study_does_not_grade_a_later_pool_study(ban
     assert after["judge"] == "oracle"
     assert after["conditions"]["coupled"]["coverage"]["mean"] == before["conditions"]["coupled"]["coverage"]["mean"] > 0
     assert after["conditions"]["coupled"]["F"] == before["conditions"]["coupled"]["F"]
+
+
+def test_a_seed_named_twice_is_refused(bank):
+    """seeds=[0, 0] ran one seed's jobs once and summarised them as two seeds: std 0.000 over
+    "2 seeds" that are one."""
+    with pytest.raises(ReplayError, match="seed 0 is named twice"):
+        run_replay(bank, ["coupled"], seeds=[0, 0], settings=FAST)

@@ -360,3 +360,21 @@ def test_label_truth_depends_on_the_readers_misreadings(env, proposals):
     careful = make_proposer(world.documents, misread_scale=0.0).propose(400, tool, seed=0)
     assert _label_truth(world, careful) >= 0.97
     assert 0.55 <= _label_truth(world, proposals) <= 0.92
+
+
+def test_answers_depend_on_this_tool_and_world_not_an_earlier_one(env):
+    """The solver's and reader's caches are keyed by the pages read, not by a mention or a page id:
+    the same solver asked through another tool (another topk) or on another world (the same page
+    ids, other pages) answers as a fresh solver does there."""
+    world, index, tool = env
+    qs = questions(world, 10)
+    narrow = SearchTool(index, topk=1, max_calls=5)
+    solver = make_solver()
+    answers_of(solver, qs, narrow, greedy=True)
+    assert answers_of(solver, qs, tool, greedy=True) == answers_of(make_solver(), qs, tool, greedy=True)
+    other = make_world(WorldConfig(size="small", seed=1))
+    assert {d.id for d in other.documents} == {d.id for d in world.documents}
+    other_tool = SearchTool(BM25Index.build(other.documents), topk=3, max_calls=5)
+    other_qs = questions(other, 10)
+    assert (answers_of(solver, other_qs, other_tool, greedy=True)
+            == answers_of(make_solver(), other_qs, other_tool, greedy=True))

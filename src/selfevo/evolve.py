@@ -18,7 +18,7 @@ from pathlib import Path
 from selfevo._io import write_json
 from selfevo.agents.sim import Reader, SimProposer, SimSolver
 from selfevo.audit import OracleJudge, audit_run
-from selfevo.config import ConfigError, RunConfig, WorldSpec
+from selfevo.config import ConfigError, RunConfig, WorldSpec, config_from_dict
 from selfevo.corpus import DataError, read_corpus, read_qa_dir
 from selfevo.evaluate import evaluate_solver
 from selfevo.loop.admission import MSV, AdmitAll
@@ -208,6 +208,11 @@ def evolve(cfg: RunConfig, out: str | os.PathLike, resume: bool = False, progres
     `judge` (e.g. an LLMJudge; None: `selfevo.evolve.default_judge`, the base model served on
     loopback). The judge only reads the finished records: it never feeds back."""
     started = time.perf_counter()
+    if not isinstance(cfg, RunConfig):
+        raise TypeError(f"cfg: expected a RunConfig (selfevo.config.load_config), got {type(cfg).__name__}")
+    # a RunConfig built or replaced in code skipped the parser's checks (a str seed, an unknown
+    # treatment): check it as config.json will be read back, before anything is written
+    cfg = config_from_dict(cfg.to_json())
     # Everything that can fail at start-up (bad data, a model that does not load) happens before
     # a new run directory is written: a failed start leaves nothing to block the corrected retry.
     env = environment(cfg)

@@ -701,6 +701,9 @@ def run_replay(bank: Bank, conditions: Iterable[str] | str | None = None, seeds:
     seeds = list(range(seeds)) if isinstance(seeds, int) else list(seeds)
     if not seeds:
         raise ReplayError("--seeds: must be >= 1")
+    dup = next((s for s in seeds if seeds.count(s) > 1), None)
+    if dup is not None:  # one seed's jobs are one result: counted twice, it would pass for two seeds that agree
+        raise ReplayError(f"--seeds: seed {dup!r} is named twice; name each seed once")
     if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
         raise ReplayError(f"--workers: must be a positive integer, got {workers!r}")
     if workers == 1 or bank.backend == "lm" or judge is not None:

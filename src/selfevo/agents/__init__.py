@@ -70,6 +70,9 @@ _REGISTRY: dict[str, AgentFactory] = {"retrieval-baseline": _retrieval_baseline,
 
 def register_agent(prefix: str, factory: AgentFactory) -> None:
     """Make `prefix[:arg]` specs load through `factory(arg, **context)`."""
+    if not prefix or ":" in prefix or prefix != prefix.strip():
+        # load_agent splits a spec at its first ':' and strips it: such a prefix could never be loaded
+        raise ValueError(f"agent prefix {prefix!r}: must be non-empty, without ':' or surrounding whitespace")
     if prefix in _REGISTRY:
         raise ValueError(f"agent prefix '{prefix}' is already registered")
     _REGISTRY[prefix] = factory

@@ -4,6 +4,7 @@ per round. Reads only the run directory (and the judge's own source of truth); w
 
 from __future__ import annotations
 
+import os
 from collections import Counter
 from collections.abc import Sequence
 
@@ -74,9 +75,11 @@ def audit_steps(steps: Sequence[dict], judge: Judge, verdicts: Sequence[Verdict]
     return {"judge": judge.name, "rounds": rounds, "steps": per_step}
 
 
-def audit_run(run: RunDir, judge: Judge) -> dict:
-    """Audit a finished run into RUN/audit/ as `selfevo audit` does (metrics.json, judge.json, and an
-    LLM judge's judgements.jsonl), without figures; returns the metrics."""
+def audit_run(run: RunDir | str | os.PathLike, judge: Judge) -> dict:
+    """Audit a finished run (a RunDir or its directory) into RUN/audit/ as `selfevo audit` does
+    (metrics.json, judge.json, and an LLM judge's judgements.jsonl), without figures; returns the metrics."""
     from selfevo.audit.pipeline import audit_to_dir  # it imports this module
 
+    if not isinstance(run, RunDir):
+        run = RunDir(run)
     return audit_to_dir(run.steps(), judge, run.path / "audit", figures=False)["metrics"]

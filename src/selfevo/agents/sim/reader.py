@@ -44,11 +44,11 @@ class Reader:
         if misread_scale < 0 or not 0 <= shared <= 1:
             raise ValueError("misread_scale must be >= 0 and shared in [0, 1]")
         self.name, self.scale, self.shared, self.seed = name, misread_scale, shared, seed
-        self._pages: dict[str, PageReading] = {}
+        self._pages: dict[Document, PageReading] = {}  # by the page itself: ids repeat across worlds
         self._bias: dict[tuple[str, str], float] = {}
 
     def read(self, doc: Document) -> PageReading:
-        page = self._pages.get(doc.id)
+        page = self._pages.get(doc)
         if page is None:
             statements, aliases = read_statements(doc.title, doc.text)
             by_rel: dict[str, list[Statement]] = {}
@@ -56,7 +56,7 @@ class Reader:
                 by_rel.setdefault(s.relation, []).append(s)
             page = PageReading(doc.id, doc.title, frozenset(aliases),
                                {r: tuple(v) for r, v in by_rel.items()})
-            self._pages[doc.id] = page
+            self._pages[doc] = page
         return page
 
     def score(self, theta, phi, doc_id: str, candidate: str) -> float:

@@ -92,7 +92,7 @@ class SimSolver:
     def __post_init__(self):
         if not self.theta:
             self.theta = list(self.config.theta0)
-        self._cache: dict[tuple[str, str, str | None], _Dist | None] = {}
+        self._cache: dict[tuple[str, str, tuple[Document, ...]], _Dist | None] = {}
         self._parsed: dict[str, ChainQuery | CompareQuery | None] = {}
 
     # ---------------------------------------------------------------- Learner
@@ -119,7 +119,9 @@ class SimSolver:
         # a document given in context is read instead of searching; otherwise every hop costs
         # one budgeted search
         hits = [Hit(context, 0.0)] if context is not None else session.search(mention)
-        key = (mention, mkey, context.id if context is not None else None)  # mkey names the relation
+        # mkey names the relation; the pages themselves, not a context id: another tool (topk, index)
+        # or world hands this solver other pages for the same mention
+        key = (mention, mkey, tuple(h.document for h in hits))
         if key in self._cache:
             return self._cache[key]
         best: dict[str, tuple[float, tuple[float, ...]]] = {}
