@@ -392,3 +392,74 @@ def test_msv_with_the_source_shows_a_served_solver_what_the_loops_solver_sees(sm
     remote.answer(["Q?"], tool, greedy=False, n=1, seed=0, contexts=[doc])
     assert seen["engine"] == seen["loop"]
     assert "word1999" not in seen["engine"]
+
+
+@pytest.mark.skipif(not QA_DIR.is_dir(), reason="shared QA data not present")
+def test_selfevo_eval_remote_base_url_without_v1_is_one_line_error(tmp_path):
+    """The probe (GET /models) passes a base URL without /v1 (a 404 there means "no /models
+    route"); the first chat call's 404 (EndpointError) must end `selfevo eval` with one line, exit 2,
+    not a traceback."""
+    with serve_app(make_app(recording(titled))) as base:
+        res = CliRunner().invoke(app, ["eval", "--data-dir", str(QA_DIR), "--corpus", str(CORPUS),
+                                       "--agent", f"remote:scripted@{base}", "--out", str(tmp_path / "ev"),
+                                       "--limit", "1"])
+    assert res.exit_code == 2, res.output
+    assert "error:" in res.output and "404" in res.output and "Traceback" not in res.output
+    assert not (tmp_path / "ev" / "score.json").exists()
+
+
+def test_a_redirecting_endpoint_is_refused_at_once():
+    """A redirect (http -> https, a moved proxy) was not followed, and its empty body was read as a
+    200 "no chat completion": the probe passed, every call was retried as malformed and the
+    evaluation finished with every question scored wrong (exit 0); the judge cached each call as a
+    malformed reply, which a rerun with the right URL served again. Now an EndpointError at once."""
+    from fastapi import FastAPI
+    from fastapi.responses import RedirectResponse
+
+    moved = FastAPI()
+
+    @moved.api_route("/{path:path}", methods=["GET", "POST"])
+    def redirect(path: str):
+        return RedirectResponse(f"https://127.0.0.1:1/{path}", status_code=307)
+
+    with serve_app(moved) as base:
+        url = f"{base}/v1"
+        with pytest.raises(ValueError, match="307"):  # the probe, before any work
+            load_agent(f"remote:scripted@{url}")
+        s = solver(url)
+        with pytest.raises(EndpointError, match="redirected to https://127.0.0.1:1/v1/chat/completions"):
+            s.answer(["q"], tool())
+        assert s.stats["requests"] == 1 and s.stats["retries"] == 0
+        with ChatClient(url, "judge") as judge_client, pytest.raises(EndpointError, match="307"):
+            judge_client.complete([{"role": "user", "content": "hi"}])
+
+
+def test_the_timeout_bounds_a_reply_trickled_in():
+    """httpx's timeout bounds each read: a server sending its reply a few bytes at a time (a stuck
+    proxy's keep-alive) held a call with timeout=1 for as long as it kept trickling. The timeout now
+    bounds the whole call (a timeout, retried, then CallFailed)."""
+    import time
+
+    from fastapi import FastAPI
+    from fastapi.responses import StreamingResponse
+
+    trickler = FastAPI()
+    reply = json.dumps({"choices": [{"message": {"content": "<answer> x </answer>"}}]}).encode()
+
+    @trickler.post("/v1/chat/completions")
+    def chat():
+        def body():
+            for i in range(0, len(reply), 4):
+                time.sleep(0.25)
+                yield reply[i:i + 4]
+        return StreamingResponse(body(), media_type="application/json")  # chunked, ~4 s in all
+
+    with serve_app(trickler) as base:
+        client = ChatClient(f"{base}/v1", "m", timeout=1.0, max_retries=0)
+        start = time.monotonic()
+        with pytest.raises(CallFailed, match="ReadTimeout"):
+            client.complete([{"role": "user", "content": "hi"}])
+        assert time.monotonic() - start < 2.5
+        # a reply that arrives in time reads as before
+        assert ChatClient(f"{base}/v1", "m", timeout=30.0).complete([{"role": "user", "content": "hi"}]) == \
+            "<answer> x </answer>"

@@ -189,6 +189,7 @@ def eval_(
                                      "or max_new_tokens=128 (see configs/qwen3.5-4b.toml)"),
 ) -> None:
     """Run an agent on the seven benchmarks end to end; write predictions.jsonl and score.json."""
+    from selfevo.agents.chat_client import EndpointError
     from selfevo.config import ConfigError, load_config
     from selfevo.evaluate import print_score_table, run_eval
     from selfevo.search.client import RetrieverError
@@ -203,7 +204,8 @@ def eval_(
         result = run_eval(data_dir=data_dir, corpus=corpus, agent=agent, out_dir=out,
                           limit=limit, retriever_url=retriever_url, retriever_kind=retriever,
                           index=index, dense_options=_dense_options(model), agent_context=context or None)
-    except (ConfigError, DataError, ValueError, RetrieverError, ImportError) as e:  # one line, not a traceback
+    # EndpointError: a remote agent's endpoint refused a call (401/403/404) after the probe passed
+    except (ConfigError, DataError, ValueError, RetrieverError, EndpointError, ImportError) as e:  # one line
         _fail(str(e))
     print_score_table(result, console)
 

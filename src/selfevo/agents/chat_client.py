@@ -8,10 +8,10 @@ API, `selfevo serve-model`), shared by the remote solver and the LLM judge.
 
 Every setting has a client-wide default (the constructor) and a per-call override. Retries with
 exponential backoff and jitter (tenacity) on timeouts, connection errors, 429 and 5xx, honouring
-Retry-After; 401/403/404 raise `EndpointError` at once (nothing will work: wrong key, URL or
-model); any other failure after the retries raises `CallFailed`, which a caller survives (one bad
-call must not stop an evaluation or an audit). A 200 whose body is no chat completion is handed
-back as the reply text with finish_reason "malformed" (the judge re-asks with a correction), or,
+Retry-After; 401/403/404 and redirects (3xx, never followed) raise `EndpointError` at once (nothing
+will work: wrong key, URL or model); any other failure after the retries raises `CallFailed`, which
+a caller survives (one bad call must not stop an evaluation or an audit). A 200 whose body is no
+chat completion is handed back as the reply text with finish_reason "malformed" (the judge re-asks with a correction), or,
 with `retry_malformed=True`, retried like a 5xx.
 
 The API key is sent as `Authorization: Bearer ...` and never logged, printed or written.
@@ -19,6 +19,7 @@ The API key is sent as `Authorization: Bearer ...` and never logged, printed or 
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -52,6 +53,11 @@ class Choice:
     finish_reason: str = "stop"
 
 
+def _redirected(r: httpx.Response) -> str:
+    return (f"{r.request.url}: HTTP {r.status_code}, redirected to {r.headers.get('location', '(no Location)')}: "
+            "give the URL the endpoint redirects to")
+
+
 def _retry_after(value: str | None) -> float | None:
     return float(value) if value and value.replace(".", "", 1).isdigit() else None
 
@@ -72,7 +78,7 @@ class ChatClient:
         url = url.rstrip("/")
         self.base_url = url.removesuffix("/chat/completions")
         self.endpoint = f"{self.base_url}/chat/completions"
-        self.model, self.max_retries = model, max_retries
+        self.model, self.max_retries, self.timeout = model, max_retries, timeout
         self.defaults = {"temperature": temperature, "top_p": top_p, "max_tokens": max_tokens, "seed": seed,
                          "stop": ([stop] if isinstance(stop, str) else list(stop)) if stop else None,
                          "json_mode": json_mode}
@@ -106,6 +112,8 @@ class ChatClient:
             raise _Retryable(f"HTTP {r.status_code}", _retry_after(r.headers.get("retry-after")))
         if r.status_code in (401, 403):
             raise EndpointError(f"{self.endpoint}: HTTP {r.status_code} (is {self._key_env} set correctly?)")
+        if 300 <= r.status_code < 400:  # not followed: a redirect's body is no reply
+            raise EndpointError(_redirected(r))
         if r.status_code == 404:
             raise EndpointError(f"{self.endpoint}: HTTP 404 ({self._hint_404})")
         if r.status_code >= 400:
@@ -127,10 +135,22 @@ class ChatClient:
             body["response_format"] = {"type": "json_object"}
         return body
 
+    def _post(self, body: dict) -> httpx.Response:
+        """POST with `timeout` bounding the whole call: httpx's timeout bounds each read only, so a
+        server trickling its body in (a byte now and then) would hold the call for ever."""
+        deadline = time.monotonic() + self.timeout
+        with self._http.stream("POST", self.endpoint, json=body) as r:
+            raw = bytearray()
+            for chunk in r.iter_raw():
+                raw += chunk
+                if time.monotonic() > deadline:
+                    raise httpx.ReadTimeout(f"reply not received within {self.timeout:g} s", request=r.request)
+        return httpx.Response(r.status_code, headers=r.headers, content=bytes(raw), request=r.request)
+
     def _send(self, body: dict) -> list[Choice]:
         self._event("request")
         try:
-            r = self._http.post(self.endpoint, json=body)
+            r = self._post(body)
         except httpx.TimeoutException:
             self._event("timeout")
             raise
@@ -184,6 +204,8 @@ class ChatClient:
             raise EndpointError(f"{self.base_url}: cannot connect ({type(e).__name__}: {e})") from None
         if r.status_code in (401, 403):
             raise EndpointError(f"{r.request.url}: HTTP {r.status_code} (is {self._key_env} set correctly?)")
+        if 300 <= r.status_code < 400:
+            raise EndpointError(_redirected(r))
         if r.status_code != 200:
             return []
         try:

@@ -121,7 +121,7 @@ class SimSolver:
         hits = [Hit(context, 0.0)] if context is not None else session.search(mention)
         # mkey names the relation; the pages themselves, not a context id: another tool (topk, index)
         # or world hands this solver other pages for the same mention
-        key = (mention, mkey, tuple(h.document for h in hits))
+        key = (mention, mkey, tuple([h.document for h in hits]))
         if key in self._cache:
             return self._cache[key]
         best: dict[str, tuple[float, tuple[float, ...]]] = {}
