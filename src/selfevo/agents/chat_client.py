@@ -11,8 +11,8 @@ exponential backoff and jitter (tenacity) on timeouts, connection errors, 429 an
 Retry-After; 401/403/404 and redirects (3xx, never followed) raise `EndpointError` at once (nothing
 will work: wrong key, URL or model); any other failure after the retries raises `CallFailed`, which
 a caller survives (one bad call must not stop an evaluation or an audit). A 200 whose body is no
-chat completion is handed back as the reply text with finish_reason "malformed" (the judge re-asks with a correction), or,
-with `retry_malformed=True`, retried like a 5xx.
+chat completion is handed back as the reply text with finish_reason "malformed" (the judge re-asks
+with a correction), or, with `retry_malformed=True`, retried like a 5xx.
 
 The API key is sent as `Authorization: Bearer ...` and never logged, printed or written.
 """
