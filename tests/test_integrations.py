@@ -925,10 +925,14 @@ def test_a_failed_grader_call_is_an_error_not_a_wrong_answer(tmp_path):
     assert not (tmp_path / "items.jsonl").exists() or read_staged(tmp_path / "items.jsonl") == []
 
 
-def test_engine_run_refuses_a_run_another_process_is_writing(tmp_path):
+def test_engine_run_refuses_a_run_another_process_is_writing(tmp_path, monkeypatch):
     """Like `evolve`: a second writer of one run directory is refused before it writes anything."""
     from selfevo.integrations import engine as eng
     from selfevo.runs import RunDir, RunError
+
+    def started(*a, **k):  # past the lock: the run would start (a model load, training)
+        raise AssertionError("a second writer started the run")
+    monkeypatch.setattr(eng, "EngineRun", started)
 
     cfg = {"backend": "lm", "treatment": "crossfit", "world": {"name": "small"}}
     ecfg = eng.engine_config_from_dict(cfg, engine="trl")
