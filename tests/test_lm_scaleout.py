@@ -9,6 +9,7 @@ test that drives a real vLLM engine skips unless vllm and a CUDA GPU are present
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib.util
 import json
@@ -431,12 +432,11 @@ def test_workers_reject_a_policy_they_were_not_given(tmp_path):
         RolloutWorkers(LMConfig(), 0)
 
 
-def test_eval_workers_option_reaches_the_agent_factory(tmp_path, tiny_corpus):
-    from typer.testing import CliRunner
-
+@contextlib.contextmanager
+def _probe_agent(name: str):
+    """A registered agent that records the context `selfevo eval` hands its factory."""
     from selfevo import agents
     from selfevo.agents.baseline import RetrievalBaseline
-    from selfevo.cli import app
 
     seen = []
 
@@ -444,8 +444,19 @@ def test_eval_workers_option_reaches_the_agent_factory(tmp_path, tiny_corpus):
         seen.append(context)
         return RetrievalBaseline()
 
-    agents.register_agent("probe-workers", probe)
+    agents.register_agent(name, probe)
     try:
+        yield seen
+    finally:
+        agents._REGISTRY.pop(name, None)
+
+
+def test_eval_workers_option_reaches_the_agent_factory(tmp_path, tiny_corpus):
+    from typer.testing import CliRunner
+
+    from selfevo.cli import app
+
+    with _probe_agent("probe-workers") as seen:
         args = ["eval", "--data-dir", str(QA_DIR), "--corpus", str(tiny_corpus), "--agent", "probe-workers",
                 "--limit", "1"]
         r = CliRunner().invoke(app, [*args, "--out", str(tmp_path / "a"), "--workers", "3"])
@@ -454,8 +465,6 @@ def test_eval_workers_option_reaches_the_agent_factory(tmp_path, tiny_corpus):
         assert r.exit_code == 0, r.output
         r = CliRunner().invoke(app, [*args, "--out", str(tmp_path / "c"), "--workers", "-1"])
         assert r.exit_code == 2
-    finally:
-        agents._REGISTRY.pop("probe-workers", None)
     assert seen[0]["workers"] == 3 and seen[0]["corpus"] == tiny_corpus and seen[0]["retriever_url"] is None
     assert "workers" not in seen[1]
     assert len(seen) == 2
@@ -466,26 +475,15 @@ def test_eval_lm_set_reaches_the_agent_factory(tmp_path, tiny_corpus):
     the agent; it is not a sim run's [lm] table, which the backend check would refuse."""
     from typer.testing import CliRunner
 
-    from selfevo import agents
-    from selfevo.agents.baseline import RetrievalBaseline
     from selfevo.cli import app
 
-    seen = []
-
-    def probe(arg, **context):
-        seen.append(context)
-        return RetrievalBaseline()
-
-    agents.register_agent("probe-lm-set", probe)
-    try:
+    with _probe_agent("probe-lm-set") as seen:
         args = ["eval", "--data-dir", str(QA_DIR), "--corpus", str(tiny_corpus), "--agent", "probe-lm-set",
                 "--limit", "1", "--out", str(tmp_path / "a")]
         r = CliRunner().invoke(app, [*args, "--lm-set", "max_new_tokens=128", "--lm-set", 'device="cpu"'])
         assert r.exit_code == 0, r.output
         r = CliRunner().invoke(app, [*args, "--lm-set", "max_new_tokens=0"])
         assert r.exit_code == 2 and "lm.max_new_tokens" in r.output
-    finally:
-        agents._REGISTRY.pop("probe-lm-set", None)
     assert len(seen) == 1
     assert seen[0]["lm_options"]["max_new_tokens"] == 128 and seen[0]["lm_options"]["device"] == "cpu"
 
