@@ -95,6 +95,94 @@ def test_scores_equal_bm25s_own_pipeline(small):
     assert len(hits) == int((ref_scores > 0).sum())
 
 
+def _matrix_by_token(model: bm25s.BM25) -> dict[str, tuple[list[int], list[float]]]:
+    """Each token's column of a bm25s score matrix: (document rows, float32 weights)."""
+    sc = model.scores
+    return {tok: (sc["indices"][sc["indptr"][j]:sc["indptr"][j + 1]].tolist(),
+                  sc["data"][sc["indptr"][j]:sc["indptr"][j + 1]].tolist())
+            for tok, j in model.vocab_dict.items() if tok}
+
+
+def test_streaming_build_equals_bm25s_bit_for_bit(monkeypatch):
+    """The streaming build computes the score matrix itself; every (term, document) weight must be
+    the float32 bm25s's own `index` computes, over batches (several here), empty documents and
+    repeated terms alike; so must the document count and the empty token bm25s adds."""
+    import selfevo.search.bm25 as bm25_mod
+
+    monkeypatch.setattr(bm25_mod, "_BATCH", 2)
+    docs = DOCS + [Document("d6", "Zebra zebra", "zebra Zebra stripes stripes stripes river"),
+                   Document("d7", "", "")]
+    ours = BM25Index.build(docs).model
+    ref = bm25s.BM25()
+    ref.index([bm25_mod._tokens(f"{d.title} {d.text}") for d in docs], show_progress=False)
+    assert _matrix_by_token(ours) == _matrix_by_token(ref)
+    assert ours.scores["num_docs"] == ref.scores["num_docs"] == len(docs)
+    assert ours.vocab_dict[""] == len(ours.vocab_dict) - 1  # bm25s's empty token, last
+
+
+def test_streamed_file_build_never_holds_the_corpus(tmp_path, monkeypatch):
+    """`build_index` streams the corpus file into the index's document store: no list of the
+    corpus is ever made, and the saved index reads its documents back on demand."""
+    import selfevo.corpus as corpus_mod
+    from selfevo.search.docstore import DocStore
+    from selfevo.search.index import build_index
+
+    corpus = tmp_path / "corpus.jsonl"
+    write_corpus(corpus, DOCS)
+    monkeypatch.setattr(corpus_mod, "read_corpus", lambda *a: pytest.fail("read the whole corpus"))
+    index = build_index("bm25", corpus, tmp_path / "idx")
+    assert isinstance(index.docs, DocStore) and list(index.docs) == DOCS
+    assert not (tmp_path / "idx" / ".docs-building").exists()
+    assert index.retrieve(["zebra stripes"], 2) == BM25Index.build(DOCS).retrieve(["zebra stripes"], 2)
+    assert index.corpus_sha256 == file_sha256(corpus)
+
+
+def test_a_malformed_corpus_leaves_the_saved_index_as_it_was(tmp_path):
+    """A corpus that turns out malformed half-way through the stream: the error names file and line,
+    and the index already in the directory still loads, documents and all (bad input loses nothing)."""
+    from selfevo.corpus import DataError
+    from selfevo.search.index import build_index, open_index
+
+    good = tmp_path / "good.jsonl"
+    write_corpus(good, DOCS)
+    build_index("bm25", good, tmp_path / "idx")
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(good.read_text() + '{"id": "d9", "contents": \n', encoding="utf-8")
+    with pytest.raises(DataError, match=r"bad\.jsonl:7"):
+        build_index("bm25", bad, tmp_path / "idx")
+    kept = open_index(tmp_path / "idx", expected_corpus_sha256=file_sha256(good))
+    assert list(kept.docs) == DOCS and ids(kept.retrieve(["Danube"], 1)[0]) == ["d2"]
+    with pytest.raises(DataError, match="corpus is empty"):
+        (tmp_path / "empty.jsonl").write_text("\n")
+        build_index("bm25", tmp_path / "empty.jsonl", tmp_path / "idx2")
+
+
+def test_doc_store_reads_on_demand_and_opens_older_indexes(tmp_path):
+    from selfevo.corpus import DataError
+    from selfevo.search.docstore import DOCS_FILE, OFFSETS_FILE, DocStore
+
+    store = DocStore.write(tmp_path / "a", iter(DOCS))  # any iterable, streamed
+    assert len(store) == len(DOCS) and store[0] == DOCS[0] and store[-1] == DOCS[-1]
+    assert store[1:3] == DOCS[1:3] and list(store) == DOCS and store == DOCS
+    with pytest.raises(IndexError):
+        store[len(DOCS)]
+    # an index saved before offsets existed: docs.jsonl alone is scanned once
+    (tmp_path / "old").mkdir()
+    (tmp_path / "old" / DOCS_FILE).write_bytes((tmp_path / "a" / DOCS_FILE).read_bytes())
+    old = DocStore(tmp_path / "old")
+    assert list(old) == DOCS and old == store
+    # offsets of another file (a docs.jsonl replaced by hand) are not trusted
+    (tmp_path / "a" / DOCS_FILE).write_bytes((tmp_path / "a" / DOCS_FILE).read_bytes()[:-1] + b" \n")
+    assert list(DocStore(tmp_path / "a")) == DOCS and (tmp_path / "a" / OFFSETS_FILE).exists()
+    other = DocStore.write(tmp_path / "b", DOCS[:-1] + [Document("d5", "Empty page", "x")])
+    assert other != store and other != DOCS
+    # a damaged line is a DataError naming the file and the document's line
+    raw = (tmp_path / "b" / DOCS_FILE).read_bytes().replace(b'"d2"', b'"d2\x00', 1)
+    (tmp_path / "b" / DOCS_FILE).write_bytes(raw)
+    with pytest.raises(DataError, match=r"docs\.jsonl:3"):
+        DocStore(tmp_path / "b")[2]
+
+
 # ------------------------------------------------------------------ persistence
 
 
@@ -107,7 +195,7 @@ def test_save_load_round_trip(small, tmp_path):
     assert not list((tmp_path / "idx").glob("*.pkl")) and not list((tmp_path / "idx").glob("*.pickle"))
 
     loaded = BM25Index.load(tmp_path / "idx", expected_corpus_sha256=small.corpus_sha256)
-    assert loaded.docs == DOCS
+    assert list(loaded.docs) == DOCS
     queries = ["zebra", "river Europe longest", "domesticated horse", ""]
     assert loaded.retrieve(queries, topk=3) == small.retrieve(queries, topk=3)
 

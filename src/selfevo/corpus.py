@@ -118,11 +118,18 @@ def iter_corpus(path: str | os.PathLike) -> Iterator[Document]:
         yield Document.from_contents(doc_id, contents)
 
 
-def read_corpus(path: str | os.PathLike) -> list[Document]:
-    docs = list(iter_corpus(path))
-    if not docs:
+def corpus_documents(path: str | os.PathLike) -> Iterator[Document]:
+    """`iter_corpus`, refusing (DataError, once the stream ends) a file that holds no document."""
+    empty = True
+    for doc in iter_corpus(path):
+        empty = False
+        yield doc
+    if empty:
         raise DataError(path, None, "corpus is empty")
-    return docs
+
+
+def read_corpus(path: str | os.PathLike) -> list[Document]:
+    return list(corpus_documents(path))
 
 
 def write_corpus(path: str | os.PathLike, docs: Iterable[Document]) -> int:

@@ -9,10 +9,14 @@ directory with a manifest that ties it to the exact corpus it was built from.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
+import math
 import os
 import re
-from collections.abc import Sequence
+import shutil
+import tempfile
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 
 import bm25s
@@ -20,13 +24,16 @@ import numpy as np
 from bm25s.stopwords import STOPWORDS_EN
 
 from selfevo._io import file_sha256, write_json
-from selfevo.corpus import iter_corpus, read_corpus, write_corpus
+from selfevo.corpus import corpus_documents
 from selfevo.records import Document
 from selfevo.search._manifest import MANIFEST, read_manifest
+from selfevo.search.docstore import DOCS_FILE, DocStore
 from selfevo.search.tool import Hit
 
 FORMAT_VERSION = 1
-DOCS_FILE = "docs.jsonl"
+K1, B = 1.5, 0.75  # bm25s's defaults (Lucene BM25)
+_BATCH = 20_000  # documents per numpy batch of the build
+STAGING = ".docs-building"  # where a streaming build writes its documents until `save`
 
 # bm25s's own default splitter and English stop list, so an index built here scores exactly as
 # `bm25s.tokenize(..., stopwords="en")` would.
@@ -40,12 +47,93 @@ def _tokens(text: str) -> list[str]:
     return [w for w in _TOKEN_RE.findall(text.lower()) if w not in _STOPWORDS]
 
 
-def docs_sha256(docs: Sequence[Document]) -> str:
+def docs_sha256(docs: Iterable[Document]) -> str:
     """Content hash of documents held in memory (the same bytes `write_corpus` would write)."""
     h = hashlib.sha256()
+    for _ in _serialised(docs, h):
+        pass
+    return h.hexdigest()
+
+
+def _serialised(docs: Iterable[Document], h) -> Iterator[Document]:
+    """Pass `docs` through, hashing each as the JSONL line `write_corpus` would write."""
     for d in docs:
         h.update((json.dumps(d.to_json(), ensure_ascii=False) + "\n").encode("utf-8"))
-    return h.hexdigest()
+        yield d
+
+
+class _Postings:
+    """The term statistics of a corpus, gathered one document at a time: per document its length
+    and its distinct term ids with their counts, as numpy batches (a few bytes per (document, term)
+    pair instead of a Python list of strings per document), and each term's document frequency."""
+
+    def __init__(self):
+        self.vocab: dict[str, int] = {}
+        self._pending: list[list[int]] = []
+        self.lengths: list[np.ndarray] = []  # tokens per document
+        self.n_terms: list[np.ndarray] = []  # distinct terms per document
+        self.terms: list[np.ndarray] = []  # (document, term) pairs in document order, term ids ascending
+        self.tf: list[np.ndarray] = []
+        self.df = np.zeros(0, dtype=np.int64)
+
+    def add(self, tokens: list[str]) -> None:
+        vocab = self.vocab
+        self._pending.append([vocab.setdefault(t, len(vocab)) for t in tokens])
+        if len(self._pending) >= _BATCH:
+            self._flush()
+
+    def _flush(self) -> None:
+        batch, self._pending = self._pending, []
+        if not batch:
+            return
+        lengths = np.fromiter(map(len, batch), np.int64, len(batch))
+        ids = np.fromiter(itertools.chain.from_iterable(batch), np.int64, int(lengths.sum()))
+        doc = np.repeat(np.arange(len(batch), dtype=np.int64), lengths)
+        keys, tf = np.unique((doc << 32) | ids, return_counts=True)  # sorted: by document, then term
+        terms = (keys & 0xFFFFFFFF).astype(np.int32)
+        self.lengths.append(lengths)
+        self.n_terms.append(np.bincount(keys >> 32, minlength=len(batch)))
+        self.terms.append(terms)
+        self.tf.append(tf.astype(np.int32))
+        df = np.bincount(terms, minlength=len(self.vocab))
+        df[:len(self.df)] += self.df
+        self.df = df
+
+    def score_matrix(self) -> dict:
+        """bm25s's `scores`: the Lucene BM25 weight of every (term, document) pair as a CSC matrix
+        (a column per term, rows ascending), equal to the one `bm25s.BM25().index` computes, bit for
+        bit: the same float64 arithmetic, rounded to float32 at the end."""
+        self._flush()
+        df = np.zeros(len(self.vocab), dtype=np.int64)
+        df[:len(self.df)] = self.df
+        lengths = np.concatenate(self.lengths) if self.lengths else np.zeros(0, dtype=np.int64)
+        n_docs = len(lengths)
+        avg_len = lengths.mean() if n_docs else 0.0
+        # bm25s: math.log per term, stored as float32
+        idf = np.array([math.log(1 + (n_docs - d + 0.5) / (d + 0.5)) if d else 0.0 for d in df.tolist()],
+                       dtype=np.float32)
+        indptr = np.zeros(len(df) + 1, dtype=np.int64)
+        np.cumsum(df, out=indptr[1:])
+        data = np.empty(int(indptr[-1]), dtype=np.float32)
+        indices = np.empty(int(indptr[-1]), dtype=np.int32)
+        heads = indptr[:-1].copy()  # next free slot of each column
+        first = 0
+        for n_terms, terms, tf in zip(self.n_terms, self.terms, self.tf):
+            docs = np.repeat(np.arange(first, first + len(n_terms), dtype=np.int64), n_terms)
+            first += len(n_terms)
+            tf64 = tf.astype(np.float64)
+            tfc = tf64 / (K1 * ((1 - B) + B * lengths[docs] / avg_len) + tf64)
+            # counting sort into columns; a stable sort by term keeps rows ascending within one
+            order = np.argsort(terms, kind="stable")
+            t_sorted = terms[order]
+            starts = np.flatnonzero(np.r_[True, t_sorted[1:] != t_sorted[:-1]])
+            rank = np.arange(len(t_sorted)) - np.repeat(starts, np.diff(np.r_[starts, len(t_sorted)]))
+            slots = heads[t_sorted] + rank
+            data[slots] = (idf[t_sorted].astype(np.float64) * tfc[order]).astype(np.float32)
+            indices[slots] = docs[order]
+            np.add.at(heads, t_sorted[starts], np.diff(np.r_[starts, len(t_sorted)]))
+        self.terms, self.tf = [], []  # spent: free them before the caller goes on
+        return {"data": data, "indices": indices, "indptr": indptr, "num_docs": n_docs}
 
 
 class BM25Index:
@@ -60,7 +148,7 @@ class BM25Index:
             raise ValueError(f"index holds {model.scores['num_docs']} documents, "
                              f"document list {len(docs)}")
         self.model = model
-        self.docs = list(docs)
+        self.docs = docs if isinstance(docs, DocStore) else list(docs)
         self.corpus_sha256 = corpus_sha256
         self._vocab: dict[str, int] = model.vocab_dict
 
@@ -70,28 +158,53 @@ class BM25Index:
     # ------------------------------------------------------------ building
 
     @classmethod
-    def build(cls, docs: Sequence[Document], corpus_sha256: str | None = None) -> BM25Index:
-        """Index `docs` (title and text). `corpus_sha256` names the corpus in the manifest;
-        by default it is the hash of the documents' JSONL serialisation."""
-        if not docs:
+    def build(cls, docs: Iterable[Document], corpus_sha256: str | None = None,
+              store: str | os.PathLike | None = None) -> BM25Index:
+        """Index `docs` (title and text) in one streaming pass. `corpus_sha256` names the corpus in
+        the manifest; by default it is the hash of the documents' JSONL serialisation. With `store`
+        (a directory) the documents are written there as they stream past and the index reads them
+        back on demand (`DocStore`): a corpus larger than memory is indexed without ever holding it;
+        without it they are kept in a list."""
+        kept: list[Document] = []
+        sha = hashlib.sha256()
+        lines = _serialised(docs, sha) if corpus_sha256 is None else docs
+        postings = _Postings()
+
+        def tokenised() -> Iterator[Document]:
+            for doc in lines:
+                postings.add(_tokens(f"{doc.title} {doc.text}"))  # queries use _tokens too
+                yield doc
+
+        if store is not None:
+            # beside the index, not over its docs.jsonl: a corpus that turns out malformed half-way
+            # leaves the index there as it was; `save` moves the store into place
+            staging = Path(store) / STAGING
+            shutil.rmtree(staging, ignore_errors=True)  # a killed build's
+            held: Sequence[Document] = DocStore.write(staging, tokenised())
+        else:
+            kept.extend(tokenised())
+            held = kept
+        if not len(held):
             raise ValueError("cannot build a BM25 index over zero documents")
-        corpus_tokens = [_tokens(f"{d.title} {d.text}") for d in docs]  # queries use _tokens too
         model = bm25s.BM25()
-        model.index(corpus_tokens, show_progress=False)
-        return cls(model, docs, corpus_sha256 or docs_sha256(docs))
+        model.scores, model.vocab_dict = postings.score_matrix(), postings.vocab
+        model.vocab_dict[""] = len(postings.vocab)  # bm25s's empty token, as its own `index` adds
+        model.unique_token_ids_set = set(model.vocab_dict.values())
+        model.nonoccurrence_array = None  # Lucene BM25 has none (bm25s's `index` sets the same)
+        return cls(model, held, corpus_sha256 or sha.hexdigest())
 
     @classmethod
     def from_corpus_file(cls, path: str | os.PathLike,
                          index_dir: str | os.PathLike | None = None) -> BM25Index:
         """Load the cached index from `index_dir` if it was built from this exact corpus file
-        (same sha256), else build it from the file and, with `index_dir`, save it there."""
+        (same sha256), else build it from the file (streamed) and, with `index_dir`, save it there."""
         digest = file_sha256(path)
         if index_dir is not None and (Path(index_dir) / MANIFEST).exists():
             try:
                 return cls.load(index_dir, expected_corpus_sha256=digest)
             except (ValueError, OSError):
                 pass  # stale, foreign or damaged cache: rebuild below and overwrite it
-        index = cls.build(read_corpus(path), corpus_sha256=digest)
+        index = cls.build(corpus_documents(path), corpus_sha256=digest, store=index_dir)
         if index_dir is not None:
             index.save(index_dir)
         return index
@@ -99,15 +212,25 @@ class BM25Index:
     # ------------------------------------------------------------ persistence
 
     def save(self, index_dir: str | os.PathLike) -> None:
-        """bm25s's own files (numpy arrays + JSON, no pickle), docs.jsonl, then manifest.json.
+        """bm25s's own files (numpy arrays + JSON, no pickle), docs.jsonl with its offsets, then
+        manifest.json.
 
         The manifest is removed first and written last, so an interrupted save leaves a
-        directory that `load` refuses rather than a mix of old and new files."""
+        directory that `load` refuses rather than a mix of old and new files. Each file is
+        written beside its place and renamed over it: an index loaded from this directory keeps
+        reading the files it mapped (a file rewritten in place under a memory map kills the reader)."""
         index_dir = Path(index_dir)
         index_dir.mkdir(parents=True, exist_ok=True)
         (index_dir / MANIFEST).unlink(missing_ok=True)
-        self.model.save(index_dir, allow_pickle=False, show_progress=False)
-        write_corpus(index_dir / DOCS_FILE, self.docs)
+        with tempfile.TemporaryDirectory(prefix=".bm25-", dir=index_dir) as tmp:
+            self.model.save(tmp, allow_pickle=False, show_progress=False)
+            for f in Path(tmp).iterdir():
+                os.replace(f, index_dir / f.name)
+        if isinstance(self.docs, DocStore) and self.docs.path.parent.resolve() == (index_dir / STAGING).resolve():
+            self.docs = self.docs.move_to(index_dir)
+            shutil.rmtree(index_dir / STAGING, ignore_errors=True)
+        else:
+            self.docs = DocStore.write(index_dir, self.docs)
         write_json(index_dir / MANIFEST, {
             "format_version": FORMAT_VERSION,
             "corpus_sha256": self.corpus_sha256,
@@ -127,11 +250,12 @@ class BM25Index:
         if expected_corpus_sha256 is not None and manifest.get("corpus_sha256") != expected_corpus_sha256:
             raise ValueError(f"{manifest_path}: index was built from corpus sha256 "
                              f"{manifest.get('corpus_sha256')}, expected {expected_corpus_sha256}")
-        docs = list(iter_corpus(index_dir / DOCS_FILE))
+        docs = DocStore(index_dir)  # read on demand: the whole corpus is never in memory
         if len(docs) != manifest.get("num_docs"):
             raise ValueError(f"{manifest_path}: manifest says {manifest.get('num_docs')} documents, "
                              f"{DOCS_FILE} holds {len(docs)}")
-        model = bm25s.BM25.load(index_dir, allow_pickle=False, show_progress=False)
+        # memory-mapped score matrix: a wiki-18 index is opened in seconds and pages in what queries touch
+        model = bm25s.BM25.load(index_dir, allow_pickle=False, show_progress=False, mmap=True)
         return cls(model, docs, manifest["corpus_sha256"])
 
     # ------------------------------------------------------------ retrieval
@@ -142,11 +266,15 @@ class BM25Index:
         Only documents sharing at least one term with the query are returned (Lucene idf is
         positive, so score > 0 exactly then): an empty, all-stopword or all-unknown query
         gets no hits rather than `topk` arbitrary zero-score documents."""
+        return [[Hit(self.docs[i], s) for i, s in ranked] for ranked in self.search(queries, topk)]
+
+    def search(self, queries: Sequence[str], topk: int) -> list[list[tuple[int, float]]]:
+        """Like `retrieve`, as (corpus position, score) pairs (hybrid fusion uses positions)."""
         if topk < 1:
             raise ValueError(f"topk must be >= 1, got {topk}")
-        return [self._retrieve_one(q, topk) for q in queries]
+        return [self._search_one(q, topk) for q in queries]
 
-    def _retrieve_one(self, query: str, topk: int) -> list[Hit]:
+    def _search_one(self, query: str, topk: int) -> list[tuple[int, float]]:
         ids = [self._vocab[t] for t in _tokens(query) if t in self._vocab]
         if not ids:
             return []
@@ -159,4 +287,4 @@ class BM25Index:
             matched = matched[scores[matched] >= kth]
         # Stable sort on descending score keeps ascending doc order among equal scores.
         order = matched[np.argsort(-scores[matched], kind="stable")][:topk]
-        return [Hit(self.docs[i], float(scores[i])) for i in order]
+        return [(int(i), float(scores[i])) for i in order]

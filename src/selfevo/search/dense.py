@@ -27,15 +27,15 @@ from typing import Any
 import numpy as np
 
 from selfevo._io import check_local_path, file_sha256, write_json
-from selfevo.corpus import iter_corpus, read_corpus, write_corpus
+from selfevo.corpus import read_corpus
 from selfevo.records import Document
 from selfevo.search._manifest import MANIFEST, read_manifest
 from selfevo.search.bm25 import docs_sha256
+from selfevo.search.docstore import DOCS_FILE, DocStore
 from selfevo.search.tool import Hit
 
 FORMAT_VERSION = 1
 KIND = "dense"
-DOCS_FILE = "docs.jsonl"
 VECTORS_FILE = "vectors.faiss"
 
 DEFAULT_MODEL = "sentence-transformers/all-MiniLM-L6-v2"
@@ -282,7 +282,7 @@ class DenseIndex:
             raise ValueError(f"FAISS index has dimension {index.d}, encoder {encoder.model!r} {encoder.dim}")
         self.encoder = encoder
         self.index = index
-        self.docs = list(docs)
+        self.docs = docs if isinstance(docs, DocStore) else list(docs)
         self.corpus_sha256 = corpus_sha256
         self.index_type = index_type
         self.params = dict(params or {})
@@ -361,7 +361,7 @@ class DenseIndex:
         index_dir.mkdir(parents=True, exist_ok=True)
         (index_dir / MANIFEST).unlink(missing_ok=True)
         faiss.write_index(self.index, str(index_dir / VECTORS_FILE))
-        write_corpus(index_dir / DOCS_FILE, self.docs)
+        self.docs = DocStore.write(index_dir, self.docs)  # from here on read on demand
         write_json(index_dir / MANIFEST, self.manifest())
 
     @staticmethod
@@ -388,7 +388,7 @@ class DenseIndex:
                               passage_prefix=manifest["passage_prefix"], device=device,
                               batch_size=batch_size, max_seq_length=manifest.get("max_seq_length"))
         check_encoder(manifest, encoder, where)
-        docs = list(iter_corpus(index_dir / DOCS_FILE))
+        docs = DocStore(index_dir)  # read on demand: the whole corpus is never in memory
         if len(docs) != manifest.get("num_docs"):
             raise ValueError(f"{where}: manifest says {manifest.get('num_docs')} documents, "
                              f"{DOCS_FILE} holds {len(docs)}")

@@ -66,13 +66,11 @@ class HybridIndex:
         self.bm25, self.dense = bm25, dense
         self.rrf_k, self.depth = rrf_k, depth
         self.build_seconds = build_seconds  # both halves
-        self.docs = dense.docs
         self.corpus_sha256 = dense.corpus_sha256
-        # BM25 hits carry documents, dense hits positions: fuse on corpus positions (first
-        # occurrence of an id, should a corpus repeat one).
-        self._pos: dict[str, int] = {}
-        for i, d in enumerate(self.docs):
-            self._pos.setdefault(d.id, i)
+
+    @property
+    def docs(self) -> Sequence[Document]:
+        return self.dense.docs  # the same documents as the BM25 half's, in the same order
 
     def __len__(self) -> int:
         return len(self.docs)
@@ -163,11 +161,10 @@ class HybridIndex:
         if topk < 1:
             raise ValueError(f"topk must be >= 1, got {topk}")
         depth = max(self.depth, topk)
-        lexical = self.bm25.retrieve(queries, depth)
+        lexical = self.bm25.search(queries, depth)  # both halves rank corpus positions
         dense = self.dense.search(queries, depth)
         out = []
         for lex_hits, dense_hits in zip(lexical, dense):
-            fused = rrf_fuse([[self._pos[h.document.id] for h in lex_hits],
-                              [i for i, _ in dense_hits]], k=self.rrf_k)[:topk]
+            fused = rrf_fuse([[i for i, _ in lex_hits], [i for i, _ in dense_hits]], k=self.rrf_k)[:topk]
             out.append([Hit(self.docs[i], s) for i, s in fused])
         return out

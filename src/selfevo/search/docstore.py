@@ -1,0 +1,114 @@
+"""The documents of a saved index, read from its `docs.jsonl` on demand.
+
+Why: an index over wiki-18 (21M passages, 13 GB) cannot hold every `Document` as a Python object
+(about 40 GB); a search needs only the few documents it returns. The store keeps one byte offset per
+document (`docs.offsets.npy`, 8 bytes each) and memory-maps the file, so opening it costs no parse
+and a lookup reads one line. The file is the same FlashRAG JSONL as before: an index saved by an
+older version (no offsets file) is scanned once when opened.
+"""
+
+from __future__ import annotations
+
+import json
+import mmap
+import os
+from collections.abc import Iterable, Iterator, Sequence
+from pathlib import Path
+
+import numpy as np
+
+from selfevo._io import atomic_writer
+from selfevo.corpus import DataError
+from selfevo.records import Document
+
+DOCS_FILE = "docs.jsonl"
+OFFSETS_FILE = "docs.offsets.npy"
+
+
+def _line(doc: Document) -> bytes:
+    return (json.dumps(doc.to_json(), ensure_ascii=False) + "\n").encode("utf-8")
+
+
+class DocStore(Sequence[Document]):
+    """A read-only sequence of the documents in `directory/docs.jsonl`, in file order. Safe to
+    share between threads (a lookup slices the memory map; nothing seeks)."""
+
+    def __init__(self, directory: str | os.PathLike):
+        self.path = Path(directory) / DOCS_FILE
+        with open(self.path, "rb") as fh:
+            size = os.fstat(fh.fileno()).st_size
+            self._map = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) if size else b""
+        offsets_path = Path(directory) / OFFSETS_FILE
+        offsets = np.load(offsets_path, allow_pickle=False) if offsets_path.exists() else None
+        if offsets is None or offsets.ndim != 1 or not len(offsets) or int(offsets[-1]) != size:
+            offsets = _scan(self._map, size)  # an older index, or offsets of another file: rescan
+        self._offsets = offsets
+
+    @classmethod
+    def write(cls, directory: str | os.PathLike, docs: Iterable[Document]) -> DocStore:
+        """Write `docs` (streamed: any iterable) as `directory/docs.jsonl` with their offsets, both
+        atomically, and open the result. Writing a store over its own file is a no-op."""
+        directory = Path(directory)
+        if isinstance(docs, DocStore) and docs.path.resolve() == (directory / DOCS_FILE).resolve():
+            return docs
+        offsets = [0]
+        with atomic_writer(directory / DOCS_FILE, "wb") as fh:
+            for doc in docs:
+                line = _line(doc)
+                fh.write(line)
+                offsets.append(offsets[-1] + len(line))
+        with atomic_writer(directory / OFFSETS_FILE, "wb") as fh:
+            np.save(fh, np.asarray(offsets, dtype=np.int64), allow_pickle=False)
+        return cls(directory)
+
+    def move_to(self, directory: str | os.PathLike) -> DocStore:
+        """Move this store's files into `directory` (each renamed over its place) and open them there."""
+        directory = Path(directory)
+        os.replace(self.path.with_name(OFFSETS_FILE), directory / OFFSETS_FILE)
+        os.replace(self.path, directory / DOCS_FILE)
+        return DocStore(directory)
+
+    def __len__(self) -> int:
+        return len(self._offsets) - 1
+
+    def __getitem__(self, i):  # type: ignore[override]
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        n = len(self)
+        if not -n <= i < n:
+            raise IndexError(f"document {i} of {n}")
+        i %= n
+        start, end = int(self._offsets[i]), int(self._offsets[i + 1])
+        try:
+            obj = json.loads(self._map[start:end])
+            return Document.from_contents(obj["id"], obj["contents"])
+        except (ValueError, KeyError, TypeError) as e:  # a damaged index file
+            raise DataError(self.path, i + 1, f"not a document line of this index ({e})") from None
+
+    def __iter__(self) -> Iterator[Document]:
+        for i in range(len(self)):
+            yield self[i]
+
+    def __eq__(self, other: object) -> bool:
+        """The same documents in the same order (compared by bytes, never parsed)."""
+        if isinstance(other, DocStore):
+            if not np.array_equal(self._offsets, other._offsets):
+                return False
+            step = 1 << 24  # in slices: two wiki-18 stores would not fit in memory at once
+            return all(self._map[i:i + step] == other._map[i:i + step]
+                       for i in range(0, int(self._offsets[-1]), step))
+        if isinstance(other, Sequence):
+            return len(self) == len(other) and all(a == b for a, b in zip(self, other))
+        return NotImplemented
+
+    __hash__ = None  # type: ignore[assignment]
+
+
+def _scan(data, size: int) -> np.ndarray:
+    """Byte offsets of every line start, and the end (one pass; an index saved without offsets)."""
+    offsets, pos = [0], 0
+    while pos < size:
+        nl = data.find(b"\n", pos)
+        pos = size if nl < 0 else nl + 1
+        offsets.append(pos)
+    return np.asarray(offsets, dtype=np.int64)
