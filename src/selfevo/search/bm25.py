@@ -123,15 +123,16 @@ class _Postings:
             first += len(n_terms)
             tf64 = tf.astype(np.float64)
             tfc = tf64 / (K1 * ((1 - B) + B * lengths[docs] / avg_len) + tf64)
-            # counting sort into columns; a stable sort by term keeps rows ascending within one
+            # counting sort into the columns: each pair's slot is its column's next free one, and a
+            # stable sort by term keeps documents (rows) ascending within a column
             order = np.argsort(terms, kind="stable")
-            t_sorted = terms[order]
-            starts = np.flatnonzero(np.r_[True, t_sorted[1:] != t_sorted[:-1]])
-            rank = np.arange(len(t_sorted)) - np.repeat(starts, np.diff(np.r_[starts, len(t_sorted)]))
-            slots = heads[t_sorted] + rank
-            data[slots] = (idf[t_sorted].astype(np.float64) * tfc[order]).astype(np.float32)
+            col = terms[order]
+            starts = np.flatnonzero(np.r_[True, col[1:] != col[:-1]])
+            counts = np.diff(np.r_[starts, len(col)])
+            slots = heads[col] + np.arange(len(col)) - np.repeat(starts, counts)
+            data[slots] = (idf[col].astype(np.float64) * tfc[order]).astype(np.float32)
             indices[slots] = docs[order]
-            np.add.at(heads, t_sorted[starts], np.diff(np.r_[starts, len(t_sorted)]))
+            heads[col[starts]] += counts
         self.terms, self.tf = [], []  # spent: free them before the caller goes on
         return {"data": data, "indices": indices, "indptr": indptr, "num_docs": n_docs}
 
@@ -165,25 +166,28 @@ class BM25Index:
         (a directory) the documents are written there as they stream past and the index reads them
         back on demand (`DocStore`): a corpus larger than memory is indexed without ever holding it;
         without it they are kept in a list."""
-        kept: list[Document] = []
         sha = hashlib.sha256()
-        lines = _serialised(docs, sha) if corpus_sha256 is None else docs
+        stream = _serialised(docs, sha) if corpus_sha256 is None else docs
         postings = _Postings()
 
         def tokenised() -> Iterator[Document]:
-            for doc in lines:
+            for doc in stream:
                 postings.add(_tokens(f"{doc.title} {doc.text}"))  # queries use _tokens too
                 yield doc
 
-        if store is not None:
+        held: Sequence[Document]
+        if store is None:
+            held = list(tokenised())
+        else:
             # beside the index, not over its docs.jsonl: a corpus that turns out malformed half-way
             # leaves the index there as it was; `save` moves the store into place
             staging = Path(store) / STAGING
             shutil.rmtree(staging, ignore_errors=True)  # a killed build's
-            held: Sequence[Document] = DocStore.write(staging, tokenised())
-        else:
-            kept.extend(tokenised())
-            held = kept
+            try:
+                held = DocStore.write(staging, tokenised())
+            except BaseException:
+                shutil.rmtree(staging, ignore_errors=True)
+                raise
         if not len(held):
             raise ValueError("cannot build a BM25 index over zero documents")
         model = bm25s.BM25()
