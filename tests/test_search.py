@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import inspect
 import json
+import pickle
 import time
 
 import bm25s
@@ -164,6 +165,7 @@ def test_doc_store_reads_on_demand_and_opens_older_indexes(tmp_path):
     store = DocStore.write(tmp_path / "a", iter(DOCS))  # any iterable, streamed
     assert len(store) == len(DOCS) and store[0] == DOCS[0] and store[-1] == DOCS[-1]
     assert store[1:3] == DOCS[1:3] and list(store) == DOCS and store == DOCS
+    assert pickle.loads(pickle.dumps(store)) == store  # a worker process reopens the same file
     with pytest.raises(IndexError):
         store[len(DOCS)]
     # an index saved before offsets existed: docs.jsonl alone is scanned once

@@ -103,6 +103,9 @@ class DocStore(Sequence[Document]):
 
     __hash__ = None  # type: ignore[assignment]
 
+    def __reduce__(self):  # to another process (a worker pool, Ray) as its directory: a map is no value
+        return DocStore, (self.path.parent,)
+
 
 def _scan(data, size: int) -> np.ndarray:
     """Byte offsets of every line start, and the end (one pass; an index saved without offsets)."""

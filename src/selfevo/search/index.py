@@ -135,27 +135,26 @@ def index_from_corpus_file(kind: str, corpus: str | os.PathLike,
 
 def build_index(kind: str, corpus: str | os.PathLike, out: str | os.PathLike,
                 options: DenseOptions | None = None, progress: bool = False) -> Retriever:
-    """Build an index of `kind` over the corpus file and save it to `out` (always rebuilds). The
-    corpus is streamed: BM25 never holds it in memory (see `BM25Index.build`)."""
+    """Build an index of `kind` over the corpus file and save it to `out` (always rebuilds). BM25
+    streams the corpus and never holds it in memory (see `BM25Index.build`); dense and hybrid read
+    it whole, as they hold every passage's vector anyway."""
     from selfevo._io import file_sha256
+    from selfevo.corpus import corpus_documents, read_corpus
 
     _check_kind(kind)
     options = options or DenseOptions()
     digest = file_sha256(corpus)
     _check_not_corpus(corpus, out)
     if kind == "bm25":
-        from selfevo.corpus import corpus_documents
         from selfevo.search.bm25 import BM25Index
 
         index: Any = BM25Index.build(corpus_documents(corpus), corpus_sha256=digest, store=out)
-    elif kind == "dense":
-        from selfevo.corpus import read_corpus
+    elif kind == "dense":  # the passages' texts are held while they are encoded
         from selfevo.search.dense import DenseIndex
 
         index = DenseIndex.build(read_corpus(corpus), options.encoder(), index_type=options.index_type,
                                  corpus_sha256=digest, progress=progress, **options.faiss_params)
     else:
-        from selfevo.corpus import read_corpus
         from selfevo.search.hybrid import HybridIndex
 
         index = HybridIndex.build(read_corpus(corpus), options.encoder(), corpus_sha256=digest,
