@@ -9,8 +9,9 @@ Corpora: synthetic and seeded (seed 0), shaped like wiki-18's passages: a title 
 made-up words, so the vocabulary grows with the corpus as a real one's does. Each measurement runs in
 a fresh process (its own peak resident memory, `ru_maxrss`): `build_index("bm25", ...)` (what
 `selfevo index build` runs), then `open_index` and the 1,325 questions of ../shared/data/qa one
-`retrieve([q], 3)` call each. `--baseline-src` measures another checkout's code the same way (the
-"before" rows). Writes the "## Index scale (BM25)" section of docs/benchmarks.md.
+`retrieve([q], 3)` call each (`--corpus`, `--qa-dir`: other places for the two). `--baseline-src`
+measures another checkout's code the same way (the "before" rows). Writes the "## Index scale (BM25)"
+section of docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -61,13 +62,13 @@ print(json.dumps({"open_seconds": opened, "qps": len(questions) / seconds, "anon
 """
 
 
-def make_corpus(n: int, path: Path) -> None:
+def make_corpus(n: int, path: Path, words_from: Path) -> None:
     """A seeded wiki-18-shaped corpus of `n` passages (see the module docstring)."""
     if path.exists():
         return
     rng = random.Random(0)
     words: list[str] = []
-    with open(SHARED / "corpus" / "wiki18-mini.jsonl", encoding="utf-8") as fh:
+    with open(words_from, encoding="utf-8") as fh:
         for line in fh:
             words += re.findall(r"\S+", json.loads(line)["contents"].split("\n", 1)[-1])
     tmp = path.with_suffix(".tmp")
@@ -101,11 +102,16 @@ def main() -> None:
     ap.add_argument("--baseline-src", type=Path, default=None, help="another checkout's src/ to compare")
     ap.add_argument("--baseline-label", default="before")
     ap.add_argument("--work", type=Path, default=Path("/tmp/selfevo-index-scale"))
+    ap.add_argument("--corpus", type=Path, default=SHARED / "corpus" / "wiki18-mini.jsonl",
+                    help="the real passages whose words the synthetic corpora use")
+    ap.add_argument("--qa-dir", type=Path, default=SHARED / "qa")
     ap.add_argument("--out", type=Path, default=REPO / "docs" / "benchmarks.md")
     args = ap.parse_args()
     args.work.mkdir(parents=True, exist_ok=True)
-    questions = [json.loads(line)["question"] for f in sorted((SHARED / "qa").glob("*.jsonl"))
+    questions = [json.loads(line)["question"] for f in sorted(args.qa_dir.glob("*.jsonl"))
                  for line in f.read_text(encoding="utf-8").splitlines() if line.strip()]
+    if not questions or not args.corpus.is_file():
+        ap.error(f"need the questions of {args.qa_dir} and the corpus {args.corpus} (see --qa-dir, --corpus)")
     codes = {"this code": REPO / "src"}
     if args.baseline_src is not None:
         codes[args.baseline_label] = args.baseline_src.resolve()
@@ -114,7 +120,7 @@ def main() -> None:
         task = bar.add_task("corpora and indexes", total=len(args.sizes) * (1 + len(codes)))
         for n in args.sizes:
             corpus = args.work / f"corpus-{n}.jsonl"
-            make_corpus(n, corpus)
+            make_corpus(n, corpus, args.corpus)
             bar.advance(task)
             for label, src in codes.items():
                 rows[(label, n)] = measure(corpus, args.work / f"index-{n}-{label.replace(' ', '_')}", src,

@@ -254,7 +254,8 @@ def test_save_load_round_trip(flat, saved, encoder):
     assert manifest["model"] == DEFAULT_MODEL and manifest["model_fingerprint"] == encoder.fingerprint
     assert manifest["dim"] == 384 and manifest["index_type"] == "flat" and manifest["num_docs"] == len(DOCS)
     assert manifest["corpus_sha256"] == flat.corpus_sha256 and len(flat.corpus_sha256) == 64
-    assert sorted(p.name for p in saved.iterdir()) == ["docs.jsonl", "docs.offsets.npy", "manifest.json", "vectors.faiss"]
+    assert sorted(p.name for p in saved.iterdir()) == ["docs.jsonl", "docs.offsets.npy", "manifest.json",
+                                                       "vectors.faiss"]
     assert read_corpus(saved / "docs.jsonl") == DOCS
 
     loaded = DenseIndex.load(saved, encoder, expected_corpus_sha256=flat.corpus_sha256)
