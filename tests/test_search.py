@@ -494,3 +494,57 @@ def test_a_runaway_query_searches_the_same_locally_and_through_the_server():
         assert [h.document.id for h in client.retrieve([query], topk=2)[0]] == ["d1", "d0"]
     assert local[0].answer == remote[0].answer == "Volga"
     assert local[0].read == remote[0].read == ["d1", "d0"]
+
+
+# ------------------------------------------------------------------ corpus runs on a saved index
+
+
+def test_a_corpus_run_searches_a_saved_index_reading_documents_on_demand(tmp_path, monkeypatch):
+    """`data.index` (`evolve --index`): a corpus run searches the saved index of its corpus (any kind),
+    whose documents stay on disk; its folds are the source pool's (every other page hashes alike), and
+    the index of another corpus, or an index without a corpus, is refused naming `data.index`."""
+    from types import SimpleNamespace
+
+    import selfevo.evolve
+    from selfevo.agents.baseline import RetrievalBaseline
+    from selfevo.config import ConfigError, load_config
+    from selfevo.evolve import environment, evolve, source_pool
+    from selfevo.loop.folds import fold_of
+    from selfevo.runs import RunDir
+    from selfevo.search.docstore import DocStore
+    from selfevo.search.index import build_index
+
+    corpus, qa = tmp_path / "data" / "corpus" / "c.jsonl", tmp_path / "data" / "qa"
+    corpus.parent.mkdir(parents=True)
+    qa.mkdir()
+    docs = [Document(str(i), f"Page {i}", f"Page {i} was founded in {1900 + i}.") for i in range(40)]
+    write_corpus(corpus, docs)
+    (qa / "nq.jsonl").write_text(json.dumps({"id": "q0", "question": "When was Page 1 founded?",
+                                             "golden_answers": ["1901"]}) + "\n", encoding="utf-8")
+    build_index("bm25", corpus, tmp_path / "idx")
+    on = {"data.corpus": str(corpus), "data.qa_dir": str(qa), "data.index": str(tmp_path / "idx"),
+          "loop.source_docs": 10}
+    cfg = load_config(None, [], backend="lm", treatment="crossfit", **on)
+    env = environment(cfg)
+    assert isinstance(env.documents, DocStore) and env.index.docs is env.documents
+    assert list(env.documents) == docs
+    in_memory = BM25Index.build(docs)
+    assert env.index.retrieve(["Page 7 founded"], 3) == in_memory.retrieve(["Page 7 founded"], 3)
+    assert source_pool(cfg, env.documents) == source_pool(cfg, docs)  # the same sample, never a copy
+
+    monkeypatch.setattr(selfevo.evolve, "build_loop",  # the loop is not what is checked here
+                        lambda *a, **k: SimpleNamespace(main=RetrievalBaseline(), run=lambda *a, **k: None))
+    out = tmp_path / "run"
+    evolve(cfg, out, progress=False, audit=False)
+    folds = json.loads((out / "folds.json").read_text())
+    pool = source_pool(cfg, docs)
+    assert folds["folds"] == {d.id: fold_of(d.id, cfg.seed, 2) for d in pool}
+    assert RunDir(out).manifest()["corpus_sha256"] == file_sha256(corpus)
+
+    other = tmp_path / "other.jsonl"
+    write_corpus(other, docs[:5])
+    build_index("bm25", other, tmp_path / "other-idx")
+    with pytest.raises(ConfigError, match="data.index: .*corpus sha256"):
+        environment(load_config(None, [], backend="lm", **{**on, "data.index": str(tmp_path / "other-idx")}))
+    with pytest.raises(ConfigError, match="data.index"):
+        load_config(None, [], **{"data.index": str(tmp_path / "idx")})

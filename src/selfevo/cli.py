@@ -294,6 +294,8 @@ def evolve_cmd(
     corpus: Path | None = typer.Option(None, help="lm backend: a FlashRAG corpus JSONL instead of the world"),
     qa_dir: Path | None = typer.Option(None, "--qa-dir", help="benchmarks to evaluate on (default with "
                                        "--corpus: the qa/ directory beside the corpus's directory)"),
+    index: Path | None = typer.Option(None, "--index", help="with --corpus: a saved index of it to search "
+                                      "(`selfevo index build`, bm25|dense|hybrid; default: BM25 built in memory)"),
 ) -> None:
     """Run the self-evolution loop into a run directory, then audit it."""
     from selfevo.config import ConfigError, load_config
@@ -307,7 +309,8 @@ def evolve_cmd(
         cfg = load_config(config, set_, treatment=treatment, seed=seed, backend=backend, **{
             "world.name": world, "loop.rounds": rounds, "lm.model": model,
             "data.corpus": None if corpus is None else str(corpus),
-            "data.qa_dir": None if qa_dir is None else str(qa_dir)})
+            "data.qa_dir": None if qa_dir is None else str(qa_dir),
+            "data.index": None if index is None else str(index)})
         if model is not None and cfg.backend != "lm":  # the sim learners would ignore it
             _fail(f"--model {model}: a language model needs the lm backend (add --backend lm)")
         run = evolve(cfg, out, resume=resume, audit=audit)
@@ -458,7 +461,9 @@ def audit_cmd(
             steps = run.steps()
         except ValueError as e:  # a corrupt line before the last (a torn last line is dropped)
             _fail(str(e))
-        documents = {d.id: d.contents for d in env.documents}
+        from selfevo.search.docstore import contents_by_id
+
+        documents = contents_by_id(env.documents)  # read on demand: a corpus stays on disk
         truth = oracle if compare == "oracle" else None
         out_dir = out or run.path / "audit" / ("llm" if judge == "llm" else "")
     steps = limit_items(steps, max_items_per_step)

@@ -33,7 +33,7 @@ class ConfigError(ValueError):
 
 # Fields that name a file or directory. Stored absolute: a run audited, resumed or replayed from
 # another directory (or on a Ray worker) must read the same files, not whatever is there.
-PATH_FIELDS = (("world", "name"), ("data", "corpus"), ("data", "qa_dir"))
+PATH_FIELDS = (("world", "name"), ("data", "corpus"), ("data", "qa_dir"), ("data", "index"))
 
 
 def absolute(path: str) -> str:
@@ -92,16 +92,21 @@ class DataSpec:
     corpus: str = ""  # FlashRAG corpus JSONL: the proposer's sources and the search index ("": the world)
     qa_dir: str = ""  # FlashRAG QA directory for the per-round evaluation (needed with a corpus)
     eval_limit: int = 0  # at most N questions per benchmark in the per-round evaluation (0: all)
+    # a saved index of data.corpus (`selfevo index build`, any kind: bm25 | dense | hybrid) that the
+    # agents search, its documents read on demand ("": a BM25 index built in memory at start-up)
+    index: str = ""
 
     def __post_init__(self):
         if self.eval_limit < 0:
             raise ValueError(f"data.eval_limit: must be >= 0, got {self.eval_limit}")
+        if self.index and not self.corpus:
+            raise ValueError("data.index: only with data.corpus (the corpus the index was built from)")
         if self.corpus and not self.qa_dir:
             raise ValueError("data.corpus: needs data.qa_dir as well (the benchmarks to evaluate on)")
         if self.qa_dir and not self.corpus:  # a world run is evaluated on its world's benchmarks only
             raise ValueError("data.qa_dir: only with data.corpus (a run on the synthetic world is evaluated on "
                              "the world's own seven benchmarks)")
-        for name in ("corpus", "qa_dir"):
+        for name in ("corpus", "qa_dir", "index"):
             if getattr(self, name):
                 object.__setattr__(self, name, absolute(getattr(self, name)))
 

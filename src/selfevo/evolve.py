@@ -24,12 +24,13 @@ from selfevo.evaluate import evaluate_solver
 from selfevo.loop.admission import MSV, AdmitAll
 from selfevo.loop.engine import Loop
 from selfevo.loop.feedback import AuxFeedback, CoupledFeedback
-from selfevo.loop.folds import FoldAssignment, assign_folds
+from selfevo.loop.folds import FoldAssignment, assign_folds, fold_of
 from selfevo.loop.schedule import derive_seed
 from selfevo.loop.treatments import feedback_options, parse_treatment
 from selfevo.runs import RunDir, RunError
 from selfevo.search.bm25 import BM25Index
-from selfevo.search.tool import SearchTool
+from selfevo.search.docstore import contents_by_id
+from selfevo.search.tool import Retriever, SearchTool
 from selfevo.world import World, resolve_world, world_fingerprint
 from selfevo.world.generate import SIZES
 
@@ -55,10 +56,11 @@ def world_and_index(cfg: RunConfig) -> tuple[World, BM25Index]:
     return _WORLDS[key]
 
 
-def make_rules(cfg: RunConfig, documents, folds: FoldAssignment, make_solver):
-    """The treatment: an admission rule and a feedback rule for the one loop."""
+def make_rules(cfg: RunConfig, sources, folds: FoldAssignment, make_solver):
+    """The treatment: an admission rule and a feedback rule for the one loop (`sources`: the
+    proposer's source pool, the documents MSV shows its with-source samples)."""
     t = parse_treatment(cfg.treatment)
-    admission = MSV({d.id: d for d in documents}) if t.msv else AdmitAll()
+    admission = MSV({d.id: d for d in sources}) if t.msv else AdmitAll()
     options = feedback_options(t)  # the one treatment -> aux-solver options mapping
     if options is None:
         return admission, CoupledFeedback(folds)
@@ -66,8 +68,13 @@ def make_rules(cfg: RunConfig, documents, folds: FoldAssignment, make_solver):
                                   **dataclasses.asdict(options))
 
 
-def fold_assignment(cfg: RunConfig, documents) -> FoldAssignment:
+def fold_assignment(cfg: RunConfig, documents, pool=None) -> FoldAssignment:
+    """The run's permanent folds. With `pool` (a corpus run's source pool) and source-level folds, the
+    pool's folds are written out and every other page hashes alike (`FoldAssignment.of`), so a
+    21M-passage corpus is not walked; link-graph clusters (`connected`) need the whole corpus."""
     t = parse_treatment(cfg.treatment)
+    if pool is not None and t.grouping == "source":
+        return FoldAssignment(t.k, cfg.seed, "source", {d.id: fold_of(d.id, cfg.seed, t.k) for d in pool})
     return assign_folds(documents, cfg.seed, t.k, t.grouping)
 
 
@@ -77,7 +84,7 @@ def source_pool(cfg: RunConfig, documents) -> list:
     if n == 0 or n >= len(documents):
         return list(documents)
     rng = random.Random(derive_seed(cfg.seed, "source-pool"))
-    return sorted(rng.sample(list(documents), n), key=lambda d: d.id)
+    return sorted(rng.sample(documents, n), key=lambda d: d.id)  # any sequence: a corpus is never copied
 
 
 @dataclass
@@ -95,7 +102,7 @@ class Environment:
         return None if self.world is None else self.world.truth
 
 
-_CORPORA: dict[tuple, tuple[list, BM25Index]] = {}
+_CORPORA: dict[tuple, Retriever] = {}
 
 
 def _file_key(path: str) -> tuple:
@@ -115,13 +122,29 @@ def environment(cfg: RunConfig, benchmarks: bool = True) -> Environment:
     if not cfg.data.corpus:
         world, index = world_and_index(cfg)
         return Environment(list(world.documents), index, world.benchmarks, world)
-    key = _file_key(cfg.data.corpus)
+    key = (_file_key(cfg.data.corpus), cfg.data.index)
     if key not in _CORPORA:
-        docs = read_corpus(cfg.data.corpus)
         _CORPORA.clear()  # a real corpus is large: keep one
-        _CORPORA[key] = (docs, BM25Index.build(docs))
-    docs, index = _CORPORA[key]
-    return Environment(docs, index, read_qa_dir(cfg.data.qa_dir) if benchmarks else {})
+        _CORPORA[key] = _corpus_index(cfg.data.corpus, cfg.data.index)
+    index = _CORPORA[key]
+    return Environment(index.docs, index, read_qa_dir(cfg.data.qa_dir) if benchmarks else {})
+
+
+def _corpus_index(corpus: str, index_dir: str):
+    """What a corpus run searches: the saved index `index_dir` (any kind; refused unless it was built
+    from this very corpus file), whose documents are read from disk on demand, else a BM25 index of
+    the corpus built in memory."""
+    if not index_dir:
+        return BM25Index.build(read_corpus(corpus))
+    from selfevo._io import file_sha256
+    from selfevo.search.index import open_index
+
+    if not Path(corpus).is_file():
+        raise DataError(corpus, None, "file not found")
+    try:
+        return open_index(index_dir, expected_corpus_sha256=file_sha256(corpus))
+    except ValueError as e:  # not an index, another corpus's, another format
+        raise ConfigError(f"data.index: {e}") from None
 
 
 def build_loop(cfg: RunConfig, env: Environment, tool: SearchTool, folds: FoldAssignment, evaluate=None,
@@ -140,7 +163,7 @@ def build_loop(cfg: RunConfig, env: Environment, tool: SearchTool, folds: FoldAs
         def make_lm_solver(name: str) -> LMSolver:  # every solver starts as the same base model
             return LMSolver.trainable(policy, name)
 
-        admission, feedback = make_rules(cfg, env.documents, folds, make_lm_solver)
+        admission, feedback = make_rules(cfg, pool, folds, make_lm_solver)
         return Loop(cfg.loop, cfg.seed, LMProposer(policy, "proposer", pool), make_lm_solver("main"),
                     admission, feedback, tool, folds, evaluate=evaluate)
     world = env.world
@@ -153,7 +176,7 @@ def build_loop(cfg: RunConfig, env: Environment, tool: SearchTool, folds: FoldAs
 
     main = make_solver("main")
     proposer = SimProposer("proposer", cfg.proposer, proposer_reader, pool)
-    admission, feedback = make_rules(cfg, world.documents, folds, make_solver)
+    admission, feedback = make_rules(cfg, pool, folds, make_solver)
     return Loop(cfg.loop, cfg.seed, proposer, main, admission, feedback, tool, folds, evaluate=evaluate)
 
 
@@ -239,7 +262,8 @@ def evolve(cfg: RunConfig, out: str | os.PathLike, resume: bool = False, progres
         if resuming and folds_path.exists():  # permanent: a resumed run keeps the assignment it started with
             folds = FoldAssignment.from_json(run.folds())
         else:
-            folds = fold_assignment(cfg, env.documents)
+            pool = source_pool(cfg, env.documents) if cfg.data.corpus else None
+            folds = fold_assignment(cfg, env.documents, pool)
         loop = build_loop(cfg, env, tool, folds, evaluate, store=run.path / "checkpoints" / "tensors")
         if not resuming:
             run.create(cfg.to_json())
@@ -299,7 +323,7 @@ def default_judge(cfg: RunConfig, env: Environment, cache_path: str | os.PathLik
 
     model = TransformersChatModel(resolve_model(cfg.lm.model), name=cfg.lm.model,
                                   max_new_tokens=cfg.lm.judge_max_tokens)
-    docs = {d.id: d.contents for d in env.documents}
+    docs = contents_by_id(env.documents)  # read on demand: a corpus stays on disk
     with (running(make_app(model)) as url,
           LLMJudge(url, cfg.lm.model, documents=docs, concurrency=1, cache_path=cache_path) as judge):
         yield judge

@@ -44,6 +44,7 @@ from selfevo.loop.admission import MSV
 from selfevo.loop.folds import assign_folds, fold_of, question_fold
 from selfevo.loop.schedule import derive_seed
 from selfevo.runs import RunDir, RunError
+from selfevo.search.docstore import ById, contents_by_id
 from selfevo.search.tool import SearchTool
 
 __all__ = ["CONDITIONS", "MATCHER", "Bank", "BankItem", "Condition", "InvariantError", "ReplayError",
@@ -382,7 +383,7 @@ class _Context:
         self.bank, self.settings = bank, settings
         cfg = bank.run_config()
         self.env = _environment(cfg)
-        self.documents = {d.id: d for d in self.env.documents}
+        self.documents = ById(self.env.documents)  # read on demand: a corpus stays on disk
         absent = sorted({s for it in bank.items for s in it.source_ids if s not in self.documents})
         if absent:
             raise ReplayError(f"bank: {len(absent)} source document(s) (e.g. {absent[0]!r}) are not in its "
@@ -754,7 +755,7 @@ def replay_judge(bank: Bank, url: str | None = None, model: str | None = None,
     if url is not None:
         from selfevo.audit.llm_judge import LLMJudge
 
-        with LLMJudge(url, model, documents={d.id: d.contents for d in env.documents}, cache_path=cache_path,
+        with LLMJudge(url, model, documents=contents_by_id(env.documents), cache_path=cache_path,
                       concurrency=concurrency) as judge:
             yield judge
     else:

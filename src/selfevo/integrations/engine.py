@@ -221,9 +221,10 @@ class EngineRun:
                 resolve_device(self.cfg.lm.device)
             except ValueError as e:
                 raise ConfigError(str(e)) from None
-        # bad data fails before anything is written; with a /retrieve server no local index is built
-        self.env = environment(self.cfg) if not (self.spec.retriever_url and self.cfg.data.corpus) else _corpus_env(
-            self.cfg)
+        # bad data fails before anything is written; with a /retrieve server no local index is built (a
+        # saved one, data.index, is only opened: its documents stay on disk)
+        local = not (self.spec.retriever_url and self.cfg.data.corpus) or self.cfg.data.index
+        self.env = environment(self.cfg) if local else _corpus_env(self.cfg)
         self.pool = source_pool(self.cfg, self.env.documents)
         self.tool = self._tool()
         self.run = RunDir(out)
@@ -241,14 +242,8 @@ class EngineRun:
             self.folds = FoldAssignment.from_json(self.run.folds())
         else:
             from selfevo.evolve import fold_assignment
-            from selfevo.loop.folds import fold_of
 
-            t = self.treatment
-            if t.grouping == "source":  # hashed per source: the pool's folds are enough, the rest hash alike
-                self.folds = FoldAssignment(t.k, self.cfg.seed, "source",
-                                            {d.id: fold_of(d.id, self.cfg.seed, t.k) for d in self.pool})
-            else:  # connected: link-graph clusters over the whole corpus
-                self.folds = fold_assignment(self.cfg, self.env.documents)
+            self.folds = fold_assignment(self.cfg, self.env.documents, self.pool)
             write_json(folds_path, self.folds.to_json())
         self.phases = PhaseLog(self.run.path / "engine" / "phases.jsonl")
         L = self.cfg.loop

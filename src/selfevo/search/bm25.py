@@ -27,6 +27,7 @@ from selfevo._io import file_sha256, write_json
 from selfevo.corpus import corpus_documents
 from selfevo.records import Document
 from selfevo.search._manifest import MANIFEST, read_manifest
+from selfevo.search._progress import ProgressBar
 from selfevo.search.docstore import DOCS_FILE, DocStore
 from selfevo.search.tool import Hit
 
@@ -160,34 +161,37 @@ class BM25Index:
 
     @classmethod
     def build(cls, docs: Iterable[Document], corpus_sha256: str | None = None,
-              store: str | os.PathLike | None = None) -> BM25Index:
+              store: str | os.PathLike | None = None, progress: bool = False) -> BM25Index:
         """Index `docs` (title and text) in one streaming pass. `corpus_sha256` names the corpus in
         the manifest; by default it is the hash of the documents' JSONL serialisation. With `store`
         (a directory) the documents are written there as they stream past and the index reads them
         back on demand (`DocStore`): a corpus larger than memory is indexed without ever holding it;
-        without it they are kept in a list."""
+        without it they are kept in a list. `progress`: a count of the passages indexed."""
         sha = hashlib.sha256()
         stream = _serialised(docs, sha) if corpus_sha256 is None else docs
         postings = _Postings()
 
-        def tokenised() -> Iterator[Document]:
-            for doc in stream:
+        def tokenised(advance) -> Iterator[Document]:
+            for i, doc in enumerate(stream, start=1):
                 postings.add(_tokens(f"{doc.title} {doc.text}"))  # queries use _tokens too
+                if i % 10_000 == 0:
+                    advance(10_000)
                 yield doc
 
         held: Sequence[Document]
-        if store is None:
-            held = list(tokenised())
-        else:
-            # beside the index, not over its docs.jsonl: a corpus that turns out malformed half-way
-            # leaves the index there as it was; `save` moves the store into place
-            staging = Path(store) / STAGING
-            shutil.rmtree(staging, ignore_errors=True)  # a killed build's
-            try:
-                held = DocStore.write(staging, tokenised())
-            except BaseException:
-                shutil.rmtree(staging, ignore_errors=True)
-                raise
+        with ProgressBar(progress, None, "indexing passages (BM25)") as advance:
+            if store is None:
+                held = list(tokenised(advance))
+            else:
+                # beside the index, not over its docs.jsonl: a corpus that turns out malformed half-way
+                # leaves the index there as it was; `save` moves the store into place
+                staging = Path(store) / STAGING
+                shutil.rmtree(staging, ignore_errors=True)  # a killed build's
+                try:
+                    held = DocStore.write(staging, tokenised(advance))
+                except BaseException:
+                    shutil.rmtree(staging, ignore_errors=True)
+                    raise
         if not len(held):
             raise ValueError("cannot build a BM25 index over zero documents")
         model = bm25s.BM25()
@@ -198,8 +202,8 @@ class BM25Index:
         return cls(model, held, corpus_sha256 or sha.hexdigest())
 
     @classmethod
-    def from_corpus_file(cls, path: str | os.PathLike,
-                         index_dir: str | os.PathLike | None = None) -> BM25Index:
+    def from_corpus_file(cls, path: str | os.PathLike, index_dir: str | os.PathLike | None = None,
+                         progress: bool = False) -> BM25Index:
         """Load the cached index from `index_dir` if it was built from this exact corpus file
         (same sha256), else build it from the file (streamed) and, with `index_dir`, save it there."""
         digest = file_sha256(path)
@@ -208,7 +212,7 @@ class BM25Index:
                 return cls.load(index_dir, expected_corpus_sha256=digest)
             except (ValueError, OSError):
                 pass  # stale, foreign or damaged cache: rebuild below and overwrite it
-        index = cls.build(corpus_documents(path), corpus_sha256=digest, store=index_dir)
+        index = cls.build(corpus_documents(path), corpus_sha256=digest, store=index_dir, progress=progress)
         if index_dir is not None:
             index.save(index_dir)
         return index

@@ -30,6 +30,7 @@ from selfevo._io import check_local_path, file_sha256, write_json
 from selfevo.corpus import read_corpus
 from selfevo.records import Document
 from selfevo.search._manifest import MANIFEST, read_manifest
+from selfevo.search._progress import ProgressBar
 from selfevo.search.bm25 import docs_sha256
 from selfevo.search.docstore import DOCS_FILE, DocStore
 from selfevo.search.tool import Hit
@@ -161,7 +162,7 @@ class Encoder:
             return out
         order = sorted(range(len(texts)), key=lambda i: -len(texts[i]))
         chunk = self.batch_size * 8
-        bar = _Progress(progress, len(texts), f"encoding {len(texts):,} passages with {self.model}")
+        bar = ProgressBar(progress, len(texts), f"encoding {len(texts):,} passages with {self.model}")
         with bar as advance:
             for start in range(0, len(order), chunk):
                 ids = order[start:start + chunk]
@@ -178,35 +179,6 @@ def _uint8() -> Any:
     import torch
 
     return torch.uint8
-
-
-class _Progress:
-    """A rich progress bar (or nothing) that yields an `advance(n)` callable."""
-
-    def __init__(self, show: bool, total: int, what: str):
-        self.show, self.total, self.what = show, total, what
-
-    def __enter__(self):
-        if not self.show:
-            return lambda n: None
-        from rich.progress import (
-            BarColumn,
-            MofNCompleteColumn,
-            Progress,
-            TextColumn,
-            TimeElapsedColumn,
-            TimeRemainingColumn,
-        )
-
-        self._bar = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                             TimeElapsedColumn(), TimeRemainingColumn(), transient=True)
-        self._bar.__enter__()
-        task = self._bar.add_task(self.what, total=self.total)
-        return lambda n: self._bar.advance(task, n)
-
-    def __exit__(self, *exc: object) -> None:
-        if self.show:
-            self._bar.__exit__(*exc)
 
 
 def _passage_text(doc: Document) -> str:

@@ -12,8 +12,9 @@ from __future__ import annotations
 import json
 import mmap
 import os
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -115,3 +116,38 @@ def _scan(data, size: int) -> np.ndarray:
         pos = size if nl < 0 else nl + 1
         offsets.append(pos)
     return np.asarray(offsets, dtype=np.int64)
+
+
+class ById(Mapping[str, Any]):
+    """Documents by id over any sequence of them, `value(doc)` each (the document itself by default):
+    a lazy view, so a corpus read on demand stays on disk; its id table (ids only) is made on the first
+    lookup. Ids are unique in a corpus (`iter_corpus` refuses duplicates); were one repeated, the last
+    would win, as in a dict."""
+
+    def __init__(self, docs: Sequence[Document], value: Callable[[Document], Any] = lambda d: d):
+        self._docs, self._value = docs, value
+        self._pos: dict[str, int] | None = None
+
+    def _table(self) -> dict[str, int]:
+        if self._pos is None:
+            self._pos = {}
+            for i, d in enumerate(self._docs):
+                self._pos[d.id] = i
+        return self._pos
+
+    def __getitem__(self, doc_id: str) -> Any:
+        return self._value(self._docs[self._table()[doc_id]])
+
+    def __contains__(self, doc_id: object) -> bool:
+        return doc_id in self._table()
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._table())
+
+    def __len__(self) -> int:
+        return len(self._table())
+
+
+def contents_by_id(docs: Sequence[Document]) -> Mapping[str, str]:
+    """What a judge reads: each document's FlashRAG contents by id."""
+    return ById(docs, lambda d: d.contents)

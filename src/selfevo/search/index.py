@@ -121,7 +121,7 @@ def index_from_corpus_file(kind: str, corpus: str | os.PathLike,
     if kind == "bm25":
         from selfevo.search.bm25 import BM25Index
 
-        return BM25Index.from_corpus_file(corpus, index_dir=index_dir)
+        return BM25Index.from_corpus_file(corpus, index_dir=index_dir, progress=progress)
     if kind == "dense":
         from selfevo.search.dense import DenseIndex
 
@@ -148,7 +148,7 @@ def build_index(kind: str, corpus: str | os.PathLike, out: str | os.PathLike,
     if kind == "bm25":
         from selfevo.search.bm25 import BM25Index
 
-        index: Any = BM25Index.build(corpus_documents(corpus), corpus_sha256=digest, store=out)
+        index: Any = BM25Index.build(corpus_documents(corpus), corpus_sha256=digest, store=out, progress=progress)
     elif kind == "dense":  # the passages' texts are held while they are encoded
         from selfevo.search.dense import DenseIndex
 
