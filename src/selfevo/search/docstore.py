@@ -1,7 +1,8 @@
 """The documents of a saved index, read from its `docs.jsonl` on demand.
 
 Why: an index over wiki-18 (21M passages, 13 GB) cannot hold every `Document` as a Python object
-(about 40 GB); a search needs only the few documents it returns. The store keeps one byte offset per
+(about 40 GB on a straight line from 1M passages: docs/benchmarks.md, "Index scale"); a search needs
+only the few documents it returns. The store keeps one byte offset per
 document (`docs.offsets.npy`, 8 bytes each) and memory-maps the file, so opening it costs no parse
 and a lookup reads one line. The file is the same FlashRAG JSONL as before: an index saved by an
 older version (no offsets file) is scanned once when opened.
@@ -12,6 +13,7 @@ from __future__ import annotations
 import json
 import mmap
 import os
+from array import array
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -40,7 +42,7 @@ class DocStore(Sequence[Document]):
             size = os.fstat(fh.fileno()).st_size
             self._map = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) if size else b""
         offsets_path = Path(directory) / OFFSETS_FILE
-        offsets = np.load(offsets_path, allow_pickle=False) if offsets_path.exists() else None
+        offsets = np.load(offsets_path, allow_pickle=False, mmap_mode="r") if offsets_path.exists() else None
         if offsets is None or offsets.ndim != 1 or not len(offsets) or int(offsets[-1]) != size:
             offsets = _scan(self._map, size)  # an older index, or offsets of another file: rescan
         self._offsets = offsets
@@ -52,14 +54,16 @@ class DocStore(Sequence[Document]):
         directory = Path(directory)
         if isinstance(docs, DocStore) and docs.path.resolve() == (directory / DOCS_FILE).resolve():
             return docs
-        offsets = [0]
+        lengths = array("q")  # 8 bytes a document, not a Python int's 36
         with atomic_writer(directory / DOCS_FILE, "wb") as fh:
             for doc in docs:
                 line = _line(doc)
                 fh.write(line)
-                offsets.append(offsets[-1] + len(line))
+                lengths.append(len(line))
+        offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
+        np.cumsum(np.frombuffer(lengths, dtype=np.int64), out=offsets[1:])
         with atomic_writer(directory / OFFSETS_FILE, "wb") as fh:
-            np.save(fh, np.asarray(offsets, dtype=np.int64), allow_pickle=False)
+            np.save(fh, offsets, allow_pickle=False)
         return cls(directory)
 
     def move_to(self, directory: str | os.PathLike) -> DocStore:
