@@ -53,9 +53,6 @@ class Choice:
     finish_reason: str = "stop"
 
 
-def _redirected(r: httpx.Response) -> str:
-    return (f"{r.request.url}: HTTP {r.status_code}, redirected to {r.headers.get('location', '(no Location)')}: "
-            "give the URL the endpoint redirects to")
 
 
 def _retry_after(value: str | None) -> float | None:
@@ -110,14 +107,20 @@ class ChatClient:
     def _check_status(self, r: httpx.Response) -> None:
         if r.status_code == 429 or r.status_code >= 500:
             raise _Retryable(f"HTTP {r.status_code}", _retry_after(r.headers.get("retry-after")))
-        if r.status_code in (401, 403):
-            raise EndpointError(f"{self.endpoint}: HTTP {r.status_code} (is {self._key_env} set correctly?)")
-        if 300 <= r.status_code < 400:  # not followed: a redirect's body is no reply
-            raise EndpointError(_redirected(r))
+        self._check_refused(r)
         if r.status_code == 404:
             raise EndpointError(f"{self.endpoint}: HTTP 404 ({self._hint_404})")
         if r.status_code >= 400:
             raise CallFailed(f"HTTP {r.status_code}: {r.text[:200]}")
+
+    def _check_refused(self, r: httpx.Response) -> None:
+        """A reply that no retry or other call will change (a chat call's and the probe's alike):
+        the key is refused, or the URL redirects (never followed: a redirect's body is no reply)."""
+        if r.status_code in (401, 403):
+            raise EndpointError(f"{r.request.url}: HTTP {r.status_code} (is {self._key_env} set correctly?)")
+        if 300 <= r.status_code < 400:
+            raise EndpointError(f"{r.request.url}: HTTP {r.status_code}, redirected to "
+                                f"{r.headers.get('location', '(no Location)')}: give the URL the endpoint redirects to")
 
     def body(self, messages: Sequence[dict], n: int = 1, **overrides: Any) -> dict:
         """The request body of a call: the client's defaults, then `overrides` (None: not sent)."""
@@ -202,10 +205,7 @@ class ChatClient:
             r = self._http.get(f"{self.base_url}/models")
         except httpx.TransportError as e:
             raise EndpointError(f"{self.base_url}: cannot connect ({type(e).__name__}: {e})") from None
-        if r.status_code in (401, 403):
-            raise EndpointError(f"{r.request.url}: HTTP {r.status_code} (is {self._key_env} set correctly?)")
-        if 300 <= r.status_code < 400:
-            raise EndpointError(_redirected(r))
+        self._check_refused(r)
         if r.status_code != 200:
             return []
         try:

@@ -28,7 +28,7 @@ from selfevo.corpus import corpus_documents
 from selfevo.records import Document
 from selfevo.search._manifest import MANIFEST, read_manifest
 from selfevo.search._progress import ProgressBar
-from selfevo.search.docstore import DOCS_FILE, DocStore
+from selfevo.search.docstore import DOCS_FILE, DocStore, held
 from selfevo.search.tool import Hit
 
 FORMAT_VERSION = 1
@@ -104,9 +104,8 @@ class _Postings:
         """bm25s's `scores`: the Lucene BM25 weight of every (term, document) pair as a CSC matrix
         (a column per term, rows ascending), equal to the one `bm25s.BM25().index` computes, bit for
         bit: the same float64 arithmetic, rounded to float32 at the end."""
-        self._flush()
-        df = np.zeros(len(self.vocab), dtype=np.int64)
-        df[:len(self.df)] = self.df
+        self._flush()  # the last flush saw the whole vocabulary: self.df has a count for every term
+        df = self.df
         lengths = np.concatenate(self.lengths) if self.lengths else np.zeros(0, dtype=np.int64)
         n_docs = len(lengths)
         avg_len = lengths.mean() if n_docs else 0.0
@@ -150,7 +149,7 @@ class BM25Index:
             raise ValueError(f"index holds {model.scores['num_docs']} documents, "
                              f"document list {len(docs)}")
         self.model = model
-        self.docs = docs if isinstance(docs, DocStore) else list(docs)
+        self.docs = held(docs)
         self.corpus_sha256 = corpus_sha256
         self._vocab: dict[str, int] = model.vocab_dict
 

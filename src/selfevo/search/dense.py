@@ -32,7 +32,7 @@ from selfevo.records import Document
 from selfevo.search._manifest import MANIFEST, read_manifest
 from selfevo.search._progress import ProgressBar
 from selfevo.search.bm25 import docs_sha256
-from selfevo.search.docstore import DOCS_FILE, DocStore
+from selfevo.search.docstore import DOCS_FILE, DocStore, held
 from selfevo.search.tool import Hit
 
 FORMAT_VERSION = 1
@@ -254,7 +254,7 @@ class DenseIndex:
             raise ValueError(f"FAISS index has dimension {index.d}, encoder {encoder.model!r} {encoder.dim}")
         self.encoder = encoder
         self.index = index
-        self.docs = docs if isinstance(docs, DocStore) else list(docs)
+        self.docs = held(docs)
         self.corpus_sha256 = corpus_sha256
         self.index_type = index_type
         self.params = dict(params or {})

@@ -112,6 +112,11 @@ class DocStore(Sequence[Document]):
         return DocStore, (self.path.parent,)
 
 
+def held(docs: Iterable[Document]) -> Sequence[Document]:
+    """How an index keeps its documents: a store as it is (on disk), anything else as a list."""
+    return docs if isinstance(docs, DocStore) else list(docs)
+
+
 def _scan(data, size: int) -> np.ndarray:
     """Byte offsets of every line start, and the end (one pass; an index saved without offsets)."""
     offsets, pos = [0], 0
