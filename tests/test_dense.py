@@ -554,3 +554,47 @@ def test_a_cache_directory_of_another_kind_is_refused_not_overwritten(tmp_path):
     assert {p.name: p.read_bytes() for p in dense.iterdir()} == before
     assert index_kind(dense) == "dense" and index_kind(bm25) == "bm25"
     assert len(get_retriever(corpus=corpus, kind="dense", cache_dir=dense)) == 30  # still the cache
+
+
+# ------------------------------------------------------------------ streamed builds
+
+
+@pytest.mark.parametrize("kind,index_type", [("dense", "flat"), ("dense", "ivf"), ("hybrid", "flat")])
+def test_streamed_build_keeps_documents_on_disk_and_equals_the_in_memory_one(
+        kind, index_type, flat, shared_encoder, tmp_path, monkeypatch):
+    """`build_index` streams the corpus a block of passages at a time (here 5 of 24: five blocks):
+    no list of the corpus is made, the documents go to the index's store on disk, and the vectors
+    and answers are those of the index built in memory in one block. A corpus that turns out
+    malformed half-way leaves the saved index as it was, no staging or scratch file behind."""
+    import selfevo.corpus as corpus_mod
+    from selfevo.corpus import DataError
+    from selfevo.search.docstore import DocStore
+    from selfevo.search.index import build_index
+
+    corpus = tmp_path / "corpus.jsonl"
+    write_corpus(corpus, DOCS)
+    monkeypatch.setattr(dense_mod, "_BLOCK", 5)
+    monkeypatch.setattr(corpus_mod, "read_corpus", lambda *a: pytest.fail("read the whole corpus"))
+    options = DenseOptions(index_type=index_type, faiss_params={"nlist": 2} if index_type == "ivf" else {})
+    out = tmp_path / "idx"
+    index = build_index(kind, corpus, out, options)
+    dense = index if kind == "dense" else index.dense
+    assert isinstance(index.docs, DocStore) and list(index.docs) == DOCS
+    assert index.corpus_sha256 == file_sha256(corpus)
+    if index_type == "ivf":
+        dense.index.make_direct_map()  # what lets an IVF index give back its vectors by position
+    np.testing.assert_allclose(dense.index.reconstruct_n(0, len(DOCS)), flat.index.reconstruct_n(0, len(DOCS)),
+                               atol=1e-5)
+    if index_type == "flat":
+        for query, want in PARAPHRASES.items():
+            assert ids(dense.retrieve([query], 1)[0]) == [want], query
+    files = sorted(p.relative_to(out).as_posix() for p in out.rglob("*"))
+    assert not [f for f in files if ".docs-building" in f or f.endswith(".tmp")], files
+
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(corpus.read_text() + '{"id": "x", "contents": \n', encoding="utf-8")
+    with pytest.raises(DataError, match=rf"bad\.jsonl:{len(DOCS) + 1}"):
+        build_index(kind, bad, out, options)
+    assert sorted(p.relative_to(out).as_posix() for p in out.rglob("*")) == files
+    kept = open_index(out, expected_corpus_sha256=file_sha256(corpus))
+    assert list(kept.docs) == DOCS

@@ -9,7 +9,9 @@ import hashlib
 import json
 import re
 import threading
+import time
 
+import httpx
 import pytest
 from _servers import serve_app
 from _shared import CORPUS, QA_DIR
@@ -93,6 +95,22 @@ QUESTIONS = ["who wrote the red book", "where is mount ebor"]
 
 
 # ------------------------------------------------------------------ the protocol
+
+
+def test_chat_client_waits_as_long_as_retry_after_asks():
+    """A 429 whose Retry-After asks for longer than the backoff is retried after that wait."""
+    calls: list[float] = []
+
+    def reply(request: httpx.Request) -> httpx.Response:
+        calls.append(time.monotonic())
+        if len(calls) == 1:
+            return httpx.Response(429, headers={"Retry-After": "0.4"})
+        return httpx.Response(200, json={"choices": [{"message": {"content": "ok"}, "finish_reason": "stop"}]})
+
+    with ChatClient("http://fake/v1", "m", backoff=0.001) as client:
+        client._http = httpx.Client(transport=httpx.MockTransport(reply))
+        assert client.complete([{"role": "user", "content": "hi"}]) == "ok"
+    assert len(calls) == 2 and calls[1] - calls[0] >= 0.4
 
 
 def test_multi_turn_search_protocol_over_http():
@@ -438,8 +456,6 @@ def test_the_timeout_bounds_a_reply_trickled_in():
     """httpx's timeout bounds each read: a server sending its reply a few bytes at a time (a stuck
     proxy's keep-alive) held a call with timeout=1 for as long as it kept trickling. The timeout now
     bounds the whole call (a timeout, retried, then CallFailed)."""
-    import time
-
     from fastapi import FastAPI
     from fastapi.responses import StreamingResponse
 

@@ -426,6 +426,26 @@ def test_client_retries_transient_errors():
     assert json.loads(seen[-1].content) == {"queries": ["q"], "topk": 1, "return_scores": True}
 
 
+def test_client_waits_as_long_as_retry_after_asks(monkeypatch):
+    """A 429 or 503 with Retry-After (seconds or an HTTP date) is retried after the wait it asks
+    for, when that is longer than the backoff, and never after more than MAX_WAIT_S."""
+    import email.utils
+
+    from selfevo.search import client as client_mod
+    from selfevo.search.client import MAX_WAIT_S, retry_after_seconds
+
+    waits: list[float] = []
+    monkeypatch.setattr(client_mod.time, "sleep", waits.append)
+    soon = email.utils.formatdate(time.time() + 30, usegmt=True)
+    asks = {1: "2", 2: "3600", 3: soon}
+    client, seen = _mock_client(lambda n, req: httpx.Response(
+        429 if n < 4 else 200, headers={"Retry-After": asks[n]} if n in asks else {}, json=GOOD))
+    assert len(client.retrieve(["q"])) == 1 and len(seen) == 4
+    assert waits[:2] == [2.0, MAX_WAIT_S] and 27 < waits[2] <= 30
+    assert retry_after_seconds("soon") is None and retry_after_seconds(None) is None
+    assert retry_after_seconds("Wed, 21 Oct 2015 07:28:00 GMT") == 0.0  # in the past: at once
+
+
 def test_client_gives_up_after_retries_and_on_4xx():
     client, seen = _mock_client(lambda n, req: httpx.Response(500, text="boom"), retries=2)
     with pytest.raises(RetrieverError, match="HTTP 500"):

@@ -27,6 +27,8 @@ from typing import Any
 import httpx
 from tenacity import Retrying, retry_if_exception_type, stop_after_attempt, wait_exponential, wait_random
 
+from selfevo.search.client import MAX_WAIT_S, retry_after_seconds
+
 _UNSET: Any = object()
 
 
@@ -53,10 +55,6 @@ class Choice:
     finish_reason: str = "stop"
 
 
-
-
-def _retry_after(value: str | None) -> float | None:
-    return float(value) if value and value.replace(".", "", 1).isdigit() else None
 
 
 class ChatClient:
@@ -102,11 +100,11 @@ class ChatClient:
     def _wait(self, state) -> float:
         exc = state.outcome.exception() if state.outcome else None
         after = getattr(exc, "retry_after", None) or 0.0
-        return min(max(self._expo(state), after), 60.0)
+        return min(max(self._expo(state), after), MAX_WAIT_S)
 
     def _check_status(self, r: httpx.Response) -> None:
         if r.status_code == 429 or r.status_code >= 500:
-            raise _Retryable(f"HTTP {r.status_code}", _retry_after(r.headers.get("retry-after")))
+            raise _Retryable(f"HTTP {r.status_code}", retry_after_seconds(r.headers.get("retry-after")))
         self._check_refused(r)
         if r.status_code == 404:
             raise EndpointError(f"{self.endpoint}: HTTP 404 ({self._hint_404})")

@@ -10,11 +10,9 @@ from __future__ import annotations
 
 import hashlib
 import itertools
-import json
 import math
 import os
 import re
-import shutil
 import tempfile
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
@@ -28,13 +26,12 @@ from selfevo.corpus import corpus_documents
 from selfevo.records import Document
 from selfevo.search._manifest import MANIFEST, read_manifest
 from selfevo.search._progress import ProgressBar
-from selfevo.search.docstore import DOCS_FILE, DocStore, held
+from selfevo.search.docstore import DOCS_FILE, DocStore, hashed, held, settle, stage
 from selfevo.search.tool import Hit
 
 FORMAT_VERSION = 1
 K1, B = 1.5, 0.75  # bm25s's defaults (Lucene BM25)
 _BATCH = 20_000  # documents per numpy batch of the build
-STAGING = ".docs-building"  # where a streaming build writes its documents until `save`
 
 # bm25s's own default splitter and English stop list, so an index built here scores exactly as
 # `bm25s.tokenize(..., stopwords="en")` would.
@@ -46,21 +43,6 @@ def _tokens(text: str) -> list[str]:
     """Lowercase, split, drop English stopwords. No stemming: Snowball (PyStemmer) measured no
     gain in answer recall@3 on wiki18-mini (macro 0.2249 vs 0.2250), so it is not a dependency."""
     return [w for w in _TOKEN_RE.findall(text.lower()) if w not in _STOPWORDS]
-
-
-def docs_sha256(docs: Iterable[Document]) -> str:
-    """Content hash of documents held in memory (the same bytes `write_corpus` would write)."""
-    h = hashlib.sha256()
-    for _ in _serialised(docs, h):
-        pass
-    return h.hexdigest()
-
-
-def _serialised(docs: Iterable[Document], h) -> Iterator[Document]:
-    """Pass `docs` through, hashing each as the JSONL line `write_corpus` would write."""
-    for d in docs:
-        h.update((json.dumps(d.to_json(), ensure_ascii=False) + "\n").encode("utf-8"))
-        yield d
 
 
 class _Postings:
@@ -167,7 +149,7 @@ class BM25Index:
         back on demand (`DocStore`): a corpus larger than memory is indexed without ever holding it;
         without it they are kept in a list. `progress`: a count of the passages indexed."""
         sha = hashlib.sha256()
-        stream = _serialised(docs, sha) if corpus_sha256 is None else docs
+        stream = hashed(docs, sha) if corpus_sha256 is None else docs
         postings = _Postings()
 
         def tokenised(advance) -> Iterator[Document]:
@@ -177,28 +159,14 @@ class BM25Index:
                     advance(10_000)
                 yield doc
 
-        held: Sequence[Document]
         with ProgressBar(progress, None, "indexing passages (BM25)") as advance:
-            if store is None:
-                held = list(tokenised(advance))
-            else:
-                # beside the index, not over its docs.jsonl: a corpus that turns out malformed half-way
-                # leaves the index there as it was; `save` moves the store into place
-                staging = Path(store) / STAGING
-                shutil.rmtree(staging, ignore_errors=True)  # a killed build's
-                try:
-                    held = DocStore.write(staging, tokenised(advance))
-                except BaseException:
-                    shutil.rmtree(staging, ignore_errors=True)
-                    raise
-        if not len(held):
-            raise ValueError("cannot build a BM25 index over zero documents")
+            kept = stage(tokenised(advance), store)
         model = bm25s.BM25()
         model.scores, model.vocab_dict = postings.score_matrix(), postings.vocab
         model.vocab_dict[""] = len(postings.vocab)  # bm25s's empty token, as its own `index` adds
         model.unique_token_ids_set = set(model.vocab_dict.values())
         model.nonoccurrence_array = None  # Lucene BM25 has none (bm25s's `index` sets the same)
-        return cls(model, held, corpus_sha256 or sha.hexdigest())
+        return cls(model, kept, corpus_sha256 or sha.hexdigest())
 
     @classmethod
     def from_corpus_file(cls, path: str | os.PathLike, index_dir: str | os.PathLike | None = None,
@@ -233,11 +201,7 @@ class BM25Index:
             self.model.save(tmp, allow_pickle=False, show_progress=False)
             for f in Path(tmp).iterdir():
                 os.replace(f, index_dir / f.name)
-        if isinstance(self.docs, DocStore) and self.docs.path.parent.resolve() == (index_dir / STAGING).resolve():
-            self.docs = self.docs.move_to(index_dir)
-            shutil.rmtree(index_dir / STAGING, ignore_errors=True)
-        else:
-            self.docs = DocStore.write(index_dir, self.docs)
+        self.docs = settle(self.docs, index_dir)
         write_json(index_dir / MANIFEST, {
             "format_version": FORMAT_VERSION,
             "corpus_sha256": self.corpus_sha256,

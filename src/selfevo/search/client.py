@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import datetime as dt
+import email.utils
 import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
@@ -37,13 +39,32 @@ class _Response(BaseModel):
 # Worth another try: the server is starting, restarting, overloaded or briefly unreachable.
 # Retrieval is read-only, so repeating a request is always safe.
 _RETRY_STATUS = {429, 500, 502, 503, 504}
+MAX_WAIT_S = 60.0  # the longest a client waits before a retry, whatever a server asks
+
+
+def retry_after_seconds(value: str | None) -> float | None:
+    """A `Retry-After` header's wait in seconds (RFC 9110: a number of seconds or an HTTP date;
+    a date in the past is 0), or None when absent or unreadable."""
+    if not value:
+        return None
+    value = value.strip()
+    if value.replace(".", "", 1).isdigit():
+        return float(value)
+    try:
+        when = email.utils.parsedate_to_datetime(value)
+    except (TypeError, ValueError):
+        return None
+    if when.tzinfo is None:  # an HTTP date is GMT
+        when = when.replace(tzinfo=dt.timezone.utc)
+    return max(0.0, (when - dt.datetime.now(dt.timezone.utc)).total_seconds())
 
 
 class RetrieverClient:
     """HTTP retriever. `url` is the server root (a trailing `/retrieve`, as Search-R1 configs
     write it, is accepted too). Queries go out in batches of `batch_size`; transport errors,
-    429 and 5xx are retried `retries` times with exponential backoff. `transport` swaps the
-    network for an in-process fake (`httpx.MockTransport`)."""
+    429 and 5xx are retried `retries` times with exponential backoff, or after the wait a
+    `Retry-After` header asks for when that is longer (at most `MAX_WAIT_S`). `transport` swaps
+    the network for an in-process fake (`httpx.MockTransport`)."""
 
     def __init__(self, url: str, timeout: float = 30.0, batch_size: int = 64, retries: int = 3,
                  backoff_s: float = 0.5, transport: httpx.BaseTransport | None = None):
@@ -68,6 +89,7 @@ class RetrieverClient:
         url = f"{self.url}{path}"
         for attempt in range(self.retries + 1):
             last = attempt == self.retries
+            asked = None  # the server's Retry-After
             try:
                 resp = self._http.request(method, url, **kwargs)
             except httpx.TransportError as e:
@@ -84,7 +106,8 @@ class RetrieverClient:
                 if resp.status_code not in _RETRY_STATUS or last:
                     raise RetrieverError(f"{method} {url}: HTTP {resp.status_code}: "
                                          f"{resp.text[:500]}")
-            time.sleep(self.backoff_s * 2**attempt)
+                asked = retry_after_seconds(resp.headers.get("retry-after"))
+            time.sleep(min(max(self.backoff_s * 2**attempt, asked or 0.0), MAX_WAIT_S))
         raise AssertionError("unreachable")
 
     def health(self) -> dict[str, Any]:

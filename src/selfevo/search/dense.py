@@ -16,23 +16,24 @@ from __future__ import annotations
 
 import datetime as dt
 import hashlib
+import itertools
 import math
 import os
+import tempfile
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from selfevo._io import check_local_path, file_sha256, write_json
-from selfevo.corpus import read_corpus
+from selfevo.corpus import corpus_documents
 from selfevo.records import Document
 from selfevo.search._manifest import MANIFEST, read_manifest
 from selfevo.search._progress import ProgressBar
-from selfevo.search.bm25 import docs_sha256
-from selfevo.search.docstore import DOCS_FILE, DocStore, held
+from selfevo.search.docstore import DOCS_FILE, DocStore, hashed, held, settle, stage
 from selfevo.search.tool import Hit
 
 FORMAT_VERSION = 1
@@ -46,6 +47,7 @@ INDEX_TYPES = ("flat", "hnsw", "ivf")
 # Extra candidates fetched beyond topk so that a tie at the cut-off is resolved by corpus order
 # (FAISS's heap keeps an arbitrary one of equal scores); see DenseIndex._search.
 _TIE_MARGIN = 8
+_BLOCK = 16_384  # passages a build encodes (longest first) and vectors FAISS adds at a time
 
 
 def _require(module: str) -> Any:
@@ -151,27 +153,23 @@ class Encoder:
     def encode_queries(self, queries: Sequence[str]) -> np.ndarray:
         return self._encode([self.query_prefix + q for q in queries])
 
-    def encode_passages(self, texts: Sequence[str], progress: bool = False) -> np.ndarray:
-        return self._encode([self.passage_prefix + t for t in texts], progress=progress)
+    def encode_passages(self, texts: Sequence[str]) -> np.ndarray:
+        return self._encode([self.passage_prefix + t for t in texts])
 
-    def _encode(self, texts: list[str], progress: bool = False) -> np.ndarray:
+    def _encode(self, texts: list[str]) -> np.ndarray:
         """(len(texts), dim) float32, rows of unit norm. Texts are encoded longest first in
-        chunks (less padding per batch) and put back in their original order."""
+        chunks (less padding per batch; the lock is taken a chunk at a time, so a server's
+        queries are not held up by a long encode) and put back in their original order."""
         out = np.zeros((len(texts), self.dim), dtype=np.float32)
-        if not texts:
-            return out
         order = sorted(range(len(texts)), key=lambda i: -len(texts[i]))
         chunk = self.batch_size * 8
-        bar = ProgressBar(progress, len(texts), f"encoding {len(texts):,} passages with {self.model}")
-        with bar as advance:
-            for start in range(0, len(order), chunk):
-                ids = order[start:start + chunk]
-                with self._lock:
-                    vecs = self._st.encode([texts[i] for i in ids], batch_size=self.batch_size,
-                                           convert_to_numpy=True, normalize_embeddings=True,
-                                           show_progress_bar=False)
-                out[ids] = vecs
-                advance(len(ids))
+        for start in range(0, len(order), chunk):
+            ids = order[start:start + chunk]
+            with self._lock:
+                vecs = self._st.encode([texts[i] for i in ids], batch_size=self.batch_size,
+                                       convert_to_numpy=True, normalize_embeddings=True,
+                                       show_progress_bar=False)
+            out[ids] = vecs
         return out
 
 
@@ -187,7 +185,10 @@ def _passage_text(doc: Document) -> str:
     return doc.contents
 
 
-def _make_faiss_index(vectors: np.ndarray, index_type: str, params: dict[str, Any]) -> Any:
+def _make_faiss_index(vectors: np.ndarray, index_type: str, params: dict[str, Any],
+                      progress: bool = False) -> Any:
+    """A FAISS index of `index_type` over `vectors` (an array or a memory map of them), which it
+    adds a block at a time: a memory-mapped input is never read into memory whole."""
     faiss = _require("faiss")
     n, dim = vectors.shape
     metric = faiss.METRIC_INNER_PRODUCT
@@ -199,10 +200,15 @@ def _make_faiss_index(vectors: np.ndarray, index_type: str, params: dict[str, An
     elif index_type == "ivf":
         quantizer = faiss.IndexFlatIP(dim)
         index = faiss.IndexIVFFlat(quantizer, dim, int(params["nlist"]), metric)
-        index.train(vectors)  # k-means with FAISS's fixed default seed: deterministic
+        # k-means with FAISS's fixed default seed: deterministic; over more than 256 points a list
+        # it samples that many (rows read from the map where they lie)
+        index.train(vectors)
     else:
         raise ValueError(f"unknown index type {index_type!r}; known: {', '.join(INDEX_TYPES)}")
-    index.add(vectors)
+    with ProgressBar(progress and n > _BLOCK, n, f"adding {n:,} vectors to FAISS ({index_type})") as advance:
+        for start in range(0, n, _BLOCK):
+            index.add(np.ascontiguousarray(vectors[start:start + _BLOCK]))
+            advance(min(_BLOCK, n - start))
     _apply_search_params(index, index_type, params)
     return index
 
@@ -266,19 +272,41 @@ class DenseIndex:
     # ------------------------------------------------------------ building
 
     @classmethod
-    def build(cls, docs: Sequence[Document], encoder: Encoder | None = None, *,
-              index_type: str = "flat", corpus_sha256: str | None = None, progress: bool = False,
-              **params: Any) -> DenseIndex:
-        """Embed `docs` and index them. `params` are FAISS settings of `index_type`
+    def build(cls, docs: Iterable[Document], encoder: Encoder | None = None, *,
+              index_type: str = "flat", corpus_sha256: str | None = None,
+              store: str | os.PathLike | None = None, progress: bool = False, **params: Any) -> DenseIndex:
+        """Embed `docs` and index them in one streaming pass: a block of passages at a time is
+        encoded and its vectors appended to a scratch file, which FAISS then reads a block at a
+        time. With `store` (a directory) the documents are written there as they stream past and
+        read back on demand (`DocStore`), as `BM25Index.build` does: neither the passages' texts
+        nor a second copy of the vectors is held, only the FAISS index itself (4 × dim bytes a
+        passage for flat and ivf). `corpus_sha256` names the corpus in the manifest (by default
+        the hash of the documents' JSONL lines). `params` are FAISS settings of `index_type`
         (hnsw: hnsw_m, ef_construction, ef_search; ivf: nlist, nprobe); see `default_params`."""
-        if not docs:
-            raise ValueError("cannot build a dense index over zero documents")
-        params = default_params(index_type, len(docs), **params)
+        default_params(index_type, 1, **params)  # a misnamed setting fails now, not after the encoding
         encoder = encoder or Encoder()
+        sha = hashlib.sha256()
+        stream = iter(hashed(docs, sha) if corpus_sha256 is None else docs)
         start = time.perf_counter()
-        vectors = encoder.encode_passages([_passage_text(d) for d in docs], progress=progress)
-        index = _make_faiss_index(vectors, index_type, params)
-        return cls(encoder, index, docs, corpus_sha256 or docs_sha256(docs), index_type, params,
+        if store is not None:
+            Path(store).mkdir(parents=True, exist_ok=True)
+        # beside the index (the disk that has room for it), unnamed: gone however the build ends
+        with tempfile.TemporaryFile(dir=store) as scratch:
+
+            def encoded(advance) -> Iterator[Document]:
+                while block := list(itertools.islice(stream, _BLOCK)):
+                    scratch.write(encoder.encode_passages([_passage_text(d) for d in block]).tobytes())
+                    advance(len(block))
+                    yield from block
+
+            with ProgressBar(progress, None, f"encoding passages with {encoder.model}") as advance:
+                kept = stage(encoded(advance), store)
+            scratch.flush()
+            vectors = np.memmap(scratch, dtype=np.float32, mode="r", shape=(len(kept), encoder.dim))
+            params = default_params(index_type, len(kept), **params)
+            index = _make_faiss_index(vectors, index_type, params, progress)
+            del vectors  # the map, before its file closes
+        return cls(encoder, index, kept, corpus_sha256 or sha.hexdigest(), index_type, params,
                    build_seconds=round(time.perf_counter() - start, 3))
 
     @classmethod
@@ -298,8 +326,8 @@ class DenseIndex:
                     return cached
             except (ValueError, OSError, RuntimeError):
                 pass  # stale, foreign or damaged cache (FAISS raises RuntimeError): rebuild it
-        index = cls.build(read_corpus(path), encoder, index_type=index_type, corpus_sha256=digest,
-                          progress=progress, **params)
+        index = cls.build(corpus_documents(path), encoder, index_type=index_type, corpus_sha256=digest,
+                          store=index_dir, progress=progress, **params)
         if index_dir is not None:
             index.save(index_dir)
         return index
@@ -326,14 +354,15 @@ class DenseIndex:
         }
 
     def save(self, index_dir: str | os.PathLike) -> None:
-        """vectors.faiss (faiss.write_index), docs.jsonl, then manifest.json. The manifest is
-        removed first and written last, so an interrupted save leaves a directory `load` refuses."""
+        """vectors.faiss (faiss.write_index), docs.jsonl with its offsets, then manifest.json. The
+        manifest is removed first and written last, so an interrupted save leaves a directory `load`
+        refuses."""
         faiss = _require("faiss")
         index_dir = Path(index_dir)
         index_dir.mkdir(parents=True, exist_ok=True)
         (index_dir / MANIFEST).unlink(missing_ok=True)
         faiss.write_index(self.index, str(index_dir / VECTORS_FILE))
-        self.docs = DocStore.write(index_dir, self.docs)  # from here on read on demand
+        self.docs = settle(self.docs, index_dir)  # from here on read on demand
         write_json(index_dir / MANIFEST, self.manifest())
 
     @staticmethod

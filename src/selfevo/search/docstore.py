@@ -10,9 +10,11 @@ older version (no offsets file) is scanned once when opened.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import mmap
 import os
+import shutil
 from array import array
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
@@ -26,6 +28,7 @@ from selfevo.records import Document
 
 DOCS_FILE = "docs.jsonl"
 OFFSETS_FILE = "docs.offsets.npy"
+STAGING = ".docs-building"  # where a streaming build writes its documents until the index is saved
 
 
 def _line(doc: Document) -> bytes:
@@ -115,6 +118,55 @@ class DocStore(Sequence[Document]):
 def held(docs: Iterable[Document]) -> Sequence[Document]:
     """How an index keeps its documents: a store as it is (on disk), anything else as a list."""
     return docs if isinstance(docs, DocStore) else list(docs)
+
+
+def stage(docs: Iterable[Document], store: str | os.PathLike | None) -> Sequence[Document]:
+    """The documents of an index being built, kept as they stream past: a list without `store`; with it
+    a `DocStore` in `store`/.docs-building, beside the index and not over its docs.jsonl, so a corpus that
+    turns out malformed half-way leaves a saved index there as it was (`settle` moves them into place).
+    Refuses (ValueError) a stream of no document."""
+    if store is None:
+        kept: Sequence[Document] = list(docs)
+    else:
+        staging = Path(store) / STAGING
+        shutil.rmtree(staging, ignore_errors=True)  # a killed build's
+        try:
+            kept = DocStore.write(staging, docs)
+        except BaseException:
+            shutil.rmtree(staging, ignore_errors=True)
+            raise
+        if not len(kept):
+            shutil.rmtree(staging, ignore_errors=True)
+    if not len(kept):
+        raise ValueError("cannot build an index over zero documents")
+    return kept
+
+
+def settle(docs: Sequence[Document], index_dir: str | os.PathLike) -> DocStore:
+    """An index's documents saved as `index_dir`'s docs.jsonl: the store `stage` made there moved into
+    place, any other sequence written."""
+    index_dir = Path(index_dir)
+    if isinstance(docs, DocStore) and docs.path.parent.resolve() == (index_dir / STAGING).resolve():
+        docs = docs.move_to(index_dir)
+        shutil.rmtree(index_dir / STAGING, ignore_errors=True)
+        return docs
+    return DocStore.write(index_dir, docs)
+
+
+def hashed(docs: Iterable[Document], h: Any) -> Iterator[Document]:
+    """Pass `docs` through, feeding `h` (a hashlib object) each as the JSONL line `write_corpus`
+    writes: a streamed corpus's content hash, taken on the way."""
+    for d in docs:
+        h.update(_line(d))
+        yield d
+
+
+def docs_sha256(docs: Iterable[Document]) -> str:
+    """Content hash of documents (the same bytes `write_corpus` would write)."""
+    h = hashlib.sha256()
+    for _ in hashed(docs, h):
+        pass
+    return h.hexdigest()
 
 
 def _scan(data, size: int) -> np.ndarray:

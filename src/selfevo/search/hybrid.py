@@ -12,15 +12,15 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
 from selfevo._io import file_sha256, write_json
-from selfevo.corpus import read_corpus
+from selfevo.corpus import corpus_documents
 from selfevo.records import Document
 from selfevo.search._manifest import MANIFEST, read_manifest
-from selfevo.search.bm25 import BM25Index, docs_sha256
+from selfevo.search.bm25 import BM25Index
 from selfevo.search.dense import DenseIndex, Encoder, default_params
 from selfevo.search.tool import Hit
 
@@ -45,6 +45,10 @@ def rrf_fuse(rankings: Sequence[Sequence[int]], k: int = RRF_K) -> list[tuple[in
             score[key] = score.get(key, 0.0) + 1.0 / (k + rank)
             best[key] = min(best.get(key, rank), rank)
     return sorted(score.items(), key=lambda kv: (-kv[1], best[kv[0]], kv[0]))
+
+
+def _part(store: str | os.PathLike | None, name: str) -> Path | None:
+    return None if store is None else Path(store) / name
 
 
 class HybridIndex:
@@ -78,14 +82,18 @@ class HybridIndex:
     # ------------------------------------------------------------ building
 
     @classmethod
-    def build(cls, docs: Sequence[Document], encoder: Encoder | None = None, *,
+    def build(cls, docs: Iterable[Document], encoder: Encoder | None = None, *,
               corpus_sha256: str | None = None, rrf_k: int = RRF_K, depth: int = DEPTH,
-              index_type: str = "flat", progress: bool = False, **params: Any) -> HybridIndex:
-        digest = corpus_sha256 or docs_sha256(docs)
+              index_type: str = "flat", store: str | os.PathLike | None = None, progress: bool = False,
+              **params: Any) -> HybridIndex:
+        """Both halves over `docs`, streamed once: the dense half first (`DenseIndex.build`), then the
+        BM25 half over the documents it kept. With `store` each half keeps them on disk under it
+        (`bm25/`, `dense/`), so a corpus larger than memory is read once and never held."""
         start = time.perf_counter()
-        bm25 = BM25Index.build(docs, corpus_sha256=digest)
-        dense = DenseIndex.build(docs, encoder, index_type=index_type, corpus_sha256=digest,
-                                 progress=progress, **params)
+        dense = DenseIndex.build(docs, encoder, index_type=index_type, corpus_sha256=corpus_sha256,
+                                 store=_part(store, "dense"), progress=progress, **params)
+        bm25 = BM25Index.build(dense.docs, corpus_sha256=dense.corpus_sha256, store=_part(store, "bm25"),
+                               progress=progress)
         return cls(bm25, dense, rrf_k=rrf_k, depth=depth,
                    build_seconds=round(time.perf_counter() - start, 3))
 
@@ -106,8 +114,8 @@ class HybridIndex:
                     return cached
             except (ValueError, OSError, RuntimeError):
                 pass  # stale, foreign or damaged cache: rebuild below
-        index = cls.build(read_corpus(path), encoder, corpus_sha256=digest, rrf_k=rrf_k, depth=depth,
-                          index_type=index_type, progress=progress, **params)
+        index = cls.build(corpus_documents(path), encoder, corpus_sha256=digest, rrf_k=rrf_k, depth=depth,
+                          index_type=index_type, store=index_dir, progress=progress, **params)
         if index_dir is not None:
             index.save(index_dir)
         return index

@@ -135,31 +135,32 @@ def index_from_corpus_file(kind: str, corpus: str | os.PathLike,
 
 def build_index(kind: str, corpus: str | os.PathLike, out: str | os.PathLike,
                 options: DenseOptions | None = None, progress: bool = False) -> Retriever:
-    """Build an index of `kind` over the corpus file and save it to `out` (always rebuilds). BM25
-    streams the corpus and never holds it in memory (see `BM25Index.build`); dense and hybrid read
-    it whole, as they hold every passage's vector anyway."""
+    """Build an index of `kind` over the corpus file and save it to `out` (always rebuilds). Every
+    kind streams the corpus and keeps its documents on disk in `out` as they pass (a BM25 index
+    holds its term statistics while building, a dense one its FAISS vectors); a corpus that turns
+    out malformed half-way leaves an index already in `out` as it was."""
     from selfevo._io import file_sha256
-    from selfevo.corpus import corpus_documents, read_corpus
+    from selfevo.corpus import corpus_documents
 
     _check_kind(kind)
     options = options or DenseOptions()
     digest = file_sha256(corpus)
     _check_not_corpus(corpus, out)
+    docs = corpus_documents(corpus)
     if kind == "bm25":
         from selfevo.search.bm25 import BM25Index
 
-        index: Any = BM25Index.build(corpus_documents(corpus), corpus_sha256=digest, store=out, progress=progress)
-    elif kind == "dense":  # the passages' texts are held while they are encoded
+        index: Any = BM25Index.build(docs, corpus_sha256=digest, store=out, progress=progress)
+    elif kind == "dense":
         from selfevo.search.dense import DenseIndex
 
-        index = DenseIndex.build(read_corpus(corpus), options.encoder(), index_type=options.index_type,
-                                 corpus_sha256=digest, progress=progress, **options.faiss_params)
+        index = DenseIndex.build(docs, options.encoder(), index_type=options.index_type, corpus_sha256=digest,
+                                 store=out, progress=progress, **options.faiss_params)
     else:
         from selfevo.search.hybrid import HybridIndex
 
-        index = HybridIndex.build(read_corpus(corpus), options.encoder(), corpus_sha256=digest,
-                                  index_type=options.index_type, progress=progress, **options.fusion(),
-                                  **options.faiss_params)
+        index = HybridIndex.build(docs, options.encoder(), corpus_sha256=digest, index_type=options.index_type,
+                                  store=out, progress=progress, **options.fusion(), **options.faiss_params)
     index.save(out)
     return index
 
