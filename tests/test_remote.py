@@ -104,8 +104,9 @@ def test_chat_client_waits_as_long_as_retry_after_asks():
     def reply(request: httpx.Request) -> httpx.Response:
         calls.append(time.monotonic())
         if len(calls) == 1:
-            return httpx.Response(429, headers={"Retry-After": "0.4"})
-        return httpx.Response(200, json={"choices": [{"message": {"content": "ok"}, "finish_reason": "stop"}]})
+            return httpx.Response(429, headers={"Retry-After": "0.4"}, stream=httpx.ByteStream(b""))
+        body = {"choices": [{"message": {"content": "ok"}, "finish_reason": "stop"}]}
+        return httpx.Response(200, stream=httpx.ByteStream(json.dumps(body).encode()))  # the client streams
 
     with ChatClient("http://fake/v1", "m", backoff=0.001) as client:
         client._http = httpx.Client(transport=httpx.MockTransport(reply))
