@@ -18,11 +18,12 @@ import datetime as dt
 import hashlib
 import itertools
 import math
+import mmap
 import os
 import tempfile
 import threading
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -186,31 +187,44 @@ def _passage_text(doc: Document) -> str:
 
 
 def _make_faiss_index(vectors: np.ndarray, index_type: str, params: dict[str, Any],
-                      progress: bool = False) -> Any:
-    """A FAISS index of `index_type` over `vectors` (an array or a memory map of them), which it
-    adds a block at a time: a memory-mapped input is never read into memory whole."""
+                      progress: bool = False, release: Callable[[int, int], None] | None = None) -> Any:
+    """A FAISS index of `index_type` over `vectors`, added a block at a time. `release(start, stop)`,
+    if given, is called once rows start..stop are in the index (a memory-mapped input drops them)."""
     faiss = _require("faiss")
     n, dim = vectors.shape
     metric = faiss.METRIC_INNER_PRODUCT
     if index_type == "flat":
         index = faiss.IndexFlatIP(dim)
+        _reserve(index, n)
     elif index_type == "hnsw":
         index = faiss.IndexHNSWFlat(dim, int(params["hnsw_m"]), metric)
         index.hnsw.efConstruction = int(params["ef_construction"])
+        _reserve(faiss.downcast_index(index.storage), n)
     elif index_type == "ivf":
         quantizer = faiss.IndexFlatIP(dim)
         index = faiss.IndexIVFFlat(quantizer, dim, int(params["nlist"]), metric)
         # k-means with FAISS's fixed default seed: deterministic; over more than 256 points a list
-        # it samples that many (rows read from the map where they lie)
+        # FAISS samples that many from `vectors`
         index.train(vectors)
     else:
         raise ValueError(f"unknown index type {index_type!r}; known: {', '.join(INDEX_TYPES)}")
     with ProgressBar(progress and n > _BLOCK, n, f"adding {n:,} vectors to FAISS ({index_type})") as advance:
         for start in range(0, n, _BLOCK):
-            index.add(np.ascontiguousarray(vectors[start:start + _BLOCK]))
-            advance(min(_BLOCK, n - start))
+            stop = min(start + _BLOCK, n)
+            index.add(np.ascontiguousarray(vectors[start:stop]))
+            if release is not None:
+                release(start, stop)
+            advance(stop - start)
     _apply_search_params(index, index_type, params)
     return index
+
+
+def _reserve(flat: Any, n: int) -> None:
+    """Room for `n` vectors in a flat store, allocated once: added a block at a time, the store
+    would grow by doubling and hold its old and new buffers together at each step (up to three
+    times the vectors at the last one). A std::vector keeps its capacity when it shrinks."""
+    flat.codes.resize(n * flat.code_size)
+    flat.codes.resize(0)
 
 
 def _apply_search_params(index: Any, index_type: str, params: dict[str, Any]) -> None:
@@ -302,10 +316,18 @@ class DenseIndex:
             with ProgressBar(progress, None, f"encoding passages with {encoder.model}") as advance:
                 kept = stage(encoded(advance), store)
             scratch.flush()
-            vectors = np.memmap(scratch, dtype=np.float32, mode="r", shape=(len(kept), encoder.dim))
             params = default_params(index_type, len(kept), **params)
-            index = _make_faiss_index(vectors, index_type, params, progress)
-            del vectors  # the map, before its file closes
+            with mmap.mmap(scratch.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
+                row = encoder.dim * 4
+                vectors = np.frombuffer(mapped, dtype=np.float32).reshape(len(kept), encoder.dim)
+
+                def release(start: int, stop: int) -> None:
+                    # pages FAISS has copied leave this process (else they would count as its memory)
+                    lo = start * row // mmap.PAGESIZE * mmap.PAGESIZE
+                    mapped.madvise(mmap.MADV_DONTNEED, lo, stop * row - lo)
+
+                index = _make_faiss_index(vectors, index_type, params, progress, release)
+                del vectors  # the last view of the map, before it closes
         return cls(encoder, index, kept, corpus_sha256 or sha.hexdigest(), index_type, params,
                    build_seconds=round(time.perf_counter() - start, 3))
 
