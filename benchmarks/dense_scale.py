@@ -18,14 +18,12 @@ across codes). Writes the "## Index scale (dense build)" section of docs/benchma
 
 from __future__ import annotations
 
-import argparse
 import json
 import shutil
 from pathlib import Path
 
 from _common import REPO, machine_line, write_section
-from index_scale import SHARED, WIKI18, make_corpus, run
-from rich.progress import Progress
+from index_scale import WIKI18, run, scale_args, scale_grid
 
 HEADING = "## Index scale (dense build)"
 DIM = 768  # e5-base-v2's, the encoder of FlashRAG's and Search-R1's wiki-18 index
@@ -84,40 +82,17 @@ print(json.dumps({"peak_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--sizes", type=int, nargs="*", default=[100_000, 300_000, 1_000_000])
-    ap.add_argument("--baseline-src", type=Path, default=None, help="another checkout's src/ to compare")
-    ap.add_argument("--baseline-label", default="before")
-    ap.add_argument("--work", type=Path, default=Path("/tmp/selfevo-index-scale"))
-    ap.add_argument("--corpus", type=Path, default=SHARED / "corpus" / "wiki18-mini.jsonl",
-                    help="the real passages whose words the synthetic corpora use")
-    ap.add_argument("--qa-dir", type=Path, default=SHARED / "qa")
-    ap.add_argument("--out", type=Path, default=REPO / "docs" / "benchmarks.md")
-    args = ap.parse_args()
-    args.work.mkdir(parents=True, exist_ok=True)
-    questions = [json.loads(line)["question"] for f in sorted(args.qa_dir.glob("*.jsonl"))
-                 for line in f.read_text(encoding="utf-8").splitlines() if line.strip()]
-    if not questions or not args.corpus.is_file():
-        ap.error(f"need the questions of {args.qa_dir} and the corpus {args.corpus} (see --qa-dir, --corpus)")
-    codes = {"this code": REPO / "src"}
-    if args.baseline_src is not None:
-        codes[args.baseline_label] = args.baseline_src.resolve()
+    args, questions, codes = scale_args(__doc__)
     floor = run(_IMPORTS, [], REPO / "src")["peak_mib"]
-    rows: dict[tuple[str, int], dict] = {}
-    with Progress() as bar:
-        task = bar.add_task("corpora and dense builds", total=len(args.sizes) * (1 + len(codes)))
-        for n in args.sizes:
-            corpus = args.work / f"corpus-{n}.jsonl"
-            make_corpus(n, corpus, args.corpus)
-            bar.advance(task)
-            for label, src in codes.items():
-                out = args.work / f"dense-{n}-{label.replace(' ', '_')}"
-                shutil.rmtree(out, ignore_errors=True)  # a fresh build each time
-                build = run(_BUILD, [str(corpus), str(out)], src)
-                query = run(_QUERY, [str(out), json.dumps(questions)], REPO / "src")
-                size = sum(p.stat().st_size for p in out.rglob("*") if p.is_file())
-                rows[(label, n)] = {"build": build, "query": query, "index_mib": size / 2**20}
-                bar.advance(task)
+
+    def measure(corpus: Path, out: Path, src: Path) -> dict:
+        shutil.rmtree(out, ignore_errors=True)  # a fresh build each time
+        build = run(_BUILD, [str(corpus), str(out)], src)
+        query = run(_QUERY, [str(out), json.dumps(questions)], REPO / "src")
+        return {"build": build, "query": query,
+                "index_mib": sum(p.stat().st_size for p in out.rglob("*") if p.is_file()) / 2**20}
+
+    rows = scale_grid(args, codes, "dense", measure)
     same = all(rows[(lb, n)]["query"]["top1"] == rows[("this code", n)]["query"]["top1"]
                for lb in codes for n in args.sizes)
     big = max(args.sizes)

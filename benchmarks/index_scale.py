@@ -24,6 +24,7 @@ import re
 import subprocess
 import sys
 import textwrap
+from collections.abc import Callable
 from pathlib import Path
 
 from _common import REPO, machine_line, write_section
@@ -96,8 +97,10 @@ def measure(corpus: Path, index_dir: Path, src: Path, questions: list[str]) -> d
     return {"build": build, "query": query, "index_mib": size / 2**20}
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def scale_args(doc: str) -> tuple[argparse.Namespace, list[str], dict[str, Path]]:
+    """The command line of a scale benchmark (this one's and dense_scale.py's): the arguments, the
+    questions of --qa-dir, and the codes to measure by label (this checkout's src/, --baseline-src)."""
+    ap = argparse.ArgumentParser(description=doc.split("\n\n")[0])
     ap.add_argument("--sizes", type=int, nargs="*", default=[100_000, 300_000, 1_000_000])
     ap.add_argument("--baseline-src", type=Path, default=None, help="another checkout's src/ to compare")
     ap.add_argument("--baseline-label", default="before")
@@ -115,17 +118,29 @@ def main() -> None:
     codes = {"this code": REPO / "src"}
     if args.baseline_src is not None:
         codes[args.baseline_label] = args.baseline_src.resolve()
+    return args, questions, codes
+
+
+def scale_grid(args: argparse.Namespace, codes: dict[str, Path], kind: str,
+               measure_one: Callable[[Path, Path, Path], dict]) -> dict[tuple[str, int], dict]:
+    """Every corpus size (made once) measured under every code: `measure_one(corpus, index_dir,
+    src)` by (code label, size); the index directories are `--work`/KIND-SIZE-LABEL."""
     rows: dict[tuple[str, int], dict] = {}
     with Progress() as bar:
-        task = bar.add_task("corpora and indexes", total=len(args.sizes) * (1 + len(codes)))
+        task = bar.add_task(f"corpora and {kind} indexes", total=len(args.sizes) * (1 + len(codes)))
         for n in args.sizes:
             corpus = args.work / f"corpus-{n}.jsonl"
             make_corpus(n, corpus, args.corpus)
             bar.advance(task)
             for label, src in codes.items():
-                rows[(label, n)] = measure(corpus, args.work / f"index-{n}-{label.replace(' ', '_')}", src,
-                                           questions)
+                rows[(label, n)] = measure_one(corpus, args.work / f"{kind}-{n}-{label.replace(' ', '_')}", src)
                 bar.advance(task)
+    return rows
+
+
+def main() -> None:
+    args, questions, codes = scale_args(__doc__)
+    rows = scale_grid(args, codes, "index", lambda corpus, index_dir, src: measure(corpus, index_dir, src, questions))
     same = all(rows[(lb, n)]["query"]["top1"] == rows[("this code", n)]["query"]["top1"]
                for lb in codes for n in args.sizes)
     big = max(args.sizes)
