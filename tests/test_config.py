@@ -120,6 +120,7 @@ def test_bad_toml_file_names_the_file(tmp_path):
     ("world.value_skew=-1", "world.value_skew"),
     ('data.corpus="c.jsonl"', "data.corpus"),  # without data.qa_dir: the error names what was given
     ("treatment=bogus", "treatment"),
+    ("treatment='crossfit-k500'", "treatment"),  # more folds than the 300 source documents
     ("seed='x'", "seed"),
 ])
 def test_bad_values_raise_config_error_naming_the_field(override, field):

@@ -211,9 +211,13 @@ def _build(cls, data: dict, prefix: str = ""):
 def config_from_dict(data: dict) -> RunConfig:
     cfg = _build(RunConfig, data)
     try:
-        parse_treatment(cfg.treatment)
+        t = parse_treatment(cfg.treatment)
     except ValueError as e:
         raise ConfigError(str(e)) from None
+    if t.feedback == "crossfit" and 0 < cfg.loop.source_docs < t.k:
+        # more folds than sources: the extra folds' auxiliary solvers would train on nothing, ever
+        raise ConfigError(f"treatment: {cfg.treatment!r} asks for {t.k} source folds, but the proposer draws "
+                          f"from {cfg.loop.source_docs} source documents (loop.source_docs); K can be at most that")
     return cfg
 
 
