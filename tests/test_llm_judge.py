@@ -375,8 +375,10 @@ def test_killed_audit_resumes_from_the_cache_with_no_repeated_call(world_run, tm
     assert len({r["key"] for r in rows}) == len(rows)  # each call stored once
     for r in before:  # zero repeated successful calls for everything stored before the kill
         assert model.served[r["prompt_sha"]] == 1
-    summary = json.loads((out / "judge.json").read_text())["summary"]
+    judge_json = json.loads((out / "judge.json").read_text())
+    summary = judge_json["summary"]
     assert summary["replies"] == len(rows) - len(before)  # the resume paid only for new calls
+    assert list(judge_json["reply_models"]) == [model.name]  # the model that gave the verdicts, on record
     # at most the calls in flight at the kill (concurrency 2) were answered but not yet stored
     assert sum(model.served.values()) - len(rows) <= 2
     assert served_at_kill >= len(before)

@@ -247,6 +247,19 @@ def test_contexts_go_into_the_prompt():
 # ------------------------------------------------------------------ failures
 
 
+def test_the_records_name_the_model_that_answered():
+    """A server that answers whatever model name a request gives (serve-model, llama.cpp's) is not
+    recorded under the name asked for alone: the agent's details keep what the endpoint lists and
+    the model each reply names."""
+    items = [QAItem(f"q{i}", f"question number {i}", (secret(f"question number {i}"),)) for i in range(4)]
+    with serve_app(make_app(ScriptedModel(searcher, name="smollm2"))) as base, \
+            RemoteSolver(f"{base}/v1", "qwen", backoff=0.001) as s:
+        s.check()
+        detail = evaluate_solver(s, {"nq": items}, tool(), progress=False)["run"]["agent_detail"]
+    assert detail["model"] == "qwen" and detail["endpoint_models"] == ["smollm2"]
+    assert detail["reply_models"] == {"smollm2": detail["stats"]["calls"]}
+
+
 def test_faults_do_not_stop_an_evaluation_and_are_counted():
     items = [QAItem(f"q{i}", f"question number {i}", (secret(f"question number {i}"),)) for i in range(30)]
     faulty = ScriptedModel(searcher, fail_rate=0.35, garbage_rate=0.2, seed=5)

@@ -19,7 +19,9 @@ The API key is sent as `Authorization: Bearer ...` and never logged, printed or 
 
 from __future__ import annotations
 
+import threading
 import time
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -81,6 +83,10 @@ class ChatClient:
         self._key_env, self._hint_404 = key_env, hint_404
         self._expo = wait_exponential(multiplier=backoff, max=max_backoff) + wait_random(0, backoff)  # with jitter
         self._event = on_event or (lambda _: None)
+        # the model each reply says answered it: a server that answers any requested name (llama.cpp's,
+        # `serve-model`) is caught here, not recorded under the name asked for
+        self.reply_models: Counter[str] = Counter()
+        self._models_lock = threading.Lock()
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._http = httpx.Client(timeout=httpx.Timeout(timeout), headers=headers)
 
@@ -158,7 +164,8 @@ class ChatClient:
         self._check_status(r)
         self._event("reply")
         try:
-            choices = r.json()["choices"]
+            data = r.json()
+            choices = data["choices"]
             out = []
             for c in choices:
                 content = c["message"]["content"]
@@ -171,6 +178,9 @@ class ChatClient:
             if self.retry_malformed:
                 raise _Retryable("HTTP 200 without a chat completion") from None
             return [Choice(r.text, "malformed")]
+        if isinstance(data.get("model"), str):
+            with self._models_lock:
+                self.reply_models[data["model"]] += 1
         return out
 
     # -------------------------------------------------------------- the API

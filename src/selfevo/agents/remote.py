@@ -83,6 +83,7 @@ class RemoteSolver:
         key = api_key if api_key is not None else os.environ.get(API_KEY_ENV) or None
         self._has_key = bool(key)
         self.stats: Counter[str] = Counter()
+        self.endpoint_models: list[str] | None = None
         self._lock = threading.Lock()
         self.client = ChatClient(url, model, api_key=key, timeout=timeout, max_retries=max_retries,
                                  backoff=backoff, max_tokens=max_tokens, stop=STOP_STRINGS,
@@ -107,8 +108,9 @@ class RemoteSolver:
         self.close()
 
     def check(self) -> None:
-        """Fail fast (EndpointError) when the endpoint is unreachable or refuses the key."""
-        self.client.check()
+        """Fail fast (EndpointError) when the endpoint is unreachable or refuses the key; keep the
+        model ids it lists for the records."""
+        self.endpoint_models = self.client.check()
 
     def describe(self) -> dict:
         """Settings and counters, for a run's records (no API key, only whether one is set)."""
@@ -116,7 +118,10 @@ class RemoteSolver:
                 "api_key": "set" if self._has_key else "unset", "temperature": self.temperature,
                 "top_p": self.top_p, "max_tokens": self.max_tokens, "max_actions": self.max_actions,
                 "stop": list(STOP_STRINGS), "concurrency": self.concurrency,
-                "max_retries": self.client.max_retries, "stats": dict(self.stats)}
+                "max_retries": self.client.max_retries, "stats": dict(self.stats),
+                # what the endpoint listed (None: not probed) and the model each reply named: a server
+                # that answers any requested name shows here which model gave the answers
+                "endpoint_models": self.endpoint_models, "reply_models": dict(self.client.reply_models)}
 
     # -------------------------------------------------------------- generation
     def _generate(self, conversations: list[list[dict]], seed: int | None, greedy: bool) -> list[tuple[str, str]]:

@@ -366,6 +366,7 @@ class LLMJudge:
         return {"judge": self.name, "url": self.url, **self._settings, "api_key": "set" if self._has_key else "unset",
                 "concurrency": self.concurrency, "max_retries": self.client.max_retries,
                 "malformed_retries": self.malformed_retries, "cache": str(self.cache.path) if self.cache.path else None,
+                "reply_models": dict(self.client.reply_models),  # the model each reply this run named
                 "summary": self.summary()}
 
     def judgements(self) -> list[dict]:
