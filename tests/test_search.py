@@ -138,6 +138,32 @@ def test_streamed_file_build_never_holds_the_corpus(tmp_path, monkeypatch):
     assert index.corpus_sha256 == file_sha256(corpus)
 
 
+def test_a_build_with_progress_knows_its_total(tmp_path, monkeypatch):
+    """`selfevo index build` counts the corpus's lines first (no parse), so its progress bar shows
+    the time left of an hours-long build rather than a bare count."""
+    from selfevo.corpus import count_lines
+    from selfevo.search import bm25 as bm25_mod
+    from selfevo.search.index import build_index
+
+    corpus = tmp_path / "corpus.jsonl"
+    write_corpus(corpus, DOCS)
+    assert count_lines(corpus) == len(DOCS)
+    (tmp_path / "x").write_bytes(b"a\n\nb")  # a blank line counts; so does a last line without newline
+    (tmp_path / "empty").write_bytes(b"")
+    assert count_lines(tmp_path / "x") == 3 and count_lines(tmp_path / "empty") == 0
+    totals = []
+    real = bm25_mod.ProgressBar
+
+    def recording(show, total, what):
+        totals.append(total)
+        return real(False, total, what)
+
+    monkeypatch.setattr(bm25_mod, "ProgressBar", recording)
+    build_index("bm25", corpus, tmp_path / "idx", progress=True)
+    build_index("bm25", corpus, tmp_path / "idx2")
+    assert totals == [len(DOCS), None]
+
+
 def test_a_malformed_corpus_leaves_the_saved_index_as_it_was(tmp_path):
     """A corpus that turns out malformed half-way through the stream: the error names file and line,
     and the index already in the directory still loads, documents and all (bad input loses nothing)."""

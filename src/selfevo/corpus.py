@@ -128,6 +128,17 @@ def corpus_documents(path: str | os.PathLike) -> Iterator[Document]:
         raise DataError(path, None, "corpus is empty")
 
 
+def count_lines(path: str | os.PathLike) -> int:
+    """Lines in a file, read in 16 MiB chunks without parsing (a few seconds for wiki-18's 13 GB):
+    a corpus's document count, for a progress bar's total (a blank line counts too)."""
+    lines, last = 0, b"\n"
+    with open(path, "rb") as fh:
+        while chunk := fh.read(1 << 24):
+            lines += chunk.count(b"\n")
+            last = chunk[-1:]
+    return lines + (last != b"\n")
+
+
 def read_corpus(path: str | os.PathLike) -> list[Document]:
     return list(corpus_documents(path))
 

@@ -22,7 +22,7 @@ import numpy as np
 from bm25s.stopwords import STOPWORDS_EN
 
 from selfevo._io import file_sha256, write_json
-from selfevo.corpus import corpus_documents
+from selfevo.corpus import corpus_documents, count_lines
 from selfevo.records import Document
 from selfevo.search._manifest import MANIFEST, read_manifest
 from selfevo.search._progress import ProgressBar
@@ -142,12 +142,14 @@ class BM25Index:
 
     @classmethod
     def build(cls, docs: Iterable[Document], corpus_sha256: str | None = None,
-              store: str | os.PathLike | None = None, progress: bool = False) -> BM25Index:
+              store: str | os.PathLike | None = None, progress: bool = False,
+              expected: int | None = None) -> BM25Index:
         """Index `docs` (title and text) in one streaming pass. `corpus_sha256` names the corpus in
         the manifest; by default it is the hash of the documents' JSONL serialisation. With `store`
         (a directory) the documents are written there as they stream past and the index reads them
         back on demand (`DocStore`): a corpus larger than memory is indexed without ever holding it;
-        without it they are kept in a list. `progress`: a count of the passages indexed."""
+        without it they are kept in a list. `progress`: a count of the passages indexed (of
+        `expected`, if given: the bar then shows the time left)."""
         sha = hashlib.sha256()
         stream = hashed(docs, sha) if corpus_sha256 is None else docs
         postings = _Postings()
@@ -159,7 +161,7 @@ class BM25Index:
                     advance(10_000)
                 yield doc
 
-        with ProgressBar(progress, None, "indexing passages (BM25)") as advance:
+        with ProgressBar(progress, expected, "indexing passages (BM25)") as advance:
             kept = stage(tokenised(advance), store)
         model = bm25s.BM25()
         model.scores, model.vocab_dict = postings.score_matrix(), postings.vocab
@@ -179,7 +181,8 @@ class BM25Index:
                 return cls.load(index_dir, expected_corpus_sha256=digest)
             except (ValueError, OSError):
                 pass  # stale, foreign or damaged cache: rebuild below and overwrite it
-        index = cls.build(corpus_documents(path), corpus_sha256=digest, store=index_dir, progress=progress)
+        index = cls.build(corpus_documents(path), corpus_sha256=digest, store=index_dir, progress=progress,
+                          expected=count_lines(path) if progress else None)
         if index_dir is not None:
             index.save(index_dir)
         return index

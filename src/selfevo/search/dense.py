@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 
 from selfevo._io import check_local_path, file_sha256, write_json
-from selfevo.corpus import corpus_documents
+from selfevo.corpus import corpus_documents, count_lines
 from selfevo.records import Document
 from selfevo.search._manifest import MANIFEST, read_manifest
 from selfevo.search._progress import ProgressBar
@@ -288,14 +288,16 @@ class DenseIndex:
     @classmethod
     def build(cls, docs: Iterable[Document], encoder: Encoder | None = None, *,
               index_type: str = "flat", corpus_sha256: str | None = None,
-              store: str | os.PathLike | None = None, progress: bool = False, **params: Any) -> DenseIndex:
+              store: str | os.PathLike | None = None, progress: bool = False, expected: int | None = None,
+              **params: Any) -> DenseIndex:
         """Embed `docs` and index them in one streaming pass: a block of passages at a time is
         encoded and its vectors appended to a scratch file, which FAISS then reads a block at a
         time. With `store` (a directory) the documents are written there as they stream past and
         read back on demand (`DocStore`), as `BM25Index.build` does: neither the passages' texts
         nor a second copy of the vectors is held, only the FAISS index itself (4 × dim bytes a
         passage for flat and ivf). `corpus_sha256` names the corpus in the manifest (by default
-        the hash of the documents' JSONL lines). `params` are FAISS settings of `index_type`
+        the hash of the documents' JSONL lines); `expected`, the number of documents, gives the
+        progress bar a total. `params` are FAISS settings of `index_type`
         (hnsw: hnsw_m, ef_construction, ef_search; ivf: nlist, nprobe); see `default_params`."""
         default_params(index_type, 1, **params)  # a misnamed setting fails now, not after the encoding
         encoder = encoder or Encoder()
@@ -313,7 +315,7 @@ class DenseIndex:
                     advance(len(block))
                     yield from block
 
-            with ProgressBar(progress, None, f"encoding passages with {encoder.model}") as advance:
+            with ProgressBar(progress, expected, f"encoding passages with {encoder.model}") as advance:
                 kept = stage(encoded(advance), store)
             scratch.flush()
             params = default_params(index_type, len(kept), **params)
@@ -349,7 +351,8 @@ class DenseIndex:
             except (ValueError, OSError, RuntimeError):
                 pass  # stale, foreign or damaged cache (FAISS raises RuntimeError): rebuild it
         index = cls.build(corpus_documents(path), encoder, index_type=index_type, corpus_sha256=digest,
-                          store=index_dir, progress=progress, **params)
+                          store=index_dir, progress=progress, expected=count_lines(path) if progress else None,
+                          **params)
         if index_dir is not None:
             index.save(index_dir)
         return index

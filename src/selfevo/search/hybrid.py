@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from selfevo._io import file_sha256, write_json
-from selfevo.corpus import corpus_documents
+from selfevo.corpus import corpus_documents, count_lines
 from selfevo.records import Document
 from selfevo.search._manifest import MANIFEST, read_manifest
 from selfevo.search.bm25 import BM25Index
@@ -85,15 +85,15 @@ class HybridIndex:
     def build(cls, docs: Iterable[Document], encoder: Encoder | None = None, *,
               corpus_sha256: str | None = None, rrf_k: int = RRF_K, depth: int = DEPTH,
               index_type: str = "flat", store: str | os.PathLike | None = None, progress: bool = False,
-              **params: Any) -> HybridIndex:
+              expected: int | None = None, **params: Any) -> HybridIndex:
         """Both halves over `docs`, streamed once: the dense half first (`DenseIndex.build`), then the
         BM25 half over the documents it kept. With `store` each half keeps them on disk under it
         (`bm25/`, `dense/`), so a corpus larger than memory is read once and never held."""
         start = time.perf_counter()
         dense = DenseIndex.build(docs, encoder, index_type=index_type, corpus_sha256=corpus_sha256,
-                                 store=_part(store, "dense"), progress=progress, **params)
+                                 store=_part(store, "dense"), progress=progress, expected=expected, **params)
         bm25 = BM25Index.build(dense.docs, corpus_sha256=dense.corpus_sha256, store=_part(store, "bm25"),
-                               progress=progress)
+                               progress=progress, expected=len(dense.docs))
         return cls(bm25, dense, rrf_k=rrf_k, depth=depth,
                    build_seconds=round(time.perf_counter() - start, 3))
 
@@ -115,7 +115,8 @@ class HybridIndex:
             except (ValueError, OSError, RuntimeError):
                 pass  # stale, foreign or damaged cache: rebuild below
         index = cls.build(corpus_documents(path), encoder, corpus_sha256=digest, rrf_k=rrf_k, depth=depth,
-                          index_type=index_type, store=index_dir, progress=progress, **params)
+                          index_type=index_type, store=index_dir, progress=progress,
+                          expected=count_lines(path) if progress else None, **params)
         if index_dir is not None:
             index.save(index_dir)
         return index

@@ -140,27 +140,28 @@ def build_index(kind: str, corpus: str | os.PathLike, out: str | os.PathLike,
     holds its term statistics while building, a dense one its FAISS vectors); a corpus that turns
     out malformed half-way leaves an index already in `out` as it was."""
     from selfevo._io import file_sha256
-    from selfevo.corpus import corpus_documents
+    from selfevo.corpus import corpus_documents, count_lines
 
     _check_kind(kind)
     options = options or DenseOptions()
     digest = file_sha256(corpus)
     _check_not_corpus(corpus, out)
     docs = corpus_documents(corpus)
+    stream = {"store": out, "progress": progress, "expected": count_lines(corpus) if progress else None}
     if kind == "bm25":
         from selfevo.search.bm25 import BM25Index
 
-        index: Any = BM25Index.build(docs, corpus_sha256=digest, store=out, progress=progress)
+        index: Any = BM25Index.build(docs, corpus_sha256=digest, **stream)
     elif kind == "dense":
         from selfevo.search.dense import DenseIndex
 
         index = DenseIndex.build(docs, options.encoder(), index_type=options.index_type, corpus_sha256=digest,
-                                 store=out, progress=progress, **options.faiss_params)
+                                 **stream, **options.faiss_params)
     else:
         from selfevo.search.hybrid import HybridIndex
 
         index = HybridIndex.build(docs, options.encoder(), corpus_sha256=digest, index_type=options.index_type,
-                                  store=out, progress=progress, **options.fusion(), **options.faiss_params)
+                                  **stream, **options.fusion(), **options.faiss_params)
     index.save(out)
     return index
 
