@@ -48,7 +48,7 @@ INDEX_TYPES = ("flat", "hnsw", "ivf")
 # Extra candidates fetched beyond topk so that a tie at the cut-off is resolved by corpus order
 # (FAISS's heap keeps an arbitrary one of equal scores); see DenseIndex._search.
 _TIE_MARGIN = 8
-_BLOCK = 16_384  # passages a build encodes (longest first) and vectors FAISS adds at a time
+_BLOCK = 4_096  # passages a build encodes (longest first) and vectors FAISS adds at a time
 
 
 def _require(module: str) -> Any:
@@ -315,7 +315,7 @@ class DenseIndex:
                     advance(len(block))
                     yield from block
 
-            with ProgressBar(progress, expected, f"encoding passages with {encoder.model}") as advance:
+            with ProgressBar(progress, expected, f"encoding passages ({Path(encoder.model).name})") as advance:
                 kept = stage(encoded(advance), store)
             scratch.flush()
             params = default_params(index_type, len(kept), **params)
