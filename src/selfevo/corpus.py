@@ -129,8 +129,8 @@ def corpus_documents(path: str | os.PathLike) -> Iterator[Document]:
 
 
 def count_lines(path: str | os.PathLike) -> int:
-    """Lines in a file, read in 16 MiB chunks without parsing (a few seconds for wiki-18's 13 GB):
-    a corpus's document count, for a progress bar's total (a blank line counts too)."""
+    """Lines in a file, read in 16 MiB chunks and never parsed: a corpus's document count, for a
+    progress bar's total (a blank line counts too)."""
     lines, last = 0, b"\n"
     with open(path, "rb") as fh:
         while chunk := fh.read(1 << 24):

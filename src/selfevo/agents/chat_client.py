@@ -83,8 +83,8 @@ class ChatClient:
         self._key_env, self._hint_404 = key_env, hint_404
         self._expo = wait_exponential(multiplier=backoff, max=max_backoff) + wait_random(0, backoff)  # with jitter
         self._event = on_event or (lambda _: None)
-        # the model each reply says answered it: a server that answers any requested name (llama.cpp's,
-        # `serve-model`) is caught here, not recorded under the name asked for
+        # the model each reply names, so that records can say which model answered whatever name was
+        # asked for (llama.cpp's server and `serve-model` answer any)
         self.reply_models: Counter[str] = Counter()
         self._models_lock = threading.Lock()
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
