@@ -221,8 +221,8 @@ def _make_faiss_index(vectors: np.ndarray, index_type: str, params: dict[str, An
 
 def _reserve(flat: Any, n: int) -> None:
     """Room for `n` vectors in a flat store, allocated once: added a block at a time, the store
-    would grow by doubling and hold its old and new buffers together at each step (up to three
-    times the vectors at the last one). A std::vector keeps its capacity when it shrinks."""
+    would grow by doubling, holding its old and new buffers together at each step. A std::vector
+    keeps its capacity when it shrinks."""
     flat.codes.resize(n * flat.code_size)
     flat.codes.resize(0)
 
