@@ -47,7 +47,7 @@ class HashEncoder:
         out /= np.linalg.norm(out, axis=1, keepdims=True)  # in place, as a model's output array would be
         return out
 
-    def encode_passages(self, texts, **kw):
+    def encode_passages(self, texts, *progress, **kw):  # a progress hook, if the code passes one, unused
         return self._encode(list(texts))
 
     def encode_queries(self, queries):

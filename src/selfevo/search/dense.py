@@ -154,13 +154,14 @@ class Encoder:
     def encode_queries(self, queries: Sequence[str]) -> np.ndarray:
         return self._encode([self.query_prefix + q for q in queries])
 
-    def encode_passages(self, texts: Sequence[str]) -> np.ndarray:
-        return self._encode([self.passage_prefix + t for t in texts])
+    def encode_passages(self, texts: Sequence[str], done: Callable[[int], None] | None = None) -> np.ndarray:
+        return self._encode([self.passage_prefix + t for t in texts], done)
 
-    def _encode(self, texts: list[str]) -> np.ndarray:
+    def _encode(self, texts: list[str], done: Callable[[int], None] | None = None) -> np.ndarray:
         """(len(texts), dim) float32, rows of unit norm. Texts are encoded longest first in
         chunks (less padding per batch; the lock is taken a chunk at a time, so a server's
-        queries are not held up by a long encode) and put back in their original order."""
+        queries are not held up by a long encode) and put back in their original order.
+        `done(n)` is told each chunk's size (a progress bar's advance)."""
         out = np.zeros((len(texts), self.dim), dtype=np.float32)
         order = sorted(range(len(texts)), key=lambda i: -len(texts[i]))
         chunk = self.batch_size * 8
@@ -171,6 +172,8 @@ class Encoder:
                                        convert_to_numpy=True, normalize_embeddings=True,
                                        show_progress_bar=False)
             out[ids] = vecs
+            if done is not None:
+                done(len(ids))
         return out
 
 
@@ -311,8 +314,7 @@ class DenseIndex:
 
             def encoded(advance) -> Iterator[Document]:
                 while block := list(itertools.islice(stream, _BLOCK)):
-                    scratch.write(encoder.encode_passages([_passage_text(d) for d in block]).tobytes())
-                    advance(len(block))
+                    scratch.write(encoder.encode_passages([_passage_text(d) for d in block], advance).tobytes())
                     yield from block
 
             with ProgressBar(progress, expected, f"encoding passages ({Path(encoder.model).name})") as advance:
