@@ -2,6 +2,16 @@
 
 from __future__ import annotations
 
+import os
+
+from selfevo.corpus import count_lines
+
+
+def corpus_total(path: str | os.PathLike, show: bool) -> int | None:
+    """The total of a build's bar over the corpus file `path`: its lines, counted (no parse) only
+    when the bar is shown."""
+    return count_lines(path) if show else None
+
 
 class ProgressBar:
     """A rich progress bar (or nothing) that yields an `advance(n)` callable (`total` None: a count)."""

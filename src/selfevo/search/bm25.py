@@ -22,10 +22,10 @@ import numpy as np
 from bm25s.stopwords import STOPWORDS_EN
 
 from selfevo._io import file_sha256, write_json
-from selfevo.corpus import corpus_documents, count_lines
+from selfevo.corpus import corpus_documents
 from selfevo.records import Document
 from selfevo.search._manifest import MANIFEST, read_manifest
-from selfevo.search._progress import ProgressBar
+from selfevo.search._progress import ProgressBar, corpus_total
 from selfevo.search.docstore import DOCS_FILE, DocStore, hashed, held, settle, stage
 from selfevo.search.tool import Hit
 
@@ -182,7 +182,7 @@ class BM25Index:
             except (ValueError, OSError):
                 pass  # stale, foreign or damaged cache: rebuild below and overwrite it
         index = cls.build(corpus_documents(path), corpus_sha256=digest, store=index_dir, progress=progress,
-                          expected=count_lines(path) if progress else None)
+                          expected=corpus_total(path, progress))
         if index_dir is not None:
             index.save(index_dir)
         return index

@@ -30,10 +30,10 @@ from typing import Any
 import numpy as np
 
 from selfevo._io import check_local_path, file_sha256, write_json
-from selfevo.corpus import corpus_documents, count_lines
+from selfevo.corpus import corpus_documents
 from selfevo.records import Document
 from selfevo.search._manifest import MANIFEST, read_manifest
-from selfevo.search._progress import ProgressBar
+from selfevo.search._progress import ProgressBar, corpus_total
 from selfevo.search.docstore import DOCS_FILE, DocStore, hashed, held, settle, stage
 from selfevo.search.tool import Hit
 
@@ -353,7 +353,7 @@ class DenseIndex:
             except (ValueError, OSError, RuntimeError):
                 pass  # stale, foreign or damaged cache (FAISS raises RuntimeError): rebuild it
         index = cls.build(corpus_documents(path), encoder, index_type=index_type, corpus_sha256=digest,
-                          store=index_dir, progress=progress, expected=count_lines(path) if progress else None,
+                          store=index_dir, progress=progress, expected=corpus_total(path, progress),
                           **params)
         if index_dir is not None:
             index.save(index_dir)

@@ -10,7 +10,6 @@ older version (no offsets file) is scanned once when opened.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import mmap
 import os
@@ -159,14 +158,6 @@ def hashed(docs: Iterable[Document], h: Any) -> Iterator[Document]:
     for d in docs:
         h.update(_line(d))
         yield d
-
-
-def docs_sha256(docs: Iterable[Document]) -> str:
-    """Content hash of documents (the same bytes `write_corpus` would write)."""
-    h = hashlib.sha256()
-    for _ in hashed(docs, h):
-        pass
-    return h.hexdigest()
 
 
 def _scan(data, size: int) -> np.ndarray:

@@ -17,9 +17,10 @@ from pathlib import Path
 from typing import Any
 
 from selfevo._io import file_sha256, write_json
-from selfevo.corpus import corpus_documents, count_lines
+from selfevo.corpus import corpus_documents
 from selfevo.records import Document
 from selfevo.search._manifest import MANIFEST, read_manifest
+from selfevo.search._progress import corpus_total
 from selfevo.search.bm25 import BM25Index
 from selfevo.search.dense import DenseIndex, Encoder, default_params
 from selfevo.search.tool import Hit
@@ -116,7 +117,7 @@ class HybridIndex:
                 pass  # stale, foreign or damaged cache: rebuild below
         index = cls.build(corpus_documents(path), encoder, corpus_sha256=digest, rrf_k=rrf_k, depth=depth,
                           index_type=index_type, store=index_dir, progress=progress,
-                          expected=count_lines(path) if progress else None, **params)
+                          expected=corpus_total(path, progress), **params)
         if index_dir is not None:
             index.save(index_dir)
         return index

@@ -140,14 +140,15 @@ def build_index(kind: str, corpus: str | os.PathLike, out: str | os.PathLike,
     holds its term statistics while building, a dense one its FAISS vectors); a corpus that turns
     out malformed half-way leaves an index already in `out` as it was."""
     from selfevo._io import file_sha256
-    from selfevo.corpus import corpus_documents, count_lines
+    from selfevo.corpus import corpus_documents
+    from selfevo.search._progress import corpus_total
 
     _check_kind(kind)
     options = options or DenseOptions()
     digest = file_sha256(corpus)
     _check_not_corpus(corpus, out)
     docs = corpus_documents(corpus)
-    stream = {"store": out, "progress": progress, "expected": count_lines(corpus) if progress else None}
+    stream = {"store": out, "progress": progress, "expected": corpus_total(corpus, progress)}
     if kind == "bm25":
         from selfevo.search.bm25 import BM25Index
 
