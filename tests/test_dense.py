@@ -264,6 +264,26 @@ def test_save_load_round_trip(flat, saved, encoder):
     np.testing.assert_array_equal(loaded.index.reconstruct_n(0, len(DOCS)), flat.index.reconstruct_n(0, len(DOCS)))
 
 
+@pytest.mark.parametrize("index_type", ["flat", "hnsw", "ivf"])
+def test_a_loaded_index_maps_its_vectors_and_outlives_a_rebuild_of_its_directory(encoder, index_type, tmp_path):
+    """A server keeps serving while its index directory is built again: `load` maps the FAISS file
+    (where this FAISS can), so `save` must rename a new file over it, never rewrite it in place."""
+    import faiss
+
+    DenseIndex.build(DOCS, encoder, index_type=index_type).save(tmp_path / "idx")
+    loaded = DenseIndex.load(tmp_path / "idx", encoder)
+    if hasattr(faiss, "IO_FLAG_MMAP_IFC"):
+        assert str((tmp_path / "idx" / "vectors.faiss").resolve()) in Path("/proc/self/maps").read_text()
+    queries = list(PARAPHRASES)
+    before = loaded.retrieve(queries, 3)
+    # the same passages in reverse order: a file of the same size whose rows all moved
+    DenseIndex.build(DOCS[::-1], encoder, index_type=index_type).save(tmp_path / "idx")
+    assert loaded.retrieve(queries, 3) == before
+    rebuilt = DenseIndex.load(tmp_path / "idx", encoder)
+    assert list(rebuilt.docs) == DOCS[::-1]
+    assert [ids(h)[0] for h in rebuilt.retrieve(queries, 3)] == [ids(h)[0] for h in before]
+
+
 def test_load_without_an_encoder_loads_the_manifests_model(flat, saved):
     loaded = DenseIndex.load(saved)  # a real second load of the bundled model, from the manifest
     assert loaded.encoder.fingerprint == flat.encoder.fingerprint

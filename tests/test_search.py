@@ -228,6 +228,18 @@ def test_save_load_round_trip(small, tmp_path):
     assert loaded.retrieve(queries, topk=3) == small.retrieve(queries, topk=3)
 
 
+def test_a_loaded_index_outlives_a_rebuild_of_its_directory(tmp_path):
+    """bm25s maps the score matrix: `save` renames new files over the old, so a server that loaded the
+    directory keeps answering (a file rewritten in place under a map would change or kill it)."""
+    BM25Index.build(DOCS).save(tmp_path / "idx")
+    loaded = BM25Index.load(tmp_path / "idx")
+    queries = ["zebra stripes", "river Europe longest", "domesticated horse"]
+    before = loaded.retrieve(queries, topk=3)
+    BM25Index.build(DOCS[::-1]).save(tmp_path / "idx")  # same sizes, every row moved
+    assert loaded.retrieve(queries, topk=3) == before
+    assert list(BM25Index.load(tmp_path / "idx").docs) == DOCS[::-1]
+
+
 def test_load_refuses_a_mismatched_or_incomplete_index(small, tmp_path):
     small.save(tmp_path / "idx")
     with pytest.raises(ValueError, match="corpus sha256"):

@@ -29,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from selfevo._io import check_local_path, file_sha256, write_json
+from selfevo._io import atomic_writer, check_local_path, file_sha256, write_json
 from selfevo.corpus import corpus_documents
 from selfevo.records import Document
 from selfevo.search._manifest import MANIFEST, read_manifest
@@ -230,6 +230,16 @@ def _reserve(flat: Any, n: int) -> None:
     flat.codes.resize(0)
 
 
+def _read_faiss(path: Path, index_type: str) -> Any:
+    """A saved FAISS index, memory-mapped where this FAISS can: the vectors (flat, HNSW) or inverted
+    lists (IVF) stay in the page cache, so the index opens in moments, every process serving it shares
+    one copy, and an index larger than memory still runs (paging) rather than failing to load. The
+    save renames a new file over the old, never rewrites it (see `save`)."""
+    faiss = _require("faiss")
+    flag = getattr(faiss, "IO_FLAG_MMAP" if index_type == "ivf" else "IO_FLAG_MMAP_IFC", 0)  # 0: read it in
+    return faiss.read_index(str(path), flag)
+
+
 def _apply_search_params(index: Any, index_type: str, params: dict[str, Any]) -> None:
     """Search-time knobs live in the manifest, not (only) in FAISS's file."""
     if index_type == "hnsw":
@@ -388,7 +398,10 @@ class DenseIndex:
         index_dir = Path(index_dir)
         index_dir.mkdir(parents=True, exist_ok=True)
         (index_dir / MANIFEST).unlink(missing_ok=True)
-        faiss.write_index(self.index, str(index_dir / VECTORS_FILE))
+        # beside its place and renamed over it: an index loaded from this directory maps the old file,
+        # and a file rewritten in place under a memory map kills its reader
+        with atomic_writer(index_dir / VECTORS_FILE, "wb") as fh:
+            faiss.write_index(self.index, faiss.PyCallbackIOWriter(fh.write))
         self.docs = settle(self.docs, index_dir)  # from here on read on demand
         write_json(index_dir / MANIFEST, self.manifest())
 
@@ -420,8 +433,7 @@ class DenseIndex:
         if len(docs) != manifest.get("num_docs"):
             raise ValueError(f"{where}: manifest says {manifest.get('num_docs')} documents, "
                              f"{DOCS_FILE} holds {len(docs)}")
-        faiss = _require("faiss")
-        index = faiss.read_index(str(index_dir / VECTORS_FILE))
+        index = _read_faiss(index_dir / VECTORS_FILE, manifest["index_type"])
         params = manifest.get("index_params") or {}
         _apply_search_params(index, manifest["index_type"], params)
         return cls(encoder, index, docs, manifest["corpus_sha256"], manifest["index_type"], params,
