@@ -618,3 +618,114 @@ def test_streamed_build_keeps_documents_on_disk_and_equals_the_in_memory_one(
     assert sorted(p.relative_to(out).as_posix() for p in out.rglob("*")) == files
     kept = open_index(out, expected_corpus_sha256=file_sha256(corpus))
     assert list(kept.docs) == DOCS
+
+
+# ------------------------------------------------------------------ adopting a FAISS index built elsewhere
+
+
+def _foreign_faiss(path: Path, vectors: np.ndarray, kind: str = "flat", metric: str = "ip") -> Path:
+    """A FAISS file written as FlashRAG's index builder writes one (`faiss.index_factory(dim, "Flat",
+    METRIC_INNER_PRODUCT)`, then add, then write_index): no selfevo code involved."""
+    import faiss
+
+    m = faiss.METRIC_INNER_PRODUCT if metric == "ip" else faiss.METRIC_L2
+    index = faiss.index_factory(vectors.shape[1], {"flat": "Flat", "hnsw": "HNSW16,Flat", "ivf": "IVF2,Flat",
+                                                   "pq": "PQ8"}[kind], m)
+    index.train(vectors)
+    index.add(vectors)
+    if kind == "ivf":
+        index.nprobe = 2  # both lists: exact on this corpus (FAISS saves nprobe with the index)
+    faiss.write_index(index, str(path))
+    return path
+
+
+def _flashrag_vectors(encoder, docs) -> np.ndarray:
+    """Passage vectors as FlashRAG computes them: the contents after the passage prefix, pooled and
+    L2-normalised by the model (sentence-transformers here, called directly)."""
+    return encoder._st.encode([encoder.passage_prefix + d.contents for d in docs], normalize_embeddings=True,
+                              convert_to_numpy=True).astype(np.float32)
+
+
+@pytest.mark.parametrize("kind", ["flat", "hnsw", "ivf"])
+def test_index_import_adopts_a_foreign_faiss_file_and_searches_like_a_build(kind, flat, shared_encoder, tmp_path):
+    corpus = tmp_path / "wiki.jsonl"
+    write_corpus(corpus, DOCS)
+    source = _foreign_faiss(tmp_path / "e5_Flat.index", _flashrag_vectors(shared_encoder, DOCS), kind)
+    out = tmp_path / "idx"
+    res = CliRunner().invoke(app, ["index", "import", "--faiss", str(source), "--corpus", str(corpus),
+                                   "--out", str(out), "--model", DEFAULT_MODEL, "--check", "8"])
+    assert res.exit_code == 0, res.output
+    assert f"imported a {kind} index over {len(DOCS)} passages" in res.output
+    assert os.stat(out / "vectors.faiss").st_ino == os.stat(source).st_ino  # hard-linked, not copied
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["index_type"] == kind and manifest["num_docs"] == len(DOCS)
+    assert manifest["corpus_sha256"] == file_sha256(corpus)
+    assert manifest["model_fingerprint"] == shared_encoder.fingerprint
+    assert manifest["imported"]["faiss_file"] == str(source.resolve())
+    assert manifest["imported"]["spot_check"]["rows"] == 8 and manifest["imported"]["spot_check"]["min_cosine"] > 0.999
+    assert manifest["index_params"] == {"flat": {}, "hnsw": {"hnsw_m": 16, "ef_construction": 40, "ef_search": 16},
+                                        "ivf": {"nlist": 2, "nprobe": 2}}[kind]
+    adopted = get_retriever(index=out, corpus=corpus)
+    assert isinstance(adopted, DenseIndex) and adopted.imported["placed_by"] == "hard link"
+    queries = list(PARAPHRASES)
+    if kind == "flat":
+        assert adopted.retrieve(queries, 3) == [[Hit(h.document, pytest.approx(h.score, abs=1e-5)) for h in hits]
+                                                for hits in flat.retrieve(queries, 3)]
+    else:
+        assert [ids(h)[0] for h in adopted.retrieve(queries, 1)] == [PARAPHRASES[q] for q in queries]
+
+
+def test_index_import_refuses_what_does_not_match_and_leaves_the_directory_as_it_was(
+        flat, saved, shared_encoder, tmp_path):
+    from selfevo.search.adopt import adopt, check_rows
+
+    corpus = tmp_path / "wiki.jsonl"
+    write_corpus(corpus, DOCS)
+    vectors = _flashrag_vectors(shared_encoder, DOCS)
+    out = tmp_path / "idx"
+    flat.save(out)  # an index already there, which no refusal may touch
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+
+    def refused(source: Path, match: str, docs_file: Path = corpus) -> None:
+        with pytest.raises(ValueError, match=match):
+            adopt(source, docs_file, out, shared_encoder, check=len(DOCS))
+        assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+
+    refused(_foreign_faiss(tmp_path / "l2.index", vectors, metric="l2"), "L2 distance")
+    refused(_foreign_faiss(tmp_path / "pq.index", np.tile(vectors, (12, 1)), "pq"), "IndexPQ")
+    refused(_foreign_faiss(tmp_path / "small.index", vectors[:, :64].copy()), "dimension 64")
+    refused(_foreign_faiss(tmp_path / "more.index", np.vstack([vectors, vectors[:1]])), "more than")
+    refused(_foreign_faiss(tmp_path / "fewer.index", vectors[:-1]), f"holds {len(DOCS)} passages")
+    # rows in another order than the corpus's lines: found by re-encoding, named by row
+    refused(_foreign_faiss(tmp_path / "shifted.index", np.roll(vectors, 1, axis=0)), r"row \d+ cosine")
+    refused(_foreign_faiss(tmp_path / "raw.index", vectors * 2), "not unit length")
+    (tmp_path / "junk.index").write_bytes(b"not faiss at all")
+    refused(tmp_path / "junk.index", "not a FAISS index file")
+    refused(tmp_path / "missing.index", "no such file")
+    refused(_foreign_faiss(tmp_path / "ok.index", vectors), "would write its docs.jsonl", out / "docs.jsonl")
+    assert not list(out.glob(".*"))  # no staging or temp file left behind
+    # the check's figures: a small rotation passes, a prefix-sized one fails
+    rows = np.arange(3)
+    unit = vectors[:3]
+    assert check_rows(unit, unit, rows)["min_cosine"] == pytest.approx(1.0, abs=1e-6)
+    with pytest.raises(ValueError, match="row 1 cosine"):
+        check_rows(unit, unit[[0, 2, 1]], rows)
+
+
+def test_index_import_copies_a_file_it_cannot_link(tmp_path, monkeypatch):
+    """Another file system (os.link fails): the FAISS file is copied, renamed into place, no temp left."""
+    from selfevo.search import adopt as adopt_mod
+
+    source = tmp_path / "src.index"
+    source.write_bytes(os.urandom(3 << 20))
+    (tmp_path / "out").mkdir()
+    target = tmp_path / "out" / "vectors.faiss"
+    target.write_bytes(b"old")
+
+    def cross_device(*a):
+        raise OSError(18, "Invalid cross-device link")
+
+    monkeypatch.setattr(adopt_mod.os, "link", cross_device)
+    assert adopt_mod.place(source, target, progress=False) == "copy"
+    assert target.read_bytes() == source.read_bytes() and os.stat(target).st_ino != os.stat(source).st_ino
+    assert sorted(p.name for p in target.parent.iterdir()) == ["vectors.faiss"]

@@ -154,6 +154,40 @@ def index_build(
                   f"{escape(str(out))} ({index_size_bytes(out) / 2**20:.1f} MiB)")
 
 
+@index_app.command("import")
+def index_import(
+    faiss_file: Path = typer.Option(..., "--faiss", help="a FAISS index built elsewhere (e.g. FlashRAG's and "
+                                                          "Search-R1's wiki-18 e5_Flat.index)"),
+    corpus: Path = typer.Option(..., help="its corpus: FlashRAG JSONL whose lines are the index's rows, in order"),
+    out: Path = typer.Option(..., help="dense index directory to write (the FAISS file is hard-linked into it, "
+                                       "or copied from another file system)"),
+    model: str = typer.Option(..., help="the encoder the index was built with (e.g. intfloat/e5-base-v2 or a "
+                                        "local directory)"),
+    query_prefix: str | None = typer.Option(None, help="prepended to queries (default: 'query: ' for e5)"),
+    passage_prefix: str | None = typer.Option(None, help="prepended to passages (default: 'passage: ' for e5)"),
+    max_seq_length: int | None = typer.Option(None, min=1, help="the encoder's token limit, as the index was "
+                                                                "built (default: the model's)"),
+    check: int = typer.Option(64, min=1, help="passages re-encoded to check the stored vectors"),
+    batch_size: int = typer.Option(32, help="encoding batch size"),
+    device: str = typer.Option("cpu", help="encoding device (cpu, cuda, ...)"),
+) -> None:
+    """Adopt a FAISS index built elsewhere, with its corpus and encoder, as a dense index directory:
+    kind, dimension, row count and a spot check of re-encoded passages are verified first."""
+    from selfevo.search.adopt import adopt
+    from selfevo.search.dense import Encoder
+
+    try:
+        encoder = Encoder(model, query_prefix=query_prefix, passage_prefix=passage_prefix, batch_size=batch_size,
+                          device=device, max_seq_length=max_seq_length)
+        index = adopt(faiss_file, corpus, out, encoder, check=check, progress=True)
+    except (DataError, ValueError, ImportError) as e:
+        _fail(str(e))
+    spot = index.imported["spot_check"]
+    console.print(f"imported a {index.index_type} index over {len(index):,} passages into {escape(str(out))} "
+                  f"({index.imported['placed_by']}); {spot['rows']} passages re-encoded, lowest cosine to their "
+                  f"stored vectors {spot['min_cosine']:.4f}")
+
+
 @app.command("score")
 def score(
     data_dir: Path = typer.Option(..., "--data-dir", help="directory of FlashRAG QA JSONL files"),

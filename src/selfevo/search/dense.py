@@ -230,11 +230,12 @@ def _reserve(flat: Any, n: int) -> None:
     flat.codes.resize(0)
 
 
-def _read_faiss(path: Path, index_type: str) -> Any:
+def read_faiss(path: Path, index_type: str | None = None) -> Any:
     """A saved FAISS index, memory-mapped where this FAISS can: the vectors (flat, HNSW) or inverted
     lists (IVF) stay in the page cache, so the index opens in moments, every process serving it shares
     one copy, and an index larger than memory still runs (paging) rather than failing to load. The
-    save renames a new file over the old, never rewrites it (see `save`)."""
+    save renames a new file over the old, never rewrites it (see `save`). `index_type` None: not yet
+    known (a file from elsewhere), mapped as a flat one, which FAISS also accepts for IVF."""
     faiss = _require("faiss")
     flag = getattr(faiss, "IO_FLAG_MMAP" if index_type == "ivf" else "IO_FLAG_MMAP_IFC", 0)  # 0: read it in
     return faiss.read_index(str(path), flag)
@@ -280,7 +281,7 @@ class DenseIndex:
 
     def __init__(self, encoder: Encoder, index: Any, docs: Sequence[Document], corpus_sha256: str,
                  index_type: str = "flat", params: dict[str, Any] | None = None,
-                 build_seconds: float | None = None):
+                 build_seconds: float | None = None, imported: dict[str, Any] | None = None):
         if index.ntotal != len(docs):
             raise ValueError(f"FAISS index holds {index.ntotal} vectors, document list {len(docs)}")
         if index.d != encoder.dim:
@@ -292,6 +293,7 @@ class DenseIndex:
         self.index_type = index_type
         self.params = dict(params or {})
         self.build_seconds = build_seconds
+        self.imported = imported  # where a FAISS file built elsewhere came from (search/adopt.py)
 
     def __len__(self) -> int:
         return len(self.docs)
@@ -385,6 +387,7 @@ class DenseIndex:
             "num_docs": len(self.docs),
             "passage_text": "contents (\"title\"\\ntext), after passage_prefix",
             "build_seconds": self.build_seconds,
+            **({"imported": self.imported} if self.imported else {}),
             "faiss_version": faiss.__version__,
             "sentence_transformers_version": st.__version__,
             "created": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
@@ -433,11 +436,11 @@ class DenseIndex:
         if len(docs) != manifest.get("num_docs"):
             raise ValueError(f"{where}: manifest says {manifest.get('num_docs')} documents, "
                              f"{DOCS_FILE} holds {len(docs)}")
-        index = _read_faiss(index_dir / VECTORS_FILE, manifest["index_type"])
+        index = read_faiss(index_dir / VECTORS_FILE, manifest["index_type"])
         params = manifest.get("index_params") or {}
         _apply_search_params(index, manifest["index_type"], params)
         return cls(encoder, index, docs, manifest["corpus_sha256"], manifest["index_type"], params,
-                   build_seconds=manifest.get("build_seconds"))
+                   build_seconds=manifest.get("build_seconds"), imported=manifest.get("imported"))
 
     # ------------------------------------------------------------ retrieval
 
