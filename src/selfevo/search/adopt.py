@@ -131,7 +131,7 @@ def adopt(faiss_file: str | os.PathLike, corpus: str | os.PathLike, out: str | o
     except RuntimeError as e:  # FAISS's reader on a file that is not its own
         raise ValueError(f"{faiss_file}: not a FAISS index file ({str(e).strip().splitlines()[-1]})") from None
     index_type, params = faiss_kind(source)
-    where = f"{faiss_file}"
+    where = str(faiss_file)
     if source.d != encoder.dim:
         raise ValueError(f"{where}: vectors of dimension {source.d}, but {encoder.model!r} makes {encoder.dim}")
     if count_lines(corpus) < source.ntotal:
