@@ -432,6 +432,26 @@ def test_facade_opens_every_kind(hybrid, saved, shared_encoder, tmp_path):
         index_kind(tmp_path)
 
 
+def test_saved_dir_finds_the_directory_another_process_can_open(hybrid, saved, encoder, tmp_path):
+    """What rollout workers open instead of rebuilding: the directory an index was loaded from or
+    saved to, of its own kind (a hybrid's documents live in its dense half), None in memory only."""
+    from selfevo.search.index import saved_dir
+
+    hybrid.save(tmp_path / "hybrid")
+    loaded = HybridIndex.load(tmp_path / "hybrid", encoder)
+    assert saved_dir(loaded) == tmp_path / "hybrid" and saved_dir(loaded.dense) == tmp_path / "hybrid" / "dense"
+    assert saved_dir(DenseIndex.load(saved, encoder)) == saved
+    BM25Index.build(DOCS).save(tmp_path / "bm25")
+    assert saved_dir(BM25Index.load(tmp_path / "bm25")) == tmp_path / "bm25"
+    assert saved_dir(DenseIndex.build(DOCS[:3], encoder)) is None and saved_dir(BM25Index.build(DOCS)) is None
+    staged = DenseIndex.build(DOCS, encoder, store=tmp_path / "unsaved")  # documents on disk, no index yet
+    assert saved_dir(staged) is None
+    loaded.rrf_k = 7
+    again = open_index(saved_dir(loaded), expected_corpus_sha256=loaded.corpus_sha256,
+                       options=DenseOptions(rrf_k=loaded.rrf_k, depth=loaded.depth))
+    assert again.rrf_k == 7 and again.retrieve(list(PARAPHRASES), 3) == loaded.retrieve(list(PARAPHRASES), 3)
+
+
 def test_cli_index_build_then_eval_with_the_index(shared_encoder, tmp_path):
     corpus = tmp_path / "corpus.jsonl"
     write_corpus(corpus, DOCS)

@@ -416,6 +416,16 @@ def test_two_ray_workers_answer_exactly_as_one_process(smollm2_path, tiny_corpus
         other.write_text(tiny_corpus.read_text().replace("1600", "1601"))
         with pytest.raises(ValueError, match="not the corpus"):
             workers.answer(QUESTIONS[:1], SearchTool(BM25Index.from_corpus_file(other)))
+        # a tool over a saved index: the actors open its directory, no corpus needed, nothing rebuilt
+        workers.corpus = None
+        saved = SearchTool(BM25Index.from_corpus_file(tiny_corpus, index_dir=tiny_corpus.parent / "idx"),
+                           topk=2, max_calls=2)
+        assert workers._source(saved)[:2] == ("index", str(tiny_corpus.parent / "idx"))
+        got = workers.answer(QUESTIONS, saved, greedy=True)
+        assert [(t[0].answer, t[0].trace.messages) for t in got] == \
+            [(t[0].answer, t[0].trace.messages) for t in expected]
+        with pytest.raises(ValueError, match="a retriever URL, a saved index or a corpus file"):
+            workers.answer(QUESTIONS[:1], tool)  # held in memory only, and no corpus to rebuild it from
     finally:
         workers.close()
 

@@ -88,6 +88,26 @@ def open_index(index_dir: str | os.PathLike, *, expected_corpus_sha256: str | No
     return index
 
 
+def saved_dir(retriever: Any) -> Path | None:
+    """The index directory `retriever` reads its documents from, if it was loaded from (or saved to)
+    one: what another process opens to search the same documents, its files mapped and their pages
+    shared, instead of building the index again. None for an index held in memory only."""
+    from selfevo.search.docstore import DocStore
+
+    docs = getattr(retriever, "docs", None)
+    if not isinstance(docs, DocStore):
+        return None
+    kind = getattr(retriever, "kind", "bm25")
+    home = docs.path.parent
+    for candidate in (home, home.parent):  # a hybrid index keeps its documents in its dense half
+        try:
+            if index_kind(candidate) == kind:
+                return candidate
+        except (ValueError, OSError):
+            continue
+    return None
+
+
 def _check_not_corpus(corpus: str | os.PathLike, index_dir: str | os.PathLike) -> None:
     """An index writes its own docs.jsonl (a hybrid one under bm25/ and dense/): never over the corpus
     it is built from, which would be rewritten in place (its other fields dropped, its bytes changed)."""

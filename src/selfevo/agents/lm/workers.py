@@ -10,11 +10,13 @@ the floating-point effects of a different batch composition: each worker pads it
 Sampled rollouts are reproducible for a given seed and number of workers: shard k samples with
 `derive_seed(seed, "shard", k)`.
 
-The search tool cannot travel to the actors (an index may be gigabytes), so each actor builds its
-own retriever: a `RetrieverClient` on the same `/retrieve` server when the caller's tool uses one
-(or `retriever_url` is given), else a BM25 index over `corpus`, checked against the caller's
-BM25 index so that both search the same documents. A dense or hybrid tool must be served
-(`selfevo serve-retriever`) and reached by URL.
+The search tool cannot travel to the actors (an index may be gigabytes), so each actor makes its
+own retriever over the same documents: a `RetrieverClient` on the same `/retrieve` server when the
+caller's tool uses one (or `retriever_url` is given); else the caller's index directory, opened
+again (any kind; its files are memory-mapped, so the actors on one machine share their pages),
+when the caller's index was loaded from or saved to one; else a BM25 index built over `corpus`,
+checked against the caller's BM25 index. A dense or hybrid index held only in memory must be saved
+(`selfevo index build`) or served (`selfevo serve-retriever`).
 
     workers = RolloutWorkers(LMConfig(model="smollm2-135m"), 4, corpus="wiki18-mini.jsonl")
     trajectories = workers.answer(questions, tool)   # the Solver protocol
@@ -63,11 +65,17 @@ class _RolloutWorker:
 
     def _retriever(self, source: tuple):
         if source not in self._retrievers:
-            kind, where = source
+            kind, where = source[:2]
             if kind == "url":
                 from selfevo.search.client import RetrieverClient
 
                 self._retrievers[source] = RetrieverClient(where)
+            elif kind == "index":
+                from selfevo.search.index import DenseOptions, open_index
+
+                _, _, sha, fusion = source
+                self._retrievers[source] = open_index(where, expected_corpus_sha256=sha,
+                                                      options=DenseOptions(**dict(fusion)))
             else:
                 from selfevo.search.bm25 import BM25Index
 
@@ -148,21 +156,28 @@ class RolloutWorkers:
         except ray.exceptions.RayActorError as e:
             raise RuntimeError(f"a rollout worker died: {e}") from None
 
-    def _source(self, tool: SearchTool) -> tuple[str, str]:
+    def _source(self, tool: SearchTool) -> tuple:
         """Where the actors search: the same documents the caller's `tool` searches."""
         from selfevo._io import file_sha256
         from selfevo.search.bm25 import BM25Index
         from selfevo.search.client import RetrieverClient
+        from selfevo.search.index import saved_dir
 
         if isinstance(tool.retriever, RetrieverClient):
             return ("url", tool.retriever.url)
         if self.retriever_url:
             return ("url", self.retriever_url.rstrip("/").removesuffix("/retrieve"))
+        home = saved_dir(tool.retriever)
+        if home is not None:  # the hybrid's fusion settings may differ from its manifest's
+            fusion = tuple((k, getattr(tool.retriever, k)) for k in ("rrf_k", "depth") if hasattr(tool.retriever, k))
+            return ("index", str(home), tool.retriever.corpus_sha256, fusion)
         if self.corpus is None:
-            raise ValueError("rollout workers need a retriever URL or a corpus file to build their search tool")
+            raise ValueError("rollout workers need a retriever URL, a saved index or a corpus file to build their "
+                             "search tool")
         if not isinstance(tool.retriever, BM25Index):
-            raise ValueError(f"rollout workers rebuild a BM25 index from the corpus, but this tool searches "
-                             f"{type(tool.retriever).__name__}: serve it (selfevo serve-retriever) and give its URL")
+            raise ValueError(f"rollout workers rebuild a BM25 index from the corpus, but this tool searches a "
+                             f"{type(tool.retriever).__name__} held in memory: save it (selfevo index build) or "
+                             "serve it (selfevo serve-retriever) and give its URL")
         if self._corpus_sha is None:
             self._corpus_sha = file_sha256(self.corpus)
         if tool.retriever.corpus_sha256 != self._corpus_sha:
