@@ -260,6 +260,31 @@ def test_the_records_name_the_model_that_answered():
     assert detail["reply_models"] == {"smollm2": detail["stats"]["calls"]}
 
 
+def test_a_server_with_served_names_refuses_another_model_and_the_client_says_why():
+    """`serve-model --served-model-name`: as vLLM, a request naming another model is a 404 whose
+    message names what is served; the client stops at its first call with that message (a vLLM
+    grader under another name fails the same way), while a right name is answered under it."""
+    with serve_app(make_app(ScriptedModel(searcher, name="smollm2"), served_names=["judge", "sm"])) as base:
+        listed = httpx.get(f"{base}/v1/models").json()
+        assert [m["id"] for m in listed["data"]] == ["judge", "sm"]
+        r = httpx.post(f"{base}/v1/chat/completions", json={"model": "qwen", "messages": [
+            {"role": "user", "content": "hi"}]})
+        assert r.status_code == 404 and r.json()["error"]["type"] == "NotFoundError"
+        with RemoteSolver(f"{base}/v1", "qwen", backoff=0.001) as wrong:
+            wrong.check()  # the probe passes: the endpoint is there, it lists what it serves
+            assert wrong.endpoint_models == ["judge", "sm"]
+            with pytest.raises(EndpointError, match=r"HTTP 404: The model `qwen` does not exist; this server "
+                                                    r"serves judge, sm \(is the URL"):
+                wrong.answer(QUESTIONS[:1], tool())
+        with RemoteSolver(f"{base}/v1", "sm", backoff=0.001) as right:
+            [[t]] = right.answer(QUESTIONS[:1], tool())
+            assert t.answer == secret(QUESTIONS[0]) and right.describe()["reply_models"] == {"sm": 2}
+    with serve_app(make_app(ScriptedModel(searcher, name="smollm2"))) as base:  # no names: any is answered
+        with RemoteSolver(f"{base}/v1", "qwen", backoff=0.001) as any_name:
+            [[t]] = any_name.answer(QUESTIONS[:1], tool())
+            assert t.answer == secret(QUESTIONS[0]) and any_name.describe()["reply_models"] == {"smollm2": 2}
+
+
 def test_faults_do_not_stop_an_evaluation_and_are_counted():
     items = [QAItem(f"q{i}", f"question number {i}", (secret(f"question number {i}"),)) for i in range(30)]
     faulty = ScriptedModel(searcher, fail_rate=0.35, garbage_rate=0.2, seed=5)

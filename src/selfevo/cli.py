@@ -574,6 +574,9 @@ def serve_model_cmd(
     delay: float = typer.Option(0.0, min=0.0, help="scripted: seconds a slow reply waits"),
     api_key_env: str | None = typer.Option(None, "--api-key-env",
                                            help="require `Authorization: Bearer $VAR` (name of the variable)"),
+    served_model_name: list[str] = typer.Option([], "--served-model-name",
+                                                help="answer only requests naming this model (repeatable; "
+                                                     "others get a 404, as vLLM's flag does); default: any name"),
 ) -> None:
     """Serve a chat model on an OpenAI-compatible API: POST /v1/chat/completions, GET /v1/models, /health."""
     import json
@@ -608,9 +611,10 @@ def serve_model_cmd(
         chat_model = load_chat_model(model, scripts=scripts, **options)
     except (ValueError, OSError) as e:
         _fail(str(e))
-    console.print(f"serving {chat_model.name} at http://{host}:{port}/v1 (POST /chat/completions, GET /models, "
-                  "GET /health)")
-    serve(chat_model, host=host, port=port, api_key=api_key)
+    named = f" as {', '.join(served_model_name)}" if served_model_name else " (any model name)"
+    console.print(f"serving {chat_model.name}{named} at http://{host}:{port}/v1 (POST /chat/completions, "
+                  "GET /models, GET /health)")
+    serve(chat_model, host=host, port=port, api_key=api_key, served_names=served_model_name)
 
 
 @app.command("compare")

@@ -59,6 +59,20 @@ class Choice:
 
 
 
+def _error_message(r: httpx.Response) -> str:
+    """The message of an error reply in the OpenAI shape (`{"error": {"message"}}`) or vLLM's
+    (`{"message"}`), cut to 200 characters; "" if the body is neither."""
+    try:
+        body = r.json()
+    except ValueError:
+        return ""
+    if not isinstance(body, dict):
+        return ""
+    error = body.get("error")
+    message = error.get("message") if isinstance(error, dict) else body.get("message")
+    return str(message)[:200] if message else ""
+
+
 class ChatClient:
     """POST {url}/chat/completions with retries (see the module docstring). `key_env` and
     `hint_404` only word the error messages."""
@@ -112,8 +126,9 @@ class ChatClient:
         if r.status_code == 429 or r.status_code >= 500:
             raise _Retryable(f"HTTP {r.status_code}", retry_after_seconds(r.headers.get("retry-after")))
         self._check_refused(r)
-        if r.status_code == 404:
-            raise EndpointError(f"{self.endpoint}: HTTP 404 ({self._hint_404})")
+        if r.status_code == 404:  # a wrong path, or (vLLM, OpenAI, serve-model --served-model-name) model
+            said = _error_message(r)
+            raise EndpointError(f"{self.endpoint}: HTTP 404{f': {said}' if said else ''} ({self._hint_404})")
         if r.status_code >= 400:
             raise CallFailed(f"HTTP {r.status_code}: {r.text[:200]}")
 

@@ -2,7 +2,7 @@
 
     POST /v1/chat/completions   {"model", "messages", "temperature", "top_p", "max_tokens", "n",
                                  "seed", "stop", "response_format"} -> a `chat.completion` object
-    GET  /v1/models             the one model served
+    GET  /v1/models             the model served (under its served names, if given)
     GET  /health
 
 Enough of the OpenAI API for the official `openai` client, vLLM-style callers and selfevo's own
@@ -19,7 +19,7 @@ import hmac
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Annotated, Any, Literal
 
@@ -73,8 +73,14 @@ def _request_model(max_tokens_cap: int, max_n: int) -> type[BaseModel]:
 
 
 def make_app(model: ChatModel, max_body_bytes: int = MAX_BODY_BYTES, max_tokens_cap: int = 32_768,
-             max_n: int = 8, default_max_tokens: int = 256, api_key: str | None = None) -> FastAPI:
+             max_n: int = 8, default_max_tokens: int = 256, api_key: str | None = None,
+             served_names: Sequence[str] = ()) -> FastAPI:
+    """The chat API over `model`. Without `served_names` a request may name any model and gets this
+    one (as llama.cpp's server does); with them, as vLLM's `--served-model-name`, a request naming
+    another model is a 404 saying which it serves, so a client configured for the wrong model fails
+    at its first call instead of collecting another model's answers."""
     app = FastAPI(title="selfevo chat model", docs_url=None, redoc_url=None)
+    names = list(served_names) or [model.name]
     request_model = _request_model(max_tokens_cap, max_n)
     created = int(time.time())
 
@@ -92,8 +98,8 @@ def make_app(model: ChatModel, max_body_bytes: int = MAX_BODY_BYTES, max_tokens_
     @app.get("/v1/models")
     def models(request: Request) -> dict[str, Any]:
         check_key(request)
-        return {"object": "list", "data": [{"id": model.name, "object": "model", "created": created,
-                                             "owned_by": "selfevo"}]}
+        return {"object": "list", "data": [{"id": name, "object": "model", "created": created,
+                                             "owned_by": "selfevo"} for name in names]}
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> JSONResponse:
@@ -106,6 +112,10 @@ def make_app(model: ChatModel, max_body_bytes: int = MAX_BODY_BYTES, max_tokens_
                                               include_context=False)) from None
         if req.stream:
             raise HTTPException(400, "streaming is not supported; send stream=false")
+        if served_names and req.model is not None and req.model not in served_names:
+            return JSONResponse({"error": {"message": f"The model `{req.model}` does not exist; this server "
+                                           f"serves {', '.join(served_names)}", "type": "NotFoundError",
+                                           "code": 404}}, status_code=404)
         max_tokens = req.max_completion_tokens or req.max_tokens or default_max_tokens
         json_mode = req.response_format is not None and req.response_format.type != "text"
         messages = [m.model_dump() for m in req.messages]
@@ -121,7 +131,7 @@ def make_app(model: ChatModel, max_body_bytes: int = MAX_BODY_BYTES, max_tokens_
             return PlainTextResponse("<html><body>502 Bad Gateway</body></html>")
         return JSONResponse({
             "id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
-            "model": model.name,
+            "model": req.model if served_names and req.model else model.name,
             "choices": [{"index": i, "message": {"role": "assistant", "content": c.text},
                          "finish_reason": c.finish_reason, "logprobs": None} for i, c in enumerate(comps)],
             "usage": {"prompt_tokens": comps[0].prompt_tokens,
