@@ -131,7 +131,7 @@ def make_app(model: ChatModel, max_body_bytes: int = MAX_BODY_BYTES, max_tokens_
             return PlainTextResponse("<html><body>502 Bad Gateway</body></html>")
         return JSONResponse({
             "id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
-            "model": req.model if served_names and req.model else model.name,
+            "model": (req.model or names[0]) if served_names else model.name,
             "choices": [{"index": i, "message": {"role": "assistant", "content": c.text},
                          "finish_reason": c.finish_reason, "logprobs": None} for i, c in enumerate(comps)],
             "usage": {"prompt_tokens": comps[0].prompt_tokens,
