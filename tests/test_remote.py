@@ -270,7 +270,8 @@ def test_a_server_with_served_names_refuses_another_model_and_the_client_says_wh
         r = httpx.post(f"{base}/v1/chat/completions", json={"model": "qwen", "messages": [
             {"role": "user", "content": "hi"}]})
         assert r.status_code == 404 and r.json()["error"]["type"] == "NotFoundError"
-        unnamed = httpx.post(f"{base}/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}]})
+        unnamed = httpx.post(f"{base}/v1/chat/completions", json={"messages": [
+            {"role": "system", "content": "search"}, {"role": "user", "content": "Question: hi"}]})
         assert unnamed.status_code == 200 and unnamed.json()["model"] == "judge"  # no name: the first served
         with RemoteSolver(f"{base}/v1", "qwen", backoff=0.001) as wrong:
             wrong.check()  # the probe passes: the endpoint is there, it lists what it serves
