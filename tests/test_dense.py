@@ -675,7 +675,7 @@ def test_index_import_adopts_a_foreign_faiss_file_and_searches_like_a_build(kind
     res = CliRunner().invoke(app, ["index", "import", "--faiss", str(source), "--corpus", str(corpus),
                                    "--out", str(out), "--model", DEFAULT_MODEL, "--check", "8"])
     assert res.exit_code == 0, res.output
-    assert f"imported a {kind} index over {len(DOCS)} passages" in res.output
+    assert f"imported a dense index ({kind}) over {len(DOCS)} passages" in res.output
     assert os.stat(out / "vectors.faiss").st_ino == os.stat(source).st_ino  # hard-linked, not copied
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["index_type"] == kind and manifest["num_docs"] == len(DOCS)
@@ -730,6 +730,39 @@ def test_index_import_refuses_what_does_not_match_and_leaves_the_directory_as_it
     assert check_rows(unit, unit, rows)["min_cosine"] == pytest.approx(1.0, abs=1e-6)
     with pytest.raises(ValueError, match="row 1 cosine"):
         check_rows(unit, unit[[0, 2, 1]], rows)
+
+
+def test_index_import_makes_a_hybrid_index_around_a_foreign_faiss_file(hybrid, shared_encoder, tmp_path):
+    """`--retriever hybrid`: the FAISS file is the dense half, BM25 is built over the same passages,
+    and the result searches as the hybrid index built here; a refusal leaves a hybrid index in
+    `--out` as it was."""
+    from selfevo.search.adopt import adopt
+
+    corpus = tmp_path / "wiki.jsonl"
+    write_corpus(corpus, DOCS)
+    vectors = _flashrag_vectors(shared_encoder, DOCS)
+    out = tmp_path / "idx"
+    res = CliRunner().invoke(app, ["index", "import", "--faiss", str(_foreign_faiss(tmp_path / "e5.index", vectors)),
+                                   "--corpus", str(corpus), "--out", str(out), "--model", DEFAULT_MODEL,
+                                   "--retriever", "hybrid", "--rrf-k", "10"])
+    assert res.exit_code == 0, res.output
+    assert "imported a hybrid index (flat)" in res.output
+    adopted = open_index(out, expected_corpus_sha256=file_sha256(corpus))
+    assert isinstance(adopted, HybridIndex) and adopted.rrf_k == 10 and adopted.dense.imported["spot_check"]
+    hybrid.rrf_k = 10
+    try:
+        queries = list(PARAPHRASES) + ["zebra stripes", "capital of Japan"]
+        assert [ids(h) for h in adopted.retrieve(queries, 3)] == [ids(h) for h in hybrid.retrieve(queries, 3)]
+    finally:
+        hybrid.rrf_k = 60
+    before = {p.relative_to(out): p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    with pytest.raises(ValueError, match=r"row \d+ cosine"):
+        adopt(_foreign_faiss(tmp_path / "shifted.index", np.roll(vectors, 1, axis=0)), corpus, out,
+              shared_encoder, hybrid=True)
+    assert {p.relative_to(out): p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
+    res = CliRunner().invoke(app, ["index", "import", "--faiss", str(tmp_path / "e5.index"), "--corpus", str(corpus),
+                                   "--out", str(out), "--model", DEFAULT_MODEL, "--retriever", "bm25"])
+    assert res.exit_code == 2 and "dense or hybrid" in res.output
 
 
 def test_index_import_copies_a_file_it_cannot_link(tmp_path, monkeypatch):

@@ -168,24 +168,32 @@ def index_import(
     max_seq_length: int | None = typer.Option(None, min=1, help="the encoder's token limit, as the index was "
                                                                 "built (default: the model's)"),
     check: int = typer.Option(64, min=1, help="passages re-encoded to check the stored vectors"),
+    retriever: str = typer.Option("dense", help="dense | hybrid (the FAISS index as the dense half, BM25 built "
+                                                "over the same passages)"),
+    rrf_k: int = typer.Option(60, help="hybrid: reciprocal-rank-fusion constant"),
+    depth: int = typer.Option(50, help="hybrid: hits each retriever contributes to the fusion"),
     batch_size: int = typer.Option(32, help="encoding batch size"),
     device: str = typer.Option("cpu", help="encoding device (cpu, cuda, ...)"),
 ) -> None:
-    """Adopt a FAISS index built elsewhere, with its corpus and encoder, as a dense index directory:
-    kind, dimension, row count and a spot check of re-encoded passages are verified first."""
+    """Adopt a FAISS index built elsewhere, with its corpus and encoder, as a dense (or hybrid) index
+    directory: kind, dimension, row count and a spot check of re-encoded passages are verified first."""
     from selfevo.search.adopt import adopt
     from selfevo.search.dense import Encoder
 
+    if retriever not in ("dense", "hybrid"):
+        _fail(f"--retriever: a FAISS index makes a dense or hybrid index, not {retriever!r}")
     try:
         encoder = Encoder(model, query_prefix=query_prefix, passage_prefix=passage_prefix, batch_size=batch_size,
                           device=device, max_seq_length=max_seq_length)
-        index = adopt(faiss_file, corpus, out, encoder, check=check, progress=True)
+        index = adopt(faiss_file, corpus, out, encoder, check=check, progress=True, hybrid=retriever == "hybrid",
+                      rrf_k=rrf_k, depth=depth)
     except (DataError, ValueError, ImportError) as e:
         _fail(str(e))
-    spot = index.imported["spot_check"]
-    console.print(f"imported a {index.index_type} index over {len(index):,} passages into {escape(str(out))} "
-                  f"({index.imported['placed_by']}); {spot['rows']} passages re-encoded, lowest cosine to their "
-                  f"stored vectors {spot['min_cosine']:.4f}")
+    dense = index.dense if retriever == "hybrid" else index
+    spot = dense.imported["spot_check"]
+    console.print(f"imported a {retriever} index ({dense.index_type}) over {len(index):,} passages into "
+                  f"{escape(str(out))} ({dense.imported['placed_by']}); {spot['rows']} passages re-encoded, lowest "
+                  f"cosine to their stored vectors {spot['min_cosine']:.4f}")
 
 
 @app.command("score")

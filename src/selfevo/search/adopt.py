@@ -4,7 +4,8 @@ Why: the paper's retriever, like Dr. Zero's and Search-R1's, is FlashRAG's e5 in
 (`e5_Flat.index`, 21M passages, about 65 GB), which takes GPU-hours to encode again. Adopting it
 needs only its corpus (the passages in the index's row order) and the encoder it was built with;
 the FAISS file is hard-linked into the index directory (copied when it lives on another file
-system) and opened memory-mapped like any saved dense index.
+system) and opened memory-mapped like any saved dense index. It can also be the dense half of a
+hybrid index, whose BM25 half is then built over the same passages.
 
 Nothing about the file is taken on trust: its kind (flat, HNSW or IVF over inner product), its
 dimension against the encoder's, its row count against the corpus's, and a spot check that
@@ -26,8 +27,10 @@ from selfevo._io import file_sha256, write_json
 from selfevo.corpus import corpus_documents, count_lines
 from selfevo.search._manifest import MANIFEST
 from selfevo.search._progress import ProgressBar
+from selfevo.search.bm25 import BM25Index
 from selfevo.search.dense import VECTORS_FILE, DenseIndex, Encoder, _passage_text, _require, read_faiss
 from selfevo.search.docstore import settle, stage
+from selfevo.search.hybrid import DEPTH, RRF_K, HybridIndex
 from selfevo.search.index import _check_not_corpus
 
 SPOT_CHECK = 64  # passages re-encoded by default
@@ -117,14 +120,18 @@ def place(source: Path, target: Path, progress: bool) -> str:
 
 
 def adopt(faiss_file: str | os.PathLike, corpus: str | os.PathLike, out: str | os.PathLike, encoder: Encoder,
-          *, check: int = SPOT_CHECK, progress: bool = False) -> DenseIndex:
+          *, check: int = SPOT_CHECK, progress: bool = False, hybrid: bool = False, rrf_k: int = RRF_K,
+          depth: int = DEPTH) -> DenseIndex | HybridIndex:
     """Make `out` a dense index directory around the FAISS index `faiss_file`, whose rows are the
-    passages of the corpus file `corpus` in order, encoded by `encoder`; return it, opened. Refuses
-    (ValueError) before anything in `out` changes: another kind or metric, another dimension, another
-    number of passages, stored rows that are not the encoder's (`check` passages re-encoded)."""
-    faiss_file, out = Path(faiss_file), Path(out)
+    passages of the corpus file `corpus` in order, encoded by `encoder`; return it, opened. With
+    `hybrid`, that directory is `out`/dense and a BM25 index over the same passages is built beside it
+    (`out`/bm25): a hybrid index (RRF with `rrf_k`, `depth`) whose dense half was built elsewhere.
+    Refuses (ValueError) before anything in `out` changes: another kind or metric, another dimension,
+    another number of passages, stored rows that are not the encoder's (`check` passages re-encoded)."""
+    faiss_file, top = Path(faiss_file), Path(out)
+    out = top / "dense" if hybrid else top
     start = time.perf_counter()
-    _check_not_corpus(corpus, out)
+    _check_not_corpus(corpus, top)
     if not faiss_file.is_file():
         raise ValueError(f"{faiss_file}: no such file")
     try:
@@ -156,7 +163,8 @@ def adopt(faiss_file: str | os.PathLike, corpus: str | os.PathLike, out: str | o
         shutil.rmtree(docs.path.parent, ignore_errors=True)
         raise ValueError(f"{where}: {e}") from None
     del source
-    (out / MANIFEST).unlink(missing_ok=True)  # written last: a partial import is refused by `load`
+    for done in {top / MANIFEST, out / MANIFEST}:  # written last: a partial import is refused by `load`
+        done.unlink(missing_ok=True)
     how = place(faiss_file, out / VECTORS_FILE, progress)
     index = DenseIndex(encoder, read_faiss(out / VECTORS_FILE, index_type), docs, file_sha256(corpus),
                        index_type, params, imported={"faiss_file": str(faiss_file.resolve()), "placed_by": how,
@@ -164,4 +172,11 @@ def adopt(faiss_file: str | os.PathLike, corpus: str | os.PathLike, out: str | o
                                                      "seconds": round(time.perf_counter() - start, 3)})
     index.docs = settle(index.docs, out)
     write_json(out / MANIFEST, index.manifest())
-    return index
+    if not hybrid:
+        return index
+    bm25 = BM25Index.build(index.docs, corpus_sha256=index.corpus_sha256, store=top / "bm25", progress=progress,
+                           expected=len(index.docs))
+    bm25.save(top / "bm25")
+    both = HybridIndex(bm25, index, rrf_k=rrf_k, depth=depth)
+    both.write_manifest(top)
+    return both

@@ -130,6 +130,10 @@ class HybridIndex:
         (index_dir / MANIFEST).unlink(missing_ok=True)  # written last: a partial save is refused
         self.bm25.save(index_dir / "bm25")
         self.dense.save(index_dir / "dense")
+        self.write_manifest(index_dir)
+
+    def write_manifest(self, index_dir: Path) -> None:
+        """The last step of a save, once both halves are in `index_dir` (`bm25/`, `dense/`)."""
         write_json(index_dir / MANIFEST, {
             "format_version": FORMAT_VERSION,
             "kind": KIND,
