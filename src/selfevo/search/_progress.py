@@ -3,14 +3,27 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Callable, Iterable, Iterator
+from typing import TypeVar
 
 from selfevo.corpus import count_lines
+
+T = TypeVar("T")
 
 
 def corpus_total(path: str | os.PathLike, show: bool) -> int | None:
     """The total of a build's bar over the corpus file `path`: its lines, counted (no parse) only
     when the bar is shown."""
     return count_lines(path) if show else None
+
+
+def ticked(items: Iterable[T], advance: Callable[[int], None], every: int = 10_000) -> Iterator[T]:
+    """`items` passed through, the bar advanced every `every` of them: a bar told of each of 21M
+    passages would cost more than the work it shows."""
+    for i, item in enumerate(items, start=1):
+        if i % every == 0:
+            advance(every)
+        yield item
 
 
 class ProgressBar:

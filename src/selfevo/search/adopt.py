@@ -23,13 +23,13 @@ from typing import Any
 
 import numpy as np
 
-from selfevo._io import file_sha256, write_json
+from selfevo._io import atomic_writer, file_sha256
 from selfevo.corpus import corpus_documents, count_lines
 from selfevo.search._manifest import MANIFEST
-from selfevo.search._progress import ProgressBar
+from selfevo.search._progress import ProgressBar, ticked
 from selfevo.search.bm25 import BM25Index
 from selfevo.search.dense import VECTORS_FILE, DenseIndex, Encoder, _passage_text, _require, read_faiss
-from selfevo.search.docstore import settle, stage
+from selfevo.search.docstore import stage
 from selfevo.search.hybrid import DEPTH, RRF_K, HybridIndex
 from selfevo.search.index import _check_not_corpus
 
@@ -100,23 +100,20 @@ def place(source: Path, target: Path, progress: bool) -> str:
     tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")  # remove_leftover_temps's pattern
     tmp.unlink(missing_ok=True)
     try:
-        try:
-            os.link(source, tmp)
-            how = "hard link"
-        except OSError:
-            with open(source, "rb") as src, open(tmp, "wb") as dst, \
-                    ProgressBar(progress, source.stat().st_size, f"copying {source.name}") as advance:
-                while chunk := src.read(1 << 24):
-                    dst.write(chunk)
-                    advance(len(chunk))
-                dst.flush()
-                os.fsync(dst.fileno())
-            how = "copy"
+        os.link(source, tmp)
+    except OSError:
+        with open(source, "rb") as src, atomic_writer(target, "wb") as dst, \
+                ProgressBar(progress, source.stat().st_size, f"copying {source.name}") as advance:
+            while chunk := src.read(1 << 24):
+                dst.write(chunk)
+                advance(len(chunk))
+        return "copy"
+    try:
         os.replace(tmp, target)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
-    return how
+    return "hard link"
 
 
 def adopt(faiss_file: str | os.PathLike, corpus: str | os.PathLike, out: str | os.PathLike, encoder: Encoder,
@@ -139,29 +136,23 @@ def adopt(faiss_file: str | os.PathLike, corpus: str | os.PathLike, out: str | o
     except RuntimeError as e:  # FAISS's reader on a file that is not its own
         raise ValueError(f"{faiss_file}: not a FAISS index file ({str(e).strip().splitlines()[-1]})") from None
     index_type, params = faiss_kind(source)
-    where = str(faiss_file)
     if source.d != encoder.dim:
-        raise ValueError(f"{where}: vectors of dimension {source.d}, but {encoder.model!r} makes {encoder.dim}")
+        raise ValueError(f"{faiss_file}: vectors of dimension {source.d}, but {encoder.model!r} makes {encoder.dim}")
     if count_lines(corpus) < source.ntotal:
-        raise ValueError(f"{where}: {source.ntotal:,} vectors, more than {corpus} has lines: not its corpus")
+        raise ValueError(f"{faiss_file}: {source.ntotal:,} vectors, more than {corpus} has lines: not its corpus")
     out.mkdir(parents=True, exist_ok=True)
     with ProgressBar(progress, source.ntotal, "storing the corpus's passages") as advance:
-        def counted():
-            for doc in corpus_documents(corpus):
-                advance(1)
-                yield doc
-
-        docs = stage(counted(), out)
+        docs = stage(ticked(corpus_documents(corpus), advance), out)
     if len(docs) != source.ntotal:
         shutil.rmtree(docs.path.parent, ignore_errors=True)
-        raise ValueError(f"{where}: {source.ntotal:,} vectors, but {corpus} holds {len(docs):,} passages")
+        raise ValueError(f"{faiss_file}: {source.ntotal:,} vectors, but {corpus} holds {len(docs):,} passages")
     rows = spot_rows(len(docs), check)
     try:
         spot = check_rows(stored_rows(source, rows), encoder.encode_passages([_passage_text(docs[int(r)])
                                                                               for r in rows]), rows)
     except ValueError as e:
         shutil.rmtree(docs.path.parent, ignore_errors=True)
-        raise ValueError(f"{where}: {e}") from None
+        raise ValueError(f"{faiss_file}: {e}") from None
     del source
     for done in {top / MANIFEST, out / MANIFEST}:  # written last: a partial import is refused by `load`
         done.unlink(missing_ok=True)
@@ -170,8 +161,7 @@ def adopt(faiss_file: str | os.PathLike, corpus: str | os.PathLike, out: str | o
                        index_type, params, imported={"faiss_file": str(faiss_file.resolve()), "placed_by": how,
                                                      "spot_check": spot,
                                                      "seconds": round(time.perf_counter() - start, 3)})
-    index.docs = settle(index.docs, out)
-    write_json(out / MANIFEST, index.manifest())
+    index.seal(out)
     if not hybrid:
         return index
     bm25 = BM25Index.build(index.docs, corpus_sha256=index.corpus_sha256, store=top / "bm25", progress=progress,

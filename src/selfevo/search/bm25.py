@@ -25,7 +25,7 @@ from selfevo._io import file_sha256, write_json
 from selfevo.corpus import corpus_documents
 from selfevo.records import Document
 from selfevo.search._manifest import MANIFEST, read_manifest
-from selfevo.search._progress import ProgressBar, corpus_total
+from selfevo.search._progress import ProgressBar, corpus_total, ticked
 from selfevo.search.docstore import DOCS_FILE, DocStore, hashed, held, settle, stage
 from selfevo.search.tool import Hit
 
@@ -155,10 +155,8 @@ class BM25Index:
         postings = _Postings()
 
         def tokenised(advance) -> Iterator[Document]:
-            for i, doc in enumerate(stream, start=1):
+            for doc in ticked(stream, advance):
                 postings.add(_tokens(f"{doc.title} {doc.text}"))  # queries use _tokens too
-                if i % 10_000 == 0:
-                    advance(10_000)
                 yield doc
 
         with ProgressBar(progress, expected, "indexing passages (BM25)") as advance:

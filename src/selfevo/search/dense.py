@@ -405,6 +405,11 @@ class DenseIndex:
         # and a file rewritten in place under a memory map kills its reader
         with atomic_writer(index_dir / VECTORS_FILE, "wb") as fh:
             faiss.write_index(self.index, faiss.PyCallbackIOWriter(fh.write))
+        self.seal(index_dir)
+
+    def seal(self, index_dir: Path) -> None:
+        """The end of a save, once vectors.faiss is in `index_dir` (written by `save`, or placed there
+        by `search.adopt`): the documents moved in, then the manifest, last."""
         self.docs = settle(self.docs, index_dir)  # from here on read on demand
         write_json(index_dir / MANIFEST, self.manifest())
 
