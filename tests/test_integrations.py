@@ -569,6 +569,9 @@ def test_verl_launch_script(tmp_path):
     train = shlex.split(next(line for line in lines if "verl.trainer.main_ppo" in line))
     assert train[:3] == ["python3", "-m", "verl.trainer.main_ppo"] and "trainer.logger=[console]" in train
     assert f"--local_dir {tmp_path}/ckpt/global_step_25/actor" in script and "set -euo pipefail" in script
+    # a phase starts over: a killed attempt's checkpoints are cleared, and verl does not go on from them
+    assert overrides["trainer.resume_mode"] == "disable"
+    assert lines.index(f"rm -rf {tmp_path}/ckpt") < next(i for i, line in enumerate(lines) if "main_ppo" in line)
 
 
 @pytest.mark.skipif(not HAVE_VERL, reason="verl is not installed (its imports need deps selfevo does not ship)")
@@ -853,6 +856,13 @@ def test_engine_resume_checks_the_saved_run_as_evolve_does(tmp_path):
     changed["lm"] = {"format_penalty": 0.25}
     with pytest.raises(RunError, match=r"fields: lm\.format_penalty\)"):
         make(changed)
+    engine_json = tmp_path / "run" / "engine" / "engine.json"
+    saved = json.loads(engine_json.read_text())
+    del saved["save_steps"]  # engine.json too
+    engine_json.write_text(json.dumps(saved))
+    make(ENGINE_CFG)
+    with pytest.raises(RunError, match=r"fields: engine\.save_steps\)"):
+        make({**ENGINE_CFG, "engine": {**ENGINE_CFG["engine"], "save_steps": 5}})
     (tmp_path / "run" / "folds.json").write_text('{"k": 2}')
     with pytest.raises(RunError, match=r"folds\.json: field 'seed' is missing"):
         make(ENGINE_CFG)

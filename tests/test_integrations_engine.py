@@ -75,6 +75,82 @@ def test_trl_engine_run_resumes_at_phase_granularity(trl_run):
     assert [e["phase"] for e in _lines(log)][-2:] == ["r1/eval", "audit"]
 
 
+def _solver_job(tmp_path: Path, smollm2_path, name: str, steps: int) -> dict:
+    """A main-solver TRL job as engine.py writes one: LoRA on SmolLM2, 2 questions a step (the steps
+    cover the questions once, as the engine's do), 2 rollouts each, a checkpoint every step, its
+    solver step records staged under tmp_path/name."""
+    from selfevo._io import write_jsonl
+    from selfevo.integrations.datasets import solver_rows
+    from selfevo.loop.folds import FoldAssignment
+
+    folds = FoldAssignment(2, 0, "source", {"d0": 0, "d1": 1})
+    qa = [("Where is Beta?", "sea"), ("What is Alpha?", "river"), ("Where is Gamma?", "hill"),
+          ("What is Delta?", "lake")][:2 * steps]
+    items = [{"item_id": f"r1-s1-{i}", "question": q, "adopted_label": a, "source_id": f"d{i % 2}", "fold": i % 2,
+              "hops": 1} for i, (q, a) in enumerate(qa)]
+    d = tmp_path / name
+    d.mkdir()
+    write_jsonl(d / "rows.jsonl", solver_rows(items, folds, 1))
+    return {"kind": "solver", "model": str(smollm2_path), "out": str(d / "models" / "main" / "round-1"),
+            "rows": str(d / "rows.jsonl"), "steps": steps, "prompts_per_step": 2, "generations": 2, "lr": 1e-3,
+            "max_grad_norm": 1.0, "seed": 0, "dtype": "float32", "device": "cpu", "threads": 1,
+            "lora": {"r": 4, "alpha": 8, "dropout": 0.0, "targets": ["q_proj", "v_proj"]},
+            "rollout": {"max_actions": 2, "max_new_tokens": 8, "max_tokens": 512, "temperature": 0.8,
+                        "top_p": 0.95, "scaffold": False, "search": True, "backend": "hf"},
+            "search": {"retriever_url": "", "topk": 1, "max_calls": 1},
+            "reward": {"records_path": str(d / "solver-steps.jsonl"), "round": 1, "step_base": 1,
+                       "first_step_in_round": 2, "grader": {"id": "main", "trained_on": {"folds": [0, 1],
+                                                                                         "rounds": [1]}}},
+            "grpo": {}, "save_steps": 1}
+
+
+def test_a_killed_trl_phase_goes_on_from_its_checkpoint_as_if_never_killed(smollm2_path, tmp_path, monkeypatch):
+    """engine.save_steps: a TRL phase killed in its step 2 (its records for step 2 staged, its
+    checkpoint at step 1) is resumed from that checkpoint, its step-2 records cut and made again; it
+    ends with the records and weights of the same job run without a kill."""
+    pytest.importorskip("trl")
+    from safetensors.torch import load_file
+
+    from selfevo.integrations import rewards, trl_job
+    from selfevo.records import Document
+    from selfevo.search.bm25 import BM25Index
+    from selfevo.search.tool import SearchTool
+
+    tool = SearchTool(BM25Index.build([Document("d0", "Beta", "Beta is a city by the sea."),
+                                       Document("d1", "Alpha", "Alpha is a town on a river.")]), topk=1, max_calls=1)
+    whole = trl_job.resume(_solver_job(tmp_path, smollm2_path, "whole", 2))
+    assert whole["start_step"] == 0 and trl_job.run_job(whole, tool=tool)["steps"] == 2
+
+    job = _solver_job(tmp_path, smollm2_path, "killed", 2)
+    real = rewards.TRLSolverReward.__call__
+
+    def killed_in_step_2(self, *args, **kwargs):
+        out = real(self, *args, **kwargs)  # step 2's records are staged, its update never happens
+        if self.calls == 2:
+            raise KeyboardInterrupt("killed")
+        return out
+
+    monkeypatch.setattr(rewards.TRLSolverReward, "__call__", killed_in_step_2)
+    with pytest.raises(KeyboardInterrupt):
+        trl_job.run_job(trl_job.resume(job), tool=tool)
+    staged = Path(job["reward"]["records_path"])
+    assert [json.loads(line)["step_in_round"] for line in staged.read_text().splitlines()] == [2, 3]
+    assert trl_job.last_checkpoint(job["out"])[1] == 1
+
+    again = trl_job.resume(job)
+    assert again["start_step"] == 1 and again["resume_from"].endswith("checkpoint-1")
+    assert [json.loads(line)["step_in_round"] for line in staged.read_text().splitlines()] == [2]
+    calls = []
+    monkeypatch.setattr(rewards.TRLSolverReward, "__call__",
+                        lambda self, *a, **k: calls.append(1) or real(self, *a, **k))
+    assert trl_job.run_job(again, tool=tool)["steps"] == 2
+    assert len(calls) == 1  # step 2 only
+    assert staged.read_text() == Path(whole["reward"]["records_path"]).read_text()
+    a, b = (load_file(str(Path(j["out"]) / "model.safetensors")) for j in (whole, job))
+    assert a.keys() == b.keys() and all(a[k].equal(b[k]) for k in a)
+    assert not trl_job.trainer_dir(job["out"]).exists()  # the checkpoints go once the model is saved
+
+
 def test_trl_rollout_masks_observations(smollm2_path):
     """The env_mask TRL multiplies into the loss: only the policy's own actions are trained."""
     from transformers import AutoTokenizer

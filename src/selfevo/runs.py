@@ -51,7 +51,7 @@ def differences(a: dict, b: dict, prefix: str = "") -> list[str]:
     return out
 
 
-def _with_new_defaults(saved: dict, current: dict, defaults: dict | None) -> dict:
+def with_new_defaults(saved: dict, current: dict, defaults: dict | None) -> dict:
     """`saved` with the fields it lacks (added to selfevo since the run was made) read as their
     defaults -- where the current config keeps the default, so the run means what it meant."""
     out = dict(saved)
@@ -61,7 +61,7 @@ def _with_new_defaults(saved: dict, current: dict, defaults: dict | None) -> dic
             if isinstance(defaults, dict) and key in defaults and default == value:
                 out[key] = value
         elif isinstance(value, dict) and isinstance(saved[key], dict):
-            out[key] = _with_new_defaults(saved[key], value, default)
+            out[key] = with_new_defaults(saved[key], value, default)
     return out
 
 
@@ -238,7 +238,7 @@ class RunDir:
         defaults = json.loads(json.dumps(defaults)) if defaults is not None else None
         # the saved config as written (not config()'s parse): a field since removed from selfevo is
         # then named as a difference
-        saved = _with_new_defaults(with_absolute_paths(read_object(self.path / "config.json")), config, defaults)
+        saved = with_new_defaults(with_absolute_paths(read_object(self.path / "config.json")), config, defaults)
         if saved != config:
             diff = differences(saved, config)
             raise RunError(f"{self.path}: config differs from the saved run (fields: {', '.join(diff)})")

@@ -30,6 +30,20 @@ def read_staged(path: str | os.PathLike) -> list[dict]:
     return read_jsonl_log(path, repair=True)
 
 
+def trim_staged(path: str | os.PathLike, steps_done: int, first_step_in_round: int = 1) -> None:
+    """Keep what a training phase staged (proposer items, solver step records) for its first
+    `steps_done` steps and drop the rest: a phase resumed from a checkpoint of that step trains and
+    stages the later steps again; 0 drops everything (the phase starts over)."""
+    path = Path(path)
+    if not steps_done:
+        path.unlink(missing_ok=True)
+        return
+    rows = read_staged(path)
+    kept = [row for row in rows if row["step_in_round"] - first_step_in_round < steps_done]
+    if len(kept) != len(rows):
+        write_jsonl(path, kept)
+
+
 def group_steps(staged: Sequence[dict], proposer_steps: int) -> list[tuple[int, list[dict], list[dict]]]:
     """`(step_in_round, items, malformed)` per proposer step. TRL knows each item's step; verl scores
     samples one at a time in step order, so its items are cut into `proposer_steps` equal runs."""

@@ -20,8 +20,10 @@ issue's (proposer training, proposal generation, admission, main and aux solver 
 serving, evaluation) with generation folded into the proposer phase.
 
 Resume: `engine/phases.jsonl` logs every finished phase with its outputs; a rerun with `--resume`
-skips them and restarts an unfinished phase from its start (what it staged is discarded; the step
-records it commits replace any a killed attempt left). The run directory is `selfevo evolve`'s:
+skips them. An unfinished TRL phase with `engine.save_steps` goes on from its newest checkpoint
+(`trl_job.resume`: what it staged for the steps before it is kept, the rest cut and made again);
+otherwise, and always under verl, it restarts from its start (what it staged is discarded). The step
+records a phase commits replace any a killed attempt left. The run directory is `selfevo evolve`'s:
 config.json, manifest.json, folds.json, records/steps.jsonl, eval/round-R.json, compute.json,
 checkpoints/round-R.json, audit/metrics.json -- plus engine/ (jobs, datasets, staged items, the
 phase log) and models/<role>/round-R/ (HF directories).
@@ -51,14 +53,21 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from selfevo._io import append_jsonl, read_json, read_jsonl_log, write_json, write_jsonl
 from selfevo.config import ConfigError, RunConfig, config_from_dict, merge, parse_override, read_toml
-from selfevo.integrations.admit import admit_round, commit_records, merge_step_records, msv_filter, read_staged
+from selfevo.integrations.admit import (
+    admit_round,
+    commit_records,
+    merge_step_records,
+    msv_filter,
+    read_staged,
+    trim_staged,
+)
 from selfevo.integrations.datasets import aux_training_sets, proposer_rows, solver_rows, write_verl
 from selfevo.integrations.routing import Grader, aux_roles, options_of
 from selfevo.loop.engine import Compute
 from selfevo.loop.feedback import aux_updates, touched_folds
 from selfevo.loop.folds import FoldAssignment
 from selfevo.loop.treatments import parse_treatment
-from selfevo.runs import RunDir, RunError, differences, read_object
+from selfevo.runs import RunDir, RunError, differences, read_object, with_new_defaults
 
 
 class EngineUnavailable(RuntimeError):
@@ -87,6 +96,9 @@ class EngineSpec(BaseModel):
     launcher: str = ""  # TRL: "" in process, else e.g. "accelerate launch --config_file FILE"
     rollout_backend: Literal["hf", "vllm"] = "hf"  # TRL rollouts: the training model, or colocated vLLM
     trl: dict[str, Any] = Field(default_factory=dict)  # more GRPOConfig fields
+    # TRL: checkpoint a training phase every N steps, and go on from the newest checkpoint when a
+    # resumed run finds the phase unfinished (0: no checkpoints; the phase starts over)
+    save_steps: int = Field(0, ge=0)
     verl: dict[str, Any] = Field(default_factory=dict)  # more main_ppo overrides (dotted key -> value)
     verl_gpus: int = Field(8, ge=1)
     verl_max_prompt_length: int = Field(1024, ge=1)
@@ -262,7 +274,9 @@ class EngineRun:
         except RunError as e:
             raise RunError(f"{e}; cannot resume") from None
         now = json.loads(json.dumps(self.cfg.to_json()))  # tuples -> lists, as saved
-        diff = differences(saved, now) + [f"engine.{k}" for k in differences(saved_engine, self.spec.model_dump())]
+        spec = self.spec.model_dump()
+        saved_engine = with_new_defaults(saved_engine, spec, EngineSpec().model_dump())
+        diff = differences(saved, now) + [f"engine.{k}" for k in differences(saved_engine, spec)]
         if diff:
             raise RunError(f"{self.run.path}: config differs from the saved run (fields: {', '.join(diff)}); "
                            "refusing to resume")
@@ -359,6 +373,7 @@ class EngineRun:
     def train(self, name: str, kind: str, role: str, r: int, rows: list[dict], steps: int, prompts_per_step: int,
               generations: int, reward: dict) -> dict:
         from selfevo.agents.lm.policy import resolve_device
+        from selfevo.integrations.trl_job import resume, run_job
 
         out = self.run.path / "models" / role / f"round-{r}"
         if self.spec.engine == "verl":
@@ -380,12 +395,13 @@ class EngineRun:
                            "backend": self.spec.rollout_backend},
                "search": {"retriever_url": self.spec.retriever_url, "topk": self.cfg.search.topk,
                           "max_calls": self.cfg.search.max_calls},
-               "reward": reward, "grpo": dict(self.spec.trl)}
+               "reward": reward, "grpo": dict(self.spec.trl), "save_steps": self.spec.save_steps}
+        job = resume(job)  # a phase a kill interrupted goes on from its last checkpoint, or starts over
+        if job["start_step"]:
+            self.say(f"  {name}: resuming from {job['resume_from']} ({job['start_step']} of {steps} steps done)")
         path = d / f"{role}.job.json"
         write_json(path, job)
         if not self.spec.launcher:
-            from selfevo.integrations.trl_job import run_job
-
             return run_job(job, tool=self.tool)
         cmd = [*shlex.split(self.spec.launcher), "-m", "selfevo.integrations.trl_job", str(path)]
         self.say("  $ " + " ".join(shlex.quote(c) for c in cmd))
@@ -399,6 +415,11 @@ class EngineRun:
 
         lm, d = self.cfg.lm, self.round_dir(r)
         eng = self.run.path / "engine"
+        # verl's rewards stage items without their step, so a phase cannot go on from a checkpoint
+        # with what it staged cut to match: it starts over (the script also clears verl's checkpoints)
+        staged = reward.get("items_path") or reward.get("records_path")
+        if staged:
+            trim_staged(staged, 0)
         write_yaml(tool_config(self.spec.retriever_url, self.cfg.search.topk, self.cfg.search.max_calls),
                    eng / "verl-tool.yaml")
         write_yaml(agent_loop_config(), eng / "verl-agent-loop.yaml")
@@ -464,8 +485,7 @@ class EngineRun:
         prompts = math.ceil(prompts / spec.train_processes) * spec.train_processes
         truncate = _truncator(self.model_dir("proposer", r - 1), lm.doc_tokens)
         rows = proposer_rows(self.pool, self.folds, r, cfg.loop.proposer_steps * prompts, cfg.seed, truncate)
-        items_path = self.round_dir(r) / "proposer-items.jsonl"
-        items_path.unlink(missing_ok=True)  # a restarted phase stages afresh
+        items_path = self.round_dir(r) / "proposer-items.jsonl"  # `train` cuts what a killed attempt staged
         graders = self.graders_for(r)
         with self.serving({role: (g[0], g[1]) for role, g in graders.items()}) as served:
             reward = {"treatment": cfg.treatment, "round": r, "folds": self.folds.to_json(),
@@ -511,8 +531,7 @@ class EngineRun:
     def main(self, r: int) -> dict:
         cfg = self.cfg
         rows = self._admitted_rows(r)
-        staging = self.round_dir(r) / "solver-steps.jsonl"
-        staging.unlink(missing_ok=True)
+        staging = self.round_dir(r) / "solver-steps.jsonl"  # `train` cuts what a killed attempt staged
         S = cfg.loop.solver_steps
         if not rows:  # nothing admitted: the loop writes empty solver steps and trains nothing
             from selfevo.records import step_record

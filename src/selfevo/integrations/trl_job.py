@@ -12,7 +12,12 @@ prompts_per_step, generations (GRPO group size), lr, max_grad_norm, seed, lora (
 dropout, targets} or null: full fine-tuning), rollout (`trl_env.SearchRollout` fields), search
 ({retriever_url} or, in process only, the caller's tool), reward (proposer: `rewards.FrontierReward`
 fields with graders; solver: records path, round, step numbering, identity), grpo (extra GRPOConfig
-fields: bf16, gradient_checkpointing, use_vllm, vllm_mode, ...), dtype, device, threads.
+fields: bf16, gradient_checkpointing, use_vllm, vllm_mode, ...), dtype, device, threads, save_steps
+(checkpoint every N steps; 0: never), resume_from and start_step (`resume` sets them).
+
+A killed job is continued by `resume(job)`: from its newest checkpoint, the rows it staged for the
+steps before it kept and those after it dropped (they are trained and staged again); TRL restores
+the weights, optimizer, schedule, step and random state, and skips the batches already trained on.
 
 Departures from the loop's own trainer (`agents/lm/policy.py`), all TRL's: advantages are normalised
 within each prompt's group of completions (the proposer's group shares its document and hop count,
@@ -23,6 +28,7 @@ draws each step's batch (the loop splits the admitted pool in order).
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import sys
 from pathlib import Path
@@ -51,6 +57,43 @@ def job_tool(job: dict, tool: SearchTool | None = None) -> SearchTool:
     return SearchTool(RetrieverClient(s["retriever_url"]), topk=s.get("topk", 3), max_calls=s.get("max_calls", 5))
 
 
+def trainer_dir(out: str | os.PathLike) -> Path:
+    """Where TRL writes a job's checkpoints (beside its output; removed once the output is saved)."""
+    return Path(out).parent / f".trainer-{Path(out).name}"
+
+
+def last_checkpoint(out: str | os.PathLike) -> tuple[Path | None, int]:
+    """The newest whole checkpoint of the job writing `out`, and its step; (None, 0) without one.
+    A checkpoint is whole once its trainer_state.json parses: HF writes that file after the
+    weights, optimizer and random state, so a kill mid-save leaves one that is passed over."""
+    best: tuple[Path | None, int] = (None, 0)
+    d = trainer_dir(out)
+    for p in d.iterdir() if d.is_dir() else ():
+        m = re.fullmatch(r"checkpoint-(\d+)", p.name)
+        if m and int(m[1]) > best[1]:
+            try:
+                best = (p, int(read_json(p / "trainer_state.json")["global_step"]))
+            except (OSError, ValueError, KeyError, TypeError):
+                continue
+    return best
+
+
+def resume(job: dict) -> dict:
+    """The job as a (re)start runs it: with `save_steps`, from the newest whole checkpoint a killed
+    attempt left, keeping what that attempt staged for the steps before it; otherwise from step 1,
+    with nothing staged and no stale checkpoint. Run it once, before the job's processes start."""
+    from selfevo.integrations.admit import trim_staged
+
+    ckpt, step = last_checkpoint(job["out"]) if job.get("save_steps") else (None, 0)
+    if ckpt is None:
+        shutil.rmtree(trainer_dir(job["out"]), ignore_errors=True)
+    r = job["reward"]
+    staged = r.get("items_path") or r.get("records_path")
+    if staged:
+        trim_staged(staged, step, r.get("first_step_in_round", 1))
+    return {**job, "resume_from": str(ckpt) if ckpt else None, "start_step": step}
+
+
 def grpo_args(job: dict, world_size: int = 1):
     from trl import GRPOConfig
 
@@ -66,14 +109,16 @@ def grpo_args(job: dict, world_size: int = 1):
                                       **(extra.get("generation_kwargs") or {})}
     cpu = job.get("device", "cpu") == "cpu"
     dtype = job.get("dtype", "float32")
-    kwargs = dict(output_dir=str(Path(job["out"]).parent / f".trainer-{Path(job['out']).name}"),
+    save = {"save_strategy": "steps", "save_steps": job["save_steps"], "save_total_limit": 1} \
+        if job.get("save_steps") else {"save_strategy": "no"}
+    kwargs = dict(output_dir=str(trainer_dir(job["out"])), **save,
                   per_device_train_batch_size=per_step // world_size, num_generations=g,
                   max_steps=job["steps"], learning_rate=job["lr"], max_grad_norm=job.get("max_grad_norm", 1.0),
                   # paper Eq. (1): on-policy, sequence-normalised policy gradient, no KL term
                   beta=0.0, num_iterations=1, steps_per_generation=1, gradient_accumulation_steps=1,
                   loss_type="grpo", max_completion_length=job["rollout"].get("max_new_tokens", 512),
                   temperature=job["rollout"].get("temperature", 0.8), top_p=job["rollout"].get("top_p", 0.95),
-                  logging_steps=1, save_strategy="no", report_to=[], seed=job.get("seed", 0) % 2**31,
+                  logging_steps=1, report_to=[], seed=job.get("seed", 0) % 2**31,
                   use_cpu=cpu, dataloader_num_workers=0, remove_unused_columns=False,
                   model_init_kwargs={"dtype": dtype},
                   # mixed precision follows the job's dtype: TRL's own default (bf16 autocast) would
@@ -117,6 +162,9 @@ def run_job(job: dict, tool: SearchTool | None = None) -> dict:
         reward = TRLSolverReward(r.get("records_path"), round=r["round"], step_base=r.get("step_base", 0),
                                  first_step_in_round=r.get("first_step_in_round", 1), grader=r.get("grader"))
     rollout = SearchRollout(tool, role=job["kind"], seed=job.get("seed", 0), **job["rollout"])
+    # a resumed job's first call is the step after its checkpoint: step numbers and sampling seeds
+    # go on as an uninterrupted job's would
+    reward.calls = rollout.calls = job.get("start_step", 0)
     peft_config = None
     if job.get("lora"):
         from peft import LoraConfig
@@ -127,7 +175,7 @@ def run_job(job: dict, tool: SearchTool | None = None) -> dict:
     trainer = GRPOTrainer(model=job["model"], reward_funcs=[reward], args=grpo_args(job, world_size),
                           train_dataset=to_trl(rows), rollout_func=rollout, peft_config=peft_config)
     try:
-        trainer.train()
+        trainer.train(resume_from_checkpoint=job.get("resume_from"))
     finally:
         if closer:
             closer()
@@ -162,7 +210,7 @@ def _save(trainer, job: dict) -> None:
         trainer.processing_class.save_pretrained(str(tmp))
         shutil.rmtree(out, ignore_errors=True)
         os.replace(tmp, out)
-        shutil.rmtree(Path(job["out"]).parent / f".trainer-{out.name}", ignore_errors=True)
+        shutil.rmtree(trainer_dir(out), ignore_errors=True)
     trainer.accelerator.wait_for_everyone()
 
 

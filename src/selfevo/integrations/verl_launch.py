@@ -96,6 +96,9 @@ def phase_overrides(p: VerlPhase) -> list[str]:
         "trainer.test_freq": -1,
         "trainer.val_before_train": False,
         "trainer.default_local_dir": p.ckpt_dir,
+        # a phase starts over (engine.py: verl's staged items carry no step to cut them at a
+        # checkpoint); verl's default, auto, would go on from a killed attempt's checkpoint
+        "trainer.resume_mode": "disable",
         "trainer.logger": ["console"],
         "trainer.project_name": "selfevo",
         "trainer.experiment_name": p.name,
@@ -122,7 +125,8 @@ def phase_script(p: VerlPhase, path: str | Path, env: Mapping[str, str] | None =
 
     lines = ["#!/usr/bin/env bash", f"# selfevo engine-run: verl phase {p.name}", "set -euo pipefail"]
     lines += [f"export {k}={shlex.quote(v)}" for k, v in (env or {}).items()]
-    lines += [" \\\n    ".join(shlex.quote(a) for a in train_command(p)),
+    lines += [f"rm -rf {shlex.quote(p.ckpt_dir)}",  # a killed attempt's checkpoints (the phase starts over)
+              " \\\n    ".join(shlex.quote(a) for a in train_command(p)),
               " ".join(shlex.quote(a) for a in merge_command(p))]
     path = Path(path)
     with atomic_writer(path) as fh:
