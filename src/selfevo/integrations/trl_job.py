@@ -109,8 +109,8 @@ def grpo_args(job: dict, world_size: int = 1):
                                       **(extra.get("generation_kwargs") or {})}
     cpu = job.get("device", "cpu") == "cpu"
     dtype = job.get("dtype", "float32")
-    save = {"save_strategy": "steps", "save_steps": job["save_steps"], "save_total_limit": 1} \
-        if job.get("save_steps") else {"save_strategy": "no"}
+    save = ({"save_strategy": "steps", "save_steps": job["save_steps"], "save_total_limit": 1}  # `resume` uses it
+            if job.get("save_steps") else {"save_strategy": "no"})
     kwargs = dict(output_dir=str(trainer_dir(job["out"])), **save,
                   per_device_train_batch_size=per_step // world_size, num_generations=g,
                   max_steps=job["steps"], learning_rate=job["lr"], max_grad_norm=job.get("max_grad_norm", 1.0),
