@@ -118,19 +118,24 @@ def test_a_killed_trl_phase_goes_on_from_its_checkpoint_as_if_never_killed(smoll
 
     tool = SearchTool(BM25Index.build([Document("d0", "Beta", "Beta is a city by the sea."),
                                        Document("d1", "Alpha", "Alpha is a town on a river.")]), topk=1, max_calls=1)
+    real, calls, kill_in = rewards.TRLSolverReward.__call__, [], {"step": None}
+
+    def reward_by_length(self, prompts, completions, *args, **kwargs):
+        """The real reward stages the step records. In 8 tokens the tiny model writes no answer, so
+        its reward is 0 everywhere and nothing would train: the reward returned here follows what was
+        sampled, so equal weights at the end mean the same samples too."""
+        real(self, prompts, completions, *args, **kwargs)
+        calls.append(self.calls)
+        if self.calls == kill_in["step"]:
+            raise KeyboardInterrupt("killed")  # the step's records are staged, its update never happens
+        return [float(len(str(c)) % 2) for c in completions]
+
+    monkeypatch.setattr(rewards.TRLSolverReward, "__call__", reward_by_length)
     whole = trl_job.resume(_solver_job(tmp_path, smollm2_path, "whole", 2))
     assert whole["start_step"] == 0 and trl_job.run_job(whole, tool=tool)["steps"] == 2
 
     job = _solver_job(tmp_path, smollm2_path, "killed", 2)
-    real = rewards.TRLSolverReward.__call__
-
-    def killed_in_step_2(self, *args, **kwargs):
-        out = real(self, *args, **kwargs)  # step 2's records are staged, its update never happens
-        if self.calls == 2:
-            raise KeyboardInterrupt("killed")
-        return out
-
-    monkeypatch.setattr(rewards.TRLSolverReward, "__call__", killed_in_step_2)
+    kill_in["step"] = 2
     with pytest.raises(KeyboardInterrupt):
         trl_job.run_job(trl_job.resume(job), tool=tool)
     staged = Path(job["reward"]["records_path"])
@@ -140,14 +145,13 @@ def test_a_killed_trl_phase_goes_on_from_its_checkpoint_as_if_never_killed(smoll
     again = trl_job.resume(job)
     assert again["start_step"] == 1 and again["resume_from"].endswith("checkpoint-1")
     assert [json.loads(line)["step_in_round"] for line in staged.read_text().splitlines()] == [2]
-    calls = []
-    monkeypatch.setattr(rewards.TRLSolverReward, "__call__",
-                        lambda self, *a, **k: calls.append(1) or real(self, *a, **k))
+    kill_in["step"], calls[:] = None, []
     assert trl_job.run_job(again, tool=tool)["steps"] == 2
-    assert len(calls) == 1  # step 2 only
+    assert calls == [2]  # step 2 only
     assert staged.read_text() == Path(whole["reward"]["records_path"]).read_text()
-    a, b = (load_file(str(Path(j["out"]) / "model.safetensors")) for j in (whole, job))
+    base, a, b = (load_file(str(Path(d) / "model.safetensors")) for d in (smollm2_path, whole["out"], job["out"]))
     assert a.keys() == b.keys() and all(a[k].equal(b[k]) for k in a)
+    assert any(not a[k].equal(base[k]) for k in a)  # the job trained
     assert not trl_job.trainer_dir(job["out"]).exists()  # the checkpoints go once the model is saved
 
 
