@@ -861,8 +861,27 @@ def test_engine_resume_checks_the_saved_run_as_evolve_does(tmp_path):
     del saved["save_steps"]  # engine.json too
     engine_json.write_text(json.dumps(saved))
     make(ENGINE_CFG)
-    with pytest.raises(RunError, match=r"fields: engine\.save_steps\)"):
-        make({**ENGINE_CFG, "engine": {**ENGINE_CFG["engine"], "save_steps": 5}})
+    # where it runs may change (a preempted run resumed on another node), what it computes may not
+    moved = {**ENGINE_CFG, "engine": {**ENGINE_CFG["engine"], "save_steps": 5, "grader_gpus": "0,1",
+                                      "grader_port": 9100, "train_gpus": "2,3"}}
+    said = []
+    eng.EngineRun(eng.engine_config_from_dict(copy.deepcopy(moved), engine="trl"), tmp_path / "run", resume=True,
+                  log=said.append)
+    assert said == ["resuming with engine.grader_gpus '' -> '0,1', engine.grader_port 8100 -> 9100, "
+                    "engine.save_steps 0 -> 5, engine.train_gpus '' -> '2,3'"]
+    assert json.loads(engine_json.read_text())["grader_port"] == 9100  # engine.json says where it runs now
+    for field, value in (("retriever_url", "http://127.0.0.1:8000/retrieve"), ("train_processes", 2),
+                         ("trl", {"bf16": True})):
+        with pytest.raises(RunError, match=rf"fields: engine\.{field}"):  # the run's own index -> a server
+            make({**moved, "engine": {**moved["engine"], field: value}})
+    served = {**ENGINE_CFG, "engine": {**ENGINE_CFG["engine"], "retriever_url": "http://10.0.0.1:8000/retrieve"}}
+    eng.EngineRun(eng.engine_config_from_dict(copy.deepcopy(served), engine="trl"), tmp_path / "served",
+                  log=lambda m: None)
+    elsewhere = {**served, "engine": {**served["engine"], "retriever_url": "http://10.0.0.2:8000/retrieve"}}
+    eng.EngineRun(eng.engine_config_from_dict(copy.deepcopy(elsewhere), engine="trl"), tmp_path / "served",
+                  resume=True, log=said.append)  # a server may move
+    assert said[-1] == ("resuming with engine.retriever_url 'http://10.0.0.1:8000/retrieve' -> "
+                        "'http://10.0.0.2:8000/retrieve'")
     (tmp_path / "run" / "folds.json").write_text('{"k": 2}')
     with pytest.raises(RunError, match=r"folds\.json: field 'seed' is missing"):
         make(ENGINE_CFG)

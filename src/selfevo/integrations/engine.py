@@ -69,6 +69,17 @@ from selfevo.loop.folds import FoldAssignment
 from selfevo.loop.treatments import parse_treatment
 from selfevo.runs import RunDir, RunError, differences, read_object, with_new_defaults
 
+# [engine] fields that say where and how a run executes, not what it computes: a resumed run may change
+# them (another node's GPUs, ports, launcher; how often it checkpoints; whether it audits at the end)
+WHERE_NOT_WHAT = frozenset({"grader_gpus", "train_gpus", "grader_port", "grader_gpu_memory", "grader_concurrency",
+                            "launcher", "save_steps", "audit"})
+
+
+def _where_not_what(field: str, before: Any, now: Any) -> bool:
+    """May a resumed run change this [engine] field? The retriever may move to another address, but
+    not from the run's own index to a server or back."""
+    return field in WHERE_NOT_WHAT or (field == "retriever_url" and bool(before) and bool(now))
+
 
 class EngineUnavailable(RuntimeError):
     """A phase needs what this machine lacks (verl, GPUs, vLLM)."""
@@ -274,12 +285,17 @@ class EngineRun:
         except RunError as e:
             raise RunError(f"{e}; cannot resume") from None
         now = json.loads(json.dumps(self.cfg.to_json()))  # tuples -> lists, as saved
-        spec = self.spec.model_dump()
-        saved_engine = with_new_defaults(saved_engine, spec, EngineSpec().model_dump())
-        diff = differences(saved, now) + [f"engine.{k}" for k in differences(saved_engine, spec)]
+        spec, defaults = self.spec.model_dump(), EngineSpec().model_dump()
+        saved_engine = with_new_defaults(saved_engine, spec, defaults)
+        was = {k: saved_engine.get(k, defaults.get(k)) for k in differences(saved_engine, spec)}
+        moved = [k for k in was if _where_not_what(k, was[k], spec.get(k))]
+        diff = differences(saved, now) + [f"engine.{k}" for k in was if k not in moved]
         if diff:
             raise RunError(f"{self.run.path}: config differs from the saved run (fields: {', '.join(diff)}); "
                            "refusing to resume")
+        if moved:  # e.g. a preempted run resumed on another node: engine.json says where it runs now
+            self.say("resuming with " + ", ".join(f"engine.{k} {was[k]!r} -> {spec[k]!r}" for k in moved))
+            write_json(engine_json, spec)
 
     # ------------------------------------------------------------ plumbing
     def _tool(self):
