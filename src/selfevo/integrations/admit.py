@@ -15,6 +15,7 @@ import math
 import os
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 from selfevo._io import append_jsonl, read_jsonl_log, write_jsonl
 from selfevo.agents.base import Proposal, Solver
@@ -30,11 +31,15 @@ def read_staged(path: str | os.PathLike) -> list[dict]:
     return read_jsonl_log(path, repair=True)
 
 
-def trim_staged(path: str | os.PathLike, steps_done: int, first_step_in_round: int = 1) -> None:
-    """Keep what a training phase staged (proposer items, solver step records) for its first
-    `steps_done` steps and drop the rest: a phase resumed from a checkpoint of that step trains and
-    stages the later steps again; 0 drops everything (the phase starts over)."""
-    path = Path(path)
+def trim_staged(reward: Mapping[str, Any], steps_done: int) -> None:
+    """Keep what a training phase staged (proposer items, or solver step records; the file its
+    `reward` settings name) for its first `steps_done` steps and drop the rest: a phase resumed from a
+    checkpoint of that step trains and stages the later steps again; 0 drops everything (the phase
+    starts over)."""
+    staged = reward.get("items_path") or reward.get("records_path")
+    if not staged:
+        return
+    path, first_step_in_round = Path(staged), reward.get("first_step_in_round", 1)
     if not steps_done:
         path.unlink(missing_ok=True)
         return

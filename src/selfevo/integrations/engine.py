@@ -433,9 +433,7 @@ class EngineRun:
         eng = self.run.path / "engine"
         # verl's rewards stage items without their step, so a phase cannot go on from a checkpoint
         # with what it staged cut to match: it starts over (the script also clears verl's checkpoints)
-        staged = reward.get("items_path") or reward.get("records_path")
-        if staged:
-            trim_staged(staged, 0)
+        trim_staged(reward, 0)
         write_yaml(tool_config(self.spec.retriever_url, self.cfg.search.topk, self.cfg.search.max_calls),
                    eng / "verl-tool.yaml")
         write_yaml(agent_loop_config(), eng / "verl-agent-loop.yaml")

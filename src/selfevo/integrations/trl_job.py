@@ -87,10 +87,7 @@ def resume(job: dict) -> dict:
     ckpt, step = last_checkpoint(job["out"]) if job.get("save_steps") else (None, 0)
     if ckpt is None:
         shutil.rmtree(trainer_dir(job["out"]), ignore_errors=True)
-    r = job["reward"]
-    staged = r.get("items_path") or r.get("records_path")
-    if staged:
-        trim_staged(staged, step, r.get("first_step_in_round", 1))
+    trim_staged(job["reward"], step)
     return {**job, "resume_from": str(ckpt) if ckpt else None, "start_step": step}
 
 
