@@ -144,7 +144,8 @@ def summary_line(s: dict) -> str:
             f"({', '.join(f'{k}: {v}' for k, v in s['unresolved_by_reason'].items()) or 'none'}); "
             f"{s['requests']} requests, {s['replies']} replies, {s['retries']} retries ({s['timeouts']} after a "
             f"timeout), {s['failed_calls']} failed "
-            f"calls, {s['malformed_replies']} malformed replies, {s['cache_hits']} cache hits")
+            f"calls, {s['malformed_replies']} malformed replies, {s['malformed_bodies']} bodies that were no chat "
+            f"completion (retried), {s['cache_hits']} cache hits")
 
 
 def flip_table(reports: dict[str, dict]) -> list[str]:

@@ -738,3 +738,35 @@ def test_scripted_judge_finds_a_question_whatever_its_whitespace(question):
     key = {question: {"reference": "Kelda", "quote": "It rises above the town of Kelda."}}
     reply = json.loads(ScriptedJudge(key)(reference_messages(question, src)))
     assert reply == {"reference": "Kelda", "quote": "It rises above the town of Kelda."}
+
+
+def test_a_proxy_page_is_an_outage_not_a_reply_the_cache_keeps(tmp_path):
+    """A 200 whose body is no chat completion (a proxy's HTML page) says nothing about the model:
+    it is retried like a 5xx, and if it lasts the item is left unresolved and uncached, so a rerun
+    after the outage judges it (it was once fed to the judge as a malformed reply and cached)."""
+    from selfevo.agents.lm.model import GarbageBody
+
+    item = {"question": "Where is thing 1?", "adopted_label": "Town1", "responses": ["Town1"] * 5,
+            "sources": [{"id": "d1", "text": "Thing 1 is a thing. It stands in the town of Town1."}]}
+    reply = ScriptedModel(lambda _: json.dumps({"reference": "Town1", "quote": "It stands in the town of Town1."}))
+
+    class Proxy:
+        name, down = "proxy", True
+
+        def generate(self, messages, **settings):
+            if self.down:
+                raise GarbageBody("the proxy's page")
+            return reply.generate(messages, **settings)
+
+    proxy = Proxy()
+    with running(make_app(proxy)) as url:
+        def audit():
+            with LLMJudge(url, "judge", cache_path=tmp_path / "c.jsonl", max_retries=1, backoff=0.01) as judge:
+                return judge.judge([item])[0], judge.summary()
+
+        v, s = audit()
+        assert not v.resolved and s["malformed_bodies"] == 2 and s["retries"] == 1 and s["failed_calls"] == 1
+        assert s["malformed_replies"] == 0 and not (tmp_path / "c.jsonl").read_text().strip()
+        proxy.down = False
+        v, s = audit()
+        assert v.resolved and v.label_correct and s["cache_hits"] == 0 and s["malformed_bodies"] == 0

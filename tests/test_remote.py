@@ -316,7 +316,7 @@ def test_faults_do_not_stop_an_evaluation_and_are_counted():
     assert 0 < cover < 1 and 0 < answered < 1
 
 
-def test_a_body_that_is_no_completion_is_retried_by_the_solver_not_by_the_judge():
+def test_a_body_that_is_no_completion_is_retried_never_kept_as_a_reply():
     class GarbageFirst:
         name = "garbage-first"
 
@@ -332,9 +332,14 @@ def test_a_body_that_is_no_completion_is_retried_by_the_solver_not_by_the_judge(
     with serve_app(make_app(GarbageFirst())) as base, solver(f"{base}/v1") as s:
         (traj,), = s.answer(["q"], tool())
         assert traj.answer == secret("q") and s.stats["malformed_bodies"] == 1 and s.stats["retries"] == 1
-    with serve_app(make_app(GarbageFirst())) as base, ChatClient(f"{base}/v1", "m") as judge_client:
-        first = judge_client.chat([{"role": "user", "content": "x"}])
-        assert first[0].finish_reason == "malformed" and "502 Bad Gateway" in first[0].text
+    events = []
+    with serve_app(make_app(GarbageFirst())) as base, ChatClient(f"{base}/v1", "m", backoff=0.01,
+                                                                 on_event=events.append) as client:
+        first = client.chat([{"role": "user", "content": "x"}])
+        assert "502 Bad Gateway" not in first[0].text and events.count("malformed_body") == events.count("retry") == 1
+    with serve_app(make_app(GarbageFirst())) as base, ChatClient(f"{base}/v1", "m", max_retries=0) as client:
+        with pytest.raises(CallFailed, match="without a chat completion"):  # the caller's one bad call
+            client.chat([{"role": "user", "content": "x"}])
 
 
 def test_a_wrong_key_raises_at_once_and_never_leaks(monkeypatch):

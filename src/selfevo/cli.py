@@ -434,7 +434,8 @@ def audit_cmd(
     judge_concurrency: int = typer.Option(4, "--judge-concurrency", min=1, max=256, help="calls in flight"),
     judge_timeout: float = typer.Option(60.0, "--judge-timeout", min=0.1, help="seconds per call"),
     judge_retries: int = typer.Option(4, "--judge-retries", min=0, max=20,
-                                      help="retries of a call on timeouts, 429 and 5xx"),
+                                      help="retries of a call on timeouts, 429, 5xx and a 200 that is no "
+                                           "chat completion"),
     judge_max_tokens: int = typer.Option(384, "--judge-max-tokens", min=16),
     judge_malformed_retries: int = typer.Option(2, "--judge-malformed-retries", min=0, max=10,
                                                 help="corrective retries of a reply that is not the asked JSON"),
@@ -538,7 +539,8 @@ def audit_cmd(
         s = res["summary"]
         console.print(f"judge calls: {s['replies']} replies to {s['requests']} requests ({s['retries']} retries), "
                       f"{s['cache_hits']} cache hits, {s['failed_calls']} failed calls, "
-                      f"{s['malformed_replies']} malformed replies; items resolved {s['resolved']}, "
+                      f"{s['malformed_replies']} malformed replies, {s['malformed_bodies']} bodies that were no "
+                      f"chat completion (retried); items resolved {s['resolved']}, "
                       f"unresolved {s['unresolved']} {s['unresolved_by_reason'] or ''}")
     if "comparison" in res:
         cmp = res["comparison"]

@@ -11,8 +11,8 @@ exponential backoff and jitter (tenacity) on timeouts, connection errors, 429 an
 Retry-After; 401/403/404 and redirects (3xx, never followed) raise `EndpointError` at once (nothing
 will work: wrong key, URL or model); any other failure after the retries raises `CallFailed`, which
 a caller survives (one bad call must not stop an evaluation or an audit). A 200 whose body is no
-chat completion is handed back as the reply text with finish_reason "malformed" (the judge re-asks
-with a correction), or, with `retry_malformed=True`, retried like a 5xx.
+chat completion (a proxy's error page, a broken server) is retried like a 5xx: it says nothing about
+what the model would answer, so a caller must never keep it as a reply (the judge caches replies).
 
 The API key is sent as `Authorization: Bearer ...` and never logged, printed or written.
 """
@@ -51,7 +51,7 @@ class _Retryable(RuntimeError):
 @dataclass(frozen=True)
 class Choice:
     """One completion of a call. `finish_reason` is the server's ("stop", "length", ...;
-    "stop" when it sends none), or "malformed" for a 200 body that is no chat completion."""
+    "stop" when it sends none)."""
 
     text: str
     finish_reason: str = "stop"
@@ -81,7 +81,7 @@ class ChatClient:
                  max_retries: int = 4, backoff: float = 0.5, max_backoff: float = 30.0, *,
                  max_tokens: int = 384, temperature: float = 0.0, top_p: float | None = None,
                  seed: int | None = None, stop: Sequence[str] | None = None, json_mode: bool = False,
-                 retry_malformed: bool = False, key_env: str = "SELFEVO_API_KEY",
+                 key_env: str = "SELFEVO_API_KEY",
                  hint_404: str = "wrong URL or model name?",
                  on_event: Callable[[str], None] | None = None):
         if max_retries < 0:
@@ -93,7 +93,6 @@ class ChatClient:
         self.defaults = {"temperature": temperature, "top_p": top_p, "max_tokens": max_tokens, "seed": seed,
                          "stop": ([stop] if isinstance(stop, str) else list(stop)) if stop else None,
                          "json_mode": json_mode}
-        self.retry_malformed = retry_malformed
         self._key_env, self._hint_404 = key_env, hint_404
         self._expo = wait_exponential(multiplier=backoff, max=max_backoff) + wait_random(0, backoff)  # with jitter
         self._event = on_event or (lambda _: None)
@@ -190,9 +189,7 @@ class ChatClient:
         except (ValueError, KeyError, IndexError, TypeError, AttributeError):
             # a 200 that is no chat completion (a proxy's error page, a broken server)
             self._event("malformed_body")
-            if self.retry_malformed:
-                raise _Retryable("HTTP 200 without a chat completion") from None
-            return [Choice(r.text, "malformed")]
+            raise _Retryable("HTTP 200 without a chat completion") from None
         if isinstance(data.get("model"), str):
             with self._models_lock:
                 self.reply_models[data["model"]] += 1

@@ -87,7 +87,7 @@ class RemoteSolver:
         self._lock = threading.Lock()
         self.client = ChatClient(url, model, api_key=key, timeout=timeout, max_retries=max_retries,
                                  backoff=backoff, max_tokens=max_tokens, stop=STOP_STRINGS,
-                                 retry_malformed=True, key_env=API_KEY_ENV,
+                                 key_env=API_KEY_ENV,
                                  hint_404="is the URL the OpenAI base URL (…/v1) and the model one it serves?",
                                  on_event=lambda what: self._count(_EVENTS.get(what, what)))
 

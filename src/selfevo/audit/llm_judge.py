@@ -23,7 +23,8 @@ How the verdicts are combined (`combine`): the verified reference is the ground.
 So (b) can only mark answers incorrect or withhold a verdict; correctness comes from the quote.
 
 Operations: bounded concurrency (a thread pool), retries with exponential backoff and jitter on
-timeouts, connection errors, 429 and 5xx (tenacity, Retry-After honoured: the HTTP client is the
+timeouts, connection errors, 429, 5xx and a 200 that is no chat completion (a proxy's page: never
+taken for the model's reply) (tenacity, Retry-After honoured: the HTTP client is the
 shared `selfevo.agents.chat_client.ChatClient`), a malformed reply is retried with a corrective
 message and then left unresolved, and every finished call is appended to a persistent JSONL cache
 keyed by sha256(judge model, prompt version, generation settings, stage, the call's content): a
@@ -358,6 +359,7 @@ class LLMJudge:
                     v.resolved for v in outcomes), "unresolved_by_reason": dict(reasons.most_common()),
                 "requests": s["request"], "replies": s["reply"], "retries": s["retry"], "timeouts": s["timeout"],
                 "failed_calls": s["failed"], "malformed_replies": s["malformed"],
+                "malformed_bodies": s["malformed_body"],  # 200s that were no chat completion (retried)
                 "cache_hits": s["cache_hit"], "cached_calls": s["cached"],
                 "grade_calls_skipped": s["grade_skipped"], "contradictions": s["contradiction"]}
 
