@@ -241,15 +241,17 @@ def main() -> None:
           "selfevo serve-model --model scripted:judge --script-file key.json --fail-rate 0.15 --garbage-rate 0.15",
           "```", "",
           "The audit directory holds `metrics.json` (the oracle's schema), `judge.json` (settings and the call "
-          "summary: requests, replies, retries, failed calls, malformed replies, cache hits, unresolved items "
-          "by reason), `judgements.jsonl` (per item: the reference, its quote, or why it stayed unresolved), "
+          "summary: requests, replies, retries, failed calls, malformed replies, bodies that were no chat "
+          "completion (retried like a 5xx, never cached), cache hits, unresolved items by reason), "
+          "`judgements.jsonl` (per item: the reference, its quote, or why it stayed unresolved), "
           "`cache.jsonl` (every stored call; a rerun or resume pays for none of them again), with `--compare` "
           "`comparison.md` / `comparison.json`, with `--injection-test` `injection.json`, and `figures/` "
           "(`metrics.png`: A, T_P, T_S, F, L by step and round; `f_vs_l.png`; `comparison.png`). A records "
           "line is `{\"round\": int, \"step\": int, \"source_id\": str, \"source\": str, \"question\": str, "
           "\"label\": str, \"responses\": [str, ...], \"gold_answers\": [str, ...]}` (`gold_answers` optional; "
           "a malformed line is reported as `file:line`). Flags: `--judge-concurrency` (4), `--judge-timeout` "
-          "(60 s), `--judge-retries` (4, on timeouts / 429 / 5xx), `--judge-malformed-retries` (2), "
+          "(60 s), `--judge-retries` (4, on timeouts / 429 / 5xx / a 200 that is no chat completion), "
+          "`--judge-malformed-retries` (2), "
           "`--judge-max-tokens` (384), `--judge-cache`, `--max-items-per-step`, `--bootstrap` (2,000), `--seed`.",
           ""]
     L += ["## SmolLM2-135M-Instruct as the judge", ""]

@@ -10,6 +10,7 @@ import json
 import random
 import re
 import threading
+from pathlib import Path
 
 import pytest
 
@@ -17,9 +18,10 @@ from selfevo.agents.base import Proposal
 from selfevo.agents.lm.model import ScriptedModel
 from selfevo.agents.lm.server import make_app, running
 from selfevo.algos import frontier_reward
-from selfevo.integrations.admit import admit_round, commit_records, msv_filter, read_staged
+from selfevo.integrations.admit import admit_round, commit_records, msv_filter, read_staged, trim_staged
 from selfevo.integrations.datasets import (
     aux_training_sets,
+    one_pass,
     proposer_rows,
     read_verl,
     solver_rows,
@@ -521,6 +523,50 @@ def test_commit_records_replaces_what_a_killed_attempt_left(tmp_path):
                     {"round": 2, "kind": "proposer", "step": 3}]
 
 
+def test_one_pass_is_every_row_then_seeded_top_ups_or_a_seeded_subset():
+    """A TRL job trains exactly one pass (steps × prompts rows): every row, then draws from them to
+    fill the last batches, each row at most once a draw; or, for fewer updates than rows fill, a
+    seeded subset in order."""
+    rows = [{"item_id": f"q{i}"} for i in range(10)]
+    ids = lambda rs: [r["item_id"] for r in rs]  # noqa: E731
+    filled = one_pass(rows, 12, seed=5)
+    assert ids(filled[:10]) == ids(rows) and len(filled) == 12 and len(set(ids(filled[10:]))) == 2
+    assert filled == one_pass(rows, 12, seed=5) and filled != one_pass(rows, 12, seed=6)
+    many = one_pass(rows[:3], 8, seed=1)  # more than a draw of all 3: each draw holds each row once
+    assert ids(many[:3]) == ["q0", "q1", "q2"] and sorted(ids(many[3:6])) == ["q0", "q1", "q2"] and len(many) == 8
+    assert one_pass(rows, 10, seed=0) == rows
+    half = one_pass(rows, 4, seed=2)
+    assert len(half) == 4 and ids(half) == sorted(set(ids(half)), key=ids(rows).index)  # a subset, in order
+    with pytest.raises(ValueError, match="no rows"):
+        one_pass([], 4, seed=0)
+
+
+def test_trim_staged_drops_torn_rows_anywhere_and_names_a_row_without_its_step(tmp_path):
+    """Several processes append to one staging file: one killed mid-write leaves a torn line that
+    another's later row may follow. Resuming from the checkpoint of step 2 keeps steps 1-2, drops
+    the torn line and everything later, and ends the file with a newline; a row without its step is
+    an error naming file and line."""
+    from selfevo.runs import RunError
+
+    path = tmp_path / "solver-steps.jsonl"
+    reward = {"records_path": str(path), "first_step_in_round": 3}
+
+    def row(step, who):
+        return json.dumps({"step_in_round": step, "who": who})
+    kept = "\n".join([row(3, "a"), row(3, "b"), row(4, "a"), row(4, "b")])
+    path.write_text("\n".join([kept, row(5, "a")[:9], row(5, "b"), row(6, "b")]))
+    trim_staged(reward, 2)
+    assert path.read_text() == kept + "\n"
+    path.write_text(kept)  # a whole last row whose newline a kill cut: ended, or the next append glues on
+    trim_staged(reward, 2)
+    assert path.read_text() == kept + "\n"
+    path.write_text(row(3, "a") + "\n" + json.dumps({"who": "b"}) + "\n")
+    with pytest.raises(RunError, match=r"solver-steps\.jsonl:2: a staged row without an integer step_in_round"):
+        trim_staged(reward, 1)
+    trim_staged(reward, 0)  # the phase starts over: nothing staged
+    assert not path.exists()
+
+
 # ---------------------------------------------------------------- verl configs
 
 
@@ -813,6 +859,84 @@ def math_ceil(a, b):
     return -(-a // b)
 
 
+def test_engine_jobs_are_one_pass_and_a_resume_may_turn_the_audit_on(tmp_path, monkeypatch):
+    """The TRL jobs the engine writes (the real `train`, the job itself faked) train one pass over
+    exactly steps × prompts rows holding every question they are given; an audit skipped with
+    engine.audit = "none" is not logged as done, so the run resumed with "auto" audits."""
+    import contextlib
+    import copy
+
+    from selfevo.integrations import engine as eng
+    from selfevo.integrations import trl_job
+
+    monkeypatch.setattr(eng, "_truncator", lambda path, n: (lambda text: text))
+    monkeypatch.setattr(eng.EngineRun, "evaluate", lambda self, r: {"macro_cover_em": 0.0})
+    monkeypatch.setattr(eng.EngineRun, "audit", lambda self: {"audit": "oracle", "rounds": 2})
+
+    @contextlib.contextmanager
+    def fake_serving(self, models):
+        yield {role: (f"http://127.0.0.1:9/{role}/v1", name) for role, (path, name) in models.items()}
+    monkeypatch.setattr(eng.EngineRun, "serving", fake_serving)
+    jobs = {}
+
+    def fake_job(job, tool=None):
+        from selfevo._io import append_jsonl
+
+        rows = trl_job._rows(job["rows"])
+        jobs[job["out"]] = (job, rows)
+        Path(job["out"]).mkdir(parents=True)
+        (Path(job["out"]) / "config.json").write_text("{}")
+        if job["kind"] == "proposer":  # every prompt a graded, well-formed proposal
+            append_jsonl(job["reward"]["items_path"], [{"round": row["round"], "step_in_round": 1 + i // job[
+                "prompts_per_step"], "item": {"item_id": f"r{row['round']}-{i}", "source_id": row["source_id"],
+                "source_ids": row["source_ids"], "fold": row["fold"], "source_folds": row["source_folds"],
+                "hops": row["hops"], "question": f"q{i}", "draft_label": f"a{i}", "adopted_label": f"a{i}",
+                "admitted": False, "responses": ["x"] * 5, "k": 0, "reward": 0.0, "grader": {}}}
+                for i, row in enumerate(rows)])
+        return {"steps": job["steps"], "completions": job["steps"] * job["prompts_per_step"] * job["generations"]}
+    monkeypatch.setattr(trl_job, "run_job", fake_job)
+    cfg = copy.deepcopy(ENGINE_CFG)
+    cfg["engine"]["audit"] = "none"
+    said = []
+    eng.EngineRun(eng.engine_config_from_dict(copy.deepcopy(cfg), engine="trl"), tmp_path / "run",
+                  log=said.append).run_all()
+    admitted = {it["item_id"] for it in map(json.loads, (tmp_path / "run/engine/round-1/admitted.jsonl").open())}
+    main, main_rows = next(v for k, v in jobs.items() if k.endswith("main/round-1"))
+    assert len(admitted) == 10 and main["steps"] == 3 and main["prompts_per_step"] == 4 and len(main_rows) == 12
+    assert {r["item_id"] for r in main_rows} == admitted  # all 10 once, 2 drawn again to fill step 3
+    for j in (0, 1):
+        aux, rows = next(v for k, v in jobs.items() if k.endswith(f"aux-{j}/round-1"))
+        assert len(rows) == aux["steps"] * aux["prompts_per_step"] and {r["fold"] for r in rows} == {j}
+    assert "audit: engine.audit = none, skipped" in said and "audit" not in _phase_names(tmp_path / "run")
+    cfg["engine"]["audit"] = "auto"
+    eng.EngineRun(eng.engine_config_from_dict(copy.deepcopy(cfg), engine="trl"), tmp_path / "run", resume=True,
+                  log=said.append).run_all()
+    assert "resuming with engine.audit 'none' -> 'auto'" in said and "audit: running" in said
+    assert _phase_names(tmp_path / "run")[-1] == "audit" and len(jobs) == 6  # no phase trained again
+
+
+def _phase_names(run):
+    return [json.loads(line)["phase"] for line in (run / "engine" / "phases.jsonl").read_text().splitlines()]
+
+
+def test_a_trl_job_refuses_another_process_count_or_not_one_pass(tmp_path, monkeypatch):
+    """Before anything loads: a job launched as more processes than it was written for (the process
+    index seeds sampling and names items), or whose rows are not one pass of its steps."""
+    pytest.importorskip("trl")
+    from selfevo._io import write_jsonl
+    from selfevo.integrations.trl_job import run_job
+
+    write_jsonl(tmp_path / "rows.jsonl", solver_rows(_admitted(), FOLDS, 1))
+    job = {"kind": "solver", "model": str(tmp_path / "no-model"), "rows": str(tmp_path / "rows.jsonl"), "steps": 2,
+           "prompts_per_step": 2, "processes": 2, "search": {"retriever_url": "http://127.0.0.1:9/retrieve"}}
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    with pytest.raises(ValueError, match="written for 2 training processes .*launched as 4"):
+        run_job(job)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ValueError, match="has 4 rows; a job trains one pass of 3 steps × 2 prompts"):
+        run_job({**job, "steps": 3})
+
+
 def test_step_records_of_several_processes_merge():
     from selfevo.integrations.admit import merge_step_records
 
@@ -913,7 +1037,7 @@ def test_engine_keeps_the_cuda_device_asked_for(tmp_path, monkeypatch):
                                     (False, "cpu", "cpu")]:
         monkeypatch.setattr(torch.cuda, "is_available", lambda available=available: available)
         run.cfg = eng.engine_config_from_dict({**cfg, "lm": {"device": device}}, engine="trl").run
-        run.train("r1/main", "solver", "main", 1, [], 3, 2, 5, {"records_path": None, "round": 1})
+        run.train("r1/main", "solver", "main", 1, [{"item_id": "q0"}], 3, 2, 5, {"records_path": None, "round": 1})
         with run.serving({"main": ("/models/main", "main@r0")}):
             pass
         assert (jobs[-1]["device"], served[-1]) == (want, want)

@@ -75,22 +75,22 @@ def test_trl_engine_run_resumes_at_phase_granularity(trl_run):
     assert [e["phase"] for e in _lines(log)][-2:] == ["r1/eval", "audit"]
 
 
-def _solver_job(tmp_path: Path, smollm2_path, name: str, steps: int) -> dict:
-    """A main-solver TRL job as engine.py writes one: LoRA on SmolLM2, 2 questions a step (the steps
-    cover the questions once, as the engine's do), 2 rollouts each, a checkpoint every step, its
-    solver step records staged under tmp_path/name."""
+def _solver_job(tmp_path: Path, smollm2_path, name: str, steps: int, questions: int) -> dict:
+    """A main-solver TRL job as engine.py writes one: LoRA on SmolLM2, 2 questions a step, one pass
+    over the admitted questions (topped up to fill the last step), 2 rollouts each, a checkpoint
+    every step, its solver step records staged under tmp_path/name."""
     from selfevo._io import write_jsonl
-    from selfevo.integrations.datasets import solver_rows
+    from selfevo.integrations.datasets import one_pass, solver_rows
     from selfevo.loop.folds import FoldAssignment
 
     folds = FoldAssignment(2, 0, "source", {"d0": 0, "d1": 1})
     qa = [("Where is Beta?", "sea"), ("What is Alpha?", "river"), ("Where is Gamma?", "hill"),
-          ("What is Delta?", "lake")][:2 * steps]
+          ("What is Delta?", "lake")][:questions]
     items = [{"item_id": f"r1-s1-{i}", "question": q, "adopted_label": a, "source_id": f"d{i % 2}", "fold": i % 2,
               "hops": 1} for i, (q, a) in enumerate(qa)]
     d = tmp_path / name
     d.mkdir()
-    write_jsonl(d / "rows.jsonl", solver_rows(items, folds, 1))
+    write_jsonl(d / "rows.jsonl", one_pass(solver_rows(items, folds, 1), 2 * steps, seed=0))
     return {"kind": "solver", "model": str(smollm2_path), "out": str(d / "models" / "main" / "round-1"),
             "rows": str(d / "rows.jsonl"), "steps": steps, "prompts_per_step": 2, "generations": 2, "lr": 1e-3,
             "max_grad_norm": 1.0, "seed": 0, "dtype": "float32", "device": "cpu", "threads": 1,
@@ -107,7 +107,11 @@ def _solver_job(tmp_path: Path, smollm2_path, name: str, steps: int) -> dict:
 def test_a_killed_trl_phase_goes_on_from_its_checkpoint_as_if_never_killed(smollm2_path, tmp_path, monkeypatch):
     """engine.save_steps: a TRL phase killed in its step 2 (its records for step 2 staged, its
     checkpoint at step 1) is resumed from that checkpoint, its step-2 records cut and made again; it
-    ends with the records and weights of the same job run without a kill."""
+    ends with the records and weights of the same job run without a kill. 3 questions in steps of
+    2: one pass of 4 rows (two passes of TRL's sampler, reshuffled with a random state no
+    checkpoint holds, trained another batch in the resumed step 2). Killed while saving the model,
+    after its last checkpoint, it resumes to no further update. The resumed trainer checkpoints as
+    the job now says, not as the checkpoint's trainer_state.json said."""
     pytest.importorskip("trl")
     from safetensors.torch import load_file
 
@@ -131,10 +135,18 @@ def test_a_killed_trl_phase_goes_on_from_its_checkpoint_as_if_never_killed(smoll
         return [float(len(str(c)) % 2) for c in completions]
 
     monkeypatch.setattr(rewards.TRLSolverReward, "__call__", reward_by_length)
-    whole = trl_job.resume(_solver_job(tmp_path, smollm2_path, "whole", 2))
+    real_save, saved_with = trl_job._save, []
+
+    def save(trainer, job):
+        saved_with.append(trainer.state.save_steps)
+        if job.get("kill_in_save"):
+            raise KeyboardInterrupt("killed while saving")
+        real_save(trainer, job)
+    monkeypatch.setattr(trl_job, "_save", save)
+    whole = trl_job.resume(_solver_job(tmp_path, smollm2_path, "whole", 2, questions=3))
     assert whole["start_step"] == 0 and trl_job.run_job(whole, tool=tool)["steps"] == 2
 
-    job = _solver_job(tmp_path, smollm2_path, "killed", 2)
+    job = _solver_job(tmp_path, smollm2_path, "killed", 2, questions=3)
     kill_in["step"] = 2
     with pytest.raises(KeyboardInterrupt):
         trl_job.run_job(trl_job.resume(job), tool=tool)
@@ -146,13 +158,24 @@ def test_a_killed_trl_phase_goes_on_from_its_checkpoint_as_if_never_killed(smoll
     assert again["start_step"] == 1 and again["resume_from"].endswith("checkpoint-1")
     assert [json.loads(line)["step_in_round"] for line in staged.read_text().splitlines()] == [2]
     kill_in["step"], calls[:] = None, []
-    assert trl_job.run_job(again, tool=tool)["steps"] == 2
-    assert calls == [2]  # step 2 only
+    assert trl_job.run_job({**again, "save_steps": 2}, tool=tool)["steps"] == 2
+    assert calls == [2] and saved_with[-1] == 2  # step 2 only; checkpoints as the job says now
     assert staged.read_text() == Path(whole["reward"]["records_path"]).read_text()
     base, a, b = (load_file(str(Path(d) / "model.safetensors")) for d in (smollm2_path, whole["out"], job["out"]))
     assert a.keys() == b.keys() and all(a[k].equal(b[k]) for k in a)
     assert any(not a[k].equal(base[k]) for k in a)  # the job trained
     assert not trl_job.trainer_dir(job["out"]).exists()  # the checkpoints go once the model is saved
+
+    late = {**_solver_job(tmp_path, smollm2_path, "killed-saving", 2, questions=3), "kill_in_save": True}
+    with pytest.raises(KeyboardInterrupt):
+        trl_job.run_job(trl_job.resume(late), tool=tool)
+    last = trl_job.resume({**late, "kill_in_save": False})
+    assert last["start_step"] == 2 and last["resume_from"].endswith("checkpoint-2")
+    calls[:] = []
+    assert trl_job.run_job(last, tool=tool)["steps"] == 2 and calls == []  # no update past the last checkpoint
+    assert Path(late["reward"]["records_path"]).read_text() == Path(whole["reward"]["records_path"]).read_text()
+    c = load_file(str(Path(late["out"]) / "model.safetensors"))
+    assert all(a[k].equal(c[k]) for k in a)
 
 
 def test_trl_rollout_masks_observations(smollm2_path):

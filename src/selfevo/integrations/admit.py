@@ -11,6 +11,7 @@ and writes the proposer step records, in the loop's schema, to the run's `record
 
 from __future__ import annotations
 
+import json
 import math
 import os
 from collections.abc import Callable, Mapping, Sequence
@@ -23,6 +24,7 @@ from selfevo.loop.admission import MSV, Decision
 from selfevo.loop.engine import cap_admissions
 from selfevo.loop.schedule import derive_seed
 from selfevo.records import Document, round6, step_record
+from selfevo.runs import RunError
 from selfevo.search.tool import SearchTool
 
 
@@ -43,9 +45,27 @@ def trim_staged(reward: Mapping[str, Any], steps_done: int) -> None:
     if not steps_done:
         path.unlink(missing_ok=True)
         return
-    rows = read_staged(path)
-    kept = [row for row in rows if row["step_in_round"] - first_step_in_round < steps_done]
-    if len(kept) != len(rows):
+    raw = path.read_bytes() if path.exists() else b""
+    kept, changed = [], bool(raw) and not raw.endswith(b"\n")  # a last line without its newline: appends glue on
+    for i, line in enumerate(raw.splitlines(), 1):
+        try:
+            row = json.loads(line)
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            # torn by a process killed mid-write; with several processes appending, another one's
+            # later row may follow it, so it need not be the last line. Every process wrote its rows
+            # for the checkpoint's steps before the checkpoint was taken: a torn row is a later step's
+            changed = True
+            continue
+        step = row.get("step_in_round") if isinstance(row, dict) else None
+        if not isinstance(step, int):
+            raise RunError(f"{path}:{i}: a staged row without an integer step_in_round: cannot tell whether "
+                           "it precedes the phase's checkpoint (resume with engine.save_steps = 0 to start the "
+                           "phase over)")
+        if step - first_step_in_round < steps_done:
+            kept.append(row)
+        else:
+            changed = True
+    if changed:
         write_jsonl(path, kept)
 
 

@@ -70,6 +70,28 @@ def solver_rows(items: Sequence[Mapping], folds: FoldAssignment, round: int) -> 
             for it in items]
 
 
+def one_pass(rows: Sequence[dict], n: int, seed: int) -> list[dict]:
+    """Exactly `n` rows (a phase's steps × prompts a step), so that its training is one pass over
+    them: the rows in order, topped up with seeded draws from them (each row at most once a draw),
+    or a seeded subset of `n` in order when there are more (a reduced-budget auxiliary solver).
+
+    Why one pass: an engine's sampler drops the last partial batch and reshuffles each pass, and the
+    shuffle's random state is in no checkpoint, so a phase resumed in its second pass would train on
+    other batches than a phase never killed; HF's Trainer also runs one update past its last
+    checkpoint when resumed there in a pass it did not finish. One pass also trains every admitted
+    question (a second pass of ceil(n/S)-sized batches left some untrained and others twice)."""
+    rows = list(rows)
+    if not rows:
+        raise ValueError("one_pass: no rows")
+    rnd = random.Random(seed)
+    if len(rows) >= n:
+        return [rows[i] for i in sorted(rnd.sample(range(len(rows)), n))]
+    out = list(rows)
+    while len(out) < n:
+        out += rnd.sample(rows, min(len(rows), n - len(out)))
+    return out
+
+
 def aux_training_sets(rows: Sequence[dict], roles: Sequence[str], lineage_aware: bool = False) -> dict[str, list[dict]]:
     """The rows each auxiliary solver trains on (`loop.feedback.trains_on`, as `AuxFeedback`): aux-j
     the rows of fold j (lineage-aware: rows all of whose pages are fold j's); aux-all everything."""

@@ -61,11 +61,12 @@ from selfevo.integrations.admit import (
     read_staged,
     trim_staged,
 )
-from selfevo.integrations.datasets import aux_training_sets, proposer_rows, solver_rows, write_verl
+from selfevo.integrations.datasets import aux_training_sets, one_pass, proposer_rows, solver_rows, write_verl
 from selfevo.integrations.routing import Grader, aux_roles, options_of
 from selfevo.loop.engine import Compute
 from selfevo.loop.feedback import aux_updates, touched_folds
 from selfevo.loop.folds import FoldAssignment
+from selfevo.loop.schedule import derive_seed
 from selfevo.loop.treatments import parse_treatment
 from selfevo.runs import RunDir, RunError, differences, read_object, with_new_defaults
 
@@ -392,6 +393,9 @@ class EngineRun:
         from selfevo.integrations.trl_job import resume, run_job
 
         out = self.run.path / "models" / role / f"round-{r}"
+        # exactly one pass over the rows (datasets.one_pass says why): the engines' samplers and a
+        # resume from a checkpoint then agree on every batch
+        rows = one_pass(rows, steps * prompts_per_step, derive_seed(self.cfg.seed, "one-pass", r, role))
         if self.spec.engine == "verl":
             return self._train_verl(name, kind, role, r, rows, steps, prompts_per_step, generations, reward, out)
         lm = self.cfg.lm
@@ -411,7 +415,8 @@ class EngineRun:
                            "backend": self.spec.rollout_backend},
                "search": {"retriever_url": self.spec.retriever_url, "topk": self.cfg.search.topk,
                           "max_calls": self.cfg.search.max_calls},
-               "reward": reward, "grpo": dict(self.spec.trl), "save_steps": self.spec.save_steps}
+               "reward": reward, "grpo": dict(self.spec.trl), "save_steps": self.spec.save_steps,
+               "processes": self.spec.train_processes}
         job = resume(job)  # a phase a kill interrupted goes on from its last checkpoint, or starts over
         if job["start_step"]:
             self.say(f"  {name}: resuming from {job['resume_from']} ({job['start_step']} of {steps} steps done)")
@@ -470,7 +475,8 @@ class EngineRun:
 
     def per_step(self, n_rows: int, steps: int) -> int:
         """Prompts a step so the steps cover the rows once (the loop's even split), rounded up to a
-        multiple of the training processes so every process gets the same share."""
+        multiple of the training processes so every process gets the same share (`train` tops the
+        rows up to fill the last batches)."""
         p = self.spec.train_processes
         return math.ceil(_per_step(n_rows, steps) / p) * p
 
@@ -487,7 +493,10 @@ class EngineRun:
                 for role in aux_roles(self.treatment):
                     self.phase(f"r{r}/{role}", r, lambda r=r, role=role: self.aux(r, role))
             self.phase(f"r{r}/eval", r, lambda r=r: self.evaluate(r))
-        self.phase("audit", R, self.audit)
+        if self.spec.audit == "none":  # not logged as done: resumed with engine.audit = "auto", it audits
+            self.say("audit: engine.audit = none, skipped")
+        else:
+            self.phase("audit", R, self.audit)
         self.run.finish()  # after the audit, as `evolve` does
         self.run.note(wall_seconds_last_invocation=_seconds(time.perf_counter() - started))
         return self.run
@@ -607,8 +616,6 @@ class EngineRun:
     def audit(self) -> dict:
         from selfevo.audit import OracleJudge, audit_run
 
-        if self.spec.audit == "none":
-            return {"audit": "skipped"}
         if self.env.truth is not None:
             result = audit_run(self.run, OracleJudge(self.env.truth))
         else:

@@ -7,9 +7,11 @@ CPU or under a launcher on many GPUs:
     accelerate launch --config_file configs/trl-accelerate-6gpu.yaml -m selfevo.integrations.trl_job JOB.json
 
 Job fields: kind (proposer | solver), model (HF directory to start from), out (HF directory to write:
-a LoRA adapter is merged into its base), rows (JSONL of `datasets.py` rows), steps (optimizer steps),
-prompts_per_step, generations (GRPO group size), lr, max_grad_norm, seed, lora ({r, alpha,
-dropout, targets} or null: full fine-tuning), rollout (`trl_env.SearchRollout` fields), search
+a LoRA adapter is merged into its base), rows (JSONL of `datasets.py` rows: steps × prompts_per_step
+of them, one pass, `datasets.one_pass`), steps (optimizer steps), prompts_per_step, processes (the
+data-parallel processes it was written for; the launcher must start that many), generations (GRPO
+group size), lr, max_grad_norm, seed, lora ({r, alpha, dropout, targets} or null: full
+fine-tuning), rollout (`trl_env.SearchRollout` fields), search
 ({retriever_url} or, in process only, the caller's tool), reward (proposer: `rewards.FrontierReward`
 fields with graders; solver: records path, round, step numbering, identity), grpo (extra GRPOConfig
 fields: bf16, gradient_checkpointing, use_vllm, vllm_mode, ...), dtype, device, threads, save_steps
@@ -143,8 +145,16 @@ def run_job(job: dict, tool: SearchTool | None = None) -> dict:
     if job.get("threads"):  # on a busy CPU one thread avoids OpenMP oversubscription
         torch.set_num_threads(int(job["threads"]))
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    if world_size != job.get("processes", world_size):
+        # the process index seeds sampling and names proposer items, and a checkpoint holds one random
+        # state a process: another count computes another run
+        raise ValueError(f"trl job: written for {job['processes']} training processes (engine.train_processes), "
+                         f"launched as {world_size}; make the launcher start {job['processes']}")
     tool = job_tool(job, tool)
     rows = _rows(job["rows"])
+    if len(rows) != job["steps"] * job["prompts_per_step"]:
+        raise ValueError(f"trl job: {job['rows']} has {len(rows)} rows; a job trains one pass of {job['steps']} "
+                         f"steps × {job['prompts_per_step']} prompts (datasets.one_pass)")
     r = job["reward"]
     closer = None
     if job["kind"] == "proposer":
@@ -170,7 +180,8 @@ def run_job(job: dict, tool: SearchTool | None = None) -> dict:
         peft_config = LoraConfig(r=lo["r"], lora_alpha=lo["alpha"], lora_dropout=lo.get("dropout", 0.0),
                                  target_modules=list(lo["targets"]), task_type="CAUSAL_LM")
     trainer = GRPOTrainer(model=job["model"], reward_funcs=[reward], args=grpo_args(job, world_size),
-                          train_dataset=to_trl(rows), rollout_func=rollout, peft_config=peft_config)
+                          train_dataset=to_trl(rows), rollout_func=rollout, peft_config=peft_config,
+                          callbacks=[_save_as_the_job_says()])
     try:
         trainer.train(resume_from_checkpoint=job.get("resume_from"))
     finally:
@@ -180,6 +191,19 @@ def run_job(job: dict, tool: SearchTool | None = None) -> dict:
     steps = int(trainer.state.global_step)
     return {"steps": steps, "completions": steps * job["prompts_per_step"] * job["generations"],
             "seconds": round(time.perf_counter() - started, 3)}
+
+
+def _save_as_the_job_says():
+    from transformers import TrainerCallback
+
+    class SaveAsTheJobSays(TrainerCallback):
+        """HF restores `save_steps` from a checkpoint's trainer_state.json: a phase resumed with
+        another engine.save_steps would checkpoint as before. The job's setting wins."""
+
+        def on_train_begin(self, args, state, control, **kwargs):
+            state.save_steps = args.save_steps
+
+    return SaveAsTheJobSays()
 
 
 def _save(trainer, job: dict) -> None:
