@@ -24,7 +24,8 @@ the weights, optimizer, schedule, step and random state, and skips the batches a
 Departures from the loop's own trainer (`agents/lm/policy.py`), all TRL's: advantages are normalised
 within each prompt's group of completions (the proposer's group shares its document and hop count,
 so it sits inside one hop bucket), the optimizer state starts fresh every round, and TRL's sampler
-draws each step's batch (the loop splits the admitted pool in order).
+draws each step's batch (the loop splits the admitted pool in order; equal batches need a few rows
+drawn twice, `datasets.one_pass`).
 """
 
 from __future__ import annotations
