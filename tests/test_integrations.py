@@ -9,6 +9,7 @@ import itertools
 import json
 import random
 import re
+import shutil
 import threading
 from pathlib import Path
 
@@ -1009,6 +1010,36 @@ def test_engine_resume_checks_the_saved_run_as_evolve_does(tmp_path):
     (tmp_path / "run" / "folds.json").write_text('{"k": 2}')
     with pytest.raises(RunError, match=r"folds\.json: field 'seed' is missing"):
         make(ENGINE_CFG)
+
+
+def test_a_run_killed_while_it_is_created_can_be_started_or_resumed(tmp_path, monkeypatch):
+    """engine.json is written before the manifest that makes the run exist: killed just before the
+    manifest, the run starts afresh; killed just after it, it resumes (engine.json was once written
+    last, and such a run could neither resume, for the missing engine.json, nor start again)."""
+    import copy
+
+    from selfevo.integrations import engine as eng
+    from selfevo.runs import RunDir
+
+    real = RunDir.create
+
+    def make(resume=False):
+        return eng.EngineRun(eng.engine_config_from_dict(copy.deepcopy(ENGINE_CFG), engine="trl"), tmp_path / "run",
+                             resume=resume, log=lambda m: None)
+
+    def killed_before(self, config):
+        raise KeyboardInterrupt("killed")
+
+    def killed_after(self, config):
+        real(self, config)
+        raise KeyboardInterrupt("killed")
+    for kill, resume in ((killed_before, False), (killed_after, True)):
+        monkeypatch.setattr(RunDir, "create", kill)
+        with pytest.raises(KeyboardInterrupt):
+            make()
+        monkeypatch.setattr(RunDir, "create", real)
+        assert make(resume=resume).folds is not None
+        shutil.rmtree(tmp_path / "run")
 
 
 def test_engine_keeps_the_cuda_device_asked_for(tmp_path, monkeypatch):

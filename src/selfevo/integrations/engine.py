@@ -258,8 +258,11 @@ class EngineRun:
                 raise RunError(f"{self.run.path}: a run already exists here; pass --resume to continue it")
             self._check_resume(engine_json)
         else:
-            self.run.create(self.cfg.to_json())
+            # engine.json before the manifest (which makes the run exist): a kill between them leaves
+            # no run to resume, but a place a rerun starts afresh
+            self.run.check_new()
             write_json(engine_json, self.spec.model_dump())
+            self.run.create(self.cfg.to_json())
             self.run.note(engine=self.spec.engine)
         folds_path = self.run.path / "folds.json"
         if folds_path.exists():  # permanent: a resumed run keeps the assignment it started with
