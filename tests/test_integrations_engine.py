@@ -108,10 +108,10 @@ def test_a_killed_trl_phase_goes_on_from_its_checkpoint_as_if_never_killed(smoll
     """engine.save_steps: a TRL phase killed in its step 2 (its records for step 2 staged, its
     checkpoint at step 1) is resumed from that checkpoint, its step-2 records cut and made again; it
     ends with the records and weights of the same job run without a kill. 3 questions in steps of
-    2: one pass of 4 rows (two passes of TRL's sampler, reshuffled with a random state no
-    checkpoint holds, trained another batch in the resumed step 2). Killed while saving the model,
-    after its last checkpoint, it resumes to no further update. The resumed trainer checkpoints as
-    the job now says, not as the checkpoint's trainer_state.json said."""
+    2 are one pass of 4 rows (as 3 rows they were two passes of TRL's sampler, reshuffled with a
+    random state no checkpoint holds: the resumed step 2 trained another batch). Killed while saving
+    the model, after its last checkpoint, it resumes to no further update. The resumed trainer
+    checkpoints as the job now says, not as the checkpoint's trainer_state.json said."""
     pytest.importorskip("trl")
     from safetensors.torch import load_file
 
