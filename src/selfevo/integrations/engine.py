@@ -334,6 +334,7 @@ class EngineRun:
         done = self.phases.get(name)
         if done is not None:
             self.say(f"{name}: done, skipped")
+            self._drop_checkpoints(done)  # a kill between logging the phase and dropping them
             return done
         self.say(f"{name}: running")
         t = time.perf_counter()
@@ -341,7 +342,16 @@ class EngineRun:
         entry = {"phase": name, "round": round, **out, "seconds": _seconds(time.perf_counter() - t)}
         self.phases.add(entry)
         write_json(self.run.path / "compute.json", self.phases.compute())
+        self._drop_checkpoints(entry)
         return entry
+
+    def _drop_checkpoints(self, entry: dict) -> None:
+        """A training phase's checkpoints, once it is logged (`trl_job.trainer_dir` says why not sooner)."""
+        from selfevo.integrations.trl_job import trainer_dir
+
+        model = entry.get("model")
+        if model and Path(model).is_relative_to(self.run.path / "models"):  # not the base model's directory
+            shutil.rmtree(trainer_dir(model), ignore_errors=True)
 
     # ------------------------------------------------------------ serving graders
     @contextlib.contextmanager

@@ -61,7 +61,10 @@ def job_tool(job: dict, tool: SearchTool | None = None) -> SearchTool:
 
 
 def trainer_dir(out: str | os.PathLike) -> Path:
-    """Where TRL writes a job's checkpoints (beside its output; removed once the output is saved)."""
+    """Where TRL writes a job's checkpoints (beside its output). They outlive the saved output: a kill
+    after the save but before the engine logs the phase resumes from the last one (no update left,
+    the output saved again) instead of training the phase again; the engine removes them once the
+    phase is logged (`engine.EngineRun.phase`)."""
     return Path(out).parent / f".trainer-{Path(out).name}"
 
 
@@ -232,7 +235,6 @@ def _save(trainer, job: dict) -> None:
         trainer.processing_class.save_pretrained(str(tmp))
         shutil.rmtree(out, ignore_errors=True)
         os.replace(tmp, out)
-        shutil.rmtree(trainer_dir(out), ignore_errors=True)
     trainer.accelerator.wait_for_everyone()
 
 
