@@ -886,6 +886,8 @@ def test_engine_jobs_are_one_pass_and_a_resume_may_turn_the_audit_on(tmp_path, m
         rows = trl_job._rows(job["rows"])
         jobs[job["out"]] = (job, rows)
         (trl_job.trainer_dir(job["out"]) / "checkpoint-1").mkdir(parents=True)  # kept until the phase is logged
+        verl_ckpt = Path(job["rows"]).parent / f"{Path(job['out']).parent.name}.verl-ckpt"  # what a verl phase keeps
+        (verl_ckpt / f"global_step_{job['steps']}").mkdir(parents=True)
         Path(job["out"]).mkdir(parents=True)
         (Path(job["out"]) / "config.json").write_text("{}")
         if job["kind"] == "proposer":  # every prompt a graded, well-formed proposal
@@ -910,7 +912,8 @@ def test_engine_jobs_are_one_pass_and_a_resume_may_turn_the_audit_on(tmp_path, m
         aux, rows = next(v for k, v in jobs.items() if k.endswith(f"aux-{j}/round-1"))
         assert len(rows) == aux["steps"] * aux["prompts_per_step"] and {r["fold"] for r in rows} == {j}
     assert "audit: engine.audit = none, skipped" in said and "audit" not in _phase_names(tmp_path / "run")
-    left = lambda: sorted((tmp_path / "run" / "models").glob("*/.trainer-*"))  # noqa: E731
+    left = lambda: sorted([*(tmp_path / "run").glob("models/*/.trainer-*"),  # noqa: E731
+                           *(tmp_path / "run").glob("engine/round-*/*.verl-ckpt")])
     assert len(jobs) == 6 and left() == []  # each phase's checkpoints dropped once it was logged
     (trl_job.trainer_dir(main["out"]) / "checkpoint-3").mkdir(parents=True)  # killed before dropping them
     cfg["engine"]["audit"] = "auto"

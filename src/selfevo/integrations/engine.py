@@ -346,12 +346,18 @@ class EngineRun:
         return entry
 
     def _drop_checkpoints(self, entry: dict) -> None:
-        """A training phase's checkpoints, once it is logged (`trl_job.trainer_dir` says why not sooner)."""
+        """A training phase's checkpoints, once it is logged (`trl_job.trainer_dir` says why not
+        sooner): TRL's, and verl's (merged into the model by then; at 9B a checkpoint with its
+        optimizer state is some 100 GB, one a phase)."""
         from selfevo.integrations.trl_job import trainer_dir
 
         model = entry.get("model")
         if model and Path(model).is_relative_to(self.run.path / "models"):  # not the base model's directory
             shutil.rmtree(trainer_dir(model), ignore_errors=True)
+            shutil.rmtree(self._verl_ckpt_dir(Path(model).parent.name, entry["round"]), ignore_errors=True)
+
+    def _verl_ckpt_dir(self, role: str, r: int) -> Path:
+        return self.run.path / "engine" / f"round-{r}" / f"{role}.verl-ckpt"
 
     # ------------------------------------------------------------ serving graders
     @contextlib.contextmanager
@@ -467,7 +473,7 @@ class EngineRun:
                 format_penalty=reward["format_penalty"], seed=reward["seed"], step_base=reward["step_base"],
                 remote=reward["remote"]))
         phase = VerlPhase(name=name.replace("/", "-"), model=self.model_dir(role, r - 1), train_files=str(data),
-                          out=str(out), ckpt_dir=str(d / f"{role}.verl-ckpt"), steps=steps,
+                          out=str(out), ckpt_dir=str(self._verl_ckpt_dir(role, r)), steps=steps,
                           prompts_per_step=prompts_per_step, n=generations, lr=lm.lr,
                           tool_config=str(eng / "verl-tool.yaml"),
                           agent_loop_config=str(eng / "verl-agent-loop.yaml"), reward_file=str(eng / "verl_reward.py"),
