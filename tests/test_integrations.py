@@ -776,6 +776,17 @@ def test_verl_accepts_the_recipes_overrides(name, tmp_path):
 # ---------------------------------------------------------------- the orchestrator, engine faked
 
 
+def _stage_proposals(items_path, r: int, rows: list[dict], per_step: int) -> None:
+    """What the proposer reward stages: every prompt becomes one graded, well-formed proposal."""
+    from selfevo._io import append_jsonl
+
+    append_jsonl(items_path, [{"round": r, "step_in_round": 1 + i // per_step, "item": {
+        "item_id": f"r{r}-{i}", "source_id": row["source_id"], "source_ids": row["source_ids"],
+        "fold": row["fold"], "source_folds": row["source_folds"], "hops": row["hops"],
+        "question": f"q{i}", "draft_label": f"a{i}", "adopted_label": f"a{i}", "admitted": False,
+        "responses": ["x"] * 5, "k": 0, "reward": 0.0, "grader": {}}} for i, row in enumerate(rows)])
+
+
 class _FakeEngine:
     """Stands in for TRL: 'trains' by writing a model directory, stages what the rewards would."""
 
@@ -783,19 +794,13 @@ class _FakeEngine:
         self.run, self.jobs = run, []
 
     def train(self, name, kind, role, r, rows, steps, prompts_per_step, generations, reward):
-        from selfevo._io import append_jsonl
-
         self.jobs.append({"name": name, "role": role, "round": r, "rows": rows, "steps": steps,
                           "per_step": prompts_per_step, "reward": reward})
         out = self.run.run.path / "models" / role / f"round-{r}"
         out.mkdir(parents=True, exist_ok=True)
         (out / "config.json").write_text("{}")
-        if kind == "proposer":  # every prompt becomes one graded, well-formed proposal
-            append_jsonl(reward["items_path"], [{"round": r, "step_in_round": 1 + i // prompts_per_step, "item": {
-                "item_id": f"r{r}-{i}", "source_id": row["source_id"], "source_ids": row["source_ids"],
-                "fold": row["fold"], "source_folds": row["source_folds"], "hops": row["hops"],
-                "question": f"q{i}", "draft_label": f"a{i}", "adopted_label": f"a{i}", "admitted": False,
-                "responses": ["x"] * 5, "k": 0, "reward": 0.0, "grader": {}}} for i, row in enumerate(rows)])
+        if kind == "proposer":
+            _stage_proposals(reward["items_path"], r, rows, prompts_per_step)
         return {"steps": steps, "completions": steps * prompts_per_step * generations}
 
 
@@ -881,8 +886,6 @@ def test_engine_jobs_are_one_pass_and_a_resume_may_turn_the_audit_on(tmp_path, m
     jobs = {}
 
     def fake_job(job, tool=None):
-        from selfevo._io import append_jsonl
-
         rows = trl_job._rows(job["rows"])
         jobs[job["out"]] = (job, rows)
         (trl_job.trainer_dir(job["out"]) / "checkpoint-1").mkdir(parents=True)  # kept until the phase is logged
@@ -890,13 +893,8 @@ def test_engine_jobs_are_one_pass_and_a_resume_may_turn_the_audit_on(tmp_path, m
         (verl_ckpt / f"global_step_{job['steps']}").mkdir(parents=True)
         Path(job["out"]).mkdir(parents=True)
         (Path(job["out"]) / "config.json").write_text("{}")
-        if job["kind"] == "proposer":  # every prompt a graded, well-formed proposal
-            append_jsonl(job["reward"]["items_path"], [{"round": row["round"], "step_in_round": 1 + i // job[
-                "prompts_per_step"], "item": {"item_id": f"r{row['round']}-{i}", "source_id": row["source_id"],
-                "source_ids": row["source_ids"], "fold": row["fold"], "source_folds": row["source_folds"],
-                "hops": row["hops"], "question": f"q{i}", "draft_label": f"a{i}", "adopted_label": f"a{i}",
-                "admitted": False, "responses": ["x"] * 5, "k": 0, "reward": 0.0, "grader": {}}}
-                for i, row in enumerate(rows)])
+        if job["kind"] == "proposer":
+            _stage_proposals(job["reward"]["items_path"], job["reward"]["round"], rows, job["prompts_per_step"])
         return {"steps": job["steps"], "completions": job["steps"] * job["prompts_per_step"] * job["generations"]}
     monkeypatch.setattr(trl_job, "run_job", fake_job)
     cfg = copy.deepcopy(ENGINE_CFG)

@@ -42,19 +42,18 @@ def trim_staged(reward: Mapping[str, Any], steps_done: int) -> None:
     if not staged:
         return
     path, first_step_in_round = Path(staged), reward.get("first_step_in_round", 1)
-    if not steps_done:
+    if not steps_done or not path.exists():
         path.unlink(missing_ok=True)
         return
-    raw = path.read_bytes() if path.exists() else b""
-    kept, changed = [], bool(raw) and not raw.endswith(b"\n")  # a last line without its newline: appends glue on
-    for i, line in enumerate(raw.splitlines(), 1):
+    kept = []
+    for i, line in enumerate(path.read_bytes().splitlines(), 1):
         try:
             row = json.loads(line)
         except (json.JSONDecodeError, UnicodeDecodeError):
             # torn by a process killed mid-write; with several processes appending, another one's
-            # later row may follow it, so it need not be the last line. Every process wrote its rows
-            # for the checkpoint's steps before the checkpoint was taken: a torn row is a later step's
-            changed = True
+            # later row may follow it, so it need not be the last line. Every process wrote (and
+            # synced) its rows for the checkpoint's steps before the checkpoint was taken: a torn row
+            # is a later step's
             continue
         step = row.get("step_in_round") if isinstance(row, dict) else None
         if not isinstance(step, int):
@@ -63,10 +62,7 @@ def trim_staged(reward: Mapping[str, Any], steps_done: int) -> None:
                            "phase over)")
         if step - first_step_in_round < steps_done:
             kept.append(row)
-        else:
-            changed = True
-    if changed:
-        write_jsonl(path, kept)
+    write_jsonl(path, kept)  # whole lines only: the resumed phase appends after them
 
 
 def group_steps(staged: Sequence[dict], proposer_steps: int) -> list[tuple[int, list[dict], list[dict]]]:

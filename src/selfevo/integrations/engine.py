@@ -589,7 +589,7 @@ class EngineRun:
                   "grader": Grader("main", "", "main", "main", folds, rounds).lineage()}
         G = self.spec.solver_generations
         res = self.train(f"r{r}/main", "solver", "main", r, rows, S, self.per_step(len(rows), S), G, reward)
-        commit_records(self.run.steps_path, merge_step_records(read_jsonl_log(staging, repair=True)), r, "solver")
+        commit_records(self.run.steps_path, merge_step_records(read_staged(staging)), r, "solver")
         return {"model": self.model_dir("main", r), "updates": {"main": res["steps"]},
                 "generations": {"solver_rollouts": res["completions"]},
                 "trained_on": {"role": "main", "folds": sorted({f for x in rows for f in x["source_folds"]}),
