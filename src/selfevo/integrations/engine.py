@@ -347,8 +347,8 @@ class EngineRun:
 
     def _drop_checkpoints(self, entry: dict) -> None:
         """A training phase's checkpoints, once it is logged (`trl_job.trainer_dir` says why not
-        sooner): TRL's, and verl's (merged into the model by then; at 9B a checkpoint with its
-        optimizer state is some 100 GB, one a phase)."""
+        sooner): TRL's, and verl's (merged into the model by then; with full fine-tuning it holds the
+        weights and the optimizer state, one a phase)."""
         from selfevo.integrations.trl_job import trainer_dir
 
         model = entry.get("model")
