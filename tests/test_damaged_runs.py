@@ -97,6 +97,8 @@ def _steps(run):
      "steps.jsonl:{line}: items[0]: field 'item_id' is missing"),
     (lambda run: edit_json(run / "manifest.json", rounds_completed="1"),
      "manifest.json: field 'rounds_completed' should be an integer, got '1'"),
+    (lambda run: edit_json(run / "manifest.json", software="numpy 2"),
+     "manifest.json: field 'software' should be an object, got 'numpy 2'"),
     (lambda run: (run / "checkpoints" / "round-2.json").write_text("{", encoding="utf-8"),
      "checkpoints/round-2.json: unreadable, not valid JSON"),
     (lambda run: (run / "checkpoints" / "round-2.json").write_text("{}", encoding="utf-8"),

@@ -8,9 +8,11 @@ import os
 from dataclasses import replace
 from pathlib import Path
 
+import numpy as np
 import pytest
 from typer.testing import CliRunner
 
+from selfevo._software import software, software_tally, software_text
 from selfevo.cli import app
 from selfevo.experiments import Job, grid, run_grid
 from selfevo.report.build import build_report
@@ -129,6 +131,26 @@ def test_report_from_a_grid(local_grid):
     assert (root / "figures" / "figure-1.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert json.loads((root / "results.json").read_text())["treatments"] == ["coupled", "crossfit"]
     assert oct(os.stat(root / "report.html").st_mode & 0o777) != oct(0o600)
+    # the software the runs were made with, stated in the report
+    assert res["software"]["versions"]["numpy"] == {np.__version__: 4} and res["software"]["unrecorded"] == 0
+    line = f"Software: every run: python {software()['python']}, platform {software()['platform']}, selfevo "
+    assert line in md and line in html
+
+
+def test_the_report_names_software_the_runs_differ_in():
+    made = {"python": "3.11.7", "numpy": "2.4.6", "bm25s": "0.3.16"}
+    tally = software_tally([{"software": made}, {"software": {**made, "numpy": "2.5.0"}},
+                            {"software": made, "software_resumed": [{"software": {}}]},
+                            {"software": {k: v for k, v in made.items() if k != "bm25s"}}, {"status": "complete"}])
+    assert tally == {"versions": {"python": {"3.11.7": 4}, "numpy": {"2.4.6": 3, "2.5.0": 1},
+                                  "bm25s": {"0.3.16": 3, "none": 1}},
+                     "unrecorded": 1, "resumed_under_other": 1}
+    assert software_text(tally) == (
+        "every run: python 3.11.7; the runs differ in numpy 2.4.6 (3 runs), 2.5.0 (1 run); bm25s 0.3.16 (3 runs), "
+        "none (1 run); 1 run resumed under other software than made with (manifest.json: software_resumed); "
+        "1 run made before runs recorded it")
+    assert software_text(software_tally([{}, {}])) == "2 runs made before runs recorded it"
+    assert software_text({}) == "not recorded"
 
 
 def test_report_cli(local_grid, tmp_path):

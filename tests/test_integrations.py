@@ -960,10 +960,10 @@ ENGINE_CFG = {"backend": "lm", "treatment": "crossfit", "world": {"name": "small
               "engine": {"proposer_generations": 2, "proposer_prompts": 6}}
 
 
-def test_engine_resume_checks_the_saved_run_as_evolve_does(tmp_path):
+def test_engine_resume_checks_the_saved_run_as_evolve_does(tmp_path, monkeypatch):
     """Resume reads the run directory with RunDir's checking readers: a difference is named by
-    field (engine.json's too), a field added since the run was made reads as its default, and a
-    damaged folds.json is an error naming it."""
+    field (engine.json's too), a field added since the run was made reads as its default, other
+    software is warned, and a damaged folds.json is an error naming it."""
     import copy
 
     from selfevo.integrations import engine as eng
@@ -1013,6 +1013,16 @@ def test_engine_resume_checks_the_saved_run_as_evolve_does(tmp_path):
                   resume=True, log=said.append)  # a server may move
     assert said[-1] == ("resuming with engine.retriever_url 'http://10.0.0.1:8000/retrieve' -> "
                         "'http://10.0.0.2:8000/retrieve'")
+    # the software it runs under may change too, but not unsaid (as evolve's resume)
+    from selfevo._software import SoftwareChanged, software
+
+    assert json.loads((tmp_path / "run" / "manifest.json").read_text())["software"] == software()
+    monkeypatch.setattr("selfevo.runs.software", lambda: {**software(), "trl": "0.1"})
+    with pytest.warns(SoftwareChanged, match=r"trl .* → 0\.1"):
+        make(ENGINE_CFG)
+    assert json.loads((tmp_path / "run" / "manifest.json").read_text())["software_resumed"][0]["software"]["trl"] \
+        == "0.1"
+    monkeypatch.undo()
     (tmp_path / "run" / "folds.json").write_text('{"k": 2}')
     with pytest.raises(RunError, match=r"folds\.json: field 'seed' is missing"):
         make(ENGINE_CFG)

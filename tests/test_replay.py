@@ -11,6 +11,7 @@ from typer.testing import CliRunner
 
 from selfevo import replay
 from selfevo._io import read_json, write_json
+from selfevo._software import software
 from selfevo.cli import app
 from selfevo.config import WorldSpec, load_config
 from selfevo.evolve import evolve, load_run_world
@@ -312,6 +313,7 @@ def test_cli_build_and_run(runs, tmp_path):
     results = read_json(out / "results.json")
     assert list(results["conditions"]) == ["coupled", "source-id+msv"]
     assert results["conditions"]["coupled"]["seeds"] == 1
+    assert results["software"] == software()  # what the study ran under
     assert (out / "results.md").exists() and (out / "replay.png").exists()
     assert "source-id+msv" in res.output
 

@@ -8,9 +8,11 @@ import subprocess
 import sys
 import time
 
+import numpy as np
 import pytest
 from typer.testing import CliRunner
 
+from selfevo._software import SoftwareChanged, software
 from selfevo.cli import app
 from selfevo.config import load_config
 from selfevo.evolve import evolve
@@ -116,6 +118,37 @@ def test_resuming_a_complete_run_is_a_no_op(tmp_path):
     evolve(cfg, run.path, resume=True, progress=False)
     assert {f: (run.path / f).read_bytes() for f in files} == before
     assert run.manifest()["status"] == "complete"
+
+
+def test_a_resume_under_other_software_is_warned_and_recorded(tmp_path, monkeypatch, reference):
+    made = reference.manifest()["software"]  # what the run was made with
+    assert made == software() and made["numpy"] == np.__version__ and "bm25s" in made and "python" in made
+    cfg = cfg_for()
+    crash_at(monkeypatch, "solver_step", 2, cfg.loop.proposer_steps + 3)
+    with pytest.raises(RuntimeError):
+        evolve(cfg, tmp_path / "run", progress=False)
+    monkeypatch.undo()
+    run = RunDir(tmp_path / "run")
+    other = {**software(), "numpy": "0.0.1"}
+    monkeypatch.setattr("selfevo.runs.software", lambda: other)
+    result = CliRunner().invoke(app, ["evolve", "--out", str(run.path), *CLI_SCALED, "--resume"])
+    assert result.exit_code == 0, result.output
+    text = " ".join(result.output.split())
+    assert f"warning: {run.path}: resumed under other software than it was made with (numpy {np.__version__} → " \
+           "0.0.1)" in text
+    m = run.manifest()
+    assert m["software"] == made and len(m["software_resumed"]) == 1
+    assert m["software_resumed"][0]["software"] == other and m["software_resumed"][0]["rounds_completed"] == 1
+    assert_same_results(run, reference)  # numpy did not really change
+    # resumed again under the software it was made with: no warning, nothing recorded
+    monkeypatch.undo()
+    result = CliRunner().invoke(app, ["evolve", "--out", str(run.path), *CLI_SCALED, "--resume"])
+    assert result.exit_code == 0 and "warning" not in result.output
+    assert len(run.manifest()["software_resumed"]) == 1
+    # from the library: a Python warning of its own class
+    monkeypatch.setattr("selfevo.runs.software", lambda: {**software(), "torch": "9.9"})
+    with pytest.warns(SoftwareChanged, match="torch .* → 9.9"):
+        evolve(cfg, run.path, resume=True, progress=False)
 
 
 def test_resume_of_a_missing_run_starts_it(tmp_path, reference):

@@ -6,19 +6,40 @@ clear message; nothing is half-written.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import sys
+import warnings
 from pathlib import Path
 
 import typer
 from rich.console import Console
 from rich.markup import escape
 
+from selfevo._software import SoftwareChanged
 from selfevo.corpus import DataError
 
 # wide enough for the tables when the output is a pipe or a log file (rich assumes 80 columns)
 console = Console(width=None if sys.stdout.isatty() else 160)
+
+
+@contextlib.contextmanager
+def _warnings_as_lines():
+    """Inside: a warning meant for the user (SoftwareChanged) prints as one yellow line, when it
+    happens (a resumed run may go on for hours); any other keeps Python's form."""
+    python_form = warnings.showwarning
+
+    def show(message, category, filename, lineno, file=None, line=None):
+        if issubclass(category, SoftwareChanged):
+            console.print(f"[yellow]warning:[/yellow] {escape(str(message))}")
+        else:
+            python_form(message, category, filename, lineno, file, line)
+
+    with warnings.catch_warnings():  # restores showwarning and the filters on the way out
+        warnings.simplefilter("always", SoftwareChanged)
+        warnings.showwarning = show
+        yield
 
 
 def _fail(msg: str) -> None:
@@ -355,7 +376,8 @@ def evolve_cmd(
             "data.index": None if index is None else str(index)})
         if model is not None and cfg.backend != "lm":  # the sim learners would ignore it
             _fail(f"--model {model}: a language model needs the lm backend (add --backend lm)")
-        run = evolve(cfg, out, resume=resume, audit=audit)
+        with _warnings_as_lines():
+            run = evolve(cfg, out, resume=resume, audit=audit)
     except (ConfigError, RunError, DataError, WorldError) as e:
         _fail(str(e))
     _print_run(run.path)
@@ -379,7 +401,8 @@ def engine_run_cmd(
         _fail(f"--engine: trl or verl, got {engine!r}")
     try:
         ecfg = load_engine_config(config, set_, engine=engine)
-        run = engine_run(ecfg, out, resume=resume, log=lambda msg: console.print(escape(msg)))
+        with _warnings_as_lines():
+            run = engine_run(ecfg, out, resume=resume, log=lambda msg: console.print(escape(msg)))
     except (ConfigError, RunError, DataError, WorldError, EngineUnavailable) as e:
         _fail(str(e))
     _print_run(run.path)

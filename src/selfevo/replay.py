@@ -35,6 +35,7 @@ from pathlib import Path
 
 from selfevo._fmt import mean_std_text, num
 from selfevo._io import atomic_writer, read_json, write_json
+from selfevo._software import software
 from selfevo.agents.base import Proposal
 from selfevo.agents.sim import Reader, SimSolver
 from selfevo.algos import summary
@@ -728,7 +729,7 @@ def run_replay(bank: Bank, conditions: Iterable[str] | str | None = None, seeds:
                     "world": bank.world, "corpus": bank.corpus,
                     "T_P": ref["T_P"], "coverage": ref["coverage"], "sha256": bank.digest()},
            "conditions": {}, "reference": {"base": _summary([base[s] for s in seeds])},
-           "judge": judge_name, "invariants": invariants}
+           "judge": judge_name, "invariants": invariants, "software": software()}
     for c in conds:
         entry = _summary([outcomes[(c.name, s)] for s in seeds])
         entry["train_items"] = {str(s): outcomes[(c.name, s)]["train_items"] for s in seeds}

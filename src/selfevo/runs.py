@@ -2,7 +2,7 @@
 evaluations, compute accounting and round checkpoints — and resuming from them.
 
     RUN_DIR/config.json              resolved config (a resumed run must match it)
-    RUN_DIR/manifest.json            status, rounds completed, versions
+    RUN_DIR/manifest.json            status, rounds completed, the software it was made (and resumed) with
     RUN_DIR/records/steps.jsonl      one line per scheduled step (append-only)
     RUN_DIR/eval/round-R.json        main solver on the seven benchmarks after round R (0 = base)
     RUN_DIR/eval/round-R.predictions.jsonl  per-item predictions of that evaluation
@@ -17,6 +17,7 @@ import contextlib
 import json
 import os
 import time
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -30,6 +31,7 @@ from selfevo._io import (
     write_json,
     write_jsonl,
 )
+from selfevo._software import SoftwareChanged, software, software_changes
 from selfevo.config import ConfigError, config_from_dict, with_absolute_paths
 from selfevo.records import SCHEMA_VERSION
 
@@ -205,7 +207,8 @@ class RunDir:
         self.check_new()
         self.path.mkdir(parents=True, exist_ok=True)
         write_json(self.path / "config.json", config)
-        self._write_manifest({"status": "running", "rounds_completed": 0, "created": time.time()})
+        self._write_manifest({"status": "running", "rounds_completed": 0, "created": time.time(),
+                              "software": software()})
 
     def open_for_resume(self, config: dict, defaults: dict | None = None) -> int:
         """Check the config matches, drop records after the last checkpoint; return the number
@@ -220,6 +223,7 @@ class RunDir:
             raise RunError(f"{e}; cannot resume") from None
         if done and not self.checkpoint_path(done).exists():
             raise RunError(f"{self.path}: manifest says round {done} is done but its checkpoint is missing")
+        self.check_software()
         remove_leftover_temps(self.path, recursive=True)  # a kill inside an atomic write leaves one
         # a killed run may have logged steps of an unfinished round, and a torn last line
         try:
@@ -243,10 +247,29 @@ class RunDir:
             diff = differences(saved, config)
             raise RunError(f"{self.path}: config differs from the saved run (fields: {', '.join(diff)})")
 
+    def check_software(self) -> None:
+        """On resume: warn (SoftwareChanged) if this process runs other software than the run was
+        made with, and record it in the manifest's "software_resumed": what it writes from here on
+        may differ from what an uninterrupted run would have written. A run made before runs
+        recorded their software is not checked."""
+        m = self.manifest()
+        if "software" not in m:
+            return
+        now = software()
+        if changes := software_changes(m["software"], now):
+            resumed = [*m.get("software_resumed", []), {"rounds_completed": m.get("rounds_completed", 0),
+                                                        "at": time.time(), "software": now}]
+            self._write_manifest({"software_resumed": resumed})
+            warnings.warn(SoftwareChanged(
+                f"{self.path}: resumed under other software than it was made with ({'; '.join(changes)}); "
+                "what it writes from here on may differ from an uninterrupted run's "
+                "(manifest.json: software_resumed)"), stacklevel=2)
+
     def manifest(self) -> dict:
         path = self.path / "manifest.json"
         m = read_object(path)
-        check_fields(m, {"status": str, "rounds_completed": int}, str(path), optional=True)
+        check_fields(m, {"status": str, "rounds_completed": int, "software": dict, "software_resumed": list},
+                     str(path), optional=True)
         if m.get("rounds_completed", 0) < 0:
             raise RunError(f"{path}: field 'rounds_completed' should be >= 0, got {m['rounds_completed']}")
         return m

@@ -300,6 +300,7 @@ class EngineRun:
         if moved:  # e.g. a preempted run resumed on another node: engine.json says where it runs now
             self.say("resuming with " + ", ".join(f"engine.{k} {was[k]!r} -> {spec[k]!r}" for k in moved))
             write_json(engine_json, spec)
+        self.run.check_software()
 
     # ------------------------------------------------------------ plumbing
     def _tool(self):

@@ -8,6 +8,7 @@ import os
 from collections.abc import Sequence
 from pathlib import Path
 
+from selfevo._software import software_tally
 from selfevo.algos import summary
 from selfevo.audit import METRICS, mean_hop_mix
 from selfevo.evaluate import BENCHMARKS
@@ -35,6 +36,7 @@ def collect_runs(run_dirs: Sequence[str | os.PathLike]) -> dict:
     runs: dict[str, dict[int, RunDir]] = {}
     seen: dict[tuple[str, int], Path] = {}
     done: dict[Path, int] = {}  # rounds completed, by run directory
+    manifests = []  # of the complete runs
     excluded = []
     setting: tuple[dict, Path] | None = None  # the config every complete run shares, but _VARIED
     for d in run_dirs:
@@ -61,6 +63,7 @@ def collect_runs(run_dirs: Sequence[str | os.PathLike]) -> dict:
                              "seeds of one config, so report them apart")
         runs.setdefault(treatment, {})[seed] = run
         done[run.path] = manifest.get("rounds_completed", 0)
+        manifests.append(manifest)
     if not runs:
         raise ValueError(f"no complete run among the {len(excluded)} found ({excluded[0]['run']}: "
                          f"{excluded[0]['why']}); finish them with `selfevo evolve --resume`")
@@ -108,6 +111,7 @@ def collect_runs(run_dirs: Sequence[str | os.PathLike]) -> dict:
                              ("generations", "updates", "seconds", "extra_generations", "extra_updates",
                               "extra_seconds")}
     out["readings"] = readings(out)
+    out["software"] = software_tally(manifests)
     return out
 
 

@@ -6,6 +6,7 @@ import base64
 import html
 
 from selfevo._fmt import DASH, mean_std_text, num
+from selfevo._software import software_text
 from selfevo.audit import METRICS, hop_mix_text
 from selfevo.evaluate import BENCHMARKS
 
@@ -72,7 +73,8 @@ def tables(res: dict) -> dict[str, tuple[list[str], list[list[str]]]]:
 
 def markdown(res: dict, figures: dict[str, str]) -> str:
     lines = ["# selfevo report", "", f"Treatments: {', '.join(res['treatments'])}; seeds: "
-             f"{', '.join(map(str, res['seeds']))}. {res.get('context', '')}", "", "## Readings", ""]
+             f"{', '.join(map(str, res['seeds']))}. {res.get('context', '')}", "",
+             f"Software: {software_text(res.get('software', {}))}.", "", "## Readings", ""]
     lines += [f"- {r}" for r in res["readings"]] or ["- (none)"]
     if res.get("excluded"):
         lines += ["", f"## {LEFT_OUT}", ""]
@@ -94,7 +96,8 @@ def html_page(res: dict, figures: dict[str, bytes]) -> str:
              "figure{margin:1.5em 0}img{max-width:100%}li{margin:.3em 0}</style></head><body>",
              "<h1>selfevo report</h1>",
              f"<p>Treatments: {esc(', '.join(res['treatments']))}; seeds: {esc(', '.join(map(str, res['seeds'])))}."
-             f" {esc(res.get('context', ''))}</p>", "<h2>Readings</h2><ul>"]
+             f" {esc(res.get('context', ''))}</p>",
+             f"<p>Software: {esc(software_text(res.get('software', {})))}.</p>", "<h2>Readings</h2><ul>"]
     parts += [f"<li>{esc(r)}</li>" for r in res["readings"]] or ["<li>(none)</li>"]
     parts.append("</ul>")
     if res.get("excluded"):
