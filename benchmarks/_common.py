@@ -14,6 +14,7 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+from selfevo._software import software
 from selfevo.algos import summary
 
 REPO = Path(__file__).resolve().parents[1]
@@ -59,8 +60,9 @@ def cpu_model() -> str:
 
 
 def machine_line() -> str:
-    return (f"{os.cpu_count()} cores, {cpu_model()}; Python {platform.python_version()}; "
-            f"date {dt.date.today().isoformat()}")
+    sw = software()  # the sim's numbers depend on numpy's sampling and bm25s's scoring
+    return (f"{os.cpu_count()} cores, {cpu_model()}; Python {platform.python_version()}; numpy {sw['numpy']}, "
+            f"bm25s {sw['bm25s']}; date {dt.date.today().isoformat()}")
 
 
 def replace_section(text: str, heading: str, section: str, title: str = "# Results") -> str:
