@@ -21,7 +21,7 @@ from selfevo._software import SoftwareChanged
 from selfevo.corpus import DataError
 
 # wide enough for the tables when the output is a pipe or a log file (rich assumes 80 columns)
-console = Console(width=None if sys.stdout.isatty() else 160)
+console = Console(width=None if sys.stdout.isatty() else 200)
 
 
 @contextlib.contextmanager
