@@ -38,6 +38,13 @@ def test_close_action_restores_a_dropped_stop_string():
     assert P.close_action("<answer> Paris", "stop") == "<answer> Paris</answer>"
     assert P.close_action("<answer> Paris", "length") == "<answer> Paris"  # truncated: not an action
     assert P.close_action("<answer>a</answer>", "stop") == "<answer>a</answer>"
+    # a search left open, then an answer: the server stopped at "</answer>", which a local backend
+    # keeps; both must read the answer
+    left_open = "<think>hmm</think>\n<search> capital of France\n<answer> Paris "
+    local = left_open + "</answer>"  # what a local backend keeps
+    assert P.parse_action(P.cut_at_stop(local)) == P.Action("answer", "Paris")
+    assert P.parse_action(P.cut_at_stop(P.close_action(left_open, "stop"))) == P.parse_action(P.cut_at_stop(local))
+    assert P.close_action("<answer> x <search> q ", "stop") == "<answer> x <search> q </search>"
 
 
 def test_format_information_truncates_passages():

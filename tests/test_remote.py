@@ -527,3 +527,97 @@ def test_the_timeout_bounds_a_reply_trickled_in():
         # a reply that arrives in time reads as before
         assert ChatClient(f"{base}/v1", "m", timeout=30.0).complete([{"role": "user", "content": "hi"}]) == \
             "<answer> x </answer>"
+
+
+def _mock(client: ChatClient, replies) -> list[httpx.Request]:
+    """Route `client` to a transport answering with `replies` in turn (a response, an exception to
+    raise, or a function making either: the last is repeated); returns the requests it saw."""
+    seen: list[httpx.Request] = []
+
+    def reply(request: httpx.Request) -> httpx.Response:
+        seen.append(request)
+        r = replies[min(len(seen), len(replies)) - 1]
+        r = r() if callable(r) else r
+        if isinstance(r, Exception):
+            raise r
+        return r
+
+    client._http = httpx.Client(transport=httpx.MockTransport(reply))
+    return seen
+
+
+def _ok(text: str = "ok") -> httpx.Response:
+    body = {"choices": [{"message": {"content": text}, "finish_reason": "stop"}]}
+    return httpx.Response(200, stream=httpx.ByteStream(json.dumps(body).encode()))  # the client streams
+
+
+def _error(status: int, message: str) -> httpx.Response:
+    return httpx.Response(status, stream=httpx.ByteStream(json.dumps({"error": {"message": message}}).encode()))
+
+
+HI = [{"role": "user", "content": "hi"}]
+
+
+def test_a_malformed_key_or_url_is_refused_up_front_and_the_key_is_never_shown(monkeypatch):
+    """A key with a trailing space or a carriage return (from a file) made httpx refuse the header
+    with an error quoting it whole, which reached the CLI's error line and the judge's verdicts
+    (judgements.jsonl); a mistyped port was a traceback."""
+    from selfevo.audit.llm_judge import JudgeError, LLMJudge
+
+    for key in ("sk-SECRET-0123 ", "sk-SECRET-0123\r", "sk-SECRET\t0123"):
+        with pytest.raises(EndpointError, match="SELFEVO_API_KEY: the API key holds whitespace") as e:
+            ChatClient("http://127.0.0.1:8000/v1", "m", api_key=key)
+        assert "SECRET" not in str(e.value)
+        monkeypatch.setenv("SELFEVO_API_KEY", key)
+        with pytest.raises(ValueError, match="whitespace or control characters") as e:
+            load_agent("remote:m@http://127.0.0.1:8000/v1", corpus=None)
+        assert "SECRET" not in str(e.value)
+        with pytest.raises(JudgeError, match="SELFEVO_JUDGE_API_KEY: the API key holds whitespace"):
+            LLMJudge("http://127.0.0.1:8000/v1", "m", api_key=key)
+    monkeypatch.delenv("SELFEVO_API_KEY")
+    for url in ("http://127.0.0.1:80x1/v1", "http://[::1/v1"):  # a one-line error, not a traceback
+        with pytest.raises(ValueError, match=re.escape(f"{url}: not a valid URL (Invalid port")):
+            load_agent(f"remote:m@{url}", corpus=None)
+    with pytest.raises(EndpointError, match=r"not an http\(s\) URL with a host"):
+        ChatClient("127.0.0.1:8000/v1", "m")
+    # an error text that quotes the key (a transport error naming a header) is scrubbed of it
+    client = ChatClient("http://fake/v1", "m", api_key="sk-SECRET-0123", max_retries=0)
+    _mock(client, [httpx.ConnectError("refused: Bearer sk-SECRET-0123")])
+    with pytest.raises(CallFailed) as e:
+        client.complete(HI)
+    assert "sk-SECRET" not in str(e.value) and "Bearer ***" in str(e.value)
+    with pytest.raises(EndpointError) as e:
+        client.check()
+    assert "sk-SECRET" not in str(e.value) and "Bearer ***" in str(e.value)
+
+
+def test_what_is_retried_and_what_the_server_said():
+    events: list[str] = []
+    client = ChatClient("http://fake/v1", "m", backoff=0.001, on_event=events.append)
+    # a proxy's request timeout or a conflict is retried (as openai-python does)
+    for status in (408, 409):
+        seen = _mock(client, [httpx.Response(status, stream=httpx.ByteStream(b"")), _ok()])
+        assert client.complete(HI) == "ok" and len(seen) == 2
+    # a body that does not decode as its Content-Encoding says (a proxy's fault) is a malformed
+    # reply, retried, not an uncaught DecodingError
+    seen = _mock(client, [httpx.Response(200, headers={"Content-Encoding": "gzip"},
+                                         stream=httpx.ByteStream(b"not gzip at all")), _ok()])
+    assert client.complete(HI) == "ok" and len(seen) == 2 and events.count("malformed_body") == 1
+    # any other 4xx: not retried, and the server's reason is in the error
+    seen = _mock(client, [_error(400, "Unsupported parameter: 'stop'")])
+    with pytest.raises(CallFailed, match=r"HTTP 400 \(not retried\): Unsupported parameter: 'stop'"):
+        client.complete(HI)
+    assert len(seen) == 1
+    _mock(client, [_error(403, "Your input was flagged by moderation")])
+    with pytest.raises(EndpointError, match="HTTP 403: Your input was flagged by moderation"):
+        client.complete(HI)
+
+
+def test_failed_calls_are_warned_with_the_servers_reason(caplog):
+    s = solver("http://fake/v1", max_retries=0)
+    _mock(s.client, [lambda: _error(400, "Unsupported parameter: 'stop'")])
+    with caplog.at_level("WARNING", logger="selfevo.agents.remote"):
+        (t1,), (t2,) = s.answer(QUESTIONS, tool())
+    assert t1.trace.failed and t2.trace.failed and s.stats["failed_calls"] == 2
+    assert "2 call(s) failed for good; their trajectories have no answer (last: HTTP 400 (not retried): " \
+           "Unsupported parameter: 'stop')" in caplog.text

@@ -30,11 +30,13 @@ def _remote(arg: str, **context: Any) -> Solver:
     from selfevo.agents.remote import RemoteSolver, parse_remote_spec
 
     model, url = parse_remote_spec(arg)
-    solver = RemoteSolver(url, model)
+    solver = None
     try:
+        solver = RemoteSolver(url, model)  # refuses a malformed URL or API key
         solver.check()
     except EndpointError as e:
-        solver.close()
+        if solver is not None:
+            solver.close()
         raise ValueError(f"agent 'remote:{arg}': {e}") from None
     return solver
 

@@ -7,14 +7,16 @@ API, `selfevo serve-model`), shared by the remote solver and the LLM judge.
     client.complete(messages)        -> the first choice's text
 
 Every setting has a client-wide default (the constructor) and a per-call override. Retries with
-exponential backoff and jitter (tenacity) on timeouts, connection errors, 429 and 5xx, honouring
-Retry-After; 401/403/404 and redirects (3xx, never followed) raise `EndpointError` at once (nothing
+exponential backoff and jitter (tenacity) on timeouts, connection errors, 408, 409, 425, 429 and 5xx,
+honouring Retry-After; 401/403/404 and redirects (3xx, never followed) raise `EndpointError` at once (nothing
 will work: wrong key, URL or model); any other failure after the retries raises `CallFailed`, which
 a caller survives (one bad call must not stop an evaluation or an audit). A 200 whose body is no
 chat completion (a proxy's error page, a broken server) is retried like a 5xx: it says nothing about
 what the model would answer, so a caller must never keep it as a reply (the judge caches replies).
 
-The API key is sent as `Authorization: Bearer ...` and never logged, printed or written.
+The API key is sent as `Authorization: Bearer ...` and never logged, printed or written: a key with
+whitespace or control characters (which httpx would refuse, quoting the header) is refused up front
+without being shown, and error texts are scrubbed of it.
 """
 
 from __future__ import annotations
@@ -32,6 +34,8 @@ from tenacity import Retrying, retry_if_exception_type, stop_after_attempt, wait
 from selfevo.search.client import MAX_WAIT_S, retry_after_seconds
 
 _UNSET: Any = object()
+# besides 5xx: a proxy's request timeout, a conflict, "too early", rate limiting (as openai-python)
+RETRIED_STATUS = (408, 409, 425, 429)
 
 
 class EndpointError(RuntimeError):
@@ -86,14 +90,24 @@ class ChatClient:
                  on_event: Callable[[str], None] | None = None):
         if max_retries < 0:
             raise ValueError(f"max_retries: must be >= 0, got {max_retries}")
+        if api_key and not (api_key.isascii() and api_key.isprintable() and " " not in api_key):
+            # httpx would refuse the header with an error quoting it whole (key and all)
+            raise EndpointError(f"{key_env}: the API key holds whitespace or control characters (a trailing "
+                                "space or \\r from a file?); strip it")
         url = url.rstrip("/")
+        try:
+            parsed = httpx.URL(url)
+        except httpx.InvalidURL as e:
+            raise EndpointError(f"{url}: not a valid URL ({e})") from None
+        if parsed.scheme not in ("http", "https") or not parsed.host:
+            raise EndpointError(f"{url}: not an http(s) URL with a host, e.g. http://127.0.0.1:8000/v1")
         self.base_url = url.removesuffix("/chat/completions")
         self.endpoint = f"{self.base_url}/chat/completions"
         self.model, self.max_retries, self.timeout = model, max_retries, timeout
         self.defaults = {"temperature": temperature, "top_p": top_p, "max_tokens": max_tokens, "seed": seed,
                          "stop": ([stop] if isinstance(stop, str) else list(stop)) if stop else None,
                          "json_mode": json_mode}
-        self._key_env, self._hint_404 = key_env, hint_404
+        self._key_env, self._hint_404, self._key = key_env, hint_404, api_key
         self._expo = wait_exponential(multiplier=backoff, max=max_backoff) + wait_random(0, backoff)  # with jitter
         self._event = on_event or (lambda _: None)
         # the model each reply names, so that records can say which model answered whatever name was
@@ -102,6 +116,10 @@ class ChatClient:
         self._models_lock = threading.Lock()
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._http = httpx.Client(timeout=httpx.Timeout(timeout), headers=headers)
+
+    def _scrub(self, text: str) -> str:
+        """`text` without the key (an exception's text may quote a request header)."""
+        return text.replace(self._key, "***") if self._key else text
 
     def __repr__(self) -> str:  # never the key
         return f"ChatClient({self.endpoint!r}, model={self.model!r})"
@@ -122,20 +140,22 @@ class ChatClient:
         return min(max(self._expo(state), after), MAX_WAIT_S)
 
     def _check_status(self, r: httpx.Response) -> None:
-        if r.status_code == 429 or r.status_code >= 500:
+        if r.status_code in RETRIED_STATUS or r.status_code >= 500:
             raise _Retryable(f"HTTP {r.status_code}", retry_after_seconds(r.headers.get("retry-after")))
         self._check_refused(r)
         if r.status_code == 404:  # a wrong path, or (vLLM, OpenAI, serve-model --served-model-name) model
             said = _error_message(r)
             raise EndpointError(f"{self.endpoint}: HTTP 404{f': {said}' if said else ''} ({self._hint_404})")
-        if r.status_code >= 400:
-            raise CallFailed(f"HTTP {r.status_code}: {r.text[:200]}")
+        if r.status_code >= 400:  # not retried: the same request gets the same answer
+            raise CallFailed(f"HTTP {r.status_code} (not retried): {_error_message(r) or r.text[:200]}")
 
     def _check_refused(self, r: httpx.Response) -> None:
         """A reply that no retry or other call will change (a chat call's and the probe's alike):
         the key is refused, or the URL redirects (never followed: a redirect's body is no reply)."""
         if r.status_code in (401, 403):
-            raise EndpointError(f"{r.request.url}: HTTP {r.status_code} (is {self._key_env} set correctly?)")
+            said = _error_message(r)
+            raise EndpointError(f"{r.request.url}: HTTP {r.status_code}{f': {said}' if said else ''} "
+                                f"(is {self._key_env} set correctly?)")
         if 300 <= r.status_code < 400:
             raise EndpointError(f"{r.request.url}: HTTP {r.status_code}, redirected to "
                                 f"{r.headers.get('location', '(no Location)')}: give the URL the endpoint redirects to")
@@ -175,6 +195,9 @@ class ChatClient:
         except httpx.TimeoutException:
             self._event("timeout")
             raise
+        except httpx.DecodingError:  # a Content-Encoding the body does not have (a proxy's fault)
+            self._event("malformed_body")
+            raise _Retryable("a reply body that does not decode as its Content-Encoding says") from None
         self._check_status(r)
         self._event("reply")
         try:
@@ -210,7 +233,7 @@ class ChatClient:
                 with attempt:
                     return self._send(body)
         except (httpx.TransportError, _Retryable) as e:
-            raise CallFailed(f"{type(e).__name__}: {e}" if str(e) else type(e).__name__) from None
+            raise CallFailed(self._scrub(f"{type(e).__name__}: {e}" if str(e) else type(e).__name__)) from None
         raise AssertionError("unreachable")
 
     def complete(self, messages: Sequence[dict], **overrides: Any) -> str:
@@ -224,7 +247,7 @@ class ChatClient:
         try:
             r = self._http.get(f"{self.base_url}/models")
         except httpx.TransportError as e:
-            raise EndpointError(f"{self.base_url}: cannot connect ({type(e).__name__}: {e})") from None
+            raise EndpointError(self._scrub(f"{self.base_url}: cannot connect ({type(e).__name__}: {e})")) from None
         self._check_refused(r)
         if r.status_code != 200:
             return []

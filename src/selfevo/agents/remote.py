@@ -83,6 +83,7 @@ class RemoteSolver:
         key = api_key if api_key is not None else os.environ.get(API_KEY_ENV) or None
         self._has_key = bool(key)
         self.stats: Counter[str] = Counter()
+        self.last_failure = ""  # the text of the last call that failed for good
         self.endpoint_models: list[str] | None = None
         self._lock = threading.Lock()
         self.client = ChatClient(url, model, api_key=key, timeout=timeout, max_retries=max_retries,
@@ -137,6 +138,7 @@ class RemoteSolver:
                                           seed=row_seed)[0]
             except CallFailed as e:
                 self._count("failed_calls")
+                self.last_failure = str(e)  # the server's reason, for the warning below
                 log.debug("remote call failed for good: %s", e)
                 return "", "error"
             return choice.text, choice.finish_reason
@@ -162,7 +164,6 @@ class RemoteSolver:
         starts = [solver_messages(q, context=None if contexts is None or contexts[i] is None
                                   else self._context(contexts[i].contents)) for i, q in enumerate(questions)]
         copies = 1 if greedy else n  # greedy: the n trajectories are identical, run one
-        failed_before = self.stats["failed_calls"]
         rollouts = run_rollouts([s for s in starts for _ in range(copies)], tool,
                                 lambda convs, s: self._generate(convs, s, greedy),
                                 max_actions=self.max_actions, seed=seed)
@@ -173,10 +174,11 @@ class RemoteSolver:
         self._count("failed_trajectories", sum(ro.failed for ro in rollouts))
         self._count("invalid_actions", sum(ro.invalid for ro in rollouts))
         self._count("truncated_trajectories", sum(ro.truncated for ro in rollouts))
-        failed = self.stats["failed_calls"] - failed_before
+        # this batch's own (the stats are shared: the frontier reward grades batches on threads)
+        failed = sum(ro.failed for ro in rollouts)
         if failed:
-            log.warning("%s: %d call(s) failed for good after retries; their trajectories have no answer",
-                        self.name, failed)
+            log.warning("%s: %d call(s) failed for good; their trajectories have no answer (last: %s)",
+                        self.name, failed, self.last_failure)
         groups = [trajs[i * copies:(i + 1) * copies] for i in range(len(questions))]
         if greedy and n > 1:
             groups = [[g[0]] + [dataclasses.replace(g[0], searches=list(g[0].searches)) for _ in range(n - 1)]

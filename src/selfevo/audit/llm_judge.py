@@ -324,10 +324,13 @@ class LLMJudge:
         self._lock = threading.Lock()
         key = api_key if api_key is not None else os.environ.get(API_KEY_ENV) or None
         self._has_key = bool(key)
-        self.client = ChatClient(url, model, api_key=key, timeout=timeout, max_retries=max_retries,
-                                 backoff=backoff, max_tokens=max_tokens, temperature=temperature,
-                                 seed=0, json_mode=json_mode, key_env=API_KEY_ENV,
-                                 hint_404="wrong --judge-url or --judge-model?", on_event=self._count)
+        try:
+            self.client = ChatClient(url, model, api_key=key, timeout=timeout, max_retries=max_retries,
+                                     backoff=backoff, max_tokens=max_tokens, temperature=temperature,
+                                     seed=0, json_mode=json_mode, key_env=API_KEY_ENV,
+                                     hint_404="wrong --judge-url or --judge-model?", on_event=self._count)
+        except EndpointError as e:  # a malformed URL or API key
+            raise JudgeError(str(e)) from None
         self.cache = JudgeCache(cache_path)
         # the generation settings are part of every cache key (keep these names: old caches hit)
         self._settings = {"model": model, "prompt_version": PROMPT_VERSION, "max_tokens": max_tokens,

@@ -68,12 +68,13 @@ def cut_at_stop(text: str, stops: Sequence[str] = STOP_STRINGS) -> str:
 
 def close_action(text: str, finish_reason: str) -> str:
     """OpenAI-compatible servers drop the stop string from the reply: put it back, so the action
-    reads the same whoever generated it."""
+    reads the same whoever generated it. The server stopped at the closing tag of the action opened
+    last (a `<search>` left open before an `<answer>` stopped at `</answer>`), so that one is closed."""
     if finish_reason == "stop":
-        for name in ("search", "answer"):
-            opened = text.rfind(f"<{name}>")
-            if opened >= 0 and f"</{name}>" not in text[opened:]:
-                return text + f"</{name}>"
+        unclosed = {name: at for name in ("search", "answer")
+                    if (at := text.rfind(f"<{name}>")) >= 0 and f"</{name}>" not in text[at:]}
+        if unclosed:
+            return text + f"</{max(unclosed, key=unclosed.get)}>"
     return text
 
 
