@@ -3,6 +3,7 @@ check made before any work that the mistake would waste."""
 
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import pytest
@@ -147,6 +148,13 @@ def test_a_run_on_a_world_directory_is_tied_to_that_world(tmp_path, monkeypatch)
                  ["evolve", "--world", "w", "--out", "run", "--no-audit", "--resume", *TINY]):
         assert "the world directory has changed since run was made on it" in _usage_error(args)
     assert not (tmp_path / "b").exists() and not (tmp_path / "b.json").exists()
+    # a grid (or demo) rerun finds the run complete: it must not pass for a finished job of the new world
+    from selfevo.experiments import grid, run_job
+
+    sets = [f'world.name="{tmp_path / "w"}"', *[x for x in TINY if x != "--set"]]
+    (job,) = grid(["coupled"], [0], tmp_path, sets)
+    res = run_job(dataclasses.replace(job, out=str(tmp_path / "run")))
+    assert res["status"] == "failed" and "the world directory has changed since" in res["error"], res
 
 
 def test_a_model_on_the_sim_backend_is_refused(tmp_path):

@@ -260,6 +260,12 @@ def _edit(path: Path, fn) -> None:
      "a/audit/metrics.json: field 'steps' is missing"),
     (lambda root: (root / "replay").mkdir() or (root / "replay" / "results.json").write_text('{"bank": 1}'),
      "replay/results.json: field 'conditions' should be an object of objects"),
+    (lambda root: (root / "replay").mkdir() or (root / "replay" / "results.json").write_text(
+        '{"conditions": {"coupled": {"F": 0.5, "seeds": 1}}}'),
+     "replay/results.json: field conditions.coupled.F: should be an object, got 0.5"),
+    (lambda root: (root / "replay").mkdir() or (root / "replay" / "results.json").write_text(
+        '{"conditions": {"coupled": {"F": {"mean": "0.5", "std": 0}}}}'),
+     "replay/results.json: field conditions.coupled.F.mean should be a number or null"),
 ])
 def test_report_names_a_damaged_eval_audit_or_replay_file(tmp_path, finished, damage, named):
     # the report read these without the checks config, manifest and compute have: a KeyError traceback

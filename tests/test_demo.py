@@ -116,6 +116,55 @@ def test_a_job_that_failed_before_its_run_directory_is_named_in_the_report(tmp_p
     (left,) = res["excluded"]
     assert (left["treatment"], left["seed"]) == ("crossfit", 0) and "failed before it wrote" in left["why"]
     assert "crossfit seed 0" in (out / "report.md").read_text()
+    assert res["incomplete"] == ["1 of 2 jobs failed"]  # the CLI exits 1 on it
+
+
+def test_a_partial_demo_writes_its_report_and_exits_1(tmp_path):
+    """A replay study that cannot run (too small a bank; one round) ended the demo with exit 2 and
+    no report, after every run had finished; a failed job ended it with exit 0."""
+    from io import StringIO
+
+    from rich.console import Console
+
+    from selfevo.demo import run_demo
+
+    quiet = Console(file=StringIO(), width=400)
+    out = tmp_path / "demo"
+    res = run_demo(_quick(treatments=("coupled",), replay_conditions=("source-id",), replay_size=60), out,
+                   console=quiet, workers=1)
+    (why,) = res["incomplete"]
+    assert why.startswith("replay study skipped: feedback solver") and "demo.replay_size" in why
+    assert "replay" not in res and not (out / "replay" / "bank.json").exists()
+    report = (out / "report.md").read_text()
+    assert "Replay study skipped: feedback solver" in report and "| coupled |" in report
+    one_round = {"loop": {**_quick().run["loop"], "rounds": 1}}
+    res = run_demo(_quick(treatments=("coupled",), replay_conditions=("coupled",), run=one_round),
+                   tmp_path / "one", console=quiet, workers=1)
+    assert res["incomplete"] == ["replay study skipped: the bank takes round-2 and later proposals, and the runs "
+                                 "have 1 round (in the demo: raise demo.replay_size, loop.admit_per_round or "
+                                 "loop.rounds, or set demo.replay_conditions = [])"]
+    # through the CLI: the report is written, and the exit status says it is not the whole plan
+    cfg = tmp_path / "partial.toml"
+    cfg.write_text('[demo]\ntreatments = ["coupled"]\nseeds = 1\nworld = "small"\nreplay_conditions = []\n'
+                   "[loop]\nadmit_per_round = 120\nproposer_steps = 4\nsolver_steps = 3\nrounds = 1\n")
+    (tmp_path / "cli" / "runs").mkdir(parents=True)
+    result = CliRunner().invoke(app, ["demo", "--config", str(cfg), "--out", str(tmp_path / "cli"), "--workers", "1"])
+    assert result.exit_code == 0 and (tmp_path / "cli" / "report.html").exists(), result.output
+    cfg.write_text(cfg.read_text().replace('["coupled"]', '["coupled", "msv"]'))
+    (tmp_path / "cli" / "runs" / "msv-s0").write_text("a file where the run directory goes")
+    result = CliRunner().invoke(app, ["demo", "--config", str(cfg), "--out", str(tmp_path / "cli"), "--workers", "1"])
+    assert result.exit_code == 1 and "1 of 2 jobs failed" in result.output, result.output
+    assert "msv seed 0" in (tmp_path / "cli" / "report.md").read_text()
+
+
+def test_the_ray_executor_without_ray_is_one_line(monkeypatch, tmp_path):
+    import sys
+
+    from selfevo.experiments import grid, run_grid
+
+    monkeypatch.setitem(sys.modules, "ray", None)  # as if not installed
+    with pytest.raises(ValueError, match=r"executor ray: Ray is not installed \(pip install 'selfevo\[ray\]'\)"):
+        run_grid(grid(["coupled"], [0], tmp_path, []), "ray")
 
 
 def test_a_job_refused_for_another_config_is_left_out_not_reported(tmp_path):

@@ -171,7 +171,7 @@ def test_a_run_not_complete_is_left_out_and_listed(runs, tmp_path):
     _mark_running(killed)
     result = CliRunner().invoke(app, ["report", str(root)])
     assert result.exit_code == 0, result.output
-    assert "left out (not complete):" in _one_line(result.output)
+    assert "left out (failed or not complete):" in _one_line(result.output)
     res = _strict((root / "results.json").read_text())
     assert res["seeds"] == [0]  # the killed seed 1 is in no number
     assert res["downstream"]["coupled"]["macro"]["n"] == 1

@@ -192,17 +192,24 @@ def test_a_treatment_has_one_colour_in_every_figure_and_its_interval_as_given(mo
     assert ys == pytest.approx([0.01, 0.05])
 
 
+def _audit(first: dict[str, list[float]], last: dict[str, list[float]], seeds=None) -> dict:
+    """A treatment's audit entry as collect_runs writes it, from per-seed round-1 and last-round
+    A / T_P / F."""
+    from selfevo.algos import summary
+
+    seeds = list(seeds if seeds is not None else range(len(last["A"])))
+    by_seed = [{s: {m: v[i] for m, v in per.items()} for i, s in enumerate(seeds)} for per in (first, last)]
+    return {"rounds": [{m: summary(v) for m, v in per.items()} for per in (first, last)],
+            "first_by_seed": by_seed[0], "last_by_seed": by_seed[1], "unaudited": []}
+
+
 def _res(coupled: dict[str, list[float]], other: dict[str, list[float]], gain: list[float]) -> dict:
     """A results dict as collect_runs writes it: per-seed round-3 A / T_P / F of coupled and one
     other treatment ("crossfit"), coupled's round-1 F below its round 3, and downstream macro gains."""
     from selfevo.algos import summary
 
     def audit(per_seed: dict[str, list[float]]) -> dict:
-        seeds = range(len(per_seed["A"]))
-        last = {s: {m: per_seed[m][s] for m in per_seed} for s in seeds}
-        round_3 = {m: summary(per_seed[m]) for m in per_seed}
-        round_1 = {m: summary([v / 4 for v in per_seed[m]]) for m in per_seed}
-        return {"rounds": [round_1, round_3], "last_by_seed": last}
+        return _audit({m: [v / 4 for v in vs] for m, vs in per_seed.items()}, per_seed)
 
     return {"audit": {"coupled": audit(coupled), "crossfit": audit(other)},
             "downstream": {"coupled": {}, "crossfit": {"gain_vs_coupled": {"macro": summary(gain)}}}}
@@ -235,6 +242,47 @@ def test_readings_state_the_regression_only_where_paired_intervals_show_it():
     lines = readings(_res(COUPLED, higher, [0.03, -0.02, 0.00]))
     assert not any("looks worse" in line for line in lines)
     assert "(an interval including 0; 3 seeds)" in lines[-1]
+
+
+def test_the_coupled_reading_claims_co_cheating_only_where_paired_seeds_show_f_rising_with_a():
+    """It said "rising agreement is partly co-cheating" on any rise of the mean F, even one of
+    0.001 while A fell (a review's real runs: F 0.067 -> 0.068, A 0.414 -> 0.382)."""
+    from selfevo.report.collect import readings
+
+    def coupled_says(first: dict, last: dict) -> str:
+        lines = readings({"audit": {"coupled": _audit(first, last)}, "downstream": {}})
+        return lines[0] if lines else ""
+
+    rising = coupled_says({"A": [0.34, 0.35, 0.33], "T_P": [0.77] * 3, "F": [0.03, 0.02, 0.03]},
+                          {"A": [0.70, 0.69, 0.71], "T_P": [0.76] * 3, "F": [0.11, 0.10, 0.12]})
+    assert rising.startswith("Coupled loop: false agreement F rises from 0.027 (round 1) to 0.110 (round 2)")
+    assert "paired 95% interval [" in rising and rising.endswith("rising agreement is partly co-cheating.")
+    flat = coupled_says({"A": [0.42, 0.41, 0.41], "T_P": [0.63] * 3, "F": [0.067, 0.070, 0.060]},
+                        {"A": [0.38, 0.39, 0.38], "T_P": [0.69] * 3, "F": [0.068, 0.060, 0.075]})
+    assert "includes 0: more seeds would settle it" in flat and "co-cheating" not in flat
+    falling_a = coupled_says({"A": [0.50, 0.52, 0.51], "T_P": [0.7] * 3, "F": [0.03, 0.02, 0.03]},
+                             {"A": [0.45, 0.46, 0.44], "T_P": [0.7] * 3, "F": [0.09, 0.10, 0.08]})
+    assert "agreement itself did not rise" in falling_a and "co-cheating" not in falling_a
+    one_seed = coupled_says({"A": [0.3], "T_P": [0.7], "F": [0.03]}, {"A": [0.7], "T_P": [0.7], "F": [0.10]})
+    assert "1 seed: no interval" in one_seed and "co-cheating" not in one_seed
+    assert coupled_says({"A": [0.3] * 2, "T_P": [0.7] * 2, "F": [0.05] * 2},
+                        {"A": [0.7] * 2, "T_P": [0.7] * 2, "F": [0.05] * 2}) == ""  # F does not rise
+
+
+def test_a_treatment_reading_quotes_the_means_of_the_seeds_it_pairs():
+    """With a failed job the seed sets differ; the reading quoted each treatment's mean over its own
+    seeds, and could say "agreement looks worse (A 0.460 vs coupled 0.407)"."""
+    from selfevo.report.collect import readings
+
+    coupled = _audit({"A": [0.3] * 3, "T_P": [0.7] * 3, "F": [0.03] * 3},
+                     {"A": [0.52, 0.50, 0.20], "T_P": [0.60, 0.61, 0.60], "F": [0.10] * 3})
+    crossfit = _audit({"A": [0.3] * 2, "T_P": [0.7] * 2, "F": [0.03] * 2},
+                      {"A": [0.47, 0.45], "T_P": [0.80, 0.81], "F": [0.05, 0.05]}, seeds=[0, 1])
+    crossfit["unaudited"] = [2]
+    lines = readings({"audit": {"coupled": coupled, "crossfit": crossfit}, "downstream": {}})
+    said = next(line for line in lines if line.startswith("crossfit: agreement looks worse"))
+    assert "(A 0.460 vs coupled 0.510)" in said and "seeds 0, 1" in said
+    assert "crossfit: seed(s) 2 not audited (`selfevo audit RUN`); the audit numbers leave them out." in lines
 
 
 def test_every_table_formats_numbers_and_missing_numbers_alike():

@@ -687,7 +687,8 @@ def demo_cmd(
     workers: int | None = typer.Option(None, min=1, help="local worker processes (default: all cores)"),
 ) -> None:
     """The paper's whole protocol on the embedded world: every treatment over several seeds, the
-    audit, the downstream evaluation, the replay bank study, and one report."""
+    audit, the downstream evaluation, the replay bank study, and one report. Exits 1 when a job or
+    the replay study failed (the report covers the rest), 2 on an error that leaves no report."""
     from selfevo.config import ConfigError
     from selfevo.demo import load_plan, run_demo
 
@@ -696,9 +697,11 @@ def demo_cmd(
     except ConfigError as e:
         _fail(str(e))
     try:
-        run_demo(plan, out, console, workers)
+        res = run_demo(plan, out, console, workers)
     except ValueError as e:  # the project's errors (a world, a run, the bank, the report) are ValueErrors
         _fail(str(e))
+    if res["incomplete"]:  # a script must tell a partial demo from a whole one
+        raise typer.Exit(code=1)
 
 
 @app.command("report")

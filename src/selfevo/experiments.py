@@ -40,7 +40,7 @@ def grid(treatments: Sequence[str], seeds: Sequence[int], root: str | os.PathLik
 def run_job(job: Job) -> dict:
     """Run one job; never raises (a failure is a result)."""
     from selfevo.config import RunConfig, load_config
-    from selfevo.evolve import evolve
+    from selfevo.evolve import check_world, evolve
     from selfevo.runs import RunDir
 
     run = RunDir(job.out)
@@ -49,6 +49,7 @@ def run_job(job: Job) -> dict:
         if run.exists() and run.manifest().get("status") == "complete":
             # finished under this job's config, or its results would pass for this grid's
             run.check_config(cfg.to_json(), defaults=RunConfig().to_json())
+            check_world(run, cfg)  # ... and on the world (directory) it names now, as a resume checks
             return {"job": job.name, "status": "skipped", "run": job.out}
         evolve(cfg, job.out, resume=run.exists(), progress=False)
         return {"job": job.name, "status": "ok", "run": job.out}
@@ -75,7 +76,10 @@ def run_grid(jobs: Sequence[Job], executor: str = "local", workers: int | None =
             on_done(res)
 
     if executor == "ray":
-        import ray
+        try:
+            import ray
+        except ImportError:
+            raise ValueError("executor ray: Ray is not installed (pip install 'selfevo[ray]')") from None
 
         if not ray.is_initialized():
             ray.init(address=os.environ.get("RAY_ADDRESS"), include_dashboard=False, log_to_driver=False)

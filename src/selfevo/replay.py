@@ -480,7 +480,7 @@ def _train(ctx: _Context, name: str, train: list, updates: int, seed: int):
     s = ctx.settings
     if len(train) < s.updates:
         raise ReplayError(f"feedback solver {name}: {len(train)} training items, fewer than the "
-                          f"{s.updates} updates; use a larger bank or fewer --updates")
+                          f"{s.updates} updates; use a larger bank or fewer updates (`replay run --updates`)")
     solver = ctx.make_solver(name)
     order = list(train)
     random.Random(derive_seed(seed, "order")).shuffle(order)

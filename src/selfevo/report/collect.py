@@ -102,7 +102,10 @@ def collect_runs(run_dirs: Sequence[str | os.PathLike]) -> dict:
                                                           for a in audits])}
                        for i in range(n_rounds)],
             "steps": _mean_steps(audits),
+            "first_by_seed": {s: a["rounds"][0] for s, a in by_seed.items() if a["rounds"]},
             "last_by_seed": {s: a["rounds"][-1] for s, a in by_seed.items() if a["rounds"]},
+            # complete runs made with `evolve --no-audit`: in the downstream numbers, not the audit's
+            "unaudited": sorted(set(runs[t]) - set(by_seed)),
         }
     rows = compare([r.path for by_seed in runs.values() for r in by_seed.values()])
     for t in treatments:
@@ -133,22 +136,45 @@ def _mean_steps(audits: list[dict]) -> list[dict]:
     return steps
 
 
+def _mean_over(by_seed: dict, seeds: list, metric: str) -> float | None:
+    return summary([by_seed[s][metric] for s in seeds])["mean"]
+
+
 def readings(res: dict) -> list[str]:
-    """The paper's qualitative findings, stated only where the numbers show them."""
+    """The paper's qualitative findings, stated only where the numbers show them: a difference is
+    paired by seed and claimed only where its 95% interval excludes 0, and the means quoted beside it
+    are over the same seeds."""
     out = []
     coupled = res["audit"].get("coupled")
     if coupled and len(coupled["rounds"]) >= 2:
-        f1, fl = coupled["rounds"][0]["F"]["mean"], coupled["rounds"][-1]["F"]["mean"]
-        a1, al = coupled["rounds"][0]["A"]["mean"], coupled["rounds"][-1]["A"]["mean"]
-        t1, tl = coupled["rounds"][0]["T_P"]["mean"], coupled["rounds"][-1]["T_P"]["mean"]
-        if f1 is not None and fl is not None and fl > f1:
-            out.append(f"Coupled loop: false agreement F rises from {f1:.3f} (round 1) to {fl:.3f} "
-                       f"(round {len(coupled['rounds'])}) while A goes {a1:.3f} -> {al:.3f} and label "
-                       f"truth T_P {t1:.3f} -> {tl:.3f}: rising agreement is partly co-cheating.")
+        first, last = coupled["first_by_seed"], coupled["last_by_seed"]
+        seeds = sorted(set(first) & set(last))
+        d_f = summary([_minus(last[s]["F"], first[s]["F"]) for s in seeds])
+        f1, fl = _mean_over(first, seeds, "F"), _mean_over(last, seeds, "F")
+        a1, al = _mean_over(first, seeds, "A"), _mean_over(last, seeds, "A")
+        t1, tl = _mean_over(first, seeds, "T_P"), _mean_over(last, seeds, "T_P")
+        n_rounds = len(coupled["rounds"])
+        if d_f["mean"] is not None and d_f["mean"] > 0 and None not in (a1, al, t1, tl):
+            said = (f"Coupled loop: false agreement F rises from {f1:.3f} (round 1) to {fl:.3f} (round {n_rounds}) "
+                    f"while A goes {a1:.3f} -> {al:.3f} and label truth T_P {t1:.3f} -> {tl:.3f}")
+            if d_f["n"] < 2 or d_f["lo"] is None:
+                out.append(said + f" ({d_f['n']} seed: no interval, the rise is not settled).")
+            elif d_f["lo"] <= 0:
+                out.append(said + f", but the paired 95% interval of the rise [{d_f['lo']:+.3f}, {d_f['hi']:+.3f}] "
+                           f"({d_f['n']} seeds) includes 0: more seeds would settle it.")
+            elif al > a1:
+                out.append(said + f" (rise {d_f['mean']:+.3f}, paired 95% interval [{d_f['lo']:+.3f}, "
+                           f"{d_f['hi']:+.3f}], {d_f['n']} seeds): rising agreement is partly co-cheating.")
+            else:
+                out.append(said + f" (rise {d_f['mean']:+.3f}, paired 95% interval [{d_f['lo']:+.3f}, "
+                           f"{d_f['hi']:+.3f}], {d_f['n']} seeds): more of the agreement is on wrong labels, "
+                           "though agreement itself did not rise.")
     for t, a in res["audit"].items():
+        if a.get("unaudited"):
+            out.append(f"{t}: seed(s) {', '.join(map(str, a['unaudited']))} not audited (`selfevo audit RUN`); "
+                       "the audit numbers leave them out.")
         if t == "coupled" or not coupled or not a["rounds"]:
             continue
-        mine, base = a["rounds"][-1], coupled["rounds"][-1]
         seeds = sorted(set(a["last_by_seed"]) & set(coupled["last_by_seed"]))
 
         def paired(metric: str, seeds=seeds, a=a) -> dict:
@@ -159,9 +185,13 @@ def readings(res: dict) -> list[str]:
         d_a, d_tp = paired("A"), paired("T_P")
         if d_a["n"] < 2 or not d_a["mean"] < 0 < d_tp["mean"]:  # both over the same seeds
             continue
-        pattern = (f"{t}: agreement looks worse (A {mine['A']['mean']:.3f} vs coupled {base['A']['mean']:.3f}) "
-                   f"while truth is better (T_P {mine['T_P']['mean']:.3f} vs {base['T_P']['mean']:.3f}; "
-                   f"F {mine['F']['mean']:.3f} vs {base['F']['mean']:.3f})")
+
+        def means(metric: str, seeds=seeds, a=a) -> str:  # over the paired seeds, as the test
+            return (f"{metric} {_mean_over(a['last_by_seed'], seeds, metric):.3f} vs "
+                    f"{_mean_over(coupled['last_by_seed'], seeds, metric):.3f}")
+
+        pattern = (f"{t}: agreement looks worse ({means('A').replace(' vs ', ' vs coupled ', 1)}) while truth is "
+                   f"better ({means('T_P')}; {means('F')}; seeds {', '.join(map(str, seeds))})")
         if d_a["hi"] < 0 and d_tp["lo"] > 0:  # both paired intervals exclude 0 in the telling direction
             out.append(pattern + ". An operator watching only in-loop agreement would call this a regression.")
         else:  # the means show the pattern, the seeds do not yet settle it: say both

@@ -26,7 +26,7 @@ def steps_figure(steps: list[dict], title: str) -> bytes:
         ax.axvspan(min(in_r) - 0.5, max(in_r) + 0.5, color="grey", alpha=0.07 if r % 2 else 0.0)
         ax.text((min(in_r) + max(in_r)) / 2, 1.02, f"round {r}", ha="center", fontsize=8,
                 transform=ax.get_xaxis_transform())
-    ax.set_xlabel("scheduled step (proposer steps; the main solver's 25 steps of each round lie between)")
+    ax.set_xlabel("scheduled step (proposer steps; the main solver's steps of each round lie between)")
     ax.set_ylim(0, 1)
     ax.set_title(title, fontsize=10, pad=16)
     ax.legend(ncol=5, fontsize=8, loc="upper left")

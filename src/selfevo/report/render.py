@@ -10,8 +10,10 @@ from selfevo._software import software_text
 from selfevo.audit import METRICS, hop_mix_text
 from selfevo.evaluate import BENCHMARKS
 
+# the replay study's columns (DIR/replay/results.json, conditions.NAME.COLUMN: mean and std)
+REPLAY_COLUMNS = ("F", "solver_truth", "replay_accuracy", "A")
 # runs collect_runs left out of every number (not complete), listed so the reader knows
-LEFT_OUT = "Runs left out (not complete; no number above includes them)"
+LEFT_OUT = "Runs left out (failed or not complete; no number above includes them)"
 
 
 def _f(s: dict | None, ci: bool = False) -> str:
@@ -64,10 +66,9 @@ def tables(res: dict) -> dict[str, tuple[list[str], list[list[str]]]]:
            "Compute and overhead against coupled": (comp_head, comp)}
     if res.get("replay"):
         rp = res["replay"]["conditions"]
-        keys = ["F", "solver_truth", "replay_accuracy", "A"]
         out["Fixed replay bank (mean ± std over seeds)"] = (
-            ["condition", *keys],
-            [[n, *[mean_std_text(c.get(k), n=c.get("seeds")) for k in keys]] for n, c in rp.items()])
+            ["condition", *REPLAY_COLUMNS],
+            [[n, *[mean_std_text(c.get(k), n=c.get("seeds")) for k in REPLAY_COLUMNS]] for n, c in rp.items()])
     return out
 
 
