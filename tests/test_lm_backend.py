@@ -341,20 +341,33 @@ def test_sampled_replies_that_end_early_are_not_length(smollm2_path):
     assert seen_short and seen_long  # the case: early and budget-bound rows in one batch
 
 
-def test_chat_server_refuses_a_seed_torch_cannot_take(smollm2_path):
+def test_chat_server_refuses_a_seed_torch_cannot_take_and_a_prompt_past_the_context(smollm2_path):
     """'Every bad request is a 4xx, never a 500': a seed outside torch.manual_seed's range is a 422
-    (a 500 would be retried by every client as a server fault), the edges of the range work."""
+    (a 500 would be retried by every client as a server fault), the edges of the range work; a
+    prompt that fills the model's context is a 400."""
     from fastapi.testclient import TestClient
 
     from selfevo.agents.lm.model import TransformersChatModel
     from selfevo.agents.lm.server import make_app
 
-    client = TestClient(make_app(TransformersChatModel(smollm2_path, threads=1)), raise_server_exceptions=False)
+    model = TransformersChatModel(smollm2_path, threads=1)
+    client = TestClient(make_app(model), raise_server_exceptions=False)
     body = {"messages": [{"role": "user", "content": "Say hi."}], "max_tokens": 2, "temperature": 0.8}
     for seed in (2**64, -(2**63) - 1, 10**30):
         assert client.post("/v1/chat/completions", json={**body, "seed": seed}).status_code == 422
     for seed in (0, -1, 2**64 - 1, -(2**63)):
         assert client.post("/v1/chat/completions", json={**body, "seed": seed}).status_code == 200
+    # the model's context: a prompt that fills it is a 400 (a review's 9,031-token prompt on SmolLM2's
+    # 8,192 positions was a 200 after 31.8 s of prefill under the lock); a reply past it is cut short
+    n_prompt = client.post("/v1/chat/completions", json=body).json()["usage"]["prompt_tokens"]
+    model.model.config.max_position_embeddings = n_prompt + 3  # a small context: no long prefill here
+    r = client.post("/v1/chat/completions", json={**body, "temperature": 0.0, "max_tokens": 50})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] <= 3
+    assert r.json()["choices"][0]["finish_reason"] in ("length", "stop")
+    long = {**body, "messages": [{"role": "user", "content": "Say hi, please, now."}]}
+    r = client.post("/v1/chat/completions", json=long)
+    assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
+    assert r.json()["error"]["message"].startswith(f"this model's maximum context length is {n_prompt + 3} tokens")
 
 
 def test_a_policy_file_of_another_lora_rank_is_a_clear_error(smollm2_path, tmp_path):

@@ -222,7 +222,8 @@ def smollm2_dir() -> Path:
 class TransformersChatModel:
     """A causal LM with a chat template. Greedy at temperature 0, sampling otherwise; one generation
     at a time (a lock: a CPU model gains nothing from interleaving, and memory stays bounded);
-    `max_tokens` is capped at `max_new_tokens`. JSON mode prefills the reply with "{" (a nudge,
+    `max_tokens` is capped at `max_new_tokens` and at what the model's positions leave after the prompt
+    (a prompt that fills them is refused: ModelFault 400). JSON mode prefills the reply with "{" (a nudge,
     not a grammar): the reply is "{" plus what the model continues with. `max_seconds` bounds one
     generation's wall time (transformers' `max_time`): a reply cut by it ends with finish_reason
     "length", and a server's queue behind the lock never waits on a runaway generation."""
@@ -259,6 +260,12 @@ class TransformersChatModel:
         prefix = "{" if json_mode else ""
         enc = self.tokenizer(prompt + prefix, return_tensors="pt", add_special_tokens=False).to(self.device)
         budget = max(1, min(max_tokens, self.max_new_tokens))
+        n_prompt, limit = enc["input_ids"].shape[1], getattr(self.model.config, "max_position_embeddings", None)
+        if isinstance(limit, int):  # past its positions a model reads garbage (RoPE) or fails
+            if n_prompt >= limit:  # refused before the lock: its prefill alone could hold it for hours
+                raise ModelFault(400, f"this model's maximum context length is {limit} tokens; the prompt has "
+                                      f"{n_prompt}")
+            budget = min(budget, limit - n_prompt)  # clamped, as max_new_tokens is: finish_reason "length"
         greedy = temperature <= 0.0
         kwargs = {"max_new_tokens": budget, "do_sample": not greedy,
                   "pad_token_id": self.tokenizer.pad_token_id or self.tokenizer.eos_token_id}

@@ -7,9 +7,11 @@
 
 Enough of the OpenAI API for the official `openai` client, vLLM-style callers and selfevo's own
 judge. Departures, all on the side of refusing: no streaming (400), caps on body size, messages,
-`max_tokens` and `n`; every bad request is a 4xx, never a 500 (a 5xx is a model failure, which the
-scripted model injects on purpose). A `max_tokens` within the request cap but above the model's own
-budget is clamped by the model (finish_reason "length"), as servers with a context limit do.
+`max_tokens` and `n`, no prompt as long as the model's context (400); content must be a string (no
+list of parts) and the role system, user or assistant; every bad request is a 4xx, never a 500 (a
+5xx is a model failure, which the scripted model injects on purpose). A `max_tokens` within the
+request cap but above the model's own budget (or what its context leaves after the prompt) is clamped
+by the model (finish_reason "length"), as servers with a context limit do.
 Binds loopback by default; with `api_key` set, requests need `Authorization: Bearer <key>`.
 """
 
@@ -126,7 +128,8 @@ def make_app(model: ChatModel, max_body_bytes: int = MAX_BODY_BYTES, max_tokens_
                                             top_p=req.top_p, max_tokens=max_tokens, n=req.n,
                                             seed=req.seed, json_mode=json_mode, stop=stop or None)
         except ModelFault as e:
-            return JSONResponse({"error": {"message": str(e), "type": "server_error"}}, status_code=e.status)
+            kind = "server_error" if e.status >= 500 else "invalid_request_error"
+            return JSONResponse({"error": {"message": str(e), "type": kind}}, status_code=e.status)
         except GarbageBody:
             return PlainTextResponse("<html><body>502 Bad Gateway</body></html>")
         return JSONResponse({
