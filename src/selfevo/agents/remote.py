@@ -12,10 +12,11 @@ seed, the turn and the row, so a seeded server samples reproducibly and the n sa
 differ.
 
 Failures: the HTTP client (`agents.chat_client`, shared with the LLM judge) retries timeouts,
-connection errors, 429, 5xx and 200s that are no chat completion. A call that still fails ends its
+connection errors, 408, 409, 425, 429, 5xx and 200s that are no chat completion. A call that still fails ends its
 trajectory unanswered (an empty answer, scored as wrong) and is counted in `stats` -- one bad call
-does not stop an evaluation of 1,325 questions. HTTP 401/403/404 raise `EndpointError` at once
-(wrong key, URL or model: nothing would work).
+does not stop an evaluation of 1,325 questions; `max_failed_in_a_row` calls failing with no reply
+between them do (`EndpointError`: the endpoint is not answering). HTTP 401/403/404 raise
+`EndpointError` at once (wrong key, URL or model: nothing would work).
 
 The API key comes from `api_key` or the SELFEVO_API_KEY environment variable; it is never logged,
 printed or written (`describe()` says only whether one is set).
@@ -68,7 +69,7 @@ class RemoteSolver:
                  temperature: float = SAMPLE_TEMPERATURE, top_p: float = SAMPLE_TOP_P,
                  max_tokens: int = 512, max_actions: int = 5, concurrency: int = 4,
                  timeout: float = 120.0, max_retries: int = 4, backoff: float = 0.5,
-                 context: Callable[[str], str] | None = None):
+                 context: Callable[[str], str] | None = None, max_failed_in_a_row: int = 16):
         if concurrency < 1:
             raise ValueError(f"concurrency: must be >= 1, got {concurrency}")
         if max_actions < 1:
@@ -84,6 +85,10 @@ class RemoteSolver:
         self._has_key = bool(key)
         self.stats: Counter[str] = Counter()
         self.last_failure = ""  # the text of the last call that failed for good
+        # calls that failed for good with no reply between them: past this many the endpoint is not
+        # answering (a dead server, a parameter it refuses), and going on would only turn every
+        # remaining question into a scored "no answer", minutes of retries each
+        self.max_failed_in_a_row, self._failed_in_a_row = max_failed_in_a_row, 0
         self.endpoint_models: list[str] | None = None
         self._lock = threading.Lock()
         self.client = ChatClient(url, model, api_key=key, timeout=timeout, max_retries=max_retries,
@@ -138,9 +143,17 @@ class RemoteSolver:
                                           seed=row_seed)[0]
             except CallFailed as e:
                 self._count("failed_calls")
-                self.last_failure = str(e)  # the server's reason, for the warning below
+                with self._lock:
+                    self.last_failure = str(e)  # the server's reason, for the warning below
+                    self._failed_in_a_row += 1
+                    in_a_row = self._failed_in_a_row
                 log.debug("remote call failed for good: %s", e)
+                if in_a_row >= self.max_failed_in_a_row:
+                    raise EndpointError(f"{self.url}: {in_a_row} calls in a row failed for good (last: {e}); "
+                                        "the endpoint is not answering") from None
                 return "", "error"
+            with self._lock:
+                self._failed_in_a_row = 0
             return choice.text, choice.finish_reason
 
         with ThreadPoolExecutor(max_workers=min(self.concurrency, max(1, len(conversations))),
