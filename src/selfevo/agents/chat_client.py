@@ -176,11 +176,11 @@ class ChatClient:
             body["response_format"] = {"type": "json_object"}
         return body
 
-    def _post(self, body: dict) -> httpx.Response:
-        """POST with `timeout` bounding the whole call: httpx's timeout bounds each read only, so a
-        server trickling its body in (a byte now and then) would hold the call for ever."""
+    def _request(self, method: str, url: str, **kwargs: Any) -> httpx.Response:
+        """One request with `timeout` bounding the whole body: httpx's timeout bounds each read only,
+        so a server trickling its body in (a byte now and then) would hold the call for ever."""
         deadline = time.monotonic() + self.timeout
-        with self._http.stream("POST", self.endpoint, json=body) as r:
+        with self._http.stream(method, url, **kwargs) as r:
             raw = bytearray()
             for chunk in r.iter_raw():
                 raw += chunk
@@ -191,7 +191,7 @@ class ChatClient:
     def _send(self, body: dict) -> list[Choice]:
         self._event("request")
         try:
-            r = self._post(body)
+            r = self._request("POST", self.endpoint, json=body)
         except httpx.TimeoutException:
             self._event("timeout")
             raise
@@ -245,8 +245,8 @@ class ChatClient:
         EndpointError if it is unreachable or refuses the key; returns the model ids it lists
         ([] if it lists none, or has no /models route)."""
         try:
-            r = self._http.get(f"{self.base_url}/models")
-        except httpx.TransportError as e:
+            r = self._request("GET", f"{self.base_url}/models")
+        except (httpx.TransportError, httpx.DecodingError) as e:
             raise EndpointError(self._scrub(f"{self.base_url}: cannot connect ({type(e).__name__}: {e})")) from None
         self._check_refused(r)
         if r.status_code != 200:

@@ -129,6 +129,13 @@ class RemoteSolver:
                 # that answers any requested name shows here which model gave the answers
                 "endpoint_models": self.endpoint_models, "reply_models": dict(self.client.reply_models)}
 
+    def _check_answering(self) -> None:
+        with self._lock:
+            n, last = self._failed_in_a_row, self.last_failure
+        if n >= self.max_failed_in_a_row:
+            raise EndpointError(f"{self.url}: {n} calls in a row failed for good (last: {last}); "
+                                "the endpoint is not answering")
+
     # -------------------------------------------------------------- generation
     def _generate(self, conversations: list[list[dict]], seed: int | None, greedy: bool) -> list[tuple[str, str]]:
         """One assistant action per conversation, `(text, finish_reason)`; "error" for a call that
@@ -136,6 +143,7 @@ class RemoteSolver:
         temperature, top_p = (0.0, 1.0) if greedy else (self.temperature, self.top_p)
 
         def one(row: int) -> tuple[str, str]:
+            self._check_answering()  # once it is not, the calls still queued are not sent
             self._count("calls")
             row_seed = None if seed is None else derive_seed(seed, "row", row) & SEED_MASK
             try:
@@ -146,11 +154,8 @@ class RemoteSolver:
                 with self._lock:
                     self.last_failure = str(e)  # the server's reason, for the warning below
                     self._failed_in_a_row += 1
-                    in_a_row = self._failed_in_a_row
                 log.debug("remote call failed for good: %s", e)
-                if in_a_row >= self.max_failed_in_a_row:
-                    raise EndpointError(f"{self.url}: {in_a_row} calls in a row failed for good (last: {e}); "
-                                        "the endpoint is not answering") from None
+                self._check_answering()
                 return "", "error"
             with self._lock:
                 self._failed_in_a_row = 0
@@ -177,6 +182,8 @@ class RemoteSolver:
         starts = [solver_messages(q, context=None if contexts is None or contexts[i] is None
                                   else self._context(contexts[i].contents)) for i, q in enumerate(questions)]
         copies = 1 if greedy else n  # greedy: the n trajectories are identical, run one
+        with self._lock:  # each batch may try the endpoint afresh
+            self._failed_in_a_row = 0
         rollouts = run_rollouts([s for s in starts for _ in range(copies)], tool,
                                 lambda convs, s: self._generate(convs, s, greedy),
                                 max_actions=self.max_actions, seed=seed)
