@@ -471,6 +471,40 @@ def test_evaluate_solver_writes_predictions_and_score(tmp_path):
     assert json.loads((tmp_path / "score.json").read_text()) == result
 
 
+def test_an_evaluation_stopped_part_way_continues_where_it_stopped(tmp_path):
+    """`selfevo eval` kept every answer in memory until the end: an endpoint that stopped answering
+    at question 64 of 70 (or a kill, or Ctrl-C) lost all of them."""
+    data = {"nq": [QAItem(f"n{i}", f"Paris{i} question", (f"paris{i}",), {"benchmark": "nq"}) for i in range(7)]}
+    tool = SearchTool(_FakeRetriever([Document("d", "T", "text")]), topk=3, max_calls=5)
+    key = {"agent": "echo", "data_dir": "qa"}
+    whole = evaluate_solver(_EchoSolver(), data, tool, out_dir=tmp_path / "whole", batch_size=2, progress=False,
+                            timing=False, partial_key=key)
+    assert not (tmp_path / "whole" / "predictions.partial.jsonl").exists()  # removed once written
+
+    class StopsAtBatch3(_EchoSolver):
+        def answer(self, questions, tool, **kw):
+            if len(self.calls) == 2:
+                raise RuntimeError("the endpoint stopped answering")
+            return super().answer(questions, tool, **kw)
+
+    out = tmp_path / "stopped"
+    with pytest.raises(RuntimeError, match="stopped answering"):
+        evaluate_solver(StopsAtBatch3(), data, tool, out_dir=out, batch_size=2, progress=False, partial_key=key)
+    assert not (out / "predictions.jsonl").exists()
+    with open(out / "predictions.partial.jsonl", "a") as fh:
+        fh.write('{"id": "n4", "predic')  # and a kill tore the last line
+    with pytest.raises(ValueError, match="a stopped evaluation of other settings"):
+        evaluate_solver(_EchoSolver(), data, tool, out_dir=out, batch_size=2, progress=False,
+                        partial_key={**key, "agent": "other"})
+    again = _EchoSolver()
+    result = evaluate_solver(again, data, tool, out_dir=out, batch_size=2, progress=False, timing=False,
+                             partial_key=key)
+    assert again.calls == [(2, True, 1, 5), (1, True, 1, 5)]  # n4..n6: the 4 answered before are not asked again
+    assert result["run"].pop("resumed_questions") == 4 and result == whole
+    assert (out / "predictions.jsonl").read_bytes() == (tmp_path / "whole" / "predictions.jsonl").read_bytes()
+    assert not (out / "predictions.partial.jsonl").exists()
+
+
 def test_evaluate_solver_rejects_a_solver_that_drops_questions():
     class Dropper:
         name = "dropper"

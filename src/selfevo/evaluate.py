@@ -12,6 +12,8 @@ The runner gives every agent the same thing: one greedy trajectory per question 
 from __future__ import annotations
 
 import functools
+import hashlib
+import json
 import os
 import re
 import string
@@ -28,7 +30,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from selfevo._fmt import num
-from selfevo._io import write_json, write_jsonl
+from selfevo._io import append_jsonl, read_jsonl_log, write_json, write_jsonl
 from selfevo.corpus import DataError, _require_str, iter_json_lines, read_qa_dir
 from selfevo.records import QAItem
 
@@ -277,34 +279,54 @@ def evaluate_solver(solver: Solver, data: Mapping[str, Sequence[QAItem]], tool: 
                     batch_size: int = 64, console: Console | None = None,
                     progress: bool = True, run_info: Mapping[str, Any] | None = None,
                     predictions_path: str | os.PathLike | None = None,
-                    score_path: str | os.PathLike | None = None, timing: bool = True) -> dict:
+                    score_path: str | os.PathLike | None = None, timing: bool = True,
+                    partial_key: Mapping[str, Any] | None = None) -> dict:
     """Run `solver` once, greedily, on every question and score it.
 
     Every agent gets the same `tool` (its budget, e.g. 5 searches of top-3, is the tool's, so it
     is identical for every row) and the same scorer. Writes `predictions.jsonl` and `score.json`
     to `out_dir` when given (or to the explicit paths); returns the score dict plus a `run` block
     (tool budget, timing unless `timing=False`, and whatever the caller passes in `run_info`).
+
+    With `partial_key` (what makes two evaluations the same: the agent spec, data, retriever) and
+    `out_dir`, each answered batch is appended to `predictions.partial.jsonl` as it comes: an
+    evaluation stopped part way (a kill, Ctrl-C, an endpoint that stopped answering) continues from
+    there when run again with the same key, and the file is removed once the results are written.
     """
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
     data = _select(data, limit)
     items = [(bench, it) for bench, its in data.items() for it in its]
-    answers: dict[str, Any] = {}
+    partial = None
+    if partial_key is not None and out_dir is not None:
+        key = {**partial_key, "limit": limit, "tool": {"topk": tool.topk, "max_calls": tool.max_calls},
+               "questions": hashlib.sha256("\n".join(it.id for _, it in items).encode()).hexdigest()}
+        partial = Path(out_dir) / "predictions.partial.jsonl"
+        answers: dict[str, Any] = _read_partial(partial, key)
+    else:
+        answers = {}
+    resumed = len(answers)
     console = console or Console(stderr=True)
+    if resumed:
+        console.print(escape(f"continuing the evaluation stopped in {partial}: {resumed} of {len(items)} "
+                             "questions answered before"))
     started = time.perf_counter()
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                TimeElapsedColumn())
+    todo = [(bench, it) for bench, it in items if it.id not in answers]
     with Progress(*columns, console=console, disable=not progress) as bar:
         task = bar.add_task(escape(f"eval {getattr(solver, 'name', type(solver).__name__)}"),  # lm:PATH
-                            total=len(items))
-        for start in range(0, len(items), batch_size):
-            batch = items[start:start + batch_size]
+                            total=len(items), completed=resumed)
+        for start in range(0, len(todo), batch_size):
+            batch = todo[start:start + batch_size]
             trajs = solver.answer([it.question for _, it in batch], tool, greedy=True, n=1)
             if len(trajs) != len(batch) or any(len(t) < 1 for t in trajs):
                 raise RuntimeError(f"solver returned {len(trajs)} trajectory lists for "
                                    f"{len(batch)} questions (or an empty list)")
             for (_, it), (traj, *_) in zip(batch, trajs):
                 answers[it.id] = traj
+            if partial is not None:
+                append_jsonl(partial, [_prediction_row(b, it, answers[it.id]) for b, it in batch])
             bar.advance(task, len(batch))
     elapsed = time.perf_counter() - started
 
@@ -317,28 +339,54 @@ def evaluate_solver(solver: Solver, data: Mapping[str, Sequence[QAItem]], tool: 
         "tool": {"topk": tool.topk, "max_calls": tool.max_calls},
         "searches": sum(len(t.searches) for t in answers.values()),
         **({"answer_seconds": round(elapsed, 3)} if timing else {}),
+        **({"resumed_questions": resumed} if resumed else {}),
         **(run_info or {}),
     }
     describe = getattr(solver, "describe", None)
-    if describe is not None:  # e.g. a remote solver's settings and failed-call counters
+    if describe is not None:  # e.g. a remote solver's settings and failed-call counters (this invocation's)
         result["run"]["agent_detail"] = describe()
     if out_dir is not None:
         predictions_path = predictions_path or Path(out_dir) / "predictions.jsonl"
         score_path = score_path or Path(out_dir) / "score.json"
     if predictions_path is not None:
-        rows = []
-        for bench, it in items:
-            traj = answers[it.id]
-            rows.append({
-                "id": it.id, "benchmark": bench, "question": it.question,
-                "prediction": predictions[it.id], "golden_answers": list(it.golden_answers),
-                "cover_em": cover_em(predictions[it.id], it.golden_answers),
-                "searches": list(traj.searches),
-            })
-        write_jsonl(predictions_path, rows)
+        write_jsonl(predictions_path, [_prediction_row(b, it, answers[it.id]) for b, it in items])
     if score_path is not None:
         write_json(score_path, result)
+    if partial is not None:
+        partial.unlink()  # its rows are in predictions.jsonl now
     return result
+
+
+def _prediction_row(bench: str, it: QAItem, traj: Any) -> dict:
+    prediction = traj.answer or ""
+    return {"id": it.id, "benchmark": bench, "question": it.question, "prediction": prediction,
+            "golden_answers": list(it.golden_answers), "cover_em": cover_em(prediction, it.golden_answers),
+            "searches": list(traj.searches)}
+
+
+def _read_partial(path: Path, key: dict) -> dict[str, Any]:
+    """The answers an earlier, stopped evaluation with the same `key` appended to `path` (its first
+    line is the key); a new file holding only the key if there is none."""
+    from selfevo.agents.base import Trajectory
+
+    if not path.exists():
+        append_jsonl(path, [{"partial_of": key}])
+        return {}
+    try:
+        rows = read_jsonl_log(path, repair=True)  # a kill may have torn the last line
+    except ValueError as e:
+        raise ValueError(f"{e}; remove it to start the evaluation over") from None
+    if not rows or rows[0].get("partial_of") != json.loads(json.dumps(key)):
+        raise ValueError(f"{path}: a stopped evaluation of other settings (agent, data, retriever, limit or "
+                         "questions); remove it to start over, or choose another --out")
+    answers = {}
+    for i, row in enumerate(rows[1:], start=2):
+        if not (isinstance(row.get("id"), str) and isinstance(row.get("prediction"), str)
+                and isinstance(row.get("searches"), list)):
+            raise ValueError(f"{path}:{i}: not a prediction row (id, prediction, searches); remove the file "
+                             "to start the evaluation over")
+        answers[row["id"]] = Trajectory(answer=row["prediction"], searches=[str(q) for q in row["searches"]])
+    return answers
 
 
 def run_eval(data_dir: str | os.PathLike, corpus: str | os.PathLike | None, agent: str,
@@ -389,10 +437,13 @@ def run_eval(data_dir: str | os.PathLike, corpus: str | os.PathLike | None, agen
         "index": None if index is None or retriever_url else str(index),
         "setup_seconds": round(time.perf_counter() - started, 3),  # loading + indexing
     }
+    # what makes a stopped evaluation in out_dir this one, so that a rerun continues it
+    same = {k: run_info[k] for k in ("agent", "data_dir", "corpus", "retriever_url", "retriever", "index")}
     try:
         return evaluate_solver(solver, data, tool, out_dir=out_dir, limit=limit,
-                               progress=progress, run_info=run_info)
+                               progress=progress, run_info=run_info, partial_key=same)
     finally:
-        close = getattr(retriever, "close", None)  # the HTTP client holds a connection pool
-        if close is not None:
-            close()
+        for closing in (retriever, solver):  # HTTP clients hold connection pools
+            close = getattr(closing, "close", None)
+            if close is not None:
+                close()
