@@ -641,3 +641,22 @@ def test_failed_calls_are_warned_with_the_servers_reason(caplog):
     s = solver("http://fake/v1", max_retries=0, max_failed_in_a_row=2, concurrency=1)
     _mock(s.client, [lambda: _error(400, "no"), lambda: _ok("<answer> x </answer>")] * 3)
     assert [t.answer for (t,) in s.answer(["a", "b", "c"], tool())] == ["", "x", ""]
+
+
+def test_a_stopping_caller_is_not_held_by_the_retries_of_calls_in_flight():
+    """On Ctrl-C (or an endpoint error) the calls in flight went through all their retries before
+    the evaluation could stop: with the defaults about 10 minutes. They now make no further attempt."""
+    s = solver("http://fake/v1", max_retries=50, concurrency=2, backoff=0.05)
+
+    def reply(request: httpx.Request) -> httpx.Response:
+        if b"refuse me" in request.content:
+            time.sleep(0.2)  # the other call is retrying by then
+            return _error(403, "flagged")
+        return httpx.Response(503, stream=httpx.ByteStream(b""))
+
+    s.client._http = httpx.Client(transport=httpx.MockTransport(reply))
+    start = time.monotonic()
+    with pytest.raises(EndpointError, match="flagged"):
+        s.answer(["refuse me", "retry me"], tool())
+    assert time.monotonic() - start < 3  # 50 retries with backoff would take minutes
+    assert s.stats["retries"] < 20

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import httpx
-from tenacity import Retrying, retry_if_exception_type, stop_after_attempt, wait_exponential, wait_random
+from tenacity import Retrying, retry_if_exception_type, stop_after_attempt, stop_any, wait_exponential, wait_random
 
 from selfevo.search.client import MAX_WAIT_S, retry_after_seconds
 
@@ -114,6 +114,9 @@ class ChatClient:
         # asked for (llama.cpp's server and `serve-model` answer any)
         self.reply_models: Counter[str] = Counter()
         self._models_lock = threading.Lock()
+        # set by a caller that is stopping (Ctrl-C): calls in flight make no further attempt, so the
+        # caller's threads end within one timeout instead of all their retries
+        self.retrying_stopped = threading.Event()
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._http = httpx.Client(timeout=httpx.Timeout(timeout), headers=headers)
 
@@ -228,7 +231,8 @@ class ChatClient:
                          seed=seed, stop=stop, json_mode=json_mode)
         try:
             for attempt in Retrying(retry=retry_if_exception_type((httpx.TransportError, _Retryable)),
-                                    stop=stop_after_attempt(self.max_retries + 1), wait=self._wait,
+                                    stop=stop_any(stop_after_attempt(self.max_retries + 1),
+                                                  lambda _: self.retrying_stopped.is_set()), wait=self._wait,
                                     before_sleep=lambda _: self._event("retry"), reraise=True):
                 with attempt:
                     return self._send(body)

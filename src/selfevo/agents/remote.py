@@ -166,9 +166,10 @@ class RemoteSolver:
             futures = [pool.submit(one, row) for row in range(len(conversations))]
             try:
                 return [f.result() for f in futures]
-            except EndpointError:
-                for f in futures:  # nothing else will work either: do not send the rest
+            except BaseException:  # nothing else will work (EndpointError), or we are stopping (Ctrl-C)
+                for f in futures:  # do not send the rest ...
                     f.cancel()
+                self.client.retrying_stopped.set()  # ... nor retry the calls in flight
                 raise
 
     # -------------------------------------------------------------- the Solver protocol
@@ -184,6 +185,7 @@ class RemoteSolver:
         copies = 1 if greedy else n  # greedy: the n trajectories are identical, run one
         with self._lock:  # each batch may try the endpoint afresh
             self._failed_in_a_row = 0
+        self.client.retrying_stopped.clear()
         rollouts = run_rollouts([s for s in starts for _ in range(copies)], tool,
                                 lambda convs, s: self._generate(convs, s, greedy),
                                 max_actions=self.max_actions, seed=seed)
