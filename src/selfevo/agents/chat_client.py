@@ -7,10 +7,10 @@ API, `selfevo serve-model`), shared by the remote solver and the LLM judge.
     client.complete(messages)        -> the first choice's text
 
 Every setting has a client-wide default (the constructor) and a per-call override. Retries with
-exponential backoff and jitter (tenacity) on timeouts, connection errors, 408, 409, 425, 429 and 5xx,
-honouring Retry-After; 401/403/404 and redirects (3xx, never followed) raise `EndpointError` at once (nothing
-will work: wrong key, URL or model); any other failure after the retries raises `CallFailed`, which
-a caller survives (one bad call must not stop an evaluation or an audit). A 200 whose body is no
+exponential backoff and jitter (tenacity) on timeouts, connection errors, 408, 409, 425, 429 and
+5xx, honouring Retry-After; 401/403/404 and redirects (3xx, never followed) raise `EndpointError` at
+once (nothing will work: wrong key, URL or model); any other failure after the retries raises
+`CallFailed`, which a caller survives (one bad call must not stop an evaluation or an audit). A 200 whose body is no
 chat completion (a proxy's error page, a broken server) is retried like a 5xx: it says nothing about
 what the model would answer, so a caller must never keep it as a reply (the judge caches replies).
 

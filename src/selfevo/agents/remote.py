@@ -12,9 +12,9 @@ seed, the turn and the row, so a seeded server samples reproducibly and the n sa
 differ.
 
 Failures: the HTTP client (`agents.chat_client`, shared with the LLM judge) retries timeouts,
-connection errors, 408, 409, 425, 429, 5xx and 200s that are no chat completion. A call that still fails ends its
-trajectory unanswered (an empty answer, scored as wrong) and is counted in `stats` -- one bad call
-does not stop an evaluation of 1,325 questions; `max_failed_in_a_row` calls failing with no reply
+connection errors, 408, 409, 425, 429, 5xx and 200s that are no chat completion. A call that still
+fails ends its trajectory unanswered (an empty answer, scored as wrong) and is counted in `stats` --
+one bad call does not stop an evaluation of 1,325 questions; `max_failed_in_a_row` calls failing with no reply
 between them do (`EndpointError`: the endpoint is not answering). HTTP 401/403/404 raise
 `EndpointError` at once (wrong key, URL or model: nothing would work).
 

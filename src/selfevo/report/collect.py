@@ -186,11 +186,11 @@ def readings(res: dict) -> list[str]:
         if d_a["n"] < 2 or not d_a["mean"] < 0 < d_tp["mean"]:  # both over the same seeds
             continue
 
-        def means(metric: str, seeds=seeds, a=a) -> str:  # over the paired seeds, as the test
-            return (f"{metric} {_mean_over(a['last_by_seed'], seeds, metric):.3f} vs "
+        def means(metric: str, vs: str = "vs", seeds=seeds, a=a) -> str:  # over the seeds the test pairs
+            return (f"{metric} {_mean_over(a['last_by_seed'], seeds, metric):.3f} {vs} "
                     f"{_mean_over(coupled['last_by_seed'], seeds, metric):.3f}")
 
-        pattern = (f"{t}: agreement looks worse ({means('A').replace(' vs ', ' vs coupled ', 1)}) while truth is "
+        pattern = (f"{t}: agreement looks worse ({means('A', 'vs coupled')}) while truth is "
                    f"better ({means('T_P')}; {means('F')}; seeds {', '.join(map(str, seeds))})")
         if d_a["hi"] < 0 and d_tp["lo"] > 0:  # both paired intervals exclude 0 in the telling direction
             out.append(pattern + ". An operator watching only in-loop agreement would call this a regression.")
