@@ -303,6 +303,8 @@ def evaluate_solver(solver: Solver, data: Mapping[str, Sequence[QAItem]], tool: 
                "questions": hashlib.sha256("\n".join(it.id for _, it in items).encode()).hexdigest()}
         partial = Path(out_dir) / "predictions.partial.jsonl"
         answers: dict[str, Any] = _read_partial(partial, key)
+        if not partial.exists():
+            append_jsonl(partial, [{"partial_of": key}])  # its first line says what it is a part of
     else:
         answers = {}
     resumed = len(answers)
@@ -366,11 +368,10 @@ def _prediction_row(bench: str, it: QAItem, traj: Any) -> dict:
 
 def _read_partial(path: Path, key: dict) -> dict[str, Any]:
     """The answers an earlier, stopped evaluation with the same `key` appended to `path` (its first
-    line is the key); a new file holding only the key if there is none."""
+    line is the key); none if there is no such file."""
     from selfevo.agents.base import Trajectory
 
     if not path.exists():
-        append_jsonl(path, [{"partial_of": key}])
         return {}
     try:
         rows = read_jsonl_log(path, repair=True)  # a kill may have torn the last line

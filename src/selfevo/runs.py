@@ -134,7 +134,7 @@ def _check_steps(path: Path, rows: list) -> list[dict]:
     return rows
 
 
-def _check_numbers(obj, keys: Sequence[str], where: str) -> None:
+def check_numbers(obj, keys: Sequence[str], where: str) -> None:
     """Each of `keys` is in `obj` (an object) as a number or null (a metric with nothing to measure)."""
     if not isinstance(obj, dict):
         raise RunError(f"{where}: should be an object, got {obj!r:.60}")
@@ -336,9 +336,9 @@ class RunDir:
         data = read_object(path)
         check_fields(data, {"benchmarks": dict}, str(path))
         for b, row in data["benchmarks"].items():
-            _check_numbers(row, ("cover_em",), f"{path}: field benchmarks.{b}")
+            check_numbers(row, ("cover_em",), f"{path}: field benchmarks.{b}")
         for group in _EVAL_GROUPS:
-            _check_numbers(data.get(group), ("cover_em",), f"{path}: field {group}")
+            check_numbers(data.get(group), ("cover_em",), f"{path}: field {group}")
         return data
 
     def audit_metrics(self) -> dict:
@@ -350,7 +350,7 @@ class RunDir:
         check_fields(data, {"rounds": list, "steps": list}, str(path))
         for part in ("rounds", "steps"):
             for i, row in enumerate(data[part]):
-                _check_numbers(row, METRICS, f"{path}: field {part}[{i}]")
+                check_numbers(row, METRICS, f"{path}: field {part}[{i}]")
         return data
 
     def compute(self) -> dict:

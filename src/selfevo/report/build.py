@@ -12,7 +12,7 @@ from selfevo._io import atomic_writer
 from selfevo.report import figures as figs
 from selfevo.report.collect import collect_runs, find_runs
 from selfevo.report.render import REPLAY_COLUMNS, html_page, markdown
-from selfevo.runs import RunError, _check_numbers, read_object
+from selfevo.runs import RunError, check_numbers, read_object
 
 
 def build_report(root: str | os.PathLike, context: str = "", runs: Sequence[str | os.PathLike] | None = None,
@@ -36,7 +36,7 @@ def build_report(root: str | os.PathLike, context: str = "", runs: Sequence[str 
             raise RunError(f"{replay_results}: field 'conditions' should be an object of objects")
         for name, c in conditions.items():
             for metric in REPLAY_COLUMNS:
-                _check_numbers(c.get(metric), ("mean", "std"), f"{replay_results}: field conditions.{name}.{metric}")
+                check_numbers(c.get(metric), ("mean", "std"), f"{replay_results}: field conditions.{name}.{metric}")
     pngs: dict[str, bytes] = {}
     if "coupled" in res["audit"]:
         pngs["Coupled loop: A, T_P, T_S, F, L by scheduled step (mean over seeds; Figure 1/3 analogue)"] = \
