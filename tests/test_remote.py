@@ -660,3 +660,20 @@ def test_a_stopping_caller_is_not_held_by_the_retries_of_calls_in_flight():
         s.answer(["refuse me", "retry me"], tool())
     assert time.monotonic() - start < 3  # 50 retries with backoff would take minutes
     assert s.stats["retries"] < 20
+
+
+def test_a_servers_synonyms_for_stop_close_the_action_as_stop_does():
+    """Old TGI ends a reply with finish_reason "eos_token" (or "stop_sequence" at a stop string):
+    read as anything but "stop", the `<search>` its stop string ended was left open, an invalid
+    action, so every search from such a server was lost."""
+    from selfevo.agents.lm.protocol import close_action, parse_action
+
+    for sent, read in (("eos_token", "stop"), ("stop_sequence", "stop"), (None, "stop"), ("length", "length"),
+                       ("content_filter", "content_filter")):
+        body = {"choices": [{"message": {"content": "<search> q1 "}, "finish_reason": sent}]}
+        client = ChatClient("http://fake/v1", "m", max_retries=0)
+        _mock(client, [httpx.Response(200, stream=httpx.ByteStream(json.dumps(body).encode()))])
+        (choice,) = client.chat(HI)
+        assert choice.finish_reason == read, sent
+        action = parse_action(close_action(choice.text, choice.finish_reason))
+        assert (action.kind == "search") == (read == "stop"), sent

@@ -54,11 +54,23 @@ class _Retryable(RuntimeError):
 
 @dataclass(frozen=True)
 class Choice:
-    """One completion of a call. `finish_reason` is the server's ("stop", "length", ...;
-    "stop" when it sends none)."""
+    """One completion of a call. `finish_reason` is the server's in OpenAI's words ("stop",
+    "length", ...; "stop" when it sends none; see `openai_finish_reason`)."""
 
     text: str
     finish_reason: str = "stop"
+
+
+# finish reasons of servers that predate or sidestep OpenAI's words for "it stopped by itself" (TGI:
+# "eos_token", "stop_sequence"): read as "stop", else the action the stop string ended is not closed
+_STOPPED = frozenset({"eos_token", "eos", "stop_sequence", "end_turn"})
+
+
+def openai_finish_reason(reason: object) -> str:
+    """A reply's finish_reason in OpenAI's words: none sent is "stop", and so is a synonym for it."""
+    if not isinstance(reason, str) or not reason:
+        return "stop"
+    return "stop" if reason in _STOPPED else reason
 
 
 
@@ -209,7 +221,8 @@ class ChatClient:
             out = []
             for c in choices:
                 content = c["message"]["content"]
-                out.append(Choice(content if isinstance(content, str) else "", c.get("finish_reason") or "stop"))
+                out.append(Choice(content if isinstance(content, str) else "",
+                                  openai_finish_reason(c.get("finish_reason"))))
             if not out:
                 raise ValueError("no choices")
         except (ValueError, KeyError, IndexError, TypeError, AttributeError):
