@@ -3,6 +3,7 @@ never interrupted, byte for byte."""
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -247,3 +248,22 @@ def test_a_run_still_being_written_is_not_resumed_beside_its_writer(tmp_path):
         assert writer.wait(timeout=300) == 0
     keys = [(r["round"], r["step"]) for r in RunDir(out).steps()]
     assert keys == sorted(set(keys)) and len(keys) == 2 * (18 + 25)
+
+
+def test_a_run_with_no_finished_round_says_how_to_start_afresh_with_another_config(tmp_path, reference):
+    """A first start that failed in its round-0 evaluation (say out of memory) leaves a run with no
+    finished round; retried with a smaller batch, both a plain rerun and --resume refused it, and
+    neither said that removing the directory loses nothing finished."""
+    partial = tmp_path / "run"
+    shutil.copytree(reference.path, partial)
+    m = json.loads((partial / "manifest.json").read_text())
+    (partial / "manifest.json").write_text(json.dumps({**m, "status": "running", "rounds_completed": 0}))
+    result = CliRunner().invoke(app, ["evolve", "--out", str(partial), *CLI_SCALED,
+                                      "--set", "loop.solver_steps=7", "--resume"])
+    text = " ".join(result.output.split())
+    assert result.exit_code == 2 and "config differs" in text, result.output
+    assert "no round of it finished" in text and "start afresh" in text
+    # a run with a finished round gets no such advice: removing it would lose that round
+    result = CliRunner().invoke(app, ["evolve", "--out", str(reference.path), *CLI_SCALED,
+                                      "--set", "loop.solver_steps=7", "--resume"])
+    assert result.exit_code == 2 and "afresh" not in " ".join(result.output.split())

@@ -216,11 +216,16 @@ class RunDir:
         values) lets a run made before a field existed resume while that field keeps its default."""
         if not self.exists():
             raise RunError(f"{self.path}: no run to resume (no manifest.json)")
+        done = None
         try:
-            self.check_config(config, defaults)
             done = self.manifest().get("rounds_completed", 0)
+            self.check_config(config, defaults)
         except RunError as e:
-            raise RunError(f"{e}; cannot resume") from None
+            # e.g. a first start that failed in its round-0 evaluation (out of memory), retried with a
+            # smaller batch: the directory holds no finished round, so say how to start over
+            hint = (f" (no round of it finished: remove {self.path} to start afresh with this config)"
+                    if done == 0 else "")
+            raise RunError(f"{e}; cannot resume{hint}") from None
         if done and not self.checkpoint_path(done).exists():
             raise RunError(f"{self.path}: manifest says round {done} is done but its checkpoint is missing")
         self.check_software()
