@@ -278,3 +278,24 @@ def test_names_from_the_data_and_paths_print_as_they_are(tmp_path):
     res = runner.invoke(app, ["index", "build", "--corpus", str(corpus), "--out", str(out)])
     assert res.exit_code == 0, res.output
     assert str(out) in " ".join(res.output.split())
+
+
+def test_every_commands_summary_is_one_line_so_the_command_lists_read_as_sentences():
+    """Typer's command list (`selfevo --help`, `selfevo index --help`) keeps the line breaks of a
+    docstring's first paragraph: a summary wrapped in the source printed as broken lines there."""
+    import inspect
+
+    import typer
+
+    def commands(group, path):
+        for name, sub in getattr(group, "commands", {}).items():
+            yield f"{path} {name}", sub
+            yield from commands(sub, f"{path} {name}")
+
+    listed = list(commands(typer.main.get_command(app), "selfevo"))
+    assert len(listed) >= 20
+    for path, command in listed:
+        summary = inspect.cleandoc(command.help or "").split("\n\n")[0]
+        assert summary and "\n" not in summary, path
+    out = CliRunner().invoke(app, ["--help"], terminal_width=200).output
+    assert "per step and round." in out and "the oracle," not in out

@@ -196,8 +196,9 @@ def index_import(
     batch_size: int = typer.Option(32, help="encoding batch size"),
     device: str = typer.Option("cpu", help="encoding device (cpu, cuda, ...)"),
 ) -> None:
-    """Adopt a FAISS index built elsewhere, with its corpus and encoder, as a dense (or hybrid) index
-    directory: kind, dimension, row count and a spot check of re-encoded passages are verified first."""
+    """Adopt a FAISS index built elsewhere, with its corpus and encoder, as a dense or hybrid index.
+
+    Its kind, dimension, row count and a spot check of re-encoded passages are verified first."""
     from selfevo.search.adopt import adopt
     from selfevo.search.dense import Encoder
 
@@ -296,8 +297,9 @@ def data_download(
                                     help="corpus file in that repo: .jsonl, .jsonl.gz or a .zip of one .jsonl"),
     dry_run: bool = typer.Option(False, "--dry-run", help="print what would be fetched; fetch and write nothing"),
 ) -> None:
-    """Fetch the benchmarks and the corpus from the Hugging Face Hub, convert, validate and record them
-    (HF_TOKEN, HF_ENDPOINT and HF_HUB_OFFLINE apply). Re-running skips what is already complete."""
+    """Fetch the benchmarks and the corpus from the Hugging Face Hub, convert, validate, record them.
+
+    HF_TOKEN, HF_ENDPOINT and HF_HUB_OFFLINE apply. Re-running skips what is already complete."""
     from selfevo.data import DownloadError, download_data
 
     try:
@@ -472,8 +474,10 @@ def audit_cmd(
     figures: bool = typer.Option(True, help="write PNG figures to OUT/figures"),
     progress: bool = typer.Option(True, help="progress bar"),
 ) -> None:
-    """Audit saved steps post hoc: A, T_P, T_S, F, L, coverage per step and round, with the oracle,
-    an LLM judge or gold answers; optionally compare the judge with truth (audit the auditor)."""
+    """Audit saved steps post hoc: A, T_P, T_S, F, L and coverage per step and round.
+
+    The judge is the oracle, an LLM judge or gold answers; optionally the judge is compared with
+    truth (audit the auditor)."""
     from rich.table import Table
 
     from selfevo._fmt import DASH, num
@@ -652,8 +656,9 @@ def serve_model_cmd(
 
 @app.command("compare")
 def compare_cmd(run_dirs: list[Path] = typer.Argument(..., help="run directories")) -> None:
-    """Compute overhead (generations, updates, wall seconds) against the coupled run of the same
-    seed, next to each run's last-round F / T_P / A and Cover-EM."""
+    """Compute overhead against the coupled run of the same seed, with last-round F, T_P, A, Cover-EM.
+
+    Overhead counts generations, updates and wall seconds."""
     from rich.table import Table
 
     from selfevo._fmt import num
@@ -686,9 +691,11 @@ def demo_cmd(
     config: Path | None = typer.Option(None, help="demo config (default: configs/demo.toml)"),
     workers: int | None = typer.Option(None, min=1, help="local worker processes (default: all cores)"),
 ) -> None:
-    """The paper's whole protocol on the embedded world: every treatment over several seeds, the
-    audit, the downstream evaluation, the replay bank study, and one report. Exits 1 when a job or
-    the replay study failed (the report covers the rest), 2 on an error that leaves no report."""
+    """The paper's whole protocol on the embedded world, several seeds, one report.
+
+    Every treatment over several seeds, the audit, the downstream evaluation, the replay bank study,
+    and one report. Exits 1 when a job or the replay study failed (the report covers the rest), 2 on
+    an error that leaves no report."""
     from selfevo.config import ConfigError
     from selfevo.demo import load_plan, run_demo
 
