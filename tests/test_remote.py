@@ -677,3 +677,52 @@ def test_a_servers_synonyms_for_stop_close_the_action_as_stop_does():
         assert choice.finish_reason == read, sent
         action = parse_action(close_action(choice.text, choice.finish_reason))
         assert (action.kind == "search") == (read == "stop"), sent
+
+
+def test_a_key_quoted_by_the_server_is_never_shown():
+    """The texts built from an error reply (401/403, 404, another 4xx) were not scrubbed: a server
+    or proxy that quotes the key it refuses had it printed by `selfevo eval` and logged."""
+    key = "sk-live-SECRET1234567890"
+    client = ChatClient("http://fake/v1", "m", api_key=key, max_retries=0)
+    long = "x" * 190 + key  # cut at 200 characters, a scrub after the cut would miss half the key
+    for status, exc in ((401, EndpointError), (403, EndpointError), (404, EndpointError), (400, CallFailed),
+                        (422, CallFailed)):
+        for said in (f"Incorrect API key provided: {key}", long):
+            _mock(client, [_error(status, said)])
+            with pytest.raises(exc) as e:
+                client.complete(HI)
+            assert "SECRET" not in str(e.value) and f"HTTP {status}" in str(e.value), (status, str(e.value))
+    _mock(client, [httpx.Response(400, stream=httpx.ByteStream(f"<html>bad key {key}</html>".encode()))])
+    with pytest.raises(CallFailed, match=r"bad key \*\*\*") as e:  # a body that is no JSON error
+        client.complete(HI)
+    _mock(client, [_error(401, f"Incorrect API key provided: {key}")])
+    with pytest.raises(EndpointError, match=r"provided: \*\*\*") as e:  # the probe
+        client.check()
+    assert "SECRET" not in str(e.value)
+
+
+def test_a_call_waiting_to_retry_stops_when_its_caller_does():
+    """`retrying_stopped` was read only after an attempt failed: a call sleeping out a Retry-After
+    slept it out and made one more attempt. And the solver waited on its rows in order, so an
+    endpoint error of a later row waited for an earlier row's Retry-After."""
+    client = ChatClient("http://fake/v1", "m", max_retries=4, backoff=0.01)
+    seen = _mock(client, [httpx.Response(429, headers={"Retry-After": "20"}, stream=httpx.ByteStream(b""))])
+    threading.Timer(0.3, client.retrying_stopped.set).start()
+    start = time.monotonic()
+    with pytest.raises(CallFailed, match="HTTP 429"):
+        client.complete(HI)
+    assert time.monotonic() - start < 3 and len(seen) == 1
+
+    s = solver("http://fake/v1", max_retries=4, concurrency=2, backoff=0.01)
+
+    def reply(request: httpx.Request) -> httpx.Response:
+        if b"refuse me" in request.content:
+            time.sleep(0.3)  # the other call is waiting out its Retry-After by then
+            return _error(401, "key revoked")
+        return httpx.Response(429, headers={"Retry-After": "20"}, stream=httpx.ByteStream(b""))
+
+    s.client._http = httpx.Client(transport=httpx.MockTransport(reply))
+    start = time.monotonic()
+    with pytest.raises(EndpointError, match="key revoked"):
+        s.answer(["wait me", "refuse me"], tool())
+    assert time.monotonic() - start < 3

@@ -77,7 +77,7 @@ def openai_finish_reason(reason: object) -> str:
 
 def _error_message(r: httpx.Response) -> str:
     """The message of an error reply in the OpenAI shape (`{"error": {"message"}}`) or vLLM's
-    (`{"message"}`), cut to 200 characters; "" if the body is neither."""
+    (`{"message"}`); "" if the body is neither."""
     try:
         body = r.json()
     except ValueError:
@@ -86,7 +86,7 @@ def _error_message(r: httpx.Response) -> str:
         return ""
     error = body.get("error")
     message = error.get("message") if isinstance(error, dict) else body.get("message")
-    return str(message)[:200] if message else ""
+    return str(message) if message else ""
 
 
 class ChatClient:
@@ -136,6 +136,11 @@ class ChatClient:
         """`text` without the key (an exception's text may quote a request header)."""
         return text.replace(self._key, "***") if self._key else text
 
+    def _said(self, r: httpx.Response, or_body: bool = False) -> str:
+        """What an error reply says (its message; with `or_body`, else its body), without the key (a
+        server may quote the key it refuses), then cut to 200 characters."""
+        return self._scrub(_error_message(r) or (r.text if or_body else ""))[:200]
+
     def __repr__(self) -> str:  # never the key
         return f"ChatClient({self.endpoint!r}, model={self.model!r})"
 
@@ -159,16 +164,16 @@ class ChatClient:
             raise _Retryable(f"HTTP {r.status_code}", retry_after_seconds(r.headers.get("retry-after")))
         self._check_refused(r)
         if r.status_code == 404:  # a wrong path, or (vLLM, OpenAI, serve-model --served-model-name) model
-            said = _error_message(r)
+            said = self._said(r)
             raise EndpointError(f"{self.endpoint}: HTTP 404{f': {said}' if said else ''} ({self._hint_404})")
         if r.status_code >= 400:  # not retried: the same request gets the same answer
-            raise CallFailed(f"HTTP {r.status_code} (not retried): {_error_message(r) or r.text[:200]}")
+            raise CallFailed(f"HTTP {r.status_code} (not retried): {self._said(r, or_body=True)}")
 
     def _check_refused(self, r: httpx.Response) -> None:
         """A reply that no retry or other call will change (a chat call's and the probe's alike):
         the key is refused, or the URL redirects (never followed: a redirect's body is no reply)."""
         if r.status_code in (401, 403):
-            said = _error_message(r)
+            said = self._said(r)
             raise EndpointError(f"{r.request.url}: HTTP {r.status_code}{f': {said}' if said else ''} "
                                 f"(is {self._key_env} set correctly?)")
         if 300 <= r.status_code < 400:
@@ -242,13 +247,23 @@ class ChatClient:
         EndpointError at once on 401/403/404."""
         body = self.body(messages, n=n, temperature=temperature, top_p=top_p, max_tokens=max_tokens,
                          seed=seed, stop=stop, json_mode=json_mode)
+        last: BaseException | None = None  # the failure of the attempt before
         try:
+            # the wait before a retry (up to a minute of backoff or Retry-After) ends when the caller
+            # stops, and no attempt follows it
             for attempt in Retrying(retry=retry_if_exception_type((httpx.TransportError, _Retryable)),
                                     stop=stop_any(stop_after_attempt(self.max_retries + 1),
                                                   lambda _: self.retrying_stopped.is_set()), wait=self._wait,
+                                    sleep=self.retrying_stopped.wait,
                                     before_sleep=lambda _: self._event("retry"), reraise=True):
                 with attempt:
-                    return self._send(body)
+                    if last is not None and self.retrying_stopped.is_set():
+                        raise last
+                    try:
+                        return self._send(body)
+                    except (httpx.TransportError, _Retryable) as e:
+                        last = e
+                        raise
         except (httpx.TransportError, _Retryable) as e:
             raise CallFailed(self._scrub(f"{type(e).__name__}: {e}" if str(e) else type(e).__name__)) from None
         raise AssertionError("unreachable")

@@ -31,7 +31,7 @@ import re
 import threading
 from collections import Counter
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 
 from selfevo.agents.base import Trajectory
 from selfevo.agents.chat_client import CallFailed, ChatClient, EndpointError
@@ -165,6 +165,12 @@ class RemoteSolver:
                                 thread_name_prefix="remote") as pool:
             futures = [pool.submit(one, row) for row in range(len(conversations))]
             try:
+                # the first failure, not the first row: an EndpointError of a later row must not wait
+                # for an earlier row sleeping out a Retry-After
+                done, _ = wait(futures, return_when=FIRST_EXCEPTION)
+                for f in done:
+                    if f.exception() is not None:
+                        raise f.exception()
                 return [f.result() for f in futures]
             except BaseException:  # nothing else will work (EndpointError), or we are stopping (Ctrl-C)
                 for f in futures:  # do not send the rest ...
