@@ -601,3 +601,61 @@ def test_register_agent_refuses_a_prefix_no_spec_can_name(prefix):
     with pytest.raises(ValueError, match="agent prefix"):
         agents.register_agent(prefix, lambda arg, **context: RetrievalBaseline())
     assert prefix not in known_agents()
+
+
+def test_a_resumed_evaluation_asks_again_what_failed_and_refuses_other_agent_settings(tmp_path, monkeypatch):
+    """A review found three ways a resumed `selfevo eval` went wrong: the questions whose call
+    failed (saved as no answer) were never asked again; the stopped run's agent settings (`--lm-set`)
+    and encoder (`--model`) were not part of what must match, so answers of two settings were mixed;
+    and a start whose first call failed (a 404 for a mistyped model) left a file that refused the
+    corrected command."""
+    from types import SimpleNamespace
+
+    import selfevo.agents
+    from selfevo.evaluate import run_eval
+
+    qa = tmp_path / "qa"
+    qa.mkdir()
+    (qa / "nq.jsonl").write_text("".join(json.dumps({"id": f"n{i}", "question": f"Paris{i} question",
+                                                     "golden_answers": [f"paris{i}"]}) + "\n" for i in range(70)))
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text(json.dumps({"id": "d0", "contents": "Paris\nParis is a city."}) + "\n")
+
+    class Agent(_EchoSolver):
+        """Echoes, tagged with its setting; fails the calls of the questions in `fail`, then stops
+        (an endpoint going down) at batch `stop_at`."""
+
+        def __init__(self, context, fail=(), stop_at=None):
+            super().__init__()
+            self.tag, self.fail, self.stop_at = context.get("lm_options", {}).get("max_new_tokens", ""), fail, stop_at
+
+        def answer(self, questions, tool, **kw):
+            if self.stop_at is not None and len(self.calls) == self.stop_at:
+                raise KeyboardInterrupt
+            groups = super().answer(questions, tool, **kw)
+            for q, (traj,) in zip(questions, groups):
+                traj.trace = SimpleNamespace(failed=q in self.fail)
+                traj.answer = "" if q in self.fail else f"{traj.answer}{self.tag}"
+            return groups
+
+    def run(agent_context=None, **agent):
+        monkeypatch.setattr(selfevo.agents, "load_agent", lambda spec, **ctx: Agent(ctx, **agent))
+        return run_eval(qa, corpus, "lm:x", tmp_path / "out", progress=False, index_dir=tmp_path / "index",
+                        agent_context=agent_context)
+
+    out = tmp_path / "out"
+    with pytest.raises(KeyboardInterrupt):  # batch 1 (64 questions) answered, one call failed; then stopped
+        run(fail={"Paris1 question"}, stop_at=1)
+    rows = [json.loads(x) for x in (out / "predictions.partial.jsonl").read_text().splitlines()[1:]]
+    assert len(rows) == 64 and [r.get("failed", False) for r in rows[:3]] == [False, True, False]
+    with pytest.raises(ValueError, match="a stopped evaluation of other settings"):
+        run(agent_context={"lm_options": {"max_new_tokens": 512}})  # other agent settings: refused
+    again = run(fail={"Paris69 question"})
+    assert again["run"]["resumed_questions"] == 63  # the failed one is asked again
+    final = [json.loads(x) for x in (out / "predictions.jsonl").read_text().splitlines()]
+    assert [r["prediction"] for r in final] == [f"Paris{i}" for i in range(69)] + [""]
+    assert [r.get("failed", False) for r in final] == [False] * 69 + [True]  # marked where it stays failed
+    # a stopped start that answered nothing does not block the corrected command
+    (out / "score.json").unlink()
+    (out / "predictions.partial.jsonl").write_text(json.dumps({"partial_of": {"agent": "lm:typo"}}) + "\n")
+    assert run()["run"].get("resumed_questions") is None and not (out / "predictions.partial.jsonl").exists()

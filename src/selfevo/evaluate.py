@@ -20,7 +20,7 @@ import string
 import time
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -361,14 +361,18 @@ def evaluate_solver(solver: Solver, data: Mapping[str, Sequence[QAItem]], tool: 
 
 def _prediction_row(bench: str, it: QAItem, traj: Any) -> dict:
     prediction = traj.answer or ""
+    # a trajectory the backend could not generate (a remote call that failed for good) is scored as
+    # no answer, and marked: a resumed evaluation asks it again
+    failed = {"failed": True} if getattr(traj.trace, "failed", False) else {}
     return {"id": it.id, "benchmark": bench, "question": it.question, "prediction": prediction,
             "golden_answers": list(it.golden_answers), "cover_em": cover_em(prediction, it.golden_answers),
-            "searches": list(traj.searches)}
+            "searches": list(traj.searches), **failed}
 
 
 def _read_partial(path: Path, key: dict) -> dict[str, Any]:
     """The answers an earlier, stopped evaluation with the same `key` appended to `path` (its first
-    line is the key); none if there is no such file."""
+    line is the key), less those whose call failed (asked again); none if there is no such file. A
+    file of other settings that holds no answer (a start whose first call failed) is removed."""
     from selfevo.agents.base import Trajectory
 
     if not path.exists():
@@ -378,15 +382,19 @@ def _read_partial(path: Path, key: dict) -> dict[str, Any]:
     except ValueError as e:
         raise ValueError(f"{e}; remove it to start the evaluation over") from None
     if not rows or rows[0].get("partial_of") != json.loads(json.dumps(key)):
-        raise ValueError(f"{path}: a stopped evaluation of other settings (agent, data, retriever, limit or "
-                         "questions); remove it to start over, or choose another --out")
+        if len(rows) <= 1:  # nothing answered: the corrected command starts afresh
+            path.unlink()
+            return {}
+        raise ValueError(f"{path}: a stopped evaluation of other settings (agent and its settings, data, retriever, "
+                         "encoder, limit or questions); remove it to start over, or choose another --out")
     answers = {}
     for i, row in enumerate(rows[1:], start=2):
         if not (isinstance(row.get("id"), str) and isinstance(row.get("prediction"), str)
                 and isinstance(row.get("searches"), list)):
             raise ValueError(f"{path}:{i}: not a prediction row (id, prediction, searches); remove the file "
                              "to start the evaluation over")
-        answers[row["id"]] = Trajectory(answer=row["prediction"], searches=[str(q) for q in row["searches"]])
+        if not row.get("failed"):
+            answers[row["id"]] = Trajectory(answer=row["prediction"], searches=[str(q) for q in row["searches"]])
     return answers
 
 
@@ -438,8 +446,13 @@ def run_eval(data_dir: str | os.PathLike, corpus: str | os.PathLike | None, agen
         "index": None if index is None or retriever_url else str(index),
         "setup_seconds": round(time.perf_counter() - started, 3),  # loading + indexing
     }
-    # what makes a stopped evaluation in out_dir this one, so that a rerun continues it
+    # what makes a stopped evaluation in out_dir this one, so that a rerun continues it: what the
+    # agent is and how it is set up (not how many workers run it), and what it searches
     same = {k: run_info[k] for k in ("agent", "data_dir", "corpus", "retriever_url", "retriever", "index")}
+    same["agent_settings"] = {k: v for k, v in (agent_context or {}).items() if k != "workers"}
+    if run_info["retriever"] in ("dense", "hybrid") and dense_options is not None:
+        same["encoder"] = {k: v for k, v in asdict(dense_options).items()
+                           if k not in ("batch_size", "device")}
     try:
         return evaluate_solver(solver, data, tool, out_dir=out_dir, limit=limit,
                                progress=progress, run_info=run_info, partial_key=same)
