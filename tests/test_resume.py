@@ -18,7 +18,7 @@ from selfevo.cli import app
 from selfevo.config import load_config
 from selfevo.evolve import evolve
 from selfevo.loop.engine import Loop
-from selfevo.runs import RunDir
+from selfevo.runs import RunDir, RunError
 
 SCALED = ["world.name=small", "loop.admit_per_round=100", "loop.proposer_steps=6", "loop.solver_steps=5"]
 CLI_SCALED = [x for s in SCALED for x in ("--set", s)]
@@ -230,7 +230,6 @@ def test_sigkill_during_round_2_then_resume(tmp_path):
 def test_a_run_still_being_written_is_not_resumed_beside_its_writer(tmp_path):
     """`--resume` (or a grid rerun) while another process still writes the run: refused, naming
     the run, instead of both processes appending the same steps to one log."""
-    from selfevo.runs import RunError
 
     out = tmp_path / "run"
     args = ["evolve", "--out", str(out), "--rounds", "2", "--world", "small"]  # the full small schedule: seconds
@@ -267,3 +266,23 @@ def test_a_run_with_no_finished_round_says_how_to_start_afresh_with_another_conf
     result = CliRunner().invoke(app, ["evolve", "--out", str(reference.path), *CLI_SCALED,
                                       "--set", "loop.solver_steps=7", "--resume"])
     assert result.exit_code == 2 and "afresh" not in " ".join(result.output.split())
+
+
+def test_a_refused_resume_under_other_software_warns_and_notes_nothing(tmp_path, monkeypatch, reference):
+    """The software check ran before the steps log and the world were checked: a resume refused for
+    them had already warned "resumed under other software" and noted it in the manifest, once for
+    every refused attempt (a report would count the run as resumed under other software)."""
+    import warnings
+
+    run = RunDir(tmp_path / "run")
+    shutil.copytree(reference.path, run.path)
+    steps = run.path / "records" / "steps.jsonl"
+    lines = steps.read_text().splitlines(keepends=True)
+    steps.write_text("{not json\n" + "".join(lines[1:]))  # damage before the last line: refused
+    monkeypatch.setattr("selfevo.runs.software", lambda: {**software(), "numpy": "0.0.1"})
+    for _ in range(2):
+        with warnings.catch_warnings(record=True) as seen, pytest.raises(RunError, match="corrupt"):
+            warnings.simplefilter("always")
+            evolve(cfg_for(), run.path, resume=True, progress=False)
+        assert not [w for w in seen if issubclass(w.category, SoftwareChanged)]
+    assert "software_resumed" not in run.manifest()

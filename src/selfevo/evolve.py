@@ -246,6 +246,7 @@ def evolve(cfg: RunConfig, out: str | os.PathLike, resume: bool = False, progres
         if resuming:
             done = run.open_for_resume(cfg.to_json(), defaults=RunConfig().to_json())
             check_world(run, cfg)
+            run.check_software()  # last: a refused resume has not resumed (no warning, nothing noted)
         else:
             check_world_params(cfg, env.world)
             run.check_new()  # now, not after the model load it would waste

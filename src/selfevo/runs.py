@@ -211,9 +211,10 @@ class RunDir:
                               "software": software()})
 
     def open_for_resume(self, config: dict, defaults: dict | None = None) -> int:
-        """Check the config matches, drop records after the last checkpoint; return the number
-        of completed rounds (0 = nothing checkpointed yet). `defaults` (the config's default
-        values) lets a run made before a field existed resume while that field keeps its default."""
+        """Check the config matches, drop records after the last checkpoint; return the number of
+        completed rounds (0 = nothing checkpointed yet). `defaults` (the config's default values) lets
+        a run made before a field existed resume while that field keeps its default. The caller calls
+        `check_software` once its own checks pass: a refused resume has not resumed."""
         if not self.exists():
             raise RunError(f"{self.path}: no run to resume (no manifest.json)")
         done = None
@@ -228,7 +229,6 @@ class RunDir:
             raise RunError(f"{e}; cannot resume{hint}") from None
         if done and not self.checkpoint_path(done).exists():
             raise RunError(f"{self.path}: manifest says round {done} is done but its checkpoint is missing")
-        self.check_software()
         remove_leftover_temps(self.path, recursive=True)  # a kill inside an atomic write leaves one
         # a killed run may have logged steps of an unfinished round, and a torn last line
         try:
