@@ -726,3 +726,21 @@ def test_a_call_waiting_to_retry_stops_when_its_caller_does():
     with pytest.raises(EndpointError, match="key revoked"):
         s.answer(["wait me", "refuse me"], tool())
     assert time.monotonic() - start < 3
+
+
+@pytest.mark.parametrize("reply, kind, content", [
+    ("<think>x</think><search> a <answer> b </search> more", "search", "a <answer> b"),
+    ("<answer> Paris <search> capital </answer> more", "answer", "Paris <search> capital"),
+])
+def test_a_server_that_names_its_stop_string_gets_the_action_a_local_backend_reads(reply, kind, content):
+    """An OpenAI-compatible server drops the stop string, and the text alone cannot tell which one
+    ended a reply that opened both tags: `close_action` guesses the tag opened last, which misreads
+    these two. A server that names it (vLLM's and serve-model's `stop_reason`) is read exactly."""
+    from selfevo.agents.lm.protocol import cut_at_stop, parse_action
+
+    local = parse_action(cut_at_stop(reply))  # a local backend keeps the stop string
+    assert (local.kind, local.content) == (kind, content)
+    with serve_app(make_app(ScriptedModel(lambda messages: reply, name="scripted"))) as base:
+        (traj,), = solver(f"{base}/v1", max_actions=1).answer(["q"], tool())
+    first = parse_action(traj.trace.messages[2]["content"])
+    assert (first.kind, first.content) == (kind, content)

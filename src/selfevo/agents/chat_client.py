@@ -59,6 +59,7 @@ class Choice:
 
     text: str
     finish_reason: str = "stop"
+    stop_reason: str | None = None  # the stop string that ended it, where the server says (vLLM does)
 
 
 # finish reasons of servers that predate or sidestep OpenAI's words for "it stopped by itself" (TGI:
@@ -226,8 +227,10 @@ class ChatClient:
             out = []
             for c in choices:
                 content = c["message"]["content"]
+                stop_reason = c.get("stop_reason")  # vLLM: a stop string, a token id (int) or None
                 out.append(Choice(content if isinstance(content, str) else "",
-                                  openai_finish_reason(c.get("finish_reason"))))
+                                  openai_finish_reason(c.get("finish_reason")),
+                                  stop_reason if isinstance(stop_reason, str) else None))
             if not out:
                 raise ValueError("no choices")
         except (ValueError, KeyError, IndexError, TypeError, AttributeError):

@@ -159,6 +159,10 @@ class RemoteSolver:
                 return "", "error"
             with self._lock:
                 self._failed_in_a_row = 0
+            if choice.finish_reason == "stop" and choice.stop_reason in STOP_STRINGS:
+                # the server says which stop string it dropped: put that one back, so that the action
+                # reads as a local backend's does (`close_action` can only guess it from the text)
+                return choice.text + choice.stop_reason, choice.finish_reason
             return choice.text, choice.finish_reason
 
         with ThreadPoolExecutor(max_workers=min(self.concurrency, max(1, len(conversations))),

@@ -45,6 +45,7 @@ class Completion:
     finish_reason: str = "stop"  # "stop" | "length"
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    stop_reason: str | None = None  # the stop string that ended it (vLLM's field), None at EOS
 
 
 class ChatModel(Protocol):
@@ -70,11 +71,14 @@ class GarbageBody(RuntimeError):
     """Injected: the server answers 200 with a body that is not a chat completion at all."""
 
 
-def cut_before_stop(text: str, stop: Sequence[str] | None) -> tuple[str, bool]:
-    """`text` up to (not including) the first occurrence of any `stop` string, and whether it
-    was cut (OpenAI's `stop`: the stop string is not returned)."""
-    ends = [i for i in (text.find(s) for s in stop or () if s) if i >= 0]
-    return (text[:min(ends)], True) if ends else (text, False)
+def cut_before_stop(text: str, stop: Sequence[str] | None) -> tuple[str, str | None]:
+    """`text` up to (not including) the first occurrence of any `stop` string (OpenAI's `stop`: the
+    stop string is not returned), and that stop string (None if there is none)."""
+    found = [(i, s) for s in stop or () if s and (i := text.find(s)) >= 0]
+    if not found:
+        return text, None
+    at, matched = min(found)
+    return text[:at], matched
 
 
 def messages_digest(messages: Messages) -> str:
@@ -153,13 +157,14 @@ class ScriptedModel:
         text = self.script(messages)
         with self._lock:
             self.served[digest] += 1
-        text, _ = cut_before_stop(text, stop)  # stopped or not, finish_reason is "stop"
+        text, matched = cut_before_stop(text, stop)  # stopped or not, finish_reason is "stop"
         words = len(text.split())
         if words > max_tokens:  # a token budget, approximated by words
-            text, finish = " ".join(text.split()[:max_tokens]), "length"
+            text, finish, matched = " ".join(text.split()[:max_tokens]), "length", None
         else:
             finish = "stop"
-        return [Completion(text, finish, sum(len(m["content"].split()) for m in messages), min(words, max_tokens))] * n
+        return [Completion(text, finish, sum(len(m["content"].split()) for m in messages), min(words, max_tokens),
+                           matched)] * n
 
 
 # ---------------------------------------------------------------- transformers
@@ -294,10 +299,10 @@ class TransformersChatModel:
             n_new = int((new != pad).sum()) + int(eos is not None and eos == pad and bool((new == eos).any()))
             text = self.tokenizer.decode(new, skip_special_tokens=True)
             # the stop string may end inside a token, so the generated text can run past it: cut
-            text, cut = cut_before_stop(prefix + text, stop)
-            stopped = cut or bool(eos is not None and (new == eos).any())
+            text, matched = cut_before_stop(prefix + text, stop)
+            stopped = matched is not None or bool(eos is not None and (new == eos).any())
             cut_short = not stopped and (n_new >= budget or timed_out)
-            comps.append(Completion(text, "length" if cut_short else "stop", start, n_new))
+            comps.append(Completion(text, "length" if cut_short else "stop", start, n_new, matched))
         return comps * n if greedy else comps
 
 

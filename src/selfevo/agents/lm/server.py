@@ -136,7 +136,8 @@ def make_app(model: ChatModel, max_body_bytes: int = MAX_BODY_BYTES, max_tokens_
             "id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
             "model": (req.model or names[0]) if served_names else model.name,
             "choices": [{"index": i, "message": {"role": "assistant", "content": c.text},
-                         "finish_reason": c.finish_reason, "logprobs": None} for i, c in enumerate(comps)],
+                         "finish_reason": c.finish_reason, "stop_reason": c.stop_reason, "logprobs": None}
+                        for i, c in enumerate(comps)],
             "usage": {"prompt_tokens": comps[0].prompt_tokens,
                       "completion_tokens": sum(c.completion_tokens for c in comps),
                       "total_tokens": comps[0].prompt_tokens + sum(c.completion_tokens for c in comps)},
