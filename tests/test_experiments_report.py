@@ -267,6 +267,12 @@ def test_the_coupled_reading_claims_co_cheating_only_where_paired_seeds_show_f_r
     assert "1 seed: no interval" in one_seed and "co-cheating" not in one_seed
     assert coupled_says({"A": [0.3] * 2, "T_P": [0.7] * 2, "F": [0.05] * 2},
                         {"A": [0.7] * 2, "T_P": [0.7] * 2, "F": [0.05] * 2}) == ""  # F does not rise
+    # a seed whose round-1 judge resolved nothing (every metric None) is left out of the means too:
+    # they were over 4 seeds beside a rise over 3 ("rises from 0.110 to 0.113 (rise +0.040)")
+    unresolved = coupled_says({"A": [0.5, 0.5, 0.5, None], "T_P": [0.5, 0.5, 0.5, None],
+                               "F": [0.10, 0.12, 0.11, None]},
+                              {"A": [0.6] * 4, "T_P": [0.5] * 4, "F": [0.14, 0.16, 0.15, 0.00]})
+    assert "rises from 0.110 (round 1) to 0.150 (round 2)" in unresolved and "3 seeds" in unresolved
 
 
 def test_a_treatment_reading_quotes_the_means_of_the_seeds_it_pairs():

@@ -583,6 +583,9 @@ def test_a_malformed_key_or_url_is_refused_up_front_and_the_key_is_never_shown(m
         with pytest.raises(JudgeError, match="SELFEVO_JUDGE_API_KEY: the API key holds whitespace"):
             LLMJudge("http://127.0.0.1:8000/v1", "m", api_key=key)
     monkeypatch.delenv("SELFEVO_API_KEY")
+    with pytest.raises(EndpointError, match="a character that is not ASCII") as e:  # not "whitespace"
+        ChatClient("http://127.0.0.1:8000/v1", "m", api_key="sk-SECRET…0123")
+    assert "SECRET" not in str(e.value)
     for url in ("http://127.0.0.1:80x1/v1", "http://[::1/v1"):  # a one-line error, not a traceback
         with pytest.raises(ValueError, match=re.escape(f"{url}: not a valid URL (Invalid port")):
             load_agent(f"remote:m@{url}", corpus=None)

@@ -103,8 +103,10 @@ class ChatClient:
                  on_event: Callable[[str], None] | None = None):
         if max_retries < 0:
             raise ValueError(f"max_retries: must be >= 0, got {max_retries}")
-        if api_key and not (api_key.isascii() and api_key.isprintable() and " " not in api_key):
-            # httpx would refuse the header with an error quoting it whole (key and all)
+        if api_key and not api_key.isascii():  # httpx would refuse the header, quoting the key whole
+            raise EndpointError(f"{key_env}: the API key holds a character that is not ASCII (a pasted "
+                                "'…' or curly quote?); copy it again")
+        if api_key and not (api_key.isprintable() and " " not in api_key):
             raise EndpointError(f"{key_env}: the API key holds whitespace or control characters (a trailing "
                                 "space or \\r from a file?); strip it")
         url = url.rstrip("/")

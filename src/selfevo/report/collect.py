@@ -140,6 +140,12 @@ def _mean_over(by_seed: dict, seeds: list, metric: str) -> float | None:
     return summary([by_seed[s][metric] for s in seeds])["mean"]
 
 
+def _valued(seeds, *by_seeds: dict, metrics=("F", "A", "T_P")) -> list:
+    """The seeds with a value of every metric in each of `by_seeds` (a judge that resolved nothing
+    in a round leaves None), so that a paired difference and the means beside it share one seed set."""
+    return sorted(s for s in seeds if all(b[s][m] is not None for b in by_seeds for m in metrics))
+
+
 def readings(res: dict) -> list[str]:
     """The paper's qualitative findings, stated only where the numbers show them: a difference is
     paired by seed and claimed only where its 95% interval excludes 0, and the means quoted beside it
@@ -148,7 +154,7 @@ def readings(res: dict) -> list[str]:
     coupled = res["audit"].get("coupled")
     if coupled and len(coupled["rounds"]) >= 2:
         first, last = coupled["first_by_seed"], coupled["last_by_seed"]
-        seeds = sorted(set(first) & set(last))
+        seeds = _valued(set(first) & set(last), first, last)
         d_f = summary([_minus(last[s]["F"], first[s]["F"]) for s in seeds])
         f1, fl = _mean_over(first, seeds, "F"), _mean_over(last, seeds, "F")
         a1, al = _mean_over(first, seeds, "A"), _mean_over(last, seeds, "A")
@@ -175,10 +181,10 @@ def readings(res: dict) -> list[str]:
                        "the audit numbers leave them out.")
         if t == "coupled" or not coupled or not a["rounds"]:
             continue
-        seeds = sorted(set(a["last_by_seed"]) & set(coupled["last_by_seed"]))
+        seeds = _valued(set(a["last_by_seed"]) & set(coupled["last_by_seed"]), a["last_by_seed"],
+                        coupled["last_by_seed"])
 
         def paired(metric: str, seeds=seeds, a=a) -> dict:
-            # a seed whose judge resolved nothing in the last round has no value: no pair
             return summary([_minus(a["last_by_seed"][s][metric], coupled["last_by_seed"][s][metric])
                             for s in seeds])
 
