@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import random
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from _shared import CORPUS, QA_DIR
@@ -609,8 +610,6 @@ def test_a_resumed_evaluation_asks_again_what_failed_and_refuses_other_agent_set
     and encoder (`--model`) were not part of what must match, so answers of two settings were mixed;
     and a start whose first call failed (a 404 for a mistyped model) left a file that refused the
     corrected command."""
-    from types import SimpleNamespace
-
     import selfevo.agents
     from selfevo.evaluate import run_eval
 
@@ -659,3 +658,30 @@ def test_a_resumed_evaluation_asks_again_what_failed_and_refuses_other_agent_set
     (out / "score.json").unlink()
     (out / "predictions.partial.jsonl").write_text(json.dumps({"partial_of": {"agent": "lm:typo"}}) + "\n")
     assert run()["run"].get("resumed_questions") is None and not (out / "predictions.partial.jsonl").exists()
+
+
+def test_what_a_resumed_evaluation_must_match_includes_the_encoder_of_a_dense_retriever(tmp_path, monkeypatch):
+    """The encoder (`--model`) decides what a dense search finds: an evaluation stopped with one
+    encoder must not be continued with another. Workers and the encoding device change nothing."""
+    import selfevo.evaluate as ev
+    import selfevo.search.index as index_mod
+    from selfevo.search.index import DenseOptions
+
+    qa = tmp_path / "qa"
+    qa.mkdir()
+    (qa / "nq.jsonl").write_text(json.dumps({"id": "n0", "question": "q", "golden_answers": ["a"]}) + "\n")
+    keys = []
+    monkeypatch.setattr(index_mod, "get_retriever", lambda **kw: SimpleNamespace(kind=kw["kind"]))
+    monkeypatch.setattr(ev, "evaluate_solver", lambda *a, partial_key, **kw: keys.append(partial_key))
+
+    def key(kind, options, context=None):
+        ev.run_eval(qa, tmp_path / "corpus.jsonl", "retrieval-baseline", tmp_path / "out", progress=False,
+                    retriever_kind=kind, dense_options=options, agent_context=context)
+        return keys[-1]
+
+    e5 = key("dense", DenseOptions(model="e5"))
+    assert e5["encoder"]["model"] == "e5" and e5 != key("dense", DenseOptions(model="bge"))
+    assert e5 == key("dense", DenseOptions(model="e5", device="cuda", batch_size=256))
+    assert key("hybrid", DenseOptions(model="e5"))["encoder"]["model"] == "e5"
+    assert "encoder" not in key("bm25", DenseOptions(model="e5"))  # not used by BM25: not compared
+    assert key("bm25", None, {"workers": 4}) == key("bm25", None)
