@@ -42,7 +42,8 @@ from selfevo.algos import summary
 from selfevo.audit import JudgedItem, OracleJudge, audit_metrics
 from selfevo.evaluate import answers_match
 from selfevo.loop.admission import MSV
-from selfevo.loop.folds import assign_folds, fold_of, question_fold
+from selfevo.loop.feedback import other_fold, trains_on
+from selfevo.loop.folds import FoldAssignment, assign_folds, fold_of, question_fold
 from selfevo.loop.schedule import derive_seed
 from selfevo.runs import RunDir, RunError
 from selfevo.search.docstore import ById, contents_by_id
@@ -82,7 +83,7 @@ class Condition:
 
     split   how bank items are divided among feedback solvers: "none" (one solver on everything),
             "source" (by source document), "question" (by question text, `question_fold`),
-            "connected" (by link-graph group)
+            "connected" (by link-graph cluster, over every page a question read: `_provenance`)
     grades  "all" (the one solver grades everything), "own-fold" or "other-fold"
     budget  share of the full update budget each solver gets
     stream  the rollout seed stream: full-data is a second solver with the same data as coupled
@@ -156,7 +157,7 @@ class BankItem:
     draft_label: str
     source_id: str
     source_ids: tuple[str, ...]
-    group: str  # connected-source group (link-graph cluster) of the source
+    group: str  # connected-source group (link-graph cluster) of the source, clustered at the bank's seed
     run: str
     round: int
     hops: int
@@ -404,6 +405,7 @@ class _Context:
         self.solver_config = cfg.solver
         self.oracle = OracleJudge(self.env.truth) if self.env.truth is not None else None
         self.judge = self.oracle  # _InProcess may put a given judge here
+        self._connected: dict[int, FoldAssignment] = {}
 
     def make_solver(self, name: str):
         """A trainable solver that starts as the base model."""
@@ -412,6 +414,13 @@ class _Context:
 
             return LMSolver.trainable(self.policy, name)
         return SimSolver(name, self.solver_config, self.reader)
+
+    def connected_folds(self, seed: int) -> FoldAssignment:
+        """The `connected` condition's folds for a replay seed, as a crossfit-connected run of that
+        seed places them (link-graph clusters, balanced); computed once per seed and process."""
+        if seed not in self._connected:
+            self._connected[seed] = assign_folds(self.env.documents, seed, 2, "connected")
+        return self._connected[seed]
 
     def release(self, solvers: Sequence) -> None:
         """A finished job's solvers: their adapters are freed (the sim's are garbage)."""
@@ -461,17 +470,40 @@ def _msv_job(seed: int) -> dict[str, str | None]:
     return {it.item_id: (d.label if d.admitted else None) for it, d in zip(ctx.bank.items, decisions, strict=True)}
 
 
-def _fold_function(split: str, seed: int):
-    """item -> fold (0/1); "none" puts everything in fold 0."""
-    if split == "source":
-        return lambda it: fold_of(it.source_id, seed, 2)
-    if split == "question":
-        return lambda it: question_fold(it.question, seed, 2)
-    if split == "connected":
-        return lambda it: fold_of(it.group, seed, 2)
-    if split == "none":
-        return lambda it: 0
-    raise AssertionError(split)
+def _provenance(cond: Condition, seed: int, connected: FoldAssignment | None = None):
+    """`(trains, grader)` for one condition and seed: `trains(h, item)` says whether feedback solver
+    h trains on the item, `grader(item)` gives `(the solver that grades it, fallback)`.
+
+    The `connected` split is the loop's crossfit-connected rule (`loop/feedback.py`) on `connected`,
+    the link-graph clusters placed in folds: a solver trains only on items all of whose pages lie
+    in its fold, and an item is graded by a fold none of its pages lies in -- where it read pages of
+    both, by the other fold all the same (`fallback`). So the grader never trained on a label
+    derived from any page the graded question touched, which holding out the source's cluster alone
+    does not give (a multi-hop item of the other fold reads pages of this one)."""
+    if cond.split == "none":
+        return (lambda h, it: True), (lambda it: (0, False))
+    if cond.split == "connected":
+        def fold(it):
+            return connected.of(it.source_id)
+
+        def touched(it):
+            return connected.lineage(it.source_ids)
+    else:
+        def fold(it):
+            if cond.split == "source":
+                return fold_of(it.source_id, seed, 2)
+            return question_fold(it.question, seed, 2)
+
+        def touched(it):  # the source rule: the fold of the question is all that counts
+            return {fold(it)}
+
+    def trains(h: int, it) -> bool:
+        return trains_on(h, fold(it), touched(it), lineage_aware=cond.split == "connected")
+
+    def grader(it) -> tuple[int, bool]:
+        return (fold(it), False) if cond.grades == "own-fold" else other_fold(fold(it), touched(it), 2)
+
+    return trains, grader
 
 
 def _train(ctx: _Context, name: str, train: list, updates: int, seed: int):
@@ -505,7 +537,7 @@ def _condition_job(name: str, seed: int, msv_labels: Mapping[str, str | None] | 
         train_pool = [(it, msv_labels[it.item_id]) for it in items if msv_labels[it.item_id] is not None]
     else:
         train_pool = [(it, it.label) for it in items]
-    fold = _fold_function(cond.split, seed)
+    trains, grader = _provenance(cond, seed, ctx.connected_folds(seed) if cond.split == "connected" else None)
     k = 1 if cond.split == "none" else 2
     n_updates = math.floor(s.updates * cond.budget)
     solvers = []
@@ -514,18 +546,14 @@ def _condition_job(name: str, seed: int, msv_labels: Mapping[str, str | None] | 
         # same fold solvers and differ only in who grades; the half budget is the first half of it
         key = derive_seed(seed, "train", cond.split, h, cond.stream)
         label = ("all" if cond.stream == "a" else f"all-{cond.stream}") if k == 1 else f"{cond.split}-fold{h}"
-        solvers.append(_train(ctx, label, [p for p in train_pool if fold(p[0]) == h], n_updates, key))
+        solvers.append(_train(ctx, label, [p for p in train_pool if trains(h, p[0])], n_updates, key))
 
-    def grader(it) -> int:
-        if cond.grades == "all":
-            return 0
-        return fold(it) if cond.grades == "own-fold" else 1 - fold(it)
-
-    outcome = _grade(ctx, solvers, grader, derive_seed(seed, "grade", cond.split, cond.stream))
+    outcome = _grade(ctx, solvers, lambda it: grader(it)[0], derive_seed(seed, "grade", cond.split, cond.stream))
     ctx.release(solvers)
     return {"condition": name, "seed": seed, **outcome,
             "updates": {sv.name: sv.updates for sv in solvers},
-            "train_items": {sv.name: sum(fold(it) == h for it, _ in train_pool) for h, sv in enumerate(solvers)}}
+            "train_items": {sv.name: sum(trains(h, it) for it, _ in train_pool) for h, sv in enumerate(solvers)},
+            "fallback_graded": sum(grader(it)[1] for it in items)}
 
 
 def _base_job(seed: int) -> dict:
@@ -733,6 +761,8 @@ def run_replay(bank: Bank, conditions: Iterable[str] | str | None = None, seeds:
     for c in conds:
         entry = _summary([outcomes[(c.name, s)] for s in seeds])
         entry["train_items"] = {str(s): outcomes[(c.name, s)]["train_items"] for s in seeds}
+        if c.split == "connected":  # items that read pages of both folds: graded by a fold they touched
+            entry["fallback_graded"] = {str(s): outcomes[(c.name, s)]["fallback_graded"] for s in seeds}
         if c.msv:
             entry["msv_admitted"] = _mean_std([sum(v is not None for v in msv[s].values()) for s in seeds])
         out["conditions"][c.name] = entry
