@@ -204,7 +204,8 @@ def main() -> None:
              "solver's after round 3. Δ = paired difference to coupled (same seed), mean [95% t-interval]. "
              "`admitted`: round-3 admitted questions; the budget is 1,600 a round, and a proposal MSV rejects "
              "is not replaced, so the MSV arms train on fewer. Under MSV, A is agreement with the adopted "
-             "label (the MSV majority), while the proposer's reward counted agreement with its draft.",
+             "label (the MSV majority), while the proposer's reward counted agreement with its draft; the "
+             "audit covers every proposal a step graded, admitted or not (a rejected one's label is its draft).",
              "",
              "| treatment | F | T_P | A | T_S | coverage | admitted | admitted hop mix | base solves "
              "| macro Cover-EM | Δ macro | Δ single-hop | Δ multi-hop |",
