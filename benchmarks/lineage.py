@@ -94,9 +94,10 @@ def main() -> None:
         "sources of both folds, so a grader trained on the other fold can have learned the wrong value "
         "(its memory is keyed on the page's entity and the relation). That is why, on the replay bank's "
         "multi-hop questions, a source-held-out grader keeps much of question-split's F above the untrained "
-        "level (\"## Fixed replay bank\", the by-bank table); the `connected` "
-        "condition there, which holds out link-graph clusters, measures about the same F: a cluster does "
-        "not hold out the popular pages its chains pass through."])
+        "level (\"## Fixed replay bank\", the by-bank table). The `connected` condition there holds out "
+        "every page a question read (link-graph clusters placed whole in folds, a grader trained only on "
+        "questions all of whose pages lie in its fold) and brings most of that excess down, except on the "
+        "questions that read pages of both folds."])
     write_section(args.out, HEADING, text)
     Console().print(text)
 

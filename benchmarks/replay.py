@@ -59,11 +59,17 @@ def mean_F(res: dict) -> tuple[dict[str, float], float]:
     return {n: e["F"]["mean"] for n, e in res["conditions"].items()}, res["reference"]["base"]["F"]["mean"]
 
 
-def excess_of(res: dict) -> float:
-    """(source-id F - untrained F) / (question-split F - untrained F): the share of the question
-    split's learned false agreement a source-held-out grader keeps."""
+def excess_of(res: dict, condition: str = "source-id") -> float:
+    """(condition's F - untrained F) / (question-split F - untrained F): the share of the question
+    split's learned false agreement a grader of that provenance (by default source-held-out) keeps."""
     F, base = mean_F(res)
-    return (F["source-id"] - base) / (F["question-split"] - base) if F["question-split"] != base else float("nan")
+    return (F[condition] - base) / (F["question-split"] - base) if F["question-split"] != base else float("nan")
+
+
+def fallback_share(res: dict) -> float:
+    """Mean share of the bank's items the connected condition grades with a fold they read pages of."""
+    per_seed = res["conditions"]["connected"]["fallback_graded"].values()
+    return sum(per_seed) / len(per_seed) / res["bank"]["items"]
 
 
 def hop_row(name: str, res: dict) -> str:
@@ -385,7 +391,11 @@ def main() -> None:
               f"One-hop questions (every page read is the source): source-id keeps {excess_of(by_hops[0][1]):.2f} "
               f"of question-split's excess over the untrained level; multi-hop questions: "
               f"{excess_of(by_hops[1][1]):.2f}, because the misread page is often not the source and a grader "
-              "trained on other sources has learned its wrong value (\"## Where wrong labels come from\").",
+              "trained on other sources has learned its wrong value (\"## Where wrong labels come from\"). "
+              "Holding out every page a question read (`connected`, the loop's crossfit-connected rule) keeps "
+              f"{excess_of(by_hops[1][1], 'connected'):.2f} of it on multi-hop questions; it cannot hold out "
+              f"the pages of the {fallback_share(by_hops[1][1]):.0%} of them that read pages of both folds, "
+              "which it grades as source-id does.",
               "",
               f"Keeping each (question, label) once (third row) leaves question-split F at "
               f"{once_F['question-split']:.4f} against {F['question-split']['mean']:.4f} on the bank as the loop "

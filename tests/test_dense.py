@@ -765,6 +765,24 @@ def test_index_import_makes_a_hybrid_index_around_a_foreign_faiss_file(hybrid, s
     assert res.exit_code == 2 and "dense or hybrid" in res.output
 
 
+def test_index_import_names_a_missing_file_before_loading_the_encoder(tmp_path, monkeypatch):
+    """A mistyped --faiss path waited for the encoder to load first (from the hub: retried downloads)."""
+    import selfevo.search.dense as dense_mod
+
+    def no_encoder(*a, **kw):
+        raise AssertionError("the encoder was loaded")
+
+    monkeypatch.setattr(dense_mod, "Encoder", no_encoder)
+    corpus = tmp_path / "wiki.jsonl"
+    write_corpus(corpus, DOCS)
+    for faiss, corp, option in ((tmp_path / "e5_Flat.index", corpus, "--faiss"),
+                                (corpus, tmp_path / "wiki-18.jsonl", "--corpus")):
+        res = CliRunner().invoke(app, ["index", "import", "--faiss", str(faiss), "--corpus", str(corp),
+                                       "--out", str(tmp_path / "idx"), "--model", "intfloat/e5-base-v2"])
+        assert res.exit_code == 2 and f"{option}:" in res.output and "no such file" in res.output, res.output
+    assert not (tmp_path / "idx").exists()
+
+
 def test_index_import_copies_a_file_it_cannot_link(tmp_path, monkeypatch):
     """Another file system (os.link fails): the FAISS file is copied, renamed into place, no temp left."""
     from selfevo.search import adopt as adopt_mod

@@ -704,6 +704,25 @@ def test_a_key_quoted_by_the_server_is_never_shown():
     assert "SECRET" not in str(e.value)
 
 
+def test_a_retried_failure_says_what_the_server_said():
+    """A call that failed for good on a 429 or 5xx said only "_Retryable: HTTP 500": the server's
+    reason, which the README promises in the warning and in the stop after 16 failures, was dropped."""
+    key = "sk-live-SECRET1234567890"
+    client = ChatClient("http://fake/v1", "m", api_key=key, max_retries=1, backoff=0.001)
+    for status in (429, 500, 503):
+        _mock(client, [lambda status=status: _error(status, f"overloaded, key {key}")])
+        with pytest.raises(CallFailed) as e:
+            client.complete(HI)
+        assert str(e.value) == f"HTTP {status}: overloaded, key ***", str(e.value)
+    _mock(client, [lambda: httpx.Response(502, stream=httpx.ByteStream(b""))])
+    with pytest.raises(CallFailed) as e:
+        client.complete(HI)
+    assert str(e.value) == "HTTP 502"
+    _mock(client, [httpx.ConnectError("refused")])
+    with pytest.raises(CallFailed, match="^ConnectError: refused$"):
+        client.complete(HI)
+
+
 def test_a_call_waiting_to_retry_stops_when_its_caller_does():
     """`retrying_stopped` was read only after an attempt failed: a call sleeping out a Retry-After
     slept it out and made one more attempt. And the solver waited on its rows in order, so an

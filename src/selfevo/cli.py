@@ -204,6 +204,9 @@ def index_import(
 
     if retriever not in ("dense", "hybrid"):
         _fail(f"--retriever: a FAISS index makes a dense or hybrid index, not {retriever!r}")
+    for path, option in ((faiss_file, "--faiss"), (corpus, "--corpus")):  # before the encoder loads (or downloads)
+        if not path.is_file():
+            _fail(f"{option}: {path}: no such file")
     try:
         encoder = Encoder(model, query_prefix=query_prefix, passage_prefix=passage_prefix, batch_size=batch_size,
                           device=device, max_seq_length=max_seq_length)

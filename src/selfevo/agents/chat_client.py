@@ -163,8 +163,10 @@ class ChatClient:
         return min(max(self._expo(state), after), MAX_WAIT_S)
 
     def _check_status(self, r: httpx.Response) -> None:
-        if r.status_code in RETRIED_STATUS or r.status_code >= 500:
-            raise _Retryable(f"HTTP {r.status_code}", retry_after_seconds(r.headers.get("retry-after")))
+        if r.status_code in RETRIED_STATUS or r.status_code >= 500:  # the reason is what a warning quotes
+            said = self._said(r, or_body=True)
+            raise _Retryable(f"HTTP {r.status_code}{f': {said}' if said else ''}",
+                             retry_after_seconds(r.headers.get("retry-after")))
         self._check_refused(r)
         if r.status_code == 404:  # a wrong path, or (vLLM, OpenAI, serve-model --served-model-name) model
             said = self._said(r)
@@ -270,7 +272,9 @@ class ChatClient:
                         last = e
                         raise
         except (httpx.TransportError, _Retryable) as e:
-            raise CallFailed(self._scrub(f"{type(e).__name__}: {e}" if str(e) else type(e).__name__)) from None
+            # a transport error is named by its class (ConnectError, ReadTimeout); a reply by what it said
+            said = str(e) if isinstance(e, _Retryable) else f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+            raise CallFailed(self._scrub(said)) from None
         raise AssertionError("unreachable")
 
     def complete(self, messages: Sequence[dict], **overrides: Any) -> str:
