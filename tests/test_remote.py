@@ -721,6 +721,17 @@ def test_a_retried_failure_says_what_the_server_said():
     _mock(client, [httpx.ConnectError("refused")])
     with pytest.raises(CallFailed, match="^ConnectError: refused$"):
         client.complete(HI)
+    # a proxy's HTML page is said by its title, on one line (the warning and the stop are one line)
+    page = ("<html>\r\n<head><title>502 Bad Gateway</title></head>\r\n<body>\r\n<center><h1>502 Bad Gateway</h1>"
+            "</center>\r\n<hr><center>nginx</center>\r\n</body>\r\n</html>\r\n")
+    _mock(client, [lambda: httpx.Response(502, stream=httpx.ByteStream(page.encode()))])
+    with pytest.raises(CallFailed) as e:
+        client.complete(HI)
+    assert str(e.value) == "HTTP 502: 502 Bad Gateway"
+    _mock(client, [lambda: httpx.Response(503, stream=httpx.ByteStream(b"upstream\n  connect error &amp; reset"))])
+    with pytest.raises(CallFailed) as e:
+        client.complete(HI)
+    assert str(e.value) == "HTTP 503: upstream connect error & reset"
 
 
 def test_a_call_waiting_to_retry_stops_when_its_caller_does():

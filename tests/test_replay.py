@@ -313,6 +313,17 @@ def test_too_small_a_fold_is_an_error(bank, workers):
         run_replay(bank, ["source-id"], seeds=2, settings=ReplaySettings(updates=100), workers=workers)
 
 
+def test_a_small_connected_fold_says_which_items_train_neither_solver(bank):
+    """Under `connected` an item that read pages of both folds trains neither feedback solver, so a
+    fold can hold far fewer than half the bank: the refusal says so, where source-id's has no cause
+    to."""
+    with pytest.raises(ReplayError, match=r"read pages of both folds and train neither solver\); use a larger"):
+        run_replay(bank, ["connected"], seeds=1, settings=ReplaySettings(updates=100))
+    with pytest.raises(ReplayError) as e:
+        run_replay(bank, ["source-id"], seeds=1, settings=ReplaySettings(updates=100))
+    assert "both folds" not in str(e.value)
+
+
 def test_two_workers_equal_one(bank):
     names = ["coupled", "question-split", "source-id-half+msv"]
     one = run_replay(bank, names, seeds=2, settings=FAST, workers=1)

@@ -43,7 +43,7 @@ from selfevo.audit import JudgedItem, OracleJudge, audit_metrics
 from selfevo.evaluate import answers_match
 from selfevo.loop.admission import MSV
 from selfevo.loop.feedback import other_fold, trains_on
-from selfevo.loop.folds import FoldAssignment, assign_folds, fold_of, question_fold
+from selfevo.loop.folds import FoldAssignment, assign_folds, fold_of, link_graph, question_fold
 from selfevo.loop.schedule import derive_seed
 from selfevo.runs import RunDir, RunError
 from selfevo.search.docstore import ById, contents_by_id
@@ -406,6 +406,7 @@ class _Context:
         self.oracle = OracleJudge(self.env.truth) if self.env.truth is not None else None
         self.judge = self.oracle  # _InProcess may put a given judge here
         self._connected: dict[int, FoldAssignment] = {}
+        self._links: list[tuple[str, str]] | None = None
 
     def make_solver(self, name: str):
         """A trainable solver that starts as the base model."""
@@ -417,9 +418,12 @@ class _Context:
 
     def connected_folds(self, seed: int) -> FoldAssignment:
         """The `connected` condition's folds for a replay seed, as a crossfit-connected run of that
-        seed places them (link-graph clusters, balanced); computed once per seed and process."""
+        seed places them (link-graph clusters, balanced); the link graph is walked once per process,
+        the clusters computed once per seed."""
+        if self._links is None:
+            self._links = link_graph(self.env.documents)
         if seed not in self._connected:
-            self._connected[seed] = assign_folds(self.env.documents, seed, 2, "connected")
+            self._connected[seed] = assign_folds(self.env.documents, seed, 2, "connected", self._links)
         return self._connected[seed]
 
     def release(self, solvers: Sequence) -> None:
@@ -506,13 +510,15 @@ def _provenance(cond: Condition, seed: int, connected: FoldAssignment | None = N
     return trains, grader
 
 
-def _train(ctx: _Context, name: str, train: list, updates: int, seed: int):
+def _train(ctx: _Context, name: str, train: list, updates: int, seed: int, why: str = ""):
     """`updates` policy-gradient steps on `train` [(item, label)] in a seeded order. The batches
-    are the full budget's even split, so a smaller budget sees fewer batches (as AuxFeedback)."""
+    are the full budget's even split, so a smaller budget sees fewer batches (as AuxFeedback).
+    `why` explains, in a refusal, why the training set is small."""
     s = ctx.settings
     if len(train) < s.updates:
+        fix = "a larger bank" if len(train) < 2 else "a larger bank or fewer updates (`replay run --updates`)"
         raise ReplayError(f"feedback solver {name}: {len(train)} training items, fewer than the "
-                          f"{s.updates} updates; use a larger bank or fewer updates (`replay run --updates`)")
+                          f"{s.updates} updates{why}; use {fix}")
     solver = ctx.make_solver(name)
     order = list(train)
     random.Random(derive_seed(seed, "order")).shuffle(order)
@@ -540,13 +546,16 @@ def _condition_job(name: str, seed: int, msv_labels: Mapping[str, str | None] | 
     trains, grader = _provenance(cond, seed, ctx.connected_folds(seed) if cond.split == "connected" else None)
     k = 1 if cond.split == "none" else 2
     n_updates = math.floor(s.updates * cond.budget)
+    neither = sum(not any(trains(h, it) for h in range(k)) for it, _ in train_pool)  # connected: both folds read
+    why = (f" ({neither} of the {len(train_pool)} items read pages of both folds and train neither solver)"
+           if neither else "")
     solvers = []
     for h in range(k):
         # the seed names the training data, not the condition: same-source and source-id train the
         # same fold solvers and differ only in who grades; the half budget is the first half of it
         key = derive_seed(seed, "train", cond.split, h, cond.stream)
         label = ("all" if cond.stream == "a" else f"all-{cond.stream}") if k == 1 else f"{cond.split}-fold{h}"
-        solvers.append(_train(ctx, label, [p for p in train_pool if trains(h, p[0])], n_updates, key))
+        solvers.append(_train(ctx, label, [p for p in train_pool if trains(h, p[0])], n_updates, key, why))
 
     outcome = _grade(ctx, solvers, lambda it: grader(it)[0], derive_seed(seed, "grade", cond.split, cond.stream))
     ctx.release(solvers)

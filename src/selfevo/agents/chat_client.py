@@ -21,6 +21,8 @@ without being shown, and error texts are scrubbed of it.
 
 from __future__ import annotations
 
+import html
+import re
 import threading
 import time
 from collections import Counter
@@ -74,6 +76,17 @@ def openai_finish_reason(reason: object) -> str:
     return "stop" if reason in _STOPPED else reason
 
 
+
+
+_TITLE = re.compile(r"<title[^>]*>(.*?)</title>", re.IGNORECASE | re.DOTALL)
+_TAG = re.compile(r"<[^>]*>")
+
+
+def _body_text(text: str) -> str:
+    """An error body that is no JSON error, as one line: an HTML page's title (a proxy's
+    "502 Bad Gateway", whose page is mostly markup), else the text without tags."""
+    title = _TITLE.search(text)
+    return " ".join(html.unescape(title.group(1) if title else _TAG.sub(" ", text)).split())
 
 
 def _error_message(r: httpx.Response) -> str:
@@ -142,7 +155,7 @@ class ChatClient:
     def _said(self, r: httpx.Response, or_body: bool = False) -> str:
         """What an error reply says (its message; with `or_body`, else its body), without the key (a
         server may quote the key it refuses), then cut to 200 characters."""
-        return self._scrub(_error_message(r) or (r.text if or_body else ""))[:200]
+        return self._scrub(_error_message(r) or (_body_text(r.text) if or_body else ""))[:200]
 
     def __repr__(self) -> str:  # never the key
         return f"ChatClient({self.endpoint!r}, model={self.model!r})"

@@ -78,13 +78,16 @@ def link_graph(docs: Sequence[Document], max_title_words: int = 6) -> list[tuple
     return sorted(edges)
 
 
-def connected_groups(docs: Sequence[Document], seed: int) -> dict[str, str]:
-    """Clusters of the link graph (Louvain communities, seeded): source id -> cluster id."""
+def connected_groups(docs: Sequence[Document], seed: int,
+                     links: Sequence[tuple[str, str]] | None = None) -> dict[str, str]:
+    """Clusters of the link graph (Louvain communities, seeded): source id -> cluster id. `links`:
+    `link_graph(docs)` computed before (it does not depend on the seed; over a corpus it is the
+    expensive part)."""
     import networkx as nx
 
     graph = nx.Graph()
     graph.add_nodes_from(d.id for d in docs)
-    graph.add_edges_from(link_graph(docs))
+    graph.add_edges_from(link_graph(docs) if links is None else links)
     communities = nx.community.louvain_communities(graph, seed=seed % 2**32)
     out = {}
     for members in sorted(communities, key=min):  # sorted: communities are sets, their order differs by process
@@ -94,7 +97,8 @@ def connected_groups(docs: Sequence[Document], seed: int) -> dict[str, str]:
     return out
 
 
-def assign_folds(docs: Sequence[Document], seed: int, k: int = 2, grouping: str = "source") -> FoldAssignment:
+def assign_folds(docs: Sequence[Document], seed: int, k: int = 2, grouping: str = "source",
+                 links: Sequence[tuple[str, str]] | None = None) -> FoldAssignment:
     """`source`: each document hashed to a fold. `connected`: link-graph clusters assigned whole,
     largest first, to the fold with the fewest documents so far (balanced, deterministic)."""
     if k < 2:
@@ -103,7 +107,7 @@ def assign_folds(docs: Sequence[Document], seed: int, k: int = 2, grouping: str 
         return FoldAssignment(k, seed, grouping, {d.id: fold_of(d.id, seed, k) for d in docs})
     if grouping != "connected":
         raise ValueError(f"folds: unknown grouping {grouping!r} (source | connected)")
-    groups = connected_groups(docs, seed)
+    groups = connected_groups(docs, seed, links)
     members: dict[str, list[str]] = {}
     for sid, cid in groups.items():
         members.setdefault(cid, []).append(sid)
