@@ -510,15 +510,10 @@ def _provenance(cond: Condition, seed: int, connected: FoldAssignment | None = N
     return trains, grader
 
 
-def _train(ctx: _Context, name: str, train: list, updates: int, seed: int, why: str = ""):
+def _train(ctx: _Context, name: str, train: list, updates: int, seed: int):
     """`updates` policy-gradient steps on `train` [(item, label)] in a seeded order. The batches
-    are the full budget's even split, so a smaller budget sees fewer batches (as AuxFeedback).
-    `why` explains, in a refusal, why the training set is small."""
+    are the full budget's even split, so a smaller budget sees fewer batches (as AuxFeedback)."""
     s = ctx.settings
-    if len(train) < s.updates:
-        fix = "a larger bank" if len(train) < 2 else "a larger bank or fewer updates (`replay run --updates`)"
-        raise ReplayError(f"feedback solver {name}: {len(train)} training items, fewer than the "
-                          f"{s.updates} updates{why}; use {fix}")
     solver = ctx.make_solver(name)
     order = list(train)
     random.Random(derive_seed(seed, "order")).shuffle(order)
@@ -545,24 +540,29 @@ def _condition_job(name: str, seed: int, msv_labels: Mapping[str, str | None] | 
         train_pool = [(it, it.label) for it in items]
     trains, grader = _provenance(cond, seed, ctx.connected_folds(seed) if cond.split == "connected" else None)
     k = 1 if cond.split == "none" else 2
+    names = [("all" if cond.stream == "a" else f"all-{cond.stream}") if k == 1 else f"{cond.split}-fold{h}"
+             for h in range(k)]
+    train_sets = [[p for p in train_pool if trains(h, p[0])] for h in range(k)]
+    neither = len(train_pool) - sum(map(len, train_sets))  # connected: items that read both folds train none
+    for label, train in zip(names, train_sets):  # refused before any solver trains
+        if len(train) < s.updates:
+            why = f" ({neither} of the {len(train_pool)} items read pages of both folds and train neither solver)"
+            fix = "a larger bank" if len(train) < 2 else "a larger bank or fewer updates (`replay run --updates`)"
+            raise ReplayError(f"feedback solver {label}: {len(train)} training items, fewer than the "
+                              f"{s.updates} updates{why if neither else ''}; use {fix}")
     n_updates = math.floor(s.updates * cond.budget)
-    neither = sum(not any(trains(h, it) for h in range(k)) for it, _ in train_pool)  # connected: both folds read
-    why = (f" ({neither} of the {len(train_pool)} items read pages of both folds and train neither solver)"
-           if neither else "")
-    solvers = []
-    for h in range(k):
-        # the seed names the training data, not the condition: same-source and source-id train the
-        # same fold solvers and differ only in who grades; the half budget is the first half of it
-        key = derive_seed(seed, "train", cond.split, h, cond.stream)
-        label = ("all" if cond.stream == "a" else f"all-{cond.stream}") if k == 1 else f"{cond.split}-fold{h}"
-        solvers.append(_train(ctx, label, [p for p in train_pool if trains(h, p[0])], n_updates, key, why))
-
-    outcome = _grade(ctx, solvers, lambda it: grader(it)[0], derive_seed(seed, "grade", cond.split, cond.stream))
+    # the seed names the training data, not the condition: same-source and source-id train the
+    # same fold solvers and differ only in who grades; the half budget is the first half of it
+    solvers = [_train(ctx, label, train, n_updates, derive_seed(seed, "train", cond.split, h, cond.stream))
+               for h, (label, train) in enumerate(zip(names, train_sets))]
+    routes = {it.item_id: grader(it) for it in items}  # (grading solver, fallback)
+    outcome = _grade(ctx, solvers, lambda it: routes[it.item_id][0],
+                     derive_seed(seed, "grade", cond.split, cond.stream))
     ctx.release(solvers)
     return {"condition": name, "seed": seed, **outcome,
             "updates": {sv.name: sv.updates for sv in solvers},
-            "train_items": {sv.name: sum(trains(h, it) for it, _ in train_pool) for h, sv in enumerate(solvers)},
-            "fallback_graded": sum(grader(it)[1] for it in items)}
+            "train_items": {sv.name: len(train) for sv, train in zip(solvers, train_sets)},
+            "fallback_graded": sum(fallback for _, fallback in routes.values())}
 
 
 def _base_job(seed: int) -> dict:

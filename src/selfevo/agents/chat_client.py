@@ -285,8 +285,11 @@ class ChatClient:
                         last = e
                         raise
         except (httpx.TransportError, _Retryable) as e:
-            # a transport error is named by its class (ConnectError, ReadTimeout); a reply by what it said
-            said = str(e) if isinstance(e, _Retryable) else f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+            # a reply is named by what it said; a transport error by its class (ConnectError, ReadTimeout)
+            if isinstance(e, _Retryable) or not str(e):
+                said = str(e) or type(e).__name__
+            else:
+                said = f"{type(e).__name__}: {e}"
             raise CallFailed(self._scrub(said)) from None
         raise AssertionError("unreachable")
 
