@@ -41,7 +41,7 @@ from rich.table import Table
 
 from selfevo._io import file_sha256
 from selfevo.corpus import read_corpus, read_qa_dir
-from selfevo.evaluate import BENCHMARKS, MULTI_HOP, SINGLE_HOP, cover_em
+from selfevo.evaluate import MULTI_HOP, SINGLE_HOP, benchmark_order, cover_em
 from selfevo.search.bm25 import BM25Index
 from selfevo.search.index import index_size_bytes
 
@@ -105,7 +105,7 @@ def main() -> None:
     read_s = time.perf_counter() - start
     digest = file_sha256(args.corpus)
     qa = read_qa_dir(args.qa_dir)
-    names = [b for b in BENCHMARKS if b in qa] + sorted(set(qa) - set(BENCHMARKS))
+    names = benchmark_order(qa)
     items = [it for b in names for it in qa[b]]
     questions = [it.question for it in items]
     n_q = len(questions)

@@ -155,7 +155,7 @@ def test_summary_mean_std_and_t_interval():
 
 
 def test_summary_of_one_seed_has_no_interval_and_of_none_nothing():
-    assert summary([0.5]) == {"mean": 0.5, "std": 0.0, "lo": None, "hi": None, "n": 1}
+    assert summary([0.5]) == {"mean": 0.5, "std": None, "lo": None, "hi": None, "n": 1}
     assert summary([None]) == {"mean": None, "std": None, "lo": None, "hi": None, "n": 0}
 
 

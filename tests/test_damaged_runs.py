@@ -173,6 +173,21 @@ def test_replay_build_refuses_the_same_run_twice(run, tmp_path):
     assert rc == 0 and "from 1 run(s)" in out, out
 
 
+@pytest.mark.parametrize("damage", [
+    lambda steps: steps.write_bytes(steps.read_bytes()[:-40]),  # a torn last line
+    lambda steps: steps.write_bytes(b"".join(steps.read_bytes().splitlines(keepends=True)[:-2])),  # whole lines
+])
+def test_a_finished_run_whose_log_lost_its_tail_is_refused(run, damage):
+    """A run marked complete holds every scheduled step: an audit of what is left of a damaged log
+    would pass for the run's (before: "steps audited 27 of 33", exit 0)."""
+    damage(_steps(run))
+    rc, out = cli("audit", run, "--out", run / "again", "--no-figures")
+    assert_one_line_error(rc, out, f"{run}/records/steps.jsonl:", "in a run marked complete")
+    # the same log in a run still going is what a crash leaves: read, its torn line dropped
+    edit_json(run / "manifest.json", status="running")
+    assert len(RunDir(run).steps()) < 2 * 4
+
+
 # ------------------------------------------------------------------ the readers themselves
 
 
@@ -258,6 +273,16 @@ def _edit(path: Path, fn) -> None:
      "a/audit/metrics.json: field rounds[1].F should be a number or null"),
     (lambda root: _edit(root / "a" / "audit" / "metrics.json", lambda o: o.pop("steps")),
      "a/audit/metrics.json: field 'steps' is missing"),
+    # what the report sums or reads of an audit and compute.json, past the metric numbers
+    (lambda root: _edit(root / "a" / "compute.json", lambda o: o["seconds"].update(eval="0.27")),
+     "a/compute.json: field seconds.eval should be a number"),
+    (lambda root: _edit(root / "a" / "audit" / "metrics.json", lambda o: o["steps"][0].pop("kind")),
+     "a/audit/metrics.json: field steps[0]: field 'kind' is missing"),
+    (lambda root: _edit(root / "a" / "audit" / "metrics.json", lambda o: o["rounds"][0].update(hop_mix_admitted=[])),
+     "a/audit/metrics.json: field rounds[0].hop_mix_admitted should be an object keyed by hop count"),
+    (lambda root: _edit(root / "a" / "audit" / "metrics.json",
+                        lambda o: o["rounds"][0].update(hop_mix_admitted={"two": 1.0})),
+     "a/audit/metrics.json: field rounds[0].hop_mix_admitted should be an object keyed by hop count"),
     (lambda root: (root / "replay").mkdir() or (root / "replay" / "results.json").write_text('{"bank": 1}'),
      "replay/results.json: field 'conditions' should be an object of objects"),
     (lambda root: (root / "replay").mkdir() or (root / "replay" / "results.json").write_text(

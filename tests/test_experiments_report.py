@@ -511,3 +511,71 @@ def test_an_interrupted_grid_stops_with_its_workers(tmp_path, signame):
             os.killpg(proc.pid, signal.SIGKILL)
     complete = [name for name, m in seen if json.loads(m)["status"] == "complete"]
     assert len(seen) < 8 and len(complete) < 8
+
+
+def _copy_grid(local_grid, tmp_path) -> Path:
+    import shutil
+
+    root = tmp_path / "grid"
+    shutil.copytree(local_grid[0], root)
+    return root
+
+
+def test_runs_made_on_different_data_under_one_path_are_not_pooled_or_paired(local_grid, tmp_path):
+    """A world directory (or corpus) remade at the same path gives identical configs: only the sha256
+    the manifest records tells the runs apart (before: reported and paired as one setting)."""
+    from selfevo.report.compare import compare
+
+    root = _copy_grid(local_grid, tmp_path)
+    for seed in (0, 1):
+        path = root / f"crossfit-s{seed}" / "manifest.json"
+        path.write_text(json.dumps({**json.loads(path.read_text()), "world_sha256": "remade"}))
+    with pytest.raises(ValueError, match="made on different data under one path .*world_sha256"):
+        build_report(root)
+    rows = compare([root / "coupled-s0", root / "crossfit-s0"])
+    assert rows[1]["extra_generations"] is None  # no coupled run of its setting to pair with
+
+
+def test_audits_by_other_settings_are_not_pooled_and_the_judge_is_named(local_grid, tmp_path):
+    root = _copy_grid(local_grid, tmp_path)
+    build_report(root)
+    assert "## Audit by round (mean ± std over seeds; judge oracle)" in (root / "report.md").read_text()
+    # one run audited again on the first item of every step only: its numbers mean something else
+    rc = CliRunner().invoke(app, ["audit", str(root / "coupled-s1"), "--max-items-per-step", "1", "--no-figures"])
+    assert rc.exit_code == 0, rc.output
+    with pytest.raises(ValueError, match="coupled-s1 and .* were audited differently .*max_items_per_step"):
+        build_report(root)
+    # all of them audited alike: reported, and the table says how
+    for run in ("coupled-s0", "crossfit-s0", "crossfit-s1"):
+        assert CliRunner().invoke(app, ["audit", str(root / run), "--max-items-per-step", "1",
+                                        "--no-figures"]).exit_code == 0
+    build_report(root)
+    assert "judge oracle, first 1 items of every step only)" in (root / "report.md").read_text()
+
+
+def test_the_report_has_a_column_for_each_benchmark_the_runs_were_evaluated_on(local_grid, tmp_path):
+    """Macro averages every benchmark of an evaluation: one outside the paper's seven is shown, and
+    one the QA set lacks gets no column of dashes."""
+    root = _copy_grid(local_grid, tmp_path)
+    for ev in root.glob("*/eval/round-*.json"):
+        data = json.loads(ev.read_text())
+        data["benchmarks"] = {"nq": data["benchmarks"]["nq"], "mybench": data["benchmarks"]["popqa"]}
+        ev.write_text(json.dumps(data))
+    res = build_report(root)
+    assert res["benchmarks"] == ["nq", "mybench"]
+    header = next(line for line in (root / "report.md").read_text().splitlines() if line.startswith("| treatment | nq"))
+    assert header.startswith("| treatment | nq | mybench | macro |")
+
+
+def test_a_replay_study_of_other_runs_is_named_in_the_report(local_grid, tmp_path):
+    root = _copy_grid(local_grid, tmp_path)
+    (root / "replay").mkdir()
+    study = {"bank": {"sources": [str(tmp_path / "elsewhere" / "coupled-7")]},
+             "conditions": {"coupled": {m: {"mean": 0.1, "std": 0.01} for m in ("F", "solver_truth",
+                                                                                  "replay_accuracy", "A")}}}
+    (root / "replay" / "results.json").write_text(json.dumps(study))
+    res = build_report(root)
+    assert any("come from run(s) not in this report" in r and "coupled-7" in r for r in res["readings"])
+    study["bank"]["sources"] = [str(root / "coupled-s0")]  # its own runs: nothing to say
+    (root / "replay" / "results.json").write_text(json.dumps(study))
+    assert not any("not in this report" in r for r in build_report(root)["readings"])

@@ -100,8 +100,8 @@ def summary(values: Sequence[float | None]) -> dict:
     if not vals:
         return {"mean": None, "std": None, "lo": None, "hi": None, "n": 0}
     m = statistics.fmean(vals)
-    if len(vals) == 1:  # one seed has no interval: None (JSON null), never NaN (not JSON)
-        return {"mean": m, "std": 0.0, "lo": None, "hi": None, "n": 1}
+    if len(vals) == 1:  # one seed has no spread and no interval: None (JSON null), never NaN (not JSON),
+        return {"mean": m, "std": None, "lo": None, "hi": None, "n": 1}  # nor a 0.0 that reads as agreeing seeds
     s = statistics.stdev(vals)
     half = t95(len(vals) - 1) * s / math.sqrt(len(vals))
     return {"mean": m, "std": s, "lo": m - half, "hi": m + half, "n": len(vals)}

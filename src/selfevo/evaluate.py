@@ -148,7 +148,7 @@ def score_item(prediction: str | None, golds: str | Iterable[str]) -> ItemScore:
 # ---------------------------------------------------------------- aggregation
 
 
-def _benchmark_order(names: Iterable[str]) -> list[str]:
+def benchmark_order(names: Iterable[str]) -> list[str]:
     """The paper's column order first, then any other benchmark alphabetically."""
     names = set(names)
     return [b for b in BENCHMARKS if b in names] + sorted(names - set(BENCHMARKS))
@@ -187,7 +187,7 @@ def score_predictions(data: Mapping[str, Sequence[QAItem]],
         raise ValueError(f"benchmark(s) with no questions: {', '.join(empty)}")
     scores = score_items(data, predictions)
     per_bench: dict[str, dict] = {}
-    for name in _benchmark_order(data):
+    for name in benchmark_order(data):
         items = data[name]
         n = len(items)
         row: dict[str, Any] = {m: sum(getattr(scores[it.id], m) for it in items) / n
@@ -271,7 +271,7 @@ def _select(data: Mapping[str, Sequence[QAItem]], limit: int | None) -> dict[str
     """The first `limit` questions of every benchmark (file order, so runs are comparable)."""
     if limit is not None and limit < 1:
         raise ValueError(f"limit must be >= 1, got {limit}")
-    return {b: list(data[b][:limit]) for b in _benchmark_order(data)}
+    return {b: list(data[b][:limit]) for b in benchmark_order(data)}
 
 
 def evaluate_solver(solver: Solver, data: Mapping[str, Sequence[QAItem]], tool: SearchTool,

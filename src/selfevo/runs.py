@@ -279,6 +279,12 @@ class RunDir:
             raise RunError(f"{path}: field 'rounds_completed' should be >= 0, got {m['rounds_completed']}")
         return m
 
+    def made_on(self) -> dict:
+        """What the run's records are about beyond its config: the sha256 of the world directory and
+        of the corpus it was made on (None where the config alone fixes them: a generated world)."""
+        m = self.manifest()
+        return {"world_sha256": m.get("world_sha256"), "corpus_sha256": m.get("corpus_sha256")}
+
     def _write_manifest(self, update: dict) -> None:
         path = self.path / "manifest.json"
         current = self.manifest() if path.exists() else {}
@@ -312,7 +318,34 @@ class RunDir:
             rows = read_jsonl_log(self.steps_path)
         except ValueError as e:  # a corrupt line before the last (a torn last line is dropped)
             raise RunError(str(e)) from None
-        return _check_steps(self.steps_path, rows)
+        rows = _check_steps(self.steps_path, rows)
+        if self.exists() and (m := self.manifest()).get("status") == "complete":
+            self._check_whole(rows, m)
+        return rows
+
+    def _check_whole(self, rows: list[dict], manifest: dict) -> None:
+        """A finished run's log holds every step it ran: a torn last line (dropped by the reader) or
+        missing rows are damage done after the run ended, and an audit of what is left would pass
+        for the run's. (A crash's torn line is cut on resume, before the run can finish.)"""
+        path = self.steps_path
+        damaged = f"in a run marked complete: the log was damaged after the run ended; restore {path}"
+        if path.exists() and path.stat().st_size:
+            with open(path, "rb") as fh:
+                fh.seek(-1, os.SEEK_END)
+                if fh.read(1) != b"\n":
+                    raise RunError(f"{path}:{len(rows) + 1}: the last line is cut short, {damaged}")
+        if "engine" in manifest:  # engine-run logs the steps its trainers ran, not the loop's schedule
+            return
+        from selfevo.loop.schedule import LoopConfig, schedule
+
+        loop = LoopConfig(**self.config()["loop"])
+        done = manifest.get("rounds_completed", 0)
+        want = [(s.round, s.step, s.kind) for s in schedule(loop) if s.round <= done]
+        got = [(r["round"], r["step"], r["kind"]) for r in rows]
+        if got != want:
+            line = next((i + 1 for i, (g, w) in enumerate(zip(got, want)) if g != w), min(len(got), len(want)) + 1)
+            raise RunError(f"{path}:{line}: {len(got)} step records where the schedule of the {done} round(s) done "
+                           f"has {len(want)}, {damaged}")
 
     def load_checkpoint(self, round: int) -> dict:
         return read_object(self.checkpoint_path(round))
@@ -353,14 +386,35 @@ class RunDir:
         path = self.path / "audit" / "metrics.json"
         data = read_object(path)
         check_fields(data, {"rounds": list, "steps": list}, str(path))
-        for part in ("rounds", "steps"):
+        check_fields(data, {"judge": str}, str(path), optional=True)
+        for part, fields in (("rounds", {"round": int}), ("steps", {"round": int, "step": int, "kind": str})):
             for i, row in enumerate(data[part]):
-                check_numbers(row, METRICS, f"{path}: field {part}[{i}]")
+                where = f"{path}: field {part}[{i}]"
+                check_numbers(row, METRICS, where)
+                check_fields(row, fields, where)
+                if part == "rounds":
+                    check_numbers(row, ("admitted",), where)
+                    mix = row.get("hop_mix_admitted", {})
+                    if not isinstance(mix, dict) or not all(h.isdigit() for h in mix):
+                        raise RunError(f"{where}.hop_mix_admitted should be an object keyed by hop count, "
+                                       f"got {mix!r:.60}")
+                    check_numbers(mix, list(mix), f"{where}.hop_mix_admitted")
         return data
+
+    def audit_setting(self) -> dict:
+        """What an audit's numbers depend on besides the records (audit/judge.json): the judge's prompt
+        version and whether it read only the first items of every step (`--max-items-per-step`)."""
+        path = self.path / "audit" / "judge.json"
+        judge = read_object(path) if path.exists() else {}
+        return {"prompt_version": judge.get("prompt_version"), "max_items_per_step": judge.get("max_items_per_step")}
 
     def compute(self) -> dict:
         """compute.json: generations, updates and seconds by key, and the two totals."""
         path = self.path / "compute.json"
         data = read_object(path)
         check_fields(data, _COMPUTE_FIELDS, str(path))
+        for key in ("generations", "updates", "seconds"):  # what `compare` sums
+            for name, value in data[key].items():
+                if not isinstance(value, (int, float)) or isinstance(value, bool):
+                    raise RunError(f"{path}: field {key}.{name} should be a number, got {value!r:.60}")
         return data

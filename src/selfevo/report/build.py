@@ -37,6 +37,15 @@ def build_report(root: str | os.PathLike, context: str = "", runs: Sequence[str 
         for name, c in conditions.items():
             for metric in REPLAY_COLUMNS:
                 check_numbers(c.get(metric), ("mean", "std"), f"{replay_results}: field conditions.{name}.{metric}")
+        # the study sits beside the runs, but its bank may come from others: say so where it does
+        sources = (res["replay"].get("bank") or {}).get("sources")
+        if not isinstance(sources, list) or not all(isinstance(x, str) for x in sources):
+            raise RunError(f"{replay_results}: field bank.sources should be a list of run directories")
+        mine = {Path(r).resolve() for r in runs}
+        outside = [x for x in sources if Path(x).resolve() not in mine]
+        if outside:
+            res["readings"].append(f"The fixed replay bank's questions come from run(s) not in this report "
+                                   f"({', '.join(outside)}): its numbers describe those runs, not these.")
     pngs: dict[str, bytes] = {}
     if "coupled" in res["audit"]:
         pngs["Coupled loop: A, T_P, T_S, F, L by scheduled step (mean over seeds; Figure 1/3 analogue)"] = \

@@ -11,7 +11,7 @@ from pathlib import Path
 from selfevo._software import software_tally
 from selfevo.algos import summary
 from selfevo.audit import METRICS, mean_hop_mix
-from selfevo.evaluate import BENCHMARKS
+from selfevo.evaluate import benchmark_order
 from selfevo.report.compare import compare
 from selfevo.runs import RunDir, differences
 
@@ -19,11 +19,13 @@ from selfevo.runs import RunDir, differences
 _VARIED = ("treatment", "seed")
 
 
+_GROUPS = ("macro", "single_hop", "multi_hop")  # the averages over benchmarks an evaluation holds
+
+
 def _eval_row(run: RunDir, round: int) -> dict:
     score = run.evaluation(round)
     row = {b: v["cover_em"] for b, v in score["benchmarks"].items()}
-    row.update(macro=score["macro"]["cover_em"], single_hop=score["single_hop"]["cover_em"],
-               multi_hop=score["multi_hop"]["cover_em"])
+    row.update({g: score[g]["cover_em"] for g in _GROUPS})
     return row
 
 
@@ -39,6 +41,7 @@ def collect_runs(run_dirs: Sequence[str | os.PathLike]) -> dict:
     manifests = []  # of the complete runs
     excluded = []
     setting: tuple[dict, Path] | None = None  # the config every complete run shares, but _VARIED
+    made_on: dict | None = None  # and the world directory or corpus they were made on
     for d in run_dirs:
         run = RunDir(d)
         cfg, manifest = run.config(), run.manifest()  # checked: a damaged file is named
@@ -61,6 +64,13 @@ def collect_runs(run_dirs: Sequence[str | os.PathLike]) -> dict:
             raise ValueError(f"{run.path} and {setting[1]} were made with different configs (fields: "
                              f"{', '.join(differences(setting[0], mine))}); a report compares treatments and "
                              "seeds of one config, so report them apart")
+        # one config names a world directory or corpus by path: what lay there may have been remade
+        if made_on is None:
+            made_on = run.made_on()
+        elif run.made_on() != made_on:
+            raise ValueError(f"{run.path} and {setting[1]} were made on different data under one path (the "
+                             f"sha256 their manifests record differ: {', '.join(differences(made_on, run.made_on()))}"
+                             "); a report compares treatments and seeds on one world or corpus, so report them apart")
         runs.setdefault(treatment, {})[seed] = run
         done[run.path] = manifest.get("rounds_completed", 0)
         manifests.append(manifest)
@@ -69,39 +79,40 @@ def collect_runs(run_dirs: Sequence[str | os.PathLike]) -> dict:
                          f"{excluded[0]['why']}); finish them with `selfevo evolve --resume`")
     treatments = sorted(runs, key=lambda t: (t != "coupled", t))
     seeds = sorted({s for by_seed in runs.values() for s in by_seed})
-    columns = [*[b for b in BENCHMARKS], "macro", "single_hop", "multi_hop"]
-
-    def last_eval(run: RunDir) -> dict:
-        return _eval_row(run, done[run.path])
-
-    out: dict = {"treatments": treatments, "seeds": seeds, "downstream": {}, "audit": {}, "compute": {},
-                 "excluded": excluded}
-    # the untrained base model (round-0 evaluation; identical across treatments of a seed): every
-    # seed any treatment completed, not only the first treatment's
+    # the last evaluation of every run, and the untrained base model's (round 0, identical across
+    # treatments of a seed) of every seed any treatment completed, not only the first treatment's
+    finals = {t: {s: _eval_row(r, done[r.path]) for s, r in runs[t].items()} for t in treatments}
     base_rows = [_eval_row(next(runs[t][s] for t in treatments if s in runs[t]), 0) for s in seeds]
+    # the benchmarks the runs were evaluated on (macro averages them all), the paper's seven first
+    benchmarks = benchmark_order({b for row in [*base_rows, *(r for f in finals.values() for r in f.values())]
+                                  for b in row} - set(_GROUPS))
+    columns = [*benchmarks, *_GROUPS]
+
+    out: dict = {"treatments": treatments, "seeds": seeds, "benchmarks": benchmarks, "downstream": {},
+                 "audit": {}, "compute": {}, "excluded": excluded}
+    audits, out["audit_setting"] = _audits(runs)
     out["base"] = {c: summary([r.get(c) for r in base_rows]) for c in columns}
-    coupled = {s: last_eval(r) for s, r in runs.get("coupled", {}).items()}
+    coupled = finals.get("coupled", {})
     for t in treatments:
-        rows = {s: last_eval(r) for s, r in runs[t].items()}
+        rows = finals[t]
         entry = {c: summary([row.get(c) for row in rows.values()]) for c in columns}
         if coupled and t != "coupled":
             common = sorted(set(rows) & set(coupled))
             # a column with no value (e.g. no multi-hop benchmark in a corpus's QA set) has no gain
             entry["gain_vs_coupled"] = {c: summary([_minus(rows[s][c], coupled[s][c]) for s in common])
-                                        for c in ("macro", "single_hop", "multi_hop")}
+                                        for c in _GROUPS}
         out["downstream"][t] = entry
-        by_seed = {s: r.audit_metrics() for s, r in runs[t].items()
-                   if (r.path / "audit" / "metrics.json").exists()}
-        audits = list(by_seed.values())
-        n_rounds = min((len(a["rounds"]) for a in audits), default=0)
+        by_seed = audits[t]
+        mine = list(by_seed.values())
+        n_rounds = min((len(a["rounds"]) for a in mine), default=0)
         out["audit"][t] = {
             # admitted count and hop mix beside F: lower F could come from fewer hard questions
-            "rounds": [{"round": i + 1, **{m: summary([a["rounds"][i][m] for a in audits]) for m in METRICS},
-                        "admitted": summary([a["rounds"][i].get("admitted") for a in audits]),
+            "rounds": [{"round": i + 1, **{m: summary([a["rounds"][i][m] for a in mine]) for m in METRICS},
+                        "admitted": summary([a["rounds"][i].get("admitted") for a in mine]),
                         "hop_mix_admitted": mean_hop_mix([a["rounds"][i].get("hop_mix_admitted", {})
-                                                          for a in audits])}
+                                                          for a in mine])}
                        for i in range(n_rounds)],
-            "steps": _mean_steps(audits),
+            "steps": _mean_steps(mine),
             "first_by_seed": {s: a["rounds"][0] for s, a in by_seed.items() if a["rounds"]},
             "last_by_seed": {s: a["rounds"][-1] for s, a in by_seed.items() if a["rounds"]},
             # complete runs made with `evolve --no-audit`: in the downstream numbers, not the audit's
@@ -116,6 +127,28 @@ def collect_runs(run_dirs: Sequence[str | os.PathLike]) -> dict:
     out["readings"] = readings(out)
     out["software"] = software_tally(manifests)
     return out
+
+
+def _audits(runs: dict[str, dict[int, RunDir]]) -> tuple[dict[str, dict[int, dict]], dict | None]:
+    """The audit metrics of every audited run, by treatment and seed, and the setting they share:
+    audits by two judges (or one that read only some items of each step) pooled or paired would
+    mix numbers that mean different things, so that is refused, naming both runs."""
+    out: dict[str, dict[int, dict]] = {}
+    setting: tuple[dict, Path] | None = None
+    for t, by_seed in runs.items():
+        out[t] = {}
+        for s, run in by_seed.items():
+            if not (run.path / "audit" / "metrics.json").exists():
+                continue
+            metrics = out[t][s] = run.audit_metrics()
+            mine = {"judge": metrics.get("judge"), **run.audit_setting()}
+            if setting is None:
+                setting = (mine, run.path)
+            elif mine != setting[0]:
+                raise ValueError(f"{run.path} and {setting[1]} were audited differently (fields: "
+                                 f"{', '.join(differences(setting[0], mine))}); audit them alike "
+                                 "(`selfevo audit RUN` with one judge, every item) before reporting them together")
+    return out, setting and setting[0]
 
 
 def _minus(a: float | None, b: float | None) -> float | None:

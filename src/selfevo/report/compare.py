@@ -21,8 +21,9 @@ class RunSummary:
     seconds: float
     last_round: dict | None  # audit metrics of the last round, if audited
     cover_em: float | None  # main solver macro Cover-EM after the last round
-    # what a treatment's run must share with its coupled run: the config but the treatment, and the
-    # rounds done (compute.json counts those only)
+    # what a treatment's run must share with its coupled run: the config but the treatment, the data
+    # it was made on (a world directory or corpus remade under one path), and the rounds done
+    # (compute.json counts those only)
     setting: str = ""
 
     @classmethod
@@ -37,7 +38,8 @@ class RunSummary:
         rounds = run.audit_metrics()["rounds"] if (run.path / "audit" / "metrics.json").exists() else []
         done = run.manifest().get("rounds_completed", 0)
         cover = run.evaluation(done)["macro"]["cover_em"] if run.eval_path(done).exists() else None
-        setting = json.dumps([{k: v for k, v in cfg.items() if k != "treatment"}, done], sort_keys=True)
+        setting = json.dumps([{k: v for k, v in cfg.items() if k != "treatment"}, run.made_on(), done],
+                             sort_keys=True)
         return cls(run.path, cfg["treatment"], cfg["seed"], compute["total_generations"], compute["total_updates"],
                    sum(compute["seconds"].values()), rounds[-1] if rounds else None, cover, setting)
 

@@ -8,7 +8,6 @@ import html
 from selfevo._fmt import DASH, mean_std_text, num
 from selfevo._software import software_text
 from selfevo.audit import METRICS, hop_mix_text
-from selfevo.evaluate import BENCHMARKS
 
 # the replay study's columns (DIR/replay/results.json, conditions.NAME.COLUMN: mean and std)
 REPLAY_COLUMNS = ("F", "solver_truth", "replay_accuracy", "A")
@@ -35,9 +34,17 @@ def _gain(s: dict | None) -> str:
     return f"{s['mean']:+.3f} [{s['lo']:+.3f}, {s['hi']:+.3f}]"
 
 
+def _audit_note(setting: dict | None) -> str:
+    """What the audit table's numbers were judged by (every run's audit shares it: collect_runs checks)."""
+    if not setting:
+        return ""
+    limit = setting.get("max_items_per_step")
+    return f"; judge {setting['judge']}" + (f", first {limit} items of every step only" if limit else "")
+
+
 def tables(res: dict) -> dict[str, tuple[list[str], list[list[str]]]]:
     """Every table as (header, rows), shared by the Markdown and HTML renderings."""
-    cols = [b for b in BENCHMARKS if any(b in d for d in res["downstream"].values())]
+    cols = res["benchmarks"]
     t1_head = ["treatment", *cols, "macro", "single-hop", "multi-hop", "Δ macro vs coupled"]
     t1 = [["base (untrained)", *[_f(res["base"].get(c), True) for c in cols],
            *[_f(res["base"].get(c), True) for c in ("macro", "single_hop", "multi_hop")], ""]]
@@ -62,7 +69,7 @@ def tables(res: dict) -> dict[str, tuple[list[str], list[list[str]]]]:
              pct(c["extra_generations"]), pct(c["extra_updates"]), pct(c["extra_seconds"], spread=True)]
             for t, c in res["compute"].items()]
     out = {"Downstream Cover-EM after the last round (mean [95% CI] over seeds)": (t1_head, t1),
-           "Audit by round (mean ± std over seeds)": (audit_head, audit),
+           f"Audit by round (mean ± std over seeds{_audit_note(res.get('audit_setting'))})": (audit_head, audit),
            "Compute and overhead against coupled": (comp_head, comp)}
     if res.get("replay"):
         rp = res["replay"]["conditions"]
