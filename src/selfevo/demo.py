@@ -2,7 +2,7 @@
 
 Base (untrained), coupled (Dr. Zero), MSV, CrossFit and MSV+CrossFit for 3 rounds each over N seeds,
 the oracle audit of every run, the downstream evaluation after every round, the fixed replay bank
-study on questions saved from the coupled runs, then one report (HTML, Markdown, JSON).
+study on questions saved from the first seed's coupled run, then one report (HTML, Markdown, JSON).
 """
 
 from __future__ import annotations
@@ -201,18 +201,22 @@ def run_demo(plan: DemoPlan, out: str | os.PathLike, console: Console | None = N
         hidden = "" if failed else (" (the jobs say they finished, but their run directories are not on this "
                                     "machine: Ray workers need --out on a file system they share with it)")
         raise ValueError(f"{out}: no job of this plan finished, nothing to report{first}{hidden}")
-    coupled = [r["run"] for r in results if job[r["job"]].treatment == "coupled" and r["status"] != "failed"]
+    # the bank's run: one seed's, as the paper's 3,000 questions are one run's (a simulated run's base
+    # model is seeded by its run seed, and the replay has one base model)
+    coupled = sorted((job[r["job"]].seed, r["run"]) for r in results
+                     if job[r["job"]].treatment == "coupled" and r["status"] != "failed")[:1]
     # what keeps this report short of the plan: the exit status says so (the CLI exits 1)
     incomplete = [f"{len(failed)} of {len(jobs)} jobs failed"] if failed else []
     replay = False
     if plan.replay_conditions and coupled:
         rounds = config_from_dict({**plan.run, "treatment": "coupled"}).loop.rounds
-        console.print(f"fixed replay bank: up to {plan.replay_size} questions from the coupled runs' rounds "
-                      f"2-{rounds}, {len(plan.replay_conditions)} conditions x {len(seeds)} seeds")
+        console.print(f"fixed replay bank: up to {plan.replay_size} questions from rounds 2-{rounds} of the "
+                      f"coupled run of seed {coupled[0][0]}, {len(plan.replay_conditions)} conditions x "
+                      f"{len(seeds)} seeds")
         try:
             if rounds < 2:
                 raise ReplayError("the bank takes round-2 and later proposals, and the runs have 1 round")
-            bank = build_bank(coupled, plan.replay_size, seed=0, allow_fewer=True)
+            bank = build_bank([coupled[0][1]], plan.replay_size, seed=0, allow_fewer=True)
             results = run_replay(bank, list(plan.replay_conditions), seeds,
                                  workers=workers or os.cpu_count() or 1, progress=True)
         except ReplayError as e:  # the runs are done: report them, and say why the study is missing

@@ -55,8 +55,9 @@ __all__ = ["CONDITIONS", "MATCHER", "Bank", "BankItem", "Condition", "InvariantE
 
 FORMAT = 1  # results.json
 # bank files: 2 added the runs' backend, data and language-model config (format 1 banks are sim
-# banks on a world and still load)
-BANK_FORMAT = 2
+# banks on a world and still load); 3 added base_seed (older banks replay with their sampling seed's
+# base model, as they did)
+BANK_FORMAT = 3
 # The one answer matcher (DESIGN §2). Referenced through this name at grading time so that the
 # invariant check can see which function actually graded (and a test can break it).
 MATCHER = answers_match
@@ -169,7 +170,7 @@ class BankItem:
 @dataclass
 class Bank:
     world: dict  # the runs' `world` config block
-    seed: int  # sampling seed; also seeds the replay's base model (see _Context)
+    seed: int  # sampling seed (and of the connected-source clustering)
     sources: list[str]
     items: list[BankItem]
     # the runs' solver and search config: the replay's feedback solvers start as their base model
@@ -178,11 +179,15 @@ class Bank:
     backend: str = "sim"  # "lm": the feedback solvers are adapters on the runs' language model
     data: dict = field(default_factory=dict)  # the runs' data block: data.corpus = a real corpus, no truth
     lm: dict = field(default_factory=dict)  # the runs' lm config block (backend "lm")
+    # the seed of the runs its items came from (None: runs of several seeds, language-model banks
+    # only): a simulated base model's misreadings are seeded by the run seed, and the replay's base
+    # model must be the one that wrote and graded the items
+    base_seed: int | None = None
 
     def to_json(self) -> dict:
-        return {"format": BANK_FORMAT, "world": self.world, "seed": self.seed, "sources": self.sources,
-                "solver": self.solver, "search": self.search, "backend": self.backend, "data": self.data,
-                "lm": self.lm, "items": [it.to_json() for it in self.items]}
+        return {"format": BANK_FORMAT, "world": self.world, "seed": self.seed, "base_seed": self.base_seed,
+                "sources": self.sources, "solver": self.solver, "search": self.search, "backend": self.backend,
+                "data": self.data, "lm": self.lm, "items": [it.to_json() for it in self.items]}
 
     @property
     def corpus(self) -> str:
@@ -210,9 +215,9 @@ class Bank:
     def from_json(cls, obj: dict, where: str = "bank") -> Bank:
         if not isinstance(obj, dict) or "format" not in obj:
             raise ReplayError(f"{where}: not a replay bank (no format field)")
-        if obj["format"] not in (1, BANK_FORMAT):
+        if obj["format"] not in range(1, BANK_FORMAT + 1):
             raise ReplayError(f"{where}: bank format {obj['format']!r}, this selfevo reads formats 1 "
-                              f"and {BANK_FORMAT}")
+                              f"to {BANK_FORMAT}")
         missing = [k for k in ("world", "seed", "sources", "solver", "search", "items") if k not in obj]
         if missing:
             raise ReplayError(f"{where}: missing field(s) {', '.join(missing)}")
@@ -236,10 +241,14 @@ class Bank:
             seen.add(it.item_id)
         if obj.get("backend", "sim") not in ("sim", "lm"):
             raise ReplayError(f"{where}: backend {obj['backend']!r} (known: sim, lm)")
+        base_seed = obj.get("base_seed") if obj["format"] >= 3 else obj["seed"]
+        if base_seed is None and obj.get("backend", "sim") == "sim":
+            raise ReplayError(f"{where}: field base_seed is missing (the seed of a simulated bank's runs)")
         try:
             return cls(dict(obj["world"]), int(obj["seed"]), list(obj["sources"]), items,
                        dict(obj["solver"]), dict(obj["search"]), obj.get("backend", "sim"),
-                       dict(obj.get("data", {})), dict(obj.get("lm", {})))
+                       dict(obj.get("data", {})), dict(obj.get("lm", {})),
+                       None if base_seed is None else int(base_seed))
         except (TypeError, ValueError) as e:
             raise ReplayError(f"{where}: {e}") from None
 
@@ -333,9 +342,15 @@ def build_bank(run_dirs: Sequence[str | os.PathLike], size: int = 3000, seed: in
                 raise ReplayError(f"runs differ in their {key} config: {run_dirs[0]} has {parts[0][key]}, "
                                   f"{d} has {other[key]}; a bank is built from runs of one {key}")
     p = parts[0]
+    run_seeds = sorted({c["seed"] for c in configs})
+    if p["backend"] == "sim" and len(run_seeds) > 1:
+        raise ReplayError(f"runs of seeds {', '.join(map(str, run_seeds))}: a simulated run's base model is "
+                          "seeded by the run seed, so these runs started from different base models, and the "
+                          "replay has one; build the bank from runs of one seed (one run holds the paper's "
+                          "3,000 round-2/3 questions)")
     # the data block only says where a corpus is (a world's documents come from the world block)
     shell = Bank(p["world"], seed, [], [], p["solver"], p["search"], p["backend"],
-                 configs[0]["data"] if p["corpus"] else {}, p["lm"])
+                 configs[0]["data"] if p["corpus"] else {}, p["lm"], run_seeds[0] if len(run_seeds) == 1 else None)
     env = _environment(shell.run_config(), where=str(run_dirs[0]))
     groups = assign_folds(env.documents, seed, 2, "connected").groups
     pool: list[BankItem] = []
@@ -361,7 +376,8 @@ def build_bank(run_dirs: Sequence[str | os.PathLike], size: int = 3000, seed: in
                                       f"{shell.documents_from}")
                 pool.append(BankItem(f"run{i}/{it['item_id']}", it["question"], it["adopted_label"],
                                      it["draft_label"], it["source_id"], tuple(it["source_ids"]),
-                                     groups[it["source_id"]], str(d), int(row["round"]), int(it["hops"])))
+                                     groups[it["source_id"]], str(Path(d).resolve()), int(row["round"]),
+                                     int(it["hops"])))
     if len(pool) < size:
         if not allow_fewer:
             which = f" with hops in {sorted(hops)}" if hops is not None else ""
@@ -370,7 +386,8 @@ def build_bank(run_dirs: Sequence[str | os.PathLike], size: int = 3000, seed: in
                               f"{len(run_dirs)} run(s), fewer than --size {size}; add runs or lower --size")
         size = len(pool)  # a demo on a small world takes what there is
     chosen = sorted(random.Random(derive_seed(seed, "bank")).sample(range(len(pool)), size))
-    return replace(shell, sources=[str(d) for d in run_dirs], items=[pool[j] for j in chosen])
+    # absolute: a report or a reader elsewhere must find the runs a bank came from
+    return replace(shell, sources=[str(Path(d).resolve()) for d in run_dirs], items=[pool[j] for j in chosen])
 
 
 # ---------------------------------------------------------------- one process's world
@@ -397,11 +414,12 @@ class _Context:
 
             self.policy = LMPolicy(cfg.lm)  # adapters live in memory: a replay keeps no checkpoints
         else:
-            # One base model for every seed, as the paper replays with one pretrained model: its
-            # misreadings are seeded by the bank's seed, and replay seeds vary only folds, orders and
-            # sampling. (A reader seeded per replay seed would be a different base model per seed.)
+            # One base model for every replay seed, as the paper replays with one pretrained model: the
+            # one the bank's runs started from (the run seed seeds its misreadings), so replay seeds vary
+            # only folds, orders and sampling. (A reader seeded per replay seed would be a different base
+            # model per seed; one of another run seed, a model that neither wrote nor graded the items.)
             self.reader = Reader("solver", cfg.solver.misread_scale, self.env.world.config.shared_misreading,
-                                 bank.seed)
+                                 bank.base_seed)
         self.solver_config = cfg.solver
         self.oracle = OracleJudge(self.env.truth) if self.env.truth is not None else None
         self.judge = self.oracle  # _InProcess may put a given judge here
@@ -879,7 +897,7 @@ def plot_results(results: dict, path: str | os.PathLike) -> Path:
                     continue
                 xs.append(i + (j - 0.5) * width)
                 means.append(e[key]["mean"])
-                stds.append(e[key]["std"])
+                stds.append(e[key]["std"] or 0)  # one seed: no spread to draw
                 colors.append(f"C{i}")
             if xs:
                 ax.bar(xs, means, width, yerr=stds, color=colors, hatch=hatch, edgecolor="black",
