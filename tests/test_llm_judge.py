@@ -771,3 +771,26 @@ def test_a_proxy_page_is_an_outage_not_a_reply_the_cache_keeps(tmp_path):
         proxy.down = False
         v, s = audit()
         assert v.resolved and v.label_correct and s["cache_hits"] == 0 and s["malformed_bodies"] == 0
+
+
+def test_the_default_judge_loads_on_the_runs_device_in_its_dtype(monkeypatch):
+    """A run's base model judges its audit on the run's device and dtype (before: float32 on the CPU
+    whatever the recipe, ~17 GB for a 4B model)."""
+    import selfevo.agents.lm.model as model_mod
+    from selfevo.config import load_config
+    from selfevo.evolve import default_judge
+
+    asked = {}
+
+    class Loaded(Exception):
+        pass
+
+    def fake(path, **kwargs):
+        asked.update(kwargs)
+        raise Loaded
+
+    monkeypatch.setattr(model_mod, "TransformersChatModel", fake)
+    cfg = load_config(None, ["backend=\"lm\"", "lm.device=\"cpu\"", "lm.dtype=\"bfloat16\"", "lm.threads=2"])
+    with pytest.raises(Loaded), default_judge(cfg, env=None):
+        pass
+    assert (asked["device"], asked["dtype"], asked["threads"]) == ("cpu", "bfloat16", 2)

@@ -279,6 +279,7 @@ def evolve(cfg: RunConfig, out: str | os.PathLike, resume: bool = False, progres
         elif not run.eval_path(0).exists():
             evaluate(loop.main, 0)  # the base model, before any training
         loop.run(run, start_round=done + 1, progress=progress)
+        del loop  # its models are checkpointed: their memory is free before a judge loads one
         if audit:
             if env.truth is not None:
                 audit_run(run, OracleJudge(env.truth))
@@ -318,12 +319,14 @@ def default_judge(cfg: RunConfig, env: Environment, cache_path: str | os.PathLik
     duration (`cache_path`: its call cache). A stronger judge is one flag away: `selfevo audit RUN
     --judge llm --judge-url ...`."""
     from selfevo.agents.lm.model import TransformersChatModel
-    from selfevo.agents.lm.policy import resolve_model
+    from selfevo.agents.lm.policy import resolve_device, resolve_model
     from selfevo.agents.lm.server import make_app, running
     from selfevo.audit.llm_judge import LLMJudge
 
+    # on the run's device, in its dtype: a 4B recipe's judge in float32 on the CPU would need ~17 GB
     model = TransformersChatModel(resolve_model(cfg.lm.model), name=cfg.lm.model,
-                                  max_new_tokens=cfg.lm.judge_max_tokens)
+                                  max_new_tokens=cfg.lm.judge_max_tokens, device=resolve_device(cfg.lm.device),
+                                  dtype=cfg.lm.dtype, threads=cfg.lm.threads or None)
     docs = contents_by_id(env.documents)  # read on demand: a corpus stays on disk
     with (running(make_app(model)) as url,
           LLMJudge(url, cfg.lm.model, documents=docs, concurrency=1, cache_path=cache_path) as judge):
