@@ -14,6 +14,7 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+from selfevo._fmt import DASH, mean_std_text
 from selfevo._software import software
 from selfevo.algos import summary
 
@@ -40,9 +41,13 @@ def run_root(keep: Path | None) -> Iterator[Path]:
         yield Path(tmp)
 
 
-def median_time(fn: Callable[[], object], repeats: int = 3) -> tuple[float, list[float]]:
+def median_time(fn: Callable[[], object], repeats: int = 3,
+                setup: Callable[[], object] | None = None) -> tuple[float, list[float]]:
+    """Median wall seconds of `repeats` calls of `fn`, and each; `setup` runs before each call, untimed."""
     times = []
     for _ in range(repeats):
+        if setup is not None:
+            setup()
         start = time.perf_counter()
         fn()
         times.append(time.perf_counter() - start)
@@ -80,10 +85,21 @@ def write_section(path: Path, heading: str, section: str, title: str = "# Result
 
 
 def mean_std(values: list[float]) -> tuple[float, float]:
+    """Mean and std over seeds, NaN where there is none (no values; one seed has no std)."""
     s = summary(values)
-    return (float("nan"), float("nan")) if s["n"] == 0 else (s["mean"], s["std"])
+    nan = float("nan")
+    return (nan if s["mean"] is None else s["mean"], nan if s["std"] is None else s["std"])
 
 
 def fmt(values: list[float], digits: int = 3) -> str:
-    m, s = mean_std(values)
-    return f"{m:.{digits}f} ± {s:.{digits}f}"
+    """"mean ± std" over seeds; a dash for the std of one seed (and for no values at all)."""
+    return mean_std_text(summary(values), f".{digits}f")
+
+
+def interval_text(s: dict, spec: str = "+.3f") -> str:
+    """A paired difference's `summary` as "mean [lo, hi]" (95% t-interval); one seed has no interval."""
+    if s["mean"] is None:
+        return DASH
+    if s["lo"] is None:
+        return f"{format(s['mean'], spec)} (one seed: no interval)"
+    return f"{format(s['mean'], spec)} [{format(s['lo'], spec)}, {format(s['hi'], spec)}]"

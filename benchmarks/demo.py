@@ -23,6 +23,8 @@ from pathlib import Path
 
 from _common import REPO, machine_line, write_section
 
+from selfevo._fmt import mean_std_text
+
 HEADING = "## The demo"
 CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
                   "--disable-background-networking", "--disable-component-update", "--disable-sync"]
@@ -50,7 +52,7 @@ def headline(demo: dict) -> list[str]:
              "| treatment | A | T_P | F | macro Cover-EM | Δ vs coupled [95% CI] |", "|---|---:|---:|---:|---:|---:|"]
     for t in demo["treatments"]:
         last = demo["audit"][t]["rounds"][-1]
-        cells = [f"{last[m]['mean']:.3f} ± {last[m]['std']:.3f}" for m in ("A", "T_P", "F")]
+        cells = [mean_std_text(last[m]) for m in ("A", "T_P", "F")]  # one seed: a dash for the std
         ds = demo["downstream"][t]
         gain = (ds.get("gain_vs_coupled") or {}).get("macro")
         ok = gain and gain["lo"] is not None

@@ -59,7 +59,7 @@ import statistics
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
-from _common import REPO, SKILL_LED, fmt, machine_line, run_root, write_section
+from _common import REPO, SKILL_LED, fmt, interval_text, machine_line, run_root, write_section
 from rich.console import Console
 from rich.progress import Progress
 
@@ -183,19 +183,21 @@ def horizon_lines(runs: list[dict], rounds: int, seeds: int) -> list[str]:
     for i in range(rounds):
         d = summary([b["macro"][i] - a["macro"][i] for a, b in zip(co, cf, strict=True)])
         gaps.append(d)
-        lines.append(f"| {i + 1} | {fmt([r['macro'][i] for r in co])} | {d['mean']:+.3f} [{d['lo']:+.3f}, "
-                     f"{d['hi']:+.3f}] | {fmt([r['F'][i] for r in co])} | {fmt([r['F'][i] for r in cf])} | "
+        lines.append(f"| {i + 1} | {fmt([r['macro'][i] for r in co])} | {interval_text(d)} "
+                     f"| {fmt([r['F'][i] for r in co])} | {fmt([r['F'][i] for r in cf])} | "
                      f"{fmt([r['T_P'][i] for r in co])} | {fmt([r['T_P'][i] for r in cf])} |")
     third, last = gaps[2], gaps[-1]
-    if last["lo"] > 0:
+    if last["lo"] is None:
+        verdict = "one seed gives no interval, so no verdict"
+    elif last["lo"] > 0:
         verdict = f"CrossFit's downstream gain appears by round {rounds}"
     elif last["hi"] < 0:
         verdict = (f"CrossFit is behind at round {rounds}, an interval excluding 0: a longer loop does not turn "
                    "its cleaner grading into a downstream gain in this world")
     else:
         verdict = f"no downstream difference is settled at round {rounds}"
-    lines += ["", f"CrossFit − coupled: {third['mean']:+.3f} after round 3, {last['mean']:+.3f} [{last['lo']:+.3f}, "
-              f"{last['hi']:+.3f}] after round {rounds}, while round-{rounds} F is "
+    lines += ["", f"CrossFit − coupled: {third['mean']:+.3f} after round 3, {interval_text(last)} after round "
+              f"{rounds}, while round-{rounds} F is "
               f"{statistics.fmean(r['F'][-1] for r in co):.3f} vs {statistics.fmean(r['F'][-1] for r in cf):.3f}: "
               f"{verdict}."]
     return lines
@@ -253,7 +255,7 @@ def main() -> None:
             else:
                 ref = base if "no memory" not in arm else by_arm["coupled, no memory"]
                 d = summary([r["macro"] - b["macro"] for r, b in zip(runs, ref)])
-                cells.append("" if runs is ref else f"{d['mean']:+.3f} [{d['lo']:+.3f}, {d['hi']:+.3f}]")
+                cells.append("" if runs is ref else interval_text(d))
             cells += [fmt([r[k] for r in runs], 2) for k in ("about_page", "title_match")]
             cells += [fmt([r[k] for r in runs]) for k in ("right", "wrong", "solved")]
             lines.append(f"| {arm} | " + " | ".join(cells) + " |")

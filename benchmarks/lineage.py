@@ -6,9 +6,9 @@ A source-level fold holds out the page a question was written from. A multi-hop 
 more pages; when the proposer's misreading happened on one of those (often a popular city or
 organisation that many chains pass through), questions from sources of *both* folds carry the
 same wrong label, and a grader trained on the other fold can have learned it. This script runs
-default-world coupled loops and, with the world's exact truth, locates for every admitted
-round-2/3 question with a wrong label the first page where the proposer's chain left the true one,
-and counts the grader responses that agree with that wrong label (false agreement).
+coupled loops on the `--world` world (default: `default`) and, with the world's exact truth, locates
+for every admitted round-2/3 question with a wrong label the first page where the proposer's chain
+left the true one, and counts the grader responses that agree with that wrong label (false agreement).
 Writes the "## Where wrong labels come from" section of docs/results.md.
 """
 
@@ -37,13 +37,21 @@ def misread_hop(truth, question: str, pages: list[str], label: str) -> int | Non
     q = parse_question(question)
     if not isinstance(q, ChainQuery):
         return None
-    start = truth.resolve(q.mention)
-    path = truth.follow(start, q.relations) if start else None
-    if path is None:  # the chain asks for a fact that does not exist: left at the first page
+    cur = truth.resolve(q.mention)
+    if cur is None:  # the mention names no entity (or several): left at the source page
         return 0
-    if any(answers_match(label, g) for g in truth.value_aliases(path[-1])):
+    path = truth.follow(cur, q.relations)
+    if path is not None and any(answers_match(label, g) for g in truth.value_aliases(path[-1])):
         return None
-    return next((i for i in range(len(pages) - 1) if pages[i + 1] != path[i]), len(pages) - 1)
+    # Walk the true chain along the pages the proposer read: page i was misread if the true fact it
+    # should state is missing (a chain that breaks there has no true answer: any label is wrong) or
+    # the next page read is not that fact's value; if every page read is on the chain, the last one.
+    for i in range(len(pages) - 1):
+        value = cur.facts.get(q.relations[i]) if cur is not None and i < len(q.relations) else None
+        if value is None or pages[i + 1] != value:
+            return i
+        cur = truth.entities.get(value)
+    return max(len(pages) - 1, 0)
 
 
 def count(run_dir: Path, truth) -> dict:
@@ -83,7 +91,7 @@ def main() -> None:
         HEADING, "",
         f"Command: `python benchmarks/lineage.py --seeds {args.seeds} --world {args.world}`  ",
         f"Machine: {machine_line()}  ",
-        f"Default-world coupled runs, seeds 0..{args.seeds - 1}, the paper's schedule; admitted round-2/3 "
+        f"Coupled runs on world `{args.world}`, seeds 0..{args.seeds - 1}, the paper's schedule; admitted round-2/3 "
         "questions whose label is wrong (exact truth), by the page where the proposer's chain first left "
         "the true one; mean ± std over seeds.", "",
         "| | share |", "|---|---:|",

@@ -14,11 +14,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import shutil
 import statistics
 from pathlib import Path
 
-from _common import REPO, fmt, machine_line, mean_std, run_root, write_section
+from _common import REPO, fmt, interval_text, machine_line, mean_std, run_root, write_section
 from rich.console import Console
 from rich.progress import Progress
 
@@ -220,15 +221,17 @@ def main() -> None:
             if base is None or t == "coupled":
                 cells.append("")
                 continue
-            m, lo, hi = ci95([r[key] - b[key] for r, b in zip(rows, base)])
-            cells.append(f"{m:+.3f} [{lo:+.3f}, {hi:+.3f}]")
+            cells.append(interval_text(summary([r[key] - b[key] for r, b in zip(rows, base)])))
         lines.append(f"| {t} | " + " | ".join(cells) + " |")
     if base is not None and "crossfit" in res:
         def mem(t: str, key: str) -> str:
             return fmt([r[key] for r in res[t]], 1)
 
         def difficulty(t: str) -> str:
-            m, lo, hi = ci95([r["base_solved"] - b["base_solved"] for r, b in zip(res[t], base)])
+            d = summary([r["base_solved"] - b["base_solved"] for r, b in zip(res[t], base)])
+            m, lo, hi = d["mean"], d["lo"], d["hi"]
+            if lo is None:  # one seed: no interval, no verdict
+                return f"{t} {interval_text(d)}"
             if lo <= 0 <= hi:
                 verdict = "no clear difference in difficulty"
             elif m > 0:
@@ -244,14 +247,18 @@ def main() -> None:
                   + "; ".join(difficulty(t) for t in ("crossfit", "msv") if t in res) + "."]
 
         def than(key: str) -> str:
-            """CrossFit's memory facts against coupled's: 'as many' within the larger seed std."""
+            """CrossFit's memory facts against coupled's: 'as many' within the larger seed std (one seed
+            has no std: the two counts, compared as they are, and said so)."""
             (c, cs), (x, xs) = (mean_std([r[key] for r in res[t]]) for t in ("coupled", "crossfit"))
+            if math.isnan(cs) or math.isnan(xs):
+                return ("as many" if x == c else "more" if x > c else "fewer") + " (one seed: no spread)"
             return "as many" if abs(x - c) <= max(cs, xs) else "more" if x > c else "fewer"
 
         _, gain_lo, _ = ci95([r["macro"] - b["macro"] for r, b in zip(res["crossfit"], base)])
         tp_up = statistics.fmean(r["audit"]["T_P"] for r in res["crossfit"]) > statistics.fmean(
             r["audit"]["T_P"] for r in base)
-        lines += ["", ("Why the downstream gain does not appear in this world" if gain_lo is None or gain_lo <= 0 else
+        lines += ["", ("What the memory holds (one seed: no interval for the downstream gain)" if gain_lo is None
+                       else "Why the downstream gain does not appear in this world" if gain_lo <= 0 else
                        "The downstream gain appears here (interval above 0); what the memory holds")
                   + ": facts the main solver's memory holds "
                   "after round 3 (rows whose preferred answer stands out, judged by the oracle; "

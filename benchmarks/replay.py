@@ -13,6 +13,7 @@ figure docs/figures/replay.png.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import resource
 import statistics
@@ -21,10 +22,11 @@ import sys
 from collections import Counter
 from pathlib import Path
 
-from _common import REPO, SKILL_LED, machine_line, median_time, run_root, write_section
+from _common import REPO, SKILL_LED, fmt, machine_line, median_time, run_root, write_section
 from rich.console import Console
 from rich.progress import Progress
 
+from selfevo._fmt import mean_std_text
 from selfevo._io import read_json
 from selfevo.config import load_config
 from selfevo.evaluate import answers_match
@@ -45,8 +47,16 @@ def load_average() -> str:
 
 def spread(a: dict, b: dict) -> float:
     """2x the two seed spreads combined, 2 * sqrt(std_a^2 + std_b^2): a difference of means within
-    this is 'within the spread' (the issue's wording; the stds are over seeds, not of the mean)."""
+    this is 'within the spread' (the issue's wording; the stds are over seeds, not of the mean).
+    NaN where either has no std (one seed): no difference is then within it."""
+    if a["std"] is None or b["std"] is None:
+        return float("nan")
     return 2 * (a["std"] ** 2 + b["std"] ** 2) ** 0.5
+
+
+def spread_text(a: dict, b: dict) -> str:
+    bound = spread(a, b)
+    return "no bound: one seed has no spread" if math.isnan(bound) else f"bound ±{bound:.3f}"
 
 
 HOP_CONDITIONS = ["coupled", "question-split", "source-id", "connected"]
@@ -135,8 +145,7 @@ def wrong_label_truth(res: dict) -> str:
     coupled, held_out = truth_on_wrong(res, "coupled"), truth_on_wrong(res, "source-id")
     diffs = [h - k for h, k in zip(held_out, coupled)]
     return (f"On the items whose label is wrong, where training on the label can only cost truth, the coupled "
-            f"grader answers {statistics.fmean(coupled):.3f} ± {statistics.stdev(coupled):.3f} truthfully, "
-            f"source-id {statistics.fmean(held_out):.3f} ± {statistics.stdev(held_out):.3f}, question-split "
+            f"grader answers {fmt(coupled)} truthfully, source-id {fmt(held_out)}, question-split "
             f"{statistics.fmean(truth_on_wrong(res, 'question-split')):.3f}, the untrained model "
             f"{statistics.fmean(truth_on_wrong(res, 'base')):.3f} (L / (1 − T_P)); source-id − coupled "
             f"per seed {', '.join(f'{d:+.3f}' for d in diffs)}.")
@@ -145,8 +154,7 @@ def wrong_label_truth(res: dict) -> str:
 def learner_row(name: str, res: dict) -> str:
     """hop_row, then solver truth of coupled and source-id over all items and on wrong-labelled ones."""
     c = res["conditions"]
-    cells = [f"{c[n]['solver_truth']['mean']:.3f} ± {c[n]['solver_truth']['std']:.3f}"
-             for n in ("coupled", "source-id")]
+    cells = [mean_std_text(c[n]["solver_truth"], n=c[n].get("seeds")) for n in ("coupled", "source-id")]
     cells += [f"{statistics.fmean(truth_on_wrong(res, n)):.3f}" for n in ("coupled", "source-id")]
     return f"{hop_row(name, res)} " + " | ".join(cells) + " |"
 
@@ -283,7 +291,7 @@ def main() -> None:
             *[(f"{n} F near coupled (within 2× the combined seed spread)",
                abs(F[n]["mean"] - F["coupled"]["mean"]) <= spread(F[n], F["coupled"]),
                f"{F[n]['mean']:.3f} vs {F['coupled']['mean']:.3f} (Δ {F[n]['mean'] - F['coupled']['mean']:+.3f}, "
-               f"bound ±{spread(F[n], F['coupled']):.3f})") for n in ("same-source", "full-data")],
+               f"{spread_text(F[n], F['coupled'])})") for n in ("same-source", "full-data")],
             ("source-id raises solver truth over coupled",
              truth["source-id"]["mean"] > truth["coupled"]["mean"],
              f"{truth['source-id']['mean']:.3f} vs {truth['coupled']['mean']:.3f}"),
@@ -291,7 +299,7 @@ def main() -> None:
              abs(F["source-id-half"]["mean"] - F["source-id"]["mean"]) <= spread(F["source-id-half"], F["source-id"]),
              f"{F['source-id-half']['mean']:.3f} vs {F['source-id']['mean']:.3f} "
              f"(Δ {F['source-id-half']['mean'] - F['source-id']['mean']:+.3f}, "
-             f"bound ±{spread(F['source-id-half'], F['source-id']):.3f})"),
+             f"{spread_text(F['source-id-half'], F['source-id'])})"),
             (f"whole study ({len(c)} conditions × {args.seeds} seeds, {res['bank']['items']} items) < 2 minutes",
              wall < 120 and args.seeds >= 5 and res["bank"]["items"] >= 3000,
              f"median {wall:.1f} s of {', '.join(f'{w:.1f}' for w in walls)} "

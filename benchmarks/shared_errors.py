@@ -24,7 +24,7 @@ import statistics
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
-from _common import REPO, fmt, machine_line, run_root, write_section
+from _common import REPO, fmt, interval_text, machine_line, run_root, write_section
 from rich.console import Console
 from rich.progress import Progress
 
@@ -121,8 +121,18 @@ def main() -> None:
         lines.append(f"| {lv:g} | {fmt(r1)} | {fmt(c3)} | {c3_mean / r1_mean:.1f}× | {fmt(n3)} "
                      f"| {at(lv, 'coupled, no memory', -1) / r1_mean:.1f}× | {fmt(x3)} "
                      f"| {at(lv, 'crossfit', -1) / c3_mean:.2f} "
-                     f"| {tp[0]:.3f} / {tp[1]:.3f} | {gain['mean']:+.3f} [{gain['lo']:+.3f}, {gain['hi']:+.3f}] |")
+                     f"| {tp[0]:.3f} / {tp[1]:.3f} | {interval_text(gain)} |")
     lo, hi = min(args.levels), max(args.levels)
+    if lo == 0:
+        floor = (f"With no correlation at all (level {lo:g}) round-1 F is still {at(lo, 'coupled', 0):.3f}: the "
+                 "untrained solver lands on the proposer's wrong value by its own error, the confusable sentence the "
+                 "proposer misread or a popular value that another page states, the floor the replay bank's "
+                 "untrained grader sits on (\"## Fixed replay bank\", by value skew).")
+    else:  # no uncorrelated level was run: the lowest one still shares some misreadings
+        floor = (f"At the lowest level run ({lo:g}; level 0, no correlation, was not run) round-1 F is "
+                 f"{at(lo, 'coupled', 0):.3f}: the untrained solver lands on the proposer's wrong value through the "
+                 "misreadings it shares at that level or by its own error, the confusable sentence the proposer "
+                 "misread or a popular value that another page states.")
 
     lines += ["", f"Reading: from shared misreading {lo:g} to {hi:g}, round-1 F (the untrained grader agreeing with "
               f"wrong labels by itself) goes {at(lo, 'coupled', 0):.3f} → {at(hi, 'coupled', 0):.3f}; with no "
@@ -130,13 +140,9 @@ def main() -> None:
               f"{at(hi, 'coupled, no memory', -1):.3f} (what F reaches without the reuse path); coupled round-3 F "
               f"{at(lo, 'coupled', -1):.3f} → {at(hi, 'coupled', -1):.3f}; CrossFit keeps "
               f"{at(lo, 'crossfit', -1) / at(lo, 'coupled', -1):.2f} → "
-              f"{at(hi, 'crossfit', -1) / at(hi, 'coupled', -1):.2f} of coupled's round-3 F. With no correlation "
-              f"at all (level {lo:g}) round-1 F is still {at(lo, 'coupled', 0):.3f}: the untrained solver lands on "
-              "the proposer's wrong value by its own error, the confusable sentence the proposer misread or a "
-              "popular value that another page states, the floor the replay bank's untrained grader sits on "
-              "(\"## Fixed replay bank\", by value skew). A grader that never "
-              "saw a source's pseudo-labels still shares the proposer's misreadings, so the F that shared errors "
-              "produce is what no choice of grader removes.", "",
+              f"{at(hi, 'crossfit', -1) / at(hi, 'coupled', -1):.2f} of coupled's round-3 F. {floor} A grader "
+              "that never saw a source's pseudo-labels still shares the proposer's misreadings, so the F that shared "
+              "errors produce is what no choice of grader removes.", "",
               "![F by shared misreading](figures/shared-errors.png)"]
     write_section(args.out, HEADING, "\n".join(lines))
 

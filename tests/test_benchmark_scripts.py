@@ -1,0 +1,127 @@
+"""Pure helpers of the benchmark scripts (benchmarks/*.py, not a package: loaded from their files):
+one seed formats without an interval or a spread, and lineage.misread_hop on a hand-built chain."""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import sys
+from pathlib import Path
+
+import pytest
+
+from selfevo.algos import summary
+from selfevo.world.language import ChainQuery, render_chain
+from selfevo.world.truth import Entity, Truth
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+def _script(name: str):
+    """benchmarks/<name>.py as a module (the scripts import `_common` from their own folder)."""
+    if str(BENCHMARKS) not in sys.path:
+        sys.path.insert(0, str(BENCHMARKS))
+    spec = importlib.util.spec_from_file_location(f"benchmark_{name}", BENCHMARKS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def common():
+    return _script("_common")
+
+
+def test_one_seed_has_no_std_and_no_interval(common):
+    assert common.fmt([0.5]) == "0.500 ± –"
+    assert common.fmt([0.1, 0.3]) == "0.200 ± 0.141"
+    assert common.fmt([1.0, 2.0], 1) == "1.5 ± 0.7"
+    assert common.fmt([]) == "–"
+    m, s = common.mean_std([0.5])
+    assert m == 0.5 and math.isnan(s)
+    assert common.mean_std([0.1, 0.3]) == pytest.approx((0.2, 0.1414213562))
+    assert common.interval_text(summary([0.02])) == "+0.020 (one seed: no interval)"
+    two = summary([0.0, 0.02])
+    assert common.interval_text(two) == f"+0.010 [{two['lo']:+.3f}, {two['hi']:+.3f}]"
+    assert two["lo"] < 0 < two["hi"]
+    assert common.interval_text(summary([])) == "–"
+
+
+def test_replay_spread_of_one_seed_is_nan():
+    replay = _script("replay")
+    assert replay.spread({"std": 0.3}, {"std": 0.4}) == pytest.approx(1.0)
+    assert math.isnan(replay.spread({"std": None}, {"std": 0.4}))
+    assert replay.spread_text({"std": None}, {"std": None}) == "no bound: one seed has no spread"
+    assert replay.spread_text({"std": 0.3}, {"std": 0.4}) == "bound ±1.000"
+
+
+def test_horizon_table_with_one_seed():
+    downstream = _script("downstream")
+    runs = [{"treatment": t, "seed": 0, "macro": [0.30 + 0.01 * i + (0.02 if t == "crossfit" else 0.0)
+                                                  for i in range(4)],
+             "F": [0.05] * 4, "T_P": [0.8] * 4} for t in ("coupled", "crossfit")]
+    text = "\n".join(downstream.horizon_lines(runs, rounds=4, seeds=1))
+    assert "| 4 | 0.330 ± – | +0.020 (one seed: no interval) |" in text
+    assert "+0.020 (one seed: no interval) after round 4" in text
+    assert "no verdict" in text and "appears" not in text
+
+
+# ------------------------------------------------------------------ lineage.misread_hop
+
+
+def _ent(id_: str, name: str, **facts: str) -> Entity:
+    return Entity(id=id_, type=id_.split("-")[0], name=name, aliases=[name], popularity=1.0, facts=facts)
+
+
+def _truth(**drop: str) -> Truth:
+    """Ada Varn -employer-> Brask Guild -founder-> Cela Dorn -born_in-> Dovra -located_in-> Emberland,
+    and decoys; `drop`: entity id -> the relation removed from it (a chain that breaks there)."""
+    ents = [_ent("person-0", "Ada Varn", employer="org-1"), _ent("org-1", "Brask Guild", founder="person-2"),
+            _ent("person-2", "Cela Dorn", born_in="city-3"), _ent("city-3", "Dovra", located_in="country-4"),
+            _ent("country-4", "Emberland"), _ent("org-7", "Falk Press", founder="person-8"),
+            _ent("person-8", "Gita Holm", born_in="city-3"), _ent("city-9", "Ivrel", located_in="country-10"),
+            _ent("country-10", "Jarnland")]
+    for e in ents:
+        e.facts.pop(drop.get(e.id, ""), None)
+    return Truth(ents)
+
+
+QUESTION = render_chain(ChainQuery("Ada Varn", ("employer", "founder", "born_in", "located_in")))
+ON_CHAIN = ["person-0", "org-1", "person-2", "city-3"]  # the pages the true chain reads, source first
+
+
+@pytest.mark.parametrize(("pages", "label", "hop"), [
+    (ON_CHAIN, "Emberland", None),  # right label
+    (ON_CHAIN, "Jarnland", 3),  # every page on the chain: the last one was misread
+    (["person-0", "org-1", "person-8", "city-3"], "Emberland", None),  # right by luck: not a wrong label
+    (["person-0", "org-1", "person-8", "city-3"], "Jarnland", 1),  # the founder read off org-1's page
+    (["person-0", "org-7", "person-8", "city-3"], "Jarnland", 0),  # the employer read off the source
+])
+def test_misread_hop_on_a_whole_chain(pages, label, hop):
+    lineage = _script("lineage")
+    assert lineage.misread_hop(_truth(), QUESTION, pages, label) == hop
+
+
+@pytest.mark.parametrize(("drop", "pages", "hop"), [
+    # the chain breaks at the last page (Dovra has no country): the pages follow it that far
+    ({"city-3": "located_in"}, ON_CHAIN, 3),
+    ({"city-3": "located_in"}, ["person-0", "org-1", "person-8", "city-3"], 1),  # left it before the break
+    # the chain breaks at page 1 (the guild has no founder): that page's fact was made up
+    ({"org-1": "founder"}, ["person-0", "org-1", "person-8", "city-9"], 1),
+    ({"org-1": "founder"}, ["person-0", "org-7", "person-8", "city-3"], 0),  # left it at the source
+    ({"person-0": "employer"}, ON_CHAIN, 0),  # breaks at the source
+])
+def test_misread_hop_where_the_true_chain_breaks(drop, pages, hop):
+    """No true answer: any label is wrong, and the hop is the first page off the chain or whose fact is
+    missing, not always the source (the defect: every broken chain was counted as the source's)."""
+    lineage = _script("lineage")
+    truth = _truth(**drop)
+    assert truth.follow(truth.resolve("Ada Varn"), ("employer", "founder", "born_in", "located_in")) is None
+    assert lineage.misread_hop(truth, QUESTION, pages, "Emberland") == hop
+
+
+def test_misread_hop_unknown_mention_and_other_questions():
+    lineage = _script("lineage")
+    unknown = render_chain(ChainQuery("Nobody Known", ("employer", "founder")))
+    assert lineage.misread_hop(_truth(), unknown, ["person-0", "org-1"], "Cela Dorn") == 0
+    assert lineage.misread_hop(_truth(), "Who is taller, Ada or Bob?", ON_CHAIN, "Ada") is None
