@@ -1,10 +1,11 @@
 """The fixed replay bank on the embedded world: every feedback provenance over one frozen bank.
 
-    python benchmarks/replay.py [--runs 1] [--size 3000] [--seeds 5] [--out docs/results.md]
+    python benchmarks/replay.py [--run-seed 0] [--size 3000] [--seeds 5] [--out docs/results.md]
 
-Makes the bank from fresh default-world coupled runs (the paper's schedule, seeds 0..runs-1;
-their round-2/3 admitted proposals, so wrong labels are present; by default one run, whose 3,200
-round-2/3 admitted questions hold the 3,000, as in the paper), then runs the whole study (all
+Makes the bank from a fresh default-world coupled run (the paper's schedule; its round-2/3 admitted
+proposals, so wrong labels are present: its 3,200 round-2/3 admitted questions hold the 3,000, as
+in the paper; one run, because a simulated run's base model is seeded by its run seed and the
+replay has one base model), then runs the whole study (all
 14 conditions × seeds) with `selfevo replay run` three times, timed (median of 3), and checks the
 issue's acceptance numbers. Writes the "## Fixed replay bank" section of docs/results.md and the
 figure docs/figures/replay.png.
@@ -89,18 +90,16 @@ def hop_row(name: str, res: dict) -> str:
             f"{F['source-id'] / F['question-split']:.2f} | {excess_of(res):.2f} |")
 
 
-def coupled_runs(root: Path, n: int, overrides: list[str], bar, name: str) -> list[Path]:
-    """n default-world coupled runs (seeds 0..n-1) under `overrides`, reused when already there."""
-    dirs = []
-    task = bar.add_task(name, total=n)
-    for seed in range(n):
-        out = root / f"{name.replace(' ', '-')}-{seed}"
-        if not (out / "manifest.json").exists():
-            evolve(load_config(overrides=[f"seed={seed}", "world.name=default", *overrides]), out,
-                   progress=False, audit=False)
-        dirs.append(out)
-        bar.advance(task)
-    return dirs
+def coupled_runs(root: Path, seed: int, overrides: list[str], bar, name: str) -> list[Path]:
+    """The default-world coupled run of `seed` under `overrides` (reused when already there), as the
+    list of run directories a bank is built from."""
+    task = bar.add_task(name, total=1)
+    out = root / f"{name.replace(' ', '-')}-{seed}"
+    if not (out / "manifest.json").exists():
+        evolve(load_config(overrides=[f"seed={seed}", "world.name=default", *overrides]), out,
+               progress=False, audit=False)
+    bar.advance(task)
+    return [out]
 
 
 def repeats(bank) -> tuple[float, float]:
@@ -235,7 +234,7 @@ def skew_reading(by_skew: list[tuple[str, dict, dict]]) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--runs", type=int, default=1, help="coupled runs the bank is drawn from")
+    ap.add_argument("--run-seed", type=int, default=0, help="seed of the coupled run the bank is drawn from")
     ap.add_argument("--size", type=int, default=3000)
     ap.add_argument("--seeds", type=int, default=5)
     ap.add_argument("--workers", type=int, default=min(2, os.cpu_count() or 1))
@@ -248,7 +247,7 @@ def main() -> None:
     with run_root(args.keep) as root:  # the runs, the bank and the study
 
         with Progress(console=console, transient=True) as bar:
-            run_dirs = coupled_runs(root, args.runs, [], bar, "coupled")
+            run_dirs = coupled_runs(root, args.run_seed, [], bar, "coupled")
         bank_path = root / "bank.json"
         bank = build_bank(run_dirs, size=args.size, seed=0)
         bank.save(bank_path)
@@ -323,7 +322,7 @@ def main() -> None:
         # the same contrast when a learned value is reused only by questions starting from the same
         # mention (solver.memory_key="question"): runs, bank and feedback solvers all keyed so
         with Progress(console=console, transient=True) as bar:
-            q_dirs = coupled_runs(root, args.runs, [QUESTION_KEYED], bar, "question-keyed")
+            q_dirs = coupled_runs(root, args.run_seed, [QUESTION_KEYED], bar, "question-keyed")
         q_bank = build_bank(q_dirs, size=args.size, seed=0)
         by_hops.append(("all hops, question-keyed memory",
                         run_replay(q_bank, HOP_CONDITIONS, seeds=args.seeds, workers=args.workers)))
@@ -332,7 +331,7 @@ def main() -> None:
         by_skew = []
         for skew in SKEWS:
             with Progress(console=console, transient=True) as bar:
-                s_dirs = coupled_runs(root, args.runs, [f"world.value_skew={skew}"], bar, f"value-skew-{skew}")
+                s_dirs = coupled_runs(root, args.run_seed, [f"world.value_skew={skew}"], bar, f"value-skew-{skew}")
             s_bank = build_bank(s_dirs, size=args.size, seed=0)
             by_skew.append((f"{skew:g}", run_replay(s_bank, HOP_CONDITIONS, seeds=args.seeds, workers=args.workers),
                             chance_agreement(s_bank)))
@@ -340,7 +339,7 @@ def main() -> None:
         # the same contrast with a learner whose skill transfers across sources (SKILL_LED): runs,
         # bank and feedback solvers all learn so
         with Progress(console=console, transient=True) as bar:
-            k_dirs = coupled_runs(root, args.runs, SKILL_LED, bar, "skill-led")
+            k_dirs = coupled_runs(root, args.run_seed, SKILL_LED, bar, "skill-led")
         skill = run_replay(build_bank(k_dirs, size=args.size, seed=0), HOP_CONDITIONS, seeds=args.seeds,
                            workers=args.workers)
         once_F, _ = mean_F(by_hops[2][1])
@@ -352,11 +351,12 @@ def main() -> None:
     fig_rel = os.path.relpath(args.figure, args.out.parent)
     n_conds = len(c)
     lines = [HEADING, "",
-             f"Command: `python benchmarks/replay.py --runs {args.runs} --size {args.size} --seeds {args.seeds}`  ",
+             f"Command: `python benchmarks/replay.py --run-seed {args.run_seed} --size {args.size} "
+             f"--seeds {args.seeds}`  ",
              f"Machine: {machine_line()}  ",
              f"Bank: {res['bank']['items']} admitted round-2/3 proposals (question + adopted label; a question "
-             f"asked again counts as often as the loop trained on it) sampled (seed 0) from {args.runs} default-world "
-             f"coupled run(s) (seeds 0..{args.runs - 1}, the paper's schedule); bank T_P {res['bank']['T_P']:.3f}, "
+             f"asked again counts as often as the loop trained on it) sampled (seed 0) from one default-world "
+             f"coupled run (seed {args.run_seed}, the paper's schedule); bank T_P {res['bank']['T_P']:.3f}, "
              f"oracle coverage {res['bank']['coverage']:.3f}. "
              f"Replay seeds 0..{args.seeds - 1} (folds, training order, rollouts, grading samples; one base model), "
              f"mean ± std over seeds. Each feedback solver: {res['settings']['updates']} updates "
@@ -387,8 +387,8 @@ def main() -> None:
               "",
               "By bank (a bank of each hop kind, and one of each (question, label) once, from the same runs, up to "
               "the same size; the last row from "
-              f"{args.runs} more coupled run(s) with `{QUESTION_KEYED}`, bank and feedback solvers keyed the same "
-              f"way; conditions as above, seeds 0..{args.seeds - 1}; `excess` = (source-id − base) / "
+              f"one more coupled run (seed {args.run_seed}) with `{QUESTION_KEYED}`, bank and feedback solvers "
+              f"keyed the same way; conditions as above, seeds 0..{args.seeds - 1}; `excess` = (source-id − base) / "
               "(question-split − base)):",
               "",
               "| bank | items | T_P | base F | coupled F | question-split F | source-id F | connected F "
@@ -415,7 +415,8 @@ def main() -> None:
               "",
               f"By value skew (`world.value_skew`: a fact's value is drawn with weight popularity ** skew; the "
               f"default 1 makes the most common birthplace {top_share(1.0):.0%} of all, 0.5 {top_share(0.5):.0%}, "
-              f"0 {top_share(0.0):.0%}; {args.runs} coupled run(s) in each world, the bank and conditions as above):",
+              f"0 {top_share(0.0):.0%}; one coupled run (seed {args.run_seed}) in each world, the bank and "
+              "conditions as above):",
               "",
               "| value skew | items | T_P | base F | coupled F | question-split F | source-id F | connected F "
               "| source-id / question-split | excess | base: confusable | base: another page |",
@@ -426,8 +427,8 @@ def main() -> None:
               "",
               f"By learner (the default sim solver, whose gains are mostly per-source memory, and a skill-led one, "
               f"`{' '.join(SKILL_LED)}`, whose reading skill learns fast and memory slowly: benchmarks/_common.py "
-              f"says how it was picked; {args.runs} coupled run(s) each, the bank and conditions as above; truth = "
-              "solver truth of the condition's grader over all items, and on the wrong-labelled ones "
+              f"says how it was picked; one coupled run (seed {args.run_seed}) each, the bank and conditions as "
+              "above; truth = solver truth of the condition's grader over all items, and on the wrong-labelled ones "
               "(L / (1 − T_P))):",
               "",
               "| learner | items | T_P | base F | coupled F | question-split F | source-id F | connected F "
