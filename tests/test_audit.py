@@ -294,8 +294,9 @@ def test_audit_run_takes_a_run_directory_path(tmp_path):
     run = RunDir(tmp_path / "run")
     run.create({})
     # the fields RunDir.steps() checks that the hand-made items leave out
-    run.append_steps([{**st, "items": [{**it, "source_id": "s", "source_ids": ["s"], "draft_label": it["adopted_label"]}
-                                       for it in st["items"]]} for st in _steps()])
+    run.append_steps([{**st, "schema": 1,
+                       "items": [{**it, "source_id": "s", "source_ids": ["s"], "draft_label": it["adopted_label"]}
+                                 for it in st["items"]]} for st in _steps()])
     by_path = audit_run(str(run.path), TableJudge(TABLE))
     assert by_path == audit_run(run, TableJudge(TABLE)) == _audit_steps(_steps(), TableJudge(TABLE))
     assert (run.path / "audit" / "metrics.json").exists()

@@ -93,7 +93,8 @@ def _steps(run):
 @pytest.mark.parametrize("damage, named", [
     (lambda run: append_line(_steps(run), '{"x": 1}'), "steps.jsonl:{line}: field 'round' is missing"),
     (lambda run: append_line(_steps(run), '[1, 2]'), "steps.jsonl:{line}: "),
-    (lambda run: append_line(_steps(run), '{"round": 1, "step": 9, "kind": "solver", "items": [{"question": "q"}]}'),
+    (lambda run: append_line(_steps(run), '{"schema": 1, "round": 1, "step": 9, "kind": "solver", '
+                                          '"items": [{"question": "q"}]}'),
      "steps.jsonl:{line}: items[0]: field 'item_id' is missing"),
     (lambda run: edit_json(run / "manifest.json", rounds_completed="1"),
      "manifest.json: field 'rounds_completed' should be an integer, got '1'"),
@@ -126,6 +127,17 @@ def test_audit_of_a_step_row_without_its_fields_names_line_and_field(run):
     assert_one_line_error(rc, out, f"{run}/records/steps.jsonl:{line}: field 'items' is missing")
 
 
+def test_step_records_of_another_schema_are_refused(run):
+    """records.py writes the schema version so that a reader can refuse records it does not
+    understand: it does (before: a schema-99 log was audited, exit 0)."""
+    steps = _steps(run)
+    rows = [json.loads(line) for line in steps.read_text(encoding="utf-8").splitlines()]
+    rows[3]["schema"] = 99
+    steps.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    rc, out = cli("audit", run, "--out", run / "again", "--no-figures")
+    assert_one_line_error(rc, out, f"{run}/records/steps.jsonl:4: field 'schema' is 99; this selfevo reads")
+
+
 @pytest.mark.parametrize("command", [
     lambda run: ["audit", run, "--out", run / "again", "--no-figures"],
     lambda run: ["replay", "build", "--from", run, "--size", "5", "--out", run / "bank.json"],
@@ -153,7 +165,7 @@ def test_report_names_a_corrupt_config(tmp_path, finished):
 @pytest.mark.parametrize("damage, named", [
     (lambda steps: cut_line(steps, 2), "steps.jsonl:{line}: corrupt log line"),
     (lambda steps: append_line(steps, '{"x": 1}'), "steps.jsonl:{line}: field 'round' is missing"),
-    (lambda steps: append_line(steps, '{"round": 2, "step": 99, "kind": "cheat", "items": []}'),
+    (lambda steps: append_line(steps, '{"schema": 1, "round": 2, "step": 99, "kind": "cheat", "items": []}'),
      "steps.jsonl:{line}: field 'kind' should be proposer or solver"),
 ])
 def test_replay_build_names_a_damaged_step_line(run, damage, named):

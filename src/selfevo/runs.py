@@ -120,6 +120,10 @@ def _check_steps(path: Path, rows: list) -> list[dict]:
     for i, row in enumerate(rows):
         where = f"{path}:{i + 1}"  # rows are objects: read_jsonl_log refuses any other line
         check_fields(row, _STEP_FIELDS, where)
+        if row.get("schema") != SCHEMA_VERSION:  # records.py: a reader refuses records it does not understand
+            said = "is missing" if "schema" not in row else f"is {row['schema']!r:.20}"
+            raise RunError(f"{where}: field 'schema' {said}; this selfevo reads step records of schema "
+                           f"{SCHEMA_VERSION}")
         if row["kind"] not in ("proposer", "solver"):
             raise RunError(f"{where}: field 'kind' should be proposer or solver, got {row['kind']!r:.60}")
         check_fields(row, {"malformed": list}, where, optional=True)
