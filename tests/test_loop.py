@@ -408,3 +408,25 @@ def test_evolve_checks_a_config_built_in_code(tmp_path, change):
     assert not (tmp_path / "run").exists()
     with pytest.raises(TypeError, match="expected a RunConfig"):
         evolve(cfg.to_json(), tmp_path / "run", progress=False)
+
+
+def test_a_fold_without_source_documents_or_an_aux_solver_without_updates_is_refused(tmp_path):
+    """An auxiliary solver that never trains grades the other folds' questions as the untrained base
+    model, with no word (before: accepted, exit 0, every round-2/3 question graded untrained)."""
+    from selfevo.config import ConfigError
+
+    # seed 0's pool of 2 small-world documents: both hash to fold 0
+    cfg = load_config(None, ["world.name=small", "treatment=crossfit", "loop.source_docs=2"])
+    with pytest.raises(ConfigError, match=r"treatment: 'crossfit' leaves fold\(s\) 1 of 2 without any of the "
+                                          r"proposer's 2 source documents"):
+        evolve(cfg, tmp_path / "run", progress=False, audit=False)
+    assert not (tmp_path / "run").exists()  # refused before anything is written
+    # more folds than the small world's link-graph clusters hold
+    with pytest.raises(ConfigError, match="grouping connected"):
+        evolve(load_config(None, ["world.name=small", "treatment=crossfit-connected-k15"]), tmp_path / "run",
+               progress=False, audit=False)
+    # half budget split over two aux solvers at one update a round: one gets none
+    with pytest.raises(ConfigError, match=r"loop.solver_steps: 1 gives the auxiliary solvers of 'half-budget' "
+                                          r"\[1, 0\] updates"):
+        load_config(None, ["treatment=half-budget", "loop.solver_steps=1"])
+    load_config(None, ["treatment=half-budget", "loop.solver_steps=2"])  # one each

@@ -23,7 +23,7 @@ else:  # pragma: no cover
 from selfevo.agents.lm.config import LMConfig
 from selfevo.agents.sim import SimProposerConfig, SimSolverConfig
 from selfevo.loop.schedule import LoopConfig
-from selfevo.loop.treatments import parse_treatment
+from selfevo.loop.treatments import feedback_options, parse_treatment
 from selfevo.world.generate import SIZES, WorldConfig
 
 
@@ -218,6 +218,15 @@ def config_from_dict(data: dict) -> RunConfig:
         # more folds than sources: the extra folds' auxiliary solvers would train on nothing, ever
         raise ConfigError(f"treatment: {cfg.treatment!r} asks for {t.k} source folds, but the proposer draws "
                           f"from {cfg.loop.source_docs} source documents (loop.source_docs); K can be at most that")
+    options = feedback_options(t)
+    if options is not None:
+        from selfevo.loop.feedback import aux_names, aux_updates
+
+        updates = aux_updates(cfg.loop.solver_steps, len(aux_names(options.trains, t.k)), options.budget)
+        if 0 in updates:  # a split budget too small for every aux solver: one would grade untrained
+            raise ConfigError(f"loop.solver_steps: {cfg.loop.solver_steps} gives the auxiliary solvers of "
+                              f"{cfg.treatment!r} {updates} updates a round, and one with none would grade "
+                              "untrained; raise loop.solver_steps")
     return cfg
 
 

@@ -78,6 +78,22 @@ def fold_assignment(cfg: RunConfig, documents, pool=None) -> FoldAssignment:
     return assign_folds(documents, cfg.seed, t.k, t.grouping)
 
 
+def check_folds(cfg: RunConfig, folds: FoldAssignment, pool) -> None:
+    """Every fold of a source-level split holds a document of the proposer's source `pool`: an empty
+    fold's auxiliary solver never trains, and it would grade the other folds' questions untrained
+    (the base model) with no word. Link-graph clusters can leave folds empty with K far below the
+    pool's size (config_from_dict checks only that)."""
+    options = feedback_options(parse_treatment(cfg.treatment))
+    if options is None or options.trains == "everything" or options.split == "question":
+        return  # no aux solver per source fold (coupled, full-data) or folds of questions, not sources
+    empty = sorted(set(range(folds.k)) - {folds.of(d.id) for d in pool})
+    if empty:
+        raise ConfigError(f"treatment: {cfg.treatment!r} leaves fold(s) {', '.join(map(str, empty))} of {folds.k} "
+                          f"without any of the proposer's {len(pool)} source documents (loop.source_docs; "
+                          f"grouping {folds.grouping}): their auxiliary solvers would never train, and grade "
+                          "untrained; use fewer folds or more source documents")
+
+
 def source_pool(cfg: RunConfig, documents) -> list:
     """The proposer's seed documents: a fixed, seeded sample of the corpus (or all of it)."""
     n = cfg.loop.source_docs
@@ -265,6 +281,7 @@ def evolve(cfg: RunConfig, out: str | os.PathLike, resume: bool = False, progres
         else:
             pool = source_pool(cfg, env.documents) if cfg.data.corpus else None
             folds = fold_assignment(cfg, env.documents, pool)
+            check_folds(cfg, folds, pool if pool is not None else source_pool(cfg, env.documents))
         loop = build_loop(cfg, env, tool, folds, evaluate, store=run.path / "checkpoints" / "tensors")
         if not resuming:
             run.create(cfg.to_json())
