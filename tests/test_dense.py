@@ -243,6 +243,17 @@ def test_index_params_are_validated():
         default_params("flat", 5, nprobe=3)
     with pytest.raises(ValueError, match="unknown index type"):
         default_params("lsh", 5)
+    # values FAISS aborts on (hnsw_m 0), allocates without bound for (negative) or searches nothing
+    # with (nprobe 0: every search a 500): refused by name before any encoding
+    for index_type, name, bad, least in [("hnsw", "hnsw_m", 0, 2), ("hnsw", "hnsw_m", -4, 2),
+                                         ("ivf", "nprobe", 0, 1), ("hnsw", "ef_search", 0, 1)]:
+        with pytest.raises(ValueError, match=f"FAISS parameter {name}: must be an integer >= {least}, got {bad}"):
+            default_params(index_type, 5, **{name: bad})
+    for value in ("0", "²"):
+        res = CliRunner().invoke(app, ["index", "build", "--corpus", "nowhere.jsonl", "--out", "nowhere",
+                                       "--retriever", "dense", "--index-type", "ivf", "--faiss-param",
+                                       f"nprobe={value}"])
+        assert res.exit_code == 2 and "--faiss-param" in res.output and "Traceback" not in res.output, res.output
 
 
 # ------------------------------------------------------------------ persistence and the manifest
@@ -250,7 +261,7 @@ def test_index_params_are_validated():
 
 def test_save_load_round_trip(flat, saved, encoder):
     manifest = json.loads((saved / "manifest.json").read_text())
-    assert manifest["kind"] == "dense" and manifest["format_version"] == 1
+    assert manifest["kind"] == "dense" and manifest["format_version"] == 2
     assert manifest["model"] == DEFAULT_MODEL and manifest["model_fingerprint"] == encoder.fingerprint
     assert manifest["dim"] == 384 and manifest["index_type"] == "flat" and manifest["num_docs"] == len(DOCS)
     assert manifest["corpus_sha256"] == flat.corpus_sha256 and len(flat.corpus_sha256) == 64
@@ -411,6 +422,16 @@ def test_hybrid_save_load_and_refusals(hybrid, encoder, tmp_path):
         HybridIndex.load(tmp_path / "h", encoder, expected_corpus_sha256="0" * 64)
     with pytest.raises(ValueError, match="different corpora"):
         HybridIndex(BM25Index.build(DOCS[:5]), hybrid.dense)
+
+
+def test_a_bad_fusion_setting_is_refused_before_any_encoding(tmp_path):
+    class Unused:
+        def __getattr__(self, name):
+            raise AssertionError(f"the encoder was used ({name}) before the settings were checked")
+
+    with pytest.raises(ValueError, match="need rrf_k >= 0 and depth >= 1, got 60, 0"):
+        HybridIndex.build(DOCS, Unused(), depth=0, store=tmp_path / "h")
+    assert not (tmp_path / "h").exists()  # no half-built halves left behind
 
 
 # ------------------------------------------------------------------ facade and CLI

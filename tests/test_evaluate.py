@@ -685,3 +685,46 @@ def test_what_a_resumed_evaluation_must_match_includes_the_encoder_of_a_dense_re
     assert key("hybrid", DenseOptions(model="e5"))["encoder"]["model"] == "e5"
     assert "encoder" not in key("bm25", DenseOptions(model="e5"))  # not used by BM25: not compared
     assert key("bm25", None, {"workers": 4}) == key("bm25", None)
+
+
+def test_a_resumed_evaluation_must_match_what_the_paths_hold(tmp_path, monkeypatch):
+    """The corpus and index are named by path, and questions by id: a corpus rewritten in place, an
+    index rebuilt with other weights, or a QA file edited under the same ids continued a stopped
+    evaluation with answers to other documents or other questions (before: resumed, 64 questions)."""
+    import selfevo.evaluate as ev
+    import selfevo.search.index as index_mod
+
+    qa = tmp_path / "qa"
+    qa.mkdir()
+    (qa / "nq.jsonl").write_text(json.dumps({"id": "n0", "question": "q", "golden_answers": ["a"]}) + "\n")
+    keys = []
+    monkeypatch.setattr(ev, "evaluate_solver", lambda *a, partial_key, **kw: keys.append(partial_key))
+
+    def key(retriever):
+        monkeypatch.setattr(index_mod, "get_retriever", lambda **kw: retriever)
+        ev.run_eval(qa, tmp_path / "corpus.jsonl", "retrieval-baseline", tmp_path / "out", progress=False)
+        return keys[-1]
+
+    assert key(SimpleNamespace(kind="bm25", corpus_sha256="a")) != key(SimpleNamespace(kind="bm25", corpus_sha256="b"))
+    dense = [SimpleNamespace(kind="dense", corpus_sha256="a", encoder=SimpleNamespace(fingerprint=f)) for f in "xy"]
+    assert key(dense[0]) != key(dense[1])
+    hybrid = SimpleNamespace(kind="hybrid", corpus_sha256="a", dense=dense[0])  # its encoder is its dense half's
+    assert key(hybrid)["encoder_fingerprint"] == "x"
+    monkeypatch.undo()
+
+    # the same ids asking other questions
+    tool = SearchTool(_FakeRetriever([Document("d", "T", "text")]), topk=3, max_calls=5)
+    data = {"nq": [QAItem(f"n{i}", f"Paris{i} question", (f"paris{i}",), {"benchmark": "nq"}) for i in range(4)]}
+
+    class Stops(_EchoSolver):
+        def answer(self, questions, tool, **kw):
+            if self.calls:
+                raise RuntimeError("stopped")
+            return super().answer(questions, tool, **kw)
+
+    with pytest.raises(RuntimeError, match="stopped"):
+        evaluate_solver(Stops(), data, tool, out_dir=tmp_path / "e", batch_size=2, progress=False, partial_key={})
+    edited = {"nq": [QAItem(it.id, f"Who wrote {it.id}?", it.golden_answers, it.metadata) for it in data["nq"]]}
+    with pytest.raises(ValueError, match="a stopped evaluation of other settings"):
+        evaluate_solver(_EchoSolver(), edited, tool, out_dir=tmp_path / "e", batch_size=2, progress=False,
+                        partial_key={})

@@ -218,7 +218,7 @@ def test_save_load_round_trip(small, tmp_path):
     small.save(tmp_path / "idx")
     manifest = json.loads((tmp_path / "idx" / MANIFEST).read_text())
     assert manifest["num_docs"] == len(DOCS)
-    assert manifest["format_version"] == 1
+    assert manifest["format_version"] == 2
     assert manifest["corpus_sha256"] == small.corpus_sha256 and len(small.corpus_sha256) == 64
     assert not list((tmp_path / "idx").glob("*.pkl")) and not list((tmp_path / "idx").glob("*.pickle"))
 
@@ -606,3 +606,33 @@ def test_a_corpus_run_searches_a_saved_index_reading_documents_on_demand(tmp_pat
         environment(load_config(None, [], backend="lm", **{**on, "data.index": str(tmp_path / "other-idx")}))
     with pytest.raises(ConfigError, match="data.index"):
         load_config(None, [], **{"data.index": str(tmp_path / "idx")})
+
+
+def test_a_passage_keeps_the_corpus_contents_verbatim(tmp_path):
+    """1,587 wiki18-mini passages start `Lokma\\n...`, without the quotes FlashRAG writes: an index
+    re-quoted them, so it served, and a dense index embedded, text the corpus does not hold (an
+    adopted FlashRAG FAISS index was then refused as another encoder's)."""
+    raw = ['Lokma\nLokma is a pastry.', '"Baklava"\nBaklava is a pastry too.', 'No title line at all']
+    path = tmp_path / "c.jsonl"
+    path.write_text("".join(json.dumps({"id": str(i), "contents": c}) + "\n" for i, c in enumerate(raw)),
+                    encoding="utf-8")
+    docs = [Document.from_contents(str(i), c) for i, c in enumerate(raw)]
+    assert [d.contents for d in docs] == raw
+    assert (docs[0].title, docs[0].text) == ("Lokma", "Lokma is a pastry.")  # parsed as before
+    assert docs[1] == Document("1", "Baklava", "Baklava is a pastry too.")  # the quoted form: nothing extra
+    index = BM25Index.from_corpus_file(path, index_dir=tmp_path / "idx")
+    again = BM25Index.load(tmp_path / "idx")
+    assert [d.contents for d in again.docs] == raw
+    with serve_app(make_app(again)) as url, RetrieverClient(url) as client:
+        hits = client.retrieve(["Lokma pastry"], topk=1)[0]
+    assert hits[0].document.contents == raw[0] == index.retrieve(["Lokma pastry"], topk=1)[0][0].document.contents
+
+
+def test_a_query_with_a_lone_surrogate_gets_the_same_hits_in_process_and_over_http(tmp_path):
+    """A lone surrogate cannot be sent as UTF-8: the client raised UnicodeEncodeError (no
+    RetrieverError), while an index in the process answered. Both now search U+FFFD in its place."""
+    index = BM25Index.build([Document("1", "Lokma", "Lokma is a pastry."), Document("2", "Rome", "A city.")])
+    with serve_app(make_app(index)) as url, RetrieverClient(url) as client:
+        remote = client.retrieve(["Lokma\ud800 pastry"], topk=2)
+    local = SearchTool(index, topk=2).lookup(["Lokma\ud800 pastry"])[0]
+    assert [h.document.id for h in remote[0]] == [h.document.id for h in local] == ["1"]

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import re
 import sys
 import warnings
 from pathlib import Path
@@ -99,9 +100,15 @@ def _dense_options(model: str | None, index_type: str = "flat", batch_size: int 
     params = {}
     for item in faiss_param or []:
         key, sep, value = item.partition("=")
-        if not sep or not value.strip().lstrip("-").isdigit():
+        if not sep or not re.fullmatch(r"-?[0-9]+", value.strip()):  # not isdigit: it takes "²"
             _fail(f"--faiss-param: expected NAME=INTEGER (e.g. nprobe=32), got {item!r}")
         params[key.strip()] = int(value)
+    try:  # a bad value fails now, not after the encoding (or at the first search)
+        from selfevo.search.dense import default_params
+
+        default_params(index_type, 1, **params)
+    except ValueError as e:
+        _fail(f"--faiss-param: {e}")
     return DenseOptions(model=model, index_type=index_type, batch_size=batch_size, device=device,
                         query_prefix=query_prefix, passage_prefix=passage_prefix, rrf_k=rrf_k, depth=depth,
                         faiss_params=params)

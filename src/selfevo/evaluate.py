@@ -299,8 +299,10 @@ def evaluate_solver(solver: Solver, data: Mapping[str, Sequence[QAItem]], tool: 
     items = [(bench, it) for bench, its in data.items() for it in its]
     partial = None
     if partial_key is not None and out_dir is not None:
+        # the questions by what they ask and accept, not only their ids: a QA file edited in place keeps them
+        asked = [[it.id, it.question, list(it.golden_answers)] for _, it in items]
         key = {**partial_key, "limit": limit, "tool": {"topk": tool.topk, "max_calls": tool.max_calls},
-               "questions": hashlib.sha256("\n".join(it.id for _, it in items).encode()).hexdigest()}
+               "questions": hashlib.sha256(json.dumps(asked).encode()).hexdigest()}
         partial = Path(out_dir) / "predictions.partial.jsonl"
         answers: dict[str, Any] = _read_partial(partial, key)
         if not partial.exists():
@@ -453,6 +455,10 @@ def run_eval(data_dir: str | os.PathLike, corpus: str | os.PathLike | None, agen
     if run_info["retriever"] in ("dense", "hybrid") and dense_options is not None:
         same["encoder"] = {k: v for k, v in asdict(dense_options).items()
                            if k not in ("batch_size", "device")}
+    # what the paths held: a corpus rewritten in place, an index rebuilt with other weights
+    same["corpus_sha256"] = getattr(retriever, "corpus_sha256", None)
+    encoder = getattr(getattr(retriever, "dense", retriever), "encoder", None)
+    same["encoder_fingerprint"] = encoder.fingerprint if encoder is not None else None
     try:
         return evaluate_solver(solver, data, tool, out_dir=out_dir, limit=limit,
                                progress=progress, run_info=run_info, partial_key=same)

@@ -61,18 +61,23 @@ class Document:
     id: str
     title: str
     text: str
+    # a corpus's `contents` as read, where it is not the quoted form (a title without quotes, say):
+    # kept verbatim so that what is indexed, embedded, served and shown is the corpus's exact text,
+    # as FlashRAG and Search-R1 embed it ("" where the quoted form is exact)
+    verbatim: str = field(default="", repr=False)
 
     @property
     def contents(self) -> str:
-        return f'"{self.title}"\n{self.text}'
+        return self.verbatim or f'"{self.title}"\n{self.text}'
 
     @classmethod
     def from_contents(cls, id: str, contents: str) -> Document:
-        title, _, text = contents.partition("\n")
-        title = title.strip()
+        first, _, text = contents.partition("\n")
+        title = first.strip()
         if len(title) >= 2 and title[0] == '"' and title[-1] == '"':
             title = title[1:-1]
-        return cls(id=id, title=title, text=text)
+        doc = cls(id=id, title=title, text=text)
+        return doc if doc.contents == contents else cls(id=id, title=title, text=text, verbatim=contents)
 
     def to_json(self) -> dict[str, str]:
         return {"id": self.id, "contents": self.contents}

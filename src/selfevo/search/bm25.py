@@ -29,7 +29,7 @@ from selfevo.search._progress import ProgressBar, corpus_total, ticked
 from selfevo.search.docstore import DOCS_FILE, DocStore, hashed, held, settle, stage
 from selfevo.search.tool import Hit
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: documents keep a corpus's contents verbatim (1 re-quoted an unquoted title)
 K1, B = 1.5, 0.75  # bm25s's defaults (Lucene BM25)
 _BATCH = 20_000  # documents per numpy batch of the build
 

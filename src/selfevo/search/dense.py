@@ -37,7 +37,7 @@ from selfevo.search._progress import ProgressBar, corpus_total
 from selfevo.search.docstore import DOCS_FILE, DocStore, hashed, held, settle, stage
 from selfevo.search.tool import Hit
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: documents keep a corpus's contents verbatim (1 re-quoted an unquoted title)
 KIND = "dense"
 VECTORS_FILE = "vectors.faiss"
 
@@ -266,7 +266,12 @@ def default_params(index_type: str, n: int, **overrides: Any) -> dict[str, Any]:
         if k not in params:
             raise ValueError(f"index type {index_type!r} takes no parameter {k!r} "
                              f"(it takes: {', '.join(params) or 'none'})")
-        params[k] = int(v)
+        # FAISS asserts (hnsw_m 0: abort), allocates without bound (negative) or searches nothing
+        # (nprobe, ef_search 0) on values it should refuse: refused here, before any encoding
+        least = 2 if k == "hnsw_m" else 1
+        if isinstance(v, bool) or not isinstance(v, int) or v < least:
+            raise ValueError(f"FAISS parameter {k}: must be an integer >= {least}, got {v!r}")
+        params[k] = v
     if index_type == "ivf":
         params["nlist"] = max(1, min(params["nlist"], n))
     return params
@@ -314,7 +319,7 @@ class DenseIndex:
         the hash of the documents' JSONL lines); `expected`, the number of documents, gives the
         progress bar a total. `params` are FAISS settings of `index_type`
         (hnsw: hnsw_m, ef_construction, ef_search; ivf: nlist, nprobe); see `default_params`."""
-        default_params(index_type, 1, **params)  # a misnamed setting fails now, not after the encoding
+        default_params(index_type, 1, **params)  # a misnamed or bad setting fails now, not after the encoding
         encoder = encoder or Encoder()
         sha = hashlib.sha256()
         stream = iter(hashed(docs, sha) if corpus_sha256 is None else docs)

@@ -25,7 +25,7 @@ from selfevo.search.bm25 import BM25Index
 from selfevo.search.dense import DenseIndex, Encoder, default_params
 from selfevo.search.tool import Hit
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: documents keep a corpus's contents verbatim (1 re-quoted an unquoted title)
 KIND = "hybrid"
 RRF_K = 60
 DEPTH = 50
@@ -52,6 +52,11 @@ def _part(store: str | os.PathLike | None, name: str) -> Path | None:
     return None if store is None else Path(store) / name
 
 
+def _check_fusion(rrf_k: int, depth: int) -> None:
+    if rrf_k < 0 or depth < 1:
+        raise ValueError(f"need rrf_k >= 0 and depth >= 1, got {rrf_k}, {depth}")
+
+
 class HybridIndex:
     """BM25 + dense over one corpus, fused by RRF. Implements the `Retriever` protocol.
 
@@ -62,8 +67,7 @@ class HybridIndex:
 
     def __init__(self, bm25: BM25Index, dense: DenseIndex, rrf_k: int = RRF_K, depth: int = DEPTH,
                  build_seconds: float | None = None):
-        if rrf_k < 0 or depth < 1:
-            raise ValueError(f"need rrf_k >= 0 and depth >= 1, got {rrf_k}, {depth}")
+        _check_fusion(rrf_k, depth)
         if bm25.corpus_sha256 != dense.corpus_sha256 or len(bm25) != len(dense):
             raise ValueError(f"BM25 ({len(bm25)} docs, corpus {bm25.corpus_sha256[:12]}) and dense "
                              f"({len(dense)} docs, corpus {dense.corpus_sha256[:12]}) indexes "
@@ -90,6 +94,7 @@ class HybridIndex:
         """Both halves over `docs`, streamed once: the dense half first (`DenseIndex.build`), then the
         BM25 half over the documents it kept. With `store` each half keeps them on disk under it
         (`bm25/`, `dense/`), so a corpus larger than memory is read once and never held."""
+        _check_fusion(rrf_k, depth)  # now, not after both halves are built
         start = time.perf_counter()
         dense = DenseIndex.build(docs, encoder, index_type=index_type, corpus_sha256=corpus_sha256,
                                  store=_part(store, "dense"), progress=progress, expected=expected, **params)
