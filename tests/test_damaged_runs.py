@@ -339,7 +339,13 @@ def test_a_corpus_rewritten_since_the_run_is_refused(tmp_path, monkeypatch):
     out = tmp_path / "run"
     evolve(cfg, out, progress=False, audit=False)
     assert RunDir(out).manifest()["corpus_sha256"]
+    assert RunDir(out).manifest()["index"] == {"kind": "bm25", "encoder": None}  # what its searches searched
     evolve(cfg, out, resume=True, progress=False, audit=False)  # the same corpus: resumes
+    # an index rebuilt in place (another kind, another encoder) over the same corpus is refused too
+    edit_json(out / "manifest.json", index={"kind": "hybrid", "encoder": "0" * 64})
+    with pytest.raises(RunError, match="the index is not the one .* searched"):
+        evolve(cfg, out, resume=True, progress=False, audit=False)
+    edit_json(out / "manifest.json", index={"kind": "bm25", "encoder": None})
 
     docs[1]["contents"] = '"Page 1"\nPage 1 was founded in 1950.'  # the user edits the corpus in place
     corpus.write_text("".join(json.dumps(d) + "\n" for d in docs), encoding="utf-8")

@@ -232,13 +232,25 @@ def check_world(run: RunDir, cfg: RunConfig) -> None:
     saved = manifest.get("corpus_sha256")
     if saved is not None and cfg.data.corpus:
         try:
-            now = environment(cfg, benchmarks=False).index.corpus_sha256
+            index = environment(cfg, benchmarks=False).index
         except (DataError, OSError) as e:
             raise RunError(str(e)) from None
-        if saved != now:
+        if saved != index.corpus_sha256:
             raise RunError(f"{cfg.data.corpus}: the corpus has changed since {run.path} was made on it (its "
                            "documents no longer match the sha256 the run recorded); the run can only be audited "
                            "or resumed on the corpus it was made on")
+        searched = manifest.get("index")  # recorded since runs record it
+        if searched is not None and searched != index_identity(index):
+            raise RunError(f"{cfg.data.index or cfg.data.corpus}: the index is not the one {run.path} searched "
+                           f"({searched} then, {index_identity(index)} now: rebuilt in place?); the run can only "
+                           "be resumed with the index it was made with")
+
+
+def index_identity(index) -> dict:
+    """What decides what a run's searches find besides the corpus: the kind of index and, for a
+    dense or hybrid one, the encoder's weights (a fingerprint)."""
+    encoder = getattr(getattr(index, "dense", index), "encoder", None)
+    return {"kind": getattr(index, "kind", "bm25"), "encoder": encoder.fingerprint if encoder is not None else None}
 
 
 def evolve(cfg: RunConfig, out: str | os.PathLike, resume: bool = False, progress: bool = True,
@@ -288,7 +300,7 @@ def evolve(cfg: RunConfig, out: str | os.PathLike, resume: bool = False, progres
             if (sha := world_sha256(cfg)) is not None:
                 run.note(world_sha256=sha)
             if cfg.data.corpus:  # the documents' content hash, computed when they were indexed
-                run.note(corpus_sha256=env.index.corpus_sha256)
+                run.note(corpus_sha256=env.index.corpus_sha256, index=index_identity(env.index))
         if not folds_path.exists():
             write_json(folds_path, folds.to_json())
         if done:
