@@ -224,3 +224,11 @@ def test_a_world_setting_on_a_corpus_run_is_refused(tmp_path, override):
         load_config(None, [*on_corpus, override])
     assert load_config(None, on_corpus).data.corpus  # the defaults pass
     assert load_config(None, ['backend="lm"', override]).world  # the lm backend on the world reads it
+
+
+def test_a_config_file_with_a_bom_is_read(tmp_path):
+    """Windows editors save UTF-8 with a BOM: it read as `Invalid statement (at line 1, column 1)`."""
+    path = tmp_path / "c.toml"
+    path.write_bytes(b"\xef\xbb\xbftreatment = \"crossfit\"\nseed = 3\n")
+    cfg = load_config(path)
+    assert (cfg.treatment, cfg.seed) == ("crossfit", 3)

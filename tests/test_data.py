@@ -153,6 +153,7 @@ GOOD = '{"id": "test_%d", "question": "q%d?", "golden_answers": ["a"]}'
     ('{"id": "test_9", "question": "q?", "golden_answers": {"a": 1}}', "must be a list of strings"),
     ('{"id": "test_9", "question": "q?", "golden_answers": [["a"]]}', "must hold only strings"),
     ('{"id": "test_0", "question": "q?", "golden_answers": ["a"]}', "duplicate id 'test_0'"),
+    ('{"id": "test_9", "question": "q?", "golden_answers": [NaN]}', "holds nan, not an answer"),  # was "nan"
 ])
 def test_malformed_split_names_file_and_line(tmp_path, bad, message):
     src = _qa_fixture(tmp_path, [GOOD % (0, 0), GOOD % (1, 1), bad, GOOD % (2, 2)])
@@ -165,7 +166,7 @@ def test_malformed_split_names_file_and_line(tmp_path, bad, message):
 
 def test_items_without_answers_are_skipped_and_numbers_kept(tmp_path):
     src = _qa_fixture(tmp_path, [
-        '{"id": 7, "question": "q?", "golden_answers": [1969, "nineteen sixty-nine"]}',
+        '{"id": 7, "question": "q?", "golden_answers": [1969.0, "nineteen sixty-nine"]}',  # a numeric column
         '{"id": "test_1", "question": "q?", "golden_answers": ["", " "]}',
         '{"id": "test_2", "question": "q?", "answers": "only one"}',
     ])
@@ -206,6 +207,10 @@ def test_corpus_gz_and_zip_are_streamed(tmp_path):
         zf.writestr("wiki18_100w.jsonl", b"".join(lines))
     info = convert_corpus(tmp_path / "wiki18_100w.zip", tmp_path / "b.jsonl")
     assert info["passages"] == 300 and len(read_corpus(tmp_path / "b.jsonl")) == 300
+    # a BOM, which the corpus reader reads past, is read past here too (before: malformed JSON), not copied
+    (tmp_path / "bom.jsonl").write_bytes(b"\xef\xbb\xbf" + b"".join(lines))
+    assert convert_corpus(tmp_path / "bom.jsonl", tmp_path / "c.jsonl")["passages"] == 300
+    assert (tmp_path / "c.jsonl").read_bytes() == b"".join(lines)
 
 
 @pytest.mark.parametrize("bad, message", [
@@ -410,3 +415,17 @@ def test_a_rerun_clears_the_temp_files_a_killed_conversion_left(hub, tmp_path):
     assert [p for p in leftovers if p.exists()] == []
     assert keep.read_text() == "mine"
     assert sorted(p.name for p in (out / "corpus").iterdir()) == ["notes.tmp", "wiki-18.jsonl"]
+
+
+def test_a_benchmark_named_like_a_standard_one_but_for_case_is_refused(tmp_path):
+    """`NQ` beside `nq` became two benchmarks: `NQ` counted in the macro average, outside the
+    single-hop group, with no message."""
+    qa = tmp_path / "qa"
+    qa.mkdir()
+    rows = [{"id": "a", "question": "q", "golden_answers": ["x"], "metadata": {"benchmark": "nq"}},
+            {"id": "b", "question": "q", "golden_answers": ["x"], "metadata": {"benchmark": "NQ"}}]
+    (qa / "mixed.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    with pytest.raises(DataError, match="mixed.jsonl: benchmark 'NQ' differs from the standard 'nq' only in case"):
+        read_qa_dir(qa)
+    (qa / "mixed.jsonl").write_text(json.dumps({**rows[1], "metadata": {"benchmark": "mybench"}}) + "\n")
+    assert list(read_qa_dir(qa)) == ["mybench"]  # a benchmark of one's own is fine

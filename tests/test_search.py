@@ -636,3 +636,29 @@ def test_a_query_with_a_lone_surrogate_gets_the_same_hits_in_process_and_over_ht
         remote = client.retrieve(["Lokma\ud800 pastry"], topk=2)
     local = SearchTool(index, topk=2).lookup(["Lokma\ud800 pastry"])[0]
     assert [h.document.id for h in remote[0]] == [h.document.id for h in local] == ["1"]
+
+
+@pytest.mark.parametrize("text, message", [
+    ("[1]", "manifest.json: expected a JSON object, got a JSON list"),
+    ('{"kind": "bm25", ', "manifest.json: unreadable, not a JSON manifest"),
+    ('{"format_version": 2, "kind": "dense"}', "manifest.json: field(s) corpus_sha256, model, query_prefix"),
+    ('{"format_version": 2, "kind": "hybrid", "corpus_sha256": "x"}', "manifest.json: field(s) parts, rrf_k, depth"),
+])
+def test_a_damaged_or_foreign_index_manifest_is_named(tmp_path, text, message):
+    """(before: AttributeError, KeyError 'model', or a JSON error naming no file)"""
+    from selfevo.search.index import open_index
+
+    (tmp_path / "manifest.json").write_text(text, encoding="utf-8")
+    with pytest.raises(ValueError, match=f"{tmp_path}/{message}".replace("(", r"\(").replace(")", r"\)")):
+        open_index(tmp_path)
+
+
+def test_a_cache_with_a_damaged_manifest_is_rebuilt(tmp_path):
+    corpus = tmp_path / "c.jsonl"
+    write_corpus(corpus, [Document("1", "Lokma", "Lokma is a pastry."), Document("2", "Rome", "A city.")])
+    BM25Index.from_corpus_file(corpus, index_dir=tmp_path / "cache")
+    (tmp_path / "cache" / MANIFEST).write_text("null", encoding="utf-8")
+    from selfevo.search.index import get_retriever
+
+    again = get_retriever(corpus=corpus, cache_dir=tmp_path / "cache")
+    assert len(again) == 2 and json.loads((tmp_path / "cache" / MANIFEST).read_text())["format_version"] == 2

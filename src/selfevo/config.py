@@ -260,7 +260,7 @@ def merge(base: dict, path: list[str], value: Any, _where: str = "") -> dict:
 def read_toml(path: str | Path) -> dict:
     """A TOML config file; any reason it cannot be read is one ConfigError naming it."""
     try:
-        return tomllib.loads(Path(path).read_text(encoding="utf-8"))
+        return tomllib.loads(Path(path).read_text(encoding="utf-8-sig"))  # a BOM (Windows editors) is no error
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"{path}: {e}") from None
     except UnicodeDecodeError as e:

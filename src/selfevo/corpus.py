@@ -252,6 +252,14 @@ def read_qa_dir(data_dir: str | os.PathLike) -> dict[str, list[QAItem]]:
                 raise DataError(f, None, f"id '{item.id}' also appears in {origin[item.id]}")
             origin[item.id] = f
             out.setdefault(item.benchmark or qa_name(f), []).append(item)
+    from selfevo.evaluate import BENCHMARKS  # it imports this module
+
+    for name in out:  # "NQ" beside "nq" would be a benchmark of its own, in macro but in no hop group
+        standard = next((b for b in BENCHMARKS if b == name.lower() and b != name), None)
+        if standard:
+            where = next(origin[it.id] for it in out[name])
+            raise DataError(where, None, f"benchmark {name!r} differs from the standard {standard!r} only in "
+                                         f"case; name it {standard!r} (metadata.benchmark, or the file name)")
     return out
 
 

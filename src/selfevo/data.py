@@ -39,6 +39,7 @@ import gzip
 import hashlib
 import io
 import json
+import math
 import os
 import zipfile
 import zlib
@@ -182,7 +183,10 @@ def _answers(obj: dict, path, lineno) -> list[str]:
     for v in value:
         if isinstance(v, bool) or not isinstance(v, (str, int, float)):
             raise DataError(path, lineno, f"field '{key}' must hold only strings, got {type(v).__name__}")
-        out.append(v if isinstance(v, str) else str(v))
+        if isinstance(v, float) and not math.isfinite(v):  # NaN (a missing cell) would be the answer "nan"
+            raise DataError(path, lineno, f"field '{key}' holds {v}, not an answer")
+        # a year read as a number (1939.0 from a numeric column) is the answer "1939"
+        out.append(v if isinstance(v, str) else str(int(v) if float(v).is_integer() else v))
     return out if any(v.strip() for v in out) else []
 
 
@@ -362,6 +366,8 @@ def convert_corpus(src: str | os.PathLike, dest: str | os.PathLike,
             with _open_corpus(src) as (stream, source_digest):
                 for lineno, raw in enumerate(stream, start=1):
                     line = raw.rstrip(b"\r\n")
+                    if lineno == 1:  # a BOM, as iter_corpus reads past it (not copied: dest is plain UTF-8)
+                        line = line.removeprefix(b"\xef\xbb\xbf")
                     if not line.strip():
                         continue
                     _check_passage(line, src, lineno, ids)

@@ -421,7 +421,8 @@ class DenseIndex:
     @staticmethod
     def read_manifest(index_dir: str | os.PathLike) -> dict[str, Any]:
         """The manifest of a dense index directory, format and kind checked."""
-        return read_manifest(index_dir, "dense", FORMAT_VERSION, KIND)
+        return read_manifest(index_dir, "dense", FORMAT_VERSION, KIND,
+                             ("corpus_sha256", "model", "query_prefix", "passage_prefix", "index_type"))
 
     @classmethod
     def load(cls, index_dir: str | os.PathLike, encoder: Encoder | None = None, *,

@@ -160,7 +160,8 @@ class HybridIndex:
         """Load both halves; the same refusals as `BM25Index.load` and `DenseIndex.load`."""
         index_dir = Path(index_dir)
         path = index_dir / MANIFEST
-        manifest = read_manifest(index_dir, "hybrid", FORMAT_VERSION, KIND)
+        manifest = read_manifest(index_dir, "hybrid", FORMAT_VERSION, KIND,
+                                 ("corpus_sha256", "parts", "rrf_k", "depth"))
         digest = expected_corpus_sha256 or manifest["corpus_sha256"]
         if manifest.get("corpus_sha256") != digest:
             raise ValueError(f"{path}: index was built from corpus sha256 "

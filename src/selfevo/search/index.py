@@ -13,8 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from selfevo._io import read_json
-from selfevo.search._manifest import MANIFEST
+from selfevo.search._manifest import MANIFEST, load_manifest
 from selfevo.search.tool import Retriever
 
 KINDS = ("bm25", "dense", "hybrid")
@@ -57,7 +56,7 @@ def index_kind(index_dir: str | os.PathLike) -> str:
     path = Path(index_dir) / MANIFEST
     if not path.exists():
         raise ValueError(f"{index_dir}: no {MANIFEST}; not a (complete) index directory")
-    manifest = read_json(path)
+    manifest = load_manifest(path)
     kind = manifest.get("kind") or ("bm25" if "bm25s_version" in manifest else None)
     if kind not in KINDS:
         raise ValueError(f"{path}: unknown index kind {kind!r}")
