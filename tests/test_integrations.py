@@ -487,6 +487,23 @@ def test_admit_round_caps_the_budget_in_step_order(tmp_path):
     assert [len(r["items"]) + len(r.get("malformed", [])) for r in recs] == [4, 3]
 
 
+def test_admission_does_not_depend_on_the_order_processes_staged_a_step_in():
+    """With engine.train_processes > 1 each process appends its share of a step when it finishes:
+    the step's items (and malformed rows) are decided and capped by item_id, numbers compared as
+    numbers (p0-2 before p0-10), whatever order they were staged in."""
+    items = [r for r in _staged(1, 3) if "item" in r] * 4
+    shares = [[{**r, "item": {**r["item"], "item_id": f"r1-s1-p{rank}-{i}"}} for i, r in enumerate(items)]
+              for rank in (0, 1)]
+    bad = [{"round": 1, "step_in_round": 1, "malformed": {"item_id": f"r1-s1-p{rank}-99", "reward": -0.5}}
+           for rank in (0, 1)]
+    runs = [admit_round(rows, round=1, step_base=0, proposer_steps=1, budget=13, seed=0)
+            for rows in (shares[0] + bad + shares[1], shares[1] + bad[::-1] + shares[0][::-1])]
+    assert runs[0] == runs[1]
+    records, admitted = runs[0]
+    assert [it["item_id"] for it in admitted] == [f"r1-s1-p0-{i}" for i in range(12)] + ["r1-s1-p1-0"]
+    assert [m["item_id"] for m in records[0]["malformed"]] == ["r1-s1-p0-99", "r1-s1-p1-99"]
+
+
 def test_msv_filter_over_a_served_model(tmp_path, tool):
     """MSV as a data filter: the model, served on loopback, answers 'sea' with the source and
     'land' without for Beta (rejected), and 'river' both ways for Alpha (admitted, relabelled)."""
@@ -1139,3 +1156,94 @@ def test_engine_run_refuses_a_run_another_process_is_writing(tmp_path, monkeypat
     with RunDir(tmp_path / "run").lock(), pytest.raises(RunError, match="another process is writing this run"):
         eng.engine_run(ecfg, tmp_path / "run", resume=True, log=lambda m: None)
     assert not (tmp_path / "run").exists()
+
+
+def test_engine_resume_removes_what_a_kill_left_inside_an_atomic_write(tmp_path):
+    """As `evolve --resume` (RunDir.open_for_resume): the temp files of atomic writes a kill left are
+    removed, anywhere in the run directory, once the resume is accepted (a refused one touches
+    nothing)."""
+    import copy
+
+    from selfevo.integrations import engine as eng
+    from selfevo.runs import RunError
+
+    def make(cfg, resume=True):
+        return eng.EngineRun(eng.engine_config_from_dict(copy.deepcopy(cfg), engine="trl"), tmp_path / "run",
+                             resume=resume, log=lambda m: None)
+
+    make(ENGINE_CFG, resume=False)
+    temps = [tmp_path / "run" / ".manifest.json.k1ll3d00.tmp",
+             tmp_path / "run" / "engine" / "round-1" / ".admitted.jsonl.abcd1234.tmp"]
+    for t in temps:
+        t.parent.mkdir(parents=True, exist_ok=True)
+        t.write_text("half a file")
+    with pytest.raises(RunError, match="config differs"):
+        make({**ENGINE_CFG, "seed": 5})
+    assert all(t.exists() for t in temps)
+    make(ENGINE_CFG)
+    assert not any(t.exists() for t in temps)
+
+
+def test_vllm_graders_sample_with_vllms_defaults_not_the_models(tmp_path, monkeypatch):
+    """`vllm serve` by default takes sampling defaults (Qwen's top_k=20, for one) from the model's
+    generation_config.json; graders must sample at lm.temperature and lm.top_p only, as the loop's
+    do, so the command asks for vLLM's neutral defaults."""
+    from selfevo.integrations import engine as eng
+
+    started = []
+
+    class Exited:  # the command line is what is under test: the server "exits" at once
+        returncode = 1
+
+        def __init__(self, cmd, env=None):
+            started.append(cmd)
+
+        def poll(self):
+            return 1
+
+        def terminate(self):
+            pass
+
+        def wait(self, timeout=None):
+            return 1
+
+    monkeypatch.setattr(eng.shutil, "which", lambda name: "/opt/bin/vllm")
+    monkeypatch.setattr(eng, "_cuda", lambda: True)
+    monkeypatch.setattr(eng.subprocess, "Popen", Exited)
+    with pytest.raises(eng.EngineUnavailable, match="exited with 1"):
+        next(eng._vllm_server("/models/main", "main@r0", 8100, "6", 0.4, lambda m: None))
+    cmd = started[0]
+    assert cmd[:3] == ["/opt/bin/vllm", "serve", "/models/main"]
+    assert cmd[cmd.index("--generation-config") + 1] == "vllm" and cmd[cmd.index("--host") + 1] == "127.0.0.1"
+
+
+def test_trl_settings_are_checked_when_the_config_is_read(monkeypatch):
+    """What the first TRL job refused only after r0/eval, as a traceback, is a ConfigError naming the
+    field when the config is read: an [engine.trl] key GRPOConfig does not take, rollout_backend =
+    "vllm" without engine.trl.use_vllm (TRL then builds no vLLM engine) or with the proposer scaffold
+    (written with transformers). Without trl installed the keys are left to the job."""
+    import sys
+
+    from selfevo.config import ConfigError
+    from selfevo.integrations.engine import engine_config_from_dict
+
+    base = {"backend": "lm", "world": {"name": "small"}}
+
+    def read(trl=None, lm=None, **engine):
+        return engine_config_from_dict({**base, "lm": lm or {}, "engine": {**engine, "trl": trl or {}}}, engine="trl")
+
+    with pytest.raises(ConfigError, match=r'^engine\.rollout_backend: "vllm" needs engine\.trl\.use_vllm = true$'):
+        read(rollout_backend="vllm")
+    with pytest.raises(ConfigError, match=r"^engine\.rollout_backend: .*lm\.proposer_scaffold"):
+        read({"use_vllm": True}, {"proposer_scaffold": True}, rollout_backend="vllm")
+    assert read(lm={"proposer_scaffold": True}).engine.rollout_backend == "hf"
+    monkeypatch.setitem(sys.modules, "trl", None)  # trl not installed: import trl raises ImportError
+    assert read({"gradient_checkpoitning": True}).engine.trl == {"gradient_checkpoitning": True}
+    monkeypatch.undo()
+    pytest.importorskip("trl")
+    with pytest.raises(ConfigError, match=r"^engine\.trl\.gradient_checkpoitning: not a field of TRL's GRPOConfig "
+                                          r"\(did you mean gradient_checkpointing\?\)$"):
+        read({"bf16": True, "gradient_checkpoitning": True})
+    recipe = {"bf16": True, "gradient_checkpointing": True, "use_vllm": True, "vllm_mode": "colocate",
+              "vllm_gpu_memory_utilization": 0.3, "vllm_tensor_parallel_size": 1}  # configs/trl-qwen3.5-4b.toml's
+    assert read(recipe, rollout_backend="vllm").engine.trl == recipe

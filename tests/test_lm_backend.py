@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -374,6 +375,8 @@ def test_a_policy_file_of_another_lora_rank_is_a_clear_error(smollm2_path, tmp_p
     """LoRA parameter names carry no rank, so a file saved with lm.lora_r = 8 passes the name check
     where lm.lora_r = 16: it must be the ValueError naming lm.lora_* (which `selfevo eval` reports
     in one line), not torch's RuntimeError from copy_ (a traceback)."""
+    from safetensors.torch import load, save
+
     from selfevo.agents.lm.config import LMConfig
     from selfevo.agents.lm.policy import LMPolicy
 
@@ -381,5 +384,77 @@ def test_a_policy_file_of_another_lora_rank_is_a_clear_error(smollm2_path, tmp_p
     saver.new("main")
     ref = saver.save("main")
     loader = LMPolicy(LMConfig(model=str(smollm2_path), lora_r=16, threads=1))
-    with pytest.raises(ValueError, match=r"lm\.lora_r"):
-        loader.load_file("evaluated", tmp_path / ref["file"])
+    path = tmp_path / ref["file"]
+    with pytest.raises(ValueError, match=rf"^{re.escape(str(path))}: .*lm\.lora_r: '8' in the file, '16' here"):
+        loader.load_file("evaluated", path)
+    # a file from before policy files recorded lm.lora_r: the shape check still names it
+    old = tmp_path / "old.safetensors"
+    old.write_bytes(save(load(path.read_bytes()), metadata={"name": "main", "adapter": "lora", "steps": "0",
+                                                            "has_optimizer": "False"}))
+    with pytest.raises(ValueError, match=rf"^{re.escape(str(old))}: .*another shape.*lm\.lora_r"):
+        loader.load_file("evaluated", old)
+
+
+def test_a_policy_file_records_the_settings_its_weights_mean_and_errors_name_it(policy, smollm2_path, tmp_path):
+    """Another lm.lora_alpha (or a subset of lm.lora_targets, or another base model) fits the file's
+    names and shapes and would silently be another function: a policy file records the base model,
+    lm.lora_r/alpha/targets and dtype, and loading it under others is refused naming the field and
+    the file. A file saved before they were recorded loads as before; a file that is no policy file
+    is refused naming it."""
+    from safetensors.torch import load, save
+
+    from selfevo.agents.lm.config import LMConfig
+    from selfevo.agents.lm.policy import LMPolicy
+
+    policy.new("fit")
+    path = policy.store / policy.save("fit")["file"]
+    blob = path.read_bytes()
+    meta = json.loads(blob[8:8 + int.from_bytes(blob[:8], "little")])["__metadata__"]
+    assert {k: v for k, v in meta.items() if k not in ("name", "steps", "has_optimizer")} == {
+        "model": smollm2_path.name, "adapter": "lora", "dtype": "float32", "lora_r": "16", "lora_alpha": "32",
+        "lora_targets": "k_proj,o_proj,q_proj,v_proj"}
+    other = LMPolicy(LMConfig(model=str(smollm2_path), device=DEVICE, threads=2, lora_alpha=16))
+    with pytest.raises(ValueError, match=rf"^{re.escape(str(path))}: .*lm\.lora_alpha: '32' in the file, '16' here"):
+        other.load_file("evaluated", path)
+    assert "evaluated" not in other.names()  # refused before anything was made
+    tensors = load(blob)
+    old = tmp_path / "old.safetensors"
+    old.write_bytes(save(tensors, metadata={k: meta[k] for k in ("name", "adapter", "steps", "has_optimizer")}))
+    other.load_file("evaluated", old)  # as before: nothing recorded, nothing checked
+    for field, value in (("model", "Qwen3.5-4B"), ("lora_targets", "q_proj,v_proj")):
+        f = tmp_path / f"{field}.safetensors"
+        f.write_bytes(save(tensors, metadata={**meta, field: value}))
+        with pytest.raises(ValueError, match=rf"^{re.escape(str(f))}: .*lm\.{field}: '{value}' in the file"):
+            policy.load_file("evaluated", f)
+    f = tmp_path / "bad.safetensors"
+    for content, why in ((b"not a safetensors file", "not a safetensors policy file"),
+                         (save({"rng.torch": tensors["rng.torch"]}), "not a selfevo policy file")):
+        f.write_bytes(content)
+        with pytest.raises(ValueError, match=rf"^{re.escape(str(f))}: {why}"):
+            policy.load_file("evaluated", f)
+
+
+def test_sampled_chat_replies_have_no_top_k_cut(smollm2_path):
+    """The chat model (engine-run's local graders, `serve-model`) samples as LMPolicy does, with
+    temperature and top-p only; transformers otherwise cuts to the 50 likeliest tokens. At a
+    temperature that flattens the distribution a sampled first token falls outside those 50 (each
+    draw with p ~ 1 - 50/49,152), which the cut never allows."""
+    import torch
+
+    from selfevo.agents.lm.model import TransformersChatModel
+
+    m = TransformersChatModel(smollm2_path, threads=1)
+    msgs = [{"role": "user", "content": "Say hi."}]
+    real, outputs = m.model.generate, []
+
+    def recording(**kwargs):
+        outputs.append(real(**kwargs))
+        return outputs[-1]
+    m.model.generate = recording
+    m.generate(msgs, temperature=50.0, top_p=1.0, max_tokens=1, n=8, seed=0)
+    prompt = m.tokenizer(m.tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True),
+                         return_tensors="pt", add_special_tokens=False)
+    with torch.no_grad():
+        top50 = set(m.model(**prompt).logits[0, -1].topk(50).indices.tolist())
+    first = outputs[0][:, prompt["input_ids"].shape[1]].tolist()
+    assert len(first) == 8 and not set(first) <= top50

@@ -442,6 +442,43 @@ def test_workers_reject_a_policy_they_were_not_given(tmp_path):
         RolloutWorkers(LMConfig(), 0)
 
 
+def test_a_local_ray_is_not_started_with_token_authentication_off(monkeypatch):
+    """The local Ray `eval --workers` starts listens on every network interface; Ray's token
+    authentication is what guards it, so RAY_AUTH_MODE turning it off is refused before Ray starts.
+    A cluster joined with RAY_ADDRESS is its owner's to secure."""
+    ray = pytest.importorskip("ray")
+    from selfevo.agents.lm.workers import RolloutWorkers
+
+    class Started(Exception):
+        pass
+
+    started = []
+
+    def init(**kwargs):  # stands in for ray.init: record it, go no further
+        started.append(kwargs["address"])
+        raise Started
+
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray, "init", init)
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    for mode in ("disabled", "Disabled", ""):  # Ray reads every value but "token" as off
+        monkeypatch.setenv("RAY_AUTH_MODE", mode)
+        with pytest.raises(ValueError, match=rf"^workers: RAY_AUTH_MODE='{mode}' would start a local Ray without "
+                                             "token authentication"):
+            RolloutWorkers(LMConfig(), 1)
+    assert started == []
+    for mode, address in (("token", None), (None, None), ("disabled", "10.0.0.1:6379")):
+        if mode is None:
+            monkeypatch.delenv("RAY_AUTH_MODE")
+        else:
+            monkeypatch.setenv("RAY_AUTH_MODE", mode)
+        if address:
+            monkeypatch.setenv("RAY_ADDRESS", address)
+        with pytest.raises(Started):
+            RolloutWorkers(LMConfig(), 1)
+    assert started == [None, None, "10.0.0.1:6379"]
+
+
 @contextlib.contextmanager
 def _probe_agent(name: str):
     """A registered agent that records the context `selfevo eval` hands its factory."""

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -65,9 +66,18 @@ def trim_staged(reward: Mapping[str, Any], steps_done: int) -> None:
     write_jsonl(path, kept)  # whole lines only: the resumed phase appends after them
 
 
+def _id_order(row: dict) -> tuple:
+    """Sort key of an item or malformed row: its item_id with the numbers in it compared as numbers
+    (`r1-s1-2` before `r1-s1-10`: one process's items keep the order it wrote them in)."""
+    return tuple((0, int(part), "") if part.isdigit() else (1, 0, part)
+                 for part in re.split(r"(\d+)", str(row.get("item_id", ""))))
+
+
 def group_steps(staged: Sequence[dict], proposer_steps: int) -> list[tuple[int, list[dict], list[dict]]]:
-    """`(step_in_round, items, malformed)` per proposer step. TRL knows each item's step; verl scores
-    samples one at a time in step order, so its items are cut into `proposer_steps` equal runs."""
+    """`(step_in_round, items, malformed)` per proposer step, each by item_id: data-parallel processes
+    append their shares of a step in whatever order they finish, and the admission rule and the budget
+    cap must not see that order. TRL knows each item's step; verl scores samples one at a time in step
+    order, so its items are cut into `proposer_steps` equal runs."""
     if all(r.get("step_in_round") is not None for r in staged):
         keys = sorted({r["step_in_round"] for r in staged})
         chunks = [[r for r in staged if r["step_in_round"] == s] for s in keys]
@@ -75,7 +85,8 @@ def group_steps(staged: Sequence[dict], proposer_steps: int) -> list[tuple[int, 
         size = math.ceil(len(staged) / proposer_steps) if staged else 1
         keys = list(range(1, proposer_steps + 1))
         chunks = [list(staged[i * size:(i + 1) * size]) for i in range(proposer_steps)]
-    return [(s, [r["item"] for r in c if "item" in r], [r["malformed"] for r in c if "malformed" in r])
+    return [(s, sorted((r["item"] for r in c if "item" in r), key=_id_order),
+             sorted((r["malformed"] for r in c if "malformed" in r), key=_id_order))
             for s, c in zip(keys, chunks) if c]
 
 

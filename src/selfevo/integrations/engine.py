@@ -36,6 +36,7 @@ phase stops with `EngineUnavailable`, naming the script it wrote.
 from __future__ import annotations
 
 import contextlib
+import difflib
 import importlib.util
 import json
 import math
@@ -51,7 +52,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from selfevo._io import append_jsonl, read_json, read_jsonl_log, write_json, write_jsonl
+from selfevo._io import append_jsonl, read_json, read_jsonl_log, remove_leftover_temps, write_json, write_jsonl
 from selfevo.config import ConfigError, RunConfig, config_from_dict, merge, parse_override, read_toml
 from selfevo.integrations.admit import (
     admit_round,
@@ -156,10 +157,30 @@ def engine_config_from_dict(data: Mapping, engine: str | None = None) -> EngineC
                           f"engine-run with CUDA_VISIBLE_DEVICES={run.lm.device.split(':')[1]} and lm.device = "
                           "\"cuda\", or run training jobs as subprocesses on that GPU (engine.launcher and "
                           "engine.train_gpus)")
+    if spec.engine == "trl":
+        _check_trl(spec, run)
     if spec.engine == "verl" and not spec.retriever_url:
         raise ConfigError("engine.retriever_url: verl's search tool needs a /retrieve server "
                           "(selfevo serve-retriever --corpus ... --port 8000 -> http://127.0.0.1:8000/retrieve)")
     return EngineConfig(run, spec)
+
+
+def _check_trl(spec: EngineSpec, run: RunConfig) -> None:
+    """What the first TRL job would otherwise refuse, after r0/eval and as a traceback."""
+    from selfevo.integrations.trl_job import grpo_fields
+
+    fields = grpo_fields() if spec.trl else None  # importing trl takes seconds: only with keys to check
+    unknown = sorted(set(spec.trl) - fields) if fields is not None else []  # no trl here: the job says so
+    if unknown:
+        near = difflib.get_close_matches(unknown[0], fields, n=1)
+        raise ConfigError(f"engine.trl.{unknown[0]}: not a field of TRL's GRPOConfig"
+                          + (f" (did you mean {near[0]}?)" if near else ""))
+    if spec.rollout_backend == "vllm":
+        if not spec.trl.get("use_vllm"):  # TRL builds its vLLM engine only with use_vllm
+            raise ConfigError('engine.rollout_backend: "vllm" needs engine.trl.use_vllm = true')
+        if run.lm.proposer_scaffold:  # the scaffold's forced prefixes are written with transformers
+            raise ConfigError('engine.rollout_backend: "vllm" cannot roll out lm.proposer_scaffold = true; '
+                              'use rollout_backend = "hf" or turn the scaffold off')
 
 
 def load_engine_config(path: str | Path, overrides: list[str] = (), engine: str | None = None) -> EngineConfig:
@@ -300,6 +321,7 @@ class EngineRun:
         if moved:  # e.g. a preempted run resumed on another node: engine.json says where it runs now
             self.say("resuming with " + ", ".join(f"engine.{k} {was[k]!r} -> {spec[k]!r}" for k in moved))
             write_json(engine_json, spec)
+        remove_leftover_temps(self.run.path, recursive=True)  # a kill inside an atomic write leaves one
         self.run.check_software()
 
     # ------------------------------------------------------------ plumbing
@@ -711,8 +733,10 @@ def _vllm_server(path: str, name: str, port: int, gpus: str, memory: float, say)
                                 f"(vllm: {'found' if exe else 'missing'}, GPUs: {'yes' if _cuda() else 'none'}); "
                                 "use graders = 'local' on a CPU")
     env = {**os.environ, **({"CUDA_VISIBLE_DEVICES": gpus} if gpus else {})}
+    # --generation-config vllm: vLLM's neutral sampling defaults, not the model's generation_config.json
+    # (Qwen's sets top_k=20, for one); a grader samples at lm.temperature and lm.top_p only, as the loop's
     cmd = [exe, "serve", path, "--served-model-name", name, "--port", str(port), "--host", "127.0.0.1",
-           "--gpu-memory-utilization", str(memory)]
+           "--gpu-memory-utilization", str(memory), "--generation-config", "vllm"]
     say("  $ " + " ".join(shlex.quote(c) for c in cmd))
     proc = subprocess.Popen(cmd, env=env)
     try:

@@ -97,6 +97,17 @@ def resume(job: dict) -> dict:
     return {**job, "resume_from": str(ckpt) if ckpt else None, "start_step": step}
 
 
+def grpo_fields() -> frozenset[str] | None:
+    """The fields GRPOConfig takes (what `[engine.trl]` may set); None when trl is not installed."""
+    import dataclasses
+
+    try:
+        from trl import GRPOConfig
+    except ImportError:
+        return None
+    return frozenset(f.name for f in dataclasses.fields(GRPOConfig) if f.init)
+
+
 def grpo_args(job: dict, world_size: int = 1):
     from trl import GRPOConfig
 

@@ -225,7 +225,8 @@ def smollm2_dir() -> Path:
 
 
 class TransformersChatModel:
-    """A causal LM with a chat template. Greedy at temperature 0, sampling otherwise; one generation
+    """A causal LM with a chat template. Greedy at temperature 0, sampling otherwise (temperature and
+    top-p, no top-k: the loop's graders, `LMPolicy.generate`, sample so); one generation
     at a time (a lock: a CPU model gains nothing from interleaving, and memory stays bounded);
     `max_tokens` is capped at `max_new_tokens` and at what the model's positions leave after the prompt
     (a prompt that fills them is refused: ModelFault 400). JSON mode prefills the reply with "{" (a nudge,
@@ -274,8 +275,8 @@ class TransformersChatModel:
         greedy = temperature <= 0.0
         kwargs = {"max_new_tokens": budget, "do_sample": not greedy,
                   "pad_token_id": self.tokenizer.pad_token_id or self.tokenizer.eos_token_id}
-        if not greedy:
-            kwargs.update(temperature=temperature, top_p=top_p, num_return_sequences=n)
+        if not greedy:  # top_k=0: no top-k cut (transformers' default is 50), as LMPolicy samples
+            kwargs.update(temperature=temperature, top_p=top_p, top_k=0, num_return_sequences=n)
         else:  # greedy: the n completions are identical, generate one
             kwargs.update(top_p=None, top_k=None, temperature=None)
         stop = [s for s in stop or () if s]

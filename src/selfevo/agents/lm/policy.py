@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import hashlib
+import json
 import os
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -68,6 +69,9 @@ class LMPolicy:
         self.store = Path(store) if store is not None else None
         self.device = resolve_device(cfg.device)
         path = resolve_model(cfg.model)
+        # the base model a policy file records: the name of what was loaded, not the path to it, so a
+        # run moved to another machine, or a hub id and its downloaded directory, still match
+        self.base_name = Path(path).name
         self.tokenizer = AutoTokenizer.from_pretrained(path)
         if self.tokenizer.chat_template is None:
             raise ValueError(f"lm.model: {cfg.model} has no chat template")
@@ -306,8 +310,8 @@ class LMPolicy:
                 for key, value in st.items():
                     tensors[f"optim.{key}.{n}"] = torch.as_tensor(value).detach().to("cpu").contiguous().clone()
         tensors["rng.torch"] = torch.get_rng_state()
-        meta = {"name": name, "adapter": self.cfg.adapter, "steps": str(self.steps.get(name, 0)),
-                "has_optimizer": str(opt is not None)}
+        meta = {"name": name, "steps": str(self.steps.get(name, 0)), "has_optimizer": str(opt is not None),
+                **self._file_settings()}
         blob = save(tensors, metadata=meta)
         sha = hashlib.sha256(blob).hexdigest()
         self.store.mkdir(parents=True, exist_ok=True)
@@ -319,6 +323,28 @@ class LMPolicy:
                 fh.write(blob)
         return {"file": path.name, "sha256": sha, "steps": self.steps.get(name, 0)}
 
+    def _file_settings(self) -> dict[str, str]:
+        """What a policy file's weights mean besides their names and shapes (safetensors metadata,
+        strings): the base model and LoRA's settings (lora_alpha scales the same weights into another
+        function). dtype is recorded, not checked: casting is how a policy trained in bfloat16 on a GPU
+        is evaluated in float32 on a CPU."""
+        c = self.cfg
+        out = {"model": self.base_name, "adapter": c.adapter, "dtype": c.dtype}
+        if c.adapter == "lora":
+            out.update(lora_r=str(c.lora_r), lora_alpha=str(c.lora_alpha),
+                       lora_targets=",".join(sorted(c.lora_targets)))  # their order does not change the model
+        return out
+
+    def _check_file_settings(self, path: str | os.PathLike, meta: dict[str, str]) -> None:
+        """Refuse a policy file saved under other settings than this policy's (`lm.FIELD`: the file's
+        value, this one's). A field the file does not record (saved before selfevo recorded it) is not
+        checked."""
+        here = self._file_settings()
+        for field in ("model", "adapter", "lora_r", "lora_alpha", "lora_targets"):
+            if field in meta and field in here and meta[field] != here[field]:
+                raise ValueError(f"{path}: the policy file does not fit lm.{field}: {meta[field]!r} in the file, "
+                                 f"{here[field]!r} here")
+
     def load(self, name: str, ref: dict) -> None:
         """Restore policy `name` from a `save` reference (the file's hash is checked)."""
         if self.store is None:
@@ -327,7 +353,7 @@ class LMPolicy:
         blob = path.read_bytes()
         if hashlib.sha256(blob).hexdigest() != ref["sha256"]:
             raise ValueError(f"{path}: checksum mismatch (corrupt or replaced checkpoint)")
-        self._restore(name, blob)
+        self._restore(name, blob, path)
         self.steps[name] = int(ref.get("steps", 0))
 
     def load_file(self, name: str, path: str | os.PathLike) -> None:
@@ -336,31 +362,36 @@ class LMPolicy:
             blob = Path(path).read_bytes()
         except OSError as e:
             raise ValueError(f"{path}: cannot read the policy file ({e.strerror})") from None
-        self._restore(name, blob)
+        self._restore(name, blob, path)
 
-    def _restore(self, name: str, blob: bytes) -> None:
+    def _restore(self, name: str, blob: bytes, path: str | os.PathLike) -> None:
+        """Policy `name` from the bytes of the policy file `path` (named in every error)."""
         import torch
         from safetensors.torch import load
 
         try:
             tensors = load(blob)
         except Exception as e:  # safetensors raises its own error types on a bad header
-            raise ValueError(f"not a safetensors policy file ({e})") from None
+            raise ValueError(f"{path}: not a safetensors policy file ({e})") from None
         if not any(k.startswith("param.") for k in tensors):
-            raise ValueError("not a selfevo policy file (no param.* tensors)")
+            raise ValueError(f"{path}: not a selfevo policy file (no param.* tensors)")
+        # safetensors.torch.load drops the metadata; the format is an 8-byte little-endian header
+        # length, then the JSON header (valid: load just parsed it)
+        header = int.from_bytes(blob[:8], "little")
+        self._check_file_settings(path, json.loads(blob[8:8 + header]).get("__metadata__") or {})
         if name not in self.names():
             self.new(name)
         params = dict(self.parameters(name))
         missing = [n for n in params if f"param.{n}" not in tensors]
         if missing:
-            raise ValueError(f"the policy file does not fit lm.model/lm.adapter/lm.lora_*: "
+            raise ValueError(f"{path}: the policy file does not fit lm.model/lm.adapter/lm.lora_*: "
                              f"{len(missing)} parameters missing (e.g. {missing[0]})")
         # LoRA parameter names do not carry the rank: another lm.lora_r passes the name check
         misshaped = [(n, tuple(tensors[f"param.{n}"].shape), tuple(p.shape)) for n, p in params.items()
                      if tuple(tensors[f"param.{n}"].shape) != tuple(p.shape)]
         if misshaped:
             n, there, here = misshaped[0]
-            raise ValueError(f"the policy file does not fit lm.model/lm.adapter/lm.lora_*: {len(misshaped)} "
+            raise ValueError(f"{path}: the policy file does not fit lm.model/lm.adapter/lm.lora_*: {len(misshaped)} "
                              f"parameters of another shape (e.g. {n}: {list(there)} in the file, {list(here)} "
                              f"here; a different lm.lora_r?)")
         with torch.no_grad():

@@ -49,6 +49,21 @@ def shard_bounds(n_items: int, n_shards: int) -> list[tuple[int, int]]:
     return bounds
 
 
+def check_local_ray_auth(address: str | None) -> None:
+    """Refuse to let `ray.init(address)` start a Ray instance here without token authentication. A
+    local Ray's GCS, raylets and workers listen on every network interface (no setting keeps them all
+    on loopback); Ray's token authentication is what stops others on the network from running code in
+    it, and Ray turns it on for a local instance (from 2.59) unless RAY_AUTH_MODE says otherwise. An
+    address naming a cluster is left alone: securing it is its owner's business."""
+    if address and address != "local":
+        return
+    mode = os.environ.get("RAY_AUTH_MODE")
+    if mode is not None and mode.lower() != "token":  # Ray reads any other value as disabled
+        raise ValueError(f"workers: RAY_AUTH_MODE={mode!r} would start a local Ray without token authentication, "
+                         "reachable from the network; unset RAY_AUTH_MODE (or set it to token), or join a "
+                         "cluster of your own with RAY_ADDRESS")
+
+
 class _RolloutWorker:
     """One actor: a policy for inference and one search tool per retriever source."""
 
@@ -120,7 +135,9 @@ class RolloutWorkers:
         self.corpus = None if corpus is None else str(corpus)
         self._corpus_sha: str | None = None
         if not ray.is_initialized():
-            ray.init(address=os.environ.get("RAY_ADDRESS"), include_dashboard=False, log_to_driver=False)
+            address = os.environ.get("RAY_ADDRESS")
+            check_local_ray_auth(address)
+            ray.init(address=address, include_dashboard=False, log_to_driver=False)
         gpus = 0
         if cfg.device.startswith("cuda"):
             gpus = 1
