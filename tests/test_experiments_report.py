@@ -579,3 +579,13 @@ def test_a_replay_study_of_other_runs_is_named_in_the_report(local_grid, tmp_pat
     study["bank"]["sources"] = [str(root / "coupled-s0")]  # its own runs: nothing to say
     (root / "replay" / "results.json").write_text(json.dumps(study))
     assert not any("not in this report" in r for r in build_report(root)["readings"])
+
+
+def test_a_ray_grid_does_not_start_a_local_ray_with_token_authentication_off(tmp_path, monkeypatch):
+    ray = pytest.importorskip("ray")
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray, "init", lambda **kw: pytest.fail("ray.init was called"))
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
+    with pytest.raises(ValueError, match="RAY_AUTH_MODE='disabled' would start a local Ray without token"):
+        run_grid(grid(["coupled"], [0], tmp_path, ONE_ROUND), "ray")

@@ -82,7 +82,11 @@ def run_grid(jobs: Sequence[Job], executor: str = "local", workers: int | None =
             raise ValueError("executor ray: Ray is not installed (pip install 'selfevo[ray]')") from None
 
         if not ray.is_initialized():
-            ray.init(address=os.environ.get("RAY_ADDRESS"), include_dashboard=False, log_to_driver=False)
+            from selfevo.agents.lm.workers import check_local_ray_auth
+
+            address = os.environ.get("RAY_ADDRESS")
+            check_local_ray_auth(address)  # a local Ray listens on every interface: only with token auth
+            ray.init(address=address, include_dashboard=False, log_to_driver=False)
         remote = ray.remote(run_job)
         pending = {remote.remote(job): job for job in jobs}
         while pending:
