@@ -458,3 +458,22 @@ def test_sampled_chat_replies_have_no_top_k_cut(smollm2_path):
         top50 = set(m.model(**prompt).logits[0, -1].topk(50).indices.tolist())
     first = outputs[0][:, prompt["input_ids"].shape[1]].tolist()
     assert len(first) == 8 and not set(first) <= top50
+
+
+def test_a_new_adapter_is_initialised_from_the_run_seed_and_its_name(policy):
+    """Every seed of a treatment started from the same LoRA A matrices (seeded by the name alone):
+    the run seed now enters. And the first adapter a process made drew after the placeholder's
+    initialisation, so the same name and seed gave another adapter depending on what came first."""
+    def lora_a(seed: int) -> list:
+        policy.seed = seed
+        policy.new("init-probe")
+        out = [p.detach().clone() for n, p in policy.parameters("init-probe") if "lora_A" in n]
+        policy.drop("init-probe")
+        return out
+
+    try:
+        zero, one, again = lora_a(0), lora_a(1), lora_a(0)
+    finally:
+        policy.seed = 0
+    assert all((a == b).all() for a, b in zip(zero, again, strict=True))
+    assert not all((a == b).all() for a, b in zip(zero, one, strict=True))

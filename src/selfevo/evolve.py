@@ -172,7 +172,7 @@ def build_loop(cfg: RunConfig, env: Environment, tool: SearchTool, folds: FoldAs
         from selfevo.agents.lm.policy import LMPolicy
 
         try:
-            policy = LMPolicy(cfg.lm, store=store)
+            policy = LMPolicy(cfg.lm, store=store, seed=cfg.seed)
         except ValueError as e:  # e.g. lm.device: cuda on a machine without one; a model with no chat template
             raise ConfigError(str(e)) from None
 

@@ -55,7 +55,7 @@ def resolve_device(spec: str) -> str:
 
 
 class LMPolicy:
-    def __init__(self, cfg: LMConfig, store: str | os.PathLike | None = None):
+    def __init__(self, cfg: LMConfig, store: str | os.PathLike | None = None, seed: int = 0):
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -67,6 +67,7 @@ class LMPolicy:
 
             check_vllm(cfg)
         self.store = Path(store) if store is not None else None
+        self.seed = seed  # the run's: it seeds each new adapter's initialisation, with the adapter's name
         self.device = resolve_device(cfg.device)
         path = resolve_model(cfg.model)
         # the base model a policy file records: the name of what was loaded, not the path to it, so a
@@ -110,16 +111,20 @@ class LMPolicy:
         import torch
 
         self.drop(name)
+        if self.cfg.adapter != "full" and self.peft is None:
+            from peft import get_peft_model
+
+            # a placeholder adapter, so that any named one can be deleted; made apart, so that an adapter's
+            # initialisation does not depend on whether it is the first this process made
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(derive_seed(self.seed, "adapter-init", "default") % 2**63)
+                self.peft = get_peft_model(self.base, self._lora_config(), adapter_name="default")
         with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(derive_seed(0, "adapter-init", name) % 2**63)
+            torch.manual_seed(derive_seed(self.seed, "adapter-init", name) % 2**63)
             if self.cfg.adapter == "full":
                 src = self.base if like is None else self.full[like]
                 self.full[name] = copy.deepcopy(src)
                 return
-            from peft import get_peft_model
-
-            if self.peft is None:  # a placeholder adapter, so that any named one can be deleted
-                self.peft = get_peft_model(self.base, self._lora_config(), adapter_name="default")
             self.peft.add_adapter(name, self._lora_config())
         if like is not None:
             from peft import get_peft_model_state_dict, set_peft_model_state_dict
