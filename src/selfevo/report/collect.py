@@ -41,7 +41,7 @@ def collect_runs(run_dirs: Sequence[str | os.PathLike]) -> dict:
     manifests = []  # of the complete runs
     excluded = []
     setting: tuple[dict, Path] | None = None  # the config every complete run shares, but _VARIED
-    made_on: dict | None = None  # and the world directory or corpus they were made on
+    made_on: tuple[dict, Path] | None = None  # and the world directory or corpus they were made on
     for d in run_dirs:
         run = RunDir(d)
         cfg, manifest = run.config(), run.manifest()  # checked: a damaged file is named
@@ -57,20 +57,13 @@ def collect_runs(run_dirs: Sequence[str | os.PathLike]) -> dict:
             continue
         # runs of another setting (rounds, world, learner...) pooled under one treatment name, or
         # paired with a coupled run of another setting, would mix numbers that mean different things
-        mine = {k: v for k, v in cfg.items() if k not in _VARIED}
-        if setting is None:
-            setting = (mine, run.path)
-        elif mine != setting[0]:
-            raise ValueError(f"{run.path} and {setting[1]} were made with different configs (fields: "
-                             f"{', '.join(differences(setting[0], mine))}); a report compares treatments and "
-                             "seeds of one config, so report them apart")
+        setting = _same(setting, {k: v for k, v in cfg.items() if k not in _VARIED}, run.path,
+                        "were made with different configs",
+                        "a report compares treatments and seeds of one config, so report them apart")
         # one config names a world directory or corpus by path: what lay there may have been remade
-        if made_on is None:
-            made_on = run.made_on()
-        elif run.made_on() != made_on:
-            raise ValueError(f"{run.path} and {setting[1]} were made on different data under one path (the "
-                             f"sha256 their manifests record differ: {', '.join(differences(made_on, run.made_on()))}"
-                             "); a report compares treatments and seeds on one world or corpus, so report them apart")
+        made_on = _same(made_on, run.made_on(), run.path,
+                        "were made on different data under one path (the sha256 their manifests record)",
+                        "a report compares treatments and seeds on one world or corpus, so report them apart")
         runs.setdefault(treatment, {})[seed] = run
         done[run.path] = manifest.get("rounds_completed", 0)
         manifests.append(manifest)
@@ -141,14 +134,21 @@ def _audits(runs: dict[str, dict[int, RunDir]]) -> tuple[dict[str, dict[int, dic
             if not (run.path / "audit" / "metrics.json").exists():
                 continue
             metrics = out[t][s] = run.audit_metrics()
-            mine = {"judge": metrics.get("judge"), **run.audit_setting()}
-            if setting is None:
-                setting = (mine, run.path)
-            elif mine != setting[0]:
-                raise ValueError(f"{run.path} and {setting[1]} were audited differently (fields: "
-                                 f"{', '.join(differences(setting[0], mine))}); audit them alike "
-                                 "(`selfevo audit RUN` with one judge, every item) before reporting them together")
+            setting = _same(setting, {"judge": metrics.get("judge"), **run.audit_setting()}, run.path,
+                            "were audited differently", "audit them alike (`selfevo audit RUN` with one judge, "
+                            "every item) before reporting them together")
     return out, setting and setting[0]
+
+
+def _same(first: tuple[dict, Path] | None, mine: dict, path: Path, differ: str, advice: str) -> tuple[dict, Path]:
+    """The first run's `mine` and its path, which every later run's must equal: a run that differs
+    is refused, naming both runs and the fields."""
+    if first is None:
+        return mine, path
+    if mine != first[0]:
+        raise ValueError(f"{path} and {first[1]} {differ} (fields: {', '.join(differences(first[0], mine))}); "
+                         f"{advice}")
+    return first
 
 
 def _minus(a: float | None, b: float | None) -> float | None:
