@@ -383,7 +383,8 @@ def build_bank(run_dirs: Sequence[str | os.PathLike], size: int = 3000, seed: in
             which = f" with hops in {sorted(hops)}" if hops is not None else ""
             kind = "distinct admitted" if distinct else "admitted"
             raise ReplayError(f"only {len(pool)} {kind} items{which} of rounds >= {min_round} in "
-                              f"{len(run_dirs)} run(s), fewer than --size {size}; add runs or lower --size")
+                              f"{len(run_dirs)} run(s), fewer than --size {size}; lower --size, or add runs (of the "
+                              "same seed, for a simulated bank)")
         size = len(pool)  # a demo on a small world takes what there is
     chosen = sorted(random.Random(derive_seed(seed, "bank")).sample(range(len(pool)), size))
     # absolute: a report or a reader elsewhere must find the runs a bank came from
