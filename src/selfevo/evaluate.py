@@ -456,9 +456,10 @@ def run_eval(data_dir: str | os.PathLike, corpus: str | os.PathLike | None, agen
         same["encoder"] = {k: v for k, v in asdict(dense_options).items()
                            if k not in ("batch_size", "device")}
     # what the paths held: a corpus rewritten in place, an index rebuilt with other weights
+    from selfevo.search.index import index_identity
+
     same["corpus_sha256"] = getattr(retriever, "corpus_sha256", None)
-    encoder = getattr(getattr(retriever, "dense", retriever), "encoder", None)
-    same["encoder_fingerprint"] = encoder.fingerprint if encoder is not None else None
+    same["encoder_fingerprint"] = index_identity(retriever)["encoder"]
     try:
         return evaluate_solver(solver, data, tool, out_dir=out_dir, limit=limit,
                                progress=progress, run_info=run_info, partial_key=same)

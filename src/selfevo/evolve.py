@@ -30,6 +30,7 @@ from selfevo.loop.treatments import feedback_options, parse_treatment
 from selfevo.runs import RunDir, RunError
 from selfevo.search.bm25 import BM25Index
 from selfevo.search.docstore import contents_by_id
+from selfevo.search.index import index_identity
 from selfevo.search.tool import Retriever, SearchTool
 from selfevo.world import World, resolve_world, world_fingerprint
 from selfevo.world.generate import SIZES
@@ -239,18 +240,11 @@ def check_world(run: RunDir, cfg: RunConfig) -> None:
             raise RunError(f"{cfg.data.corpus}: the corpus has changed since {run.path} was made on it (its "
                            "documents no longer match the sha256 the run recorded); the run can only be audited "
                            "or resumed on the corpus it was made on")
-        searched = manifest.get("index")  # recorded since runs record it
-        if searched is not None and searched != index_identity(index):
+        searched, now = manifest.get("index"), index_identity(index)  # runs record it since 2026-12-03
+        if searched is not None and searched != now:
             raise RunError(f"{cfg.data.index or cfg.data.corpus}: the index is not the one {run.path} searched "
-                           f"({searched} then, {index_identity(index)} now: rebuilt in place?); the run can only "
-                           "be resumed with the index it was made with")
-
-
-def index_identity(index) -> dict:
-    """What decides what a run's searches find besides the corpus: the kind of index and, for a
-    dense or hybrid one, the encoder's weights (a fingerprint)."""
-    encoder = getattr(getattr(index, "dense", index), "encoder", None)
-    return {"kind": getattr(index, "kind", "bm25"), "encoder": encoder.fingerprint if encoder is not None else None}
+                           f"({searched} then, {now} now: rebuilt in place?); the run can only be resumed with "
+                           "the index it was made with")
 
 
 def evolve(cfg: RunConfig, out: str | os.PathLike, resume: bool = False, progress: bool = True,
@@ -291,9 +285,9 @@ def evolve(cfg: RunConfig, out: str | os.PathLike, resume: bool = False, progres
         if resuming and folds_path.exists():  # permanent: a resumed run keeps the assignment it started with
             folds = FoldAssignment.from_json(run.folds())
         else:
-            pool = source_pool(cfg, env.documents) if cfg.data.corpus else None
-            folds = fold_assignment(cfg, env.documents, pool)
-            check_folds(cfg, folds, pool if pool is not None else source_pool(cfg, env.documents))
+            pool = source_pool(cfg, env.documents)
+            folds = fold_assignment(cfg, env.documents, pool if cfg.data.corpus else None)
+            check_folds(cfg, folds, pool)
         loop = build_loop(cfg, env, tool, folds, evaluate, store=run.path / "checkpoints" / "tensors")
         if not resuming:
             run.create(cfg.to_json())

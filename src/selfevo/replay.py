@@ -353,6 +353,7 @@ def build_bank(run_dirs: Sequence[str | os.PathLike], size: int = 3000, seed: in
                  configs[0]["data"] if p["corpus"] else {}, p["lm"], run_seeds[0] if len(run_seeds) == 1 else None)
     env = _environment(shell.run_config(), where=str(run_dirs[0]))
     groups = assign_folds(env.documents, seed, 2, "connected").groups
+    sources = [str(key) for key in named]  # absolute: a report or a reader elsewhere finds the runs
     pool: list[BankItem] = []
     seen: set[tuple[str, str]] = set()
     for i, d in enumerate(run_dirs):
@@ -376,8 +377,7 @@ def build_bank(run_dirs: Sequence[str | os.PathLike], size: int = 3000, seed: in
                                       f"{shell.documents_from}")
                 pool.append(BankItem(f"run{i}/{it['item_id']}", it["question"], it["adopted_label"],
                                      it["draft_label"], it["source_id"], tuple(it["source_ids"]),
-                                     groups[it["source_id"]], str(Path(d).resolve()), int(row["round"]),
-                                     int(it["hops"])))
+                                     groups[it["source_id"]], sources[i], int(row["round"]), int(it["hops"])))
     if len(pool) < size:
         if not allow_fewer:
             which = f" with hops in {sorted(hops)}" if hops is not None else ""
@@ -387,8 +387,7 @@ def build_bank(run_dirs: Sequence[str | os.PathLike], size: int = 3000, seed: in
                               "same seed, for a simulated bank)")
         size = len(pool)  # a demo on a small world takes what there is
     chosen = sorted(random.Random(derive_seed(seed, "bank")).sample(range(len(pool)), size))
-    # absolute: a report or a reader elsewhere must find the runs a bank came from
-    return replace(shell, sources=[str(Path(d).resolve()) for d in run_dirs], items=[pool[j] for j in chosen])
+    return replace(shell, sources=sources, items=[pool[j] for j in chosen])
 
 
 # ---------------------------------------------------------------- one process's world

@@ -67,6 +67,12 @@ def with_new_defaults(saved: dict, current: dict, defaults: dict | None) -> dict
     return out
 
 
+def made_on(manifest: dict) -> dict:
+    """What a run's records are about beyond its config (from its manifest): the sha256 of the world
+    directory and of the corpus it was made on (None where the config alone fixes them: a generated world)."""
+    return {"world_sha256": manifest.get("world_sha256"), "corpus_sha256": manifest.get("corpus_sha256")}
+
+
 class RunError(ValueError):
     """A run directory that cannot be used as asked (exists, mismatched config, incomplete,
     damaged); the message names the file (and line) at fault."""
@@ -282,12 +288,6 @@ class RunDir:
         if m.get("rounds_completed", 0) < 0:
             raise RunError(f"{path}: field 'rounds_completed' should be >= 0, got {m['rounds_completed']}")
         return m
-
-    def made_on(self) -> dict:
-        """What the run's records are about beyond its config: the sha256 of the world directory and
-        of the corpus it was made on (None where the config alone fixes them: a generated world)."""
-        m = self.manifest()
-        return {"world_sha256": m.get("world_sha256"), "corpus_sha256": m.get("corpus_sha256")}
 
     def _write_manifest(self, update: dict) -> None:
         path = self.path / "manifest.json"

@@ -13,7 +13,7 @@ from selfevo.algos import summary
 from selfevo.audit import METRICS, mean_hop_mix
 from selfevo.evaluate import benchmark_order
 from selfevo.report.compare import compare
-from selfevo.runs import RunDir, differences
+from selfevo.runs import RunDir, differences, made_on
 
 # what may differ between the runs of one report: every other field is the setting they share
 _VARIED = ("treatment", "seed")
@@ -41,7 +41,7 @@ def collect_runs(run_dirs: Sequence[str | os.PathLike]) -> dict:
     manifests = []  # of the complete runs
     excluded = []
     setting: tuple[dict, Path] | None = None  # the config every complete run shares, but _VARIED
-    made_on: tuple[dict, Path] | None = None  # and the world directory or corpus they were made on
+    data: tuple[dict, Path] | None = None  # and the world directory or corpus they were made on
     for d in run_dirs:
         run = RunDir(d)
         cfg, manifest = run.config(), run.manifest()  # checked: a damaged file is named
@@ -61,7 +61,7 @@ def collect_runs(run_dirs: Sequence[str | os.PathLike]) -> dict:
                         "were made with different configs",
                         "a report compares treatments and seeds of one config, so report them apart")
         # one config names a world directory or corpus by path: what lay there may have been remade
-        made_on = _same(made_on, run.made_on(), run.path,
+        data = _same(data, made_on(manifest), run.path,
                         "were made on different data under one path (the sha256 their manifests record)",
                         "a report compares treatments and seeds on one world or corpus, so report them apart")
         runs.setdefault(treatment, {})[seed] = run

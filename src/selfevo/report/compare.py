@@ -8,7 +8,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from selfevo.runs import RunDir, RunError
+from selfevo.runs import RunDir, RunError, made_on
 
 
 @dataclass
@@ -36,9 +36,10 @@ class RunSummary:
             raise RunError(f"{path}: no compute.json (the run has not finished a round)")
         compute = run.compute()
         rounds = run.audit_metrics()["rounds"] if (run.path / "audit" / "metrics.json").exists() else []
-        done = run.manifest().get("rounds_completed", 0)
+        manifest = run.manifest()
+        done = manifest.get("rounds_completed", 0)
         cover = run.evaluation(done)["macro"]["cover_em"] if run.eval_path(done).exists() else None
-        setting = json.dumps([{k: v for k, v in cfg.items() if k != "treatment"}, run.made_on(), done],
+        setting = json.dumps([{k: v for k, v in cfg.items() if k != "treatment"}, made_on(manifest), done],
                              sort_keys=True)
         return cls(run.path, cfg["treatment"], cfg["seed"], compute["total_generations"], compute["total_updates"],
                    sum(compute["seconds"].values()), rounds[-1] if rounds else None, cover, setting)

@@ -63,6 +63,13 @@ def index_kind(index_dir: str | os.PathLike) -> str:
     return kind
 
 
+def index_identity(index: Any) -> dict:
+    """What decides what searches over a corpus find besides its documents: the kind of index and, for
+    a dense or hybrid one, the encoder's weights (a fingerprint; None for BM25)."""
+    encoder = getattr(getattr(index, "dense", index), "encoder", None)  # a hybrid's is its dense half's
+    return {"kind": getattr(index, "kind", "bm25"), "encoder": encoder.fingerprint if encoder is not None else None}
+
+
 def open_index(index_dir: str | os.PathLike, *, expected_corpus_sha256: str | None = None,
                options: DenseOptions | None = None) -> Retriever:
     """Load the index in `index_dir`, whatever its kind. With `options.model`, a dense or hybrid
