@@ -1,7 +1,8 @@
 """Time `selfevo demo` (the README's main job) from a fresh output directory, median of 3; time the
 whole path a new user takes, a fresh clone of this repository's HEAD and the README's first command
 run in it as written (venv, installs, `selfevo demo`), median of 3; and check that the report renders
-in headless Chromium (Debian's `chromium`), saving a screenshot.
+in headless Chromium (Debian's `chromium`), saving a screenshot. The last timed run's report also
+gives the README its figure (A, T_P and F by round per treatment, docs/figures/demo-rounds.png).
 
     python benchmarks/demo.py [--repeats 3] [--fresh-clones 3] [--out docs/results.md]
 
@@ -13,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import statistics
 import subprocess
@@ -26,6 +28,7 @@ from _common import REPO, machine_line, write_section
 from selfevo._fmt import mean_std_text
 
 HEADING = "## The demo"
+ROUNDS_CAPTION = "A, T_P and F by round per treatment"  # the report's Figure 5/6 analogue
 CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
                   "--disable-background-networking", "--disable-component-update", "--disable-sync"]
 
@@ -42,6 +45,15 @@ def render(html: Path, png: Path) -> str:
     if proc.returncode != 0 or not png.exists() or png.stat().st_size < 10_000:
         return f"FAILED (exit {proc.returncode}): {proc.stderr[-300:]}"
     return f"rendered by {exe}: screenshot {png.relative_to(REPO)} ({png.stat().st_size // 1024} KiB)"
+
+
+def report_figure(out: Path, caption: str) -> bytes:
+    """The PNG a report's report.md shows under `caption` (the report names its figures by position)."""
+    text = (out / "report.md").read_text(encoding="utf-8")
+    match = re.search(r"!\[" + re.escape(caption) + r"[^\]]*\]\(([^)]+)\)", text)
+    if match is None:
+        raise SystemExit(f"{out / 'report.md'} shows no figure captioned {caption!r}")
+    return (out / match.group(1)).read_bytes()
 
 
 def headline(demo: dict) -> list[str]:
@@ -137,6 +149,8 @@ def main() -> None:
             print(f"run {i + 1}: {walls[-1]:.1f} s (load average before {load_before[0]:.1f})", flush=True)
         shot = REPO / "docs" / "figures" / "demo-report.png"
         rendered = render(out / "report.html", shot)
+        rounds = REPO / "docs" / "figures" / "demo-rounds.png"
+        rounds.write_bytes(report_figure(out, ROUNDS_CAPTION))
         sizes = {p.name: p.stat().st_size for p in out.iterdir() if p.is_file()}
         demo = json.loads((out / "results.json").read_text())  # the last timed run: the README's headline
     clones, main_job = [], readme_main_job()
