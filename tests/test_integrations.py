@@ -550,8 +550,11 @@ def test_one_pass_is_every_row_then_seeded_top_ups_or_a_seeded_subset():
     filled = one_pass(rows, 12, seed=5)
     assert ids(filled[:10]) == ids(rows) and len(filled) == 12 and len(set(ids(filled[10:]))) == 2
     assert filled == one_pass(rows, 12, seed=5) and filled != one_pass(rows, 12, seed=6)
+    assert all(i.endswith("#2") for i in ids(filled[10:]))  # a copy is its own item (the solver records)
     many = one_pass(rows[:3], 8, seed=1)  # more than a draw of all 3: each draw holds each row once
-    assert ids(many[:3]) == ["q0", "q1", "q2"] and sorted(ids(many[3:6])) == ["q0", "q1", "q2"] and len(many) == 8
+    assert ids(many[:3]) == ["q0", "q1", "q2"] and sorted(ids(many[3:6])) == ["q0#2", "q1#2", "q2#2"]
+    assert len(many) == 8 and {i[:2] for i in ids(many[6:])} <= {"q0", "q1", "q2"}
+    assert all(i.endswith("#3") for i in ids(many[6:])) and len(set(ids(many))) == 8
     assert one_pass(rows, 10, seed=0) == rows
     half = one_pass(rows, 4, seed=2)
     assert len(half) == 4 and ids(half) == sorted(set(ids(half)), key=ids(rows).index)  # a subset, in order
@@ -922,7 +925,9 @@ def test_engine_jobs_are_one_pass_and_a_resume_may_turn_the_audit_on(tmp_path, m
     admitted = {it["item_id"] for it in map(json.loads, (tmp_path / "run/engine/round-1/admitted.jsonl").open())}
     main, main_rows = next(v for k, v in jobs.items() if k.endswith("main/round-1"))
     assert len(admitted) == 10 and main["steps"] == 3 and main["prompts_per_step"] == 4 and len(main_rows) == 12
-    assert {r["item_id"] for r in main_rows} == admitted  # all 10 once, 2 drawn again to fill step 3
+    assert {r["item_id"] for r in main_rows[:10]} == admitted  # all 10 once, 2 drawn again to fill step 3
+    assert {r["item_id"].removesuffix("#2") for r in main_rows[10:]} <= admitted and len({
+        r["item_id"] for r in main_rows}) == 12
     for j in (0, 1):
         aux, rows = next(v for k, v in jobs.items() if k.endswith(f"aux-{j}/round-1"))
         assert len(rows) == aux["steps"] * aux["prompts_per_step"] and {r["fold"] for r in rows} == {j}
@@ -1247,3 +1252,177 @@ def test_trl_settings_are_checked_when_the_config_is_read(monkeypatch):
     recipe = {"bf16": True, "gradient_checkpointing": True, "use_vllm": True, "vllm_mode": "colocate",
               "vllm_gpu_memory_utilization": 0.3, "vllm_tensor_parallel_size": 1}  # configs/trl-qwen3.5-4b.toml's
     assert read(recipe, rollout_backend="vllm").engine.trl == recipe
+
+
+# ---------------------------------------------------------------- review fixes (rewards, data, engine checks)
+
+
+@pytest.mark.parametrize("replies, answer", [
+    # search.max_calls = 1 < max_actions: the second search is refused with the bare budget-spent note
+    (["<search> Beta </search>", "<search> Beta sea </search>", "<answer> sea </answer>"], "sea"),
+    # an invalid action gets the bare corrective message
+    (["I wonder.", "<answer> sea </answer>"], "sea")])
+def test_the_reward_reads_the_answer_after_a_budget_spent_or_corrective_observation(replies, answer):
+    """The budget-spent note and the corrective message carry no </information> (and quote <answer>,
+    <search> tags): the reward still reads the last action after them, as the rollout does, in verl's
+    decoded string and in a whole trajectory handed back as one assistant message."""
+    from selfevo.agents.lm.rollout import run_rollouts
+
+    tool = SearchTool(BM25Index.build(DOCS), topk=1, max_calls=1)
+    it = iter(replies)
+    (ro,) = run_rollouts([[{"role": "user", "content": "Question: Where is Beta?"}]], tool,
+                         lambda convs, seed: [(next(it), "stop") for _ in convs], max_actions=len(replies))
+    assert ro.answer == answer and ro.final == replies[-1]
+    text = "\n".join(m["content"] for m in ro.messages[1:])  # verl: one decoded response string
+    assert extract_answer(text) == answer and compute_score("selfevo_solver", text, {"target": [answer]}) == 1.0
+    assert extract_answer([{"role": "assistant", "content": text}]) == answer
+    assert TRLSolverReward()([None], [ro.messages[1:]], label=[answer]) == [1.0]
+
+
+class _CaptureReward(FrontierReward):
+    """Records what the TRL wrapper hands the frontier reward (no graders)."""
+
+    def __init__(self):
+        self.seen = []
+
+    def score(self, batch, step=None):
+        self.seen.extend(batch)
+        return [0.0] * len(batch)
+
+
+def test_trl_frontier_reward_without_final_reads_the_last_turn():
+    """Without the rollout's `final` column the proposal is the last assistant turn, as the loop's
+    proposer reads it -- not the first <question> of every turn joined with a later <answer>."""
+    traj = [{"role": "assistant", "content": "<question> Who founded Gamma? </question>"},
+            {"role": "user", "content": "My previous action is invalid. Let me try again."},
+            {"role": "assistant", "content": "<question> Which river lies in the north? </question> <answer> Alpha "
+                                             "</answer>"}]
+    cap = _CaptureReward()
+    TRLFrontierReward(cap)([[]], [traj], source_id=["d0"], hops=[1])
+    TRLFrontierReward(cap)([[]], [traj], source_id=["d0"], hops=[1], final=["<question> q? </question> <answer> a "
+                                                                            "</answer>"])
+    assert [s.text for s in cap.seen] == [traj[-1]["content"], "<question> q? </question> <answer> a </answer>"]
+
+
+@pytest.mark.parametrize("ground_truth", [None, {}, {"target": []}, {"target": [""]}, {"answer": ["sea"]},
+                                          {"ground_truth": {"target": ["sea"]}}])
+def test_verl_solver_row_without_a_label_is_an_error_not_a_zero(ground_truth):
+    with pytest.raises(ValueError, match=r"selfevo_solver row needs ground_truth\.target.*got ground_truth="):
+        compute_score("selfevo_solver", "<answer> sea </answer>", ground_truth, {})
+    with pytest.raises(ValueError, match=r"ground_truth\.target"):
+        compute_score_batch(["selfevo_solver"], ["<answer> sea </answer>"], [ground_truth], [{}])
+
+
+def test_verl_solver_row_labels_as_verl_hands_them():
+    import numpy as np
+
+    for gt in ({"target": ["sea"]}, {"target": np.array(["sea"], dtype=object)}, "sea"):
+        assert compute_score("selfevo_solver", "<answer> sea </answer>", gt, {}) == 1.0
+
+
+@pytest.mark.parametrize("extra_info, field", [(None, "source_id"), ({"hops": 1}, "source_id"),
+                                               ({"source_id": "d0"}, "hops"), ({"source_id": "d0", "hops": None},
+                                                                               "hops")])
+def test_verl_proposer_row_without_its_lineage_names_the_field(extra_info, field, tmp_path):
+    """A proposer row's source and hop count are its lineage in the records: no KeyError, no default
+    hops = 1; the settings are not even read."""
+    sol = "<question> Where is Beta? </question> <answer> sea </answer>"
+    with pytest.raises(ValueError, match=rf"selfevo_proposer row needs extra_info\.{field} "):
+        compute_score("selfevo_proposer", sol, {"target": []}, extra_info, selfevo_settings=str(tmp_path / "no.json"))
+    with pytest.raises(ValueError, match=rf"extra_info\.{field} "):
+        compute_score_batch(["selfevo_proposer"], [sol], [{"target": []}], [extra_info],
+                            selfevo_settings=str(tmp_path / "no.json"))
+
+
+def test_a_top_up_copy_is_its_own_item_in_the_solver_record(tmp_path):
+    """one_pass's top-up copies carry their own id (`#2`: the second draw) and the row's lineage, so a
+    row and its copy in one batch are two items of G responses each, as the loop records them."""
+    rows = solver_rows(_admitted(), FOLDS, 1)
+    filled = one_pass(rows, 6, seed=0)
+    copy = filled[4]
+    orig = next(r for r in rows if copy["item_id"] == r["item_id"] + "#2")
+    assert {k: v for k, v in copy.items() if k != "item_id"} == {k: v for k, v in orig.items() if k != "item_id"}
+    batch = [orig] * 2 + [copy] * 2  # G = 2 each
+    cols = {k: [r[k] for r in batch] for k in ("item_id", "source_id", "source_ids", "fold", "source_folds", "hops",
+                                                "draft_label")}
+    rf = TRLSolverReward(tmp_path / "steps.jsonl", round=1, first_step_in_round=3)
+    label = orig["label"]
+    rf([r["prompt"] for r in batch], [f"<answer> {label} </answer>", "<answer> x </answer>"] * 2,
+       label=[label] * 4, **cols)
+    (record,) = [json.loads(line) for line in (tmp_path / "steps.jsonl").read_text().splitlines()]
+    assert [(it["item_id"], it["source_id"], it["fold"], len(it["responses"]), it["k"]) for it in record["items"]] == \
+        [(orig["item_id"], orig["source_id"], orig["fold"], 2, 1), (copy["item_id"], orig["source_id"], orig["fold"],
+                                                                     2, 1)]
+
+
+@pytest.mark.parametrize("field", ["gradient_accumulation_steps", "steps_per_generation", "num_iterations",
+                                   "generation_batch_size", "max_steps", "per_device_train_batch_size",
+                                   "num_generations", "seed", "temperature", "save_steps", "remove_unused_columns"])
+def test_engine_trl_refuses_what_the_job_pins(field, tmp_path):
+    """GRPOConfig fields the job sets itself (one generation batch = one update = one reward call; one
+    pass over steps × prompts rows; selfevo's own settings) are refused by name when the config is read
+    (without importing trl), and by a hand-written job."""
+    from selfevo.config import ConfigError
+    from selfevo.integrations.engine import engine_config_from_dict
+    from selfevo.integrations.trl_job import PINNED_GRPO
+
+    cfg = {"backend": "lm", "world": {"name": "small"}, "engine": {"trl": {"bf16": True, field: 2}}}
+    with pytest.raises(ConfigError, match=rf"^engine\.trl\.{field}: {re.escape(PINNED_GRPO[field])}"):
+        engine_config_from_dict(cfg, engine="trl")
+    pytest.importorskip("trl")
+    from selfevo.integrations.trl_job import grpo_args
+
+    job = {"generations": 2, "prompts_per_step": 2, "out": str(tmp_path / "m"), "steps": 1, "lr": 1e-4,
+           "rollout": {}, "grpo": {field: 2}}
+    with pytest.raises(ValueError, match=rf"^trl job: grpo\.{field}: "):
+        grpo_args(job)
+
+
+def test_verl_refuses_the_scaffold_and_keeps_a_non_searching_proposer_to_one_action(tmp_path, monkeypatch):
+    """verl's agent loop cannot force the scaffold's prefixes: refused by name. A proposer that may not
+    search (lm.proposer_search = false) gets one action and no tool, as the loop's; the solvers keep both."""
+    import contextlib
+
+    from selfevo.config import ConfigError
+    from selfevo.integrations import engine as eng
+
+    cfg = {**ENGINE_CFG, "engine": {**ENGINE_CFG["engine"], "retriever_url": "http://127.0.0.1:9/retrieve"},
+           "lm": {"max_actions": 4}}
+    with pytest.raises(ConfigError, match=r"^lm\.proposer_scaffold: verl"):
+        eng.engine_config_from_dict({**cfg, "lm": {"proposer_scaffold": True}}, engine="verl")
+    monkeypatch.setattr(eng, "_truncator", lambda path, n: (lambda text: text))
+    monkeypatch.setattr(eng, "verl_missing", lambda: "verl")
+
+    @contextlib.contextmanager
+    def fake_serving(self, models):
+        yield {role: (f"http://127.0.0.1:9/{role}/v1", name) for role, (path, name) in models.items()}
+    monkeypatch.setattr(eng.EngineRun, "serving", fake_serving)
+
+    def proposer_script(search: bool, out: Path) -> str:
+        ecfg = eng.engine_config_from_dict({**cfg, "lm": {"max_actions": 4, "proposer_search": search}}, engine="verl")
+        with pytest.raises(eng.EngineUnavailable):
+            eng.EngineRun(ecfg, out, log=lambda m: None).proposer(1)
+        return (out / "engine" / "round-1" / "proposer.verl.sh").read_text()
+
+    alone = proposer_script(False, tmp_path / "alone")
+    assert "multi_turn.max_assistant_turns=1 " in alone and "multi_turn.tool_config_path=null " in alone
+    searching = proposer_script(True, tmp_path / "searching")
+    assert "multi_turn.max_assistant_turns=4 " in searching
+    assert f"multi_turn.tool_config_path={tmp_path / 'searching' / 'engine' / 'verl-tool.yaml'} " in searching
+
+
+def test_the_frontier_reward_refuses_one_grader_sample(tool, tmp_path):
+    """f(k) with one sample pays 0 for every proposal (as loop.grader_samples = 1, refused by name):
+    in FrontierReward, in reward_settings and in a hand-written settings file a verl worker reads."""
+    graders = _graders({"main": ("http://127.0.0.1:9/v1", ())})
+    kw = dict(treatment="coupled", round=1, folds=FOLDS, graders=graders, items_path=tmp_path / "items.jsonl")
+    for bad in (1, 0, True):
+        with pytest.raises(ValueError, match=r"^FrontierReward\.samples: must be >= 2 "):
+            FrontierReward(tool=tool, samples=bad, **kw)
+    with pytest.raises(ValueError, match=r"^reward_settings\.samples: must be >= 2 "):
+        reward_settings(tmp_path / "s.json", retriever_url="http://127.0.0.1:9", samples=1, **kw)
+    path = reward_settings(tmp_path / "s.json", retriever_url="http://127.0.0.1:9", samples=2, **kw)
+    path.write_text(path.read_text().replace('"samples": 2', '"samples": 1'))
+    with pytest.raises(ValueError, match=rf"^{re.escape(str(path))}: samples: must be >= 2 "):
+        compute_score("selfevo_proposer", "<question> q? </question> <answer> a </answer>", {"target": []},
+                      {"source_id": "d0", "hops": 1}, selfevo_settings=str(path))

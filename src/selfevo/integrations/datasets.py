@@ -74,6 +74,9 @@ def one_pass(rows: Sequence[dict], n: int, seed: int) -> list[dict]:
     """Exactly `n` rows (a phase's steps × prompts a step), so that its training is one pass over
     them: the rows in order, topped up with seeded draws from them (each row at most once a draw),
     or a seeded subset of `n` in order when there are more (a reduced-budget auxiliary solver).
+    A row's copy in the d-th draw has the item id `<id>#d` (its lineage otherwise the row's): a row and
+    its copy can share a batch, and the solver step record groups a batch's responses by item id, so
+    one id would be one item with twice the group's responses.
 
     Why one pass: an engine's sampler drops the last partial batch and reshuffles each pass, and the
     shuffle's random state is in no checkpoint, so a phase resumed in its second pass would train on
@@ -87,8 +90,10 @@ def one_pass(rows: Sequence[dict], n: int, seed: int) -> list[dict]:
     if len(rows) >= n:
         return [rows[i] for i in sorted(rnd.sample(range(len(rows)), n))]
     out = list(rows)
+    draw = 1
     while len(out) < n:
-        out += rnd.sample(rows, min(len(rows), n - len(out)))
+        draw += 1
+        out += [{**r, "item_id": f"{r['item_id']}#{draw}"} for r in rnd.sample(rows, min(len(rows), n - len(out)))]
     return out
 
 

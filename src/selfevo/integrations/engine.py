@@ -159,6 +159,11 @@ def engine_config_from_dict(data: Mapping, engine: str | None = None) -> EngineC
                           "engine.train_gpus)")
     if spec.engine == "trl":
         _check_trl(spec, run)
+    if spec.engine == "verl" and run.lm.proposer_scaffold:
+        # the scaffold forces a prefix into each of two generations; verl's agent loop generates each
+        # action whole (TRL's hf rollout can, engine = "trl" with rollout_backend = "hf")
+        raise ConfigError("lm.proposer_scaffold: verl's agent loop cannot force the scaffold's prefixes; set "
+                          "lm.proposer_scaffold = false, or use engine = \"trl\" with rollout_backend = \"hf\"")
     if spec.engine == "verl" and not spec.retriever_url:
         raise ConfigError("engine.retriever_url: verl's search tool needs a /retrieve server "
                           "(selfevo serve-retriever --corpus ... --port 8000 -> http://127.0.0.1:8000/retrieve)")
@@ -167,8 +172,11 @@ def engine_config_from_dict(data: Mapping, engine: str | None = None) -> EngineC
 
 def _check_trl(spec: EngineSpec, run: RunConfig) -> None:
     """What the first TRL job would otherwise refuse, after r0/eval and as a traceback."""
-    from selfevo.integrations.trl_job import grpo_fields
+    from selfevo.integrations.trl_job import PINNED_GRPO, grpo_fields
 
+    pinned = sorted(set(spec.trl) & set(PINNED_GRPO))
+    if pinned:
+        raise ConfigError(f"engine.trl.{pinned[0]}: {PINNED_GRPO[pinned[0]]}; remove it from [engine.trl]")
     fields = grpo_fields() if spec.trl else None  # importing trl takes seconds: only with keys to check
     unknown = sorted(set(spec.trl) - fields) if fields is not None else []  # no trl here: the job says so
     if unknown:
@@ -483,6 +491,9 @@ class EngineRun:
         trim_staged(reward, 0)
         write_yaml(tool_config(self.spec.retriever_url, self.cfg.search.topk, self.cfg.search.max_calls),
                    eng / "verl-tool.yaml")
+        # lm.proposer_search = false: the proposer writes at once, as the loop's (one action, no tool);
+        # verl ends a trajectory at max_assistant_turns whatever the action
+        searching = kind != "proposer" or lm.proposer_search
         write_yaml(agent_loop_config(), eng / "verl-agent-loop.yaml")
         write_reward_shim(eng / "verl_reward.py")
         data = write_verl(rows, d / f"{role}.parquet")
@@ -498,10 +509,11 @@ class EngineRun:
         phase = VerlPhase(name=name.replace("/", "-"), model=self.model_dir(role, r - 1), train_files=str(data),
                           out=str(out), ckpt_dir=str(self._verl_ckpt_dir(role, r)), steps=steps,
                           prompts_per_step=prompts_per_step, n=generations, lr=lm.lr,
-                          tool_config=str(eng / "verl-tool.yaml"),
+                          tool_config=str(eng / "verl-tool.yaml") if searching else "",
                           agent_loop_config=str(eng / "verl-agent-loop.yaml"), reward_file=str(eng / "verl_reward.py"),
                           settings=settings, max_prompt_length=self.spec.verl_max_prompt_length,
-                          max_response_length=self.spec.verl_max_response_length, max_actions=lm.max_actions,
+                          max_response_length=self.spec.verl_max_response_length,
+                          max_actions=lm.max_actions if searching else 1,
                           temperature=lm.temperature, top_p=lm.top_p, gpus=self.spec.verl_gpus, extra=self.spec.verl)
         script = phase_script(phase, d / f"{role}.verl.sh",
                               {"CUDA_VISIBLE_DEVICES": self.spec.train_gpus} if self.spec.train_gpus else None)

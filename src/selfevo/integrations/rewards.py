@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from selfevo._io import append_jsonl, read_json
-from selfevo.agents.lm.protocol import check_proposal, parse_action, parse_proposal
+from selfevo.agents.lm.protocol import BUDGET_SPENT, CORRECTIVE, check_proposal, parse_action, parse_proposal
 from selfevo.algos import frontier_reward
 from selfevo.evaluate import answers_match
 from selfevo.integrations.datasets import PROPOSER_SOURCE, SOLVER_SOURCE
@@ -50,21 +50,19 @@ from selfevo.search.tool import SearchTool
 # ---------------------------------------------------------------- text helpers
 
 
-def completion_text(completion: Any) -> str:
-    """TRL hands a completion as a string or as chat messages: the text of its assistant turns."""
-    if isinstance(completion, str):
-        return completion
-    if isinstance(completion, Mapping):
-        return str(completion.get("content") or "")
-    return "\n".join(str(m.get("content") or "") for m in completion if m.get("role", "assistant") == "assistant")
+# how each observation the rollouts send ends: a search's <information>, the budget-spent note and the
+# corrective message (the loop sends those two bare, and so does verl's tool: they have no
+# </information>, and both quote <answer>/<search> tags a parser would take for an action)
+_OBSERVATION_ENDS = ("</information>", BUDGET_SPENT, CORRECTIVE)
 
 
 def final_turn(completion: Any) -> str:
-    """The last action of a multi-turn completion: after the last observation of a string (verl's
-    decoded response), the last assistant turn of chat messages (observations come back as user turns),
-    read as a string too: TRL hands a `rollout_func`'s whole trajectory back as one assistant message."""
+    """The last action of a multi-turn completion: after the last observation of any kind in a string
+    (verl's decoded response), the last assistant turn of chat messages (observations come back as user
+    turns), read as a string too: TRL hands a `rollout_func`'s whole trajectory back as one assistant message."""
     if isinstance(completion, str):
-        return completion.rsplit("</information>", 1)[-1]
+        end = max((completion.rfind(s) + len(s) for s in _OBSERVATION_ENDS if s in completion), default=0)
+        return completion[end:]
     if isinstance(completion, Mapping):
         return final_turn(str(completion.get("content") or ""))
     turns = [m for m in completion if m.get("role", "assistant") == "assistant"]
@@ -114,6 +112,7 @@ class FrontierReward:
     def __init__(self, *, treatment: str, round: int, folds: FoldAssignment, graders: Mapping[str, Grader],
                  tool: SearchTool, items_path: str | os.PathLike, samples: int = 5, format_penalty: float = 0.5,
                  seed: int = 0, step_base: int = 0, remote: Mapping[str, Any] | None = None):
+        _check_samples("FrontierReward.samples", samples)
         self.treatment, self.round, self.folds = treatment_of(treatment), round, folds
         self.graders, self.tool, self.items_path = dict(graders), tool, Path(items_path)
         self.samples, self.format_penalty, self.seed, self.step_base = samples, format_penalty, seed, step_base
@@ -198,6 +197,13 @@ class FrontierReward:
         return f"r{self.round}-v-{_content_key(s)}-{uuid.uuid4().hex[:8]}"
 
 
+def _check_samples(field: str, samples: Any) -> None:
+    # as loop.grader_samples: f(k) = (n-k)/(n-1) pays only 0 < k < n, so one sample pays 0 for everything
+    if not isinstance(samples, int) or isinstance(samples, bool) or samples < 2:
+        raise ValueError(f"{field}: must be >= 2 (the frontier reward pays only 0 < k < samples; with one "
+                         f"sample every proposal earns 0), got {samples!r}")
+
+
 def _content_key(s: ProposalSample) -> str:
     return hashlib.blake2b(f"{s.source_id}\x1f{s.text}".encode(), digest_size=6).hexdigest()
 
@@ -207,8 +213,8 @@ def _content_key(s: ProposalSample) -> str:
 
 class TRLFrontierReward:
     """The frontier reward as a TRL reward function. One call scores one generation batch, which is
-    one proposer update (GRPOConfig: steps_per_generation = gradient_accumulation_steps = 1), so the
-    call count is the step within the round."""
+    one proposer update (GRPOConfig: steps_per_generation = gradient_accumulation_steps = 1, which
+    `trl_job.PINNED_GRPO` keeps [engine.trl] from changing), so the call count is the step within the round."""
 
     def __init__(self, reward: FrontierReward):
         self.reward = reward
@@ -217,8 +223,10 @@ class TRLFrontierReward:
 
     def __call__(self, prompts, completions, source_id, hops, final=None, read=None, **_) -> list[float]:
         self.calls += 1
-        texts = final if final is not None else [completion_text(c) for c in completions]
-        batch = [ProposalSample(final_turn(t), sid, int(h), tuple(read[i]) if read is not None else ())
+        # the rollout's `final` is its last action already; else the last turn, read as the loop's proposer
+        # reads it (joining the assistant turns first would lose where the last one starts)
+        texts = final if final is not None else [final_turn(c) for c in completions]
+        batch = [ProposalSample(t, sid, int(h), tuple(read[i]) if read is not None else ())
                  for i, (t, sid, h) in enumerate(zip(texts, source_id, hops, strict=True))]
         return self.reward.score(batch, step=self.calls)
 
@@ -286,6 +294,7 @@ def reward_settings(path: str | os.PathLike, *, treatment: str, round: int, fold
     `compute_score` as `reward_kwargs.selfevo_settings`)."""
     from selfevo._io import write_json
 
+    _check_samples("reward_settings.samples", samples)
     write_json(path, {"treatment": treatment, "round": round, "folds": folds.to_json(),
                       "graders": [g.to_json() for g in graders.values()], "items_path": str(items_path),
                       "retriever_url": retriever_url, "topk": topk, "max_calls": max_calls, "samples": samples,
@@ -302,6 +311,7 @@ def _frontier_from_settings(path: str) -> FrontierReward:
             from selfevo.search.client import RetrieverClient
 
             s = read_json(path)
+            _check_samples(f"{path}: samples", s["samples"])
             graders = {g["role"]: Grader.from_json(g) for g in s["graders"]}
             tool = SearchTool(RetrieverClient(s["retriever_url"]), topk=s["topk"], max_calls=s["max_calls"])
             reward = FrontierReward(treatment=s["treatment"], round=s["round"],
@@ -314,12 +324,30 @@ def _frontier_from_settings(path: str) -> FrontierReward:
 
 
 def _target(ground_truth: Any) -> str:
-    if isinstance(ground_truth, Mapping):
-        target = ground_truth.get("target")
-        if isinstance(target, str):
-            return target
-        return str(list(target)[0]) if target is not None and len(target) else ""
-    return str(ground_truth or "")
+    """A solver row's adopted label: ground_truth.target, a list of labels as `datasets.verl_record`
+    writes it (Search-R1's layout; verl may hand it as an array), or a label string. A row without one
+    is an error, not a 0 for every answer (scored against '', nothing matches)."""
+    target = ground_truth.get("target") if isinstance(ground_truth, Mapping) else ground_truth
+    if target is not None and not isinstance(target, str):
+        try:
+            target = next(iter(target), None)
+        except TypeError:  # neither a label nor a list of them: named below
+            pass
+    if not isinstance(target, str) or not target.strip():
+        raise ValueError(f"compute_score: a {SOLVER_SOURCE} row needs ground_truth.target, the adopted label "
+                         f"(a non-empty list or string); got ground_truth={ground_truth!r}")
+    return target
+
+
+def _proposal(solution_str: str, extra_info: Mapping | None) -> ProposalSample:
+    """A proposer row's proposal with its lineage from extra_info (as `datasets.verl_record` writes it)."""
+    info = dict(extra_info or {})
+    for field in ("source_id", "hops"):
+        if info.get(field) is None:  # no default: a wrong source or hop count is a wrong record, silently
+            raise ValueError(f"compute_score: a {PROPOSER_SOURCE} row needs extra_info.{field} (its lineage); "
+                             f"got extra_info with keys {sorted(info)}")
+    read = tuple(info.get("selfevo_read") or ())  # pages the search tool returned (verl_search.py)
+    return ProposalSample(final_turn(solution_str), str(info["source_id"]), int(info["hops"]), read)
 
 
 def compute_score(data_source: str, solution_str: str, ground_truth: Any, extra_info: Mapping | None = None,
@@ -333,9 +361,7 @@ def compute_score(data_source: str, solution_str: str, ground_truth: Any, extra_
                          f"(selfevo writes {SOLVER_SOURCE} and {PROPOSER_SOURCE})")
     if not selfevo_settings:
         raise ValueError("compute_score: proposer rows need reward_kwargs.selfevo_settings (see engine.py)")
-    info = dict(extra_info or {})
-    read = tuple(info.get("selfevo_read") or ())  # pages the search tool returned (verl_search.py)
-    sample = ProposalSample(final_turn(solution_str), info["source_id"], int(info.get("hops", 1)), read)
+    sample = _proposal(solution_str, extra_info)
     return _frontier_from_settings(selfevo_settings).score([sample])[0]
 
 
@@ -354,11 +380,7 @@ def compute_score_batch(data_sources: Sequence[str], solution_strs: Sequence[str
     if proposer:
         if not selfevo_settings:
             raise ValueError("compute_score_batch: proposer rows need reward_kwargs.selfevo_settings")
-        samples = []
-        for i in proposer:
-            info = dict(extra_infos[i] or {})
-            samples.append(ProposalSample(final_turn(solution_strs[i]), info["source_id"], int(info.get("hops", 1)),
-                                          tuple(info.get("selfevo_read") or ())))
+        samples = [_proposal(solution_strs[i], extra_infos[i]) for i in proposer]
         for i, r in zip(proposer, _frontier_from_settings(selfevo_settings).score(samples), strict=True):
             out[i] = r
     return [float(x) for x in out]

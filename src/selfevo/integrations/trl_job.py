@@ -108,6 +108,34 @@ def grpo_fields() -> frozenset[str] | None:
     return frozenset(f.name for f in dataclasses.fields(GRPOConfig) if f.init)
 
 
+# GRPOConfig fields the job sets itself, and why `[engine.trl]` may not: the rewards count their calls
+# as updates (TRL calls them once a generation batch, so one batch must be one optimizer step), a job
+# is one pass over exactly steps × prompts rows, and the rest follow a setting selfevo has already.
+PINNED_GRPO = {
+    **dict.fromkeys(("gradient_accumulation_steps", "steps_per_generation", "generation_batch_size"),
+                    "the job pins one generation batch to one optimizer step (the rewards count each call as "
+                    "a proposer or solver step)"),
+    "num_iterations": "pinned to 1: paper Eq. (1) is on-policy, one update per generation batch",
+    "per_device_train_batch_size": "set from the prompts a step (engine.proposer_prompts, or the admitted pool "
+                                   "over loop.solver_steps) × the group size, split over engine.train_processes",
+    "auto_find_batch_size": "it would change the batch a step, which the job sets (one pass of steps × prompts)",
+    "max_steps": "set from loop.proposer_steps / loop.solver_steps (and the aux budget)",
+    "num_generations": "set from engine.proposer_generations / engine.solver_generations",
+    "learning_rate": "set from lm.lr",
+    "max_grad_norm": "set from lm.max_grad_norm",
+    "seed": "set from the run's seed",
+    "max_completion_length": "set from lm.max_new_tokens",
+    "temperature": "set from lm.temperature (the rollout samples at it; TRL scales the logits by it)",
+    "top_p": "set from lm.top_p",
+    "beta": "pinned to 0: paper Eq. (1) has no KL term",
+    "loss_type": 'pinned to "grpo": paper Eq. (1), the sequence mean of token means',
+    "use_cpu": "set from lm.device",
+    "remove_unused_columns": "pinned to false: the lineage columns must reach the rewards",
+    **dict.fromkeys(("output_dir", "save_strategy", "save_steps", "save_total_limit"),
+                    "set from engine.save_steps (a resumed phase looks for its checkpoints there)"),
+}
+
+
 def grpo_args(job: dict, world_size: int = 1):
     from trl import GRPOConfig
 
@@ -116,6 +144,9 @@ def grpo_args(job: dict, world_size: int = 1):
     if per_step % world_size:
         raise ValueError(f"trl job: {per_step} completions a step do not split over {world_size} processes")
     extra = dict(job.get("grpo") or {})
+    pinned = sorted(set(extra) & set(PINNED_GRPO))
+    if pinned:  # engine.py refuses them when the config is read; a hand-written job is checked here
+        raise ValueError(f"trl job: grpo.{pinned[0]}: {PINNED_GRPO[pinned[0]]}")
     vllm = bool(extra.get("use_vllm"))
     if vllm:  # the rollout stops at each action's end (trl_env._vllm_generate)
         extra.setdefault("vllm_mode", "colocate")

@@ -34,7 +34,7 @@ class VerlPhase:
     prompts_per_step: int
     n: int  # samples a prompt (GRPO group)
     lr: float
-    tool_config: str
+    tool_config: str  # "": no tool (a proposer that may not search)
     agent_loop_config: str
     reward_file: str
     settings: str = ""  # rewards.reward_settings JSON (proposer phases)
@@ -82,7 +82,7 @@ def phase_overrides(p: VerlPhase) -> list[str]:
         "actor_rollout_ref.rollout.top_p": p.top_p,
         "actor_rollout_ref.rollout.multi_turn.enable": True,
         "actor_rollout_ref.rollout.multi_turn.max_assistant_turns": p.max_actions,
-        "actor_rollout_ref.rollout.multi_turn.tool_config_path": p.tool_config,
+        "actor_rollout_ref.rollout.multi_turn.tool_config_path": p.tool_config or "null",
         "actor_rollout_ref.rollout.multi_turn.format": PARSER_NAME,
         "actor_rollout_ref.rollout.agent.agent_loop_config_path": p.agent_loop_config,
         "actor_rollout_ref.rollout.agent.default_agent_loop": AGENT_NAME,
