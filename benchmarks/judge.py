@@ -144,7 +144,8 @@ def summary_line(s: dict) -> str:
             f"({', '.join(f'{k}: {v}' for k, v in s['unresolved_by_reason'].items()) or 'none'}); "
             f"{s['requests']} requests, {s['replies']} replies, {s['retries']} retries ({s['timeouts']} after a "
             f"timeout), {s['failed_calls']} failed "
-            f"calls, {s['malformed_replies']} malformed replies, {s['malformed_bodies']} bodies that were no chat "
+            f"calls, {s['malformed_replies']} malformed replies, {s['cut_replies']} replies cut at the token cap, "
+            f"{s['malformed_bodies']} bodies that were no chat "
             f"completion (retried), {s['cache_hits']} cache hits")
 
 
@@ -240,19 +241,37 @@ def main() -> None:
           "# a deterministic stand-in with fault injection, for tests: answer key {question: {reference, quote}}",
           "selfevo serve-model --model scripted:judge --script-file key.json --fail-rate 0.15 --garbage-rate 0.15",
           "```", "",
-          "The audit directory holds `metrics.json` (the oracle's schema), `judge.json` (settings and the call "
-          "summary: requests, replies, retries, failed calls, malformed replies, bodies that were no chat "
-          "completion (retried like a 5xx, never cached), cache hits, unresolved items by reason), "
-          "`judgements.jsonl` (per item: the reference, its quote, or why it stayed unresolved), "
-          "`cache.jsonl` (every stored call; a rerun or resume pays for none of them again), with `--compare` "
-          "`comparison.md` / `comparison.json`, with `--injection-test` `injection.json`, and `figures/` "
-          "(`metrics.png`: A, T_P, T_S, F, L by step and round; `f_vs_l.png`; `comparison.png`). A records "
-          "line is `{\"round\": int, \"step\": int, \"source_id\": str, \"source\": str, \"question\": str, "
-          "\"label\": str, \"responses\": [str, ...], \"gold_answers\": [str, ...]}` (`gold_answers` optional; "
-          "a malformed line is reported as `file:line`). Flags: `--judge-concurrency` (4), `--judge-timeout` "
-          "(60 s), `--judge-retries` (4, on timeouts / 429 / 5xx / a 200 that is no chat completion), "
-          "`--judge-malformed-retries` (2), "
-          "`--judge-max-tokens` (384), `--judge-cache`, `--max-items-per-step`, `--bootstrap` (2,000), `--seed`.",
+          "The audit directory holds `metrics.json` (the oracle's schema), `judge.json` (settings and the "
+          "call summary: requests, replies, retries, failed calls, malformed replies, replies cut at "
+          "`--judge-max-tokens`, bodies that were no chat completion (retried like a 5xx, never cached), "
+          "cache hits, unresolved items by reason; `endpoint_models`, the models the endpoint lists, and "
+          "`reply_models`, the model named by each reply used, received or from the cache; for an unfinished "
+          "run, `rounds_audited`), `judgements.jsonl` (per item: the reference, its quote, or why it stayed "
+          "unresolved), `cache.jsonl` (every stored call; a rerun or resume pays for none of them again), "
+          "with `--compare` `comparison.md` / `comparison.json`, with `--injection-test` `injection.json`, "
+          "and `figures/` (`metrics.png`: A, T_P, T_S, F, L by step and round; `f_vs_l.png`; "
+          "`comparison.png`). A records line is `{\"round\": int, \"step\": int, \"source_id\": str, \"source\": str,"
+          " \"question\": str, \"label\": str, \"responses\": [str, ...], \"gold_answers\": [str, ...]}` "
+          "(`gold_answers` optional; a malformed line is reported as `file:line`). Flags: "
+          "`--judge-concurrency` (4), `--judge-timeout` (60 s), `--judge-retries` (4, on timeouts / 429 / 5xx"
+          " / a 200 that is no chat completion), `--judge-malformed-retries` (2), `--judge-max-tokens` (384),"
+          " `--judge-cache`, `--max-items-per-step`, `--bootstrap` (2,000), `--seed`. The `--judge-*` flags "
+          "and `--injection-test` need `--judge llm`: with the oracle or gold answers they are refused (exit "
+          "2), not ignored — neither reads the documents, so an injection test of them would report \"0 "
+          "flipped\" about nothing.",
+          "",
+          "When the audit stops. The endpoint is probed first (GET `/models`): one that is down, refuses the "
+          "key (401/403) or redirects stops the audit before any item; a 404 on a call (a wrong URL or model)"
+          " stops it at once; and 16 calls in a row failing for good after their retries (a dead server, a "
+          "request it refuses with a 4xx every time) stop it too, as the remote solver does. A stop exits "
+          "non-zero and leaves the audit already in `--out` whole (nothing is written before every item is "
+          "judged). Single failed calls leave their items unresolved (\"call failed\") and uncached.",
+          "",
+          "An unfinished run (killed, or still running) is audited over the rounds its manifest counts as "
+          "completed only — its log may end in part of a round that a resume discards and runs again — and "
+          "the terminal and `judge.json` say so (`\"rounds_audited\": \"1 of 3 (run not complete)\"`). A run "
+          "another process holds (its `evolve`, an `evolve --resume`) is refused until that process ends; the"
+          " audit holds the run's lock while it reads the run and writes its `audit/`.",
           ""]
     L += ["## SmolLM2-135M-Instruct as the judge", ""]
     if smol:
@@ -368,13 +387,17 @@ def main() -> None:
 
     L += ["## How the judge works", "",
           "`selfevo/audit/llm_judge.py`, behind the same `Judge` interface as the oracle:", "",
-          "1. **Reference** (one call per question and source pages): the judge sees the source pages, fenced "
-          "in `<document>` tags (tag-like text inside a page is defused), and the question — not the label, "
-          "not the responses — and replies `{\"reference\", \"quote\"}`. selfevo verifies: the quote (3–100 "
-          "words) occurs verbatim in a source page after whitespace normalisation (case-sensitive), and the "
-          "reference occurs in the quote (token-bounded, under the loop's answer normalisation). Anything "
-          "else — no quote, a quote not in the page, a reference outside its quote, an unparsable reply after "
-          "two corrective retries — leaves the item unresolved.",
+          "1. **Reference** (one call per question and source pages): the judge sees the source pages, fenced"
+          " in `<document>` tags (tag-like text inside a page is defused), and the question — not the label, "
+          "not the responses — and replies `{\"reference\", \"quote\"}` (a reference given as a JSON number, a "
+          "year, is read as its text). selfevo verifies: the quote (3–100 words) occurs verbatim in a source "
+          "page after whitespace normalisation (case-sensitive), starting and ending on word boundaries there"
+          " (a quote cut mid-word, \"employed by Gouj\" from \"employed by Goujest\", is not found), and the "
+          "reference occurs in the quote as whole words, case and whitespace aside but punctuation as written"
+          " (\"Gou-jest\" is not \"Goujest\"; \"Industries He\" does not span \"Industries. He\"; punctuation around "
+          "the reference and a leading article are no part of it). Anything else — no quote, a quote not in "
+          "the page, a reference outside its quote, an unparsable reply after two corrective retries, a reply"
+          " cut at `--judge-max-tokens` — leaves the item unresolved.",
           "2. **Verdicts** (only when some non-empty answer does not equal the verified reference under the "
           "loop's matcher): the judge sees the question, the verified reference and quote (not the page) and "
           "grades the label and the five responses correct / incorrect / unresolved.",
@@ -383,11 +406,27 @@ def main() -> None:
           "*incorrect* stands, while its *correct* or *unresolved* leaves the whole item unresolved. So the "
           "grading call can only reject answers or withhold a verdict; nothing counts as correct unless the "
           "verified quote supports it.", "",
-          "Operations: bounded concurrency (threads), retries with exponential backoff and jitter on timeouts, "
-          "connection errors, 429 and 5xx (tenacity, Retry-After honoured), an append-only JSONL cache keyed "
-          "by sha256(model, prompt version, generation settings, call content), so a rerun or a resume repeats "
-          "no stored call; calls that failed for good are not cached and are retried by a rerun. The API key "
-          "comes from `SELFEVO_JUDGE_API_KEY` and is never logged or written.", ""]
+          "Replies: the JSON object is read after dropping a `<think>…</think>` block, as the last complete "
+          "object in the reply (so a draft before it, or braces in prose around it, do not hide it). A reply "
+          "that is not the asked object is asked again with a correction naming each field at fault and why "
+          "(`reference: Input should be a valid string`), up to `--judge-malformed-retries` times. A reply "
+          "the server stopped at `--judge-max-tokens` (finish_reason `length`) is not malformed and not asked"
+          " again — the same cap would cut it again: the item is left unresolved with the reason \"reply cut "
+          "at max_tokens: raise --judge-max-tokens\", counted as `cut_replies`.",
+          "",
+          "Operations: bounded concurrency (threads), retries with exponential backoff and jitter on "
+          "timeouts, connection errors, 429 and 5xx (tenacity, Retry-After honoured), an append-only JSONL "
+          "cache keyed by sha256(model name asked for, prompt version, generation settings, call content), so"
+          " a rerun or a resume repeats no stored call; calls that failed for good are not cached and are "
+          "retried by a rerun. Each stored call also records the model its reply named (`reply_model`), and "
+          "is used only while the endpoint lists that model (GET `/models`, probed before the first stored "
+          "call is used): a second server under the same `--judge-model` name (llama.cpp and `serve-model` "
+          "answer any name) is asked again rather than credited with the first one's verdicts, and the new "
+          "reply replaces the stored one. Limits: a server that lists no models (no `/models` route) gets no "
+          "cache hits; rows written before `reply_model` was stored are asked again; and servers that name "
+          "different models by one alias (vLLM `--served-model-name judge` on two machines, llama.cpp's "
+          "`--alias`) cannot be told apart — give each judge its own `--judge-cache`. The API key comes from "
+          "`SELFEVO_JUDGE_API_KEY` and is never logged or written.", ""]
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text("\n".join(L) + "\n", encoding="utf-8")
     console.print(f"wrote {args.out} in {total / 60:.1f} min")

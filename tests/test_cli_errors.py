@@ -116,16 +116,41 @@ def test_an_encoding_device_that_does_not_exist_here_is_one_clear_error():
 
 
 def test_an_audit_that_resolves_nothing_says_so(tmp_path):
-    """A judge whose every call fails writes a table of dashes: the command must not let it pass
-    for a result."""
+    """A judge that leaves every item unresolved (here: it never replies with JSON) writes a table of
+    dashes: the command must not let it pass for a result. A judge endpoint that is not up at all
+    is refused before any item, and writes nothing."""
+    from selfevo.agents.lm.model import ScriptedModel, echo_script
+    from selfevo.agents.lm.server import make_app, running
+
     run = tmp_path / "run"
     assert runner.invoke(app, ["evolve", "--world", "small", "--out", str(run), "--no-audit", *TINY]).exit_code == 0
-    res = runner.invoke(app, ["audit", str(run), "--judge", "llm", "--judge-url", "http://127.0.0.1:1/v1",
-                              "--judge-model", "x", "--judge-retries", "0", "--out", str(tmp_path / "a")])
+    llm = ["audit", str(run), "--judge", "llm", "--judge-model", "x", "--judge-retries", "0",
+           "--judge-malformed-retries", "0", "--max-items-per-step", "1", "--no-figures"]
+    with running(make_app(ScriptedModel(echo_script))) as url:
+        res = runner.invoke(app, [*llm, "--judge-url", url, "--out", str(tmp_path / "a")])
     assert res.exit_code == 0, res.output
     assert "the judge resolved no item" in " ".join(res.output.split())
     res = runner.invoke(app, ["audit", str(run), "--out", str(tmp_path / "b")])  # the oracle resolves them
     assert res.exit_code == 0 and "resolved no item" not in res.output
+    out = _usage_error([*llm, "--judge-url", "http://127.0.0.1:1/v1", "--out", str(tmp_path / "c")])
+    assert "http://127.0.0.1:1/v1: cannot connect" in out and not (tmp_path / "c").exists()
+
+
+@pytest.mark.parametrize("judge", ["gold", "oracle"])
+@pytest.mark.parametrize("option", [["--judge-url", "http://127.0.0.1:1/v1"], ["--judge-model", "gpt-judge"],
+                                    ["--judge-cache", "c.jsonl"], ["--judge-concurrency", "4"],
+                                    ["--judge-max-tokens", "999"], ["--injection-test", "4"]])
+def test_audit_refuses_llm_judge_settings_another_judge_would_ignore(tmp_path, judge, option):
+    """--judge-url and the like without --judge llm were ignored: the audit then passed for that
+    judge's. --injection-test with the oracle or gold answers (which never read the documents)
+    reported "0 of N verdicts flipped", which reads as injection-proof."""
+    records = tmp_path / "r.jsonl"
+    records.write_text('{"round": 1, "step": 0, "source_id": "d", "source": "A b c. It is in Kelda.", '
+                       '"question": "Where?", "label": "Kelda", "responses": ["Kelda"], "gold_answers": ["Kelda"]}\n')
+    source = ["--records", str(records)] if judge == "gold" else [str(tmp_path / "no-run")]
+    out = _usage_error(["audit", *source, "--judge", judge, *option, "--out", str(tmp_path / "o")])
+    assert out.startswith(f"error: {option[0]}: ") and f"--judge {judge}" in out
+    assert not (tmp_path / "o").exists()
 
 
 def test_a_run_on_a_world_directory_is_tied_to_that_world(tmp_path, monkeypatch):

@@ -17,6 +17,7 @@ import httpx
 import pytest
 from typer.testing import CliRunner
 
+from selfevo.agents.chat_client import MAX_FAILED_IN_A_ROW, Choice
 from selfevo.agents.lm.model import ScriptedModel, echo_script, messages_digest
 from selfevo.agents.lm.server import make_app, running
 from selfevo.audit import OracleJudge, Verdict
@@ -25,6 +26,7 @@ from selfevo.audit.external import GoldJudge, read_records
 from selfevo.audit.injection import TEMPLATES, flip_report, injection_set
 from selfevo.audit.llm_judge import (
     API_KEY_ENV,
+    CUT,
     JudgeCache,
     JudgeError,
     LLMJudge,
@@ -96,6 +98,16 @@ SOURCE = '"Yeir Rukreist"\nYeir Rukreist is a person. He was employed by  Goujes
     ("The", "He was employed by Goujest Industries.", "empty reference"),  # normalises to nothing
     ("Goujest Industries", "Goujest Industries", "quote too short"),
     ("x", " ".join(["word"] * 101), "quote too long"),
+    # a quote cut mid-word is no quote of the source, and makes no reference out of a part of a word
+    ("Gouj", "He was employed by Gouj", "quote not found in the source"),
+    ("jest Industries", "jest Industries. He was", "quote not found in the source"),
+    ("190", "He was born in 190", "quote not found in the source"),  # a wrong year
+    # the reference is compared as written (case and whitespace aside), not with punctuation dropped
+    ("Industries He", "by Goujest Industries. He was born", "reference not in the quote"),
+    ("Gou-jest Industries", "He was employed by Goujest Industries.", "reference not in the quote"),
+    ("The Goujest Industries.", "He was employed by Goujest Industries.", None),  # article, full stop: no part
+    ("1908", '"Yeir Rukreist" Yeir Rukreist is a person.', "reference not in the quote"),
+    ("Yeir Rukreist", '"Yeir Rukreist" Yeir Rukreist is a person.', None),  # a quote may start at a quote mark
 ])
 def test_check_evidence(reference, quote, problem):
     assert check_evidence(reference, quote, ["other page", SOURCE]) == problem
@@ -106,9 +118,71 @@ def test_parse_json_object():
     assert parse_json_object('Here you go:\n```json\n{"a": [1, 2]}\n```\nbye') == {"a": [1, 2]}
     assert parse_json_object('Sure. {"reference": "x", "quote": null} Hope it helps.') == {"reference": "x",
                                                                                              "quote": None}
-    for bad in ("", "no json", "[1, 2]", '{"a": ', "```json\n[1]\n```"):
+    for bad in ("", "no json", "[1, 2]", '{"a": ', "```json\n[1]\n```", "<think>{\"a\": 1}</think> none"):
         with pytest.raises(ValueError):
             parse_json_object(bad)
+
+
+@pytest.mark.parametrize("reply", [
+    # braces in a reasoning block, in a draft before the answer, in a note after it
+    '<think>The page says so, so {reference} is Goujest Industries.</think>\n{"reference": "G I", "quote": "q"}',
+    'Draft: {"reference": "G"} -- no, the full name.\n{"reference": "G I", "quote": "q"}',
+    '{"reference": "G I", "quote": "q"}\n(Note: the set {a, b} is empty.)',
+    '```json\n{"reference": "G I", "quote": "q"}\n```',
+])
+def test_parse_json_object_takes_the_last_whole_object_amid_braces(reply):
+    assert parse_json_object(reply) == {"reference": "G I", "quote": "q"}
+    assert parse_json_object('x {"a": {"b": 1}} y') == {"a": {"b": 1}}  # not the object nested in it
+
+
+SOURCE_1908 = "Yeir Rukreist is a person. He was employed by Goujest Industries. He was born in 1908."
+ITEM_1908 = {"question": "In which year was Yeir Rukreist born?", "adopted_label": "1908", "responses": ["1908"] * 5,
+             "sources": [{"id": "d1", "text": SOURCE_1908}]}
+
+
+def _scripted_chat(replies, seen):
+    """A client's `chat` answering with `replies` in turn (text, finish_reason), recording each conversation."""
+    def chat(messages, **_):
+        seen.append(messages)
+        text, finish = replies[min(len(seen), len(replies)) - 1]
+        return [Choice(text, finish, model="m")]
+    return chat
+
+
+def test_a_reference_given_as_a_number_is_an_answer():
+    """JSON numbers are how a model writes a year: 1908 is "1908", not a malformed reply."""
+    judge, seen = LLMJudge("http://127.0.0.1:9/v1", "judge"), []
+    judge.client.chat = _scripted_chat([(json.dumps({"reference": 1908, "quote": "He was born in 1908."}), "stop")],
+                                       seen)
+    v = judge.judge([ITEM_1908])[0]
+    assert v.resolved and v.label_correct and len(seen) == 1 and judge.summary()["malformed_replies"] == 0
+
+
+def test_a_correction_names_the_field_at_fault():
+    """The corrective message quotes each validation error (field: message), not pydantic's first
+    line ("1 validation error for ReferenceReply"), which tells the model nothing."""
+    judge, seen = LLMJudge("http://127.0.0.1:9/v1", "judge", malformed_retries=1), []
+    judge.client.chat = _scripted_chat([(json.dumps({"reference": True}), "stop"),
+                                        (json.dumps({"reference": "1908", "quote": "He was born in 1908."}), "stop")],
+                                       seen)
+    v = judge.judge([ITEM_1908])[0]
+    correction = seen[1][-1]["content"]
+    assert "reference: Input should be a valid string" in correction and "quote: Field required" in correction
+    assert "validation error for" not in correction and v.resolved
+
+
+def test_a_reply_cut_at_max_tokens_is_not_malformed_and_not_asked_again(tmp_path):
+    """finish_reason "length": the same cap would cut every corrected reply again; the reason says
+    which flag to raise, and the summary counts it apart from malformed replies."""
+    item = {**ITEM_1908, "question": "Who employed Yeir Rukreist?"}
+    full = json.dumps({"reference": "Goujest Industries", "quote": "He was employed by Goujest Industries."})
+    judge, seen = LLMJudge("http://127.0.0.1:9/v1", "judge", max_tokens=16), []
+    judge.client.chat = _scripted_chat([(full[:40], "length")], seen)
+    v = judge.judge([item])[0]
+    s = judge.summary()
+    assert len(seen) == 1 and not v.resolved and v.reason == CUT
+    assert s["cut_replies"] == 1 and s["malformed_replies"] == 0
+    assert s["unresolved_by_reason"] == {"reply cut at max_tokens": 1}
 
 
 def test_combine_rules():
@@ -320,6 +394,67 @@ def test_a_call_that_keeps_failing_leaves_its_item_unresolved_and_uncached(world
         assert judge.summary()["cache_hits"] == 0 and judge.summary()["replies"] >= 3  # retried, not cached
 
 
+def test_the_cache_answers_only_for_the_model_that_gave_its_replies(tmp_path):
+    """Two servers under one --judge-model name (llama.cpp and `serve-model` answer any name): the
+    second must not be credited with the first one's verdicts. A stored reply stands only while the
+    endpoint lists the model that gave it; judge.json names the models of stored replies too."""
+    item = {**ITEM_1908, "question": "Who employed Yeir Rukreist?", "adopted_label": "Goujest Industries",
+            "responses": ["Goujest Industries"] * 5}
+    steps = [{"round": 1, "step": 1, "kind": "proposer", "items": [item]}]
+
+    def serve(name, reply):
+        return ScriptedModel(lambda messages: json.dumps(reply), name=name)
+
+    finds = serve("model-A", {"reference": "Goujest Industries", "quote": "He was employed by Goujest Industries."})
+    finds_none = serve("model-B", {"reference": None, "quote": None})
+    cache = tmp_path / "cache.jsonl"
+    got = {}
+    for run, model in (("A", finds), ("B", finds_none), ("A again", finds)):
+        with running(make_app(model)) as url, llm(url, None, cache) as judge:
+            res = audit_to_dir(steps, judge, tmp_path / run, figures=False)
+        got[run] = (res["metrics"]["rounds"][0]["coverage"], res["summary"]["cache_hits"],
+                    json.loads((tmp_path / run / "judge.json").read_text())["reply_models"])
+    assert got["A"] == (1.0, 0, {"model-A": 1})
+    assert got["B"] == (0.0, 0, {"model-B": 1})  # asked again: model-B's own answer, not model-A's
+    assert sum(finds_none.requests.values()) == 1
+    # model-B's reply is the stored one now: model-A is asked again too
+    assert got["A again"] == (1.0, 0, {"model-A": 1}) and sum(finds.requests.values()) == 2
+    with running(make_app(finds)) as url, llm(url, None, cache) as judge:
+        res = audit_to_dir(steps, judge, tmp_path / "A cached", figures=False)
+    described = json.loads((tmp_path / "A cached" / "judge.json").read_text())
+    assert res["summary"]["cache_hits"] == 1 and sum(finds.requests.values()) == 2
+    assert described["reply_models"] == {"model-A": 1} and described["endpoint_models"] == ["model-A"]
+    # a row stored before rows named their model cannot say who answered: asked again
+    rows = [json.loads(x) for x in cache.read_text().splitlines()]
+    cache.write_text("".join(json.dumps({k: v for k, v in r.items() if k != "reply_model"}) + "\n" for r in rows))
+    with running(make_app(finds)) as url, llm(url, None, cache) as judge:
+        judge.judge([item])
+        assert judge.summary()["cache_hits"] == 0 and sum(finds.requests.values()) == 3
+
+
+def test_an_endpoint_that_keeps_failing_stops_the_audit_and_keeps_the_earlier_one(world_run, tmp_path):
+    """Every call failing for good (a server answering 500s, or a 4xx it will repeat) is an endpoint
+    that is not answering, not 96 unresolved items: the audit stops after MAX_FAILED_IN_A_ROW calls in
+    a row, sends nothing more, exits non-zero, and the earlier audit in --out stays whole."""
+    w = world_run
+    out = tmp_path / "out"
+    args = ["audit", str(w["path"]), "--judge", "llm", "--judge-model", "judge", "--out", str(out),
+            "--judge-retries", "0", "--judge-concurrency", "2", "--no-figures", "--no-progress"]
+    with running(make_app(scripted(w["key"]))) as url:
+        assert CliRunner().invoke(app, [*args, "--judge-url", url]).exit_code == 0
+    before = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    failing = ScriptedModel(lambda messages: "", name="judge", fail_rate=1.0)
+    with running(make_app(failing)) as url:
+        result = CliRunner().invoke(app, [*args, "--judge-url", url, "--judge-cache", str(tmp_path / "c2.jsonl")])
+    assert result.exit_code != 0 and "in a row failed for good" in " ".join(result.output.split())
+    assert MAX_FAILED_IN_A_ROW <= sum(failing.requests.values()) <= MAX_FAILED_IN_A_ROW + 2  # + those in flight
+    assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
+    # an endpoint that is not up at all is refused by the probe, before any item
+    result = CliRunner().invoke(app, [*args, "--judge-url", "http://127.0.0.1:9/v1"])
+    assert result.exit_code == 2 and "cannot connect" in result.output
+    assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
+
+
 def test_cache_survives_a_torn_last_line(tmp_path):
     path = tmp_path / "c.jsonl"
     cache = JudgeCache(path)
@@ -467,6 +602,55 @@ def test_cli_audit_llm_with_compare_writes_metrics_comparison_and_figures(world_
     assert judgements and all("reason" in j for j in judgements)
 
 
+def _unfinished_copy(world_run, tmp_path, rounds_completed: int, step_lines: int) -> Path:
+    """The world run as a kill in its last round leaves it: manifest "running", the last round's
+    checkpoint and evaluation not written, its step log cut after `step_lines` lines."""
+    import shutil
+
+    run = tmp_path / "killed"
+    shutil.copytree(world_run["path"], run)
+    shutil.rmtree(run / "audit")
+    steps = run / "records" / "steps.jsonl"
+    steps.write_text("".join(steps.read_text().splitlines(keepends=True)[:step_lines]))
+    manifest = json.loads((run / "manifest.json").read_text())
+    (run / "manifest.json").write_text(json.dumps({**manifest, "status": "running",
+                                                   "rounds_completed": rounds_completed}))
+    return run
+
+
+def test_cli_audit_of_an_unfinished_run_audits_only_its_finished_rounds(world_run, tmp_path):
+    """A run killed in round 2 has a partial round 2 in its log, which a resume discards and runs
+    again: the audit covers round 1 and says so, on the terminal and in judge.json."""
+    run = _unfinished_copy(world_run, tmp_path, rounds_completed=1, step_lines=6)
+    result = CliRunner().invoke(app, ["audit", str(run), "--no-figures"])
+    assert result.exit_code == 0, result.output
+    assert "rounds audited: 1 of 2 (run not complete)" in " ".join(result.output.split())
+    metrics = json.loads((run / "audit" / "metrics.json").read_text())
+    assert [r["round"] for r in metrics["rounds"]] == [1] and {s["round"] for s in metrics["steps"]} == {1}
+    assert json.loads((run / "audit" / "judge.json").read_text())["rounds_audited"] == "1 of 2 (run not complete)"
+    # a complete run says nothing of the kind
+    done = CliRunner().invoke(app, ["audit", str(world_run["path"]), "--no-figures", "--out", str(tmp_path / "o")])
+    assert done.exit_code == 0 and "rounds audited" not in done.output
+    assert "rounds_audited" not in json.loads((tmp_path / "o" / "judge.json").read_text())
+
+
+def test_cli_audit_refuses_a_run_another_process_holds_or_with_no_round_done(world_run, tmp_path):
+    from selfevo.runs import RunDir
+
+    run = _unfinished_copy(world_run, tmp_path, rounds_completed=1, step_lines=6)
+    with RunDir(run).lock():  # the run's own process, still writing it
+        result = CliRunner().invoke(app, ["audit", str(run), "--no-figures"])
+    assert result.exit_code == 2 and "another process is writing this run" in " ".join(result.output.split())
+    assert not (run / "audit").exists()
+    assert CliRunner().invoke(app, ["audit", str(run), "--no-figures"]).exit_code == 0  # the lock was released
+    with RunDir(run).lock():  # ... and the audit released its own
+        pass
+    (run / "manifest.json").write_text(json.dumps({**json.loads((run / "manifest.json").read_text()),
+                                                   "rounds_completed": 0}))
+    result = CliRunner().invoke(app, ["audit", str(run), "--no-figures", "--out", str(tmp_path / "o")])
+    assert result.exit_code == 2 and "no round of this run is complete" in " ".join(result.output.split())
+
+
 def test_cli_audit_oracle_writes_figures_and_the_same_metrics(world_run):
     w = world_run
     before = json.loads((w["path"] / "audit" / "metrics.json").read_text())
@@ -584,9 +768,8 @@ def test_a_rerun_into_the_same_out_leaves_no_output_of_the_earlier_audit(tmp_pat
     (tmp_path / "a.jsonl").write_text(json.dumps(row) + "\n")
     (tmp_path / "b.jsonl").write_text(json.dumps({**row, "gold_answers": ["Tarn"]}) + "\n")
     out = tmp_path / "out"
-    first = CliRunner().invoke(app, ["audit", "--records", str(tmp_path / "a.jsonl"), "--judge", "gold", "--compare",
-                                     "gold", "--injection-test", "1", "--bootstrap", "100", "--out", str(out)])
-    assert first.exit_code == 0, first.output
+    # (the command runs an injection test with an LLM judge only: the pipeline takes any judge)
+    audit_to_dir(read_records(tmp_path / "a.jsonl"), GoldJudge(), out, truth=GoldJudge(), n_boot=100, injection_items=1)
     assert (out / "comparison.json").exists() and (out / "injection.json").exists()
     assert (out / "figures" / "comparison.png").exists()
     (out / "cache.jsonl").write_text("")  # a cache beside it is never touched
@@ -674,12 +857,12 @@ def test_judgements_follow_the_items_not_the_calls_finishing_order():
     def rows(delays):
         judge = LLMJudge("http://127.0.0.1:9/v1", "judge", concurrency=6)
 
-        def complete(messages):  # the reference call only: every answer equals the reference
+        def chat(messages, **_):  # the reference call only: every answer equals the reference
             i = int(messages[-1]["content"].split("QUESTION: Where is thing ")[1].split("?")[0])
             time.sleep(delays[i])
-            return json.dumps({"reference": f"Town{i}", "quote": f"It stands in the town of Town{i}."})
+            return [Choice(json.dumps({"reference": f"Town{i}", "quote": f"It stands in the town of Town{i}."}))]
 
-        judge.client.complete = complete
+        judge.client.chat = chat
         with judge:
             assert all(v.resolved for v in judge.judge(items))
             return judge.judgements()
@@ -696,15 +879,16 @@ def test_a_rerun_with_more_malformed_retries_asks_again_what_fewer_left_malforme
             "sources": [{"id": "d1", "text": "Thing 1 is a thing. It stands in the town of Town1."}]}
     calls = []
 
-    def complete(messages):  # garbage first; the corrected conversation gets the JSON object
+    def chat(messages, **_):  # garbage first; the corrected conversation gets the JSON object
         calls.append(len(messages))
         if len(messages) == 2:
-            return "I think it is Town1."
-        return json.dumps({"reference": "Town1", "quote": "It stands in the town of Town1."})
+            return [Choice("I think it is Town1.", model="m")]
+        return [Choice(json.dumps({"reference": "Town1", "quote": "It stands in the town of Town1."}), model="m")]
 
     def run(retries):
         judge = LLMJudge("http://127.0.0.1:9/v1", "judge", cache_path=tmp_path / "c.jsonl", malformed_retries=retries)
-        judge.client.complete = complete
+        judge.client.chat = chat
+        judge.client.check = lambda: ["m"]  # the endpoint serves the model that gave the stored replies
         with judge:
             return judge.judge([item])[0], judge.summary()
 

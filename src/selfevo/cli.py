@@ -454,6 +454,7 @@ def _print_run(path: Path) -> None:
 
 @app.command("audit")
 def audit_cmd(
+    ctx: typer.Context,
     run_dir: Path | None = typer.Argument(None, help="a run directory (or give --records)"),
     judge: str = typer.Option("oracle", help="oracle (a world run's exact truth) | llm (an OpenAI-compatible "
                                              "chat endpoint) | gold (the records' gold_answers)"),
@@ -501,7 +502,20 @@ def audit_cmd(
         _fail("give a run directory or --records FILE (one of them)")
     if judge not in ("oracle", "llm", "gold"):
         _fail(f"--judge: unknown judge {judge!r} (known: oracle, llm, gold)")
+    if judge != "llm":
+        # settings only an LLM judge reads are refused, not ignored: an audit given a judge URL must
+        # not pass for that judge's. By the source's name: typer vendors its own click, whose
+        # ParameterSource is not click's
+        given = [p.opts[0] for p in ctx.command.params if p.name.startswith("judge_")
+                 and ctx.get_parameter_source(p.name).name not in ("DEFAULT", "DEFAULT_MAP")]
+        if given:
+            _fail(f"{given[0]}: a setting of the LLM judge, which --judge {judge} does not use (add --judge llm)")
+        if injection_test:
+            # the oracle and gold answers never read the documents: "0 flipped" would say nothing
+            _fail(f"--injection-test: only an LLM judge reads the documents the test plants instructions in; "
+                  f"--judge {judge} cannot be swayed by them (use it with --judge llm)")
     documents, truth = None, None
+    partial = None  # what the audit of an unfinished run covers
     if records is not None:
         from selfevo.audit.external import GoldJudge, read_records
 
@@ -529,10 +543,14 @@ def audit_cmd(
         from selfevo.evolve import check_world, environment
 
         try:
+            # a run another process holds (still running, or resuming) is refused: its log and its audit
+            # directory are that process's until it ends. Held until this command ends, however it ends
+            ctx.with_resource(run.lock())
+            manifest = run.manifest()
             cfg = config_from_dict(run.config())
             env = environment(cfg, benchmarks=False)  # the documents and truth; no QA set is read
             check_world(run, cfg)
-        except (ConfigError, ValueError) as e:
+        except (ConfigError, ValueError) as e:  # a RunError is a ValueError
             _fail(str(e))
         if env.truth is None and "oracle" in (judge, compare):
             _fail(f"{run_dir}: a run on a real corpus has no exact truth; audit it with --judge llm")
@@ -541,6 +559,15 @@ def audit_cmd(
             steps = run.steps()
         except ValueError as e:  # a corrupt line before the last (a torn last line is dropped)
             _fail(str(e))
+        if manifest.get("status") != "complete":
+            # killed or stopped mid-run: the log may end in part of a round that a resume discards and
+            # runs again, so only the rounds it checkpointed are the run's
+            done = manifest.get("rounds_completed", 0)
+            if not done:
+                _fail(f"{run_dir}: no round of this run is complete (manifest.json: status "
+                      f"{manifest.get('status')!r}, rounds_completed 0); nothing to audit yet")
+            steps = [st for st in steps if st["round"] <= done]
+            partial = f"{done} of {cfg.loop.rounds} (run not complete)"
         from selfevo.search.docstore import contents_by_id
 
         documents = contents_by_id(env.documents)  # read on demand: a corpus stays on disk
@@ -562,7 +589,11 @@ def audit_cmd(
     else:
         the_judge = oracle if judge == "oracle" else gold
     info = {"source": str(records or run_dir), "max_items_per_step": max_items_per_step}
+    if partial:
+        info["rounds_audited"] = partial
     try:
+        if judge == "llm":
+            the_judge.check()  # an endpoint that is down or refuses the key: stop before any item
         res = audit_to_dir(steps, the_judge, out_dir, truth=truth, n_boot=bootstrap, seed=seed, figures=figures,
                            documents=documents, injection_items=injection_test, info=info)
     except JudgeError as e:
@@ -576,7 +607,8 @@ def audit_cmd(
         s = res["summary"]
         console.print(f"judge calls: {s['replies']} replies to {s['requests']} requests ({s['retries']} retries), "
                       f"{s['cache_hits']} cache hits, {s['failed_calls']} failed calls, "
-                      f"{s['malformed_replies']} malformed replies, {s['malformed_bodies']} bodies that were no "
+                      f"{s['malformed_replies']} malformed replies, {s['cut_replies']} replies cut at "
+                      f"--judge-max-tokens, {s['malformed_bodies']} bodies that were no "
                       f"chat completion (retried); items resolved {s['resolved']}, "
                       f"unresolved {s['unresolved']} {s['unresolved_by_reason'] or ''}")
     if "comparison" in res:
@@ -596,6 +628,9 @@ def audit_cmd(
         o = res["injection"]["overall"]
         console.print(f"injection test: {o['flipped']} of {o['n']} verdicts flipped ({num(o['flip_rate'])}), "
                       f"{o['to_correct']} towards correct")
+    if partial:  # a round the run has not finished is not audited: its log may be partial
+        console.print(f"[yellow]warning:[/yellow] rounds audited: {escape(partial)}; rerun the audit once the "
+                      "run is complete")
     console.print(escape(f"audit written to {out_dir}"))
 
 

@@ -38,6 +38,34 @@ from selfevo.search.client import MAX_WAIT_S, retry_after_seconds
 _UNSET: Any = object()
 # besides 5xx: a proxy's request timeout, a conflict, "too early", rate limiting (as openai-python)
 RETRIED_STATUS = (408, 409, 425, 429)
+MAX_FAILED_IN_A_ROW = 16  # `FailureStreak`'s default limit
+
+
+class FailureStreak:
+    """Calls that failed for good (after their retries) with no reply between them, counted across a
+    caller's threads. Past `limit` the endpoint is taken for one that does not answer (a dead server,
+    a request it refuses with a 4xx): the caller (the remote solver, the LLM judge) stops, rather than
+    turn every remaining item into a scored "no answer" after minutes of retries each."""
+
+    def __init__(self, limit: int = MAX_FAILED_IN_A_ROW):
+        self.limit, self.count, self.last = limit, 0, ""  # last: the text of the last call that failed
+        self._lock = threading.Lock()
+
+    def failed(self, reason: str) -> None:
+        with self._lock:
+            self.count += 1
+            self.last = reason
+
+    def answered(self) -> None:
+        """A reply came (or a new batch may try the endpoint afresh): the streak is over."""
+        with self._lock:
+            self.count = 0
+
+    def broken(self) -> str | None:
+        """None while under the limit; else what happened, in words, for the caller's error."""
+        with self._lock:
+            count, last = self.count, self.last
+        return f"{count} calls in a row failed for good (last: {last})" if count >= self.limit else None
 
 
 class EndpointError(RuntimeError):
@@ -62,6 +90,7 @@ class Choice:
     text: str
     finish_reason: str = "stop"
     stop_reason: str | None = None  # the stop string that ended it, where the server says (vLLM does)
+    model: str | None = None  # the model the reply names (None: it names none), whatever name was asked for
 
 
 # finish reasons of servers that predate or sidestep OpenAI's words for "it stopped by itself" (TGI:
@@ -241,22 +270,23 @@ class ChatClient:
         try:
             data = r.json()
             choices = data["choices"]
+            named = data.get("model") if isinstance(data.get("model"), str) else None
             out = []
             for c in choices:
                 content = c["message"]["content"]
                 stop_reason = c.get("stop_reason")  # vLLM: a stop string, a token id (int) or None
                 out.append(Choice(content if isinstance(content, str) else "",
                                   openai_finish_reason(c.get("finish_reason")),
-                                  stop_reason if isinstance(stop_reason, str) else None))
+                                  stop_reason if isinstance(stop_reason, str) else None, named))
             if not out:
                 raise ValueError("no choices")
         except (ValueError, KeyError, IndexError, TypeError, AttributeError):
             # a 200 that is no chat completion (a proxy's error page, a broken server)
             self._event("malformed_body")
             raise _Retryable("HTTP 200 without a chat completion") from None
-        if isinstance(data.get("model"), str):
+        if named is not None:
             with self._models_lock:
-                self.reply_models[data["model"]] += 1
+                self.reply_models[named] += 1
         return out
 
     # -------------------------------------------------------------- the API

@@ -34,7 +34,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 
 from selfevo.agents.base import Trajectory
-from selfevo.agents.chat_client import CallFailed, ChatClient, EndpointError
+from selfevo.agents.chat_client import MAX_FAILED_IN_A_ROW, CallFailed, ChatClient, EndpointError, FailureStreak
 from selfevo.agents.lm.protocol import STOP_STRINGS, solver_messages
 from selfevo.agents.lm.rollout import run_rollouts
 from selfevo.loop.schedule import derive_seed
@@ -69,7 +69,7 @@ class RemoteSolver:
                  temperature: float = SAMPLE_TEMPERATURE, top_p: float = SAMPLE_TOP_P,
                  max_tokens: int = 512, max_actions: int = 5, concurrency: int = 4,
                  timeout: float = 120.0, max_retries: int = 4, backoff: float = 0.5,
-                 context: Callable[[str], str] | None = None, max_failed_in_a_row: int = 16):
+                 context: Callable[[str], str] | None = None, max_failed_in_a_row: int = MAX_FAILED_IN_A_ROW):
         if concurrency < 1:
             raise ValueError(f"concurrency: must be >= 1, got {concurrency}")
         if max_actions < 1:
@@ -84,11 +84,7 @@ class RemoteSolver:
         key = api_key if api_key is not None else os.environ.get(API_KEY_ENV) or None
         self._has_key = bool(key)
         self.stats: Counter[str] = Counter()
-        self.last_failure = ""  # the text of the last call that failed for good
-        # calls that failed for good with no reply between them: past this many the endpoint is not
-        # answering (a dead server, a parameter it refuses), and going on would only turn every
-        # remaining question into a scored "no answer", minutes of retries each
-        self.max_failed_in_a_row, self._failed_in_a_row = max_failed_in_a_row, 0
+        self.streak = FailureStreak(max_failed_in_a_row)  # past it the endpoint is not answering
         self.endpoint_models: list[str] | None = None
         self._lock = threading.Lock()
         self.client = ChatClient(url, model, api_key=key, timeout=timeout, max_retries=max_retries,
@@ -130,11 +126,8 @@ class RemoteSolver:
                 "endpoint_models": self.endpoint_models, "reply_models": dict(self.client.reply_models)}
 
     def _check_answering(self) -> None:
-        with self._lock:
-            n, last = self._failed_in_a_row, self.last_failure
-        if n >= self.max_failed_in_a_row:
-            raise EndpointError(f"{self.url}: {n} calls in a row failed for good (last: {last}); "
-                                "the endpoint is not answering")
+        if (broken := self.streak.broken()) is not None:
+            raise EndpointError(f"{self.url}: {broken}; the endpoint is not answering")
 
     # -------------------------------------------------------------- generation
     def _generate(self, conversations: list[list[dict]], seed: int | None, greedy: bool) -> list[tuple[str, str]]:
@@ -151,14 +144,11 @@ class RemoteSolver:
                                           seed=row_seed)[0]
             except CallFailed as e:
                 self._count("failed_calls")
-                with self._lock:
-                    self.last_failure = str(e)  # the server's reason, for the warning below
-                    self._failed_in_a_row += 1
+                self.streak.failed(str(e))  # the server's reason, for the warning below
                 log.debug("remote call failed for good: %s", e)
                 self._check_answering()
                 return "", "error"
-            with self._lock:
-                self._failed_in_a_row = 0
+            self.streak.answered()
             if choice.finish_reason == "stop" and choice.stop_reason in STOP_STRINGS:
                 # the server says which stop string it dropped: put that one back, so that the action
                 # reads as a local backend's does (`close_action` can only guess it from the text)
@@ -193,8 +183,7 @@ class RemoteSolver:
         starts = [solver_messages(q, context=None if contexts is None or contexts[i] is None
                                   else self._context(contexts[i].contents)) for i, q in enumerate(questions)]
         copies = 1 if greedy else n  # greedy: the n trajectories are identical, run one
-        with self._lock:  # each batch may try the endpoint afresh
-            self._failed_in_a_row = 0
+        self.streak.answered()  # each batch may try the endpoint afresh
         self.client.retrying_stopped.clear()
         rollouts = run_rollouts([s for s in starts for _ in range(copies)], tool,
                                 lambda convs, s: self._generate(convs, s, greedy),
@@ -210,7 +199,7 @@ class RemoteSolver:
         failed = sum(ro.failed for ro in rollouts)
         if failed:
             log.warning("%s: %d call(s) failed for good; their trajectories have no answer (last: %s)",
-                        self.name, failed, self.last_failure)
+                        self.name, failed, self.streak.last)
         groups = [trajs[i * copies:(i + 1) * copies] for i in range(len(questions))]
         if greedy and n > 1:
             groups = [[g[0]] + [dataclasses.replace(g[0], searches=list(g[0].searches)) for _ in range(n - 1)]

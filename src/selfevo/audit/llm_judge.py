@@ -7,8 +7,9 @@ It talks to any OpenAI-compatible chat endpoint (vLLM, llama.cpp's server, a hos
       not the responses, so it cannot be anchored by them -- and replies
       {"reference": str|null, "quote": str|null}: a short answer and a verbatim quote supporting it.
       selfevo checks the evidence itself (`check_evidence`): the quote must occur in a source
-      document (case-sensitive, after whitespace normalisation), be 3..100 words, and contain the
-      reference (under the loop's answer normalisation). Anything else leaves the item unresolved.
+      document (case-sensitive, after whitespace normalisation) starting and ending on word
+      boundaries, be 3..100 words, and contain the reference as whole words (case and whitespace
+      aside). Anything else leaves the item unresolved.
   (b) verdicts: only when some non-empty answer does not equal the verified reference under the
       loop's matcher, the judge sees the question, the verified reference and its quote (not the
       document) and grades the label and each response correct / incorrect / unresolved.
@@ -26,10 +27,14 @@ Operations: bounded concurrency (a thread pool), retries with exponential backof
 timeouts, connection errors, 429, 5xx and a 200 that is no chat completion (a proxy's page: never
 taken for the model's reply) (tenacity, Retry-After honoured: the HTTP client is the
 shared `selfevo.agents.chat_client.ChatClient`), a malformed reply is retried with a corrective
-message and then left unresolved, and every finished call is appended to a persistent JSONL cache
-keyed by sha256(judge model, prompt version, generation settings, stage, the call's content): a
-rerun, or a resume after a crash, repeats no call whose reply was stored.
-Calls that failed for good (after the retries) are not cached: a rerun tries them again.
+message naming the fields at fault and then left unresolved, a reply cut at max_tokens is left
+unresolved at once (the same cap would cut it again), and every finished call is appended to a
+persistent JSONL cache keyed by sha256(judge model, prompt version, generation settings, stage, the
+call's content) that also records the model the reply named: a stored reply is used only while the
+endpoint lists that model (GET /models, `_stands`), so a rerun, or a resume after a crash, repeats
+no call whose reply was stored, and another server under the same --judge-model name reuses none.
+Calls that failed for good (after the retries) are not cached: a rerun tries them again; 16 of them
+in a row (`chat_client.FailureStreak`) stop the audit with a JudgeError, as 401/403/404 do at once.
 
 Prompt-injection safety: documents are untrusted. They are fenced in <document> tags (tag-like
 text inside a document is defused), the system prompt says their content is data, the verdict
@@ -46,6 +51,7 @@ import hashlib
 import json
 import os
 import re
+import string
 import threading
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
@@ -56,15 +62,16 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
 
 from selfevo._io import append_jsonl, read_jsonl_log
-from selfevo.agents.chat_client import CallFailed, ChatClient, EndpointError
+from selfevo.agents.chat_client import CallFailed, ChatClient, EndpointError, FailureStreak
 from selfevo.agents.lm.model import messages_digest
 from selfevo.audit.judges import Verdict
-from selfevo.evaluate import answers_match, mentions, normalize_answer
+from selfevo.evaluate import answers_match, normalize_answer
 
 PROMPT_VERSION = "selfevo-judge-v1"
 API_KEY_ENV = "SELFEVO_JUDGE_API_KEY"
 MIN_QUOTE_WORDS, MAX_QUOTE_WORDS = 3, 100
 RAW_KEEP_CHARS = 2_000  # how much of a raw reply the cache keeps (for inspection)
+CUT = "reply cut at max_tokens: raise --judge-max-tokens"  # a reply the server stopped at the token cap
 
 REFERENCE_SYSTEM = """You are a careful fact-checker. You are given source documents and a question.
 Answer the question using only the documents, and support your answer with a verbatim quote.
@@ -100,6 +107,16 @@ Reply: {"label": "correct", "responses": ["correct", "incorrect", "incorrect", "
 CORRECTION = ("Your reply could not be used ({error}). Reply again with only the JSON object "
               "described in the instructions, and nothing else.")
 
+
+def _problem(e: ValueError) -> str:
+    """What is wrong with a reply, for the correction sent back and the cache: each of pydantic's
+    errors as field and message (its text's first line names only the schema)."""
+    if isinstance(e, ValidationError):
+        text = "; ".join(f"{'.'.join(map(str, err['loc'])) or 'reply'}: {err['msg']}" for err in e.errors())
+    else:
+        text = str(e)
+    return text[:200]
+
 Grade = Literal["correct", "incorrect", "unresolved"]
 
 
@@ -119,6 +136,14 @@ class ReferenceReply(BaseModel):
     reference: str | None
     quote: str | None
 
+    @field_validator("reference", mode="before")
+    @classmethod
+    def _number_as_text(cls, v):
+        # a year or a count replied as a JSON number (1908) is the same answer as "1908"; a bool is no answer
+        if isinstance(v, (int, float)) and not isinstance(v, bool):
+            return str(int(v)) if isinstance(v, float) and v.is_integer() else str(v)
+        return v
+
 
 class VerdictsReply(BaseModel):
     model_config = ConfigDict(extra="ignore")
@@ -136,22 +161,26 @@ class VerdictsReply(BaseModel):
         return [x.strip().lower() if isinstance(x, str) else x for x in v] if isinstance(v, list) else v
 
 
+_THINK = re.compile(r"<think>.*?</think>", re.S | re.I)
+
+
 def parse_json_object(text: str) -> dict:
-    """The JSON object in a reply: the whole reply, or inside a ``` fence, or from the first "{"
-    to the last "}". Raises ValueError otherwise."""
-    text = (text or "").strip()
-    fenced = re.search(r"```(?:json)?\s*(.*?)```", text, re.S)
-    candidates = [text] + ([fenced.group(1).strip()] if fenced else [])
-    if "{" in text and "}" in text:
-        candidates.append(text[text.index("{"): text.rindex("}") + 1])
-    for c in candidates:
+    """The JSON object in a reply: a reasoning model's <think>...</think> block is dropped, then the
+    last complete JSON object in what is left (bare, in a ``` fence or amid prose) is taken -- the
+    answer comes after a draft, and braces in prose around it ("{reference}", "the set {a, b}") must
+    not hide it. Objects nested in one already read are not candidates. Raises ValueError if none."""
+    text = _THINK.sub(" ", text or "")
+    decoder = json.JSONDecoder()
+    found, i = None, text.find("{")
+    while i != -1:
         try:
-            obj = json.loads(c)
+            found, end = decoder.raw_decode(text, i)
         except json.JSONDecodeError:
-            continue
-        if isinstance(obj, dict):
-            return obj
-    raise ValueError("the reply is not a JSON object")
+            end = i + 1  # not an object from here: try the next "{"
+        i = text.find("{", end)
+    if found is None:
+        raise ValueError("the reply is not a JSON object")
+    return found
 
 
 # ---------------------------------------------------------------- evidence and verdicts
@@ -173,10 +202,32 @@ def _unwrap(quote: str) -> str:
     return q
 
 
+def _whole_words(needle: str, flags: int = 0) -> re.Pattern:
+    """`needle` verbatim, matching only where it cuts no word of the text in two: an end of the
+    needle that is a word character must not have a word character beside it in the text."""
+    head = r"(?<!\w)" if re.match(r"\w", needle) else ""
+    tail = r"(?!\w)" if re.search(r"\w$", needle) else ""
+    return re.compile(head + re.escape(needle) + tail, flags)
+
+
+_LEADING_ARTICLE = re.compile(r"(?:a|an|the)\s+", re.I)
+
+
+def _reference_in(quote: str, reference: str) -> bool:
+    """`reference` stands in `quote` as whole words, case and runs of whitespace aside but every
+    other character as written: "Gou-jest" is not "Goujest", and "Industries He" does not span
+    "Industries. He" (the answer normalisation drops punctuation, which joins or splits words).
+    Punctuation around the reference ("Kelda.") and a leading article are no part of the answer."""
+    ref = _squash(reference).strip(string.punctuation + " ")
+    bare = _LEADING_ARTICLE.sub("", ref, count=1) if _LEADING_ARTICLE.match(ref) else ""
+    return any(r and _whole_words(r, re.I).search(_squash(quote)) for r in (ref, bare))
+
+
 def check_evidence(reference: str | None, quote: str | None, sources: Sequence[str]) -> str | None:
-    """None if `quote` is verbatim in one of `sources` (whitespace-normalised, case-sensitive),
-    3..100 words long, and contains `reference` (token-bounded, under the answer normalisation);
-    otherwise the reason it is not evidence."""
+    """None if `quote` is verbatim in one of `sources` (whitespace-normalised, case-sensitive) and
+    starts and ends on word boundaries there (a quote cut mid-word is no quote of the source),
+    3..100 words long, and contains `reference` as whole words (`_reference_in`); otherwise the
+    reason it is not evidence."""
     if not reference or not normalize_answer(reference):
         return "empty reference"
     if not quote or not quote.strip():
@@ -187,9 +238,10 @@ def check_evidence(reference: str | None, quote: str | None, sources: Sequence[s
         return "quote too short"
     if words > MAX_QUOTE_WORDS:
         return "quote too long"
-    if not any(q in _squash(s) for s in sources):
+    in_source = _whole_words(q)
+    if not any(in_source.search(_squash(s)) for s in sources):
         return "quote not found in the source"
-    if not mentions(q, reference):
+    if not _reference_in(q, reference):
         return "reference not in the quote"
     return None
 
@@ -322,6 +374,12 @@ class LLMJudge:
         self.concurrency, self.malformed_retries, self.progress = concurrency, malformed_retries, progress
         self.stats: Counter[str] = Counter()
         self._lock = threading.Lock()
+        self.streak = FailureStreak()  # past it the endpoint is not answering: the audit stops
+        # the models the endpoint lists (GET /models; None: not probed yet): a stored reply is used only
+        # if the model that gave it is among them (see `_stands`)
+        self.endpoint_models: list[str] | None = None
+        self._probe_lock = threading.Lock()
+        self._cached_models: Counter[str] = Counter()  # the models that gave the stored replies used
         key = api_key if api_key is not None else os.environ.get(API_KEY_ENV) or None
         self._has_key = bool(key)
         try:
@@ -346,6 +404,34 @@ class LLMJudge:
     def close(self) -> None:
         self.client.close()
 
+    def check(self) -> None:
+        """Probe the endpoint once (GET /models): a JudgeError, before any item, if it is unreachable
+        or refuses the key; keeps the models it lists (which stored replies may stand, `_stands`)."""
+        try:
+            self.endpoint_models = self.client.check()
+        except EndpointError as e:
+            raise JudgeError(str(e)) from None
+
+    def _check_answering(self) -> None:
+        if (broken := self.streak.broken()) is not None:
+            raise JudgeError(f"{self.url}: {broken}; the endpoint is not answering, so the audit stops "
+                             "(an earlier audit in its directory is kept)")
+
+    def _stands(self, row: dict) -> bool:
+        """Whether a stored call answers for this judge now. The key names the model asked for, which
+        a server may not serve (llama.cpp, `serve-model` answer any name): the row must also name the
+        model that replied, and the endpoint must list it now. Rows written before the replying model
+        was stored have no `reply_model` and are asked again. A reply stored as malformed after fewer
+        corrective retries than this judge makes is asked again (--judge-malformed-retries raised)."""
+        if "reply_model" not in row:
+            return False
+        if not (row["ok"] or row.get("cut") or row.get("attempts", 0) >= 1 + self.malformed_retries):
+            return False
+        with self._probe_lock:  # only when a row could stand: a run with no stored call needs no probe
+            if self.endpoint_models is None:
+                self.check()
+        return row["reply_model"] in self.endpoint_models
+
     def __enter__(self) -> LLMJudge:
         return self
 
@@ -362,6 +448,7 @@ class LLMJudge:
                     v.resolved for v in outcomes), "unresolved_by_reason": dict(reasons.most_common()),
                 "requests": s["request"], "replies": s["reply"], "retries": s["retry"], "timeouts": s["timeout"],
                 "failed_calls": s["failed"], "malformed_replies": s["malformed"],
+                "cut_replies": s["cut"],  # stopped at max_tokens: not retried, the same cap cuts them again
                 "malformed_bodies": s["malformed_body"],  # 200s that were no chat completion (retried)
                 "cache_hits": s["cache_hit"], "cached_calls": s["cached"],
                 "grade_calls_skipped": s["grade_skipped"], "contradictions": s["contradiction"]}
@@ -371,8 +458,10 @@ class LLMJudge:
         return {"judge": self.name, "url": self.url, **self._settings, "api_key": "set" if self._has_key else "unset",
                 "concurrency": self.concurrency, "max_retries": self.client.max_retries,
                 "malformed_retries": self.malformed_retries, "cache": str(self.cache.path) if self.cache.path else None,
-                "reply_models": dict(self.client.reply_models),  # the model each reply this run named
-                "summary": self.summary()}
+                # the models the endpoint lists, and the model named by each reply this run used:
+                # received now or stored in the cache (`_stands`)
+                "endpoint_models": self.endpoint_models,
+                "reply_models": dict(self.client.reply_models + self._cached_models), "summary": self.summary()}
 
     def judgements(self) -> list[dict]:
         """One row per distinct item judged: the verified reference and quote, or why not."""
@@ -405,24 +494,31 @@ class LLMJudge:
 
         def fetch() -> dict:
             row = self.cache.get(key)
-            # a reply stored as malformed after fewer corrective retries than this judge makes is
-            # asked again (--judge-malformed-retries raised on a rerun); a row from before
-            # `attempts` was stored counts as one attempt
-            if row is not None and (row["ok"] or row.get("attempts", 1) >= 1 + self.malformed_retries):
+            if row is not None and self._stands(row):
                 self._count("cache_hit")
+                with self._lock:
+                    self._cached_models[row["reply_model"]] += 1
                 return row
-            convo, error, raw = list(messages), "", ""
+            convo, error = list(messages), ""
             for _ in range(1 + self.malformed_retries):
                 try:
-                    raw = self.client.complete(convo)
+                    choice = self.client.chat(convo)[0]
                 except EndpointError as e:
                     raise JudgeError(str(e)) from None
+                self.streak.answered()
+                raw = choice.text
+                if choice.finish_reason == "length":
+                    # not malformed: the same cap would cut a corrected reply again
+                    self._count("cut")
+                    row = {"key": key, "stage": stage, "ok": False, "error": CUT, "raw": raw[:RAW_KEEP_CHARS],
+                           "cut": True}
+                    break
                 try:
                     reply = schema.model_validate(parse_json_object(raw))
                     if check:
                         check(reply)
-                except (ValueError, ValidationError) as e:
-                    error = str(e).splitlines()[0][:200]
+                except ValueError as e:  # pydantic's ValidationError included
+                    error = _problem(e)
                     self._count("malformed")
                     convo = [*convo, {"role": "assistant", "content": raw[:RAW_KEEP_CHARS]},
                              {"role": "user", "content": CORRECTION.format(error=error)}]
@@ -432,7 +528,8 @@ class LLMJudge:
             else:
                 row = {"key": key, "stage": stage, "ok": False, "error": f"malformed reply: {error}",
                        "raw": raw[:RAW_KEEP_CHARS], "attempts": 1 + self.malformed_retries}
-            row.update(prompt_sha=messages_digest(messages), model=self.model, prompt_version=PROMPT_VERSION)
+            row.update(prompt_sha=messages_digest(messages), model=self.model, prompt_version=PROMPT_VERSION,
+                       reply_model=choice.model)
             self.cache.put(row)
             self._count("cached")
             return row
@@ -485,10 +582,13 @@ class LLMJudge:
         return Verdict(True, correct[0], tuple(correct[1:]), (reference,)), detail
 
     def _safe_one(self, item: Mapping[str, Any]) -> tuple[Verdict, dict]:
+        self._check_answering()  # once it is not, the items still queued send nothing
         try:
             return self._judge_one(item)
         except CallFailed as e:
             self._count("failed")
+            self.streak.failed(str(e))
+            self._check_answering()
             return Verdict(False, reason=f"call failed: {e}"), {"question": item["question"]}
 
     @staticmethod
@@ -512,6 +612,8 @@ class LLMJudge:
                        TimeRemainingColumn(), disable=not self.progress, transient=False)
         pool = ThreadPoolExecutor(max_workers=self.concurrency, thread_name_prefix="judge")
         done: dict[str, tuple[Verdict, dict]] = {}
+        self.streak.answered()  # each batch may try the endpoint afresh
+        self.client.retrying_stopped.clear()
         try:
             with bar:
                 task = bar.add_task("judge", total=len(todo))
@@ -519,6 +621,9 @@ class LLMJudge:
                 for fut in as_completed(futures):
                     done[futures[fut]] = fut.result()  # JudgeError propagates: stop
                     bar.advance(task)
+        except BaseException:  # the judge cannot work (JudgeError), or we are stopping (Ctrl-C):
+            self.client.retrying_stopped.set()  # the calls in flight make no further attempt
+            raise
         finally:
             pool.shutdown(wait=True, cancel_futures=True)
             # in the items' order, not the calls' finishing order: judgements.jsonl and the
