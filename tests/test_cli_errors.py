@@ -324,3 +324,90 @@ def test_every_commands_summary_is_one_line_so_the_command_lists_read_as_sentenc
         assert summary and "\n" not in summary, path
     out = CliRunner().invoke(app, ["--help"], terminal_width=200).output
     assert "per step and round." in out and "the oracle," not in out
+
+
+def test_evolve_on_a_corpus_without_benchmarks_names_the_flag_and_where_it_looked(tmp_path):
+    """`--corpus` looks for qa/ beside the corpus's directory; when there is none the error is said in
+    the command's words (--qa-dir, the path looked at), not as the config field it became."""
+    corpus = tmp_path / "c" / "corpus.jsonl"
+    corpus.parent.mkdir()
+    corpus.write_text('{"id": "0", "contents": "\\"A\\"\\nB."}\n')
+    out = _usage_error(["evolve", "--backend", "lm", "--corpus", str(corpus), "--out", str(tmp_path / "run")])
+    assert "--qa-dir: not given" in out and str(tmp_path / "qa") in out
+    assert not (tmp_path / "run").exists()
+
+
+def test_an_unknown_agent_spec_shows_how_each_is_written(tmp_path):
+    (tmp_path / "nq.jsonl").write_text('{"id": "q1", "question": "who?", "golden_answers": ["A"]}\n')
+    out = _usage_error(["eval", "--data-dir", str(tmp_path), "--agent", "nope", "--out", str(tmp_path / "e")])
+    assert "lm:MODEL[@POLICY.safetensors]" in out and "remote:MODEL@URL" in out
+
+
+def test_a_command_help_flows_its_docstring_paragraphs():
+    """rich keeps a docstring's line breaks: at 80 columns a hard-wrapped paragraph printed
+    half-empty lines. Each paragraph is one line for the terminal to wrap."""
+    res = CliRunner().invoke(app, ["demo", "--help"], terminal_width=80, env={"COLUMNS": "80"})
+    assert res.exit_code == 0
+    lines = [x.strip() for x in res.output.splitlines()]
+    assert "Every treatment over several seeds, the audit, the downstream evaluation, the" in lines
+    assert "replay bank study," not in lines  # a source line break kept: a line ending mid-sentence
+
+
+def test_serve_model_takes_every_name_of_the_shipped_model(monkeypatch):
+    """README and lm.model's default call it smollm2-135m; serve-model knew only `smollm2` and sent the
+    other name to the Hub (a minute of retries, then an error about huggingface.co)."""
+    from selfevo.agents.lm import model as lm_model
+    from selfevo.agents.lm import server
+    from selfevo.agents.lm.config import LMConfig
+
+    loaded = []
+
+    class Loaded:  # stands for the converted model: loading it is the slow tests' business
+        def __init__(self, path, name=None, **options):
+            loaded.append(str(path))
+            self.name = name
+
+    monkeypatch.setattr(lm_model, "smollm2_dir", lambda: "/converted/smollm2")
+    monkeypatch.setattr(lm_model, "TransformersChatModel", Loaded)
+    monkeypatch.setattr(server, "serve", lambda *args, **kwargs: None)
+    for name in dict.fromkeys([LMConfig().model, "smollm2-135m", "smollm2"]):
+        res = runner.invoke(app, ["serve-model", "--model", name])
+        assert res.exit_code == 0, (name, res.output, res.exception)
+    assert loaded == ["/converted/smollm2"] * 2
+
+
+@pytest.fixture
+def hub_offline(monkeypatch):
+    """A hub id not in the cache fails at once, as with no network, not after a minute of retries
+    (huggingface_hub reads HF_HUB_OFFLINE once, at import: the constant is set too)."""
+    pytest.importorskip("transformers")
+    import huggingface_hub.constants
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+
+
+@pytest.mark.parametrize("spec", ["selfevo-test/no-such-model", "{tmp}/no-model"])
+def test_a_chat_model_that_cannot_be_loaded_is_named_with_the_remedy(tmp_path, hub_offline, spec):
+    """transformers says only that it could not reach huggingface.co (or, for a missing directory, that
+    the path is a malformed hub id): the error names the model and what to do, as the encoder's does."""
+    spec = spec.format(tmp=tmp_path)
+    out = _usage_error(["serve-model", "--model", spec])
+    assert f"cannot load language model '{spec}'" in out
+    assert "local Hugging Face cache" in out and "smollm2-135m" in out
+
+
+@pytest.mark.parametrize("model", ["selfevo-test/no-such-model", "{tmp}/empty"])
+def test_an_lm_agent_whose_model_cannot_be_loaded_is_named_with_the_remedy(tmp_path, hub_offline, model):
+    """`eval --agent lm:HUB_ID` (the policy's load, not the chat model's): the same error, exit 2. A
+    directory without a model in it is not a hub id either."""
+    (tmp_path / "empty").mkdir()
+    qa = tmp_path / "qa"
+    qa.mkdir()
+    (qa / "nq.jsonl").write_text('{"id": "q1", "question": "who?", "golden_answers": ["x"]}\n')
+    corpus = tmp_path / "c.jsonl"
+    corpus.write_text('{"id": "1", "contents": "\\"Paris\\"\\nParis is the capital of France."}\n')
+    model = model.format(tmp=tmp_path)
+    out = _usage_error(["eval", "--agent", f"lm:{model}", "--data-dir", str(qa), "--corpus", str(corpus),
+                        "--limit", "1", "--out", str(tmp_path / "e")])
+    assert f"cannot load language model '{model}'" in out and "local Hugging Face cache" in out

@@ -383,6 +383,9 @@ def test_cli_build_and_run(runs, tmp_path):
     (["run", "--bank", "{bank}", "--judge-url", "http://127.0.0.1:9/v1", "--out", "{tmp}/o"],
      "--judge-url and --judge-model go together"),
     (["run", "--bank", "{corpus_bank}", "--out", "{tmp}/o"], "absent.jsonl"),
+    # a judge endpoint that is down: said before the solvers train, not after 16 calls' retries
+    (["run", "--bank", "{bank}", "--judge-url", "http://127.0.0.1:9/v1", "--judge-model", "m", "--out", "{tmp}/o"],
+     "cannot connect"),
 ])
 def test_cli_usage_errors_exit_2(runs, bank, tmp_path, args, message):
     other = tmp_path / "other"
@@ -513,3 +516,20 @@ def test_a_seed_named_twice_is_refused(bank):
     "2 seeds" that are one."""
     with pytest.raises(ReplayError, match="seed 0 is named twice"):
         run_replay(bank, ["coupled"], seeds=[0, 0], settings=FAST)
+
+
+def test_cli_run_warns_when_the_judge_resolved_nothing(bank, tmp_path):
+    """A judge that resolves no bank item leaves every F and truth undefined: the study says so, as
+    `selfevo audit` does, rather than print a table of dashes as a result."""
+    from selfevo.agents.lm.model import ScriptedModel
+    from selfevo.agents.lm.server import make_app, running
+    from selfevo.audit.scripted import ScriptedJudge
+
+    bank_path = replace(bank, items=bank.items[:40]).save(tmp_path / "bank.json")
+    with running(make_app(ScriptedModel(ScriptedJudge({}), name="judge"))) as url:  # an empty answer key
+        res = CliRunner().invoke(app, ["replay", "run", "--bank", str(bank_path), "--conditions", "coupled",
+                                       "--seeds", "1", "--updates", "4", "--workers", "1", "--judge-url", url,
+                                       "--judge-model", "judge", "--out", str(tmp_path / "o")])
+    assert res.exit_code == 0, res.output
+    assert read_json(tmp_path / "o" / "results.json")["bank"]["coverage"] == 0
+    assert "the judge resolved no item" in " ".join(res.output.split())

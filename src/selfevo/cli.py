@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import os
 import re
 import sys
@@ -65,12 +66,22 @@ def _os_errors_as_usage_errors(command):
     return wrapper
 
 
+def _flowing(doc: str) -> str:
+    """A docstring as --help text: each paragraph one line, for the terminal to wrap (rich keeps the
+    source's line breaks, which at 80 columns leave half-empty lines)."""
+    return "\n\n".join(" ".join(p.split()) for p in inspect.cleandoc(doc).split("\n\n"))
+
+
 class _Typer(typer.Typer):
-    """Every command of the CLI gets the OSError rule above."""
+    """Every command of the CLI gets the OSError rule above, and its docstring as flowing help."""
 
     def command(self, *args, **kwargs):
-        register = super().command(*args, **kwargs)
-        return lambda command: register(_os_errors_as_usage_errors(command))
+        def register(command):
+            if "help" not in kwargs and command.__doc__:
+                kwargs["help"] = _flowing(command.__doc__)
+            return super(_Typer, self).command(*args, **kwargs)(_os_errors_as_usage_errors(command))
+
+        return register
 
 
 def _out_dir(path: Path) -> None:
@@ -249,7 +260,9 @@ def eval_(
     data_dir: Path = typer.Option(..., "--data-dir", help="directory of FlashRAG QA JSONL files"),
     corpus: Path | None = typer.Option(None, help="FlashRAG corpus JSONL to search (needed unless "
                                                     "--index or --retriever-url is given)"),
-    agent: str = typer.Option("retrieval-baseline", help="agent spec, e.g. retrieval-baseline"),
+    agent: str = typer.Option("retrieval-baseline", help="retrieval-baseline | lm:MODEL[@POLICY.safetensors] "
+                              "(a model directory, a cached hub id or smollm2-135m; a trained policy file) | "
+                              "remote:MODEL@URL (an OpenAI-compatible endpoint)"),
     out: Path = typer.Option(..., help="output directory"),
     limit: int | None = typer.Option(None, min=1, help="at most N questions per benchmark"),
     retriever_url: str | None = typer.Option(None, "--retriever-url",
@@ -373,14 +386,15 @@ def evolve_cmd(
                                       "(`selfevo index build`, bm25|dense|hybrid; default: BM25 built in memory)"),
 ) -> None:
     """Run the self-evolution loop into a run directory, then audit it."""
-    from selfevo.config import ConfigError, load_config
+    from selfevo.config import NEEDS_QA_DIR, ConfigError, load_config
     from selfevo.evolve import evolve
     from selfevo.runs import RunError
     from selfevo.world import WorldError
 
+    beside = None if corpus is None else corpus.resolve().parent.parent / "qa"  # the FlashRAG layout
+    if qa_dir is None and beside is not None and beside.is_dir():
+        qa_dir = beside
     try:
-        if corpus is not None and qa_dir is None and (corpus.resolve().parent.parent / "qa").is_dir():
-            qa_dir = corpus.resolve().parent.parent / "qa"
         cfg = load_config(config, set_, treatment=treatment, seed=seed, backend=backend, **{
             "world.name": world, "loop.rounds": rounds, "lm.model": model,
             "data.corpus": None if corpus is None else str(corpus),
@@ -390,7 +404,12 @@ def evolve_cmd(
             _fail(f"--model {model}: a language model needs the lm backend (add --backend lm)")
         with _warnings_as_lines():
             run = evolve(cfg, out, resume=resume, audit=audit)
-    except (ConfigError, RunError, DataError, WorldError) as e:
+    except ConfigError as e:
+        if str(e) == NEEDS_QA_DIR and qa_dir is None and beside is not None:  # say it in the command's words
+            _fail(f"--qa-dir: not given, and no qa/ directory beside the corpus's directory ({beside}): "
+                  "the benchmarks to evaluate on")
+        _fail(str(e))
+    except (RunError, DataError, WorldError) as e:
         _fail(str(e))
     _print_run(run.path)
 
@@ -434,9 +453,13 @@ def _print_audit_rounds(metrics: dict, counts: tuple[str, ...] = ()) -> None:
         table.add_row(str(r["round"]), *[num(r[c]) for c in METRICS], *[str(r[c]) for c in counts])
     console.print(table)
     if not any(r["coverage"] for r in metrics["rounds"]):
-        # every metric above is undefined: say so, rather than let a table of dashes pass for a result
-        console.print("[yellow]warning:[/yellow] the judge resolved no item (no records, or every call "
-                      "failed or went unresolved); nothing above is a measurement")
+        _warn_nothing_resolved()
+
+
+def _warn_nothing_resolved() -> None:
+    # every metric of the table above is undefined: say so, rather than let dashes pass for a result
+    console.print("[yellow]warning:[/yellow] the judge resolved no item (no records, or every call "
+                  "failed or went unresolved); nothing above is a measurement")
 
 
 def _print_run(path: Path) -> None:
@@ -849,6 +872,8 @@ def replay_run(
         _fail(str(e))
     write_results(results, out)
     console.print(results_table(results))
+    if not results["bank"]["coverage"]:  # the bank's items, judged once: the same for every condition
+        _warn_nothing_resolved()
     console.print(escape(f"wrote {out / 'results.json'}, {out / 'results.md'} and {out / 'replay.png'}"))
 
 

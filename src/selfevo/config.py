@@ -31,6 +31,9 @@ class ConfigError(ValueError):
     """A bad configuration value; the message names the field."""
 
 
+NEEDS_QA_DIR = "data.corpus: needs data.qa_dir as well (the benchmarks to evaluate on)"
+
+
 # Fields that name a file or directory. Stored absolute: a run audited, resumed or replayed from
 # another directory (or on a Ray worker) must read the same files, not whatever is there.
 PATH_FIELDS = (("world", "name"), ("data", "corpus"), ("data", "qa_dir"), ("data", "index"))
@@ -102,7 +105,7 @@ class DataSpec:
         if self.index and not self.corpus:
             raise ValueError("data.index: only with data.corpus (the corpus the index was built from)")
         if self.corpus and not self.qa_dir:
-            raise ValueError("data.corpus: needs data.qa_dir as well (the benchmarks to evaluate on)")
+            raise ValueError(NEEDS_QA_DIR)
         if self.qa_dir and not self.corpus:  # a world run is evaluated on its world's benchmarks only
             raise ValueError("data.qa_dir: only with data.corpus (a run on the synthetic world is evaluated on "
                              "the world's own seven benchmarks)")

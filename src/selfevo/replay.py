@@ -815,6 +815,7 @@ def replay_judge(bank: Bank, url: str | None = None, model: str | None = None,
 
         with LLMJudge(url, model, documents=contents_by_id(env.documents), cache_path=cache_path,
                       concurrency=concurrency) as judge:
+            judge.check()  # an endpoint that is down or refuses the key: say so now, not after the training
             yield judge
     else:
         from selfevo.evolve import default_judge

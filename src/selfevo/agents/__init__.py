@@ -68,6 +68,9 @@ def _lm(arg: str, **context: Any) -> Solver:
 
 
 _REGISTRY: dict[str, AgentFactory] = {"retrieval-baseline": _retrieval_baseline, "remote": _remote, "lm": _lm}
+# how each built-in spec is written, for the --agent help and the unknown-spec error
+SPEC_FORMS = {"retrieval-baseline": "retrieval-baseline", "lm": "lm:MODEL[@POLICY.safetensors]",
+              "remote": "remote:MODEL@URL"}
 
 
 def register_agent(prefix: str, factory: AgentFactory) -> None:
@@ -90,7 +93,8 @@ def load_agent(spec: str, **context: Any) -> Solver:
     prefix, _, arg = spec.strip().partition(":")
     factory = _REGISTRY.get(prefix)
     if factory is None:
-        raise ValueError(f"unknown agent spec '{spec}'; known: {', '.join(known_agents())}")
+        forms = (SPEC_FORMS.get(p, f"{p}[:ARG]") for p in known_agents())
+        raise ValueError(f"unknown agent spec '{spec}'; known: {', '.join(forms)}")
     return factory(arg, **context)
 
 

@@ -414,8 +414,7 @@ class LLMJudge:
 
     def _check_answering(self) -> None:
         if (broken := self.streak.broken()) is not None:
-            raise JudgeError(f"{self.url}: {broken}; the endpoint is not answering, so the audit stops "
-                             "(an earlier audit in its directory is kept)")
+            raise JudgeError(f"{self.url}: {broken}; the judge endpoint is not answering")
 
     def _stands(self, row: dict) -> bool:
         """Whether a stored call answers for this judge now. The key names the model asked for, which
