@@ -726,6 +726,32 @@ def test_engine_config_errors_name_the_field(tmp_path):
         load_engine_config(path)
 
 
+def test_a_misspelt_engine_field_lists_the_known_ones_as_the_other_tables_do(tmp_path):
+    """pydantic said only "Extra inputs are not permitted"; `loop.rouns` lists the known fields."""
+    from selfevo.config import ConfigError, load_config
+    from selfevo.integrations.engine import EngineSpec, load_engine_config
+
+    with pytest.raises(ConfigError, match=r"^loop\.rouns: unknown field \(known: rounds, "):
+        load_config(None, ["loop.rouns=3"])
+    path = tmp_path / "c.toml"
+    path.write_text('backend = "lm"\n[engine]\nengine = "trl"\n')
+    with pytest.raises(ConfigError) as err:
+        load_engine_config(path, ["engine.grader=vllm"])
+    assert str(err.value) == f"engine.grader: unknown field (known: {', '.join(EngineSpec.model_fields)})"
+    assert "graders" in str(err.value) and "verl_max_response_length" in str(err.value)
+
+
+def test_every_engine_field_is_documented_with_its_default():
+    """The recipes set [engine] fields (verl_gpus, proposer_prompts, ...) that no page described."""
+    from selfevo.integrations.engine import EngineSpec
+
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "integrations.md").read_text(encoding="utf-8")
+    rows = dict(re.findall(r"^\| `(\w+)` \| ([^|]+?) \|", doc, flags=re.M))
+    for name, field in EngineSpec.model_fields.items():
+        default = field.get_default(call_default_factory=True)
+        assert rows.get(name, "").strip("`") == json.dumps(default), name
+
+
 def test_engine_config_engine_not_a_table_names_the_field(tmp_path):
     """A top-level `engine = "trl"` (or `--set engine=verl`) is a ConfigError naming `engine`, not a
     ValueError from dict()."""

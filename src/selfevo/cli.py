@@ -659,7 +659,8 @@ def audit_cmd(
 
 @app.command("serve-model")
 def serve_model_cmd(
-    model: str = typer.Option(..., help="smollm2 | a model directory or hub id | scripted:echo | scripted:judge"),
+    model: str = typer.Option(..., help="smollm2-135m (or smollm2) | a model directory or a cached hub id | "
+                                        "scripted:echo | scripted:judge"),
     host: str = typer.Option("127.0.0.1", help="bind address (loopback unless told otherwise)"),
     port: int = typer.Option(8001, min=1, max=65535),
     max_new_tokens: int = typer.Option(1024, "--max-new-tokens", min=1,

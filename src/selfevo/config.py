@@ -190,14 +190,20 @@ def coerce(value: Any, typ: Any, where: str) -> Any:
     raise ConfigError(f"{where}: unsupported type {typ}")
 
 
+def check_known(data: dict, names, prefix: str = "") -> None:
+    """A key of a config table that is none of its fields: an error naming it and the known ones."""
+    for key in data:
+        if key not in names:
+            raise ConfigError(f"{prefix + '.' if prefix else ''}{key}: unknown field (known: {', '.join(names)})")
+
+
 def _build(cls, data: dict, prefix: str = ""):
     hints = typing.get_type_hints(cls)
     names = [f.name for f in dataclasses.fields(cls)]
+    check_known(data, names, prefix)
     kwargs = {}
     for key, value in data.items():
         where = f"{prefix}.{key}" if prefix else key
-        if key not in names:
-            raise ConfigError(f"{where}: unknown field (known: {', '.join(names)})")
         kwargs[key] = coerce(value, hints[key], where)
     try:
         return cls(**kwargs)

