@@ -69,7 +69,7 @@ from selfevo.audit.judges import OracleJudge
 from selfevo.config import load_config
 from selfevo.evaluate import answers_match
 from selfevo.evolve import environment, evolve
-from selfevo.runs import RunDir
+from selfevo.runs import ORACLE_ADMISSION, RunDir
 
 HEADING = "## Downstream sensitivity"
 CEILING = "coupled, wrong labels withheld (ceiling)"
@@ -104,6 +104,7 @@ class WithholdWrongLabels:
             ref = self.judge.reference(p.question)
             if d.admitted and not (ref and any(answers_match(d.label, g) for g in ref)):
                 d.admitted = False
+                d.detail = {**d.detail, "oracle_withheld": True}  # the step record says who refused it
         return decisions
 
 
@@ -144,6 +145,9 @@ def run_one(job: tuple[str, str, int, str, Path]) -> dict:
                 evolve(cfg, out, progress=False)
             finally:
                 evolve_module.make_rules = rules
+            # its config says coupled: the manifest says the oracle admitted, so that no report,
+            # comparison or replay bank takes it for a run of the loop (runs.check_loop_run)
+            RunDir(out).note(**{ORACLE_ADMISSION: True})
         else:
             evolve(cfg, out, progress=False)
     last = json.loads((out / "audit" / "metrics.json").read_text())["rounds"][-1]

@@ -66,6 +66,23 @@ def test_horizon_table_with_one_seed():
     assert "no verdict" in text and "appears" not in text
 
 
+def test_the_ceiling_arm_says_its_oracle_admitted(tmp_path):
+    """downstream.py's ceiling arm (the oracle withholds wrong labels, config `coupled`): the manifest
+    marks the run, so that nothing takes it for a run of the loop, and each withheld item says who
+    withheld it."""
+    import json
+
+    from selfevo.runs import ORACLE_ADMISSION, RunDir
+
+    downstream = _script("downstream")
+    row = downstream.run_one(("default", downstream.CEILING, 0, "small", tmp_path))
+    run = RunDir(next(tmp_path.iterdir()))
+    assert run.manifest()[ORACLE_ADMISSION] is True and row["arm"] == downstream.CEILING
+    withheld = [it for rec in run.steps() if rec["kind"] == "proposer" for it in rec["items"]
+                if it.get("admission", {}).get("oracle_withheld")]
+    assert withheld and not any(it["admitted"] for it in withheld), json.dumps(withheld[:1])
+
+
 # ------------------------------------------------------------------ lineage.misread_hop
 
 

@@ -6,6 +6,7 @@
 """
 
 import ast
+import json
 import re
 import subprocess
 import sys
@@ -86,6 +87,10 @@ def _only_language_from_world(source: str, module: str, is_package: bool, lineno
 
 def scanned_files() -> list[Path]:
     files = sorted((PKG / "agents").rglob("*.py")) + sorted((PKG / "loop").rglob("*.py"))
+    # what TRL and verl train with: rewards, admission, routing, datasets, rollouts (engine.py, which
+    # audits after the phases, and verl_launch.py, which writes their configs, stay outside)
+    files += [PKG / "integrations" / f"{m}.py" for m in ("rewards", "admit", "routing", "datasets", "trl_env",
+                                                         "trl_job", "verl_search")]
     assert len(files) >= 10, files  # the scan must actually see the rooms
     return files
 
@@ -202,3 +207,61 @@ def test_answers_match_is_defined_once_in_evaluate():
     defs = [p for p in PKG.rglob("*.py")
             if re.search(r"^\s*def answers_match\b", p.read_text(encoding="utf-8"), re.M)]
     assert defs == [PKG / "evaluate.py"]
+
+
+# ------------------------------------------------------------------ the same rule, run
+
+
+class _Untouchable:
+    """Exact truth that raises when anything reads it."""
+
+    def __getattr__(self, name):
+        raise AssertionError(f"the loop read truth (.{name})")
+
+
+class _Sink:
+    def __init__(self):
+        self.rows, self.checkpoints = [], {}
+
+    def append_steps(self, rows):
+        self.rows.extend(json.loads(json.dumps(rows)))
+
+    def checkpoint(self, round, state):
+        state = json.loads(json.dumps(state))
+        del state["compute"]["seconds"]  # wall time, which an evaluation adds to
+        self.checkpoints[round] = state
+
+
+@pytest.mark.parametrize("treatment", ["coupled", "msv+crossfit"])
+def test_the_loop_runs_without_truth_and_its_evaluation_never_feeds_back(treatment):
+    """The import scan above, run: the loop works with a world whose truth raises on any read, and
+    its step records and checkpoints are the same whether the main solver is evaluated after every
+    round against the benchmarks' gold answers, against wrong ones, or not at all."""
+    from dataclasses import replace
+
+    from selfevo.config import load_config
+    from selfevo.evaluate import evaluate_solver
+    from selfevo.evolve import build_loop, environment, fold_assignment
+    from selfevo.records import QAItem
+    from selfevo.search.tool import SearchTool
+
+    cfg = load_config(overrides=[f"treatment={treatment}", "world.name=small", "seed=3", "loop.rounds=2",
+                                 "loop.proposer_steps=2", "loop.solver_steps=2", "loop.admit_per_round=40"])
+    env = environment(cfg)
+    env = replace(env, world=replace(env.world, truth=_Untouchable()))
+    tool = SearchTool(env.index, topk=cfg.search.topk, max_calls=cfg.search.max_calls)
+    wrong = {b: [QAItem(q.id, q.question, ("no such answer",), q.metadata) for q in items[:30]]
+             for b, items in env.benchmarks.items()}
+    gold = {b: items[:30] for b, items in env.benchmarks.items()}
+    outcomes, scores = [], []
+    for benchmarks in (None, gold, wrong):
+        def evaluate(solver, round, benchmarks=benchmarks):
+            scores.append(evaluate_solver(solver, benchmarks, tool, progress=False, timing=False)["macro"]["cover_em"])
+
+        loop = build_loop(cfg, env, tool, fold_assignment(cfg, env.documents),
+                          evaluate=None if benchmarks is None else evaluate)
+        sink = _Sink()
+        loop.run(sink, progress=False)
+        outcomes.append((sink.rows, sink.checkpoints))
+    assert scores and max(scores) > 0 and not any(scores[len(scores) // 2:])  # gold scored, wrong 0
+    assert outcomes[0] == outcomes[1] == outcomes[2]

@@ -589,3 +589,26 @@ def test_a_ray_grid_does_not_start_a_local_ray_with_token_authentication_off(tmp
     monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
     with pytest.raises(ValueError, match="RAY_AUTH_MODE='disabled' would start a local Ray without token"):
         run_grid(grid(["coupled"], [0], tmp_path, ONE_ROUND), "ray")
+
+
+def test_a_run_whose_admission_read_truth_is_no_run_of_the_loop(local_grid, tmp_path):
+    """benchmarks/downstream.py's ceiling arm lets the oracle withhold wrong labels, under a config
+    that says `coupled`: its manifest says so, and no report, comparison or replay bank takes it."""
+    import shutil
+
+    from selfevo.replay import ReplayError, build_bank
+    from selfevo.report.collect import collect_runs
+    from selfevo.report.compare import compare
+    from selfevo.runs import ORACLE_ADMISSION, RunDir, RunError
+
+    root, _, _ = local_grid
+    ceiling = tmp_path / "coupled-s0"
+    shutil.copytree(root / "coupled-s0", ceiling)
+    RunDir(ceiling).note(**{ORACLE_ADMISSION: True})
+    with pytest.raises(RunError, match="admission was decided by the oracle"):
+        collect_runs([ceiling, root / "crossfit-s0"])
+    with pytest.raises(RunError, match="admission was decided by the oracle"):
+        compare([ceiling, root / "crossfit-s0"])
+    with pytest.raises(ReplayError, match="admission was decided by the oracle"):
+        build_bank([ceiling], size=10)
+    build_bank([root / "coupled-s0"], size=10)  # the run it copies is taken

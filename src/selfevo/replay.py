@@ -45,7 +45,7 @@ from selfevo.loop.admission import MSV
 from selfevo.loop.feedback import other_fold, trains_on
 from selfevo.loop.folds import FoldAssignment, assign_folds, fold_of, link_graph, question_fold
 from selfevo.loop.schedule import derive_seed
-from selfevo.runs import RunDir, RunError
+from selfevo.runs import RunDir, RunError, check_loop_run
 from selfevo.search.docstore import ById, contents_by_id
 from selfevo.search.tool import SearchTool
 
@@ -327,7 +327,9 @@ def build_bank(run_dirs: Sequence[str | os.PathLike], size: int = 3000, seed: in
         if not run.exists():
             raise ReplayError(f"{d}: not a run directory (no manifest.json)")
         try:  # a damaged file: its name, line and field
-            status = run.manifest().get("status")
+            manifest = run.manifest()
+            check_loop_run(manifest, d)
+            status = manifest.get("status")
             if status != "complete":
                 raise ReplayError(f"{d}: the run is not complete (status {status!r}); finish it with "
                                   "`selfevo evolve --resume`")

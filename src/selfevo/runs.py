@@ -78,6 +78,20 @@ class RunError(ValueError):
     damaged); the message names the file (and line) at fault."""
 
 
+# a manifest fact: the run's admission read truth (benchmarks/downstream.py's ceiling arm, whose
+# oracle withholds wrong labels); its config says `coupled` as the loop's own runs do
+ORACLE_ADMISSION = "oracle_admission"
+
+
+def check_loop_run(manifest: dict, path) -> None:
+    """Refuse a run whose admission read truth: no run of the loop (its agents were told which labels
+    are wrong), so no report, comparison or replay bank may take it for one."""
+    if manifest.get(ORACLE_ADMISSION):
+        raise RunError(f"{path}: its admission was decided by the oracle (a diagnostic ceiling, manifest field "
+                       f"{ORACLE_ADMISSION!r}), not by the loop's rules: it is no run of the loop to report, "
+                       "compare or build a replay bank from")
+
+
 _TYPE_NAMES = {int: "an integer", str: "a string", bool: "true/false", list: "a list", dict: "an object",
                (int, float): "a number"}
 

@@ -13,7 +13,7 @@ from selfevo.algos import summary
 from selfevo.audit import METRICS, mean_hop_mix
 from selfevo.evaluate import benchmark_order
 from selfevo.report.compare import compare
-from selfevo.runs import RunDir, differences, made_on
+from selfevo.runs import RunDir, check_loop_run, differences, made_on
 
 # what may differ between the runs of one report: every other field is the setting they share
 _VARIED = ("treatment", "seed")
@@ -45,6 +45,7 @@ def collect_runs(run_dirs: Sequence[str | os.PathLike]) -> dict:
     for d in run_dirs:
         run = RunDir(d)
         cfg, manifest = run.config(), run.manifest()  # checked: a damaged file is named
+        check_loop_run(manifest, run.path)
         treatment, seed = cfg["treatment"], cfg["seed"]
         if (treatment, seed) in seen:
             raise ValueError(f"two runs of {treatment} seed {seed}: {seen[treatment, seed]} and {run.path}; "

@@ -8,7 +8,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from selfevo.runs import RunDir, RunError, made_on
+from selfevo.runs import RunDir, RunError, check_loop_run, made_on
 
 
 @dataclass
@@ -37,6 +37,7 @@ class RunSummary:
         compute = run.compute()
         rounds = run.audit_metrics()["rounds"] if (run.path / "audit" / "metrics.json").exists() else []
         manifest = run.manifest()
+        check_loop_run(manifest, run.path)
         done = manifest.get("rounds_completed", 0)
         cover = run.evaluation(done)["macro"]["cover_em"] if run.eval_path(done).exists() else None
         setting = json.dumps([{k: v for k, v in cfg.items() if k != "treatment"}, made_on(manifest), done],
