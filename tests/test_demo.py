@@ -98,6 +98,18 @@ def test_a_rerun_with_another_plan_reports_that_plan_only(tmp_path):
     # seed 1, crossfit and the replay study are left from the first plan; this one ran none of them
     assert res["treatments"] == ["coupled"] and res["seeds"] == [0] and "replay" not in res
     assert "Fixed replay bank" not in (out / "report.md").read_text()
+    # `selfevo report DIR` on the demo's --out (its help's example) reports the same plan: it took
+    # every run below DIR and DIR/replay, and wrote the first plan's report over this one's
+    result = CliRunner().invoke(app, ["report", str(out)])
+    assert result.exit_code == 0, result.output
+    again = json.loads((out / "results.json").read_text())
+    assert again["treatments"] == ["coupled"] and again["seeds"] == [0] and "replay" not in again
+    assert again["audit"] == json.loads(json.dumps(res["audit"]))
+    assert "of the demo recorded in demo.json" in again["context"]
+    (out / "demo.json").unlink()  # a plain directory of runs: every run below it, as before
+    assert CliRunner().invoke(app, ["report", str(out)]).exit_code == 0
+    plain = json.loads((out / "results.json").read_text())
+    assert plain["treatments"] == ["coupled", "crossfit"] and plain["seeds"] == [0, 1] and "replay" in plain
 
 
 def test_a_job_that_failed_before_its_run_directory_is_named_in_the_report(tmp_path):
@@ -155,6 +167,32 @@ def test_a_partial_demo_writes_its_report_and_exits_1(tmp_path):
     result = CliRunner().invoke(app, ["demo", "--config", str(cfg), "--out", str(tmp_path / "cli"), "--workers", "1"])
     assert result.exit_code == 1 and "1 of 2 jobs failed" in result.output, result.output
     assert "msv seed 0" in (tmp_path / "cli" / "report.md").read_text()
+
+
+def test_a_replay_worker_killed_fails_the_study_not_the_demo(tmp_path, monkeypatch):
+    """A replay worker killed (the OOM killer) broke the pool: BrokenProcessPool escaped the demo,
+    with a traceback and no report of the finished runs."""
+    import os
+    import signal
+    from io import StringIO
+
+    from rich.console import Console
+
+    from selfevo import replay
+    from selfevo.demo import run_demo
+
+    def grade(*args):  # the forked replay workers inherit this
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    monkeypatch.setattr(replay, "_grade", grade)
+    out = tmp_path / "demo"
+    res = run_demo(_quick(treatments=("coupled",), replay_conditions=("coupled",)), out,
+                   console=Console(file=StringIO(), width=400), workers=2)
+    (why,) = res["incomplete"]  # the CLI exits 1 on it
+    assert why.startswith("replay study failed: BrokenProcessPool: A process in the process pool was terminated")
+    assert "replay" not in res and not (out / "replay" / "results.json").exists()
+    report = (out / "report.md").read_text()
+    assert "Replay study failed: BrokenProcessPool" in report and "| coupled |" in report
 
 
 def test_the_ray_executor_without_ray_is_one_line(monkeypatch, tmp_path):

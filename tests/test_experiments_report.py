@@ -3,8 +3,14 @@ the rest completes; reruns skip finished jobs) and the report built from a grid.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -275,6 +281,23 @@ def test_the_coupled_reading_claims_co_cheating_only_where_paired_seeds_show_f_r
     assert "rises from 0.110 (round 1) to 0.150 (round 2)" in unresolved and "3 seeds" in unresolved
 
 
+def test_the_coupled_reading_claims_no_rise_the_printed_decimals_do_not_show():
+    """Any positive difference was a rise: "F rises from 0.060 (round 1) to 0.060 (round 2)" (a
+    review's demo: F 0.0600 -> 0.0604, one seed)."""
+    from selfevo.report.collect import readings
+
+    def coupled_says(f_first: list, f_last: list) -> str:
+        first = {"A": [0.40] * len(f_first), "T_P": [0.75] * len(f_first), "F": f_first}
+        last = {"A": [0.38] * len(f_last), "T_P": [0.74] * len(f_last), "F": f_last}
+        lines = readings({"audit": {"coupled": _audit(first, last)}, "downstream": {}})
+        return lines[0] if lines else ""
+
+    assert coupled_says([0.06], [0.0604026]) == ""
+    assert coupled_says([0.0601, 0.0603], [0.0602, 0.0604]) == ""  # 0.060 -> 0.060 over 2 seeds
+    assert coupled_says([0.06], [0.0606]).startswith("Coupled loop: false agreement F rises from 0.060 "
+                                                     "(round 1) to 0.061 (round 2)")
+
+
 def test_a_treatment_reading_quotes_the_means_of_the_seeds_it_pairs():
     """With a failed job the seed sets differ; the reading quoted each treatment's mean over its own
     seeds, and could say "agreement looks worse (A 0.460 vs coupled 0.407)"."""
@@ -511,6 +534,87 @@ def test_an_interrupted_grid_stops_with_its_workers(tmp_path, signame):
             os.killpg(proc.pid, signal.SIGKILL)
     complete = [name for name, m in seen if json.loads(m)["status"] == "complete"]
     assert len(seen) < 8 and len(complete) < 8
+
+
+def _alive(pid: int) -> bool:
+    """A process that exists and is not a zombie (an orphan's reaper may be slow, or none)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def _stop_with_workers(script: str, marks: Path, signame: str) -> tuple[subprocess.Popen, list[int]]:
+    """Run `script` (whose pool workers each write marks/PID and then hang in their job), send
+    its process `signame` once 2 workers are in a job; returns the process (ended) and the pids of
+    the workers still alive 5 s later. The test's process group is killed on the way out."""
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1] / "src")},
+                            start_new_session=True)  # its own group: the test cleans up whatever outlives it
+    try:
+        deadline = time.monotonic() + 120
+        while len(list(marks.glob("*"))) < 2 and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        workers = [int(p.name) for p in marks.glob("*")]
+        assert len(workers) == 2, proc.stderr.read().decode() if proc.poll() is not None else "no worker started"
+        proc.send_signal(getattr(signal, signame))  # the process only, as `kill PID` or the OOM killer does
+        proc.wait(timeout=30)
+        deadline = time.monotonic() + 5
+        while any(map(_alive, workers)) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return proc, [w for w in workers if _alive(w)]
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="death with the parent is Linux's prctl")
+def test_a_grid_killed_with_kill_9_takes_its_workers_with_it(tmp_path):
+    """kill -9 (the OOM killer, `timeout -s KILL`) of a grid left its workers running their jobs as
+    orphans, holding the runs' locks: an immediate rerun was refused ("another process is writing
+    this run")."""
+    (tmp_path / "marks").mkdir()
+    script = textwrap.dedent(f"""
+        import os, time
+        import selfevo.evolve
+        def evolve(cfg, out, **kwargs):  # a job that runs long after its grid is gone
+            open(os.path.join({str(tmp_path / "marks")!r}, str(os.getpid())), "w").close()
+            time.sleep(120)
+        selfevo.evolve.evolve = evolve
+        from selfevo.experiments import grid, run_grid
+        run_grid(grid(["coupled"], range(4), {str(tmp_path / "runs")!r}), "local", workers=2)
+        """)
+    _, left = _stop_with_workers(script, tmp_path / "marks", "SIGKILL")
+    assert left == []
+
+
+def test_a_grid_forks_no_more_workers_than_jobs(tmp_path):
+    """--workers 40 forked 40 processes for a 2-job grid."""
+    import multiprocessing
+
+    seen = []
+    jobs = [Job(name, ("no.such_field=1",), str(tmp_path / name)) for name in ("a", "b")]  # fail at once
+    results = run_grid(jobs, "local", workers=8,
+                       on_done=lambda res: seen.append(len(multiprocessing.active_children())))
+    assert [r["status"] for r in results] == ["failed", "failed"]
+    assert max(seen) == 2
+
+
+def test_sigterm_exits_143_where_a_library_re_raises_the_exit_as_its_own():
+    """Ray's wait runs the SIGTERM handler and raises SystemExit(1) in place of its SystemExit(143):
+    `selfevo demo --executor ray` exited 1, the code for "a job failed, the report covers the rest"."""
+    from selfevo.experiments import _terminate_raises
+
+    def ray_wait():  # what ray.wait does with an exception a signal handler raises inside it
+        try:
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(5)  # the handler runs here
+        except SystemExit:
+            raise SystemExit(1) from None
+
+    with pytest.raises(SystemExit) as e, _terminate_raises():
+        ray_wait()
+    assert e.value.code == 143
 
 
 def _copy_grid(local_grid, tmp_path) -> Path:

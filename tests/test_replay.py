@@ -4,6 +4,8 @@ question-split one)."""
 
 import json
 import shutil
+import sys
+import textwrap
 from dataclasses import asdict, replace
 
 import pytest
@@ -533,3 +535,45 @@ def test_cli_run_warns_when_the_judge_resolved_nothing(bank, tmp_path):
     assert res.exit_code == 0, res.output
     assert read_json(tmp_path / "o" / "results.json")["bank"]["coverage"] == 0
     assert "the judge resolved no item" in " ".join(res.output.split())
+
+
+def test_a_study_forks_no_more_workers_than_jobs(bank, monkeypatch):
+    """--workers 8 (the demo passes its --workers on) forked 8 processes for a study of 2 jobs."""
+    import multiprocessing
+
+    seen = []
+    real = replay._run_jobs
+
+    def run_jobs(pool, *args):  # the pool has started every worker by now
+        seen.append(len(multiprocessing.active_children()))
+        return real(pool, *args)
+
+    monkeypatch.setattr(replay, "_run_jobs", run_jobs)
+    run_replay(bank, ["coupled"], seeds=1, settings=FAST, workers=8)  # the base reference and coupled
+    assert seen == [2]
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="death with the parent is Linux's prctl")
+@pytest.mark.parametrize("signame", ["SIGTERM", "SIGKILL"])
+def test_a_stopped_study_takes_its_workers_with_it(bank, tmp_path, signame):
+    """SIGTERM of a study (the demo's replay stage) killed it by the signal and left its workers
+    running for ever: the grid's pool had a guard, the replay's none. kill -9 orphaned them too."""
+    from test_experiments_report import _stop_with_workers
+
+    marks = tmp_path / "marks"
+    marks.mkdir()
+    path = bank.save(tmp_path / "bank.json")
+    script = textwrap.dedent(f"""
+        import os, time
+        from selfevo import replay
+        def grade(*args):  # a job that runs long after its study is gone
+            open(os.path.join({str(marks)!r}, str(os.getpid())), "w").close()
+            time.sleep(120)
+        replay._grade = grade
+        replay.run_replay(replay.Bank.load({str(path)!r}), ["coupled"], seeds=1, workers=2,
+                          settings=replay.ReplaySettings(updates=6))
+        """)
+    proc, left = _stop_with_workers(script, marks, signame)
+    assert left == []
+    if signame == "SIGTERM":  # as the grid's: the signal's code, after the workers are stopped
+        assert proc.returncode == 143, proc.stderr.read().decode()

@@ -782,7 +782,10 @@ def demo_cmd(
 
 @app.command("report")
 def report_cmd(run_root: Path = typer.Argument(..., help="a directory of runs (e.g. a demo's --out)")) -> None:
-    """Collect every run below a directory into report.html, report.md and results.json."""
+    """Collect every run below a directory into report.html, report.md and results.json.
+
+    A demo's --out (it holds the demo's demo.json): that demo's runs and replay study only, not those
+    an earlier plan left there."""
     from selfevo.demo import headline
     from selfevo.report.build import build_report
 

@@ -165,12 +165,15 @@ def load_plan(path: str | os.PathLike | None = None, **changes) -> DemoPlan:
 def run_demo(plan: DemoPlan, out: str | os.PathLike, console: Console | None = None,
              workers: int | None = None) -> dict:
     from selfevo.replay import ReplayError, build_bank, run_replay, write_results
-    from selfevo.report.build import build_report
+    from selfevo.report.build import DEMO_RECORD, build_report, write_demo_record
 
     console = console or Console()
     # absolute: a Ray worker runs in another directory (on a cluster, wherever `ray start` ran), and
     # a relative path would put the runs there, out of this process's sight
     out = Path(out).resolve()
+    # an earlier demo's record no longer describes `out` once this plan writes into it; stopped
+    # before its report, this demo leaves none (`selfevo report` then takes every run below `out`)
+    (out / DEMO_RECORD).unlink(missing_ok=True)
     started = time.perf_counter()
     seeds = list(range(plan.seeds))
     jobs = grid(plan.treatments, seeds, out / "runs", plan.overrides())
@@ -222,14 +225,18 @@ def run_demo(plan: DemoPlan, out: str | os.PathLike, console: Console | None = N
         except ReplayError as e:  # the runs are done: report them, and say why the study is missing
             incomplete.append(f"replay study skipped: {e} (in the demo: raise demo.replay_size, "
                               "loop.admit_per_round or loop.rounds, or set demo.replay_conditions = [])")
+        except Exception as e:  # noqa: BLE001 - a replay worker killed (OOM) breaks the pool; the same:
+            # the finished runs are reported, the study named as missing, and the demo exits 1
+            incomplete.append(f"replay study failed: {type(e).__name__}: {str(e).rstrip('.')}")
         else:
             bank.save(out / "replay" / "bank.json")
             write_results(results, out / "replay")
             replay = True
     context = (f"World `{plan.world}`; demo wall time {time.perf_counter() - started:.0f} s "
                f"({plan.executor} executor).")
-    res = build_report(out, context=" ".join([context, *[f"{x[0].upper()}{x[1:]}." for x in incomplete]]),
-                       runs=runs, replay=replay, excluded=never)
+    context = " ".join([context, *[f"{x[0].upper()}{x[1:]}." for x in incomplete]])
+    write_demo_record(out, runs, replay, never, context)  # `selfevo report out` reports this plan too
+    res = build_report(out, context=context, runs=runs, replay=replay, excluded=never)
     res["incomplete"] = incomplete
     headline(res, console)
     for line in incomplete:

@@ -9,8 +9,11 @@ still complete; rerunning a grid skips finished jobs and resumes interrupted one
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import multiprocessing
 import os
 import signal
+import sys
 import threading
 import traceback
 from collections.abc import Callable, Sequence
@@ -89,42 +92,72 @@ def run_grid(jobs: Sequence[Job], executor: str = "local", workers: int | None =
             ray.init(address=address, include_dashboard=False, log_to_driver=False)
         remote = ray.remote(run_job)
         pending = {remote.remote(job): job for job in jobs}
-        while pending:
-            ready, _ = ray.wait(list(pending), num_returns=1)
-            for ref in ready:
-                job = pending.pop(ref)
-                try:
-                    done(ray.get(ref))
-                except Exception as e:  # noqa: BLE001 - run_job never raises: its worker died
-                    done(_died(job, e))
+        # installed after ray.init, whose driver handler makes SIGTERM exit 1 (a failed job's code)
+        with _terminate_raises():
+            while pending:
+                ready, _ = ray.wait(list(pending), num_returns=1)
+                for ref in ready:
+                    job = pending.pop(ref)
+                    try:
+                        done(ray.get(ref))
+                    except Exception as e:  # noqa: BLE001 - run_job never raises: its worker died
+                        done(_died(job, e))
     else:
-        workers = workers or min(len(jobs), os.cpu_count() or 1) or 1
+        # never more processes than jobs: the rest would only be forked to sit idle
+        workers = min(workers or os.cpu_count() or 1, len(jobs)) or 1
         if workers == 1:
             for job in jobs:
                 done(run_job(job))
         else:
-            # a worker keeps SIGTERM's default action (it is forked inside _terminate_raises)
-            with (ProcessPoolExecutor(max_workers=workers, initializer=signal.signal,
-                                      initargs=(signal.SIGTERM, signal.SIG_DFL)) as pool,
-                  _terminate_raises()):
+            with worker_pool(workers) as pool:
                 futures = {pool.submit(run_job, job): job for job in jobs}
-                try:
-                    for fut in as_completed(futures):
-                        try:
-                            done(fut.result())
-                        except Exception as e:  # noqa: BLE001 - run_job never raises: a worker died (a
-                            # killed process breaks the pool, so every job not yet finished ends here too;
-                            # a rerun of the grid resumes them)
-                            done(_died(futures[fut], e))
-                except BaseException:  # Ctrl-C, SIGTERM: stop now, not after the pool has run every
-                    # queued job; the workers go too (an orphan would go on writing run directories a
-                    # rerun resumes). A run killed mid-way resumes on the rerun, as after kill -9.
-                    for fut in futures:
-                        fut.cancel()
-                    for proc in list((getattr(pool, "_processes", None) or {}).values()):
-                        proc.kill()
-                    raise
+                for fut in as_completed(futures):
+                    try:
+                        done(fut.result())
+                    except Exception as e:  # noqa: BLE001 - run_job never raises: a worker died (a
+                        # killed process breaks the pool, so every job not yet finished ends here too;
+                        # a rerun of the grid resumes them)
+                        done(_died(futures[fut], e))
     return [results[j.name] for j in jobs]
+
+
+@contextlib.contextmanager
+def worker_pool(workers: int, initializer: Callable | None = None, initargs: tuple = ()):
+    """A process pool that does not outlive this process: SIGTERM raises here (`_terminate_raises`),
+    and on any exception out of the block (Ctrl-C, SIGTERM, an error) the workers are killed now, not
+    after the pool has run every queued job (an orphan would go on writing run directories a rerun
+    resumes, and hold their locks); the pool, broken, fails the queued jobs. A run killed mid-way
+    resumes on the rerun, as after kill -9, and a kill -9 of this process takes the workers with it
+    (`_pool_worker`). `initializer(*initargs)` then runs in each worker."""
+    # fork where it is the platform's own (Linux): works from any __main__ (stdin, notebooks), and
+    # the workers are this process's children (_pool_worker checks that)
+    method = "fork" if sys.platform.startswith("linux") else "spawn"
+    pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context(method), initializer=_pool_worker,
+                               initargs=(os.getpid(), initializer, initargs))
+    with _terminate_raises(), pool:  # the workers are forked inside it, at the first submit
+        try:
+            yield pool
+        except BaseException:
+            for proc in list((getattr(pool, "_processes", None) or {}).values()):
+                proc.kill()
+            raise
+
+
+def _pool_worker(parent: int, initializer: Callable | None, initargs: tuple) -> None:
+    """Every pool worker's start: SIGTERM's default action (it is forked inside _terminate_raises,
+    whose handler would raise in the middle of a job), and death with `parent`, the process that
+    made the pool."""
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    if sys.platform.startswith("linux"):
+        # kill -9 or the OOM killer gives the parent no chance to stop its workers: the kernel
+        # does, with SIGKILL when the parent exits (the forking thread, strictly: pools here are
+        # made and submitted to from the main thread). Elsewhere an orphan finishes its jobs.
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGKILL, 0, 0, 0)  # 1: PR_SET_PDEATHSIG
+        if os.getppid() != parent:  # the parent died before prctl took: no signal will come
+            os._exit(1)
+    if initializer is not None:
+        initializer(*initargs)
 
 
 @contextlib.contextmanager
@@ -135,12 +168,20 @@ def _terminate_raises():
         yield
         return
 
+    terminated = False
+
     def handler(signum, frame):
+        nonlocal terminated
+        terminated = True
         raise SystemExit(128 + signum)
 
     previous = signal.signal(signal.SIGTERM, handler)
     try:
         yield
+    except SystemExit:
+        if terminated:  # SIGTERM's code, where a library re-raised the exit as its own (Ray's wait: 1)
+            raise SystemExit(128 + signal.SIGTERM) from None
+        raise
     finally:
         signal.signal(signal.SIGTERM, previous)
 

@@ -24,12 +24,10 @@ import contextlib
 import hashlib
 import json
 import math
-import multiprocessing
 import os
 import random
-import sys
 from collections.abc import Iterable, Mapping, Sequence
-from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
+from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 
@@ -41,6 +39,7 @@ from selfevo.agents.sim import Reader, SimSolver
 from selfevo.algos import summary
 from selfevo.audit import JudgedItem, OracleJudge, audit_metrics
 from selfevo.evaluate import answers_match
+from selfevo.experiments import worker_pool
 from selfevo.loop.admission import MSV
 from selfevo.loop.feedback import other_fold, trains_on
 from selfevo.loop.folds import FoldAssignment, assign_folds, fold_of, link_graph, question_fold
@@ -698,11 +697,17 @@ def _mean_std(values: list) -> dict:
     return {"mean": s["mean"], "std": s["std"]}
 
 
+def _n_jobs(conds: list[Condition], seeds: list[int]) -> int:
+    """Every job of a study: per seed, its base reference, its MSV labels if a condition needs
+    them, and each condition."""
+    return len(seeds) * (len(conds) + 1 + any(c.msv for c in conds))
+
+
 def _run_jobs(pool, conds: list[Condition], seeds: list[int], bar) -> tuple[dict, dict, dict]:
     """Submit every job, collect results as they finish; a seed's MSV result releases its +msv
     conditions. Returns (condition outcomes, MSV labels, base reference) keyed by seed."""
     need_msv = any(c.msv for c in conds)
-    task = bar.add_task("replay", total=len(seeds) * (len(conds) + 1 + need_msv))
+    task = bar.add_task("replay", total=_n_jobs(conds, seeds))
     outcomes: dict[tuple[str, int], dict] = {}
     msv: dict[int, dict] = {}
     base: dict[int, dict] = {}
@@ -765,13 +770,11 @@ def run_replay(bank: Bank, conditions: Iterable[str] | str | None = None, seeds:
         raise ReplayError(f"--seeds: seed {dup!r} is named twice; name each seed once")
     if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
         raise ReplayError(f"--workers: must be a positive integer, got {workers!r}")
+    workers = min(workers, _n_jobs(conds, seeds))  # never more processes than jobs: the rest would sit idle
     if workers == 1 or bank.backend == "lm" or judge is not None:
         executor = _InProcess(bank, settings, judge)
-    else:
-        # fork where it is the platform's own (Linux): works from any __main__ (stdin, notebooks)
-        method = "fork" if sys.platform.startswith("linux") else "spawn"
-        executor = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context(method),
-                                       initializer=_init_worker, initargs=(bank.to_json(), settings))
+    else:  # the grid's pool: its workers die with this process (SIGTERM, Ctrl-C, kill -9)
+        executor = worker_pool(workers, _init_worker, (bank.to_json(), settings))
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     with executor as pool:
         if not isinstance(pool, _InProcess):  # a fork pool starts every worker now, before the bar's thread

@@ -1,5 +1,6 @@
 """`selfevo report DIR`: collect every run below DIR (and DIR/replay/results.json if present) into
-DIR/results.json, DIR/report.md (+ DIR/figures/*.png) and one self-contained DIR/report.html."""
+DIR/results.json, DIR/report.md (+ DIR/figures/*.png) and one self-contained DIR/report.html. A
+demo's --out holds DIR/demo.json: then only that demo's runs and replay study."""
 
 from __future__ import annotations
 
@@ -8,19 +9,52 @@ import os
 from collections.abc import Sequence
 from pathlib import Path
 
-from selfevo._io import atomic_writer
+from selfevo._io import atomic_writer, write_json
 from selfevo.report import figures as figs
 from selfevo.report.collect import collect_runs, find_runs
 from selfevo.report.render import REPLAY_COLUMNS, html_page, markdown
 from selfevo.runs import RunError, check_numbers, read_object
 
+DEMO_RECORD = "demo.json"
+
+
+def write_demo_record(root: str | os.PathLike, runs: Sequence[str | os.PathLike], replay: bool,
+                      excluded: Sequence[dict], context: str) -> None:
+    """root/demo.json: the runs of the demo that wrote root, whether root/replay is its study, and
+    what its report says besides. A rerun with another plan leaves the earlier plan's runs and study
+    below root, which `build_report(root)` would otherwise report as this plan's."""
+    root = Path(root)
+    write_json(root / DEMO_RECORD, {"format": 1, "runs": [os.path.relpath(r, root) for r in runs],
+                                    "replay": replay, "excluded": list(excluded), "context": context})
+
+
+def _demo_record(root: Path) -> dict:
+    path = root / DEMO_RECORD
+    record = read_object(path)
+    runs, replay, excluded = record.get("runs"), record.get("replay"), record.get("excluded")
+    if (not isinstance(runs, list) or not all(isinstance(r, str) for r in runs) or not isinstance(replay, bool)
+            or not isinstance(excluded, list) or not all(isinstance(x, dict) for x in excluded)
+            or not isinstance(record.get("context"), str)):
+        raise RunError(f"{path}: expected runs (run directories), replay (true or false), excluded (a list of "
+                       "objects) and context (a string), as `selfevo demo` writes them")
+    return record
+
 
 def build_report(root: str | os.PathLike, context: str = "", runs: Sequence[str | os.PathLike] | None = None,
                  replay: bool = True, excluded: Sequence[dict] = ()) -> dict:
-    """The report of `runs` (None: every run directory below `root`) and, with `replay`, of
-    root/replay/results.json if present; `excluded` lists planned runs that left no run directory
-    (as collect_runs lists the unfinished ones)."""
+    """The report of `runs` (None: those root/demo.json names, else every run directory below
+    `root`) and, with `replay`, of root/replay/results.json if present (and, under demo.json, the
+    demo's own); `excluded` lists planned runs that left no run directory (as collect_runs lists
+    the unfinished ones)."""
     root = Path(root)
+    if runs is None and (root / DEMO_RECORD).exists():  # a demo's --out: that demo's plan, nothing else
+        demo = _demo_record(root)
+        runs = [root / r for r in demo["runs"]]
+        replay = replay and demo["replay"]
+        excluded = [*demo["excluded"], *excluded]
+        note = (f"The runs{' and replay study' if demo['replay'] else ''} of the demo recorded in "
+                f"{DEMO_RECORD}; other runs below this directory are not reported.")
+        context = " ".join(x for x in (note, demo["context"], context) if x)
     runs = find_runs(root) if runs is None else runs
     if not runs:
         raise ValueError(f"{root}: no run directories found below it")

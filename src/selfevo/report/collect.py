@@ -194,7 +194,8 @@ def readings(res: dict) -> list[str]:
         a1, al = _mean_over(first, seeds, "A"), _mean_over(last, seeds, "A")
         t1, tl = _mean_over(first, seeds, "T_P"), _mean_over(last, seeds, "T_P")
         n_rounds = len(coupled["rounds"])
-        if d_f["mean"] is not None and d_f["mean"] > 0 and None not in (a1, al, t1, tl):
+        # a rise the 3 printed decimals do not show ("rises from 0.060 to 0.060") is not claimed
+        if d_f["mean"] is not None and round(fl, 3) > round(f1, 3) and None not in (a1, al, t1, tl):
             said = (f"Coupled loop: false agreement F rises from {f1:.3f} (round 1) to {fl:.3f} (round {n_rounds}) "
                     f"while A goes {a1:.3f} -> {al:.3f} and label truth T_P {t1:.3f} -> {tl:.3f}")
             if d_f["n"] < 2 or d_f["lo"] is None:
