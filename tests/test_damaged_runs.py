@@ -360,4 +360,5 @@ def test_a_corpus_rewritten_since_the_run_is_refused(tmp_path, monkeypatch):
     corpus.write_text("".join(json.dumps(d) + "\n" for d in docs), encoding="utf-8")
     qa.rename(tmp_path / "moved-qa")
     rc, text = cli("audit", out, "--judge", "llm", "--judge-url", "http://127.0.0.1:9/v1", "--judge-model", "m")
-    assert rc == 0, text
+    # past every check of the run and its documents, to the judge: whose endpoint, down, is probed first
+    assert_one_line_error(rc, text, "http://127.0.0.1:9/v1: cannot connect")
