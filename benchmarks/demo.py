@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import shutil
 import statistics
 import subprocess
@@ -26,9 +25,9 @@ from pathlib import Path
 from _common import REPO, machine_line, write_section
 
 from selfevo._fmt import mean_std_text
+from selfevo.report.figures import rounds_figure
 
 HEADING = "## The demo"
-ROUNDS_CAPTION = "A, T_P and F by round per treatment"  # the report's Figure 5/6 analogue
 CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
                   "--disable-background-networking", "--disable-component-update", "--disable-sync"]
 
@@ -45,15 +44,6 @@ def render(html: Path, png: Path) -> str:
     if proc.returncode != 0 or not png.exists() or png.stat().st_size < 10_000:
         return f"FAILED (exit {proc.returncode}): {proc.stderr[-300:]}"
     return f"rendered by {exe}: screenshot {png.relative_to(REPO)} ({png.stat().st_size // 1024} KiB)"
-
-
-def report_figure(out: Path, caption: str) -> bytes:
-    """The PNG a report's report.md shows under `caption` (the report names its figures by position)."""
-    text = (out / "report.md").read_text(encoding="utf-8")
-    match = re.search(r"!\[" + re.escape(caption) + r"[^\]]*\]\(([^)]+)\)", text)
-    if match is None:
-        raise SystemExit(f"{out / 'report.md'} shows no figure captioned {caption!r}")
-    return (out / match.group(1)).read_bytes()
 
 
 def headline(demo: dict) -> list[str]:
@@ -149,10 +139,10 @@ def main() -> None:
             print(f"run {i + 1}: {walls[-1]:.1f} s (load average before {load_before[0]:.1f})", flush=True)
         shot = REPO / "docs" / "figures" / "demo-report.png"
         rendered = render(out / "report.html", shot)
-        rounds = REPO / "docs" / "figures" / "demo-rounds.png"
-        rounds.write_bytes(report_figure(out, ROUNDS_CAPTION))
         sizes = {p.name: p.stat().st_size for p in out.iterdir() if p.is_file()}
         demo = json.loads((out / "results.json").read_text())  # the last timed run: the README's headline
+        # and its figure: the report's Figure 5/6 analogue, drawn again from the numbers it was drawn from
+        (REPO / "docs" / "figures" / "demo-rounds.png").write_bytes(rounds_figure(demo["audit"]))
     clones, main_job = [], readme_main_job()
     for i in range(args.fresh_clones):
         with tempfile.TemporaryDirectory() as tmp:

@@ -20,6 +20,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from selfevo._software import SoftwareChanged
+from selfevo.agents import SPEC_FORMS
 from selfevo.corpus import DataError
 
 # wide enough for the tables when the output is a pipe or a log file (rich assumes 80 columns)
@@ -260,9 +261,9 @@ def eval_(
     data_dir: Path = typer.Option(..., "--data-dir", help="directory of FlashRAG QA JSONL files"),
     corpus: Path | None = typer.Option(None, help="FlashRAG corpus JSONL to search (needed unless "
                                                     "--index or --retriever-url is given)"),
-    agent: str = typer.Option("retrieval-baseline", help="retrieval-baseline | lm:MODEL[@POLICY.safetensors] "
-                              "(a model directory, a cached hub id or smollm2-135m; a trained policy file) | "
-                              "remote:MODEL@URL (an OpenAI-compatible endpoint)"),
+    agent: str = typer.Option("retrieval-baseline", help=escape(  # rich would take [@POLICY…] for markup
+                              f"{' | '.join(SPEC_FORMS.values())} (MODEL: a model directory, a cached hub id or "
+                              "smollm2-135m; POLICY: a trained policy file; URL: an OpenAI-compatible endpoint)")),
     out: Path = typer.Option(..., help="output directory"),
     limit: int | None = typer.Option(None, min=1, help="at most N questions per benchmark"),
     retriever_url: str | None = typer.Option(None, "--retriever-url",
