@@ -425,7 +425,73 @@ def test_a_benchmark_named_like_a_standard_one_but_for_case_is_refused(tmp_path)
     rows = [{"id": "a", "question": "q", "golden_answers": ["x"], "metadata": {"benchmark": "nq"}},
             {"id": "b", "question": "q", "golden_answers": ["x"], "metadata": {"benchmark": "NQ"}}]
     (qa / "mixed.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
-    with pytest.raises(DataError, match="mixed.jsonl: benchmark 'NQ' differs from the standard 'nq' only in case"):
+    with pytest.raises(DataError, match="mixed.jsonl:2: benchmark 'NQ' differs from the standard 'nq' only in case"):
         read_qa_dir(qa)
     (qa / "mixed.jsonl").write_text(json.dumps({**rows[1], "metadata": {"benchmark": "mybench"}}) + "\n")
     assert list(read_qa_dir(qa)) == ["mybench"]  # a benchmark of one's own is fine
+
+
+def test_search_r1s_merged_test_parquet_reads_with_ids_qualified_by_benchmark(hub, tmp_path):
+    """Search-R1's test.parquet (`qa_search_test_merge.py`: the seven FlashRAG splits concatenated,
+    each row keeping FlashRAG's id, `data_source` and `extra_info.index` counting within its split)
+    was refused: "duplicate id 'test_0'" at the first row of the second benchmark."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rows = []
+    for name, split in HUB_SPLIT.items():
+        lines = (hub / data.QA_REPO / name / f"{split}.jsonl").read_text(encoding="utf-8").splitlines()
+        for i, line in enumerate(lines):
+            row = json.loads(line)
+            rows.append({**row, "data_source": name, "prompt": [{"role": "user", "content": row["question"]}],
+                         "ability": "fact-reasoning",
+                         "reward_model": {"style": "rule", "ground_truth": {"target": row["golden_answers"]}},
+                         "extra_info": {"split": "test", "index": i}})
+    (tmp_path / "merged").mkdir()
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "merged" / "test.parquet")
+    got = read_qa_dir(tmp_path / "merged")
+    assert {b: len(items) for b, items in got.items()} == {b: 125 if b == "bamboogle" else 200 for b in HUB_SPLIT}
+    for name, split in HUB_SPLIT.items():  # the ids `selfevo data download` gives the same items
+        items, _ = load_split(hub / data.QA_REPO / name / f"{split}.jsonl", name)
+        assert [(it.id, it.question, it.golden_answers) for it in got[name]] == \
+               [(it.id, it.question, it.golden_answers) for it in items]
+    # without the id column, ids come from extra_info.index, which repeats across benchmarks too
+    pq.write_table(pa.Table.from_pylist([{k: v for k, v in r.items() if k != "id"} for r in rows]),
+                   tmp_path / "merged" / "test.parquet")
+    assert [it.id for it in read_qa_dir(tmp_path / "merged")["musique"][:2]] == ["musique-0", "musique-1"]
+    # one benchmark's id twice is still an error at its row; a file of one benchmark keeps its ids
+    twice = rows[:3] + [{**rows[1], "question": "again?"}]
+    pq.write_table(pa.Table.from_pylist(twice), tmp_path / "twice.parquet")
+    with pytest.raises(DataError, match=r"twice.parquet:4: duplicate id 'test_1' \(first on line 2\)"):
+        read_qa(tmp_path / "twice.parquet")
+    pq.write_table(pa.Table.from_pylist(rows[:3]), tmp_path / "one.parquet")
+    assert [it.id for it in read_qa(tmp_path / "one.parquet")] == ["test_0", "test_1", "test_2"]
+
+
+def test_an_id_in_two_qa_files_names_both_lines(tmp_path):
+    """The readers name file and line in every error; an id repeated across two files of a QA
+    directory named the files only (no line in a file of 200 questions)."""
+    (tmp_path / "a.jsonl").write_text('{"id": "x1", "question": "q?", "golden_answers": ["a"]}\n\n'
+                                      '{"id": "dup", "question": "q?", "golden_answers": ["a"]}\n')
+    (tmp_path / "b.jsonl").write_text('{"id": "y1", "question": "q?", "golden_answers": ["a"]}\n'
+                                      '{"id": "dup", "question": "q?", "golden_answers": ["a"]}\n')
+    with pytest.raises(DataError) as exc:
+        read_qa_dir(tmp_path)
+    assert str(exc.value) == f"{tmp_path / 'b.jsonl'}:2: id 'dup' also appears in {tmp_path / 'a.jsonl'}:3"
+
+
+def test_a_parquet_row_without_metadata_benchmark_reads_as_its_jsonl_does(tmp_path):
+    """A parquet struct holds a field some rows lack as null: `metadata.benchmark` null was refused
+    ("must be a string") where the same rows as JSONL read, the row's benchmark the file's name."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rows = [{"id": "a", "question": "q?", "golden_answers": ["x"], "metadata": {"benchmark": "nq"}},
+            {"id": "b", "question": "q?", "golden_answers": ["y"], "metadata": {"level": "hard"}}]
+    (tmp_path / "mine.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "mine.parquet")
+    for name in ("mine.jsonl", "mine.parquet"):
+        assert [(it.id, it.benchmark) for it in read_qa(tmp_path / name)] == [("a", "nq"), ("b", "mine")]
+    pq.write_table(pa.Table.from_pylist([{**rows[1], "data_source": 3}]), tmp_path / "bad.parquet")
+    with pytest.raises(DataError, match="bad.parquet:1: field 'data_source' must be a string"):
+        read_qa(tmp_path / "bad.parquet")

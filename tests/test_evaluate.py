@@ -728,3 +728,47 @@ def test_a_resumed_evaluation_must_match_what_the_paths_hold(tmp_path, monkeypat
     with pytest.raises(ValueError, match="a stopped evaluation of other settings"):
         evaluate_solver(_EchoSolver(), edited, tool, out_dir=tmp_path / "e", batch_size=2, progress=False,
                         partial_key={})
+
+
+def test_a_question_id_in_two_places_is_refused_before_any_question_is_asked():
+    """Answers and scores are keyed by id: the Python API took {"nq": [x], "hotpotqa": [x]} (one id in
+    two benchmarks) and scored each with the other's answer (nq 1.0 for "Rome" against "Paris"); an
+    empty benchmark was refused only after every other question had been answered."""
+    data = {"nq": [QAItem("x", "Paris question", ("Paris",), {"benchmark": "nq"})],
+            "hotpotqa": [QAItem("x", "Rome question", ("Rome",), {"benchmark": "hotpotqa"})]}
+    tool = SearchTool(_FakeRetriever([]))
+    solver = _EchoSolver()
+    with pytest.raises(ValueError, match="question id 'x' is in nq and in hotpotqa"):
+        evaluate_solver(solver, data, tool, progress=False)
+    with pytest.raises(ValueError, match="question id 'x' is in nq and in hotpotqa"):
+        score_predictions(data, {"x": "Paris"})
+    with pytest.raises(ValueError, match="question id 'x' is twice in nq"):
+        score_predictions({"nq": data["nq"] * 2}, {})
+    with pytest.raises(ValueError, match="benchmark.s. with no questions: popqa"):
+        evaluate_solver(solver, {"nq": data["nq"], "popqa": []}, tool, progress=False)
+    assert solver.calls == []
+    # the same id outside the questions a limit keeps is no question of this evaluation
+    data["hotpotqa"].insert(0, QAItem("h0", "Rome question", ("Rome",), {"benchmark": "hotpotqa"}))
+    result = evaluate_solver(solver, data, tool, limit=1, progress=False)
+    assert {b: row["cover_em"] for b, row in result["benchmarks"].items()} == {"nq": 1.0, "hotpotqa": 1.0}
+
+
+def test_a_lone_surrogate_in_an_answer_is_written_as_u_fffd(tmp_path):
+    """A remote endpoint's JSON can escape a lone surrogate (half an emoji); kept in the answer or a
+    search it failed the write of the answered batch and of predictions.jsonl (UnicodeEncodeError):
+    the evaluation lost, and a rerun failed again on the same answer."""
+
+    class HalfEmoji(_EchoSolver):
+        def answer(self, questions, tool, **kw):
+            groups = super().answer(questions, tool, **kw)
+            for (traj,) in groups:
+                traj.answer, traj.searches = f"{traj.answer} \ud83d", [q + "\udc00" for q in traj.searches]
+            return groups
+
+    data = {"nq": [QAItem(f"n{i}", f"Paris{i} question", (f"paris{i}",), {"benchmark": "nq"}) for i in range(3)]}
+    tool = SearchTool(_FakeRetriever([Document("d", "T", "text")]), topk=3, max_calls=5)
+    result = evaluate_solver(HalfEmoji(), data, tool, out_dir=tmp_path, batch_size=2, progress=False,
+                             partial_key={"agent": "half-emoji"})
+    assert result["benchmarks"]["nq"]["cover_em"] == 1.0
+    rows = [json.loads(x) for x in (tmp_path / "predictions.jsonl").read_text(encoding="utf-8").splitlines()]
+    assert rows[0]["prediction"] == "Paris0 \ufffd" and rows[0]["searches"] == ["Paris0 question\ufffd"]

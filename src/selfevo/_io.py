@@ -10,6 +10,7 @@ import contextlib
 import hashlib
 import json
 import os
+import re
 import tempfile
 from collections.abc import Iterable, Iterator
 from pathlib import Path
@@ -17,6 +18,14 @@ from typing import Any
 
 _UMASK = os.umask(0)
 os.umask(_UMASK)
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def encodable(text: str) -> str:
+    """A model's text as a file or a request can carry it: a lone surrogate (no character, so no
+    UTF-8; a remote endpoint's JSON can escape one) becomes U+FFFD. Kept, it fails every write of it."""
+    return _SURROGATE.sub("\ufffd", text)
 
 
 @contextlib.contextmanager

@@ -7,6 +7,7 @@ Writers are atomic: a failed write leaves the old file (or nothing), never half 
 from __future__ import annotations
 
 import codecs
+import dataclasses
 import gzip
 import json
 import os
@@ -182,12 +183,14 @@ def _qa_item(obj: dict, path, lineno, default_benchmark: str | None) -> QAItem:
     if not isinstance(metadata, dict):
         raise DataError(path, lineno, "field 'metadata' must be an object")
     metadata = dict(metadata)
+    if metadata.get("benchmark", "") is None:  # how a parquet struct holds a field one row lacks
+        del metadata["benchmark"]
     if "benchmark" not in metadata:
         bench = obj.get("data_source") or default_benchmark
         if bench:
             metadata["benchmark"] = bench
     if "benchmark" in metadata and not isinstance(metadata["benchmark"], str):
-        field = "metadata.benchmark" if "benchmark" in (obj.get("metadata") or {}) else "data_source"
+        field = "metadata.benchmark" if (obj.get("metadata") or {}).get("benchmark") is not None else "data_source"
         raise DataError(path, lineno, f"field '{field}' must be a string")
     return QAItem(item_id, question, tuple(g for g in golds if g.strip()), metadata)
 
@@ -218,16 +221,35 @@ def qa_name(path: str | os.PathLike) -> str:
 
 
 def iter_qa(path: str | os.PathLike) -> Iterator[QAItem]:
-    """Stream a QA set: FlashRAG JSONL (gzipped or not), or Search-R1 parquet (rows reported as lines)."""
+    """Stream a QA set: FlashRAG JSONL (gzipped or not), or Search-R1 parquet (rows reported as lines).
+
+    Ids are unique within a file. A parquet file of several benchmarks whose ids repeat across them
+    (Search-R1's merged test.parquet: FlashRAG's `test_0` is in four of its seven, and so is an id
+    made from `extra_info.index`) has every id qualified as `<benchmark>-<id>`, unless it already
+    starts so: the ids `selfevo data download` writes. (FlashRAG's JSONL is one file a benchmark.)
+    """
+    return (item for _, item in _iter_qa_lines(path))
+
+
+def _iter_qa_lines(path: str | os.PathLike) -> Iterator[tuple[int, QAItem]]:
+    """`iter_qa`, with the line (parquet: row) of every item."""
     path = Path(path)
-    rows = _iter_parquet_rows(path) if path.suffix == ".parquet" else iter_json_lines(path)
-    seen: set[str] = set()
-    for lineno, obj in rows:
-        item = _qa_item(obj, path, lineno, default_benchmark=qa_name(path))
+    parquet = path.suffix == ".parquet"
+    rows = _iter_parquet_rows(path) if parquet else iter_json_lines(path)
+    items: Iterable[tuple[int, QAItem]] = (
+        (lineno, _qa_item(obj, path, lineno, default_benchmark=qa_name(path))) for lineno, obj in rows)
+    if parquet:  # its rows are in memory already
+        items = list(items)
+        bench_of: dict[str, str | None] = {}
+        if any(bench_of.setdefault(it.id, it.benchmark) != it.benchmark for _, it in items):
+            items = [(lineno, it if it.id.startswith(f"{it.benchmark}-") else
+                      dataclasses.replace(it, id=f"{it.benchmark}-{it.id}")) for lineno, it in items]
+    seen: dict[str, int] = {}
+    for lineno, item in items:
         if item.id in seen:
-            raise DataError(path, lineno, f"duplicate id '{item.id}'")
-        seen.add(item.id)
-        yield item
+            raise DataError(path, lineno, f"duplicate id '{item.id}' (first on line {seen[item.id]})")
+        seen[item.id] = lineno
+        yield lineno, item
 
 
 def read_qa(path: str | os.PathLike) -> list[QAItem]:
@@ -243,23 +265,24 @@ def read_qa_dir(data_dir: str | os.PathLike) -> dict[str, list[QAItem]]:
         raise DataError(data_dir, None, "no .jsonl, .jsonl.gz or .parquet QA files found")
     out: dict[str, list[QAItem]] = {}
     origin: dict[str, Path] = {}
+    line_of: dict[str, int] = {}
     for f in files:
-        items = read_qa(f)
+        items = list(_iter_qa_lines(f))
         if not items:  # a benchmark that silently drops out would change the macro average
             raise DataError(f, None, "no questions (an empty QA file; a truncated download?)")
-        for item in items:
+        for lineno, item in items:
             if item.id in origin:
-                raise DataError(f, None, f"id '{item.id}' also appears in {origin[item.id]}")
-            origin[item.id] = f
+                raise DataError(f, lineno, f"id '{item.id}' also appears in {origin[item.id]}:{line_of[item.id]}")
+            origin[item.id], line_of[item.id] = f, lineno
             out.setdefault(item.benchmark or qa_name(f), []).append(item)
     from selfevo.evaluate import BENCHMARKS  # it imports this module
 
     for name in out:  # "NQ" beside "nq" would be a benchmark of its own, in macro but in no hop group
         standard = next((b for b in BENCHMARKS if b == name.lower() and b != name), None)
         if standard:
-            where = next(origin[it.id] for it in out[name])
-            raise DataError(where, None, f"benchmark {name!r} differs from the standard {standard!r} only in "
-                                         f"case; name it {standard!r} (metadata.benchmark, or the file name)")
+            first = out[name][0].id
+            raise DataError(origin[first], line_of[first], f"benchmark {name!r} differs from the standard "
+                            f"{standard!r} only in case; name it {standard!r} (metadata.benchmark, or the file name)")
     return out
 
 

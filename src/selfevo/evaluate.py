@@ -30,7 +30,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from selfevo._fmt import num
-from selfevo._io import append_jsonl, read_jsonl_log, write_json, write_jsonl
+from selfevo._io import append_jsonl, encodable, read_jsonl_log, write_json, write_jsonl
 from selfevo.corpus import DataError, _require_str, iter_json_lines, read_qa_dir
 from selfevo.records import QAItem
 
@@ -161,10 +161,27 @@ def _mean_over(per_bench: Mapping[str, Mapping[str, Any]], names: Sequence[str])
     return {m: sum(per_bench[b][m] for b in names) / len(names) for m in METRICS}
 
 
+def _check_questions(data: Mapping[str, Sequence[QAItem]]) -> None:
+    """Every benchmark has questions, and every id names one question: predictions and answers are
+    keyed by id, so an id in two places would score one answer for both (a Python caller's data;
+    `read_qa_dir` refuses both)."""
+    empty = [b for b, items in data.items() if not items]
+    if empty:
+        raise ValueError(f"benchmark(s) with no questions: {', '.join(empty)}")
+    where: dict[str, str] = {}
+    for bench, items in data.items():
+        for it in items:
+            if it.id in where:
+                raise ValueError(f"question id '{it.id}' is in {where[it.id]} and in {bench}"
+                                 if where[it.id] != bench else f"question id '{it.id}' is twice in {bench}")
+            where[it.id] = bench
+
+
 def score_items(data: Mapping[str, Sequence[QAItem]],
                 predictions: Mapping[str, str]) -> dict[str, ItemScore]:
     """Per-item scores keyed by id. A prediction for an id the data does not hold is an error
     (it usually means the wrong predictions file); an item with no prediction scores 0."""
+    _check_questions(data)
     known = {it.id for items in data.values() for it in items}
     unknown = [pid for pid in predictions if pid not in known]
     if unknown:
@@ -182,9 +199,6 @@ def score_predictions(data: Mapping[str, Sequence[QAItem]],
     "macro"|"single_hop"|"multi_hop": {"cover_em","em","f1"}}`. Macro is the equal-weight mean over
     the benchmarks present; the hop groups average those of the seven standard names present.
     """
-    empty = [b for b, items in data.items() if not items]
-    if empty:
-        raise ValueError(f"benchmark(s) with no questions: {', '.join(empty)}")
     scores = score_items(data, predictions)
     per_bench: dict[str, dict] = {}
     for name in benchmark_order(data):
@@ -296,6 +310,7 @@ def evaluate_solver(solver: Solver, data: Mapping[str, Sequence[QAItem]], tool: 
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
     data = _select(data, limit)
+    _check_questions(data)  # now, not after every question has been answered
     items = [(bench, it) for bench, its in data.items() for it in its]
     partial = None
     if partial_key is not None and out_dir is not None:
@@ -334,7 +349,7 @@ def evaluate_solver(solver: Solver, data: Mapping[str, Sequence[QAItem]], tool: 
             bar.advance(task, len(batch))
     elapsed = time.perf_counter() - started
 
-    predictions = {qid: traj.answer or "" for qid, traj in answers.items()}
+    predictions = {qid: encodable(traj.answer or "") for qid, traj in answers.items()}
     result = score_predictions(data, predictions)
     result["run"] = {
         "agent": getattr(solver, "name", type(solver).__name__),
@@ -362,13 +377,13 @@ def evaluate_solver(solver: Solver, data: Mapping[str, Sequence[QAItem]], tool: 
 
 
 def _prediction_row(bench: str, it: QAItem, traj: Any) -> dict:
-    prediction = traj.answer or ""
+    prediction = encodable(traj.answer or "")
     # a trajectory the backend could not generate (a remote call that failed for good) is scored as
     # no answer, and marked: a resumed evaluation asks it again
     failed = {"failed": True} if getattr(traj.trace, "failed", False) else {}
     return {"id": it.id, "benchmark": bench, "question": it.question, "prediction": prediction,
             "golden_answers": list(it.golden_answers), "cover_em": cover_em(prediction, it.golden_answers),
-            "searches": list(traj.searches), **failed}
+            "searches": [encodable(q) for q in traj.searches], **failed}
 
 
 def _read_partial(path: Path, key: dict) -> dict[str, Any]:

@@ -6,12 +6,12 @@ one class, so the tool budget is identical for every row of a results table.
 
 from __future__ import annotations
 
-import re
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+from selfevo._io import encodable
 from selfevo.records import Document
 
 
@@ -30,15 +30,12 @@ class Retriever(Protocol):
 MAX_QUERY_CHARS = 2_000  # the /retrieve server's cap (search/server.py); longer queries are cut here
 
 
-_SURROGATE = re.compile("[\ud800-\udfff]")
-
-
 def clip_query(query: str) -> str:
     """A query as every retriever sees it: at most MAX_QUERY_CHARS characters, so a model that writes
     a runaway query gets the same hits from a local index and from a `/retrieve` server (which would
     refuse it with a 422 and end the whole batch). A lone surrogate (no character: not encodable as
     UTF-8, so not sendable) becomes U+FFFD, for the same reason."""
-    return _SURROGATE.sub("\ufffd", query[:MAX_QUERY_CHARS])
+    return encodable(query[:MAX_QUERY_CHARS])
 
 
 class SearchBudgetExhausted(RuntimeError):
