@@ -75,7 +75,8 @@ def acceptance(demo: dict, clones: list[float]) -> list[str]:
         checks.append(("fresh clone → the README's first command → report in under 3 minutes (median)",
                        statistics.median(clones) < 180, f"{statistics.median(clones):.0f} s"))
     f = [r["F"]["mean"] for r in demo["audit"]["coupled"]["rounds"]]
-    checks.append(("coupled F rising by round", all(a < b for a, b in zip(f, f[1:])),
+    # a rise the printed decimals do not show ("0.060 → 0.060") is none, as in the report's reading
+    checks.append(("coupled F rising by round", all(round(a, 3) < round(b, 3) for a, b in zip(f, f[1:])),
                    " → ".join(f"{x:.3f}" for x in f)))
     co, cf = ({m: last(t, m) for m in ("F", "A", "T_P")} for t in ("coupled", "crossfit"))
     checks.append(("CrossFit halving F with lower A and higher T_P",
@@ -84,7 +85,8 @@ def acceptance(demo: dict, clones: list[float]) -> list[str]:
                    f"T_P {cf['T_P']:.3f} vs {co['T_P']:.3f}"))
     if "msv" in demo["audit"]:
         msv = last("msv", "F")
-        checks.append(("MSV's effect on F smaller than CrossFit's", co["F"] - msv < co["F"] - cf["F"],
+        # an effect either way: an MSV that raised F a lot has no small effect
+        checks.append(("MSV's effect on F smaller than CrossFit's", abs(co["F"] - msv) < abs(co["F"] - cf["F"]),
                        f"F {co['F']:.3f} → MSV {msv:.3f}, CrossFit {cf['F']:.3f}"))
     if demo.get("replay"):
         rp = {n: demo["replay"]["conditions"][n]["F"]["mean"] for n in ("question-split", "source-id")}

@@ -257,6 +257,9 @@ def test_hop_mixes_average_over_runs_with_a_missing_hop_count_as_zero():
     assert list(mean_hop_mix([{"10": 1.0}, {"2": 1.0}])) == ["2", "10"]  # ordered as numbers
     assert hop_mix_text(mix) == "1: 0.38, 2: 0.25, 3: 0.38"
     assert hop_mix_text({}) == "-"
+    # a run that admitted nothing has no mix: left out, so the shares still sum to 1
+    assert mean_hop_mix([{"1": 0.5, "2": 0.5}, {}]) == {"1": 0.5, "2": 0.5}
+    assert mean_hop_mix([{}, {}]) == {}
 
 
 def test_metrics_figure_keeps_rounds_in_order_when_records_number_steps_within_each_round(monkeypatch):

@@ -66,6 +66,72 @@ def test_horizon_table_with_one_seed():
     assert "no verdict" in text and "appears" not in text
 
 
+def _mitigation_rows(f: list[float], macro=(0.60, 0.61, 0.62)) -> list[dict]:
+    return [{"audit": {"F": x, "T_P": 0.8, "A": 0.5}, "macro": m} for x, m in zip(f, macro, strict=True)]
+
+
+def test_mitigations_acceptance_claims_no_share_of_a_reduction_crossfit_did_not_make():
+    """CrossFit raising F (0.10 -> 0.12) and the half budget raising it more (0.14) passed "half budget
+    keeps most of CrossFit's F reduction: 2.00 of it"; a same-source arm that left F where it was failed
+    "does not help" (its 0 cut was not below half of CrossFit's -0.02)."""
+    mitigations = _script("mitigations")
+    res = {"coupled": _mitigation_rows([0.10] * 3), "crossfit": _mitigation_rows([0.12] * 3),
+           "half-budget": _mitigation_rows([0.14] * 3), "same-source": _mitigation_rows([0.10] * 3),
+           "full-data": _mitigation_rows([0.08] * 3)}
+    checks = {name: (ok, detail) for name, ok, detail in mitigations.acceptance(res, {})}
+    ok, detail = checks["half budget keeps most of CrossFit's F reduction"]
+    assert not ok and "CrossFit reduced no F (-0.020)" in detail
+    assert checks["same-source does not help"][0] is True  # no F cut at all
+    assert checks["full-data does not help"][0] is False  # it cut F where CrossFit did not
+    # where CrossFit does cut F the shares are as before
+    res["crossfit"], res["half-budget"] = _mitigation_rows([0.04] * 3), _mitigation_rows([0.06] * 3)
+    checks = {name: (ok, detail) for name, ok, detail in mitigations.acceptance(res, {})}
+    assert checks["half budget keeps most of CrossFit's F reduction"] == (True, "0.67 of it")
+    assert checks["same-source does not help"][0] is True and checks["full-data does not help"][0] is True
+
+
+def test_mitigations_acceptance_with_no_coupled_f_fails_instead_of_crashing():
+    """Coupled F of 0 (a world nobody misreads) raised ZeroDivisionError at the end of the whole study."""
+    mitigations = _script("mitigations")
+    res = {t: _mitigation_rows([0.0] * 3) for t in ("coupled", "crossfit", "question-split")}
+    checks = {name: (ok, detail) for name, ok, detail in mitigations.acceptance(res, {})}
+    assert checks["question-split keeps most of coupled's F"] == (False, "coupled's F is 0: none to keep")
+
+
+def test_demo_acceptance_counts_an_msv_that_raises_f_as_an_effect():
+    """MSV tripling F (0.10 -> 0.30) passed "MSV's effect on F smaller than CrossFit's" (0.10 -> 0.04):
+    the effects were compared signed, so any rise of F counted as smaller than any cut."""
+    demo = _script("demo")
+
+    def audit(f: list[float], a: float, tp: float) -> dict:
+        return {"rounds": [{"F": {"mean": x}, "A": {"mean": a}, "T_P": {"mean": tp}} for x in f]}
+
+    def says(msv_f: float) -> str:
+        res = {"audit": {"coupled": audit([0.03, 0.07, 0.10], 0.70, 0.76),
+                         "crossfit": audit([0.03, 0.04, 0.04], 0.43, 0.84),
+                         "msv": audit([0.03, 0.05, msv_f], 0.65, 0.80)},
+               "downstream": {"crossfit": {"gain_vs_coupled": {"macro": {"mean": 0.002, "lo": -0.007, "hi": 0.011}}}}}
+        return next(line for line in demo.acceptance(res, []) if "MSV's effect" in line)
+
+    assert says(0.30).startswith("- **FAIL**")
+    assert says(0.08).startswith("- PASS") and says(0.12).startswith("- PASS")  # small either way
+
+
+def test_demo_acceptance_claims_no_rise_of_f_the_printed_decimals_do_not_show():
+    """"PASS coupled F rising by round: 0.060 → 0.060 → 0.070" (0.0600 → 0.0604): the report's reading
+    claims no such rise, and the acceptance line said one in the same numbers."""
+    demo = _script("demo")
+
+    def says(f: list[float]) -> str:
+        rounds = [{"F": {"mean": x}, "A": {"mean": 0.5}, "T_P": {"mean": 0.8}} for x in f]
+        res = {"audit": {"coupled": {"rounds": rounds}, "crossfit": {"rounds": rounds}},
+               "downstream": {"crossfit": {"gain_vs_coupled": {"macro": {"mean": 0.0, "lo": None, "hi": None}}}}}
+        return next(line for line in demo.acceptance(res, []) if "coupled F rising" in line)
+
+    assert says([0.0600, 0.0604, 0.0700]).startswith("- **FAIL**")
+    assert says([0.0600, 0.0610, 0.0700]).startswith("- PASS")
+
+
 def test_the_ceiling_arm_says_its_oracle_admitted(tmp_path):
     """downstream.py's ceiling arm (the oracle withholds wrong labels, config `coupled`): the manifest
     marks the run, so that nothing takes it for a run of the loop, and each withheld item says who

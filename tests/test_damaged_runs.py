@@ -12,6 +12,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+from _shared import loop_that_trains_nothing
 from typer.testing import CliRunner
 
 import selfevo.evolve
@@ -321,9 +322,7 @@ def test_a_corpus_rewritten_since_the_run_is_refused(tmp_path, monkeypatch):
     """A run on a real corpus records its documents' sha256, as a world run records its world's:
     resume and audit refuse a corpus file edited since (before: the resumed rounds drew their sources
     from the new documents, and the audit's judge read whatever text the ids now name, exit 0)."""
-    from types import SimpleNamespace
 
-    from selfevo.agents.baseline import RetrievalBaseline
 
     corpus, qa = tmp_path / "data" / "corpus" / "c.jsonl", tmp_path / "data" / "qa"
     corpus.parent.mkdir(parents=True)
@@ -333,8 +332,7 @@ def test_a_corpus_rewritten_since_the_run_is_refused(tmp_path, monkeypatch):
     (qa / "nq.jsonl").write_text(json.dumps({"id": "q0", "question": "When was Page 1 founded?",
                                              "golden_answers": ["1901"]}) + "\n", encoding="utf-8")
     # the language model is not what is checked here: a loop that trains nothing, a main solver that loads none
-    monkeypatch.setattr(selfevo.evolve, "build_loop",
-                        lambda *a, **k: SimpleNamespace(main=RetrievalBaseline(), run=lambda *a, **k: None))
+    monkeypatch.setattr(selfevo.evolve, "build_loop", loop_that_trains_nothing)
     cfg = load_config(None, [], backend="lm", **{"data.corpus": str(corpus), "data.qa_dir": str(qa)})
     out = tmp_path / "run"
     evolve(cfg, out, progress=False, audit=False)

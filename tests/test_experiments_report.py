@@ -143,6 +143,24 @@ def test_report_from_a_grid(local_grid):
     assert line in md and line in html
 
 
+def test_the_report_says_which_std_and_which_interval_its_numbers_are():
+    """Every table read "mean ± std" or "mean [95% CI]" without saying which: the sample std (n − 1)
+    and Student's t with n − 1 degrees of freedom, as algos.summary computes them."""
+    import statistics
+
+    from selfevo.algos import summary
+    from selfevo.report.render import html_page, markdown
+
+    vals = [0.1, 0.3, 0.35]
+    s = summary(vals)
+    assert s["std"] == pytest.approx(statistics.stdev(vals))  # n − 1, not statistics.pstdev
+    assert s["hi"] - s["mean"] == pytest.approx(4.303 * statistics.stdev(vals) / 3 ** 0.5)  # t, 2 df
+    res = {"treatments": [], "seeds": [0, 1, 2], "readings": [], "benchmarks": [], "base": {}, "downstream": {},
+           "audit": {}, "compute": {}}
+    note = "± is the sample standard deviation (n − 1) and [lo, hi] a 95% Student-t interval (n − 1 degrees"
+    assert note in markdown(res, {}) and note in html_page(res, {})
+
+
 def test_the_report_names_software_the_runs_differ_in():
     made = {"python": "3.11.7", "numpy": "2.4.6", "bm25s": "0.3.16"}
     tally = software_tally([{"software": made}, {"software": {**made, "numpy": "2.5.0"}},
@@ -345,9 +363,16 @@ def test_compare_ratios_are_against_the_coupled_run_of_the_same_seed(local_grid)
     for s in (0, 1):
         mine, base = compute[f"crossfit-s{s}"], compute[f"coupled-s{s}"]
         row = rows[f"crossfit-s{s}"]
-        assert row["extra_generations"] == pytest.approx(mine["total_generations"] / base["total_generations"] - 1)
+        # the training's cost: the downstream evaluation, the same in every arm, is left out
+        assert mine["generations"]["evaluation"] == base["generations"]["evaluation"] > 0
+
+        def trained(c):
+            return c["total_generations"] - c["generations"]["evaluation"]
+
+        assert row["extra_generations"] == pytest.approx(trained(mine) / trained(base) - 1)
         assert row["extra_updates"] == pytest.approx(mine["total_updates"] / base["total_updates"] - 1)
-        secs, base_secs = sum(mine["seconds"].values()), sum(base["seconds"].values())  # every phase
+        secs, base_secs = ({ph: v for ph, v in c["seconds"].items() if ph != "eval"} for c in (mine, base))
+        secs, base_secs = sum(secs.values()), sum(base_secs.values())  # every training phase
         assert row["seconds"] == round(secs, 3)
         assert row["extra_seconds"] == pytest.approx(secs / base_secs - 1)
         assert rows[f"coupled-s{s}"]["extra_seconds"] == 0.0
@@ -430,6 +455,28 @@ def test_collect_pairs_only_values_that_exist(local_grid, tmp_path):
     readings(res)  # one seed left to pair: no reading of the pattern, and no crash
 
 
+def test_a_round_that_admitted_nothing_is_left_out_of_the_hop_mix(local_grid, tmp_path):
+    """A run whose round admitted nothing (MSV rejecting every proposal: its mix is {}) was averaged
+    in as shares of 0: two seeds' mix summed to 0.5, every hop count's share halved."""
+    import shutil
+
+    from selfevo.report.collect import collect_runs
+
+    root, _, _ = local_grid
+    copies = [tmp_path / name for name in ("coupled-s0", "coupled-s1")]
+    for dst in copies:
+        shutil.copytree(root / dst.name, dst)
+    path = copies[1] / "audit" / "metrics.json"
+    metrics = json.loads(path.read_text())
+    metrics["rounds"][-1].update(admitted=0, hop_mix_admitted={})
+    path.write_text(json.dumps(metrics))
+    last = collect_runs(copies)["audit"]["coupled"]["rounds"][-1]
+    kept = json.loads((copies[0] / "audit" / "metrics.json").read_text())["rounds"][-1]
+    assert last["hop_mix_admitted"] == kept["hop_mix_admitted"]
+    assert sum(last["hop_mix_admitted"].values()) == pytest.approx(1.0, abs=1e-3)
+    assert last["admitted"]["mean"] == kept["admitted"] / 2  # the count itself is a real 0
+
+
 def test_the_base_row_covers_every_seed_any_treatment_completed(local_grid):
     from selfevo.report.collect import collect_runs
 
@@ -476,7 +523,8 @@ def test_compare_ratios_are_against_the_coupled_run_of_the_same_config_and_round
     assert [r["status"] for r in run_grid(two, "local", workers=1)] == ["ok"] * 2
     assert run_grid([one], "local", workers=1)[0]["status"] == "ok"
     coupled, crossfit, short = Path(two[0].out), Path(two[1].out), Path(one.out)
-    gen = {p: json.loads((p / "compute.json").read_text())["total_generations"] for p in (coupled, crossfit)}
+    gen = {p: (c := json.loads((p / "compute.json").read_text()))["total_generations"] - c["generations"]["evaluation"]
+           for p in (coupled, crossfit)}
     want = gen[crossfit] / gen[coupled] - 1
     for order in ([coupled, short, crossfit], [short, coupled, crossfit]):  # the order chose the base
         rows = {Path(r["run"]): r for r in compare(order)}

@@ -10,6 +10,7 @@ from selfevo.loop.feedback import (
     aux_names,
     aux_updates,
     crossfit_fold,
+    fewest_aux_updates,
     grader_index,
     other_fold,
     touched_folds,
@@ -29,6 +30,7 @@ from selfevo.loop.treatments import FeedbackOptions, feedback_options, parse_tre
 ])
 def test_aux_updates_splits_the_budget(updates, n_aux, budget, want):
     assert aux_updates(updates, n_aux, budget) == want
+    assert fewest_aux_updates(updates, n_aux, budget) == min(want)
 
 
 @pytest.mark.parametrize("h, touched, k, want", [

@@ -75,4 +75,6 @@ def test_golden_numbers(tmp_path, treatment):
     for key in ("A", "T_P", "F", "macro"):
         assert got[key] == pytest.approx(want[key], abs=1e-6), key
     assert got["admitted"] == want["admitted"]
-    assert (compute["generations"], compute["updates"]) == (want["generations"], want["updates"])
+    # the downstream evaluation, in every arm: the base model and 3 rounds, one trajectory a question
+    want_generations = {**want["generations"], "evaluation": 4 * 1325}
+    assert (compute["generations"], compute["updates"]) == (want_generations, want["updates"])

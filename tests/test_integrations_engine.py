@@ -49,6 +49,9 @@ def test_trl_engine_run_leaves_the_evolve_layout(trl_run):
     compute = json.loads((out / "compute.json").read_text())
     assert compute["updates"] == {"proposer": 1, "main": 1}
     assert compute["generations"]["proposer"] == 4 and compute["generations"]["grader"] == 5 * len(prop["items"])
+    # the evaluation of the base model and of round 1: one trajectory a question
+    evals = [json.loads((out / f"eval/round-{r}.json").read_text())["run"]["questions"] for r in (0, 1)]
+    assert compute["generations"]["evaluation"] == sum(evals) > 0
     audit = json.loads((out / "audit/metrics.json").read_text())
     assert audit["judge"] == "oracle" and audit["rounds"][0]["admitted"] == len(prop["items"])
     for role in ("proposer", "main"):

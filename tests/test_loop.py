@@ -221,6 +221,9 @@ def test_compute_accounting(runs):
     assert comp["generations"]["proposer"] == n_prop
     assert comp["generations"]["grader"] == 5 * n_prop
     assert comp["generations"]["solver_rollouts"] == 5 * n_solv
+    # evaluation: one trajectory a question, after every round and of the base model (round 0)
+    evals = [json.loads(run.eval_path(r).read_text())["run"]["questions"] for r in range(loop.rounds + 1)]
+    assert comp["generations"]["evaluation"] == sum(evals) and evals[0] > 0
     assert comp["total_generations"] == sum(comp["generations"].values())
     assert comp["total_updates"] == sum(comp["updates"].values())
 
@@ -426,7 +429,54 @@ def test_a_fold_without_source_documents_or_an_aux_solver_without_updates_is_ref
         evolve(load_config(None, ["world.name=small", "treatment=crossfit-connected-k15"]), tmp_path / "run",
                progress=False, audit=False)
     # half budget split over two aux solvers at one update a round: one gets none
-    with pytest.raises(ConfigError, match=r"loop.solver_steps: 1 gives the auxiliary solvers of 'half-budget' "
-                                          r"\[1, 0\] updates"):
+    with pytest.raises(ConfigError, match=r"loop.solver_steps: 1 leaves one of the 2 auxiliary solvers of "
+                                          r"'half-budget' with no updates"):
         load_config(None, ["treatment=half-budget", "loop.solver_steps=1"])
+    # K unbounded by the config (every document a source): read at once, not by building K solvers' updates
+    # (crossfit-k1000000000 hung while the config was read)
+    assert load_config(None, ["loop.source_docs=0", "treatment=crossfit-k1000000000"]).treatment
     load_config(None, ["treatment=half-budget", "loop.solver_steps=2"])  # one each
+
+
+def test_a_fold_check_with_a_huge_k_names_a_few_empty_folds_and_their_count(tmp_path):
+    """loop.source_docs = 0 (every document) leaves K unbounded by the config: the refusal named every
+    empty fold (`crossfit-k1000000` on the small world: an error line of 7.9 MB)."""
+    from selfevo.config import ConfigError
+
+    cfg = load_config(None, ["world.name=small", "loop.source_docs=0", "treatment=crossfit-k1000000"])
+    with pytest.raises(ConfigError) as err:
+        evolve(cfg, tmp_path / "run", progress=False, audit=False)
+    msg = str(err.value)
+    assert len(msg) < 600, len(msg)
+    empty = 1000000 - len({fold_of(d.id, cfg.seed, 1000000) for d in load_run_world(cfg).documents})
+    assert f", … ({empty} in all) of 1000000 without any of the proposer's" in msg
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_run_killed_before_noting_its_world_notes_it_on_resume(tmp_path, monkeypatch):
+    """A kill between creating the run and noting its world directory's sha256 left a run that resumed
+    and finished without it: a rewritten world then went unnoticed by resume and audit, and the report
+    would not pool the run with its peers (their made_on differs)."""
+    from selfevo.runs import RunError
+
+    save_world(load_run_world(load_config(None, ["world.name=small"])), tmp_path / "world")
+    cfg = load_config(None, [f"world.name={tmp_path / 'world'}", "loop.rounds=1", "loop.admit_per_round=20",
+                             "loop.proposer_steps=2", "loop.solver_steps=2"])
+    note = RunDir.note
+
+    def killed_at_the_world_note(self, **fields):
+        if "world_sha256" in fields:
+            raise KeyboardInterrupt("killed")
+        return note(self, **fields)
+
+    monkeypatch.setattr(RunDir, "note", killed_at_the_world_note)
+    with pytest.raises(KeyboardInterrupt):
+        evolve(cfg, tmp_path / "run", progress=False, audit=False)
+    monkeypatch.undo()
+    run = RunDir(tmp_path / "run")
+    assert "world_sha256" not in run.manifest()
+    evolve(cfg, run.path, resume=True, progress=False, audit=False)
+    assert len(run.manifest()["world_sha256"]) == 64
+    (tmp_path / "world" / "world.json").write_text((tmp_path / "world" / "world.json").read_text() + " ")
+    with pytest.raises(RunError, match="the world directory has changed"):
+        evolve(cfg, run.path, resume=True, progress=False, audit=False)

@@ -11,7 +11,7 @@ import bm25s
 import httpx
 import pytest
 from _servers import free_port, serve_app
-from _shared import CORPUS
+from _shared import CORPUS, loop_that_trains_nothing
 
 from selfevo._io import file_sha256
 from selfevo.corpus import write_corpus
@@ -561,10 +561,8 @@ def test_a_corpus_run_searches_a_saved_index_reading_documents_on_demand(tmp_pat
     """`data.index` (`evolve --index`): a corpus run searches the saved index of its corpus (any kind),
     whose documents stay on disk; its folds are the source pool's (every other page hashes alike), and
     the index of another corpus, or an index without a corpus, is refused naming `data.index`."""
-    from types import SimpleNamespace
 
     import selfevo.evolve
-    from selfevo.agents.baseline import RetrievalBaseline
     from selfevo.config import ConfigError, load_config
     from selfevo.evolve import environment, evolve, source_pool
     from selfevo.loop.folds import fold_of
@@ -590,8 +588,7 @@ def test_a_corpus_run_searches_a_saved_index_reading_documents_on_demand(tmp_pat
     assert env.index.retrieve(["Page 7 founded"], 3) == in_memory.retrieve(["Page 7 founded"], 3)
     assert source_pool(cfg, env.documents) == source_pool(cfg, docs)  # the same sample, never a copy
 
-    monkeypatch.setattr(selfevo.evolve, "build_loop",  # the loop is not what is checked here
-                        lambda *a, **k: SimpleNamespace(main=RetrievalBaseline(), run=lambda *a, **k: None))
+    monkeypatch.setattr(selfevo.evolve, "build_loop", loop_that_trains_nothing)  # not what is checked here
     out = tmp_path / "run"
     evolve(cfg, out, progress=False, audit=False)
     folds = json.loads((out / "folds.json").read_text())
@@ -612,7 +609,7 @@ def test_a_passage_keeps_the_corpus_contents_verbatim(tmp_path):
     """1,587 wiki18-mini passages start `Lokma\\n...`, without the quotes FlashRAG writes: an index
     re-quoted them, so it served, and a dense index embedded, text the corpus does not hold (an
     adopted FlashRAG FAISS index was then refused as another encoder's)."""
-    raw = ['Lokma\nLokma is a pastry.', '"Baklava"\nBaklava is a pastry too.', 'No title line at all']
+    raw = ['Lokma\nLokma is a pastry.', '"Baklava"\nBaklava is a pastry too.', 'No title line at all', '']
     path = tmp_path / "c.jsonl"
     path.write_text("".join(json.dumps({"id": str(i), "contents": c}) + "\n" for i, c in enumerate(raw)),
                     encoding="utf-8")
@@ -620,6 +617,7 @@ def test_a_passage_keeps_the_corpus_contents_verbatim(tmp_path):
     assert [d.contents for d in docs] == raw
     assert (docs[0].title, docs[0].text) == ("Lokma", "Lokma is a pastry.")  # parsed as before
     assert docs[1] == Document("1", "Baklava", "Baklava is a pastry too.")  # the quoted form: nothing extra
+    assert docs[3].contents == ""  # an empty passage is served empty (was '""\n': an empty quoted title)
     index = BM25Index.from_corpus_file(path, index_dir=tmp_path / "idx")
     again = BM25Index.load(tmp_path / "idx")
     assert [d.contents for d in again.docs] == raw

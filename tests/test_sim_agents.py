@@ -1,12 +1,15 @@
 """The sim backends: SimSolver (search, read, memory, policy gradient) and SimProposer."""
 
 import json
+import random
 from collections import Counter
 
 import pytest
 
+from selfevo.agents.baseline import _spans
 from selfevo.agents.sim import Reader, SimProposer, SimProposerConfig, SimSolver, SimSolverConfig
 from selfevo.audit import OracleJudge
+from selfevo.config import ConfigError, load_config
 from selfevo.evaluate import answers_match, normalize_answer
 from selfevo.search.bm25 import BM25Index
 from selfevo.search.tool import SearchTool
@@ -378,3 +381,76 @@ def test_answers_depend_on_this_tool_and_world_not_an_earlier_one(env):
     other_qs = questions(other, 10)
     assert (answers_of(solver, other_qs, other_tool, greedy=True)
             == answers_of(make_solver(), other_qs, other_tool, greedy=True))
+
+
+# ------------------------------------------------------------------ settings the learners cannot run with
+
+
+@pytest.mark.parametrize("override, field", [
+    ("proposer.lr=1e308", "proposer.lr"),  # weights overflowed to inf: random.choices raised mid-run
+    ("solver.lr_theta=1e308", "solver.lr_theta"),  # theta = inf written into the round checkpoint
+    ("solver.theta0=[1e308, 0, 1e308, 0]", "solver.theta0"),  # logits inf - inf: NaN probabilities
+    ("solver.misread_scale=1e308", "solver.misread_scale"),
+    ("solver.lr_memory=1e308", "solver.lr_memory"),
+    ("proposer.theta=[-1e10, 0, 0, 0]", "proposer.theta"),
+    ("proposer.misread_scale=1e308", "proposer.misread_scale"),
+    ("proposer.hop_ratio=[1" + "0" * 400 + ", 1]", "proposer.hop_ratio"),  # OverflowError in the hop draw
+    ("proposer.options=1" + "0" * 400, "proposer.options"),  # every proposal drew that many pages: no end
+])
+def test_a_sim_setting_too_large_to_compute_with_is_a_config_error(override, field):
+    with pytest.raises(ConfigError) as e:
+        load_config(None, [override])
+    assert str(e.value).startswith(f"{field}: ") and len(str(e.value)) < 200, str(e.value)
+    # the largest allowed values still make a config
+    load_config(None, ["proposer.lr=1e6", "solver.theta0=[-1e6, 1e6, 0, 0]", "proposer.options=10000",
+                       "proposer.hop_ratio=[1000000, 1]"])
+
+
+def test_a_hop_count_the_search_budget_cannot_compose_is_refused(env):
+    """An h-hop question takes the sim proposer h - 1 searches: with fewer, every draw of that hop
+    count fails and is retried until the step's attempts run out, so the proposer wrote a fraction of
+    its questions (6 of 20 at search.max_calls=2) and the run still exited 0."""
+    world, index, _ = env
+    tight = SearchTool(index, topk=3, max_calls=2)
+    assert len(make_proposer(world.documents).propose(20, tight, seed=0)) < 10  # why it is refused
+    with pytest.raises(ConfigError, match=r"^search\.max_calls: 2 searches cannot compose the 4-hop .*\[4, 3, 2\]"):
+        load_config(None, ["search.max_calls=2"])
+    with pytest.raises(ConfigError, match=r"^proposer\.hop_ratio: asks for 7-hop questions"):
+        load_config(None, ["proposer.hop_ratio=[1, 1, 1, 1, 1, 1, 1]"])
+    # what fits the budget runs in full; the lm backend has no hop ratio
+    cfg = load_config(None, ["search.max_calls=2", "proposer.hop_ratio=[4, 3, 2, 0]"])
+    proposer = SimProposer("proposer", cfg.proposer, Reader("proposer", 1.6, 0.1, 0), world.documents)
+    assert len(proposer.propose(20, tight, seed=0)) == 20
+    load_config(None, ["search.max_calls=1"], backend="lm")
+
+
+class _LowScoringReader(Reader):
+    """A reader whose every score lies far below zero (what a strongly negative reading weight gives)."""
+
+    def bias(self, doc_id: str, candidate: str) -> float:
+        return -2e9 if candidate == self.favourite else -3e9
+
+
+def test_the_proposers_reading_follows_its_scores_however_low(env):
+    """A reading is a softmax over the statements' scores; a floor of -1e9 under them made two
+    scores below it equal, so the proposer read such a page at random."""
+    world, _, _ = env
+    doc = next(d for d in world.documents if len({s.object for s in Reader("r", 0, 0, 0).read(d)
+                                                  .statements.get("born_in", ())}) > 1)
+    reader = _LowScoringReader("proposer", 1.0, 0.1, 0)
+    page = reader.read(doc)
+    reader.favourite = sorted({s.object for s in page.statements["born_in"]})[-1]
+    proposer = SimProposer("proposer", SimProposerConfig(), reader, [doc])
+    reads = Counter(proposer._read_value(page, "born_in", random.Random(i)) for i in range(50))
+    assert reads == {reader.favourite: 50}
+
+
+# ------------------------------------------------------------------ the retrieval baseline
+
+
+def test_the_baseline_keeps_a_name_after_a_sentence_opener_and_punctuation():
+    """A run of stopwords ended by punctuation ("However,") used to skip the token after it, the
+    first word of the next name: "Capitol Records" was read as "Records", "It. Paris" as nothing."""
+    assert [s for *_, s in _spans("However, Capitol Records signed him.")] == ["Capitol Records"]
+    assert [s for *_, s in _spans("It. Paris")] == ["Paris"]
+    assert [s for *_, s in _spans("In 1933, Paris was big")] == ["1933", "Paris"]

@@ -346,7 +346,8 @@ def world_make(
     size: str = typer.Option("default", help="small | default"),
     seed: int = typer.Option(0),
     out: Path = typer.Option(..., help="directory for corpus.jsonl, qa/, truth.json, world.json"),
-    confusable_rate: float = typer.Option(0.6, help="share of facts with a confusable sentence"),
+    confusable_rate: float = typer.Option(
+        0.6, help="chance that a fact's page also states that relation for a related entity (a confusable sentence)"),
     shared_misreading: float = typer.Option(0.1, help="correlation of proposer and solver misreadings"),
     value_skew: float = typer.Option(1.0, help="exponent on popularity when a fact's value is drawn (0 = uniform)"),
 ) -> None:
@@ -728,7 +729,8 @@ def serve_model_cmd(
 def compare_cmd(run_dirs: list[Path] = typer.Argument(..., help="run directories")) -> None:
     """Compute overhead against the coupled run of the same seed, with last-round F, T_P, A, Cover-EM.
 
-    Overhead counts generations, updates and wall seconds."""
+    Overhead counts the training's generations, updates and wall seconds; the downstream evaluation
+    (in compute.json too) is the same in every arm and left out."""
     from rich.table import Table
 
     from selfevo._fmt import num

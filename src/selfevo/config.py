@@ -140,6 +140,8 @@ class RunConfig:
                     reader = "lm backend (--backend lm)" if table == "lm" else "sim backend's learners"
                     raise ValueError(f"{table}.{f.name}: read only by the {reader}; backend {self.backend!r} "
                                      "would ignore it")
+        if self.backend == "sim":
+            self._check_hops_fit_search_budget()
         if self.backend == "lm" and self.world.shared_misreading != WorldSpec.shared_misreading:
             raise ValueError("world.shared_misreading: read only by the sim backend's readers; backend 'lm' "
                              "would ignore it")
@@ -148,6 +150,24 @@ class RunConfig:
                 if getattr(self.world, f.name) != getattr(WorldSpec(), f.name):
                     raise ValueError(f"world.{f.name}: read only on the synthetic world; a run on a corpus "
                                      "(data.corpus) would ignore it")
+
+    def _check_hops_fit_search_budget(self) -> None:
+        """The sim proposer follows a link with one search a hop, so an h-hop question takes h - 1
+        searches. A hop count the budget cannot compose is drawn and retried until the step's attempts
+        run out: the proposer then writes a fraction of its questions (none if only such hop counts
+        have weight), and the run goes on with exit 0."""
+        ratio, budget = self.proposer.hop_ratio, self.search.max_calls
+        too_long = [h for h, w in enumerate(ratio, 1) if w > 0 and h - 1 > budget]
+        if not too_long:
+            return
+        # name the field that was changed from its default (the other one is as shipped)
+        if ratio != SimProposerConfig.hop_ratio:
+            raise ValueError(f"proposer.hop_ratio: asks for {too_long[0]}-hop questions, which take "
+                             f"{too_long[0] - 1} searches to compose, but search.max_calls is {budget}; "
+                             f"give weight only to questions of 1 to {budget + 1} hops, or raise search.max_calls")
+        raise ValueError(f"search.max_calls: {budget} searches cannot compose the {too_long[0]}-hop questions "
+                         f"proposer.hop_ratio {list(ratio)} asks for ({too_long[0] - 1} searches); "
+                         f"set proposer.hop_ratio = {list(ratio[:budget + 1])} as well, or raise search.max_calls")
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -229,13 +249,14 @@ def config_from_dict(data: dict) -> RunConfig:
                           f"from {cfg.loop.source_docs} source documents (loop.source_docs); K can be at most that")
     options = feedback_options(t)
     if options is not None:
-        from selfevo.loop.feedback import aux_names, aux_updates
+        from selfevo.loop.feedback import aux_count, fewest_aux_updates
 
-        updates = aux_updates(cfg.loop.solver_steps, len(aux_names(options.trains, t.k)), options.budget)
-        if 0 in updates:  # a split budget too small for every aux solver: one would grade untrained
-            raise ConfigError(f"loop.solver_steps: {cfg.loop.solver_steps} gives the auxiliary solvers of "
-                              f"{cfg.treatment!r} {updates} updates a round, and one with none would grade "
-                              "untrained; raise loop.solver_steps")
+        n_aux = aux_count(options.trains, t.k)
+        if fewest_aux_updates(cfg.loop.solver_steps, n_aux, options.budget) == 0:
+            # a split budget too small for every aux solver: one would grade untrained
+            raise ConfigError(f"loop.solver_steps: {cfg.loop.solver_steps} leaves one of the {n_aux} auxiliary "
+                              f"solvers of {cfg.treatment!r} with no updates a round, and it would grade untrained; "
+                              "raise loop.solver_steps")
     return cfg
 
 

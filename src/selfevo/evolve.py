@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import itertools
 import os
 import random
 import time
@@ -87,9 +88,14 @@ def check_folds(cfg: RunConfig, folds: FoldAssignment, pool) -> None:
     options = feedback_options(parse_treatment(cfg.treatment))
     if options is None or options.trains == "everything" or options.split == "question":
         return  # no aux solver per source fold (coupled, full-data) or folds of questions, not sources
-    empty = sorted(set(range(folds.k)) - {folds.of(d.id) for d in pool})
-    if empty:
-        raise ConfigError(f"treatment: {cfg.treatment!r} leaves fold(s) {', '.join(map(str, empty))} of {folds.k} "
+    used = {folds.of(d.id) for d in pool}
+    if len(used) < folds.k:
+        # K may be huge (loop.source_docs = 0 leaves it unbounded by the config): name the first few
+        # empty folds and their count, never build range(K) or an error line of megabytes
+        n_empty = folds.k - len(used)
+        first = list(itertools.islice((j for j in range(folds.k) if j not in used), 8))
+        shown = ", ".join(map(str, first)) + (f", … ({n_empty} in all)" if n_empty > len(first) else "")
+        raise ConfigError(f"treatment: {cfg.treatment!r} leaves fold(s) {shown} of {folds.k} "
                           f"without any of the proposer's {len(pool)} source documents (loop.source_docs; "
                           f"grouping {folds.grouping}): their auxiliary solvers would never train, and grade "
                           "untrained; use fewer folds or more source documents")
@@ -274,12 +280,14 @@ def evolve(cfg: RunConfig, out: str | os.PathLike, resume: bool = False, progres
             run.check_new()  # now, not after the model load it would waste
             done = 0
 
-        def evaluate(solver, round_: int) -> None:
+        def evaluate(solver, round_: int) -> dict:
+            if round_ == 0 and run.eval_path(0).exists():
+                return run.evaluation(0)  # the base model's, made before a kill (a later round's is redone)
             # timings live in compute.json, so that eval files are byte-identical across reruns
-            evaluate_solver(solver, env.benchmarks, tool, progress=False, run_info={"round": round_},
-                            limit=cfg.data.eval_limit or None,
-                            predictions_path=run.eval_predictions_path(round_),
-                            score_path=run.eval_path(round_), timing=False)
+            return evaluate_solver(solver, env.benchmarks, tool, progress=False, run_info={"round": round_},
+                                   limit=cfg.data.eval_limit or None,
+                                   predictions_path=run.eval_predictions_path(round_),
+                                   score_path=run.eval_path(round_), timing=False)
 
         folds_path = run.path / "folds.json"
         if resuming and folds_path.exists():  # permanent: a resumed run keeps the assignment it started with
@@ -291,16 +299,22 @@ def evolve(cfg: RunConfig, out: str | os.PathLike, resume: bool = False, progres
         loop = build_loop(cfg, env, tool, folds, evaluate, store=run.path / "checkpoints" / "tensors")
         if not resuming:
             run.create(cfg.to_json())
-            if (sha := world_sha256(cfg)) is not None:
+        if not done:
+            # what the run is made on, noted right after its creation; a resume before any round is done
+            # notes what a kill between the two left out (else its world or corpus would never be checked,
+            # and the report would not pool it with its peers). A run with rounds done keeps what it has
+            # (one made before these fields existed has none).
+            made = run.manifest()
+            if (sha := world_sha256(cfg)) is not None and "world_sha256" not in made:
                 run.note(world_sha256=sha)
-            if cfg.data.corpus:  # the documents' content hash, computed when they were indexed
+            if cfg.data.corpus and "corpus_sha256" not in made:  # the documents' hash, taken when indexed
                 run.note(corpus_sha256=env.index.corpus_sha256, index=index_identity(env.index))
         if not folds_path.exists():
             write_json(folds_path, folds.to_json())
         if done:
             _restore(loop, run, done)
-        elif not run.eval_path(0).exists():
-            evaluate(loop.main, 0)  # the base model, before any training
+        else:
+            loop.evaluate_main(0)  # the base model, before any training (counted in compute.json)
         loop.run(run, start_round=done + 1, progress=progress)
         del loop  # its models are checkpointed: their memory is free before a judge loads one
         if audit:

@@ -63,12 +63,12 @@ class Document:
     text: str
     # a corpus's `contents` as read, where it is not the quoted form (a title without quotes, say):
     # kept verbatim so that what is indexed, embedded, served and shown is the corpus's exact text,
-    # as FlashRAG and Search-R1 embed it ("" where the quoted form is exact)
-    verbatim: str = field(default="", repr=False)
+    # as FlashRAG and Search-R1 embed it (None where the quoted form is exact; "" is an empty passage's)
+    verbatim: str | None = field(default=None, repr=False)
 
     @property
     def contents(self) -> str:
-        return self.verbatim or f'"{self.title}"\n{self.text}'
+        return f'"{self.title}"\n{self.text}' if self.verbatim is None else self.verbatim
 
     @classmethod
     def from_contents(cls, id: str, contents: str) -> Document:

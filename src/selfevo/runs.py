@@ -6,7 +6,7 @@ evaluations, compute accounting and round checkpoints — and resuming from them
     RUN_DIR/records/steps.jsonl      one line per scheduled step (append-only)
     RUN_DIR/eval/round-R.json        main solver on the seven benchmarks after round R (0 = base)
     RUN_DIR/eval/round-R.predictions.jsonl  per-item predictions of that evaluation
-    RUN_DIR/compute.json             generations, updates per model, wall seconds per phase
+    RUN_DIR/compute.json             generations by purpose (evaluation too), updates per model, wall seconds per phase
     RUN_DIR/checkpoints/round-R.json every model's parameters after round R (JSON, no pickle)
     RUN_DIR/audit/metrics.json       the audit: written when a run ends (evolve, engine-run), again by `selfevo audit`
 """

@@ -99,7 +99,9 @@ def _spans(text: str) -> list[tuple[int, int, str]]:
             span_text = text[tokens[i].start():tokens[j - 1].end()] if i < j else ""
         if span_text:
             spans.append((i, j, span_text))
-        i = max(j, i + 1)
+        # the next run starts at j (> the run's first token), not past it: after "However," token j
+        # is a capitalised word (j is where punctuation ended a run of stopwords)
+        i = j
     return spans
 
 

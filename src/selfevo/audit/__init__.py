@@ -31,7 +31,9 @@ def _mix(items: Sequence[dict]) -> dict:
 
 def mean_hop_mix(mixes: Sequence[dict]) -> dict:
     """Hop mixes (as `audit_steps` writes them) averaged over runs: a hop count a run never
-    admitted counts as share 0 there."""
+    admitted counts as share 0 there. A run that admitted nothing has no mix (0 of 0, written as {}):
+    it is left out, not averaged in as shares of 0, which would make the mix sum to less than 1."""
+    mixes = [m for m in mixes if m]
     hops = sorted({h for m in mixes for h in m}, key=int)
     return {h: round(sum(m.get(h, 0.0) for m in mixes) / len(mixes), 4) for h in hops}
 

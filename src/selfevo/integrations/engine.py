@@ -64,7 +64,7 @@ from selfevo.integrations.admit import (
 )
 from selfevo.integrations.datasets import aux_training_sets, one_pass, proposer_rows, solver_rows, write_verl
 from selfevo.integrations.routing import Grader, aux_roles, options_of
-from selfevo.loop.engine import Compute
+from selfevo.loop.engine import EVAL_GENERATIONS, Compute
 from selfevo.loop.feedback import aux_updates, touched_folds
 from selfevo.loop.folds import FoldAssignment
 from selfevo.loop.schedule import derive_seed
@@ -666,7 +666,8 @@ class EngineRun:
                                                 for role in ["main", *aux_roles(self.treatment)]},
                                     "compute": self.phases.compute()})
         macro = result.get("macro", {})
-        return {"macro_cover_em": macro.get("cover_em") if isinstance(macro, dict) else macro}
+        return {"macro_cover_em": macro.get("cover_em") if isinstance(macro, dict) else macro,
+                "generations": {EVAL_GENERATIONS: result["run"]["questions"]}}  # one trajectory a question
 
     def audit(self) -> dict:
         from selfevo.audit import OracleJudge, audit_run

@@ -61,6 +61,11 @@ class Candidate:
         return self.decision.label
 
 
+# the downstream evaluation's keys in compute.json (generations; seconds): counted, but the same in
+# every arm and no part of the training whose overhead `selfevo compare` reports (the paper's Table 3)
+EVAL_GENERATIONS, EVAL_PHASE = "evaluation", "eval"
+
+
 @dataclass
 class Compute:
     """Compute accounting: generations by purpose, updates per model, wall seconds per phase."""
@@ -102,7 +107,8 @@ class Loop:
     feedback: Feedback
     tool: SearchTool
     folds: FoldAssignment
-    evaluate: Callable[[TrainableSolver, int], None] | None = None  # (solver, round) -> writes eval
+    # (solver, round) -> writes the eval files and returns evaluate_solver's result
+    evaluate: Callable[[TrainableSolver, int], dict] | None = None
     compute: Compute = field(default_factory=Compute)
 
     def _timed(self, phase: str, t0: float) -> float:
@@ -243,11 +249,18 @@ class Loop:
                     self.compute.add("updates", key, value)
                 for key, value in aux.get("generations", {}).items():
                     self.compute.add("generations", key, value)
-                t = self._timed("aux", t)
-                if self.evaluate is not None:
-                    self.evaluate(self.main, r)
-                self._timed("eval", t)
+                self._timed("aux", t)
+                self.evaluate_main(r)
                 sink.checkpoint(r, self.state_dict())
+
+    def evaluate_main(self, r: int) -> None:
+        """The main solver on the benchmarks after round r (0: the base model), counted (one
+        trajectory a question) and timed."""
+        t = time.perf_counter()
+        if self.evaluate is not None:
+            result = self.evaluate(self.main, r)
+            self.compute.add("generations", EVAL_GENERATIONS, result["run"]["questions"])
+        self._timed(EVAL_PHASE, t)
 
     def state_dict(self) -> dict:
         return {"proposer": self.proposer.state_dict(), "main": self.main.state_dict(),

@@ -72,12 +72,22 @@ def aux_names(trains: str, k: int) -> list[str]:
     return ["aux-all"] if trains == "everything" else [f"aux-{j}" for j in range(k)]
 
 
+def aux_count(trains: str, k: int) -> int:
+    """len(aux_names(trains, k)), without building the list: a config's K may be huge."""
+    return 1 if trains == "everything" else k
+
+
 def aux_updates(updates_per_round: int, n_aux: int, budget: float = 1.0) -> list[int]:
     """Updates of each aux solver a round: `budget` of `updates_per_round` each, the total split
     evenly (the first solvers take the remainder).
     paper: each aux solver gets 25 updates a round; half budget: 25 a round in total."""
     total = round(updates_per_round * n_aux * budget)
     return [total // n_aux + (1 if j < total % n_aux else 0) for j in range(n_aux)]
+
+
+def fewest_aux_updates(updates_per_round: int, n_aux: int, budget: float = 1.0) -> int:
+    """min(aux_updates(...)) without building the list: a config's K may be huge."""
+    return round(updates_per_round * n_aux * budget) // n_aux
 
 
 def lineage_of(solver) -> dict:

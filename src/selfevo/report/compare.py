@@ -1,5 +1,6 @@
 """`selfevo compare`: compute overhead of treatments against the coupled run of the same seed
-(the paper's Table 3), next to what each run bought (F, T_P, A in the last round; Cover-EM)."""
+(the paper's Table 3), next to what each run bought (F, T_P, A in the last round; Cover-EM). The cost
+is the training's: generations and wall seconds leave out the downstream evaluation (`training_cost`)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from selfevo.loop.engine import EVAL_GENERATIONS, EVAL_PHASE
 from selfevo.runs import RunDir, RunError, check_loop_run, made_on
 
 
@@ -42,8 +44,16 @@ class RunSummary:
         cover = run.evaluation(done)["macro"]["cover_em"] if run.eval_path(done).exists() else None
         setting = json.dumps([{k: v for k, v in cfg.items() if k != "treatment"}, made_on(manifest), done],
                              sort_keys=True)
-        return cls(run.path, cfg["treatment"], cfg["seed"], compute["total_generations"], compute["total_updates"],
-                   sum(compute["seconds"].values()), rounds[-1] if rounds else None, cover, setting)
+        generations, seconds = training_cost(compute)
+        return cls(run.path, cfg["treatment"], cfg["seed"], generations, compute["total_updates"], seconds,
+                   rounds[-1] if rounds else None, cover, setting)
+
+
+def training_cost(compute: dict) -> tuple[int, float]:
+    """(generations, wall seconds) of a run's training, from its compute.json: all but the downstream
+    evaluation's, which is the same in every arm (it would dilute each overhead towards 0)."""
+    generations = compute["total_generations"] - compute["generations"].get(EVAL_GENERATIONS, 0)
+    return generations, sum(v for k, v in compute["seconds"].items() if k != EVAL_PHASE)
 
 
 def compare(paths: list[str | os.PathLike]) -> list[dict]:

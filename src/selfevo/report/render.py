@@ -13,6 +13,9 @@ from selfevo.audit import METRICS, hop_mix_text
 REPLAY_COLUMNS = ("F", "solver_truth", "replay_accuracy", "A")
 # runs collect_runs left out of every number (not complete), listed so the reader knows
 LEFT_OUT = "Runs left out (failed or not complete; no number above includes them)"
+# what "±" and "[lo, hi]" mean in every table (algos.summary): said once, since "std" alone could be either
+STATS_NOTE = ("Over seeds, ± is the sample standard deviation (n − 1) and [lo, hi] a 95% Student-t interval "
+              "(n − 1 degrees of freedom; differences to coupled paired by seed); one seed has neither (a dash).")
 
 
 def _f(s: dict | None, ci: bool = False) -> str:
@@ -82,7 +85,7 @@ def tables(res: dict) -> dict[str, tuple[list[str], list[list[str]]]]:
 def markdown(res: dict, figures: dict[str, str]) -> str:
     lines = ["# selfevo report", "", f"Treatments: {', '.join(res['treatments'])}; seeds: "
              f"{', '.join(map(str, res['seeds']))}. {res.get('context', '')}", "",
-             f"Software: {software_text(res.get('software', {}))}.", "", "## Readings", ""]
+             f"Software: {software_text(res.get('software', {}))}.", "", STATS_NOTE, "", "## Readings", ""]
     lines += [f"- {r}" for r in res["readings"]] or ["- (none)"]
     if res.get("excluded"):
         lines += ["", f"## {LEFT_OUT}", ""]
@@ -105,7 +108,8 @@ def html_page(res: dict, figures: dict[str, bytes]) -> str:
              "<h1>selfevo report</h1>",
              f"<p>Treatments: {esc(', '.join(res['treatments']))}; seeds: {esc(', '.join(map(str, res['seeds'])))}."
              f" {esc(res.get('context', ''))}</p>",
-             f"<p>Software: {esc(software_text(res.get('software', {})))}.</p>", "<h2>Readings</h2><ul>"]
+             f"<p>Software: {esc(software_text(res.get('software', {})))}.</p>", f"<p>{esc(STATS_NOTE)}</p>",
+             "<h2>Readings</h2><ul>"]
     parts += [f"<li>{esc(r)}</li>" for r in res["readings"]] or ["<li>(none)</li>"]
     parts.append("</ul>")
     if res.get("excluded"):

@@ -36,7 +36,9 @@ BENCHMARK_SIZES = {"nq": 200, "triviaqa": 200, "popqa": 200, "hotpotqa": 200,
 class WorldConfig:
     size: str = "default"
     seed: int = 0
-    # share of facts whose page also states the same relation for a related entity
+    # chance that a fact's page also states the same relation for a related entity (one of the
+    # subject's type, at random); none is written when that entity lacks the relation or has the same
+    # value, so fewer facts carry one: 54% at 0.6 and 89% at 1.0 (default world, seed 0)
     confusable_rate: float = 0.6
     # correlation of the proposer's and the solver's page-specific misreadings (the paper's
     # "shared pretraining errors" confound); low by default so the memory ablation isolates reuse

@@ -10,17 +10,20 @@ page becomes a wrong pseudo-label every time the page is used.
 
 from __future__ import annotations
 
+import math
 import random
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 
 from selfevo.agents.base import Proposal
-from selfevo.agents.sim.reader import FEATURES, PageReading, Reader, features
+from selfevo.agents.sim.reader import FEATURES, PageReading, Reader, check_magnitude, features
 from selfevo.algos import bucket_advantages, sample_index, softmax
 from selfevo.evaluate import normalize_answer
 from selfevo.records import Document
 from selfevo.search.tool import SearchBudgetExhausted, SearchSession, SearchTool
 from selfevo.world.language import RELATIONS, ChainQuery, render_chain
+
+MAX_OPTIONS = 10_000  # every option is a page drawn and read, for every proposal
 
 
 @dataclass(frozen=True)
@@ -45,6 +48,14 @@ class SimProposerConfig:
             raise ValueError(f"proposer.read_temperature: must be > 0, got {self.read_temperature}")
         if self.misread_scale < 0:
             raise ValueError(f"proposer.misread_scale: must be >= 0, got {self.misread_scale}")
+        check_magnitude("proposer.theta", *self.theta)
+        for name in ("misread_scale", "lr"):
+            check_magnitude(f"proposer.{name}", getattr(self, name))
+        # a weight past a float's range crashed the hop draw; 10**400 options never finished a proposal
+        check_magnitude("proposer.hop_ratio", *self.hop_ratio)
+        if self.options > MAX_OPTIONS:
+            shown = self.options if self.options <= 10**12 else f"an integer of {len(str(self.options))} digits"
+            raise ValueError(f"proposer.options: must be at most {MAX_OPTIONS}, got {shown}")
 
 
 @dataclass
@@ -91,10 +102,11 @@ class SimProposer:
         if not stmts:
             return None
         cands = sorted({s.object for s in stmts})
-        scores = {}
+        scores: dict[str, float] = {}
         for s in stmts:
             sc = self.reader.score(self.config.theta, features(s, True, 0), page.doc_id, s.object)
-            scores[s.object] = max(scores.get(s.object, -1e9), sc)
+            # no finite floor: one under every score (-1e9 once) flattened a reading of low scores
+            scores[s.object] = max(scores.get(s.object, -math.inf), sc)
         probs = softmax([scores[c] for c in cands], self.config.read_temperature)
         return cands[sample_index(probs, rnd.random())]
 

@@ -21,6 +21,20 @@ from selfevo.world.language import Statement, read_statements
 # Reading features of a candidate answer for (mention, relation), in this order.
 FEATURES = ("about_page", "title_match", "about_and_title", "top_rank")
 
+# The largest weight, bias scale or learning rate a sim config takes: far beyond any useful value
+# (the defaults are below 5), yet small enough that no logit or update overflows a float in a run of
+# any feasible length. Unbounded, 1e308 overflowed to inf mid-run: NaN probabilities, then a crash
+# (random.choices) or Infinity written into a checkpoint.
+MAX_MAGNITUDE = 1e6
+
+
+def check_magnitude(where: str, *values: float) -> None:
+    """A ValueError naming `where` if a value lies outside [-MAX_MAGNITUDE, MAX_MAGNITUDE]."""
+    for v in values:
+        if not abs(v) <= MAX_MAGNITUDE:
+            shown = f"an integer of {len(str(abs(v)))} digits" if isinstance(v, int) and abs(v) > 10**12 else v
+            raise ValueError(f"{where}: must be at most {MAX_MAGNITUDE:g} in size, got {shown}")
+
 
 def hash_normal(*keys: object) -> float:
     """A standard normal that is a pure function of `keys` (Box-Muller on a hash)."""

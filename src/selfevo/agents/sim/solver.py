@@ -23,7 +23,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 
 from selfevo.agents.base import Trajectory
-from selfevo.agents.sim.reader import FEATURES, Reader, features
+from selfevo.agents.sim.reader import FEATURES, Reader, check_magnitude, features
 from selfevo.algos import group_advantages, sample_index, softmax
 from selfevo.evaluate import answers_match
 from selfevo.records import Document
@@ -66,6 +66,9 @@ class SimSolverConfig:
                 raise ValueError(f"solver.{name}: must be >= 0, got {getattr(self, name)}")
         if self.memory_cap < 0:
             raise ValueError(f"solver.memory_cap: must be >= 0 (0 = unbounded), got {self.memory_cap}")
+        check_magnitude("solver.theta0", *self.theta0)
+        for name in ("misread_scale", "lr_memory", "lr_theta"):
+            check_magnitude(f"solver.{name}", getattr(self, name))
 
 
 @dataclass
@@ -207,9 +210,11 @@ class SimSolver:
     def update(self, groups: Sequence[tuple[list[Trajectory], str]]) -> dict:
         """Policy gradient on the solver's own rollouts, reward = answer matches the label.
 
-        d log p(c_t) / d logits = onehot(c_t) - p_t for every hop t of a rollout; the memory entry
-        of the hop's (mention, relation) and the reading weights both move along it. paper:
-        sequence-normalised (divided by the number of hops), GRPO advantage within the group.
+        d log p(c_t) / d (logits / temperature) = onehot(c_t) - p_t for every hop t of a rollout
+        (the gradient through the tempered logits: at a temperature T other than 1 each step is T
+        times the raw logits' gradient); the memory entry of the hop's (mention, relation) and the
+        reading weights both move along it. paper: sequence-normalised (divided by the number of
+        hops), GRPO advantage within the group.
         """
         if self.frozen:
             raise RuntimeError(f"{self.name} is a frozen snapshot")
