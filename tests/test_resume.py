@@ -89,6 +89,9 @@ def test_crash_in_round_1_then_resume(tmp_path, monkeypatch, reference):
     monkeypatch.undo()
     evolve(cfg, run.path, resume=True, progress=False)
     assert_same_results(run, reference, (*COMPARED, "eval/round-0.json"))
+    # the base model's evaluation, made before the kill and not redone, is still counted
+    counts = [{k: v for k, v in r.compute().items() if k != "seconds"} for r in (run, reference)]
+    assert counts[0] == counts[1] and counts[0]["generations"]["evaluation"] > 0
 
 
 def test_torn_last_line_is_repaired_on_resume(tmp_path, monkeypatch, reference):

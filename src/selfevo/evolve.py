@@ -281,8 +281,10 @@ def evolve(cfg: RunConfig, out: str | os.PathLike, resume: bool = False, progres
             done = 0
 
         def evaluate(solver, round_: int) -> dict:
-            if round_ == 0 and run.eval_path(0).exists():
-                return run.evaluation(0)  # the base model's, made before a kill (a later round's is redone)
+            if round_ == 0 and run.eval_path(0).exists():  # the base model's, made before a kill
+                made = run.evaluation(0)  # (a later round's is redone: its model is retrained)
+                if isinstance(made.get("run"), dict) and isinstance(made["run"].get("questions"), int):
+                    return made  # else it is made again: its count goes into compute.json
             # timings live in compute.json, so that eval files are byte-identical across reruns
             return evaluate_solver(solver, env.benchmarks, tool, progress=False, run_info={"round": round_},
                                    limit=cfg.data.eval_limit or None,
