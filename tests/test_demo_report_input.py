@@ -224,3 +224,22 @@ def test_runs_of_another_config_are_neither_pooled_nor_paired(runs, tmp_path):
     assert not (paired / "results.json").exists()
     assert collect_runs([runs / "grid" / "coupled-s0", runs / "grid" / "crossfit-s0"])["treatments"] == \
         ["coupled", "crossfit"]  # one config: reported as before
+
+
+@pytest.mark.parametrize("entry, message", [
+    ({"run": "x"}, "excluded[0].treatment should be a string, got None"),
+    ({"run": "x", "treatment": "coupled", "seed": "1", "why": "no"}, "excluded[0].seed should be an integer, got '1'"),
+    ({"run": "x", "treatment": "coupled", "seed": True, "why": ""}, "excluded[0].seed should be an integer, got True"),
+])
+def test_a_damaged_demo_record_entry_is_named(runs, tmp_path, entry, message):
+    """demo.json's excluded entries were checked as objects only: one without `treatment` was a
+    KeyError traceback from the Markdown renderer, after results.json had been written."""
+    from selfevo.report.build import write_demo_record
+
+    root = tmp_path / "r"
+    shutil.copytree(runs / "grid", root)
+    write_demo_record(root, [root / "coupled-s0"], False, [entry], "")
+    result = CliRunner().invoke(app, ["report", str(root)])
+    assert result.exit_code == 2, result.output
+    assert _one_line(result.output) == f"error: {root / 'demo.json'}: field {message}"
+    assert not (root / "results.json").exists()

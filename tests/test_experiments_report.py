@@ -764,3 +764,113 @@ def test_a_run_whose_admission_read_truth_is_no_run_of_the_loop(local_grid, tmp_
     with pytest.raises(ReplayError, match="admission was decided by the oracle"):
         build_bank([ceiling], size=10)
     build_bank([root / "coupled-s0"], size=10)  # the run it copies is taken
+
+
+def test_a_benchmark_name_with_a_pipe_or_markup_keeps_the_markdown_table_whole(local_grid, tmp_path):
+    """A benchmark is named by its QA file (`metadata.benchmark`): a `|` in the name split the header
+    cell, so the header had one cell more than the delimiter row and no renderer read a table; a
+    `<script>` went into the Markdown raw (the HTML page escapes it)."""
+    markdown_it = pytest.importorskip("markdown_it")
+    root = _copy_grid(local_grid, tmp_path)
+    name = "a|b <script>x</script>"
+    for ev in root.glob("*/eval/round-*.json"):
+        data = json.loads(ev.read_text())
+        data["benchmarks"] = {"nq": data["benchmarks"]["nq"], name: data["benchmarks"]["popqa"]}
+        ev.write_text(json.dumps(data))
+    build_report(root)
+    page = markdown_it.MarkdownIt("commonmark").enable("table").render((root / "report.md").read_text())
+    assert page.count("<table>") == 3 and "<script>" not in page  # downstream, audit, compute: none lost
+    downstream = page.split("<table>")[1]
+    assert "<th>a|b &lt;script&gt;x&lt;/script&gt;</th>" in downstream
+    assert downstream.count("<th>") == 7  # treatment, nq, the name, macro, single-hop, multi-hop, Δ
+    assert "&lt;script&gt;" in (root / "report.html").read_text()
+
+
+def test_an_audit_of_fewer_rounds_than_its_run_is_refused(local_grid, tmp_path):
+    """An audit made while a run was stopped (`selfevo audit` audits its completed rounds), then the
+    run resumed with --no-audit: the report cut coupled's table at that seed's rounds (rounds 2-3 of
+    every seed silently gone, and with them the coupled reading) and paired that seed's round 1 as
+    its "last round" with the other treatments' round 3."""
+    root = _copy_grid(local_grid, tmp_path)
+    run = root / "coupled-s1"
+    manifest = (run / "manifest.json").read_text()
+    (run / "manifest.json").write_text(json.dumps({**json.loads(manifest), "status": "running",
+                                                   "rounds_completed": 1}))
+    rc = CliRunner().invoke(app, ["audit", str(run), "--no-figures"])
+    assert rc.exit_code == 0 and "rounds audited: 1 of 3" in " ".join(rc.output.split()), rc.output
+    (run / "manifest.json").write_text(manifest)  # resumed to the end without an audit
+    with pytest.raises(ValueError, match=r"coupled-s1/audit/metrics.json: audits round\(s\) 1 of a run that "
+                                         r"completed 3; audit it again \(`selfevo audit .*coupled-s1`\)"):
+        build_report(root)
+    assert CliRunner().invoke(app, ["audit", str(run), "--no-figures"]).exit_code == 0
+    assert [r["round"] for r in build_report(root)["audit"]["coupled"]["rounds"]] == [1, 2, 3]
+
+
+def test_readings_claim_no_change_of_a_the_printed_decimals_do_not_show():
+    """"A goes 0.449 -> 0.449 ...: rising agreement is partly co-cheating", and "agreement looks worse
+    (A 0.500 vs coupled 0.500) while truth is better (T_P 0.700 vs 0.700 ...)": the change of A (and
+    T_P) was tested unrounded, as F's rise was before it was fixed."""
+    from selfevo.report.collect import readings
+
+    first = {"A": [0.4491, 0.4492, 0.4490], "T_P": [0.75] * 3, "F": [0.03, 0.02, 0.03]}
+    last = {"A": [0.4493, 0.4494, 0.4492], "T_P": [0.74] * 3, "F": [0.11, 0.10, 0.12]}
+    said = readings({"audit": {"coupled": _audit(first, last)}, "downstream": {}})[0]
+    assert "A goes 0.449 -> 0.449" in said and "co-cheating" not in said
+    assert said.endswith("though agreement itself did not rise.")
+
+    coupled = _audit({"A": [0.3] * 3, "T_P": [0.7] * 3, "F": [0.03] * 3},
+                     {"A": [0.5001, 0.5002, 0.5003], "T_P": [0.70] * 3, "F": [0.10] * 3})
+    level = _audit({"A": [0.3] * 3, "T_P": [0.7] * 3, "F": [0.03] * 3},
+                   {"A": [0.5000, 0.5001, 0.5002], "T_P": [0.7001, 0.7002, 0.7003], "F": [0.05] * 3})
+    assert not any("looks worse" in line for line in readings({"audit": {"coupled": coupled, "crossfit": level},
+                                                               "downstream": {}}))
+    worse = _audit({"A": [0.3] * 3, "T_P": [0.7] * 3, "F": [0.03] * 3},
+                   {"A": [0.40, 0.41, 0.40], "T_P": [0.80, 0.81, 0.80], "F": [0.05] * 3})
+    said = [line for line in readings({"audit": {"coupled": coupled, "crossfit": worse}, "downstream": {}})
+            if "looks worse" in line]
+    assert len(said) == 1 and "(A 0.403 vs coupled 0.500)" in said[0]
+
+
+def test_runs_without_an_audit_get_no_empty_audit_figure(local_grid, tmp_path):
+    """A grid made with --no-audit had two empty figures captioned as A, T_P, F... by step and by
+    round; and the rounds figure's caption did not say its bars are the std over seeds."""
+    import shutil
+
+    root = _copy_grid(local_grid, tmp_path)
+    build_report(root)
+    assert "A, T_P and F by round per treatment (mean ± std over seeds" in (root / "report.md").read_text()
+    for run in root.glob("*-s*"):
+        shutil.rmtree(run / "audit")
+    build_report(root)
+    md = (root / "report.md").read_text()
+    assert "by scheduled step" not in md and "by round per treatment" not in md
+    assert sorted(p.name for p in (root / "figures").iterdir()) == ["figure-1.png"]  # the cost figure
+    assert "coupled: seed(s) 0, 1 not audited" in md
+
+
+def test_the_compute_table_says_its_counts_leave_the_evaluations_out(local_grid, tmp_path):
+    """Its generations and seconds are the training's (compare's): compute.json's totals, which count
+    the downstream evaluations too, differ from them, and the table did not say so."""
+    root = _copy_grid(local_grid, tmp_path)
+    res = build_report(root)
+    total = json.loads((root / "coupled-s0" / "compute.json").read_text())["total_generations"]
+    assert res["compute"]["coupled"]["generations"]["mean"] < total
+    assert ("## Compute of the training (the downstream evaluations, the same in every arm, left out) and overhead "
+            "against coupled") in (root / "report.md").read_text()
+
+
+def test_one_seed_draws_no_error_bar_of_zero(monkeypatch):
+    """One seed has no std and no interval (None): the rounds and cost figures drew bars of length 0
+    with caps, which read as seeds that agree / a certain gain."""
+    from selfevo.report import figures
+
+    monkeypatch.setattr(figures, "png", lambda fig: fig)
+    rnd = {"round": 1, **{m: {"mean": 0.5, "std": None, "n": 1} for m in ("A", "T_P", "F")}}
+    for ax in figures.rounds_figure({"coupled": {"rounds": [rnd]}}).axes:
+        (bar,) = ax.containers
+        assert all(len(seg) == 0 for seg in bar.lines[2][0].get_segments())
+    gain = {"mean": 0.02, "lo": None, "hi": None, "n": 1}
+    ax = figures.cost_figure({"coupled": {}, "msv": {"gain_vs_coupled": {"macro": gain}}},
+                             {"msv": {"extra_seconds": {"mean": 0.2, "std": None}}}).axes[0]
+    (bar,) = ax.containers
+    assert all(len(seg) == 0 for coll in bar.lines[2] for seg in coll.get_segments())

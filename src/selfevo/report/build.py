@@ -16,6 +16,9 @@ from selfevo.report.render import REPLAY_COLUMNS, html_page, markdown
 from selfevo.runs import RunError, check_numbers, read_object
 
 DEMO_RECORD = "demo.json"
+# what demo.json says of each planned run that left no run directory (the report lists them)
+_EXCLUDED_FIELDS = {"run": str, "treatment": str, "seed": int, "why": str}
+_KIND_NAMES = {str: "a string", int: "an integer"}
 
 
 def write_demo_record(root: str | os.PathLike, runs: Sequence[str | os.PathLike], replay: bool,
@@ -37,6 +40,11 @@ def _demo_record(root: Path) -> dict:
             or not isinstance(record.get("context"), str)):
         raise RunError(f"{path}: expected runs (run directories), replay (true or false), excluded (a list of "
                        "objects) and context (a string), as `selfevo demo` writes them")
+    for i, x in enumerate(excluded):  # the report lists each one by these fields
+        for field, kind in _EXCLUDED_FIELDS.items():
+            if not isinstance(x.get(field), kind) or isinstance(x.get(field), bool):
+                raise RunError(f"{path}: field excluded[{i}].{field} should be {_KIND_NAMES[kind]}, "
+                               f"got {x.get(field)!r:.60}")
     return record
 
 
@@ -81,10 +89,14 @@ def build_report(root: str | os.PathLike, context: str = "", runs: Sequence[str 
             res["readings"].append(f"The fixed replay bank's questions come from run(s) not in this report "
                                    f"({', '.join(outside)}): its numbers describe those runs, not these.")
     pngs: dict[str, bytes] = {}
-    if "coupled" in res["audit"]:
+    # runs made with --no-audit have no audit numbers: no empty figure captioned as if it held them
+    # (the readings name those runs)
+    if res["audit"].get("coupled", {}).get("steps"):
         pngs["Coupled loop: A, T_P, T_S, F, L by scheduled step (mean over seeds; Figure 1/3 analogue)"] = \
             figs.steps_figure(res["audit"]["coupled"]["steps"], "coupled (Dr. Zero) loop")
-    pngs["A, T_P and F by round per treatment (Figure 5/6 analogue)"] = figs.rounds_figure(res["audit"])
+    if any(a["rounds"] for a in res["audit"].values()):
+        pngs["A, T_P and F by round per treatment (mean ± std over seeds; Figure 5/6 analogue)"] = \
+            figs.rounds_figure(res["audit"])
     if replay and (root / "replay" / "replay.png").exists():
         pngs["Fixed replay bank (Figure 7 analogue)"] = (root / "replay" / "replay.png").read_bytes()
     if "coupled" in res["downstream"] and len(res["downstream"]) > 1:

@@ -84,7 +84,7 @@ def collect_runs(run_dirs: Sequence[str | os.PathLike]) -> dict:
 
     out: dict = {"treatments": treatments, "seeds": seeds, "benchmarks": benchmarks, "downstream": {},
                  "audit": {}, "compute": {}, "excluded": excluded}
-    audits, out["audit_setting"] = _audits(runs)
+    audits, out["audit_setting"] = _audits(runs, done)
     out["base"] = {c: summary([r.get(c) for r in base_rows]) for c in columns}
     coupled = finals.get("coupled", {})
     for t in treatments:
@@ -123,10 +123,14 @@ def collect_runs(run_dirs: Sequence[str | os.PathLike]) -> dict:
     return out
 
 
-def _audits(runs: dict[str, dict[int, RunDir]]) -> tuple[dict[str, dict[int, dict]], dict | None]:
+def _audits(runs: dict[str, dict[int, RunDir]],
+            done: dict[Path, int]) -> tuple[dict[str, dict[int, dict]], dict | None]:
     """The audit metrics of every audited run, by treatment and seed, and the setting they share:
     audits by two judges (or one that read only some items of each step) pooled or paired would
-    mix numbers that mean different things, so that is refused, naming both runs."""
+    mix numbers that mean different things, so that is refused, naming both runs. So is an audit
+    of fewer rounds than its run completed (made while the run was stopped, then resumed with
+    --no-audit): the report would cut every seed's table at its rounds and pair its last round with
+    the other seeds' last."""
     out: dict[str, dict[int, dict]] = {}
     setting: tuple[dict, Path] | None = None
     for t, by_seed in runs.items():
@@ -135,6 +139,11 @@ def _audits(runs: dict[str, dict[int, RunDir]]) -> tuple[dict[str, dict[int, dic
             if not (run.path / "audit" / "metrics.json").exists():
                 continue
             metrics = out[t][s] = run.audit_metrics()
+            audited = [r["round"] for r in metrics["rounds"]]
+            if audited != list(range(1, done[run.path] + 1)):
+                raise ValueError(f"{run.path / 'audit' / 'metrics.json'}: audits round(s) "
+                                 f"{', '.join(map(str, audited)) or 'none'} of a run that completed "
+                                 f"{done[run.path]}; audit it again (`selfevo audit {run.path}`) before reporting it")
             setting = _same(setting, {"judge": metrics.get("judge"), **run.audit_setting()}, run.path,
                             "were audited differently", "audit them alike (`selfevo audit RUN` with one judge, "
                             "every item) before reporting them together")
@@ -203,7 +212,7 @@ def readings(res: dict) -> list[str]:
             elif d_f["lo"] <= 0:
                 out.append(said + f", but the paired 95% interval of the rise [{d_f['lo']:+.3f}, {d_f['hi']:+.3f}] "
                            f"({d_f['n']} seeds) includes 0: more seeds would settle it.")
-            elif al > a1:
+            elif round(al, 3) > round(a1, 3):  # a rise of A the printed "A goes ..." shows, as for F
                 out.append(said + f" (rise {d_f['mean']:+.3f}, paired 95% interval [{d_f['lo']:+.3f}, "
                            f"{d_f['hi']:+.3f}], {d_f['n']} seeds): rising agreement is partly co-cheating.")
             else:
@@ -224,7 +233,12 @@ def readings(res: dict) -> list[str]:
                             for s in seeds])
 
         d_a, d_tp = paired("A"), paired("T_P")
-        if d_a["n"] < 2 or not d_a["mean"] < 0 < d_tp["mean"]:  # both over the same seeds
+        if d_a["n"] < 2:
+            continue
+        shown = {m: [round(_mean_over(by["last_by_seed"], seeds, m), 3) for by in (a, coupled)] for m in ("A", "T_P")}
+        # lower A, higher T_P, as the quoted means (3 decimals) show them: "A 0.500 vs coupled 0.500"
+        # is no "looks worse" (the paired means are these means' difference: both over the same seeds)
+        if not (shown["A"][0] < shown["A"][1] and shown["T_P"][0] > shown["T_P"][1]):
             continue
 
         def means(metric: str, vs: str = "vs", seeds=seeds, a=a) -> str:  # over the seeds the test pairs

@@ -40,7 +40,7 @@ def treatment_colors(treatments) -> dict[str, str]:
 
 
 def rounds_figure(audit: dict[str, dict], metrics=("A", "T_P", "F")) -> bytes:
-    """Each metric by round, one line per treatment (mean and std over seeds)."""
+    """Each metric by round, one line per treatment (mean and std over seeds; one seed: no bar)."""
     color = treatment_colors(audit)
     fig, axes = plt.subplots(1, len(metrics), figsize=(3.3 * len(metrics), 3.2))
     for ax, m in zip(axes, metrics, strict=True):
@@ -48,7 +48,8 @@ def rounds_figure(audit: dict[str, dict], metrics=("A", "T_P", "F")) -> bytes:
             rounds = [r["round"] for r in a["rounds"]]
             # a round the judge resolved nothing of has no value: a gap in the line, not a crash
             mean = [math.nan if not r[m] or r[m]["mean"] is None else r[m]["mean"] for r in a["rounds"]]
-            std = [0 if not r[m] else r[m]["std"] or 0 for r in a["rounds"]]
+            # one seed has no std (None): no bar, not a bar of 0 that reads as seeds that agree
+            std = [math.nan if not r[m] or r[m]["std"] is None else r[m]["std"] for r in a["rounds"]]
             ax.errorbar(rounds, mean, yerr=std, marker="o", ms=4, capsize=3, lw=1.5 if t == "coupled" else 1.2,
                         color=color[t], label=t)
         ax.set_title(m, fontsize=10)
@@ -62,7 +63,7 @@ def rounds_figure(audit: dict[str, dict], metrics=("A", "T_P", "F")) -> bytes:
 
 def cost_figure(downstream: dict, compute: dict) -> bytes:
     """Downstream gain over coupled (with its 95% interval) against extra wall time (± its std over
-    seeds: single runs of seconds time noisily)."""
+    seeds: single runs of seconds time noisily); one seed has neither bar."""
     color = treatment_colors(downstream)
     fig, ax = plt.subplots(figsize=(5, 3.6))
     for t, d in downstream.items():
@@ -71,9 +72,11 @@ def cost_figure(downstream: dict, compute: dict) -> bytes:
         c = cost.get("mean")
         if not g or c is None or g["mean"] is None:
             continue
-        below = g["mean"] - g["lo"] if g["lo"] is not None else 0
-        above = g["hi"] - g["mean"] if g["hi"] is not None else 0
-        ax.errorbar([100 * c], [g["mean"]], yerr=[[below], [above]], xerr=[[100 * (cost.get("std") or 0)]] * 2,
+        # one seed has no interval and no std (None): no bar, not one of length 0 that reads as certain
+        below = g["mean"] - g["lo"] if g["lo"] is not None else math.nan
+        above = g["hi"] - g["mean"] if g["hi"] is not None else math.nan
+        spread = 100 * cost["std"] if cost.get("std") is not None else math.nan
+        ax.errorbar([100 * c], [g["mean"]], yerr=[[below], [above]], xerr=[[spread]] * 2,
                     fmt="o", capsize=3, color=color[t])
         ax.annotate(t, (100 * c, g["mean"]), fontsize=7, xytext=(4, 4), textcoords="offset points")
     ax.axhline(0, color="grey", lw=0.8)

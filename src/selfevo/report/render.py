@@ -73,13 +73,22 @@ def tables(res: dict) -> dict[str, tuple[list[str], list[list[str]]]]:
             for t, c in res["compute"].items()]
     out = {"Downstream Cover-EM after the last round (mean [95% CI] over seeds)": (t1_head, t1),
            f"Audit by round (mean ± std over seeds{_audit_note(res.get('audit_setting'))})": (audit_head, audit),
-           "Compute and overhead against coupled": (comp_head, comp)}
+           # compare's training cost: compute.json's totals count the evaluations too
+           "Compute of the training (the downstream evaluations, the same in every arm, left out) and "
+           "overhead against coupled": (comp_head, comp)}
     if res.get("replay"):
         rp = res["replay"]["conditions"]
         out["Fixed replay bank (mean ± std over seeds)"] = (
             ["condition", *REPLAY_COLUMNS],
             [[n, *[mean_std_text(c.get(k), n=c.get("seeds")) for k in REPLAY_COLUMNS]] for n, c in rp.items()])
     return out
+
+
+def _cell(text: str) -> str:
+    """A Markdown table cell: a benchmark or condition name is the run files' text, and a `|` in it
+    would split the cell (the row then has more cells than the header: no table at all), a line
+    break would end the row, and `<` would open raw HTML in a renderer."""
+    return text.replace("\\", "\\\\").replace("|", "\\|").replace("<", "&lt;").replace("\r", " ").replace("\n", " ")
 
 
 def markdown(res: dict, figures: dict[str, str]) -> str:
@@ -91,8 +100,8 @@ def markdown(res: dict, figures: dict[str, str]) -> str:
         lines += ["", f"## {LEFT_OUT}", ""]
         lines += [f"- `{r['run']}` ({r['treatment']} seed {r['seed']}): {r['why']}" for r in res["excluded"]]
     for title, (head, rows) in tables(res).items():
-        lines += ["", f"## {title}", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-        lines += ["| " + " | ".join(r) + " |" for r in rows]
+        lines += ["", f"## {title}", "", "| " + " | ".join(map(_cell, head)) + " |", "|" + "---|" * len(head)]
+        lines += ["| " + " | ".join(map(_cell, r)) + " |" for r in rows]
     lines += ["", "## Figures", ""]
     lines += [f"![{caption}]({path})" for caption, path in figures.items()]
     return "\n".join(lines) + "\n"
