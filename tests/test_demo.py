@@ -230,3 +230,20 @@ def test_a_job_refused_for_another_config_is_left_out_not_reported(tmp_path):
     assert res["treatments"] == ["coupled"] and len(res["audit"]["coupled"]["rounds"]) == 1
     (left,) = res["excluded"]
     assert (left["treatment"], left["seed"]) == ("crossfit", 0) and "config differs" in left["why"]
+
+
+def test_the_headline_prints_names_from_run_files_as_text_not_markup():
+    """Readings quote run paths (and table cells hold names from run files): rich read `[bold]` in
+    one as a style tag and dropped it."""
+    import io
+
+    from rich.console import Console
+
+    from selfevo.demo import headline
+
+    res = {"audit": {}, "compute": {}, "downstream": {}, "readings": ["runs under [bold]x[/bold] read"],
+           "treatments": ["coupled"], "benchmarks": ["[nq]"], "base": {}, "seeds": [0]}
+    captured = io.StringIO()
+    headline(res, Console(file=captured, width=200, color_system=None))
+    out = captured.getvalue()
+    assert "runs under [bold]x[/bold] read" in out

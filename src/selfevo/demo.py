@@ -257,13 +257,13 @@ def headline(res: dict, console: Console) -> None:
             last = max((int(x[1]) for x in rows), default=0)  # no rows: no run was audited
             rows = [r for r in rows if r[1] == str(last)]  # last round only
             title = "Audit, last round (mean ± std over seeds)"
-        table = Table(title=title)
+        table = Table(title=escape(title))  # names and paths come from run files: text, never markup
         for h in head:
-            table.add_column(h, justify="right")
+            table.add_column(escape(h), justify="right")
         for r in rows:
-            table.add_row(*r)
+            table.add_row(*map(escape, r))
         console.print(table)
     for r in res["readings"]:
-        console.print(f"- {r}")
+        console.print(f"- {escape(r)}")
     for r in res.get("excluded", []):
         console.print(f"[yellow]left out (failed or not complete):[/yellow] {escape(r['run'])} ({escape(r['why'])})")
