@@ -32,7 +32,7 @@ def _usage_error(args: list[str]) -> str:
     (["score", "--data-dir", "{tmp}/afile", "--predictions", "{tmp}/p.jsonl", "--out", "{tmp}/s.json"],
      "{tmp}/afile: Not a directory"),
     (["index", "build", "--corpus", "{tmp}/nope.jsonl", "--out", "{tmp}/idx"], "{tmp}/nope.jsonl: No such file"),
-    (["world", "make", "--size", "small", "--out", "{tmp}/afile"], "{tmp}/afile: File exists"),
+    (["world", "make", "--size", "small", "--out", "{tmp}/afile"], "{tmp}/afile: a file, not a directory"),
 ])
 def test_a_missing_or_misplaced_path_is_one_line_naming_it(tmp_path, args, named):
     (tmp_path / "afile").write_text("mine\n")

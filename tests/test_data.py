@@ -310,6 +310,28 @@ def test_missing_split_falls_back_to_the_other(tmp_path):
         download_data(tmp_path / "out", "popqa", download=fake, corpus=False, log=lambda m: None)
 
 
+def test_a_second_download_into_the_same_out_is_refused_and_touches_nothing(hub, tmp_path):
+    """Two `data download` into one --out: the second removed the first's temp file under it (the first
+    failed after converting the whole corpus) and rewrote the manifest from its own copy."""
+    import fcntl
+    import os
+
+    out = tmp_path / "data"
+    download_data(out, "nq", download=FakeHub(hub), corpus=False, log=lambda m: None)
+    before = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    fd = os.open(out, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # held, as a download in progress holds it
+        fake = FakeHub(hub)
+        with pytest.raises(ValueError, match="another `selfevo data download` is writing here"):
+            download_data(out, "nq,popqa", download=fake, corpus=False, log=lambda m: None)
+        assert fake.calls == [] and {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
+        download_data(out, "nq,popqa", download=fake, corpus=False, dry_run=True, log=lambda m: None)  # reads only
+    finally:
+        os.close(fd)
+    download_data(out, "nq,popqa", download=FakeHub(hub), corpus=False, log=lambda m: None)  # released
+
+
 def test_network_failure_keeps_what_was_finished(hub, tmp_path):
     out = tmp_path / "data"
     with pytest.raises(data.DownloadError, match="unreachable"):

@@ -744,6 +744,15 @@ def test_index_import_refuses_what_does_not_match_and_leaves_the_directory_as_it
     refused(tmp_path / "junk.index", "not a FAISS index file")
     refused(tmp_path / "missing.index", "no such file")
     refused(_foreign_faiss(tmp_path / "ok.index", vectors), "would write its docs.jsonl", out / "docs.jsonl")
+    import fcntl
+    import os
+
+    fd = os.open(out, os.O_RDONLY)
+    try:  # held, as a build or import in progress holds it
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        refused(tmp_path / "ok.index", "another process is building an index here")
+    finally:
+        os.close(fd)
     assert not list(out.glob(".*"))  # no staging or temp file left behind
     # the check's figures: a small rotation passes, a prefix-sized one fails
     rows = np.arange(3)

@@ -711,6 +711,28 @@ def test_external_records_with_gold_answers_audit_like_the_oracle(world_run, tmp
             assert g[m] == pytest.approx(o[m])
 
 
+def test_a_second_audit_into_the_same_out_is_refused(world_run, tmp_path):
+    """Two audits of records into one --out (each file written atomically) could leave one judge's
+    metrics.json beside the other's judge.json: the second is refused while the first holds it."""
+    import fcntl
+    import os
+
+    _records(world_run, tmp_path / "r.jsonl")
+    out = tmp_path / "out"
+    args = ["audit", "--records", str(tmp_path / "r.jsonl"), "--judge", "gold", "--out", str(out)]
+    assert CliRunner().invoke(app, args).exit_code == 0
+    before = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    fd = os.open(out, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # held, as an audit in progress holds it
+        result = CliRunner().invoke(app, args)
+        assert result.exit_code == 2 and "another audit is writing here" in " ".join(result.output.split())
+        assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
+    finally:
+        os.close(fd)
+    assert CliRunner().invoke(app, args).exit_code == 0  # released
+
+
 def test_external_records_llm_judge_against_gold(world_run, tmp_path):
     _records(world_run, tmp_path / "r.jsonl", gold_every=2)
     with running(make_app(scripted(world_run["key"]))) as url:

@@ -18,6 +18,7 @@ import ast
 import importlib.util
 import inspect
 import json
+import os
 import re
 import shutil
 import signal
@@ -250,6 +251,219 @@ def test_resume_over_a_damaged_run_exits_2_naming_the_file_and_changes_nothing(t
     assert result.exit_code == 2, result.output
     assert named in " ".join(result.output.split()) and "Traceback" not in result.output
     assert {p: p.read_bytes() for p in run.rglob("*") if p.is_file()} == before
+
+
+# ------------------------------------------------------------------ writers: full disks, bad paths, two writers
+
+_NO_ROOM_SCRIPT = """
+import os, resource, signal, sys
+from selfevo._io import append_jsonl, read_jsonl_log, write_json
+log, state = sys.argv[1], sys.argv[2]
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails (EFBIG) instead of killing
+soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+resource.setrlimit(resource.RLIMIT_FSIZE, (os.path.getsize(log) + 10, hard))  # the disk fills mid-line
+errors = []
+for write in (lambda: append_jsonl(log, [{"row": 2, "text": "x" * 100}]),
+              lambda: write_json(state, {"round": 2, "weights": [0.5] * 100})):
+    try:
+        write()
+    except OSError as e:
+        errors.append(str(e))
+resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))  # room again: the run goes on
+append_jsonl(log, [{"row": 3}])
+print(repr(errors))
+"""
+
+
+def test_a_write_on_a_full_disk_names_the_file_and_leaves_the_log_whole(tmp_path):
+    """A full disk (here: a file-size limit, the kernel's own short write then EFBIG) cut an append inside
+    its line: the torn part stayed, and the next append was glued onto it, so that row was lost (read as a
+    torn last line) or the log refused as corrupt. The error named no file ("[Errno 27] File too large").
+    Now the failed append is cut back off, and both errors name the file."""
+    log, state = tmp_path / "steps.jsonl", tmp_path / "state.json"
+    append_jsonl(log, [{"row": 1}])
+    write_json(state, {"round": 1})
+    proc = subprocess.run([sys.executable, "-c", _NO_ROOM_SCRIPT, str(log), str(state)], capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    errors = ast.literal_eval(proc.stdout.strip().splitlines()[-1])
+    assert len(errors) == 2 and str(log) in errors[0] and str(state) in errors[1], errors
+    assert read_jsonl_log(log) == [{"row": 1}, {"row": 3}]
+    assert log.read_bytes().endswith(b"\n")
+    assert json.loads(state.read_text()) == {"round": 1} and _temp_files(tmp_path) == []
+
+
+def test_an_output_path_that_is_a_directory_or_under_a_file_is_one_line_naming_it(tmp_path):
+    """`score --out DIR` wrote the whole file, then failed its rename naming the temp file
+    (".DIR.x1y2z3.tmp: Is a directory"); `--out FILE/x.json` said only "FILE: File exists"."""
+    qa = tmp_path / "qa"
+    qa.mkdir()
+    (qa / "nq.jsonl").write_text(json.dumps({"id": "n0", "question": "q", "golden_answers": ["a"]}) + "\n")
+    preds = tmp_path / "preds.jsonl"
+    preds.write_text(json.dumps({"id": "n0", "prediction": "a"}) + "\n")
+    (tmp_path / "taken").mkdir()
+    (tmp_path / "afile").write_text("keep")
+    for out, said in ((tmp_path / "taken", "taken: is a directory"),
+                      (tmp_path / "afile" / "x.json", "afile: File exists and is not a directory")):
+        res = CliRunner().invoke(cli_app, ["score", "--data-dir", str(qa), "--predictions", str(preds),
+                                           "--out", str(out)])
+        text = " ".join(res.output.split())
+        assert res.exit_code == 2 and said in text and ".tmp" not in text and "Traceback" not in text, res.output
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["afile", "preds.jsonl", "qa", "taken"]
+    assert (tmp_path / "afile").read_text() == "keep" and not any((tmp_path / "taken").iterdir())
+
+
+def test_a_rebuild_clears_what_a_build_killed_in_its_save_left(tmp_path):
+    """A kill inside a BM25 index's save left its scratch directory (.bm25-XXXX, the score matrix: 12 MB
+    for wiki18-mini's 21,845 passages, gigabytes for wiki-18) in the index directory for good, counted in
+    the size `index build` reports. A build, or a cache rebuilt there, now clears it."""
+    from selfevo.search.index import get_retriever
+
+    _, corpus = _tiny_qa(tmp_path)
+    for how in ("index build", "a cache"):
+        out = tmp_path / how.replace(" ", "-")
+        script = textwrap.dedent(f"""
+            import os, signal, bm25s
+            from selfevo.search.index import build_index
+            real = bm25s.BM25.save
+            def save_then_die(self, path, *a, **k):
+                real(self, path, *a, **k)
+                open(os.path.join(path, "..", ".docs.jsonl.x1y2z3w4.tmp"), "w").close()  # an atomic write's too
+                os.kill(os.getpid(), signal.SIGKILL)
+            bm25s.BM25.save = save_then_die
+            build_index("bm25", {str(corpus)!r}, {str(out)!r})
+        """)
+        proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+        assert proc.returncode == -signal.SIGKILL, proc.stderr
+        assert any(p.name.startswith(".bm25-") for p in out.iterdir())
+        if how == "index build":
+            res = CliRunner().invoke(cli_app, ["index", "build", "--corpus", str(corpus), "--out", str(out)])
+            assert res.exit_code == 0, res.output
+        else:  # the cache of `eval` and `serve-retriever --index-dir`
+            assert len(get_retriever(corpus=corpus, cache_dir=out)) == len(DOCS)
+        left = [p.name for p in out.iterdir() if p.name.startswith(".")]
+        assert left == [], (how, left)
+
+
+def test_a_world_make_killed_part_way_leaves_no_half_world_and_a_second_writer_is_refused(tmp_path):
+    """A kill inside `world make` (here after corpus.jsonl) left a directory of some files the rerun
+    refused with "a world is written once, to a new directory", while `evolve --world` on it said "not a
+    world directory". A world is now written beside its directory and renamed onto it whole: a kill
+    leaves no directory, the rerun writes the world. Two writers to one new directory both passed the
+    emptiness check, and one world silently replaced the other: the second is refused."""
+    from selfevo.world import WorldError, load_world, make_world, save_world
+    from selfevo.world.generate import WorldConfig
+
+    out = tmp_path / "world"
+    script = textwrap.dedent(f"""
+        import os, signal, sys
+        import selfevo.world as world
+        world.write_qa = lambda *a, **k: os.kill(os.getpid(), signal.SIGKILL)
+        from selfevo.cli import app
+        sys.argv = ["selfevo", "world", "make", "--size", "small", "--out", {str(out)!r}]
+        app()
+    """)
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr
+    assert not out.exists()  # the half world lies beside it, hidden: never read as a world
+    res = CliRunner().invoke(cli_app, ["world", "make", "--size", "small", "--out", str(out)])
+    assert res.exit_code == 0, res.output
+    made = load_world(out)
+    with pytest.raises(WorldError, match="not empty"):  # what a second writer meets once the first is done
+        save_world(make_world(WorldConfig(size="small", seed=1)), out)
+    assert load_world(out).documents == made.documents
+    # a directory that is not empty and holds no world (files of the user's) is named so
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "notes.txt").write_text("mine")
+    res = CliRunner().invoke(cli_app, ["world", "make", "--size", "small", "--out", str(other)])
+    text = " ".join(res.output.split())
+    assert res.exit_code == 2 and "holds no world (no world.json" in text and "remove it" in text, res.output
+
+
+def _tiny_qa(tmp_path: Path) -> tuple[Path, Path]:
+    qa, corpus = tmp_path / "qa", tmp_path / "corpus.jsonl"
+    qa.mkdir()
+    write_corpus(corpus, DOCS)
+    (qa / "nq.jsonl").write_text("".join(json.dumps({"id": f"n{i}", "question": f"Which river is {w}?",
+                                                     "golden_answers": [w]}) + "\n"
+                                         for i, w in enumerate(["Danube", "Volga", "zebra"])))
+    return qa, corpus
+
+
+def test_a_second_evaluation_into_the_same_out_is_refused_and_the_first_is_untouched(tmp_path, monkeypatch):
+    """Two `selfevo eval` into one --out were not locked: the second appended to (or, with other settings
+    and nothing answered yet, removed and replaced) the first's predictions.partial.jsonl, so a resumed
+    evaluation took the other's answers for its own (reviewer's run: 320 of 1,325 answers from another
+    corpus's evaluation, macro Cover-EM 0.153 instead of 0.195, exit 0). Now the second is refused."""
+    from selfevo.agents.baseline import RetrievalBaseline
+    from selfevo.evaluate import run_eval
+
+    qa, corpus = _tiny_qa(tmp_path)
+    clean = run_eval(qa, corpus, "retrieval-baseline", tmp_path / "clean", progress=False)
+    answering, go = threading.Event(), threading.Event()
+    real = RetrievalBaseline.answer
+
+    def held(self, *args, **kwargs):  # the first evaluation waits, mid-way, for the second to try
+        answering.set()
+        go.wait(timeout=30)
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(RetrievalBaseline, "answer", held)
+    out, first = tmp_path / "out", {}
+    thread = threading.Thread(target=lambda: first.update(run_eval(qa, corpus, "retrieval-baseline", out,
+                                                                   progress=False)))
+    thread.start()
+    try:
+        assert answering.wait(timeout=30)
+        partial = (out / "predictions.partial.jsonl").read_bytes()
+        res = CliRunner().invoke(cli_app, ["eval", "--data-dir", str(qa), "--corpus", str(corpus), "--out", str(out),
+                                           "--limit", "1"])
+        text = " ".join(res.output.split())
+        assert res.exit_code == 2 and "another evaluation is writing here" in text, res.output
+        assert (out / "predictions.partial.jsonl").read_bytes() == partial  # untouched by the refused one
+    finally:
+        go.set()
+        thread.join(timeout=60)
+    assert first["macro"] == clean["macro"] and first["run"]["questions"] == 3
+    assert (out / "predictions.jsonl").read_bytes() == (tmp_path / "clean" / "predictions.jsonl").read_bytes()
+    assert not (out / "predictions.partial.jsonl").exists()
+    run_eval(qa, corpus, "retrieval-baseline", out, progress=False)  # released once the first has ended
+
+
+def test_a_second_index_build_into_the_same_directory_is_refused(tmp_path):
+    """Two builds into one index directory (`index build`, or a cache shared by two `serve-retriever
+    --index-dir`): the second cleared the first's staged documents under it (the first failed with
+    ".docs-building/.docs.jsonl.x.tmp: No such file or directory"), and two saves could leave one
+    index's arrays beside the other's documents. Now a second build is refused while the first holds
+    it, and a second user of a cache waits for it, then loads what is there."""
+    import fcntl
+    import threading
+
+    from selfevo.search.index import build_index, get_retriever
+
+    _, corpus = _tiny_qa(tmp_path)
+    out = tmp_path / "index"
+    out.mkdir()
+    fd = os.open(out, os.O_RDONLY)
+    loaded = []
+    waiter = threading.Thread(target=lambda: loaded.append(get_retriever(corpus=corpus, cache_dir=out)))
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # held, as a build in progress holds it
+        with pytest.raises(ValueError, match="another process is building an index here"):
+            build_index("bm25", corpus, out)
+        res = CliRunner().invoke(cli_app, ["index", "build", "--corpus", str(corpus), "--out", str(out)])
+        assert res.exit_code == 2 and "another process is building an index here" in res.output, res.output
+        waiter.start()
+        waiter.join(timeout=2)
+        assert waiter.is_alive() and not loaded  # the cache's user waits
+        assert list(out.iterdir()) == []
+    finally:
+        os.close(fd)  # the "build" ends
+    waiter.join(timeout=60)
+    assert len(loaded[0]) == len(DOCS)
+    assert len(build_index("bm25", corpus, out)) == len(DOCS)
+    assert len(get_retriever(corpus=corpus, cache_dir=out)) == len(DOCS)
 
 
 # ------------------------------------------------------------------ services: timeouts, loopback, load

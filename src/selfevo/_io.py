@@ -7,14 +7,20 @@ a half-written file, and an append-only log must survive a torn last line.
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import json
 import os
 import re
 import tempfile
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
+
+try:
+    import fcntl
+except ImportError:  # pragma: no cover - not POSIX: no lock
+    fcntl = None
 
 _UMASK = os.umask(0)
 os.umask(_UMASK)
@@ -28,11 +34,31 @@ def encodable(text: str) -> str:
     return _SURROGATE.sub("\ufffd", text)
 
 
+# a write that failed for want of room: the OSError names no file (it came from write or fsync)
+_NO_ROOM = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+
+
+def _named(e: OSError, path: Path) -> OSError:
+    """`e` naming `path` where it names no file (a full disk): one line the user can act on."""
+    if e.filename is None and e.errno in _NO_ROOM:
+        return OSError(e.errno, e.strerror, str(path))
+    return e
+
+
+def _make_parent(path: Path) -> None:
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except FileExistsError as e:  # a file where the directory should be; "File exists" says too little
+        raise NotADirectoryError(errno.ENOTDIR, "File exists and is not a directory", e.filename) from None
+
+
 @contextlib.contextmanager
 def atomic_writer(path: str | os.PathLike, mode: str = "w", fsync: bool = True) -> Iterator[Any]:
     """Write to a temp file beside `path`, then rename over it. On error nothing is left."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
+    if path.is_dir():  # refused now, not after the whole file is written (the rename would name the temp file)
+        raise IsADirectoryError(errno.EISDIR, "is a directory, not a file", str(path))
+    _make_parent(path)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     os.chmod(tmp, 0o666 & ~_UMASK)  # mkstemp makes 0600; the result should read like any new file
     try:
@@ -42,10 +68,37 @@ def atomic_writer(path: str | os.PathLike, mode: str = "w", fsync: bool = True) 
             if fsync:
                 os.fsync(fh.fileno())
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as e:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
+        if isinstance(e, OSError) and (named := _named(e, path)) is not e:
+            raise named from None
         raise
+
+
+@contextlib.contextmanager
+def hold_directory(path: str | os.PathLike, busy: Callable[[], BaseException] | None) -> Iterator[None]:
+    """Hold directory `path` (made if missing) for this process while it writes there: an exclusive
+    `flock` on it, which the kernel drops when the process ends, however (a kill -9 never leaves it
+    held). Another holder, in this process or another, makes it raise `busy()`; with `busy` None it
+    waits for the holder to end instead (a cache the other process is filling). A directory made here
+    and left empty (a start that failed) is removed again."""
+    path = Path(path)
+    made = not path.exists()
+    path.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        if fcntl is not None:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | (fcntl.LOCK_NB if busy is not None else 0))
+            except BlockingIOError:
+                raise busy() from None
+        yield
+    finally:
+        if made and not any(path.iterdir()):
+            with contextlib.suppress(OSError):
+                path.rmdir()
+        os.close(fd)
 
 
 def remove_leftover_temps(directory: str | os.PathLike, name: str = "*", recursive: bool = False) -> None:
@@ -75,16 +128,29 @@ def read_json(path: str | os.PathLike) -> Any:
 
 
 def append_jsonl(path: str | os.PathLike, rows: Iterable[dict], fsync: bool = True) -> None:
-    """Append whole lines in one write so a kill leaves at most one torn last line."""
-    data = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows)
+    """Append whole lines in one write so a kill leaves at most one torn last line. A write that fails
+    (a full disk) is cut back off: the log is left as it was, so a later append is not glued onto part
+    of a line (which would make the log corrupt before its last line)."""
+    data = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows).encode("utf-8")
     if not data:
         return
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a", encoding="utf-8") as fh:
-        fh.write(data)
-        fh.flush()
-        if fsync:
-            os.fsync(fh.fileno())
+    path = Path(path)
+    _make_parent(path)
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666)  # unbuffered: nothing is left to flush
+    try:
+        size = os.lseek(fd, 0, os.SEEK_END)
+        try:
+            view = memoryview(data)
+            while view:  # one write for a regular file; a short one goes on
+                view = view[os.write(fd, view):]
+            if fsync:
+                os.fsync(fd)
+        except OSError as e:
+            with contextlib.suppress(OSError):
+                os.ftruncate(fd, size)
+            raise _named(e, path) from None
+    finally:
+        os.close(fd)
 
 
 def file_sha256(path: str | os.PathLike) -> str:

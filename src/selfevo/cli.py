@@ -352,16 +352,21 @@ def world_make(
     value_skew: float = typer.Option(1.0, help="exponent on popularity when a fact's value is drawn (0 = uniform)"),
 ) -> None:
     """Write a synthetic world: corpus, seven benchmarks and exact truth."""
-    from selfevo.world import WorldConfig, make_world, save_world
+    from selfevo.world import WorldConfig, WorldError, make_world, save_world
 
     if out.is_dir() and any(out.iterdir()):
         # runs made on a world are audited against its truth.json: never replace it under them
+        if not (out / "world.json").exists():  # files of the user's (or of an older `world make` killed part way)
+            _fail(f"{out}: not empty, and holds no world (no world.json); remove it or choose another --out")
         _fail(f"{out}: not empty; a world is written once, to a new directory")
     try:
         world = make_world(WorldConfig(size, seed, confusable_rate, shared_misreading, value_skew))
     except ValueError as e:
         _fail(str(e))
-    save_world(world, out)
+    try:
+        save_world(world, out)
+    except WorldError as e:
+        _fail(str(e))
     n = sum(len(v) for v in world.benchmarks.values())
     console.print(escape(f"wrote {len(world.documents)} pages and {n} benchmark questions to {out}"))
 
@@ -599,6 +604,13 @@ def audit_cmd(
         truth = oracle if compare == "oracle" else None
         out_dir = out or run.path / "audit" / ("llm" if judge == "llm" else "")
     steps = limit_items(steps, max_items_per_step)
+    from selfevo._io import hold_directory
+
+    try:  # one audit into out_dir at a time: two would leave one judge's metrics beside the other's judge.json
+        ctx.with_resource(hold_directory(out_dir, lambda: ValueError(
+            f"{out_dir}: another audit is writing here; wait for it to end (or stop it), or choose another --out")))
+    except ValueError as e:
+        _fail(str(e))
 
     if judge == "llm":
         if not judge_url or not judge_model:
@@ -810,7 +822,7 @@ def replay_build(
                                                          "more directories after the options)"),
     more: list[Path] = typer.Argument(None, metavar="RUN_DIR", help="more run directories", show_default=False),
     size: int = typer.Option(3000, help="items in the bank"),
-    seed: int = typer.Option(0, help="sampling seed; also seeds the replay's base model"),
+    seed: int = typer.Option(0, help="sampling seed of the bank's items (the replay's base model is the runs' own)"),
     hops: str = typer.Option("", help="keep only these hop counts, comma-separated (e.g. 1); default all"),
     distinct: bool = typer.Option(False, help="keep a question asked again (same question, same label) once; "
                                               "default: as often as the loop trained on it"),

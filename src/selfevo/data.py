@@ -48,7 +48,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from selfevo._io import atomic_writer, file_sha256, read_json, remove_leftover_temps, write_json
+from selfevo._io import atomic_writer, file_sha256, hold_directory, read_json, remove_leftover_temps, write_json
 
 # the readers' own line checks, so a downloaded file fails exactly where `selfevo.corpus` would fail it
 from selfevo.corpus import (
@@ -462,7 +462,20 @@ def download_data(
     each output, so an interrupted run keeps what it finished. With `dry_run`, nothing is fetched or
     written: the plan is logged and returned. Raises `DownloadError` (network, missing files),
     `DataError` (malformed data) or `ValueError` (bad arguments)."""
-    out = Path(out)
+    args = dict(benchmarks=benchmarks, per_benchmark=per_benchmark, seed=seed, corpus=corpus, revision=revision,
+                corpus_revision=corpus_revision, qa_repo=qa_repo, corpus_repo=corpus_repo, corpus_file=corpus_file,
+                download=download, dry_run=dry_run, log=log)
+    if dry_run:
+        return _download_data(Path(out), **args)
+    # one download into `out` at a time: a second removed the first's temp file under it (the first failed
+    # after converting the whole corpus) and rewrote the manifest from its own copy, dropping entries
+    with hold_directory(out, lambda: ValueError(f"{out}: another `selfevo data download` is writing here; wait "
+                                                "for it to end (or stop it), then rerun")):
+        return _download_data(Path(out), **args)
+
+
+def _download_data(out: Path, benchmarks, per_benchmark, seed, corpus, revision, corpus_revision, qa_repo,
+                   corpus_repo, corpus_file, download, dry_run, log) -> dict[str, Any]:
     names = parse_benchmarks(benchmarks)
     if per_benchmark < 0:
         raise ValueError(f"per_benchmark must be >= 0, got {per_benchmark}")

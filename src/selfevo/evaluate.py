@@ -30,7 +30,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from selfevo._fmt import num
-from selfevo._io import append_jsonl, encodable, read_jsonl_log, write_json, write_jsonl
+from selfevo._io import append_jsonl, encodable, hold_directory, read_jsonl_log, write_json, write_jsonl
 from selfevo.corpus import DataError, _require_str, iter_json_lines, read_qa_dir
 from selfevo.records import QAItem
 
@@ -430,11 +430,22 @@ def run_eval(data_dir: str | os.PathLike, corpus: str | os.PathLike | None, agen
     `selfevo.search.index.DenseOptions`) choose the encoder of a dense or hybrid index.
     `agent_context` goes to the agent's factory (e.g. `{"workers": 4}` for `lm:` agents).
     """
+    out_dir = Path(out_dir)
+    # one evaluation in out_dir at a time: a second would append to the first's predictions.partial.jsonl
+    # (or remove it, and have its answers taken for its own on a resume), build its index cache beside it,
+    # and leave predictions.jsonl and score.json of two different evaluations
+    with hold_directory(out_dir, lambda: ValueError(f"{out_dir}: another evaluation is writing here; wait for it "
+                                                    "to end (or stop it), or choose another --out")):
+        return _run_eval(data_dir, corpus, agent, out_dir, limit, retriever_url, index_dir, progress,
+                         retriever_kind, index, dense_options, agent_context)
+
+
+def _run_eval(data_dir, corpus, agent, out_dir: Path, limit, retriever_url, index_dir, progress, retriever_kind,
+              index, dense_options, agent_context) -> dict:
     from selfevo.agents import load_agent
     from selfevo.search.tool import SearchTool
 
     started = time.perf_counter()
-    out_dir = Path(out_dir)
     data = read_qa_dir(data_dir)
     if limit is not None and limit < 1:
         raise ValueError(f"limit must be >= 1, got {limit}")

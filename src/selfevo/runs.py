@@ -25,6 +25,7 @@ from selfevo import __version__
 from selfevo._io import (
     append_jsonl,
     atomic_writer,
+    hold_directory,
     read_json,
     read_jsonl_log,
     remove_leftover_temps,
@@ -34,11 +35,6 @@ from selfevo._io import (
 from selfevo._software import SoftwareChanged, software, software_changes
 from selfevo.config import ConfigError, config_from_dict, with_absolute_paths
 from selfevo.records import SCHEMA_VERSION
-
-try:
-    import fcntl
-except ImportError:  # pragma: no cover - not POSIX: no lock
-    fcntl = None
 
 
 def differences(a: dict, b: dict, prefix: str = "") -> list[str]:
@@ -211,21 +207,9 @@ class RunDir:
         `evolve --resume` of a run still going, a grid rerun beside the workers of one killed) is a
         RunError, not records of two processes interleaved. Released when the process ends, however."""
         self._refuse_file()
-        made = not self.path.exists()
-        self.path.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.path, os.O_RDONLY)
-        try:
-            if fcntl is not None:
-                try:
-                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                except BlockingIOError:
-                    raise RunError(f"{self.path}: another process is writing this run; wait for it to end "
-                                   "(or stop it), then rerun") from None
+        with hold_directory(self.path, lambda: RunError(f"{self.path}: another process is writing this run; wait "
+                                                        "for it to end (or stop it), then rerun")):
             yield
-        finally:
-            if made and not any(self.path.iterdir()):  # a start that failed leaves no directory
-                self.path.rmdir()
-            os.close(fd)
 
     def create(self, config: dict) -> None:
         self.check_new()

@@ -31,7 +31,7 @@ from selfevo.search.bm25 import BM25Index
 from selfevo.search.dense import VECTORS_FILE, DenseIndex, Encoder, _passage_text, _require, read_faiss
 from selfevo.search.docstore import stage
 from selfevo.search.hybrid import DEPTH, RRF_K, HybridIndex
-from selfevo.search.index import _check_not_corpus
+from selfevo.search.index import _building, _check_not_corpus
 
 SPOT_CHECK = 64  # passages re-encoded by default
 # A stored row must point where the encoder points and have its length. The threshold sits between
@@ -124,7 +124,14 @@ def adopt(faiss_file: str | os.PathLike, corpus: str | os.PathLike, out: str | o
     `hybrid`, that directory is `out`/dense and a BM25 index over the same passages is built beside it
     (`out`/bm25): a hybrid index (RRF with `rrf_k`, `depth`) whose dense half was built elsewhere.
     Refuses (ValueError) before anything in `out` changes: another kind or metric, another dimension,
-    another number of passages, stored rows that are not the encoder's (`check` passages re-encoded)."""
+    another number of passages, stored rows that are not the encoder's (`check` passages re-encoded).
+    `out` is held meanwhile, as an index build holds it: a second import or build there is refused."""
+    with _building(out):
+        return _adopt(faiss_file, corpus, out, encoder, check, progress, hybrid, rrf_k, depth)
+
+
+def _adopt(faiss_file, corpus, out, encoder: Encoder, check: int, progress: bool, hybrid: bool, rrf_k: int,
+           depth: int) -> DenseIndex | HybridIndex:
     faiss_file, top = Path(faiss_file), Path(out)
     out = top / "dense" if hybrid else top
     start = time.perf_counter()

@@ -8,7 +8,10 @@ torch / sentence-transformers / FAISS only when asked for.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import shutil
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -114,6 +117,24 @@ def saved_dir(retriever: Any) -> Path | None:
     return None
 
 
+@contextlib.contextmanager
+def _building(index_dir: str | os.PathLike, cache: bool = False) -> Iterator[None]:
+    """Hold `index_dir` while an index is built (or loaded from it as a cache) there: a second build into it
+    would clear the first's staged documents under it, and two saves would leave one index's arrays beside
+    the other's documents. A second build is refused; a second user of a cache waits, then loads what the
+    first built. Held, it is clear of what a build killed in it left, never read by anything: a BM25
+    save's scratch directory (the score matrix: gigabytes for wiki-18) and atomic writes' temp files."""
+    from selfevo._io import hold_directory, remove_leftover_temps
+
+    busy = None if cache else (lambda: ValueError(f"{index_dir}: another process is building an index here; "
+                                                  "wait for it to end (or stop it), then rerun"))
+    with hold_directory(index_dir, busy):
+        remove_leftover_temps(index_dir, recursive=True)
+        for scratch in list(Path(index_dir).rglob(".bm25-*")):
+            shutil.rmtree(scratch, ignore_errors=True)
+        yield
+
+
 def _check_not_corpus(corpus: str | os.PathLike, index_dir: str | os.PathLike) -> None:
     """An index writes its own docs.jsonl (a hybrid one under bm25/ and dense/): never over the corpus
     it is built from, which would be rewritten in place (its other fields dropped, its bytes changed)."""
@@ -133,8 +154,15 @@ def index_from_corpus_file(kind: str, corpus: str | os.PathLike,
     from this exact file (and, for dense/hybrid, this encoder), else built and saved there."""
     _check_kind(kind)
     options = options or DenseOptions()
-    if index_dir is not None:
-        _check_not_corpus(corpus, index_dir)
+    if index_dir is None:
+        return _index_from_corpus_file(kind, corpus, None, options, progress)
+    _check_not_corpus(corpus, index_dir)
+    with _building(index_dir, cache=True):
+        return _index_from_corpus_file(kind, corpus, index_dir, options, progress)
+
+
+def _index_from_corpus_file(kind: str, corpus: str | os.PathLike, index_dir: str | os.PathLike | None,
+                            options: DenseOptions, progress: bool) -> Retriever:
     if index_dir is not None and (Path(index_dir) / MANIFEST).exists():
         try:
             found = index_kind(index_dir)
@@ -166,13 +194,20 @@ def build_index(kind: str, corpus: str | os.PathLike, out: str | os.PathLike,
     holds its term statistics while building, a dense one its FAISS vectors); a corpus that turns
     out malformed half-way leaves an index already in `out` as it was."""
     from selfevo._io import file_sha256
-    from selfevo.corpus import corpus_documents
-    from selfevo.search._progress import corpus_total
 
     _check_kind(kind)
     options = options or DenseOptions()
     digest = file_sha256(corpus)
     _check_not_corpus(corpus, out)
+    with _building(out):
+        return _build_index(kind, corpus, out, options, progress, digest)
+
+
+def _build_index(kind: str, corpus: str | os.PathLike, out: str | os.PathLike, options: DenseOptions,
+                 progress: bool, digest: str) -> Retriever:
+    from selfevo.corpus import corpus_documents
+    from selfevo.search._progress import corpus_total
+
     docs = corpus_documents(corpus)
     stream = {"store": out, "progress": progress, "expected": corpus_total(corpus, progress)}
     if kind == "bm25":

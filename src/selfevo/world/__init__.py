@@ -6,13 +6,16 @@
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import os
+import shutil
+import tempfile
 from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from selfevo._io import read_json, write_json
+from selfevo._io import _UMASK, read_json, write_json
 from selfevo.corpus import read_corpus, read_qa_dir, write_corpus, write_qa
 
 if TYPE_CHECKING:
@@ -40,12 +43,30 @@ class WorldError(ValueError):
 
 
 def save_world(world: World, out: str | os.PathLike) -> Path:
+    """Write the world to `out`, which must be missing or empty: the files go to a directory beside it,
+    renamed onto it whole. A kill leaves no half world at `out`, and of two writers to one `out`
+    the second is refused (WorldError), never mixed into the first's world or replacing it."""
     out = Path(out)
-    write_corpus(out / "corpus.jsonl", world.documents)
-    for bench, items in world.benchmarks.items():
-        write_qa(out / "qa" / f"{bench}.jsonl", items)
-    write_json(out / "truth.json", world.truth.to_json())
-    write_json(out / "world.json", {"format": 1, "config": asdict(world.config)})
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent))
+    try:
+        os.chmod(tmp, 0o777 & ~_UMASK)  # mkdtemp makes 0700; the world should read like any new directory
+        write_corpus(tmp / "corpus.jsonl", world.documents)
+        for bench, items in world.benchmarks.items():
+            write_qa(tmp / "qa" / f"{bench}.jsonl", items)
+        write_json(tmp / "truth.json", world.truth.to_json())
+        write_json(tmp / "world.json", {"format": 1, "config": asdict(world.config)})
+        try:
+            os.rename(tmp, out)  # onto a missing or empty directory only
+        except OSError as e:
+            if e.errno == errno.ENOTDIR:
+                raise WorldError(f"{out}: a file, not a directory") from None
+            if e.errno in (errno.ENOTEMPTY, errno.EEXIST):
+                raise WorldError(f"{out}: not empty (another `world make` wrote there?); a world is written once, "
+                                 "to a new directory") from None
+            raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
     return out
 
 
