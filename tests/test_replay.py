@@ -16,6 +16,7 @@ from selfevo._io import read_json, write_json
 from selfevo._software import software
 from selfevo.cli import app
 from selfevo.config import WorldSpec, load_config
+from selfevo.corpus import write_corpus
 from selfevo.evolve import evolve, load_run_world
 from selfevo.loop.folds import assign_folds
 from selfevo.replay import (
@@ -179,8 +180,20 @@ def test_bank_hops_filter(runs, bank):
     (lambda o: {**o, "items": [{k: v for k, v in o["items"][0].items() if k != "label"}]}, "item 0.*label"),
     (lambda o: {**o, "items": [o["items"][0], o["items"][0]]}, "duplicate item id"),
     (lambda o: [1, 2], "not a replay bank"),
-    (lambda o: {**o, "seed": "zero"}, "invalid literal"),
-    (lambda o: {**o, "items": [{**o["items"][0], "round": "late"}]}, "item 0: invalid literal"),
+    (lambda o: {**o, "seed": "zero"}, "field seed should be an integer"),
+    (lambda o: {**o, "items": [{**o["items"][0], "round": "late"}]}, r"item 0 \('run0/.*'\): field round should be"),
+    # a bank edited by hand: each of these ran (a null label graded as "no answer", a float hop count
+    # truncated, a seed of 1.5 taken as 1) or crashed mid-study with a traceback
+    (lambda o: {**o, "items": [{**o["items"][0], "label": None}]}, "item 0 .*field label should be a string, got null"),
+    (lambda o: {**o, "items": [{**o["items"][0], "question": 7}]}, "item 0 .*field question should be a string, got 7"),
+    (lambda o: {**o, "items": [{**o["items"][0], "hops": 2.5}]}, "field hops should be an integer >= 1, got 2.5"),
+    (lambda o: {**o, "items": [{**o["items"][0], "source_ids": []}]}, "field source_ids should be a non-empty list"),
+    (lambda o: {**o, "items": [{**o["items"][0], "source_ids": [["x"]]}]}, "field source_ids should be a non-empty"),
+    (lambda o: {**o, "items": [{**o["items"][0], "item_id": ["x"]}]}, r"item 0: field item_id should be a non-empty"),
+    (lambda o: {**o, "seed": 1.5}, "field seed should be an integer, got 1.5"),
+    (lambda o: {**o, "base_seed": True}, "field base_seed should be an integer, got true"),
+    (lambda o: {**o, "world": "small"}, 'field world should be an object, got "small"'),
+    (lambda o: {**o, "sources": "x"}, "field sources should be a list"),
 ])
 def test_bank_load_errors(bank, tmp_path, edit, message):
     path = tmp_path / "bank.json"
@@ -385,6 +398,8 @@ def test_cli_build_and_run(runs, tmp_path):
     (["run", "--bank", "{bank}", "--judge-url", "http://127.0.0.1:9/v1", "--out", "{tmp}/o"],
      "--judge-url and --judge-model go together"),
     (["run", "--bank", "{corpus_bank}", "--out", "{tmp}/o"], "absent.jsonl"),
+    # its saved index removed: was a ConfigError traceback
+    (["run", "--bank", "{index_bank}", "--out", "{tmp}/o"], "data.index: " + "{tmp}/gone-index"),
     # a judge endpoint that is down: said before the solvers train, not after 16 calls' retries
     (["run", "--bank", "{bank}", "--judge-url", "http://127.0.0.1:9/v1", "--judge-model", "m", "--out", "{tmp}/o"],
      "cannot connect"),
@@ -399,11 +414,15 @@ def test_cli_usage_errors_exit_2(runs, bank, tmp_path, args, message):
     # (a corpus run's world block is the default one: a corpus replaces the world)
     corpus_bank = replace(bank, backend="lm", world=asdict(WorldSpec()),
                           data={"corpus": str(tmp_path / "absent.jsonl"), "qa_dir": str(tmp_path)})
+    write_corpus(tmp_path / "corpus.jsonl", load_run_world(load_config(None, SCALED)).documents)
+    index_bank = replace(corpus_bank, data={"corpus": str(tmp_path / "corpus.jsonl"), "qa_dir": str(tmp_path),
+                                            "index": str(tmp_path / "gone-index")})
     subs = {"tmp": str(tmp_path), "run0": str(runs[0]), "other": str(other), "bank": str(bank_path),
-            "corpus_bank": str(corpus_bank.save(tmp_path / "corpus-bank.json"))}
+            "corpus_bank": str(corpus_bank.save(tmp_path / "corpus-bank.json")),
+            "index_bank": str(index_bank.save(tmp_path / "index-bank.json"))}
     res = CliRunner().invoke(app, ["replay", *[a.format(**subs) for a in args]])
     assert res.exit_code == 2, res.output
-    assert message in " ".join(res.output.split())
+    assert message.format(**subs) in " ".join(res.output.split())
     assert not (tmp_path / "o").exists() and not (tmp_path / "b.json").exists()  # nothing half-written
 
 
@@ -577,3 +596,100 @@ def test_a_stopped_study_takes_its_workers_with_it(bank, tmp_path, signame):
     assert left == []
     if signame == "SIGTERM":  # as the grid's: the signal's code, after the workers are stopped
         assert proc.returncode == 143, proc.stderr.read().decode()
+
+
+# ------------------------------------------------------------------ a review of the bank's rules (2026-12-04)
+
+
+def test_a_bank_source_that_is_no_document_is_refused(bank, tmp_path):
+    """A hand-edited source id that is no page of the world was split by a hash of the id (every
+    fold rule takes any string) and the study ran; only the pages read were checked."""
+    obj = bank.to_json()
+    obj["items"][0] = {**obj["items"][0], "source_id": "nope"}
+    write_json(tmp_path / "bank.json", obj)
+    with pytest.raises(ReplayError, match="'nope'.* not in its world"):
+        run_replay(Bank.load(tmp_path / "bank.json"), ["coupled"], seeds=1, settings=FAST)
+
+
+def _corpus_run(run, to, corpus, index, sha=None):
+    """A copy of `run` that says it searched `index` of `corpus` (the build refuses before it reads steps)."""
+    shutil.copytree(run, to)
+    cfg = {k: v for k, v in read_json(to / "config.json").items() if k != "world"}  # a corpus replaces the world
+    write_json(to / "config.json", {**cfg, "backend": "lm", "data": {**cfg["data"], "corpus": str(corpus),
+                                                                     "qa_dir": str(corpus.parent), "index": index}})
+    if sha is not None:
+        write_json(to / "manifest.json", {**read_json(to / "manifest.json"), "corpus_sha256": sha})
+    return to
+
+
+def test_runs_that_searched_different_indexes_are_refused(runs, tmp_path):
+    """The bank keeps its first run's data block, so the replay searched the first run's index for
+    every item: runs of one corpus searched through two indexes (BM25 and dense, say) were pooled
+    without a word. And a run whose saved index is gone was a ConfigError traceback."""
+    corpus = tmp_path / "corpus.jsonl"
+    write_corpus(corpus, load_run_world(load_config(None, SCALED)).documents)
+    a = _corpus_run(runs[0], tmp_path / "a", corpus, str(tmp_path / "index-bm25"))
+    b = _corpus_run(runs[0], tmp_path / "b", corpus, str(tmp_path / "index-dense"))
+    with pytest.raises(ReplayError, match="runs differ in their index config: .*index-bm25.*index-dense"):
+        build_bank([a, b], size=10)
+    gone = _corpus_run(runs[0], tmp_path / "gone", corpus, str(tmp_path / "index-gone"), sha="0" * 64)
+    with pytest.raises(ReplayError, match="gone: data.index: .*index-gone"):
+        build_bank([gone], size=10)
+
+
+def test_a_too_small_training_set_is_refused_before_any_job_trains(bank, monkeypatch):
+    """A fold too small for the updates was refused only when its job ran, after every job queued
+    before it had trained and graded (on a language-model bank, hours), all of it lost with the
+    refusal; an MSV-filtered one after every other condition. Both are checked first now, and the
+    refusal names the condition and seed."""
+    ran = []
+    for name in ("_condition_job", "_base_job"):
+        real = getattr(replay, name)
+        monkeypatch.setattr(replay, name, lambda *a, real=real, name=name: ran.append((name, a[:2])) or real(*a))
+    # 150 items: coupled's one solver has enough for 100 updates, a source fold (about 75) has not
+    with pytest.raises(ReplayError, match=r"^feedback solver source-fold\d of source-id seed 0: \d+ training items, "
+                                          "fewer than the 100 updates"):
+        run_replay(bank, ["coupled", "source-id"], seeds=2, settings=ReplaySettings(updates=100))
+    assert ran == []
+    # MSV admits fewer than 140 of the 150: refused by the seed's MSV job, before coupled trains
+    with pytest.raises(ReplayError, match=r"^feedback solver all of coupled\+msv seed 0: \d+ training items \(MSV "
+                                          r"admitted \d+ of the 150 items\), fewer than the 140 updates"):
+        run_replay(bank, ["coupled", "coupled+msv"], seeds=2, settings=ReplaySettings(updates=140))
+    assert ran == []
+
+
+def test_a_failed_pool_study_does_not_cancel_what_the_pool_fails_itself():
+    """On a job's error the study cancelled its queued futures, then worker_pool killed the workers,
+    and the pool's own thread, failing those futures, raised InvalidStateError: a thread traceback
+    on stderr after the error, in about half of the failed studies with two workers."""
+    from concurrent.futures import Future
+
+    class Pool:  # a fork pool's interface: submit -> Future
+        def __init__(self):
+            self.futures = []
+
+        def submit(self, fn, *args):
+            f = Future()
+            if not self.futures:
+                f.set_exception(ReplayError("planted"))
+            self.futures.append(f)
+            return f
+
+    class Bar:
+        def add_task(self, *a, **k):
+            return 0
+
+        def update(self, *a, **k):
+            pass
+
+    pool = Pool()
+    with pytest.raises(ReplayError, match="planted"):
+        replay._run_jobs(pool, parse_conditions("coupled,source-id"), [0, 1], Bar())
+    assert len(pool.futures) > 1 and not any(f.cancelled() for f in pool.futures)
+
+
+def test_bank_seed_help_says_what_it_seeds():
+    """The bank's --seed samples its items; the replay's base model is its runs' (base_seed), not
+    this seed, as the help said."""
+    text = " ".join(CliRunner().invoke(app, ["replay", "build", "--help"], terminal_width=200).output.split())
+    assert "also seeds the replay's base model" not in text and "the runs' own" in text

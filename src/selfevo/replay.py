@@ -228,11 +228,23 @@ class Bank:
             lost = [k for k in names if not isinstance(it, dict) or k not in it]
             if lost:
                 raise ReplayError(f"{where}: item {i}: missing field(s) {', '.join(lost)}")
-            try:
-                items.append(BankItem(**{**{k: it[k] for k in names}, "source_ids": tuple(it["source_ids"]),
-                                         "round": int(it["round"]), "hops": int(it["hops"])}))
-            except (TypeError, ValueError) as e:
-                raise ReplayError(f"{where}: item {i}: {e}") from None
+            # a bank edited by hand: a null label or question graded as "no answer" or crashed the
+            # solver mid-study, a float hop count was truncated; name the item and field instead
+            which = f"{where}: item {i} ({it['item_id']!r})" if isinstance(it["item_id"], str) else f"{where}: item {i}"
+            for k in names:
+                v = it[k]
+                if k in ("round", "hops"):
+                    ok, want = isinstance(v, int) and not isinstance(v, bool) and v >= 1, "an integer >= 1"
+                elif k == "source_ids":
+                    ok = isinstance(v, list) and bool(v) and all(isinstance(s, str) and s for s in v)
+                    want = "a non-empty list of document ids"
+                else:
+                    ok, want = isinstance(v, str), "a string"
+                    if k in ("item_id", "source_id"):
+                        ok, want = ok and bool(v), "a non-empty string"
+                if not ok:
+                    raise ReplayError(f"{which}: field {k} should be {want}, got {json.dumps(v)[:80]}")
+            items.append(BankItem(**{**{k: it[k] for k in names}, "source_ids": tuple(it["source_ids"])}))
         seen: set[str] = set()
         for it in items:
             if it.item_id in seen:
@@ -243,6 +255,15 @@ class Bank:
         base_seed = obj.get("base_seed") if obj["format"] >= 3 else obj["seed"]
         if base_seed is None and obj.get("backend", "sim") == "sim":
             raise ReplayError(f"{where}: field base_seed is missing (the seed of a simulated bank's runs)")
+        for k, v in (("seed", obj["seed"]), ("base_seed", base_seed)):  # int() truncated 1.5 and took true
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int)):
+                raise ReplayError(f"{where}: field {k} should be an integer, got {json.dumps(v)[:80]}")
+        for k in ("world", "solver", "search", "data", "lm"):
+            if not isinstance(obj.get(k, {}), dict):
+                raise ReplayError(f"{where}: field {k} should be an object, got {json.dumps(obj[k])[:80]}")
+        if not isinstance(obj["sources"], list) or not all(isinstance(s, str) for s in obj["sources"]):
+            raise ReplayError(f"{where}: field sources should be a list of run directories, "
+                              f"got {json.dumps(obj['sources'])[:80]}")
         try:
             return cls(dict(obj["world"]), int(obj["seed"]), list(obj["sources"]), items,
                        dict(obj["solver"]), dict(obj["search"]), obj.get("backend", "sim"),
@@ -273,21 +294,23 @@ class Bank:
 def _environment(cfg, where: str = "bank"):
     """The runs' documents and index, as `selfevo evolve` resolves them (a generated world, a world
     directory, or a corpus file)."""
+    from selfevo.config import ConfigError
     from selfevo.corpus import DataError
     from selfevo.evolve import environment
     from selfevo.world import WorldError
 
     try:
         return environment(cfg, benchmarks=False)
-    except (DataError, WorldError, OSError) as e:
+    except (ConfigError, DataError, WorldError, OSError) as e:  # ConfigError: data.index is no index (removed?)
         raise ReplayError(f"{where}: {e}") from None
 
 
 def _bank_parts(cfg: dict) -> dict:
     """What of a run's config a bank keeps (and its runs must share): where the documents come
-    from, the search tool, and the base model its feedback solvers start as."""
-    backend = cfg.get("backend", "sim")
-    return {"backend": backend, "world": cfg["world"], "corpus": cfg.get("data", {}).get("corpus", ""),
+    from, the search tool (a saved index of the corpus too: the bank keeps the first run's data
+    block, and another index finds other pages), and the base model its feedback solvers start as."""
+    backend, data = cfg.get("backend", "sim"), cfg.get("data", {})
+    return {"backend": backend, "world": cfg["world"], "corpus": data.get("corpus", ""), "index": data.get("index", ""),
             "solver": cfg["solver"], "search": cfg["search"], "lm": cfg.get("lm", {}) if backend == "lm" else {}}
 
 
@@ -307,7 +330,7 @@ def build_bank(run_dirs: Sequence[str | os.PathLike], size: int = 3000, seed: in
         raise ReplayError("--from: name at least one run directory")
     if size < 1:
         raise ReplayError(f"--size: must be >= 1, got {size}")
-    from selfevo.config import config_from_dict
+    from selfevo.config import ConfigError, config_from_dict
     from selfevo.evolve import check_world
 
     hops = set(hops) if hops is not None else None
@@ -336,6 +359,8 @@ def build_bank(run_dirs: Sequence[str | os.PathLike], size: int = 3000, seed: in
             check_world(run, config_from_dict(configs[-1]))  # its truth judges the replay
         except RunError as e:
             raise ReplayError(str(e)) from None
+        except ConfigError as e:  # its data.index is no longer an index (removed, or half rebuilt)
+            raise ReplayError(f"{d}: {e}") from None
     parts = [_bank_parts(cfg) for cfg in configs]
     for key in parts[0]:
         for d, other in zip(run_dirs[1:], parts[1:]):
@@ -404,7 +429,8 @@ class _Context:
         cfg = bank.run_config()
         self.env = _environment(cfg)
         self.documents = ById(self.env.documents)  # read on demand: a corpus stays on disk
-        absent = sorted({s for it in bank.items for s in it.source_ids if s not in self.documents})
+        # the source too: a fold is a hash of any id, so a source that is no document would be split silently
+        absent = sorted({s for it in bank.items for s in (it.source_id, *it.source_ids) if s not in self.documents})
         if absent:
             raise ReplayError(f"bank: {len(absent)} source document(s) (e.g. {absent[0]!r}) are not in its "
                               f"{bank.documents_from}")
@@ -480,9 +506,10 @@ def _ctx() -> _Context:
 # ---------------------------------------------------------------- jobs
 
 
-def _msv_job(seed: int) -> dict[str, str | None]:
+def _msv_job(seed: int, conditions: Sequence[str] = ()) -> dict[str, str | None]:
     """MSV by the untrained base solver over the whole bank: item id -> replacement label, or
-    None when rejected. Computed once per seed and shared by every +msv condition."""
+    None when rejected. Computed once per seed and shared by every +msv condition; the training
+    sets of `conditions` (the study's +msv ones) are checked here, before any of them trains."""
     ctx = _ctx()
     msv = MSV(ctx.documents, samples=ctx.settings.msv_samples)
     base = ctx.make_solver("base")
@@ -490,7 +517,10 @@ def _msv_job(seed: int) -> dict[str, str | None]:
     proposals = [Proposal(it.question, it.label, it.source_id, it.source_ids, it.hops) for it in ctx.bank.items]
     decisions = msv.decide(proposals, ctx.tool, derive_seed(seed, "replay-msv"))
     ctx.release([base])
-    return {it.item_id: (d.label if d.admitted else None) for it, d in zip(ctx.bank.items, decisions, strict=True)}
+    labels = {it.item_id: (d.label if d.admitted else None) for it, d in zip(ctx.bank.items, decisions, strict=True)}
+    for name in conditions:
+        _train_sets(ctx, CONDITIONS[name], seed, labels)
+    return labels
 
 
 def _provenance(cond: Condition, seed: int, connected: FoldAssignment | None = None):
@@ -548,11 +578,11 @@ def _labels_digest(pairs: Iterable[tuple[str, str]]) -> str:
     return hashlib.sha256(json.dumps(list(pairs)).encode()).hexdigest()
 
 
-def _condition_job(name: str, seed: int, msv_labels: Mapping[str, str | None] | None) -> dict:
-    """Train the condition's feedback solver(s), grade every bank item, audit with the oracle."""
-    ctx, s = _ctx(), _ctx().settings
-    cond = CONDITIONS[name]
-    items = ctx.bank.items
+def _train_sets(ctx: _Context, cond: Condition, seed: int,
+                msv_labels: Mapping[str, str | None] | None) -> tuple[list, list[str], list[list], object]:
+    """`(train_pool, solver names, each solver's training set, grader)` of a condition and seed;
+    a solver with fewer items than updates is refused, naming the condition and seed."""
+    s, items = ctx.settings, ctx.bank.items
     if cond.msv:  # MSV filters the training items and replaces their labels; grading does not change
         train_pool = [(it, msv_labels[it.item_id]) for it in items if msv_labels[it.item_id] is not None]
     else:
@@ -563,12 +593,33 @@ def _condition_job(name: str, seed: int, msv_labels: Mapping[str, str | None] | 
              for h in range(k)]
     train_sets = [[p for p in train_pool if trains(h, p[0])] for h in range(k)]
     neither = len(train_pool) - sum(map(len, train_sets))  # connected: items that read both folds train none
-    for label, train in zip(names, train_sets):  # refused before any solver trains
+    for label, train in zip(names, train_sets):
         if len(train) < s.updates:
             why = f" ({neither} of the {len(train_pool)} items read pages of both folds and train neither solver)"
+            msv = f" (MSV admitted {len(train_pool)} of the {len(items)} items)" if cond.msv else ""
             fix = "a larger bank" if len(train) < 2 else "a larger bank or fewer updates (`replay run --updates`)"
-            raise ReplayError(f"feedback solver {label}: {len(train)} training items, fewer than the "
-                              f"{s.updates} updates{why if neither else ''}; use {fix}")
+            raise ReplayError(f"feedback solver {label} of {cond.name} seed {seed}: {len(train)} training items{msv}, "
+                              f"fewer than the {s.updates} updates{why if neither else ''}; use {fix}")
+    return train_pool, names, train_sets, grader
+
+
+def _preflight(names: Sequence[str], seeds: Sequence[int]) -> None:
+    """Every training set that MSV does not decide, checked before any job trains: a fold too small
+    for the updates was refused only when its job ran, after the jobs queued before it (hours of
+    training on a language-model bank, all lost with the refusal)."""
+    ctx = _ctx()
+    for name in names:
+        if not CONDITIONS[name].msv:
+            for seed in seeds:
+                _train_sets(ctx, CONDITIONS[name], seed, None)
+
+
+def _condition_job(name: str, seed: int, msv_labels: Mapping[str, str | None] | None) -> dict:
+    """Train the condition's feedback solver(s), grade every bank item, audit with the oracle."""
+    ctx, s = _ctx(), _ctx().settings
+    cond = CONDITIONS[name]
+    items = ctx.bank.items
+    train_pool, names, train_sets, grader = _train_sets(ctx, cond, seed, msv_labels)
     n_updates = math.floor(s.updates * cond.budget)
     # the seed names the training data, not the condition: same-source and source-id train the
     # same fold solvers and differ only in who grades; the half budget is the first half of it
@@ -714,7 +765,7 @@ def _run_jobs(pool, conds: list[Condition], seeds: list[int], bar) -> tuple[dict
     pending: dict[Future, tuple[str, int]] = {}
     for s in seeds:  # short jobs first: MSV unblocks the +msv conditions
         if need_msv:
-            pending[pool.submit(_msv_job, s)] = ("msv", s)
+            pending[pool.submit(_msv_job, s, [c.name for c in conds if c.msv])] = ("msv", s)
         pending[pool.submit(_base_job, s)] = ("base", s)
     for c in conds:
         for s in seeds:
@@ -740,8 +791,11 @@ def _run_jobs(pool, conds: list[Condition], seeds: list[int], bar) -> tuple[dict
                     outcomes[(name, s)] = result
                 bar.update(task, advance=1, description=f"replay {name} seed {s}")
     except BaseException:  # fail fast: do not let the pool finish the queued jobs first
-        for f in pending:
-            f.cancel()
+        if isinstance(pool, _InProcess):
+            for f in pending:
+                f.cancel()
+        # a fork pool's workers are killed by worker_pool, which fails its queued jobs; cancelled
+        # here, they made the pool's own thread raise InvalidStateError (a traceback after the error)
         raise
     return outcomes, msv, base
 
@@ -778,7 +832,9 @@ def run_replay(bank: Bank, conditions: Iterable[str] | str | None = None, seeds:
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     with executor as pool:
         if not isinstance(pool, _InProcess):  # a fork pool starts every worker now, before the bar's thread
-            pool.submit(int).result()
+            pool.submit(_preflight, [c.name for c in conds], seeds).result()
+        else:
+            _preflight([c.name for c in conds], seeds)
         judge_name = _ctx().judge.name if isinstance(pool, _InProcess) else OracleJudge.name
         with Progress(*columns, disable=not progress, transient=True) as bar:
             outcomes, msv, base = _run_jobs(pool, conds, seeds, bar)
