@@ -693,3 +693,27 @@ def test_bank_seed_help_says_what_it_seeds():
     this seed, as the help said."""
     text = " ".join(CliRunner().invoke(app, ["replay", "build", "--help"], terminal_width=200).output.split())
     assert "also seeds the replay's base model" not in text and "the runs' own" in text
+
+
+def test_a_second_study_into_the_same_out_is_refused(bank, tmp_path):
+    """Two `replay run` into one --out (each file written atomically) could leave one study's
+    results.json beside the other's results.md and replay.png: the second is refused while the first
+    holds the directory."""
+    import fcntl
+    import os
+
+    bank_path = replace(bank, items=bank.items[:40]).save(tmp_path / "bank.json")
+    out = tmp_path / "o"
+    args = ["replay", "run", "--bank", str(bank_path), "--conditions", "coupled", "--seeds", "1", "--updates", "4",
+            "--workers", "1", "--out", str(out)]
+    out.mkdir()
+    fd = os.open(out, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # held, as a study in progress holds it
+        res = CliRunner().invoke(app, args)
+        assert res.exit_code == 2 and "another replay study is writing here" in " ".join(res.output.split())
+        assert list(out.iterdir()) == []
+    finally:
+        os.close(fd)
+    assert CliRunner().invoke(app, args).exit_code == 0  # released
+    assert (out / "results.json").exists()

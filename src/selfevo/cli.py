@@ -880,16 +880,23 @@ def replay_run(
     if seeds < 1:
         _fail(f"--seeds: must be >= 1, got {seeds}")
     _out_dir(out)
+    from selfevo._io import hold_directory
+
+    def busy() -> ReplayError:  # one study into out at a time: two would mix results.json, the table, the figure
+        return ReplayError(f"{out}: another replay study is writing here; wait for it to end (or stop it), "
+                           "or choose another --out")
+
     try:
-        settings = ReplaySettings(updates, rollouts, samples)  # checked before any model loads
-        parse_conditions(conditions)
-        b = Bank.load(bank)
-        with replay_judge(b, judge_url, judge_model, judge_cache or out / "judge-cache.jsonl",
-                          judge_concurrency) as judge:
-            results = run_replay(b, conditions, seeds, settings, workers=workers, progress=True, judge=judge)
+        with hold_directory(out, busy):
+            settings = ReplaySettings(updates, rollouts, samples)  # checked before any model loads
+            parse_conditions(conditions)
+            b = Bank.load(bank)
+            with replay_judge(b, judge_url, judge_model, judge_cache or out / "judge-cache.jsonl",
+                              judge_concurrency) as judge:
+                results = run_replay(b, conditions, seeds, settings, workers=workers, progress=True, judge=judge)
+            write_results(results, out)
     except (ReplayError, JudgeError) as e:
         _fail(str(e))
-    write_results(results, out)
     console.print(results_table(results))
     if not results["bank"]["coverage"]:  # the bank's items, judged once: the same for every condition
         _warn_nothing_resolved()
