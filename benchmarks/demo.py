@@ -24,7 +24,7 @@ from pathlib import Path
 
 from _common import REPO, machine_line, write_section
 
-from selfevo._fmt import mean_std_text
+from selfevo._fmt import mean_std_text, shown
 from selfevo.report.figures import rounds_figure
 
 HEADING = "## The demo"
@@ -76,7 +76,7 @@ def acceptance(demo: dict, clones: list[float]) -> list[str]:
                        statistics.median(clones) < 180, f"{statistics.median(clones):.0f} s"))
     f = [r["F"]["mean"] for r in demo["audit"]["coupled"]["rounds"]]
     # a rise the printed decimals do not show ("0.060 → 0.060") is none, as in the report's reading
-    checks.append(("coupled F rising by round", all(round(a, 3) < round(b, 3) for a, b in zip(f, f[1:])),
+    checks.append(("coupled F rising by round", all(shown(a) < shown(b) for a, b in zip(f, f[1:])),
                    " → ".join(f"{x:.3f}" for x in f)))
     co, cf = ({m: last(t, m) for m in ("F", "A", "T_P")} for t in ("coupled", "crossfit"))
     checks.append(("CrossFit halving F with lower A and higher T_P",

@@ -10,6 +10,11 @@ def num(x: float | None, spec: str = ".3f") -> str:
     return DASH if x is None else format(x, spec)
 
 
+def shown(x: float) -> float:
+    """`x` as `num` prints it (3 decimals): a change the printed numbers do not show is not claimed."""
+    return round(x, 3)
+
+
 def mean_std_text(cell: dict | None, spec: str = ".3f", n: int | None = None) -> str:
     """A summary over seeds (`algos.summary`'s mean and std) as "mean ± std", or the dash; one seed
     has no spread to show (its std of 0.0 would read as seeds that agree). `n`: the seed count where

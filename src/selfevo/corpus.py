@@ -264,24 +264,22 @@ def read_qa_dir(data_dir: str | os.PathLike) -> dict[str, list[QAItem]]:
     if not files:
         raise DataError(data_dir, None, "no .jsonl, .jsonl.gz or .parquet QA files found")
     out: dict[str, list[QAItem]] = {}
-    origin: dict[str, Path] = {}
-    line_of: dict[str, int] = {}
+    origin: dict[str, tuple[Path, int]] = {}  # id -> file and line
     for f in files:
         items = list(_iter_qa_lines(f))
         if not items:  # a benchmark that silently drops out would change the macro average
             raise DataError(f, None, "no questions (an empty QA file; a truncated download?)")
         for lineno, item in items:
             if item.id in origin:
-                raise DataError(f, lineno, f"id '{item.id}' also appears in {origin[item.id]}:{line_of[item.id]}")
-            origin[item.id], line_of[item.id] = f, lineno
+                raise DataError(f, lineno, "id '{}' also appears in {}:{}".format(item.id, *origin[item.id]))
+            origin[item.id] = f, lineno
             out.setdefault(item.benchmark or qa_name(f), []).append(item)
     from selfevo.evaluate import BENCHMARKS  # it imports this module
 
     for name in out:  # "NQ" beside "nq" would be a benchmark of its own, in macro but in no hop group
         standard = next((b for b in BENCHMARKS if b == name.lower() and b != name), None)
         if standard:
-            first = out[name][0].id
-            raise DataError(origin[first], line_of[first], f"benchmark {name!r} differs from the standard "
+            raise DataError(*origin[out[name][0].id], f"benchmark {name!r} differs from the standard "
                             f"{standard!r} only in case; name it {standard!r} (metadata.benchmark, or the file name)")
     return out
 

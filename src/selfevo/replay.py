@@ -264,13 +264,9 @@ class Bank:
         if not isinstance(obj["sources"], list) or not all(isinstance(s, str) for s in obj["sources"]):
             raise ReplayError(f"{where}: field sources should be a list of run directories, "
                               f"got {json.dumps(obj['sources'])[:80]}")
-        try:
-            return cls(dict(obj["world"]), int(obj["seed"]), list(obj["sources"]), items,
-                       dict(obj["solver"]), dict(obj["search"]), obj.get("backend", "sim"),
-                       dict(obj.get("data", {})), dict(obj.get("lm", {})),
-                       None if base_seed is None else int(base_seed))
-        except (TypeError, ValueError) as e:
-            raise ReplayError(f"{where}: {e}") from None
+        return cls(dict(obj["world"]), obj["seed"], list(obj["sources"]), items, dict(obj["solver"]),
+                   dict(obj["search"]), obj.get("backend", "sim"), dict(obj.get("data", {})), dict(obj.get("lm", {})),
+                   base_seed)
 
     def save(self, path: str | os.PathLike) -> Path:
         write_json(path, self.to_json())

@@ -13,12 +13,11 @@ from selfevo._io import atomic_writer, write_json
 from selfevo.report import figures as figs
 from selfevo.report.collect import collect_runs, find_runs
 from selfevo.report.render import REPLAY_COLUMNS, html_page, markdown
-from selfevo.runs import RunError, check_numbers, read_object
+from selfevo.runs import _TYPE_NAMES, RunError, check_numbers, read_object
 
 DEMO_RECORD = "demo.json"
 # what demo.json says of each planned run that left no run directory (the report lists them)
 _EXCLUDED_FIELDS = {"run": str, "treatment": str, "seed": int, "why": str}
-_KIND_NAMES = {str: "a string", int: "an integer"}
 
 
 def write_demo_record(root: str | os.PathLike, runs: Sequence[str | os.PathLike], replay: bool,
@@ -43,7 +42,7 @@ def _demo_record(root: Path) -> dict:
     for i, x in enumerate(excluded):  # the report lists each one by these fields
         for field, kind in _EXCLUDED_FIELDS.items():
             if not isinstance(x.get(field), kind) or isinstance(x.get(field), bool):
-                raise RunError(f"{path}: field excluded[{i}].{field} should be {_KIND_NAMES[kind]}, "
+                raise RunError(f"{path}: field excluded[{i}].{field} should be {_TYPE_NAMES[kind]}, "
                                f"got {x.get(field)!r:.60}")
     return record
 

@@ -8,6 +8,7 @@ import os
 from collections.abc import Sequence
 from pathlib import Path
 
+from selfevo._fmt import shown
 from selfevo._software import software_tally
 from selfevo.algos import summary
 from selfevo.audit import METRICS, mean_hop_mix
@@ -204,7 +205,7 @@ def readings(res: dict) -> list[str]:
         t1, tl = _mean_over(first, seeds, "T_P"), _mean_over(last, seeds, "T_P")
         n_rounds = len(coupled["rounds"])
         # a rise the 3 printed decimals do not show ("rises from 0.060 to 0.060") is not claimed
-        if d_f["mean"] is not None and round(fl, 3) > round(f1, 3) and None not in (a1, al, t1, tl):
+        if d_f["mean"] is not None and shown(fl) > shown(f1) and None not in (a1, al, t1, tl):
             said = (f"Coupled loop: false agreement F rises from {f1:.3f} (round 1) to {fl:.3f} (round {n_rounds}) "
                     f"while A goes {a1:.3f} -> {al:.3f} and label truth T_P {t1:.3f} -> {tl:.3f}")
             if d_f["n"] < 2 or d_f["lo"] is None:
@@ -212,7 +213,7 @@ def readings(res: dict) -> list[str]:
             elif d_f["lo"] <= 0:
                 out.append(said + f", but the paired 95% interval of the rise [{d_f['lo']:+.3f}, {d_f['hi']:+.3f}] "
                            f"({d_f['n']} seeds) includes 0: more seeds would settle it.")
-            elif round(al, 3) > round(a1, 3):  # a rise of A the printed "A goes ..." shows, as for F
+            elif shown(al) > shown(a1):  # a rise of A the printed "A goes ..." shows, as for F
                 out.append(said + f" (rise {d_f['mean']:+.3f}, paired 95% interval [{d_f['lo']:+.3f}, "
                            f"{d_f['hi']:+.3f}], {d_f['n']} seeds): rising agreement is partly co-cheating.")
             else:
@@ -235,10 +236,10 @@ def readings(res: dict) -> list[str]:
         d_a, d_tp = paired("A"), paired("T_P")
         if d_a["n"] < 2:
             continue
-        shown = {m: [round(_mean_over(by["last_by_seed"], seeds, m), 3) for by in (a, coupled)] for m in ("A", "T_P")}
+        quoted = {m: [shown(_mean_over(by["last_by_seed"], seeds, m)) for by in (a, coupled)] for m in ("A", "T_P")}
         # lower A, higher T_P, as the quoted means (3 decimals) show them: "A 0.500 vs coupled 0.500"
         # is no "looks worse" (the paired means are these means' difference: both over the same seeds)
-        if not (shown["A"][0] < shown["A"][1] and shown["T_P"][0] > shown["T_P"][1]):
+        if not (quoted["A"][0] < quoted["A"][1] and quoted["T_P"][0] > quoted["T_P"][1]):
             continue
 
         def means(metric: str, vs: str = "vs", seeds=seeds, a=a) -> str:  # over the seeds the test pairs

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 
 from selfevo.agents.base import Proposal
-from selfevo.agents.sim.reader import FEATURES, PageReading, Reader, check_magnitude, features
+from selfevo.agents.sim.reader import FEATURES, PageReading, Reader, check_magnitude, features, given
 from selfevo.algos import bucket_advantages, sample_index, softmax
 from selfevo.evaluate import normalize_answer
 from selfevo.records import Document
@@ -54,8 +54,7 @@ class SimProposerConfig:
         # a weight past a float's range crashed the hop draw; 10**400 options never finished a proposal
         check_magnitude("proposer.hop_ratio", *self.hop_ratio)
         if self.options > MAX_OPTIONS:
-            shown = self.options if self.options <= 10**12 else f"an integer of {len(str(self.options))} digits"
-            raise ValueError(f"proposer.options: must be at most {MAX_OPTIONS}, got {shown}")
+            raise ValueError(f"proposer.options: must be at most {MAX_OPTIONS}, got {given(self.options)}")
 
 
 @dataclass

@@ -32,8 +32,12 @@ def check_magnitude(where: str, *values: float) -> None:
     """A ValueError naming `where` if a value lies outside [-MAX_MAGNITUDE, MAX_MAGNITUDE]."""
     for v in values:
         if not abs(v) <= MAX_MAGNITUDE:
-            shown = f"an integer of {len(str(abs(v)))} digits" if isinstance(v, int) and abs(v) > 10**12 else v
-            raise ValueError(f"{where}: must be at most {MAX_MAGNITUDE:g} in size, got {shown}")
+            raise ValueError(f"{where}: must be at most {MAX_MAGNITUDE:g} in size, got {given(v)}")
+
+
+def given(v: float) -> object:
+    """A value as an error quotes it: an integer of hundreds of digits by its length, not echoed."""
+    return f"an integer of {len(str(abs(v)))} digits" if isinstance(v, int) and abs(v) > 10**12 else v
 
 
 def hash_normal(*keys: object) -> float:
