@@ -282,10 +282,13 @@ def test_metrics_figure_keeps_rounds_in_order_when_records_number_steps_within_e
     assert rounds_x == [0.5, 2.0]  # round 1 over its steps at 0 and 1, round 2 after it
     steps_x = sorted(float(x) for x, _ in ax.collections[0].get_offsets())
     assert steps_x == [0.0, 1.0, 2.0]
+    # x is a place in order there, not the step's number (round 2's step 0 is drawn at 2): not labelled one
+    assert ax.get_xlabel().startswith("step, in (round, step) order")
     # scheduled (global) step numbers are drawn where they are
     global_steps = {**per_round, "steps": [step(1, 0, 0.5), step(1, 1, 0.5), step(2, 43, 0.2)]}
     ax = figures.metrics_figure(global_steps).axes[0]
     assert list(next(line for line in ax.lines if line.get_label() == "A").get_xdata()) == [0.5, 43.0]
+    assert ax.get_xlabel().startswith("scheduled step")
 
 
 def test_audit_run_takes_a_run_directory_path(tmp_path):
@@ -303,3 +306,30 @@ def test_audit_run_takes_a_run_directory_path(tmp_path):
     by_path = audit_run(str(run.path), TableJudge(TABLE))
     assert by_path == audit_run(run, TableJudge(TABLE)) == _audit_steps(_steps(), TableJudge(TABLE))
     assert (run.path / "audit" / "metrics.json").exists()
+
+
+# ------------------------------------------------------------------ the injection test set
+
+
+def _gold_items(n_wrong, n_right):
+    return [{"question": f"Who is person {i}?", "adopted_label": "Drax" if i < n_wrong else "Kell",
+             "responses": ["Kell"] * 5, "gold_answers": ["Kell"],
+             "sources": [{"id": f"d{i}", "text": "Kell is the one. He lives in Mira."}]}
+            for i in range(n_wrong + n_right)]
+
+
+@pytest.mark.parametrize("n_wrong,n_right,n,want_wrong", [
+    (15, 3, 8, 5),  # few right labels: wrong ones fill the set (it took 4 + 3 = 7 items)
+    (3, 15, 8, 3),  # few wrong labels: right ones fill it
+    (10, 10, 8, 4),  # half and half
+    (2, 2, 8, 2),  # fewer resolved items than asked: all of them
+])
+def test_injection_set_has_n_items_whenever_n_are_resolved(n_wrong, n_right, n, want_wrong):
+    from selfevo.audit.external import GoldJudge
+    from selfevo.audit.injection import TEMPLATES, injection_set
+
+    gold = GoldJudge()
+    clean, injected = injection_set(_gold_items(n_wrong, n_right), None, n=n, truth=gold, seed=0)
+    assert len(clean) == min(n, n_wrong + n_right)
+    assert sum(not v.label_correct for v in gold.judge(clean)) == want_wrong
+    assert set(injected) == set(TEMPLATES) and all(len(v) == len(clean) for v in injected.values())

@@ -72,7 +72,9 @@ def metrics_figure(result: dict, kind: str = "proposer") -> bytes:
             ax.plot(*zip(*rows), marker="o", ms=9, lw=1.2, color=COLORS[m], label=m)
     for r, x in xs.items():
         ax.text(x, 1.02, f"round {r}", ha="center", fontsize=8, transform=ax.get_xaxis_transform())
-    ax.set_xlabel(f"scheduled step ({kind} steps: small points; rounds: large markers)")
+    # where steps were re-placed (numbered within each round) x is a place in order, not a step number
+    where = "scheduled step" if all(x == k[1] for k, x in pos.items()) else "step, in (round, step) order"
+    ax.set_xlabel(f"{where} ({kind} steps: small points; rounds: large markers)")
     ax.set_ylim(-0.02, 1.02)
     ax.set_title(f"audit by step and round — judge {result['judge']}", fontsize=10, pad=16)
     _legend_or_note(ax, ncol=5, fontsize=8, loc="upper left")

@@ -55,7 +55,10 @@ def injection_set(items: Sequence[Mapping[str, Any]], documents: Mapping[str, st
         verdicts = truth.judge(pool)
         wrong = [it for it, v in zip(pool, verdicts) if v.resolved and not v.label_correct]
         right = [it for it, v in zip(pool, verdicts) if v.resolved and v.label_correct]
-        pool = wrong[: n // 2] + right[: n - min(len(wrong), n // 2)]
+        # half wrong labels; where either kind runs short the other fills the set, so it has n items
+        # whenever n are resolved (a run of mostly wrong labels must not shrink the test)
+        n_right = min(len(right), n - min(len(wrong), n // 2))
+        pool = wrong[: n - n_right] + right[:n_right]
     chosen = pool[:n]
     clean = [{**it, "sources": [{"id": i, "text": t} for i, t in item_sources(it, documents)]} for it in chosen]
     injected = {name: [_injected(it, tpl) for it in clean]
