@@ -454,3 +454,24 @@ def test_the_baseline_keeps_a_name_after_a_sentence_opener_and_punctuation():
     assert [s for *_, s in _spans("However, Capitol Records signed him.")] == ["Capitol Records"]
     assert [s for *_, s in _spans("It. Paris")] == ["Paris"]
     assert [s for *_, s in _spans("In 1933, Paris was big")] == ["1933", "Paris"]
+
+
+@pytest.mark.parametrize("make, field", [
+    (lambda: SimSolverConfig(temperature=float("nan")), "solver.temperature"),  # NaN probabilities: crash mid-run
+    (lambda: SimSolverConfig(memory_cap=float("nan")), "solver.memory_cap"),  # NaN memory in the checkpoint
+    (lambda: SimProposerConfig(read_temperature=float("nan")), "proposer.read_temperature"),
+    (lambda: Reader("solver", float("nan"), 0.1, 0), "misread_scale"),
+])
+def test_a_nan_setting_is_refused_in_python_too(make, field):
+    """A config file's NaN is refused when read; the dataclasses' own checks (`x <= 0`) let a NaN
+    through, so a Python caller's NaN temperature crashed the first sampled answer and a NaN memory
+    cap wrote NaN into every memory entry the first update touched."""
+    with pytest.raises(ValueError, match=field):
+        make()
+
+
+def test_a_proposer_without_sources_says_so(env):
+    _, _, tool = env
+    with pytest.raises(ValueError, match="no source documents"):
+        make_proposer([]).propose(3, tool, seed=0)
+    assert make_proposer([]).propose(0, tool, seed=0) == []

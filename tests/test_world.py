@@ -8,7 +8,7 @@ from typer.testing import CliRunner
 
 from selfevo.cli import app
 from selfevo.corpus import read_corpus, read_qa_dir
-from selfevo.world import WorldConfig, load_world, make_world, resolve_world, save_world
+from selfevo.world import WorldConfig, WorldError, load_world, make_world, resolve_world, save_world
 from selfevo.world.generate import BENCHMARK_SIZES
 from selfevo.world.language import (
     COMPARE_TEMPLATES,
@@ -239,6 +239,17 @@ def test_save_load_round_trip(world, tmp_path):
 def test_load_world_rejects_a_non_world_directory(tmp_path):
     with pytest.raises(ValueError, match="world.json"):
         load_world(tmp_path)
+
+
+def test_load_world_without_its_qa_directory_is_a_world_error(world, tmp_path):
+    """A world directory missing qa/ raised read_qa_dir's bare FileNotFoundError, where a missing
+    truth.json is a WorldError naming the directory."""
+    out = save_world(world, tmp_path / "w")
+    for f in (out / "qa").iterdir():
+        f.unlink()
+    (out / "qa").rmdir()
+    with pytest.raises(WorldError, match="broken world directory.*qa/"):
+        load_world(out)
 
 
 def test_cli_world_make(tmp_path):

@@ -88,6 +88,8 @@ def load_world(path: str | os.PathLike) -> World:
         truth = Truth.from_json(read_json(path / "truth.json"))
     except (OSError, ValueError, TypeError, KeyError) as e:  # JSONDecodeError is a ValueError
         raise WorldError(f"{path}: broken world directory ({type(e).__name__}: {e})") from None
+    if not (path / "qa").is_dir():  # else read_qa_dir's bare FileNotFoundError
+        raise WorldError(f"{path}: broken world directory (no qa/ directory of benchmarks)")
     return World(config, read_corpus(path / "corpus.jsonl"), read_qa_dir(path / "qa"), truth)
 
 

@@ -44,7 +44,7 @@ class SimProposerConfig:
             raise ValueError(f"proposer.hop_ratio: must be non-negative with a positive sum, got {self.hop_ratio}")
         if not self.lr >= 0:  # 0 freezes the policy; below 0 learns away from the reward
             raise ValueError(f"proposer.lr: must be >= 0, got {self.lr}")
-        if self.read_temperature <= 0:
+        if not self.read_temperature > 0:  # a NaN passes `<= 0`, and made every reading NaN probabilities
             raise ValueError(f"proposer.read_temperature: must be > 0, got {self.read_temperature}")
         if self.misread_scale < 0:
             raise ValueError(f"proposer.misread_scale: must be >= 0, got {self.misread_scale}")
@@ -154,6 +154,8 @@ class SimProposer:
                 + self.w_relation.get(rel, 0.0))
 
     def propose(self, n: int, tool: SearchTool, seed: int) -> list[Proposal]:
+        if n > 0 and not self.sources:  # else a bare "empty range for randrange()" from the first draw
+            raise ValueError(f"{self.name}: no source documents to propose from")
         rnd = random.Random(seed)
         out: list[Proposal] = []
         hop_values = list(range(1, len(self.config.hop_ratio) + 1))

@@ -59,7 +59,7 @@ class PageReading:
 
 class Reader:
     def __init__(self, name: str, misread_scale: float, shared: float, seed: int):
-        if misread_scale < 0 or not 0 <= shared <= 1:
+        if not misread_scale >= 0 or not 0 <= shared <= 1:  # `not >=`: a NaN scale is refused too
             raise ValueError("misread_scale must be >= 0 and shared in [0, 1]")
         self.name, self.scale, self.shared, self.seed = name, misread_scale, shared, seed
         self._pages: dict[Document, PageReading] = {}  # by the page itself: ids repeat across worlds

@@ -55,7 +55,9 @@ class SimSolverConfig:
     def __post_init__(self):
         if len(self.theta0) != len(FEATURES):
             raise ValueError(f"solver.theta0: expected {len(FEATURES)} weights")
-        if self.temperature <= 0:
+        # `not x > 0`, not `x <= 0`: a NaN (the Python API; a config file's NaN is refused when read) passes
+        # the latter, and made NaN probabilities (a crash mid-run) or NaN memory written into a checkpoint
+        if not self.temperature > 0:
             raise ValueError(f"solver.temperature: must be > 0, got {self.temperature}")
         if self.misread_scale < 0:
             raise ValueError(f"solver.misread_scale: must be >= 0, got {self.misread_scale}")
@@ -64,7 +66,7 @@ class SimSolverConfig:
         for name in ("lr_memory", "lr_theta"):
             if not getattr(self, name) >= 0:  # 0 freezes that part; below 0 learns away from reward
                 raise ValueError(f"solver.{name}: must be >= 0, got {getattr(self, name)}")
-        if self.memory_cap < 0:
+        if not self.memory_cap >= 0:
             raise ValueError(f"solver.memory_cap: must be >= 0 (0 = unbounded), got {self.memory_cap}")
         check_magnitude("solver.theta0", *self.theta0)
         for name in ("misread_scale", "lr_memory", "lr_theta"):
