@@ -5,7 +5,16 @@ import statistics
 
 import pytest
 
-from selfevo.algos import bucket_advantages, frontier_reward, group_advantages, hash_unit, softmax, summary, t95
+from selfevo.algos import (
+    bucket_advantages,
+    frontier_reward,
+    group_advantages,
+    hash_unit,
+    sample_index,
+    softmax,
+    summary,
+    t95,
+)
 
 # ------------------------------------------------------------------ frontier reward
 
@@ -132,6 +141,30 @@ def test_softmax_nonpositive_temperature_raises(temperature):
 
 def test_softmax_empty():
     assert softmax([]) == []
+
+
+# ------------------------------------------------------------------ inverse-CDF draw
+
+
+@pytest.mark.parametrize("u, want", [(0.0, 0), (0.19, 0), (0.2, 1), (0.69, 1), (0.7, 2), (0.999, 2)])
+def test_sample_index_is_the_inverse_cdf(u, want):
+    assert sample_index([0.2, 0.5, 0.3], u) == want
+
+
+def test_sample_index_never_draws_an_index_of_probability_zero():
+    # seven sevenths sum to 0.9999999999999998 in floats: the largest u random() gives fell through
+    # the loop and drew the last index, whose probability is 0
+    probs = softmax([0.0] * 7 + [-1e6])
+    assert probs[7] == 0.0 and sum(probs) < 1.0
+    assert sample_index(probs, 1 - 2**-53) == 6
+    assert sample_index([0.5, 0.0], 0.25) == 0 and sample_index([0.0, 1.0], 0.0) == 1
+
+
+def test_sample_index_of_nothing_to_draw_raises():
+    with pytest.raises(ValueError, match="probability"):
+        sample_index([], 0.5)
+    with pytest.raises(ValueError, match="probability"):
+        sample_index([0.0, 0.0], 0.5)
 
 
 # ------------------------------------------------------------------ statistics over seeds

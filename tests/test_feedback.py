@@ -103,3 +103,20 @@ def test_make_rules_builds_the_options():
     assert [a.name for a in rule.aux] == ["aux-all"] and rule.updates == [25] and rule.grades == "full"
     _, rule = make_rules(load_config(None, ["treatment=coupled"]), [], folds, Stub)
     assert isinstance(rule, CoupledFeedback)
+
+
+@pytest.mark.parametrize("name", ["crossfit\n", "msv+crossfit-k3\n", "crossfit-k٣", "crossfit-k２",
+                                  "crossfit-connected-k3\n"])
+def test_parse_treatment_refuses_a_lookalike_of_a_crossfit_name(name):
+    """`$` matched before a trailing newline and `\\d` any script's digits: a config's "crossfit\\n"
+    ran as crossfit under a name of its own (its config.json, its report row)."""
+    with pytest.raises(ValueError, match="treatment: unknown"):
+        parse_treatment(name)
+
+
+def test_parse_treatment_names_the_field_for_a_k_of_thousands_of_digits():
+    # int() of over 4,300 digits raised its own ValueError, naming no field
+    with pytest.raises(ValueError, match="treatment: crossfit-k<K> takes at most 18 digits"):
+        parse_treatment("crossfit-k" + "9" * 5000)
+    assert parse_treatment("crossfit-k" + "9" * 18).k == 10**18 - 1
+    assert (parse_treatment("msv+crossfit-connected-k3").k, parse_treatment("crossfit-k3").grouping) == (3, "source")

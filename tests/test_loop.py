@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 from collections import Counter
 
 import pytest
@@ -480,3 +481,190 @@ def test_a_run_killed_before_noting_its_world_notes_it_on_resume(tmp_path, monke
     (tmp_path / "world" / "world.json").write_text((tmp_path / "world" / "world.json").read_text() + " ")
     with pytest.raises(RunError, match="the world directory has changed"):
         evolve(cfg, run.path, resume=True, progress=False, audit=False)
+
+
+# ------------------------------------------------------------------ who trained each grader, counted apart
+
+
+class _Tracked:
+    """A solver that remembers every question it was updated on (its snapshots keep a copy), so a
+    grader's real training data can be checked against the rule, not only its recorded lineage."""
+
+    registry: dict = {}
+
+    def __init__(self, name, trained=()):
+        self.name, self.lineage, self.trained = name, {}, set(trained)
+        _Tracked.registry[name] = self
+
+    def snapshot(self, name=None):
+        return _Tracked(name or self.name, self.trained)
+
+    def answer(self, questions, tool, *, greedy=True, n=1, seed=None, contexts=None):
+        from selfevo.agents.base import Trajectory
+
+        return [[Trajectory("x" if i % 2 else "y", trace=q) for i in range(n)] for q in questions]
+
+    def update(self, groups):
+        self.trained |= {ts[0].trace for ts, _ in groups}
+        return {}
+
+    def state_dict(self):
+        return {}
+
+    def load_state_dict(self, state):
+        pass
+
+
+class _Pages:
+    """A proposer writing question i of a step from page i mod 12, reading page i + 1 as well on every
+    fourth question (a 2-hop question across folds)."""
+
+    name = "proposer"
+
+    def __init__(self):
+        self.written = {}
+
+    def propose(self, n, tool, seed):
+        from selfevo.agents.base import Proposal
+
+        out = []
+        for i in range(n):
+            src, hops = f"d{i % 12}", 2 if i % 4 == 0 else 1
+            pages = (src, f"d{(i + 1) % 12}") if hops == 2 else (src,)
+            q = f"q{seed % 10**6}-{i}"
+            out.append(Proposal(q, "x", src, pages, hops))
+            self.written[q] = out[-1]
+        return out
+
+    def update(self, proposals, rewards):
+        return {}
+
+    def state_dict(self):
+        return {}
+
+    def load_state_dict(self, state):
+        pass
+
+
+class _Rows:
+    def __init__(self):
+        self.rows = []
+
+    def append_steps(self, rows):
+        self.rows += rows
+
+    def checkpoint(self, round, state):
+        pass
+
+
+@pytest.mark.parametrize("treatment", ["crossfit", "crossfit-k3", "crossfit-connected-k3", "half-budget",
+                                       "question-split", "same-source", "full-data"])
+def test_each_grader_trained_only_on_what_its_rule_allows_from_earlier_rounds(treatment):
+    """Every round>=2 grading, checked against the questions its grader was really updated on:
+    CrossFit's never trained on a question of the graded question's fold (connected: of any fold the
+    question read, unless the record says fallback), the controls' as they are defined, and every
+    grader of round r trained on rounds 1..r-1 only, and (full budget) on all of them its rule allows."""
+    from selfevo.loop.admission import AdmitAll
+    from selfevo.loop.engine import Loop
+    from selfevo.loop.feedback import AuxFeedback
+    from selfevo.loop.folds import FoldAssignment, question_fold
+    from selfevo.loop.treatments import feedback_options, parse_treatment
+
+    t = parse_treatment(treatment)
+    folds = FoldAssignment(t.k, 0, t.grouping, {f"d{i}": i % t.k for i in range(12)})
+    _Tracked.registry = {}
+    proposer, sink = _Pages(), _Rows()
+    cfg = LoopConfig(rounds=3, proposer_steps=2, solver_steps=3, admit_per_round=40)
+    rule = AuxFeedback(t.name, folds, _Tracked, cfg.solver_steps, cfg.grader_samples,
+                       **vars(feedback_options(t)))
+    Loop(cfg, 0, proposer, _Tracked("main"), AdmitAll(), rule, None, folds).run(sink, progress=False)
+    opts = feedback_options(t)
+
+    def fold(q):  # the fold the rule cross-fits on
+        p = proposer.written[q]
+        return question_fold(q, 0, t.k) if opts.split == "question" else folds.of(p.source_id)
+
+    def pages(q):
+        return folds.lineage(proposer.written[q].source_ids)
+
+    admitted = {r: [it["question"] for row in sink.rows if row["round"] == r and row["kind"] == "proposer"
+                    for it in row["items"] if it["admitted"]] for r in (1, 2, 3)}
+    graded = 0
+    for row in sink.rows:
+        if row["kind"] != "proposer" or row["round"] == 1:
+            continue
+        r = row["round"]
+        for it in row["items"]:
+            q, h = it["question"], it["fold"]
+            assert h == fold(q)
+            trained = _Tracked.registry[it["grader"]["id"]].trained
+            assert trained and trained <= {x for rr in range(1, r) for x in admitted[rr]}  # earlier rounds only
+            if opts.grades == "full":
+                assert budgeted_all(trained, admitted, r, lambda x: True)
+            elif opts.grades == "own-fold":  # the same-source control: its grader trained on its own fold
+                assert {fold(x) for x in trained} == {h}
+            elif opts.lineage_aware and "routing" not in it:
+                assert not any(pages(x) & pages(q) for x in trained)  # no page the question read
+                j = fold(next(iter(trained)))
+                assert budgeted_all(trained, admitted, r, lambda x, j=j: pages(x) == {j})
+            else:
+                assert h not in {fold(x) for x in trained}
+                j = fold(next(iter(trained)))
+                if opts.budget == 1.0 and not opts.lineage_aware:
+                    assert budgeted_all(trained, admitted, r, lambda x, j=j: fold(x) == j)
+            graded += 1
+    assert graded > 0
+
+
+def budgeted_all(trained, admitted, r, allowed):
+    """The grader trained on exactly the admitted questions of rounds 1..r-1 its rule allows."""
+    return trained == {x for rr in range(1, r) for x in admitted[rr] if allowed(x)}
+
+
+def test_fold_assignment_round_trips_and_refuses_a_value_no_assignment_writes():
+    from selfevo.loop.folds import FoldAssignment
+
+    fa = FoldAssignment(3, 5, "connected", {"a": 0, "b": 2}, {"a": "a", "b": "a"})
+    assert FoldAssignment.from_json(json.loads(json.dumps(fa.to_json()))) == fa
+    assert fa.of("unlisted") == fold_of("unlisted", 5, 3)  # a page outside the assignment hashes alike
+    for change, said in [({"folds": {"a": 3}}, "field 'folds.a': must be a fold 0..2, got 3"),
+                         ({"folds": {"a": "1"}}, "field 'folds.a': must be a fold 0..2, got '1'"),
+                         ({"folds": {"a": True}}, "field 'folds.a'"), ({"k": 1}, "field 'k'"),
+                         ({"grouping": "page"}, "field 'grouping'")]:
+        with pytest.raises(ValueError, match=said):
+            FoldAssignment.from_json({**fa.to_json(), **change})
+
+
+@pytest.mark.parametrize("change, said", [
+    ({"fold": 7}, "must be a fold 0..1, got 7"),  # ran to the end: graded by aux-0, trained no aux solver
+    ({"fold": "1"}, "must be a fold 0..1, got '1'"),  # a TypeError traceback in the grading
+    ({"k": 3}, "field 'k' is 3, but the run's config makes 2"),
+])
+def test_a_resume_refuses_a_folds_file_no_run_of_its_config_writes(tmp_path, monkeypatch, change, said):
+    from selfevo.loop.engine import Loop
+    from selfevo.runs import RunError
+
+    cfg = load_config(None, ["world.name=small", "treatment=crossfit", "loop.rounds=2", "loop.admit_per_round=20",
+                             "loop.proposer_steps=2", "loop.solver_steps=2"])
+    step = Loop.proposer_step
+
+    def killed_in_round_2(self, st, room):
+        if st.round == 2:
+            raise KeyboardInterrupt("killed")
+        return step(self, st, room)
+
+    monkeypatch.setattr(Loop, "proposer_step", killed_in_round_2)
+    with pytest.raises(KeyboardInterrupt):
+        evolve(cfg, tmp_path / "run", progress=False, audit=False)
+    monkeypatch.undo()
+    path = tmp_path / "run" / "folds.json"
+    data = json.loads(path.read_text())
+    if "fold" in change:
+        data["folds"] = {sid: change["fold"] for sid in data["folds"]}
+    else:
+        data.update(change)
+    path.write_text(json.dumps(data))
+    steps = (tmp_path / "run" / "records" / "steps.jsonl").read_bytes()
+    with pytest.raises(RunError, match=f"{re.escape(str(path))}: .*{re.escape(said)}"):
+        evolve(cfg, tmp_path / "run", resume=True, progress=False, audit=False)
+    assert (tmp_path / "run" / "records" / "steps.jsonl").read_bytes() == steps  # nothing run

@@ -51,13 +51,18 @@ def bucket_advantages(rewards: Sequence[float], buckets: Sequence[Hashable],
 
 def sample_index(probs: Sequence[float], u: float) -> int:
     """Inverse-CDF draw: the index whose cumulative probability first exceeds `u` in [0, 1)
-    (the last index if rounding leaves the sum just under `u`)."""
+    (the last index of non-zero probability if rounding leaves the sum just under `u`)."""
     acc = 0.0
     for i, p in enumerate(probs):
         acc += p
         if u < acc:
             return i
-    return len(probs) - 1
+    # seven probabilities of 1/7 sum to 0.9999999999999998: a u above that fell through to the last
+    # index even where its probability is 0 (an outcome that cannot happen); an empty list gave -1
+    for i in range(len(probs) - 1, -1, -1):
+        if probs[i] > 0:
+            return i
+    raise ValueError("sample_index: no index has a probability above 0")
 
 
 def softmax(logits: Sequence[float], temperature: float = 1.0) -> list[float]:

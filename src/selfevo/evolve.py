@@ -271,9 +271,11 @@ def evolve(cfg: RunConfig, out: str | os.PathLike, resume: bool = False, progres
     run = RunDir(out)
     with run.lock():  # one writer: a second (a rerun beside a live orphan) would interleave its records
         resuming = resume and run.exists()
+        saved_folds = None
         if resuming:
             done = run.open_for_resume(cfg.to_json(), defaults=RunConfig().to_json())
             check_world(run, cfg)
+            saved_folds = _saved_folds(run, cfg)
             run.check_software()  # last: a refused resume has not resumed (no warning, nothing noted)
         else:
             check_world_params(cfg, env.world)
@@ -292,8 +294,8 @@ def evolve(cfg: RunConfig, out: str | os.PathLike, resume: bool = False, progres
                                    score_path=run.eval_path(round_), timing=False)
 
         folds_path = run.path / "folds.json"
-        if resuming and folds_path.exists():  # permanent: a resumed run keeps the assignment it started with
-            folds = FoldAssignment.from_json(run.folds())
+        if saved_folds is not None:  # permanent: a resumed run keeps the assignment it started with
+            folds = saved_folds
         else:
             pool = source_pool(cfg, env.documents)
             folds = fold_assignment(cfg, env.documents, pool if cfg.data.corpus else None)
@@ -330,6 +332,26 @@ def evolve(cfg: RunConfig, out: str | os.PathLike, resume: bool = False, progres
         run.finish()  # after the audit: a run killed in it is resumed (rounds done, audit again), not skipped
         run.note(wall_seconds_last_invocation=round(time.perf_counter() - started, 3))
         return run
+
+
+def _saved_folds(run: RunDir, cfg: RunConfig) -> FoldAssignment | None:
+    """The fold assignment a run being resumed started with (None: killed before writing it). A value
+    no assignment of this config writes (a fold outside 0..k-1 ran on silently, graded by some aux
+    solver and training none) is refused, naming the file and field."""
+    path = run.path / "folds.json"
+    if not path.exists():
+        return None
+    data = run.folds()  # its fields' types checked, naming the file
+    try:
+        folds = FoldAssignment.from_json(data)
+    except ValueError as e:
+        raise RunError(f"{path}: {e}") from None
+    t = parse_treatment(cfg.treatment)
+    for name, made, want in (("k", folds.k, t.k), ("grouping", folds.grouping, t.grouping),
+                             ("seed", folds.seed, cfg.seed)):
+        if made != want:
+            raise RunError(f"{path}: field {name!r} is {made!r}, but the run's config makes {want!r}")
+    return folds
 
 
 # what Loop.state_dict writes; each is an object

@@ -53,7 +53,17 @@ class FoldAssignment:
 
     @classmethod
     def from_json(cls, obj: dict) -> FoldAssignment:
-        return cls(int(obj["k"]), int(obj["seed"]), obj["grouping"], dict(obj["folds"]), dict(obj["groups"]))
+        """Read back `to_json`; a value no assignment writes is a ValueError naming the field (a fold
+        outside 0..k-1 ran on silently: graded by some aux solver, trained none)."""
+        k, grouping = obj["k"], obj["grouping"]
+        if not isinstance(k, int) or isinstance(k, bool) or k < 2:
+            raise ValueError(f"field 'k': must be an integer >= 2, got {k!r}")
+        if grouping not in ("source", "connected"):
+            raise ValueError(f"field 'grouping': must be source or connected, got {grouping!r}")
+        for sid, fold in obj["folds"].items():
+            if not isinstance(fold, int) or isinstance(fold, bool) or not 0 <= fold < k:
+                raise ValueError(f"field 'folds.{sid}': must be a fold 0..{k - 1}, got {fold!r}")
+        return cls(k, int(obj["seed"]), grouping, dict(obj["folds"]), dict(obj["groups"]))
 
 
 _WORD = re.compile(r"[\w'-]+")

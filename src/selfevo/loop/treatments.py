@@ -17,7 +17,9 @@ import re
 from dataclasses import dataclass
 
 FEEDBACKS = ("coupled", "crossfit", "same-source", "full-data", "question-split", "half-budget")
-_CROSSFIT = re.compile(r"^crossfit(?:-(connected))?(?:-k(\d+))?$")
+# ASCII digits and fullmatch: `\d` took other scripts' digits ("crossfit-k٣") and `$` a trailing newline
+# ("crossfit\n"), each a run under a name no other run of the treatment shares
+_CROSSFIT = re.compile(r"crossfit(?:-(connected))?(?:-k([0-9]+))?")
 
 
 @dataclass(frozen=True)
@@ -66,8 +68,10 @@ def parse_treatment(name: str) -> Treatment:
         return Treatment(name, True, "coupled")
     if rest in FEEDBACKS:
         return Treatment(name, msv, rest)
-    m = _CROSSFIT.match(rest)
+    m = _CROSSFIT.fullmatch(rest)
     if m:
+        if m[2] and len(m[2]) > 18:  # int() refuses over 4,300 digits with a message naming no field
+            raise ValueError(f"treatment: crossfit-k<K> takes at most 18 digits of K, got {len(m[2])}")
         k = int(m[2]) if m[2] else 2
         if k < 2:
             raise ValueError(f"treatment: crossfit needs k >= 2, got {name!r}")
