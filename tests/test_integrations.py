@@ -169,7 +169,8 @@ def test_frontier_reward_routes_each_fold_to_the_other_folds_grader(tool, tmp_pa
         assert it["reward"] == frontier_reward(it["k"])
     assert items[0]["item_id"] == "r2-s44-0" and items[0]["responses"].count("one") == 2
     malformed = [r["malformed"] for r in staged if "malformed" in r]
-    assert malformed[0]["format_error"] == "empty question" and malformed[0]["reward"] == -0.5
+    # no closed <answer>: no answer action, so no final question (the loop's reason for such a rollout)
+    assert malformed[0]["format_error"] == "no final question" and malformed[0]["reward"] == -0.5
 
 
 def test_a_grader_trained_on_the_questions_fold_is_refused(tool, tmp_path):
@@ -1452,3 +1453,123 @@ def test_the_frontier_reward_refuses_one_grader_sample(tool, tmp_path):
     with pytest.raises(ValueError, match=rf"^{re.escape(str(path))}: samples: must be >= 2 "):
         compute_score("selfevo_proposer", "<question> q? </question> <answer> a </answer>", {"target": []},
                       {"source_id": "d0", "hops": 1}, selfevo_settings=str(path))
+
+
+def _fake_engine_run(monkeypatch, out: Path, resume: bool = False):
+    """An EngineRun of ENGINE_CFG with TRL, the graders, evaluation and audit faked (`_FakeEngine`)."""
+    import contextlib
+    import copy
+
+    from selfevo.integrations import engine as eng
+
+    monkeypatch.setattr(eng, "_truncator", lambda path, n: (lambda text: text))
+    monkeypatch.setattr(eng.EngineRun, "evaluate", lambda self, r: {"macro_cover_em": 0.0})
+    monkeypatch.setattr(eng.EngineRun, "audit", lambda self: {"audit": "skipped"})
+
+    @contextlib.contextmanager
+    def fake_serving(self, models):
+        yield {role: (f"http://127.0.0.1:9/{role}/v1", name) for role, (path, name) in models.items()}
+    monkeypatch.setattr(eng.EngineRun, "serving", fake_serving)
+    run = eng.EngineRun(eng.engine_config_from_dict(copy.deepcopy(ENGINE_CFG), engine="trl"), out, resume=resume,
+                        log=lambda m: None)
+    fake = _FakeEngine(run)
+    run.train = fake.train
+    return run, fake
+
+
+@pytest.mark.parametrize("damage", ["phases-line", "phases-field", "steps-line"])
+def test_engine_resume_refuses_a_damaged_phase_or_step_log_before_any_phase(damage, tmp_path, monkeypatch):
+    """A line of engine/phases.jsonl or records/steps.jsonl damaged before the last (no kill does that) is
+    a RunError naming file and line when the resume starts: it was a ValueError (a traceback from
+    engine-run) and, in the step log, found only when a phase committed its records, after the phases
+    before it had trained again."""
+    from selfevo.runs import RunError
+
+    run, _ = _fake_engine_run(monkeypatch, tmp_path / "run")
+    run.run_all()
+    phases = tmp_path / "run" / "engine" / "phases.jsonl"
+    lines = phases.read_text().splitlines()
+    if damage == "steps-line":  # killed in r2/admit: the phases before it are done, r2/admit not
+        phases.write_text("\n".join(lines[:lines.index(next(x for x in lines if '"r2/admit"' in x))]) + "\n")
+        steps = tmp_path / "run" / "records" / "steps.jsonl"
+        rows = steps.read_text().splitlines()
+        steps.write_text("\n".join([rows[0][:40], *rows[1:]]) + "\n")
+        where = r"records/steps\.jsonl:1: corrupt log line"
+    elif damage == "phases-line":
+        phases.write_text("\n".join([lines[0], lines[1][:30], *lines[2:]]) + "\n")
+        where = r"engine/phases\.jsonl:2: corrupt log line"
+    else:
+        entry = json.loads(lines[4])
+        del entry["trained_on"]["folds"]
+        phases.write_text("\n".join([*lines[:4], json.dumps(entry), *lines[5:]]) + "\n")
+        where = r"engine/phases\.jsonl:5: trained_on: field 'folds' is missing"
+    with pytest.raises(RunError, match=where):
+        again, fake = _fake_engine_run(monkeypatch, tmp_path / "run", resume=True)
+        again.run_all()
+    # a torn last line is a kill's: cut, and the run goes on
+    if damage == "phases-line":
+        phases.write_text("\n".join([*lines[:-1], lines[-1][:25]]))
+        again, fake = _fake_engine_run(monkeypatch, tmp_path / "run", resume=True)
+        again.run_all()
+        assert fake.jobs == [] and json.loads(phases.read_text().splitlines()[-1])["phase"] == "audit"
+
+
+@pytest.mark.parametrize("replies, max_actions", [
+    (["<search> Alpha </search>"], 1),  # a proposer that does not search, whose one action is a search
+    (["<question> Where is Alpha? </question>", "<search> Beta </search>"], 2),  # invalid, then a search
+    (["<search> Alpha </search> <question> Where is Alpha? </question> <answer> north </answer>"], 1),
+])
+def test_a_proposer_that_never_answered_is_recorded_as_the_loop_records_it(replies, max_actions, tool, tmp_path):
+    """A proposer rollout that ends without an answer action is "no final question" in the loop
+    (`LMProposer.propose`: its Rollout.final is ''). The rewards read the same rollout -- TRL's
+    `final` column, or verl's decoded response cut to its last turn as verl's agent loop ends it --
+    as the same malformed proposal: -format_penalty, and the loop's reason (they said "empty question")."""
+    from selfevo.agents.lm.protocol import check_proposal, parse_proposal, parse_proposer_action, proposer_messages
+    from selfevo.agents.lm.rollout import run_rollouts
+
+    it = iter(replies)
+    [ro] = run_rollouts([proposer_messages("Alpha is a river in the north.", 1)], tool,
+                        lambda convs, seed: [(next(it), "stop") for _ in convs], max_actions=max_actions,
+                        parse=parse_proposer_action)
+    loop_error = "no final question" if not ro.final else check_proposal(*parse_proposal(ro.final))  # the loop's rule
+    assert loop_error == "no final question"
+    graders = _graders({"main": ("http://127.0.0.1:9/v1", ())})  # never called: nothing is graded
+    reward = FrontierReward(treatment="coupled", round=1, folds=FOLDS, graders=graders, tool=tool,
+                            items_path=tmp_path / "items.jsonl", format_penalty=0.25)
+    assert TRLFrontierReward(reward)([[]], [ro.messages[2:]], source_id=["d0"], hops=[1], final=[ro.final],
+                                     read=[ro.read]) == [-0.25]
+    # verl: the agent loop ends at its turn budget without running the last action's search
+    verl_text = "".join(m["content"] for m in ro.messages[2:] if m["role"] == "assistant"
+                        or m is not ro.messages[-1])
+    path = reward_settings(tmp_path / "s.json", treatment="coupled", round=1, folds=FOLDS, graders=graders,
+                           items_path=tmp_path / "items.jsonl", retriever_url="http://127.0.0.1:9", format_penalty=0.25)
+    assert compute_score("selfevo_proposer", verl_text, {"target": []}, {"source_id": "d0", "hops": 1},
+                         selfevo_settings=str(path)) == -0.25
+    staged = read_staged(tmp_path / "items.jsonl")
+    assert [r["malformed"]["format_error"] for r in staged] == [loop_error] * 2
+    assert all(r["malformed"]["question"] == "" and r["malformed"]["draft_label"] == "" for r in staged)
+    if len(replies) == 1 and "<answer>" in replies[0]:  # a reply not cut at its first stop string: still a search
+        assert compute_score("selfevo_proposer", replies[0], {"target": []}, {"source_id": "d0", "hops": 1},
+                             selfevo_settings=str(path)) == -0.25
+
+
+def test_compute_json_holds_the_last_phase_after_a_kill_before_it_was_rewritten(tmp_path, monkeypatch):
+    """A phase is logged, then compute.json is rewritten from the log. Killed between the two at the
+    last phase (the audit), the resume found every phase done and left compute.json without it."""
+    from selfevo.integrations import engine as eng
+
+    run, _ = _fake_engine_run(monkeypatch, tmp_path / "run")
+    real = eng.write_json
+
+    def killed_after_the_audit_is_logged(path, obj):
+        if Path(path).name == "compute.json" and run.phases.get("audit"):
+            raise KeyboardInterrupt("killed")
+        real(path, obj)
+    monkeypatch.setattr(eng, "write_json", killed_after_the_audit_is_logged)
+    with pytest.raises(KeyboardInterrupt):
+        run.run_all()
+    monkeypatch.setattr(eng, "write_json", real)
+    again, fake = _fake_engine_run(monkeypatch, tmp_path / "run", resume=True)
+    again.run_all()
+    compute = json.loads((tmp_path / "run" / "compute.json").read_text())
+    assert fake.jobs == [] and "audit" in compute["seconds"] and compute == again.phases.compute()

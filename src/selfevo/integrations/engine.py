@@ -69,7 +69,7 @@ from selfevo.loop.feedback import aux_updates, touched_folds
 from selfevo.loop.folds import FoldAssignment
 from selfevo.loop.schedule import derive_seed
 from selfevo.loop.treatments import parse_treatment
-from selfevo.runs import RunDir, RunError, differences, read_object, with_new_defaults
+from selfevo.runs import RunDir, RunError, check_fields, differences, read_object, with_new_defaults
 
 # [engine] fields that say where and how a run executes, not what it computes: a resumed run may change
 # them (another node's GPUs, ports, launcher; how often it checkpoints; whether it audits at the end)
@@ -227,7 +227,7 @@ class PhaseLog:
 
     def __init__(self, path: Path):
         self.path = path
-        self.entries = {e["phase"]: e for e in read_jsonl_log(path, repair=True)} if path.exists() else {}
+        self.entries = {e["phase"]: e for e in _checked_phases(path)} if path.exists() else {}
 
     def get(self, name: str) -> dict | None:
         return self.entries.get(name)
@@ -254,6 +254,24 @@ class PhaseLog:
                 folds |= set(t["folds"])
                 rounds |= set(t["rounds"])
         return tuple(sorted(folds)), tuple(sorted(rounds))
+
+
+def _checked_phases(path: Path) -> list[dict]:
+    """The phase log's entries, each with what resume reads of it (a torn last line, a kill's, is cut).
+    A line damaged before the last, or an entry without its fields, is no kill's doing: a RunError
+    naming file and line, not a traceback (as `RunDir.steps` refuses a damaged step log)."""
+    try:
+        rows = read_jsonl_log(path, repair=True)
+    except ValueError as e:
+        raise RunError(f"{e}; refusing to resume over it") from None
+    for i, row in enumerate(rows, 1):
+        where = f"{path}:{i}"
+        check_fields(row, {"phase": str, "round": int}, where)
+        check_fields(row, {"generations": dict, "updates": dict, "seconds": (int, float), "trained_on": dict},
+                     where, optional=True)
+        if "trained_on" in row:
+            check_fields(row["trained_on"], {"role": str, "folds": list, "rounds": list}, f"{where}: trained_on")
+    return rows
 
 
 # ---------------------------------------------------------------- the orchestrator
@@ -316,6 +334,9 @@ class EngineRun:
             saved = self.run.config()  # the checking reader; a field added since reads as its default
             saved_engine = read_object(engine_json)
             self.run.manifest()
+            # the step log with its checking reader: a line damaged before the last is refused now, not
+            # when a phase commits its records after hours of training (a torn last line is a kill's: kept)
+            self.run.steps()
         except RunError as e:
             raise RunError(f"{e}; cannot resume") from None
         now = json.loads(json.dumps(self.cfg.to_json()))  # tuples -> lists, as saved
@@ -552,6 +573,9 @@ class EngineRun:
             self.say("audit: engine.audit = none, skipped")
         else:
             self.phase("audit", R, self.audit)
+        # each phase rewrites compute.json after logging itself; a kill between the two, at the last phase,
+        # left it without that phase, and a resume that finds every phase done would not rewrite it
+        write_json(self.run.path / "compute.json", self.phases.compute())
         self.run.finish()  # after the audit, as `evolve` does
         self.run.note(wall_seconds_last_invocation=_seconds(time.perf_counter() - started))
         return self.run

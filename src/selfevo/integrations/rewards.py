@@ -1,7 +1,8 @@
 """The loop's two rewards, in the calling conventions of TRL and verl.
 
-Proposer (the frontier reward). A completion is parsed with the Dr. Zero rules
-(`protocol.parse_proposal`, `check_proposal`); a malformed one earns `-format_penalty` and is
+Proposer (the frontier reward). A completion's last action is read as the loop's proposer reads
+it (`protocol.parse_proposer_action`: no answer action, no final question) and parsed with the Dr. Zero
+rules (`protocol.parse_proposal`, `check_proposal`); a malformed one earns `-format_penalty` and is
 neither graded nor admitted. A well-formed one is routed by its lineage to the grader its
 treatment allows (`routing.route`: coupled -> the main solver after the previous round; CrossFit ->
 the auxiliary solver of another fold), which answers it `samples` times (5; temperature 0.8, top-p
@@ -37,7 +38,14 @@ from pathlib import Path
 from typing import Any
 
 from selfevo._io import append_jsonl, read_json
-from selfevo.agents.lm.protocol import BUDGET_SPENT, CORRECTIVE, check_proposal, parse_action, parse_proposal
+from selfevo.agents.lm.protocol import (
+    BUDGET_SPENT,
+    CORRECTIVE,
+    check_proposal,
+    parse_action,
+    parse_proposal,
+    parse_proposer_action,
+)
 from selfevo.algos import frontier_reward
 from selfevo.evaluate import answers_match
 from selfevo.integrations.datasets import PROPOSER_SOURCE, SOLVER_SOURCE
@@ -142,8 +150,13 @@ class FrontierReward:
         rewards: list[float | None] = [None] * len(batch)
         rows, graded = [], []
         for i, s in enumerate(batch):
-            question, label = parse_proposal(s.text)
-            error = check_proposal(question, label)
+            # the loop's proposer (`LMProposer.propose`): its last action is its final only when it reads as
+            # an answer (`parse_proposer_action`), else the proposal is "no final question" (a rollout that
+            # never answered: TRL's `final` is '', verl's last turn a search)
+            action = parse_proposer_action(s.text)
+            final = action.content if action.kind == "answer" else ""
+            question, label = parse_proposal(final)
+            error = "no final question" if not final else check_proposal(question, label)
             item_id = s.item_id or self._item_id(s, step, i)
             if error is not None:
                 rewards[i] = -self.format_penalty
