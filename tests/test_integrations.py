@@ -1514,6 +1514,22 @@ def test_engine_resume_refuses_a_damaged_phase_or_step_log_before_any_phase(dama
         assert fake.jobs == [] and json.loads(phases.read_text().splitlines()[-1])["phase"] == "audit"
 
 
+def test_engine_resume_refuses_a_folds_file_its_config_does_not_make(tmp_path, monkeypatch):
+    """engine-run --resume reads folds.json through evolve's check: a fold outside 0..k-1 was a
+    ValueError (a traceback) before any phase, and a fold file of another seed ran on."""
+    from selfevo.runs import RunError
+
+    run, _ = _fake_engine_run(monkeypatch, tmp_path / "run")
+    run.run_all()
+    path = tmp_path / "run" / "folds.json"
+    good = json.loads(path.read_text())
+    for field, value, where in (("folds", {d: 7 for d in good["folds"]}, r"folds\.json: .*fold"),
+                                ("seed", good["seed"] + 1, r"folds\.json: field 'seed'")):
+        path.write_text(json.dumps({**good, field: value}))
+        with pytest.raises(RunError, match=where):
+            _fake_engine_run(monkeypatch, tmp_path / "run", resume=True)
+
+
 @pytest.mark.parametrize("replies, max_actions", [
     (["<search> Alpha </search>"], 1),  # a proposer that does not search, whose one action is a search
     (["<question> Where is Alpha? </question>", "<search> Beta </search>"], 2),  # invalid, then a search

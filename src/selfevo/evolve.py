@@ -271,11 +271,11 @@ def evolve(cfg: RunConfig, out: str | os.PathLike, resume: bool = False, progres
     run = RunDir(out)
     with run.lock():  # one writer: a second (a rerun beside a live orphan) would interleave its records
         resuming = resume and run.exists()
-        saved_folds = None
+        kept_folds = None
         if resuming:
             done = run.open_for_resume(cfg.to_json(), defaults=RunConfig().to_json())
             check_world(run, cfg)
-            saved_folds = _saved_folds(run, cfg)
+            kept_folds = saved_folds(run, cfg)
             run.check_software()  # last: a refused resume has not resumed (no warning, nothing noted)
         else:
             check_world_params(cfg, env.world)
@@ -294,8 +294,8 @@ def evolve(cfg: RunConfig, out: str | os.PathLike, resume: bool = False, progres
                                    score_path=run.eval_path(round_), timing=False)
 
         folds_path = run.path / "folds.json"
-        if saved_folds is not None:  # permanent: a resumed run keeps the assignment it started with
-            folds = saved_folds
+        if kept_folds is not None:  # permanent: a resumed run keeps the assignment it started with
+            folds = kept_folds
         else:
             pool = source_pool(cfg, env.documents)
             folds = fold_assignment(cfg, env.documents, pool if cfg.data.corpus else None)
@@ -334,7 +334,7 @@ def evolve(cfg: RunConfig, out: str | os.PathLike, resume: bool = False, progres
         return run
 
 
-def _saved_folds(run: RunDir, cfg: RunConfig) -> FoldAssignment | None:
+def saved_folds(run: RunDir, cfg: RunConfig) -> FoldAssignment | None:
     """The fold assignment a run being resumed started with (None: killed before writing it). A value
     no assignment of this config writes (a fold outside 0..k-1 ran on silently, graded by some aux
     solver and training none) is refused, naming the file and field."""

@@ -66,7 +66,6 @@ from selfevo.integrations.datasets import aux_training_sets, one_pass, proposer_
 from selfevo.integrations.routing import Grader, aux_roles, options_of
 from selfevo.loop.engine import EVAL_GENERATIONS, Compute
 from selfevo.loop.feedback import aux_updates, touched_folds
-from selfevo.loop.folds import FoldAssignment
 from selfevo.loop.schedule import derive_seed
 from selfevo.loop.treatments import parse_treatment
 from selfevo.runs import RunDir, RunError, check_fields, differences, read_object, with_new_defaults
@@ -312,14 +311,13 @@ class EngineRun:
             write_json(engine_json, self.spec.model_dump())
             self.run.create(self.cfg.to_json())
             self.run.note(engine=self.spec.engine)
-        folds_path = self.run.path / "folds.json"
-        if folds_path.exists():  # permanent: a resumed run keeps the assignment it started with
-            self.folds = FoldAssignment.from_json(self.run.folds())
-        else:
-            from selfevo.evolve import fold_assignment
+        from selfevo.evolve import fold_assignment, saved_folds
 
+        # permanent: a resumed run keeps the assignment it started with, checked as evolve checks it
+        self.folds = saved_folds(self.run, self.cfg)
+        if self.folds is None:
             self.folds = fold_assignment(self.cfg, self.env.documents, self.pool)
-            write_json(folds_path, self.folds.to_json())
+            write_json(self.run.path / "folds.json", self.folds.to_json())
         self.phases = PhaseLog(self.run.path / "engine" / "phases.jsonl")
         L = self.cfg.loop
         self.steps_per_round = L.proposer_steps + L.solver_steps
