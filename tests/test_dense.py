@@ -351,6 +351,32 @@ def test_load_refuses_damaged_or_foreign_directories(flat, encoder, tmp_path):
         DenseIndex.load(tmp_path / "bm25", encoder)
 
 
+
+def test_a_damaged_faiss_file_or_a_manifest_not_of_it_is_named(flat, encoder, tmp_path):
+    """A truncated, foreign or missing vectors.faiss raised FAISS's RuntimeError (C++ signature and
+    all: a traceback from `eval --index` or `serve-retriever --index`), and a manifest whose index type
+    or settings do not fit the file a KeyError ('ef_search'), or was searched with none applied."""
+    flat.save(tmp_path / "idx")
+    vectors = tmp_path / "idx" / "vectors.faiss"
+    manifest_path = tmp_path / "idx" / "manifest.json"
+    whole, manifest = vectors.read_bytes(), json.loads(manifest_path.read_text())
+    for damage in (whole[:1000], b"not a faiss file", b""):
+        vectors.write_bytes(damage)
+        with pytest.raises(ValueError, match=f"{vectors}: not a readable FAISS index \\((Error|Index type)"):
+            open_index(tmp_path / "idx", options=DenseOptions())
+    vectors.write_bytes(whole)
+    for index_type, params, match in (("hnsw", {}, "does not fit vectors.faiss .KeyError: 'ef_search'"),
+                                      ("hnsw", {"hnsw_m": 32, "ef_construction": 200, "ef_search": 128},
+                                       "does not fit vectors.faiss .AttributeError"),
+                                      ("ivf", {"nlist": 1, "nprobe": 1}, "does not fit vectors.faiss"),
+                                      ("annoy", {}, "not a dense index this code wrote")):
+        manifest_path.write_text(json.dumps({**manifest, "index_type": index_type, "index_params": params}))
+        with pytest.raises(ValueError, match=f"{manifest_path}: index_type '{index_type}'.*{match}"):
+            DenseIndex.load(tmp_path / "idx", encoder)
+    manifest_path.write_text(json.dumps(manifest))
+    assert ids(DenseIndex.load(tmp_path / "idx", encoder).retrieve(["longest river in Europe"], 1)[0]) == ["volga"]
+
+
 def test_from_corpus_file_caches_and_rebuilds_on_change(encoder, tmp_path, monkeypatch):
     corpus = tmp_path / "corpus.jsonl"
     write_corpus(corpus, DOCS[:10])
@@ -424,6 +450,24 @@ def test_hybrid_save_load_and_refusals(hybrid, encoder, tmp_path):
         HybridIndex(BM25Index.build(DOCS[:5]), hybrid.dense)
 
 
+
+@pytest.mark.parametrize("change, message", [
+    ({"parts": []}, "parts \\[\\]: expected an object naming the bm25 and dense directories"),
+    ({"parts": {"bm25": "bm25"}}, "parts .*: expected an object naming"),
+    ({"rrf_k": None}, "rrf_k None: expected an integer >= 0"),
+    ({"rrf_k": -5}, "rrf_k -5: expected an integer >= 0"),
+    ({"depth": 0}, "depth 0: expected an integer >= 1"),
+])
+def test_a_damaged_hybrid_manifest_is_named(hybrid, encoder, tmp_path, change, message):
+    """(before: TypeError 'list indices must be integers', KeyError 'dense', TypeError from int(None),
+    or the fusion check's message naming no file)"""
+    hybrid.save(tmp_path / "h")
+    path = tmp_path / "h" / "manifest.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), **change}))
+    with pytest.raises(ValueError, match=f"{path}: {message}"):
+        HybridIndex.load(tmp_path / "h", encoder)
+
+
 def test_a_bad_fusion_setting_is_refused_before_any_encoding(tmp_path):
     class Unused:
         def __getattr__(self, name):
@@ -432,6 +476,21 @@ def test_a_bad_fusion_setting_is_refused_before_any_encoding(tmp_path):
     with pytest.raises(ValueError, match="need rrf_k >= 0 and depth >= 1, got 60, 0"):
         HybridIndex.build(DOCS, Unused(), depth=0, store=tmp_path / "h")
     assert not (tmp_path / "h").exists()  # no half-built halves left behind
+
+
+
+def test_a_bad_fusion_setting_is_refused_for_a_cached_or_saved_index_too(hybrid, shared_encoder, tmp_path):
+    """A build refused rrf_k < 0 at once, but a cache hit or an opened index took it and failed at its
+    first query (a `/retrieve` server's 500)."""
+    corpus = tmp_path / "c.jsonl"
+    write_corpus(corpus, DOCS)
+    assert file_sha256(corpus) == hybrid.corpus_sha256  # the cache below is this corpus's
+    hybrid.save(tmp_path / "h")
+    assert HybridIndex.from_corpus_file(corpus, tmp_path / "h", shared_encoder, rrf_k=5).rrf_k == 5  # a cache hit
+    with pytest.raises(ValueError, match="need rrf_k >= 0"):
+        HybridIndex.from_corpus_file(corpus, tmp_path / "h", shared_encoder, rrf_k=-1)
+    with pytest.raises(ValueError, match="need rrf_k >= 0"):
+        open_index(tmp_path / "h", options=DenseOptions(rrf_k=-1))
 
 
 # ------------------------------------------------------------------ facade and CLI
@@ -760,6 +819,11 @@ def test_index_import_refuses_what_does_not_match_and_leaves_the_directory_as_it
     assert check_rows(unit, unit, rows)["min_cosine"] == pytest.approx(1.0, abs=1e-6)
     with pytest.raises(ValueError, match="row 1 cosine"):
         check_rows(unit, unit[[0, 2, 1]], rows)
+    # a NaN row (a damaged file, a float16 overflow) compared false with the threshold and passed
+    damaged = unit.copy()
+    damaged[2] = np.nan
+    with pytest.raises(ValueError, match="row 2 cosine nan"):
+        check_rows(damaged, unit, rows)
 
 
 def test_index_import_makes_a_hybrid_index_around_a_foreign_faiss_file(hybrid, shared_encoder, tmp_path):
@@ -830,3 +894,26 @@ def test_index_import_copies_a_file_it_cannot_link(tmp_path, monkeypatch):
     assert adopt_mod.place(source, target, progress=False) == "copy"
     assert target.read_bytes() == source.read_bytes() and os.stat(target).st_ino != os.stat(source).st_ino
     assert sorted(p.name for p in target.parent.iterdir()) == ["vectors.faiss"]
+
+
+def test_index_import_reads_a_gzipped_corpus_as_every_command_does(flat, shared_encoder, tmp_path):
+    """Search-R1 downloads wiki-18 as `wiki-18.jsonl.gz`, which the corpus reader reads through. The
+    import's early check counted the line breaks of the compressed bytes (3 here, for 24 passages)
+    and refused the corpus as "not its corpus"; the count of stored passages decides instead."""
+    import gzip
+
+    from selfevo.search._progress import corpus_total
+    from selfevo.search.adopt import adopt
+
+    plain, packed = tmp_path / "wiki.jsonl", tmp_path / "wiki-18.jsonl.gz"
+    write_corpus(plain, DOCS)
+    packed.write_bytes(gzip.compress(plain.read_bytes()))
+    assert corpus_total(plain, True) == len(DOCS) and corpus_total(packed, True) is None  # the bar just counts
+    vectors = _flashrag_vectors(shared_encoder, DOCS)
+    adopted = adopt(_foreign_faiss(tmp_path / "e5.index", vectors), packed, tmp_path / "idx", shared_encoder)
+    assert len(adopted) == len(DOCS) and adopted.corpus_sha256 == file_sha256(packed)
+    queries = list(PARAPHRASES)
+    assert [ids(h) for h in adopted.retrieve(queries, 3)] == [ids(h) for h in flat.retrieve(queries, 3)]
+    with pytest.raises(ValueError, match=f"holds {len(DOCS)} passages"):  # still refused when it is not
+        adopt(_foreign_faiss(tmp_path / "more.index", np.vstack([vectors, vectors[:1]])), packed,
+              tmp_path / "idx2", shared_encoder)

@@ -660,3 +660,54 @@ def test_a_cache_with_a_damaged_manifest_is_rebuilt(tmp_path):
 
     again = get_retriever(corpus=corpus, cache_dir=tmp_path / "cache")
     assert len(again) == 2 and json.loads((tmp_path / "cache" / MANIFEST).read_text())["format_version"] == 2
+
+
+def test_a_retry_after_of_digits_float_cannot_read_is_ignored(monkeypatch):
+    """`str.isdigit` takes "²" (a digit to Unicode, not to float): the client raised a bare ValueError
+    out of `retrieve` on such a header; it is unreadable, and the client's own backoff applies."""
+    from selfevo.search import client as client_mod
+    from selfevo.search.client import retry_after_seconds
+
+    assert retry_after_seconds("²") is None and retry_after_seconds("2") == 2.0
+    waits: list[float] = []
+    monkeypatch.setattr(client_mod.time, "sleep", waits.append)
+    client, seen = _mock_client(lambda n, req: httpx.Response(
+        503 if n == 1 else 200, headers={"Retry-After": "²".encode()} if n == 1 else {}, json=GOOD))
+    assert len(client.retrieve(["q"])) == 1 and len(seen) == 2 and len(waits) == 1
+
+
+@pytest.mark.parametrize("name, damage", [
+    ("params.index.json", b"["),  # JSON that does not parse: bm25s's error named no file
+    ("params.index.json", b"[]"),  # not bm25s's object: a TypeError
+    ("vocab.index.json", b"[1, 2]"),  # an AttributeError
+    ("data.csc.index.npy", b"\x93NUMPY"),  # a truncated array
+])
+def test_damaged_bm25_files_are_named_and_a_damaged_cache_is_rebuilt(tmp_path, name, damage):
+    """A BM25 directory whose manifest is whole but whose bm25s files are damaged raised bm25s's
+    own error (TypeError / AttributeError, or a JSON or numpy error naming no file): a traceback from
+    the CLI, and a cache in that state was not rebuilt. Now a ValueError naming the directory."""
+    from selfevo.search.index import get_retriever, open_index
+
+    corpus = tmp_path / "c.jsonl"
+    write_corpus(corpus, DOCS)
+    BM25Index.from_corpus_file(corpus, index_dir=tmp_path / "cache")
+    (tmp_path / "cache" / name).write_bytes(damage)
+    with pytest.raises(ValueError, match=f"{tmp_path / 'cache'}: damaged BM25 index files"):
+        open_index(tmp_path / "cache")
+    again = get_retriever(corpus=corpus, cache_dir=tmp_path / "cache")
+    assert ids(again.retrieve(["zebra stripes"], 1)[0]) == ["d0"]
+    assert ids(open_index(tmp_path / "cache").retrieve(["zebra stripes"], 1)[0]) == ["d0"]  # rewritten whole
+
+
+def test_an_html_error_page_is_said_in_one_line():
+    """A proxy's error page (nginx's 502 after the retries, its 404 for a wrong path) was quoted raw in
+    the RetrieverError, markup and line breaks, ending `eval` with a multi-line HTML message."""
+    page = ("<html>\r\n<head><title>502 Bad Gateway</title></head>\r\n<body>\r\n<center><h1>502 Bad Gateway"
+            "</h1></center>\r\n<hr><center>nginx/1.18.0</center>\r\n</body>\r\n</html>\r\n")
+    client, seen = _mock_client(lambda n, req: httpx.Response(502, text=page), retries=1)
+    with pytest.raises(RetrieverError) as e:
+        client.retrieve(["q"])
+    assert str(e.value).endswith("/retrieve: HTTP 502: 502 Bad Gateway") and len(seen) == 2
+    client, _ = _mock_client(lambda n, req: httpx.Response(422, text='{"detail":\n "bad topk"}'))
+    with pytest.raises(RetrieverError, match='HTTP 422: {"detail": "bad topk"}$'):
+        client.retrieve(["q"])

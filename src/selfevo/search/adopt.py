@@ -26,9 +26,17 @@ import numpy as np
 from selfevo._io import atomic_writer, file_sha256
 from selfevo.corpus import corpus_documents, count_lines
 from selfevo.search._manifest import MANIFEST
-from selfevo.search._progress import ProgressBar, ticked
+from selfevo.search._progress import ProgressBar, is_gzip, ticked
 from selfevo.search.bm25 import BM25Index
-from selfevo.search.dense import VECTORS_FILE, DenseIndex, Encoder, _passage_text, _require, read_faiss
+from selfevo.search.dense import (
+    VECTORS_FILE,
+    DenseIndex,
+    Encoder,
+    _passage_text,
+    _require,
+    faiss_message,
+    read_faiss,
+)
 from selfevo.search.docstore import stage
 from selfevo.search.hybrid import DEPTH, RRF_K, HybridIndex
 from selfevo.search.index import _building, _check_not_corpus
@@ -80,10 +88,13 @@ def check_rows(stored: np.ndarray, encoded: np.ndarray, rows: np.ndarray) -> dic
     naming the worst rows when they disagree. Returns the check's figures for the manifest."""
     norms = np.linalg.norm(stored, axis=1)
     cosines = np.einsum("ij,ij->i", stored, encoded) / np.maximum(norms, 1e-12)
-    worst = np.argsort(cosines)[:3]
+    # a NaN or infinite stored row (a damaged file, a float16 overflow) makes a NaN cosine, which
+    # compares false with everything: ranked as the worst, so it fails the check and is named first
+    ranked = np.where(np.isnan(cosines), -np.inf, cosines)
+    worst = np.argsort(ranked)[:3]
     result = {"rows": len(rows), "min_cosine": round(float(cosines.min()), 6),
               "max_norm_error": round(float(np.abs(norms - 1).max()), 6)}
-    if cosines.min() < MIN_COSINE:
+    if ranked.min() < MIN_COSINE:
         shown = ", ".join(f"row {rows[i]} cosine {cosines[i]:.3f}" for i in worst)
         raise ValueError(f"the stored vectors are not this encoder's for these passages ({shown}; needs ≥ "
                          f"{MIN_COSINE}): another model, other prefixes (--passage-prefix) or a shorter token "
@@ -141,11 +152,13 @@ def _adopt(faiss_file, corpus, out, encoder: Encoder, check: int, progress: bool
     try:
         source = read_faiss(faiss_file)  # mapped where FAISS can: only the header and checked rows are read
     except RuntimeError as e:  # FAISS's reader on a file that is not its own
-        raise ValueError(f"{faiss_file}: not a FAISS index file ({str(e).strip().splitlines()[-1]})") from None
+        raise ValueError(f"{faiss_file}: not a FAISS index file ({faiss_message(e)})") from None
     index_type, params = faiss_kind(source)
     if source.d != encoder.dim:
         raise ValueError(f"{faiss_file}: vectors of dimension {source.d}, but {encoder.model!r} makes {encoder.dim}")
-    if count_lines(corpus) < source.ntotal:
+    # early, before the passages are stored; a gzipped corpus (read through, as every command reads it)
+    # has no line count short of decompressing it: the count of stored passages below decides
+    if not is_gzip(corpus) and count_lines(corpus) < source.ntotal:
         raise ValueError(f"{faiss_file}: {source.ntotal:,} vectors, more than {corpus} has lines: not its corpus")
     out.mkdir(parents=True, exist_ok=True)
     with ProgressBar(progress, source.ntotal, "storing the corpus's passages") as advance:

@@ -227,8 +227,14 @@ class BM25Index:
             raise ValueError(f"{manifest_path}: manifest says {manifest.get('num_docs')} documents, "
                              f"{DOCS_FILE} holds {len(docs)}")
         # memory-mapped score matrix: a wiki-18 index is opened in seconds and pages in what queries touch
-        model = bm25s.BM25.load(index_dir, allow_pickle=False, show_progress=False, mmap=True)
-        return cls(model, docs, manifest["corpus_sha256"])
+        try:
+            model = bm25s.BM25.load(index_dir, allow_pickle=False, show_progress=False, mmap=True)
+            index = cls(model, docs, manifest["corpus_sha256"])
+        except (ValueError, TypeError, KeyError, AttributeError) as e:
+            # bm25s's own files damaged (truncated arrays, JSON that does not parse or is not its
+            # object) or not of these documents: its errors name no file, and some are no ValueError
+            raise ValueError(f"{index_dir}: damaged BM25 index files ({type(e).__name__}: {e})") from None
+        return index
 
     # ------------------------------------------------------------ retrieval
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import datetime as dt
 import email.utils
+import html
+import re
 import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
@@ -49,7 +51,10 @@ def retry_after_seconds(value: str | None) -> float | None:
         return None
     value = value.strip()
     if value.replace(".", "", 1).isdigit():
-        return float(value)
+        try:
+            return float(value)
+        except ValueError:  # isdigit() also takes digits float() does not read ("²"): unreadable
+            return None
     try:
         when = email.utils.parsedate_to_datetime(value)
     except (TypeError, ValueError):
@@ -57,6 +62,16 @@ def retry_after_seconds(value: str | None) -> float | None:
     if when.tzinfo is None:  # an HTTP date is GMT
         when = when.replace(tzinfo=dt.timezone.utc)
     return max(0.0, (when - dt.datetime.now(dt.timezone.utc)).total_seconds())
+
+
+_TITLE = re.compile(r"<title[^>]*>(.*?)</title>", re.IGNORECASE | re.DOTALL)
+
+
+def _one_line(text: str) -> str:
+    """An error body as one line for the error message: an HTML page's title (a proxy's "502 Bad
+    Gateway", whose page is mostly markup and line breaks), else the text with its whitespace collapsed."""
+    title = _TITLE.search(text)
+    return " ".join(html.unescape(title.group(1)).split()) if title else " ".join(text.split())
 
 
 class RetrieverClient:
@@ -104,8 +119,7 @@ class RetrieverClient:
                         raise RetrieverError(f"{method} {url}: response is not JSON: "
                                              f"{resp.text[:200]!r}") from None
                 if resp.status_code not in _RETRY_STATUS or last:
-                    raise RetrieverError(f"{method} {url}: HTTP {resp.status_code}: "
-                                         f"{resp.text[:500]}")
+                    raise RetrieverError(f"{method} {url}: HTTP {resp.status_code}: {_one_line(resp.text)[:500]}")
                 asked = retry_after_seconds(resp.headers.get("retry-after"))
             time.sleep(min(max(self.backoff_s * 2**attempt, asked or 0.0), MAX_WAIT_S))
         raise AssertionError("unreachable")

@@ -20,6 +20,7 @@ import itertools
 import math
 import mmap
 import os
+import re
 import tempfile
 import threading
 import time
@@ -241,6 +242,13 @@ def read_faiss(path: Path, index_type: str | None = None) -> Any:
     return faiss.read_index(str(path), flag)
 
 
+def faiss_message(error: Exception) -> str:
+    """What a FAISS RuntimeError says, without the C++ function signature and source line before it."""
+    last = str(error).strip().splitlines()[-1] if str(error).strip() else type(error).__name__
+    found = re.search(r"\.cpp:\d+: (.*)", last)
+    return found.group(1) if found else last
+
+
 def _apply_search_params(index: Any, index_type: str, params: dict[str, Any]) -> None:
     """Search-time knobs live in the manifest, not (only) in FAISS's file."""
     if index_type == "hnsw":
@@ -447,10 +455,20 @@ class DenseIndex:
         if len(docs) != manifest.get("num_docs"):
             raise ValueError(f"{where}: manifest says {manifest.get('num_docs')} documents, "
                              f"{DOCS_FILE} holds {len(docs)}")
-        index = read_faiss(index_dir / VECTORS_FILE, manifest["index_type"])
-        params = manifest.get("index_params") or {}
-        _apply_search_params(index, manifest["index_type"], params)
-        return cls(encoder, index, docs, manifest["corpus_sha256"], manifest["index_type"], params,
+        index_type, params = manifest["index_type"], manifest.get("index_params") or {}
+        if index_type not in INDEX_TYPES or not isinstance(params, dict):
+            raise ValueError(f"{where}: index_type {index_type!r} with index_params {params!r}: not a "
+                             f"dense index this code wrote (index types: {', '.join(INDEX_TYPES)})")
+        try:
+            index = read_faiss(index_dir / VECTORS_FILE, index_type)
+        except RuntimeError as e:  # FAISS's reader on a damaged, truncated or missing file: a C++ message
+            raise ValueError(f"{index_dir / VECTORS_FILE}: not a readable FAISS index ({faiss_message(e)})") from None
+        try:
+            _apply_search_params(index, index_type, params)
+        except (KeyError, AttributeError, TypeError, ValueError) as e:  # a manifest not of this file
+            raise ValueError(f"{where}: index_type {index_type!r} with index_params {params!r} does not "
+                             f"fit {VECTORS_FILE} ({type(e).__name__}: {e})") from None
+        return cls(encoder, index, docs, manifest["corpus_sha256"], index_type, params,
                    build_seconds=manifest.get("build_seconds"), imported=manifest.get("imported"))
 
     # ------------------------------------------------------------ retrieval

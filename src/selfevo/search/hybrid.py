@@ -109,6 +109,7 @@ class HybridIndex:
                          index_type: str = "flat", progress: bool = False, **params: Any) -> HybridIndex:
         """Load from `index_dir` if built from this corpus file with this encoder, else build
         (and save there). Fusion settings are taken from the arguments, not the cache."""
+        _check_fusion(rrf_k, depth)  # a cached index would take a bad one and fail at its first query
         digest = file_sha256(path)
         encoder = encoder or Encoder()
         if index_dir is not None and (Path(index_dir) / MANIFEST).exists():
@@ -166,13 +167,19 @@ class HybridIndex:
         if manifest.get("corpus_sha256") != digest:
             raise ValueError(f"{path}: index was built from corpus sha256 "
                              f"{manifest.get('corpus_sha256')}, expected {digest}")
-        bm25 = BM25Index.load(index_dir / manifest["parts"]["bm25"], expected_corpus_sha256=digest)
-        dense = DenseIndex.load(index_dir / manifest["parts"]["dense"], encoder, model=model,
+        parts, rrf_k, depth = manifest["parts"], manifest["rrf_k"], manifest["depth"]
+        # checked here: a damaged or hand-edited manifest was a TypeError/KeyError traceback, not a named error
+        if not (isinstance(parts, dict) and all(isinstance(parts.get(p), str) for p in ("bm25", "dense"))):
+            raise ValueError(f"{path}: parts {parts!r}: expected an object naming the bm25 and dense directories")
+        for name, value, least in (("rrf_k", rrf_k, 0), ("depth", depth, 1)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < least:
+                raise ValueError(f"{path}: {name} {value!r}: expected an integer >= {least}")
+        bm25 = BM25Index.load(index_dir / parts["bm25"], expected_corpus_sha256=digest)
+        dense = DenseIndex.load(index_dir / parts["dense"], encoder, model=model,
                                 expected_corpus_sha256=digest, device=device, batch_size=batch_size)
         if bm25.docs != dense.docs:
             raise ValueError(f"{index_dir}: the BM25 and dense halves hold different documents")
-        return cls(bm25, dense, rrf_k=int(manifest["rrf_k"]), depth=int(manifest["depth"]),
-                   build_seconds=manifest.get("build_seconds"))
+        return cls(bm25, dense, rrf_k=rrf_k, depth=depth, build_seconds=manifest.get("build_seconds"))
 
     # ------------------------------------------------------------ retrieval
 

@@ -89,10 +89,12 @@ def open_index(index_dir: str | os.PathLike, *, expected_corpus_sha256: str | No
         from selfevo.search.dense import DenseIndex
 
         return DenseIndex.load(index_dir, **load_kw)
-    from selfevo.search.hybrid import HybridIndex
+    from selfevo.search.hybrid import HybridIndex, _check_fusion
 
+    fusion = options.fusion()
+    _check_fusion(fusion.get("rrf_k", 0), fusion.get("depth", 1))  # now, not at the first query (a server's 500)
     index = HybridIndex.load(index_dir, **load_kw)
-    for k, v in options.fusion().items():
+    for k, v in fusion.items():
         setattr(index, k, v)
     return index
 
