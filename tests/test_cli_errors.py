@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import shutil
 
 import pytest
 from typer.testing import CliRunner
@@ -411,3 +412,95 @@ def test_an_lm_agent_whose_model_cannot_be_loaded_is_named_with_the_remedy(tmp_p
     out = _usage_error(["eval", "--agent", f"lm:{model}", "--data-dir", str(qa), "--corpus", str(corpus),
                         "--limit", "1", "--out", str(tmp_path / "e")])
     assert f"cannot load language model '{model}'" in out and "local Hugging Face cache" in out
+
+
+def test_a_resume_without_audit_does_not_print_an_earlier_audit_of_fewer_rounds_as_the_runs(tmp_path):
+    """A run audited while stopped (`selfevo audit` of its round 1), then resumed with --no-audit, keeps
+    that audit: evolve printed it as the run's audit table, one round of the run's two."""
+    import json
+
+    out = tmp_path / "run"
+    res = runner.invoke(app, ["evolve", "--world", "small", "--out", str(out), "--no-audit", *TINY])
+    assert res.exit_code == 0, res.output
+    manifest = json.loads((out / "manifest.json").read_text())
+    (out / "manifest.json").write_text(json.dumps({**manifest, "status": "running", "rounds_completed": 1}))
+    res = runner.invoke(app, ["audit", str(out), "--no-figures", "--no-progress"])
+    assert res.exit_code == 0 and "rounds audited: 1 of 2" in " ".join(res.output.split()), res.output
+    res = runner.invoke(app, ["evolve", "--world", "small", "--out", str(out), "--resume", "--no-audit", *TINY])
+    text = " ".join(res.output.split())
+    assert res.exit_code == 0, res.output
+    assert "audit (oracle) by round" not in text
+    assert "audits round(s) 1 of the 2 this run completed" in text and f"selfevo audit {out}" in text
+
+
+def test_an_optional_dependency_not_installed_is_one_line_naming_its_extra(tmp_path, monkeypatch):
+    """`pip install -e .` (the README's main job) has no torch: `serve-model` or `evolve --backend lm`
+    then ended in a ModuleNotFoundError traceback, exit 1."""
+    import sys
+
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}\n")
+    monkeypatch.setitem(sys.modules, "torch", None)  # `import torch` fails as when it is not installed
+    out = _usage_error(["serve-model", "--model", str(model)])
+    assert "torch" in out and "pip install -e '.[lm]'" in out
+
+
+def test_a_second_demo_into_one_out_is_refused_before_any_job(tmp_path):
+    """Two demos into one --out split its jobs (each refused the runs the other was writing) and each
+    wrote a report of its half over the other's, exit 1."""
+    from selfevo._io import hold_directory
+
+    plan = tmp_path / "plan.toml"
+    plan.write_text('[demo]\ntreatments = ["coupled"]\nseeds = 1\nworld = "small"\nreplay_conditions = []\n'
+                    "[loop]\nrounds = 1\nproposer_steps = 2\nsolver_steps = 2\nadmit_per_round = 20\n")
+    out = tmp_path / "demo"
+    out.mkdir()
+    with hold_directory(out, None):  # the first demo, still running
+        text = _usage_error(["demo", "--config", str(plan), "--out", str(out), "--workers", "1"])
+    assert f"{out}: another demo is writing here" in text
+    assert list(out.iterdir()) == []
+
+
+def test_evolve_help_states_the_defaults_and_what_resume_does_with_no_run(tmp_path):
+    """--seed, --rounds and --world said nothing of their defaults, and --resume said it continues a
+    killed run, while with no run in --out it starts one (a kill before the run was made resumes so)."""
+    from selfevo.config import RunConfig
+
+    text = " ".join(runner.invoke(app, ["evolve", "--help"], env={"COLUMNS": "400"}).output.split())
+    default = RunConfig()
+    assert f"run seed (default: the config's, else {default.seed})" in text
+    assert f"rounds of the loop (default: the config's, else {default.loop.rounds})" in text
+    assert f"a world directory (default: the config's, else {default.world.name})" in text
+    assert "with no run there, start it" in text
+    res = runner.invoke(app, ["evolve", "--world", "small", "--out", str(tmp_path / "new"), "--resume",
+                              "--no-audit", *TINY])
+    assert res.exit_code == 0 and (tmp_path / "new" / "checkpoints" / "round-2.json").exists(), res.output
+
+
+def test_a_new_run_into_a_directory_of_other_files_is_refused_and_they_are_kept(tmp_path):
+    """`evolve --out DIR` into a directory that held no run wrote the run among its files: a user's
+    config.json was replaced by the run's (a world directory, `--out worlds/small`, got a run too)."""
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "config.json").write_text('{"mine": true}\n')
+    for extra in ("notes.txt", None):  # with another file, and with the config.json alone
+        if extra:
+            (mine / extra).write_text("notes\n")
+        out = _usage_error(["evolve", "--world", "small", "--out", str(mine), *TINY])
+        assert f"{mine}: not empty and holds no run (it has {extra or 'config.json'})" in out
+        assert (mine / "config.json").read_text() == '{"mine": true}\n'
+        if extra:
+            (mine / extra).unlink()
+    assert sorted(p.name for p in mine.iterdir()) == ["config.json"]
+    # what a start killed before its manifest leaves (its config.json, a temp file) is started afresh
+    killed = tmp_path / "killed"
+    res = runner.invoke(app, ["evolve", "--world", "small", "--out", str(killed), "--no-audit", *TINY])
+    assert res.exit_code == 0, res.output
+    for name in ("manifest.json", "records", "eval", "checkpoints", "folds.json", "compute.json"):
+        path = killed / name
+        shutil.rmtree(path) if path.is_dir() else path.unlink()
+    (killed / ".manifest.json.k1ll3d00.tmp").write_text("{")
+    res = runner.invoke(app, ["evolve", "--world", "small", "--out", str(killed), "--no-audit", *TINY])
+    assert res.exit_code == 0, res.output
+    assert not list(killed.glob(".*.tmp")) and (killed / "checkpoints" / "round-2.json").exists()

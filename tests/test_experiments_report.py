@@ -874,3 +874,14 @@ def test_one_seed_draws_no_error_bar_of_zero(monkeypatch):
                              {"msv": {"extra_seconds": {"mean": 0.2, "std": None}}}).axes[0]
     (bar,) = ax.containers
     assert all(len(seg) == 0 for coll in bar.lines[2] for seg in coll.get_segments())
+
+
+def test_compare_says_why_a_run_has_no_overhead(local_grid):
+    """A run with no coupled run of its seed, config and rounds done among those given has dashes for
+    its overheads; they were printed with no word of why."""
+    root, _, _ = local_grid
+    res = CliRunner().invoke(app, ["compare", str(root / "coupled-s1"), str(root / "crossfit-s0"),
+                                   str(root / "crossfit-s1")], terminal_width=200)
+    assert res.exit_code == 0, res.output
+    note = " ".join(res.output.split()).split("+gen, +upd, +time –: ")
+    assert len(note) == 2 and str(root / "crossfit-s0") in note[1] and "crossfit-s1" not in note[1]

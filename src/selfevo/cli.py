@@ -51,9 +51,17 @@ def _fail(msg: str) -> None:
     raise typer.Exit(code=2)
 
 
+# the optional dependencies (pyproject.toml's extras) by the module a missing one fails to import
+_EXTRA_OF_MODULE = {"torch": "lm", "transformers": "lm", "peft": "lm", "accelerate": "lm", "gguf": "lm", "ray": "ray",
+                    "faiss": "dense", "sentence_transformers": "dense", "huggingface_hub": "data", "trl": "trl",
+                    "datasets": "trl"}
+
+
 def _os_errors_as_usage_errors(command):
     """A path the user named that is missing, a directory, a file or not theirs (an OSError)
-    ends the command with one line naming it, not a traceback; SELFEVO_TRACEBACK=1 re-raises."""
+    ends the command with one line naming it, not a traceback; so does an optional dependency
+    not installed (`--backend lm` after `pip install -e .`), naming its extra. SELFEVO_TRACEBACK=1
+    re-raises."""
 
     @functools.wraps(command)
     def wrapper(*args, **kwargs):
@@ -63,6 +71,12 @@ def _os_errors_as_usage_errors(command):
             if os.environ.get("SELFEVO_TRACEBACK"):
                 raise
             _fail(f"{e.filename}: {e.strerror}" if e.filename and e.strerror else str(e))
+        except ImportError as e:
+            extra = _EXTRA_OF_MODULE.get((e.name or "").split(".")[0])
+            said = "pip install" in str(e)  # ours, naming the extra (search/dense.py)
+            if not (extra or said) or os.environ.get("SELFEVO_TRACEBACK"):
+                raise  # no optional dependency: a broken install, which the traceback locates
+            _fail(str(e) if said else f"{e}: this needs the {extra!r} extra (pip install -e '.[{extra}]')")
 
     return wrapper
 
@@ -374,15 +388,17 @@ def world_make(
 @app.command("evolve")
 def evolve_cmd(
     out: Path = typer.Option(..., help="run directory"),
-    world: str | None = typer.Option(None, help="small | default | a world directory"),
+    world: str | None = typer.Option(None, help="small | default | a world directory (default: the config's, "
+                                      "else default)"),
     treatment: str | None = typer.Option(None, help="coupled (default) | msv | crossfit | msv+crossfit | "
                                            "same-source | full-data | question-split | half-budget | "
                                            "crossfit-k<K> | crossfit-connected[-k<K>], any prefixed msv+"),
-    seed: int | None = typer.Option(None),
-    rounds: int | None = typer.Option(None),
+    seed: int | None = typer.Option(None, help="run seed (default: the config's, else 0)"),
+    rounds: int | None = typer.Option(None, help="rounds of the loop (default: the config's, else 3)"),
     config: Path | None = typer.Option(None, help="TOML config (see configs/)"),
     set_: list[str] = typer.Option([], "--set", help="override a config field, e.g. solver.memory=false"),
-    resume: bool = typer.Option(False, help="continue a killed run in --out"),
+    resume: bool = typer.Option(False, help="continue the run in --out, killed or stopped (with the options it "
+                                            "was started with); with no run there, start it"),
     audit: bool = typer.Option(True, help="audit at the end (exact truth on a world; an LLM judge on a corpus)"),
     backend: str | None = typer.Option(None, help="sim (the embedded learners) | lm (language models)"),
     model: str | None = typer.Option(None, help="lm backend: smollm2-135m | a local directory | a hub id"),
@@ -471,10 +487,18 @@ def _warn_nothing_resolved() -> None:
 
 def _print_run(path: Path) -> None:
     from selfevo._io import read_json
+    from selfevo.runs import RunDir
 
     metrics = path / "audit" / "metrics.json"
     if metrics.exists():
-        _print_audit_rounds(read_json(metrics), counts=("admitted",))
+        audit, done = read_json(metrics), RunDir(path).manifest().get("rounds_completed", 0)
+        audited = [r["round"] for r in audit["rounds"]]
+        if audited == list(range(1, done + 1)):
+            _print_audit_rounds(audit, counts=("admitted",))
+        else:  # an audit of the run while it was stopped, kept by a resume with --no-audit: not this run's
+            console.print(f"[yellow]warning:[/yellow] {escape(str(metrics))} audits round(s) "
+                          f"{escape(', '.join(map(str, audited)) or 'none')} of the {done} this run completed "
+                          f"(an earlier audit); audit it again: selfevo audit {escape(str(path))}")
     evals = sorted((path / "eval").glob("round-*.json"), key=lambda p: int(p.stem.split("-")[1]))
     if evals:
         line = ", ".join(f"r{p.stem.split('-')[1]} {read_json(p)['macro']['cover_em']:.3f}" for p in evals)
@@ -741,11 +765,12 @@ def serve_model_cmd(
 def compare_cmd(run_dirs: list[Path] = typer.Argument(..., help="run directories")) -> None:
     """Compute overhead against the coupled run of the same seed, with last-round F, T_P, A, Cover-EM.
 
-    Overhead counts the training's generations, updates and wall seconds; the downstream evaluation
-    (in compute.json too) is the same in every arm and left out."""
+    The base of a run is the coupled run among those given with its seed, config (but the treatment),
+    data and rounds done. Overhead counts the training's generations, updates and wall seconds; the
+    downstream evaluation (in compute.json too) is the same in every arm and left out."""
     from rich.table import Table
 
-    from selfevo._fmt import num
+    from selfevo._fmt import DASH, num
     from selfevo.report.compare import compare
     from selfevo.runs import RunError
 
@@ -764,6 +789,10 @@ def compare_cmd(run_dirs: list[Path] = typer.Argument(..., help="run directories
                                                                             "extra_seconds")],
                       *[num(r[k]) for k in ("F", "T_P", "A", "cover_em")])
     console.print(table)
+    unpaired = [r["run"] for r in rows if r["extra_generations"] is None]
+    if unpaired:  # a dash alone does not say why (a run of another config, world or rounds done than its coupled)
+        console.print(escape(f"+gen, +upd, +time {DASH}: no coupled run among those given has the seed, config "
+                             f"(but the treatment), data and rounds done of {', '.join(unpaired)}"))
 
 
 @app.command("demo")
@@ -787,8 +816,16 @@ def demo_cmd(
         plan = load_plan(config, seeds=seeds, world=world, executor=executor)
     except ConfigError as e:
         _fail(str(e))
+    _out_dir(out)
+    from selfevo._io import hold_directory
+
+    def busy() -> ValueError:  # two demos into one --out would split its jobs, each reporting its half
+        return ValueError(f"{out}: another demo is writing here; wait for it to end (or stop it), or choose "
+                          "another --out")
+
     try:
-        res = run_demo(plan, out, console, workers)
+        with hold_directory(out, busy):
+            res = run_demo(plan, out, console, workers)
     except ValueError as e:  # the project's errors (a world, a run, the bank, the report) are ValueErrors
         _fail(str(e))
     if res["incomplete"]:  # a script must tell a partial demo from a whole one

@@ -166,6 +166,10 @@ def check_numbers(obj, keys: Sequence[str], where: str) -> None:
 
 _EVAL_GROUPS = ("macro", "single_hop", "multi_hop")
 
+# what a run directory holds before its manifest makes it a run: the config (`RunDir.create`) and
+# engine-run's engine/engine.json, left by a start killed before the manifest was written
+_BEFORE_MANIFEST = ("config.json", "engine")
+
 
 class RunDir:
     def __init__(self, path: str | os.PathLike):
@@ -190,12 +194,29 @@ class RunDir:
         return (self.path / "manifest.json").exists()
 
     def check_new(self) -> None:
-        """Refuse a place a new run cannot go: an existing run (never overwritten) or a file.
-        Cheap, so a caller can check before the slow start-up (a model load) it would waste."""
+        """Refuse a place a new run cannot go: an existing run (never overwritten), a file, or a
+        directory of other files (a run would write its config.json, records/, eval/... among them:
+        a user's config.json replaced, a world directory filled with a run). What a start killed before
+        its manifest leaves is no obstacle: the new start writes it again. Cheap, so a caller can check
+        before the slow start-up (a model load) it would waste."""
         if self.exists():
             raise RunError(f"{self.path}: a run already exists here; pass --resume to continue it "
                            "or choose another --out")
         self._refuse_file()
+        if not self.path.is_dir():
+            return
+        other = sorted(p.name for p in self.path.iterdir()
+                       if p.name not in _BEFORE_MANIFEST and not (p.name.startswith(".") and p.name.endswith(".tmp")))
+        if not other and (self.path / "config.json").exists():  # a run's, or a file of the same name
+            try:
+                if "treatment" not in read_object(self.path / "config.json"):
+                    other = ["config.json"]
+            except RunError:
+                other = ["config.json"]
+        if other:
+            raise RunError(f"{self.path}: not empty and holds no run (it has {', '.join(other[:3])}"
+                           f"{', ...' if len(other) > 3 else ''}); a new run goes into a new or empty directory: "
+                           "choose another --out")
 
     def _refuse_file(self) -> None:
         if self.path.exists() and not self.path.is_dir():
@@ -214,6 +235,7 @@ class RunDir:
     def create(self, config: dict) -> None:
         self.check_new()
         self.path.mkdir(parents=True, exist_ok=True)
+        remove_leftover_temps(self.path, recursive=True)  # of a start killed before its manifest
         write_json(self.path / "config.json", config)
         self._write_manifest({"status": "running", "rounds_completed": 0, "created": time.time(),
                               "software": software()})
