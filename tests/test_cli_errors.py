@@ -64,6 +64,16 @@ def test_world_make_never_replaces_a_world(tmp_path):
     assert "not empty" in out and (world / "truth.json").read_text() == "{}\n"
 
 
+@pytest.mark.parametrize("name", ["small", "default"])
+def test_world_make_refuses_an_out_that_world_would_read_as_a_generated_world(name, tmp_path, monkeypatch):
+    """`--world small` generates the small world: a world saved as ./small was never read by it (a
+    run of another world's seed and rates, exit 0); `--out small` is refused before anything is written."""
+    monkeypatch.chdir(tmp_path)
+    out = _usage_error(["world", "make", "--size", "small", "--seed", "7", "--out", name])
+    assert f"'{name}' names a generated world" in out and not (tmp_path / name).exists()
+    assert runner.invoke(app, ["world", "make", "--size", "small", "--out", f"{name}-s7"]).exit_code == 0
+
+
 def test_an_empty_benchmark_file_is_an_error_not_a_smaller_macro_average(tmp_path):
     qa = tmp_path / "qa"
     qa.mkdir()

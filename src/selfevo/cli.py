@@ -367,7 +367,11 @@ def world_make(
 ) -> None:
     """Write a synthetic world: corpus, seven benchmarks and exact truth."""
     from selfevo.world import WorldConfig, WorldError, make_world, save_world
+    from selfevo.world.generate import SIZES
 
+    if str(out) in SIZES:  # `--world small` generates the small world: it would never read this directory
+        _fail(f"--out {out}: '{out}' names a generated world (--world {out}), so the world written here could "
+              "not be named by it; choose another name")
     if out.is_dir() and any(out.iterdir()):
         # runs made on a world are audited against its truth.json: never replace it under them
         if not (out / "world.json").exists():  # files of the user's (or of an older `world make` killed part way)
