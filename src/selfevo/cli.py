@@ -528,8 +528,8 @@ def audit_cmd(
     judge_concurrency: int = typer.Option(4, "--judge-concurrency", min=1, max=256, help="calls in flight"),
     judge_timeout: float = typer.Option(60.0, "--judge-timeout", min=0.1, help="seconds per call"),
     judge_retries: int = typer.Option(4, "--judge-retries", min=0, max=20,
-                                      help="retries of a call on timeouts, 429, 5xx and a 200 that is no "
-                                           "chat completion"),
+                                      help="retries of a call on timeouts, 408, 409, 425, 429, 5xx and a 200 that "
+                                           "is no chat completion"),
     judge_max_tokens: int = typer.Option(384, "--judge-max-tokens", min=16),
     judge_malformed_retries: int = typer.Option(2, "--judge-malformed-retries", min=0, max=10,
                                                 help="corrective retries of a reply that is not the asked JSON"),
