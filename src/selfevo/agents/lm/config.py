@@ -3,6 +3,7 @@ config is parsed and checked before anything heavy is imported."""
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 
@@ -46,7 +47,8 @@ class LMConfig:
             raise ValueError(f"lm.adapter: must be lora or full, got {self.adapter!r}")
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"lm.dtype: must be float32, bfloat16 or float16, got {self.dtype!r}")
-        if not (self.device in ("auto", "cpu") or self.device.startswith("cuda")):
+        # "cuda0" or "cuda:x" passed a prefix test here and was a torch traceback on a GPU machine
+        if not (self.device in ("auto", "cpu") or re.fullmatch(r"cuda(:\d+)?", self.device)):
             raise ValueError(f"lm.device: must be auto, cpu, cuda or cuda:N, got {self.device!r}")
         for name in ("lora_r", "lora_alpha", "max_actions", "max_new_tokens", "max_prompt_tokens",
                      "max_train_tokens", "doc_tokens", "gen_batch", "train_batch", "judge_max_tokens"):

@@ -214,11 +214,30 @@ class LMPolicy:
                 text = head + tok.decode(row, skip_special_tokens=True)
                 cut = cut_at_stop(text, stops)
                 n_tokens = int((row != tok.pad_token_id).sum())
-                done = cut != text or any(text.rstrip().endswith(s) for s in stops) or n_tokens < budget
+                # a reply that ended with EOS on its last allowed token is not cut short (it was "length"
+                # where the pad token is not EOS, as Qwen's, and its unclosed action was then not closed)
+                eos = tok.eos_token_id is not None and bool((row == tok.eos_token_id).any())
+                done = cut != text or any(text.rstrip().endswith(s) for s in stops) or eos or n_tokens < budget
                 out.append((cut, "stop" if done else "length"))
         return out
 
     # ---------------------------------------------------------------- training
+    def check_chat_template(self) -> None:
+        """Refuse, before any rollout, a chat template the training mask cannot be placed on (see
+        `rl.content_spans`): the update would otherwise fail only after the round's first rollouts
+        and grading. A conversation of the rollouts' shape, thinking included."""
+        if getattr(self, "_template_checked", False):
+            return
+        probe = [{"role": "system", "content": "S"}, {"role": "user", "content": "Question: q?"},
+                 {"role": "assistant", "content": "<think> t </think>\n<search> q </search>"},
+                 {"role": "user", "content": "<information>Doc 1 (Title: T) text</information>"},
+                 {"role": "assistant", "content": "<think> t </think>\n<answer> a </answer>"}]
+        try:
+            encode_conversation(self.tokenizer, probe)
+        except ValueError as e:
+            raise ValueError(f"lm.model {self.cfg.model!r}: its chat template cannot be trained on: {e}") from None
+        self._template_checked = True
+
     def _optimizer(self, name: str):
         import torch
 

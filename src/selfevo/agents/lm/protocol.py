@@ -50,7 +50,11 @@ CORRECTIVE = ("My previous action is invalid. If I want to search, I should put 
               "between <answer> and </answer>. Let me try again.")
 BUDGET_SPENT = "The search budget is spent. Give your final answer now inside <answer> and </answer>."
 
-_TAG = {name: re.compile(rf"<{name}>(.*?)</{name}>", re.DOTALL) for name in ("search", "answer", "question")}
+# a tag's content runs from the LAST opening before its first closing tag: a model that repeats the
+# opening tag ("<answer> <answer> Paris </answer>") answered "Paris", not "<answer> Paris" (which the
+# reward's exact match calls wrong and Cover-EM right)
+_TAG = {name: re.compile(rf"<{name}>((?:(?!<{name}>).)*?)</{name}>", re.DOTALL)
+        for name in ("search", "answer", "question")}
 
 
 @dataclass(frozen=True)

@@ -27,15 +27,25 @@ _ANSWER = re.compile(r"<answer>.*?</answer>", re.DOTALL)
 
 def content_spans(rendered: Sequence[str], messages: Sequence[dict]) -> list[Span]:
     """Where each message's content sits in the fully rendered chat. `rendered[i]` is the chat
-    template applied to `messages[:i+1]` (each a prefix of the next, as chat templates are)."""
-    spans, prev = [], 0
+    template applied to `messages[:i+1]` (each a prefix of the next, as most chat templates are).
+    The spans index `rendered[-1]`, which is what gets tokenised: a template that renders an earlier
+    turn otherwise once later turns follow (Qwen3's drops, or adds, the `<think>` block of every
+    assistant turn before the last user turn) would put each span on other characters -- template
+    tokens and the next observation trained, the model's own tokens not -- so it is an error."""
+    spans, prev, full = [], 0, rendered[-1] if rendered else ""
     for i, m in enumerate(messages):
         text = rendered[i]
         start = text.rfind(m["content"]) if m["content"] else len(text)
         if start < prev:
             raise ValueError(f"message {i}: content not found after the previous message in the rendered chat")
-        spans.append((start, start + len(m["content"])))
-        prev = start + len(m["content"])
+        end = start + len(m["content"])
+        if m["content"] and full[:end] != text[:end]:
+            raise ValueError(f"message {i} ({m['role']}): the chat template renders the conversation up to this "
+                             "message differently once later messages follow (it is not a prefix of the whole "
+                             "chat; e.g. a template that drops earlier turns' <think>), so the training mask "
+                             "cannot be placed; use a prefix-stable chat template")
+        spans.append((start, end))
+        prev = end
     return spans
 
 

@@ -24,7 +24,7 @@ from selfevo.agents.lm.protocol import (
     parse_action,
 )
 from selfevo.loop.schedule import derive_seed
-from selfevo.search.tool import SearchBudgetExhausted, SearchTool
+from selfevo.search.tool import SearchTool
 
 Generate = Callable[[list[list[dict]], int | None], list[tuple[str, str]]]
 
@@ -56,7 +56,6 @@ def run_rollouts(starts: Sequence[list[dict]], tool: SearchTool, generate: Gener
     if max_actions < 1:
         raise ValueError(f"max_actions must be >= 1, got {max_actions}")
     rollouts = [Rollout([dict(m) for m in s]) for s in starts]
-    sessions = [tool.session() for _ in starts]
     active = list(range(len(starts)))
     for turn in range(max_actions):
         if not active:
@@ -87,14 +86,18 @@ def run_rollouts(starts: Sequence[list[dict]], tool: SearchTool, generate: Gener
                 ro.invalid += 1
                 ro.messages.append({"role": "user", "content": CORRECTIVE})
             still.append(i)
+        # one `tool.lookup` for them all: a dense encoder or a /retrieve server answers a batch in about
+        # the time of one query (a session's search is one retriever call, one HTTP request, a query).
+        # Each trajectory may make `tool.max_calls` searches, as a session allows.
+        asked = []
         for i, query in pending:
+            if len(rollouts[i].searches) >= tool.max_calls:
+                rollouts[i].messages.append({"role": "user", "content": BUDGET_SPENT})
+            else:
+                asked.append((i, query))
+                rollouts[i].searches.append(query)
+        for (i, _), hits in zip(asked, tool.lookup([q for _, q in asked]) if asked else [], strict=True):
             ro = rollouts[i]
-            try:
-                hits = sessions[i].search(query)
-            except SearchBudgetExhausted:
-                ro.messages.append({"role": "user", "content": BUDGET_SPENT})
-                continue
-            ro.searches.append(query)
             ro.read.extend(h.document.id for h in hits)
             ro.messages.append({"role": "user", "content": format_information(
                 [(h.document.title, h.document.text) for h in hits])})

@@ -1,0 +1,242 @@
+"""A review of the language-model backend's pure logic (protocol, rollouts, masks, config): each test
+failed on the code before its fix. Fast: no model is loaded."""
+
+from __future__ import annotations
+
+import jinja2
+import pytest
+
+from selfevo.agents.lm import protocol as P
+from selfevo.agents.lm.config import LMConfig
+from selfevo.agents.lm.rl import content_spans, encode_conversation, trained_spans
+from selfevo.agents.lm.rollout import run_rollouts
+from selfevo.integrations.rewards import extract_answer
+from selfevo.records import Document
+from selfevo.search.bm25 import BM25Index
+from selfevo.search.tool import SearchTool
+
+# ---------------------------------------------------------------- nested tags
+
+
+def test_a_repeated_opening_tag_reads_as_the_innermost_action():
+    # a small model that writes the opening tag twice answered "<answer> Paris", which the reward's
+    # exact match scored wrong (and Cover-EM right); the loop and the TRL/verl reward read the same
+    for text in ("<answer> <answer> Paris </answer>", "<think>t</think><answer>\n<answer>Paris</answer></answer>"):
+        assert P.parse_action(text) == P.Action("answer", "Paris")
+        assert extract_answer(text) == "Paris"
+        assert extract_answer([{"role": "assistant", "content": text}]) == "Paris"
+    assert P.parse_action("<search> <search> capital of France </search>") == P.Action("search", "capital of France")
+    assert P.parse_proposal("<question> <question> Who? </question> <answer> <answer> Ann </answer>") == ("Who?", "Ann")
+    # what held before still holds: the first action, the tag opened last closes, empty is invalid
+    assert P.parse_action("<answer> a </answer><answer> b </answer>") == P.Action("answer", "a")
+    assert P.parse_action("<search> a <answer> b </answer>") == P.Action("answer", "b")
+    assert P.parse_action("<answer> <answer> </answer>").kind == "invalid"
+
+
+# ---------------------------------------------------------------- masks on a template that is not prefix-stable
+
+# Qwen3's chat template (its assistant branch, without tools): an assistant turn after the last user
+# turn is rendered with a <think> block (empty if it has none); one before it without, and with its
+# <think> dropped. The rollouts send every observation as a user turn.
+QWEN3_LIKE = (
+    "{%- if messages[0].role == 'system' %}{{- '<|im_start|>system\\n' + messages[0].content + '<|im_end|>\\n' }}"
+    "{%- endif %}"
+    "{%- set ns = namespace(last_query_index=messages|length - 1, found=false) %}"
+    "{%- for message in messages[::-1] %}{%- set index = (messages|length - 1) - loop.index0 %}"
+    "{%- if not ns.found and message.role == 'user' %}{%- set ns.found = true %}"
+    "{%- set ns.last_query_index = index %}{%- endif %}{%- endfor %}"
+    "{%- for message in messages %}{%- set content = message.content %}"
+    "{%- if message.role == 'user' %}{{- '<|im_start|>user\\n' + content + '<|im_end|>\\n' }}"
+    "{%- elif message.role == 'assistant' %}{%- set reasoning = '' %}"
+    "{%- if '</think>' in content %}"
+    "{%- set reasoning = content.split('</think>')[0].rstrip('\\n').split('<think>')[-1].lstrip('\\n') %}"
+    "{%- set content = content.split('</think>')[-1].lstrip('\\n') %}{%- endif %}"
+    "{%- if loop.index0 > ns.last_query_index %}"
+    "{{- '<|im_start|>assistant\\n<think>\\n' + reasoning.strip('\\n') + '\\n</think>\\n\\n' + content.lstrip('\\n') }}"
+    "{%- else %}{{- '<|im_start|>assistant\\n' + content }}{%- endif %}{{- '<|im_end|>\\n' }}"
+    "{%- endif %}{%- endfor %}"
+)
+CONVERSATION = [{"role": "system", "content": "S"}, {"role": "user", "content": "Question: who?"},
+                {"role": "assistant", "content": "<search> paris mayor </search>"},
+                {"role": "user", "content": "<information>Doc 1 (Title: Paris) The mayor is Anne</information>"},
+                {"role": "assistant", "content": "<answer> Anne </answer>"}]
+
+
+def test_a_template_that_rerenders_earlier_turns_is_refused_not_mistrained():
+    render = jinja2.Environment().from_string(QWEN3_LIKE).render
+    rendered = [render(messages=CONVERSATION[:i + 1]) for i in range(len(CONVERSATION))]
+    # before: the first action's span landed 19 characters late, on "<|im_end|>\n<|im_sta" of the
+    # observation's turn, and its own "<search> paris mayo" went untrained -- without a word
+    with pytest.raises(ValueError, match=r"message 2 \(assistant\).*not a prefix"):
+        content_spans(rendered, CONVERSATION)
+
+    class CharTokenizer:  # one token a character, offsets as a fast tokenizer gives them
+        def __call__(self, text, add_special_tokens=False, return_offsets_mapping=False):
+            return {"input_ids": [ord(c) for c in text], "offset_mapping": [(i, i + 1) for i in range(len(text))]}
+
+    with pytest.raises(ValueError, match="not a prefix"):
+        encode_conversation(CharTokenizer(), CONVERSATION,
+                            render=lambda ms: render(messages=list(ms)))
+
+
+def test_a_prefix_stable_template_still_masks_exactly_the_actions():
+    def chatml(ms):
+        return "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in ms)
+
+    rendered = [chatml(CONVERSATION[:i + 1]) for i in range(len(CONVERSATION))]
+    spans = trained_spans(CONVERSATION, content_spans(rendered, CONVERSATION))
+    assert [rendered[-1][a:b] for a, b in spans] == ["<search> paris mayor </search>", "<answer> Anne </answer>"]
+    # an empty message is no span and no error
+    empty = [*CONVERSATION[:2], {"role": "assistant", "content": ""}]
+    assert content_spans([chatml(empty[:i + 1]) for i in range(3)], empty)[2][0] == len(chatml(empty))
+
+
+# ---------------------------------------------------------------- the rollouts' searches
+
+
+class CountingRetriever:
+    def __init__(self, index):
+        self.index, self.calls = index, []
+
+    def retrieve(self, queries, topk):
+        self.calls.append(list(queries))
+        return self.index.retrieve(queries, topk)
+
+
+@pytest.fixture
+def index():
+    docs = [Document("d1", "Hamlet", "Hamlet is a tragedy by Shakespeare."),
+            Document("d2", "Paris", "Paris is the capital of France."),
+            Document("d3", "Nile", "The Nile flows through Cairo.")]
+    return BM25Index.build(docs)
+
+
+def test_the_searches_of_a_turn_go_to_the_retriever_as_one_batch(index):
+    retriever = CountingRetriever(index)
+    tool = SearchTool(retriever, topk=1, max_calls=2)
+    queries = {"a": "capital of France", "b": "Nile Cairo", "c": "Hamlet tragedy"}
+
+    def generate(convs, seed):
+        return [(f"<search> {queries[c[1]['content'][-1]]} </search>", "stop") for c in convs]
+
+    ros = run_rollouts([P.solver_messages(f"q {k}") for k in queries], tool, generate, max_actions=3)
+    # before: one retriever call a query (one HTTP request each to a /retrieve server): 6 calls
+    assert len(retriever.calls) == 1 and sorted(retriever.calls[0]) == sorted(queries.values())
+    for ro, q in zip(ros, queries.values()):
+        # the budget of 2 searches a trajectory holds as before: the repeated query is served from the
+        # cache, the third is refused
+        assert ro.searches == [q, q] and ro.actions == 3
+        assert [m["content"] for m in ro.messages if m["role"] == "user"][-1] == P.BUDGET_SPENT
+        assert len(ro.read) == 2 and ro.messages[3]["content"].startswith("<information>Doc 1 (Title: ")
+    assert tool.calls == 6 and tool.queries_issued == 3
+
+
+def test_a_zero_search_budget_refuses_every_search(index):
+    tool = SearchTool(CountingRetriever(index), topk=1, max_calls=0)
+    [ro] = run_rollouts([P.solver_messages("q")], tool, lambda convs, s: [("<search> Nile </search>", "stop")],
+                        max_actions=2)
+    assert ro.searches == [] and ro.read == [] and tool.retriever.calls == []
+    assert [m["content"] for m in ro.messages[2:]] == ["<search> Nile </search>", P.BUDGET_SPENT] * 2
+
+
+# ---------------------------------------------------------------- config
+
+
+@pytest.mark.parametrize("device", ["cuda0", "cuda:", "cuda:x", "cudafoo", "cuda:1 "])
+def test_a_malformed_cuda_device_is_refused_by_name(device):
+    # before: any string starting "cuda" passed, and torch raised "Invalid device string" on a GPU machine
+    with pytest.raises(ValueError, match=r"^lm\.device: "):
+        LMConfig(device=device)
+
+
+def test_well_formed_devices_pass():
+    for device in ("auto", "cpu", "cuda", "cuda:0", "cuda:12"):
+        assert LMConfig(device=device).device == device
+
+
+# ---------------------------------------------------------------- the local generator's finish reason
+
+
+class CharTokenizer:
+    """A character tokenizer with a pad token (0) that is not EOS (1), as Qwen's tokenizers have."""
+
+    pad_token_id, eos_token_id = 0, 1
+
+    def apply_chat_template(self, messages, tokenize=False, add_generation_prompt=False):
+        text = "".join(f"[{m['role']}]{m['content']}" for m in messages)
+        return text + ("[assistant]" if add_generation_prompt else "")
+
+    def __call__(self, texts, return_tensors=None, padding=False, add_special_tokens=False, truncation=False,
+                 max_length=None):
+        import torch
+
+        class Encoding(dict):
+            def to(self, device):
+                return self
+
+        ids = [[ord(c) for c in t] for t in texts]
+        width = max(map(len, ids))
+        return Encoding({"input_ids": torch.tensor([[0] * (width - len(r)) + r for r in ids]),
+                              "attention_mask": torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in ids])})
+
+    def decode(self, row, skip_special_tokens=False):
+        return "".join(chr(int(i)) for i in row if int(i) > 1)
+
+
+class ScriptedModel:
+    """`generate` appends each row's scripted reply (EOS, pads) to its prompt."""
+
+    def __init__(self, replies):
+        self.replies = replies
+
+    def generate(self, input_ids, attention_mask=None, max_new_tokens=None, **_):
+        import torch
+
+        width = max(map(len, self.replies))
+        assert width <= max_new_tokens
+        new = torch.tensor([r + [0] * (width - len(r)) for r in self.replies])
+        return torch.cat([input_ids, new], dim=1)
+
+
+def test_a_reply_that_ends_with_eos_on_its_last_allowed_token_is_a_stop():
+    from selfevo.agents.lm.policy import LMPolicy
+
+    budget = 16
+    at_budget = [ord(c) for c in "<answer> Paris"]
+    at_budget += [ord(" ")] * (budget - 1 - len(at_budget)) + [CharTokenizer.eos_token_id]  # EOS is token 16
+    replies = [at_budget, [ord(c) for c in "<answer> Rome"] + [1],  # EOS early: padded after it
+               [ord("x")] * budget]  # no EOS: cut short
+    policy = object.__new__(LMPolicy)  # no model to load: the generation loop over a scripted model
+    policy.cfg, policy.tokenizer = LMConfig(adapter="full", max_new_tokens=budget), CharTokenizer()
+    policy.device = "cpu"
+    policy.base, policy.full = ScriptedModel(replies), {}
+    out = policy.generate(None, [P.solver_messages(q) for q in "abc"], greedy=True, seed=None)
+    # before: the first was "length" (16 tokens that are not the pad token), and the rollout read its
+    # answer as an invalid action
+    assert [f for _, f in out] == ["stop", "stop", "length"]
+    index = BM25Index.build([Document("d1", "Paris", "Paris is the capital of France.")])
+    replies[:] = [at_budget]
+    [ro] = run_rollouts([P.solver_messages("q")], SearchTool(index),
+                        lambda convs, s: policy.generate(None, convs, greedy=True, seed=s), max_actions=1)
+    assert ro.answer == "Paris" and not ro.truncated
+
+
+def test_a_trainable_agent_refuses_such_a_template_before_any_rollout():
+    from selfevo.agents.lm.agents import LMSolver
+    from selfevo.agents.lm.policy import LMPolicy
+
+    template = jinja2.Environment().from_string(QWEN3_LIKE)
+
+    class Qwen3LikeTokenizer:
+        def apply_chat_template(self, messages, tokenize=False, add_generation_prompt=False):
+            return template.render(messages=list(messages))
+
+        def __call__(self, text, add_special_tokens=False, return_offsets_mapping=False):
+            return {"input_ids": [ord(c) for c in text], "offset_mapping": [(i, i + 1) for i in range(len(text))]}
+
+    policy = object.__new__(LMPolicy)
+    policy.cfg, policy.tokenizer = LMConfig(model="qwen3-like"), Qwen3LikeTokenizer()
+    with pytest.raises(ValueError, match=r"^lm\.model 'qwen3-like': its chat template cannot be trained on"):
+        LMSolver.trainable(policy, "main")  # before: refused nowhere; the masks were misplaced
+    policy.tokenizer.apply_chat_template = lambda ms, **_: "".join(f"<{m['role']}>{m['content']}</s>" for m in ms)
+    policy.check_chat_template()  # a prefix-stable template passes
