@@ -427,7 +427,9 @@ def test_a_rerun_clears_the_temp_files_a_killed_conversion_left(hub, tmp_path):
     # what kill -9 inside convert_corpus / convert_benchmark leaves: atomic_writer's temp file beside
     # the output (`.NAME.XXXXXXXX.tmp`; wiki-18's is ~14 GB) and the QA staging file
     leftovers = [out / "corpus" / ".wiki-18.jsonl.k1ll3d00.tmp", out / "corpus" / ".wiki-18.jsonl.k1ll3d01.tmp",
-                 out / "qa" / ".nq.jsonl.staged", out / "qa" / ".nq.jsonl.staged.k1ll3d02.tmp"]
+                 out / "qa" / ".nq.jsonl.staged", out / "qa" / ".nq.jsonl.staged.k1ll3d02.tmp",
+                 # the staging file's own temp file, as atomic_writer names it: "." + ".nq.jsonl.staged" + ...
+                 out / "qa" / f".{data._staged(out / 'qa' / 'nq.jsonl').name}.k1ll3d03.tmp"]
     for p in leftovers:
         p.parent.mkdir(parents=True, exist_ok=True)
         p.write_bytes(b'{"id": "1", "contents": "half a li')
@@ -517,3 +519,15 @@ def test_a_parquet_row_without_metadata_benchmark_reads_as_its_jsonl_does(tmp_pa
     pq.write_table(pa.Table.from_pylist([{**rows[1], "data_source": 3}]), tmp_path / "bad.parquet")
     with pytest.raises(DataError, match="bad.parquet:1: field 'data_source' must be a string"):
         read_qa(tmp_path / "bad.parquet")
+
+
+def test_a_manifest_entry_that_is_not_an_object_is_one_error_naming_it(tmp_path):
+    """Such an entry (a manifest edited by hand) was an AttributeError traceback in the completeness check."""
+    out = tmp_path / "data"
+    out.mkdir()
+    (out / "manifest.json").write_text(json.dumps({"format": 1, "files": {"qa/nq.jsonl": "done"}}))
+    with pytest.raises(DataError, match="files.qa/nq.jsonl: expected an object, got a JSON str"):
+        download_data(out, "nq", corpus=False, download=no_network, log=lambda m: None)
+    (out / "manifest.json").write_text("[" * 100_000 + "]" * 100_000)  # nested past the parser's limit
+    with pytest.raises(DataError, match="unreadable manifest"):
+        download_data(out, "nq", corpus=False, download=no_network, dry_run=True, log=lambda m: None)

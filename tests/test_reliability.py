@@ -23,6 +23,7 @@ import re
 import shutil
 import signal
 import socket
+import stat
 import subprocess
 import sys
 import textwrap
@@ -221,6 +222,43 @@ def test_a_corrupt_line_before_the_last_is_an_error_naming_it(tmp_path):
     with pytest.raises(ValueError, match=re.escape(f"{path}:2: corrupt log line")):
         read_jsonl_log(path, repair=True)
     assert path.read_bytes() == b'{"round": 1}\n{"round": \n{"round": 1}\n'  # repair never hides corruption
+
+
+def test_a_line_nested_past_the_parsers_limit_is_corruption_named_by_line(tmp_path):
+    """json raises RecursionError, not JSONDecodeError, on such a line: it was a traceback."""
+    path = tmp_path / "steps.jsonl"
+    path.write_bytes(b'{"round": 1}\n' + b"[" * 100_000 + b"]" * 100_000 + b'\n{"round": 2}\n')
+    with pytest.raises(ValueError, match=re.escape(f"{path}:2: corrupt log line")):
+        read_jsonl_log(path)
+
+
+def test_a_write_or_a_new_log_syncs_its_directory_after_the_rename(tmp_path, monkeypatch):
+    """A rename (and a new file's name) lives in the directory: fsync of the file alone leaves it to
+    the kernel's writeback, so a power cut could lose a checkpoint a later, synced manifest names."""
+    synced: list[tuple[int, bool]] = []  # (inode, is a directory) of each fsync, in order
+    real = os.fsync
+
+    def recording(fd):
+        st = os.fstat(fd)
+        synced.append((st.st_ino, stat.S_ISDIR(st.st_mode)))
+        real(fd)
+
+    monkeypatch.setattr(os, "fsync", recording)
+    folder = tmp_path / "run"
+    write_json(folder / "manifest.json", {"round": 1})
+    assert synced[-1] == (folder.stat().st_ino, True) and (folder / "manifest.json").stat().st_ino in \
+        [ino for ino, is_dir in synced if not is_dir]
+    synced.clear()
+    append_jsonl(folder / "records" / "steps.jsonl", [{"round": 1}])  # a new log: its name too
+    assert synced == [((folder / "records" / "steps.jsonl").stat().st_ino, False),
+                      ((folder / "records").stat().st_ino, True)]
+    synced.clear()
+    append_jsonl(folder / "records" / "steps.jsonl", [{"round": 2}])  # an append: the file's fsync only
+    assert [is_dir for _, is_dir in synced] == [False]
+    synced.clear()
+    with atomic_writer(folder / "scratch.json", fsync=False) as fh:  # a writer that asked for no sync
+        fh.write("{}")
+    assert synced == []
 
 
 def _resume_cli(out: Path) -> list[str]:

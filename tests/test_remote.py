@@ -777,3 +777,76 @@ def test_a_server_that_names_its_stop_string_gets_the_action_a_local_backend_rea
         (traj,), = solver(f"{base}/v1", max_actions=1).answer(["q"], tool())
     first = parse_action(traj.trace.messages[2]["content"])
     assert (first.kind, first.content) == (kind, content)
+
+
+def _body(obj_or_bytes) -> httpx.Response:
+    raw = obj_or_bytes if isinstance(obj_or_bytes, bytes) else json.dumps(obj_or_bytes).encode()
+    return httpx.Response(200, stream=httpx.ByteStream(raw))
+
+
+def test_content_parts_are_the_reply_and_content_that_is_no_text_is_no_reply():
+    """A message whose content is a list of parts (Mistral's API) was read as "", as was content of
+    any other type (a number, an object): the question scored wrong, the judge cached an empty verdict."""
+    events: list[str] = []
+    client = ChatClient("http://fake/v1", "m", backoff=0.001, on_event=events.append)
+    parts = [{"type": "thinking", "thinking": [{"type": "text", "text": "hmm"}]},
+             {"type": "text", "text": "<answer> Paris"}, {"type": "text", "text": " </answer>"}]
+    _mock(client, [_body({"choices": [{"message": {"content": parts}, "finish_reason": "stop"}]})])
+    assert client.complete(HI) == "<answer> Paris </answer>"
+    # null content (a tool call, a reasoning model that ran out of tokens thinking) is an empty reply
+    _mock(client, [_body({"choices": [{"message": {"content": None}, "finish_reason": "length"}]})])
+    assert client.chat(HI)[0].text == "" and events.count("malformed_body") == 0
+    for content in (42, {"text": "x"}, [1, 2], [{"type": "text", "text": 7}]):
+        seen = _mock(client, [_body({"choices": [{"message": {"content": content}}]}), _ok("fine")])
+        assert client.complete(HI) == "fine" and len(seen) == 2  # retried, like any 200 that is no completion
+    assert events.count("malformed_body") == 4
+
+
+def test_a_body_nested_past_the_parsers_limit_is_a_malformed_reply_not_a_traceback():
+    """json raises RecursionError (no ValueError) on it: it escaped the client and ended the evaluation."""
+    deep = b"[" * 100_000 + b"]" * 100_000
+    client = ChatClient("http://fake/v1", "m", backoff=0.001)
+    seen = _mock(client, [_body(deep), _ok()])
+    assert client.complete(HI) == "ok" and len(seen) == 2
+    _mock(client, [lambda: httpx.Response(500, stream=httpx.ByteStream(deep))])  # read for its reason
+    with pytest.raises(CallFailed, match="HTTP 500"):
+        client.complete(HI)
+    _mock(client, [_body(deep)])
+    assert client.check() == []  # the probe's /models list
+
+
+def test_an_error_in_a_200_is_quoted_when_the_call_fails():
+    """A proxy answering 200 with `{"error": {...}}` failed as "HTTP 200 without a chat completion",
+    without the reason the warning and the stop after 16 failures promise."""
+    client = ChatClient("http://fake/v1", "m", max_retries=1, backoff=0.001, api_key="sk-SECRET-1")
+    _mock(client, [lambda: _body({"error": {"message": "quota exceeded for key sk-SECRET-1"}})])
+    with pytest.raises(CallFailed, match=r"HTTP 200 without a chat completion: quota exceeded for key \*\*\*$"):
+        client.complete(HI)
+
+
+def test_a_lone_surrogate_in_a_reply_is_replaced_so_the_reply_can_be_written(tmp_path):
+    """JSON can escape half a surrogate pair ("\\ud83d"): the text came through as such and failed every
+    later write of it (UnicodeEncodeError): the LLM judge's cache line was a traceback ending the audit."""
+    from selfevo.audit.llm_judge import LLMJudge
+
+    content = '{"reference": "1908", "quote": "He was born in 1908. \ud83d"}'  # a real lone surrogate
+    reply = {"model": "judge\ud83d", "choices": [{"message": {"content": content}, "finish_reason": "stop"}]}
+    raw = json.dumps(reply).encode()  # ensure_ascii: the lone surrogate as the escape \ud83d
+    assert b"\\ud83d" in raw
+    client = ChatClient("http://fake/v1", "m")
+    _mock(client, [lambda: _body(raw)])
+    (choice,) = client.chat(HI)
+    assert choice.text.endswith("1908. \ufffd\"}") and choice.model == "judge\ufffd"
+    assert choice.text.encode("utf-8")  # writable
+    _mock(client, [lambda: _error(400, "cannot tokenize \ud83d")])  # an error quoting it: printed, logged
+    with pytest.raises(CallFailed) as e:
+        client.complete(HI)
+    assert str(e.value).endswith("cannot tokenize \ufffd")
+
+    item = {"question": "In which year was Yeir Rukreist born?", "adopted_label": "1908", "responses": ["1908"] * 5,
+            "sources": [{"id": "d1", "text": "Yeir Rukreist is a person. He was born in 1908."}]}
+    judge = LLMJudge("http://fake/v1", "judge", cache_path=tmp_path / "cache.jsonl", backoff=0.001)
+    _mock(judge.client, [lambda: _body(raw)])
+    (verdict,) = judge.judge([item])
+    assert verdict.resolved is False and "quote not found" in verdict.reason  # the quote is not the source's
+    assert (tmp_path / "cache.jsonl").read_text(encoding="utf-8").count("\n") == 1

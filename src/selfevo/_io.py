@@ -45,6 +45,25 @@ def _named(e: OSError, path: Path) -> OSError:
     return e
 
 
+def fsync_directory(path: str | os.PathLike) -> None:
+    """Flush directory `path`'s entries to disk. A rename or a new file is a change to its directory,
+    not to the file: without this, after a power cut or an OS crash (not a kill: the kernel has it) the
+    file may be back under its old contents or gone, while a later file that names it (a manifest
+    naming a checkpoint) survived. A file system that cannot sync a directory is left as it is."""
+    flags = os.O_RDONLY | getattr(os, "O_DIRECTORY", 0)
+    try:
+        fd = os.open(path, flags)
+    except OSError:  # not POSIX (Windows opens no directory), or gone: nothing to flush here
+        return
+    try:
+        os.fsync(fd)
+    except OSError as e:
+        if e.errno not in (errno.EINVAL, errno.ENOTSUP, errno.EBADF):  # some network file systems
+            raise
+    finally:
+        os.close(fd)
+
+
 def _make_parent(path: Path) -> None:
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -68,6 +87,8 @@ def atomic_writer(path: str | os.PathLike, mode: str = "w", fsync: bool = True) 
             if fsync:
                 os.fsync(fh.fileno())
         os.replace(tmp, path)
+        if fsync:  # the rename is durable too, not only the bytes
+            fsync_directory(path.parent)
     except BaseException as e:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
@@ -136,6 +157,7 @@ def append_jsonl(path: str | os.PathLike, rows: Iterable[dict], fsync: bool = Tr
         return
     path = Path(path)
     _make_parent(path)
+    created = not path.exists()
     fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666)  # unbuffered: nothing is left to flush
     try:
         size = os.lseek(fd, 0, os.SEEK_END)
@@ -145,6 +167,8 @@ def append_jsonl(path: str | os.PathLike, rows: Iterable[dict], fsync: bool = Tr
                 view = view[os.write(fd, view):]
             if fsync:
                 os.fsync(fd)
+                if created:  # a new log's name is in its directory, which the file's fsync does not flush
+                    fsync_directory(path.parent)
         except OSError as e:
             with contextlib.suppress(OSError):
                 os.ftruncate(fd, size)
@@ -187,7 +211,7 @@ def read_jsonl_log(path: str | os.PathLike, repair: bool = False) -> list[dict]:
             break
         try:
             row = json.loads(line)
-        except (json.JSONDecodeError, UnicodeDecodeError):
+        except (json.JSONDecodeError, UnicodeDecodeError, RecursionError):  # RecursionError: absurd nesting
             if last:  # torn tail: no newline was written after it
                 if repair:
                     with open(path, "r+b") as fh:

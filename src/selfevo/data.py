@@ -410,10 +410,14 @@ def _load_manifest(out: Path) -> dict[str, Any]:
         return {"format": FORMAT, "files": {}}
     try:
         manifest = read_json(path)
-    except (OSError, ValueError) as e:
+    except (OSError, ValueError, RecursionError) as e:  # RecursionError: nested past the parser's limit
         raise DataError(path, None, f"unreadable manifest ({e}); delete it to start over") from None
     if not isinstance(manifest, dict) or not isinstance(manifest.get("files"), dict):
         raise DataError(path, None, "not a manifest written by `selfevo data download`; delete it to start over")
+    for rel, entry in manifest["files"].items():  # each is read as an object (`_complete`), else a traceback
+        if not isinstance(entry, dict):
+            raise DataError(path, None, f"files.{rel}: expected an object, got a JSON {type(entry).__name__} "
+                                        "(edited by hand?); delete it to start over")
     return manifest
 
 
@@ -529,7 +533,8 @@ def _download_data(out: Path, benchmarks, per_benchmark, seed, corpus, revision,
         # a kill inside an earlier conversion left its temp file beside the output (wiki-18: ~14 GB,
         # never read by anything) or the QA staging file: clear them, as a run's resume does
         dest = out / rel
-        remove_leftover_temps(dest.parent, dest.name)  # .staged's own temp files match too
+        remove_leftover_temps(dest.parent, dest.name)
+        remove_leftover_temps(dest.parent, _staged(dest).name)  # `..NAME.staged.XXXXXXXX.tmp`: its own name
         _staged(dest).unlink(missing_ok=True)
         entry = run()
         entry["request"] = request

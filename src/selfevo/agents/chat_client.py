@@ -33,6 +33,7 @@ from typing import Any
 import httpx
 from tenacity import Retrying, retry_if_exception_type, stop_after_attempt, stop_any, wait_exponential, wait_random
 
+from selfevo._io import encodable
 from selfevo.search.client import MAX_WAIT_S, retry_after_seconds
 
 _UNSET: Any = object()
@@ -123,13 +124,30 @@ def _error_message(r: httpx.Response) -> str:
     (`{"message"}`); "" if the body is neither."""
     try:
         body = r.json()
-    except ValueError:
+    except (ValueError, RecursionError):  # RecursionError: a body nested past the parser's limit
         return ""
     if not isinstance(body, dict):
         return ""
     error = body.get("error")
     message = error.get("message") if isinstance(error, dict) else body.get("message")
     return str(message) if message else ""
+
+
+def _content_text(content: object) -> str:
+    """A reply message's `content` as text: a string; null (nothing written: a tool call, a reasoning
+    model stopped while thinking) is ""; a list of content parts (some APIs answer a reasoning model
+    so, its thinking in parts of another type) is the text of its text parts, in order. Anything else
+    raises TypeError (no chat completion): read as "", a reply would be scored, and cached by the
+    judge, as an empty answer."""
+    if isinstance(content, str):
+        return content
+    if content is None:
+        return ""
+    if isinstance(content, list) and all(isinstance(part, dict) for part in content):
+        texts = [part.get("text") for part in content if part.get("type", "text") == "text"]
+        if all(isinstance(t, str) for t in texts):
+            return "".join(texts)
+    raise TypeError(f"message content is a {type(content).__name__}, not text")
 
 
 class ChatClient:
@@ -184,7 +202,7 @@ class ChatClient:
     def _said(self, r: httpx.Response, or_body: bool = False) -> str:
         """What an error reply says (its message; with `or_body`, else its body), without the key (a
         server may quote the key it refuses), then cut to 200 characters."""
-        return self._scrub(_error_message(r) or (_body_text(r.text) if or_body else ""))[:200]
+        return encodable(self._scrub(_error_message(r) or (_body_text(r.text) if or_body else "")))[:200]
 
     def __repr__(self) -> str:  # never the key
         return f"ChatClient({self.endpoint!r}, model={self.model!r})"
@@ -270,20 +288,24 @@ class ChatClient:
         try:
             data = r.json()
             choices = data["choices"]
-            named = data.get("model") if isinstance(data.get("model"), str) else None
+            # every text as UTF-8 can carry it: JSON can escape a lone surrogate, which then fails every
+            # write of it (the judge's cache line, a record), far from here
+            named = encodable(data["model"]) if isinstance(data.get("model"), str) else None
             out = []
             for c in choices:
-                content = c["message"]["content"]
+                content = encodable(_content_text(c["message"]["content"]))
                 stop_reason = c.get("stop_reason")  # vLLM: a stop string, a token id (int) or None
-                out.append(Choice(content if isinstance(content, str) else "",
+                out.append(Choice(content,
                                   openai_finish_reason(c.get("finish_reason")),
-                                  stop_reason if isinstance(stop_reason, str) else None, named))
+                                  encodable(stop_reason) if isinstance(stop_reason, str) else None, named))
             if not out:
                 raise ValueError("no choices")
-        except (ValueError, KeyError, IndexError, TypeError, AttributeError):
-            # a 200 that is no chat completion (a proxy's error page, a broken server)
+        except (ValueError, KeyError, IndexError, TypeError, AttributeError, RecursionError):
+            # a 200 that is no chat completion (a proxy's error page, a broken server; RecursionError:
+            # a body nested past the parser's limit); an error it carries is what a warning quotes
             self._event("malformed_body")
-            raise _Retryable("HTTP 200 without a chat completion") from None
+            said = self._said(r)
+            raise _Retryable(f"HTTP 200 without a chat completion{f': {said}' if said else ''}") from None
         if named is not None:
             with self._models_lock:
                 self.reply_models[named] += 1
@@ -340,5 +362,5 @@ class ChatClient:
             return []
         try:
             return [str(m["id"]) for m in r.json()["data"]]
-        except (ValueError, KeyError, TypeError):
+        except (ValueError, KeyError, TypeError, RecursionError):
             return []
