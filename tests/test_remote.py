@@ -18,7 +18,7 @@ from _shared import CORPUS, QA_DIR
 from typer.testing import CliRunner
 
 from selfevo.agents import load_agent
-from selfevo.agents.chat_client import CallFailed, ChatClient, EndpointError
+from selfevo.agents.chat_client import CallFailed, ChatClient, EndpointError, shown_url
 from selfevo.agents.lm.model import GarbageBody, ScriptedModel
 from selfevo.agents.lm.protocol import BUDGET_SPENT, CORRECTIVE, STOP_STRINGS
 from selfevo.agents.lm.server import make_app
@@ -367,6 +367,22 @@ def test_a_wrong_key_raises_at_once_and_never_leaks(monkeypatch):
             solver(base, api_key="right-key").answer(["q"], tool())
     with pytest.raises(ValueError, match="cannot connect"):  # the server is gone
         load_agent(f"remote:scripted@{url}")
+
+
+def test_credentials_in_the_endpoint_url_are_never_shown_or_written():
+    """`https://user:KEY@host/v1` (httpx sends it as basic auth) was written as typed into the agent's
+    name and score.json's agent_detail, and quoted by errors; the key from the environment never is."""
+    assert shown_url("https://user:k3y@host:8000/v1") == "https://***@host:8000/v1"
+    assert shown_url("https://tok@host/v1") == "https://***@host/v1"
+    assert shown_url("http://127.0.0.1:8000/v1") == "http://127.0.0.1:8000/v1"
+    model = recording(searcher)
+    with serve_app(make_app(model, api_key="right-key")) as base:  # refuses the basic auth: a 401
+        s = solver(base.replace("://", "://user:url-secret@") + "/v1", concurrency=1)
+        with pytest.raises(EndpointError) as e:
+            s.answer(["q"], tool())
+        assert "401" in str(e.value) and "url-secret" not in str(e.value)
+        shown = s.name + repr(s) + repr(s.client) + json.dumps(s.describe())
+        assert "url-secret" not in shown and "***@" in s.name and model.calls == []
 
 
 def test_remote_spec():

@@ -42,6 +42,13 @@ RETRIED_STATUS = (408, 409, 425, 429)
 MAX_FAILED_IN_A_ROW = 16  # `FailureStreak`'s default limit
 
 
+def shown_url(url: str) -> str:
+    """`url` as records and logs may show it: credentials in it (`https://user:KEY@host/v1`, which
+    httpx sends as basic auth) become `***`, as the API key from the environment is never written."""
+    parts = httpx.URL(url)
+    return str(parts.copy_with(userinfo=b"***")) if parts.userinfo else url
+
+
 class FailureStreak:
     """Calls that failed for good (after their retries) with no reply between them, counted across a
     caller's threads. Past `limit` the endpoint is taken for one that does not answer (a dead server,
@@ -175,7 +182,7 @@ class ChatClient:
         except httpx.InvalidURL as e:
             raise EndpointError(f"{url}: not a valid URL ({e})") from None
         if parsed.scheme not in ("http", "https") or not parsed.host:
-            raise EndpointError(f"{url}: not an http(s) URL with a host, e.g. http://127.0.0.1:8000/v1")
+            raise EndpointError(f"{shown_url(url)}: not an http(s) URL with a host, e.g. http://127.0.0.1:8000/v1")
         self.base_url = url.removesuffix("/chat/completions")
         self.endpoint = f"{self.base_url}/chat/completions"
         self.model, self.max_retries, self.timeout = model, max_retries, timeout
@@ -183,6 +190,7 @@ class ChatClient:
                          "stop": ([stop] if isinstance(stop, str) else list(stop)) if stop else None,
                          "json_mode": json_mode}
         self._key_env, self._hint_404, self._key = key_env, hint_404, api_key
+        self._userinfo = parsed.userinfo.decode("utf-8", "replace")  # credentials in the URL: scrubbed too
         self._expo = wait_exponential(multiplier=backoff, max=max_backoff) + wait_random(0, backoff)  # with jitter
         self._event = on_event or (lambda _: None)
         # the model each reply names, so that records can say which model answered whatever name was
@@ -196,8 +204,11 @@ class ChatClient:
         self._http = httpx.Client(timeout=httpx.Timeout(timeout), headers=headers)
 
     def _scrub(self, text: str) -> str:
-        """`text` without the key (an exception's text may quote a request header)."""
-        return text.replace(self._key, "***") if self._key else text
+        """`text` without the key (an exception's text may quote a request header) or the URL's
+        credentials (an error quotes the URL)."""
+        for secret in (self._key, self._userinfo):
+            text = text.replace(secret, "***") if secret else text
+        return text
 
     def _said(self, r: httpx.Response, or_body: bool = False) -> str:
         """What an error reply says (its message; with `or_body`, else its body), without the key (a
@@ -205,7 +216,7 @@ class ChatClient:
         return encodable(self._scrub(_error_message(r) or (_body_text(r.text) if or_body else "")))[:200]
 
     def __repr__(self) -> str:  # never the key
-        return f"ChatClient({self.endpoint!r}, model={self.model!r})"
+        return f"ChatClient({shown_url(self.endpoint)!r}, model={self.model!r})"
 
     def close(self) -> None:
         self._http.close()
@@ -230,7 +241,7 @@ class ChatClient:
         self._check_refused(r)
         if r.status_code == 404:  # a wrong path, or (vLLM, OpenAI, serve-model --served-model-name) model
             said = self._said(r)
-            raise EndpointError(f"{self.endpoint}: HTTP 404{f': {said}' if said else ''} ({self._hint_404})")
+            raise EndpointError(f"{shown_url(self.endpoint)}: HTTP 404{f': {said}' if said else ''} ({self._hint_404})")
         if r.status_code >= 400:  # not retried: the same request gets the same answer
             raise CallFailed(f"HTTP {r.status_code} (not retried): {self._said(r, or_body=True)}")
 
@@ -239,10 +250,10 @@ class ChatClient:
         the key is refused, or the URL redirects (never followed: a redirect's body is no reply)."""
         if r.status_code in (401, 403):
             said = self._said(r)
-            raise EndpointError(f"{r.request.url}: HTTP {r.status_code}{f': {said}' if said else ''} "
+            raise EndpointError(f"{shown_url(str(r.request.url))}: HTTP {r.status_code}{f': {said}' if said else ''} "
                                 f"(is {self._key_env} set correctly?)")
         if 300 <= r.status_code < 400:
-            raise EndpointError(f"{r.request.url}: HTTP {r.status_code}, redirected to "
+            raise EndpointError(f"{shown_url(str(r.request.url))}: HTTP {r.status_code}, redirected to "
                                 f"{r.headers.get('location', '(no Location)')}: give the URL the endpoint redirects to")
 
     def body(self, messages: Sequence[dict], n: int = 1, **overrides: Any) -> dict:

@@ -34,7 +34,14 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 
 from selfevo.agents.base import Trajectory
-from selfevo.agents.chat_client import MAX_FAILED_IN_A_ROW, CallFailed, ChatClient, EndpointError, FailureStreak
+from selfevo.agents.chat_client import (
+    MAX_FAILED_IN_A_ROW,
+    CallFailed,
+    ChatClient,
+    EndpointError,
+    FailureStreak,
+    shown_url,
+)
 from selfevo.agents.lm.protocol import STOP_STRINGS, solver_messages
 from selfevo.agents.lm.rollout import run_rollouts
 from selfevo.loop.schedule import derive_seed
@@ -74,7 +81,7 @@ class RemoteSolver:
             raise ValueError(f"concurrency: must be >= 1, got {concurrency}")
         if max_actions < 1:
             raise ValueError(f"max_actions: must be >= 1, got {max_actions}")
-        self.name = f"remote:{model}@{url}"
+        self.name = f"remote:{model}@{shown_url(url)}"  # in score.json and logs: no password
         self.url, self.model = url, model
         self.temperature, self.top_p = temperature, top_p
         self.max_tokens, self.max_actions, self.concurrency = max_tokens, max_actions, concurrency
@@ -94,7 +101,7 @@ class RemoteSolver:
                                  on_event=lambda what: self._count(_EVENTS.get(what, what)))
 
     def __repr__(self) -> str:  # never the key
-        return f"RemoteSolver({self.url!r}, model={self.model!r})"
+        return f"RemoteSolver({shown_url(self.url)!r}, model={self.model!r})"
 
     def _count(self, what: str, n: int = 1) -> None:
         with self._lock:
@@ -116,7 +123,7 @@ class RemoteSolver:
 
     def describe(self) -> dict:
         """Settings and counters, for a run's records (no API key, only whether one is set)."""
-        return {"agent": self.name, "url": self.url, "model": self.model,
+        return {"agent": self.name, "url": shown_url(self.url), "model": self.model,
                 "api_key": "set" if self._has_key else "unset", "temperature": self.temperature,
                 "top_p": self.top_p, "max_tokens": self.max_tokens, "max_actions": self.max_actions,
                 "stop": list(STOP_STRINGS), "concurrency": self.concurrency,
@@ -127,7 +134,7 @@ class RemoteSolver:
 
     def _check_answering(self) -> None:
         if (broken := self.streak.broken()) is not None:
-            raise EndpointError(f"{self.url}: {broken}; the endpoint is not answering")
+            raise EndpointError(f"{shown_url(self.url)}: {broken}; the endpoint is not answering")
 
     # -------------------------------------------------------------- generation
     def _generate(self, conversations: list[list[dict]], seed: int | None, greedy: bool) -> list[tuple[str, str]]:

@@ -62,7 +62,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
 
 from selfevo._io import append_jsonl, read_jsonl_log
-from selfevo.agents.chat_client import CallFailed, ChatClient, EndpointError, FailureStreak
+from selfevo.agents.chat_client import CallFailed, ChatClient, EndpointError, FailureStreak, shown_url
 from selfevo.agents.lm.model import messages_digest
 from selfevo.audit.judges import Verdict
 from selfevo.evaluate import answers_match, normalize_answer
@@ -414,7 +414,7 @@ class LLMJudge:
 
     def _check_answering(self) -> None:
         if (broken := self.streak.broken()) is not None:
-            raise JudgeError(f"{self.url}: {broken}; the judge endpoint is not answering")
+            raise JudgeError(f"{shown_url(self.url)}: {broken}; the judge endpoint is not answering")
 
     def _stands(self, row: dict) -> bool:
         """Whether a stored call answers for this judge now. The key names the model asked for, which
@@ -454,7 +454,8 @@ class LLMJudge:
 
     def describe(self) -> dict:
         """Settings and summary, for the audit's judge.json (no API key, only whether one was set)."""
-        return {"judge": self.name, "url": self.url, **self._settings, "api_key": "set" if self._has_key else "unset",
+        return {"judge": self.name, "url": shown_url(self.url), **self._settings,
+                "api_key": "set" if self._has_key else "unset",
                 "concurrency": self.concurrency, "max_retries": self.client.max_retries,
                 "malformed_retries": self.malformed_retries, "cache": str(self.cache.path) if self.cache.path else None,
                 # the models the endpoint lists, and the model named by each reply this run used:
