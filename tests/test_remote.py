@@ -17,8 +17,9 @@ from _servers import serve_app
 from _shared import CORPUS, QA_DIR
 from typer.testing import CliRunner
 
+from selfevo._io import shown_url
 from selfevo.agents import load_agent
-from selfevo.agents.chat_client import CallFailed, ChatClient, EndpointError, shown_url
+from selfevo.agents.chat_client import CallFailed, ChatClient, EndpointError
 from selfevo.agents.lm.model import GarbageBody, ScriptedModel
 from selfevo.agents.lm.protocol import BUDGET_SPENT, CORRECTIVE, STOP_STRINGS
 from selfevo.agents.lm.server import make_app
@@ -375,6 +376,7 @@ def test_credentials_in_the_endpoint_url_are_never_shown_or_written():
     assert shown_url("https://user:k3y@host:8000/v1") == "https://***@host:8000/v1"
     assert shown_url("https://tok@host/v1") == "https://***@host/v1"
     assert shown_url("http://127.0.0.1:8000/v1") == "http://127.0.0.1:8000/v1"
+    assert shown_url("remote:org/m@https://u:k@h/v1") == "remote:org/m@https://***@h/v1"  # score.json's run.agent
     model = recording(searcher)
     with serve_app(make_app(model, api_key="right-key")) as base:  # refuses the basic auth: a 401
         s = solver(base.replace("://", "://user:url-secret@") + "/v1", concurrency=1)

@@ -28,6 +28,17 @@ os.umask(_UMASK)
 _SURROGATE = re.compile("[\ud800-\udfff]")
 
 
+# the userinfo of an http(s) URL: `user:KEY@`
+_CREDENTIALS = re.compile(r"(https?://)[^/@\s]+@", re.IGNORECASE)
+
+
+def shown_url(text: str) -> str:
+    """`text` (a URL, or an agent spec `remote:MODEL@URL`) as records and logs may show it: credentials
+    in a URL (`https://user:KEY@host/v1`, which httpx sends as basic auth) become `***`, as the API
+    key from the environment is never written."""
+    return _CREDENTIALS.sub(r"\1***@", text)
+
+
 def encodable(text: str) -> str:
     """A model's text as a file or a request can carry it: a lone surrogate (no character, so no
     UTF-8; a remote endpoint's JSON can escape one) becomes U+FFFD. Kept, it fails every write of it."""

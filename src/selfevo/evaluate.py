@@ -30,7 +30,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from selfevo._fmt import num
-from selfevo._io import append_jsonl, encodable, hold_directory, read_jsonl_log, write_json, write_jsonl
+from selfevo._io import append_jsonl, encodable, hold_directory, read_jsonl_log, shown_url, write_json, write_jsonl
 from selfevo.corpus import DataError, _require_str, iter_json_lines, read_qa_dir
 from selfevo.records import QAItem
 
@@ -466,7 +466,7 @@ def _run_eval(data_dir, corpus, agent, out_dir: Path, limit, retriever_url, inde
                                   options=dense_options, progress=progress)
     tool = SearchTool(retriever, topk=3, max_calls=5)  # paper: identical budget for every row
     run_info = {
-        "agent": agent,
+        "agent": shown_url(agent),  # score.json's: a remote endpoint's credentials are not written
         "data_dir": str(data_dir),
         "corpus": None if retriever_url or corpus is None else str(corpus),
         "retriever_url": retriever_url,

@@ -33,20 +33,13 @@ from typing import Any
 import httpx
 from tenacity import Retrying, retry_if_exception_type, stop_after_attempt, stop_any, wait_exponential, wait_random
 
-from selfevo._io import encodable
+from selfevo._io import encodable, shown_url
 from selfevo.search.client import MAX_WAIT_S, retry_after_seconds
 
 _UNSET: Any = object()
 # besides 5xx: a proxy's request timeout, a conflict, "too early", rate limiting (as openai-python)
 RETRIED_STATUS = (408, 409, 425, 429)
 MAX_FAILED_IN_A_ROW = 16  # `FailureStreak`'s default limit
-
-
-def shown_url(url: str) -> str:
-    """`url` as records and logs may show it: credentials in it (`https://user:KEY@host/v1`, which
-    httpx sends as basic auth) become `***`, as the API key from the environment is never written."""
-    parts = httpx.URL(url)
-    return str(parts.copy_with(userinfo=b"***")) if parts.userinfo else url
 
 
 class FailureStreak:

@@ -33,6 +33,7 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 
+from selfevo._io import shown_url
 from selfevo.agents.base import Trajectory
 from selfevo.agents.chat_client import (
     MAX_FAILED_IN_A_ROW,
@@ -40,7 +41,6 @@ from selfevo.agents.chat_client import (
     ChatClient,
     EndpointError,
     FailureStreak,
-    shown_url,
 )
 from selfevo.agents.lm.protocol import STOP_STRINGS, solver_messages
 from selfevo.agents.lm.rollout import run_rollouts

@@ -61,8 +61,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
 
-from selfevo._io import append_jsonl, read_jsonl_log
-from selfevo.agents.chat_client import CallFailed, ChatClient, EndpointError, FailureStreak, shown_url
+from selfevo._io import append_jsonl, read_jsonl_log, shown_url
+from selfevo.agents.chat_client import CallFailed, ChatClient, EndpointError, FailureStreak
 from selfevo.agents.lm.model import messages_digest
 from selfevo.audit.judges import Verdict
 from selfevo.evaluate import answers_match, normalize_answer
