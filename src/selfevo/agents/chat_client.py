@@ -21,8 +21,6 @@ without being shown, and error texts are scrubbed of it.
 
 from __future__ import annotations
 
-import html
-import re
 import threading
 import time
 from collections import Counter
@@ -34,7 +32,7 @@ import httpx
 from tenacity import Retrying, retry_if_exception_type, stop_after_attempt, stop_any, wait_exponential, wait_random
 
 from selfevo._io import encodable, shown_url
-from selfevo.search.client import MAX_WAIT_S, retry_after_seconds
+from selfevo.search.client import MAX_WAIT_S, body_text, retry_after_seconds
 
 _UNSET: Any = object()
 # besides 5xx: a proxy's request timeout, a conflict, "too early", rate limiting (as openai-python)
@@ -106,17 +104,6 @@ def openai_finish_reason(reason: object) -> str:
     return "stop" if reason in _STOPPED else reason
 
 
-
-
-_TITLE = re.compile(r"<title[^>]*>(.*?)</title>", re.IGNORECASE | re.DOTALL)
-_TAG = re.compile(r"<[^>]*>")
-
-
-def _body_text(text: str) -> str:
-    """An error body that is no JSON error, as one line: an HTML page's title (a proxy's
-    "502 Bad Gateway", whose page is mostly markup), else the text without tags."""
-    title = _TITLE.search(text)
-    return " ".join(html.unescape(title.group(1) if title else _TAG.sub(" ", text)).split())
 
 
 def _error_message(r: httpx.Response) -> str:
@@ -206,7 +193,7 @@ class ChatClient:
     def _said(self, r: httpx.Response, or_body: bool = False) -> str:
         """What an error reply says (its message; with `or_body`, else its body), without the key (a
         server may quote the key it refuses), then cut to 200 characters."""
-        return encodable(self._scrub(_error_message(r) or (_body_text(r.text) if or_body else "")))[:200]
+        return encodable(self._scrub(_error_message(r) or (body_text(r.text) if or_body else "")))[:200]
 
     def __repr__(self) -> str:  # never the key
         return f"ChatClient({shown_url(self.endpoint)!r}, model={self.model!r})"

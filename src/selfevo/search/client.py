@@ -65,13 +65,14 @@ def retry_after_seconds(value: str | None) -> float | None:
 
 
 _TITLE = re.compile(r"<title[^>]*>(.*?)</title>", re.IGNORECASE | re.DOTALL)
+_TAG = re.compile(r"<[^>]*>")
 
 
-def _one_line(text: str) -> str:
-    """An error body as one line for the error message: an HTML page's title (a proxy's "502 Bad
-    Gateway", whose page is mostly markup and line breaks), else the text with its whitespace collapsed."""
+def body_text(text: str) -> str:
+    """An error body that is no JSON error, as one line for an error message: an HTML page's title (a
+    proxy's "502 Bad Gateway", whose page is mostly markup and line breaks), else the text without tags."""
     title = _TITLE.search(text)
-    return " ".join(html.unescape(title.group(1)).split()) if title else " ".join(text.split())
+    return " ".join(html.unescape(title.group(1) if title else _TAG.sub(" ", text)).split())
 
 
 class RetrieverClient:
@@ -119,7 +120,7 @@ class RetrieverClient:
                         raise RetrieverError(f"{method} {url}: response is not JSON: "
                                              f"{resp.text[:200]!r}") from None
                 if resp.status_code not in _RETRY_STATUS or last:
-                    raise RetrieverError(f"{method} {url}: HTTP {resp.status_code}: {_one_line(resp.text)[:500]}")
+                    raise RetrieverError(f"{method} {url}: HTTP {resp.status_code}: {body_text(resp.text)[:500]}")
                 asked = retry_after_seconds(resp.headers.get("retry-after"))
             time.sleep(min(max(self.backoff_s * 2**attempt, asked or 0.0), MAX_WAIT_S))
         raise AssertionError("unreachable")
