@@ -32,6 +32,9 @@ class DataError(ValueError):
         super().__init__(f"{where}: {message}")
 
 
+GZIP_MAGIC = b"\x1f\x8b"  # a gzip stream's first two bytes
+
+
 def iter_json_lines(path: str | os.PathLike) -> Iterator[tuple[int, dict[str, Any]]]:
     """Yield (line number, object) for every non-blank line; bytes are decoded per line so a
     bad byte is reported where it is."""
@@ -43,7 +46,7 @@ def iter_json_lines(path: str | os.PathLike) -> Iterator[tuple[int, dict[str, An
     except OSError as e:  # a directory, no permission
         raise DataError(path, None, f"cannot read: {e.strerror}") from None
     with fh:
-        gzipped = fh.read(2) == b"\x1f\x8b"  # by content, whatever the name: a gzip stream is read through
+        gzipped = fh.read(2) == GZIP_MAGIC  # by content, whatever the name: a gzip stream is read through
         fh.seek(0)
         lines = gzip.GzipFile(fileobj=fh) if gzipped else fh
         lineno = 0
@@ -129,11 +132,15 @@ def corpus_documents(path: str | os.PathLike) -> Iterator[Document]:
         raise DataError(path, None, "corpus is empty")
 
 
-def count_lines(path: str | os.PathLike) -> int:
+def count_lines(path: str | os.PathLike) -> int | None:
     """Lines in a file, read in 16 MiB chunks and never parsed: a corpus's document count, for a
-    progress bar's total (a blank line counts too)."""
+    progress bar's total (a blank line counts too). None for a gzip stream: its compressed bytes'
+    line breaks are not its lines, and counting those would mean decompressing it."""
     lines, last = 0, b"\n"
     with open(path, "rb") as fh:
+        if fh.read(2) == GZIP_MAGIC:
+            return None
+        fh.seek(0)
         while chunk := fh.read(1 << 24):
             lines += chunk.count(b"\n")
             last = chunk[-1:]

@@ -170,7 +170,6 @@ class ChatClient:
                          "stop": ([stop] if isinstance(stop, str) else list(stop)) if stop else None,
                          "json_mode": json_mode}
         self._key_env, self._hint_404, self._key = key_env, hint_404, api_key
-        self._userinfo = parsed.userinfo.decode("utf-8", "replace")  # credentials in the URL: scrubbed too
         self._expo = wait_exponential(multiplier=backoff, max=max_backoff) + wait_random(0, backoff)  # with jitter
         self._event = on_event or (lambda _: None)
         # the model each reply names, so that records can say which model answered whatever name was
@@ -186,9 +185,7 @@ class ChatClient:
     def _scrub(self, text: str) -> str:
         """`text` without the key (an exception's text may quote a request header) or the URL's
         credentials (an error quotes the URL)."""
-        for secret in (self._key, self._userinfo):
-            text = text.replace(secret, "***") if secret else text
-        return text
+        return shown_url(text.replace(self._key, "***") if self._key else text)
 
     def _said(self, r: httpx.Response, or_body: bool = False) -> str:
         """What an error reply says (its message; with `or_body`, else its body), without the key (a

@@ -2,7 +2,7 @@
 
 Proposer (the frontier reward). A completion's last action is read as the loop's proposer reads
 it (`protocol.parse_proposer_action`: no answer action, no final question) and parsed with the Dr. Zero
-rules (`protocol.parse_proposal`, `check_proposal`); a malformed one earns `-format_penalty` and is
+rules (`protocol.read_proposal`); a malformed one earns `-format_penalty` and is
 neither graded nor admitted. A well-formed one is routed by its lineage to the grader its
 treatment allows (`routing.route`: coupled -> the main solver after the previous round; CrossFit ->
 the auxiliary solver of another fold), which answers it `samples` times (5; temperature 0.8, top-p
@@ -41,10 +41,9 @@ from selfevo._io import append_jsonl, read_json
 from selfevo.agents.lm.protocol import (
     BUDGET_SPENT,
     CORRECTIVE,
-    check_proposal,
     parse_action,
-    parse_proposal,
     parse_proposer_action,
+    read_proposal,
 )
 from selfevo.algos import frontier_reward
 from selfevo.evaluate import answers_match
@@ -154,9 +153,7 @@ class FrontierReward:
             # an answer (`parse_proposer_action`), else the proposal is "no final question" (a rollout that
             # never answered: TRL's `final` is '', verl's last turn a search)
             action = parse_proposer_action(s.text)
-            final = action.content if action.kind == "answer" else ""
-            question, label = parse_proposal(final)
-            error = "no final question" if not final else check_proposal(question, label)
+            question, label, error = read_proposal(action.content if action.kind == "answer" else "")
             item_id = s.item_id or self._item_id(s, step, i)
             if error is not None:
                 rewards[i] = -self.format_penalty

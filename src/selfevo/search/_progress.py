@@ -11,17 +11,10 @@ from selfevo.corpus import count_lines
 T = TypeVar("T")
 
 
-def is_gzip(path: str | os.PathLike) -> bool:
-    """Whether `path` is a gzip stream (by content, as the corpus reader tells)."""
-    with open(path, "rb") as fh:
-        return fh.read(2) == b"\x1f\x8b"
-
-
 def corpus_total(path: str | os.PathLike, show: bool) -> int | None:
     """The total of a build's bar over the corpus file `path`: its lines, counted (no parse) only
-    when the bar is shown; none (the bar counts) for a gzipped corpus, whose compressed bytes' line
-    breaks are not its lines."""
-    return count_lines(path) if show and not is_gzip(path) else None
+    when the bar is shown; none (the bar counts) for a gzipped corpus (`count_lines`)."""
+    return count_lines(path) if show else None
 
 
 def ticked(items: Iterable[T], advance: Callable[[int], None], every: int = 10_000) -> Iterator[T]:

@@ -26,7 +26,7 @@ import numpy as np
 from selfevo._io import atomic_writer, file_sha256
 from selfevo.corpus import corpus_documents, count_lines
 from selfevo.search._manifest import MANIFEST
-from selfevo.search._progress import ProgressBar, is_gzip, ticked
+from selfevo.search._progress import ProgressBar, ticked
 from selfevo.search.bm25 import BM25Index
 from selfevo.search.dense import (
     VECTORS_FILE,
@@ -158,7 +158,8 @@ def _adopt(faiss_file, corpus, out, encoder: Encoder, check: int, progress: bool
         raise ValueError(f"{faiss_file}: vectors of dimension {source.d}, but {encoder.model!r} makes {encoder.dim}")
     # early, before the passages are stored; a gzipped corpus (read through, as every command reads it)
     # has no line count short of decompressing it: the count of stored passages below decides
-    if not is_gzip(corpus) and count_lines(corpus) < source.ntotal:
+    lines = count_lines(corpus)
+    if lines is not None and lines < source.ntotal:
         raise ValueError(f"{faiss_file}: {source.ntotal:,} vectors, more than {corpus} has lines: not its corpus")
     out.mkdir(parents=True, exist_ok=True)
     with ProgressBar(progress, source.ntotal, "storing the corpus's passages") as advance:

@@ -14,10 +14,9 @@ from collections.abc import Sequence
 from selfevo.agents.base import Proposal, Trajectory
 from selfevo.agents.lm.policy import LMPolicy
 from selfevo.agents.lm.protocol import (
-    check_proposal,
-    parse_proposal,
     parse_proposer_action,
     proposer_messages,
+    read_proposal,
     sample_hops,
     scaffolded,
     solver_messages,
@@ -139,8 +138,7 @@ class LMProposer:
                                 seed=derive_seed(seed, "proposer"), parse=parse_proposer_action)
         out = []
         for (doc, hops), ro in zip(picks, rollouts):
-            question, answer = parse_proposal(ro.final)
-            error = "no final question" if not ro.final else check_proposal(question, answer)
+            question, answer, error = read_proposal(ro.final)
             read = tuple(dict.fromkeys([doc.id, *ro.read]))
             out.append(Proposal(question, answer, doc.id, read, hops, trace=ro, format_error=error))
         return out

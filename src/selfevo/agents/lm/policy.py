@@ -226,8 +226,6 @@ class LMPolicy:
         """Refuse, before any rollout, a chat template the training mask cannot be placed on (see
         `rl.content_spans`): the update would otherwise fail only after the round's first rollouts
         and grading. A conversation of the rollouts' shape, thinking included."""
-        if getattr(self, "_template_checked", False):
-            return
         probe = [{"role": "system", "content": "S"}, {"role": "user", "content": "Question: q?"},
                  {"role": "assistant", "content": "<think> t </think>\n<search> q </search>"},
                  {"role": "user", "content": "<information>Doc 1 (Title: T) text</information>"},
@@ -236,7 +234,6 @@ class LMPolicy:
             encode_conversation(self.tokenizer, probe)
         except ValueError as e:
             raise ValueError(f"lm.model {self.cfg.model!r}: its chat template cannot be trained on: {e}") from None
-        self._template_checked = True
 
     def _optimizer(self, name: str):
         import torch

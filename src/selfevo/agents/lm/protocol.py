@@ -178,3 +178,11 @@ def check_proposal(question: str, answer: str, max_answer_words: int = MAX_ANSWE
     if mentions(question, answer):
         return "answer in question"
     return None
+
+
+def read_proposal(final: str) -> tuple[str, str, str | None]:
+    """`(question, answer, format error or None)` from the proposer's final turn; no final turn ('': a
+    rollout that never answered) is "no final question". The loop's proposer and the TRL/verl reward
+    both judge a proposal by this."""
+    question, answer = parse_proposal(final)
+    return question, answer, "no final question" if not final else check_proposal(question, answer)
