@@ -161,7 +161,7 @@ def main() -> None:
              f"(runs: {', '.join(f'{w:.0f}' for w in walls)} s). Target: under 3 minutes.  ",
              f"Report files: {', '.join(f'{k} ({v // 1024} KiB)' for k, v in sorted(sizes.items()))}.  ",
              *([f"Fresh clone of HEAD → the README's first command as written (`{main_job}`: venv, "
-                "torch's CPU wheel, the package and its dependencies, `selfevo demo`, report in runs/demo): "
+                "the package and its dependencies, `selfevo demo`, report in runs/demo): "
                 f"**{statistics.median(clones):.0f} s** median (runs: {', '.join(f'{w:.0f}' for w in clones)} s; "
                 "pip takes wheels from this machine's local wheel directory and file indexes (its pip config) "
                 "where they are there; a machine that downloads every wheel takes longer). Target: under "

@@ -4,6 +4,9 @@ conditions), and the plan's validation."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 from typer.testing import CliRunner
@@ -49,12 +52,39 @@ def test_plan_validation(tmp_path):
     assert DemoPlan(run={"loop": {"rounds": 2}}).overrides() == ["loop.rounds=2", 'world.name="default"']
 
 
-def test_demo_end_to_end(tmp_path):
+# A Python started with this directory first on its path cannot import torch: the README's first
+# command installs no torch, so the main job must not need it (nor its worker processes, which
+# inherit PYTHONPATH).
+NO_TORCH = """import sys
+
+
+class _NoTorch:
+    def find_spec(self, name, path=None, target=None):
+        if name.partition(".")[0] == "torch":
+            raise ModuleNotFoundError("No module named 'torch' (blocked by the test)", name=name)
+        return None
+
+
+sys.meta_path.insert(0, _NoTorch())
+"""
+
+
+def _demo_without_torch(tmp_path, *args):
+    block = tmp_path / "no_torch"
+    block.mkdir(exist_ok=True)
+    (block / "sitecustomize.py").write_text(NO_TORCH)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(block), *sys.path])}
+    return subprocess.run([sys.executable, "-m", "selfevo.cli", "demo", *args], env=env, capture_output=True,
+                          text=True, timeout=600)
+
+
+def test_demo_end_to_end_without_torch(tmp_path):
     cfg = tmp_path / "demo.toml"
     cfg.write_text(SMALL_DEMO)
     out = tmp_path / "demo"
-    result = CliRunner().invoke(app, ["demo", "--config", str(cfg), "--out", str(out), "--workers", "1"])
-    assert result.exit_code == 0, result.output
+    args = ["--config", str(cfg), "--out", str(out), "--workers", "1"]
+    result = _demo_without_torch(tmp_path, *args)
+    assert result.returncode == 0, result.stdout + result.stderr
     res = json.loads((out / "results.json").read_text())
     assert res["treatments"] == ["coupled", "crossfit"] and res["seeds"] == [0]
     assert set(res["replay"]["conditions"]) == {"coupled", "source-id"}
@@ -62,12 +92,21 @@ def test_demo_end_to_end(tmp_path):
     html = (out / "report.html").read_text()
     assert html.count("data:image/png;base64,") == 4  # steps, rounds, replay bars, cost
     assert "Fixed replay bank" in (out / "report.md").read_text()
-    assert "Downstream" in result.output and "report:" in result.output
+    assert "Downstream" in result.stdout and "report:" in result.stdout
     # a rerun skips the finished runs and rebuilds the same report
     before = (out / "results.json").read_text()
-    again = CliRunner().invoke(app, ["demo", "--config", str(cfg), "--out", str(out), "--workers", "1"])
-    assert again.exit_code == 0, again.output
+    again = _demo_without_torch(tmp_path, *args)
+    assert again.returncode == 0, again.stdout + again.stderr
     assert json.loads((out / "results.json").read_text())["downstream"] == json.loads(before)["downstream"]
+
+
+def test_the_torch_blocker_blocks(tmp_path):
+    block = tmp_path / "no_torch"
+    block.mkdir()
+    (block / "sitecustomize.py").write_text(NO_TORCH)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(block), *sys.path])}
+    probe = subprocess.run([sys.executable, "-c", "import torch"], env=env, capture_output=True, text=True)
+    assert probe.returncode == 1 and "blocked by the test" in probe.stderr
 
 
 def test_demo_bad_config_exits_2(tmp_path):
