@@ -333,3 +333,52 @@ def test_injection_set_has_n_items_whenever_n_are_resolved(n_wrong, n_right, n, 
     assert len(clean) == min(n, n_wrong + n_right)
     assert sum(not v.label_correct for v in gold.judge(clean)) == want_wrong
     assert set(injected) == set(TEMPLATES) and all(len(v) == len(clean) for v in injected.values())
+
+
+# ------------------------------------------------------------------ compare_judges: the bootstrap's memory
+
+
+def _compare_inputs(n_items: int, seed: int):
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    items, judge, truth = [], [], []
+    for i in range(n_items):
+        resp = [bool(x) for x in rng.integers(0, 2, 3)]
+        items.append({"adopted_label": "K", "responses": ["K" if r else f"z{i}" for r in resp]})
+        truth.append(Verdict(bool(rng.random() > 0.1), bool(rng.integers(0, 2)), tuple(resp)))
+        judge.append(Verdict(bool(rng.random() > 0.2), bool(rng.integers(0, 2)), tuple(reversed(resp))))
+    return [{"round": 1, "step": 1, "kind": "proposer", "items": items}], judge, truth
+
+
+def test_compare_bootstrap_holds_a_bounded_weight_matrix(monkeypatch):
+    """The bootstrap held all n_boot x items resample weights at once: 1.6 GB of int64 for 100,000
+    external items at 2000 resamples. It now draws them a block at a time (at most _BOOT_CELLS), and
+    the intervals are bit for bit those of the one whole draw (numpy draws multinomial rows in turn)."""
+    import tracemalloc
+
+    import numpy as np
+
+    from selfevo.audit import compare
+    from selfevo.audit.compare import _counts, _judged, _metrics_from_sums, compare_judges
+
+    monkeypatch.setattr(compare, "_BOOT_CELLS", 3 * 40, raising=False)  # 3 resamples of 40 items a block
+    steps, judge, truth = _compare_inputs(40, 1)
+    got = compare_judges(steps, judge, truth, "j", "t", n_boot=301, seed=5)["rounds"][0]["diff"]
+    w = np.random.default_rng(5).multinomial(40, np.full(40, 1 / 40), size=301)  # the one whole draw
+    cj = np.array([_counts(_judged(it, v)) for it, v in zip(steps[0]["items"], judge)])
+    ct = np.array([_counts(_judged(it, v)) for it, v in zip(steps[0]["items"], truth)])
+    bj, bt = _metrics_from_sums(w @ cj, 40), _metrics_from_sums(w @ ct, 40)
+    for m, d in got.items():
+        ok = (bj[m] - bt[m])[~np.isnan(bj[m] - bt[m])]
+        assert [d["lo"], d["hi"]] == np.percentile(ok, [2.5, 97.5]).tolist() and d["resamples"] == ok.size
+
+    monkeypatch.setattr(compare, "_BOOT_CELLS", 10_000, raising=False)
+    steps, judge, truth = _compare_inputs(2000, 2)
+    tracemalloc.start()
+    try:
+        compare_judges(steps, judge, truth, "j", "t", n_boot=2000, seed=0)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 12e6, peak  # the whole 2000 x 2000 int64 matrix is 32 MB (and twice that for w @ c's)

@@ -1,6 +1,7 @@
 """The synthetic world: determinism, benchmarks with exact answers, the language, save/load, CLI."""
 
 import json
+import re
 from dataclasses import replace
 
 import pytest
@@ -249,6 +250,35 @@ def test_load_world_without_its_qa_directory_is_a_world_error(world, tmp_path):
         f.unlink()
     (out / "qa").rmdir()
     with pytest.raises(WorldError, match="broken world directory.*qa/"):
+        load_world(out)
+
+
+def test_a_non_ascii_digit_on_a_hand_edited_page_is_not_a_year(world, tmp_path):
+    """"²" passes str.isdigit(): a hand-edited page's "was published in ²" was read as a year, and the
+    sim solver's int() on it crashed (ValueError) when it answered a comparison over that page. Now
+    it is no year (as "was born in Kell" is none), and a truth.json with such a year is a WorldError."""
+    from selfevo.agents.sim import Reader, SimSolver, SimSolverConfig
+    from selfevo.search.bm25 import BM25Index
+    from selfevo.search.tool import SearchTool
+
+    stmts, _ = read_statements("Ana Vel", "Ana Vel was born in the year \u00b2. He was born in the year 1901.")
+    assert [s.object for s in stmts if s.relation == "birth_year"] == ["1901"]
+    question = next(it.question for items in world.benchmarks.values() for it in items
+                    if isinstance(parse_question(it.question), CompareQuery))
+    mentions = parse_question(question).mentions
+    docs = [replace(d, text=re.sub(r"\b[0-9]{4}\b", "\u00b2", d.text)) if d.title in mentions else d
+            for d in world.documents]
+    cfg = SimSolverConfig()
+    solver = SimSolver("main", cfg, Reader("solver", cfg.misread_scale, 0.1, 0))
+    [[traj]] = solver.answer([question], SearchTool(BM25Index.build(docs), topk=3, max_calls=5))
+    assert traj.answer in mentions
+
+    out = save_world(world, tmp_path / "w")
+    truth = json.loads((out / "truth.json").read_text())
+    person = next(e for e in truth["entities"] if "birth_year" in e["facts"])
+    person["facts"]["birth_year"] = "19\u00b2"
+    (out / "truth.json").write_text(json.dumps(truth))
+    with pytest.raises(WorldError, match=f"truth.*{person['id']}.*birth_year.*not a year"):
         load_world(out)
 
 

@@ -222,7 +222,9 @@ def _source_id(item: QAItem) -> str:
 
 def subsample(items: Sequence[QAItem], k: int, seed: int, benchmark: str) -> list[QAItem]:
     """The module docstring's rule: the k items with the smallest sha256("{seed}:{benchmark}:{id}")
-    digests, in their original order. k <= 0, or k >= len(items), keeps everything."""
+    digests, in their original order. k <= 0, or k >= len(items), keeps everything. {id} is the id
+    without its "<benchmark>-" prefix: a source that spells an id "nq-5" and one that spells it "5"
+    make the same item id (load_split), so they rank it the same and pick the same items."""
     if k <= 0 or k >= len(items):
         return list(items)
 

@@ -22,6 +22,7 @@ STATES = ("correct", "incorrect", "unresolved")
 # per-item count columns: resolved, pairs, agreeing pairs, correct responses, false agreement,
 # lost credit, label correct
 _COLS = ("resolved", "pairs", "a", "ts", "f", "l", "tp")
+_BOOT_CELLS = 1 << 22  # resample weights held at once by the bootstrap (int64: 32 MB)
 
 
 def _counts(j: JudgedItem) -> list[int]:
@@ -76,9 +77,16 @@ def _round_block(items: list[dict], jv: list[Verdict], tv: list[Verdict], n_boot
     if n:
         cj = np.array([_counts(x) for x in jj], dtype=np.int64)
         ct = np.array([_counts(x) for x in tj], dtype=np.int64)
-        # paired resampling: the same resampled items for both judges (multinomial weights)
-        w = rng.multinomial(n, np.full(n, 1.0 / n), size=n_boot)
-        bj, bt = _metrics_from_sums(w @ cj, n), _metrics_from_sums(w @ ct, n)
+        # paired resampling: the same resampled items for both judges (multinomial weights), drawn a
+        # block of resamples at a time so the weights held stay under _BOOT_CELLS (the whole
+        # n_boot x n matrix was 1.6 GB at 100,000 items). Generator.multinomial draws its rows one
+        # after another from the stream, so the blocks are the same numbers as one draw of n_boot rows.
+        p, rows = np.full(n, 1.0 / n), max(1, _BOOT_CELLS // n)
+        sj, st = np.empty((n_boot, len(_COLS)), np.int64), np.empty((n_boot, len(_COLS)), np.int64)
+        for start in range(0, n_boot, rows):
+            w = rng.multinomial(n, p, size=min(rows, n_boot - start))
+            sj[start:start + len(w)], st[start:start + len(w)] = w @ cj, w @ ct
+        bj, bt = _metrics_from_sums(sj, n), _metrics_from_sums(st, n)
         for m in METRICS:
             d = bj[m] - bt[m]
             ok = d[~np.isnan(d)]

@@ -221,8 +221,8 @@ def read_statements(title: str, text: str) -> tuple[list[Statement], list[str]]:
             if m is None:
                 continue
             subj, obj = m["s"], m["o"]
-            if RELATIONS[rel][1] == "year" and not obj.isdigit():
-                continue  # "was born in Kell" is a place, not a year
+            if RELATIONS[rel][1] == "year" and not (obj.isascii() and obj.isdigit()):
+                continue  # "was born in Kell" is a place, not a year; nor is "²" (isdigit, but no int())
             if RELATIONS[rel][1] != "year" and obj.isdigit():
                 continue
             about = subj in PRONOUNS or subj in aliases or subj == title

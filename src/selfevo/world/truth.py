@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field
 
-from selfevo.world.language import ChainQuery, CompareQuery
+from selfevo.world.language import RELATIONS, ChainQuery, CompareQuery
 
 
 @dataclass
@@ -80,4 +80,10 @@ class Truth:
 
     @classmethod
     def from_json(cls, obj: dict) -> Truth:
-        return cls([Entity(**e) for e in obj["entities"]])
+        entities = [Entity(**e) for e in obj["entities"]]
+        for e in entities:  # a hand-edited year ("²" passes isdigit) would crash answer()'s int() later
+            for rel, value in e.facts.items():
+                if rel in RELATIONS and RELATIONS[rel][1] == "year" and not (
+                        isinstance(value, str) and value.isascii() and value.isdigit()):
+                    raise ValueError(f"truth.json: entity {e.id!r}: fact {rel!r} is {value!r}, not a year (0-9 only)")
+        return cls(entities)
