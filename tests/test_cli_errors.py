@@ -514,3 +514,25 @@ def test_a_new_run_into_a_directory_of_other_files_is_refused_and_they_are_kept(
     res = runner.invoke(app, ["evolve", "--world", "small", "--out", str(killed), "--no-audit", *TINY])
     assert res.exit_code == 0, res.output
     assert not list(killed.glob(".*.tmp")) and (killed / "checkpoints" / "round-2.json").exists()
+
+
+@pytest.mark.parametrize("damage", ["metrics", "eval-empty", "eval-no-macro"])
+def test_a_run_damaged_before_its_print_is_named_not_a_traceback(tmp_path, damage, capsys):
+    """`evolve` and `engine-run` print the run's audit and evaluations after it finished: a file damaged
+    in between is named (exit 2) by the checked readers, not a traceback."""
+    import typer
+
+    from selfevo.cli import _print_run
+
+    (tmp_path / "audit").mkdir()
+    (tmp_path / "eval").mkdir()
+    (tmp_path / "manifest.json").write_text('{"rounds_completed": 1}')
+    bad = {"metrics": (tmp_path / "audit" / "metrics.json", '{"rounds": [{"rou'),
+           "eval-empty": (tmp_path / "eval" / "round-1.json", "{}"),
+           "eval-no-macro": (tmp_path / "eval" / "round-1.json", '{"benchmarks": {"nq": {"cover_em": 0.5}}}')}
+    path, text = bad[damage]
+    path.write_text(text)
+    with pytest.raises(typer.Exit) as e:
+        _print_run(tmp_path)
+    assert e.value.exit_code == 2
+    assert path.name in " ".join(capsys.readouterr().out.split())

@@ -296,6 +296,9 @@ def _edit(path: Path, fn) -> None:
     (lambda root: _edit(root / "a" / "audit" / "metrics.json",
                         lambda o: o["rounds"][0].update(hop_mix_admitted={"two": 1.0})),
      "a/audit/metrics.json: field rounds[0].hop_mix_admitted should be an object keyed by hop count"),
+    (lambda root: _edit(root / "a" / "audit" / "metrics.json",  # a digit of another script: int() would fail
+                        lambda o: o["rounds"][0].update(hop_mix_admitted={"\u00b2": 1.0})),
+     "a/audit/metrics.json: field rounds[0].hop_mix_admitted should be an object keyed by hop count"),
     (lambda root: (root / "replay").mkdir() or (root / "replay" / "results.json").write_text('{"bank": 1}'),
      "replay/results.json: field 'conditions' should be an object of objects"),
     (lambda root: (root / "replay").mkdir() or (root / "replay" / "results.json").write_text(

@@ -490,23 +490,26 @@ def _warn_nothing_resolved() -> None:
 
 
 def _print_run(path: Path) -> None:
-    from selfevo._io import read_json
-    from selfevo.runs import RunDir
+    from selfevo.runs import RunDir, RunError
 
-    metrics = path / "audit" / "metrics.json"
-    if metrics.exists():
-        audit, done = read_json(metrics), RunDir(path).manifest().get("rounds_completed", 0)
-        audited = [r["round"] for r in audit["rounds"]]
-        if audited == list(range(1, done + 1)):
-            _print_audit_rounds(audit, counts=("admitted",))
-        else:  # an audit of the run while it was stopped, kept by a resume with --no-audit: not this run's
-            console.print(f"[yellow]warning:[/yellow] {escape(str(metrics))} audits round(s) "
-                          f"{escape(', '.join(map(str, audited)) or 'none')} of the {done} this run completed "
-                          f"(an earlier audit); audit it again: selfevo audit {escape(str(path))}")
-    evals = sorted((path / "eval").glob("round-*.json"), key=lambda p: int(p.stem.split("-")[1]))
-    if evals:
-        line = ", ".join(f"r{p.stem.split('-')[1]} {read_json(p)['macro']['cover_em']:.3f}" for p in evals)
-        console.print(f"main solver macro Cover-EM by round: {line}")
+    run = RunDir(path)
+    try:  # the checked readers: a file damaged since the run wrote it is named, not a traceback
+        if (path / "audit" / "metrics.json").exists():
+            audit, done = run.audit_metrics(), run.manifest().get("rounds_completed", 0)
+            audited = [r["round"] for r in audit["rounds"]]
+            if audited == list(range(1, done + 1)):
+                _print_audit_rounds(audit, counts=("admitted",))
+            else:  # an audit of the run while it was stopped, kept by a resume with --no-audit: not this run's
+                console.print(f"[yellow]warning:[/yellow] {escape(str(path / 'audit' / 'metrics.json'))} audits "
+                              f"round(s) {escape(', '.join(map(str, audited)) or 'none')} of the {done} this run "
+                              f"completed (an earlier audit); audit it again: selfevo audit {escape(str(path))}")
+        rounds = sorted(int(m[1]) for p in (path / "eval").glob("round-*.json")
+                        if (m := re.fullmatch(r"round-([0-9]+)", p.stem)))
+        if rounds:
+            line = ", ".join(f"r{r} {run.evaluation(r)['macro']['cover_em']:.3f}" for r in rounds)
+            console.print(f"main solver macro Cover-EM by round: {line}")
+    except RunError as e:
+        _fail(str(e))
     console.print(escape(f"run directory: {path}"))
 
 

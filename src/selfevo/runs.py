@@ -419,7 +419,7 @@ class RunDir:
                 if part == "rounds":
                     check_numbers(row, ("admitted",), where)
                     mix = row.get("hop_mix_admitted", {})
-                    if not isinstance(mix, dict) or not all(h.isdigit() for h in mix):
+                    if not isinstance(mix, dict) or not all(h.isascii() and h.isdigit() for h in mix):
                         raise RunError(f"{where}.hop_mix_admitted should be an object keyed by hop count, "
                                        f"got {mix!r:.60}")
                     check_numbers(mix, list(mix), f"{where}.hop_mix_admitted")
