@@ -14,7 +14,7 @@ import httpx
 from pydantic import BaseModel, ValidationError
 
 from selfevo.records import Document
-from selfevo.search.tool import Hit, clip_query
+from selfevo.search.tool import SERVER_TIMEOUT_S, Hit, clip_query
 
 if TYPE_CHECKING:
     from typing_extensions import Self  # typing.Self needs Python 3.11
@@ -42,6 +42,11 @@ class _Response(BaseModel):
 # Retrieval is read-only, so repeating a request is always safe.
 _RETRY_STATUS = {429, 500, 502, 503, 504}
 MAX_WAIT_S = 60.0  # the longest a client waits before a retry, whatever a server asks
+# How long a call waits for the server's answer: longer than our server's own limit on a retrieval
+# (plus room for its reply), so the server decides: a slow retrieval is answered, or ends in its 504
+# naming the limit. With both at 30 s the client's read timeout fired first, and its retry started
+# another retrieval while the one it abandoned, still inside the server's limit, kept its thread.
+TIMEOUT_S = 2 * SERVER_TIMEOUT_S
 
 
 def retry_after_seconds(value: str | None) -> float | None:
@@ -82,7 +87,7 @@ class RetrieverClient:
     `Retry-After` header asks for when that is longer (at most `MAX_WAIT_S`). `transport` swaps
     the network for an in-process fake (`httpx.MockTransport`)."""
 
-    def __init__(self, url: str, timeout: float = 30.0, batch_size: int = 64, retries: int = 3,
+    def __init__(self, url: str, timeout: float = TIMEOUT_S, batch_size: int = 64, retries: int = 3,
                  backoff_s: float = 0.5, transport: httpx.BaseTransport | None = None):
         if batch_size < 1 or retries < 0:
             raise ValueError("batch_size must be >= 1 and retries >= 0")

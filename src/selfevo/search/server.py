@@ -24,13 +24,13 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError
 
 from selfevo._http import read_body
-from selfevo.search.tool import MAX_QUERY_CHARS, Retriever
+from selfevo.search.tool import MAX_QUERY_CHARS, SERVER_TIMEOUT_S, Retriever
 
 if TYPE_CHECKING:
     from selfevo.search.index import DenseOptions
 
 MAX_BODY_BYTES = 1 << 20  # 1 MiB: 256 queries of 2,000 characters fit with room to spare
-TIMEOUT_S = 30.0  # for the body to arrive, and again for the retrieval to finish
+TIMEOUT_S = SERVER_TIMEOUT_S  # for the body to arrive, and again for the retrieval to finish
 
 
 def _request_model(max_queries: int, max_topk: int) -> type[BaseModel]:

@@ -28,6 +28,7 @@ class Retriever(Protocol):
 
 
 MAX_QUERY_CHARS = 2_000  # the /retrieve server's cap (search/server.py); longer queries are cut here
+SERVER_TIMEOUT_S = 30.0  # the /retrieve server's limit on a request's body, and again on its retrieval
 
 
 def clip_query(query: str) -> str:
