@@ -14,8 +14,8 @@ differ.
 Failures: the HTTP client (`agents.chat_client`, shared with the LLM judge) retries timeouts,
 connection errors, 408, 409, 425, 429, 5xx and 200s that are no chat completion. A call that still
 fails ends its trajectory unanswered (an empty answer, scored as wrong) and is counted in `stats` --
-one bad call does not stop an evaluation of 1,325 questions; `max_failed_in_a_row` calls failing with no reply
-between them do (`EndpointError`: the endpoint is not answering). HTTP 401/403/404 raise
+one bad call does not stop an evaluation of 1,325 questions; `max_failed_in_a_row` calls of one `answer` batch
+failing with no reply between them do (`EndpointError`: the endpoint is not answering). HTTP 401/403/404 raise
 `EndpointError` at once (wrong key, URL or model: nothing would work).
 
 The API key comes from `api_key` or the SELFEVO_API_KEY environment variable; it is never logged,
@@ -91,7 +91,10 @@ class RemoteSolver:
         key = api_key if api_key is not None else os.environ.get(API_KEY_ENV) or None
         self._has_key = bool(key)
         self.stats: Counter[str] = Counter()
-        self.streak = FailureStreak(max_failed_in_a_row)  # past it the endpoint is not answering
+        # past it the endpoint is not answering; counted per `answer` call (a streak of its own): a solver
+        # shared across threads (verl's concurrent reward calls) must not have one batch's start reset the
+        # count of another, nor another batch's failures stop it
+        self.max_failed_in_a_row = max_failed_in_a_row
         self.endpoint_models: list[str] | None = None
         self._lock = threading.Lock()
         self.client = ChatClient(url, model, api_key=key, timeout=timeout, max_retries=max_retries,
@@ -132,18 +135,20 @@ class RemoteSolver:
                 # that answers any requested name shows here which model gave the answers
                 "endpoint_models": self.endpoint_models, "reply_models": dict(self.client.reply_models)}
 
-    def _check_answering(self) -> None:
-        if (broken := self.streak.broken()) is not None:
+    def _check_answering(self, streak: FailureStreak) -> None:
+        if (broken := streak.broken()) is not None:
             raise EndpointError(f"{shown_url(self.url)}: {broken}; the endpoint is not answering")
 
     # -------------------------------------------------------------- generation
-    def _generate(self, conversations: list[list[dict]], seed: int | None, greedy: bool) -> list[tuple[str, str]]:
+    def _generate(self, conversations: list[list[dict]], seed: int | None, greedy: bool,
+                  streak: FailureStreak) -> list[tuple[str, str]]:
         """One assistant action per conversation, `(text, finish_reason)`; "error" for a call that
-        failed for good (the rollout then ends that conversation unanswered)."""
+        failed for good (the rollout then ends that conversation unanswered). `streak`: the calling
+        batch's failures in a row."""
         temperature, top_p = (0.0, 1.0) if greedy else (self.temperature, self.top_p)
 
         def one(row: int) -> tuple[str, str]:
-            self._check_answering()  # once it is not, the calls still queued are not sent
+            self._check_answering(streak)  # once it is not, the calls still queued are not sent
             self._count("calls")
             row_seed = None if seed is None else derive_seed(seed, "row", row) & SEED_MASK
             try:
@@ -151,11 +156,11 @@ class RemoteSolver:
                                           seed=row_seed)[0]
             except CallFailed as e:
                 self._count("failed_calls")
-                self.streak.failed(str(e))  # the server's reason, for the warning below
+                streak.failed(str(e))  # the server's reason, for the warning below
                 log.debug("remote call failed for good: %s", e)
-                self._check_answering()
+                self._check_answering(streak)
                 return "", "error"
-            self.streak.answered()
+            streak.answered()
             if choice.finish_reason == "stop" and choice.stop_reason in STOP_STRINGS:
                 # the server says which stop string it dropped: put that one back, so that the action
                 # reads as a local backend's does (`close_action` can only guess it from the text)
@@ -190,10 +195,10 @@ class RemoteSolver:
         starts = [solver_messages(q, context=None if contexts is None or contexts[i] is None
                                   else self._context(contexts[i].contents)) for i, q in enumerate(questions)]
         copies = 1 if greedy else n  # greedy: the n trajectories are identical, run one
-        self.streak.answered()  # each batch may try the endpoint afresh
+        streak = FailureStreak(self.max_failed_in_a_row)  # each batch tries the endpoint afresh
         self.client.retrying_stopped.clear()
         rollouts = run_rollouts([s for s in starts for _ in range(copies)], tool,
-                                lambda convs, s: self._generate(convs, s, greedy),
+                                lambda convs, s: self._generate(convs, s, greedy, streak),
                                 max_actions=self.max_actions, seed=seed)
         trajs = [Trajectory(answer=ro.answer, searches=list(ro.searches), actions=ro.actions, trace=ro)
                  for ro in rollouts]
@@ -206,7 +211,7 @@ class RemoteSolver:
         failed = sum(ro.failed for ro in rollouts)
         if failed:
             log.warning("%s: %d call(s) failed for good; their trajectories have no answer (last: %s)",
-                        self.name, failed, self.streak.last)
+                        self.name, failed, streak.last)
         groups = [trajs[i * copies:(i + 1) * copies] for i in range(len(questions))]
         if greedy and n > 1:
             groups = [[g[0]] + [dataclasses.replace(g[0], searches=list(g[0].searches)) for _ in range(n - 1)]

@@ -172,16 +172,20 @@ class FrontierReward:
         responses: dict[int, list[str]] = {}
         for role, idx in by_role.items():
             g = self.graders[role]
-            # verl: one sample a call, seeded by its content (the same text is graded alike)
-            key = step if step is not None else _content_key(batch[graded[idx[0]][0]])
-            trajs = self._solver(g).answer([graded[n][2] for n in idx], self._tool(), greedy=False, n=self.samples,
-                                           seed=derive_seed(self.seed, self.round, key, "grade", g.name or role))
-            failed = sum(bool(getattr(t.trace, "failed", False)) for ts in trajs for t in ts)
-            if failed:  # a broken scorer is an error, never a silent 0 (nothing of this batch is staged)
-                raise GradingFailed(f"round {self.round}: {failed} of {len(idx) * self.samples} samples of grader "
-                                    f"{g.name or role} ({g.url}) failed after retries; rerun the phase")
-            for n, ts in zip(idx, trajs, strict=True):
-                responses[n] = [t.answer for t in ts]
+            # a step (TRL) is graded as the loop grades it: one batch seeded by the step. verl has no step: each
+            # item alone, seeded by its content, so that an item is graded alike by compute_score and in any
+            # batch of compute_score_batch (the remote solver seeds each sample by its row in the batch)
+            parts = [(idx, step)] if step is not None else [([n], _content_key(batch[graded[n][0]])) for n in idx]
+            for part, key in parts:
+                trajs = self._solver(g).answer([graded[n][2] for n in part], self._tool(), greedy=False,
+                                               n=self.samples,
+                                               seed=derive_seed(self.seed, self.round, key, "grade", g.name or role))
+                failed = sum(bool(getattr(t.trace, "failed", False)) for ts in trajs for t in ts)
+                if failed:  # a broken scorer is an error, never a silent 0 (nothing of this batch is staged)
+                    raise GradingFailed(f"round {self.round}: {failed} of {len(part) * self.samples} samples of "
+                                        f"grader {g.name or role} ({g.url}) failed after retries; rerun the phase")
+                for n, ts in zip(part, trajs, strict=True):
+                    responses[n] = [t.answer for t in ts]
         for n, (i, item_id, question, label, source_ids, fold, r) in enumerate(graded):
             answers = responses[n]
             # paper: k counts grader samples matching the proposer's draft answer; f(k) pays it
@@ -378,7 +382,8 @@ def compute_score(data_source: str, solution_str: str, ground_truth: Any, extra_
 def compute_score_batch(data_sources: Sequence[str], solution_strs: Sequence[str], ground_truths: Sequence[Any],
                         extra_infos: Sequence[Mapping | None], selfevo_settings: str | None = None,
                         **_) -> list[float]:
-    """verl's batch reward manager: the same rewards, proposer rows graded together."""
+    """verl's batch reward manager: the same rewards, each proposer row graded as `compute_score` grades it
+    (seeded by its content: its samples do not depend on its batch mates)."""
     out: list[float | None] = [None] * len(data_sources)
     proposer = []
     for i, (ds, sol, gt, info) in enumerate(zip(data_sources, solution_strs, ground_truths, extra_infos,

@@ -34,19 +34,28 @@ import os
 import re
 import shutil
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 
 from selfevo._io import read_json
 from selfevo.search.tool import SearchTool
 
 
-def _rows(path: str) -> list[dict]:
+def _rows(path: str, fields: Sequence[str] = ()) -> list[dict]:
     """The job's training rows, read with the one checking JSONL reader (`corpus.iter_json_lines`): a
     damaged line is a DataError naming file and line; none is dropped (a log reader's torn-tail rule
-    would silently train on fewer rows)."""
-    from selfevo.corpus import iter_json_lines
+    would silently train on fewer rows). A row without one of `fields` is a DataError naming its line
+    too (the dataset would otherwise fail later with a bare KeyError naming neither file nor line)."""
+    from selfevo.corpus import DataError, iter_json_lines
 
-    return [row for _, row in iter_json_lines(path)]
+    rows = []
+    for lineno, row in iter_json_lines(path):
+        missing = [f for f in fields if f not in row]
+        if missing:
+            raise DataError(path, lineno, f"missing field(s) {', '.join(repr(f) for f in missing)} (a training row is "
+                                          f"a prompt and its lineage: {', '.join(fields)}; `datasets.py` writes them)")
+        rows.append(row)
+    return rows
 
 
 def job_tool(job: dict, tool: SearchTool | None = None) -> SearchTool:
@@ -181,7 +190,7 @@ def run_job(job: dict, tool: SearchTool | None = None) -> dict:
     import torch
     from trl import GRPOTrainer
 
-    from selfevo.integrations.datasets import to_trl
+    from selfevo.integrations.datasets import LINEAGE, to_trl
     from selfevo.integrations.rewards import FrontierReward, TRLFrontierReward, TRLSolverReward
     from selfevo.integrations.routing import Grader
     from selfevo.integrations.trl_env import SearchRollout
@@ -197,7 +206,7 @@ def run_job(job: dict, tool: SearchTool | None = None) -> dict:
         raise ValueError(f"trl job: written for {job['processes']} training processes (engine.train_processes), "
                          f"launched as {world_size}; make the launcher start {job['processes']}")
     tool = job_tool(job, tool)
-    rows = _rows(job["rows"])
+    rows = _rows(job["rows"], ("prompt", *LINEAGE))  # what `to_trl` and the rewards read of each row
     if len(rows) != job["steps"] * job["prompts_per_step"]:
         raise ValueError(f"trl job: {job['rows']} has {len(rows)} rows; a job trains one pass of {job['steps']} "
                          f"steps × {job['prompts_per_step']} prompts (datasets.one_pass)")

@@ -1,0 +1,139 @@
+"""Defects of the TRL/verl reward glue and the remote solver that earlier reviews listed as known and
+left alone: a TRL rows file missing a field, verl's batch grading seeded by a batch's first item, and
+a remote solver's failure count shared by the batches of several threads."""
+
+from __future__ import annotations
+
+import json
+import threading
+
+import httpx
+import pytest
+
+from selfevo.agents import remote as remote_mod
+from selfevo.agents.base import Trajectory
+from selfevo.agents.chat_client import EndpointError
+from selfevo.agents.remote import RemoteSolver
+from selfevo.corpus import DataError
+from selfevo.integrations.rewards import compute_score, compute_score_batch, reward_settings
+from selfevo.integrations.routing import Grader
+from selfevo.loop.folds import FoldAssignment
+from selfevo.loop.schedule import derive_seed
+from selfevo.records import Document
+from selfevo.search.tool import Hit, SearchTool
+
+FOLDS = FoldAssignment(2, 0, "source", {"d0": 0, "d1": 1}, {})
+
+
+# ---------------------------------------------------------------- TRL rows
+
+
+def test_a_trl_row_missing_a_field_is_named_by_file_line_and_field(tmp_path):
+    """A hand-written rows file whose second row has no `hops`: a bare KeyError('hops') from the
+    dataset builder, naming neither file nor line."""
+    pytest.importorskip("trl")
+    from selfevo._io import write_jsonl
+    from selfevo.integrations.datasets import solver_rows
+    from selfevo.integrations.trl_job import run_job
+
+    items = [{"item_id": f"i{n}", "question": f"q{n}?", "adopted_label": "a", "draft_label": "a", "source_id": "d0",
+              "fold": 0, "hops": 1} for n in range(2)]
+    rows = solver_rows(items, FOLDS, 1)
+    del rows[1]["hops"]
+    write_jsonl(tmp_path / "rows.jsonl", rows)
+    job = {"kind": "solver", "model": str(tmp_path / "no-model"), "rows": str(tmp_path / "rows.jsonl"), "steps": 1,
+           "prompts_per_step": 2, "processes": 1, "search": {"retriever_url": "http://127.0.0.1:9/retrieve"},
+           "out": str(tmp_path / "out"), "generations": 2, "lr": 1e-6, "rollout": {}, "reward": {"round": 1}}
+    with pytest.raises(DataError, match=r"rows\.jsonl:2: missing field\(s\) 'hops' "):
+        run_job(job)
+
+
+# ---------------------------------------------------------------- verl batch grading
+
+
+class _SeededSolver:
+    """Stands in for RemoteSolver: seeds each sample by the batch seed and its row, as the remote
+    solver does, and answers by that seed."""
+
+    calls: list[tuple[list[str], int]] = []
+
+    def __init__(self, url, model, **_):
+        pass
+
+    def answer(self, questions, tool, *, greedy, n, seed):
+        _SeededSolver.calls.append((list(questions), seed))
+        return [[Trajectory(answer="sea" if derive_seed(seed, "row", q * n + s) % 2 else "land") for s in range(n)]
+                for q in range(len(questions))]
+
+    def close(self):
+        pass
+
+
+def test_verl_batch_grades_an_item_as_it_is_graded_alone(tmp_path, monkeypatch):
+    """compute_score_batch seeded a grader's batch by its first item: the same proposal drew other
+    samples (another k, another reward) graded alone or beside another one."""
+    monkeypatch.setattr(remote_mod, "RemoteSolver", _SeededSolver)
+    _SeededSolver.calls = []
+    graders = {"main": Grader("main", "http://127.0.0.1:9/v1", "main", "main@r0", (), ())}
+    settings = reward_settings(tmp_path / "s.json", treatment="coupled", round=1, folds=FOLDS, graders=graders,
+                               items_path=tmp_path / "items.jsonl", retriever_url="http://127.0.0.1:9", samples=8)
+    a = "<question> Where is Alpha? </question> <answer> sea </answer>"
+    b = "<question> Where is Beta? </question> <answer> sea </answer>"
+    info = {"source_id": "d1", "hops": 1}
+    alone = compute_score("selfevo_proposer", b, {"target": []}, info, selfevo_settings=str(settings))
+    batch = compute_score_batch(["selfevo_proposer"] * 2, [a, b], [{"target": []}] * 2, [info, info],
+                                selfevo_settings=str(settings))
+    calls = _SeededSolver.calls
+    assert [q for q, _ in calls] == [["Where is Beta?"], ["Where is Alpha?"], ["Where is Beta?"]]
+    assert calls[2][1] == calls[0][1]  # graded alone in the batch too, with its own seed
+    assert batch[1] == alone
+    staged = [json.loads(line)["item"] for line in (tmp_path / "items.jsonl").read_text().splitlines()]
+    assert staged[0]["question"] == staged[2]["question"] == "Where is Beta?"
+    assert staged[0]["responses"] == staged[2]["responses"]
+    assert staged[1]["responses"] != staged[2]["responses"]  # batch mates still draw their own samples
+
+
+# ---------------------------------------------------------------- a remote solver shared across threads
+
+
+class _Pages:
+    def retrieve(self, queries, topk=3):
+        return [[Hit(Document(f"p{k}", "P", "page"), 1.0) for k in range(topk)] for _ in queries]
+
+
+def _reply(status: int, text: str) -> httpx.Response:
+    body = ({"choices": [{"message": {"content": text}, "finish_reason": "stop"}]} if status == 200
+            else {"error": {"message": text}})
+    return httpx.Response(status, stream=httpx.ByteStream(json.dumps(body).encode()))
+
+
+def test_a_batch_starting_on_another_thread_does_not_undo_a_failing_batchs_stop():
+    """verl's reward calls share one RemoteSolver across threads. A batch starting reset the one
+    failure count: a batch whose every call failed went on past `max_failed_in_a_row` (here 3) while
+    another thread began grading."""
+    s = RemoteSolver("http://fake/v1", "m", max_retries=0, backoff=0.001, concurrency=1, max_failed_in_a_row=3)
+    dead_calls, b_sent, a_done = [], threading.Event(), threading.Event()
+    b_result: list = []
+    b_thread = threading.Thread(target=lambda: b_result.append(s.answer(["alive?"], SearchTool(_Pages()))))
+
+    def reply(request: httpx.Request) -> httpx.Response:
+        if b"alive?" in request.content:
+            b_sent.set()
+            a_done.wait(10)  # B's call is in flight until A has stopped
+            return _reply(200, "<answer> yes </answer>")
+        dead_calls.append(request)
+        if len(dead_calls) == 3:  # A has failed twice: B starts its batch before A's third failure
+            b_thread.start()
+            assert b_sent.wait(10)
+        return _reply(400, "refused")
+
+    s.client._http = httpx.Client(transport=httpx.MockTransport(reply))
+    try:
+        with pytest.raises(EndpointError, match="3 calls in a row failed for good"):
+            s.answer([f"dead {i}" for i in range(10)], SearchTool(_Pages()))
+    finally:
+        a_done.set()
+        b_thread.join(10)
+    assert len(dead_calls) == 3  # A stopped at its own third failure in a row
+    assert [[t.answer for t in ts] for ts in b_result[0]] == [["yes"]]  # B is not stopped by A's failures
+
