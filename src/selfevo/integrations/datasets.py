@@ -45,10 +45,11 @@ def _row(role: str, item_id: str, prompt: list[dict], source_id: str, source_ids
 
 
 def proposer_rows(pool: Sequence[Document], folds: FoldAssignment, round: int, n: int, seed: int,
-                  truncate: Callable[[str], str] = lambda s: s) -> list[dict]:
+                  truncate: Callable[[str], str] = lambda s: s, search: bool = True) -> list[dict]:
     """`n` proposer prompts for one round: a source drawn from the pool and a hop count drawn in
     Dr. Zero's 4:3:2:1 ratio, each seeded by (seed, round, i), so a rerun writes the same set.
-    `truncate` cuts the source to what the proposer sees (Dr. Zero: its first 256 tokens)."""
+    `truncate` cuts the source to what the proposer sees (Dr. Zero: its first 256 tokens); `search`
+    (lm.proposer_search) whether its prompt offers the search tool, as the loop's proposer's does."""
     if not pool:
         raise ValueError("proposer_rows: the source pool is empty")
     rows = []
@@ -56,7 +57,7 @@ def proposer_rows(pool: Sequence[Document], folds: FoldAssignment, round: int, n
         rnd = random.Random(derive_seed(seed, "proposer-prompt", round, i))
         doc = pool[rnd.randrange(len(pool))]
         hops = sample_hops(rnd.random())
-        rows.append(_row("proposer", f"r{round}-p{i}", proposer_messages(truncate(doc.contents), hops), doc.id,
+        rows.append(_row("proposer", f"r{round}-p{i}", proposer_messages(truncate(doc.contents), hops, search), doc.id,
                          [doc.id], folds.of(doc.id), folds, round, hops))
     return rows
 

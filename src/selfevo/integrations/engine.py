@@ -584,7 +584,8 @@ class EngineRun:
         prompts = spec.proposer_prompts or math.ceil(cfg.loop.proposals_per_step / G)
         prompts = math.ceil(prompts / spec.train_processes) * spec.train_processes
         truncate = _truncator(self.model_dir("proposer", r - 1), lm.doc_tokens)
-        rows = proposer_rows(self.pool, self.folds, r, cfg.loop.proposer_steps * prompts, cfg.seed, truncate)
+        rows = proposer_rows(self.pool, self.folds, r, cfg.loop.proposer_steps * prompts, cfg.seed, truncate,
+                             search=lm.proposer_search)
         items_path = self.round_dir(r) / "proposer-items.jsonl"  # `train` cuts what a killed attempt staged
         graders = self.graders_for(r)
         with self.serving({role: (g[0], g[1]) for role, g in graders.items()}) as served:

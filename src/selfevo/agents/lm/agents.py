@@ -126,7 +126,8 @@ class LMProposer:
         rnd = random.Random(seed)
         picks = [(self.pool[rnd.randrange(len(self.pool))], sample_hops(rnd.random())) for _ in range(n)]
         cfg = self.policy.cfg
-        starts = [proposer_messages(self.policy.truncate(doc.contents, cfg.doc_tokens), hops) for doc, hops in picks]
+        starts = [proposer_messages(self.policy.truncate(doc.contents, cfg.doc_tokens), hops, cfg.proposer_search)
+                  for doc, hops in picks]
 
         def generate(convs, s, **kw):  # kw: the scaffold's prefix and stops
             return self.policy.generate(self.name, convs, greedy=False, seed=s, **kw)

@@ -16,6 +16,7 @@ applies the format rules: both non-empty, the answer short and not inside the qu
 from __future__ import annotations
 
 import re
+import unicodedata
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -35,11 +36,15 @@ SOLVER_SYSTEM = (
     "and </answer>, as a few words only, for example <answer> Stratford-upon-Avon </answer>."
 )
 
+# the proposer's offer of the search tool, left out of its prompt where it has none (lm.proposer_search = false)
+_PROPOSER_SEARCH_OFFER = (
+    "You may first search for related facts by writing <search> query </search>; results come back between "
+    "<information> and </information>. Then write"
+)
 PROPOSER_SYSTEM = (
     "You write quiz questions from a document. Read the document and write one question that takes "
-    "exactly {hops} reasoning hop(s) to answer and whose answer is stated in the document. You may "
-    "first search for related facts by writing <search> query </search>; results come back between "
-    "<information> and </information>. Then write the question inside <question> and </question> "
+    "exactly {hops} reasoning hop(s) to answer and whose answer is stated in the document. "
+    + _PROPOSER_SEARCH_OFFER + " the question inside <question> and </question> "
     "followed by its short answer (a few words) inside <answer> and </answer>. The answer must not "
     "appear in the question. For example:\n"
     "<question> In which city was the author of Hamlet born? </question> <answer> Stratford-upon-Avon </answer>"
@@ -55,6 +60,12 @@ BUDGET_SPENT = "The search budget is spent. Give your final answer now inside <a
 # reward's exact match calls wrong and Cover-EM right)
 _TAG = {name: re.compile(rf"<{name}>((?:(?!<{name}>).)*?)</{name}>", re.DOTALL)
         for name in ("search", "answer", "question")}
+
+
+def blank(text: str) -> bool:
+    """Nothing a reader sees: only whitespace and format characters (category Cf: zero-width space,
+    joiners, BOM), which `str.strip` keeps. `<answer>\u200b</answer>` is read as an empty answer."""
+    return all(c.isspace() or unicodedata.category(c) == "Cf" for c in text)
 
 
 @dataclass(frozen=True)
@@ -94,7 +105,7 @@ def parse_action(text: str) -> Action:
     if not found:
         return Action("invalid")
     _, kind, content = min(found)
-    if not content:
+    if blank(content):
         return Action("invalid")
     return Action(kind, content)
 
@@ -127,8 +138,14 @@ def sample_hops(u: float, ratio: Sequence[int] = HOP_RATIO) -> int:
     return 1 + sample_index([r / total for r in ratio], u)
 
 
-def proposer_messages(document: str, hops: int) -> list[dict]:
-    return [{"role": "system", "content": PROPOSER_SYSTEM.format(hops=hops)},
+def proposer_messages(document: str, hops: int, search: bool = True) -> list[dict]:
+    """The opening of a proposer conversation. Without `search` (lm.proposer_search = false: one
+    action, no tool) the system prompt does not offer the tool. The loop's proposer and the engines'
+    prompt rows (`integrations.datasets.proposer_rows`) both build it here, so they show the same."""
+    system = PROPOSER_SYSTEM.format(hops=hops)
+    if not search:
+        system = system.replace(_PROPOSER_SEARCH_OFFER, "Write")
+    return [{"role": "system", "content": system},
             {"role": "user", "content": f"<document>\n{document}\n</document>\nWrite a {hops}-hop question."}]
 
 
@@ -159,7 +176,7 @@ def parse_proposer_action(text: str) -> Action:
     <answer> after the <question> is closed (the whole text is the content), else invalid."""
     text = cut_at_stop(text)
     s, q = _TAG["search"].search(text), text.find("<question>")
-    if s and (q < 0 or s.start() < q) and s.group(1).strip():
+    if s and (q < 0 or s.start() < q) and not blank(s.group(1)):
         return Action("search", s.group(1).strip())
     if "</answer>" in text:
         return Action("answer", text)
@@ -169,9 +186,9 @@ def parse_proposer_action(text: str) -> Action:
 def check_proposal(question: str, answer: str, max_answer_words: int = MAX_ANSWER_WORDS) -> str | None:
     """The format rule a proposal breaks, or None: non-empty question and answer, a short answer,
     the answer not given away inside the question (under the loop's normalisation)."""
-    if not question.strip():
+    if blank(question):
         return "empty question"
-    if not answer.strip() or not normalize_answer(answer):
+    if blank(answer) or not normalize_answer(answer):
         return "empty answer"
     if len(answer.split()) > max_answer_words:
         return "long answer"

@@ -17,6 +17,7 @@ is what the grader is paid against, not something the proposer is rewarded for p
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Callable, Sequence
 
@@ -34,12 +35,18 @@ def content_spans(rendered: Sequence[str], messages: Sequence[dict]) -> list[Spa
     tokens and the next observation trained, the model's own tokens not -- so it is an error."""
     spans, prev, full = [], 0, rendered[-1] if rendered else ""
     for i, m in enumerate(messages):
-        text = rendered[i]
-        start = text.rfind(m["content"]) if m["content"] else len(text)
+        text, content = rendered[i], m["content"]
+        start = text.rfind(content) if content else len(text)
+        if start < prev and content != content.strip():
+            # a template that trims each message (Llama 3's `| trim`) renders " <search> q </search>"
+            # without its outer whitespace: the span is then the stripped content, which is what the
+            # model reads back (the stripped spaces are in no rendered token to train)
+            content = content.strip()
+            start = text.rfind(content) if content else len(text)
         if start < prev:
             raise ValueError(f"message {i}: content not found after the previous message in the rendered chat")
-        end = start + len(m["content"])
-        if m["content"] and full[:end] != text[:end]:
+        end = start + len(content)
+        if content and full[:end] != text[:end]:
             raise ValueError(f"message {i} ({m['role']}): the chat template renders the conversation up to this "
                              "message differently once later messages follow (it is not a prefix of the whole "
                              "chat; e.g. a template that drops earlier turns' <think>), so the training mask "
@@ -58,7 +65,9 @@ def trained_spans(messages: Sequence[dict], spans: Sequence[Span], mask_final_an
         if m["role"] != "assistant" or a == b:
             continue
         if mask_final_answer and i == last:
-            cut = [(a + x.start(), a + x.end()) for x in _ANSWER.finditer(m["content"])]
+            # the span holds the content, or its stripped form under a trimming template (`content_spans`)
+            text = m["content"] if b - a == len(m["content"]) else m["content"].strip()
+            cut = [(a + x.start(), a + x.end()) for x in _ANSWER.finditer(text)]
             for s, e in cut:
                 if s > a:
                     out.append((a, s))
@@ -86,11 +95,48 @@ def token_mask(offsets: Sequence[Span], spans: Sequence[Span]) -> list[int]:
 
 
 def token_logprobs(logits, input_ids):
-    """log π(token_t | tokens_<t) for t = 1..T-1: logits [B, T, V], ids [B, T] -> [B, T-1]."""
-    import torch
+    """log π(token_t | tokens_<t) for t = 1..T-1: logits [B, T, V], ids [B, T] -> [B, T-1].
 
-    logp = torch.log_softmax(logits[:, :-1].float(), dim=-1)
-    return logp.gather(-1, input_ids[:, 1:].unsqueeze(-1)).squeeze(-1)
+    Computed as the chosen logit minus the logsumexp, in float32, `_CHUNK` positions at a time, with
+    a backward that recomputes each chunk's softmax: a full log-softmax would hold a float32 [B, T, V]
+    copy for the backward (at a 150k vocabulary and 4k tokens, 2.4 GB a sequence)."""
+    return _chosen_logprobs().apply(logits[:, :-1], input_ids[:, 1:])
+
+
+_CHUNK = 1024  # positions a chunk: 1024 x 150k vocabulary x 4 bytes = 0.6 GB of float32 at a time
+
+
+def _chunks(logits):
+    """(row, positions) index pairs covering [B, T', V] `logits`, `_CHUNK` positions each (views, no copy)."""
+    return ((b, slice(t, t + _CHUNK)) for b in range(logits.shape[0]) for t in range(0, logits.shape[1], _CHUNK))
+
+
+@functools.cache
+def _chosen_logprobs():
+    import torch  # here, not at the top: a config is read without torch
+
+    class ChosenLogprobs(torch.autograd.Function):
+        """log_softmax(logits)[..., ids] and its gradient grad · (onehot(ids) - softmax), chunk by chunk."""
+
+        @staticmethod
+        def forward(ctx, logits, ids):
+            lse = torch.empty(ids.shape, dtype=torch.float32, device=logits.device)
+            for c in _chunks(logits):
+                lse[c] = torch.logsumexp(logits[c].float(), dim=-1)
+            ctx.save_for_backward(logits, ids, lse)
+            return logits.gather(-1, ids.unsqueeze(-1)).squeeze(-1).float() - lse
+
+        @staticmethod
+        def backward(ctx, grad):
+            logits, ids, lse = ctx.saved_tensors
+            out = torch.empty_like(logits)
+            for c in _chunks(logits):
+                g = grad[c].float().unsqueeze(-1)
+                part = torch.exp(logits[c].float() - lse[c].unsqueeze(-1)).mul_(-g)
+                out[c] = part.scatter_add_(-1, ids[c].unsqueeze(-1), g).to(out.dtype)
+            return out, None
+
+    return ChosenLogprobs
 
 
 def sequence_pg_loss(logprobs, mask, advantages, n_sequences: int | None = None):

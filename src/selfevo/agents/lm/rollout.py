@@ -3,10 +3,10 @@
 A backend supplies `generate(conversations, seed) -> [(text, finish_reason)]`, one assistant action
 for each conversation (a local batched transformers model, vLLM, or an OpenAI-compatible endpoint);
 this module runs the conversations to their end: each action is parsed, a search is answered with
-the tool's passages, an invalid action gets the corrective message, and a trajectory ends at its
-answer or after `max_actions` actions, or at once, unanswered, when the backend reports the
-finish_reason "error" for it. Conversations still running are generated together, so a batched
-backend keeps its batch.
+the tool's passages (not on the last allowed action: nothing would read them), an invalid action
+gets the corrective message, and a trajectory ends at its answer or after `max_actions` actions, or
+at once, unanswered, when the backend reports the finish_reason "error" for it. Conversations still
+running are generated together, so a batched backend keeps its batch.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ class Rollout:
     messages: list[dict]
     answer: str = ""  # the content of the final <answer>, '' if none was given
     final: str = ""  # the whole text of the final assistant action ('' if it never answered)
-    searches: list[str] = field(default_factory=list)
+    searches: list[str] = field(default_factory=list)  # the queries run (not a search on the last action)
     read: list[str] = field(default_factory=list)  # ids of the passages its searches returned
     actions: int = 0
     invalid: int = 0
@@ -93,6 +93,11 @@ def run_rollouts(starts: Sequence[list[dict]], tool: SearchTool, generate: Gener
         for i, query in pending:
             if len(rollouts[i].searches) >= tool.max_calls:
                 rollouts[i].messages.append({"role": "user", "content": BUDGET_SPENT})
+            elif turn == max_actions - 1:
+                # the last allowed action: the trajectory ends here and nothing would read the pages, so
+                # the retrieval is not made (verl's agent loop, too, ends at its last turn before any tool
+                # call). The action stays in `messages`; `searches` and `read` hold what was run.
+                continue
             else:
                 asked.append((i, query))
                 rollouts[i].searches.append(query)

@@ -1,0 +1,238 @@
+"""Items of the language-model backend that earlier reviews left alone (docs/reliability.md, "Known and
+left alone"), fixed: each test failed on the code before its fix. Fast: no model is loaded."""
+
+from __future__ import annotations
+
+import hashlib
+import re
+
+import jinja2
+import pytest
+import torch
+
+from selfevo.agents.lm import protocol as P
+from selfevo.agents.lm import rl
+from selfevo.agents.lm.rl import content_spans, encode_conversation, token_logprobs, trained_spans
+from selfevo.agents.lm.rollout import run_rollouts
+from selfevo.integrations.datasets import proposer_rows
+from selfevo.integrations.rewards import extract_answer
+from selfevo.loop.folds import FoldAssignment
+from selfevo.records import Document
+from selfevo.search.bm25 import BM25Index
+from selfevo.search.tool import SearchTool
+
+# ---------------------------------------------------------------- token_logprobs without a [B, T, V] log-softmax
+
+
+def _reference(logits, ids):
+    return torch.log_softmax(logits[:, :-1].float(), dim=-1).gather(-1, ids[:, 1:].unsqueeze(-1)).squeeze(-1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_token_logprobs_match_log_softmax_in_value_and_gradient(monkeypatch, dtype):
+    monkeypatch.setattr(rl, "_CHUNK", 3)  # several chunks a row, the last one partial
+    gen = torch.Generator().manual_seed(0)
+    logits = (4 * torch.randn(2, 8, 11, generator=gen)).to(dtype)
+    ids = torch.randint(0, 11, (2, 8), generator=gen)
+    weights = torch.randn(2, 7, generator=gen)
+    a, b = logits.clone().requires_grad_(True), logits.clone().requires_grad_(True)
+    lp, ref = token_logprobs(a, ids), _reference(b, ids)
+    assert lp.dtype == ref.dtype == torch.float32
+    assert torch.allclose(lp, ref, atol=1e-5)
+    (lp * weights).sum().backward()
+    (ref * weights).sum().backward()
+    assert a.grad.dtype == dtype and torch.allclose(a.grad.float(), b.grad.float(), atol=1e-5)
+    assert torch.all(a.grad[:, -1] == 0)  # the last position predicts nothing inside the sequence
+
+
+def test_token_logprobs_hold_no_float32_log_softmax_for_the_backward():
+    # before: log_softmax saved its float32 [B, T-1, V] output for the backward (gigabytes at a 150k
+    # vocabulary and 4k tokens); now only the logits themselves and [B, T-1] tensors are kept
+    logits = torch.randn(2, 6, 50, dtype=torch.bfloat16, requires_grad=True)
+    ids = torch.randint(0, 50, (2, 6))
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        token_logprobs(logits, ids)
+    assert not [t for t in saved if t.dtype == torch.float32 and t.dim() == 3], [(t.dtype, t.shape) for t in saved]
+    with torch.no_grad():  # `sequence_logprob` evaluates without a graph
+        assert torch.allclose(token_logprobs(logits, ids), _reference(logits, ids), atol=1e-5)
+    assert token_logprobs(logits[:, :1], ids[:, :1]).shape == (2, 0)  # one token: nothing to predict
+
+
+# ---------------------------------------------------------------- the proposer's prompt without search
+
+# the proposer's system prompt with search on, as every run before this fix showed it (byte for byte)
+PROPOSER_SYSTEM_SHA256 = "869dcf14c5379933f709ff121c2437068325b91d25fa0aeae2602783d9776643"
+
+
+def test_the_proposer_prompt_offers_search_only_where_it_may_search():
+    assert hashlib.sha256(P.PROPOSER_SYSTEM.encode()).hexdigest() == PROPOSER_SYSTEM_SHA256
+    on = P.proposer_messages("Alpha is a river.", 2)
+    assert on == P.proposer_messages("Alpha is a river.", 2, search=True)
+    assert on[0]["content"] == P.PROPOSER_SYSTEM.format(hops=2)
+    # before: lm.proposer_search = false (one action, no tool) still said "You may first search ..."
+    off = P.proposer_messages("Alpha is a river.", 2, search=False)
+    assert "search" not in off[0]["content"] and "<information>" not in off[0]["content"]
+    assert "exactly 2 reasoning hop(s)" in off[0]["content"]
+    assert "Write the question inside <question>" in off[0]["content"]
+    assert off[1] == on[1]
+
+
+def test_the_engines_prompt_rows_follow_lm_proposer_search():
+    docs = [Document("d1", "Alpha", "Alpha is a river."), Document("d2", "Beta", "Beta is a town.")]
+    folds = FoldAssignment(2, 0, "source", {"d1": 0, "d2": 1}, {})
+    on = proposer_rows(docs, folds, 1, 4, seed=3)
+    off = proposer_rows(docs, folds, 1, 4, seed=3, search=False)
+    for a, b in zip(on, off, strict=True):
+        # the same draws; the loop's proposer builds the same opening for the same document and hops
+        assert a["prompt"] == P.proposer_messages(docs[[d.id for d in docs].index(a["source_id"])].contents, a["hops"])
+        assert b["prompt"] == P.proposer_messages(docs[[d.id for d in docs].index(b["source_id"])].contents, b["hops"],
+                                                  search=False)
+        assert {k: v for k, v in a.items() if k != "prompt"} == {k: v for k, v in b.items() if k != "prompt"}
+
+
+@pytest.mark.parametrize("search", [True, False])
+def test_the_loop_and_engine_run_show_the_proposer_the_same_prompt(tmp_path, monkeypatch, search):
+    """engine-run's proposer rows (what TRL and verl train on) and the loop's LMProposer open with the
+    prompt lm.proposer_search asks for."""
+    import contextlib
+
+    from selfevo.agents.lm.agents import LMProposer
+    from selfevo.agents.lm.config import LMConfig
+    from selfevo.integrations import engine as eng
+    from selfevo.integrations.datasets import read_verl
+
+    cfg = {"backend": "lm", "treatment": "crossfit", "world": {"name": "small"},
+           "loop": {"rounds": 2, "proposer_steps": 2, "solver_steps": 3, "admit_per_round": 10, "source_docs": 40},
+           "engine": {"proposer_generations": 2, "proposer_prompts": 6, "retriever_url": "http://127.0.0.1:9/retrieve"},
+           "lm": {"max_actions": 4, "proposer_search": search}}
+    monkeypatch.setattr(eng, "_truncator", lambda path, n: (lambda text: text))
+    monkeypatch.setattr(eng, "verl_missing", lambda: "verl")
+
+    @contextlib.contextmanager
+    def fake_serving(self, models):
+        yield {role: (f"http://127.0.0.1:9/{role}/v1", name) for role, (path, name) in models.items()}
+    monkeypatch.setattr(eng.EngineRun, "serving", fake_serving)
+    ecfg = eng.engine_config_from_dict(cfg, engine="verl")
+    with pytest.raises(eng.EngineUnavailable):  # after the rows are written
+        eng.EngineRun(ecfg, tmp_path, log=lambda m: None).proposer(1)
+    [row, *_] = read_verl(tmp_path / "engine" / "round-1" / "proposer.parquet")
+    engine_prompt = row["prompt"]
+
+    class Policy:  # the loop's proposer over a stand-in policy that records what it is asked
+        cfg = LMConfig(proposer_search=search, max_actions=4)
+
+        def check_chat_template(self):
+            pass
+
+        def new(self, name, like=None):
+            pass
+
+        def truncate(self, text, n):
+            return text
+
+        def generate(self, name, convs, greedy, seed, **kw):
+            self.seen = [c[:2] for c in convs]
+            return [("<question> Who? </question> <answer> Ann </answer>", "stop") for _ in convs]
+
+    policy = Policy()
+    doc = Document("d", "T", "Alpha is a river.")
+    LMProposer(policy, "proposer", [doc]).propose(1, SearchTool(BM25Index.build([doc])), seed=0)
+    [[system, user]] = policy.seen
+    hops = int(re.search(r"Write a (\d)-hop question", user["content"]).group(1))
+    assert system["content"] == P.proposer_messages("", hops, search)[0]["content"]
+    assert engine_prompt[0]["content"] == P.proposer_messages("", row["extra_info"]["hops"], search)[0]["content"]
+    # before: both offered the search tool whatever lm.proposer_search said
+    assert ("search" in system["content"]) is ("search" in engine_prompt[0]["content"]) is search
+
+
+# ---------------------------------------------------------------- invisible answers
+
+
+@pytest.mark.parametrize("blank", ["\u200b", " \u200b\u2060 ", "\ufeff", "\u200d\n"])
+def test_an_answer_of_only_invisible_characters_is_an_empty_answer(blank):
+    # before: <answer>\u200b</answer> was an answer ("\u200b"), ending the trajectory; an empty one is an
+    # invalid action (the corrective message follows), which it now is, in the loop and the engines' reward
+    assert P.parse_action(f"<answer>{blank}</answer>") == P.parse_action("<answer> </answer>") == P.Action("invalid")
+    assert extract_answer(f"<answer>{blank}</answer>") == extract_answer("<answer> </answer>") == ""
+    assert P.parse_action(f"<search>{blank}</search>").kind == "invalid"
+    assert P.parse_proposer_action(f"<search>{blank}</search>").kind == "invalid"
+    # a proposal's invisible answer or question breaks the format rules as an empty one does
+    assert P.read_proposal(f"<question> Who? </question> <answer>{blank}</answer>")[2] == "empty answer"
+    assert P.read_proposal(f"<question>{blank}</question> <answer> Ann </answer>")[2] == "empty question"
+    # visible text next to them is still an answer
+    assert P.parse_action(f"<answer>{blank}Paris</answer>").kind == "answer"
+    assert P.blank("") and P.blank(" \t") and not P.blank("a\u200b")
+
+
+# ---------------------------------------------------------------- a search on the last allowed action
+
+
+class CountingRetriever:
+    def __init__(self, index):
+        self.index, self.calls = index, []
+
+    def retrieve(self, queries, topk):
+        self.calls.append(list(queries))
+        return self.index.retrieve(queries, topk)
+
+
+def test_a_search_on_the_last_allowed_action_is_not_run():
+    index = BM25Index.build([Document("d1", "Paris", "Paris is the capital of France."),
+                             Document("d2", "Nile", "The Nile flows through Cairo.")])
+    retriever = CountingRetriever(index)
+    queries = iter(["capital of France", "Nile Cairo"])
+    [ro] = run_rollouts([P.solver_messages("q")], SearchTool(retriever, topk=1, max_calls=5),
+                        lambda convs, s: [(f"<search> {next(queries)} </search>", "stop")], max_actions=2)
+    # before: two retrievals, the second's pages in `read` and an <information> turn nothing read
+    assert retriever.calls == [["capital of France"]]
+    assert ro.searches == ["capital of France"] and ro.read == ["d1"]
+    # the action itself is recorded as it was made: the trajectory's last message, unanswered
+    assert ro.actions == 2 and not ro.answered
+    assert [m["role"] for m in ro.messages] == ["system", "user", "assistant", "user", "assistant"]
+    assert ro.messages[-1]["content"] == "<search> Nile Cairo </search>"
+    # a proposer without search (one action) that writes a search anyway reads nothing into its lineage
+    [pro] = run_rollouts([P.proposer_messages("Alpha.", 1, search=False)], SearchTool(retriever, topk=1),
+                         lambda convs, s: [("<search> Nile </search>", "stop")], max_actions=1,
+                         parse=P.parse_proposer_action)
+    assert pro.read == [] and len(retriever.calls) == 1
+
+
+# ---------------------------------------------------------------- a template that trims each message
+
+# Llama 3's chat template renders each message's content through `| trim`
+LLAMA3_LIKE = ("{{- '<|begin_of_text|>' }}{%- for m in messages %}{{- '<|start_header_id|>' + m['role'] + "
+               "'<|end_header_id|>\\n\\n' + m['content'] | trim + '<|eot_id|>' }}{%- endfor %}")
+
+
+class CharTokenizer:  # one token a character, offsets as a fast tokenizer gives them
+    def __call__(self, text, add_special_tokens=False, return_offsets_mapping=False):
+        return {"input_ids": [ord(c) for c in text], "offset_mapping": [(i, i + 1) for i in range(len(text))]}
+
+
+def test_a_template_that_trims_each_message_masks_the_stripped_actions():
+    render = jinja2.Environment().from_string(LLAMA3_LIKE).render
+    conversation = [{"role": "system", "content": "S"}, {"role": "user", "content": "Question: who?"},
+                    {"role": "assistant", "content": "  <search> paris mayor </search>"},
+                    {"role": "user", "content": "<information>Doc 1 (Title: Paris) The mayor is Anne</information>"},
+                    {"role": "assistant", "content": " <answer> Anne </answer> "}]
+    rendered = [render(messages=conversation[:i + 1]) for i in range(len(conversation))]
+    # before: ValueError "message 2: content not found after the previous message" at the update
+    spans = trained_spans(conversation, content_spans(rendered, conversation))
+    assert [rendered[-1][a:b] for a, b in spans] == ["<search> paris mayor </search>", "<answer> Anne </answer>"]
+    ids, mask = encode_conversation(CharTokenizer(), conversation, render=lambda ms: render(messages=list(ms)))
+    assert "".join(chr(t) for t, m in zip(ids, mask, strict=True) if m) == \
+        "<search> paris mayor </search><answer> Anne </answer>"
+    # the proposer's masked answer is cut from the stripped span as before
+    spans = trained_spans(conversation, content_spans(rendered, conversation), mask_final_answer=True)
+    assert [rendered[-1][a:b] for a, b in spans] == ["<search> paris mayor </search>"]
+
+
+def test_a_template_that_drops_text_is_still_refused():
+    # trimming is tolerated, nothing more: a template that loses other characters of a message
+    def lossy(ms):
+        return "".join(f"<{m['role']}>{m['content'].replace('mayor', 'mayo')}</s>" for m in ms)
+
+    conversation = [{"role": "user", "content": "q"}, {"role": "assistant", "content": " <search> mayor </search>"}]
+    with pytest.raises(ValueError, match="content not found"):
+        content_spans([lossy(conversation[:i + 1]) for i in range(2)], conversation)
