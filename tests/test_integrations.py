@@ -602,7 +602,7 @@ def test_verl_tool_and_agent_configs(tmp_path):
     tools = yaml.safe_load((tmp_path / "tool.yaml").read_text())["tools"]
     assert tools[0]["class_name"] == "selfevo.integrations.verl_search.SearchR1Tool"
     assert tools[0]["config"] == {"type": "native", "retrieval_service_url": "http://127.0.0.1:8000/retrieve",
-                                  "topk": 3, "max_calls": 5, "timeout": 30.0}
+                                  "topk": 3, "max_calls": 5, "timeout": 60.0}  # past the server's 30 s limit
     assert tools[0]["tool_schema"]["function"]["name"] == "search"
     assert tools[0]["tool_schema"]["function"]["parameters"]["required"] == ["query"]
     assert yaml.safe_load((tmp_path / "agent.yaml").read_text()) == [

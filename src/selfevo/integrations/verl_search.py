@@ -25,6 +25,7 @@ import json
 from collections.abc import Sequence
 
 from selfevo.agents.lm.protocol import BUDGET_SPENT, STOP_STRINGS, cut_at_stop, format_information, parse_action
+from selfevo.search.client import TIMEOUT_S
 
 TOOL_NAME = "search"
 PARSER_NAME = "search_r1"
@@ -56,7 +57,7 @@ def search_response(retriever, query: str, topk: int) -> tuple[str, list[str]]:
     return format_information([(h.document.title, h.document.text) for h in hits]), [h.document.id for h in hits]
 
 
-def tool_config(retriever_url: str, topk: int = 3, max_calls: int = 5, timeout: float = 30.0) -> dict:
+def tool_config(retriever_url: str, topk: int = 3, max_calls: int = 5, timeout: float = TIMEOUT_S) -> dict:
     """verl's tool config (actor_rollout_ref.rollout.multi_turn.tool_config_path)."""
     return {"tools": [{"class_name": TOOL_CLASS,
                        "config": {"type": "native", "retrieval_service_url": retriever_url, "topk": topk,
@@ -117,7 +118,8 @@ if HAVE_VERL:
 
             super().__init__(config, tool_schema or OpenAIFunctionToolSchema.model_validate(TOOL_SCHEMA))
             self.topk, self.max_calls = int(config.get("topk", 3)), int(config.get("max_calls", 5))
-            self.client = RetrieverClient(config["retrieval_service_url"], timeout=float(config.get("timeout", 30)))
+            self.client = RetrieverClient(config["retrieval_service_url"],
+                                          timeout=float(config.get("timeout", TIMEOUT_S)))
 
         async def execute(self, instance_id: str, parameters: dict, **kwargs):
             import asyncio
