@@ -9,6 +9,7 @@ import re
 import jinja2
 import pytest
 import torch
+from test_lm_logic import CountingRetriever
 
 from selfevo.agents.lm import protocol as P
 from selfevo.agents.lm import rl
@@ -166,15 +167,6 @@ def test_an_answer_of_only_invisible_characters_is_an_empty_answer(blank):
 
 
 # ---------------------------------------------------------------- a search on the last allowed action
-
-
-class CountingRetriever:
-    def __init__(self, index):
-        self.index, self.calls = index, []
-
-    def retrieve(self, queries, topk):
-        self.calls.append(list(queries))
-        return self.index.retrieve(queries, topk)
 
 
 def test_a_search_on_the_last_allowed_action_is_not_run():
