@@ -1405,18 +1405,13 @@ def test_engine_trl_refuses_what_the_job_pins(field, tmp_path):
         grpo_args(job)
 
 
-def test_verl_refuses_the_scaffold_and_keeps_a_non_searching_proposer_to_one_action(tmp_path, monkeypatch):
-    """verl's agent loop cannot force the scaffold's prefixes: refused by name. A proposer that may not
-    search (lm.proposer_search = false) gets one action and no tool, as the loop's; the solvers keep both."""
+def verl_phase_stand_ins(monkeypatch):
+    """An engine-run's verl phase up to its files, with no model, server or verl: the phase then stops
+    with EngineUnavailable after writing its rows and script."""
     import contextlib
 
-    from selfevo.config import ConfigError
     from selfevo.integrations import engine as eng
 
-    cfg = {**ENGINE_CFG, "engine": {**ENGINE_CFG["engine"], "retriever_url": "http://127.0.0.1:9/retrieve"},
-           "lm": {"max_actions": 4}}
-    with pytest.raises(ConfigError, match=r"^lm\.proposer_scaffold: verl"):
-        eng.engine_config_from_dict({**cfg, "lm": {"proposer_scaffold": True}}, engine="verl")
     monkeypatch.setattr(eng, "_truncator", lambda path, n: (lambda text: text))
     monkeypatch.setattr(eng, "verl_missing", lambda: "verl")
 
@@ -1424,6 +1419,19 @@ def test_verl_refuses_the_scaffold_and_keeps_a_non_searching_proposer_to_one_act
     def fake_serving(self, models):
         yield {role: (f"http://127.0.0.1:9/{role}/v1", name) for role, (path, name) in models.items()}
     monkeypatch.setattr(eng.EngineRun, "serving", fake_serving)
+
+
+def test_verl_refuses_the_scaffold_and_keeps_a_non_searching_proposer_to_one_action(tmp_path, monkeypatch):
+    """verl's agent loop cannot force the scaffold's prefixes: refused by name. A proposer that may not
+    search (lm.proposer_search = false) gets one action and no tool, as the loop's; the solvers keep both."""
+    from selfevo.config import ConfigError
+    from selfevo.integrations import engine as eng
+
+    cfg = {**ENGINE_CFG, "engine": {**ENGINE_CFG["engine"], "retriever_url": "http://127.0.0.1:9/retrieve"},
+           "lm": {"max_actions": 4}}
+    with pytest.raises(ConfigError, match=r"^lm\.proposer_scaffold: verl"):
+        eng.engine_config_from_dict({**cfg, "lm": {"proposer_scaffold": True}}, engine="verl")
+    verl_phase_stand_ins(monkeypatch)
 
     def proposer_script(search: bool, out: Path) -> str:
         ecfg = eng.engine_config_from_dict({**cfg, "lm": {"max_actions": 4, "proposer_search": search}}, engine="verl")

@@ -9,6 +9,7 @@ import re
 import jinja2
 import pytest
 import torch
+from test_integrations import verl_phase_stand_ins
 from test_lm_logic import CountingRetriever
 
 from selfevo.agents.lm import protocol as P
@@ -96,8 +97,6 @@ def test_the_engines_prompt_rows_follow_lm_proposer_search():
 def test_the_loop_and_engine_run_show_the_proposer_the_same_prompt(tmp_path, monkeypatch, search):
     """engine-run's proposer rows (what TRL and verl train on) and the loop's LMProposer open with the
     prompt lm.proposer_search asks for."""
-    import contextlib
-
     from selfevo.agents.lm.agents import LMProposer
     from selfevo.agents.lm.config import LMConfig
     from selfevo.integrations import engine as eng
@@ -107,13 +106,7 @@ def test_the_loop_and_engine_run_show_the_proposer_the_same_prompt(tmp_path, mon
            "loop": {"rounds": 2, "proposer_steps": 2, "solver_steps": 3, "admit_per_round": 10, "source_docs": 40},
            "engine": {"proposer_generations": 2, "proposer_prompts": 6, "retriever_url": "http://127.0.0.1:9/retrieve"},
            "lm": {"max_actions": 4, "proposer_search": search}}
-    monkeypatch.setattr(eng, "_truncator", lambda path, n: (lambda text: text))
-    monkeypatch.setattr(eng, "verl_missing", lambda: "verl")
-
-    @contextlib.contextmanager
-    def fake_serving(self, models):
-        yield {role: (f"http://127.0.0.1:9/{role}/v1", name) for role, (path, name) in models.items()}
-    monkeypatch.setattr(eng.EngineRun, "serving", fake_serving)
+    verl_phase_stand_ins(monkeypatch)
     ecfg = eng.engine_config_from_dict(cfg, engine="verl")
     with pytest.raises(eng.EngineUnavailable):  # after the rows are written
         eng.EngineRun(ecfg, tmp_path, log=lambda m: None).proposer(1)
