@@ -37,11 +37,11 @@ CONVERSATION = [*solver_messages("Who wrote Hamlet?"),
 
 
 def test_masks_on_the_real_tokenizer_train_only_the_assistant_tokens(policy):
-    ids, mask = policy.encode(CONVERSATION)
+    [(ids, mask)] = policy.encode(CONVERSATION)  # ChatML is prefix-stable: one sequence
     tok = policy.tokenizer
     trained = tok.decode([i for i, m in zip(ids, mask) if m])
     assert trained == CONVERSATION[-1]["content"]
-    ids_p, mask_p = policy.encode(CONVERSATION, mask_final_answer=True)
+    [(ids_p, mask_p)] = policy.encode(CONVERSATION, mask_final_answer=True)
     # the answer is masked, and so is a token straddling its edge ("</think><" may be one token)
     assert ids_p == ids and tok.decode([i for i, m in zip(ids_p, mask_p) if m]) in (
         "<think>I know this.</think>", "<think>I know this.</think")
@@ -59,14 +59,14 @@ def test_a_rewarded_sequence_gains_probability_and_nothing_else_moves(policy):
     policy.new("down")
     policy.new("bystander")
     seq = policy.encode(CONVERSATION)
-    before = {n: policy.sequence_logprob(n, *seq) for n in (None, "up", "down", "bystander")}
+    before = {n: policy.sequence_logprob(n, seq) for n in (None, "up", "down", "bystander")}
     assert len(set(round(v, 5) for v in before.values())) == 1  # fresh adapters = the base model
     frozen = {n: p.detach().clone() for n, p in policy.parameters("bystander")}
     for _ in range(2):
         stats_up = policy.update("up", [seq], [1.0])
         policy.update("down", [seq], [-1.0])
-    assert stats_up["trained_sequences"] == 1 and stats_up["trained_tokens"] == sum(seq[1]) - seq[1][0]
-    after = {n: policy.sequence_logprob(n, *seq) for n in (None, "up", "down", "bystander")}
+    assert stats_up["trained_sequences"] == 1 and stats_up["trained_tokens"] == sum(seq[0][1]) - seq[0][1][0]
+    after = {n: policy.sequence_logprob(n, seq) for n in (None, "up", "down", "bystander")}
     assert after["up"] > before["up"] + 0.05
     assert after["down"] < before["down"] - 0.05
     assert after[None] == pytest.approx(before[None], abs=1e-6)  # the base stays frozen
@@ -76,6 +76,44 @@ def test_a_rewarded_sequence_gains_probability_and_nothing_else_moves(policy):
     moved = {n: p.detach().clone() for n, p in policy.parameters("up")}
     assert policy.update("up", [seq], [0.0])["trained_sequences"] == 0
     assert all((p == moved[n]).all() for n, p in policy.parameters("up"))
+
+
+TWO_ACTIONS = [*solver_messages("Who wrote Hamlet?"),
+               {"role": "assistant", "content": "<search> Hamlet author </search>"},
+               {"role": "user", "content": "<information>Doc 1 (Title: Hamlet) Hamlet is a play by William "
+                                           "Shakespeare.</information>"},
+               {"role": "assistant", "content": "<think>It says so.</think><answer> William Shakespeare </answer>"}]
+
+
+def test_a_trajectory_trained_one_sequence_an_action_takes_the_step_of_the_whole_chat(policy):
+    """A chat template that is not prefix-stable (Qwen3's) trains each action as its own sequence,
+    its generation prompt then its text. On SmolLM2's ChatML both ways see the same contexts, so
+    Equation (1)'s loss, gradient and step must agree: each row divided by its trajectory's trained
+    tokens, G counting trajectories (divided by its own tokens, each action would weigh as a trajectory)."""
+    from selfevo.agents.lm.rl import encode_trajectory
+
+    real = policy.tokenizer.apply_chat_template
+    whole = [policy.encode(c) for c in (TWO_ACTIONS, CONVERSATION)]
+    # a render that never matches the generation prompt forces one sequence an action
+    parts = [encode_trajectory(policy.tokenizer, c, render=lambda ms: "#" + real(list(ms), tokenize=False),
+                               prompt=policy.render) for c in (TWO_ACTIONS, CONVERSATION)]
+    assert [len(w) for w in whole] == [1, 1] and [len(p) for p in parts] == [2, 1]
+    assert policy.sequence_logprob(None, parts[0]) == pytest.approx(policy.sequence_logprob(None, whole[0]), abs=1e-4)
+    policy.new("as-whole")
+    policy.new("by-action", like="as-whole")
+    try:
+        a = policy.update("as-whole", whole, [1.0, -0.5])
+        b = policy.update("by-action", parts, [1.0, -0.5])
+        assert (a["trained_sequences"], a["trained_rows"], b["trained_sequences"], b["trained_rows"]) == (2, 2, 2, 3)
+        assert a["trained_tokens"] == b["trained_tokens"]
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-3)
+        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-3)
+        for w, p in zip(whole, parts):
+            assert policy.sequence_logprob("by-action", p) == pytest.approx(policy.sequence_logprob("as-whole", w),
+                                                                            abs=1e-4)
+    finally:
+        policy.drop("as-whole")
+        policy.drop("by-action")
 
 
 def test_checkpoint_round_trip_restores_weights_and_optimizer(policy, smollm2_path):
@@ -89,11 +127,11 @@ def test_checkpoint_round_trip_restores_weights_and_optimizer(policy, smollm2_pa
     assert (policy.store / ref["file"]).exists() and ref["steps"] == 1
     other = LMPolicy(policy.cfg, store=policy.store)
     other.load("ck", ref)
-    assert other.sequence_logprob("ck", *seq) == pytest.approx(policy.sequence_logprob("ck", *seq), abs=1e-6)
+    assert other.sequence_logprob("ck", seq) == pytest.approx(policy.sequence_logprob("ck", seq), abs=1e-6)
     # the next step from the restored optimizer equals the next step of the original
     policy.update("ck", [seq], [1.0])
     other.update("ck", [seq], [1.0])
-    assert other.sequence_logprob("ck", *seq) == pytest.approx(policy.sequence_logprob("ck", *seq), abs=1e-5)
+    assert other.sequence_logprob("ck", seq) == pytest.approx(policy.sequence_logprob("ck", seq), abs=1e-5)
     # a corrupted file is refused
     bad = dict(ref, sha256="0" * 64)
     with pytest.raises(ValueError, match="checksum"):
@@ -108,9 +146,9 @@ def test_snapshots_are_frozen_copies(policy):
     seq = policy.encode(CONVERSATION)
     policy.update("s", [seq], [1.0])
     snap = solver.snapshot("s@r1")
-    assert policy.sequence_logprob("s@r1", *seq) == pytest.approx(policy.sequence_logprob("s", *seq), abs=1e-6)
+    assert policy.sequence_logprob("s@r1", seq) == pytest.approx(policy.sequence_logprob("s", seq), abs=1e-6)
     policy.update("s", [seq], [1.0])
-    assert policy.sequence_logprob("s@r1", *seq) < policy.sequence_logprob("s", *seq)
+    assert policy.sequence_logprob("s@r1", seq) < policy.sequence_logprob("s", seq)
     with pytest.raises(RuntimeError, match="frozen"):
         snap.update([])
 
@@ -122,10 +160,10 @@ def test_full_fine_tuning_moves_the_same_way(smollm2_path):
     full = LMPolicy(LMConfig(model=str(smollm2_path), adapter="full", device=DEVICE, threads=2, lr=1e-5))
     full.new("p")
     seq = full.encode(CONVERSATION)
-    before = full.sequence_logprob("p", *seq)
+    before = full.sequence_logprob("p", seq)
     full.update("p", [seq], [1.0])
-    assert full.sequence_logprob("p", *seq) > before
-    assert full.sequence_logprob(None, *seq) == pytest.approx(before, abs=1e-6)
+    assert full.sequence_logprob("p", seq) > before
+    assert full.sequence_logprob(None, seq) == pytest.approx(before, abs=1e-6)
 
 
 def test_batched_generation_answers_every_row(policy):

@@ -116,9 +116,6 @@ def test_the_loop_and_engine_run_show_the_proposer_the_same_prompt(tmp_path, mon
     class Policy:  # the loop's proposer over a stand-in policy that records what it is asked
         cfg = LMConfig(proposer_search=search, max_actions=4)
 
-        def check_chat_template(self):
-            pass
-
         def new(self, name, like=None):
             pass
 

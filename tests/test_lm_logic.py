@@ -8,7 +8,7 @@ import pytest
 
 from selfevo.agents.lm import protocol as P
 from selfevo.agents.lm.config import LMConfig
-from selfevo.agents.lm.rl import content_spans, encode_conversation, trained_spans
+from selfevo.agents.lm.rl import content_spans, encode_conversation, encode_trajectory, trained_spans
 from selfevo.agents.lm.rollout import run_rollouts
 from selfevo.integrations.rewards import extract_answer
 from selfevo.records import Document
@@ -55,6 +55,7 @@ QWEN3_LIKE = (
     "{{- '<|im_start|>assistant\\n<think>\\n' + reasoning.strip('\\n') + '\\n</think>\\n\\n' + content.lstrip('\\n') }}"
     "{%- else %}{{- '<|im_start|>assistant\\n' + content }}{%- endif %}{{- '<|im_end|>\\n' }}"
     "{%- endif %}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
 )
 CONVERSATION = [{"role": "system", "content": "S"}, {"role": "user", "content": "Question: who?"},
                 {"role": "assistant", "content": "<search> paris mayor </search>"},
@@ -62,21 +63,66 @@ CONVERSATION = [{"role": "system", "content": "S"}, {"role": "user", "content": 
                 {"role": "assistant", "content": "<answer> Anne </answer>"}]
 
 
-def test_a_template_that_rerenders_earlier_turns_is_refused_not_mistrained():
-    render = jinja2.Environment().from_string(QWEN3_LIKE).render
-    rendered = [render(messages=CONVERSATION[:i + 1]) for i in range(len(CONVERSATION))]
-    # before: the first action's span landed 19 characters late, on "<|im_end|>\n<|im_sta" of the
-    # observation's turn, and its own "<search> paris mayo" went untrained -- without a word
+class OffsetTokenizer:  # one token a character, offsets as a fast tokenizer gives them
+    def __call__(self, text, add_special_tokens=False, return_offsets_mapping=False):
+        return {"input_ids": [ord(c) for c in text], "offset_mapping": [(i, i + 1) for i in range(len(text))]}
+
+
+def qwen3_like(messages, add_generation_prompt=False):
+    return jinja2.Environment().from_string(QWEN3_LIKE).render(messages=list(messages),
+                                                                add_generation_prompt=add_generation_prompt)
+
+
+def trained_text(ids, mask):
+    return "".join(chr(i) for i, m in zip(ids, mask) if m)
+
+
+def test_a_template_that_rerenders_earlier_turns_trains_each_action_on_the_prompt_it_was_generated_from():
+    rendered = [qwen3_like(CONVERSATION[:i + 1]) for i in range(len(CONVERSATION))]
+    # one sequence cannot be masked: the first action's span landed 19 characters late, on
+    # "<|im_end|>\n<|im_sta" of the observation's turn (TRL's single completion refuses it)
     with pytest.raises(ValueError, match=r"message 2 \(assistant\).*not a prefix"):
         content_spans(rendered, CONVERSATION)
-
-    class CharTokenizer:  # one token a character, offsets as a fast tokenizer gives them
-        def __call__(self, text, add_special_tokens=False, return_offsets_mapping=False):
-            return {"input_ids": [ord(c) for c in text], "offset_mapping": [(i, i + 1) for i in range(len(text))]}
-
     with pytest.raises(ValueError, match="not a prefix"):
-        encode_conversation(CharTokenizer(), CONVERSATION,
-                            render=lambda ms: render(messages=list(ms)))
+        encode_conversation(OffsetTokenizer(), CONVERSATION, render=qwen3_like)
+    # before: a trainable agent refused such a model (Qwen3's template) outright; now one sequence an
+    # action, each the exact text generation rendered (template and generation prompt) and the action
+    parts = encode_trajectory(OffsetTokenizer(), CONVERSATION, render=qwen3_like,
+                              prompt=lambda ms: qwen3_like(ms, add_generation_prompt=True))
+    assert [trained_text(*p) for p in parts] == ["<search> paris mayor </search>", "<answer> Anne </answer>"]
+    for (ids, mask), k in zip(parts, (2, 4), strict=True):
+        first = mask.index(1)
+        assert "".join(map(chr, ids[:first])) == qwen3_like(CONVERSATION[:k], add_generation_prompt=True)
+        assert len(ids) == first + len(CONVERSATION[k]["content"])
+    # the proposer: its last action's <answer> stays untrained
+    prop = [*CONVERSATION[:4], {"role": "assistant", "content": "<question> Who? </question> <answer> Anne </answer>"}]
+    parts = encode_trajectory(OffsetTokenizer(), prop, mask_final_answer=True, render=qwen3_like,
+                              prompt=lambda ms: qwen3_like(ms, add_generation_prompt=True))
+    assert [trained_text(*p) for p in parts] == ["<search> paris mayor </search>", "<question> Who? </question> "]
+
+
+def test_an_action_rendered_otherwise_than_its_generation_prompt_starts_it_is_trained_on_that_prompt():
+    # one action after the last user turn: the template renders the chat as a prefix of itself, but
+    # writes an empty <think> block before the action, which generation never showed the model
+    one = CONVERSATION[:3]
+    rendered = [qwen3_like(one[:i + 1]) for i in range(3)]
+    content_spans(rendered, one)  # no error: whole-chat masking would train the action after "<think>\n\n</think>"
+    [(ids, mask)] = encode_trajectory(OffsetTokenizer(), one, render=qwen3_like,
+                                      prompt=lambda ms: qwen3_like(ms, add_generation_prompt=True))
+    assert "".join(map(chr, ids[:mask.index(1)])).endswith("<|im_start|>user\nQuestion: who?<|im_end|>\n"
+                                                           "<|im_start|>assistant\n")
+    assert trained_text(ids, mask) == "<search> paris mayor </search>"
+
+
+def test_a_prefix_stable_template_is_one_sequence_as_before():
+    def chatml(ms, add_generation_prompt=False):
+        return "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in ms) + (
+            "<|im_start|>assistant\n" if add_generation_prompt else "")
+
+    for final in (False, True):
+        parts = encode_trajectory(OffsetTokenizer(), CONVERSATION, final, render=chatml,
+                                  prompt=lambda ms: chatml(ms, add_generation_prompt=True))
+        assert parts == [encode_conversation(OffsetTokenizer(), CONVERSATION, final, render=chatml)]
 
 
 def test_a_prefix_stable_template_still_masks_exactly_the_actions():
@@ -219,24 +265,3 @@ def test_a_reply_that_ends_with_eos_on_its_last_allowed_token_is_a_stop():
     [ro] = run_rollouts([P.solver_messages("q")], SearchTool(index),
                         lambda convs, s: policy.generate(None, convs, greedy=True, seed=s), max_actions=1)
     assert ro.answer == "Paris" and not ro.truncated
-
-
-def test_a_trainable_agent_refuses_such_a_template_before_any_rollout():
-    from selfevo.agents.lm.agents import LMSolver
-    from selfevo.agents.lm.policy import LMPolicy
-
-    template = jinja2.Environment().from_string(QWEN3_LIKE)
-
-    class Qwen3LikeTokenizer:
-        def apply_chat_template(self, messages, tokenize=False, add_generation_prompt=False):
-            return template.render(messages=list(messages))
-
-        def __call__(self, text, add_special_tokens=False, return_offsets_mapping=False):
-            return {"input_ids": [ord(c) for c in text], "offset_mapping": [(i, i + 1) for i in range(len(text))]}
-
-    policy = object.__new__(LMPolicy)
-    policy.cfg, policy.tokenizer = LMConfig(model="qwen3-like"), Qwen3LikeTokenizer()
-    with pytest.raises(ValueError, match=r"^lm\.model 'qwen3-like': its chat template cannot be trained on"):
-        LMSolver.trainable(policy, "main")  # before: refused nowhere; the masks were misplaced
-    policy.tokenizer.apply_chat_template = lambda ms, **_: "".join(f"<{m['role']}>{m['content']}</s>" for m in ms)
-    policy.check_chat_template()  # a prefix-stable template passes

@@ -200,6 +200,10 @@ def test_sequence_pg_loss_is_equation_1():
     assert sequence_pg_loss(lp[:1], mask[:1], adv[:1], n_sequences=2).item() == pytest.approx(-(2 * -1.5) / 2)
     # an all-masked sequence contributes nothing (no division by zero)
     assert sequence_pg_loss(lp, torch.zeros_like(mask), adv).item() == 0.0
+    # one trajectory as two rows (one an action): each divided by the trajectory's 4 trained tokens,
+    # G = 1 trajectory: the mean over all four, (-1 - 2 - 0.5 - 4) / 4
+    both = sequence_pg_loss(lp, mask, torch.tensor([2.0, 2.0]), n_sequences=1, denominators=torch.tensor([4, 4]))
+    assert both.item() == pytest.approx(-2 * (-1 - 2 - 0.5 - 4) / 4)
 
 
 def test_the_gradient_raises_rewarded_tokens_and_lowers_punished_ones():

@@ -41,7 +41,6 @@ class LMSolver:
 
     @classmethod
     def trainable(cls, policy: LMPolicy, name: str) -> LMSolver:
-        policy.check_chat_template()  # a template the mask cannot follow fails now, not at the first update
         policy.new(name)  # a fresh adapter: the base model's function
         return cls(policy, name, policy_name=name)
 
@@ -113,8 +112,6 @@ class LMProposer:
         if not pool:
             raise ValueError("the proposer needs at least one source document")
         self.policy, self.name, self.pool, self.frozen = policy, name, list(pool), frozen
-        if not frozen:
-            policy.check_chat_template()
         policy.new(name, like=like)
         self.format_penalty = policy.cfg.format_penalty
         self.updates = 0

@@ -6,7 +6,7 @@ adapters, not two models. With `adapter="full"` each policy is instead a full co
 fully fine-tuned. Everything a learner does to a model goes through this class:
 
     generate(name, conversations, ...)   one assistant action per conversation, batched, KV cache
-    update(name, sequences, advantages)  one policy-gradient step (rl.sequence_pg_loss)
+    update(name, trajectories, advantages)  one policy-gradient step (rl.sequence_pg_loss)
     save(name) / load(name, ref)         adapter (or weights) + optimizer + RNG, as safetensors
 
 `name=None` is the base model itself (the adapters switched off).
@@ -26,7 +26,7 @@ from selfevo._io import check_local_path
 from selfevo.agents.lm.config import LMConfig
 from selfevo.agents.lm.model import SMOLLM2_IDS, load_pretrained, smollm2_dir
 from selfevo.agents.lm.protocol import STOP_STRINGS, cut_at_stop
-from selfevo.agents.lm.rl import encode_conversation, sequence_pg_loss, token_logprobs
+from selfevo.agents.lm.rl import encode_trajectory, sequence_pg_loss, token_logprobs
 from selfevo.loop.schedule import derive_seed
 
 
@@ -222,19 +222,6 @@ class LMPolicy:
         return out
 
     # ---------------------------------------------------------------- training
-    def check_chat_template(self) -> None:
-        """Refuse, before any rollout, a chat template the training mask cannot be placed on (see
-        `rl.content_spans`): the update would otherwise fail only after the round's first rollouts
-        and grading. A conversation of the rollouts' shape, thinking included."""
-        probe = [{"role": "system", "content": "S"}, {"role": "user", "content": "Question: q?"},
-                 {"role": "assistant", "content": "<think> t </think>\n<search> q </search>"},
-                 {"role": "user", "content": "<information>Doc 1 (Title: T) text</information>"},
-                 {"role": "assistant", "content": "<think> t </think>\n<answer> a </answer>"}]
-        try:
-            encode_conversation(self.tokenizer, probe)
-        except ValueError as e:
-            raise ValueError(f"lm.model {self.cfg.model!r}: its chat template cannot be trained on: {e}") from None
-
     def _optimizer(self, name: str):
         import torch
 
@@ -247,62 +234,74 @@ class LMPolicy:
             self.steps.setdefault(name, 0)
         return self.optimizers[name]
 
-    def encode(self, messages: Sequence[dict], mask_final_answer: bool = False) -> tuple[list[int], list[int]]:
-        ids, mask = encode_conversation(self.tokenizer, messages, mask_final_answer)
+    def encode(self, messages: Sequence[dict], mask_final_answer: bool = False) -> list[tuple[list[int], list[int]]]:
+        """The training sequences `(ids, mask)` of one trajectory (`rl.encode_trajectory`: one, or one
+        an action), each cut at `max_train_tokens`."""
         limit = self.cfg.max_train_tokens
-        return ids[:limit], mask[:limit]
+        return [(ids[:limit], mask[:limit]) for ids, mask in
+                encode_trajectory(self.tokenizer, messages, mask_final_answer, prompt=self.render)]
 
-    def update(self, name: str, sequences: Sequence[tuple[list[int], list[int]]],
+    def update(self, name: str, trajectories: Sequence[Sequence[tuple[list[int], list[int]]]],
                advantages: Sequence[float]) -> dict:
-        """One step of Equation (1) on `sequences` (ids, mask) with their advantages. Sequences
-        with a zero advantage contribute nothing to the gradient but count in G."""
+        """One step of Equation (1) on `trajectories` (each its sequences from `encode`) with their
+        advantages. Trajectories with a zero advantage contribute nothing to the gradient but count in G."""
         import torch
 
         opt = self._optimizer(name)
-        g = len(sequences)
-        live = [i for i in range(g) if advantages[i] != 0.0 and sum(sequences[i][1]) > 0]
+        g = len(trajectories)
+        rows = []  # (ids, mask, advantage, the trajectory's trained tokens): a micro-batch mixes trajectories
+        for seqs, adv in zip(trajectories, advantages, strict=True):
+            n = sum(sum(mask[1:]) for _, mask in seqs)  # position 0 has no log-probability
+            if adv != 0.0 and n > 0:
+                rows += [(ids, mask, adv, n) for ids, mask in seqs if sum(mask[1:]) > 0]
         opt.zero_grad(set_to_none=True)
         loss_total, tokens = 0.0, 0
         with self._active(name) as model:
             model.train()
             try:
-                for start in range(0, len(live), self.cfg.train_batch):
-                    idx = live[start:start + self.cfg.train_batch]
-                    width = max(len(sequences[i][0]) for i in idx)
+                for start in range(0, len(rows), self.cfg.train_batch):
+                    batch = rows[start:start + self.cfg.train_batch]
+                    width = max(len(r[0]) for r in batch)
                     pad = self.tokenizer.pad_token_id
-                    ids = torch.tensor([sequences[i][0] + [pad] * (width - len(sequences[i][0])) for i in idx])
-                    att = torch.tensor([[1] * len(sequences[i][0]) + [0] * (width - len(sequences[i][0]))
-                                        for i in idx])
-                    mask = torch.tensor([sequences[i][1] + [0] * (width - len(sequences[i][1])) for i in idx])
+                    ids = torch.tensor([r[0] + [pad] * (width - len(r[0])) for r in batch])
+                    att = torch.tensor([[1] * len(r[0]) + [0] * (width - len(r[0])) for r in batch])
+                    mask = torch.tensor([r[1] + [0] * (width - len(r[1])) for r in batch])
                     ids, att, mask = ids.to(self.device), att.to(self.device), mask.to(self.device)
                     logits = model(input_ids=ids, attention_mask=att).logits
                     lp = token_logprobs(logits, ids)
-                    adv = torch.tensor([advantages[i] for i in idx], device=self.device)
-                    loss = sequence_pg_loss(lp, mask[:, 1:], adv, n_sequences=g)
+                    adv = torch.tensor([r[2] for r in batch], device=self.device)
+                    den = torch.tensor([float(r[3]) for r in batch], device=self.device)
+                    loss = sequence_pg_loss(lp, mask[:, 1:], adv, n_sequences=g, denominators=den)
                     loss.backward()
                     loss_total += float(loss.detach())
                     tokens += int(mask[:, 1:].sum())
             finally:
                 model.eval()
         params = [p for _, p in self.parameters(name)]
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(params, self.cfg.max_grad_norm)) if live else 0.0
-        if live:
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(params, self.cfg.max_grad_norm)) if rows else 0.0
+        if rows:
             opt.step()
         opt.zero_grad(set_to_none=True)
         self.steps[name] = self.steps.get(name, 0) + 1
         self._changed(name)
-        return {"loss": loss_total, "grad_norm": grad_norm, "trained_sequences": len(live),
-                "sequences": g, "trained_tokens": tokens}
+        trained = sum(1 for seqs, adv in zip(trajectories, advantages)
+                      if adv != 0.0 and any(sum(mask[1:]) for _, mask in seqs))
+        return {"loss": loss_total, "grad_norm": grad_norm, "trained_sequences": trained,
+                "sequences": g, "trained_rows": len(rows), "trained_tokens": tokens}
 
-    def sequence_logprob(self, name: str | None, ids: list[int], mask: list[int]) -> float:
-        """Mean log-probability of the trained tokens of one sequence under policy `name`."""
+    def sequence_logprob(self, name: str | None, seqs: Sequence[tuple[list[int], list[int]]]) -> float:
+        """Mean log-probability of the trained tokens of one trajectory (its sequences from `encode`)
+        under policy `name`."""
         import torch
 
+        total, n = 0.0, 0
         with torch.no_grad(), self._active(name) as model:
-            t = torch.tensor([ids], device=self.device)
-            lp = token_logprobs(model(input_ids=t).logits, t)[0]
-            m = torch.tensor(mask[1:], device=self.device, dtype=lp.dtype)
-            return float((lp * m).sum() / m.sum().clamp(min=1.0))
+            for ids, mask in seqs:
+                t = torch.tensor([ids], device=self.device)
+                lp = token_logprobs(model(input_ids=t).logits, t)[0]
+                m = torch.tensor(mask[1:], device=self.device, dtype=lp.dtype)
+                total, n = total + float((lp * m).sum()), n + int(m.sum())
+        return total / max(n, 1)
 
     # ---------------------------------------------------------------- checkpoints
     def save(self, name: str) -> dict:

@@ -5,14 +5,16 @@ The objective is the paper's Equation (1), sequence-normalised policy gradient:
 
     L(θ) = -(1/G) Σ_i A_i · (1/|o_i|) Σ_{t ∈ o_i} log π_θ(o_{i,t} | context)
 
-over the G sequences of a batch, where o_i are the trained tokens of sequence i (its mask) and A_i
+over the G trajectories of a batch, where o_i are the trained tokens of trajectory i (its mask) and A_i
 its advantage (normalised within the five responses to one question for a solver, within the hop
 bucket for the proposer: `selfevo.algos`). Each batch is sampled from the current policy and used
 for one step, so the PPO ratio is 1 and its clipping never binds: this is that objective's gradient.
 
 Masks: prompt tokens and tool observations (the <information> turns, corrective messages) are never
 trained; every assistant action is, except, for the proposer, its terminal <answer> span (the label
-is what the grader is paid against, not something the proposer is rewarded for phrasing).
+is what the grader is paid against, not something the proposer is rewarded for phrasing). Each action
+is trained on the context it was generated from: one sequence for the whole chat where the chat
+template allows it, else one sequence an action (`encode_trajectory`).
 """
 
 from __future__ import annotations
@@ -139,21 +141,69 @@ def _chosen_logprobs():
     return ChosenLogprobs
 
 
-def sequence_pg_loss(logprobs, mask, advantages, n_sequences: int | None = None):
+def sequence_pg_loss(logprobs, mask, advantages, n_sequences: int | None = None, denominators=None):
     """Equation (1): -(1/G) Σ_i A_i · mean over sequence i's trained tokens of log π.
     `logprobs`, `mask`: [B, T]; `advantages`: [B]. `n_sequences` (G) defaults to B; pass the whole
-    batch's size when summing the loss over micro-batches."""
+    batch's size when summing the loss over micro-batches. `denominators` ([B]; default each row's
+    trained tokens) divides each row instead: a trajectory trained as several sequences (one per action,
+    `encode_trajectory`) gives each of its rows its trajectory's trained tokens, so its rows sum to its mean."""
     mask = mask.to(logprobs.dtype)
-    per_seq = (logprobs * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)
+    den = mask.sum(-1) if denominators is None else denominators.to(logprobs.dtype)
+    per_seq = (logprobs * mask).sum(-1) / den.clamp(min=1.0)
     g = logprobs.shape[0] if n_sequences is None else n_sequences
     return -(advantages.to(logprobs.dtype) * per_seq).sum() / g
 
 
 def encode_conversation(tokenizer, messages: Sequence[dict], mask_final_answer: bool = False,
                         render: Callable[[Sequence[dict]], str] | None = None) -> tuple[list[int], list[int]]:
-    """Token ids of a whole conversation and its training mask (see `token_mask`)."""
-    render = render or (lambda ms: tokenizer.apply_chat_template(list(ms), tokenize=False))
+    """Token ids of a whole conversation and its training mask (see `token_mask`); a template that is
+    not prefix-stable is an error (`content_spans`)."""
+    render = render or _renderer(tokenizer)
     rendered = [render(messages[:i + 1]) for i in range(len(messages))]
-    spans = trained_spans(messages, content_spans(rendered, messages), mask_final_answer)
-    enc = tokenizer(rendered[-1], add_special_tokens=False, return_offsets_mapping=True)
-    return list(enc["input_ids"]), token_mask(enc["offset_mapping"], spans)
+    return _encode_whole(tokenizer, rendered[-1], messages, content_spans(rendered, messages), mask_final_answer)
+
+
+def encode_trajectory(tokenizer, messages: Sequence[dict], mask_final_answer: bool = False,
+                      render: Callable[[Sequence[dict]], str] | None = None,
+                      prompt: Callable[[Sequence[dict]], str] | None = None) -> list[tuple[list[int], list[int]]]:
+    """The training sequences of one trajectory, each `(ids, mask)`: trained on the context each action
+    was generated from. `prompt(messages[:k])` is what generation rendered before assistant message k
+    (the chat template with its generation prompt).
+
+    One sequence, the whole rendered chat, where every action sits in it right after its own prompt
+    (a prefix-stable template such as ChatML); otherwise one sequence per action, its prompt followed by
+    its content. The second covers templates that render earlier turns otherwise once later turns
+    follow (Qwen3 drops the <think> of assistant turns before the last user turn) or that render an
+    assistant turn otherwise than their generation prompt starts it (an empty <think> block added): a
+    trajectory of n actions then costs n forward passes over its growing context. `sequence_pg_loss`
+    with `denominators` keeps Equation (1)'s per-trajectory mean over either."""
+    render = render or _renderer(tokenizer)
+    prompt = prompt or _renderer(tokenizer, generation_prompt=True)
+    actions = [i for i, m in enumerate(messages) if m["role"] == "assistant" and m["content"]]
+    prompts = {i: prompt(messages[:i]) for i in actions}
+    rendered = [render(messages[:i + 1]) for i in range(len(messages))]
+    try:
+        spans = content_spans(rendered, messages)
+    except ValueError:
+        spans = None
+    if spans is not None and all(rendered[-1][:spans[i][0]] == prompts[i] for i in actions):
+        return [_encode_whole(tokenizer, rendered[-1], messages, spans, mask_final_answer)]
+    parts = []
+    for i in actions:
+        start = len(prompts[i])
+        spans = [(0, 0)] * len(messages)
+        spans[i] = (start, start + len(messages[i]["content"]))
+        enc = tokenizer(prompts[i] + messages[i]["content"], add_special_tokens=False, return_offsets_mapping=True)
+        parts.append((list(enc["input_ids"]),
+                      token_mask(enc["offset_mapping"], trained_spans(messages, spans, mask_final_answer))))
+    return parts
+
+
+def _renderer(tokenizer, generation_prompt: bool = False) -> Callable[[Sequence[dict]], str]:
+    return lambda ms: tokenizer.apply_chat_template(list(ms), tokenize=False, add_generation_prompt=generation_prompt)
+
+
+def _encode_whole(tokenizer, text: str, messages: Sequence[dict], spans: Sequence[Span],
+                  mask_final_answer: bool) -> tuple[list[int], list[int]]:
+    enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    return list(enc["input_ids"]), token_mask(enc["offset_mapping"], trained_spans(messages, spans, mask_final_answer))
