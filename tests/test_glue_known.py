@@ -1,6 +1,7 @@
 """Defects of the TRL/verl reward glue and the remote solver that earlier reviews listed as known and
-left alone: a TRL rows file missing a field, verl's batch grading seeded by a batch's first item, and
-a remote solver's failure count shared by the batches of several threads."""
+left alone: a TRL rows file missing a field, verl's batch grading seeded by a batch's first item,
+a remote solver's failure count shared by the batches of several threads, and an auxiliary solver
+with nothing to train on passed over in silence."""
 
 from __future__ import annotations
 
@@ -137,3 +138,21 @@ def test_a_batch_starting_on_another_thread_does_not_undo_a_failing_batchs_stop(
     assert len(dead_calls) == 3  # A stopped at its own third failure in a row
     assert [[t.answer for t in ts] for ts in b_result[0]] == [["yes"]]  # B is not stopped by A's failures
 
+
+
+# ---------------------------------------------------------------- an aux phase with nothing to train on
+
+
+def test_an_engine_aux_phase_with_no_rows_says_its_solver_grades_untrained(tmp_path):
+    # before: the phase logged {"trained": false} in the phase log and said nothing
+    from selfevo.integrations import engine as eng
+
+    cfg = {"backend": "lm", "treatment": "crossfit", "world": {"name": "small"},
+           "loop": {"rounds": 2, "proposer_steps": 2, "solver_steps": 3, "admit_per_round": 10, "source_docs": 40},
+           "engine": {"retriever_url": "http://127.0.0.1:9/retrieve"}}
+    said = []
+    run = eng.EngineRun(eng.engine_config_from_dict(cfg, engine="trl"), tmp_path, log=said.append)
+    run._admitted_rows = lambda r: [{"fold": 0, "source_folds": [0]}]  # fold 0's only
+    assert run.aux(1, "aux-1") == {"trained": False}
+    assert said == ["  warning: round 1: auxiliary solver aux-1 had no admitted question to train on; it grades "
+                    "round 2 untrained, as the base model"]

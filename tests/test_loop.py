@@ -3,6 +3,7 @@
 import json
 import os
 import re
+import warnings
 from collections import Counter
 
 import pytest
@@ -328,6 +329,49 @@ def test_every_aux_update_of_the_budget_trains(n, budget, want):
     assert len(aux0.batches) == want and max(aux0.batches) - min(aux0.batches) <= 1  # even
     if budget == 1.0:
         assert sum(aux0.batches) == n  # one pass over the fold
+
+
+def test_an_aux_solver_with_nothing_to_train_on_is_warned_not_passed_over():
+    """Connected grouping trains an aux solver only on questions all of whose pages lie in its fold; a
+    fold can have sources and no such question. Its solver then graded the next round untrained, and
+    nothing said so."""
+    from selfevo.agents.base import Proposal
+    from selfevo.loop.feedback import AuxFeedback, UntrainedGrader
+    from selfevo.loop.folds import FoldAssignment
+
+    folds = FoldAssignment(2, 0, "source", {"s0": 0, "s1": 1})
+    rule = AuxFeedback("crossfit", folds, _CountingSolver, 25, 5)
+    items = [type("C", (), {"fold": 0, "label": "x", "proposal": Proposal(f"q{i}", "x", "s0", ("s0",), 1)})()
+             for i in range(3)]
+    with pytest.warns(UntrainedGrader) as seen:
+        rule.end_round(1, items, tool=None, seed=0, last=False)
+    assert [str(w.message) for w in seen] == [
+        f"round 1: auxiliary solver {rule.aux[1].name} had no admitted question to train on; it grades round 2 "
+        "untrained, as the base model"]
+    rule.aux[1].lineage = {"folds": [1], "rounds": [1]}  # had it trained before
+    with pytest.warns(UntrainedGrader, match="grades round 3 as it was after its last training"):
+        rule.end_round(2, items, tool=None, seed=0, last=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        rule.end_round(3, items, tool=None, seed=0, last=True)  # nobody is graded after the last round
+
+
+def test_the_cli_says_which_aux_solver_grades_untrained(tmp_path):
+    out = tmp_path / "run"
+    result = CliRunner().invoke(app, ["evolve", "--world", "small", "--treatment", "crossfit-connected-k8",
+                                      "--rounds", "2", "--no-audit", "--out", str(out), "--set",
+                                      "loop.admit_per_round=6", "--set", "loop.proposer_steps=2", "--set",
+                                      "loop.solver_steps=2"])
+    assert result.exit_code == 0, result.output
+    lines = [x for x in result.output.splitlines() if x.startswith("warning: round 1: auxiliary solver aux-")]
+    assert lines and all(x.endswith("had no admitted question to train on; it grades round 2 untrained, as the "
+                                    "base model") for x in lines)
+    # and the records agree: those graders carry no training lineage
+    named = {re.search(r"aux-[0-9]+", x).group() for x in lines}
+    graders = [it["grader"] for row in RunDir(out).steps() if row["kind"] == "proposer" and row["round"] == 2
+               for it in row["items"]]
+    untrained = {g["id"].split("@")[0] for g in graders if not g.get("trained_on", {}).get("rounds")}
+    assert untrained and untrained <= named
 
 
 def test_connected_folds_file_is_byte_identical_across_processes():

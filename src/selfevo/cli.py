@@ -22,6 +22,7 @@ from rich.markup import escape
 from selfevo._software import SoftwareChanged
 from selfevo.agents import SPEC_FORMS
 from selfevo.corpus import DataError
+from selfevo.loop.feedback import UntrainedGrader
 
 # wide enough for the tables when the output is a pipe or a log file (rich assumes 80 columns)
 console = Console(width=None if sys.stdout.isatty() else 200)
@@ -29,18 +30,19 @@ console = Console(width=None if sys.stdout.isatty() else 200)
 
 @contextlib.contextmanager
 def _warnings_as_lines():
-    """Inside: a warning meant for the user (SoftwareChanged) prints as one yellow line, when it
-    happens (a resumed run may go on for hours); any other keeps Python's form."""
+    """Inside: a warning meant for the user (SoftwareChanged, UntrainedGrader) prints as one yellow line,
+    when it happens (a resumed run may go on for hours); any other keeps Python's form."""
     python_form = warnings.showwarning
 
     def show(message, category, filename, lineno, file=None, line=None):
-        if issubclass(category, SoftwareChanged):
+        if issubclass(category, (SoftwareChanged, UntrainedGrader)):
             console.print(f"[yellow]warning:[/yellow] {escape(str(message))}")
         else:
             python_form(message, category, filename, lineno, file, line)
 
     with warnings.catch_warnings():  # restores showwarning and the filters on the way out
         warnings.simplefilter("always", SoftwareChanged)
+        warnings.simplefilter("always", UntrainedGrader)
         warnings.showwarning = show
         yield
 

@@ -65,7 +65,7 @@ from selfevo.integrations.admit import (
 from selfevo.integrations.datasets import aux_training_sets, one_pass, proposer_rows, solver_rows, write_verl
 from selfevo.integrations.routing import Grader, aux_roles, options_of
 from selfevo.loop.engine import EVAL_GENERATIONS, Compute
-from selfevo.loop.feedback import aux_updates, touched_folds
+from selfevo.loop.feedback import aux_updates, touched_folds, untrained_grader
 from selfevo.loop.schedule import derive_seed
 from selfevo.loop.treatments import parse_treatment
 from selfevo.runs import RunDir, RunError, check_fields, differences, read_object, with_new_defaults
@@ -658,6 +658,7 @@ class EngineRun:
         cfg, opts = self.cfg, options_of(self.treatment)  # the loop's AuxFeedback options
         rows = aux_training_sets(self._admitted_rows(r), [role], opts.lineage_aware)[role]
         if not rows:
+            self.say(f"  warning: {untrained_grader(role, r, bool(self.phases.lineage(role, r)[1]))}")
             return {"trained": False}
         roles = aux_roles(self.treatment)
         updates = aux_updates(cfg.loop.solver_steps, len(roles), opts.budget)[roles.index(role)]

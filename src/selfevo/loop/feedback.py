@@ -15,6 +15,7 @@ Round 1 is shared by every rule: no aux solver has trained yet, so the base mode
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Collection, Sequence
 from typing import Protocol
 
@@ -88,6 +89,18 @@ def aux_updates(updates_per_round: int, n_aux: int, budget: float = 1.0) -> list
 def fewest_aux_updates(updates_per_round: int, n_aux: int, budget: float = 1.0) -> int:
     """min(aux_updates(...)) without building the list: a config's K may be huge."""
     return round(updates_per_round * n_aux * budget) // n_aux
+
+
+class UntrainedGrader(UserWarning):
+    """An auxiliary solver had no admitted question to train on in a round: it grades the next round
+    as it was (the base model, if it never trained)."""
+
+
+def untrained_grader(name: str, round: int, ever_trained: bool) -> str:
+    """What the loop and `engine-run` say of an auxiliary solver with nothing to train on."""
+    return (f"round {round}: auxiliary solver {name} had no admitted question to train on; it grades "
+            f"round {round + 1} "
+            + ("as it was after its last training" if ever_trained else "untrained, as the base model"))
 
 
 def lineage_of(solver) -> dict:
@@ -229,6 +242,8 @@ class AuxFeedback:
         for j, aux in enumerate(self.aux):
             items = [c for c in admitted if self._trains_on(j, c)]
             if not items:
+                # e.g. connected grouping: a fold can have sources and no question all of whose pages lie in it
+                warnings.warn(UntrainedGrader(untrained_grader(aux.name, round, bool(aux.lineage))), stacklevel=2)
                 continue
             # the full budget's even split (as the main solver's), so every one of its updates
             # trains; a smaller budget takes the first of those batches
