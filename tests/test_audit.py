@@ -291,6 +291,26 @@ def test_metrics_figure_keeps_rounds_in_order_when_records_number_steps_within_e
     assert ax.get_xlabel().startswith("scheduled step")
 
 
+def test_metrics_figure_draws_the_judges_coverage_by_round(monkeypatch):
+    """A judge that resolved 10% of items drew curves as solid as the oracle's: the figure now draws
+    each round's coverage, and a judge that resolved nothing still gets its note, not a coverage line."""
+    from selfevo.audit import figures
+
+    monkeypatch.setattr(figures, "png", lambda fig: fig)
+    metrics = {"A": 0.6, "T_P": 0.8, "T_S": 0.5, "F": 0.1, "L": 0.05}
+    result = {"judge": "llm", "steps": [{"round": r, "step": s, "kind": "proposer", **metrics}
+                                        for r, s in ((1, 0), (1, 1), (2, 2))],
+              "rounds": [{"round": 1, **metrics, "coverage": 0.1}, {"round": 2, **metrics, "coverage": 0.25}]}
+    ax = figures.metrics_figure(result).axes[0]
+    [line] = [x for x in ax.lines if x.get_label() == "coverage"]
+    assert list(line.get_xdata()) == [0.5, 2.0] and list(line.get_ydata()) == [0.1, 0.25]
+    assert "coverage" in [t.get_text() for t in ax.get_legend().get_texts()]
+    none = {"judge": "llm", "steps": [{"round": 1, "step": 0, "kind": "proposer", **dict.fromkeys(metrics)}],
+            "rounds": [{"round": 1, **dict.fromkeys(metrics), "coverage": 0.0}]}
+    ax = figures.metrics_figure(none).axes[0]
+    assert not ax.lines and "nothing resolved" in [t.get_text() for t in ax.texts]
+
+
 def test_audit_run_takes_a_run_directory_path(tmp_path):
     """Every other entry point takes a run directory as a path (evolve's out, build_bank): audit_run
     raised AttributeError ('str' object has no attribute 'steps') on one."""

@@ -1,6 +1,6 @@
 """The audit's figures (PNG, matplotlib Agg), after the paper's Figures 1 and 3:
   metrics.png      A, T_P, T_S, F, L at every proposer step (small points) and per round (large
-                   markers at the middle of the round's steps)
+                   markers at the middle of the round's steps), and each round's coverage (dashed)
   f_vs_l.png       false-agreement mass F against lost-credit mass L, steps small, rounds large
   comparison.png   with a truth judge: each metric by round for both judges (top) and the
                    difference with its bootstrap 95% interval (bottom)
@@ -70,6 +70,12 @@ def metrics_figure(result: dict, kind: str = "proposer") -> bytes:
         rows = [(xs[r["round"]], r[m]) for r in result["rounds"] if r[m] is not None and r["round"] in xs]
         if rows:
             ax.plot(*zip(*rows), marker="o", ms=9, lw=1.2, color=COLORS[m], label=m)
+    # the judge's coverage by round: curves of a judge that resolved 10% of items look as solid as
+    # the oracle's, and every point above is a share of the resolved items only
+    cov = [(xs[r["round"]], r["coverage"]) for r in result["rounds"] if r.get("coverage") is not None
+           and r["round"] in xs]
+    if cov and any(c for _, c in cov):
+        ax.plot(*zip(*cov), marker="s", ms=5, lw=1.2, ls="--", color=COLORS["coverage"], label="coverage")
     for r, x in xs.items():
         ax.text(x, 1.02, f"round {r}", ha="center", fontsize=8, transform=ax.get_xaxis_transform())
     # where steps were re-placed (numbered within each round) x is a place in order, not a step number
@@ -77,7 +83,7 @@ def metrics_figure(result: dict, kind: str = "proposer") -> bytes:
     ax.set_xlabel(f"{where} ({kind} steps: small points; rounds: large markers)")
     ax.set_ylim(-0.02, 1.02)
     ax.set_title(f"audit by step and round — judge {result['judge']}", fontsize=10, pad=16)
-    _legend_or_note(ax, ncol=5, fontsize=8, loc="upper left")
+    _legend_or_note(ax, fontsize=8, loc="center left", bbox_to_anchor=(1.01, 0.5))  # clear of coverage near 1
     ax.grid(alpha=0.3)
     return png(fig)
 
