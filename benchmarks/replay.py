@@ -261,6 +261,7 @@ def main() -> None:
         def once() -> None:
             # CPU seconds of the command and its workers: a load-independent companion to wall time
             # on a shared machine (CPU / cores is the wall time on idle cores)
+            (study / "jobs.jsonl").unlink(missing_ok=True)  # every repeat the whole study, none from the journal
             before = resource.getrusage(resource.RUSAGE_CHILDREN)
             subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
             after = resource.getrusage(resource.RUSAGE_CHILDREN)

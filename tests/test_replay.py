@@ -12,7 +12,7 @@ import pytest
 from typer.testing import CliRunner
 
 from selfevo import replay
-from selfevo._io import read_json, write_json
+from selfevo._io import read_json, read_jsonl_log, write_json
 from selfevo._software import software
 from selfevo.cli import app
 from selfevo.config import WorldSpec, load_config
@@ -381,6 +381,13 @@ def test_cli_build_and_run(runs, tmp_path):
     assert results["software"] == software()  # what the study ran under
     assert (out / "results.md").exists() and (out / "replay.png").exists()
     assert "source-id+msv" in res.output
+    # run again: every job is in the journal, none runs, the results are the same
+    first = (out / "results.json").read_bytes()
+    res = cli.invoke(app, ["replay", "run", "--bank", str(bank_path), "--conditions", "coupled,source-id+msv",
+                           "--seeds", "1", "--updates", "6", "--workers", "1", "--out", str(out)])
+    assert res.exit_code == 0, res.output
+    assert f"{out / 'jobs.jsonl'}: 4 finished job(s) of this study, not run again" in " ".join(res.output.split())
+    assert (out / "results.json").read_bytes() == first
 
 
 @pytest.mark.parametrize("args, message", [
@@ -717,3 +724,42 @@ def test_a_second_study_into_the_same_out_is_refused(bank, tmp_path):
         os.close(fd)
     assert CliRunner().invoke(app, args).exit_code == 0  # released
     assert (out / "results.json").exists()
+
+
+def test_a_stopped_study_goes_on_from_its_journal_to_the_same_results(bank, tmp_path, monkeypatch):
+    """A `replay run` killed part way kept only its judge cache: every job ran again (on a
+    language-model bank, hours of training each). Finished jobs are now journaled, a rerun runs only
+    the others, and its results are the bytes of a study never stopped."""
+    names = ["coupled", "source-id", "question-split+msv"]
+    whole = run_replay(bank, names, seeds=2, settings=FAST, workers=1)
+    journal = tmp_path / "jobs.jsonl"
+    real, ran = replay._condition_job, []
+
+    def stopping(name, seed, msv_labels):
+        if (name, seed) == ("source-id", 1):
+            raise KeyboardInterrupt  # the study is stopped here
+        ran.append((name, seed))
+        return real(name, seed, msv_labels)
+
+    monkeypatch.setattr(replay, "_condition_job", stopping)
+    with pytest.raises(KeyboardInterrupt):
+        run_replay(bank, names, seeds=2, settings=FAST, workers=1, journal=journal)
+    kept = {(r["job"], r["seed"]) for r in read_jsonl_log(journal)}
+    assert set(ran) <= kept and ("source-id", 1) not in kept and ("msv", 0) in kept
+    with open(journal, "ab") as fh:  # and a kill tore the last line
+        fh.write(b'{"study": "')
+    ran.clear()
+    monkeypatch.setattr(replay, "_condition_job", lambda *a: ran.append(a[:2]) or real(*a))
+    said = []
+    again = run_replay(bank, names, seeds=2, settings=FAST, workers=1, journal=journal, log=said.append)
+    assert json.dumps(again) == json.dumps(whole)
+    every = {(n, s) for n in names for s in (0, 1)}
+    assert set(ran) == every - kept and said == [f"{journal}: {len(kept)} finished job(s) of this study, "
+                                                  "not run again"]
+    # another study's journal is refused by name, not mixed in
+    with pytest.raises(ReplayError, match=r"jobs\.jsonl: holds the finished jobs of another study"):
+        run_replay(bank, names, seeds=2, settings=replace(FAST, updates=5), workers=1, journal=journal)
+    # a study asking for more reuses what it has: one new condition, its jobs only
+    ran.clear()
+    run_replay(bank, [*names, "full-data"], seeds=2, settings=FAST, workers=1, journal=journal)
+    assert sorted(ran) == [("full-data", 0), ("full-data", 1)]

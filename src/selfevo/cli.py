@@ -896,7 +896,8 @@ def replay_run(
                                                "question-split, source-id, source-id-half, connected, "
                                                "each also +msv; or all"),
     seeds: int = typer.Option(5, help="seeds 0..N-1"),
-    out: Path = typer.Option(..., help="output directory: results.json, results.md, replay.png"),
+    out: Path = typer.Option(..., help="output directory: results.json, results.md, replay.png, and "
+                                       "jobs.jsonl (finished jobs: run again, a stopped study goes on from them)"),
     workers: int = typer.Option(min(2, os.cpu_count() or 1), help="parallel processes (a language-model "
                                                                      "bank runs in this process)"),
     updates: int = typer.Option(50, help="updates per feedback solver (half budget: half)"),
@@ -939,7 +940,8 @@ def replay_run(
             b = Bank.load(bank)
             with replay_judge(b, judge_url, judge_model, judge_cache or out / "judge-cache.jsonl",
                               judge_concurrency) as judge:
-                results = run_replay(b, conditions, seeds, settings, workers=workers, progress=True, judge=judge)
+                results = run_replay(b, conditions, seeds, settings, workers=workers, progress=True, judge=judge,
+                                     journal=out / "jobs.jsonl", log=lambda m: console.print(escape(m)))
             write_results(results, out)
     except (ReplayError, JudgeError) as e:
         _fail(str(e))

@@ -32,7 +32,7 @@ from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 
 from selfevo._fmt import mean_std_text, num
-from selfevo._io import atomic_writer, read_json, write_json
+from selfevo._io import append_jsonl, atomic_writer, read_json, read_jsonl_log, write_json
 from selfevo._software import software
 from selfevo.agents.base import Proposal
 from selfevo.agents.sim import Reader, SimSolver
@@ -750,42 +750,59 @@ def _n_jobs(conds: list[Condition], seeds: list[int]) -> int:
     return len(seeds) * (len(conds) + 1 + any(c.msv for c in conds))
 
 
-def _run_jobs(pool, conds: list[Condition], seeds: list[int], bar) -> tuple[dict, dict, dict]:
-    """Submit every job, collect results as they finish; a seed's MSV result releases its +msv
-    conditions. Returns (condition outcomes, MSV labels, base reference) keyed by seed."""
+def _run_jobs(pool, conds: list[Condition], seeds: list[int], bar, done: Mapping[tuple[str, int], dict] | None = None,
+              record=None) -> tuple[dict, dict, dict]:
+    """Submit every job not in `done` (finished jobs by (job, seed): "msv", "base" or a condition),
+    collect results as they finish, handing each to `record(job, seed, result)`; a seed's MSV result
+    releases its +msv conditions. Returns (condition outcomes, MSV labels, base reference) keyed by seed."""
     need_msv = any(c.msv for c in conds)
+    done = done or {}
     task = bar.add_task("replay", total=_n_jobs(conds, seeds))
     outcomes: dict[tuple[str, int], dict] = {}
     msv: dict[int, dict] = {}
     base: dict[int, dict] = {}
     pending: dict[Future, tuple[str, int]] = {}
+
+    def submit(name: str, s: int, fn, *args) -> None:
+        if (name, s) not in done:
+            pending[pool.submit(fn, *args)] = (name, s)
+
+    def finished(name: str, s: int, result: dict) -> None:
+        if name == "msv":
+            msv[s] = result
+            for c in conds:
+                if c.msv:
+                    submit(c.name, s, _condition_job, c.name, s, result)
+        elif name == "base":
+            base[s] = result
+        else:
+            outcomes[(name, s)] = result
+        bar.update(task, advance=1, description=f"replay {name} seed {s}")
+
     for s in seeds:  # short jobs first: MSV unblocks the +msv conditions
         if need_msv:
-            pending[pool.submit(_msv_job, s, [c.name for c in conds if c.msv])] = ("msv", s)
-        pending[pool.submit(_base_job, s)] = ("base", s)
+            submit("msv", s, _msv_job, s, [c.name for c in conds if c.msv])
+        submit("base", s, _base_job, s)
     for c in conds:
         for s in seeds:
             if not c.msv:
-                pending[pool.submit(_condition_job, c.name, s, None)] = (c.name, s)
+                submit(c.name, s, _condition_job, c.name, s, None)
+    wanted = {"msv", "base", *(c.name for c in conds)}
+    for (name, s), result in sorted(done.items(), key=lambda kv: kv[0][0] != "msv"):  # MSV first: it releases
+        if name in wanted and s in seeds and (name != "msv" or need_msv):
+            finished(name, s, result)
     try:
         while pending:
             if isinstance(pool, _InProcess):
-                done = pool.run_next(pending)
+                ready = pool.run_next(pending)
             else:
-                done, _ = wait(list(pending), return_when=FIRST_COMPLETED)
-            for f in sorted(done, key=lambda f: pending[f]):
+                ready, _ = wait(list(pending), return_when=FIRST_COMPLETED)
+            for f in sorted(ready, key=lambda f: pending[f]):
                 name, s = pending.pop(f)
                 result = f.result()
-                if name == "msv":
-                    msv[s] = result
-                    for c in conds:
-                        if c.msv:
-                            pending[pool.submit(_condition_job, c.name, s, result)] = (c.name, s)
-                elif name == "base":
-                    base[s] = result
-                else:
-                    outcomes[(name, s)] = result
-                bar.update(task, advance=1, description=f"replay {name} seed {s}")
+                if record is not None:
+                    record(name, s, result)
+                finished(name, s, result)
     except BaseException:  # fail fast: do not let the pool finish the queued jobs first
         if isinstance(pool, _InProcess):
             for f in pending:
@@ -796,9 +813,36 @@ def _run_jobs(pool, conds: list[Condition], seeds: list[int], bar) -> tuple[dict
     return outcomes, msv, base
 
 
+def _journal_key(bank: Bank, settings: ReplaySettings, judge_name: str) -> str:
+    """What a job's result depends on besides its condition and seed (and that seed's MSV labels,
+    themselves a job): a journal of another bank, settings, judge or software is not this study's."""
+    key = {"format": FORMAT, "bank": bank.digest(), "settings": asdict(settings), "judge": judge_name,
+           "software": software()}
+    return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()
+
+
+def _read_journal(path: Path, key: str) -> dict[tuple[str, int], dict]:
+    """The finished jobs of this study in `path` (a torn last line, a kill's, is cut off)."""
+    try:
+        rows = read_jsonl_log(path, repair=True)
+    except ValueError as e:
+        raise ReplayError(str(e)) from None
+    done = {}
+    for i, row in enumerate(rows, 1):
+        if not (isinstance(row.get("job"), str) and isinstance(row.get("seed"), int)
+                and isinstance(row.get("result"), dict)):
+            raise ReplayError(f"{path}:{i}: not a replay job (job, seed, result)")
+        if row.get("study") != key:
+            raise ReplayError(f"{path}: holds the finished jobs of another study (another bank, --updates, "
+                              "--rollouts, --samples, judge or software version); remove it to start afresh, "
+                              "or choose another --out")
+        done[(row["job"], row["seed"])] = row["result"]
+    return done
+
+
 def run_replay(bank: Bank, conditions: Iterable[str] | str | None = None, seeds: int | Sequence[int] = 5,
                settings: ReplaySettings | None = None, workers: int = 1, progress: bool = False,
-               judge=None) -> dict:
+               judge=None, journal: str | os.PathLike | None = None, log=None) -> dict:
     """Every (condition, seed) job, checked against the invariants, summarised over seeds.
 
     Results are identical for any `workers`: each job is a pure function of the bank, the
@@ -807,6 +851,12 @@ def run_replay(bank: Bank, conditions: Iterable[str] | str | None = None, seeds:
     bank of runs on a real corpus needs one. A language-model bank, or a judge given here, runs
     every job in this process (one model on one device; the judge's client lives here), whatever
     `workers` says.
+
+    `journal` (a JSONL file, append-only) keeps every finished job: a study stopped part way and run
+    again with the same bank, settings and judge reruns only the jobs it lacks (a job is hours of
+    training on a language-model bank), and a study asked for more conditions or seeds runs only
+    those. Its results are the same bytes as those of a study never stopped. `log` gets one line
+    saying how many jobs the journal held.
     """
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -832,8 +882,17 @@ def run_replay(bank: Bank, conditions: Iterable[str] | str | None = None, seeds:
         else:
             _preflight([c.name for c in conds], seeds)
         judge_name = _ctx().judge.name if isinstance(pool, _InProcess) else OracleJudge.name
+        done, record = {}, None
+        if journal is not None:
+            key = _journal_key(bank, settings, judge_name)
+            done = _read_journal(Path(journal), key)
+            if done and log is not None:
+                log(f"{journal}: {len(done)} finished job(s) of this study, not run again")
+
+            def record(job: str, seed: int, result: dict) -> None:
+                append_jsonl(journal, [{"study": key, "job": job, "seed": seed, "result": result}])
         with Progress(*columns, disable=not progress, transient=True) as bar:
-            outcomes, msv, base = _run_jobs(pool, conds, seeds, bar)
+            outcomes, msv, base = _run_jobs(pool, conds, seeds, bar, done, record)
     invariants = check_invariants(outcomes, bank, settings)
     ref = base[seeds[0]]["metrics"]  # T_P and coverage are properties of the bank (same for every grader)
     out = {"format": FORMAT, "settings": asdict(settings), "seeds": seeds,
