@@ -534,6 +534,8 @@ def test_a_slow_retrieval_times_out_with_504_and_the_server_keeps_answering(smal
             r = client.post("/retrieve", json={"queries": ["zebra"]})
             assert r.status_code == 504 and "0.3 s" in r.json()["detail"]
             assert time.monotonic() - start < 5
+            # a client retrying waits out the abandoned retrieval first (ours honours Retry-After)
+            assert r.headers["retry-after"] == "1"
             assert client.get("/health").json()["status"] == "ok"
             slow.gate.set()  # retrieval is fast again: the same app answers normally
             r = client.post("/retrieve", json={"queries": ["zebra"], "topk": 1})
@@ -559,6 +561,21 @@ def test_a_trickling_body_gets_408_and_a_hung_retrieval_504_over_http(small_inde
                     client.retrieve(["zebra"])
                 assert client.health()["status"] == "ok"
             slow.gate.set()  # let the abandoned retrieval finish before the server shuts down
+    finally:
+        slow.gate.set()
+
+
+def test_a_client_retrying_the_servers_504_waits_out_the_abandoned_retrieval(small_index):
+    """The server's own 504 was retried after the client's backoff (0.5 s): a second slow retrieval
+    started beside the abandoned one, which still held its thread. It now asks for its time limit."""
+    slow = GatedRetriever(small_index)
+    try:
+        with serve_app(make_app(slow, timeout_s=0.3)) as url, \
+                RetrieverClient(url, retries=1, backoff_s=0.01) as client:
+            threading.Timer(0.6, slow.gate.set).start()  # the abandoned retrieval ends meanwhile
+            start = time.monotonic()
+            [[hit]] = client.retrieve(["zebra"], topk=1)
+            assert hit.document.id == "d0" and time.monotonic() - start >= 1.0  # Retry-After: 1
     finally:
         slow.gate.set()
 

@@ -471,8 +471,8 @@ def test_msv_with_the_source_shows_a_served_solver_what_the_loops_solver_sees(sm
                                                  [("<answer> x </answer>", "stop")] * len(convs))[1]
     LMSolver(policy, "main").answer(["Q?"], tool, greedy=False, n=1, seed=0, contexts=[doc])
     remote = RemoteSolver("http://127.0.0.1:9/v1", "main", context=_truncator(str(smollm2_path), cfg.doc_tokens))
-    remote._generate = lambda convs, seed, greedy, streak: (seen.setdefault("engine", convs[0][-1]["content"]),
-                                                            [("<answer> x </answer>", "stop")] * len(convs))[1]
+    remote._generate = lambda convs, seed, greedy, streak, stop: (seen.setdefault("engine", convs[0][-1]["content"]),
+                                                                  [("<answer> x </answer>", "stop")] * len(convs))[1]
     remote.answer(["Q?"], tool, greedy=False, n=1, seed=0, contexts=[doc])
     assert seen["engine"] == seen["loop"]
     assert "word1999" not in seen["engine"]
@@ -753,15 +753,16 @@ def test_a_retried_failure_says_what_the_server_said():
 
 
 def test_a_call_waiting_to_retry_stops_when_its_caller_does():
-    """`retrying_stopped` was read only after an attempt failed: a call sleeping out a Retry-After
+    """The stop flag was read only after an attempt failed: a call sleeping out a Retry-After
     slept it out and made one more attempt. And the solver waited on its rows in order, so an
     endpoint error of a later row waited for an earlier row's Retry-After."""
     client = ChatClient("http://fake/v1", "m", max_retries=4, backoff=0.01)
     seen = _mock(client, [httpx.Response(429, headers={"Retry-After": "20"}, stream=httpx.ByteStream(b""))])
-    threading.Timer(0.3, client.retrying_stopped.set).start()
+    stopped = threading.Event()
+    threading.Timer(0.3, stopped.set).start()
     start = time.monotonic()
     with pytest.raises(CallFailed, match="HTTP 429"):
-        client.complete(HI)
+        client.complete(HI, stopped=stopped)
     assert time.monotonic() - start < 3 and len(seen) == 1
 
     s = solver("http://fake/v1", max_retries=4, concurrency=2, backoff=0.01)
@@ -777,6 +778,40 @@ def test_a_call_waiting_to_retry_stops_when_its_caller_does():
     with pytest.raises(EndpointError, match="key revoked"):
         s.answer(["wait me", "refuse me"], tool())
     assert time.monotonic() - start < 3
+
+
+def test_a_batch_that_stops_ends_its_own_retries_not_another_threads():
+    """The stop flag was one per client: a batch failing on one thread (an endpoint error) ended the
+    retries of another thread's batch on the same solver, whose call then failed for good (its
+    question left unanswered), and a batch starting cleared the flag of one stopping."""
+    s = solver("http://fake/v1", max_retries=3, concurrency=1, backoff=0.01)
+    waited = threading.Event()
+
+    def reply(request: httpx.Request) -> httpx.Response:
+        if b"refuse me" in request.content:
+            waited.wait(5)  # the other batch's call is waiting to retry by now
+            return _error(401, "key revoked")
+        if not waited.is_set():
+            waited.set()
+            return httpx.Response(429, headers={"Retry-After": "1"}, stream=httpx.ByteStream(b""))
+        return _ok("<answer> Paris </answer>")
+
+    s.client._http = httpx.Client(transport=httpx.MockTransport(reply))
+    out, errors = {}, []
+
+    def run(q: str) -> None:
+        try:
+            out[q] = s.answer([q], tool())[0][0].answer
+        except EndpointError as e:
+            errors.append(str(e))
+
+    threads = [threading.Thread(target=run, args=(q,)) for q in ("wait me", "refuse me")]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(20)
+    assert len(errors) == 1 and "key revoked" in errors[0]
+    assert out == {"wait me": "Paris"}  # before: "" (its retry stopped by the other batch's error)
 
 
 @pytest.mark.parametrize("reply, kind, content", [

@@ -176,9 +176,6 @@ class ChatClient:
         # asked for (llama.cpp's server and `serve-model` answer any)
         self.reply_models: Counter[str] = Counter()
         self._models_lock = threading.Lock()
-        # set by a caller that is stopping (Ctrl-C): calls in flight make no further attempt, so the
-        # caller's threads end within one timeout instead of all their retries
-        self.retrying_stopped = threading.Event()
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._http = httpx.Client(timeout=httpx.Timeout(timeout), headers=headers)
 
@@ -302,22 +299,27 @@ class ChatClient:
     # -------------------------------------------------------------- the API
     def chat(self, messages: Sequence[dict], *, n: int = 1, temperature: float | None = _UNSET,
              top_p: float | None = _UNSET, max_tokens: int | None = _UNSET, seed: int | None = _UNSET,
-             stop: Sequence[str] | None = _UNSET, json_mode: bool = _UNSET) -> list[Choice]:
+             stop: Sequence[str] | None = _UNSET, json_mode: bool = _UNSET,
+             stopped: threading.Event | None = None) -> list[Choice]:
         """The choices of one call (normally `n`). Raises CallFailed after `max_retries` retries,
-        EndpointError at once on 401/403/404."""
+        EndpointError at once on 401/403/404. `stopped`: set by a caller that is stopping (an error
+        elsewhere in its batch, Ctrl-C): the call makes no further attempt and ends its wait for one,
+        so the caller's threads end within one timeout instead of all their retries. Each batch passes
+        its own: a client is shared by the batches of several threads."""
         body = self.body(messages, n=n, temperature=temperature, top_p=top_p, max_tokens=max_tokens,
                          seed=seed, stop=stop, json_mode=json_mode)
         last: BaseException | None = None  # the failure of the attempt before
+        stopped = stopped if stopped is not None else threading.Event()
         try:
             # the wait before a retry (up to a minute of backoff or Retry-After) ends when the caller
             # stops, and no attempt follows it
             for attempt in Retrying(retry=retry_if_exception_type((httpx.TransportError, _Retryable)),
                                     stop=stop_any(stop_after_attempt(self.max_retries + 1),
-                                                  lambda _: self.retrying_stopped.is_set()), wait=self._wait,
-                                    sleep=self.retrying_stopped.wait,
+                                                  lambda _: stopped.is_set()), wait=self._wait,
+                                    sleep=stopped.wait,
                                     before_sleep=lambda _: self._event("retry"), reraise=True):
                 with attempt:
-                    if last is not None and self.retrying_stopped.is_set():
+                    if last is not None and stopped.is_set():
                         raise last
                     try:
                         return self._send(body)

@@ -141,10 +141,10 @@ class RemoteSolver:
 
     # -------------------------------------------------------------- generation
     def _generate(self, conversations: list[list[dict]], seed: int | None, greedy: bool,
-                  streak: FailureStreak) -> list[tuple[str, str]]:
+                  streak: FailureStreak, stop: threading.Event) -> list[tuple[str, str]]:
         """One assistant action per conversation, `(text, finish_reason)`; "error" for a call that
         failed for good (the rollout then ends that conversation unanswered). `streak`: the calling
-        batch's failures in a row."""
+        batch's failures in a row; `stop`: set when the batch stops, its calls then retry no more."""
         temperature, top_p = (0.0, 1.0) if greedy else (self.temperature, self.top_p)
 
         def one(row: int) -> tuple[str, str]:
@@ -153,7 +153,7 @@ class RemoteSolver:
             row_seed = None if seed is None else derive_seed(seed, "row", row) & SEED_MASK
             try:
                 choice = self.client.chat(conversations[row], temperature=temperature, top_p=top_p,
-                                          seed=row_seed)[0]
+                                          seed=row_seed, stopped=stop)[0]
             except CallFailed as e:
                 self._count("failed_calls")
                 streak.failed(str(e))  # the server's reason, for the warning below
@@ -181,7 +181,7 @@ class RemoteSolver:
             except BaseException:  # nothing else will work (EndpointError), or we are stopping (Ctrl-C)
                 for f in futures:  # do not send the rest ...
                     f.cancel()
-                self.client.retrying_stopped.set()  # ... nor retry the calls in flight
+                stop.set()  # ... nor retry this batch's calls in flight (another thread's batch goes on)
                 raise
 
     # -------------------------------------------------------------- the Solver protocol
@@ -196,9 +196,9 @@ class RemoteSolver:
                                   else self._context(contexts[i].contents)) for i, q in enumerate(questions)]
         copies = 1 if greedy else n  # greedy: the n trajectories are identical, run one
         streak = FailureStreak(self.max_failed_in_a_row)  # each batch tries the endpoint afresh
-        self.client.retrying_stopped.clear()
+        stop = threading.Event()  # this batch's own: a client is shared by the batches of several threads
         rollouts = run_rollouts([s for s in starts for _ in range(copies)], tool,
-                                lambda convs, s: self._generate(convs, s, greedy, streak),
+                                lambda convs, s: self._generate(convs, s, greedy, streak, stop),
                                 max_actions=self.max_actions, seed=seed)
         trajs = [Trajectory(answer=ro.answer, searches=list(ro.searches), actions=ro.actions, trace=ro)
                  for ro in rollouts]

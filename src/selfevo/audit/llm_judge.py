@@ -489,7 +489,7 @@ class LLMJudge:
         return fut.result()
 
     def _call(self, stage: str, content: dict, messages: list[dict], schema: type[BaseModel],
-              check: Callable[[BaseModel], None] | None = None) -> dict:
+              stop: threading.Event, check: Callable[[BaseModel], None] | None = None) -> dict:
         key = _sha({**self._settings, "stage": stage, "content": content})
 
         def fetch() -> dict:
@@ -502,7 +502,7 @@ class LLMJudge:
             convo, error = list(messages), ""
             for _ in range(1 + self.malformed_retries):
                 try:
-                    choice = self.client.chat(convo)[0]
+                    choice = self.client.chat(convo, stopped=stop)[0]
                 except EndpointError as e:
                     raise JudgeError(str(e)) from None
                 self.streak.answered()
@@ -536,7 +536,7 @@ class LLMJudge:
 
         return self._once(key, fetch)
 
-    def _judge_one(self, item: Mapping[str, Any]) -> tuple[Verdict, dict]:
+    def _judge_one(self, item: Mapping[str, Any], stop: threading.Event) -> tuple[Verdict, dict]:
         question, label, responses = item["question"], item["adopted_label"], list(item["responses"])
         sources = item_sources(item, self.documents)
         detail: dict[str, Any] = {"question": question, "source_ids": [i for i, _ in sources]}
@@ -544,7 +544,7 @@ class LLMJudge:
             return Verdict(False, reason="no source document: none of the item's source ids is known"), detail
         texts = [_defuse(t) for _, t in sources]
         ref_row = self._call("reference", {"question": question, "sources": sources},
-                             reference_messages(question, sources), ReferenceReply)
+                             reference_messages(question, sources), ReferenceReply, stop)
         if not ref_row["ok"]:
             return Verdict(False, reason=ref_row["error"]), detail
         reference, quote = ref_row["reply"]["reference"], ref_row["reply"]["quote"]
@@ -568,7 +568,7 @@ class LLMJudge:
             row = self._call("verdicts", {"question": question, "reference": reference, "quote": quote,
                                           "label": label, "responses": responses},
                              verdict_messages(question, reference, quote, label, responses), VerdictsReply,
-                             right_length)
+                             stop, right_length)
             if not row["ok"]:
                 return Verdict(False, reference=(reference,), reason=row["error"]), detail
             grades = [row["reply"]["label"], *row["reply"]["responses"]]
@@ -581,10 +581,10 @@ class LLMJudge:
             return Verdict(False, reference=(reference,), reason=reason), detail
         return Verdict(True, correct[0], tuple(correct[1:]), (reference,)), detail
 
-    def _safe_one(self, item: Mapping[str, Any]) -> tuple[Verdict, dict]:
+    def _safe_one(self, item: Mapping[str, Any], stop: threading.Event) -> tuple[Verdict, dict]:
         self._check_answering()  # once it is not, the items still queued send nothing
         try:
-            return self._judge_one(item)
+            return self._judge_one(item, stop)
         except CallFailed as e:
             self._count("failed")
             self.streak.failed(str(e))
@@ -613,16 +613,16 @@ class LLMJudge:
         pool = ThreadPoolExecutor(max_workers=self.concurrency, thread_name_prefix="judge")
         done: dict[str, tuple[Verdict, dict]] = {}
         self.streak.answered()  # each batch may try the endpoint afresh
-        self.client.retrying_stopped.clear()
+        stop = threading.Event()  # this batch's own: a judge is shared by the batches of several threads
         try:
             with bar:
                 task = bar.add_task("judge", total=len(todo))
-                futures = {pool.submit(self._safe_one, it): k for k, it in todo.items()}
+                futures = {pool.submit(self._safe_one, it, stop): k for k, it in todo.items()}
                 for fut in as_completed(futures):
                     done[futures[fut]] = fut.result()  # JudgeError propagates: stop
                     bar.advance(task)
         except BaseException:  # the judge cannot work (JudgeError), or we are stopping (Ctrl-C):
-            self.client.retrying_stopped.set()  # the calls in flight make no further attempt
+            stop.set()  # this batch's calls in flight make no further attempt
             raise
         finally:
             pool.shutdown(wait=True, cancel_futures=True)

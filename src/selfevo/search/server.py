@@ -15,6 +15,7 @@ request holds a connection forever; `topk` defaults to 3 (Search-R1 falls back t
 from __future__ import annotations
 
 import asyncio
+import math
 import os
 import time
 from typing import TYPE_CHECKING, Annotated, Any
@@ -80,7 +81,10 @@ def make_app(retriever: Retriever, max_queries: int = 256, max_topk: int = 50,
             results = await asyncio.wait_for(
                 loop.run_in_executor(None, retriever.retrieve, req.queries, req.topk), timeout_s)
         except asyncio.TimeoutError:
-            raise HTTPException(504, f"retrieval did not finish within {timeout_s:g} s") from None
+            # Retry-After: a client that retries at once (ours retries a 504: a proxy's is worth it)
+            # started another slow retrieval beside the abandoned one, which still holds its thread
+            raise HTTPException(504, f"retrieval did not finish within {timeout_s:g} s",
+                                headers={"Retry-After": str(math.ceil(timeout_s))}) from None
         if req.return_scores:
             out = [[{"document": h.document.to_json(), "score": h.score} for h in hits]
                    for hits in results]
