@@ -184,6 +184,26 @@ def test_report_cli(local_grid, tmp_path):
     assert "Downstream" in result.output
     result = CliRunner().invoke(app, ["report", str(tmp_path)])
     assert result.exit_code == 2 and "no run directories" in result.output
+    for absent in (tmp_path / "nope", tmp_path / "nope" / "deeper"):  # named, and not made
+        result = CliRunner().invoke(app, ["report", str(absent)])
+        assert result.exit_code == 2 and not (tmp_path / "nope").exists()
+
+
+def test_report_refuses_a_directory_a_demo_is_writing(local_grid):
+    """`selfevo report DIR` while a demo wrote DIR did not hold the directory: its report.html could
+    be replaced under it, half of one run's state beside the other's."""
+    import fcntl
+    import os
+
+    root, _, _ = local_grid
+    fd = os.open(root, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # held, as `selfevo demo --out DIR` holds it
+        result = CliRunner().invoke(app, ["report", str(root)])
+        assert result.exit_code == 2 and "a demo (or another report) is writing here" in " ".join(result.output.split())
+    finally:
+        os.close(fd)
+    assert CliRunner().invoke(app, ["report", str(root)]).exit_code == 0  # released
 
 
 def test_rounds_figure_leaves_a_gap_where_the_judge_resolved_nothing():

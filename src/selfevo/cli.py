@@ -847,11 +847,18 @@ def report_cmd(run_root: Path = typer.Argument(..., help="a directory of runs (e
 
     A demo's --out (it holds the demo's demo.json): that demo's runs and replay study only, not those
     an earlier plan left there."""
+    from selfevo._io import hold_directory
     from selfevo.demo import headline
     from selfevo.report.build import build_report
 
+    def busy() -> ValueError:  # a demo writing there would replace the report's files under it
+        return ValueError(f"{run_root}: a demo (or another report) is writing here; wait for it to end (or stop "
+                          "it), then report")
+
     try:
-        res = build_report(run_root)
+        # a path that is no directory is build_report's to name
+        with hold_directory(run_root, busy) if run_root.is_dir() else contextlib.nullcontext():
+            res = build_report(run_root)
     except ValueError as e:
         _fail(str(e))
     headline(res, console)
