@@ -536,3 +536,21 @@ def test_a_run_damaged_before_its_print_is_named_not_a_traceback(tmp_path, damag
         _print_run(tmp_path)
     assert e.value.exit_code == 2
     assert path.name in " ".join(capsys.readouterr().out.split())
+
+
+@pytest.mark.parametrize("command, target, says", [
+    (["evolve", "--world", "small", "--out", "{out}"], "selfevo.evolve.evolve",
+     "the run goes on from its last finished round: the same command with --resume"),
+    (["demo", "--world", "small", "--seeds", "1", "--out", "{out}"], "selfevo.demo.run_demo",
+     "run the same command again: finished runs are skipped, stopped ones resume"),
+])
+def test_ctrl_c_says_how_to_go_on(command, target, says, tmp_path, monkeypatch):
+    """Ctrl-C ended a run with exit status 130 and not a word: nothing said that the work is kept."""
+    def stopped(*a, **k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(target, stopped)
+    out = tmp_path / "o"
+    result = CliRunner().invoke(app, [x.replace("{out}", str(out)) for x in command])
+    assert result.exit_code == 130
+    assert f"stopped: {out}: {says}" in " ".join(result.output.split())

@@ -29,6 +29,17 @@ console = Console(width=None if sys.stdout.isatty() else 200)
 
 
 @contextlib.contextmanager
+def _on_stop(then: str):
+    """Ctrl-C inside: one line saying how to go on, and exit status 130 (it was silence: nothing said
+    that the work is kept)."""
+    try:
+        yield
+    except KeyboardInterrupt:
+        console.print(f"[yellow]stopped:[/yellow] {escape(then)}")
+        raise typer.Exit(130) from None
+
+
+@contextlib.contextmanager
 def _warnings_as_lines():
     """Inside: a warning meant for the user (SoftwareChanged, UntrainedGrader) prints as one yellow line,
     when it happens (a resumed run may go on for hours); any other keeps Python's form."""
@@ -431,7 +442,8 @@ def evolve_cmd(
             "data.index": None if index is None else str(index)})
         if model is not None and cfg.backend != "lm":  # the sim learners would ignore it
             _fail(f"--model {model}: a language model needs the lm backend (add --backend lm)")
-        with _warnings_as_lines():
+        with _on_stop(f"{out}: the run goes on from its last finished round: the same command with --resume"), \
+                _warnings_as_lines():
             run = evolve(cfg, out, resume=resume, audit=audit)
     except ConfigError as e:
         if str(e) == NEEDS_QA_DIR and qa_dir is None and beside is not None:  # say it in the command's words
@@ -461,7 +473,8 @@ def engine_run_cmd(
         _fail(f"--engine: trl or verl, got {engine!r}")
     try:
         ecfg = load_engine_config(config, set_, engine=engine)
-        with _warnings_as_lines():
+        with _on_stop(f"{out}: the run goes on from its last finished phase: the same command with --resume"), \
+                _warnings_as_lines():
             run = engine_run(ecfg, out, resume=resume, log=lambda msg: console.print(escape(msg)))
     except (ConfigError, RunError, DataError, WorldError, EngineUnavailable) as e:
         _fail(str(e))
@@ -833,7 +846,8 @@ def demo_cmd(
                           "another --out")
 
     try:
-        with hold_directory(out, busy):
+        with _on_stop(f"{out}: run the same command again: finished runs are skipped, stopped ones resume"), \
+                hold_directory(out, busy):
             res = run_demo(plan, out, console, workers)
     except ValueError as e:  # the project's errors (a world, a run, the bank, the report) are ValueErrors
         _fail(str(e))
@@ -941,7 +955,8 @@ def replay_run(
                            "or choose another --out")
 
     try:
-        with hold_directory(out, busy):
+        with _on_stop(f"{out}: run the same command again: finished jobs are kept ({out / 'jobs.jsonl'})"), \
+                hold_directory(out, busy):
             settings = ReplaySettings(updates, rollouts, samples)  # checked before any model loads
             parse_conditions(conditions)
             b = Bank.load(bank)
