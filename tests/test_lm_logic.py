@@ -172,7 +172,8 @@ def test_the_searches_of_a_turn_go_to_the_retriever_as_one_batch(index):
         # the budget of 2 searches a trajectory holds as before: the repeated query is served from the
         # cache, the third is refused
         assert ro.searches == [q, q] and ro.actions == 3
-        assert [m["content"] for m in ro.messages if m["role"] == "user"][-1] == P.BUDGET_SPENT
+        # the third search is the last allowed action: nothing follows it, not even the budget note
+        assert ro.messages[-1] == {"role": "assistant", "content": f"<search> {q} </search>"}
         assert len(ro.read) == 2 and ro.messages[3]["content"].startswith("<information>Doc 1 (Title: ")
     assert tool.calls == 6 and tool.queries_issued == 3
 
@@ -182,7 +183,8 @@ def test_a_zero_search_budget_refuses_every_search(index):
     [ro] = run_rollouts([P.solver_messages("q")], tool, lambda convs, s: [("<search> Nile </search>", "stop")],
                         max_actions=2)
     assert ro.searches == [] and ro.read == [] and tool.retriever.calls == []
-    assert [m["content"] for m in ro.messages[2:]] == ["<search> Nile </search>", P.BUDGET_SPENT] * 2
+    assert [m["content"] for m in ro.messages[2:]] == ["<search> Nile </search>", P.BUDGET_SPENT,
+                                                       "<search> Nile </search>"]  # no note after the last
 
 
 # ---------------------------------------------------------------- config
@@ -265,3 +267,19 @@ def test_a_reply_that_ends_with_eos_on_its_last_allowed_token_is_a_stop():
     [ro] = run_rollouts([P.solver_messages("q")], SearchTool(index),
                         lambda convs, s: policy.generate(None, convs, greedy=True, seed=s), max_actions=1)
     assert ro.answer == "Paris" and not ro.truncated
+
+
+def test_nothing_is_said_after_the_last_allowed_action(index):
+    """An invalid last action got the corrective message, and a search past the budget on the last
+    action the budget-spent note: user turns nobody reads, kept in the trajectory (and in TRL's
+    completion, as environment tokens)."""
+    tool = SearchTool(CountingRetriever(index), topk=1, max_calls=1)
+    replies = iter(["no tags", "<search> Nile </search>", "<search> Cairo </search>", "no tags either"])
+    [ro] = run_rollouts([P.solver_messages("q")], tool, lambda convs, s: [(next(replies), "stop")], max_actions=4)
+    assert [m["role"] for m in ro.messages[2:]] == ["assistant", "user"] * 3 + ["assistant"]
+    assert [m["content"] for m in ro.messages[3::2]] == [P.CORRECTIVE, ro.messages[5]["content"], P.BUDGET_SPENT]
+    assert ro.invalid == 2 and ro.actions == 4  # the last invalid action still counts
+    replies = iter(["<search> Nile </search>", "<search> Cairo </search>"])
+    [ro] = run_rollouts([P.solver_messages("q")], SearchTool(CountingRetriever(index), topk=1, max_calls=1),
+                        lambda convs, s: [(next(replies), "stop")], max_actions=2)
+    assert ro.messages[-1] == {"role": "assistant", "content": "<search> Cairo </search>"}

@@ -189,7 +189,7 @@ def test_the_tool_budget_holds():
     assert traj.searches == ["query 0", "query 1"] and traj.actions == 4 and traj.answer == ""
     assert t.retriever.queries == ["query 0", "query 1"]
     assert [c["messages"][-1]["content"] for c in model.calls[3:]] == [BUDGET_SPENT]
-    assert traj.trace.messages[-1]["content"] == BUDGET_SPENT
+    assert [m["content"] for m in traj.trace.messages[-2:]] == [BUDGET_SPENT, "<search> query 3 </search>"]
 
 
 def test_n_samples_use_the_paper_settings_and_distinct_seeds():

@@ -3,8 +3,9 @@
 A backend supplies `generate(conversations, seed) -> [(text, finish_reason)]`, one assistant action
 for each conversation (a local batched transformers model, vLLM, or an OpenAI-compatible endpoint);
 this module runs the conversations to their end: each action is parsed, a search is answered with
-the tool's passages (not on the last allowed action: nothing would read them), an invalid action
-gets the corrective message, and a trajectory ends at its answer or after `max_actions` actions, or
+the tool's passages, an invalid action gets the corrective message and a search past the budget the
+budget-spent note (none of the three after the last allowed action: nothing would read them), and a
+trajectory ends at its answer or after `max_actions` actions, or
 at once, unanswered, when the backend reports the finish_reason "error" for it. Conversations still
 running are generated together, so a batched backend keeps its batch.
 """
@@ -67,6 +68,7 @@ def run_rollouts(starts: Sequence[list[dict]], tool: SearchTool, generate: Gener
         # the searches of this turn go to the retriever as one batch
         pending: list[tuple[int, str]] = []
         still = []
+        last = turn == max_actions - 1  # the trajectory ends after this action: nothing answers it
         for i, (text, finish) in zip(active, replies):
             ro = rollouts[i]
             if finish == "error":  # e.g. an API call that failed for good: end it, unanswered
@@ -84,20 +86,21 @@ def run_rollouts(starts: Sequence[list[dict]], tool: SearchTool, generate: Gener
                 pending.append((i, action.content))
             else:
                 ro.invalid += 1
-                ro.messages.append({"role": "user", "content": CORRECTIVE})
+                if not last:
+                    ro.messages.append({"role": "user", "content": CORRECTIVE})
             still.append(i)
         # one `tool.lookup` for them all: a dense encoder or a /retrieve server answers a batch in about
         # the time of one query (a session's search is one retriever call, one HTTP request, a query).
         # Each trajectory may make `tool.max_calls` searches, as a session allows.
         asked = []
         for i, query in pending:
-            if len(rollouts[i].searches) >= tool.max_calls:
-                rollouts[i].messages.append({"role": "user", "content": BUDGET_SPENT})
-            elif turn == max_actions - 1:
-                # the last allowed action: the trajectory ends here and nothing would read the pages, so
-                # the retrieval is not made (verl's agent loop, too, ends at its last turn before any tool
+            if last:
+                # the trajectory ends here and nothing would read the pages (or the note), so the
+                # retrieval is not made (verl's agent loop, too, ends at its last turn before any tool
                 # call). The action stays in `messages`; `searches` and `read` hold what was run.
                 continue
+            if len(rollouts[i].searches) >= tool.max_calls:
+                rollouts[i].messages.append({"role": "user", "content": BUDGET_SPENT})
             else:
                 asked.append((i, query))
                 rollouts[i].searches.append(query)
