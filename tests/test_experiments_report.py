@@ -200,10 +200,23 @@ def test_report_refuses_a_directory_a_demo_is_writing(local_grid):
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # held, as `selfevo demo --out DIR` holds it
         result = CliRunner().invoke(app, ["report", str(root)])
-        assert result.exit_code == 2 and "a demo (or another report) is writing here" in " ".join(result.output.split())
+        assert result.exit_code == 2 and "another process (a demo, a run, another report) is writing here" in \
+            " ".join(result.output.split())
     finally:
         os.close(fd)
     assert CliRunner().invoke(app, ["report", str(root)]).exit_code == 0  # released
+
+
+def test_report_of_a_run_being_written_names_no_demo_that_is_not_there(local_grid):
+    """A run directory is held by the `evolve` writing it: `selfevo report RUN` then said "a demo (or
+    another report) is writing here", and there was neither."""
+    from selfevo.runs import RunDir
+
+    _, jobs, _ = local_grid
+    with RunDir(Path(jobs[0].out)).lock():
+        result = CliRunner().invoke(app, ["report", jobs[0].out])
+    said = " ".join(result.output.split())
+    assert result.exit_code == 2 and "a demo (or another report)" not in said and "a run" in said
 
 
 def test_rounds_figure_leaves_a_gap_where_the_judge_resolved_nothing():

@@ -125,6 +125,27 @@ def test_a_prefix_stable_template_is_one_sequence_as_before():
         assert parts == [encode_conversation(OffsetTokenizer(), CONVERSATION, final, render=chatml)]
 
 
+def test_an_action_a_trimming_template_renders_without_its_outer_whitespace_is_trained_as_generated():
+    # Llama 3's template renders each message `| trim`: the whole chat is prefix-stable and each action
+    # follows its generation prompt, but " <search>" was generated, not "<search>" (another first token)
+    def llama3(ms, add_generation_prompt=False):
+        return "<|begin_of_text|>" + "".join(
+            f"<|start_header_id|>{m['role']}<|end_header_id|>\n\n{m['content'].strip()}<|eot_id|>" for m in ms) + (
+            "<|start_header_id|>assistant<|end_header_id|>\n\n" if add_generation_prompt else "")
+
+    conversation = [*CONVERSATION[:2], {"role": "assistant", "content": " <search> paris mayor </search>"}]
+    parts = encode_trajectory(OffsetTokenizer(), conversation, render=llama3,
+                              prompt=lambda ms: llama3(ms, add_generation_prompt=True))
+    # before: one sequence, "<search> paris mayor </search>" trained right after the prompt
+    assert ["".join(map(chr, ids)) for ids, _ in parts] == [llama3(conversation[:2], True) + conversation[2]["content"]]
+    assert [trained_text(*p) for p in parts] == [" <search> paris mayor </search>"]
+    # an action without outer whitespace is rendered as generated: one sequence, as before
+    plain = [*CONVERSATION[:2], {"role": "assistant", "content": "<search> paris mayor </search>"}]
+    assert encode_trajectory(OffsetTokenizer(), plain, render=llama3,
+                             prompt=lambda ms: llama3(ms, add_generation_prompt=True)) == [
+        encode_conversation(OffsetTokenizer(), plain, render=llama3)]
+
+
 def test_a_prefix_stable_template_still_masks_exactly_the_actions():
     def chatml(ms):
         return "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in ms)

@@ -763,3 +763,16 @@ def test_a_stopped_study_goes_on_from_its_journal_to_the_same_results(bank, tmp_
     ran.clear()
     run_replay(bank, [*names, "full-data"], seeds=2, settings=FAST, workers=1, journal=journal)
     assert sorted(ran) == [("full-data", 0), ("full-data", 1)]
+
+
+def test_a_study_asking_for_less_than_its_journal_holds_says_how_many_of_its_own_jobs_it_kept(bank, tmp_path,
+                                                                                                monkeypatch):
+    """The journal's line counted every job it held: a study of one seed and condition read from the journal
+    of two seeds and two conditions said "8 finished job(s) of this study, not run again" of its 2 jobs."""
+    journal = tmp_path / "jobs.jsonl"
+    run_replay(bank, ["coupled", "source-id+msv"], seeds=2, settings=FAST, workers=1, journal=journal)
+    real, ran, said = replay._condition_job, [], []
+    monkeypatch.setattr(replay, "_condition_job", lambda *a: ran.append(a[:2]) or real(*a))
+    again = run_replay(bank, ["coupled"], seeds=[1], settings=FAST, workers=1, journal=journal, log=said.append)
+    assert ran == [] and said == [f"{journal}: 2 finished job(s) of this study, not run again"]
+    assert json.dumps(again) == json.dumps(run_replay(bank, ["coupled"], seeds=[1], settings=FAST, workers=1))

@@ -866,8 +866,9 @@ def report_cmd(run_root: Path = typer.Argument(..., help="a directory of runs (e
     from selfevo.report.build import build_report
 
     def busy() -> ValueError:  # a demo writing there would replace the report's files under it
-        return ValueError(f"{run_root}: a demo (or another report) is writing here; wait for it to end (or stop "
-                          "it), then report")
+        # the lock does not say whose it is: a run directory is held by the evolve writing it too
+        return ValueError(f"{run_root}: another process (a demo, a run, another report) is writing here; wait for "
+                          "it to end (or stop it), then report")
 
     try:
         # a path that is no directory is build_report's to name

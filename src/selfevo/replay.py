@@ -744,15 +744,20 @@ def _mean_std(values: list) -> dict:
     return {"mean": s["mean"], "std": s["std"]}
 
 
+def _jobs(conds: list[Condition], seeds: list[int]) -> set[tuple[str, int]]:
+    """Every job of a study, (job, seed): per seed, its base reference, its MSV labels if a condition
+    needs them, and each condition."""
+    names = ["base", *(["msv"] if any(c.msv for c in conds) else []), *(c.name for c in conds)]
+    return {(name, s) for s in seeds for name in names}
+
+
 def _n_jobs(conds: list[Condition], seeds: list[int]) -> int:
-    """Every job of a study: per seed, its base reference, its MSV labels if a condition needs
-    them, and each condition."""
-    return len(seeds) * (len(conds) + 1 + any(c.msv for c in conds))
+    return len(_jobs(conds, seeds))
 
 
 def _run_jobs(pool, conds: list[Condition], seeds: list[int], bar, done: Mapping[tuple[str, int], dict] | None = None,
               record=None) -> tuple[dict, dict, dict]:
-    """Submit every job not in `done` (finished jobs by (job, seed): "msv", "base" or a condition),
+    """Submit every job not in `done` (finished jobs of this study, `_jobs`, by (job, seed)),
     collect results as they finish, handing each to `record(job, seed, result)`; a seed's MSV result
     releases its +msv conditions. Returns (condition outcomes, MSV labels, base reference) keyed by seed."""
     need_msv = any(c.msv for c in conds)
@@ -787,10 +792,8 @@ def _run_jobs(pool, conds: list[Condition], seeds: list[int], bar, done: Mapping
         for s in seeds:
             if not c.msv:
                 submit(c.name, s, _condition_job, c.name, s, None)
-    wanted = {"msv", "base", *(c.name for c in conds)}
     for (name, s), result in sorted(done.items(), key=lambda kv: kv[0][0] != "msv"):  # MSV first: it releases
-        if name in wanted and s in seeds and (name != "msv" or need_msv):
-            finished(name, s, result)
+        finished(name, s, result)
     try:
         while pending:
             if isinstance(pool, _InProcess):
@@ -885,7 +888,9 @@ def run_replay(bank: Bank, conditions: Iterable[str] | str | None = None, seeds:
         done, record = {}, None
         if journal is not None:
             key = _journal_key(bank, settings, judge_name)
-            done = _read_journal(Path(journal), key)
+            # only this study's jobs: the journal may hold more seeds or conditions than it asks for
+            jobs = _jobs(conds, seeds)
+            done = {k: v for k, v in _read_journal(Path(journal), key).items() if k in jobs}
             if done and log is not None:
                 log(f"{journal}: {len(done)} finished job(s) of this study, not run again")
 

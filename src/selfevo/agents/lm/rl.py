@@ -170,13 +170,13 @@ def encode_trajectory(tokenizer, messages: Sequence[dict], mask_final_answer: bo
     was generated from. `prompt(messages[:k])` is what generation rendered before assistant message k
     (the chat template with its generation prompt).
 
-    One sequence, the whole rendered chat, where every action sits in it right after its own prompt
-    (a prefix-stable template such as ChatML); otherwise one sequence per action, its prompt followed by
-    its content. The second covers templates that render earlier turns otherwise once later turns
-    follow (Qwen3 drops the <think> of assistant turns before the last user turn) or that render an
-    assistant turn otherwise than their generation prompt starts it (an empty <think> block added): a
-    trajectory of n actions then costs n forward passes over its growing context. `sequence_pg_loss`
-    with `denominators` keeps Equation (1)'s per-trajectory mean over either."""
+    One sequence, the whole rendered chat, where every action sits in it, as generated, right after its
+    own prompt (a prefix-stable template such as ChatML); otherwise one sequence per action, its prompt
+    followed by its content. The second covers templates that render earlier turns otherwise once later
+    turns follow (Qwen3 drops the <think> of assistant turns before the last user turn) or that render an
+    assistant turn otherwise than their generation prompt starts it (an empty <think> block added, an
+    action's outer whitespace trimmed): a trajectory of n actions then costs n forward passes over its
+    growing context. `sequence_pg_loss` with `denominators` keeps Equation (1)'s per-trajectory mean over either."""
     render = render or _renderer(tokenizer)
     prompt = prompt or _renderer(tokenizer, generation_prompt=True)
     actions = [i for i, m in enumerate(messages) if m["role"] == "assistant" and m["content"]]
@@ -186,7 +186,9 @@ def encode_trajectory(tokenizer, messages: Sequence[dict], mask_final_answer: bo
         spans = content_spans(rendered, messages)
     except ValueError:
         spans = None
-    if spans is not None and all(rendered[-1][:spans[i][0]] == prompts[i] for i in actions):
+    # each action as generated, right after its prompt: a template that trims each message (Llama 3's)
+    # renders an action's outer whitespace away, and the tokens trained would not be those sampled
+    if spans is not None and all(rendered[-1][:spans[i][1]] == prompts[i] + messages[i]["content"] for i in actions):
         return [_encode_whole(tokenizer, rendered[-1], messages, spans, mask_final_answer)]
     parts = []
     for i in actions:
