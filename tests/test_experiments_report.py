@@ -918,3 +918,27 @@ def test_compare_says_why_a_run_has_no_overhead(local_grid):
     assert res.exit_code == 0, res.output
     note = " ".join(res.output.split()).split("+gen, +upd, +time –: ")
     assert len(note) == 2 and str(root / "crossfit-s0") in note[1] and "crossfit-s1" not in note[1]
+
+
+def test_a_ray_worker_gets_the_run_directory_as_an_absolute_path(tmp_path, monkeypatch):
+    """`run_grid` (the Python API) passed a relative run directory to Ray workers as given: a worker
+    whose working directory is not the driver's (a cluster's) wrote the run elsewhere."""
+    ray = pytest.importorskip("ray")
+    sent = []
+
+    def remote(fn):
+        class Remote:
+            def remote(self, job):
+                sent.append(job.out)
+                return job
+
+        return Remote()
+
+    monkeypatch.setattr(ray, "is_initialized", lambda: True)
+    monkeypatch.setattr(ray, "remote", remote)
+    monkeypatch.setattr(ray, "wait", lambda refs, num_returns: (refs[:1], refs[1:]))
+    monkeypatch.setattr(ray, "get", lambda job: {"job": job.name, "status": "ok", "run": job.out})
+    monkeypatch.chdir(tmp_path)
+    [res] = run_grid([Job("j", ("seed=0",), "rel/run")], "ray")
+    assert sent == [str(tmp_path / "rel" / "run")]
+    assert res == {"job": "j", "status": "ok", "run": "rel/run"}  # as the local executor reports it

@@ -18,7 +18,7 @@ import threading
 import traceback
 from collections.abc import Callable, Sequence
 from concurrent.futures import ProcessPoolExecutor, as_completed
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 EXECUTORS = ("local", "ray")
@@ -91,7 +91,9 @@ def run_grid(jobs: Sequence[Job], executor: str = "local", workers: int | None =
             check_local_ray_auth(address)  # a local Ray listens on every interface: only with token auth
             ray.init(address=address, include_dashboard=False, log_to_driver=False)
         remote = ray.remote(run_job)
-        pending = {remote.remote(job): job for job in jobs}
+        # a worker's working directory is not the driver's (on a cluster, not even its machine): it gets
+        # the run directory as an absolute path, and the result names it as the job does (as locally)
+        pending = {remote.remote(replace(job, out=str(Path(job.out).resolve()))): job for job in jobs}
         # installed after ray.init, whose driver handler makes SIGTERM exit 1 (a failed job's code)
         with _terminate_raises():
             while pending:
@@ -99,7 +101,7 @@ def run_grid(jobs: Sequence[Job], executor: str = "local", workers: int | None =
                 for ref in ready:
                     job = pending.pop(ref)
                     try:
-                        done(ray.get(ref))
+                        done({**ray.get(ref), "run": job.out})
                     except Exception as e:  # noqa: BLE001 - run_job never raises: its worker died
                         done(_died(job, e))
     else:
