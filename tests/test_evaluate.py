@@ -654,6 +654,12 @@ def test_a_resumed_evaluation_asks_again_what_failed_and_refuses_other_agent_set
     final = [json.loads(x) for x in (out / "predictions.jsonl").read_text().splitlines()]
     assert [r["prediction"] for r in final] == [f"Paris{i}" for i in range(69)] + [""]
     assert [r.get("failed", False) for r in final] == [False] * 69 + [True]  # marked where it stays failed
+    # finished with a failed call: run again, only that question is asked (before: all 70, from scratch)
+    assert again["run"]["failed_questions"] == 1 and (out / "predictions.partial.jsonl").exists()
+    last = run()
+    assert last["run"]["resumed_questions"] == 69 and "failed_questions" not in last["run"]
+    assert [json.loads(x)["prediction"] for x in (out / "predictions.jsonl").read_text().splitlines()][-1] == "Paris69"
+    assert not (out / "predictions.partial.jsonl").exists()
     # a stopped start that answered nothing does not block the corrected command
     (out / "score.json").unlink()
     (out / "predictions.partial.jsonl").write_text(json.dumps({"partial_of": {"agent": "lm:typo"}}) + "\n")

@@ -305,7 +305,8 @@ def evaluate_solver(solver: Solver, data: Mapping[str, Sequence[QAItem]], tool: 
     With `partial_key` (what makes two evaluations the same: the agent spec, data, retriever) and
     `out_dir`, each answered batch is appended to `predictions.partial.jsonl` as it comes: an
     evaluation stopped part way (a kill, Ctrl-C, an endpoint that stopped answering) continues from
-    there when run again with the same key, and the file is removed once the results are written.
+    there when run again with the same key, and the file is removed once the results are written,
+    unless some calls failed for good: run again, it asks only those questions again.
     """
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
@@ -350,6 +351,7 @@ def evaluate_solver(solver: Solver, data: Mapping[str, Sequence[QAItem]], tool: 
     elapsed = time.perf_counter() - started
 
     predictions = {qid: encodable(traj.answer or "") for qid, traj in answers.items()}
+    failed = sum(bool(getattr(t.trace, "failed", False)) for t in answers.values())
     result = score_predictions(data, predictions)
     result["run"] = {
         "agent": getattr(solver, "name", type(solver).__name__),
@@ -359,6 +361,7 @@ def evaluate_solver(solver: Solver, data: Mapping[str, Sequence[QAItem]], tool: 
         "searches": sum(len(t.searches) for t in answers.values()),
         **({"answer_seconds": round(elapsed, 3)} if timing else {}),
         **({"resumed_questions": resumed} if resumed else {}),
+        **({"failed_questions": failed} if failed else {}),
         **(run_info or {}),
     }
     describe = getattr(solver, "describe", None)
@@ -372,7 +375,11 @@ def evaluate_solver(solver: Solver, data: Mapping[str, Sequence[QAItem]], tool: 
     if score_path is not None:
         write_json(score_path, result)
     if partial is not None:
-        partial.unlink()  # its rows are in predictions.jsonl now
+        if failed:  # kept: run again, and only those are asked again (`_read_partial` leaves them out)
+            console.print(escape(f"{failed} question(s) got no answer (calls that failed for good, scored as "
+                                 f"none); the same command again asks only those ({partial})"))
+        else:
+            partial.unlink()  # its rows are in predictions.jsonl now
     return result
 
 
