@@ -243,7 +243,8 @@ class AuxFeedback:
             items = [c for c in admitted if self._trains_on(j, c)]
             if not items:
                 # e.g. connected grouping: a fold can have sources and no question all of whose pages lie in it
-                warnings.warn(UntrainedGrader(untrained_grader(aux.name, round, bool(aux.lineage))), stacklevel=2)
+                warnings.warn(UntrainedGrader(untrained_grader(aux.name, round, bool(aux.lineage.get("rounds")))),
+                              stacklevel=2)
                 continue
             # the full budget's even split (as the main solver's), so every one of its updates
             # trains; a smaller budget takes the first of those batches
