@@ -10,7 +10,7 @@ import jinja2
 import pytest
 import torch
 from test_integrations import verl_phase_stand_ins
-from test_lm_logic import CountingRetriever
+from test_lm_logic import LLAMA3_LIKE, CountingRetriever, OffsetTokenizer
 
 from selfevo.agents.lm import protocol as P
 from selfevo.agents.lm import rl
@@ -182,16 +182,6 @@ def test_a_search_on_the_last_allowed_action_is_not_run():
 
 # ---------------------------------------------------------------- a template that trims each message
 
-# Llama 3's chat template renders each message's content through `| trim`
-LLAMA3_LIKE = ("{{- '<|begin_of_text|>' }}{%- for m in messages %}{{- '<|start_header_id|>' + m['role'] + "
-               "'<|end_header_id|>\\n\\n' + m['content'] | trim + '<|eot_id|>' }}{%- endfor %}")
-
-
-class CharTokenizer:  # one token a character, offsets as a fast tokenizer gives them
-    def __call__(self, text, add_special_tokens=False, return_offsets_mapping=False):
-        return {"input_ids": [ord(c) for c in text], "offset_mapping": [(i, i + 1) for i in range(len(text))]}
-
-
 def test_a_template_that_trims_each_message_masks_the_stripped_actions():
     render = jinja2.Environment().from_string(LLAMA3_LIKE).render
     conversation = [{"role": "system", "content": "S"}, {"role": "user", "content": "Question: who?"},
@@ -202,7 +192,7 @@ def test_a_template_that_trims_each_message_masks_the_stripped_actions():
     # before: ValueError "message 2: content not found after the previous message" at the update
     spans = trained_spans(conversation, content_spans(rendered, conversation))
     assert [rendered[-1][a:b] for a, b in spans] == ["<search> paris mayor </search>", "<answer> Anne </answer>"]
-    ids, mask = encode_conversation(CharTokenizer(), conversation, render=lambda ms: render(messages=list(ms)))
+    ids, mask = encode_conversation(OffsetTokenizer(), conversation, render=lambda ms: render(messages=list(ms)))
     assert "".join(chr(t) for t, m in zip(ids, mask, strict=True) if m) == \
         "<search> paris mayor </search><answer> Anne </answer>"
     # the proposer's masked answer is cut from the stripped span as before

@@ -63,6 +63,13 @@ CONVERSATION = [{"role": "system", "content": "S"}, {"role": "user", "content": 
                 {"role": "assistant", "content": "<answer> Anne </answer>"}]
 
 
+# Llama 3's chat template renders each message's content through `| trim`
+LLAMA3_LIKE = ("{{- '<|begin_of_text|>' }}{%- for m in messages %}{{- '<|start_header_id|>' + m['role'] + "
+               "'<|end_header_id|>\\n\\n' + m['content'] | trim + '<|eot_id|>' }}{%- endfor %}"
+               "{%- if add_generation_prompt %}{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}"
+               "{%- endif %}")
+
+
 class OffsetTokenizer:  # one token a character, offsets as a fast tokenizer gives them
     def __call__(self, text, add_special_tokens=False, return_offsets_mapping=False):
         return {"input_ids": [ord(c) for c in text], "offset_mapping": [(i, i + 1) for i in range(len(text))]}
@@ -71,6 +78,11 @@ class OffsetTokenizer:  # one token a character, offsets as a fast tokenizer giv
 def qwen3_like(messages, add_generation_prompt=False):
     return jinja2.Environment().from_string(QWEN3_LIKE).render(messages=list(messages),
                                                                 add_generation_prompt=add_generation_prompt)
+
+
+def llama3_like(messages, add_generation_prompt=False):
+    return jinja2.Environment().from_string(LLAMA3_LIKE).render(messages=list(messages),
+                                                                 add_generation_prompt=add_generation_prompt)
 
 
 def trained_text(ids, mask):
@@ -128,22 +140,18 @@ def test_a_prefix_stable_template_is_one_sequence_as_before():
 def test_an_action_a_trimming_template_renders_without_its_outer_whitespace_is_trained_as_generated():
     # Llama 3's template renders each message `| trim`: the whole chat is prefix-stable and each action
     # follows its generation prompt, but " <search>" was generated, not "<search>" (another first token)
-    def llama3(ms, add_generation_prompt=False):
-        return "<|begin_of_text|>" + "".join(
-            f"<|start_header_id|>{m['role']}<|end_header_id|>\n\n{m['content'].strip()}<|eot_id|>" for m in ms) + (
-            "<|start_header_id|>assistant<|end_header_id|>\n\n" if add_generation_prompt else "")
-
     conversation = [*CONVERSATION[:2], {"role": "assistant", "content": " <search> paris mayor </search>"}]
-    parts = encode_trajectory(OffsetTokenizer(), conversation, render=llama3,
-                              prompt=lambda ms: llama3(ms, add_generation_prompt=True))
+    parts = encode_trajectory(OffsetTokenizer(), conversation, render=llama3_like,
+                              prompt=lambda ms: llama3_like(ms, add_generation_prompt=True))
     # before: one sequence, "<search> paris mayor </search>" trained right after the prompt
-    assert ["".join(map(chr, ids)) for ids, _ in parts] == [llama3(conversation[:2], True) + conversation[2]["content"]]
+    assert ["".join(map(chr, ids)) for ids, _ in parts] == [
+        llama3_like(conversation[:2], True) + conversation[2]["content"]]
     assert [trained_text(*p) for p in parts] == [" <search> paris mayor </search>"]
     # an action without outer whitespace is rendered as generated: one sequence, as before
     plain = [*CONVERSATION[:2], {"role": "assistant", "content": "<search> paris mayor </search>"}]
-    assert encode_trajectory(OffsetTokenizer(), plain, render=llama3,
-                             prompt=lambda ms: llama3(ms, add_generation_prompt=True)) == [
-        encode_conversation(OffsetTokenizer(), plain, render=llama3)]
+    assert encode_trajectory(OffsetTokenizer(), plain, render=llama3_like,
+                             prompt=lambda ms: llama3_like(ms, add_generation_prompt=True)) == [
+        encode_conversation(OffsetTokenizer(), plain, render=llama3_like)]
 
 
 def test_a_prefix_stable_template_still_masks_exactly_the_actions():

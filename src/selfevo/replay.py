@@ -751,10 +751,6 @@ def _jobs(conds: list[Condition], seeds: list[int]) -> set[tuple[str, int]]:
     return {(name, s) for s in seeds for name in names}
 
 
-def _n_jobs(conds: list[Condition], seeds: list[int]) -> int:
-    return len(_jobs(conds, seeds))
-
-
 def _run_jobs(pool, conds: list[Condition], seeds: list[int], bar, done: Mapping[tuple[str, int], dict] | None = None,
               record=None) -> tuple[dict, dict, dict]:
     """Submit every job not in `done` (finished jobs of this study, `_jobs`, by (job, seed)),
@@ -762,7 +758,7 @@ def _run_jobs(pool, conds: list[Condition], seeds: list[int], bar, done: Mapping
     releases its +msv conditions. Returns (condition outcomes, MSV labels, base reference) keyed by seed."""
     need_msv = any(c.msv for c in conds)
     done = done or {}
-    task = bar.add_task("replay", total=_n_jobs(conds, seeds))
+    task = bar.add_task("replay", total=len(_jobs(conds, seeds)))
     outcomes: dict[tuple[str, int], dict] = {}
     msv: dict[int, dict] = {}
     base: dict[int, dict] = {}
@@ -873,7 +869,7 @@ def run_replay(bank: Bank, conditions: Iterable[str] | str | None = None, seeds:
         raise ReplayError(f"--seeds: seed {dup!r} is named twice; name each seed once")
     if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
         raise ReplayError(f"--workers: must be a positive integer, got {workers!r}")
-    workers = min(workers, _n_jobs(conds, seeds))  # never more processes than jobs: the rest would sit idle
+    workers = min(workers, len(_jobs(conds, seeds)))  # never more processes than jobs: the rest would sit idle
     if workers == 1 or bank.backend == "lm" or judge is not None:
         executor = _InProcess(bank, settings, judge)
     else:  # the grid's pool: its workers die with this process (SIGTERM, Ctrl-C, kill -9)

@@ -250,10 +250,12 @@ class LMPolicy:
         opt = self._optimizer(name)
         g = len(trajectories)
         rows = []  # (ids, mask, advantage, the trajectory's trained tokens): a micro-batch mixes trajectories
+        trained = 0
         for seqs, adv in zip(trajectories, advantages, strict=True):
             n = sum(sum(mask[1:]) for _, mask in seqs)  # position 0 has no log-probability
             if adv != 0.0 and n > 0:
                 rows += [(ids, mask, adv, n) for ids, mask in seqs if sum(mask[1:]) > 0]
+                trained += 1
         opt.zero_grad(set_to_none=True)
         loss_total, tokens = 0.0, 0
         with self._active(name) as model:
@@ -284,8 +286,6 @@ class LMPolicy:
         opt.zero_grad(set_to_none=True)
         self.steps[name] = self.steps.get(name, 0) + 1
         self._changed(name)
-        trained = sum(1 for seqs, adv in zip(trajectories, advantages)
-                      if adv != 0.0 and any(sum(mask[1:]) for _, mask in seqs))
         return {"loss": loss_total, "grad_norm": grad_norm, "trained_sequences": trained,
                 "sequences": g, "trained_rows": len(rows), "trained_tokens": tokens}
 
