@@ -449,12 +449,14 @@ class _Context:
         self._connected: dict[int, FoldAssignment] = {}
         self._links: list[tuple[str, str]] | None = None
 
-    def make_solver(self, name: str):
-        """A trainable solver that starts as the base model."""
+    def make_solver(self, name: str, seed: int = 0):
+        """A trainable solver that starts as the base model. A language model's adapter is named by
+        `seed` too, which seeds its initialisation and dropout: the same solver of two replay seeds
+        does not draw the same masks."""
         if self.policy is not None:
             from selfevo.agents.lm.agents import LMSolver
 
-            return LMSolver.trainable(self.policy, name)
+            return LMSolver.trainable(self.policy, name, policy_name=f"{name}#{seed}")
         return SimSolver(name, self.solver_config, self.reader)
 
     def connected_folds(self, seed: int) -> FoldAssignment:
@@ -559,7 +561,7 @@ def _train(ctx: _Context, name: str, train: list, updates: int, seed: int):
     """`updates` policy-gradient steps on `train` [(item, label)] in a seeded order. The batches
     are the full budget's even split, so a smaller budget sees fewer batches (as AuxFeedback)."""
     s = ctx.settings
-    solver = ctx.make_solver(name)
+    solver = ctx.make_solver(name, seed)
     order = list(train)
     random.Random(derive_seed(seed, "order")).shuffle(order)
     for u in range(updates):

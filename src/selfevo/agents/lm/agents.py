@@ -40,9 +40,12 @@ class LMSolver:
         self.updates = 0
 
     @classmethod
-    def trainable(cls, policy: LMPolicy, name: str) -> LMSolver:
-        policy.new(name)  # a fresh adapter: the base model's function
-        return cls(policy, name, policy_name=name)
+    def trainable(cls, policy: LMPolicy, name: str, policy_name: str | None = None) -> LMSolver:
+        """A fresh adapter (the base model's function) named `policy_name` (default `name`): the
+        name seeds its initialisation and its dropout."""
+        policy_name = policy_name or name
+        policy.new(policy_name)
+        return cls(policy, name, policy_name=policy_name)
 
     @classmethod
     def from_file(cls, policy: LMPolicy, name: str, path: str) -> LMSolver:

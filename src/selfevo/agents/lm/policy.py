@@ -7,7 +7,7 @@ fully fine-tuned. Everything a learner does to a model goes through this class:
 
     generate(name, conversations, ...)   one assistant action per conversation, batched, KV cache
     update(name, trajectories, advantages)  one policy-gradient step (rl.sequence_pg_loss)
-    save(name) / load(name, ref)         adapter (or weights) + optimizer + RNG, as safetensors
+    save(name) / load(name, ref)         adapter (or weights) + optimizer + step count, as safetensors
 
 `name=None` is the base model itself (the adapters switched off).
 """
@@ -222,6 +222,12 @@ class LMPolicy:
         return out
 
     # ---------------------------------------------------------------- training
+    def _rng_devices(self) -> list[int]:
+        """The CUDA devices whose random state a seeded block forks (dropout draws on the model's)."""
+        import torch
+
+        return [torch.device(self.device).index or 0] if self.device.startswith("cuda") else []
+
     def _optimizer(self, name: str):
         import torch
 
@@ -258,7 +264,12 @@ class LMPolicy:
                 trained += 1
         opt.zero_grad(set_to_none=True)
         loss_total, tokens = 0.0, 0
-        with self._active(name) as model:
+        step = self.steps.get(name, 0)
+        # dropout (lm.lora_dropout) draws from torch's random state: seeded by the policy and its step,
+        # what it draws does not depend on what else this process ran before (a replay study's job
+        # order, a resume), so nothing of that state needs to be checkpointed
+        with self._active(name) as model, torch.random.fork_rng(devices=self._rng_devices()):
+            torch.manual_seed(derive_seed(self.seed, "dropout", name, step) % 2**63)
             model.train()
             try:
                 for start in range(0, len(rows), self.cfg.train_batch):
@@ -284,7 +295,7 @@ class LMPolicy:
         if rows:
             opt.step()
         opt.zero_grad(set_to_none=True)
-        self.steps[name] = self.steps.get(name, 0) + 1
+        self.steps[name] = step + 1
         self._changed(name)
         return {"loss": loss_total, "grad_norm": grad_norm, "trained_sequences": trained,
                 "sequences": g, "trained_rows": len(rows), "trained_tokens": tokens}
@@ -305,7 +316,7 @@ class LMPolicy:
 
     # ---------------------------------------------------------------- checkpoints
     def save(self, name: str) -> dict:
-        """Write policy `name` (weights, optimizer moments, step, RNG) to a content-addressed
+        """Write policy `name` (weights, optimizer moments, step) to a content-addressed
         safetensors file in the store; return the JSON reference a checkpoint keeps."""
         import torch
         from safetensors.torch import save
@@ -322,7 +333,6 @@ class LMPolicy:
                     continue
                 for key, value in st.items():
                     tensors[f"optim.{key}.{n}"] = torch.as_tensor(value).detach().to("cpu").contiguous().clone()
-        tensors["rng.torch"] = torch.get_rng_state()
         meta = {"name": name, "steps": str(self.steps.get(name, 0)), "has_optimizer": str(opt is not None),
                 **self._file_settings()}
         blob = save(tensors, metadata=meta)
@@ -419,5 +429,4 @@ class LMPolicy:
                 if st:
                     st["step"] = st["step"].to("cpu")
                     opt.state[p] = st
-        torch.set_rng_state(tensors["rng.torch"])
         self._changed(name)
