@@ -208,3 +208,47 @@ def test_a_template_that_drops_text_is_still_refused():
     conversation = [{"role": "user", "content": "q"}, {"role": "assistant", "content": " <search> mayor </search>"}]
     with pytest.raises(ValueError, match="content not found"):
         content_spans([lossy(conversation[:i + 1]) for i in range(2)], conversation)
+
+
+def test_the_scaffolded_proposer_is_not_offered_search(tmp_path, monkeypatch):
+    """With lm.proposer_scaffold the proposer writes its reply at once, behind forced prefixes: its
+    prompt offered the search tool all the same when lm.proposer_search was on (the default), in
+    the loop and in engine-run's rows."""
+    from selfevo.agents.lm.agents import LMProposer
+    from selfevo.agents.lm.config import LMConfig
+    from selfevo.integrations import engine as eng
+
+    class Policy:  # the loop's proposer over a stand-in policy that records what it is asked
+        cfg = LMConfig(proposer_search=True, proposer_scaffold=True)
+
+        def new(self, name, like=None):
+            pass
+
+        def truncate(self, text, n):
+            return text
+
+        def generate(self, name, convs, greedy, seed, prefix, stops):
+            self.seen = [c[:2] for c in convs]
+            return [(p + (" Who? </question>" if p == "<question>" else " Ann </answer>"), "stop") for p in prefix]
+
+    policy = Policy()
+    doc = Document("d", "T", "Alpha is a river.")
+    [proposal] = LMProposer(policy, "proposer", [doc]).propose(1, SearchTool(BM25Index.build([doc])), seed=0)
+    assert (proposal.question, proposal.draft_label) == ("Who?", "Ann")
+    [[system, _]] = policy.seen
+    assert "search" not in system["content"]
+
+    asked = {}
+
+    def rows(*args, **kw):
+        asked.update(kw)
+        raise eng.EngineUnavailable("stop here")
+
+    monkeypatch.setattr(eng, "proposer_rows", rows)
+    cfg = {"backend": "lm", "treatment": "crossfit", "world": {"name": "small"},
+           "loop": {"rounds": 2, "proposer_steps": 2, "solver_steps": 3, "admit_per_round": 10, "source_docs": 40},
+           "engine": {"retriever_url": "http://127.0.0.1:9/retrieve"},
+           "lm": {"proposer_scaffold": True}}
+    with pytest.raises(eng.EngineUnavailable, match="stop here"):
+        eng.EngineRun(eng.engine_config_from_dict(cfg, engine="trl"), tmp_path, log=lambda m: None).proposer(1)
+    assert asked["search"] is False

@@ -513,7 +513,7 @@ class EngineRun:
                    eng / "verl-tool.yaml")
         # lm.proposer_search = false: the proposer writes at once, as the loop's (one action, no tool);
         # verl ends a trajectory at max_assistant_turns whatever the action
-        searching = kind != "proposer" or lm.proposer_search
+        searching = kind != "proposer" or lm.proposer_searches
         write_yaml(agent_loop_config(), eng / "verl-agent-loop.yaml")
         write_reward_shim(eng / "verl_reward.py")
         data = write_verl(rows, d / f"{role}.parquet")
@@ -585,7 +585,7 @@ class EngineRun:
         prompts = math.ceil(prompts / spec.train_processes) * spec.train_processes
         truncate = _truncator(self.model_dir("proposer", r - 1), lm.doc_tokens)
         rows = proposer_rows(self.pool, self.folds, r, cfg.loop.proposer_steps * prompts, cfg.seed, truncate,
-                             search=lm.proposer_search)
+                             search=lm.proposer_searches)
         items_path = self.round_dir(r) / "proposer-items.jsonl"  # `train` cuts what a killed attempt staged
         graders = self.graders_for(r)
         with self.serving({role: (g[0], g[1]) for role, g in graders.items()}) as served:

@@ -126,7 +126,8 @@ class LMProposer:
         rnd = random.Random(seed)
         picks = [(self.pool[rnd.randrange(len(self.pool))], sample_hops(rnd.random())) for _ in range(n)]
         cfg = self.policy.cfg
-        starts = [proposer_messages(self.policy.truncate(doc.contents, cfg.doc_tokens), hops, cfg.proposer_search)
+        searching = cfg.proposer_searches
+        starts = [proposer_messages(self.policy.truncate(doc.contents, cfg.doc_tokens), hops, searching)
                   for doc, hops in picks]
 
         def generate(convs, s, **kw):  # kw: the scaffold's prefix and stops
@@ -134,7 +135,6 @@ class LMProposer:
 
         if cfg.proposer_scaffold:
             generate = scaffolded(generate)
-        searching = cfg.proposer_search and not cfg.proposer_scaffold
         rollouts = run_rollouts(starts, tool, generate, max_actions=cfg.max_actions if searching else 1,
                                 seed=derive_seed(seed, "proposer"), parse=parse_proposer_action)
         out = []

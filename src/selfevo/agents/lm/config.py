@@ -77,3 +77,9 @@ class LMConfig:
             raise ValueError("lm.generator: lm.generator=vllm needs lm.adapter=lora")
         if not 0 < self.vllm_gpu_memory < 1:
             raise ValueError(f"lm.vllm_gpu_memory: must be in (0, 1), got {self.vllm_gpu_memory}")
+
+    @property
+    def proposer_searches(self) -> bool:
+        """Whether the proposer may search (and its prompt offers the tool): the scaffold writes its
+        reply at once, whatever proposer_search says."""
+        return self.proposer_search and not self.proposer_scaffold
