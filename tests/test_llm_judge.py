@@ -1000,3 +1000,49 @@ def test_the_default_judge_loads_on_the_runs_device_in_its_dtype(monkeypatch):
     with pytest.raises(Loaded), default_judge(cfg, env=None):
         pass
     assert (asked["device"], asked["dtype"], asked["threads"]) == ("cpu", "bfloat16", 2)
+
+
+def test_a_call_shared_with_a_stopped_batch_is_asked_again_by_the_running_one():
+    """Two batches (threads) sharing a call wait for one reply. When the batch that made the call
+    stopped (an error elsewhere in it, Ctrl-C), its call gave up, and the batch still running got
+    that failure for its item: now it asks again. A call that failed by itself fails both."""
+    import threading
+
+    from selfevo.agents.chat_client import CallFailed
+
+    judge = LLMJudge("http://127.0.0.1:9/v1", "judge")
+
+    def shared(owner_stops: bool) -> dict:
+        owner_stop, waiter_stop, asked = threading.Event(), threading.Event(), threading.Event()
+        out: dict = {}
+
+        def owners_call():  # gives up once its batch stops, as ChatClient.chat(stopped=...) does
+            asked.set()
+            if owner_stops:
+                owner_stop.wait(5)
+            else:
+                time.sleep(0.2)
+            raise CallFailed("gave up")
+
+        def run(name, fn, stop):
+            try:
+                out[name] = judge._once("key", fn, stop)
+            except CallFailed as e:
+                out[name] = e
+
+        owner = threading.Thread(target=run, args=("owner", owners_call, owner_stop))
+        owner.start()
+        asked.wait(5)
+        waiter = threading.Thread(target=run, args=("waiter", lambda: {"ok": True}, waiter_stop))
+        waiter.start()
+        time.sleep(0.1)  # the waiter is waiting on the owner's call
+        if owner_stops:
+            owner_stop.set()
+        owner.join(5)
+        waiter.join(5)
+        return out
+
+    stopped = shared(owner_stops=True)
+    assert isinstance(stopped["owner"], CallFailed) and stopped["waiter"] == {"ok": True}
+    failed = shared(owner_stops=False)
+    assert isinstance(failed["owner"], CallFailed) and isinstance(failed["waiter"], CallFailed)

@@ -393,7 +393,7 @@ class LLMJudge:
         # the generation settings are part of every cache key (keep these names: old caches hit)
         self._settings = {"model": model, "prompt_version": PROMPT_VERSION, "max_tokens": max_tokens,
                           "temperature": temperature, "json_mode": json_mode}
-        self._inflight: dict[str, Future] = {}
+        self._inflight: dict[str, tuple[Future, threading.Event]] = {}  # a call in flight, its batch's stop
         self._results: dict[str, tuple[Verdict, dict]] = {}
 
     # -------------------------------------------------------------- bookkeeping
@@ -471,22 +471,29 @@ class LLMJudge:
                 for k, (v, detail) in self._results.items()]
 
     # -------------------------------------------------------------- calls
-    def _once(self, key: str, fn: Callable[[], dict]) -> dict:
-        """Run fn once per key at a time: two items sharing a call wait for one reply."""
-        with self._lock:
-            fut = self._inflight.get(key)
-            owner = fut is None
+    def _once(self, key: str, fn: Callable[[], dict], stop: threading.Event) -> dict:
+        """Run fn once per key at a time: two items sharing a call wait for one reply. A call that
+        failed because its own batch was stopped is asked again by a waiting batch still running."""
+        while True:
+            with self._lock:
+                fut, owner_stop = self._inflight.get(key, (None, None))
+                owner = fut is None
+                if owner:
+                    fut, owner_stop = Future(), stop
+                    self._inflight[key] = (fut, stop)
             if owner:
-                fut = self._inflight[key] = Future()
-        if owner:
+                try:
+                    fut.set_result(fn())
+                except BaseException as e:
+                    fut.set_exception(e)
+                finally:
+                    with self._lock:
+                        self._inflight.pop(key, None)
             try:
-                fut.set_result(fn())
-            except BaseException as e:
-                fut.set_exception(e)
-            finally:
-                with self._lock:
-                    self._inflight.pop(key, None)
-        return fut.result()
+                return fut.result()
+            except BaseException:
+                if owner or stop.is_set() or not owner_stop.is_set():
+                    raise
 
     def _call(self, stage: str, content: dict, messages: list[dict], schema: type[BaseModel],
               stop: threading.Event, check: Callable[[BaseModel], None] | None = None) -> dict:
@@ -534,7 +541,7 @@ class LLMJudge:
             self._count("cached")
             return row
 
-        return self._once(key, fetch)
+        return self._once(key, fetch, stop)
 
     def _judge_one(self, item: Mapping[str, Any], stop: threading.Event) -> tuple[Verdict, dict]:
         question, label, responses = item["question"], item["adopted_label"], list(item["responses"])
