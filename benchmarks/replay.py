@@ -364,7 +364,7 @@ def main() -> None:
              f"(half budget {res['settings']['updates'] // 2}), {res['settings']['rollouts']} rollouts a question; "
              f"every bank item graded {res['settings']['samples']}× sampled + 1 greedy by its condition's grader, "
              "judged by the exact-truth oracle against the bank's adopted label. Checked on every run: all "
-             "conditions grade the same items with the same labels under `selfevo.evaluate.answers_match`, "
+             "conditions grade the same items (questions and labels) under `selfevo.evaluate.answers_match`, "
              "and every feedback solver makes the same number of updates (half for source-id-half). Columns, "
              "over the items the oracle resolved: F = sampled answer–label pairs that agree on a wrong label; "
              "solver truth = sampled answers that are correct (the audit's T_S); replay accuracy = items whose "

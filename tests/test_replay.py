@@ -324,7 +324,28 @@ def test_invariant_graded_labels(bank, monkeypatch):
         return out
 
     monkeypatch.setattr(replay, "_grade", tampered)
-    with pytest.raises(InvariantError, match="source-id seed 0: graded items or labels differ"):
+    with pytest.raises(InvariantError, match="source-id seed 0: graded items, questions or labels differ"):
+        run_replay(bank, ["coupled", "source-id"], seeds=1, settings=FAST)
+
+
+def test_invariant_graded_questions(bank, monkeypatch):
+    """A condition that asked its grader another wording of an item (same id and label) was not
+    caught: the invariant's digest covered item ids and labels only."""
+    real = replay._grade
+
+    def reworded(ctx, solvers, grader, seed):
+        if len(solvers) == 2:
+            original = ctx.bank
+            first = replace(original.items[0], question=original.items[0].question + " (reworded)")
+            ctx.bank = replace(original, items=[first, *original.items[1:]])
+            try:
+                return real(ctx, solvers, grader, seed)
+            finally:
+                ctx.bank = original
+        return real(ctx, solvers, grader, seed)
+
+    monkeypatch.setattr(replay, "_grade", reworded)
+    with pytest.raises(InvariantError, match="source-id seed 0: graded items, questions or labels differ"):
         run_replay(bank, ["coupled", "source-id"], seeds=1, settings=FAST)
 
 
@@ -509,7 +530,8 @@ def test_a_bank_from_msv_runs_is_graded_against_its_adopted_labels(tmp_path):
     bank = build_bank([tmp_path / "msv"], size=60, seed=0)
     assert any(it.label != it.draft_label for it in bank.items)
     res = run_replay(bank, ["coupled"], seeds=1, settings=FAST)
-    assert res["invariants"]["labels_sha256"] == replay._labels_digest((it.item_id, it.label) for it in bank.items)
+    assert res["invariants"]["items_sha256"] == replay._graded_digest((it.item_id, it.question, it.label)
+                                                                      for it in bank.items)
 
 
 def test_a_one_seed_study_shows_no_spread_rather_than_a_spread_of_zero(bank):

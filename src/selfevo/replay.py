@@ -52,7 +52,7 @@ __all__ = ["CONDITIONS", "MATCHER", "Bank", "BankItem", "Condition", "InvariantE
            "ReplaySettings", "build_bank", "check_invariants", "parse_conditions", "plot_results",
            "replay_judge", "results_markdown", "results_table", "run_replay", "write_results"]
 
-FORMAT = 1  # results.json
+FORMAT = 2  # results.json (2: the invariants' digest covers the questions: items_sha256)
 # bank files: 2 added the runs' backend, data and language-model config (format 1 banks are sim
 # banks on a world and still load); 3 added base_seed (older banks replay with their sampling seed's
 # base model, as they did)
@@ -572,8 +572,9 @@ def _train(ctx: _Context, name: str, train: list, updates: int, seed: int):
     return solver
 
 
-def _labels_digest(pairs: Iterable[tuple[str, str]]) -> str:
-    return hashlib.sha256(json.dumps(list(pairs)).encode()).hexdigest()
+def _graded_digest(items: Iterable[tuple[str, str, str]]) -> str:
+    """The digest of what a job graded: (item id, question, label) of every item, in order."""
+    return hashlib.sha256(json.dumps(list(items)).encode()).hexdigest()
 
 
 def _train_sets(ctx: _Context, cond: Condition, seed: int,
@@ -669,18 +670,18 @@ def _grade(ctx: _Context, solvers: Sequence, grader, seed: int) -> dict:
         for i, ts, bs in zip(idx, sampled, best, strict=True):
             responses[i] = [t.answer for t in ts]
             greedy[i] = bs[0].answer
-    graded = [(it.item_id, it.label) for it in items]  # exactly what the judge and the matcher compare
+    graded = [(it.item_id, it.question, it.label) for it in items]  # exactly what the judge and the matcher see
     matcher = MATCHER
-    verdicts = ctx.judge.judge([{"question": it.question, "adopted_label": label, "responses": rs,
+    verdicts = ctx.judge.judge([{"question": question, "adopted_label": label, "responses": rs,
                                  "source_id": it.source_id, "source_ids": list(it.source_ids)}
-                                for it, (_, label), rs in zip(items, graded, responses)])
+                                for it, (_, question, label), rs in zip(items, graded, responses)])
     judged = [JudgedItem(tuple(matcher(r, label) for r in rs), v.resolved, v.label_correct, v.responses_correct)
-              for (_, label), rs, v in zip(graded, responses, verdicts)]
+              for (_, _, label), rs, v in zip(graded, responses, verdicts)]
     m = audit_metrics(judged)
-    accuracy = replay_accuracy(greedy, [label for _, label in graded], [v.resolved for v in verdicts], matcher)
+    accuracy = replay_accuracy(greedy, [label for _, _, label in graded], [v.resolved for v in verdicts], matcher)
     return {"metrics": {"F": m["F"], "solver_truth": m["T_S"], "replay_accuracy": accuracy, "A": m["A"],
                         "coverage": m["coverage"], "L": m["L"], "T_P": m["T_P"]},
-            "graded": _labels_digest(graded), "n_graded": len(graded),
+            "graded": _graded_digest(graded), "n_graded": len(graded),
             "matcher": f"{matcher.__module__}.{matcher.__qualname__}"}
 
 
@@ -689,13 +690,13 @@ def _grade(ctx: _Context, solvers: Sequence, grader, seed: int) -> dict:
 
 def check_invariants(outcomes: Mapping[tuple[str, int], dict], bank: Bank, settings: ReplaySettings) -> dict:
     """Between conditions only the feedback solver's training data may change: every outcome
-    graded the bank's items with the bank's labels under the one matcher, and every feedback
+    graded the bank's items (their questions and labels) under the one matcher, and every feedback
     solver made the full number of updates (half for the half-budget condition)."""
-    want_graded = _labels_digest((it.item_id, it.label) for it in bank.items)
+    want_graded = _graded_digest((it.item_id, it.question, it.label) for it in bank.items)
     for (name, seed), out in sorted(outcomes.items()):
         where = f"replay invariant broken in {name} seed {seed}"
         if out["graded"] != want_graded or out["n_graded"] != len(bank.items):
-            raise InvariantError(f"{where}: graded items or labels differ from the bank's")
+            raise InvariantError(f"{where}: graded items, questions or labels differ from the bank's")
         if out["matcher"] != _CANONICAL_MATCHER:
             raise InvariantError(f"{where}: graded with {out['matcher']}, not {_CANONICAL_MATCHER}")
         # stated here independently of the condition table, so a wrong table entry is caught
@@ -703,7 +704,7 @@ def check_invariants(outcomes: Mapping[tuple[str, int], dict], bank: Bank, setti
         wrong = {k: v for k, v in out["updates"].items() if v != want}
         if wrong or not out["updates"]:
             raise InvariantError(f"{where}: feedback solver updates {out['updates']}, expected {want} each")
-    return {"items": len(bank.items), "labels_sha256": want_graded, "matcher": _CANONICAL_MATCHER,
+    return {"items": len(bank.items), "items_sha256": want_graded, "matcher": _CANONICAL_MATCHER,
             "updates": {name: out["updates"] for (name, seed), out in sorted(outcomes.items()) if seed == 0}}
 
 
