@@ -88,6 +88,15 @@ def test_unknown_executor():
         run_grid([], "dask")
 
 
+def test_a_grid_refuses_common_overrides_of_what_it_sets_per_job(tmp_path):
+    """`common=["seed=7"]` was overridden by each job's own seed, silently."""
+    for common in (["seed=7"], ["loop.rounds=2", " treatment = msv"]):
+        with pytest.raises(ValueError, match=r"^common: .* sets (seed|treatment), which the grid sets"):
+            grid(["coupled"], [0, 1], tmp_path, common)
+    assert [j.overrides for j in grid(["coupled"], [0], tmp_path, ["world.seed=7"])] == [
+        ("world.seed=7", "treatment=coupled", "seed=0")]
+
+
 def test_ray_matches_local(local_grid, tmp_path):
     ray = pytest.importorskip("ray")
     root, _, _ = local_grid

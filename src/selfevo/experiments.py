@@ -35,6 +35,12 @@ class Job:
 
 def grid(treatments: Sequence[str], seeds: Sequence[int], root: str | os.PathLike,
          common: Sequence[str] = ()) -> list[Job]:
+    """One job a (treatment, seed), named `<treatment>-s<seed>` under `root`, each with the `common`
+    overrides; those may not set what the grid sets per job (they were overridden silently)."""
+    for o in common:
+        key = o.split("=", 1)[0].strip()
+        if key in ("treatment", "seed"):
+            raise ValueError(f"common: {o!r} sets {key}, which the grid sets for each job (its {key}s)")
     root = Path(root)
     return [Job(f"{t}-s{s}", (*common, f"treatment={t}", f"seed={s}"), str(root / f"{t}-s{s}"), t, s)
             for t in treatments for s in seeds]
