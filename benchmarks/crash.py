@@ -4,13 +4,17 @@ that nothing was lost or doubled: every resumed run must equal one uninterrupted
 distinct lines.
 
     python benchmarks/crash.py [--world default] [--kills 10] [--seed 0] [--points-seed 2024]
-                               [--set KEY=VALUE ...] [--out docs/reliability.md]
+                               [--set KEY=VALUE ...] [--step-checkpoints N] [--out docs/reliability.md]
 
 Kill points are spread over the whole schedule: the schedule's step lines (plus "before the first
 step") are cut into `--kills` equal strata and one point is drawn from each, then the kill lands
 0-10 ms after that many lines are on disk. Each process gets its own PYTHONHASHSEED, so a resumed
 run also shows that nothing depends on string hashing. Writes the "## Kill -9 and resume" section
 of docs/reliability.md. `tests/test_reliability.py` runs the same experiment on a small world.
+
+With `--step-checkpoints N` the killed runs and their resumes write a checkpoint within each round
+every N steps (`selfevo evolve --step-checkpoints`), and each resume must go on from the last one;
+the uninterrupted run they are compared with writes none (its own section: "... with step checkpoints").
 """
 
 from __future__ import annotations
@@ -37,10 +41,12 @@ class KillMissed(RuntimeError):
     """The child finished (or died) before the kill point: the kill proved nothing."""
 
 
-def evolve_cmd(out: Path, world: str, seed: int, overrides: list[str]) -> list[str]:
+def evolve_cmd(out: Path, world: str, seed: int, overrides: list[str], step_checkpoints: int | None = None
+               ) -> list[str]:
     sets = [x for o in overrides for x in ("--set", o)]
+    every = [] if step_checkpoints is None else ["--step-checkpoints", str(step_checkpoints)]
     return [sys.executable, "-m", "selfevo.cli", "evolve", "--out", str(out), "--world", world,
-            "--seed", str(seed), *sets]
+            "--seed", str(seed), *sets, *every]
 
 
 def schedule_shape(world: str, seed: int, overrides: list[str]) -> tuple[int, int]:
@@ -131,9 +137,16 @@ def run_and_kill(cmd: list[str], out: Path, target_lines: int | str, delay_s: fl
         phase, rnd = f"round {done + 1} evaluation / checkpoint", done + 1
     else:
         phase, rnd = f"round {done + 1}, step {in_round + 1} of {per_round}", done + 1
+    # where a resume goes on from: the round's start, or the step checkpoint the kill left
+    ck = out / "checkpoints" / "step.json"
+    state = json.loads(ck.read_text()) if ck.exists() else None
+    if state is not None and state["round"] == done + 1:
+        goes_on = f"round {state['round']} after step {state['step'] - (state['round'] - 1) * per_round}"
+    else:
+        goes_on = f"round {done + 1} start" if done < rounds else "the audit"
     return {"target_lines": target_lines, "delay_ms": round(delay_s * 1000, 1), "lines": lines,
             "torn_tail": bool(data) and not data.endswith(b"\n"), "rounds_completed": done,
-            "round": rnd, "phase": phase}
+            "round": rnd, "phase": phase, "goes_on_from": goes_on}
 
 
 def check_records(run_dir: Path, allow_torn_steps_tail: bool = False) -> list[str]:
@@ -190,9 +203,11 @@ def compare_runs(run: Path, ref: Path) -> list[str]:
 def experiment(root: Path, world: str = "default", seed: int = 0, overrides: list[str] | None = None,
                kills: int = 10, points_seed: int = 2024, reference: Path | None = None,
                max_delay_s: float = 0.010, workers: int = 1, points: list[int | str] | None = None,
-               log=print) -> dict:
+               step_checkpoints: int | None = None, log=print) -> dict:
     """The whole experiment; returns a summary (see `main` for its use). `points` replaces the
-    random kill points (line counts, or "audit"); each then lands 0-`max_delay_s` later."""
+    random kill points (line counts, or "audit"); each then lands 0-`max_delay_s` later.
+    `step_checkpoints`: the killed runs' (and their resumes') `--step-checkpoints`; the reference's
+    is the default (none on the sim backend)."""
     overrides = list(overrides or [])
     load_average = ", ".join(f"{x:.1f}" for x in os.getloadavg())
     rounds, per_round = schedule_shape(world, seed, overrides)
@@ -211,7 +226,7 @@ def experiment(root: Path, world: str = "default", seed: int = 0, overrides: lis
         target, delay = points[k], delays[k]
         for _ in range(3):
             try:
-                landing = run_and_kill(evolve_cmd(out, world, seed, overrides), out, target, delay,
+                landing = run_and_kill(evolve_cmd(out, world, seed, overrides, step_checkpoints), out, target, delay,
                                        hash_seed=k + 1, per_round=per_round, rounds=rounds)
                 break
             except KillMissed:
@@ -224,7 +239,8 @@ def experiment(root: Path, world: str = "default", seed: int = 0, overrides: lis
         before = check_records(out, allow_torn_steps_tail=True)
         left_by_kill = [str(p.relative_to(out)) for p in out.rglob(".*.tmp")]
         t = time.perf_counter()
-        run_to_completion(evolve_cmd(out, world, seed, overrides) + ["--resume"], hash_seed=k + 101)
+        run_to_completion(evolve_cmd(out, world, seed, overrides, step_checkpoints) + ["--resume"],
+                          hash_seed=k + 101)
         resume_s = time.perf_counter() - t
         row = {**landing, "problems_after_kill": before, "problems_after_resume": check_records(out),
                "mismatches": compare_runs(out, reference), "resume_seconds": round(resume_s, 2),
@@ -241,6 +257,7 @@ def experiment(root: Path, world: str = "default", seed: int = 0, overrides: lis
     per_round_counts = Counter(str(r["round"]) for r in results)
     return {
         "world": world, "seed": seed, "overrides": overrides, "points_seed": points_seed,
+        "step_checkpoints": step_checkpoints,
         "rounds": rounds, "steps_per_round": per_round, "kills": results,
         "kills_per_round": dict(sorted(per_round_counts.items())),
         "all_matched": all(not r["mismatches"] and not r["problems_after_resume"]
@@ -250,25 +267,38 @@ def experiment(root: Path, world: str = "default", seed: int = 0, overrides: lis
     }
 
 
+_HEADER = ("| kill | point (lines + delay) | landed in | lines on disk | resumes from | resume | vs uninterrupted "
+           "| file problems | temp files |\n|---:|---|---|---|---|---:|---|---:|---:|")
+
+
+def section_title(step_checkpoints: int | None) -> str:
+    return SECTION if step_checkpoints is None else f"{SECTION}, with step checkpoints"
+
+
 def _section(summary: dict, command: str) -> str:
     from _common import machine_line
 
     rows = "\n".join(
         f"| {i + 1} | {r['target_lines']} + {r['delay_ms']} ms | {r['phase']} | {r['lines']}"
-        f"{' (torn tail)' if r['torn_tail'] else ''} | {r['resume_seconds']:.1f} s | "
+        f"{' (torn tail)' if r['torn_tail'] else ''} | {r['goes_on_from']} | {r['resume_seconds']:.1f} s | "
         f"{'identical' if not r['mismatches'] else ', '.join(r['mismatches'])} | "
         f"{len(r['problems_after_kill']) + len(r['problems_after_resume'])} | {len(r['temp_files_left'])} |"
         for i, r in enumerate(summary["kills"]))
     per_round = ", ".join(f"{'round ' + k if k != 'audit' else 'audit'}: {v}"
                           for k, v in summary["kills_per_round"].items())
     n = len(summary["kills"])
-    return f"""{SECTION}
+    every = summary.get("step_checkpoints")
+    step_note = ("" if every is None else
+                 f"\nThe killed runs and their resumes write a step checkpoint every {every} step(s) of a round "
+                 "(`--step-checkpoints`); the uninterrupted run writes none. \"Resumes from\": the checkpoint "
+                 "the kill left, which the resume goes on from.")
+    return f"""{section_title(every)}
 
 - Command: `{command}` (from the repo root)
 - Machine: {machine_line()}; load average {summary['load_average']} at the start (other work on the machine)
 - Run: world `{summary['world']}`, seed {summary['seed']}, {summary['rounds']} rounds × {summary['steps_per_round']} \
 steps{', ' + ' '.join(summary['overrides']) if summary['overrides'] else ''}; kill points drawn with seed \
-{summary['points_seed']}; whole experiment {summary['seconds']:.0f} s.
+{summary['points_seed']}; whole experiment {summary['seconds']:.0f} s.{step_note}
 
 **{n} kills, {n} resumes, {'all' if summary['all_matched'] else 'NOT all'} identical to the uninterrupted run.**
 Kills per round: {per_round}. Torn last lines left by a kill: {summary['torn_tails']}.
@@ -277,8 +307,7 @@ Compared byte for byte: `records/steps.jsonl`, `audit/metrics.json`, `folds.json
 wall seconds). Checked in every file: each `*.json` parses, each `*.jsonl` line parses and ends in a
 newline, no (round, step) twice, steps in order.
 
-| kill | point (lines + delay) | landed in | lines on disk | resume | vs uninterrupted | file problems | temp files |
-|---:|---|---|---|---:|---|---:|---:|
+{_HEADER}
 {rows}
 """
 
@@ -293,18 +322,23 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=Path(__file__).resolve().parents[1] / "docs" / "reliability.md")
     ap.add_argument("--workers", type=int, default=1, help="experiments at a time")
     ap.add_argument("--keep", type=Path, default=None, help="keep the run directories here")
+    ap.add_argument("--step-checkpoints", type=int, default=None,
+                    help="the killed runs' `selfevo evolve --step-checkpoints` (default: none)")
     args = ap.parse_args()
     from _common import run_root, write_section
 
     with run_root(args.keep) as root:
         summary = experiment(root, args.world, args.seed, args.overrides, args.kills, args.points_seed,
-                             workers=args.workers)
+                             workers=args.workers, step_checkpoints=args.step_checkpoints)
     print(json.dumps({k: v for k, v in summary.items() if k != "kills"}, indent=2))
     command = "python benchmarks/crash.py" + "".join(
         f" --{k} {v}" for k, v in (("world", args.world), ("seed", args.seed), ("kills", args.kills),
                                    ("points-seed", args.points_seed))) + "".join(f" --set {o}" for o in args.overrides)
-    write_section(args.out, SECTION, _section(summary, command), title="# Reliability")
-    print(f"wrote {SECTION!r} to {args.out}")
+    if args.step_checkpoints is not None:
+        command += f" --step-checkpoints {args.step_checkpoints}"
+    title = section_title(args.step_checkpoints)
+    write_section(args.out, title, _section(summary, command), title="# Reliability")
+    print(f"wrote {title!r} to {args.out}")
     sys.exit(0 if summary["all_matched"] else 1)
 
 

@@ -540,7 +540,7 @@ def test_a_run_damaged_before_its_print_is_named_not_a_traceback(tmp_path, damag
 
 @pytest.mark.parametrize("command, target, says", [
     (["evolve", "--world", "small", "--out", "{out}"], "selfevo.evolve.evolve",
-     "the run goes on from its last finished round: the same command with --resume"),
+     "the run goes on from its last checkpoint (of a round, or within one): the same command with --resume"),
     (["demo", "--world", "small", "--seeds", "1", "--out", "{out}"], "selfevo.demo.run_demo",
      "run the same command again: finished runs are skipped, stopped ones resume"),
 ])

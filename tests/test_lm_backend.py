@@ -257,31 +257,50 @@ def test_evolve_lm_crossfit_writes_the_sim_schema(lm_run, sim_run):
     assert {p.name.split("-")[0] for p in tensors} >= {"main", "proposer", "aux"}
     ck = json.loads((lm_run / "checkpoints" / "round-2.json").read_text())
     assert ck["main"]["policy"]["file"] in {p.name for p in tensors}
+    # a step checkpoint every step (the lm default), each replacing the one before: the tensor files
+    # left are the round checkpoints' (the steps' were removed as they were replaced)
+    from selfevo.runs import tensor_files
+
+    rounds = [json.loads(p.read_text()) for p in (lm_run / "checkpoints").glob("round-*.json")]
+    assert {p.name for p in tensors} == set().union(*map(tensor_files, rounds))
+    assert not (lm_run / "checkpoints" / "step.json").exists()
 
 
-def test_evolve_lm_resumes_after_a_crash_to_the_same_records(lm_run, tmp_path, monkeypatch):
-    """Generation on CPU is deterministic at a fixed thread count: a run killed in round 2 and
-    resumed from its round-1 checkpoint (adapters, optimizers, RNG) writes what the uninterrupted
-    run wrote."""
+@pytest.mark.parametrize("step_checkpoints", [0, None])
+def test_evolve_lm_resumes_after_a_crash_to_the_same_records(lm_run, tmp_path, monkeypatch, step_checkpoints):
+    """Generation on CPU is deterministic at a fixed thread count: a run killed in round 2's solver
+    step and resumed, from its round-1 checkpoint (0) or from the step checkpoint after round 2's
+    proposer step (None: the lm backend's default, a step checkpoint every step), writes what the
+    uninterrupted run wrote."""
     from selfevo.config import config_from_dict
     from selfevo.evolve import evolve
     from selfevo.loop.engine import Loop
     from selfevo.runs import RunDir
 
     cfg = config_from_dict(json.loads((lm_run / "config.json").read_text()))
-    original = Loop.proposer_step
+    original = Loop.solver_step
 
     def crash(self, st, *a, **k):
         if st.round == 2:
             raise RuntimeError("simulated crash")
         return original(self, st, *a, **k)
 
-    monkeypatch.setattr(Loop, "proposer_step", crash)
+    monkeypatch.setattr(Loop, "solver_step", crash)
     with pytest.raises(RuntimeError, match="simulated crash"):
-        evolve(cfg, tmp_path / "run", progress=False, audit=False)
+        evolve(cfg, tmp_path / "run", progress=False, audit=False, step_checkpoints=step_checkpoints)
     monkeypatch.undo()
-    assert RunDir(tmp_path / "run").manifest()["rounds_completed"] == 1
-    evolve(cfg, tmp_path / "run", resume=True, progress=False, audit=False)
+    run = RunDir(tmp_path / "run")
+    assert run.manifest()["rounds_completed"] == 1
+    assert run.step_checkpoint_path.exists() is (step_checkpoints is None)
+    proposed, original_propose = [], Loop.proposer_step
+
+    def counted(self, st, *a, **k):
+        proposed.append(st.round)
+        return original_propose(self, st, *a, **k)
+
+    monkeypatch.setattr(Loop, "proposer_step", counted)
+    evolve(cfg, tmp_path / "run", resume=True, progress=False, audit=False, step_checkpoints=step_checkpoints)
+    assert proposed == ([2] if step_checkpoints == 0 else [])
     for f in ("records/steps.jsonl", "eval/round-1.json", "eval/round-2.json"):
         assert (tmp_path / "run" / f).read_bytes() == (lm_run / f).read_bytes(), f
 

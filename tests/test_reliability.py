@@ -104,6 +104,20 @@ def test_kill_9_at_10_points_then_resume_matches_an_uninterrupted_run(tmp_path, 
 
 
 @pytest.mark.slow
+def test_kill_9_with_step_checkpoints_resumes_from_them_to_the_uninterrupted_run(tmp_path, reference):
+    """Killed runs writing a step checkpoint every 2 steps go on from the last one, and end as the
+    uninterrupted run (which wrote none) did."""
+    summary = crash.experiment(tmp_path, WORLD, SEED, OVERRIDES, kills=4, points_seed=7, reference=reference,
+                               workers=2, step_checkpoints=2, log=print)
+    assert summary["all_matched"], summary["kills"]
+    within = [k for k in summary["kills"] if " after step " in k["goes_on_from"]]
+    assert within, [k["goes_on_from"] for k in summary["kills"]]  # some kill did land after a step checkpoint
+    for k in within:  # at most 2 steps behind the kill (a kill between a step's line and its checkpoint: 2)
+        logged_in_round = k["lines"] - k["rounds_completed"] * summary["steps_per_round"]
+        assert logged_in_round - int(k["goes_on_from"].rsplit(" ", 1)[1]) in (0, 1, 2), k
+
+
+@pytest.mark.slow
 def test_kill_9_during_setup_and_during_the_audit_then_resume(tmp_path, reference):
     """The two ends the random points rarely hit: before the first step (world, index, base
     evaluation) and after the last checkpoint (the audit)."""

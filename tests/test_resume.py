@@ -289,3 +289,132 @@ def test_a_refused_resume_under_other_software_warns_and_notes_nothing(tmp_path,
             evolve(cfg_for(), run.path, resume=True, progress=False)
         assert not [w for w in seen if issubclass(w.category, SoftwareChanged)]
     assert "software_resumed" not in run.manifest()
+
+
+# ------------------------------------------------------------------ step checkpoints (within a round)
+
+
+def _calls(monkeypatch, method: str) -> list:
+    """Count the steps Loop.<method> runs (round, step_in_round)."""
+    original, seen = getattr(Loop, method), []
+
+    def counted(self, st, *args, **kwargs):
+        seen.append((st.round, st.step_in_round))
+        return original(self, st, *args, **kwargs)
+
+    monkeypatch.setattr(Loop, method, counted)
+    return seen
+
+
+@pytest.mark.parametrize("every", [1, 4])
+def test_a_resume_goes_on_from_the_last_step_checkpoint(tmp_path, monkeypatch, reference, every):
+    """With step checkpoints a run killed inside a round goes on from the last one, not the round's
+    start, and writes what a run never killed (and never step-checkpointed) writes."""
+    cfg = cfg_for()
+    crash_at(monkeypatch, "solver_step", 2, cfg.loop.proposer_steps + 3)  # round 2's 9th step
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        evolve(cfg, tmp_path / "run", progress=False, step_checkpoints=every)
+    run = RunDir(tmp_path / "run")
+    state = json.loads(run.step_checkpoint_path.read_text())
+    # the 8th step's, whether every step or every 4th (the 4th's and the 8th's) is checkpointed
+    assert (state["round"], state["step"]) == (2, 11 + 8)
+    assert len(state["pool"]) == 100  # round 2's admissions, all made by its proposer steps
+    monkeypatch.undo()
+    proposer, solver = _calls(monkeypatch, "proposer_step"), _calls(monkeypatch, "solver_step")
+    evolve(cfg, run.path, resume=True, progress=False, step_checkpoints=every)
+    assert proposer == [(3, i) for i in range(1, 7)]  # round 2's proposer steps are not redone
+    assert solver == [(2, 9), (2, 10), (2, 11)] + [(3, i) for i in range(7, 12)]
+    assert_same_results(run, reference)
+    assert not run.step_checkpoint_path.exists()  # the round's own checkpoint replaced it
+    counts = [{k: v for k, v in r.compute().items() if k != "seconds"} for r in (run, reference)]
+    assert counts[0] == counts[1]
+
+
+def test_a_step_checkpoint_after_the_rounds_last_step_leaves_only_the_aux_solvers_and_evaluation(
+        tmp_path, monkeypatch):
+    """A kill in the auxiliary solvers' training or the evaluation redoes only those."""
+    cfg = cfg_for(extra=["treatment=msv+crossfit"])
+    ref = evolve(cfg, tmp_path / "ref", progress=False)
+    original = Loop.evaluate_main
+
+    def crash(self, r):
+        if r == 2:
+            raise RuntimeError("simulated crash in the evaluation")
+        return original(self, r)
+
+    monkeypatch.setattr(Loop, "evaluate_main", crash)
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        evolve(cfg, tmp_path / "run", progress=False, step_checkpoints=5)
+    monkeypatch.undo()
+    proposer, solver = _calls(monkeypatch, "proposer_step"), _calls(monkeypatch, "solver_step")
+    run = evolve(cfg, tmp_path / "run", resume=True, progress=False, step_checkpoints=0)  # another cadence
+    assert [r for r, _ in proposer] == [3] * 6 and [r for r, _ in solver] == [3] * 5
+    assert_same_results(run, ref)
+
+
+def test_a_stale_step_checkpoint_is_dropped_and_the_next_round_starts_afresh(tmp_path, monkeypatch, reference):
+    """A kill after a round's checkpoint and before its step checkpoint is removed leaves one of the
+    round done: it is not gone on from."""
+    cfg = cfg_for()
+    monkeypatch.setattr(RunDir, "_drop_step_checkpoint", lambda self: None)
+    crash_at(monkeypatch, "proposer_step", 3, 1)
+    with pytest.raises(RuntimeError):
+        evolve(cfg, tmp_path / "run", progress=False, step_checkpoints=1)
+    run = RunDir(tmp_path / "run")
+    assert json.loads(run.step_checkpoint_path.read_text())["round"] == 2 and run.manifest()["rounds_completed"] == 2
+    monkeypatch.undo()
+    evolve(cfg, run.path, resume=True, progress=False, step_checkpoints=1)
+    assert_same_results(run, reference)
+    assert not run.step_checkpoint_path.exists()
+
+
+def test_a_step_checkpoint_whose_steps_the_log_lost_redoes_the_round(tmp_path, monkeypatch, reference):
+    cfg = cfg_for()
+    crash_at(monkeypatch, "solver_step", 2, cfg.loop.proposer_steps + 3)
+    with pytest.raises(RuntimeError):
+        evolve(cfg, tmp_path / "run", progress=False, step_checkpoints=1)
+    run = RunDir(tmp_path / "run")
+    lines = run.steps_path.read_bytes().splitlines(keepends=True)
+    run.steps_path.write_bytes(b"".join(lines[:-2]))  # the last two steps of round 2 lost
+    monkeypatch.undo()
+    proposer = _calls(monkeypatch, "proposer_step")
+    with pytest.warns(UserWarning, match="the step records hold 6 of the 8 steps of round 2"):
+        evolve(cfg, run.path, resume=True, progress=False, step_checkpoints=1)
+    assert proposer[0] == (2, 1)
+    assert_same_results(run, reference)
+
+
+@pytest.mark.parametrize("damage, says", [
+    ("{", "unreadable, not valid JSON"),
+    ('{"round": 2, "step": 19, "proposer": {}, "main": {}, "compute": {}, "pool": "x"}', "field 'pool'"),
+    ('{"round": 3, "step": 19, "proposer": {}, "main": {}, "compute": {}, "pool": []}', "no such step next"),
+    ('{"round": 2, "step": 19, "proposer": {}, "main": {}, "compute": {}, "pool": []}',
+     "not a step checkpoint this run can load"),
+])
+def test_a_damaged_step_checkpoint_is_an_error_naming_it(tmp_path, monkeypatch, damage, says):
+    cfg = cfg_for()
+    crash_at(monkeypatch, "solver_step", 2, cfg.loop.proposer_steps + 3)
+    with pytest.raises(RuntimeError):
+        evolve(cfg, tmp_path / "run", progress=False, step_checkpoints=1)
+    monkeypatch.undo()
+    run = RunDir(tmp_path / "run")
+    run.step_checkpoint_path.write_text(damage)
+    with pytest.raises(RunError, match=says) as e:
+        evolve(cfg, run.path, resume=True, progress=False)
+    assert str(run.step_checkpoint_path) in str(e.value)
+
+
+def test_cli_step_checkpoints_reach_the_run(tmp_path, monkeypatch):
+    seen = {}
+
+    def fake(cfg, out, **kw):
+        seen.update(kw)
+        raise RunError("stop here")
+
+    monkeypatch.setattr("selfevo.evolve.evolve", fake)
+    result = CliRunner().invoke(app, ["evolve", "--world", "small", "--out", str(tmp_path / "o"),
+                                      "--step-checkpoints", "3"])
+    assert result.exit_code == 2 and seen["step_checkpoints"] == 3
+    result = CliRunner().invoke(app, ["evolve", "--world", "small", "--out", str(tmp_path / "o"),
+                                      "--step-checkpoints", "-1"])
+    assert result.exit_code == 2 and "--step-checkpoints" in result.output

@@ -424,6 +424,10 @@ def evolve_cmd(
                                        "--corpus: the qa/ directory beside the corpus's directory)"),
     index: Path | None = typer.Option(None, "--index", help="with --corpus: a saved index of it to search "
                                       "(`selfevo index build`, bm25|dense|hybrid; default: BM25 built in memory)"),
+    step_checkpoints: int | None = typer.Option(None, "--step-checkpoints", min=0,
+                                                help="a checkpoint within each round every N steps, which --resume "
+                                                     "goes on from (0: at round ends only; default: every step with "
+                                                     "the lm backend, else 0)"),
 ) -> None:
     """Run the self-evolution loop into a run directory, then audit it."""
     from selfevo.config import NEEDS_QA_DIR, ConfigError, load_config
@@ -442,9 +446,10 @@ def evolve_cmd(
             "data.index": None if index is None else str(index)})
         if model is not None and cfg.backend != "lm":  # the sim learners would ignore it
             _fail(f"--model {model}: a language model needs the lm backend (add --backend lm)")
-        with _on_stop(f"{out}: the run goes on from its last finished round: the same command with --resume"), \
+        with _on_stop(f"{out}: the run goes on from its last checkpoint (of a round, or within one): the same "
+                      "command with --resume"), \
                 _warnings_as_lines():
-            run = evolve(cfg, out, resume=resume, audit=audit)
+            run = evolve(cfg, out, resume=resume, audit=audit, step_checkpoints=step_checkpoints)
     except ConfigError as e:
         if str(e) == NEEDS_QA_DIR and qa_dir is None and beside is not None:  # say it in the command's words
             _fail(f"--qa-dir: not given, and no qa/ directory beside the corpus's directory ({beside}): "

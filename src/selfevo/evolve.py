@@ -23,7 +23,7 @@ from selfevo.config import ConfigError, RunConfig, WorldSpec, config_from_dict
 from selfevo.corpus import DataError, read_corpus, read_qa_dir
 from selfevo.evaluate import evaluate_solver
 from selfevo.loop.admission import MSV, AdmitAll
-from selfevo.loop.engine import Loop
+from selfevo.loop.engine import BadStepState, Loop
 from selfevo.loop.feedback import AuxFeedback, CoupledFeedback
 from selfevo.loop.folds import FoldAssignment, assign_folds, fold_of
 from selfevo.loop.schedule import derive_seed
@@ -254,16 +254,23 @@ def check_world(run: RunDir, cfg: RunConfig) -> None:
 
 
 def evolve(cfg: RunConfig, out: str | os.PathLike, resume: bool = False, progress: bool = True,
-           audit: bool = True, judge=None) -> RunDir:
+           audit: bool = True, judge=None, step_checkpoints: int | None = None) -> RunDir:
     """Run, then audit: with the world's exact truth (OracleJudge), or on a real corpus with
     `judge` (e.g. an LLMJudge; None: `selfevo.evolve.default_judge`, the base model served on
-    loopback). The judge only reads the finished records: it never feeds back."""
+    loopback). The judge only reads the finished records: it never feeds back.
+    `step_checkpoints`: a checkpoint within each round every this many steps, which a resume goes
+    on from (0: only at round ends; None: every step with language models, whose rounds take hours,
+    else 0). It changes no result, so a resume may use another."""
     started = time.perf_counter()
     if not isinstance(cfg, RunConfig):
         raise TypeError(f"cfg: expected a RunConfig (selfevo.config.load_config), got {type(cfg).__name__}")
     # a RunConfig built or replaced in code skipped the parser's checks (a str seed, an unknown
     # treatment): check it as config.json will be read back, before anything is written
     cfg = config_from_dict(cfg.to_json())
+    if step_checkpoints is None:
+        step_checkpoints = 1 if cfg.backend == "lm" else 0
+    if not isinstance(step_checkpoints, int) or step_checkpoints < 0:
+        raise ValueError(f"step_checkpoints: must be an integer >= 0, got {step_checkpoints!r}")
     # Everything that can fail at start-up (bad data, a model that does not load) happens before
     # a new run directory is written: a failed start leaves nothing to block the corrected retry.
     env = environment(cfg)
@@ -301,6 +308,7 @@ def evolve(cfg: RunConfig, out: str | os.PathLike, resume: bool = False, progres
             folds = fold_assignment(cfg, env.documents, pool if cfg.data.corpus else None)
             check_folds(cfg, folds, pool)
         loop = build_loop(cfg, env, tool, folds, evaluate, store=run.path / "checkpoints" / "tensors")
+        loop.step_checkpoints = step_checkpoints
         if not resuming:
             run.create(cfg.to_json())
         if not done:
@@ -319,7 +327,11 @@ def evolve(cfg: RunConfig, out: str | os.PathLike, resume: bool = False, progres
             _restore(loop, run, done)
         else:
             loop.evaluate_main(0)  # the base model, before any training (counted in compute.json)
-        loop.run(run, start_round=done + 1, progress=progress)
+        try:
+            loop.run(run, start_round=done + 1, progress=progress, step_state=run.step_state)
+        except BadStepState as e:
+            raise RunError(f"{run.step_checkpoint_path}: not a step checkpoint this run can load ({e}); remove it "
+                           f"to redo round {done + 1} from its start") from None
         del loop  # its models are checkpointed: their memory is free before a judge loads one
         if audit:
             if env.truth is not None:

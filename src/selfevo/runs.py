@@ -8,6 +8,8 @@ evaluations, compute accounting and round checkpoints — and resuming from them
     RUN_DIR/eval/round-R.predictions.jsonl  per-item predictions of that evaluation
     RUN_DIR/compute.json             generations by purpose (evaluation too), updates per model, wall seconds per phase
     RUN_DIR/checkpoints/round-R.json every model's parameters after round R (JSON, no pickle)
+    RUN_DIR/checkpoints/step.json    the latest checkpoint within the round running (`evolve
+                                     --step-checkpoints`; gone once the round's own is written)
     RUN_DIR/audit/metrics.json       the audit: written when a run ends (evolve, engine-run), again by `selfevo audit`
 """
 
@@ -97,6 +99,10 @@ _TYPE_NAMES = {int: "an integer", str: "a string", bool: "true/false", list: "a 
 _STEP_FIELDS = {"round": int, "step": int, "kind": str, "items": list}
 _ITEM_FIELDS = {"item_id": str, "source_id": str, "source_ids": list, "hops": int, "question": str,
                 "draft_label": str, "adopted_label": str, "admitted": bool, "responses": list}
+# an admitted candidate in a step checkpoint's pool (loop.engine.Candidate.to_json)
+_POOL_FIELDS = {"item_id": str, "question": str, "draft_label": str, "source_id": str, "source_ids": list,
+                "hops": int, "fold": int, "source_folds": list, "admitted": bool, "label": str, "detail": dict,
+                "round": int, "step": int}
 _FOLDS_FIELDS = {"k": int, "seed": int, "grouping": str, "folds": dict, "groups": dict}
 _COMPUTE_FIELDS = {"generations": dict, "updates": dict, "seconds": dict, "total_generations": int,
                    "total_updates": int}
@@ -171,9 +177,23 @@ _EVAL_GROUPS = ("macro", "single_hop", "multi_hop")
 _BEFORE_MANIFEST = ("config.json", "engine")
 
 
+def tensor_files(state) -> set[str]:
+    """The tensor files (checkpoints/tensors/) a checkpoint's state references: language-model
+    policies are saved there and referenced as {"file", "sha256", ...}."""
+    if isinstance(state, dict):
+        own = {state["file"]} if isinstance(state.get("file"), str) and "sha256" in state else set()
+        return own.union(*(tensor_files(v) for v in state.values()))
+    if isinstance(state, list):
+        return set().union(*(tensor_files(v) for v in state))
+    return set()
+
+
 class RunDir:
     def __init__(self, path: str | os.PathLike):
         self.path = Path(path)
+        # set by open_for_resume: the step checkpoint the resumed round goes on from (None: its start)
+        self.step_state: dict | None = None
+        self._step_tensors: set[str] | None = None  # what the step checkpoint on disk references
 
     # ---------------------------------------------------------------- paths
     @property
@@ -188,6 +208,10 @@ class RunDir:
 
     def checkpoint_path(self, round: int) -> Path:
         return self.path / "checkpoints" / f"round-{round}.json"
+
+    @property
+    def step_checkpoint_path(self) -> Path:
+        return self.path / "checkpoints" / "step.json"
 
     # ---------------------------------------------------------------- lifecycle
     def exists(self) -> bool:
@@ -265,10 +289,45 @@ class RunDir:
             rows = _check_steps(self.steps_path, read_jsonl_log(self.steps_path, repair=True))
         except ValueError as e:  # corruption before the last line is no crash artefact: refuse
             raise RunError(f"{e}; refusing to resume over it") from None
-        keep = [r for r in rows if r["round"] <= done]
+        self.step_state = self._resumable_step(done, rows)
+        last = self.step_state["step"] if self.step_state is not None else 0
+        keep = [r for r in rows if r["round"] <= done or (r["round"] == done + 1 and r["step"] <= last)]
         if len(keep) != len(rows):
             write_jsonl(self.steps_path, keep)
         return done
+
+    def _resumable_step(self, done: int, rows: list[dict]) -> dict | None:
+        """The step checkpoint of round done + 1, checked, or None (there is none; or it is stale:
+        a kill after the round's own checkpoint, before it was removed)."""
+        path = self.step_checkpoint_path
+        if not path.exists():
+            return None
+        state = read_object(path)
+        check_fields(state, {"round": int, "step": int, "proposer": dict, "main": dict, "compute": dict,
+                             "pool": list}, str(path))
+        if state["round"] <= done:
+            self._drop_step_checkpoint()
+            return None
+        from selfevo.loop.schedule import LoopConfig, schedule
+
+        want = [(s.round, s.step, s.kind) for s in schedule(LoopConfig(**self.config()["loop"]))
+                if s.round == done + 1 and s.step <= state["step"]]
+        if state["round"] != done + 1 or not want or want[-1][1] != state["step"]:
+            raise RunError(f"{path}: a checkpoint of round {state['round']} step {state['step']}, but the run has "
+                           f"{done} round(s) done and its schedule has no such step next; remove it to redo round "
+                           f"{done + 1} from its start")
+        got = [(r["round"], r["step"], r["kind"]) for r in rows
+               if r["round"] == done + 1 and r["step"] <= state["step"]]
+        if got != want:  # the log lost steps the checkpoint counts: the round is redone from its start
+            warnings.warn(f"{path}: the step records hold {len(got)} of the {len(want)} steps of round {done + 1} "
+                          "it was written after; the round is redone from its start", stacklevel=3)
+            self._drop_step_checkpoint()
+            return None
+        for i, c in enumerate(state["pool"]):
+            if not isinstance(c, dict):
+                raise RunError(f"{path}: pool[{i}]: expected an object, got {type(c).__name__}")
+            check_fields(c, _POOL_FIELDS, f"{path}: pool[{i}]")
+        return state
 
     def check_config(self, config: dict, defaults: dict | None = None) -> None:
         """Refuse (RunError naming the fields) a config other than the one this run was made with;
@@ -321,11 +380,44 @@ class RunDir:
 
 
     def checkpoint(self, round: int, state: dict) -> None:
-        # checkpoint first, then the manifest: a kill between the two only repeats a round
+        # checkpoint first, then the manifest: a kill between the two only repeats a round (from its
+        # step checkpoint, removed last)
         with atomic_writer(self.checkpoint_path(round)) as fh:
             json.dump(state, fh)
         write_json(self.path / "compute.json", state.get("compute", {}))
         self._write_manifest({"rounds_completed": round})
+        self._drop_step_checkpoint()
+
+    def step_checkpoint(self, state: dict) -> None:
+        """The latest checkpoint within a round (`Loop.step_checkpoints`), replacing the one before;
+        the tensor files only the replaced one referenced are removed once it is replaced."""
+        old = self._step_tensor_files()
+        with atomic_writer(self.step_checkpoint_path) as fh:
+            json.dump(state, fh)
+        self._step_tensors = tensor_files(state)
+        self._drop_tensors(old - self._step_tensors)
+
+    def _step_tensor_files(self) -> set[str]:
+        if self._step_tensors is None:
+            path = self.step_checkpoint_path
+            self._step_tensors = tensor_files(read_json(path)) if path.exists() else set()
+        return self._step_tensors
+
+    def _drop_step_checkpoint(self) -> None:
+        if not self.step_checkpoint_path.exists():
+            return
+        old = self._step_tensor_files()
+        self.step_checkpoint_path.unlink()
+        self._step_tensors = set()
+        self._drop_tensors(old)
+
+    def _drop_tensors(self, files: set[str]) -> None:
+        """Remove tensor files that no round checkpoint references (a step checkpoint's, replaced)."""
+        if not files:
+            return
+        kept = set().union(*(tensor_files(read_json(p)) for p in (self.path / "checkpoints").glob("round-*.json")))
+        for name in sorted(files - kept):
+            (self.path / "checkpoints" / "tensors" / name).unlink(missing_ok=True)
 
     def finish(self) -> None:
         self._write_manifest({"status": "complete"})

@@ -6,10 +6,11 @@
         25 main-solver steps on the admitted questions (policy gradient vs the adopted label)
         the feedback rule trains what else it trains (CrossFit: the auxiliary solvers)
         evaluate the main solver on the seven benchmarks; checkpoint
+    (and, with step_checkpoints, a checkpoint within the round every so many steps)
 
 Everything is written to the run directory as it happens; nothing here reads the audit or the
 world's truth. Seeds are derived from (run seed, round, step, purpose), so a run resumed from a
-round checkpoint draws exactly what an uninterrupted run draws.
+round or step checkpoint draws exactly what an uninterrupted run draws.
 """
 
 from __future__ import annotations
@@ -60,6 +61,20 @@ class Candidate:
     def label(self) -> str:
         return self.decision.label
 
+    def to_json(self) -> dict:
+        """What a step checkpoint keeps of an admitted candidate (no trace: nothing after its step reads it)."""
+        p, d = self.proposal, self.decision
+        return {"item_id": self.item_id, "question": p.question, "draft_label": p.draft_label,
+                "source_id": p.source_id, "source_ids": list(p.source_ids), "hops": p.hops, "fold": self.fold,
+                "source_folds": list(self.source_folds), "admitted": d.admitted, "label": d.label,
+                "detail": d.detail, "round": self.round, "step": self.step}
+
+    @classmethod
+    def from_json(cls, o: Mapping) -> Candidate:
+        proposal = Proposal(o["question"], o["draft_label"], o["source_id"], tuple(o["source_ids"]), o["hops"])
+        return cls(o["item_id"], proposal, o["fold"], tuple(o["source_folds"]),
+                   Decision(o["admitted"], o["label"], dict(o["detail"])), o["round"], o["step"])
+
 
 # the downstream evaluation's keys in compute.json (generations; seconds): counted, but the same in
 # every arm and no part of the training whose overhead `selfevo compare` reports (the paper's Table 3)
@@ -89,12 +104,18 @@ class Compute:
         return cls(dict(obj["generations"]), dict(obj["updates"]), dict(obj["seconds"]))
 
 
+class BadStepState(ValueError):
+    """A step checkpoint that does not load into this loop (edited, or of another config)."""
+
+
 class RunSink(Protocol):
     """Where the loop writes (implemented by `selfevo.runs.RunDir`)."""
 
     def append_steps(self, rows: list[dict]) -> None: ...
 
     def checkpoint(self, round: int, state: dict) -> None: ...
+
+    def step_checkpoint(self, state: dict) -> None: ...
 
 
 @dataclass
@@ -110,6 +131,9 @@ class Loop:
     # (solver, round) -> writes the eval files and returns evaluate_solver's result
     evaluate: Callable[[TrainableSolver, int], dict] | None = None
     compute: Compute = field(default_factory=Compute)
+    # a mid-round checkpoint every this many steps of a round, and after its last step (0: only the
+    # round's own, after its evaluation): with language models a round is hours
+    step_checkpoints: int = 0
 
     def _timed(self, phase: str, t0: float) -> float:
         t1 = time.perf_counter()
@@ -218,29 +242,42 @@ class Loop:
                            stats=stats, malformed=malformed)
 
     # ---------------------------------------------------------------- the run
-    def run(self, sink: RunSink, start_round: int = 1, progress: bool = True) -> None:
+    def run(self, sink: RunSink, start_round: int = 1, progress: bool = True,
+            step_state: Mapping | None = None) -> None:
+        """Rounds `start_round`.. to the end. `step_state`: a step checkpoint of round `start_round`
+        (the loop restored to the round before it), which the round goes on from."""
         cfg = self.config
         steps = [s for s in schedule(cfg) if s.round >= start_round]
+        last_done = step_state["step"] if step_state is not None else 0
         columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
         with Progress(*columns, disable=not progress, transient=True) as bar:
-            task = bar.add_task("evolve", total=len(steps))
+            task = bar.add_task("evolve", total=len(steps), completed=sum(s.step <= last_done for s in steps))
             for r in range(start_round, cfg.rounds + 1):
+                # the round's graders and admission are made from the models as the round began ...
                 self.feedback.begin_round(r, self.main)
                 self.admission.begin_round(r, self.main)
                 pool: list[Candidate] = []
+                if r == start_round and step_state is not None:  # ... and go on from where it stopped
+                    pool = self._load_step_state(step_state)
                 round_steps = [s for s in steps if s.round == r]
                 for st in round_steps[: cfg.proposer_steps]:
+                    if st.step <= last_done:
+                        continue
                     bar.update(task, description=f"round {r} proposer step {st.step_in_round}")
                     record, admitted = self.proposer_step(st, cfg.admit_per_round - len(pool))
                     sink.append_steps([record])
                     pool.extend(admitted)
+                    self._maybe_step_checkpoint(sink, st, pool)
                     bar.advance(task)
                 for j, st in enumerate(round_steps[cfg.proposer_steps:]):
+                    if st.step <= last_done:
+                        continue
                     bar.update(task, description=f"round {r} solver step {st.step_in_round}")
                     # an even split, so every scheduled step trains when the pool allows
                     batch = pool[j * len(pool) // cfg.solver_steps:(j + 1) * len(pool) // cfg.solver_steps]
                     record = self.solver_step(st, batch) if batch else self._step_record(st, "solver", [], {})
                     sink.append_steps([record])
+                    self._maybe_step_checkpoint(sink, st, pool)
                     bar.advance(task)
                 t = time.perf_counter()
                 aux = self.feedback.end_round(r, pool, self.tool, derive_seed(self.seed, r, "aux"),
@@ -261,6 +298,25 @@ class Loop:
             result = self.evaluate(self.main, r)
             self.compute.add("generations", EVAL_GENERATIONS, result["run"]["questions"])
         self._timed(EVAL_PHASE, t)
+
+    def _maybe_step_checkpoint(self, sink: RunSink, st: ScheduledStep, pool: Sequence[Candidate]) -> None:
+        """A step checkpoint every `step_checkpoints` steps of a round and after its last: what the
+        round changed so far (proposer, main solver, compute, the admitted pool). The graders and the
+        auxiliary solvers do not change within a round: a resume makes them from the round before."""
+        n, last = self.step_checkpoints, self.config.proposer_steps + self.config.solver_steps
+        if n and (st.step_in_round % n == 0 or st.step_in_round == last):
+            sink.step_checkpoint({"round": st.round, "step": st.step, "proposer": self.proposer.state_dict(),
+                                  "main": self.main.state_dict(), "compute": self.compute.to_json(),
+                                  "pool": [c.to_json() for c in pool]})
+
+    def _load_step_state(self, state: Mapping) -> list[Candidate]:
+        try:
+            self.proposer.load_state_dict(state["proposer"])
+            self.main.load_state_dict(state["main"])
+            self.compute = Compute.from_json(state["compute"])
+            return [Candidate.from_json(c) for c in state["pool"]]
+        except (KeyError, IndexError, TypeError, ValueError, AttributeError) as e:
+            raise BadStepState(f"{type(e).__name__}: {e}") from None
 
     def state_dict(self) -> dict:
         return {"proposer": self.proposer.state_dict(), "main": self.main.state_dict(),
