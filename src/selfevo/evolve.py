@@ -307,7 +307,7 @@ def evolve(cfg: RunConfig, out: str | os.PathLike, resume: bool = False, progres
             pool = source_pool(cfg, env.documents)
             folds = fold_assignment(cfg, env.documents, pool if cfg.data.corpus else None)
             check_folds(cfg, folds, pool)
-        loop = build_loop(cfg, env, tool, folds, evaluate, store=run.path / "checkpoints" / "tensors")
+        loop = build_loop(cfg, env, tool, folds, evaluate, store=run.tensors_dir)
         loop.step_checkpoints = step_checkpoints
         if not resuming:
             run.create(cfg.to_json())

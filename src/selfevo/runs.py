@@ -179,13 +179,16 @@ _BEFORE_MANIFEST = ("config.json", "engine")
 
 def tensor_files(state) -> set[str]:
     """The tensor files (checkpoints/tensors/) a checkpoint's state references: language-model
-    policies are saved there and referenced as {"file", "sha256", ...}."""
-    if isinstance(state, dict):
-        own = {state["file"]} if isinstance(state.get("file"), str) and "sha256" in state else set()
-        return own.union(*(tensor_files(v) for v in state.values()))
-    if isinstance(state, list):
-        return set().union(*(tensor_files(v) for v in state))
-    return set()
+    policies are saved there and referenced as {"file", "sha256", ...}. Only containers are
+    visited: a sim learner's state holds long lists of numbers."""
+    found, todo = set(), [state]
+    while todo:
+        obj = todo.pop()
+        values = obj.values() if isinstance(obj, dict) else obj
+        if isinstance(obj, dict) and isinstance(obj.get("file"), str) and "sha256" in obj:
+            found.add(obj["file"])
+        todo.extend(v for v in values if isinstance(v, (dict, list)))
+    return found
 
 
 class RunDir:
@@ -212,6 +215,11 @@ class RunDir:
     @property
     def step_checkpoint_path(self) -> Path:
         return self.path / "checkpoints" / "step.json"
+
+    @property
+    def tensors_dir(self) -> Path:
+        """Where language-model policies are saved (a sim run has none: its learners are JSON)."""
+        return self.path / "checkpoints" / "tensors"
 
     # ---------------------------------------------------------------- lifecycle
     def exists(self) -> bool:
@@ -383,7 +391,7 @@ class RunDir:
         # checkpoint first, then the manifest: a kill between the two only repeats a round (from its
         # step checkpoint, removed last)
         with atomic_writer(self.checkpoint_path(round)) as fh:
-            json.dump(state, fh)
+            fh.write(json.dumps(state))  # dumps: json.dump encodes in Python, several times slower
         write_json(self.path / "compute.json", state.get("compute", {}))
         self._write_manifest({"rounds_completed": round})
         self._drop_step_checkpoint()
@@ -393,14 +401,15 @@ class RunDir:
         the tensor files only the replaced one referenced are removed once it is replaced."""
         old = self._step_tensor_files()
         with atomic_writer(self.step_checkpoint_path) as fh:
-            json.dump(state, fh)
-        self._step_tensors = tensor_files(state)
+            fh.write(json.dumps(state))
+        self._step_tensors = tensor_files(state) if self.tensors_dir.is_dir() else set()
         self._drop_tensors(old - self._step_tensors)
 
     def _step_tensor_files(self) -> set[str]:
         if self._step_tensors is None:
             path = self.step_checkpoint_path
-            self._step_tensors = tensor_files(read_json(path)) if path.exists() else set()
+            self._step_tensors = (tensor_files(read_json(path)) if path.exists() and self.tensors_dir.is_dir()
+                                  else set())
         return self._step_tensors
 
     def _drop_step_checkpoint(self) -> None:
@@ -417,7 +426,7 @@ class RunDir:
             return
         kept = set().union(*(tensor_files(read_json(p)) for p in (self.path / "checkpoints").glob("round-*.json")))
         for name in sorted(files - kept):
-            (self.path / "checkpoints" / "tensors" / name).unlink(missing_ok=True)
+            (self.tensors_dir / name).unlink(missing_ok=True)
 
     def finish(self) -> None:
         self._write_manifest({"status": "complete"})
