@@ -560,3 +560,24 @@ def test_lora_dropout_draws_the_same_masks_whatever_ran_before(policy, smollm2_p
     assert all((a == b).all() for a, b in zip(first, trained(dropping, 2), strict=True))
     # the dropout is real: the same adapter (same seed and name) trained without it moves otherwise
     assert not all((a == b).all() for a, b in zip(first, trained(policy, 1), strict=True))
+
+
+def test_a_policy_unchanged_since_its_last_save_is_not_serialised_again(policy, monkeypatch):
+    """A step checkpoint saves both policies after every step, and a step trains one: the other's
+    weights and moments (510 MB at 4B) were serialised and hashed again to find its file there."""
+    import safetensors.torch
+
+    policy.new("saved-probe")
+    try:
+        first = policy.save("saved-probe")
+        calls, real = [], safetensors.torch.save
+        monkeypatch.setattr(safetensors.torch, "save", lambda *a, **k: calls.append(1) or real(*a, **k))
+        assert policy.save("saved-probe") == first and calls == []
+        policy.update("saved-probe", [policy.encode(CONVERSATION)], [1.0])
+        second = policy.save("saved-probe")
+        assert second["file"] != first["file"] and second["steps"] == 1 and calls == [1]
+        (policy.store / second["file"]).unlink()  # a file gone from the store is written again
+        assert policy.save("saved-probe") == second and calls == [1, 1]
+        assert (policy.store / second["file"]).exists()
+    finally:
+        policy.drop("saved-probe")

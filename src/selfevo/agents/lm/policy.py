@@ -83,6 +83,7 @@ class LMPolicy:
         self.optimizers: dict[str, torch.optim.Optimizer] = {}
         self.steps: dict[str, int] = {}
         self.revision: dict[str, int] = {}  # changes of each policy's weights (see _changed)
+        self._saved: dict[str, tuple[int, dict]] = {}  # name -> (revision, the reference save returned)
         self._vllm = None  # lm.generator = "vllm": the engine, built at the first generation
 
     # ---------------------------------------------------------------- policies
@@ -323,6 +324,11 @@ class LMPolicy:
 
         if self.store is None:
             raise RuntimeError("LMPolicy has no store directory: cannot checkpoint")
+        # a policy unchanged since it was last saved has its file in the store already: a step checkpoint
+        # saves the policy the step did not train (at 4B, 510 MB to serialise and hash) without redoing it
+        revision, saved = self._saved.get(name, (None, None))
+        if revision == self.revision.get(name, 0) and (self.store / saved["file"]).exists():
+            return dict(saved)
         tensors = {f"param.{n}": p.detach().to("cpu").contiguous().clone() for n, p in self.parameters(name)}
         opt = self.optimizers.get(name)
         if opt is not None:
@@ -344,7 +350,9 @@ class LMPolicy:
 
             with atomic_writer(path, mode="wb") as fh:
                 fh.write(blob)
-        return {"file": path.name, "sha256": sha, "steps": self.steps.get(name, 0)}
+        ref = {"file": path.name, "sha256": sha, "steps": self.steps.get(name, 0)}
+        self._saved[name] = (self.revision.get(name, 0), ref)
+        return dict(ref)
 
     def _file_settings(self) -> dict[str, str]:
         """What a policy file's weights mean besides their names and shapes (safetensors metadata,
