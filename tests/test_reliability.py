@@ -168,17 +168,22 @@ def test_a_kill_inside_a_checkpoint_write_leaves_the_previous_round(tmp_path):
     the half-written temp file is never read, and resuming clears it."""
     run_dir = tmp_path / "run"
     script = textwrap.dedent(f"""
-        import json, os, signal
-        from selfevo.runs import RunDir
-        run = RunDir({str(run_dir)!r})
+        import contextlib, os, signal
+        from selfevo import runs
+        run = runs.RunDir({str(run_dir)!r})
         run.create({{"seed": 0}})
         run.checkpoint(1, {{"weights": [1.0] * 1000, "compute": {{}}}})
-        real_dump = json.dump
-        def dump_then_die(obj, fh, **kw):  # half the bytes reach the disk, then kill -9
-            text = json.dumps(obj)
-            fh.write(text[: len(text) // 2]); fh.flush(); os.fsync(fh.fileno())
-            os.kill(os.getpid(), signal.SIGKILL)
-        json.dump = dump_then_die
+        real_writer = runs.atomic_writer
+
+        @contextlib.contextmanager
+        def dying_writer(path, *a, **kw):  # the checkpoint's write: half its bytes reach the disk, then kill -9
+            with real_writer(path, *a, **kw) as fh:
+                class Half:
+                    def write(self, text):
+                        fh.write(text[: len(text) // 2]); fh.flush(); os.fsync(fh.fileno())
+                        os.kill(os.getpid(), signal.SIGKILL)
+                yield Half()
+        runs.atomic_writer = dying_writer
         run.checkpoint(2, {{"weights": [2.0] * 1000, "compute": {{}}}})
     """)
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
