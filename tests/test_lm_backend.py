@@ -303,6 +303,11 @@ def test_evolve_lm_resumes_after_a_crash_to_the_same_records(lm_run, tmp_path, m
     assert proposed == ([2] if step_checkpoints == 0 else [])
     for f in ("records/steps.jsonl", "eval/round-1.json", "eval/round-2.json"):
         assert (tmp_path / "run" / f).read_bytes() == (lm_run / f).read_bytes(), f
+    # the same weights and moments in the same bytes: the same content-addressed files
+    from selfevo.runs import tensor_files
+
+    ref, got = (json.loads((p / "checkpoints" / "round-2.json").read_text()) for p in (lm_run, tmp_path / "run"))
+    assert tensor_files(got) == tensor_files(ref) and len(tensor_files(ref)) == 4  # proposer, main, 2 aux
 
 
 # ------------------------------------------------------------------ the replay bank on a language model
@@ -458,6 +463,7 @@ def test_a_policy_file_records_the_settings_its_weights_mean_and_errors_name_it(
     lm.lora_r/alpha/targets and dtype, and loading it under others is refused naming the field and
     the file. A file saved before they were recorded loads as before; a file that is no policy file
     is refused naming it."""
+    import torch
     from safetensors.torch import load, save
 
     from selfevo.agents.lm.config import LMConfig
@@ -485,7 +491,7 @@ def test_a_policy_file_records_the_settings_its_weights_mean_and_errors_name_it(
             policy.load_file("evaluated", f)
     f = tmp_path / "bad.safetensors"
     for content, why in ((b"not a safetensors file", "not a safetensors policy file"),
-                         (save({"rng.torch": tensors["rng.torch"]}), "not a selfevo policy file")):
+                         (save({"junk": torch.zeros(2)}), "not a selfevo policy file")):
         f.write_bytes(content)
         with pytest.raises(ValueError, match=rf"^{re.escape(str(f))}: {why}"):
             policy.load_file("evaluated", f)

@@ -51,6 +51,17 @@ def resolve_device(spec: str) -> str:
     return spec
 
 
+def canonical_safetensors(blob: bytes) -> bytes:
+    """safetensors writes its header's maps (the tensors', the metadata) in a random order (Rust hash
+    maps), so saving the same tensors and metadata gave other bytes, and another content address, each
+    time. Rewritten with sorted keys (space-padded to 8 bytes, as safetensors pads), the bytes are a
+    function of the content; any key order reads the same."""
+    n = int.from_bytes(blob[:8], "little")
+    header = json.dumps(json.loads(blob[8:8 + n]), sort_keys=True, separators=(",", ":")).encode()
+    header += b" " * (-len(header) % 8)
+    return len(header).to_bytes(8, "little") + header + blob[8 + n:]
+
+
 class LMPolicy:
     def __init__(self, cfg: LMConfig, store: str | os.PathLike | None = None, seed: int = 0):
         import torch
@@ -341,7 +352,7 @@ class LMPolicy:
                     tensors[f"optim.{key}.{n}"] = torch.as_tensor(value).detach().to("cpu").contiguous().clone()
         meta = {"name": name, "steps": str(self.steps.get(name, 0)), "has_optimizer": str(opt is not None),
                 **self._file_settings()}
-        blob = save(tensors, metadata=meta)
+        blob = canonical_safetensors(save(tensors, metadata=meta))
         sha = hashlib.sha256(blob).hexdigest()
         self.store.mkdir(parents=True, exist_ok=True)
         path = self.store / f"{name.replace('@', '_')}-{sha[:16]}.safetensors"
