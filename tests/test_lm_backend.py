@@ -587,3 +587,18 @@ def test_a_policy_unchanged_since_its_last_save_is_not_serialised_again(policy, 
         assert (policy.store / second["file"]).exists()
     finally:
         policy.drop("saved-probe")
+
+
+def test_a_loaded_policy_saves_again_as_the_same_file(policy):
+    """A policy whose optimizer had no state yet (its update had nothing to train: an auxiliary
+    solver's, say) was loaded without one and saved again as another file: a resumed run's
+    checkpoints named other files than an uninterrupted run's."""
+    policy.new("reload-probe")
+    try:
+        for advantage in (0.0, 1.0):  # an optimizer with no state, then one with moments
+            policy.update("reload-probe", [policy.encode(CONVERSATION)], [advantage])
+            saved = policy.save("reload-probe")
+            policy.load("reload-probe", saved)
+            assert policy.save("reload-probe") == saved
+    finally:
+        policy.drop("reload-probe")

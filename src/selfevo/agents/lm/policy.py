@@ -420,7 +420,8 @@ class LMPolicy:
         # safetensors.torch.load drops the metadata; the format is an 8-byte little-endian header
         # length, then the JSON header (valid: load just parsed it)
         header = int.from_bytes(blob[:8], "little")
-        self._check_file_settings(path, json.loads(blob[8:8 + header]).get("__metadata__") or {})
+        meta = json.loads(blob[8:8 + header]).get("__metadata__") or {}
+        self._check_file_settings(path, meta)
         if name not in self.names():
             self.new(name)
         params = dict(self.parameters(name))
@@ -440,7 +441,9 @@ class LMPolicy:
             for n, p in params.items():
                 p.copy_(tensors[f"param.{n}"].to(p.device, p.dtype))
         self.optimizers.pop(name, None)
-        if any(k.startswith("optim.") for k in tensors):
+        # an optimizer with no state yet (its one update had nothing to train) is restored too, so that
+        # the policy saves again as the same file
+        if meta.get("has_optimizer") == "True" or any(k.startswith("optim.") for k in tensors):
             opt = self._optimizer(name)
             for n, p in params.items():
                 st = {key: tensors[f"optim.{key}.{n}"].to(p.device) for key in ("step", "exp_avg", "exp_avg_sq")
