@@ -316,10 +316,7 @@ class RunDir:
         if state["round"] <= done:
             self._drop_step_checkpoint()
             return None
-        from selfevo.loop.schedule import LoopConfig, schedule
-
-        want = [(s.round, s.step, s.kind) for s in schedule(LoopConfig(**self.config()["loop"]))
-                if s.round == done + 1 and s.step <= state["step"]]
+        want = [s for s in self._schedule() if s[0] == done + 1 and s[1] <= state["step"]]
         if state["round"] != done + 1 or not want or want[-1][1] != state["step"]:
             raise RunError(f"{path}: a checkpoint of round {state['round']} step {state['step']}, but the run has "
                            f"{done} round(s) done and its schedule has no such step next; remove it to redo round "
@@ -402,14 +399,17 @@ class RunDir:
         old = self._step_tensor_files()
         with atomic_writer(self.step_checkpoint_path) as fh:
             fh.write(json.dumps(state))
-        self._step_tensors = tensor_files(state) if self.tensors_dir.is_dir() else set()
+        self._step_tensors = self._tensor_refs(state)
         self._drop_tensors(old - self._step_tensors)
+
+    def _tensor_refs(self, state) -> set[str]:
+        """tensor_files(state), not walked where the run has no tensor files (a sim state's long lists)."""
+        return tensor_files(state) if self.tensors_dir.is_dir() else set()
 
     def _step_tensor_files(self) -> set[str]:
         if self._step_tensors is None:
             path = self.step_checkpoint_path
-            self._step_tensors = (tensor_files(read_json(path)) if path.exists() and self.tensors_dir.is_dir()
-                                  else set())
+            self._step_tensors = self._tensor_refs(read_json(path)) if path.exists() else set()
         return self._step_tensors
 
     def _drop_step_checkpoint(self) -> None:
@@ -461,16 +461,19 @@ class RunDir:
                     raise RunError(f"{path}:{len(rows) + 1}: the last line is cut short, {damaged}")
         if "engine" in manifest:  # engine-run logs the steps its trainers ran, not the loop's schedule
             return
-        from selfevo.loop.schedule import LoopConfig, schedule
-
-        loop = LoopConfig(**self.config()["loop"])
         done = manifest.get("rounds_completed", 0)
-        want = [(s.round, s.step, s.kind) for s in schedule(loop) if s.round <= done]
+        want = [s for s in self._schedule() if s[0] <= done]
         got = [(r["round"], r["step"], r["kind"]) for r in rows]
         if got != want:
             line = next((i + 1 for i, (g, w) in enumerate(zip(got, want)) if g != w), min(len(got), len(want)) + 1)
             raise RunError(f"{path}:{line}: {len(got)} step records where the schedule of the {done} round(s) done "
                            f"has {len(want)}, {damaged}")
+
+    def _schedule(self) -> list[tuple[int, int, str]]:
+        """(round, step, kind) of every step the run's loop schedules, as its records name them."""
+        from selfevo.loop.schedule import LoopConfig, schedule
+
+        return [(s.round, s.step, s.kind) for s in schedule(LoopConfig(**self.config()["loop"]))]
 
     def load_checkpoint(self, round: int) -> dict:
         return read_object(self.checkpoint_path(round))

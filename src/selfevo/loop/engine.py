@@ -305,26 +305,28 @@ class Loop:
         auxiliary solvers do not change within a round: a resume makes them from the round before."""
         n, last = self.step_checkpoints, self.config.proposer_steps + self.config.solver_steps
         if n and (st.step_in_round % n == 0 or st.step_in_round == last):
-            sink.step_checkpoint({"round": st.round, "step": st.step, "proposer": self.proposer.state_dict(),
-                                  "main": self.main.state_dict(), "compute": self.compute.to_json(),
+            sink.step_checkpoint({"round": st.round, "step": st.step, **self.state_dict(feedback=False),
                                   "pool": [c.to_json() for c in pool]})
 
     def _load_step_state(self, state: Mapping) -> list[Candidate]:
         try:
-            self.proposer.load_state_dict(state["proposer"])
-            self.main.load_state_dict(state["main"])
-            self.compute = Compute.from_json(state["compute"])
+            self.load_state_dict(state, feedback=False)
             return [Candidate.from_json(c) for c in state["pool"]]
         except (KeyError, IndexError, TypeError, ValueError, AttributeError) as e:
             raise BadStepState(f"{type(e).__name__}: {e}") from None
 
-    def state_dict(self) -> dict:
-        return {"proposer": self.proposer.state_dict(), "main": self.main.state_dict(),
-                "feedback": self.feedback.state_dict(), "compute": self.compute.to_json()}
+    def state_dict(self, feedback: bool = True) -> dict:
+        """Every model's state and the compute counts (`feedback=False`: what a round changes before
+        its end, for a step checkpoint)."""
+        out = {"proposer": self.proposer.state_dict(), "main": self.main.state_dict()}
+        if feedback:
+            out["feedback"] = self.feedback.state_dict()
+        return {**out, "compute": self.compute.to_json()}
 
-    def load_state_dict(self, state: Mapping) -> None:
+    def load_state_dict(self, state: Mapping, feedback: bool = True) -> None:
         self.proposer.load_state_dict(state["proposer"])
         self.main.load_state_dict(state["main"])
-        self.feedback.load_state_dict(state["feedback"])
+        if feedback:
+            self.feedback.load_state_dict(state["feedback"])
         self.compute = Compute.from_json(state["compute"])
 
