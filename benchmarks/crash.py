@@ -137,22 +137,30 @@ def run_and_kill(cmd: list[str], out: Path, target_lines: int | str, delay_s: fl
         phase, rnd = f"round {done + 1} evaluation / checkpoint", done + 1
     else:
         phase, rnd = f"round {done + 1}, step {in_round + 1} of {per_round}", done + 1
-    # where a resume goes on from: the round's start, or the step checkpoint the kill left
+    # where a resume goes on from: the round's start, or the step checkpoint the kill left (after a
+    # step, or after an auxiliary solver's training), and the answers a killed evaluation kept
     ck = out / "checkpoints" / "step.json"
     state = json.loads(ck.read_text()) if ck.exists() else None
     if state is not None and state["round"] == done + 1:
         goes_on = f"round {state['round']} after step {state['step'] - (state['round'] - 1) * per_round}"
+        if "aux_trained" in state:
+            goes_on = f"round {state['round']} after auxiliary solver {state['aux_trained']}"
     else:
         goes_on = f"round {done + 1} start" if done < rounds else "the audit"
+    partial = out / "eval" / f"round-{done + 1 if done < rounds else rounds}.partial.jsonl"
+    if partial.exists():
+        kept = partial.read_bytes().count(b"\n") - 1  # its first line names the model
+        goes_on += f" (evaluation: {kept} answers kept)"
     return {"target_lines": target_lines, "delay_ms": round(delay_s * 1000, 1), "lines": lines,
             "torn_tail": bool(data) and not data.endswith(b"\n"), "rounds_completed": done,
             "round": rnd, "phase": phase, "goes_on_from": goes_on}
 
 
-def check_records(run_dir: Path, allow_torn_steps_tail: bool = False) -> list[str]:
+def check_records(run_dir: Path, allow_torn_logs: bool = False) -> list[str]:
     """Every problem with the run's files: a JSON file that does not parse, a JSONL line that does
-    not parse or is unterminated, a step logged twice or out of order. A torn last line of the
-    step log is a legal crash artefact before a resume (`allow_torn_steps_tail`), never after."""
+    not parse or is unterminated, a step logged twice or out of order. A torn last line of an
+    append-only log (the step log, an evaluation's answers so far) is a legal crash artefact before
+    a resume (`allow_torn_logs`), never after."""
     problems = []
     steps_path = run_dir / "records" / "steps.jsonl"
     for path in sorted(run_dir.rglob("*.json")):
@@ -164,7 +172,7 @@ def check_records(run_dir: Path, allow_torn_steps_tail: bool = False) -> list[st
         data = path.read_bytes()
         lines = data.split(b"\n")
         tail = lines.pop()  # b"" when the file ends with a newline
-        if tail and not (allow_torn_steps_tail and path == steps_path):
+        if tail and not (allow_torn_logs and (path == steps_path or path.name.endswith(".partial.jsonl"))):
             problems.append(f"{path}: torn last line ({len(tail)} bytes without a newline)")
         rows = []
         for i, line in enumerate(lines, start=1):
@@ -236,7 +244,7 @@ def experiment(root: Path, world: str = "default", seed: int = 0, overrides: lis
                 target, delay = (max(0, target - 1) if isinstance(target, int) else target), 0.0
         else:
             raise KillMissed(f"{out}: three attempts to kill near line {points[k]} all finished first")
-        before = check_records(out, allow_torn_steps_tail=True)
+        before = check_records(out, allow_torn_logs=True)
         left_by_kill = [str(p.relative_to(out)) for p in out.rglob(".*.tmp")]
         t = time.perf_counter()
         run_to_completion(evolve_cmd(out, world, seed, overrides, step_checkpoints) + ["--resume"],

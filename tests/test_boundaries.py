@@ -259,7 +259,7 @@ def test_the_loop_runs_without_truth_and_its_evaluation_never_feeds_back(treatme
     outcomes, scores = [], []
     for benchmarks in (None, gold, wrong):
         def evaluate(solver, round, benchmarks=benchmarks):
-            result = evaluate_solver(solver, benchmarks, tool, progress=False, timing=False)
+            result = evaluate_solver(solver, benchmarks, tool, progress=False, per_invocation=False)
             scores.append(result["macro"]["cover_em"])
             return result
 

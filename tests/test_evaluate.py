@@ -479,7 +479,7 @@ def test_an_evaluation_stopped_part_way_continues_where_it_stopped(tmp_path):
     tool = SearchTool(_FakeRetriever([Document("d", "T", "text")]), topk=3, max_calls=5)
     key = {"agent": "echo", "data_dir": "qa"}
     whole = evaluate_solver(_EchoSolver(), data, tool, out_dir=tmp_path / "whole", batch_size=2, progress=False,
-                            timing=False, partial_key=key)
+                            per_invocation=False, partial_key=key)
     assert not (tmp_path / "whole" / "predictions.partial.jsonl").exists()  # removed once written
 
     class StopsAtBatch3(_EchoSolver):
@@ -498,10 +498,10 @@ def test_an_evaluation_stopped_part_way_continues_where_it_stopped(tmp_path):
         evaluate_solver(_EchoSolver(), data, tool, out_dir=out, batch_size=2, progress=False,
                         partial_key={**key, "agent": "other"})
     again = _EchoSolver()
-    result = evaluate_solver(again, data, tool, out_dir=out, batch_size=2, progress=False, timing=False,
+    result = evaluate_solver(again, data, tool, out_dir=out, batch_size=2, progress=False, per_invocation=False,
                              partial_key=key)
     assert again.calls == [(2, True, 1, 5), (1, True, 1, 5)]  # n4..n6: the 4 answered before are not asked again
-    assert result["run"].pop("resumed_questions") == 4 and result == whole
+    assert result == whole  # per_invocation=False: no "resumed_questions" (a run directory's files)
     assert (out / "predictions.jsonl").read_bytes() == (tmp_path / "whole" / "predictions.jsonl").read_bytes()
     assert not (out / "predictions.partial.jsonl").exists()
 

@@ -330,26 +330,148 @@ def test_a_resume_goes_on_from_the_last_step_checkpoint(tmp_path, monkeypatch, r
     assert counts[0] == counts[1]
 
 
-def test_a_step_checkpoint_after_the_rounds_last_step_leaves_only_the_aux_solvers_and_evaluation(
-        tmp_path, monkeypatch):
-    """A kill in the auxiliary solvers' training or the evaluation redoes only those."""
+@pytest.fixture(scope="module")
+def crossfit_reference(tmp_path_factory):
+    return evolve(cfg_for(extra=["treatment=msv+crossfit"]), tmp_path_factory.mktemp("resume") / "ref",
+                  progress=False)
+
+
+def _aux_updates(monkeypatch, crash_in: tuple[int, str] | None = None) -> list:
+    """Record (round, aux solver) of every auxiliary update; with `crash_in` = (round, name), raise
+    at that solver's second update of that round."""
+    from selfevo.agents.sim import SimSolver
+    from selfevo.loop.feedback import AuxFeedback
+
+    current, seen = {}, []
+    end_round, update = AuxFeedback.end_round, SimSolver.update
+
+    def in_round(self, round, *args, **kwargs):
+        current["round"] = round
+        return end_round(self, round, *args, **kwargs)
+
+    def counted(self, groups):
+        if self.name.startswith("aux-"):
+            seen.append((current["round"], self.name))
+            if crash_in is not None and seen.count((*crash_in,)) == 2 and seen[-1] == crash_in:
+                raise RuntimeError(f"simulated crash in {self.name}'s training")
+        return update(self, groups)
+
+    monkeypatch.setattr(AuxFeedback, "end_round", in_round)
+    monkeypatch.setattr(SimSolver, "update", counted)
+    return seen
+
+
+def test_a_kill_in_the_aux_solvers_training_goes_on_from_the_last_one_trained(tmp_path, monkeypatch,
+                                                                               crossfit_reference):
+    """Each auxiliary solver's training (25 updates a round at the paper's schedule: hours at 4B) is
+    followed by a step checkpoint: a kill in the second redoes the second only, not the first."""
     cfg = cfg_for(extra=["treatment=msv+crossfit"])
-    ref = evolve(cfg, tmp_path / "ref", progress=False)
-    original = Loop.evaluate_main
-
-    def crash(self, r):
-        if r == 2:
-            raise RuntimeError("simulated crash in the evaluation")
-        return original(self, r)
-
-    monkeypatch.setattr(Loop, "evaluate_main", crash)
-    with pytest.raises(RuntimeError, match="simulated crash"):
-        evolve(cfg, tmp_path / "run", progress=False, step_checkpoints=5)
+    _aux_updates(monkeypatch, crash_in=(2, "aux-1"))
+    with pytest.raises(RuntimeError, match="simulated crash in aux-1"):
+        evolve(cfg, tmp_path / "run", progress=False, step_checkpoints=1)
+    run = RunDir(tmp_path / "run")
+    state = json.loads(run.step_checkpoint_path.read_text())
+    assert (state["round"], state["step"], state["aux_trained"]) == (2, 22, 1) and len(state["feedback"]["aux"]) == 2
     monkeypatch.undo()
-    proposer, solver = _calls(monkeypatch, "proposer_step"), _calls(monkeypatch, "solver_step")
-    run = evolve(cfg, tmp_path / "run", resume=True, progress=False, step_checkpoints=0)  # another cadence
-    assert [r for r, _ in proposer] == [3] * 6 and [r for r, _ in solver] == [3] * 5
-    assert_same_results(run, ref)
+    aux, solver = _aux_updates(monkeypatch), _calls(monkeypatch, "solver_step")
+    evolve(cfg, run.path, resume=True, progress=False, step_checkpoints=1)
+    assert {r for r, _ in solver} == {3}  # round 2's steps are not redone, nor its aux-0
+    assert set(aux) == {(2, "aux-1")}  # (after the last round, round 3, none is trained)
+    assert_same_results(run, crossfit_reference)
+    for r in (2, 3):  # every model, the aux solvers' lineage and the counts (not the seconds)
+        made, want = (json.loads((d.path / "checkpoints" / f"round-{r}.json").read_text())
+                      for d in (run, crossfit_reference))
+        assert made["compute"].pop("seconds").keys() == want["compute"].pop("seconds").keys() and made == want
+
+
+def _stop_evaluation(monkeypatch, round_: int, batches: int) -> dict:
+    """Make round `round_`'s evaluation raise after `batches` batches answered (once); count the
+    questions each evaluation asks."""
+    import selfevo.evolve as ev
+
+    original, asked = ev.evaluate_solver, {}
+
+    class Stopping:
+        def __init__(self, solver, r, stop):
+            self.solver, self.r, self.stop, self.calls = solver, r, stop, 0
+
+        def __getattr__(self, name):
+            return getattr(self.solver, name)
+
+        def answer(self, questions, tool, **kw):
+            if self.calls == self.stop:
+                raise RuntimeError("simulated crash in the evaluation")
+            self.calls += 1
+            asked[self.r] = asked.get(self.r, 0) + len(questions)
+            return self.solver.answer(questions, tool, **kw)
+
+    def wrapped(solver, *args, run_info, **kwargs):
+        r = run_info["round"]
+        stop = batches if r == round_ and not asked.get("stopped") else None
+        if stop is not None:
+            asked["stopped"] = True
+        return original(Stopping(solver, r, stop), *args, run_info=run_info, **kwargs)
+
+    monkeypatch.setattr(ev, "evaluate_solver", wrapped)
+    return asked
+
+
+@pytest.mark.parametrize("every", [0, 1])
+def test_a_kill_in_the_evaluation_keeps_the_answers_given(tmp_path, monkeypatch, crossfit_reference, every):
+    """The round's evaluation (1,325 questions: hours at 4B) was redone whole after a kill; its
+    answers now go on from eval/round-R.partial.jsonl, as the model that gave them is the one
+    resumed (from the step checkpoint after the last auxiliary solver, or, with none, the round
+    redone: the same model, the same hash)."""
+    cfg = cfg_for(extra=["treatment=msv+crossfit"])
+    _stop_evaluation(monkeypatch, 2, batches=3)
+    with pytest.raises(RuntimeError, match="simulated crash in the evaluation"):
+        evolve(cfg, tmp_path / "run", progress=False, step_checkpoints=every)
+    run = RunDir(tmp_path / "run")
+    partial = run.eval_partial_path(2)
+    assert len(partial.read_text().splitlines()) == 1 + 3 * 64 and not run.eval_path(2).exists()
+    if every:
+        assert json.loads(run.step_checkpoint_path.read_text())["aux_trained"] == 2
+    monkeypatch.undo()
+    asked, aux = _stop_evaluation(monkeypatch, 99, 0), _aux_updates(monkeypatch)
+    evolve(cfg, run.path, resume=True, progress=False, step_checkpoints=every)
+    assert asked[2] == 1325 - 3 * 64 and asked[3] == 1325  # round 2's answered questions are not asked again
+    assert ((2, "aux-0") in aux) == (not every)  # with step checkpoints, its aux solvers are not retrained
+    assert_same_results(run, crossfit_reference, files=(*COMPARED, "eval/round-2.predictions.jsonl"))
+    assert not partial.exists()
+
+
+def test_answers_of_another_model_are_not_gone_on_from(tmp_path, monkeypatch, crossfit_reference):
+    cfg = cfg_for(extra=["treatment=msv+crossfit"])
+    _stop_evaluation(monkeypatch, 2, batches=3)
+    with pytest.raises(RuntimeError, match="simulated crash in the evaluation"):
+        evolve(cfg, tmp_path / "run", progress=False, step_checkpoints=1)
+    run = RunDir(tmp_path / "run")
+    lines = run.eval_partial_path(2).read_text().splitlines()
+    head = json.loads(lines[0])
+    head["partial_of"]["model"] = "0" * 64  # e.g. a GPU run whose round redone came out otherwise
+    run.eval_partial_path(2).write_text("\n".join([json.dumps(head), *lines[1:]]) + "\n")
+    monkeypatch.undo()
+    asked = _stop_evaluation(monkeypatch, 99, 0)
+    with pytest.warns(UserWarning, match="round-2.partial.jsonl: a stopped evaluation of other settings"):
+        evolve(cfg, run.path, resume=True, progress=False, step_checkpoints=1)
+    assert asked[2] == 1325
+    assert_same_results(run, crossfit_reference)
+
+
+@pytest.mark.parametrize("aux_trained, says", [(3, "field 'aux_trained' should be 0..2, got 3"),
+                                               ("1", "field 'aux_trained' should be an integer")])
+def test_a_step_checkpoint_with_a_bad_aux_count_is_an_error_naming_it(tmp_path, monkeypatch, aux_trained, says):
+    cfg = cfg_for(extra=["treatment=msv+crossfit"])
+    _stop_evaluation(monkeypatch, 2, batches=1)
+    with pytest.raises(RuntimeError):
+        evolve(cfg, tmp_path / "run", progress=False, step_checkpoints=1)
+    monkeypatch.undo()
+    run = RunDir(tmp_path / "run")
+    state = json.loads(run.step_checkpoint_path.read_text())
+    run.step_checkpoint_path.write_text(json.dumps({**state, "aux_trained": aux_trained}))
+    with pytest.raises(RunError, match=says) as e:
+        evolve(cfg, run.path, resume=True, progress=False, step_checkpoints=1)
+    assert str(run.step_checkpoint_path) in str(e.value)
 
 
 def test_a_stale_step_checkpoint_is_dropped_and_the_next_round_starts_afresh(tmp_path, monkeypatch, reference):

@@ -18,6 +18,7 @@ import os
 import re
 import string
 import time
+import warnings
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass
@@ -293,20 +294,25 @@ def evaluate_solver(solver: Solver, data: Mapping[str, Sequence[QAItem]], tool: 
                     batch_size: int = 64, console: Console | None = None,
                     progress: bool = True, run_info: Mapping[str, Any] | None = None,
                     predictions_path: str | os.PathLike | None = None,
-                    score_path: str | os.PathLike | None = None, timing: bool = True,
-                    partial_key: Mapping[str, Any] | None = None) -> dict:
+                    score_path: str | os.PathLike | None = None, per_invocation: bool = True,
+                    partial_key: Mapping[str, Any] | None = None,
+                    partial_path: str | os.PathLike | None = None, restart_stale: bool = False) -> dict:
     """Run `solver` once, greedily, on every question and score it.
 
     Every agent gets the same `tool` (its budget, e.g. 5 searches of top-3, is the tool's, so it
     is identical for every row) and the same scorer. Writes `predictions.jsonl` and `score.json`
     to `out_dir` when given (or to the explicit paths); returns the score dict plus a `run` block
-    (tool budget, timing unless `timing=False`, and whatever the caller passes in `run_info`).
+    (tool budget, whatever the caller passes in `run_info`, and unless `per_invocation=False` what
+    depends on this invocation: its seconds, the questions it took from a stopped evaluation; a run
+    directory's evaluation files leave them out, so a resumed run writes the same bytes).
 
     With `partial_key` (what makes two evaluations the same: the agent spec, data, retriever) and
-    `out_dir`, each answered batch is appended to `predictions.partial.jsonl` as it comes: an
-    evaluation stopped part way (a kill, Ctrl-C, an endpoint that stopped answering) continues from
-    there when run again with the same key, and the file is removed once the results are written,
-    unless some calls failed for good: run again, it asks only those questions again.
+    `out_dir` (or `partial_path`), each answered batch is appended to `predictions.partial.jsonl`
+    (`partial_path`) as it comes: an evaluation stopped part way (a kill, Ctrl-C, an endpoint that
+    stopped answering) continues from there when run again with the same key, and the file is
+    removed once the results are written, unless some calls failed for good: run again, it asks
+    only those questions again. One of other settings is refused, or with `restart_stale` set
+    aside with a warning (a resumed run whose model came out otherwise than before the kill).
     """
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
@@ -314,13 +320,15 @@ def evaluate_solver(solver: Solver, data: Mapping[str, Sequence[QAItem]], tool: 
     _check_questions(data)  # now, not after every question has been answered
     items = [(bench, it) for bench, its in data.items() for it in its]
     partial = None
-    if partial_key is not None and out_dir is not None:
+    if partial_path is None and out_dir is not None:
+        partial_path = Path(out_dir) / "predictions.partial.jsonl"
+    if partial_key is not None and partial_path is not None:
         # the questions by what they ask and accept, not only their ids: a QA file edited in place keeps them
         asked = [[it.id, it.question, list(it.golden_answers)] for _, it in items]
         key = {**partial_key, "limit": limit, "tool": {"topk": tool.topk, "max_calls": tool.max_calls},
                "questions": hashlib.sha256(json.dumps(asked).encode()).hexdigest()}
-        partial = Path(out_dir) / "predictions.partial.jsonl"
-        answers: dict[str, Any] = _read_partial(partial, key)
+        partial = Path(partial_path)
+        answers: dict[str, Any] = _read_partial(partial, key, restart_stale)
         if not partial.exists():
             append_jsonl(partial, [{"partial_of": key}])  # its first line says what it is a part of
     else:
@@ -359,8 +367,8 @@ def evaluate_solver(solver: Solver, data: Mapping[str, Sequence[QAItem]], tool: 
         "limit": limit,
         "tool": {"topk": tool.topk, "max_calls": tool.max_calls},
         "searches": sum(len(t.searches) for t in answers.values()),
-        **({"answer_seconds": round(elapsed, 3)} if timing else {}),
-        **({"resumed_questions": resumed} if resumed else {}),
+        **({"answer_seconds": round(elapsed, 3)} if per_invocation else {}),
+        **({"resumed_questions": resumed} if resumed and per_invocation else {}),
         **({"failed_questions": failed} if failed else {}),
         **(run_info or {}),
     }
@@ -393,10 +401,11 @@ def _prediction_row(bench: str, it: QAItem, traj: Any) -> dict:
             "searches": [encodable(q) for q in traj.searches], **failed}
 
 
-def _read_partial(path: Path, key: dict) -> dict[str, Any]:
+def _read_partial(path: Path, key: dict, restart_stale: bool = False) -> dict[str, Any]:
     """The answers an earlier, stopped evaluation with the same `key` appended to `path` (its first
     line is the key), less those whose call failed (asked again); none if there is no such file. A
-    file of other settings that holds no answer (a start whose first call failed) is removed."""
+    file of other settings that holds no answer (a start whose first call failed) is removed, as is
+    one that does with `restart_stale` (a warning); else it is refused."""
     from selfevo.agents.base import Trajectory
 
     if not path.exists():
@@ -406,7 +415,10 @@ def _read_partial(path: Path, key: dict) -> dict[str, Any]:
     except ValueError as e:
         raise ValueError(f"{e}; remove it to start the evaluation over") from None
     if not rows or rows[0].get("partial_of") != json.loads(json.dumps(key)):
-        if len(rows) <= 1:  # nothing answered: the corrected command starts afresh
+        if len(rows) > 1 and restart_stale:
+            warnings.warn(f"{path}: a stopped evaluation of other settings (or another model); it is started over",
+                          stacklevel=3)
+        if len(rows) <= 1 or restart_stale:  # nothing answered: the corrected command starts afresh
             path.unlink()
             return {}
         raise ValueError(f"{path}: a stopped evaluation of other settings (agent and its settings, data, retriever, "

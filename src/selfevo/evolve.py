@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import hashlib
 import itertools
+import json
 import os
 import random
 import time
@@ -294,11 +296,17 @@ def evolve(cfg: RunConfig, out: str | os.PathLike, resume: bool = False, progres
                 made = run.evaluation(0)  # (a later round's is redone: its model is retrained)
                 if isinstance(made.get("run"), dict) and isinstance(made["run"].get("questions"), int):
                     return made  # else it is made again: its count goes into compute.json
-            # timings live in compute.json, so that eval files are byte-identical across reruns
+            # A kill during it (1,325 questions: hours at 4B) keeps the answers given: the resumed run
+            # goes on from them where its model is the one that gave them (the base model's is the
+            # config's; a trained one's, its state's hash). Timings live in compute.json, so that eval
+            # files are byte-identical across reruns.
+            model = "base" if round_ == 0 else hashlib.sha256(json.dumps(solver.state_dict()).encode()).hexdigest()
             return evaluate_solver(solver, env.benchmarks, tool, progress=False, run_info={"round": round_},
                                    limit=cfg.data.eval_limit or None,
                                    predictions_path=run.eval_predictions_path(round_),
-                                   score_path=run.eval_path(round_), timing=False)
+                                   score_path=run.eval_path(round_), per_invocation=False,
+                                   partial_key={"round": round_, "model": model},
+                                   partial_path=run.eval_partial_path(round_), restart_stale=True)
 
         folds_path = run.path / "folds.json"
         if kept_folds is not None:  # permanent: a resumed run keeps the assignment it started with

@@ -6,10 +6,13 @@ evaluations, compute accounting and round checkpoints — and resuming from them
     RUN_DIR/records/steps.jsonl      one line per scheduled step (append-only)
     RUN_DIR/eval/round-R.json        main solver on the seven benchmarks after round R (0 = base)
     RUN_DIR/eval/round-R.predictions.jsonl  per-item predictions of that evaluation
+    RUN_DIR/eval/round-R.partial.jsonl      the answers so far of that evaluation while it runs (a
+                                            killed run's resume goes on from them)
     RUN_DIR/compute.json             generations by purpose (evaluation too), updates per model, wall seconds per phase
     RUN_DIR/checkpoints/round-R.json every model's parameters after round R (JSON, no pickle)
     RUN_DIR/checkpoints/step.json    the latest checkpoint within the round running (`evolve
-                                     --step-checkpoints`; gone once the round's own is written)
+                                     --step-checkpoints`: after steps, and after each auxiliary
+                                     solver's training; gone once the round's own is written)
     RUN_DIR/audit/metrics.json       the audit: written when a run ends (evolve, engine-run), again by `selfevo audit`
 """
 
@@ -209,6 +212,9 @@ class RunDir:
     def eval_predictions_path(self, round: int) -> Path:
         return self.path / "eval" / f"round-{round}.predictions.jsonl"
 
+    def eval_partial_path(self, round: int) -> Path:
+        return self.path / "eval" / f"round-{round}.partial.jsonl"
+
     def checkpoint_path(self, round: int) -> Path:
         return self.path / "checkpoints" / f"round-{round}.json"
 
@@ -313,6 +319,8 @@ class RunDir:
         state = read_object(path)
         check_fields(state, {"round": int, "step": int, "proposer": dict, "main": dict, "compute": dict,
                              "pool": list}, str(path))
+        # written after an auxiliary solver's training: those trained so far, in the feedback's state
+        check_fields(state, {"aux_trained": int, "feedback": dict}, str(path), optional=True)
         if state["round"] <= done:
             self._drop_step_checkpoint()
             return None

@@ -681,7 +681,7 @@ class EngineRun:
             result = evaluate_solver(solver, self.env.benchmarks, self.tool, progress=False, run_info={"round": r},
                                      limit=self.cfg.data.eval_limit or None,
                                      predictions_path=self.run.eval_predictions_path(r),
-                                     score_path=self.run.eval_path(r), timing=False)
+                                     score_path=self.run.eval_path(r), per_invocation=False)
         if r > 0:
             self.run.checkpoint(r, {"models": {role: self.model_dir(role, r)
                                                for role in ["proposer", "main", *aux_roles(self.treatment)]},

@@ -6,7 +6,8 @@
         25 main-solver steps on the admitted questions (policy gradient vs the adopted label)
         the feedback rule trains what else it trains (CrossFit: the auxiliary solvers)
         evaluate the main solver on the seven benchmarks; checkpoint
-    (and, with step_checkpoints, a checkpoint within the round every so many steps)
+    (and, with step_checkpoints, a checkpoint within the round every so many steps and after each
+    auxiliary solver's training)
 
 Everything is written to the run directory as it happens; nothing here reads the audit or the
 world's truth. Seeds are derived from (run seed, round, step, purpose), so a run resumed from a
@@ -280,12 +281,20 @@ class Loop:
                     self._maybe_step_checkpoint(sink, st, pool)
                     bar.advance(task)
                 t = time.perf_counter()
-                aux = self.feedback.end_round(r, pool, self.tool, derive_seed(self.seed, r, "aux"),
-                                              last=r == cfg.rounds)
-                for key, value in aux.get("updates", {}).items():
-                    self.compute.add("updates", key, value)
-                for key, value in aux.get("generations", {}).items():
-                    self.compute.add("generations", key, value)
+
+                def trained(n: int, counts: dict, r=r, step=round_steps[-1].step, pool=pool) -> None:
+                    nonlocal t
+                    for table in ("updates", "generations"):
+                        for key, value in counts[table].items():
+                            self.compute.add(table, key, value)
+                    t = self._timed("aux", t)
+                    if self.step_checkpoints:  # an auxiliary solver's training is many updates too
+                        sink.step_checkpoint({"round": r, "step": step, "aux_trained": n, **self.state_dict(),
+                                              "pool": [c.to_json() for c in pool]})
+
+                start = step_state.get("aux_trained", 0) if r == start_round and step_state is not None else 0
+                self.feedback.end_round(r, pool, self.tool, derive_seed(self.seed, r, "aux"),
+                                        last=r == cfg.rounds, start=start, trained=trained)
                 self._timed("aux", t)
                 self.evaluate_main(r)
                 sink.checkpoint(r, self.state_dict())
@@ -302,15 +311,21 @@ class Loop:
     def _maybe_step_checkpoint(self, sink: RunSink, st: ScheduledStep, pool: Sequence[Candidate]) -> None:
         """A step checkpoint every `step_checkpoints` steps of a round and after its last: what the
         round changed so far (proposer, main solver, compute, the admitted pool). The graders and the
-        auxiliary solvers do not change within a round: a resume makes them from the round before."""
+        auxiliary solvers do not change during the round's steps: a resume makes them from the round
+        before (after the steps, one checkpoint for each auxiliary solver trained holds them too)."""
         n, last = self.step_checkpoints, self.config.proposer_steps + self.config.solver_steps
         if n and (st.step_in_round % n == 0 or st.step_in_round == last):
             sink.step_checkpoint({"round": st.round, "step": st.step, **self.state_dict(feedback=False),
                                   "pool": [c.to_json() for c in pool]})
 
     def _load_step_state(self, state: Mapping) -> list[Candidate]:
+        """The step checkpoint's models (and, written after the round's steps, those of the auxiliary
+        solvers trained so far: `aux_trained`) loaded; its admitted pool returned."""
+        aux_trained = state.get("aux_trained")
+        if aux_trained is not None and not (isinstance(aux_trained, int) and 0 <= aux_trained <= self.feedback.n_aux):
+            raise BadStepState(f"field 'aux_trained' should be 0..{self.feedback.n_aux}, got {aux_trained!r}")
         try:
-            self.load_state_dict(state, feedback=False)
+            self.load_state_dict(state, feedback=aux_trained is not None)
             return [Candidate.from_json(c) for c in state["pool"]]
         except (KeyError, IndexError, TypeError, ValueError, AttributeError) as e:
             raise BadStepState(f"{type(e).__name__}: {e}") from None

@@ -134,8 +134,17 @@ class Feedback(Protocol):
         """`route(item)`'s grader."""
         ...
 
-    def end_round(self, round: int, admitted: Sequence, tool, seed: int, last: bool) -> dict:
-        """Train whatever the rule trains besides the main solver (aux solvers)."""
+    @property
+    def n_aux(self) -> int:
+        """How many auxiliary solvers `end_round` trains, one after another."""
+        ...
+
+    def end_round(self, round: int, admitted: Sequence, tool, seed: int, last: bool, start: int = 0,
+                  trained: Callable[[int, dict], None] | None = None) -> None:
+        """Train whatever the rule trains besides the main solver: auxiliary solvers `start`.. (those
+        before it trained already: a resumed round), calling `trained(j + 1, counts)` once solver j
+        is done, where `counts` are its updates and generations (`{"updates": {name: n},
+        "generations": {purpose: n}}`)."""
         ...
 
     def state_dict(self) -> dict: ...
@@ -165,8 +174,11 @@ class CoupledFeedback:
     def grader_for(self, item) -> Solver:
         return self.route(item)[0]
 
-    def end_round(self, round: int, admitted: Sequence, tool, seed: int, last: bool) -> dict:
-        return {}
+    n_aux = 0
+
+    def end_round(self, round: int, admitted: Sequence, tool, seed: int, last: bool, start: int = 0,
+                  trained: Callable[[int, dict], None] | None = None) -> None:
+        pass
 
     def state_dict(self) -> dict:
         return {}
@@ -234,22 +246,26 @@ class AuxFeedback:
         return self.route(item)[0]
 
     # ---------------------------------------------------------------- training
-    def end_round(self, round: int, admitted: Sequence, tool, seed: int, last: bool) -> dict:
+    @property
+    def n_aux(self) -> int:
+        return len(self.aux)
+
+    def end_round(self, round: int, admitted: Sequence, tool, seed: int, last: bool, start: int = 0,
+                  trained: Callable[[int, dict], None] | None = None) -> None:
         # after the last round nobody would be graded by them, so they are not trained
         if last:
-            return {}
-        updates, rollouts = {}, 0
-        for j, aux in enumerate(self.aux):
+            return
+        for j, aux in enumerate(self.aux[start:], start=start):
             items = [c for c in admitted if self._trains_on(j, c)]
+            updates, rollouts = 0, 0
             if not items:
                 # e.g. connected grouping: a fold can have sources and no question all of whose pages lie in it
                 warnings.warn(UntrainedGrader(untrained_grader(aux.name, round, bool(aux.lineage.get("rounds")))),
                               stacklevel=2)
-                continue
             # the full budget's even split (as the main solver's), so every one of its updates
             # trains; a smaller budget takes the first of those batches
             n, full = len(items), self.full_updates
-            for u in range(self.updates[j]):
+            for u in range(self.updates[j] if items else 0):
                 batch = items[u * n // full:(u + 1) * n // full]
                 if not batch:  # fewer items than updates
                     continue
@@ -257,9 +273,10 @@ class AuxFeedback:
                                    seed=derive_seed(seed, aux.name, u))
                 aux.update([(ts, c.label) for ts, c in zip(trajs, batch, strict=True)])
                 record_training(aux, sorted({f for c in batch for f in self._item_folds(c)}), round)
-                updates[aux.name] = updates.get(aux.name, 0) + 1
-                rollouts += self.samples * len(batch)
-        return {"updates": updates, "generations": {"aux_rollouts": rollouts}}
+                updates, rollouts = updates + 1, rollouts + self.samples * len(batch)
+            if trained is not None:
+                trained(j + 1, {"updates": {aux.name: updates} if updates else {},
+                                "generations": {"aux_rollouts": rollouts}})
 
     def state_dict(self) -> dict:
         return {"aux": [a.state_dict() for a in self.aux]}
