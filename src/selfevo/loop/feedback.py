@@ -156,6 +156,7 @@ class CoupledFeedback:
     """Dr. Zero: the grader of round r is the main solver as it stood after round r-1."""
 
     name = "coupled"
+    n_aux = 0
 
     def __init__(self, folds: FoldAssignment):
         self.folds = folds
@@ -174,11 +175,9 @@ class CoupledFeedback:
     def grader_for(self, item) -> Solver:
         return self.route(item)[0]
 
-    n_aux = 0
-
     def end_round(self, round: int, admitted: Sequence, tool, seed: int, last: bool, start: int = 0,
                   trained: Callable[[int, dict], None] | None = None) -> None:
-        pass
+        pass  # it trains nothing besides the main solver
 
     def state_dict(self) -> dict:
         return {}
@@ -265,7 +264,7 @@ class AuxFeedback:
             # the full budget's even split (as the main solver's), so every one of its updates
             # trains; a smaller budget takes the first of those batches
             n, full = len(items), self.full_updates
-            for u in range(self.updates[j] if items else 0):
+            for u in range(self.updates[j]):
                 batch = items[u * n // full:(u + 1) * n // full]
                 if not batch:  # fewer items than updates
                     continue
