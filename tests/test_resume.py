@@ -458,6 +458,26 @@ def test_answers_of_another_model_are_not_gone_on_from(tmp_path, monkeypatch, cr
     assert_same_results(run, crossfit_reference)
 
 
+def test_a_damaged_answers_file_is_an_error_naming_it(tmp_path, monkeypatch, crossfit_reference):
+    """A line before the last that does not parse is no kill's doing (a kill tears the last line at
+    most): refused with the file and line, exit 2, not a traceback; removed, the evaluation is redone."""
+    cfg = cfg_for(extra=["treatment=msv+crossfit"])
+    _stop_evaluation(monkeypatch, 2, batches=3)
+    with pytest.raises(RuntimeError, match="simulated crash in the evaluation"):
+        evolve(cfg, tmp_path / "run", progress=False, step_checkpoints=1)
+    monkeypatch.undo()
+    run = RunDir(tmp_path / "run")
+    partial = run.eval_partial_path(2)
+    lines = partial.read_text().splitlines()
+    partial.write_text("\n".join([*lines[:5], "{not json", *lines[6:]]) + "\n")
+    result = CliRunner().invoke(app, ["evolve", "--out", str(run.path), "--resume", *CLI_SCALED,
+                                      "--treatment", "msv+crossfit", "--step-checkpoints", "1"])
+    assert result.exit_code == 2 and f"{partial}:6" in result.output.replace("\n", ""), result.output
+    partial.unlink()
+    evolve(cfg, run.path, resume=True, progress=False, step_checkpoints=1)
+    assert_same_results(run, crossfit_reference)
+
+
 @pytest.mark.parametrize("aux_trained, says", [(3, "field 'aux_trained' should be 0..2, got 3"),
                                                ("1", "field 'aux_trained' should be an integer")])
 def test_a_step_checkpoint_with_a_bad_aux_count_is_an_error_naming_it(tmp_path, monkeypatch, aux_trained, says):

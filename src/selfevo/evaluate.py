@@ -401,6 +401,10 @@ def _prediction_row(bench: str, it: QAItem, traj: Any) -> dict:
             "searches": [encodable(q) for q in traj.searches], **failed}
 
 
+class PartialFileError(ValueError):
+    """A stopped evaluation's answers file that cannot be gone on from (damaged, or of other settings)."""
+
+
 def _read_partial(path: Path, key: dict, restart_stale: bool = False) -> dict[str, Any]:
     """The answers an earlier, stopped evaluation with the same `key` appended to `path` (its first
     line is the key), less those whose call failed (asked again); none if there is no such file. A
@@ -413,7 +417,7 @@ def _read_partial(path: Path, key: dict, restart_stale: bool = False) -> dict[st
     try:
         rows = read_jsonl_log(path, repair=True)  # a kill may have torn the last line
     except ValueError as e:
-        raise ValueError(f"{e}; remove it to start the evaluation over") from None
+        raise PartialFileError(f"{e}; remove it to start the evaluation over") from None
     if not rows or rows[0].get("partial_of") != json.loads(json.dumps(key)):
         if len(rows) > 1 and restart_stale:
             warnings.warn(f"{path}: a stopped evaluation of other settings (or another model); it is started over",
@@ -421,13 +425,14 @@ def _read_partial(path: Path, key: dict, restart_stale: bool = False) -> dict[st
         if len(rows) <= 1 or restart_stale:  # nothing answered: the corrected command starts afresh
             path.unlink()
             return {}
-        raise ValueError(f"{path}: a stopped evaluation of other settings (agent and its settings, data, retriever, "
-                         "encoder, limit or questions); remove it to start over, or choose another --out")
+        raise PartialFileError(f"{path}: a stopped evaluation of other settings (agent and its settings, data, "
+                               "retriever, encoder, limit or questions); remove it to start over, or choose another "
+                               "--out")
     answers = {}
     for i, row in enumerate(rows[1:], start=2):
         if not (isinstance(row.get("id"), str) and isinstance(row.get("prediction"), str)
                 and isinstance(row.get("searches"), list)):
-            raise ValueError(f"{path}:{i}: not a prediction row (id, prediction, searches); remove the file "
+            raise PartialFileError(f"{path}:{i}: not a prediction row (id, prediction, searches); remove the file "
                              "to start the evaluation over")
         if not row.get("failed"):
             answers[row["id"]] = Trajectory(answer=row["prediction"], searches=[str(q) for q in row["searches"]])

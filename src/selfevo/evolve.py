@@ -23,7 +23,7 @@ from selfevo.agents.sim import Reader, SimProposer, SimSolver
 from selfevo.audit import OracleJudge, audit_run
 from selfevo.config import ConfigError, RunConfig, WorldSpec, config_from_dict
 from selfevo.corpus import DataError, read_corpus, read_qa_dir
-from selfevo.evaluate import evaluate_solver
+from selfevo.evaluate import PartialFileError, evaluate_solver
 from selfevo.loop.admission import MSV, AdmitAll
 from selfevo.loop.engine import BadStepState, Loop
 from selfevo.loop.feedback import AuxFeedback, CoupledFeedback
@@ -301,12 +301,15 @@ def evolve(cfg: RunConfig, out: str | os.PathLike, resume: bool = False, progres
             # config's; a trained one's, its state's hash). Timings live in compute.json, so that eval
             # files are byte-identical across reruns.
             model = "base" if round_ == 0 else hashlib.sha256(json.dumps(solver.state_dict()).encode()).hexdigest()
-            return evaluate_solver(solver, env.benchmarks, tool, progress=False, run_info={"round": round_},
-                                   limit=cfg.data.eval_limit or None,
-                                   predictions_path=run.eval_predictions_path(round_),
-                                   score_path=run.eval_path(round_), per_invocation=False,
-                                   partial_key={"round": round_, "model": model},
-                                   partial_path=run.eval_partial_path(round_), restart_stale=True)
+            try:
+                return evaluate_solver(solver, env.benchmarks, tool, progress=False, run_info={"round": round_},
+                                       limit=cfg.data.eval_limit or None,
+                                       predictions_path=run.eval_predictions_path(round_),
+                                       score_path=run.eval_path(round_), per_invocation=False,
+                                       partial_key={"round": round_, "model": model},
+                                       partial_path=run.eval_partial_path(round_), restart_stale=True)
+            except PartialFileError as e:  # damaged (a line before the last): no kill does that
+                raise RunError(str(e)) from None
 
         folds_path = run.path / "folds.json"
         if kept_folds is not None:  # permanent: a resumed run keeps the assignment it started with
