@@ -147,8 +147,7 @@ def run_and_kill(cmd: list[str], out: Path, target_lines: int | str, delay_s: fl
             goes_on = f"round {state['round']} after auxiliary solver {state['aux_trained']}"
     else:
         goes_on = f"round {done + 1} start" if done < rounds else "the audit"
-    partial = out / "eval" / f"round-{done + 1 if done < rounds else rounds}.partial.jsonl"
-    if partial.exists():
+    for partial in (out / "eval").glob("round-*.partial.jsonl"):  # the one evaluation running, if any
         kept = partial.read_bytes().count(b"\n") - 1  # its first line names the model
         goes_on += f" (evaluation: {kept} answers kept)"
     return {"target_lines": target_lines, "delay_ms": round(delay_s * 1000, 1), "lines": lines,

@@ -266,48 +266,73 @@ def test_evolve_lm_crossfit_writes_the_sim_schema(lm_run, sim_run):
     assert not (lm_run / "checkpoints" / "step.json").exists()
 
 
-@pytest.mark.parametrize("step_checkpoints", [0, None])
-def test_evolve_lm_resumes_after_a_crash_to_the_same_records(lm_run, tmp_path, monkeypatch, step_checkpoints):
+@pytest.mark.parametrize("crash_in", ["round-2-solver-step", "round-1-aux-1"])
+def test_evolve_lm_resumes_after_a_crash_to_the_same_records(lm_run, tmp_path, monkeypatch, crash_in):
     """Generation on CPU is deterministic at a fixed thread count: a run killed in round 2's solver
-    step and resumed, from its round-1 checkpoint (0) or from the step checkpoint after round 2's
-    proposer step (None: the lm backend's default, a step checkpoint every step), writes what the
-    uninterrupted run wrote."""
+    step, resumed from the step checkpoint after round 2's proposer step (the lm backend's default,
+    a step checkpoint every step), or killed in round 1's second auxiliary solver's training, resumed
+    from the step checkpoint after the first one's (which is not trained again), writes what the
+    uninterrupted run wrote, and its checkpoints name the same policy files."""
+    from selfevo.agents.lm.agents import LMSolver
     from selfevo.config import config_from_dict
     from selfevo.evolve import evolve
     from selfevo.loop.engine import Loop
-    from selfevo.runs import RunDir
+    from selfevo.runs import RunDir, tensor_files
 
     cfg = config_from_dict(json.loads((lm_run / "config.json").read_text()))
-    original = Loop.solver_step
+    if crash_in == "round-2-solver-step":
+        original_step = Loop.solver_step
 
-    def crash(self, st, *a, **k):
-        if st.round == 2:
-            raise RuntimeError("simulated crash")
-        return original(self, st, *a, **k)
+        def crash(self, st, *a, **k):
+            if st.round == 2:
+                raise RuntimeError("simulated crash")
+            return original_step(self, st, *a, **k)
 
-    monkeypatch.setattr(Loop, "solver_step", crash)
+        monkeypatch.setattr(Loop, "solver_step", crash)
+    else:
+        original_update = LMSolver.update
+
+        def crash(self, groups):
+            if self.name == "aux-1":
+                raise RuntimeError("simulated crash")
+            return original_update(self, groups)
+
+        monkeypatch.setattr(LMSolver, "update", crash)
     with pytest.raises(RuntimeError, match="simulated crash"):
-        evolve(cfg, tmp_path / "run", progress=False, audit=False, step_checkpoints=step_checkpoints)
+        evolve(cfg, tmp_path / "run", progress=False, audit=False)
     monkeypatch.undo()
     run = RunDir(tmp_path / "run")
-    assert run.manifest()["rounds_completed"] == 1
-    assert run.step_checkpoint_path.exists() is (step_checkpoints is None)
-    proposed, original_propose = [], Loop.proposer_step
+    state = json.loads(run.step_checkpoint_path.read_text())
+    if crash_in == "round-2-solver-step":
+        assert run.manifest()["rounds_completed"] == 1 and "aux_trained" not in state
+    else:
+        assert run.manifest()["rounds_completed"] == 0 and state["aux_trained"] == 1
+    proposed, trained, original_propose, original_update = [], [], Loop.proposer_step, LMSolver.update
 
     def counted(self, st, *a, **k):
         proposed.append(st.round)
         return original_propose(self, st, *a, **k)
 
+    def updated(self, groups):
+        trained.append(self.name)
+        return original_update(self, groups)
+
     monkeypatch.setattr(Loop, "proposer_step", counted)
-    evolve(cfg, tmp_path / "run", resume=True, progress=False, audit=False, step_checkpoints=step_checkpoints)
-    assert proposed == ([2] if step_checkpoints == 0 else [])
-    for f in ("records/steps.jsonl", "eval/round-1.json", "eval/round-2.json"):
+    monkeypatch.setattr(LMSolver, "update", updated)
+    evolve(cfg, tmp_path / "run", resume=True, progress=False, audit=False)
+    if crash_in == "round-2-solver-step":
+        assert proposed == []  # round 2's proposer step is not redone
+    else:
+        assert proposed == [2] and trained.count("aux-0") == 0 and "aux-1" in trained
+    for f in ("records/steps.jsonl", "eval/round-1.json", "eval/round-2.json", "eval/round-2.predictions.jsonl"):
         assert (tmp_path / "run" / f).read_bytes() == (lm_run / f).read_bytes(), f
     # the same weights and moments in the same bytes: the same content-addressed files
-    from selfevo.runs import tensor_files
-
-    ref, got = (json.loads((p / "checkpoints" / "round-2.json").read_text()) for p in (lm_run, tmp_path / "run"))
-    assert tensor_files(got) == tensor_files(ref) and len(tensor_files(ref)) == 4  # proposer, main, 2 aux
+    for r in (1, 2):
+        ref, got = (json.loads((p / "checkpoints" / f"round-{r}.json").read_text()) for p in (lm_run, tmp_path / "run"))
+        assert tensor_files(got) == tensor_files(ref) and len(tensor_files(ref)) == 4  # proposer, main, 2 aux
+    # and nothing else: the step checkpoints' files that no round checkpoint kept are gone
+    kept = set().union(*(tensor_files(json.loads(p.read_text())) for p in run.path.glob("checkpoints/round-*.json")))
+    assert {p.name for p in run.tensors_dir.iterdir()} == kept and not run.step_checkpoint_path.exists()
 
 
 # ------------------------------------------------------------------ the replay bank on a language model
