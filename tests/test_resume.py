@@ -352,7 +352,7 @@ def _aux_updates(monkeypatch, crash_in: tuple[int, str] | None = None) -> list:
     def counted(self, groups):
         if self.name.startswith("aux-"):
             seen.append((current["round"], self.name))
-            if crash_in is not None and seen.count((*crash_in,)) == 2 and seen[-1] == crash_in:
+            if seen[-1] == crash_in and seen.count(crash_in) == 2:
                 raise RuntimeError(f"simulated crash in {self.name}'s training")
         return update(self, groups)
 
@@ -374,7 +374,7 @@ def test_a_kill_in_the_aux_solvers_training_goes_on_from_the_last_one_trained(tm
     assert (state["round"], state["step"], state["aux_trained"]) == (2, 22, 1) and len(state["feedback"]["aux"]) == 2
     monkeypatch.undo()
     aux, solver = _aux_updates(monkeypatch), _calls(monkeypatch, "solver_step")
-    evolve(cfg, run.path, resume=True, progress=False, step_checkpoints=1)
+    evolve(cfg, run.path, resume=True, progress=False, step_checkpoints=0)  # (at another cadence)
     assert {r for r, _ in solver} == {3}  # round 2's steps are not redone, nor its aux-0
     assert set(aux) == {(2, "aux-1")}  # (after the last round, round 3, none is trained)
     assert_same_results(run, crossfit_reference)
@@ -384,9 +384,9 @@ def test_a_kill_in_the_aux_solvers_training_goes_on_from_the_last_one_trained(tm
         assert made["compute"].pop("seconds").keys() == want["compute"].pop("seconds").keys() and made == want
 
 
-def _stop_evaluation(monkeypatch, round_: int, batches: int) -> dict:
-    """Make round `round_`'s evaluation raise after `batches` batches answered (once); count the
-    questions each evaluation asks."""
+def _stop_evaluation(monkeypatch, round_: int | None = None, batches: int = 0) -> dict:
+    """Count the questions each evaluation asks; with `round_`, make that round's evaluation raise
+    after `batches` batches answered (once)."""
     import selfevo.evolve as ev
 
     original, asked = ev.evaluate_solver, {}
@@ -432,7 +432,7 @@ def test_a_kill_in_the_evaluation_keeps_the_answers_given(tmp_path, monkeypatch,
     if every:
         assert json.loads(run.step_checkpoint_path.read_text())["aux_trained"] == 2
     monkeypatch.undo()
-    asked, aux = _stop_evaluation(monkeypatch, 99, 0), _aux_updates(monkeypatch)
+    asked, aux = _stop_evaluation(monkeypatch), _aux_updates(monkeypatch)
     evolve(cfg, run.path, resume=True, progress=False, step_checkpoints=every)
     assert asked[2] == 1325 - 3 * 64 and asked[3] == 1325  # round 2's answered questions are not asked again
     assert ((2, "aux-0") in aux) == (not every)  # with step checkpoints, its aux solvers are not retrained
@@ -451,7 +451,7 @@ def test_answers_of_another_model_are_not_gone_on_from(tmp_path, monkeypatch, cr
     head["partial_of"]["model"] = "0" * 64  # e.g. a GPU run whose round redone came out otherwise
     run.eval_partial_path(2).write_text("\n".join([json.dumps(head), *lines[1:]]) + "\n")
     monkeypatch.undo()
-    asked = _stop_evaluation(monkeypatch, 99, 0)
+    asked = _stop_evaluation(monkeypatch)
     with pytest.warns(UserWarning, match="round-2.partial.jsonl: a stopped evaluation of other settings"):
         evolve(cfg, run.path, resume=True, progress=False, step_checkpoints=1)
     assert asked[2] == 1325
