@@ -432,8 +432,8 @@ def _read_partial(path: Path, key: dict, restart_stale: bool = False) -> dict[st
     for i, row in enumerate(rows[1:], start=2):
         if not (isinstance(row.get("id"), str) and isinstance(row.get("prediction"), str)
                 and isinstance(row.get("searches"), list)):
-            raise PartialFileError(f"{path}:{i}: not a prediction row (id, prediction, searches); remove the file "
-                             "to start the evaluation over")
+            raise PartialFileError(f"{path}:{i}: not a prediction row (id, prediction, searches); remove the "
+                                   "file to start the evaluation over")
         if not row.get("failed"):
             answers[row["id"]] = Trajectory(answer=row["prediction"], searches=[str(q) for q in row["searches"]])
     return answers

@@ -289,8 +289,7 @@ class Loop:
                             self.compute.add(table, key, value)
                     t = self._timed("aux", t)
                     if self.step_checkpoints:  # an auxiliary solver's training is many updates too
-                        sink.step_checkpoint({"round": r, "step": step, "aux_trained": n, **self.state_dict(),
-                                              "pool": [c.to_json() for c in pool]})
+                        self._step_checkpoint(sink, r, step, pool, aux_trained=n)
 
                 start = step_state.get("aux_trained", 0) if r == start_round and step_state is not None else 0
                 self.feedback.end_round(r, pool, self.tool, derive_seed(self.seed, r, "aux"),
@@ -315,8 +314,16 @@ class Loop:
         before (after the steps, one checkpoint for each auxiliary solver trained holds them too)."""
         n, last = self.step_checkpoints, self.config.proposer_steps + self.config.solver_steps
         if n and (st.step_in_round % n == 0 or st.step_in_round == last):
-            sink.step_checkpoint({"round": st.round, "step": st.step, **self.state_dict(feedback=False),
-                                  "pool": [c.to_json() for c in pool]})
+            self._step_checkpoint(sink, st.round, st.step, pool)
+
+    def _step_checkpoint(self, sink: RunSink, round_: int, step: int, pool: Sequence[Candidate],
+                         aux_trained: int | None = None) -> None:
+        """The step checkpoint's one form: during the steps without the feedback rule's state, after
+        them with it and the count of auxiliary solvers it holds trained (`aux_trained`)."""
+        aux = {} if aux_trained is None else {"aux_trained": aux_trained}
+        sink.step_checkpoint({"round": round_, "step": step, **aux,
+                              **self.state_dict(feedback=aux_trained is not None),
+                              "pool": [c.to_json() for c in pool]})
 
     def _load_step_state(self, state: Mapping) -> list[Candidate]:
         """The step checkpoint's models (and, written after the round's steps, those of the auxiliary
