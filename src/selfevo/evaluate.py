@@ -27,9 +27,10 @@ from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
 from rich.markup import escape
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from selfevo._bar import Progress
 from selfevo._fmt import num
 from selfevo._io import append_jsonl, encodable, hold_directory, read_jsonl_log, shown_url, write_json, write_jsonl
 from selfevo.corpus import DataError, _require_str, iter_json_lines, read_qa_dir

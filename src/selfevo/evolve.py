@@ -302,7 +302,10 @@ def evolve(cfg: RunConfig, out: str | os.PathLike, resume: bool = False, progres
             # files are byte-identical across reruns.
             model = "base" if round_ == 0 else hashlib.sha256(json.dumps(solver.state_dict()).encode()).hexdigest()
             try:
-                return evaluate_solver(solver, env.benchmarks, tool, progress=False, run_info={"round": round_},
+                # round 0's bar is its own: the base model is evaluated before the loop's bar exists
+                # (later rounds show in that bar as "round R evaluation")
+                return evaluate_solver(solver, env.benchmarks, tool, progress=progress and round_ == 0,
+                                       run_info={"round": round_},
                                        limit=cfg.data.eval_limit or None,
                                        predictions_path=run.eval_predictions_path(round_),
                                        score_path=run.eval_path(round_), per_invocation=False,

@@ -860,7 +860,9 @@ def run_replay(bank: Bank, conditions: Iterable[str] | str | None = None, seeds:
     those. Its results are the same bytes as those of a study never stopped. `log` gets one line
     saying how many jobs the journal held.
     """
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+    from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn
+
+    from selfevo._bar import Progress
 
     settings = settings or ReplaySettings()
     conds = parse_conditions(conditions)

@@ -613,7 +613,9 @@ class LLMJudge:
         return [self._results[k][0] for k in keys]
 
     def _run(self, todo: dict[str, Mapping[str, Any]]) -> None:
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+        from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeRemainingColumn
+
+        from selfevo._bar import Progress
 
         bar = Progress(TextColumn(f"judging ({self.name})"), BarColumn(), MofNCompleteColumn(),
                        TimeRemainingColumn(), disable=not self.progress, transient=False)

@@ -21,8 +21,9 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn
 
+from selfevo._bar import Progress
 from selfevo.agents.base import Proposal, Proposer, TrainableSolver
 from selfevo.algos import frontier_reward
 from selfevo.evaluate import answers_match
@@ -292,9 +293,13 @@ class Loop:
                         self._step_checkpoint(sink, r, step, pool, aux_trained=n)
 
                 start = step_state.get("aux_trained", 0) if r == start_round and step_state is not None else 0
+                if self.feedback.n_aux and r < cfg.rounds:  # (after the last round none are trained)
+                    bar.update(task, description=f"round {r} auxiliary solvers")
                 self.feedback.end_round(r, pool, self.tool, derive_seed(self.seed, r, "aux"),
                                         last=r == cfg.rounds, start=start, trained=trained)
                 self._timed("aux", t)
+                if self.evaluate is not None:
+                    bar.update(task, description=f"round {r} evaluation")
                 self.evaluate_main(r)
                 sink.checkpoint(r, self.state_dict())
 

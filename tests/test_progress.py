@@ -1,0 +1,75 @@
+"""Progress in a log: where the console is not a terminal, rich draws no bar, so the bar writes plain
+lines to stderr (throttled); a terminal gets the bar alone."""
+
+import functools
+import io
+import re
+
+from rich.console import Console
+from rich.progress import TextColumn
+
+import selfevo.loop.engine as engine
+from selfevo._bar import Progress
+from selfevo.config import load_config
+from selfevo.evolve import evolve
+
+LINE = re.compile(r"^\d\d:\d\d:\d\d (.+): (\d+)(?:/(\d+))? \(\d+m\d\ds\)$")
+
+
+def lines(text: str) -> list[tuple[str, str]]:
+    found = [LINE.match(line) for line in text.splitlines()]
+    assert all(found), text
+    return [(m.group(1), m.group(2)) for m in found]
+
+
+def test_a_bar_that_cannot_draw_writes_each_change_to_stderr_and_its_end(capsys):
+    log = Console(file=io.StringIO())  # a file: not a terminal
+    with Progress(TextColumn("{task.description}"), console=log, every=0) as bar:
+        task = bar.add_task("eval main", total=3)
+        bar.advance(task)
+        bar.advance(task, 0)  # no change: no line
+        bar.update(task, description="eval main (batch 2)")
+        bar.advance(task, 2)
+    out = capsys.readouterr()
+    assert lines(out.err) == [("eval main", "1"), ("eval main (batch 2)", "1"), ("eval main (batch 2)", "3")]
+    assert "/3 (" in out.err and out.out == ""
+
+
+def test_lines_are_throttled_and_quick_work_writes_none(capsys, monkeypatch):
+    clock = iter(range(0, 1000, 10))  # each call to the clock: 10 s later
+    monkeypatch.setattr("selfevo._bar.time.monotonic", lambda: next(clock))
+    with Progress(console=Console(file=io.StringIO()), every=25) as bar:  # began at 0
+        task = bar.add_task("steps", total=None)
+        for _ in range(6):
+            bar.advance(task)  # at 10, 20, ... 60 s: lines at 30 and 60 (every 25 s at most)
+    assert lines(capsys.readouterr().err) == [("steps", "3"), ("steps", "6")]
+
+    with Progress(console=Console(file=io.StringIO()), every=3600) as bar:
+        task = bar.add_task("steps", total=2)
+        bar.advance(task, 2)
+    assert capsys.readouterr().err == ""  # nothing was written before its end: nothing at its end
+
+
+def test_a_terminal_or_a_disabled_bar_writes_no_lines(capsys):
+    for kwargs in ({"console": Console(file=io.StringIO(), force_terminal=True)},
+                   {"console": Console(file=io.StringIO()), "disable": True}):
+        with Progress(every=0, **kwargs) as bar:
+            task = bar.add_task("eval", total=2)
+            bar.advance(task, 2)
+        assert capsys.readouterr().err == ""
+
+
+def test_an_evolve_log_names_each_phase_of_the_loop(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(engine, "Progress", functools.partial(Progress, every=0))
+    cfg = load_config(None, ["world.name=small", "loop.rounds=2", "loop.proposer_steps=2", "loop.solver_steps=1",
+                             "treatment=crossfit"])
+    evolve(cfg, tmp_path / "run", progress=True, audit=False)
+    err = capsys.readouterr().err
+    assert re.search(r"^eval main .*1325/1325", err, re.M)  # round 0: the evaluation's own bar, drawn at its end
+    logged = lines("\n".join(line for line in err.splitlines() if LINE.match(line)))
+    phases = [d for i, (d, _) in enumerate(logged) if i == 0 or d != logged[i - 1][0]]
+    assert phases == ["round 1 proposer step 1", "round 1 proposer step 2", "round 1 solver step 3",
+                      "round 1 auxiliary solvers", "round 1 evaluation",
+                      "round 2 proposer step 1", "round 2 proposer step 2", "round 2 solver step 3",
+                      "round 2 evaluation"]  # none trained after the last round
+    assert logged[-1] == ("round 2 evaluation", "6")
