@@ -160,6 +160,24 @@ def test_resume_of_a_missing_run_starts_it(tmp_path, reference):
     assert_same_results(RunDir(tmp_path / "run"), reference)
 
 
+
+def test_resume_with_no_config_option_takes_the_runs_own(tmp_path, monkeypatch, reference):
+    """`selfevo evolve --resume --out RUN` alone: the defaults differed from a scaled run in every
+    field it set, and were refused; the run's config.json is its config."""
+    cfg = cfg_for()
+    crash_at(monkeypatch, "solver_step", 2, cfg.loop.proposer_steps + 3)
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        evolve(cfg, tmp_path / "run", progress=False)
+    monkeypatch.undo()
+    run = RunDir(tmp_path / "run")
+    result = CliRunner().invoke(app, ["evolve", "--out", str(run.path), "--resume"])
+    assert result.exit_code == 0, result.output
+    assert "the run's own config" in " ".join(result.output.split())
+    assert_same_results(run, reference)
+    # an option given is compared, as before: one that differs is refused
+    result = CliRunner().invoke(app, ["evolve", "--out", str(run.path), "--resume", "--seed", "9"])
+    assert result.exit_code == 2 and "seed" in " ".join(result.output.split())
+
 def test_resume_with_a_different_config_exits_2_naming_the_field(reference, tmp_path):
     before = (reference.path / "records" / "steps.jsonl").read_bytes()
     result = CliRunner().invoke(app, ["evolve", "--out", str(reference.path), *CLI_SCALED,

@@ -414,8 +414,9 @@ def evolve_cmd(
     rounds: int | None = typer.Option(None, help="rounds of the loop (default: the config's, else 3)"),
     config: Path | None = typer.Option(None, help="TOML config (see configs/)"),
     set_: list[str] = typer.Option([], "--set", help="override a config field, e.g. solver.memory=false"),
-    resume: bool = typer.Option(False, help="continue the run in --out, killed or stopped (with the options it "
-                                            "was started with); with no run there, start it"),
+    resume: bool = typer.Option(False, help="continue the run in --out, killed or stopped: with no config "
+                                            "option, with the config it was made with (its config.json), else "
+                                            "with options that give that config; with no run there, start it"),
     audit: bool = typer.Option(True, help="audit at the end (exact truth on a world; an LLM judge on a corpus)"),
     backend: str | None = typer.Option(None, help="sim (the embedded learners) | lm (language models)"),
     model: str | None = typer.Option(None, help="lm backend: smollm2-135m | a local directory | a hub id"),
@@ -430,20 +431,27 @@ def evolve_cmd(
                                                      "the lm backend, else 0)"),
 ) -> None:
     """Run the self-evolution loop into a run directory, then audit it."""
-    from selfevo.config import NEEDS_QA_DIR, ConfigError, load_config
+    from selfevo.config import NEEDS_QA_DIR, ConfigError, config_from_dict, load_config
     from selfevo.evolve import evolve
-    from selfevo.runs import RunError
+    from selfevo.runs import RunDir, RunError
     from selfevo.world import WorldError
 
     beside = None if corpus is None else corpus.resolve().parent.parent / "qa"  # the FlashRAG layout
     if qa_dir is None and beside is not None and beside.is_dir():
         qa_dir = beside
+    options = (config, *set_, world, treatment, seed, rounds, backend, model, corpus, qa_dir, index)
     try:
-        cfg = load_config(config, set_, treatment=treatment, seed=seed, backend=backend, **{
-            "world.name": world, "loop.rounds": rounds, "lm.model": model,
-            "data.corpus": None if corpus is None else str(corpus),
-            "data.qa_dir": None if qa_dir is None else str(qa_dir),
-            "data.index": None if index is None else str(index)})
+        if resume and all(o is None for o in options) and (out / "config.json").is_file():
+            # nothing to compare: the run's own config, not the defaults (which would differ in every
+            # field a recipe set, and be refused)
+            cfg = config_from_dict(RunDir(out).config())
+            console.print(escape(f"resuming with the run's own config ({out / 'config.json'})"))
+        else:
+            cfg = load_config(config, set_, treatment=treatment, seed=seed, backend=backend, **{
+                "world.name": world, "loop.rounds": rounds, "lm.model": model,
+                "data.corpus": None if corpus is None else str(corpus),
+                "data.qa_dir": None if qa_dir is None else str(qa_dir),
+                "data.index": None if index is None else str(index)})
         if model is not None and cfg.backend != "lm":  # the sim learners would ignore it
             _fail(f"--model {model}: a language model needs the lm backend (add --backend lm)")
         with _on_stop(f"{out}: the run goes on from its last checkpoint (of a round, or within one): the same "
