@@ -49,6 +49,11 @@ def test_lines_are_throttled_and_quick_work_writes_none(capsys, monkeypatch):
         bar.advance(task, 2)
     assert capsys.readouterr().err == ""  # nothing was written before its end: nothing at its end
 
+    with Progress(console=Console(file=io.StringIO()), every=0) as bar:  # an index build's passages
+        bar.advance(bar.add_task("indexing", total=21_000_000), 1_230_000)
+    err = capsys.readouterr().err
+    assert lines(err) == [("indexing", "1230000")] and "1230000/21000000 (" in err  # not 1.23e+06
+
 
 def test_a_terminal_or_a_disabled_bar_writes_no_lines(capsys):
     for kwargs in ({"console": Console(file=io.StringIO(), force_terminal=True)},

@@ -49,6 +49,11 @@ class Progress(rich.progress.Progress):
         if state == last_state or (not final and now - last < self._every):
             return
         self._logged[task_id] = (now, state)
-        count = f"{task.completed:g}" + ("" if task.total is None else f"/{task.total:g}")
+        count = _count(task.completed) + ("" if task.total is None else f"/{_count(task.total)}")
         self._err.print(f"{time.strftime('%H:%M:%S')} {task.description}: {count} "
                         f"({int(elapsed) // 60}m{int(elapsed) % 60:02d}s)")
+
+
+def _count(x: float) -> str:
+    """A task's count as a log line shows it: 21000000, not 2.1e+07."""
+    return str(int(x)) if float(x).is_integer() else f"{x:.1f}"
