@@ -4,6 +4,7 @@ lines to stderr (throttled); a terminal gets the bar alone."""
 import functools
 import io
 import re
+import time
 
 from rich.console import Console
 from rich.progress import TextColumn
@@ -24,35 +25,50 @@ def lines(text: str) -> list[tuple[str, str]]:
 
 def test_a_bar_that_cannot_draw_writes_each_change_to_stderr_and_its_end(capsys):
     log = Console(file=io.StringIO())  # a file: not a terminal
-    with Progress(TextColumn("{task.description}"), console=log, every=0) as bar:
+    with Progress(TextColumn("{task.description}"), console=log, every=0, auto_refresh=False) as bar:
         task = bar.add_task("eval main", total=3)
         bar.advance(task)
         bar.advance(task, 0)  # no change: no line
         bar.update(task, description="eval main (batch 2)")
         bar.advance(task, 2)
     out = capsys.readouterr()
-    assert lines(out.err) == [("eval main", "1"), ("eval main (batch 2)", "1"), ("eval main (batch 2)", "3")]
+    assert lines(out.err) == [("eval main", "0"), ("eval main", "1"), ("eval main (batch 2)", "1"),
+                              ("eval main (batch 2)", "3")]
     assert "/3 (" in out.err and out.out == ""
 
 
 def test_lines_are_throttled_and_quick_work_writes_none(capsys, monkeypatch):
-    clock = iter(range(0, 1000, 10))  # each call to the clock: 10 s later
-    monkeypatch.setattr("selfevo._bar.time.monotonic", lambda: next(clock))
-    with Progress(console=Console(file=io.StringIO()), every=25) as bar:  # began at 0
+    clock = [0]
+    monkeypatch.setattr("selfevo._bar.time.monotonic", lambda: clock[0])
+    with Progress(console=Console(file=io.StringIO()), every=25, auto_refresh=False) as bar:  # began at 0
         task = bar.add_task("steps", total=None)
         for _ in range(6):
+            clock[0] += 10
             bar.advance(task)  # at 10, 20, ... 60 s: lines at 30 and 60 (every 25 s at most)
-    assert lines(capsys.readouterr().err) == [("steps", "3"), ("steps", "6")]
+        clock[0] += 5
+        bar.advance(task)  # at 65 s: held back, then written as the last state
+    assert lines(capsys.readouterr().err) == [("steps", "3"), ("steps", "6"), ("steps", "7")]
 
-    with Progress(console=Console(file=io.StringIO()), every=3600) as bar:
+    with Progress(console=Console(file=io.StringIO()), every=3600, auto_refresh=False) as bar:
         task = bar.add_task("steps", total=2)
         bar.advance(task, 2)
     assert capsys.readouterr().err == ""  # nothing was written before its end: nothing at its end
 
-    with Progress(console=Console(file=io.StringIO()), every=0) as bar:  # an index build's passages
+    with Progress(console=Console(file=io.StringIO()), every=0, auto_refresh=False) as bar:  # an index's passages
         bar.advance(bar.add_task("indexing", total=21_000_000), 1_230_000)
     err = capsys.readouterr().err
-    assert lines(err) == [("indexing", "1230000")] and "1230000/21000000 (" in err  # not 1.23e+06
+    assert lines(err) == [("indexing", "0"), ("indexing", "1230000")] and "1230000/21000000 (" in err  # not 1.23e+06
+
+
+def test_a_change_held_back_is_written_once_due_with_no_further_update(capsys):
+    """A loop phase that began within `every` of the last line (its description set, then hours of
+    work with no update) still shows: the display's refresh thread writes it once due."""
+    with Progress(console=Console(file=io.StringIO()), every=0.5, refresh_per_second=20) as bar:
+        task = bar.add_task("round 1 proposer step 1", total=4)
+        bar.update(task, description="round 1 auxiliary solvers")  # at once: not due
+        time.sleep(1.5)
+        assert lines(capsys.readouterr().err) == [("round 1 auxiliary solvers", "0")]
+    assert capsys.readouterr().err == ""  # its end: nothing changed since
 
 
 def test_a_terminal_or_a_disabled_bar_writes_no_lines(capsys):
@@ -73,7 +89,7 @@ def test_an_evolve_log_names_each_phase_of_the_loop(tmp_path, capsys, monkeypatc
     assert re.search(r"^eval main .*1325/1325", err, re.M)  # round 0: the evaluation's own bar, drawn at its end
     logged = lines("\n".join(line for line in err.splitlines() if LINE.match(line)))
     phases = [d for i, (d, _) in enumerate(logged) if i == 0 or d != logged[i - 1][0]]
-    assert phases == ["round 1 proposer step 1", "round 1 proposer step 2", "round 1 solver step 3",
+    assert phases == ["evolve", "round 1 proposer step 1", "round 1 proposer step 2", "round 1 solver step 3",
                       "round 1 auxiliary solvers", "round 1 evaluation",
                       "round 2 proposer step 1", "round 2 proposer step 2", "round 2 solver step 3",
                       "round 2 evaluation"]  # none trained after the last round

@@ -4,6 +4,7 @@ it ends (an H200 run of configs/lm-tiny.toml wrote no line in its first 270 seco
 
 from __future__ import annotations
 
+import threading
 import time
 
 import rich.progress
@@ -13,8 +14,9 @@ from rich.console import Console
 class Progress(rich.progress.Progress):
     """`rich.progress.Progress`; where its console is not a terminal, also a plain line on stderr
     (stdout may be a command's data) when a task changed (its description or count): at most one a
-    task every `every` seconds, then its last state when the display stops. Work shorter than
-    `every` writes nothing."""
+    task every `every` seconds, a change held back written once that is due (so what runs now shows
+    within `every`), then its last state when the display stops. Work shorter than `every` writes
+    nothing."""
 
     def __init__(self, *columns, every: float = 30.0, **kwargs):
         super().__init__(*columns, **kwargs)
@@ -23,6 +25,7 @@ class Progress(rich.progress.Progress):
         self._began = time.monotonic()
         self._logged: dict[rich.progress.TaskID, tuple[float, tuple]] = {}  # task: (its last line's time, state)
         self._err = Console(stderr=True, highlight=False, soft_wrap=True)
+        self._log_lock = threading.Lock()
 
     def update(self, task_id: rich.progress.TaskID, **kwargs) -> None:
         super().update(task_id, **kwargs)
@@ -31,6 +34,13 @@ class Progress(rich.progress.Progress):
     def advance(self, task_id: rich.progress.TaskID, advance: float = 1) -> None:
         super().advance(task_id, advance)
         self._report(task_id)
+
+    def get_renderables(self):
+        # the display's refresh thread calls this several times a second, terminal or not: a change
+        # held back by `every` is written here once it is due, with no further update to prompt it
+        for task_id in self.task_ids:
+            self._report(task_id)
+        yield from super().get_renderables()
 
     def stop(self) -> None:
         for task_id in list(self._logged):
@@ -44,11 +54,12 @@ class Progress(rich.progress.Progress):
             task = self._tasks[task_id]
             state = (task.description, task.completed)
             elapsed = task.elapsed or 0.0
-        now = time.monotonic()
-        last, last_state = self._logged.get(task_id, (self._began, None))
-        if state == last_state or (not final and now - last < self._every):
-            return
-        self._logged[task_id] = (now, state)
+        with self._log_lock:  # the refresh thread reports too: one line for one change
+            now = time.monotonic()
+            last, last_state = self._logged.get(task_id, (self._began, None))
+            if state == last_state or (not final and now - last < self._every):
+                return
+            self._logged[task_id] = (now, state)
         count = _count(task.completed) + ("" if task.total is None else f"/{_count(task.total)}")
         self._err.print(f"{time.strftime('%H:%M:%S')} {task.description}: {count} "
                         f"({int(elapsed) // 60}m{int(elapsed) % 60:02d}s)")
