@@ -693,7 +693,7 @@ def test_a_grid_forks_no_more_workers_than_jobs(tmp_path):
 def test_sigterm_exits_143_where_a_library_re_raises_the_exit_as_its_own():
     """Ray's wait runs the SIGTERM handler and raises SystemExit(1) in place of its SystemExit(143):
     `selfevo demo --executor ray` exited 1, the code for "a job failed, the report covers the rest"."""
-    from selfevo.experiments import _terminate_raises
+    from selfevo.experiments import terminate_raises
 
     def ray_wait():  # what ray.wait does with an exception a signal handler raises inside it
         try:
@@ -702,7 +702,7 @@ def test_sigterm_exits_143_where_a_library_re_raises_the_exit_as_its_own():
         except SystemExit:
             raise SystemExit(1) from None
 
-    with pytest.raises(SystemExit) as e, _terminate_raises():
+    with pytest.raises(SystemExit) as e, terminate_raises():
         ray_wait()
     assert e.value.code == 143
 

@@ -15,6 +15,7 @@
 from __future__ import annotations
 
 import ast
+import contextlib
 import importlib.util
 import inspect
 import json
@@ -775,3 +776,44 @@ def test_a_run_made_before_a_config_field_existed_resumes_while_it_keeps_its_def
         run.open_for_resume(changed, defaults=defaults)
     with pytest.raises(RunError, match="backend"):  # without defaults nothing is filled in
         run.open_for_resume(cfg)
+
+
+def test_sigterm_stops_the_work_and_the_subprocess_it_started(tmp_path):
+    """`kill`, `timeout` and a scheduler's preemption send SIGTERM. Python's default ended `selfevo`
+    at once and silently, and a subprocess the work had started (engine-run's training job, run with
+    `subprocess.run`; `vllm serve`) went on, writing into the run a resume would take. Now the work's
+    cleanup runs: the subprocess is gone, and the exit is 143 with the line saying how to go on."""
+    out, pidfile = tmp_path / "run", tmp_path / "child.pid"
+    child_code = f"import os, time; open({str(pidfile)!r}, 'w').write(str(os.getpid())); time.sleep(600)"
+    script = tmp_path / "go.py"
+    script.write_text(textwrap.dedent(f"""
+        import subprocess, sys
+        from selfevo.cli import app
+        from selfevo.loop.engine import Loop
+
+        def proposer_step(self, *args, **kwargs):  # a step that waits on a training job
+            subprocess.run([sys.executable, "-c", {child_code!r}], check=True)
+
+        Loop.proposer_step = proposer_step
+        app(["evolve", "--world", "small", "--out", {str(out)!r}, "--no-audit"])
+    """))
+    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, env={**os.environ, "COLUMNS": "200"})
+    child = None
+    try:
+        deadline = time.monotonic() + 300
+        while not (pidfile.exists() and pidfile.read_text()):
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read()
+            time.sleep(0.2)
+        child = int(pidfile.read_text())
+        proc.send_signal(signal.SIGTERM)
+        text, _ = proc.communicate(timeout=120)
+        assert proc.returncode == 143, text
+        assert "stopped:" in text and "--resume" in text, text
+        with pytest.raises(ProcessLookupError):  # killed and reaped by subprocess.run, not orphaned
+            os.kill(child, 0)
+    finally:
+        proc.kill()
+        if child is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(child, signal.SIGKILL)

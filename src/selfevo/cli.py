@@ -30,13 +30,26 @@ console = Console(width=None if sys.stdout.isatty() else 200)
 
 @contextlib.contextmanager
 def _on_stop(then: str):
-    """Ctrl-C inside: one line saying how to go on, and exit status 130 (it was silence: nothing said
-    that the work is kept)."""
+    """Ctrl-C or SIGTERM (`kill`, `timeout`, a scheduler's preemption) inside: one line saying how to
+    go on, and exit status 130 or 143 (it was silence: nothing said that the work is kept). SIGTERM
+    raises in the main thread, so the work's `finally` blocks run: a training job's subprocess (which
+    `subprocess.run` kills) and a served model (`vllm serve`) stop with this process instead of
+    outliving it, still writing into the run that a resume is about to take."""
+    import signal
+
+    from selfevo.experiments import terminate_raises
+
     try:
-        yield
+        with terminate_raises():
+            yield
     except KeyboardInterrupt:
         console.print(f"[yellow]stopped:[/yellow] {escape(then)}")
         raise typer.Exit(130) from None
+    except SystemExit as e:
+        if e.code != 128 + signal.SIGTERM:
+            raise
+        console.print(f"[yellow]stopped:[/yellow] {escape(then)}")
+        raise typer.Exit(e.code) from None
 
 
 @contextlib.contextmanager

@@ -101,7 +101,7 @@ def run_grid(jobs: Sequence[Job], executor: str = "local", workers: int | None =
         # the run directory as an absolute path, and the result names it as the job does (as locally)
         pending = {remote.remote(replace(job, out=str(Path(job.out).resolve()))): job for job in jobs}
         # installed after ray.init, whose driver handler makes SIGTERM exit 1 (a failed job's code)
-        with _terminate_raises():
+        with terminate_raises():
             while pending:
                 ready, _ = ray.wait(list(pending), num_returns=1)
                 for ref in ready:
@@ -131,7 +131,7 @@ def run_grid(jobs: Sequence[Job], executor: str = "local", workers: int | None =
 
 @contextlib.contextmanager
 def worker_pool(workers: int, initializer: Callable | None = None, initargs: tuple = ()):
-    """A process pool that does not outlive this process: SIGTERM raises here (`_terminate_raises`),
+    """A process pool that does not outlive this process: SIGTERM raises here (`terminate_raises`),
     and on any exception out of the block (Ctrl-C, SIGTERM, an error) the workers are killed now, not
     after the pool has run every queued job (an orphan would go on writing run directories a rerun
     resumes, and hold their locks); the pool, broken, fails the queued jobs. A run killed mid-way
@@ -142,7 +142,7 @@ def worker_pool(workers: int, initializer: Callable | None = None, initargs: tup
     method = "fork" if sys.platform.startswith("linux") else "spawn"
     pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context(method), initializer=_pool_worker,
                                initargs=(os.getpid(), initializer, initargs))
-    with _terminate_raises(), pool:  # the workers are forked inside it, at the first submit
+    with terminate_raises(), pool:  # the workers are forked inside it, at the first submit
         try:
             yield pool
         except BaseException:
@@ -152,7 +152,7 @@ def worker_pool(workers: int, initializer: Callable | None = None, initargs: tup
 
 
 def _pool_worker(parent: int, initializer: Callable | None, initargs: tuple) -> None:
-    """Every pool worker's start: SIGTERM's default action (it is forked inside _terminate_raises,
+    """Every pool worker's start: SIGTERM's default action (it is forked inside terminate_raises,
     whose handler would raise in the middle of a job), and death with `parent`, the process that
     made the pool."""
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
@@ -169,9 +169,10 @@ def _pool_worker(parent: int, initializer: Callable | None, initargs: tuple) -> 
 
 
 @contextlib.contextmanager
-def _terminate_raises():
-    """SIGTERM raises SystemExit here (in the main thread), so the pool's workers are stopped
-    with the grid instead of outliving it; elsewhere, nothing changes."""
+def terminate_raises():
+    """SIGTERM raises SystemExit(143) here (in the main thread), so the block's `finally` blocks run:
+    a pool's workers, a training subprocess, a served model stop with this process instead of
+    outliving it; elsewhere, nothing changes."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
