@@ -72,6 +72,8 @@ if step 3; then
 import json, sys
 from pathlib import Path
 run = Path(sys.argv[1])
+if not (run / "compute.json").exists():
+    sys.exit(f"{run}: no round finished (compute.json is written at a round's end)")
 c = json.loads((run / "compute.json").read_text())
 for k in ("generations", "updates", "seconds"):
     print(k, json.dumps(c[k]))

@@ -467,8 +467,8 @@ def evolve_cmd(
                 "data.index": None if index is None else str(index)})
         if model is not None and cfg.backend != "lm":  # the sim learners would ignore it
             _fail(f"--model {model}: a language model needs the lm backend (add --backend lm)")
-        with _on_stop(f"{out}: the run goes on from its last checkpoint (of a round, or within one): the same "
-                      "command with --resume"), \
+        with _on_stop(f"{out}: the run goes on from its last checkpoint (of a round, or within one): "
+                      f"selfevo evolve --out {out} --resume"), \
                 _warnings_as_lines():
             run = evolve(cfg, out, resume=resume, audit=audit, step_checkpoints=step_checkpoints)
     except ConfigError as e:
