@@ -91,7 +91,7 @@ if step 4; then
   python3 -m selfevo.cli replay build --from "$RUN" --size "${REPLAY_SIZE:-4}" --out "$WORK/bank.json" 2>&1 | tail -2 | tee -a "$OUT/replay.txt" &&
   timeout "$REPLAY_TIMEOUT" python3 -m selfevo.cli replay run --bank "$WORK/bank.json" --conditions coupled --seeds 1 \
     --updates 2 --out "$WORK/replay" >> "$OUT/replay.txt" 2>&1
-  echo "exit $?; wall seconds $(seconds "$start" "$(date +%s.%N)")" | tee -a "$OUT/replay.txt"
+  echo "exit $?; wall seconds $(seconds "$start" "$(date +%s.%N)")" >> "$OUT/replay.txt"  # shown by the tail
   tail -14 "$OUT/replay.txt"
   cp "$WORK/replay/results.md" "$OUT/replay.md" 2>/dev/null
 fi

@@ -160,7 +160,6 @@ def test_resume_of_a_missing_run_starts_it(tmp_path, reference):
     assert_same_results(RunDir(tmp_path / "run"), reference)
 
 
-
 def test_resume_with_no_config_option_takes_the_runs_own(tmp_path, monkeypatch, reference):
     """`selfevo evolve --resume --out RUN` alone: the defaults differed from a scaled run in every
     field it set, and were refused; the run's config.json is its config."""
@@ -177,6 +176,7 @@ def test_resume_with_no_config_option_takes_the_runs_own(tmp_path, monkeypatch, 
     # an option given is compared, as before: one that differs is refused
     result = CliRunner().invoke(app, ["evolve", "--out", str(run.path), "--resume", "--seed", "9"])
     assert result.exit_code == 2 and "seed" in " ".join(result.output.split())
+
 
 def test_resume_with_a_different_config_exits_2_naming_the_field(reference, tmp_path):
     before = (reference.path / "records" / "steps.jsonl").read_bytes()

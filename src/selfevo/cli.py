@@ -42,14 +42,11 @@ def _on_stop(then: str):
     try:
         with terminate_raises():
             yield
-    except KeyboardInterrupt:
-        console.print(f"[yellow]stopped:[/yellow] {escape(then)}")
-        raise typer.Exit(130) from None
-    except SystemExit as e:
-        if e.code != 128 + signal.SIGTERM:
+    except (KeyboardInterrupt, SystemExit) as e:
+        if isinstance(e, SystemExit) and e.code != 128 + signal.SIGTERM:  # not SIGTERM's: another exit
             raise
         console.print(f"[yellow]stopped:[/yellow] {escape(then)}")
-        raise typer.Exit(e.code) from None
+        raise typer.Exit(130 if isinstance(e, KeyboardInterrupt) else e.code) from None
 
 
 @contextlib.contextmanager

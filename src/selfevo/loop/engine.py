@@ -293,10 +293,11 @@ class Loop:
                         self._step_checkpoint(sink, r, step, pool, aux_trained=n)
 
                 start = step_state.get("aux_trained", 0) if r == start_round and step_state is not None else 0
-                if self.feedback.n_aux and r < cfg.rounds:  # (after the last round none are trained)
+                last = r == cfg.rounds
+                if self.feedback.n_aux and not last:  # (after the last round none are trained)
                     bar.update(task, description=f"round {r} auxiliary solvers")
                 self.feedback.end_round(r, pool, self.tool, derive_seed(self.seed, r, "aux"),
-                                        last=r == cfg.rounds, start=start, trained=trained)
+                                        last=last, start=start, trained=trained)
                 self._timed("aux", t)
                 if self.evaluate is not None:
                     bar.update(task, description=f"round {r} evaluation")
