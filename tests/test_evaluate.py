@@ -604,6 +604,35 @@ def test_register_agent_refuses_a_prefix_no_spec_can_name(prefix):
     assert prefix not in known_agents()
 
 
+def test_a_run_directorys_evaluation_leaves_no_answers_file_for_a_failed_call(tmp_path, capsys):
+    """A run's evaluation is made once (`keep_failed=False`): a question whose call failed for good
+    is scored as no answer and marked in the predictions, and no partial file is left that nothing
+    would read (before, `engine-run` left one behind)."""
+    from types import SimpleNamespace
+
+    from selfevo.evaluate import evaluate_solver
+
+    class Failing(_EchoSolver):
+        def answer(self, questions, tool, **kw):
+            groups = super().answer(questions, tool, **kw)
+            for q, (traj,) in zip(questions, groups):
+                traj.trace = SimpleNamespace(failed=q.startswith("Rome"))
+                traj.answer = "" if q.startswith("Rome") else traj.answer
+            return groups
+
+    data = {"nq": [QAItem("n0", "Paris question", ("paris",)), QAItem("n1", "Rome question", ("rome",))]}
+    tool = SearchTool(_FakeRetriever([Document("d", "T", "text")]), topk=3, max_calls=5)
+    partial, preds = tmp_path / "partial.jsonl", tmp_path / "preds.jsonl"
+    for keep in (True, False):
+        result = evaluate_solver(Failing(), data, tool, progress=False, predictions_path=preds,
+                                 partial_key={"round": 1}, partial_path=partial, keep_failed=keep)
+        assert result["run"]["failed_questions"] == 1
+        assert [json.loads(x).get("failed", False) for x in preds.read_text().splitlines()] == [False, True]
+        said = " ".join(capsys.readouterr().err.split())
+        assert "1 question(s) got no answer" in said
+        assert partial.exists() == keep and ("asks only those" in said) == keep
+
+
 def test_a_resumed_evaluation_asks_again_what_failed_and_refuses_other_agent_settings(tmp_path, monkeypatch):
     """A review found three ways a resumed `selfevo eval` went wrong: the questions whose call
     failed (saved as no answer) were never asked again; the stopped run's agent settings (`--lm-set`)

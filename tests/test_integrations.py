@@ -912,6 +912,78 @@ def math_ceil(a, b):
     return -(-a // b)
 
 
+def test_an_engine_evaluation_killed_part_way_goes_on_from_the_answers_given(tmp_path, monkeypatch):
+    """A kill during `engine-run`'s evaluation of a served model keeps the answers given: the resumed
+    phase asks only the rest and writes what a run never killed writes; a model whose files changed
+    since is asked everything again. Before, the phase restarted whole (hours for 1,325 questions)."""
+    import contextlib
+    import functools
+
+    import selfevo.evaluate as ev
+    from selfevo.agents.remote import RemoteSolver
+    from selfevo.integrations import engine as eng
+
+    asked = []
+
+    def script(messages):
+        question = messages[-1]["content"]
+        asked.append(question)
+        return f"<answer> {len(question) % 7} </answer>"
+
+    monkeypatch.setattr(ev, "evaluate_solver", functools.partial(ev.evaluate_solver, batch_size=2))
+    with running(make_app(ScriptedModel(script))) as url:
+        @contextlib.contextmanager
+        def serving(self, models):
+            yield {role: (url, name) for role, (_, name) in models.items()}
+        monkeypatch.setattr(eng.EngineRun, "serving", serving)
+
+        def make(out):
+            cfg = {**ENGINE_CFG, "data": {"eval_limit": 3}}
+            run = eng.EngineRun(eng.engine_config_from_dict(cfg, engine="trl"), out, log=lambda m: None)
+            model = out / "models" / "main" / "round-1"
+            model.mkdir(parents=True)
+            (model / "config.json").write_text("{}")
+            return run, model
+
+        whole, _ = make(tmp_path / "whole")
+        whole.evaluate(1)
+        everything = len(asked)
+        assert everything >= 6  # several batches of 2
+
+        run, model = make(tmp_path / "killed")
+        answer, calls = RemoteSolver.answer, []
+
+        def killed_at_the_third_batch(self, *a, **k):
+            calls.append(1)
+            if len(calls) == 3:
+                raise KeyboardInterrupt
+            return answer(self, *a, **k)
+        monkeypatch.setattr(RemoteSolver, "answer", killed_at_the_third_batch)
+        asked.clear()
+        with pytest.raises(KeyboardInterrupt):
+            run.evaluate(1)
+        assert len(asked) == 4 and run.run.eval_partial_path(1).exists()
+        monkeypatch.setattr(RemoteSolver, "answer", answer)
+        asked.clear()
+        run.evaluate(1)
+        assert len(asked) == everything - 4  # only the questions not answered before the kill
+        for name in ("eval/round-1.json", "eval/round-1.predictions.jsonl"):
+            assert (tmp_path / "killed" / name).read_bytes() == (tmp_path / "whole" / name).read_bytes()
+        assert not run.run.eval_partial_path(1).exists()
+
+        # killed again, then the model's files change (retrained): its answers before are not kept
+        monkeypatch.setattr(RemoteSolver, "answer", killed_at_the_third_batch)
+        calls.clear()
+        with pytest.raises(KeyboardInterrupt):
+            run.evaluate(1)
+        monkeypatch.setattr(RemoteSolver, "answer", answer)
+        (model / "model.safetensors").write_bytes(b"retrained")
+        asked.clear()
+        with pytest.warns(UserWarning, match="started over"):
+            run.evaluate(1)
+        assert len(asked) == everything
+
+
 def test_engine_jobs_are_one_pass_and_a_resume_may_turn_the_audit_on(tmp_path, monkeypatch):
     """The TRL jobs the engine writes (the real `train`, the job itself faked) train one pass over
     exactly steps × prompts rows holding every question they are given; an audit skipped with

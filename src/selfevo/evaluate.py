@@ -297,23 +297,27 @@ def evaluate_solver(solver: Solver, data: Mapping[str, Sequence[QAItem]], tool: 
                     predictions_path: str | os.PathLike | None = None,
                     score_path: str | os.PathLike | None = None, per_invocation: bool = True,
                     partial_key: Mapping[str, Any] | None = None,
-                    partial_path: str | os.PathLike | None = None, restart_stale: bool = False) -> dict:
+                    partial_path: str | os.PathLike | None = None, restart_stale: bool = False,
+                    keep_failed: bool = True) -> dict:
     """Run `solver` once, greedily, on every question and score it.
 
     Every agent gets the same `tool` (its budget, e.g. 5 searches of top-3, is the tool's, so it
     is identical for every row) and the same scorer. Writes `predictions.jsonl` and `score.json`
     to `out_dir` when given (or to the explicit paths); returns the score dict plus a `run` block
     (tool budget, whatever the caller passes in `run_info`, and unless `per_invocation=False` what
-    depends on this invocation: its seconds, the questions it took from a stopped evaluation; a run
-    directory's evaluation files leave them out, so a resumed run writes the same bytes).
+    depends on this invocation: its seconds, the questions it took from a stopped evaluation, the
+    agent's `describe()` (a remote solver's URL and call counters); a run directory's evaluation files
+    leave them out, so a resumed run writes the same bytes).
 
     With `partial_key` (what makes two evaluations the same: the agent spec, data, retriever) and
     `out_dir` (or `partial_path`), each answered batch is appended to `predictions.partial.jsonl`
     (`partial_path`) as it comes: an evaluation stopped part way (a kill, Ctrl-C, an endpoint that
     stopped answering) continues from there when run again with the same key, and the file is
-    removed once the results are written, unless some calls failed for good: run again, it asks
-    only those questions again. One of other settings is refused, or with `restart_stale` set
-    aside with a warning (a resumed run whose model came out otherwise than before the kill).
+    removed once the results are written, unless some calls failed for good and `keep_failed`: run
+    again, it asks only those questions again. A run directory's evaluation passes False: it is made
+    once, so nothing would read the file again (its predictions mark those rows `failed`, its score
+    counts them). One of other settings is refused, or with `restart_stale` set aside with a warning
+    (a resumed run whose model came out otherwise than before the kill).
     """
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
@@ -374,7 +378,7 @@ def evaluate_solver(solver: Solver, data: Mapping[str, Sequence[QAItem]], tool: 
         **(run_info or {}),
     }
     describe = getattr(solver, "describe", None)
-    if describe is not None:  # e.g. a remote solver's settings and failed-call counters (this invocation's)
+    if describe is not None and per_invocation:  # e.g. a remote solver's URL and its calls' counters: this invocation's
         result["run"]["agent_detail"] = describe()
     if out_dir is not None:
         predictions_path = predictions_path or Path(out_dir) / "predictions.jsonl"
@@ -384,10 +388,11 @@ def evaluate_solver(solver: Solver, data: Mapping[str, Sequence[QAItem]], tool: 
     if score_path is not None:
         write_json(score_path, result)
     if partial is not None:
-        if failed:  # kept: run again, and only those are asked again (`_read_partial` leaves them out)
-            console.print(escape(f"{failed} question(s) got no answer (calls that failed for good, scored as "
-                                 f"none); the same command again asks only those ({partial})"))
-        else:
+        retry = failed and keep_failed  # run again, only those are asked again (`_read_partial` leaves them out)
+        if failed:
+            console.print(escape(f"{failed} question(s) got no answer (calls that failed for good, scored as none)"
+                                 + (f"; the same command again asks only those ({partial})" if retry else "")))
+        if not retry:
             partial.unlink()  # its rows are in predictions.jsonl now
     return result
 

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import contextlib
 import difflib
+import hashlib
 import importlib.util
 import json
 import math
@@ -673,15 +674,23 @@ class EngineRun:
 
     def evaluate(self, r: int) -> dict:
         from selfevo.agents.remote import RemoteSolver
-        from selfevo.evaluate import evaluate_solver
+        from selfevo.evaluate import PartialFileError, evaluate_solver
 
         path, name = self.model_dir("main", r), f"main@r{r}"
         with self.serving({"main": (path, name)}) as served, \
                 RemoteSolver(*served["main"], **self.remote_options()) as solver:
-            result = evaluate_solver(solver, self.env.benchmarks, self.tool, progress=False, run_info={"round": r},
-                                     limit=self.cfg.data.eval_limit or None,
-                                     predictions_path=self.run.eval_predictions_path(r),
-                                     score_path=self.run.eval_path(r), per_invocation=False)
+            try:
+                # a kill during it (1,325 questions of a served 4B model: hours) keeps the answers given:
+                # the resumed phase goes on from them while the model's files are the ones that gave them
+                result = evaluate_solver(solver, self.env.benchmarks, self.tool, progress=False,
+                                         run_info={"round": r}, limit=self.cfg.data.eval_limit or None,
+                                         predictions_path=self.run.eval_predictions_path(r),
+                                         score_path=self.run.eval_path(r), per_invocation=False,
+                                         partial_key={"round": r, "model": model_identity(path)},
+                                         partial_path=self.run.eval_partial_path(r), restart_stale=True,
+                                         keep_failed=False)
+            except PartialFileError as e:  # damaged (a line before the last): no kill does that
+                raise RunError(str(e)) from None
         if r > 0:
             self.run.checkpoint(r, {"models": {role: self.model_dir(role, r)
                                                for role in ["proposer", "main", *aux_roles(self.treatment)]},
@@ -713,6 +722,18 @@ def engine_run(ecfg: EngineConfig, out: str | os.PathLike, resume: bool = False,
 
 
 # ---------------------------------------------------------------- helpers
+
+
+def model_identity(path: str) -> str:
+    """What tells a model apart without reading its weights (18 GB at 9B): a directory by its files'
+    names, sizes and modification times (a retrained model rewrites them; a run directory moved with
+    them kept still matches), anything else (a hub id) by its name."""
+    root = Path(path)
+    if not root.is_dir():
+        return path
+    files = sorted((str(p.relative_to(root)), p.stat().st_size, p.stat().st_mtime_ns)
+                   for p in root.rglob("*") if p.is_file())
+    return hashlib.sha256(json.dumps(files).encode()).hexdigest()
 
 
 def _corpus_env(cfg: RunConfig):
