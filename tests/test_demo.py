@@ -115,6 +115,10 @@ def test_demo_bad_config_exits_2(tmp_path):
     result = CliRunner().invoke(app, ["demo", "--config", str(cfg), "--out", str(tmp_path / "o")])
     assert result.exit_code == 2 and "demo.executor" in " ".join(result.output.split())
     assert not (tmp_path / "o").exists()
+    # --workers under Ray was ignored without a word (Ray schedules by its own resources)
+    result = CliRunner().invoke(app, ["demo", "--executor", "ray", "--workers", "2", "--out", str(tmp_path / "o")])
+    assert result.exit_code == 2 and "--workers counts local processes" in " ".join(result.output.split())
+    assert not (tmp_path / "o").exists()
 
 
 def _quick(**fields) -> DemoPlan:

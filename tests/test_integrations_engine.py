@@ -210,6 +210,12 @@ def test_trl_rollout_masks_observations(smollm2_path):
     assert tok.decode(out["prompt_ids"][0]).endswith("<|im_start|>assistant\n")
     assert "Where is Beta?" in tok.decode(out["prompt_ids"][0]) and "Where is Beta?" not in tok.decode(ids)
     assert ids[-1] == tok.eos_token_id and out["answer"] == ["the sea"] and out["read"] == [["d1"]]
+    # SmolLM2's ChatML is prefix-stable: the append-only rendering TRL generates from is the template's own
+    from selfevo.agents.lm.rl import append_only, template_of
+
+    chat = rollouts[0].messages
+    assert all(append_only(template_of(tok))(chat[:k], gen) == template_of(tok)(chat[:k], gen)
+               for k in range(1, len(chat) + 1) for gen in (False, True))
     # the proposer's final <answer> is its label, not trained (rl.encode_conversation)
     prop = SearchRollout(tool, role="proposer", max_actions=1)
     final = "<question> Where is Beta? </question> <answer> sea </answer>"

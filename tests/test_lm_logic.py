@@ -8,7 +8,7 @@ import pytest
 
 from selfevo.agents.lm import protocol as P
 from selfevo.agents.lm.config import LMConfig
-from selfevo.agents.lm.rl import content_spans, encode_conversation, encode_trajectory, trained_spans
+from selfevo.agents.lm.rl import append_only, content_spans, encode_conversation, encode_trajectory, trained_spans
 from selfevo.agents.lm.rollout import run_rollouts
 from selfevo.integrations.rewards import extract_answer
 from selfevo.records import Document
@@ -164,6 +164,54 @@ def test_a_prefix_stable_template_still_masks_exactly_the_actions():
     # an empty message is no span and no error
     empty = [*CONVERSATION[:2], {"role": "assistant", "content": ""}]
     assert content_spans([chatml(empty[:i + 1]) for i in range(3)], empty)[2][0] == len(chatml(empty))
+
+
+def chatml(ms, add_generation_prompt=False):
+    return "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in ms) + (
+        "<|im_start|>assistant\n" if add_generation_prompt else "")
+
+
+@pytest.mark.parametrize("template", [qwen3_like, llama3_like, chatml], ids=["qwen3", "llama3", "chatml"])
+def test_the_append_only_rendering_holds_each_action_right_after_what_it_was_generated_from(template):
+    """TRL takes one completion a trajectory, so its engine refused a template that re-renders earlier
+    turns (Qwen3's, the paper's models') and trained a trimming template's (Llama 3's) action without
+    its outer whitespace. It now generates and trains on the append-only rendering (`rl.append_only`)."""
+    render = append_only(template)
+    chat = [*CONVERSATION[:2], {"role": "assistant", "content": " <think>t</think><search> paris mayor </search>"},
+            *CONVERSATION[3:], {"role": "user", "content": "late note"}, {"role": "assistant", "content": "x "}]
+    whole = render(chat)
+    for k, m in enumerate(chat):
+        assert whole.startswith(render(chat[:k + 1]))  # prefix-stable by construction
+        if m["role"] == "assistant":  # each action verbatim, right after the text generation rendered
+            assert whole.startswith(render(chat[:k], True) + m["content"])
+    assert render(chat[:2], True) == template(chat[:2], True)  # the prompt is the template's own
+    ids, mask = encode_conversation(OffsetTokenizer(), chat, render=render)  # before: "not a prefix" (qwen3)
+    assert trained_text(ids, mask) == "".join(m["content"] for m in chat if m["role"] == "assistant")
+    if template is chatml:  # a prefix-stable template renders as it did
+        assert all(render(chat[:k], gen) == chatml(chat[:k], gen) for k in range(len(chat) + 1) for gen in (0, 1))
+
+
+def test_the_trl_rollout_encodes_a_qwen3_like_template_as_generated():
+    from selfevo.integrations.trl_env import SearchRollout
+
+    class QwenLikeTokenizer(OffsetTokenizer):
+        eos_token_id = ord("\x04")  # in no text here: the completion runs to the end
+
+        def apply_chat_template(self, messages, tokenize=False, add_generation_prompt=False):
+            return qwen3_like(messages, add_generation_prompt)
+
+    tool = SearchTool(BM25Index.build([Document("d1", "Paris", "The mayor is Anne.")]), topk=1, max_calls=2)
+    replies = iter([("<think>who?</think><search> paris mayor </search>", "stop"), ("<answer> Anne </answer>", "stop")])
+    ro = SearchRollout(tool, role="solver", max_actions=3)
+    prompt = CONVERSATION[:2]
+    [rollout] = ro.rollouts([prompt], lambda convs, seed: [next(replies)], seed=0)
+    out = ro.encode(QwenLikeTokenizer(), [prompt], [rollout])  # before: ValueError, "not a prefix"
+    prompt_text = "".join(map(chr, out["prompt_ids"][0]))
+    assert prompt_text == qwen3_like(prompt, add_generation_prompt=True)
+    completion = "".join(map(chr, out["completion_ids"][0]))
+    assert completion.startswith("<think>who?</think><search> paris mayor </search><|im_end|>\n<|im_start|>user\n")
+    assert trained_text(out["completion_ids"][0], out["env_mask"][0]) == (
+        "<think>who?</think><search> paris mayor </search><answer> Anne </answer>")
 
 
 # ---------------------------------------------------------------- the rollouts' searches

@@ -861,6 +861,9 @@ def demo_cmd(
         plan = load_plan(config, seeds=seeds, world=world, executor=executor)
     except ConfigError as e:
         _fail(str(e))
+    if workers is not None and plan.executor != "local":  # it would be ignored: Ray schedules by its resources
+        _fail(f"--workers counts local processes; the {plan.executor} executor schedules by its own resources "
+              "(leave --workers out, or use --executor local)")
     _out_dir(out)
     from selfevo._io import hold_directory
 

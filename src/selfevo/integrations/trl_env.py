@@ -7,6 +7,9 @@ over the trainer's own model, and TRL gets back, per completion:
 
     prompt_ids      the system + user turns, rendered with the chat template
     completion_ids  every later token: assistant actions, <information> observations, corrections
+                    (one sequence a trajectory: the chat rendered append-only, `rl.append_only`, each
+                    action verbatim after the text it was generated from, so that any chat template
+                    works, Qwen3's, which re-renders earlier turns, included)
     env_mask        1 on tokens the policy wrote, 0 on observations and template tokens, so tool text
                     is never trained (TRL multiplies it into the loss mask); the proposer's final
                     <answer> span is 0 too (`rl.encode_conversation(mask_final_answer=True)`)
@@ -26,7 +29,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from selfevo.agents.lm.protocol import STOP_STRINGS, cut_at_stop, parse_action, parse_proposer_action, scaffolded
-from selfevo.agents.lm.rl import content_spans, encode_conversation
+from selfevo.agents.lm.rl import Render, append_only, content_spans, encode_conversation, template_of
 from selfevo.agents.lm.rollout import Rollout, run_rollouts
 from selfevo.loop.schedule import derive_seed
 from selfevo.search.tool import SearchTool
@@ -64,9 +67,10 @@ class SearchRollout:
         process = getattr(trainer.accelerator, "process_index", 0)
         seed = derive_seed(self.seed, self.role, trainer.state.global_step, self.calls, process)
         self.calls += 1
-        gen = self._generator(trainer, tokenizer)
+        render = append_only(template_of(tokenizer))  # what each action is generated from, and trained on
+        gen = self._generator(trainer, tokenizer, render)
         rollouts = self.rollouts([list(p) for p in prompts], gen, seed)
-        return self.encode(tokenizer, prompts, rollouts)
+        return self.encode(tokenizer, prompts, rollouts, render)
 
     def rollouts(self, starts: list[list[dict]], gen, seed: int) -> list[Rollout]:
         solver = self.role == "solver"
@@ -75,13 +79,16 @@ class SearchRollout:
         return run_rollouts(starts, self.tool, generate, max_actions=self.max_actions if searching else 1,
                             seed=seed, parse=parse_action if solver else parse_proposer_action)
 
-    def encode(self, tokenizer, prompts: Sequence[list[dict]], rollouts: Sequence[Rollout]) -> dict:
+    def encode(self, tokenizer, prompts: Sequence[list[dict]], rollouts: Sequence[Rollout],
+               render: Render | None = None) -> dict:
+        render = render or append_only(template_of(tokenizer))
         out = {"prompt_ids": [], "completion_ids": [], "logprobs": None, "env_mask": [], "answer": [],
                "final": [], "read": []}
         eos = tokenizer.eos_token_id
         for prompt, ro in zip(prompts, rollouts, strict=True):
-            ids, mask = encode_conversation(tokenizer, ro.messages, mask_final_answer=self.role == "proposer")
-            cut = _prompt_length(tokenizer, ro.messages, len(prompt))
+            ids, mask = encode_conversation(tokenizer, ro.messages, mask_final_answer=self.role == "proposer",
+                                            render=lambda ms: render(ms, False))
+            cut = _prompt_length(tokenizer, ro.messages, len(prompt), render)
             comp, env = ids[cut:], mask[cut:]
             if ro.messages[-1]["role"] == "assistant" and eos in comp:  # end at the last action's end of turn
                 last = len(comp) - 1 - comp[::-1].index(eos)
@@ -97,35 +104,36 @@ class SearchRollout:
         return out
 
     # ------------------------------------------------------------ generation
-    def _generator(self, trainer, tokenizer):
+    def _generator(self, trainer, tokenizer, render: Render):
         if self.backend == "vllm":
-            return lambda convs, seed, prefix=None, stops=STOP_STRINGS: _vllm_generate(trainer, tokenizer, convs)
+            return lambda convs, seed, prefix=None, stops=STOP_STRINGS: _vllm_generate(
+                trainer, tokenizer, convs, render)
         return lambda convs, seed, prefix=None, stops=STOP_STRINGS: hf_generate(
             trainer, tokenizer, convs, seed=seed, max_new_tokens=self.max_new_tokens, temperature=self.temperature,
-            top_p=self.top_p, stops=stops, prefix=prefix)
+            top_p=self.top_p, stops=stops, prefix=prefix, render=render)
 
 
-def _prompt_length(tokenizer, messages: Sequence[dict], n_prompt: int) -> int:
+def _prompt_length(tokenizer, messages: Sequence[dict], n_prompt: int, render: Render) -> int:
     """Tokens before the first reply: everything up to where the first assistant content starts
     (so the assistant header the template writes belongs to the prompt)."""
-    render = [tokenizer.apply_chat_template(list(messages[:i + 1]), tokenize=False) for i in range(len(messages))]
+    rendered = [render(messages[:i + 1], False) for i in range(len(messages))]
     if len(messages) <= n_prompt:
-        return len(tokenizer(render[-1], add_special_tokens=False)["input_ids"])
-    start = content_spans(render, messages)[n_prompt][0]
-    enc = tokenizer(render[-1], add_special_tokens=False, return_offsets_mapping=True)
+        return len(tokenizer(rendered[-1], add_special_tokens=False)["input_ids"])
+    start = content_spans(rendered, messages)[n_prompt][0]
+    enc = tokenizer(rendered[-1], add_special_tokens=False, return_offsets_mapping=True)
     return sum(1 for _, e in enc["offset_mapping"] if e <= start)
 
 
 def hf_generate(trainer, tokenizer, conversations: Sequence[Sequence[dict]], *, seed: int | None,
                 max_new_tokens: int, temperature: float, top_p: float, stops: Sequence[str] = STOP_STRINGS,
-                prefix: Sequence[str] | None = None) -> list[tuple[str, str]]:
+                prefix: Sequence[str] | None = None, render: Render) -> list[tuple[str, str]]:
     """One sampled assistant action per conversation with the trainer's model: `(text, finish_reason)`,
-    cut after the first stop string; `prefix[i]` starts reply i and is part of its text."""
+    cut after the first stop string; `prefix[i]` starts reply i and is part of its text. `render`:
+    the conversation as the action is generated from it (`rl.append_only`)."""
     import torch
     from trl.models.utils import unwrap_model_for_generation
 
-    texts = [tokenizer.apply_chat_template([dict(m) for m in c], tokenize=False, add_generation_prompt=True)
-             + (prefix[i] if prefix else "") for i, c in enumerate(conversations)]
+    texts = [render([dict(m) for m in c], True) + (prefix[i] if prefix else "") for i, c in enumerate(conversations)]
     side = tokenizer.padding_side
     tokenizer.padding_side = "left"
     try:
@@ -158,11 +166,11 @@ def hf_generate(trainer, tokenizer, conversations: Sequence[Sequence[dict]], *, 
     return replies
 
 
-def _vllm_generate(trainer, tokenizer, conversations: Sequence[Sequence[dict]]) -> list[tuple[str, str]]:
+def _vllm_generate(trainer, tokenizer, conversations: Sequence[Sequence[dict]],
+                   render: Render) -> list[tuple[str, str]]:
     """One action per conversation with TRL's colocated vLLM engine (stop strings come from
     GRPOConfig.generation_kwargs, which `engine.py` sets: stop=</search>,</answer>, kept in the output)."""
-    ids = [tokenizer(tokenizer.apply_chat_template([dict(m) for m in c], tokenize=False, add_generation_prompt=True),
-                     add_special_tokens=False)["input_ids"] for c in conversations]
+    ids = [tokenizer(render([dict(m) for m in c], True), add_special_tokens=False)["input_ids"] for c in conversations]
     _, completion_ids, _, _ = trainer.vllm_generation.generate(prompts=ids, images=None, num_generations=1)
     replies = []
     for comp in completion_ids:

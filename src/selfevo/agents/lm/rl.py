@@ -202,7 +202,50 @@ def encode_trajectory(tokenizer, messages: Sequence[dict], mask_final_answer: bo
 
 
 def _renderer(tokenizer, generation_prompt: bool = False) -> Callable[[Sequence[dict]], str]:
-    return lambda ms: tokenizer.apply_chat_template(list(ms), tokenize=False, add_generation_prompt=generation_prompt)
+    template = template_of(tokenizer)
+    return lambda ms: template(ms, generation_prompt)
+
+
+Render = Callable[[Sequence[dict], bool], str]  # (messages, add_generation_prompt) -> text
+_PLACEHOLDER = "\ue000selfevo-action\ue000"  # no whitespace or tags: no template trims or splits it
+
+
+def append_only(template: Render) -> Render:
+    """A chat template made prefix-stable, for a trainer that takes one completion a trajectory (TRL):
+    the turns before the first action as `template` renders them with its generation prompt, then
+    each assistant action verbatim, as generated, each followed by what the template writes after an
+    assistant turn (its close, the observations that follow and, before the next action, the
+    generation prompt). Generating every action from this rendering of the turns before it, the whole
+    chat holds each action right after the text it was generated from, under any template: one that
+    re-renders earlier turns (Qwen3 drops their <think>) or trims them (Llama 3) included. Where the
+    template is prefix-stable already (ChatML) this is its own rendering."""
+
+    def after_action(head: Sequence[dict], tail: Sequence[dict], generation_prompt: bool) -> str:
+        text = template([*head, {"role": "assistant", "content": _PLACEHOLDER}, *tail], generation_prompt)
+        at = text.find(_PLACEHOLDER)
+        if at < 0:
+            raise ValueError("the chat template does not render an assistant turn's content as given, so an "
+                             "action cannot be placed in the chat")
+        return text[at + len(_PLACEHOLDER):]
+
+    def render(messages: Sequence[dict], add_generation_prompt: bool = False) -> str:
+        actions = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+        if not actions:
+            return template(list(messages), add_generation_prompt)
+        head = list(messages[:actions[0]])
+        out = [template(head, True)]
+        for i, j in zip(actions, [*actions[1:], len(messages)]):
+            out.append(messages[i]["content"])
+            # before another action the generation prompt is written: it is what that action followed
+            out.append(after_action(head, messages[i + 1:j], add_generation_prompt or j < len(messages)))
+        return "".join(out)
+
+    return render
+
+
+def template_of(tokenizer) -> Render:
+    """The tokenizer's chat template as a `Render`."""
+    return lambda ms, gen=False: tokenizer.apply_chat_template(list(ms), tokenize=False, add_generation_prompt=gen)
 
 
 def _encode_whole(tokenizer, text: str, messages: Sequence[dict], spans: Sequence[Span],
