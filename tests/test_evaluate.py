@@ -604,33 +604,42 @@ def test_register_agent_refuses_a_prefix_no_spec_can_name(prefix):
     assert prefix not in known_agents()
 
 
-def test_a_run_directorys_evaluation_leaves_no_answers_file_for_a_failed_call(tmp_path, capsys):
-    """A run's evaluation is made once (`keep_failed=False`): a question whose call failed for good
-    is scored as no answer and marked in the predictions, and no partial file is left that nothing
-    would read (before, `engine-run` left one behind)."""
+def test_a_run_directorys_evaluation_leaves_its_answers_file_to_the_run(tmp_path, capsys):
+    """A run's evaluation is made once and recorded by the run (`remove_partial=False`): the answers
+    file stays, whatever failed, for the run to remove once the round is recorded (`RunDir.checkpoint`),
+    so that a kill before that asks nothing again; a failed call's question is scored as no answer and
+    marked, without the rerun hint of `selfevo eval`."""
     from types import SimpleNamespace
 
     from selfevo.evaluate import evaluate_solver
 
     class Failing(_EchoSolver):
+        def __init__(self, fail):
+            super().__init__()
+            self.fail = fail
+
         def answer(self, questions, tool, **kw):
             groups = super().answer(questions, tool, **kw)
             for q, (traj,) in zip(questions, groups):
-                traj.trace = SimpleNamespace(failed=q.startswith("Rome"))
-                traj.answer = "" if q.startswith("Rome") else traj.answer
+                traj.trace = SimpleNamespace(failed=self.fail and q.startswith("Rome"))
+                traj.answer = "" if traj.trace.failed else traj.answer
             return groups
 
     data = {"nq": [QAItem("n0", "Paris question", ("paris",)), QAItem("n1", "Rome question", ("rome",))]}
     tool = SearchTool(_FakeRetriever([Document("d", "T", "text")]), topk=3, max_calls=5)
     partial, preds = tmp_path / "partial.jsonl", tmp_path / "preds.jsonl"
-    for keep in (True, False):
-        result = evaluate_solver(Failing(), data, tool, progress=False, predictions_path=preds,
-                                 partial_key={"round": 1}, partial_path=partial, keep_failed=keep)
-        assert result["run"]["failed_questions"] == 1
-        assert [json.loads(x).get("failed", False) for x in preds.read_text().splitlines()] == [False, True]
+    asked = []
+    for remove, fail, kept in ((True, True, True), (False, True, True), (False, False, True), (True, False, False)):
+        solver = Failing(fail)
+        result = evaluate_solver(solver, data, tool, progress=False, predictions_path=preds,
+                                 partial_key={"round": 1}, partial_path=partial, remove_partial=remove)
+        assert result["run"].get("failed_questions", 0) == fail
+        assert [json.loads(x).get("failed", False) for x in preds.read_text().splitlines()] == [False, fail]
         said = " ".join(capsys.readouterr().err.split())
-        assert "1 question(s) got no answer" in said
-        assert partial.exists() == keep and ("asks only those" in said) == keep
+        assert ("1 question(s) got no answer" in said) == fail and ("asks only those" in said) == (fail and remove)
+        assert partial.exists() == kept
+        asked.append(sum(n for n, *_ in solver.calls))
+    assert asked == [2, 1, 1, 0]  # each time only the question that had failed; at last none
 
 
 def test_a_resumed_evaluation_asks_again_what_failed_and_refuses_other_agent_settings(tmp_path, monkeypatch):

@@ -914,8 +914,9 @@ def math_ceil(a, b):
 
 def test_an_engine_evaluation_killed_part_way_goes_on_from_the_answers_given(tmp_path, monkeypatch):
     """A kill during `engine-run`'s evaluation of a served model keeps the answers given: the resumed
-    phase asks only the rest and writes what a run never killed writes; a model whose files changed
-    since is asked everything again. Before, the phase restarted whole (hours for 1,325 questions)."""
+    phase asks only the rest and writes what a run never killed writes; killed after the evaluation
+    was written, it asks nothing again; a model whose files changed since is asked everything again.
+    Before, the phase restarted whole (hours for 1,325 questions)."""
     import contextlib
     import functools
 
@@ -969,9 +970,27 @@ def test_an_engine_evaluation_killed_part_way_goes_on_from_the_answers_given(tmp
         assert len(asked) == everything - 4  # only the questions not answered before the kill
         for name in ("eval/round-1.json", "eval/round-1.predictions.jsonl"):
             assert (tmp_path / "killed" / name).read_bytes() == (tmp_path / "whole" / name).read_bytes()
-        assert not run.run.eval_partial_path(1).exists()
+        assert not run.run.eval_partial_path(1).exists()  # removed with the round's checkpoint
+        # killed after that, before the phase was logged: nothing is asked again
+        asked.clear()
+        assert run.evaluate(1) == whole.evaluate(1) and asked == []
 
-        # killed again, then the model's files change (retrained): its answers before are not kept
+        # killed after the evaluation's files, before the round's checkpoint: its answers are kept till then
+        run, model = make(tmp_path / "unrecorded")
+        checkpoint = run.run.checkpoint
+
+        def killed(*a, **k):
+            raise KeyboardInterrupt
+        monkeypatch.setattr(run.run, "checkpoint", killed)
+        with pytest.raises(KeyboardInterrupt):
+            run.evaluate(1)
+        monkeypatch.setattr(run.run, "checkpoint", checkpoint)
+        asked.clear()
+        run.evaluate(1)
+        assert asked == [] and not run.run.eval_partial_path(1).exists()  # before: all 21 asked again
+
+        # killed during it, then the model's files change (retrained): its answers before are not kept
+        run, model = make(tmp_path / "retrained")
         monkeypatch.setattr(RemoteSolver, "answer", killed_at_the_third_batch)
         calls.clear()
         with pytest.raises(KeyboardInterrupt):

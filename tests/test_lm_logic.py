@@ -212,6 +212,15 @@ def test_the_trl_rollout_encodes_a_qwen3_like_template_as_generated():
     assert completion.startswith("<think>who?</think><search> paris mayor </search><|im_end|>\n<|im_start|>user\n")
     assert trained_text(out["completion_ids"][0], out["env_mask"][0]) == (
         "<think>who?</think><search> paris mayor </search><answer> Anne </answer>")
+    # an action whose text the template writes too ("\n", an invalid action of a small model) is placed
+    # where it was generated; found by searching, it was placed in the template's close after it, and the
+    # prompt took the action and that close
+    replies = iter([("\n", "stop"), ("<answer> Anne </answer>", "stop")])
+    [rollout] = ro.rollouts([prompt], lambda convs, seed: [next(replies)], seed=0)
+    out = ro.encode(QwenLikeTokenizer(), [prompt], [rollout])
+    assert "".join(map(chr, out["prompt_ids"][0])) == qwen3_like(prompt, add_generation_prompt=True)
+    assert trained_text(out["completion_ids"][0], out["env_mask"][0]) == "\n<answer> Anne </answer>"
+    assert "".join(map(chr, out["completion_ids"][0])).startswith("\n<|im_end|>\n<|im_start|>user\n")
 
 
 # ---------------------------------------------------------------- the rollouts' searches

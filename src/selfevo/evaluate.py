@@ -298,7 +298,7 @@ def evaluate_solver(solver: Solver, data: Mapping[str, Sequence[QAItem]], tool: 
                     score_path: str | os.PathLike | None = None, per_invocation: bool = True,
                     partial_key: Mapping[str, Any] | None = None,
                     partial_path: str | os.PathLike | None = None, restart_stale: bool = False,
-                    keep_failed: bool = True) -> dict:
+                    remove_partial: bool = True) -> dict:
     """Run `solver` once, greedily, on every question and score it.
 
     Every agent gets the same `tool` (its budget, e.g. 5 searches of top-3, is the tool's, so it
@@ -313,9 +313,10 @@ def evaluate_solver(solver: Solver, data: Mapping[str, Sequence[QAItem]], tool: 
     `out_dir` (or `partial_path`), each answered batch is appended to `predictions.partial.jsonl`
     (`partial_path`) as it comes: an evaluation stopped part way (a kill, Ctrl-C, an endpoint that
     stopped answering) continues from there when run again with the same key, and the file is
-    removed once the results are written, unless some calls failed for good and `keep_failed`: run
-    again, it asks only those questions again. A run directory's evaluation passes False: it is made
-    once, so nothing would read the file again (its predictions mark those rows `failed`, its score
+    removed once the results are written, unless some calls failed for good: run again, it asks only
+    those questions again. With `remove_partial=False` it is left for the caller (a run directory's
+    evaluation, which is made once: the run removes it once the round is recorded, so that a kill
+    before that asks nothing again; its predictions mark a failed call's row `failed`, its score
     counts them). One of other settings is refused, or with `restart_stale` set aside with a warning
     (a resumed run whose model came out otherwise than before the kill).
     """
@@ -388,11 +389,11 @@ def evaluate_solver(solver: Solver, data: Mapping[str, Sequence[QAItem]], tool: 
     if score_path is not None:
         write_json(score_path, result)
     if partial is not None:
-        retry = failed and keep_failed  # run again, only those are asked again (`_read_partial` leaves them out)
-        if failed:
+        if failed:  # run again, only those are asked again (`_read_partial` leaves them out)
             console.print(escape(f"{failed} question(s) got no answer (calls that failed for good, scored as none)"
-                                 + (f"; the same command again asks only those ({partial})" if retry else "")))
-        if not retry:
+                                 + (f"; the same command again asks only those ({partial})" if remove_partial
+                                    else "")))
+        elif remove_partial:
             partial.unlink()  # its rows are in predictions.jsonl now
     return result
 

@@ -311,7 +311,7 @@ def evolve(cfg: RunConfig, out: str | os.PathLike, resume: bool = False, progres
                                        score_path=run.eval_path(round_), per_invocation=False,
                                        partial_key={"round": round_, "model": model},
                                        partial_path=run.eval_partial_path(round_), restart_stale=True,
-                                       keep_failed=False)
+                                       remove_partial=False)  # removed with the round's checkpoint
             except PartialFileError as e:  # damaged (a line before the last): no kill does that
                 raise RunError(str(e)) from None
 

@@ -6,8 +6,8 @@ evaluations, compute accounting and round checkpoints — and resuming from them
     RUN_DIR/records/steps.jsonl      one line per scheduled step (append-only)
     RUN_DIR/eval/round-R.json        main solver on the seven benchmarks after round R (0 = base)
     RUN_DIR/eval/round-R.predictions.jsonl  per-item predictions of that evaluation
-    RUN_DIR/eval/round-R.partial.jsonl      the answers so far of that evaluation while it runs (a
-                                            killed run's resume goes on from them)
+    RUN_DIR/eval/round-R.partial.jsonl      the answers so far of that evaluation until the round's
+                                            checkpoint (a killed run's resume goes on from them)
     RUN_DIR/compute.json             generations by purpose (evaluation too), updates per model, wall seconds per phase
     RUN_DIR/checkpoints/round-R.json every model's parameters after round R (JSON, no pickle)
     RUN_DIR/checkpoints/step.json    the latest checkpoint within the round running (`evolve
@@ -400,6 +400,8 @@ class RunDir:
         write_json(self.path / "compute.json", state.get("compute", {}))
         self._write_manifest({"rounds_completed": round})
         self._drop_step_checkpoint()
+        for r in range(round + 1):  # the answers of the evaluations now recorded (kept till here: a kill
+            self.eval_partial_path(r).unlink(missing_ok=True)  # before it asks none of them again)
 
     def step_checkpoint(self, state: dict) -> None:
         """The latest checkpoint within a round (`Loop.step_checkpoints`), replacing the one before;

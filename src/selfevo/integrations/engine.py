@@ -673,6 +673,22 @@ class EngineRun:
                 "trained_on": {"role": role, "folds": folds, "rounds": [r]}}
 
     def evaluate(self, r: int) -> dict:
+        result = self._recorded_evaluation(r)
+        if result is None:
+            result = self._evaluate(r)
+        macro = result.get("macro", {})
+        return {"macro_cover_em": macro.get("cover_em") if isinstance(macro, dict) else macro,
+                "generations": {EVAL_GENERATIONS: result["run"]["questions"]}}  # one trajectory a question
+
+    def _recorded_evaluation(self, r: int) -> dict | None:
+        """Round r's evaluation where a kill came after it was recorded (its file, and for r > 0 the
+        round's checkpoint, written after it) and before the phase was logged; else None."""
+        if not self.run.eval_path(r).exists() or (r > 0 and not self.run.checkpoint_path(r).exists()):
+            return None
+        made = self.run.evaluation(r)
+        return made if isinstance(made.get("run"), dict) and isinstance(made["run"].get("questions"), int) else None
+
+    def _evaluate(self, r: int) -> dict:
         from selfevo.agents.remote import RemoteSolver
         from selfevo.evaluate import PartialFileError, evaluate_solver
 
@@ -682,13 +698,14 @@ class EngineRun:
             try:
                 # a kill during it (1,325 questions of a served 4B model: hours) keeps the answers given:
                 # the resumed phase goes on from them while the model's files are the ones that gave them
+                # (removed with the round's checkpoint, as the loop's)
                 result = evaluate_solver(solver, self.env.benchmarks, self.tool, progress=False,
                                          run_info={"round": r}, limit=self.cfg.data.eval_limit or None,
                                          predictions_path=self.run.eval_predictions_path(r),
                                          score_path=self.run.eval_path(r), per_invocation=False,
                                          partial_key={"round": r, "model": model_identity(path)},
                                          partial_path=self.run.eval_partial_path(r), restart_stale=True,
-                                         keep_failed=False)
+                                         remove_partial=False)
             except PartialFileError as e:  # damaged (a line before the last): no kill does that
                 raise RunError(str(e)) from None
         if r > 0:
@@ -698,9 +715,7 @@ class EngineRun:
                                                                strict=True))
                                                 for role in ["main", *aux_roles(self.treatment)]},
                                     "compute": self.phases.compute()})
-        macro = result.get("macro", {})
-        return {"macro_cover_em": macro.get("cover_em") if isinstance(macro, dict) else macro,
-                "generations": {EVAL_GENERATIONS: result["run"]["questions"]}}  # one trajectory a question
+        return result
 
     def audit(self) -> dict:
         from selfevo.audit import OracleJudge, audit_run

@@ -12,7 +12,7 @@ over the trainer's own model, and TRL gets back, per completion:
                     works, Qwen3's, which re-renders earlier turns, included)
     env_mask        1 on tokens the policy wrote, 0 on observations and template tokens, so tool text
                     is never trained (TRL multiplies it into the loss mask); the proposer's final
-                    <answer> span is 0 too (`rl.encode_conversation(mask_final_answer=True)`)
+                    <answer> span is 0 too (`rl.trained_spans(mask_final_answer=True)`)
     logprobs        None (sampled by the model being trained: TRL computes them itself)
     answer / final / read   forwarded to the reward functions (the extracted answer; the last action;
                     the pages the searches returned -- the proposal's lineage)
@@ -29,7 +29,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from selfevo.agents.lm.protocol import STOP_STRINGS, cut_at_stop, parse_action, parse_proposer_action, scaffolded
-from selfevo.agents.lm.rl import Render, append_only, content_spans, encode_conversation, template_of
+from selfevo.agents.lm.rl import Render, append_only, append_only_spans, template_of, token_mask, trained_spans
 from selfevo.agents.lm.rollout import Rollout, run_rollouts
 from selfevo.loop.schedule import derive_seed
 from selfevo.search.tool import SearchTool
@@ -67,7 +67,9 @@ class SearchRollout:
         process = getattr(trainer.accelerator, "process_index", 0)
         seed = derive_seed(self.seed, self.role, trainer.state.global_step, self.calls, process)
         self.calls += 1
-        render = append_only(template_of(tokenizer))  # what each action is generated from, and trained on
+        # what each action is generated from, and trained on (GRPOConfig.chat_template_kwargs, as TRL's own
+        # generation passes them: enable_thinking=False, say)
+        render = append_only(template_of(tokenizer, **(getattr(trainer.args, "chat_template_kwargs", None) or {})))
         gen = self._generator(trainer, tokenizer, render)
         rollouts = self.rollouts([list(p) for p in prompts], gen, seed)
         return self.encode(tokenizer, prompts, rollouts, render)
@@ -82,13 +84,18 @@ class SearchRollout:
     def encode(self, tokenizer, prompts: Sequence[list[dict]], rollouts: Sequence[Rollout],
                render: Render | None = None) -> dict:
         render = render or append_only(template_of(tokenizer))
+        final = self.role == "proposer"
         out = {"prompt_ids": [], "completion_ids": [], "logprobs": None, "env_mask": [], "answer": [],
                "final": [], "read": []}
         eos = tokenizer.eos_token_id
-        for prompt, ro in zip(prompts, rollouts, strict=True):
-            ids, mask = encode_conversation(tokenizer, ro.messages, mask_final_answer=self.role == "proposer",
-                                            render=lambda ms: render(ms, False))
-            cut = _prompt_length(tokenizer, ro.messages, len(prompt), render)
+        for _, ro in zip(prompts, rollouts, strict=True):
+            text, spans = render(ro.messages, False), append_only_spans(render, ro.messages)
+            enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+            ids = list(enc["input_ids"])
+            mask = token_mask(enc["offset_mapping"], trained_spans(ro.messages, spans, final))
+            # the prompt: the tokens before the first reply (the assistant header the template writes included)
+            first = next((a for (a, _), m in zip(spans, ro.messages) if m["role"] == "assistant"), len(text))
+            cut = sum(1 for _, e in enc["offset_mapping"] if e <= first)
             comp, env = ids[cut:], mask[cut:]
             if ro.messages[-1]["role"] == "assistant" and eos in comp:  # end at the last action's end of turn
                 last = len(comp) - 1 - comp[::-1].index(eos)
@@ -111,17 +118,6 @@ class SearchRollout:
         return lambda convs, seed, prefix=None, stops=STOP_STRINGS: hf_generate(
             trainer, tokenizer, convs, seed=seed, max_new_tokens=self.max_new_tokens, temperature=self.temperature,
             top_p=self.top_p, stops=stops, prefix=prefix, render=render)
-
-
-def _prompt_length(tokenizer, messages: Sequence[dict], n_prompt: int, render: Render) -> int:
-    """Tokens before the first reply: everything up to where the first assistant content starts
-    (so the assistant header the template writes belongs to the prompt)."""
-    rendered = [render(messages[:i + 1], False) for i in range(len(messages))]
-    if len(messages) <= n_prompt:
-        return len(tokenizer(rendered[-1], add_special_tokens=False)["input_ids"])
-    start = content_spans(rendered, messages)[n_prompt][0]
-    enc = tokenizer(rendered[-1], add_special_tokens=False, return_offsets_mapping=True)
-    return sum(1 for _, e in enc["offset_mapping"] if e <= start)
 
 
 def hf_generate(trainer, tokenizer, conversations: Sequence[Sequence[dict]], *, seed: int | None,

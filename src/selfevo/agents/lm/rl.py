@@ -216,9 +216,11 @@ def append_only(template: Render) -> Render:
     each assistant action verbatim, as generated, each followed by what the template writes after an
     assistant turn (its close, the observations that follow and, before the next action, the
     generation prompt). Generating every action from this rendering of the turns before it, the whole
-    chat holds each action right after the text it was generated from, under any template: one that
-    re-renders earlier turns (Qwen3 drops their <think>) or trims them (Llama 3) included. Where the
-    template is prefix-stable already (ChatML) this is its own rendering."""
+    chat holds each action right after the text it was generated from (`append_only_spans`), whatever
+    the template does to earlier turns: re-render them (Qwen3 drops their <think>), trim them (Llama 3),
+    or write the system prompt into the last user turn (Mistral: here into every observation turn, in
+    what the model is shown and trained on alike). Where the template is prefix-stable already (ChatML)
+    this is its own rendering."""
 
     def after_action(head: Sequence[dict], tail: Sequence[dict], generation_prompt: bool) -> str:
         text = template([*head, {"role": "assistant", "content": _PLACEHOLDER}, *tail], generation_prompt)
@@ -243,9 +245,22 @@ def append_only(template: Render) -> Render:
     return render
 
 
-def template_of(tokenizer) -> Render:
-    """The tokenizer's chat template as a `Render`."""
-    return lambda ms, gen=False: tokenizer.apply_chat_template(list(ms), tokenize=False, add_generation_prompt=gen)
+def append_only_spans(render: Render, messages: Sequence[dict]) -> list[Span]:
+    """Where each assistant action sits in `render(messages)`, an `append_only` rendering: right after
+    the rendering of the messages before it with the generation prompt (searching for its text, as
+    `content_spans` must, would find an action such as "\n" in the template's own text). Other
+    messages get an empty span (none is trained)."""
+    spans = []
+    for i, m in enumerate(messages):
+        start = len(render(messages[:i], True)) if m["role"] == "assistant" else 0
+        spans.append((start, start + len(m["content"])) if m["role"] == "assistant" else (0, 0))
+    return spans
+
+
+def template_of(tokenizer, **kwargs) -> Render:
+    """The tokenizer's chat template as a `Render`; `kwargs` go to the template (`enable_thinking`)."""
+    return lambda ms, gen=False: tokenizer.apply_chat_template(list(ms), tokenize=False, add_generation_prompt=gen,
+                                                               **kwargs)
 
 
 def _encode_whole(tokenizer, text: str, messages: Sequence[dict], spans: Sequence[Span],
