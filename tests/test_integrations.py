@@ -4,6 +4,7 @@ admission (MSV included) and the verl configs."""
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import itertools
 import json
@@ -1318,21 +1319,17 @@ def test_vllm_graders_sample_with_vllms_defaults_not_the_models(tmp_path, monkey
     class Exited:  # the command line is what is under test: the server "exits" at once
         returncode = 1
 
-        def __init__(self, cmd, env=None):
-            started.append(cmd)
-
         def poll(self):
             return 1
 
-        def terminate(self):
-            pass
-
-        def wait(self, timeout=None):
-            return 1
+    @contextlib.contextmanager
+    def process_group(cmd, env=None, grace=60.0):
+        started.append(cmd)
+        yield Exited()
 
     monkeypatch.setattr(eng.shutil, "which", lambda name: "/opt/bin/vllm")
     monkeypatch.setattr(eng, "_cuda", lambda: True)
-    monkeypatch.setattr(eng.subprocess, "Popen", Exited)
+    monkeypatch.setattr(eng, "process_group", process_group)
     with pytest.raises(eng.EngineUnavailable, match="exited with 1"):
         next(eng._vllm_server("/models/main", "main@r0", 8100, "6", 0.4, lambda m: None))
     cmd = started[0]

@@ -94,3 +94,19 @@ def test_an_evolve_log_names_each_phase_of_the_loop(tmp_path, capsys, monkeypatc
                       "round 2 proposer step 1", "round 2 proposer step 2", "round 2 solver step 3",
                       "round 2 evaluation"]  # none trained after the last round
     assert logged[-1] == ("round 2 evaluation", "6")
+
+
+def test_a_removed_task_neither_breaks_the_stop_nor_hides_the_error_leaving_the_block(capsys):
+    # before: stop() reported every task ever logged, and a removed one raised KeyError there, in
+    # place of the block's own error, with the display left running (a helper's review)
+    log = Console(file=io.StringIO())
+    try:
+        with Progress(TextColumn("{task.description}"), console=log, every=0, auto_refresh=False) as bar:
+            task = bar.add_task("index", total=10)
+            bar.advance(task)
+            bar.remove_task(task)
+            raise RuntimeError("the real error")
+    except RuntimeError as e:
+        assert str(e) == "the real error"
+    assert not bar.live.is_started
+    assert lines(capsys.readouterr().err)[-1] == ("index", "1")

@@ -778,42 +778,85 @@ def test_a_run_made_before_a_config_field_existed_resumes_while_it_keeps_its_def
         run.open_for_resume(cfg)
 
 
+def _running(pid: int) -> bool:
+    """The process exists and is no zombie (an orphan killed waits for init to reap it)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+
+
 def test_sigterm_stops_the_work_and_the_subprocess_it_started(tmp_path):
     """`kill`, `timeout` and a scheduler's preemption send SIGTERM. Python's default ended `selfevo`
-    at once and silently, and a subprocess the work had started (engine-run's training job, run with
-    `subprocess.run`; `vllm serve`) went on, writing into the run a resume would take. Now the work's
-    cleanup runs: the subprocess is gone, and the exit is 143 with the line saying how to go on."""
-    out, pidfile = tmp_path / "run", tmp_path / "child.pid"
-    child_code = f"import os, time; open({str(pidfile)!r}, 'w').write(str(os.getpid())); time.sleep(600)"
+    at once and silently, and a subprocess the work had started (engine-run's training job; `vllm
+    serve`) went on, writing into the run a resume would take. Now the work's cleanup runs, and the
+    exit is 143 with the line saying how to go on. The job here is a launcher whose own child does the
+    work (accelerate's workers, the python verl's bash script runs): `subprocess.run` killed the
+    launcher alone and left that child orphaned (a helper's review); both ignore SIGTERM, and a second
+    SIGTERM, sent while the stop waits out its grace period, kills them at once (before, it skipped the
+    kill)."""
+    out, pidfile = tmp_path / "run", tmp_path / "pids"
+    worker = f"import os, time; open({str(pidfile)!r}, 'a').write(str(os.getpid()) + ' '); time.sleep(600)"
+    launcher = ("import signal, subprocess, sys; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+                f"open({str(pidfile)!r}, 'a').write(str(__import__('os').getpid()) + ' '); "
+                f"subprocess.Popen([sys.executable, '-c', {worker!r}]).wait()")
     script = tmp_path / "go.py"
     script.write_text(textwrap.dedent(f"""
-        import subprocess, sys
+        import sys
+        from selfevo._proc import run_group
         from selfevo.cli import app
         from selfevo.loop.engine import Loop
 
         def proposer_step(self, *args, **kwargs):  # a step that waits on a training job
-            subprocess.run([sys.executable, "-c", {child_code!r}], check=True)
+            run_group([sys.executable, "-c", {launcher!r}])
 
         Loop.proposer_step = proposer_step
         app(["evolve", "--world", "small", "--out", {str(out)!r}, "--no-audit"])
     """))
     proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, env={**os.environ, "COLUMNS": "200"})
-    child = None
+    pids = []
     try:
         deadline = time.monotonic() + 300
-        while not (pidfile.exists() and pidfile.read_text()):
+        while len(pidfile.read_text().split() if pidfile.exists() else []) < 2:
             assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read()
             time.sleep(0.2)
-        child = int(pidfile.read_text())
+        pids = [int(p) for p in pidfile.read_text().split()]
         proc.send_signal(signal.SIGTERM)
-        text, _ = proc.communicate(timeout=120)
+        time.sleep(2)
+        assert proc.poll() is None  # waiting out the grace period (30 s) for the group to stop
+        proc.send_signal(signal.SIGTERM)
+        text, _ = proc.communicate(timeout=20)  # at once, not after the grace period
         assert proc.returncode == 143, text
         assert "stopped:" in text and "--resume" in text, text
-        with pytest.raises(ProcessLookupError):  # killed and reaped by subprocess.run, not orphaned
-            os.kill(child, 0)
+        assert not [pid for pid in pids if _running(pid)]  # the launcher and its worker: killed, not orphaned
     finally:
         proc.kill()
-        if child is not None:
+        for pid in pids:
             with contextlib.suppress(ProcessLookupError):
-                os.kill(child, signal.SIGKILL)
+                os.kill(pid, signal.SIGKILL)
+
+
+def test_a_served_process_group_stops_with_its_children_when_the_block_ends(tmp_path):
+    """`vllm serve` runs engine processes of its own: leaving the block stops the whole group, SIGKILL
+    after the grace period for what ignores SIGTERM (before: `terminate` and `kill` of the server alone)."""
+    from selfevo._proc import process_group
+
+    pidfile = tmp_path / "pids"
+    worker = f"import os, time; open({str(pidfile)!r}, 'a').write(str(os.getpid()) + ' '); time.sleep(600)"
+    server = ("import signal, subprocess, sys; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+              f"subprocess.Popen([sys.executable, '-c', {worker!r}]); "
+              f"exec({worker!r})")
+    pids = []
+    try:
+        with process_group([sys.executable, "-c", server], grace=0.5):
+            deadline = time.monotonic() + 60
+            while len(pidfile.read_text().split() if pidfile.exists() else []) < 2:
+                assert time.monotonic() < deadline
+                time.sleep(0.1)
+            pids = [int(p) for p in pidfile.read_text().split()]
+        assert not [pid for pid in pids if _running(pid)]
+    finally:
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)

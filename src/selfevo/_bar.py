@@ -51,18 +51,22 @@ class Progress(rich.progress.Progress):
         if not self._log:
             return
         with self._lock:
-            task = self._tasks[task_id]
+            task = self._tasks.get(task_id)  # None: removed (`remove_task`) since it was listed
+            if task is None:
+                return
             state = (task.description, task.completed)
             elapsed = task.elapsed or 0.0
-        with self._log_lock:  # the refresh thread reports too: one line for one change
+        # the refresh thread reports too: one line for one change, printed under the lock, so that an
+        # older line never lands after a newer one (the last state, at stop, last)
+        with self._log_lock:
             now = time.monotonic()
             last, last_state = self._logged.get(task_id, (self._began, None))
             if state == last_state or (not final and now - last < self._every):
                 return
             self._logged[task_id] = (now, state)
-        count = _count(task.completed) + ("" if task.total is None else f"/{_count(task.total)}")
-        self._err.print(f"{time.strftime('%H:%M:%S')} {task.description}: {count} "
-                        f"({int(elapsed) // 60}m{int(elapsed) % 60:02d}s)")
+            count = _count(task.completed) + ("" if task.total is None else f"/{_count(task.total)}")
+            self._err.print(f"{time.strftime('%H:%M:%S')} {task.description}: {count} "
+                            f"({int(elapsed) // 60}m{int(elapsed) % 60:02d}s)")
 
 
 def _count(x: float) -> str:

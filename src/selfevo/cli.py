@@ -32,8 +32,8 @@ console = Console(width=None if sys.stdout.isatty() else 200)
 def _on_stop(then: str):
     """Ctrl-C or SIGTERM (`kill`, `timeout`, a scheduler's preemption) inside: one line saying how to
     go on, and exit status 130 or 143 (it was silence: nothing said that the work is kept). SIGTERM
-    raises in the main thread, so the work's `finally` blocks run: a training job's subprocess (which
-    `subprocess.run` kills) and a served model (`vllm serve`) stop with this process instead of
+    raises in the main thread, so the work's `finally` blocks run: a training job and a served model
+    (`vllm serve`), each a process group (`selfevo._proc`), stop with this process instead of
     outliving it, still writing into the run that a resume is about to take."""
     import signal
 
@@ -689,7 +689,7 @@ def audit_cmd(
                                  cache_path=judge_cache or out_dir / "cache.jsonl", concurrency=judge_concurrency,
                                  timeout=judge_timeout, max_retries=judge_retries,
                                  max_tokens=judge_max_tokens, malformed_retries=judge_malformed_retries,
-                                 progress=progress and sys.stdout.isatty())
+                                 progress=progress)  # in a log: a line at most every 30 s (`_bar`)
         except JudgeError as e:  # e.g. --judge-cache names a file that is not a cache
             _fail(str(e))
     else:

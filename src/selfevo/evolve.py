@@ -354,7 +354,7 @@ def evolve(cfg: RunConfig, out: str | os.PathLike, resume: bool = False, progres
             elif judge is not None:
                 audit_run(run, judge)
             else:
-                with default_judge(cfg, env, run.path / "audit" / "cache.jsonl") as j:
+                with default_judge(cfg, env, run.path / "audit" / "cache.jsonl", progress=progress) as j:
                     audit_run(run, j)
         run.finish()  # after the audit: a run killed in it is resumed (rounds done, audit again), not skipped
         run.note(wall_seconds_last_invocation=round(time.perf_counter() - started, 3))
@@ -401,11 +401,12 @@ def _restore(loop: Loop, run: RunDir, round_: int) -> None:
 
 
 @contextlib.contextmanager
-def default_judge(cfg: RunConfig, env: Environment, cache_path: str | os.PathLike | None = None):
+def default_judge(cfg: RunConfig, env: Environment, cache_path: str | os.PathLike | None = None,
+                  progress: bool = False):
     """A real corpus has no exact truth: the LLM judge (evidence-checked references, see
     audit/llm_judge.py), here over the run's own base model served on loopback for the audit's
     duration (`cache_path`: its call cache). A stronger judge is one flag away: `selfevo audit RUN
-    --judge llm --judge-url ...`."""
+    --judge llm --judge-url ...`. `progress`: the judge's bar (where no other is shown)."""
     from selfevo.agents.lm.model import TransformersChatModel
     from selfevo.agents.lm.policy import resolve_device, resolve_model
     from selfevo.agents.lm.server import make_app, running
@@ -417,5 +418,6 @@ def default_judge(cfg: RunConfig, env: Environment, cache_path: str | os.PathLik
                                   dtype=cfg.lm.dtype, threads=cfg.lm.threads or None)
     docs = contents_by_id(env.documents)  # read on demand: a corpus stays on disk
     with (running(make_app(model)) as url,
-          LLMJudge(url, cfg.lm.model, documents=docs, concurrency=1, cache_path=cache_path) as judge):
+          LLMJudge(url, cfg.lm.model, documents=docs, concurrency=1, cache_path=cache_path,
+                   progress=progress) as judge):
         yield judge

@@ -95,7 +95,11 @@ def run_grid(jobs: Sequence[Job], executor: str = "local", workers: int | None =
 
             address = os.environ.get("RAY_ADDRESS")
             check_local_ray_auth(address)  # a local Ray listens on every interface: only with token auth
+            main = threading.current_thread() is threading.main_thread()
+            before = signal.getsignal(signal.SIGTERM) if main else None
             ray.init(address=address, include_dashboard=False, log_to_driver=False)
+            if main:  # Ray's driver handler exits 15 at a SIGTERM: the command's own (which stops it
+                signal.signal(signal.SIGTERM, before)  # with its cleanup and says how to go on) is kept
         remote = ray.remote(run_job)
         # a worker's working directory is not the driver's (on a cluster, not even its machine): it gets
         # the run directory as an absolute path, and the result names it as the job does (as locally)

@@ -613,12 +613,15 @@ class LLMJudge:
         return [self._results[k][0] for k in keys]
 
     def _run(self, todo: dict[str, Mapping[str, Any]]) -> None:
+        from rich.console import Console
         from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeRemainingColumn
 
         from selfevo._bar import Progress
 
+        # on stderr: what an audit prints on stdout stays its tables, whether or not that is a terminal
         bar = Progress(TextColumn(f"judging ({self.name})"), BarColumn(), MofNCompleteColumn(),
-                       TimeRemainingColumn(), disable=not self.progress, transient=False)
+                       TimeRemainingColumn(), disable=not self.progress, transient=False,
+                       console=Console(stderr=True))
         pool = ThreadPoolExecutor(max_workers=self.concurrency, thread_name_prefix="judge")
         done: dict[str, tuple[Verdict, dict]] = {}
         self.streak.answered()  # each batch may try the endpoint afresh

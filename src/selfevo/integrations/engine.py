@@ -44,7 +44,6 @@ import math
 import os
 import shlex
 import shutil
-import subprocess
 import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
@@ -54,6 +53,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from selfevo._io import append_jsonl, read_json, read_jsonl_log, remove_leftover_temps, write_json, write_jsonl
+from selfevo._proc import process_group, run_group
 from selfevo.config import ConfigError, RunConfig, check_known, config_from_dict, merge, parse_override, read_toml
 from selfevo.integrations.admit import (
     admit_round,
@@ -497,7 +497,7 @@ class EngineRun:
             return run_job(job, tool=self.tool)
         cmd = [*shlex.split(self.spec.launcher), "-m", "selfevo.integrations.trl_job", str(path)]
         self.say("  $ " + " ".join(shlex.quote(c) for c in cmd))
-        subprocess.run(cmd, check=True, env=self._train_env())
+        run_group(cmd, env=self._train_env())  # a launcher's workers stop with it (`selfevo._proc`)
         return read_json(path.with_suffix(".result.json"))
 
     def _train_verl(self, name, kind, role, r, rows, steps, prompts_per_step, generations, reward, out) -> dict:
@@ -542,7 +542,7 @@ class EngineRun:
         if missing:
             raise EngineUnavailable(f"{name}: verl training needs {missing}; the launch script is written: {script}")
         self.say(f"  $ bash {script}")
-        subprocess.run(["bash", str(script)], check=True)  # the script sets CUDA_VISIBLE_DEVICES itself
+        run_group(["bash", str(script)])  # the script sets CUDA_VISIBLE_DEVICES itself; its python stops with it
         return {"steps": steps, "completions": steps * prompts_per_step * generations}
 
     def _train_env(self) -> dict:
@@ -725,7 +725,7 @@ class EngineRun:
         else:
             from selfevo.evolve import default_judge
 
-            with default_judge(self.cfg, self.env, self.run.path / "audit" / "cache.jsonl") as judge:
+            with default_judge(self.cfg, self.env, self.run.path / "audit" / "cache.jsonl", progress=True) as judge:
                 result = audit_run(self.run, judge)
         return {"audit": result["judge"], "rounds": len(result["rounds"])}
 
@@ -812,8 +812,7 @@ def _vllm_server(path: str, name: str, port: int, gpus: str, memory: float, say)
     cmd = [exe, "serve", path, "--served-model-name", name, "--port", str(port), "--host", "127.0.0.1",
            "--gpu-memory-utilization", str(memory), "--generation-config", "vllm"]
     say("  $ " + " ".join(shlex.quote(c) for c in cmd))
-    proc = subprocess.Popen(cmd, env=env)
-    try:
+    with process_group(cmd, env, grace=60) as proc:  # stopped with its engine processes, whatever stops this
         deadline = time.monotonic() + 900
         while True:
             if proc.poll() is not None:
@@ -825,9 +824,4 @@ def _vllm_server(path: str, name: str, port: int, gpus: str, memory: float, say)
                 raise EngineUnavailable(f"vllm serve {path}: not healthy after 900 s")
             time.sleep(2)
         yield f"http://127.0.0.1:{port}/v1"
-    finally:
-        proc.terminate()
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            proc.wait(timeout=60)
-        if proc.poll() is None:
-            proc.kill()
+
