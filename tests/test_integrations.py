@@ -976,19 +976,22 @@ def test_an_engine_evaluation_killed_part_way_goes_on_from_the_answers_given(tmp
         asked.clear()
         assert run.evaluate(1) == whole.evaluate(1) and asked == []
 
-        # killed after the evaluation's files, before the round's checkpoint: its answers are kept till then
+        # killed after the evaluation's files, inside the round's checkpoint (its file written, not the
+        # manifest's round): nothing asked again, and the checkpoint is made whole
         run, model = make(tmp_path / "unrecorded")
-        checkpoint = run.run.checkpoint
+        write_manifest = run.run._write_manifest
 
         def killed(*a, **k):
             raise KeyboardInterrupt
-        monkeypatch.setattr(run.run, "checkpoint", killed)
+        monkeypatch.setattr(run.run, "_write_manifest", killed)
         with pytest.raises(KeyboardInterrupt):
             run.evaluate(1)
-        monkeypatch.setattr(run.run, "checkpoint", checkpoint)
+        assert run.run.checkpoint_path(1).exists() and run.run.eval_partial_path(1).exists()
+        monkeypatch.setattr(run.run, "_write_manifest", write_manifest)
         asked.clear()
         run.evaluate(1)
         assert asked == [] and not run.run.eval_partial_path(1).exists()  # before: all 21 asked again
+        assert run.run.manifest()["rounds_completed"] == 1
 
         # killed during it, then the model's files change (retrained): its answers before are not kept
         run, model = make(tmp_path / "retrained")
@@ -1323,13 +1326,13 @@ def test_vllm_graders_sample_with_vllms_defaults_not_the_models(tmp_path, monkey
             return 1
 
     @contextlib.contextmanager
-    def process_group(cmd, env=None, grace=60.0):
+    def running(cmd, env=None, grace=60.0):
         started.append(cmd)
         yield Exited()
 
     monkeypatch.setattr(eng.shutil, "which", lambda name: "/opt/bin/vllm")
     monkeypatch.setattr(eng, "_cuda", lambda: True)
-    monkeypatch.setattr(eng, "process_group", process_group)
+    monkeypatch.setattr(eng._proc, "running", running)
     with pytest.raises(eng.EngineUnavailable, match="exited with 1"):
         next(eng._vllm_server("/models/main", "main@r0", 8100, "6", 0.4, lambda m: None))
     cmd = started[0]

@@ -803,12 +803,12 @@ def test_sigterm_stops_the_work_and_the_subprocess_it_started(tmp_path):
     script = tmp_path / "go.py"
     script.write_text(textwrap.dedent(f"""
         import sys
-        from selfevo._proc import run_group
+        from selfevo import _proc
         from selfevo.cli import app
         from selfevo.loop.engine import Loop
 
         def proposer_step(self, *args, **kwargs):  # a step that waits on a training job
-            run_group([sys.executable, "-c", {launcher!r}])
+            _proc.run([sys.executable, "-c", {launcher!r}])
 
         Loop.proposer_step = proposer_step
         app(["evolve", "--world", "small", "--out", {str(out)!r}, "--no-audit"])
@@ -837,19 +837,20 @@ def test_sigterm_stops_the_work_and_the_subprocess_it_started(tmp_path):
                 os.kill(pid, signal.SIGKILL)
 
 
-def test_a_served_process_group_stops_with_its_children_when_the_block_ends(tmp_path):
-    """`vllm serve` runs engine processes of its own: leaving the block stops the whole group, SIGKILL
-    after the grace period for what ignores SIGTERM (before: `terminate` and `kill` of the server alone)."""
-    from selfevo._proc import process_group
+def test_a_served_process_stops_with_its_descendants_when_the_block_ends(tmp_path):
+    """`vllm serve` runs engine processes of its own, torchrun starts its workers in sessions of their
+    own: leaving the block stops the whole tree, SIGKILL after the grace period for what ignores
+    SIGTERM (before: `terminate` and `kill` of the server alone)."""
+    from selfevo._proc import running
 
     pidfile = tmp_path / "pids"
     worker = f"import os, time; open({str(pidfile)!r}, 'a').write(str(os.getpid()) + ' '); time.sleep(600)"
     server = ("import signal, subprocess, sys; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
-              f"subprocess.Popen([sys.executable, '-c', {worker!r}]); "
+              f"subprocess.Popen([sys.executable, '-c', {worker!r}], start_new_session=True); "
               f"exec({worker!r})")
     pids = []
     try:
-        with process_group([sys.executable, "-c", server], grace=0.5):
+        with running([sys.executable, "-c", server], grace=0.5):
             deadline = time.monotonic() + 60
             while len(pidfile.read_text().split() if pidfile.exists() else []) < 2:
                 assert time.monotonic() < deadline

@@ -578,3 +578,17 @@ def test_cli_step_checkpoints_reach_the_run(tmp_path, monkeypatch):
     result = CliRunner().invoke(app, ["evolve", "--world", "small", "--out", str(tmp_path / "o"),
                                       "--step-checkpoints", "-1"])
     assert result.exit_code == 2 and "--step-checkpoints" in result.output
+
+
+def test_a_finished_run_keeps_no_evaluation_answers_file(tmp_path):
+    """A kill after a round's checkpoint, before its answers file was removed, left the file in the
+    run for good (a helper's review): finishing the run removes what is left."""
+    from selfevo.runs import RunDir
+
+    run = RunDir(tmp_path / "run")
+    run.create({"seed": 0})
+    (run.path / "eval").mkdir()
+    run.eval_partial_path(3).write_text('{"partial_of": {}}\n')
+    (run.path / "eval" / "round-3.json").write_text("{}")
+    run.finish()
+    assert sorted(p.name for p in (run.path / "eval").iterdir()) == ["round-3.json"]

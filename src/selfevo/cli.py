@@ -33,7 +33,7 @@ def _on_stop(then: str):
     """Ctrl-C or SIGTERM (`kill`, `timeout`, a scheduler's preemption) inside: one line saying how to
     go on, and exit status 130 or 143 (it was silence: nothing said that the work is kept). SIGTERM
     raises in the main thread, so the work's `finally` blocks run: a training job and a served model
-    (`vllm serve`), each a process group (`selfevo._proc`), stop with this process instead of
+    (`vllm serve`), with the processes they started (`selfevo._proc`), stop with this process instead of
     outliving it, still writing into the run that a resume is about to take."""
     import signal
 

@@ -95,11 +95,14 @@ def run_grid(jobs: Sequence[Job], executor: str = "local", workers: int | None =
 
             address = os.environ.get("RAY_ADDRESS")
             check_local_ray_auth(address)  # a local Ray listens on every interface: only with token auth
-            main = threading.current_thread() is threading.main_thread()
-            before = signal.getsignal(signal.SIGTERM) if main else None
-            ray.init(address=address, include_dashboard=False, log_to_driver=False)
-            if main:  # Ray's driver handler exits 15 at a SIGTERM: the command's own (which stops it
-                signal.signal(signal.SIGTERM, before)  # with its cleanup and says how to go on) is kept
+            # Ray's driver handler exits 15 at a SIGTERM: the command's own (which stops the work with
+            # its cleanup and says how to go on) is put back, whether or not ray.init succeeds
+            before = signal.getsignal(signal.SIGTERM) if threading.current_thread() is threading.main_thread() else None
+            try:
+                ray.init(address=address, include_dashboard=False, log_to_driver=False)
+            finally:
+                if before is not None:  # None: not the main thread, or a handler not set from Python
+                    signal.signal(signal.SIGTERM, before)
         remote = ray.remote(run_job)
         # a worker's working directory is not the driver's (on a cluster, not even its machine): it gets
         # the run directory as an absolute path, and the result names it as the job does (as locally)

@@ -440,6 +440,8 @@ class RunDir:
 
     def finish(self) -> None:
         self._write_manifest({"status": "complete"})
+        for path in (self.path / "eval").glob("round-*.partial.jsonl"):  # a kill after a checkpoint, before
+            path.unlink(missing_ok=True)  # its removal, left one (its evaluation is recorded)
 
     def note(self, **fields) -> None:
         """Record extra facts in the manifest (timings, versions)."""

@@ -52,8 +52,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from selfevo import _proc
 from selfevo._io import append_jsonl, read_json, read_jsonl_log, remove_leftover_temps, write_json, write_jsonl
-from selfevo._proc import process_group, run_group
 from selfevo.config import ConfigError, RunConfig, check_known, config_from_dict, merge, parse_override, read_toml
 from selfevo.integrations.admit import (
     admit_round,
@@ -497,7 +497,7 @@ class EngineRun:
             return run_job(job, tool=self.tool)
         cmd = [*shlex.split(self.spec.launcher), "-m", "selfevo.integrations.trl_job", str(path)]
         self.say("  $ " + " ".join(shlex.quote(c) for c in cmd))
-        run_group(cmd, env=self._train_env())  # a launcher's workers stop with it (`selfevo._proc`)
+        _proc.run(cmd, env=self._train_env())  # a launcher's workers stop with it (`selfevo._proc`)
         return read_json(path.with_suffix(".result.json"))
 
     def _train_verl(self, name, kind, role, r, rows, steps, prompts_per_step, generations, reward, out) -> dict:
@@ -542,7 +542,7 @@ class EngineRun:
         if missing:
             raise EngineUnavailable(f"{name}: verl training needs {missing}; the launch script is written: {script}")
         self.say(f"  $ bash {script}")
-        run_group(["bash", str(script)])  # the script sets CUDA_VISIBLE_DEVICES itself; its python stops with it
+        _proc.run(["bash", str(script)])  # the script sets CUDA_VISIBLE_DEVICES itself; its python stops with it
         return {"steps": steps, "completions": steps * prompts_per_step * generations}
 
     def _train_env(self) -> dict:
@@ -676,14 +676,21 @@ class EngineRun:
         result = self._recorded_evaluation(r)
         if result is None:
             result = self._evaluate(r)
+        if r > 0:  # written again where a kill came after the evaluation (inside this write, say)
+            self.run.checkpoint(r, {"models": {role: self.model_dir(role, r)
+                                               for role in ["proposer", "main", *aux_roles(self.treatment)]},
+                                    "lineage": {role: dict(zip(("folds", "rounds"), self.phases.lineage(role, r),
+                                                               strict=True))
+                                                for role in ["main", *aux_roles(self.treatment)]},
+                                    "compute": self.phases.compute()})
         macro = result.get("macro", {})
         return {"macro_cover_em": macro.get("cover_em") if isinstance(macro, dict) else macro,
                 "generations": {EVAL_GENERATIONS: result["run"]["questions"]}}  # one trajectory a question
 
     def _recorded_evaluation(self, r: int) -> dict | None:
-        """Round r's evaluation where a kill came after it was recorded (its file, and for r > 0 the
-        round's checkpoint, written after it) and before the phase was logged; else None."""
-        if not self.run.eval_path(r).exists() or (r > 0 and not self.run.checkpoint_path(r).exists()):
+        """Round r's evaluation where a kill came after its files were written and before the phase was
+        logged (round r's main solver, trained and logged before it, is the one that answered); else None."""
+        if not self.run.eval_path(r).exists():
             return None
         made = self.run.evaluation(r)
         return made if isinstance(made.get("run"), dict) and isinstance(made["run"].get("questions"), int) else None
@@ -699,23 +706,15 @@ class EngineRun:
                 # a kill during it (1,325 questions of a served 4B model: hours) keeps the answers given:
                 # the resumed phase goes on from them while the model's files are the ones that gave them
                 # (removed with the round's checkpoint, as the loop's)
-                result = evaluate_solver(solver, self.env.benchmarks, self.tool, progress=False,
-                                         run_info={"round": r}, limit=self.cfg.data.eval_limit or None,
-                                         predictions_path=self.run.eval_predictions_path(r),
-                                         score_path=self.run.eval_path(r), per_invocation=False,
-                                         partial_key={"round": r, "model": model_identity(path)},
-                                         partial_path=self.run.eval_partial_path(r), restart_stale=True,
-                                         remove_partial=False)
+                return evaluate_solver(solver, self.env.benchmarks, self.tool, progress=False,
+                                       run_info={"round": r}, limit=self.cfg.data.eval_limit or None,
+                                       predictions_path=self.run.eval_predictions_path(r),
+                                       score_path=self.run.eval_path(r), per_invocation=False,
+                                       partial_key={"round": r, "model": model_identity(path)},
+                                       partial_path=self.run.eval_partial_path(r), restart_stale=True,
+                                       remove_partial=False)
             except PartialFileError as e:  # damaged (a line before the last): no kill does that
                 raise RunError(str(e)) from None
-        if r > 0:
-            self.run.checkpoint(r, {"models": {role: self.model_dir(role, r)
-                                               for role in ["proposer", "main", *aux_roles(self.treatment)]},
-                                    "lineage": {role: dict(zip(("folds", "rounds"), self.phases.lineage(role, r),
-                                                               strict=True))
-                                                for role in ["main", *aux_roles(self.treatment)]},
-                                    "compute": self.phases.compute()})
-        return result
 
     def audit(self) -> dict:
         from selfevo.audit import OracleJudge, audit_run
@@ -812,7 +811,7 @@ def _vllm_server(path: str, name: str, port: int, gpus: str, memory: float, say)
     cmd = [exe, "serve", path, "--served-model-name", name, "--port", str(port), "--host", "127.0.0.1",
            "--gpu-memory-utilization", str(memory), "--generation-config", "vllm"]
     say("  $ " + " ".join(shlex.quote(c) for c in cmd))
-    with process_group(cmd, env, grace=60) as proc:  # stopped with its engine processes, whatever stops this
+    with _proc.running(cmd, env, grace=60) as proc:  # stopped with its engine processes, whatever stops this
         deadline = time.monotonic() + 900
         while True:
             if proc.poll() is not None:
