@@ -35,8 +35,9 @@ def _stat(pid: int) -> tuple[int, str, str] | None:
     return int(fields[1]), fields[0], fields[19]
 
 
-def process_tree(pid: int) -> dict[int, str]:
-    """`pid` and every process descended from it, by parent links: pid -> start time."""
+def process_tree(*roots: int) -> dict[int, str]:
+    """`roots` and every process descended from them, by parent links (one pass over /proc): pid ->
+    start time ("" for a root /proc does not show)."""
     children: dict[int, list[int]] = {}
     starts: dict[int, str] = {}
     with contextlib.suppress(OSError):
@@ -44,10 +45,10 @@ def process_tree(pid: int) -> dict[int, str]:
             if entry.name.isdigit() and (st := _stat(int(entry.name))) is not None:
                 children.setdefault(st[0], []).append(int(entry.name))
                 starts[int(entry.name)] = st[2]
-    tree, todo = {}, [pid]
+    tree, todo = {}, list(roots)
     while todo:
         p = todo.pop()
-        if p not in tree and (p == pid or p in starts):
+        if p not in tree and (p in roots or p in starts):
             tree[p] = starts.get(p, "")
             todo.extend(children.get(p, []))
     return tree
@@ -85,9 +86,9 @@ def stop_tree(proc: subprocess.Popen, grace: float) -> None:
                 break
             time.sleep(0.1)
     finally:
-        for pid, start in list(tree.items()):  # and what they started meanwhile
-            if _running(pid, start):
-                tree.update(process_tree(pid))
+        alive = {pid: start for pid, start in tree.items() if _running(pid, start)}
+        # and what they started meanwhile (a pid found anew keeps the start time found first)
+        tree = {**process_tree(*alive), **alive} if alive else {}
         _signal(tree, signal.SIGKILL)
         proc.wait()
 

@@ -292,10 +292,9 @@ def evolve(cfg: RunConfig, out: str | os.PathLike, resume: bool = False, progres
             done = 0
 
         def evaluate(solver, round_: int) -> dict:
-            if round_ == 0 and run.eval_path(0).exists():  # the base model's, made before a kill
-                made = run.evaluation(0)  # (a later round's is redone: its model is retrained)
-                if isinstance(made.get("run"), dict) and isinstance(made["run"].get("questions"), int):
-                    return made  # else it is made again: its count goes into compute.json
+            # the base model's, made before a kill (a later round's is redone: its model is retrained)
+            if round_ == 0 and (made := run.recorded_evaluation(0)) is not None:
+                return made
             # A kill during it (1,325 questions: hours at 4B) keeps the answers given: the resumed run
             # goes on from them where its model is the one that gave them (the base model's is the
             # config's; a trained one's, its state's hash). Timings live in compute.json, so that eval

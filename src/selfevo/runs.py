@@ -519,6 +519,14 @@ class RunDir:
             check_numbers(data.get(group), ("cover_em",), f"{path}: field {group}")
         return data
 
+    def recorded_evaluation(self, round: int) -> dict | None:
+        """eval/round-N.json where it is whole (its question count, which compute.json counts, written), for
+        a resumed run to take instead of evaluating again; else None."""
+        if not self.eval_path(round).exists():
+            return None
+        made = self.evaluation(round)
+        return made if isinstance(made.get("run"), dict) and isinstance(made["run"].get("questions"), int) else None
+
     def audit_metrics(self) -> dict:
         """audit/metrics.json: the audit's metrics by round and by step, checked."""
         from selfevo.audit import METRICS

@@ -673,7 +673,9 @@ class EngineRun:
                 "trained_on": {"role": role, "folds": folds, "rounds": [r]}}
 
     def evaluate(self, r: int) -> dict:
-        result = self._recorded_evaluation(r)
+        # recorded where a kill came after its files were written and before the phase was logged
+        # (round r's main solver, trained and logged before it, is the one that answered)
+        result = self.run.recorded_evaluation(r)
         if result is None:
             result = self._evaluate(r)
         if r > 0:  # written again where a kill came after the evaluation (inside this write, say)
@@ -686,14 +688,6 @@ class EngineRun:
         macro = result.get("macro", {})
         return {"macro_cover_em": macro.get("cover_em") if isinstance(macro, dict) else macro,
                 "generations": {EVAL_GENERATIONS: result["run"]["questions"]}}  # one trajectory a question
-
-    def _recorded_evaluation(self, r: int) -> dict | None:
-        """Round r's evaluation where a kill came after its files were written and before the phase was
-        logged (round r's main solver, trained and logged before it, is the one that answered); else None."""
-        if not self.run.eval_path(r).exists():
-            return None
-        made = self.run.evaluation(r)
-        return made if isinstance(made.get("run"), dict) and isinstance(made["run"].get("questions"), int) else None
 
     def _evaluate(self, r: int) -> dict:
         from selfevo.agents.remote import RemoteSolver
@@ -745,8 +739,8 @@ def model_identity(path: str) -> str:
     root = Path(path)
     if not root.is_dir():
         return path
-    files = sorted((str(p.relative_to(root)), p.stat().st_size, p.stat().st_mtime_ns)
-                   for p in root.rglob("*") if p.is_file())
+    files = sorted((str(p.relative_to(root)), st.st_size, st.st_mtime_ns)
+                   for p in root.rglob("*") if p.is_file() and (st := p.stat()))
     return hashlib.sha256(json.dumps(files).encode()).hexdigest()
 
 

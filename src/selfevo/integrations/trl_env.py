@@ -29,7 +29,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from selfevo.agents.lm.protocol import STOP_STRINGS, cut_at_stop, parse_action, parse_proposer_action, scaffolded
-from selfevo.agents.lm.rl import Render, append_only, append_only_spans, template_of, token_mask, trained_spans
+from selfevo.agents.lm.rl import Render, append_only, template_of, token_mask, trained_spans
 from selfevo.agents.lm.rollout import Rollout, run_rollouts
 from selfevo.loop.schedule import derive_seed
 from selfevo.search.tool import SearchTool
@@ -82,14 +82,14 @@ class SearchRollout:
                             seed=seed, parse=parse_action if solver else parse_proposer_action)
 
     def encode(self, tokenizer, prompts: Sequence[list[dict]], rollouts: Sequence[Rollout],
-               render: Render | None = None) -> dict:
+               render: append_only | None = None) -> dict:
         render = render or append_only(template_of(tokenizer))
         final = self.role == "proposer"
         out = {"prompt_ids": [], "completion_ids": [], "logprobs": None, "env_mask": [], "answer": [],
                "final": [], "read": []}
         eos = tokenizer.eos_token_id
         for _, ro in zip(prompts, rollouts, strict=True):
-            text, spans = render(ro.messages, False), append_only_spans(render, ro.messages)
+            text, spans = render(ro.messages, False), render.spans(ro.messages)
             enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
             ids = list(enc["input_ids"])
             mask = token_mask(enc["offset_mapping"], trained_spans(ro.messages, spans, final))

@@ -210,51 +210,56 @@ Render = Callable[[Sequence[dict], bool], str]  # (messages, add_generation_prom
 _PLACEHOLDER = "\ue000selfevo-action\ue000"  # no whitespace or tags: no template trims or splits it
 
 
-def append_only(template: Render) -> Render:
+class append_only:  # noqa: N801 - used as the function it replaces: append_only(template)(messages)
     """A chat template made prefix-stable, for a trainer that takes one completion a trajectory (TRL):
     the turns before the first action as `template` renders them with its generation prompt, then
     each assistant action verbatim, as generated, each followed by what the template writes after an
     assistant turn (its close, the observations that follow and, before the next action, the
     generation prompt). Generating every action from this rendering of the turns before it, the whole
-    chat holds each action right after the text it was generated from (`append_only_spans`), whatever
-    the template does to earlier turns: re-render them (Qwen3 drops their <think>), trim them (Llama 3),
+    chat holds each action right after the text it was generated from (`spans`), whatever the
+    template does to earlier turns: re-render them (Qwen3 drops their <think>), trim them (Llama 3),
     or write the system prompt into the last user turn (Mistral: here into every observation turn, in
     what the model is shown and trained on alike). Where the template is prefix-stable already (ChatML)
     this is its own rendering."""
 
-    def after_action(head: Sequence[dict], tail: Sequence[dict], generation_prompt: bool) -> str:
-        text = template([*head, {"role": "assistant", "content": _PLACEHOLDER}, *tail], generation_prompt)
+    def __init__(self, template: Render):
+        self.template = template
+
+    def __call__(self, messages: Sequence[dict], add_generation_prompt: bool = False) -> str:
+        return "".join(text for text, _ in self._pieces(messages, add_generation_prompt))
+
+    def spans(self, messages: Sequence[dict]) -> list[Span]:
+        """Where each assistant action sits in `self(messages)`, from the rendering itself (searching for
+        its text, as `content_spans` must, would find an action such as "\n" in the template's own
+        text). Other messages get an empty span (none is trained)."""
+        spans, at = [(0, 0)] * len(messages), 0
+        for text, action in self._pieces(messages, False):
+            if action is not None:
+                spans[action] = (at, at + len(text))
+            at += len(text)
+        return spans
+
+    def _pieces(self, messages: Sequence[dict], add_generation_prompt: bool) -> list[tuple[str, int | None]]:
+        """The rendering's pieces in order, each with the index of the action it is (None: template text)."""
+        actions = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+        if not actions:
+            return [(self.template(list(messages), add_generation_prompt), None)]
+        head = list(messages[:actions[0]])
+        pieces = [(self.template(head, True), None)]
+        for i, j in zip(actions, [*actions[1:], len(messages)]):
+            pieces.append((messages[i]["content"], i))
+            # before another action the generation prompt is written: it is what that action followed
+            pieces.append((self._after_action(head, messages[i + 1:j], add_generation_prompt or j < len(messages)),
+                           None))
+        return pieces
+
+    def _after_action(self, head: Sequence[dict], tail: Sequence[dict], generation_prompt: bool) -> str:
+        text = self.template([*head, {"role": "assistant", "content": _PLACEHOLDER}, *tail], generation_prompt)
         at = text.find(_PLACEHOLDER)
         if at < 0:
             raise ValueError("the chat template does not render an assistant turn's content as given, so an "
                              "action cannot be placed in the chat")
         return text[at + len(_PLACEHOLDER):]
-
-    def render(messages: Sequence[dict], add_generation_prompt: bool = False) -> str:
-        actions = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
-        if not actions:
-            return template(list(messages), add_generation_prompt)
-        head = list(messages[:actions[0]])
-        out = [template(head, True)]
-        for i, j in zip(actions, [*actions[1:], len(messages)]):
-            out.append(messages[i]["content"])
-            # before another action the generation prompt is written: it is what that action followed
-            out.append(after_action(head, messages[i + 1:j], add_generation_prompt or j < len(messages)))
-        return "".join(out)
-
-    return render
-
-
-def append_only_spans(render: Render, messages: Sequence[dict]) -> list[Span]:
-    """Where each assistant action sits in `render(messages)`, an `append_only` rendering: right after
-    the rendering of the messages before it with the generation prompt (searching for its text, as
-    `content_spans` must, would find an action such as "\n" in the template's own text). Other
-    messages get an empty span (none is trained)."""
-    spans = []
-    for i, m in enumerate(messages):
-        start = len(render(messages[:i], True)) if m["role"] == "assistant" else 0
-        spans.append((start, start + len(m["content"])) if m["role"] == "assistant" else (0, 0))
-    return spans
 
 
 def template_of(tokenizer, **kwargs) -> Render:
