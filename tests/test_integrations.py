@@ -5,6 +5,7 @@ admission (MSV included) and the verl configs."""
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import importlib.util
 import itertools
 import json
@@ -1005,6 +1006,38 @@ def test_an_engine_evaluation_killed_part_way_goes_on_from_the_answers_given(tmp
         with pytest.warns(UserWarning, match="started over"):
             run.evaluate(1)
         assert len(asked) == everything
+
+
+def test_a_hub_model_is_told_apart_by_the_revision_its_cache_holds(tmp_path, monkeypatch):
+    """The round-0 evaluation's answers are kept across a kill only for the model that gave them. A
+    hub id was keyed by its name: a download of a new revision between the kill and the resume mixed
+    the two revisions' answers. It is now keyed by the cached snapshot's files, as a directory is."""
+    import huggingface_hub
+
+    from selfevo.integrations.engine import model_identity
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path))
+    repo = tmp_path / "models--org--model"
+
+    def cache(revision: str, weights: bytes) -> None:  # the layout a download leaves
+        (repo / "blobs").mkdir(parents=True, exist_ok=True)
+        snapshot = repo / "snapshots" / revision
+        snapshot.mkdir(parents=True)
+        for name, content in (("config.json", b"{}"), ("model.safetensors", weights)):
+            blob = repo / "blobs" / hashlib.sha256(content).hexdigest()
+            blob.write_bytes(content)
+            (snapshot / name).symlink_to(blob)
+        (repo / "refs").mkdir(exist_ok=True)
+        (repo / "refs" / "main").write_text(revision)
+
+    assert model_identity("org/model") == "org/model"  # nothing cached: its name, as before
+    assert model_identity("not a repo id!") == "not a repo id!"
+    cache("a" * 40, b"first")
+    first = model_identity("org/model")
+    assert first != "org/model" and model_identity("org/model") == first
+    assert first == model_identity(str(repo / "snapshots" / ("a" * 40)))  # as the directory itself
+    cache("b" * 40, b"second revision")
+    assert model_identity("org/model") not in (first, "org/model")
 
 
 def test_engine_jobs_are_one_pass_and_a_resume_may_turn_the_audit_on(tmp_path, monkeypatch):

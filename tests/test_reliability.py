@@ -861,3 +861,47 @@ def test_a_served_process_stops_with_its_descendants_when_the_block_ends(tmp_pat
         for pid in pids:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
+
+
+@pytest.mark.parametrize("code", [3, 0])
+def test_a_job_that_exits_leaving_its_workers_running_has_them_stopped(tmp_path, caplog, code):
+    """A launcher that exits by itself (an error in it, say) while its workers still run hands them to
+    init, where no parent link finds them: before, they went on holding the GPU after the job had
+    failed. The tree recorded while the job ran finds them; they are stopped, with a warning, whether
+    the job failed or not (a worker SIGTERM does not stop is killed after the grace period)."""
+    from selfevo import _proc
+
+    pidfile = tmp_path / "pids"
+    worker = ("import os, signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+              f"open({str(pidfile)!r}, 'a').write(str(os.getpid()) + ' '); time.sleep(600)")
+    launcher = ("import subprocess, sys, time; "
+                f"subprocess.Popen([sys.executable, '-c', {worker!r}], start_new_session=True); "
+                f"time.sleep(1.5); sys.exit({code})")
+    pids = []
+    try:
+        with caplog.at_level("WARNING", logger="selfevo._proc"):
+            if code:
+                with pytest.raises(subprocess.CalledProcessError):
+                    _proc.run([sys.executable, "-c", launcher], grace=0.5, interval=0.05)
+            else:
+                _proc.run([sys.executable, "-c", launcher], grace=0.5, interval=0.05)
+        pids = [int(p) for p in pidfile.read_text().split()]
+        assert len(pids) == 1
+        deadline = time.monotonic() + 5  # killed: init reaps it
+        while _running(pids[0]) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not _running(pids[0])
+        assert f"exited (code {code}) leaving 1 of its processes running (pid {pids[0]})" in caplog.text
+    finally:
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+
+
+def test_a_job_that_leaves_nothing_running_is_not_warned_about(tmp_path, caplog):
+    from selfevo import _proc
+
+    with caplog.at_level("WARNING", logger="selfevo._proc"):
+        _proc.run([sys.executable, "-c", "import subprocess, sys; subprocess.run([sys.executable, '-c', 'pass'])"],
+                  interval=0.01)
+    assert not caplog.records

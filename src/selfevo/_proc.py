@@ -11,6 +11,11 @@ own: SIGTERM, then SIGKILL to what is left after a grace period, or at once if t
 interrupted (a second Ctrl-C or SIGTERM). A process is signalled only while it is the one found (its
 start time unchanged), never a process that took a freed pid.
 
+A launcher that exits by itself (an error, say) while its workers still run hands them to init, where
+no parent link finds them any more. So the tree is also recorded while the job runs (every
+`WATCH_INTERVAL` seconds), and what of it outlives the job's own process is stopped with a warning,
+however the job ended.
+
 The job stays in this process's group and session, so what a terminal sends (Ctrl-C, Ctrl-Z,
 Ctrl-\\, a hang-up) reaches it as before. Without /proc (macOS) only the direct child is stopped.
 """
@@ -18,12 +23,18 @@ Ctrl-\\, a hang-up) reaches it as before. Without /proc (macOS) only the direct 
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import signal
 import subprocess
+import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+WATCH_INTERVAL = 1.0  # seconds between looks at a running job's tree (a /proc scan: milliseconds)
 
 
 def _stat(pid: int) -> tuple[int, str, str] | None:
@@ -73,15 +84,42 @@ def _signal(tree: Mapping[int, str], signum: int) -> None:
                 os.kill(pid, signum)
 
 
-def stop_tree(proc: subprocess.Popen, grace: float) -> None:
-    """SIGTERM to `proc` and its descendants; SIGKILL to what is left of them after `grace` seconds,
-    or as soon as this wait is interrupted; `proc` reaped."""
-    tree = process_tree(proc.pid)
+class _Watch:
+    """The processes `proc` and its descendants have been, recorded every `interval` seconds on a
+    thread while the job runs (pid -> the start time first seen)."""
+
+    def __init__(self, proc: subprocess.Popen, interval: float):
+        self.proc, self.seen = proc, process_tree(proc.pid)
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._watch, args=(interval,), daemon=True, name="proc-watch")
+        self._thread.start()
+
+    def _watch(self, interval: float) -> None:
+        pid = self.proc.pid
+        while not self._done.wait(interval) and self.proc.poll() is None:
+            tree = process_tree(pid)
+            if tree.get(pid) == self.seen[pid]:  # not another process that took the pid once it was reaped
+                self.seen = {**tree, **self.seen}
+
+    def close(self) -> dict[int, str]:
+        """Stop watching; the tree as recorded and as it is now."""
+        self._done.set()
+        self._thread.join()
+        if self.proc.poll() is None:
+            return {**process_tree(self.proc.pid), **self.seen}
+        # reaped: its pid may be another process's now, and its orphans have no parent link to it
+        return {pid: start for pid, start in self.seen.items() if pid != self.proc.pid}
+
+
+def _stop(tree: Mapping[int, str], grace: float, proc: subprocess.Popen | None = None) -> None:
+    """SIGTERM to the processes of `tree` still running; SIGKILL to what is left of them after `grace`
+    seconds, or as soon as this wait is interrupted; `proc` (one of them, this process's child) reaped."""
     try:
         _signal(tree, signal.SIGTERM)
         deadline = time.monotonic() + grace
         while time.monotonic() < deadline:
-            proc.poll()  # reaps it once it exits
+            if proc is not None:
+                proc.poll()  # reaps it once it exits
             if not any(_running(pid, start) for pid, start in tree.items()):
                 break
             time.sleep(0.1)
@@ -90,27 +128,41 @@ def stop_tree(proc: subprocess.Popen, grace: float) -> None:
         # and what they started meanwhile (a pid found anew keeps the start time found first)
         tree = {**process_tree(*alive), **alive} if alive else {}
         _signal(tree, signal.SIGKILL)
-        proc.wait()
+        if proc is not None:
+            proc.wait()
+
+
+def _stop_watched(watch: _Watch, grace: float) -> None:
+    """Stop the job's tree, recorded and present: its process, if still running, and what of the
+    processes it started outlived it (a warning names them)."""
+    tree = watch.close()
+    if watch.proc.poll() is not None:
+        left = sorted(pid for pid, start in tree.items() if _running(pid, start))
+        if left:
+            log.warning("%s exited (code %s) leaving %d of its processes running (pid %s): stopping them",
+                        Path(str(watch.proc.args[0])).name, watch.proc.returncode, len(left),
+                        ", ".join(map(str, left)))
+    _stop(tree, grace, watch.proc)
 
 
 @contextlib.contextmanager
-def running(cmd: Sequence[str], env: Mapping[str, str] | None = None,
-            grace: float = 60.0) -> Iterator[subprocess.Popen]:
-    """`cmd` running for the block's duration (a server), stopped with its descendants after it."""
+def running(cmd: Sequence[str], env: Mapping[str, str] | None = None, grace: float = 60.0,
+            interval: float | None = None) -> Iterator[subprocess.Popen]:
+    """`cmd` running for the block's duration (a server), stopped with its descendants after it,
+    those it left behind included."""
     proc = subprocess.Popen(list(cmd), env=env)
+    watch = _Watch(proc, WATCH_INTERVAL if interval is None else interval)
     try:
         yield proc
     finally:
-        stop_tree(proc, grace)
+        _stop_watched(watch, grace)
 
 
-def run(cmd: Sequence[str], env: Mapping[str, str] | None = None, grace: float = 30.0) -> None:
-    """`subprocess.run(cmd, check=True)`, with its descendants stopped too if this is interrupted."""
-    proc = subprocess.Popen(list(cmd), env=env)
-    try:
+def run(cmd: Sequence[str], env: Mapping[str, str] | None = None, grace: float = 30.0,
+        interval: float | None = None) -> None:
+    """`subprocess.run(cmd, check=True)`, with its descendants stopped too if this is interrupted, and
+    those still running when it exits."""
+    with running(cmd, env, grace, interval) as proc:
         code = proc.wait()
-    except BaseException:
-        stop_tree(proc, grace)
-        raise
     if code:
         raise subprocess.CalledProcessError(code, list(cmd))
