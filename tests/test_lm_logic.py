@@ -221,6 +221,12 @@ def test_the_trl_rollout_encodes_a_qwen3_like_template_as_generated():
     assert "".join(map(chr, out["prompt_ids"][0])) == qwen3_like(prompt, add_generation_prompt=True)
     assert trained_text(out["completion_ids"][0], out["env_mask"][0]) == "\n<answer> Anne </answer>"
     assert "".join(map(chr, out["completion_ids"][0])).startswith("\n<|im_end|>\n<|im_start|>user\n")
+    # a rollout the backend failed before any action: its prompt with the generation prompt, as for any
+    # other (before: without it), and one untrained end-of-turn token
+    [rollout] = ro.rollouts([prompt], lambda convs, seed: [("", "error")], seed=0)
+    out = ro.encode(QwenLikeTokenizer(), [prompt], [rollout])
+    assert "".join(map(chr, out["prompt_ids"][0])) == qwen3_like(prompt, add_generation_prompt=True)
+    assert (out["completion_ids"][0], out["env_mask"][0]) == ([QwenLikeTokenizer.eos_token_id], [0])
 
 
 # ---------------------------------------------------------------- the rollouts' searches

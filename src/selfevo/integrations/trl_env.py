@@ -89,7 +89,9 @@ class SearchRollout:
                "final": [], "read": []}
         eos = tokenizer.eos_token_id
         for _, ro in zip(prompts, rollouts, strict=True):
-            text, spans = render(ro.messages, False), render.spans(ro.messages)
+            # a rollout the backend failed before any action is its prompt as generation rendered it
+            acted = any(m["role"] == "assistant" for m in ro.messages)
+            text, spans = render(ro.messages, not acted), render.spans(ro.messages)
             enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
             ids = list(enc["input_ids"])
             mask = token_mask(enc["offset_mapping"], trained_spans(ro.messages, spans, final))
