@@ -35,6 +35,7 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 
 WATCH_INTERVAL = 1.0  # seconds between looks at a running job's tree (a /proc scan: milliseconds)
+KILL_WAIT = 10.0  # seconds a stop waits for the processes it killed to be gone
 
 
 def _stat(pid: int) -> tuple[int, str, str] | None:
@@ -113,7 +114,8 @@ class _Watch:
 
 def _stop(tree: Mapping[int, str], grace: float, proc: subprocess.Popen | None = None) -> None:
     """SIGTERM to the processes of `tree` still running; SIGKILL to what is left of them after `grace`
-    seconds, or as soon as this wait is interrupted; `proc` (one of them, this process's child) reaped."""
+    seconds, or as soon as this wait is interrupted; `proc` (one of them, this process's child) reaped,
+    and on return the killed ones gone (within `KILL_WAIT` seconds)."""
     try:
         _signal(tree, signal.SIGTERM)
         deadline = time.monotonic() + grace
@@ -130,6 +132,10 @@ def _stop(tree: Mapping[int, str], grace: float, proc: subprocess.Popen | None =
         _signal(tree, signal.SIGKILL)
         if proc is not None:
             proc.wait()
+        # a killed process takes a moment to exit (a GPU's memory is freed then): gone on return
+        deadline = time.monotonic() + KILL_WAIT
+        while any(_running(pid, start) for pid, start in tree.items()) and time.monotonic() < deadline:
+            time.sleep(0.02)
 
 
 def _stop_watched(watch: _Watch, grace: float) -> None:
