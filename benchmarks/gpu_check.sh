@@ -7,7 +7,8 @@
 #   3. a CrossFit loop end to end on the GPU (configs/lm-tiny.toml, larger: ADMIT=16 proposals a step,
 #      NEW_TOKENS=128 an action, EVAL_LIMIT=5 questions a benchmark in every evaluation, GEN_BATCH rows
 #      generated together: on a GPU a 135M model's decoding costs per step, not per row), timed. On an
-#      H200 (2026-12-04) 32 proposals and 20 questions took 112 s to the base model's evaluation and
+#      H200 (2026-12-04) 32 proposals a step and 20 questions a benchmark (ADMIT=32 EVAL_LIMIT=20) took
+#      112 s to the base model's evaluation and
 #      ~290 s for round 1: more than a 15-minute lease leaves (docs/benchmarks.md, "GPU runs");
 #   4. the replay bank of that run: REPLAY_SIZE=4 round-2 questions (of ~6 admitted), one coupled
 #      feedback adapter, judged by the base model served on 127.0.0.1 (the plumbing of `selfevo replay`
