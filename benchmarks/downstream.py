@@ -1,16 +1,18 @@
 """Where CrossFit's downstream gain comes from in the embedded world: a sensitivity study.
 
-    python benchmarks/downstream.py [--seeds 10] [--world default] [--out docs/results.md]
+    python benchmarks/downstream.py [--seeds 10] [--first-seed 1000] [--world default] [--out docs/results.md]
 
 The paper's downstream gain (Dr. Zero 0.400 -> CrossFit 0.488) does not appear on the default world
 (benchmarks/mitigations.py). This script asks which property of the solver the gain depends on.
 Five solver variants. The second is the one that looked best in an earlier 5-seed exploration of
-memory bounds, learning rates and temperatures (CrossFit - coupled +0.021 there); this script then
-runs it, with the seed count fixed in advance, to see whether that holds. The third and fourth
-come from a later exploration (seeds 100..102, not the seeds below) of the two properties that
-separate the sim from the paper most: a learned value rippling into every chain through the same
-entity, and an untrained solver that agrees with the proposer's wrong labels about 7x as often as
-the paper's (round-1 F 0.029 vs 0.004):
+memory bounds, learning rates and temperatures (CrossFit - coupled +0.021 there; a figure of that
+exploration, which is not in this repository), so it was chosen for its downstream difference; this
+script runs it again on seeds that no exploration used (1000.. by default), with the seed count fixed
+in advance, to see whether that holds. The third and fourth come from a later exploration (seeds
+100..102) of the two properties that separate the sim from the paper most: a learned value rippling
+into every chain through the same entity, and an untrained solver that agrees with the proposer's
+wrong labels about 7x as often as the paper's (round-1 F 0.029 vs 0.004); the fifth from a grid on
+seeds 0..2 by its in-loop A alone (benchmarks/_common.py):
 
 - `default`: configs/default.toml (memory unbounded, sampling temperature 1.0, lr_theta 0.05);
 - `bounded memory`: a memory logit bounded at 1.5, so a learned pseudo-label never becomes certain
@@ -154,7 +156,9 @@ def run_one(job: tuple[str, str, int, str, Path]) -> dict:
     ev = json.loads((out / "eval" / "round-3.json").read_text())
     run = RunDir(out)
     theta = run.load_checkpoint(run.manifest()["rounds_completed"])["main"]["theta"]
+    first = json.loads((out / "audit" / "metrics.json").read_text())["rounds"][0]
     return {"variant": variant, "arm": label, "seed": seed, "F": last["F"], "T_P": last["T_P"], "A": last["A"],
+            "F1": first["F"],
             "macro": ev["macro"]["cover_em"], "about_page": theta[0], "title_match": theta[1],
             **training_signal(run, judge)}
 
@@ -174,13 +178,14 @@ def run_horizon(job: tuple[str, int, str, int, Path]) -> dict:
             "F": [a["F"] for a in audit], "T_P": [a["T_P"] for a in audit]}
 
 
-def horizon_lines(runs: list[dict], rounds: int, seeds: int) -> list[str]:
+def horizon_lines(runs: list[dict], rounds: int, seeds: range) -> list[str]:
     """The longer-horizon table (run_horizon rows) and its reading."""
     by = {(r["treatment"], r["seed"]): r for r in runs}
-    co = [by[("coupled", s)] for s in range(seeds)]
-    cf = [by[("crossfit", s)] for s in range(seeds)]
+    co = [by[("coupled", s)] for s in seeds]
+    cf = [by[("crossfit", s)] for s in seeds]
     lines = [f"**Longer horizon**: coupled and CrossFit (configs/default.toml) for {rounds} rounds, seeds "
-             f"0..{seeds - 1}; the main solver's macro Cover-EM after each round, Δ paired [95% t-interval].", "",
+             f"{seeds[0]}..{seeds[-1]}; the main solver's macro Cover-EM after each round, Δ paired [95% "
+             "t-interval].", "",
              "| round | coupled macro | CrossFit − coupled | F coupled | F CrossFit | T_P coupled | T_P CrossFit |",
              "|---:|---:|---:|---:|---:|---:|---:|"]
     gaps = []
@@ -210,6 +215,8 @@ def horizon_lines(runs: list[dict], rounds: int, seeds: int) -> list[str]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--seeds", type=int, default=10)
+    ap.add_argument("--first-seed", type=int, default=1000,
+                    help="seeds first..first+n-1; 1000 and up: none that picked a variant (see above)")
     ap.add_argument("--world", default="default")
     ap.add_argument("--workers", type=int, default=min(2, os.cpu_count() or 1))
     ap.add_argument("--out", type=Path, default=REPO / "docs" / "results.md")
@@ -220,8 +227,9 @@ def main() -> None:
     rows: list[dict] = []
     horizon: list[dict] = []
     with run_root(args.keep) as root, Progress(console=console) as bar, ProcessPoolExecutor(args.workers) as pool:
-        jobs = [(v, arm, s, args.world, root) for v in VARIANTS for s in range(args.seeds) for arm, _, _ in ARMS]
-        horizon_jobs = ([(t, s, args.world, args.horizon, root) for s in range(args.seeds)
+        seeds = range(args.first_seed, args.first_seed + args.seeds)
+        jobs = [(v, arm, s, args.world, root) for v in VARIANTS for s in seeds for arm, _, _ in ARMS]
+        horizon_jobs = ([(t, s, args.world, args.horizon, root) for s in seeds
                          for t in ("coupled", "crossfit")] if args.horizon > 3 else [])
         task = bar.add_task("runs", total=len(jobs) + len(horizon_jobs))
         for row in pool.map(run_one, jobs):
@@ -234,16 +242,21 @@ def main() -> None:
                 bar.advance(task)
 
     lines = [HEADING, "",
-             f"Command: `python benchmarks/downstream.py --seeds {args.seeds} --world {args.world}`  ",
+             f"Command: `python benchmarks/downstream.py --seeds {args.seeds} --first-seed {args.first_seed} "
+             f"--world {args.world}`  ",
              f"Machine: {machine_line()}  ",
-             f"Seeds 0..{args.seeds - 1}, world `{args.world}`, the paper's schedule; mean ± std over seeds; "
+             f"Seeds {seeds[0]}..{seeds[-1]}, world `{args.world}`, the paper's schedule; mean ± std over seeds; "
              "round-3 audit metrics (oracle judge); macro Cover-EM of the main solver after round 3; "
              "Δ = paired difference to coupled of the same variant and seed, mean [95% t-interval]; "
              "`about_page` = the main solver's learned weight on what a page says about its own subject, "
              "`title_match` = on the page whose title is the mention (untrained 0) "
-             "(the bounded variant was picked from a 5-seed exploration, the question-keyed and careful-reader "
-             "variants from one on seeds 100..102, the skill-led one from a grid on seeds 0..2 (among these) by its "
-             "in-loop A alone, not by any downstream figure; these seeds check them: see the script's docstring).", ""]
+             "(the bounded variant was picked from a 5-seed exploration for its downstream difference, the "
+             "question-keyed and careful-reader variants from one on seeds 100..102, the skill-led one from a grid "
+             "on seeds 0..2 by its in-loop A alone; "
+             + ("none of these seeds was among them: these runs check them" if seeds[0] >= 1000 else
+                "these seeds may overlap them: a check needs seeds from 1000 (`--first-seed`)")
+             + "; see the script's docstring).", ""]
+    gains: dict[tuple[str, str], dict] = {}  # (variant, arm) -> the paired difference to coupled
     for variant in VARIANTS:
         lines += [f"**{variant}** (`{' '.join(VARIANTS[variant]) or 'configs/default.toml'}`)", "",
                   "| treatment | F | T_P | A | macro Cover-EM | Δ macro vs coupled | about_page | title_match "
@@ -259,6 +272,7 @@ def main() -> None:
             else:
                 ref = base if "no memory" not in arm else by_arm["coupled, no memory"]
                 d = summary([r["macro"] - b["macro"] for r, b in zip(runs, ref)])
+                gains[variant, arm] = d
                 cells.append("" if runs is ref else interval_text(d))
             cells += [fmt([r[k] for r in runs], 2) for k in ("about_page", "title_match")]
             cells += [fmt([r[k] for r in runs]) for k in ("right", "wrong", "solved")]
@@ -266,7 +280,7 @@ def main() -> None:
         lines.append("")
     lines.append("Δ for the no-memory CrossFit row is against coupled with no memory (the same ablation).")
     if horizon:
-        lines += ["", *horizon_lines(horizon, args.horizon, args.seeds)]
+        lines += ["", *horizon_lines(horizon, args.horizon, seeds)]
     lines += ["", "Reading (numbers from the tables above):"]
 
     def avg(variant: str, arm: str, key: str) -> float:
@@ -299,9 +313,9 @@ def main() -> None:
     # the words below are checked against the tables, variant by variant, not assumed
     shift = [v for v in VARIANTS if avg(v, "crossfit", "solved") > avg(v, "coupled", "solved")
              and all(avg(v, "crossfit", k) < avg(v, "coupled", k) for k in ("right", "wrong"))]
-    alt = [v for v in ("question-keyed memory", "careful reader") if v in VARIANTS]
-    halved = [v for v in alt if avg(v, "crossfit", "F") < 0.5 * avg(v, "coupled", "F")]
-    behind = [v for v in alt if avg(v, "crossfit", "macro") < avg(v, "coupled", "macro")]
+    halved = [v for v in VARIANTS if avg(v, "crossfit", "F") < 0.5 * avg(v, "coupled", "F")]
+    behind = [v for v in VARIANTS if avg(v, "crossfit", "macro") < avg(v, "coupled", "macro")]
+    gained = [v for v in VARIANTS if (gains[v, "crossfit"]["lo"] or 0) > 0]
     lines.append("- CrossFit changes who grades the proposer, not what the main solver trains on: the main solver "
                  "still trains on every admitted question, and its curriculum now follows the auxiliary solvers' "
                  f"frontier rather than its own; in {len(shift)} of {len(VARIANTS)} variants "
@@ -309,12 +323,13 @@ def main() -> None:
                  "of five (the solved column) and fewer carry a signal, right- and wrong-label alike (the mixed "
                  "columns). Most wrong labels are the proposer's own misreadings, "
                  "which no grader choice removes, so the share CrossFit can clean is small; the ceiling row "
-                 "bounds what cleaner labels alone could buy in this world. With learned values kept from "
-                 "rippling across sources (question-keyed) or a base solver that rarely shares the proposer's "
-                 f"misreadings (careful reader), CrossFit cuts round-3 F to under half of coupled's in "
-                 f"{len(halved)} of {len(alt)} ({', '.join(halved) or 'neither'}) and its mean downstream "
-                 f"difference is below zero in {len(behind)} of {len(alt)} ({', '.join(behind) or 'neither'}) "
-                 "(above).")
+                 "bounds what cleaner labels alone could buy in this world. CrossFit cuts round-3 F to under half "
+                 f"of coupled's in {len(halved)} of {len(VARIANTS)} variants ({', '.join(halved) or 'none'}); its "
+                 f"mean downstream difference is below zero in {len(behind)} of {len(VARIANTS)} "
+                 f"({', '.join(behind) or 'none'}) and above zero with an interval excluding 0 in {len(gained)} "
+                 f"({', '.join(gained) or 'none'}). "
+                 + "Round-1 F (every arm shares round 1, graded before any reuse): "
+                 + ", ".join(f"{v} {avg(v, 'coupled', 'F1'):.3f}" for v in VARIANTS) + ".")
     d = {k: {arm: avg("default", arm, k) for arm in ("coupled", "crossfit", "coupled, no memory", CEILING)}
          for k in ("solved", "title_match", "macro")}
     lines.append("- Why the reuse path costs more than its wrong labels (`default`): with a memory the main solver "

@@ -23,12 +23,13 @@ import sys
 from collections import Counter
 from pathlib import Path
 
-from _common import REPO, SKILL_LED, fmt, machine_line, median_time, run_root, write_section
+from _common import REPO, SKILL_LED, fmt, interval_text, machine_line, median_time, run_root, write_section
 from rich.console import Console
 from rich.progress import Progress
 
 from selfevo._fmt import mean_std_text
 from selfevo._io import read_json
+from selfevo.algos import summary
 from selfevo.config import load_config
 from selfevo.evaluate import answers_match
 from selfevo.evolve import evolve
@@ -163,15 +164,26 @@ def learner_reading(default: dict, skill: dict) -> str:
     def truth(res: dict, name: str) -> float:
         return res["conditions"][name]["solver_truth"]["mean"]
 
+    def paired(res: dict) -> dict:  # source-id − coupled, paired by replay seed
+        seeds = res["conditions"]
+        return summary([s - c for s, c in zip(seeds["source-id"]["per_seed"]["solver_truth"],
+                                              seeds["coupled"]["per_seed"]["solver_truth"], strict=True)])
+
     def gap(res: dict) -> str:
-        d = truth(res, "source-id") - truth(res, "coupled")
-        return f"{truth(res, 'source-id'):.3f} vs {truth(res, 'coupled'):.3f} ({d:+.3f})"
+        return (f"{truth(res, 'source-id'):.3f} vs {truth(res, 'coupled'):.3f} "
+                f"(paired by replay seed {interval_text(paired(res))})")
 
     F, base = mean_F(skill)
     below = "below" if F["source-id"] < base else "above"
-    raised = truth(skill, "source-id") > truth(skill, "coupled")
-    verdict = ("source-id does raise solver truth over coupled: what a grader learns from other sources "
-               "carries to the held-out ones" if raised else "source-id still does not raise solver truth over coupled")
+    d = paired(skill)
+    if d["lo"] is not None and d["lo"] > 0:
+        verdict = ("source-id raises solver truth over coupled, an interval excluding 0: what a grader learns "
+                   "from other sources carries to the held-out ones")
+    elif d["hi"] is not None and d["hi"] < 0:
+        verdict = "source-id still answers less truthfully than coupled, an interval excluding 0"
+    else:
+        verdict = ("source-id's solver truth is no longer clearly below coupled's (an interval including 0), "
+                   "nor clearly above it")
     return (f"Reading: source-id's solver truth against coupled's is {gap(default)} with the default learner and "
             f"{gap(skill)} with the skill-led one, where {verdict}. Its F, {F['source-id']:.4f}, is {below} that "
             f"learner's untrained level {base:.4f}, and the ratio to question-split is "
@@ -374,7 +386,7 @@ def main() -> None:
              "",
              f"![replay bank]({fig_rel})",
              "",
-             "Acceptance (issue):",
+             "Acceptance (issue 6):",
              ""]
     for name, ok, detail in checks:
         lines.append(f"- {'PASS' if ok else '**FAIL**'} {name}: {detail}")
@@ -454,8 +466,9 @@ def main() -> None:
               f"{msv_range} (untrained {base['F']['mean']:.3f}) whatever the provenance: the feedback solver trains "
               f"only on labels the base model's own majorities agree on.",
               "",
-              f"Speed: the whole study ({n_conds} conditions × {args.seeds} seeds + MSV and the base reference per "
-              f"seed, {args.workers} worker processes, `selfevo replay run` end to end) takes **{wall:.1f} s** "
+              f"Speed: the whole study ({n_conds} conditions, the +msv ones included, × {args.seeds} seeds, with the "
+              f"MSV labels and the base reference made once per seed, {args.workers} worker processes, "
+              f"`selfevo replay run` end to end) takes **{wall:.1f} s** "
               f"(median of {args.repeats}: {', '.join(f'{w:.1f}' for w in walls)} s), using "
               f"{statistics.median(cpu):.1f} CPU seconds (median; {statistics.median(cpu) / args.workers:.1f} s of "
               f"wall time on {args.workers} idle cores). Load average before/after: {load_before} / {load_after} "

@@ -60,7 +60,7 @@ def test_horizon_table_with_one_seed():
     runs = [{"treatment": t, "seed": 0, "macro": [0.30 + 0.01 * i + (0.02 if t == "crossfit" else 0.0)
                                                   for i in range(4)],
              "F": [0.05] * 4, "T_P": [0.8] * 4} for t in ("coupled", "crossfit")]
-    text = "\n".join(downstream.horizon_lines(runs, rounds=4, seeds=1))
+    text = "\n".join(downstream.horizon_lines(runs, rounds=4, seeds=range(1)))
     assert "| 4 | 0.330 ± – | +0.020 (one seed: no interval) |" in text
     assert "+0.020 (one seed: no interval) after round 4" in text
     assert "no verdict" in text and "appears" not in text
