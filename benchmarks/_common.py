@@ -84,6 +84,18 @@ def write_section(path: Path, heading: str, section: str, title: str = "# Result
     path.write_text(replace_section(old, heading, section, title), encoding="utf-8")
 
 
+def write_block(path: Path, name: str, text: str) -> None:
+    """Swap what lies between the lines `<!-- name -->` and `<!-- /name -->` of `path` (a page's part a
+    script writes, the rest written by hand)."""
+    old = path.read_text(encoding="utf-8")
+    tag = re.escape(name)
+    pattern = re.compile(rf"(^<!-- {tag} -->\n).*?(^<!-- /{tag} -->$)", re.DOTALL | re.MULTILINE)
+    if not pattern.search(old):
+        raise SystemExit(f"{path}: no <!-- {name} --> ... <!-- /{name} --> lines to write between")
+    path.write_text(pattern.sub(lambda m: m.group(1) + text.rstrip("\n") + "\n" + m.group(2), old, count=1),
+                    encoding="utf-8")
+
+
 def mean_std(values: list[float]) -> tuple[float, float]:
     """Mean and std over seeds, NaN where there is none (no values; one seed has no std)."""
     s = summary(values)

@@ -132,6 +132,44 @@ def test_demo_acceptance_claims_no_rise_of_f_the_printed_decimals_do_not_show():
     assert says([0.0600, 0.0610, 0.0700]).startswith("- PASS")
 
 
+def test_the_readme_headline_is_written_between_its_lines_and_claims_only_what_its_numbers_show(tmp_path):
+    """The README's headline was copied by hand from the demo's output, with sentences ("A doubles",
+    "the untrained base scores 0.485") that no script printed. demo.py now writes it, each claim checked."""
+    demo = _script("demo")
+    common = _script("_common")
+
+    def audit(f: list[float], a: list[float], tp: float) -> dict:
+        return {"rounds": [{"F": {"mean": x, "std": 0.01}, "A": {"mean": y, "std": 0.01},
+                            "T_P": {"mean": tp, "std": 0.01}} for x, y in zip(f, a, strict=True)]}
+
+    def headline(coupled_a: list[float], crossfit_a: float) -> str:
+        res = {"seeds": [0, 1], "treatments": ["coupled", "crossfit"], "base": {"macro": {"mean": 0.4851}},
+               "audit": {"coupled": audit([0.03, 0.07, 0.10], coupled_a, 0.76),
+                         "crossfit": audit([0.03, 0.04, 0.04], [0.4, 0.4, crossfit_a], 0.84)},
+               "downstream": {"coupled": {"macro": {"mean": 0.609}},
+                              "crossfit": {"macro": {"mean": 0.612},
+                                           "gain_vs_coupled": {"macro": {"mean": 0.003, "lo": -0.01, "hi": 0.02}}}}}
+        return "\n".join(demo.readme_headline(res, [50.0, 40.0, 60.0], [100.0]))
+
+    text = headline([0.34, 0.63, 0.70], 0.43)
+    assert "50 s median of 3; 100 s from a fresh clone" in text
+    assert "| crossfit | 0.430 ± 0.010 | 0.840 ± 0.010 | 0.040 ± 0.010 | 0.612 | +0.003 [-0.010, +0.020] |" in text
+    assert "A 0.340 → 0.630 → 0.700 and label truth T_P 0.760 → 0.760 → 0.760: rising agreement is partly" in text
+    assert "CrossFit cuts round-3 F by 60% with *lower* in-loop agreement" in text
+    assert "The untrained base scores 0.485 macro Cover-EM." in text
+    # agreement that does not rise, and a CrossFit A above coupled's: neither claim is made
+    text = headline([0.70, 0.63, 0.60], 0.80)
+    assert "co-cheating" not in text and "regression" not in text and "CrossFit cuts round-3 F by 60%." in text
+
+    page = tmp_path / "README.md"
+    page.write_text("# t\n\n<!-- demo-headline -->\nold\n<!-- /demo-headline -->\n\nkept\n")
+    common.write_block(page, "demo-headline", "new\nlines\n")
+    assert page.read_text() == "# t\n\n<!-- demo-headline -->\nnew\nlines\n<!-- /demo-headline -->\n\nkept\n"
+    page.write_text("# t\n")
+    with pytest.raises(SystemExit, match="no <!-- demo-headline -->"):
+        common.write_block(page, "demo-headline", "new")
+
+
 def test_the_ceiling_arm_says_its_oracle_admitted(tmp_path):
     """downstream.py's ceiling arm (the oracle withholds wrong labels, config `coupled`): the manifest
     marks the run, so that nothing takes it for a run of the loop, and each withheld item says who
