@@ -98,11 +98,14 @@ def injection_rows(judge, clean, injected) -> dict:
     return flip_report(judge, clean, injected)
 
 
+SMOL_MAX_TOKENS = 96  # a reply's cap for SmolLM2 as the judge: the default 384 would take ~4x the CPU time
+
+
 def smollm2_audit(run_path: Path, out: Path, items_per_step: int, injection: int, threads: int) -> dict:
     """`selfevo serve-model --model smollm2` + `selfevo audit --judge llm --compare oracle`, as a user runs them."""
     port = 8000 + os.getpid() % 1000
     serve = subprocess.Popen([sys.executable, "-m", "selfevo.cli", "serve-model", "--model", "smollm2", "--port",
-                              str(port), "--threads", str(threads), "--max-new-tokens", "96"],
+                              str(port), "--threads", str(threads), "--max-new-tokens", str(SMOL_MAX_TOKENS)],
                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}/v1"
     started = time.perf_counter()
@@ -119,7 +122,7 @@ def smollm2_audit(run_path: Path, out: Path, items_per_step: int, injection: int
         load_s = time.perf_counter() - started
         cmd = ["selfevo", "audit", str(run_path), "--judge", "llm", "--judge-url", url, "--judge-model", "smollm2",
                "--compare", "oracle", "--max-items-per-step", str(items_per_step), "--out", str(out),
-               "--judge-max-tokens", "96", "--judge-malformed-retries", "1", "--judge-concurrency", "1",
+               "--judge-max-tokens", str(SMOL_MAX_TOKENS), "--judge-malformed-retries", "1", "--judge-concurrency", "1",
                "--judge-timeout", "300", "--injection-test", str(injection), "--no-progress"]
         t = time.perf_counter()
         subprocess.run([sys.executable, "-m", "selfevo.cli", *cmd[1:]], check=True, stdout=subprocess.DEVNULL)
@@ -133,7 +136,7 @@ def smollm2_audit(run_path: Path, out: Path, items_per_step: int, injection: int
     judge = json.loads((out / "judge.json").read_text())
     rows = [json.loads(x) for x in (out / "cache.jsonl").read_text().splitlines()]
     return {"command": " ".join(cmd).replace(str(run_path), "RUN").replace(str(out), "OUT"),
-            "load_s": load_s, "wall_s": wall, "judge": judge,
+            "load_s": load_s, "wall_s": wall, "judge": judge, "max_tokens": SMOL_MAX_TOKENS,
             "comparison": json.loads((out / "comparison.json").read_text()),
             "injection": json.loads((out / "injection.json").read_text()),
             "samples": [r.get("raw", "")[:160] for r in rows[:3]]}
@@ -253,7 +256,8 @@ def main() -> None:
           "`comparison.png`). A records line is `{\"round\": int, \"step\": int, \"source_id\": str, \"source\": str,"
           " \"question\": str, \"label\": str, \"responses\": [str, ...], \"gold_answers\": [str, ...]}` "
           "(`gold_answers` optional; a malformed line is reported as `file:line`). Flags: "
-          "`--judge-concurrency` (4), `--judge-timeout` (60 s), `--judge-retries` (4, on timeouts / 429 / 5xx"
+          "`--judge-concurrency` (4), `--judge-timeout` (60 s), `--judge-retries` (4, on timeouts / 408 / 409 / 425 / "
+          "429 / 5xx"
           " / a 200 that is no chat completion), `--judge-malformed-retries` (2), `--judge-max-tokens` (384),"
           " `--judge-cache`, `--max-items-per-step`, `--bootstrap` (2,000), `--seed`. The `--judge-*` flags "
           "and `--injection-test` need `--judge llm`: with the oracle or gold answers they are refused (exit "
@@ -277,7 +281,8 @@ def main() -> None:
     if smol:
         s = smol["judge"]["summary"]
         c = smol["comparison"]["all"]
-        L += [f"Served by `selfevo serve-model --model smollm2 --threads {args.threads} --max-new-tokens 96` "
+        L += ["Served by `selfevo serve-model --model smollm2 --threads "
+              f"{args.threads} --max-new-tokens {SMOL_MAX_TOKENS}` "
               f"(loaded in {smol['load_s']:.0f} s), audited by", "",
               f"    {smol['command']}", "",
               f"on the first {args.smollm2_items} items of every step ({s['items']} items, {s['distinct_items']} "
@@ -286,11 +291,16 @@ def main() -> None:
               f"**SmolLM2 resolved {s['resolved']} of {s['distinct_items']} items (coverage "
               f"{num(c['judge']['coverage'])} against the oracle's {num(c['truth']['coverage'])}).** "]
         if s["resolved"] == 0:
-            L[-1] += ("A 135M model does not produce the asked JSON object with a verbatim quote: it writes JSON "
-                      "about the page (`{\"id\": ..., \"name\": ..., \"family\": {...`), repeats itself until it "
-                      "runs out of tokens, or borrows the answer of the prompt's example (\"Kelda\"); unresolved "
-                      f"by reason: {s['unresolved_by_reason']}. Every such item is unresolved, never guessed; that "
-                      "is the measurement.")
+            L[-1] += (f"Unresolved by reason: {s['unresolved_by_reason']}. Every such item is unresolved, never "
+                      "guessed; that is the measurement"
+                      + (f", at a cap of {smol['max_tokens']} tokens a reply (the default is 384), kept low "
+                         "for the time a 135M model takes on this machine's CPU: the replies below were cut before "
+                         "they closed, so this run does not show whether the model would finish the asked object "
+                         "with a higher cap (not measured)" if s["unresolved_by_reason"].get("reply cut at max_tokens")
+                         else "")
+                      + ". In the replies below it starts the asked object but takes the answer of the prompt's "
+                      "example (\"Kelda\") and repeats itself, or writes JSON about the page "
+                      "(`{\"id\": ..., \"name\": ..., \"family\": {...`).")
         L[-1] += " First replies, verbatim:"
         L += [""]
         L += [f"    {json.dumps(x)}" for x in smol["samples"]]
@@ -415,7 +425,8 @@ def main() -> None:
           "at max_tokens: raise --judge-max-tokens\", counted as `cut_replies`.",
           "",
           "Operations: bounded concurrency (threads), retries with exponential backoff and jitter on "
-          "timeouts, connection errors, 429 and 5xx (tenacity, Retry-After honoured), an append-only JSONL "
+          "timeouts, connection errors, 408, 409, 425, 429 and 5xx (tenacity, Retry-After honoured; the HTTP client "
+          "the remote solver uses), an append-only JSONL "
           "cache keyed by sha256(model name asked for, prompt version, generation settings, call content), so"
           " a rerun or a resume repeats no stored call; calls that failed for good are not cached and are "
           "retried by a rerun. Each stored call also records the model its reply named (`reply_model`), and "

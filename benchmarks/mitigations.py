@@ -287,7 +287,9 @@ def main() -> None:
               "out); wall time of the loop's training phases (compute.json; the downstream evaluation, world "
               f"and index building excluded) over {args.timing_repeats} fresh interleaved runs of seed 0 per "
               "treatment: the median run, and the extra wall time as the median [min, max] over repeats of "
-              "the ratio to coupled's run of the same repeat.", "",
+              "the ratio to coupled's run of the same repeat (the acceptance's figure: runs of one repeat share "
+              "the machine's state of the moment, so the two medians of the wall-seconds column, each over "
+              "its own treatment's runs, need not give the same ratio).", "",
               "| treatment | extra generations | extra updates | wall seconds | extra wall time |",
               "|---|---:|---:|---:|---:|"]
     for t, rows in overhead.items():
