@@ -25,7 +25,7 @@ import shutil
 from pathlib import Path
 
 from _common import REPO, machine_line, write_section
-from index_scale import WIKI18, run, scale_args, scale_grid
+from index_scale import WIKI18, codes_line, run, scale_args, scale_grid
 
 HEADING = "## Index scale (dense build)"
 DIM = 768  # e5-base-v2's, the encoder of FlashRAG's and Search-R1's wiki-18 index
@@ -128,6 +128,7 @@ def main() -> None:
     lines = [HEADING, "",
              f"Command: `python benchmarks/dense_scale.py --sizes {' '.join(map(str, args.sizes))}"
              + (" --baseline-src OLD/src`" if args.baseline_src else "`") + "  ",
+             codes_line(codes),
              f"Machine: {machine_line()}  ",
              "Corpora: index_scale.py's (above). Build = `build_index(\"dense\", corpus, dir)` (`selfevo index "
              f"build --retriever dense`, flat index) with a stand-in {DIM}-dimensional encoder (a seeded hash of "

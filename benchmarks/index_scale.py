@@ -121,6 +121,23 @@ def scale_args(doc: str) -> tuple[argparse.Namespace, list[str], dict[str, Path]
     return args, questions, codes
 
 
+def commit_of(src: Path) -> str:
+    """The checkout `src` lies in, as a short commit ("uncommitted changes" marked), for the page to name."""
+    try:
+        sha = subprocess.run(["git", "-C", str(src), "rev-parse", "--short", "HEAD"], capture_output=True,
+                             text=True, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "-C", str(src), "status", "--porcelain", "--", "."], capture_output=True,
+                               text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "not a git checkout"
+    return f"commit {sha}" + (" with uncommitted changes" if dirty else "")
+
+
+def codes_line(codes: dict[str, Path]) -> str:
+    """Which code each row label measured."""
+    return "Codes: " + "; ".join(f"`{label}` = {commit_of(src)}" for label, src in codes.items()) + ".  "
+
+
 def scale_grid(args: argparse.Namespace, codes: dict[str, Path], kind: str,
                measure_one: Callable[[Path, Path, Path], dict]) -> dict[tuple[str, int], dict]:
     """Every corpus size (made once) measured under every code: `measure_one(corpus, index_dir,
@@ -148,6 +165,7 @@ def main() -> None:
     lines = [HEADING, "",
              f"Command: `python benchmarks/index_scale.py --sizes {' '.join(map(str, args.sizes))}"
              + (" --baseline-src OLD/src`" if args.baseline_src else "`") + "  ",
+             codes_line(codes),
              f"Machine: {machine_line()}  ",
              "Corpora: synthetic, seed 0, wiki-18-shaped (a title and 100 words a passage; 90% of the words "
              "from wiki18-mini, 10% from a Zipf tail of made-up words, so the vocabulary grows with the corpus); "
