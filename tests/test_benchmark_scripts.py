@@ -170,6 +170,31 @@ def test_the_readme_headline_is_written_between_its_lines_and_claims_only_what_i
         common.write_block(page, "demo-headline", "new")
 
 
+def test_the_readme_downstream_paragraph_follows_its_numbers():
+    downstream = _script("downstream")
+    seeds = range(1000, 1002)
+    rows, gains = [], {}
+    for v in downstream.VARIANTS:
+        for arm, _, _ in downstream.ARMS:
+            for s in seeds:
+                rows.append({"variant": v, "arm": arm, "seed": s, "T_P": 0.80 if arm == "crossfit" else 0.75,
+                             "A": 0.4 if arm == "crossfit" else 0.7,
+                             "macro": 0.70 if "no memory" in arm else 0.60})
+        gains[v, "crossfit"] = summary([0.0, 0.01])
+    gains["default", "crossfit"] = summary([0.02, 0.03, 0.025, 0.022, 0.028])
+    horizon = [{"treatment": t, "seed": s, "macro": [0.6, 0.6 + (0.01 * (s - 999) if t == "crossfit" else 0)],
+                "F": [0.1, 0.05 if t == "crossfit" else 0.1]} for t in ("coupled", "crossfit") for s in seeds]
+    text = "\n".join(downstream.readme_summary(rows, gains, horizon, 2, seeds))
+    assert text.startswith("What this world reproduces is the paper's downstream gain: CrossFit − coupled macro "
+                           "Cover-EM of the main solver after round 3 is +0.025 [+0.020, +0.030] (mean [95% interval]")
+    assert "seeds 1000..1001" in text and "CrossFit cleans 20%–20% of the wrong labels" in text
+    assert "CrossFit's round-2 F is 0.50 of coupled's" in text and "after round 2" in text
+    assert "bounded memory +0.005 [" in text and "(+0.100)" in text
+    assert "CrossFit A is 0.400 against coupled's 0.700" in text
+    gains["default", "crossfit"] = summary([-0.01, 0.03])
+    assert "does **not** reproduce" in "\n".join(downstream.readme_summary(rows, gains, horizon, 2, seeds))
+
+
 def test_the_ceiling_arm_says_its_oracle_admitted(tmp_path):
     """downstream.py's ceiling arm (the oracle withholds wrong labels, config `coupled`): the manifest
     marks the run, so that nothing takes it for a run of the loop, and each withheld item says who
