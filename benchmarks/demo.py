@@ -189,8 +189,9 @@ def main() -> None:
             clones.append(time_fresh_clone(Path(tmp), main_job))
         print(f"fresh clone {i + 1}: {clones[-1]:.1f} s", flush=True)
     lines = [HEADING, "",
-             "Command: `python benchmarks/demo.py` (runs `selfevo demo` from a fresh output directory, "
-             f"{args.repeats} times, then the README's first command in {args.fresh_clones} fresh clones)  ",
+             f"Command: `python benchmarks/demo.py --repeats {args.repeats} --fresh-clones {args.fresh_clones}` (runs "
+             f"`selfevo demo` from a fresh output directory, {args.repeats} times, then the README's first command in "
+             f"{args.fresh_clones} fresh clone{'s' if args.fresh_clones != 1 else ''})  ",
              f"Machine: {machine_line()}  ",
              f"Wall time of `selfevo demo` ({len(demo['treatments'])} treatments × seeds "
              f"{', '.join(map(str, demo['seeds']))} (configs/demo.toml), the audit, the "
