@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
+import functools
 import json
 import os
 import shutil
@@ -67,15 +68,19 @@ def headline(demo: dict) -> list[str]:
 
 
 def by_round(demo: dict, t: str, m: str) -> str:
+    """Audit metric `m` of treatment `t` by round (means over seeds), as "a → b → c"."""
     return " → ".join(f"{r[m]['mean']:.3f}" for r in demo["audit"][t]["rounds"])
+
+
+def last_round(demo: dict, t: str, m: str) -> float:
+    """Audit metric `m` of treatment `t` in the last round, mean over seeds."""
+    return demo["audit"][t]["rounds"][-1][m]["mean"]
 
 
 def readme_headline(demo: dict, walls: list[float], clones: list[float]) -> list[str]:
     """The README's headline: the timing, the table and what it shows, each claim checked against the
     numbers it states."""
-    def last(t: str, m: str) -> float:
-        return demo["audit"][t]["rounds"][-1][m]["mean"]
-
+    last = functools.partial(last_round, demo)
     seeds = ", ".join(map(str, demo["seeds"]))
     clone = (f"; {statistics.median(clones):.0f} s from a fresh clone with the first command as written"
              if clones else "")
@@ -103,8 +108,7 @@ def readme_headline(demo: dict, walls: list[float], clones: list[float]) -> list
 def acceptance(demo: dict, clones: list[float]) -> list[str]:
     """Issue 7's acceptance items on the last timed run: the paper's qualitative findings, each as
     PASS or FAIL with its numbers (means over the run's seeds)."""
-    def last(t: str, m: str) -> float:
-        return demo["audit"][t]["rounds"][-1][m]["mean"]
+    last = functools.partial(last_round, demo)
 
     checks = []
     if clones:

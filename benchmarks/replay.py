@@ -165,9 +165,9 @@ def learner_reading(default: dict, skill: dict) -> str:
         return res["conditions"][name]["solver_truth"]["mean"]
 
     def paired(res: dict) -> dict:  # source-id − coupled, paired by replay seed
-        seeds = res["conditions"]
-        return summary([s - c for s, c in zip(seeds["source-id"]["per_seed"]["solver_truth"],
-                                              seeds["coupled"]["per_seed"]["solver_truth"], strict=True)])
+        c = res["conditions"]
+        return summary([a - b for a, b in zip(c["source-id"]["per_seed"]["solver_truth"],
+                                              c["coupled"]["per_seed"]["solver_truth"], strict=True)])
 
     def gap(res: dict) -> str:
         return (f"{truth(res, 'source-id'):.3f} vs {truth(res, 'coupled'):.3f} "
