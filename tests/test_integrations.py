@@ -387,6 +387,29 @@ def test_proposer_scaffold_forces_both_tags(tool):
     assert ro.final == text and ro.actions == 1
 
 
+def test_a_scaffolded_question_or_answer_cut_at_the_token_limit_is_malformed():
+    """A question cut mid-tag ("… born? </question", finish "length") was taken whole, stray tag and
+    all, then graded and admitted (a helper's TRL smoke run trained on one); an answer cut short was
+    closed as if whole. Both now stay unclosed: no proposal, and the cut question is not continued."""
+    from selfevo.agents.lm.protocol import read_proposal, scaffolded
+
+    calls = []
+
+    def gen(convs, seed, prefix=None, stops=()):
+        calls.append(list(prefix))
+        if len(calls) == 1:  # the questions: the first cut at the token limit, the second whole
+            return [(prefix[0] + " What time was Cael Cepyr born? </question", "length"),
+                    (prefix[1] + " Who founded Gamma?</question>", "stop")]
+        return [(prefix[0] + " Alpha settl", "length")]  # the second's answer: cut too
+
+    convs = [[{"role": "user", "content": "doc"}]] * 2
+    out = scaffolded(gen)(convs, 0)
+    assert calls[1] == ["<question> Who founded Gamma?</question> <answer>"]  # only the whole question goes on
+    assert out == [("<question> What time was Cael Cepyr born? </question", "length"),
+                   ("<question> Who founded Gamma?</question> <answer> Alpha settl", "length")]
+    assert all(read_proposal(text)[2] is not None for text, _ in out)  # malformed, both
+
+
 def test_trl_job_rows_are_read_with_file_and_line_errors(tmp_path):
     from selfevo.corpus import DataError
     from selfevo.integrations.trl_job import _rows

@@ -154,13 +154,22 @@ def scaffolded(generate: Callable[..., list[tuple[str, str]]]) -> Callable[..., 
     to start "<question>" and stops at the question's end; a second generation continues from
     "<question> …</question> <answer>" and stops at the answer's end, so the reply always has both
     tags. `generate(conversations, seed, prefix=[...], stops=(...))` writes one reply a conversation,
-    starting with its prefix (part of the returned text); the result takes `(conversations, seed)`."""
+    starting with its prefix (part of the returned text); the result takes `(conversations, seed)`.
+    A question or answer cut at the token limit (or a call that failed) is no whole one: the reply is
+    left as it was cut, unclosed, so it reads as malformed (before, a cut question kept a stray
+    "</question" and was graded and admitted)."""
+    cut = ("length", "error")
+
     def run(conversations, seed):
-        qs = generate(conversations, seed, prefix=["<question>"] * len(conversations), stops=("</question>", "\n"))
-        heads = [q.removesuffix("</question>").rstrip("\n").strip() for q, _ in qs]
-        replies = generate(conversations, seed, prefix=[f"{h}</question> <answer>" for h in heads],
-                           stops=("</answer>", "\n"))
-        return [(a.rstrip("\n").removesuffix("</answer>") + "</answer>", f) for a, f in replies]
+        out = generate(conversations, seed, prefix=["<question>"] * len(conversations), stops=("</question>", "\n"))
+        whole = [i for i, (_, finish) in enumerate(out) if finish not in cut]
+        if whole:
+            heads = [out[i][0].removesuffix("</question>").rstrip("\n").strip() for i in whole]
+            replies = generate([conversations[i] for i in whole], seed,
+                               prefix=[f"{h}</question> <answer>" for h in heads], stops=("</answer>", "\n"))
+            for i, (a, finish) in zip(whole, replies, strict=True):
+                out[i] = (a if finish in cut else a.rstrip("\n").removesuffix("</answer>") + "</answer>", finish)
+        return out
     return run
 
 
