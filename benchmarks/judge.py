@@ -422,7 +422,8 @@ def main() -> None:
           "(`reference: Input should be a valid string`), up to `--judge-malformed-retries` times. A reply "
           "the server stopped at `--judge-max-tokens` (finish_reason `length`) is not malformed and not asked"
           " again — the same cap would cut it again: the item is left unresolved with the reason \"reply cut "
-          "at max_tokens: raise --judge-max-tokens\", counted as `cut_replies`.",
+          "at max_tokens: raise --judge-max-tokens (lm.judge_max_tokens for a run's own judge)\", counted as "
+          "`cut_replies`.",
           "",
           "Operations: bounded concurrency (threads), retries with exponential backoff and jitter on "
           "timeouts, connection errors, 408, 409, 425, 429 and 5xx (tenacity, Retry-After honoured; the HTTP client "

@@ -1002,6 +1002,37 @@ def test_the_default_judge_loads_on_the_runs_device_in_its_dtype(monkeypatch):
     assert (asked["device"], asked["dtype"], asked["threads"]) == ("cpu", "bfloat16", 2)
 
 
+def test_the_default_judge_asks_for_the_token_cap_its_model_keeps(monkeypatch):
+    """The model serving a run's own judge is capped at lm.judge_max_tokens (256), while the judge asked
+    for, and judge.json recorded, its default 384; the reason for a cut reply named a flag evolve lacks."""
+    import contextlib
+
+    import selfevo.agents.lm.model as model_mod
+    import selfevo.agents.lm.server as server_mod
+    import selfevo.audit.llm_judge as judge_mod
+    from selfevo.config import load_config
+    from selfevo.evolve import default_judge
+
+    asked = {}
+
+    class Asked(Exception):
+        pass
+
+    def judge(url, model, **kwargs):
+        asked.update(kwargs)
+        raise Asked
+
+    monkeypatch.setattr(model_mod, "TransformersChatModel", lambda path, **kwargs: None)
+    monkeypatch.setattr(server_mod, "make_app", lambda model: None)
+    monkeypatch.setattr(server_mod, "running", lambda app: contextlib.nullcontext("http://127.0.0.1:1/v1"))
+    monkeypatch.setattr(judge_mod, "LLMJudge", judge)
+    cfg = load_config(None, ["backend=\"lm\"", "lm.device=\"cpu\"", "lm.judge_max_tokens=96"])
+    with pytest.raises(Asked), default_judge(cfg, env=type("Env", (), {"documents": []})()):
+        pass
+    assert asked["max_tokens"] == 96
+    assert "lm.judge_max_tokens" in CUT
+
+
 def test_a_call_shared_with_a_stopped_batch_is_asked_again_by_the_running_one():
     """Two batches (threads) sharing a call wait for one reply. When the batch that made the call
     stopped (an error elsewhere in it, Ctrl-C), its call gave up, and the batch still running got

@@ -418,5 +418,5 @@ def default_judge(cfg: RunConfig, env: Environment, cache_path: str | os.PathLik
     docs = contents_by_id(env.documents)  # read on demand: a corpus stays on disk
     with (running(make_app(model)) as url,
           LLMJudge(url, cfg.lm.model, documents=docs, concurrency=1, cache_path=cache_path,
-                   progress=progress) as judge):
+                   max_tokens=cfg.lm.judge_max_tokens, progress=progress) as judge):  # the cap the model keeps
         yield judge
