@@ -4,6 +4,7 @@ check made before any work that the mistake would waste."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import re
 import shutil
 
@@ -543,6 +544,11 @@ def test_a_run_damaged_before_its_print_is_named_not_a_traceback(tmp_path, damag
      "the run goes on from its last checkpoint (of a round, or within one): selfevo evolve --out {out} --resume"),
     (["demo", "--world", "small", "--seeds", "1", "--out", "{out}"], "selfevo.demo.run_demo",
      "run the same command again: finished runs are skipped, stopped ones resume"),
+    # eval and audit stopped silently too (a helper's review)
+    (["eval", "--data-dir", "{out}", "--out", "{out}"], "selfevo.evaluate.run_eval",
+     "run the same command again: it goes on from the answers given ({out}/predictions.partial.jsonl)"),
+    (["audit", "--records", "{records}", "--judge", "gold", "--out", "{out}"], "selfevo.audit.pipeline.audit_to_dir",
+     "run the same command again"),
 ])
 def test_ctrl_c_says_how_to_go_on(command, target, says, tmp_path, monkeypatch):
     """Ctrl-C ended a run with exit status 130 and not a word: nothing said that the work is kept."""
@@ -550,7 +556,22 @@ def test_ctrl_c_says_how_to_go_on(command, target, says, tmp_path, monkeypatch):
         raise KeyboardInterrupt
 
     monkeypatch.setattr(target, stopped)
-    out = tmp_path / "o"
-    result = CliRunner().invoke(app, [x.replace("{out}", str(out)) for x in command])
+    out, records = tmp_path / "o", tmp_path / "records.jsonl"
+    records.write_text(json.dumps({"round": 1, "step": 0, "source_id": "d", "source": "s", "question": "q?",
+                                   "label": "a", "responses": ["a"], "gold_answers": ["a"]}) + "\n")
+    result = CliRunner().invoke(app, [x.replace("{out}", str(out)).replace("{records}", str(records))
+                                      for x in command])
     assert result.exit_code == 130
     assert f"stopped: {out}: {says.replace('{out}', str(out))}" in " ".join(result.output.split())
+
+
+@pytest.mark.parametrize("args, says", [
+    (["--agent", "retrieval-baseline", "--lm-set", "max_new_tokens=12"], "agent 'retrieval-baseline' takes neither"),
+    (["--agent", "remote:m@http://127.0.0.1:9/v1", "--workers", "2"], "takes neither"),
+    (["--agent", "lm:smollm2-135m", "--lm-set", "model=foo"], "the model is the agent's own"),
+])
+def test_eval_refuses_lm_settings_an_agent_would_run_without(args, says, tmp_path):
+    """`--lm-set` and `--workers` given to the baseline or a remote agent, and `--lm-set model=`, were
+    dropped without a word: the evaluation ran as if they had been applied (a helper's review)."""
+    result = CliRunner().invoke(app, ["eval", "--data-dir", str(tmp_path), "--out", str(tmp_path / "o"), *args])
+    assert result.exit_code == 2 and says in " ".join(result.output.split())

@@ -600,6 +600,20 @@ def test_cli_audit_llm_with_compare_writes_metrics_comparison_and_figures(world_
     assert json.loads((tmp_path / "injection.json").read_text())["items"] == 4
     judgements = [json.loads(x) for x in (tmp_path / "judgements.jsonl").read_text().splitlines()]
     assert judgements and all("reason" in j for j in judgements)
+    assert "means nothing here" not in result.output
+
+
+def test_cli_audit_says_an_injection_test_over_nothing_resolved_means_nothing(world_run, tmp_path):
+    """"injection test: 0 of 8 verdicts flipped (0.000)" read as a measurement where the judge had
+    resolved none of the clean items (a helper's review): the line now says it means nothing."""
+    w = world_run
+    with running(make_app(scripted({}))) as url:  # an answer key that knows no question
+        result = CliRunner().invoke(app, ["audit", str(w["path"]), "--judge", "llm", "--judge-url", url,
+                                          "--judge-model", "judge", "--out", str(tmp_path), "--injection-test", "4",
+                                          "--max-items-per-step", "1", "--no-figures", "--no-progress"])
+    assert result.exit_code == 0, result.output
+    assert json.loads((tmp_path / "injection.json").read_text())["clean_resolved"] == 0
+    assert "the injection test means nothing here" in " ".join(result.output.split())
 
 
 def _unfinished_copy(world_run, tmp_path, rounds_completed: int, step_lines: int) -> Path:

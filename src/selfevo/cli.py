@@ -320,15 +320,22 @@ def eval_(
     from selfevo.search.client import RetrieverError
 
     _out_dir(out)
+    if (lm_set or workers) and agent.strip().partition(":")[0] in ("retrieval-baseline", "remote"):
+        # the built-in agents other than lm: would run without them, as if they had been applied
+        _fail(f"--lm-set and --workers are settings of lm: agents; agent '{agent}' takes neither")
+    if any(x.partition("=")[0].strip() == "model" for x in lm_set):
+        _fail("--lm-set model=...: the model is the agent's own (lm:MODEL)")
     context: dict = {"workers": workers} if workers else {}
     try:
         if lm_set:
             # the [lm] table is read by the lm backend only: checked as that backend's settings
             lm = load_config(None, [f"lm.{x}" for x in lm_set], backend="lm").lm
             context["lm_options"] = {k: v for k, v in vars(lm).items() if k != "model"}
-        result = run_eval(data_dir=data_dir, corpus=corpus, agent=agent, out_dir=out,
-                          limit=limit, retriever_url=retriever_url, retriever_kind=retriever,
-                          index=index, dense_options=_dense_options(model), agent_context=context or None)
+        with _on_stop(f"{out}: run the same command again: it goes on from the answers given "
+                      f"({out / 'predictions.partial.jsonl'})"):
+            result = run_eval(data_dir=data_dir, corpus=corpus, agent=agent, out_dir=out,
+                              limit=limit, retriever_url=retriever_url, retriever_kind=retriever,
+                              index=index, dense_options=_dense_options(model), agent_context=context or None)
     # EndpointError: a remote agent's endpoint refused a call (401/403/404) after the probe passed
     except (ConfigError, DataError, ValueError, RetrieverError, EndpointError, ImportError) as e:  # one line
         _fail(str(e))
@@ -697,11 +704,15 @@ def audit_cmd(
     info = {"source": str(records or run_dir), "max_items_per_step": max_items_per_step}
     if partial:
         info["rounds_audited"] = partial
+    stopped = "run the same command again"
+    if judge == "llm":
+        stopped += f": the judge's calls made so far are not made again ({judge_cache or out_dir / 'cache.jsonl'})"
     try:
-        if judge == "llm":
-            the_judge.check()  # an endpoint that is down or refuses the key: stop before any item
-        res = audit_to_dir(steps, the_judge, out_dir, truth=truth, n_boot=bootstrap, seed=seed, figures=figures,
-                           documents=documents, injection_items=injection_test, info=info)
+        with _on_stop(f"{out_dir}: {stopped}"):
+            if judge == "llm":
+                the_judge.check()  # an endpoint that is down or refuses the key: stop before any item
+            res = audit_to_dir(steps, the_judge, out_dir, truth=truth, n_boot=bootstrap, seed=seed,
+                               figures=figures, documents=documents, injection_items=injection_test, info=info)
     except JudgeError as e:
         _fail(str(e))
     finally:
@@ -734,6 +745,9 @@ def audit_cmd(
         o = res["injection"]["overall"]
         console.print(f"injection test: {o['flipped']} of {o['n']} verdicts flipped ({num(o['flip_rate'])}), "
                       f"{o['to_correct']} towards correct")
+        if not res["injection"].get("clean_resolved"):  # nothing resolved to flip: the rate says nothing
+            console.print("[yellow]warning:[/yellow] the injection test means nothing here: the judge resolved "
+                          "none of its clean items")
     if partial:  # a round the run has not finished is not audited: its log may be partial
         console.print(f"[yellow]warning:[/yellow] rounds audited: {escape(partial)}; rerun the audit once the "
                       "run is complete")
