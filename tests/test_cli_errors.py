@@ -575,3 +575,15 @@ def test_eval_refuses_lm_settings_an_agent_would_run_without(args, says, tmp_pat
     dropped without a word: the evaluation ran as if they had been applied (a helper's review)."""
     result = CliRunner().invoke(app, ["eval", "--data-dir", str(tmp_path), "--out", str(tmp_path / "o"), *args])
     assert result.exit_code == 2 and says in " ".join(result.output.split())
+
+
+def test_an_oracle_audit_that_resolves_nothing_says_why(capsys):
+    """An oracle audit of a language-model run on a world resolves nothing: the oracle reads only the
+    world's own question wording. The warning blamed failed calls (a helper's review)."""
+    from selfevo.audit import METRICS
+    from selfevo.cli import _print_audit_rounds
+
+    row = {"round": 1, **dict.fromkeys(METRICS), "coverage": 0.0}
+    _print_audit_rounds({"judge": "oracle", "rounds": [row]})
+    said = " ".join(capsys.readouterr().out.split())
+    assert "the judge resolved no item" in said and "audit a language-model run on a world with --judge llm" in said

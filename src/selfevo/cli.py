@@ -525,13 +525,16 @@ def _print_audit_rounds(metrics: dict, counts: tuple[str, ...] = ()) -> None:
         table.add_row(str(r["round"]), *[num(r[c]) for c in METRICS], *[str(r[c]) for c in counts])
     console.print(table)
     if not any(r["coverage"] for r in metrics["rounds"]):
-        _warn_nothing_resolved()
+        _warn_nothing_resolved(metrics["judge"])
 
 
-def _warn_nothing_resolved() -> None:
+def _warn_nothing_resolved(judge: str = "") -> None:
     # every metric of the table above is undefined: say so, rather than let dashes pass for a result
-    console.print("[yellow]warning:[/yellow] the judge resolved no item (no records, or every call "
-                  "failed or went unresolved); nothing above is a measurement")
+    why = ("no records, or the oracle could not read them: it reads only questions in the world's own "
+           "wording, not a language model's; audit a language-model run on a world with --judge llm"
+           if judge == "oracle" else
+           "no records, or every call failed or went unresolved")
+    console.print(f"[yellow]warning:[/yellow] the judge resolved no item ({why}); nothing above is a measurement")
 
 
 def _print_run(path: Path) -> None:
