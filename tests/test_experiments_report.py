@@ -952,6 +952,25 @@ def test_compare_says_why_a_run_has_no_overhead(local_grid):
     assert len(note) == 2 and str(root / "crossfit-s0") in note[1] and "crossfit-s1" not in note[1]
 
 
+def test_compare_says_which_runs_are_not_complete(local_grid, tmp_path):
+    """`compare` took a run killed part way as any other, with no sign that its numbers are of the rounds
+    it did (`report` refuses it; a helper's review)."""
+    import shutil
+
+    root, _, _ = local_grid
+    killed = tmp_path / "crossfit-killed"
+    shutil.copytree(root / "crossfit-s0", killed)
+    manifest = json.loads((killed / "manifest.json").read_text())
+    (killed / "manifest.json").write_text(json.dumps({**manifest, "status": "running"}))
+    res = CliRunner().invoke(app, ["compare", str(root / "coupled-s0"), str(root / "crossfit-s0"), str(killed)],
+                             terminal_width=200)
+    assert res.exit_code == 0, res.output
+    said = " ".join(res.output.split())
+    rounds = manifest["rounds_completed"]
+    assert f"not complete, so counted over the rounds done: {killed} ({rounds} of {rounds} rounds)" in said
+    assert str(root / "crossfit-s0") + " (" not in said
+
+
 def test_a_ray_worker_gets_the_run_directory_as_an_absolute_path(tmp_path, monkeypatch):
     """`run_grid` (the Python API) passed a relative run directory to Ray workers as given: a worker
     whose working directory is not the driver's (a cluster's) wrote the run elsewhere."""

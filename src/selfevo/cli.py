@@ -851,6 +851,10 @@ def compare_cmd(run_dirs: list[Path] = typer.Argument(..., help="run directories
                                                                             "extra_seconds")],
                       *[num(r[k]) for k in ("F", "T_P", "A", "cover_em")])
     console.print(table)
+    unfinished = [f"{r['run']} ({r['unfinished']})" for r in rows if r["unfinished"]]
+    if unfinished:  # `report` refuses these; a comparison of what they did so far is still asked for
+        console.print("[yellow]warning:[/yellow] " + escape(f"not complete, so counted over the rounds done: "
+                                                             f"{', '.join(unfinished)}"))
     unpaired = [r["run"] for r in rows if r["extra_generations"] is None]
     if unpaired:  # a dash alone does not say why (a run of another config, world or rounds done than its coupled)
         console.print(escape(f"+gen, +upd, +time {DASH}: no coupled run among those given has the seed, config "

@@ -27,6 +27,7 @@ class RunSummary:
     # it was made on (a world directory or corpus remade under one path), and the rounds done
     # (compute.json counts those only)
     setting: str = ""
+    unfinished: str | None = None  # "9 of 10 rounds" for a run not complete (killed, or still running)
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> RunSummary:
@@ -45,8 +46,9 @@ class RunSummary:
         setting = json.dumps([{k: v for k, v in cfg.items() if k != "treatment"}, made_on(manifest), done],
                              sort_keys=True)
         generations, seconds = training_cost(compute)
+        unfinished = None if manifest.get("status") == "complete" else f"{done} of {cfg['loop']['rounds']} rounds"
         return cls(run.path, cfg["treatment"], cfg["seed"], generations, compute["total_updates"], seconds,
-                   rounds[-1] if rounds else None, cover, setting)
+                   rounds[-1] if rounds else None, cover, setting, unfinished)
 
 
 def training_cost(compute: dict) -> tuple[int, float]:
@@ -81,6 +83,6 @@ def compare(paths: list[str | os.PathLike]) -> list[dict]:
             "extra_updates": ratio(r.updates, b and b.updates),
             "extra_seconds": ratio(r.seconds, b and b.seconds),
             "F": r.last_round and r.last_round["F"], "T_P": r.last_round and r.last_round["T_P"],
-            "A": r.last_round and r.last_round["A"], "cover_em": r.cover_em,
+            "A": r.last_round and r.last_round["A"], "cover_em": r.cover_em, "unfinished": r.unfinished,
         })
     return rows
