@@ -283,6 +283,11 @@ def test_a_server_with_served_names_refuses_another_model_and_the_client_says_wh
         with RemoteSolver(f"{base}/v1", "sm", backoff=0.001) as right:
             [[t]] = right.answer(QUESTIONS[:1], tool())
             assert t.answer == secret(QUESTIONS[0]) and right.describe()["reply_models"] == {"sm": 2}
+        # the base URL without its /v1: every call would be a 404, found only after the index was built
+        # (the probe took the 404 on /models for a server without that route; a helper's review)
+        with RemoteSolver(base, "sm") as bare, pytest.raises(EndpointError, match=r"but .*/v1 answers: give the "
+                                                                               r"OpenAI base URL"):
+            bare.check()
     with serve_app(make_app(ScriptedModel(searcher, name="smollm2"))) as base:  # no names: any is answered
         with RemoteSolver(f"{base}/v1", "qwen", backoff=0.001) as any_name:
             [[t]] = any_name.answer(QUESTIONS[:1], tool())
@@ -480,16 +485,17 @@ def test_msv_with_the_source_shows_a_served_solver_what_the_loops_solver_sees(sm
 
 @pytest.mark.skipif(not QA_DIR.is_dir(), reason="shared QA data not present")
 def test_selfevo_eval_remote_base_url_without_v1_is_one_line_error(tmp_path):
-    """The probe (GET /models) passes a base URL without /v1 (a 404 there means "no /models
-    route"); the first chat call's 404 (EndpointError) must end `selfevo eval` with one line, exit 2,
-    not a traceback."""
+    """A base URL without /v1 ends `selfevo eval` with one line, exit 2, not a traceback, and now at the
+    probe, before any indexing: GET /models there is a 404, which passed for "no /models route", so
+    the first chat call's 404 stopped it, after the index was built (a helper's review)."""
     with serve_app(make_app(recording(titled))) as base:
         res = CliRunner().invoke(app, ["eval", "--data-dir", str(QA_DIR), "--corpus", str(CORPUS),
                                        "--agent", f"remote:scripted@{base}", "--out", str(tmp_path / "ev"),
                                        "--limit", "1"])
     assert res.exit_code == 2, res.output
-    assert "error:" in res.output and "404" in res.output and "Traceback" not in res.output
-    assert not (tmp_path / "ev" / "score.json").exists()
+    said = " ".join(res.output.split())
+    assert "error:" in said and "give the OpenAI base URL" in said and "Traceback" not in said
+    assert not (tmp_path / "ev" / "score.json").exists() and not (tmp_path / "ev" / "bm25-index").exists()
 
 
 def test_a_redirecting_endpoint_is_refused_at_once():

@@ -339,6 +339,14 @@ class ChatClient:
         """The text of the first choice (see `chat`)."""
         return self.chat(messages, **overrides)[0].text
 
+    def _lists_models(self, url: str) -> bool:
+        """Whether GET `url` answers as an OpenAI model list does (a probe: any failure is a no)."""
+        try:
+            listed = self._request("GET", url).json()
+            return isinstance(listed, dict) and isinstance(listed.get("data"), list)
+        except (httpx.HTTPError, ValueError, TypeError):
+            return False
+
     def check(self) -> list[str]:
         """Probe the endpoint once (GET {url}/models, no retries) before a long run: raises
         EndpointError if it is unreachable or refuses the key; returns the model ids it lists
@@ -348,6 +356,12 @@ class ChatClient:
         except (httpx.TransportError, httpx.DecodingError) as e:
             raise EndpointError(self._scrub(f"{self.base_url}: cannot connect ({type(e).__name__}: {e})")) from None
         self._check_refused(r)
+        if r.status_code == 404 and not self.base_url.rstrip("/").endswith("/v1") and self._lists_models(
+                f"{self.base_url}/v1/models"):
+            # the server's OpenAI routes are under /v1: every call to this URL would be a 404 (after,
+            # say, hours of indexing)
+            raise EndpointError(self._scrub(f"{self.base_url}: no such route, but {self.base_url}/v1 answers: "
+                                            "give the OpenAI base URL (…/v1)"))
         if r.status_code != 200:
             return []
         try:
