@@ -974,6 +974,9 @@ def test_an_engine_evaluation_killed_part_way_goes_on_from_the_answers_given(tmp
         whole, _ = make(tmp_path / "whole")
         whole.evaluate(1)
         everything = len(asked)
+        # named without the loopback port it was served on (the eval file differed from run to run)
+        assert json.loads((tmp_path / "whole" / "eval" / "round-1.json").read_text())["run"]["agent"] == \
+            "remote:main@r1 (served)"
         assert everything >= 6  # several batches of 2
 
         run, model = make(tmp_path / "killed")

@@ -127,8 +127,10 @@ class RemoteSolver:
     def describe(self) -> dict:
         """Settings and counters, for a run's records (no API key, only whether one is set)."""
         return {"agent": self.name, "url": shown_url(self.url), "model": self.model,
-                "api_key": "set" if self._has_key else "unset", "temperature": self.temperature,
-                "top_p": self.top_p, "max_tokens": self.max_tokens, "max_actions": self.max_actions,
+                "api_key": "set" if self._has_key else "unset",
+                # sampled calls (rollouts, grading); a greedy one (an evaluation) is sent at 0 / 1
+                "temperature": self.temperature, "top_p": self.top_p, "greedy": {"temperature": 0.0, "top_p": 1.0},
+                "max_tokens": self.max_tokens, "max_actions": self.max_actions,
                 "stop": list(STOP_STRINGS), "concurrency": self.concurrency,
                 "max_retries": self.client.max_retries, "stats": dict(self.stats),
                 # what the endpoint listed (None: not probed) and the model each reply named: a server

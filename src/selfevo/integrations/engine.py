@@ -696,6 +696,9 @@ class EngineRun:
         path, name = self.model_dir("main", r), f"main@r{r}"
         with self.serving({"main": (path, name)}) as served, \
                 RemoteSolver(*served["main"], **self.remote_options()) as solver:
+            # named without the loopback port it was served on this time: a run's files, and a resumed
+            # run's, are the same whatever port it got
+            solver.name = f"remote:{name} (served)"
             try:
                 # a kill during it (1,325 questions of a served 4B model: hours) keeps the answers given:
                 # the resumed phase goes on from them while the model's files are the ones that gave them
