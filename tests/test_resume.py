@@ -176,6 +176,8 @@ def test_resume_with_no_config_option_takes_the_runs_own(tmp_path, monkeypatch, 
     # an option given is compared, as before: one that differs is refused
     result = CliRunner().invoke(app, ["evolve", "--out", str(run.path), "--resume", "--seed", "9"])
     assert result.exit_code == 2 and "seed" in " ".join(result.output.split())
+    # every field the run's command set is named with it: the message says how to resume (a helper's review)
+    assert "resume with no config options (the run's own config is used)" in " ".join(result.output.split())
 
 
 def test_resume_with_a_different_config_exits_2_naming_the_field(reference, tmp_path):

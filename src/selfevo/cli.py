@@ -450,7 +450,7 @@ def evolve_cmd(
     """Run the self-evolution loop into a run directory, then audit it."""
     from selfevo.config import NEEDS_QA_DIR, ConfigError, config_from_dict, load_config
     from selfevo.evolve import evolve
-    from selfevo.runs import RunDir, RunError
+    from selfevo.runs import ConfigDiffers, RunDir, RunError
     from selfevo.world import WorldError
 
     beside = None if corpus is None else corpus.resolve().parent.parent / "qa"  # the FlashRAG layout
@@ -480,6 +480,10 @@ def evolve_cmd(
             _fail(f"--qa-dir: not given, and no qa/ directory beside the corpus's directory ({beside}): "
                   "the benchmarks to evaluate on")
         _fail(str(e))
+    except ConfigDiffers as e:
+        # options make a config from the defaults, as the run's first command did: one option changed
+        # names every field that command set
+        _fail(f"{e}; resume with no config options (the run's own config is used) or with those it was made with")
     except (RunError, DataError, WorldError) as e:
         _fail(str(e))
     _print_run(run.path)

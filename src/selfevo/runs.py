@@ -79,6 +79,10 @@ class RunError(ValueError):
     damaged); the message names the file (and line) at fault."""
 
 
+class ConfigDiffers(RunError):
+    """A config other than the run's own, for a run that must keep it (a resume); names the fields."""
+
+
 # a manifest fact: the run's admission read truth (benchmarks/downstream.py's ceiling arm, whose
 # oracle withholds wrong labels); its config says `coupled` as the loop's own runs do
 ORACLE_ADMISSION = "oracle_admission"
@@ -294,7 +298,7 @@ class RunDir:
             # smaller batch: the directory holds no finished round, so say how to start over
             hint = (f" (no round of it finished: remove {self.path} to start afresh with this config)"
                     if done == 0 else "")
-            raise RunError(f"{e}; cannot resume{hint}") from None
+            raise type(e)(f"{e}; cannot resume{hint}") from None  # a ConfigDiffers stays one
         if done and not self.checkpoint_path(done).exists():
             raise RunError(f"{self.path}: manifest says round {done} is done but its checkpoint is missing")
         remove_leftover_temps(self.path, recursive=True)  # a kill inside an atomic write leaves one
@@ -352,7 +356,7 @@ class RunDir:
         saved = with_new_defaults(with_absolute_paths(read_object(self.path / "config.json")), config, defaults)
         if saved != config:
             diff = differences(saved, config)
-            raise RunError(f"{self.path}: config differs from the saved run (fields: {', '.join(diff)})")
+            raise ConfigDiffers(f"{self.path}: config differs from the saved run (fields: {', '.join(diff)})")
 
     def check_software(self) -> None:
         """On resume: warn (SoftwareChanged) if this process runs other software than the run was
