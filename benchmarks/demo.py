@@ -72,6 +72,13 @@ def by_round(demo: dict, t: str, m: str) -> str:
     return " → ".join(f"{r[m]['mean']:.3f}" for r in demo["audit"][t]["rounds"])
 
 
+def rises(demo: dict, t: str, m: str) -> bool:
+    """Audit metric `m` of treatment `t` rising every round as printed: a rise the decimals do not show
+    ("0.060 → 0.060") is none, as in the report's reading."""
+    values = [shown(r[m]["mean"]) for r in demo["audit"][t]["rounds"]]
+    return all(a < b for a, b in zip(values, values[1:]))
+
+
 def last_round(demo: dict, t: str, m: str) -> float:
     """Audit metric `m` of treatment `t` in the last round, mean over seeds."""
     return demo["audit"][t]["rounds"][-1][m]["mean"]
@@ -90,8 +97,7 @@ def readme_headline(demo: dict, walls: list[float], clones: list[float]) -> list
              "writes this paragraph and the table; target: under 3 minutes; the machine's speed varies from "
              "day to day: `docs/results.md`, \"The demo\"). A = in-loop agreement, T_P = label truth, "
              "F = false agreement:", "", *headline(demo), ""]
-    f, a = [[r[m]["mean"] for r in demo["audit"]["coupled"]["rounds"]] for m in ("F", "A")]
-    rising = all(shown(x) < shown(y) for x, y in zip(f, f[1:])) and all(shown(x) < shown(y) for x, y in zip(a, a[1:]))
+    rising = rises(demo, "coupled", "F") and rises(demo, "coupled", "A")
     claims = [f"Coupled F goes {by_round(demo, 'coupled', 'F')} over the rounds, A {by_round(demo, 'coupled', 'A')} "
               f"and label truth T_P {by_round(demo, 'coupled', 'T_P')}"
               + (": rising agreement is partly co-cheating." if rising else ".")]
@@ -114,10 +120,7 @@ def acceptance(demo: dict, clones: list[float]) -> list[str]:
     if clones:
         checks.append(("fresh clone → the README's first command → report in under 3 minutes (median)",
                        statistics.median(clones) < 180, f"{statistics.median(clones):.0f} s"))
-    f = [r["F"]["mean"] for r in demo["audit"]["coupled"]["rounds"]]
-    # a rise the printed decimals do not show ("0.060 → 0.060") is none, as in the report's reading
-    checks.append(("coupled F rising by round", all(shown(a) < shown(b) for a, b in zip(f, f[1:])),
-                   " → ".join(f"{x:.3f}" for x in f)))
+    checks.append(("coupled F rising by round", rises(demo, "coupled", "F"), by_round(demo, "coupled", "F")))
     co, cf = ({m: last(t, m) for m in ("F", "A", "T_P")} for t in ("coupled", "crossfit"))
     checks.append(("CrossFit halving F with lower A and higher T_P",
                    cf["F"] <= 0.5 * co["F"] and cf["A"] < co["A"] and cf["T_P"] > co["T_P"],
