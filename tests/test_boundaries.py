@@ -184,8 +184,8 @@ def _imports_answers_match(path: Path) -> bool:
     return imported and called
 
 
-@pytest.mark.parametrize("rel", ["loop/engine.py", "audit/__init__.py", "audit/judges.py",
-                                 "agents/sim/solver.py"])
+@pytest.mark.parametrize("rel", ["loop/engine.py", "loop/admission.py", "audit/__init__.py", "audit/judges.py",
+                                 "agents/sim/solver.py", "integrations/rewards.py"])
 def test_reward_admission_and_audit_use_the_one_matcher(rel):
     assert _imports_answers_match(PKG / rel)
 

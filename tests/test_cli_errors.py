@@ -207,7 +207,8 @@ def world_dir(tmp_path_factory):
     from selfevo.world import WorldConfig, make_world, save_world
 
     path = tmp_path_factory.mktemp("w") / "world"
-    save_world(make_world(WorldConfig(size="small", seed=0, confusable_rate=0.6, shared_misreading=0.1)), path)
+    # shared_misreading is not the default (0.1): a run's default values are not compared with the directory
+    save_world(make_world(WorldConfig(size="small", seed=0, confusable_rate=0.6, shared_misreading=0.3)), path)
     return path
 
 
@@ -226,7 +227,7 @@ def test_a_world_directory_refuses_parameters_it_was_not_made_with(tmp_path, wor
 
 def test_a_world_directory_accepts_the_parameters_it_was_made_with(tmp_path, world_dir):
     res = runner.invoke(app, ["evolve", "--world", str(world_dir), "--out", str(tmp_path / "run"), *ONE_ROUND,
-                              "--set", "world.shared_misreading=0.1"])
+                              "--set", "world.shared_misreading=0.3"])
     assert res.exit_code == 0, (res.output, res.exception)
 
 

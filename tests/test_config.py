@@ -10,7 +10,7 @@ from _shared import REPO
 from typer.testing import CliRunner
 
 from selfevo.cli import app
-from selfevo.config import ConfigError, RunConfig, config_from_dict, load_config
+from selfevo.config import ConfigError, RunConfig, config_from_dict, load_config, with_absolute_paths
 
 try:
     import tomllib
@@ -77,14 +77,14 @@ def _keys(table: dict, prefix: str = "") -> set[str]:
 
 
 def test_every_knob_is_written_out_in_a_documented_config():
-    """configs/default.toml is the sim run's defaults, knob by knob; the language-model knobs
-    (backend, data, lm) are written out in the Qwen recipe. A field added to the config without
-    its line there fails here."""
+    """configs/default.toml is every knob's default, one by one (the sim's and the language-model
+    backend's); the Qwen recipes write out every language-model knob. A field added to the config
+    without its line there fails here."""
     knobs = _keys(RunConfig().to_json())
     default = tomllib.loads((REPO / "configs" / "default.toml").read_text(encoding="utf-8"))
     assert load_config(REPO / "configs" / "default.toml") == RunConfig()
+    assert knobs - _keys(default) == set()
     lm_knobs = {k for k in knobs if k == "backend" or k.split(".")[0] in ("data", "lm")}
-    assert knobs - lm_knobs - _keys(default) == set()
     for name in ("qwen3.5-4b.toml", "qwen3.5-9b.toml"):
         recipe = tomllib.loads((REPO / "configs" / name).read_text(encoding="utf-8"))
         assert lm_knobs - _keys(recipe) == set(), name
@@ -122,6 +122,8 @@ def test_bad_toml_file_names_the_file(tmp_path):
     ("treatment=bogus", "treatment"),
     ("treatment='crossfit-k500'", "treatment"),  # more folds than the 300 source documents
     ("seed='x'", "seed"),
+    ("loop.rounds=1000000000000", "loop.rounds"),  # the schedule is listed at start-up: no hang
+    ("solver.lr_theta='1e-5'", "solver.lr_theta"),
 ])
 def test_bad_values_raise_config_error_naming_the_field(override, field):
     with pytest.raises(ConfigError) as exc:
@@ -134,6 +136,47 @@ def test_nan_is_never_accepted_anywhere():
         with pytest.raises(ConfigError, match=key):
             load_config(None, [f"{key}=nan"])
     assert not math.isnan(load_config(None, ["solver.lr_memory=1e-3"]).solver.lr_memory)
+
+
+@pytest.mark.parametrize("override", ["lm.lora_targets=[q_proj,v_proj]", "lm.lr=.001", "seed=007", 'lm.model="x'])
+def test_a_set_value_meant_as_toml_that_is_none_says_why(override):
+    """A list, quoted string or number that is no TOML literal is an error about the literal, not
+    "expected a list, got str" after it was taken for a bare word."""
+    with pytest.raises(ConfigError, match="is not a TOML value"):
+        load_config(None, ["backend='lm'", override])
+
+
+def test_set_bare_words_are_strings_and_key_parts_are_trimmed():
+    cfg = load_config(None, ["backend=lm", " lm . model = HuggingFaceTB/SmolLM2-135M-Instruct", "lm.device=cuda:1"])
+    assert cfg.lm.model == "HuggingFaceTB/SmolLM2-135M-Instruct" and cfg.lm.device == "cuda:1"
+    assert load_config(None, ["treatment=msv+crossfit", "loop.rounds = 2"]).loop.rounds == 2
+
+
+def test_a_number_written_as_a_string_says_how_to_write_it():
+    with pytest.raises(ConfigError, match=re.escape("write 1.0e-5")):
+        load_config(None, ["solver.lr_theta='1e-5'"])  # what a YAML reader makes of `lr_theta: 1e-5`
+
+
+@pytest.mark.parametrize("overrides, field", [
+    (["lm.adapter=full", "lm.lora_r=64"], "lm.lora_r"),  # recorded, never used
+    (["lm.adapter=full", "lm.lora_targets=['x']"], "lm.lora_targets"),
+    (["lm.generator=vllm", "lm.lora_r=4096"], "lm.lora_r"),  # not only when vLLM starts on a GPU
+    (['lm.model=""'], "lm.model"),
+])
+def test_bad_language_model_settings_name_the_field(overrides, field):
+    with pytest.raises(ConfigError) as exc:
+        load_config(None, ["backend=lm", *overrides])
+    assert str(exc.value).startswith(f"{field}:"), str(exc.value)
+    load_config(None, ["backend=lm", "lm.adapter=full"])  # the adapter alone is fine
+
+
+def test_a_model_given_as_a_path_is_stored_absolute(tmp_path, monkeypatch):
+    """As data.corpus is: a run resumed, audited or replayed from elsewhere loads the same model."""
+    monkeypatch.chdir(tmp_path)
+    assert load_config(None, ["backend=lm", "lm.model=./models/m"]).lm.model == str(tmp_path / "models" / "m")
+    assert load_config(None, ["backend=lm", "lm.model=org/name"]).lm.model == "org/name"  # a hub id
+    saved = {"backend": "lm", "lm": {"model": "./models/m"}}  # config.json of an older selfevo
+    assert with_absolute_paths(saved)["lm"]["model"] == str(tmp_path / "models" / "m")
 
 
 def test_override_without_equals_is_an_error():

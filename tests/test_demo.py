@@ -175,8 +175,9 @@ def test_a_job_that_failed_before_its_run_directory_is_named_in_the_report(tmp_p
 
 
 def test_a_partial_demo_writes_its_report_and_exits_1(tmp_path):
-    """A replay study that cannot run (too small a bank; one round) ended the demo with exit 2 and
-    no report, after every run had finished; a failed job ended it with exit 0."""
+    """A replay study that cannot run (too small a bank) ended the demo with exit 2 and no report,
+    after every run had finished (one round is now refused by the plan); a failed job ended it with
+    exit 0."""
     from io import StringIO
 
     from rich.console import Console
@@ -193,11 +194,8 @@ def test_a_partial_demo_writes_its_report_and_exits_1(tmp_path):
     report = (out / "report.md").read_text()
     assert "Replay study skipped: feedback solver" in report and "| coupled |" in report
     one_round = {"loop": {**_quick().run["loop"], "rounds": 1}}
-    res = run_demo(_quick(treatments=("coupled",), replay_conditions=("coupled",), run=one_round),
-                   tmp_path / "one", console=quiet, workers=1)
-    assert res["incomplete"] == ["replay study skipped: the bank takes round-2 and later proposals, and the runs "
-                                 "have 1 round (in the demo: raise demo.replay_size, loop.admit_per_round or "
-                                 "loop.rounds, or set demo.replay_conditions = [])"]
+    with pytest.raises(ConfigError, match="^loop.rounds: the replay bank takes round-2"):  # refused before any run
+        _quick(treatments=("coupled",), replay_conditions=("coupled",), run=one_round)
     # through the CLI: the report is written, and the exit status says it is not the whole plan
     cfg = tmp_path / "partial.toml"
     cfg.write_text('[demo]\ntreatments = ["coupled"]\nseeds = 1\nworld = "small"\nreplay_conditions = []\n'

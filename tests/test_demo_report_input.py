@@ -4,6 +4,7 @@ refuses two runs of one (treatment, seed) and leaves runs that are not complete 
 
 from __future__ import annotations
 
+import html
 import json
 import re
 import shutil
@@ -67,6 +68,11 @@ def test_a_missing_demo_config_is_an_error(tmp_path, no_run, monkeypatch):
     ("seed = 3\n", "seed: set by the demo for every run; use demo.seeds"),
     ('[world]\nname = "small"\n', "world.name: set by the demo for every run; use demo.world"),
     ("[loop]\nrounds = 0\n", "loop.rounds: "),
+    ("[loop]\nrounds = 1\n", "loop.rounds: the replay bank takes round-2"),  # not after every run finished
+    ("[dmeo]\nseeds = 2\n", "dmeo: unknown field (known: demo, treatment, "),
+    ('[demo]\ntreatments = ["coupled", "fooo"]\n', "demo.treatments[1]: unknown 'fooo'"),
+    ('[demo]\ntreatments = ["coupled", "msv", "msv+coupled"]\n',
+     "demo.treatments: 'msv' and 'msv+coupled' name one treatment"),
 ])
 def test_every_plan_field_is_checked_before_anything_runs(tmp_path, no_run, text, message):
     cfg = tmp_path / "demo.toml"
@@ -103,6 +109,11 @@ def test_a_world_directory_is_kept_absolute(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     assert load_plan(world="w").world == str((tmp_path / "w").resolve())
     assert load_plan(world="small").world == "small"
+    # and the run tables' paths: every job, on a Ray cluster too, reads the files this directory names
+    cfg = tmp_path / "demo.toml"
+    cfg.write_text('backend = "lm"\n[data]\ncorpus = "c.jsonl"\nqa_dir = "qa"\n')
+    assert {f"data.corpus={json.dumps(str(tmp_path / 'c.jsonl'))}",
+            f"data.qa_dir={json.dumps(str(tmp_path / 'qa'))}"} <= set(load_plan(cfg).overrides())
 
 
 # ---------------------------------------------------------------- report
@@ -180,6 +191,28 @@ def test_a_run_not_complete_is_left_out_and_listed(runs, tmp_path):
     for page in ("report.md", "report.html"):
         text = (root / page).read_text()
         assert "Runs left out" in text and str(killed) in text
+
+
+def test_rows_over_different_seeds_say_so(runs, tmp_path):
+    """A treatment with a seed another lacks (its run failed): each row's mean is over its own seeds,
+    its Δ over the seeds shared with coupled, and the header's seed list was all the reader saw."""
+    root = tmp_path / "r"
+    shutil.copytree(runs / "grid", root / "grid")
+    extra = root / "grid" / "coupled-s1"
+    shutil.copytree(runs / "grid" / "coupled-s0", extra)
+    config = json.loads((extra / "config.json").read_text())
+    (extra / "config.json").write_text(json.dumps({**config, "seed": 1}))
+    result = CliRunner().invoke(app, ["report", str(root)])
+    assert result.exit_code == 0, result.output
+    res = _strict((root / "results.json").read_text())
+    assert res["downstream"]["coupled"]["seeds"] == [0, 1] and res["downstream"]["crossfit"]["seeds"] == [0]
+    note = ("Not every treatment has every seed (a run failed or is not complete): coupled 0, 1; crossfit 0. "
+            "Each row is over its treatment's seeds, each Δ over the seeds it shares with coupled.")
+    assert note in (root / "report.md").read_text()
+    assert html.escape(note) in (root / "report.html").read_text()
+    shutil.rmtree(extra)
+    assert CliRunner().invoke(app, ["report", str(root)]).exit_code == 0
+    assert "Not every treatment" not in (root / "report.md").read_text()  # every row over seed 0
 
 
 def test_no_complete_run_is_an_error(runs, tmp_path):

@@ -238,6 +238,18 @@ def test_rounds_figure_leaves_a_gap_where_the_judge_resolved_nothing():
     assert rounds_figure(audit)[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_rounds_figure_ticks_every_round_whatever_treatment_comes_last(monkeypatch):
+    """The ticks were the last treatment's rounds: an unaudited one left every panel without any."""
+    from selfevo.report import figures
+
+    monkeypatch.setattr(figures, "png", lambda fig: fig)
+    rnd = [{"round": i, **{m: {"mean": 0.1 * i, "std": 0.0} for m in ("A", "T_P", "F")}} for i in (1, 2, 3)]
+    fig = figures.rounds_figure({"coupled": {"rounds": rnd}, "msv": {"rounds": []}})
+    for ax in fig.axes:
+        assert list(ax.get_xticks()) == [1, 2, 3]
+        assert [c.get_label() for c in ax.containers] == ["coupled"]  # no empty line for msv
+
+
 def test_a_treatment_has_one_colour_in_every_figure_and_its_interval_as_given(monkeypatch):
     from matplotlib.colors import to_hex
 
@@ -851,6 +863,23 @@ def test_a_benchmark_name_with_a_pipe_or_markup_keeps_the_markdown_table_whole(l
     assert "&lt;script&gt;" in (root / "report.html").read_text()
 
 
+def test_markdown_lines_of_the_run_files_text_open_no_html():
+    """Only table cells were escaped: the context line (a world path), the readings and the left-out
+    runs' reasons went into the Markdown raw."""
+    from selfevo.report.render import markdown
+
+    res = {"treatments": ["coupled"], "seeds": [0], "context": "World `/w/<script>`.", "software": {},
+           "readings": ["a <b>reading</b>\nsplit"], "benchmarks": [], "base": {}, "downstream": {"coupled": {}},
+           "audit": {}, "compute": {},
+           "excluded": [{"run": "/r", "treatment": "msv", "seed": 1, "why": "failed: <oops>"}]}
+    page = markdown(res, {})
+    assert "- a &lt;b>reading&lt;/b> split" in page and "failed: &lt;oops>" in page
+    assert "World `/w/<script>`." in page  # a code span shows `<` as written, and `&lt;` as that
+    assert "<" not in page.replace("&lt;", "").replace("`/w/<script>`", "")
+    res["readings"] = ["odd ` <b>"]  # an unmatched backtick opens no code span
+    assert "- odd ` &lt;b>" in markdown(res, {})
+
+
 def test_an_audit_of_fewer_rounds_than_its_run_is_refused(local_grid, tmp_path):
     """An audit made while a run was stopped (`selfevo audit` audits its completed rounds), then the
     run resumed with --no-audit: the report cut coupled's table at that seed's rounds (rounds 2-3 of
@@ -969,6 +998,27 @@ def test_compare_says_which_runs_are_not_complete(local_grid, tmp_path):
     rounds = manifest["rounds_completed"]
     assert f"not complete, so counted over the rounds done: {killed} ({rounds} of {rounds} rounds)" in said
     assert str(root / "crossfit-s0") + " (" not in said
+
+
+def test_compare_leaves_out_an_audit_older_than_the_run(local_grid, tmp_path):
+    """An audit of rounds 1..k of a run that went on to round k+1 (audited, then resumed with
+    --no-audit) put round k's F beside round k+1's Cover-EM; the report refuses such a run."""
+    import shutil
+
+    from selfevo.report.compare import compare
+
+    root, _, _ = local_grid
+    stale = tmp_path / "crossfit-stale"
+    shutil.copytree(root / "crossfit-s0", stale)
+    metrics = json.loads((stale / "audit" / "metrics.json").read_text())
+    done = len(metrics["rounds"])
+    (stale / "audit" / "metrics.json").write_text(json.dumps({**metrics, "rounds": metrics["rounds"][:-1]}))
+    fresh, old = compare([root / "crossfit-s0", stale])
+    assert fresh["F"] == metrics["rounds"][-1]["F"] and fresh["stale_audit"] is None
+    assert old["F"] is old["T_P"] is old["A"] is None and old["cover_em"] == fresh["cover_em"]
+    assert old["stale_audit"] == f"rounds 1-{done - 1} of {done}"
+    res = CliRunner().invoke(app, ["compare", str(stale)], terminal_width=200)
+    assert res.exit_code == 0 and "run `selfevo audit` on it again" in " ".join(res.output.split()), res.output
 
 
 def test_a_ray_worker_gets_the_run_directory_as_an_absolute_path(tmp_path, monkeypatch):

@@ -742,6 +742,15 @@ def test_engine_config_errors_name_the_field(tmp_path):
     path.write_text('backend = "lm"\n[engine]\nbogus = 1\n')
     with pytest.raises(ConfigError, match="engine.bogus"):
         load_engine_config(path)
+    # no quiet conversion: `true` was a checkpoint after every update, "8100" a port
+    for line, field in (("save_steps = true", "save_steps"), ('grader_port = "8100"', "grader_port"),
+                        ("grader_concurrency = 2.0", "grader_concurrency")):
+        path.write_text(f'backend = "lm"\n[engine]\n{line}\n')
+        with pytest.raises(ConfigError, match=f"^engine.{field}: "):
+            load_engine_config(path)
+    path.write_text('backend = "lm"\n[engin]\nengine = "trl"\n')  # the known tables include engine
+    with pytest.raises(ConfigError, match=r"^engin: unknown field \(known: engine, treatment, "):
+        load_engine_config(path)
     path.write_text('backend = "lm"\n[engine]\nengine = "verl"\n')
     with pytest.raises(ConfigError, match="retriever_url"):
         load_engine_config(path, engine="verl")

@@ -233,7 +233,9 @@ def test_evolve_lm_crossfit_writes_the_sim_schema(lm_run, sim_run):
         assert len(st["items"]) + len(st.get("malformed", [])) == 8
         assert all(m["format_error"] and m["reward"] == -0.5 for m in st.get("malformed", []))
     # CrossFit: round 2's graders are the aux solvers of the other fold
-    for it in next(s for s in steps if s["round"] == 2 and s["kind"] == "proposer")["items"]:
+    graded = next(s for s in steps if s["round"] == 2 and s["kind"] == "proposer")["items"]
+    assert graded  # else the routing below is never checked
+    for it in graded:
         assert it["grader"]["id"] == f"aux-{1 - it['fold']}@r1"
         assert it["fold"] not in it["grader"]["trained_on"]["folds"]
     audit, sim_audit = (json.loads((p / "audit" / "metrics.json").read_text()) for p in (lm_run, sim_run.path))

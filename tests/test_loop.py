@@ -251,6 +251,7 @@ def test_audit_metrics_file(runs):
 def test_cli_audit_reproduces_metrics(runs, tmp_path):
     _, run, _, _ = runs
     before = (run.path / "audit" / "metrics.json").read_bytes()
+    (run.path / "audit" / "metrics.json").unlink()  # written again, not left as it was
     result = CliRunner().invoke(app, ["audit", str(run.path)])
     assert result.exit_code == 0, result.output
     assert (run.path / "audit" / "metrics.json").read_bytes() == before

@@ -236,16 +236,25 @@ def test_update_without_signal_changes_nothing(env, wrong_candidate):
 def test_frozen_snapshot_refuses_update_and_does_not_move(env, wrong_candidate):
     world, _, tool = env
     person, wrong, _ = wrong_candidate
-    solver = make_solver()
+    solver = make_solver(lr_memory=0.5)  # small steps: the label is not yet all five samples say
+    q = render_chain(ChainQuery(person.name, ("born_in",)), variant=0)
+    # a memory row that the training below moves on
+    assert _train_on_wrong_label(solver, q, wrong, tool, steps=1) and solver.memory
     snap = solver.snapshot(name="main@r0")
     assert snap.frozen and snap.name == "main@r0"
-    q = render_chain(ChainQuery(person.name, ("born_in",)), variant=0)
     trajs = snap.answer([q], tool, greedy=False, n=5, seed=0)[0]
     with pytest.raises(RuntimeError, match="frozen"):
         snap.update([(trajs, wrong)])
     p0 = _label_prob(snap, q, wrong, tool)
+    frozen = json.dumps(snap.state_dict(), sort_keys=True)
     _train_on_wrong_label(solver, q, wrong, tool)
-    assert _label_prob(snap, q, wrong, tool) == p0  # the grader does not change while it grades
+    # the grader does not change while it grades: not its weights (a shallow copy of the memory would
+    # move with the trained solver), nor what a solver of those weights reads (the snapshot's own
+    # answers are cached, so re-asking it alone could not tell)
+    assert json.dumps(snap.state_dict(), sort_keys=True) == frozen
+    fresh = make_solver(lr_memory=0.5)
+    fresh.load_state_dict(snap.state_dict())
+    assert _label_prob(fresh, q, wrong, tool) == p0
     assert _label_prob(solver, q, wrong, tool) > p0
 
 
@@ -373,8 +382,10 @@ def test_answers_depend_on_this_tool_and_world_not_an_earlier_one(env):
     qs = questions(world, 10)
     narrow = SearchTool(index, topk=1, max_calls=5)
     solver = make_solver()
-    answers_of(solver, qs, narrow, greedy=True)
-    assert answers_of(solver, qs, tool, greedy=True) == answers_of(make_solver(), qs, tool, greedy=True)
+    through_narrow = answers_of(solver, qs, narrow, greedy=True)
+    wide = answers_of(make_solver(), qs, tool, greedy=True)
+    assert through_narrow != wide  # else a cache keyed by the mention alone would pass too
+    assert answers_of(solver, qs, tool, greedy=True) == wide
     other = make_world(WorldConfig(size="small", seed=1))
     assert {d.id for d in other.documents} == {d.id for d in world.documents}
     other_tool = SearchTool(BM25Index.build(other.documents), topk=3, max_calls=5)

@@ -197,11 +197,16 @@ def file_sha256(path: str | os.PathLike) -> str:
     return h.hexdigest()
 
 
+def is_path(name: str) -> bool:
+    """Does a model name (a hub id, a shipped name or a path) name a path: ./x, ../x, /x, ~/x?"""
+    return name.startswith((".", "/", "~"))
+
+
 def check_local_path(name: str) -> None:
     """A model or file named by a path (./x, ../x, /x, ~/x) must exist. Loaders that also accept
     hub ids (transformers, sentence-transformers) report a missing directory as a malformed hub
     id, which hides the typo."""
-    if name.startswith((".", "/", "~")) and not Path(name).expanduser().exists():
+    if is_path(name) and not Path(name).expanduser().exists():
         raise FileNotFoundError(2, "no such file or directory", name)
 
 

@@ -856,9 +856,13 @@ def compare_cmd(run_dirs: list[Path] = typer.Argument(..., help="run directories
                       *[num(r[k]) for k in ("F", "T_P", "A", "cover_em")])
     console.print(table)
     unfinished = [f"{r['run']} ({r['unfinished']})" for r in rows if r["unfinished"]]
-    if unfinished:  # `report` refuses these; a comparison of what they did so far is still asked for
+    if unfinished:  # `report` leaves these out; a comparison of what they did so far is still asked for
         console.print("[yellow]warning:[/yellow] " + escape(f"not complete, so counted over the rounds done: "
                                                              f"{', '.join(unfinished)}"))
+    stale = [f"{r['run']} (its audit covers {r['stale_audit']})" for r in rows if r["stale_audit"]]
+    if stale:
+        console.print("[yellow]warning:[/yellow] " + escape(f"F, T_P, A left blank: audited before the run went on, "
+                                                             f"{', '.join(stale)}; run `selfevo audit` on it again"))
     unpaired = [r["run"] for r in rows if r["extra_generations"] is None]
     if unpaired:  # a dash alone does not say why (a run of another config, world or rounds done than its coupled)
         console.print(escape(f"+gen, +upd, +time {DASH}: no coupled run among those given has the seed, config "

@@ -20,6 +20,7 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover
     import tomli as tomllib
 
+from selfevo._io import is_path
 from selfevo.agents.lm.config import LMConfig
 from selfevo.agents.sim import SimProposerConfig, SimSolverConfig
 from selfevo.loop.schedule import LoopConfig
@@ -51,6 +52,9 @@ def with_absolute_paths(config: dict) -> dict:
         value = out.get(table, {}).get(key) if isinstance(out.get(table), dict) else None
         if isinstance(value, str) and value and not (table == "world" and value in SIZES):
             out[table][key] = absolute(value)
+    model = out.get("lm", {}).get("model") if isinstance(out.get("lm"), dict) else None
+    if isinstance(model, str) and is_path(model):  # a hub id or the shipped name is no path
+        out["lm"]["model"] = absolute(model)
     return out
 
 
@@ -173,6 +177,14 @@ class RunConfig:
         return asdict(self)
 
 
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
+
+
 def coerce(value: Any, typ: Any, where: str) -> Any:
     """`value` as type `typ` (a dataclass, tuple[T, ...], bool, int, float, str...), or a ConfigError
     naming `where`: the one type check of every config value."""
@@ -194,6 +206,9 @@ def coerce(value: Any, typ: Any, where: str) -> Any:
             raise ConfigError(f"{where}: expected an integer, got {value!r}")
         return value
     if typ is float:
+        if isinstance(value, str) and _is_number(value):
+            raise ConfigError(f"{where}: expected a number, got the string {value!r} (write it unquoted; YAML "
+                              "reads 1e-5 as a string: write 1.0e-5)")
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ConfigError(f"{where}: expected a number, got {value!r}")
         try:
@@ -260,6 +275,10 @@ def config_from_dict(data: dict) -> RunConfig:
     return cfg
 
 
+# a value that fails to parse as TOML and reads as an attempt at a list, table, quoted string or number
+_MEANT_AS_TOML = re.compile(r"[\[{\"'].*|(?=.*[0-9])[+-]?[0-9_]*\.?[0-9_]*(?:[eE][+-]?[0-9_]+)?")
+
+
 def parse_override(text: str) -> tuple[list[str], Any]:
     """`solver.memory=false` -> (["solver", "memory"], False); values are TOML literals."""
     if "=" not in text:
@@ -267,11 +286,17 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     key, raw = text.split("=", 1)
     if not key.strip():
         raise ConfigError(f"--set {text!r}: no field name before '='")
+    path, raw = [part.strip() for part in key.split(".")], raw.strip()
     try:
-        value = tomllib.loads(f"v = {raw.strip()}")["v"]
-    except tomllib.TOMLDecodeError:
-        value = raw.strip()  # a bare word is a string
-    return key.strip().split("."), value
+        value = tomllib.loads(f"v = {raw}")["v"]
+    except tomllib.TOMLDecodeError as e:
+        if _MEANT_AS_TOML.fullmatch(raw):
+            # a list, a quoted string or a number that is no TOML literal ([a,b], .001, 007): say why,
+            # rather than pass it on as a string that the field then refuses for its type
+            raise ConfigError(f"{'.'.join(path)}: {raw!r} (--set) is not a TOML value ({e}); write lists and "
+                              "strings in them quoted ([\"a\", \"b\"]) and numbers as TOML does (0.001, 7)") from None
+        value = raw  # a bare word is a string: a name, a hub id, a path
+    return path, value
 
 
 def merge(base: dict, path: list[str], value: Any, _where: str = "") -> dict:

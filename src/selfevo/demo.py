@@ -7,6 +7,7 @@ study on questions saved from the first seed's coupled run, then one report (HTM
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import time
@@ -19,7 +20,16 @@ from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsed
 from rich.table import Table
 
 from selfevo._bar import Progress
-from selfevo.config import ConfigError, absolute, coerce, config_from_dict, read_toml
+from selfevo.config import (
+    ConfigError,
+    RunConfig,
+    absolute,
+    check_known,
+    coerce,
+    config_from_dict,
+    read_toml,
+    with_absolute_paths,
+)
 from selfevo.experiments import EXECUTORS, grid, run_grid
 from selfevo.runs import RunDir
 
@@ -52,9 +62,20 @@ def _check_field(name: str, value):
     if name in ("seeds", "replay_size"):
         return _int(name, value, 1)
     if name == "treatments":
+        from selfevo.loop.treatments import parse_treatment
+
         value = _names(name, value)
         if "coupled" not in value:
             raise ConfigError("demo.treatments: must include coupled (every comparison is against it)")
+        seen: dict = {}
+        for i, t in enumerate(value):
+            try:
+                what = dataclasses.replace(parse_treatment(t), name="")
+            except ValueError as e:  # parse_treatment names `treatment`, which the demo sets itself
+                raise ConfigError(str(e).replace("treatment:", f"demo.treatments[{i}]:", 1)) from None
+            if what in seen:  # "msv" and "msv+coupled", "crossfit" and "crossfit-k2": one treatment
+                raise ConfigError(f"demo.treatments: {seen[what]!r} and {t!r} name one treatment")
+            seen[what] = t
         return value
     if name == "replay_conditions":
         from selfevo.replay import CONDITIONS
@@ -109,6 +130,12 @@ class DemoPlan:
                 inner = inner.get(t) if isinstance(inner.get(t), dict) else {}
             if last in inner:
                 raise ConfigError(f"{key}: set by the demo for every run; use {where}")
+        # absolute: a job on a Ray cluster runs in another directory and must read the same files
+        object.__setattr__(self, "run", with_absolute_paths(self.run))
+        if self.replay_conditions and config_from_dict(self.run).loop.rounds < 2:
+            # found only after every run had finished, the demo would then exit 1
+            raise ConfigError("loop.rounds: the replay bank takes round-2 and later questions, so the demo's "
+                              "runs need at least 2 rounds; or set demo.replay_conditions = []")
         for t in self.treatments:  # validate every treatment (and the run tables) before running
             config_from_dict({**self.run, "treatment": t})
 
@@ -137,6 +164,11 @@ def load_plan(path: str | os.PathLike | None = None, **changes) -> DemoPlan:
     else:
         path = Path(path) if path is not None else DEFAULT_CONFIG
         data = read_toml(path)
+    # a misspelt table ([dmeo]) is named against every table the file may hold, the plan's included
+    try:
+        check_known(data, ["demo", *(f.name for f in dataclasses.fields(RunConfig))])
+    except ConfigError as e:
+        raise ConfigError(f"{path}: {e}") from None
     demo = data.pop("demo", {})
     if not isinstance(demo, dict):
         raise ConfigError(f"{path}: demo: expected a table, got {type(demo).__name__}")
@@ -218,8 +250,6 @@ def run_demo(plan: DemoPlan, out: str | os.PathLike, console: Console | None = N
                       f"coupled run of seed {coupled[0][0]}, {len(plan.replay_conditions)} conditions x "
                       f"{len(seeds)} seeds")
         try:
-            if rounds < 2:
-                raise ReplayError("the bank takes round-2 and later proposals, and the runs have 1 round")
             bank = build_bank([coupled[0][1]], plan.replay_size, seed=0, allow_fewer=True)
             results = run_replay(bank, list(plan.replay_conditions), seeds,
                                  workers=workers or os.cpu_count() or 1, progress=True)

@@ -36,6 +36,7 @@ phase stops with `EngineUnavailable`, naming the script it wrote.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import difflib
 import hashlib
 import importlib.util
@@ -90,7 +91,8 @@ class EngineUnavailable(RuntimeError):
 class EngineSpec(BaseModel):
     """The `[engine]` table of an engine-run config."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # strict: `save_steps = true` or `grader_port = "8100"` is an error naming the field, not a quiet 1 or 8100
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
     engine: Literal["trl", "verl"] = "trl"
     proposer_generations: int = Field(4, ge=2)  # GRPO group size of the proposer (completions a prompt)
@@ -129,6 +131,8 @@ class EngineConfig:
 
 def engine_config_from_dict(data: Mapping, engine: str | None = None) -> EngineConfig:
     data = dict(data)
+    # a misspelt table ([engin]) is named against every table the file may hold, [engine] included
+    check_known(data, ["engine", *(f.name for f in dataclasses.fields(RunConfig))])
     spec_data = data.pop("engine", None)
     if spec_data is None:
         spec_data = {}

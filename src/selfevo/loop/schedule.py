@@ -8,6 +8,8 @@ from dataclasses import dataclass
 
 from selfevo.algos import N_GRADER_SAMPLES
 
+MAX_STEPS = 1_000_000  # scheduled steps a run may have
+
 
 @dataclass(frozen=True)
 class LoopConfig:
@@ -27,6 +29,10 @@ class LoopConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"loop.{name}: must be a positive integer, got {value!r}")
+        if self.rounds * (self.proposer_steps + self.solver_steps) > MAX_STEPS:
+            # the schedule is listed before the first step: a typo's 10**12 rounds would hang start-up
+            raise ValueError(f"loop.rounds: {self.rounds} rounds of {self.proposer_steps + self.solver_steps} steps "
+                             f"exceed {MAX_STEPS:,} scheduled steps (the paper's schedule has 129)")
         if self.grader_samples < 2:
             # f(k) = (n-k)/(n-1) pays only 0 < k < n: with one sample no k qualifies, every reward is 0
             raise ValueError(f"loop.grader_samples: the frontier reward needs at least 2 grader samples, "

@@ -91,6 +91,7 @@ def collect_runs(run_dirs: Sequence[str | os.PathLike]) -> dict:
     for t in treatments:
         rows = finals[t]
         entry = {c: summary([row.get(c) for row in rows.values()]) for c in columns}
+        entry["seeds"] = sorted(rows)  # every number of the treatment's rows is over these (render.seeds_note)
         if coupled and t != "coupled":
             common = sorted(set(rows) & set(coupled))
             # a column with no value (e.g. no multi-hop benchmark in a corpus's QA set) has no gain

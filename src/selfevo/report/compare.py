@@ -28,6 +28,7 @@ class RunSummary:
     # (compute.json counts those only)
     setting: str = ""
     unfinished: str | None = None  # "9 of 10 rounds" for a run not complete (killed, or still running)
+    stale_audit: str | None = None  # "rounds 1-2 of 3": an audit made before the run went on (no F, T_P, A)
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> RunSummary:
@@ -42,13 +43,18 @@ class RunSummary:
         manifest = run.manifest()
         check_loop_run(manifest, run.path)
         done = manifest.get("rounds_completed", 0)
+        stale = None
+        if rounds and rounds[-1]["round"] != done:
+            # an audit of fewer rounds (made before a resume) would put an older round's F beside this
+            # round's Cover-EM: no audit figures, as the report refuses such a run (`selfevo audit` again)
+            stale, rounds = f"rounds 1-{rounds[-1]['round']} of {done}", []
         cover = run.evaluation(done)["macro"]["cover_em"] if run.eval_path(done).exists() else None
         setting = json.dumps([{k: v for k, v in cfg.items() if k != "treatment"}, made_on(manifest), done],
                              sort_keys=True)
         generations, seconds = training_cost(compute)
         unfinished = None if manifest.get("status") == "complete" else f"{done} of {cfg['loop']['rounds']} rounds"
         return cls(run.path, cfg["treatment"], cfg["seed"], generations, compute["total_updates"], seconds,
-                   rounds[-1] if rounds else None, cover, setting, unfinished)
+                   rounds[-1] if rounds else None, cover, setting, unfinished, stale)
 
 
 def training_cost(compute: dict) -> tuple[int, float]:
@@ -84,5 +90,6 @@ def compare(paths: list[str | os.PathLike]) -> list[dict]:
             "extra_seconds": ratio(r.seconds, b and b.seconds),
             "F": r.last_round and r.last_round["F"], "T_P": r.last_round and r.last_round["T_P"],
             "A": r.last_round and r.last_round["A"], "cover_em": r.cover_em, "unfinished": r.unfinished,
+            "stale_audit": r.stale_audit,
         })
     return rows

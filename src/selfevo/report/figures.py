@@ -42,9 +42,14 @@ def treatment_colors(treatments) -> dict[str, str]:
 def rounds_figure(audit: dict[str, dict], metrics=("A", "T_P", "F")) -> bytes:
     """Each metric by round, one line per treatment (mean and std over seeds; one seed: no bar)."""
     color = treatment_colors(audit)
+    # every round any treatment has: the ticks are not those of the treatment drawn last (an unaudited
+    # one has none, and would leave every panel without ticks)
+    ticks = sorted({r["round"] for a in audit.values() for r in a["rounds"]})
     fig, axes = plt.subplots(1, len(metrics), figsize=(3.3 * len(metrics), 3.2))
     for ax, m in zip(axes, metrics, strict=True):
         for t, a in audit.items():
+            if not a["rounds"]:  # unaudited: no line, and no empty legend entry
+                continue
             rounds = [r["round"] for r in a["rounds"]]
             # a round the judge resolved nothing of has no value: a gap in the line, not a crash
             mean = [math.nan if not r[m] or r[m]["mean"] is None else r[m]["mean"] for r in a["rounds"]]
@@ -54,7 +59,7 @@ def rounds_figure(audit: dict[str, dict], metrics=("A", "T_P", "F")) -> bytes:
                         color=color[t], label=t)
         ax.set_title(m, fontsize=10)
         ax.set_xlabel("round")
-        ax.set_xticks(rounds)
+        ax.set_xticks(ticks)
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=7)
     fig.tight_layout()

@@ -45,6 +45,17 @@ def _audit_note(setting: dict | None) -> str:
     return f"; judge {setting['judge']}" + (f", first {limit} items of every step only" if limit else "")
 
 
+def seeds_note(res: dict) -> str:
+    """Where a run failed or is not complete, not every row is over every seed: say whose are which
+    (a row's mean and its paired Δ to coupled can then cover different seeds). Empty when all agree."""
+    seeds = {t: d.get("seeds", res["seeds"]) for t, d in res["downstream"].items()}
+    if all(s == res["seeds"] for s in seeds.values()):
+        return ""
+    return ("Not every treatment has every seed (a run failed or is not complete): "
+            + "; ".join(f"{t} {', '.join(map(str, s))}" for t, s in seeds.items())
+            + ". Each row is over its treatment's seeds, each Δ over the seeds it shares with coupled.")
+
+
 def tables(res: dict) -> dict[str, tuple[list[str], list[list[str]]]]:
     """Every table as (header, rows), shared by the Markdown and HTML renderings."""
     cols = res["benchmarks"]
@@ -91,14 +102,25 @@ def _cell(text: str) -> str:
     return text.replace("\\", "\\\\").replace("|", "\\|").replace("<", "&lt;").replace("\r", " ").replace("\n", " ")
 
 
+def _text(text: str) -> str:
+    """A line of Markdown made of the run files' text (a world path, an error): `<` would open raw HTML
+    (but in a `code span`, which shows it as written), a line break end the item."""
+    parts = text.replace("\r", " ").replace("\n", " ").split("`")
+    closed = len(parts) - (len(parts) % 2 == 0)  # an unmatched last backtick opens no code span
+    return "`".join(p.replace("<", "&lt;") if i % 2 == 0 or i >= closed else p for i, p in enumerate(parts))
+
+
 def markdown(res: dict, figures: dict[str, str]) -> str:
-    lines = ["# selfevo report", "", f"Treatments: {', '.join(res['treatments'])}; seeds: "
-             f"{', '.join(map(str, res['seeds']))}. {res.get('context', '')}", "",
-             f"Software: {software_text(res.get('software', {}))}.", "", STATS_NOTE, "", "## Readings", ""]
-    lines += [f"- {r}" for r in res["readings"]] or ["- (none)"]
+    lines = ["# selfevo report", "", _text(f"Treatments: {', '.join(res['treatments'])}; seeds: "
+                                          f"{', '.join(map(str, res['seeds']))}. {res.get('context', '')}"), "",
+             f"Software: {software_text(res.get('software', {}))}.", "", STATS_NOTE, ""]
+    lines += [_text(seeds_note(res)), ""] if seeds_note(res) else []
+    lines += ["## Readings", ""]
+    lines += [f"- {_text(r)}" for r in res["readings"]] or ["- (none)"]
     if res.get("excluded"):
         lines += ["", f"## {LEFT_OUT}", ""]
-        lines += [f"- `{r['run']}` ({r['treatment']} seed {r['seed']}): {r['why']}" for r in res["excluded"]]
+        lines += [f"- `{r['run']}` ({_text(r['treatment'])} seed {r['seed']}): {_text(r['why'])}"
+                  for r in res["excluded"]]
     for title, (head, rows) in tables(res).items():
         lines += ["", f"## {title}", "", "| " + " | ".join(map(_cell, head)) + " |", "|" + "---|" * len(head)]
         lines += ["| " + " | ".join(map(_cell, r)) + " |" for r in rows]
@@ -118,7 +140,7 @@ def html_page(res: dict, figures: dict[str, bytes]) -> str:
              f"<p>Treatments: {esc(', '.join(res['treatments']))}; seeds: {esc(', '.join(map(str, res['seeds'])))}."
              f" {esc(res.get('context', ''))}</p>",
              f"<p>Software: {esc(software_text(res.get('software', {})))}.</p>", f"<p>{esc(STATS_NOTE)}</p>",
-             "<h2>Readings</h2><ul>"]
+             *([f"<p>{esc(seeds_note(res))}</p>"] if seeds_note(res) else []), "<h2>Readings</h2><ul>"]
     parts += [f"<li>{esc(r)}</li>" for r in res["readings"]] or ["<li>(none)</li>"]
     parts.append("</ul>")
     if res.get("excluded"):

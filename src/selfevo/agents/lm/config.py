@@ -4,7 +4,10 @@ config is parsed and checked before anything heavy is imported."""
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
+from pathlib import Path
+
+from selfevo._io import is_path
 
 
 @dataclass(frozen=True)
@@ -43,6 +46,12 @@ class LMConfig:
     vllm_gpu_memory: float = 0.45  # share of the GPU vLLM may take (weights + KV cache); the rest trains
 
     def __post_init__(self):
+        if not self.model.strip():
+            raise ValueError("lm.model: name a model (smollm2-135m, a local directory or a hub id)")
+        if is_path(self.model):
+            # absolute: a run resumed, audited or replayed from another directory (or on a Ray worker)
+            # must load the same model (a hub id or the shipped name is no path)
+            object.__setattr__(self, "model", str(Path(self.model).expanduser().resolve()))
         if self.adapter not in ("lora", "full"):
             raise ValueError(f"lm.adapter: must be lora or full, got {self.adapter!r}")
         if self.dtype not in ("float32", "bfloat16", "float16"):
@@ -75,6 +84,16 @@ class LMConfig:
             # vLLM serves LoRA adapters over one loaded base; a fully fine-tuned copy per policy
             # would need the engine's weights reloaded after every update
             raise ValueError("lm.generator: lm.generator=vllm needs lm.adapter=lora")
+        if self.generator == "vllm":
+            from selfevo.agents.lm.vllm_engine import max_lora_rank
+
+            max_lora_rank(self.lora_r)  # refused here, not when the engine starts on the GPU
+        if self.adapter == "full":
+            # a LoRA setting would be recorded in config.json and never used
+            default = LMConfig.__dataclass_fields__
+            for f in fields(self):
+                if f.name.startswith("lora_") and getattr(self, f.name) != default[f.name].default:
+                    raise ValueError(f"lm.{f.name}: a LoRA setting, and lm.adapter = \"full\" trains no adapter")
         if not 0 < self.vllm_gpu_memory < 1:
             raise ValueError(f"lm.vllm_gpu_memory: must be in (0, 1), got {self.vllm_gpu_memory}")
 
