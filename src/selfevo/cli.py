@@ -283,7 +283,8 @@ def score(
     predictions: Path = typer.Option(..., help='JSONL of {"id","prediction"}'),
     out: Path = typer.Option(..., help="where to write the score JSON"),
 ) -> None:
-    """Score predictions with Cover-EM / EM / F1 per benchmark, macro, single- and multi-hop."""
+    """Score predictions with Cover-EM / EM / F1 per benchmark, macro (the equal-weight mean of the benchmarks
+    present: the paper's seven-benchmark macro when the QA directory holds those seven), single- and multi-hop."""
     from selfevo.evaluate import print_score_table, score_files
 
     try:
