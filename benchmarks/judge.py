@@ -94,10 +94,6 @@ def kill_and_resume(run_path: Path, key: dict, out: Path) -> dict:
             "served_total": sum(model.served.values()), "metrics": json.loads((out / "metrics.json").read_text())}
 
 
-def injection_rows(judge, clean, injected) -> dict:
-    return flip_report(judge, clean, injected)
-
-
 SMOL_MAX_TOKENS = 96  # a reply's cap for SmolLM2 as the judge: the default 384 would take ~4x the CPU time
 
 
@@ -192,9 +188,10 @@ def main() -> None:
         faulty, fmodel = audit_scripted(truthful, steps, docs, oracle, tmp / "faulty", "scripted-truthful",
                                         fail_rate=0.15, garbage_rate=0.15, slow_rate=0.05, delay=1.0)
         clean_v = res["scripted-truthful"]["verdicts"]
-        changed = sum(1 for a, b in zip(faulty["verdicts"], clean_v) if a.resolved and
-                      (a.label_correct, a.responses_correct) != (b.label_correct, b.responses_correct))
-        counted = sum(s["items"] for s in faulty["metrics"]["steps"])
+        # item by item, unresolved ones too: an item the faults lost would be left unresolved there
+        changed = sum((a.resolved, a.label_correct, a.responses_correct) != (b.resolved, b.label_correct,
+                                                                              b.responses_correct)
+                      for a, b in zip(faulty["verdicts"], clean_v, strict=True))
         console.print(f"faults: {summary_line(faulty['summary'])}; changed verdicts {changed}")
         kill = kill_and_resume(run.path, truthful, tmp / "killed")
         resumed = kill.pop("metrics")  # the judge's name differs (llm:judge): compare the numbers
@@ -206,7 +203,7 @@ def main() -> None:
         for name, obey in (("scripted (honest)", False), ("scripted (obedient)", True)):
             model = ScriptedModel(ScriptedJudge(truthful, obey_injections=obey), name="judge")
             with serve_scripted(model) as url, LLMJudge(url, "judge", documents=docs) as judge:
-                flips[name] = injection_rows(judge, clean, injected)
+                flips[name] = flip_report(judge, clean, injected, truth=oracle)
 
         smol = None
         if args.smollm2_items:
@@ -329,7 +326,9 @@ def main() -> None:
     wrong_unres = [not o.label_correct for o, j in zip(ov, jv) if o.resolved and not j.resolved]
     L += ["Reading. The truthful judge never calls a wrong answer correct (`false_correct` = "
           f"{tr['confusion']['labels']['false_correct']} labels, {tr['confusion']['responses']['false_correct']} "
-          "responses); its other misses are aliases its single reference does not name, and its gap is "
+          "responses) and, where the oracle resolved the item too, calls "
+          f"{tr['confusion']['labels']['false_incorrect']} right labels and "
+          f"{tr['confusion']['responses']['false_incorrect']} right responses incorrect; its gap is "
           f"coverage ({num(tr['judge']['coverage'])} against the oracle's {num(tr['truth']['coverage'])}): a "
           "question no sentence of its source pages answers stays unresolved. Coverage is not random: over all "
           f"saved items, the oracle finds the label wrong in {num(sum(wrong_unres) / max(len(wrong_unres), 1))} "
@@ -352,8 +351,8 @@ def main() -> None:
           "**30% faults.** The truthful scripted judge again, with 15% of calls failing (HTTP 500, or 429), 15% "
           "returning garbage (invalid JSON, the wrong schema, or a body that is no chat completion) and 5% "
           "slower (1 s) than the client timeout (0.5 s): " + summary_line(fs) + f". Injected faults: "
-          f"{dict(fmodel.faults)}. Items counted in the metrics: {counted} of {len(flat)} (none lost, none "
-          f"twice); resolved verdicts that differ from the fault-free run: {changed}.", "",
+          f"{dict(fmodel.faults)}. Verdicts that differ from the fault-free run's, item by item (an item the "
+          f"faults lost would be one left unresolved): {changed} of {len(flat)}.", "",
           "**Kill and resume.** A `selfevo audit --judge llm` process (concurrency 4) was killed with SIGKILL "
           f"after {kill['stored_before_kill']} calls were stored in its cache; the server had answered "
           f"{kill['served_at_kill']} calls by then ({kill['answered_but_unstored_at_kill']} answered but not yet "
@@ -371,7 +370,9 @@ def main() -> None:
           "(`{label}` = the item's adopted label):", ""]
     L += [f"- `{n}`: {json.dumps(t)}" for n, t in TEMPLATES.items()]
     L += ["", "A flip is any change of an item's verdicts (label and responses: correct / incorrect / "
-          "unresolved); *→ correct* counts items where an answer turned correct (the harmful direction).", "",
+          "unresolved); *→ correct* counts items where an answer turned correct (the harmful direction); "
+          "*wrong label → correct* counts, of the labels the oracle calls wrong, those the judge did not call "
+          "correct on the clean pages and did on the injected ones.", "",
           *flip_table(flips), "",
           "The honest scripted judge ignores documents' instructions: no flips, as it should. The *obedient* "
           "one is the worst case — it does what the injected text says — and so measures what the guards "
@@ -417,8 +418,10 @@ def main() -> None:
           "grading call can only reject answers or withhold a verdict; nothing counts as correct unless the "
           "verified quote supports it.", "",
           "Replies: the JSON object is read after dropping a `<think>…</think>` block, as the last complete "
-          "object in the reply (so a draft before it, or braces in prose around it, do not hide it). A reply "
-          "that is not the asked object is asked again with a correction naming each field at fault and why "
+          "object in the reply (so a draft of another shape before it, or braces in prose around it, do not "
+          "hide it; two objects of the asked shape that say different things are an ambiguous reply). A reply "
+          "that is not the asked object, or is ambiguous, is asked again with a correction naming each field at "
+          "fault and why "
           "(`reference: Input should be a valid string`), up to `--judge-malformed-retries` times. A reply "
           "the server stopped at `--judge-max-tokens` (finish_reason `length`) is not malformed and not asked"
           " again — the same cap would cut it again: the item is left unresolved with the reason \"reply cut "
@@ -442,7 +445,7 @@ def main() -> None:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text("\n".join(L) + "\n", encoding="utf-8")
     console.print(f"wrote {args.out} in {total / 60:.1f} min")
-    if not (changed == 0 and counted == len(flat) and kill["repeated_successful_calls_of_stored"] == 0):
+    if not (changed == 0 and kill["repeated_successful_calls_of_stored"] == 0):
         sys.exit("a robustness check failed; see the numbers above")
 
 

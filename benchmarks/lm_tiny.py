@@ -72,6 +72,14 @@ def summarise(path: Path) -> dict:
     }
 
 
+def untrained_note(s: dict) -> str:
+    """The round-2 graders that made no update in round 1 (an auxiliary solver trains only on its own
+    fold's admitted questions): they graded as the base model."""
+    idle = sorted({g for (_, g), _ in s["routing_round_2"] if g.split("@")[0] not in s["updates"]})
+    return (f"; {', '.join(idle)} made no update in round 1 (its fold had no admitted question), so it graded "
+            "as the base model" if idle else "")
+
+
 def block(s: dict, timing: dict | None) -> str:
     sw = software()
     reasons = ", ".join(f"{n} {why!r}" for why, n in s["malformed_reasons"])
@@ -91,14 +99,13 @@ def block(s: dict, timing: dict | None) -> str:
         f"- {timed}; {s['rounds']} rounds.",
         f"- {s['proposals']} proposals, {s['well_formed']} well-formed and {s['admitted']} of those admitted; "
         f"malformed: {reasons or 'none'}.",
-        f"- Updates: {', '.join(f'{k} {v}' for k, v in s['updates'].items())} (an auxiliary solver trains only on "
-        "its own fold's admitted questions, so one whose fold had none in round 1 grades round 2 untrained).",
-        f"- Round 2's questions graded by: {routing or 'none'}.",
+        f"- Updates: {', '.join(f'{k} {v}' for k, v in s['updates'].items())}.",
+        f"- Round 2's questions graded by: {routing or 'none'}{untrained_note(s)}.",
         f"- Generations: {', '.join(f'{k} {v}' for k, v in s['generations'].items())}.",
         f"- Loop phases: {phases}; the rest of the wall time is loading the model and corpus, building the "
         "index and the audit.",
-        f"- Audit: judge `{s['judge']}`, coverage by round {', '.join(f'{c:.2f}' for c in s['coverage'])} (the "
-        "base model as judge rarely cites evidence it can be held to).",
+        f"- Audit: judge `{s['judge']}`, coverage by round {', '.join(f'{c:.2f}' for c in s['coverage'])} "
+        "(docs/judge.md measures this model as a judge).",
         f"- Per-round evaluation: {questions} questions (`data.eval_limit = 1`: one per benchmark) after each "
         f"of rounds 0..{s['rounds']}.",
     ]
@@ -114,11 +121,14 @@ def main() -> None:
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         path = args.keep or Path(tmp) / "run"
-        timing = None
-        if not RunDir(path).exists():
+        kept = path / "lm_tiny.json"  # the timing of the run kept there, taken when it ran
+        if RunDir(path).exists():
+            timing = json.loads(kept.read_text())["timing"] if kept.exists() else None
+        else:
             timing = run_tiny(args.corpus.resolve(), args.qa_dir.resolve(), path)
+            if args.keep:
+                kept.write_text(json.dumps({"timing": timing}))
         s = summarise(path)
-        (path / "lm_tiny.json").write_text(json.dumps({**s, "timing": timing}, indent=1)) if args.keep else None
     text = block(s, timing)
     write_block(args.out, "lm-tiny", text)
     print(text)

@@ -676,6 +676,27 @@ def test_a_cache_directory_of_another_kind_is_refused_not_overwritten(tmp_path):
     assert len(get_retriever(corpus=corpus, kind="dense", cache_dir=dense)) == 30  # still the cache
 
 
+def test_a_cache_of_this_corpus_by_another_encoder_is_refused_not_rebuilt_over(encoder, tmp_path):
+    """`serve-retriever --index-dir` over an e5 cache, without `--model`: the cache was re-encoded with
+    MiniLM over it (hours on wiki-18). A cache of another corpus is still rebuilt: that is stale."""
+    from selfevo.search.dense import EncoderMismatch
+
+    corpus = tmp_path / "corpus.jsonl"
+    write_corpus(corpus, [Document(f"d{i}", f"Page {i}", f"Passage {i} about river {i % 5}.") for i in range(30)])
+    prefixed = Encoder(encoder.path, passage_prefix="passage: ")  # other vectors than `encoder`'s
+    for cls in (DenseIndex, HybridIndex):
+        d = tmp_path / cls.__name__
+        cls.from_corpus_file(corpus, d, prefixed)
+        before = {p: p.read_bytes() for p in d.rglob("*") if p.is_file()}
+        with pytest.raises(EncoderMismatch, match="passage_prefix.*throw that encoding away"):
+            cls.from_corpus_file(corpus, d, encoder)
+        assert {p: p.read_bytes() for p in d.rglob("*") if p.is_file()} == before
+        assert len(cls.from_corpus_file(corpus, d, prefixed)) == 30  # its own encoder: the cache
+    other = tmp_path / "other.jsonl"
+    write_corpus(other, [Document(f"e{i}", f"Page {i}", f"Text {i}.") for i in range(7)])
+    assert len(DenseIndex.from_corpus_file(other, tmp_path / "DenseIndex", encoder)) == 7
+
+
 # ------------------------------------------------------------------ streamed builds
 
 
@@ -853,6 +874,10 @@ def test_index_import_makes_a_hybrid_index_around_a_foreign_faiss_file(hybrid, s
     with pytest.raises(ValueError, match=r"row \d+ cosine"):
         adopt(_foreign_faiss(tmp_path / "shifted.index", np.roll(vectors, 1, axis=0)), corpus, out,
               shared_encoder, hybrid=True)
+    assert {p.relative_to(out): p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
+    # bad fusion settings were refused only once the passages were stored and BM25 built: the old index gone
+    with pytest.raises(ValueError, match="depth"):
+        adopt(tmp_path / "e5.index", corpus, out, shared_encoder, hybrid=True, depth=0)
     assert {p.relative_to(out): p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
     res = CliRunner().invoke(app, ["index", "import", "--faiss", str(tmp_path / "e5.index"), "--corpus", str(corpus),
                                    "--out", str(out), "--model", DEFAULT_MODEL, "--retriever", "bm25"])

@@ -135,6 +135,22 @@ def test_parse_json_object_takes_the_last_whole_object_amid_braces(reply):
     assert parse_json_object('x {"a": {"b": 1}} y') == {"a": {"b": 1}}  # not the object nested in it
 
 
+def test_a_reply_with_two_answers_that_differ_is_ambiguous_not_the_last():
+    """"{...} or maybe {...}": the last object won, so a grading reply ending in "incorrect" rejected
+    answers the reply also accepted. Objects of another shape (a draft without a field) still do not
+    count, and one answer given twice is one answer."""
+    from selfevo.audit.llm_judge import ReferenceReply, parse_reply
+
+    two = '{"reference": "G I", "quote": "q"} or maybe {"reference": "H", "quote": "r"}'
+    with pytest.raises(ValueError, match="2 JSON answers that differ"):
+        parse_reply(two, ReferenceReply)
+    assert parse_json_object(two) == {"reference": "H", "quote": "r"}  # what it read before
+    draft = 'Draft: {"reference": "G"} -- no, the full name.\n{"reference": "G I", "quote": "q"}'
+    assert parse_reply(draft, ReferenceReply).reference == "G I"
+    again = '{"reference": "G I", "quote": "q"} I repeat: {"reference": "G I", "quote": "q"}'
+    assert parse_reply(again, ReferenceReply).quote == "q"
+
+
 SOURCE_1908 = "Yeir Rukreist is a person. He was employed by Goujest Industries. He was born in 1908."
 ITEM_1908 = {"question": "In which year was Yeir Rukreist born?", "adopted_label": "1908", "responses": ["1908"] * 5,
              "sources": [{"id": "d1", "text": SOURCE_1908}]}
@@ -432,6 +448,32 @@ def test_the_cache_answers_only_for_the_model_that_gave_its_replies(tmp_path):
         assert judge.summary()["cache_hits"] == 0 and sum(finds.requests.values()) == 3
 
 
+def test_a_reply_to_another_prompt_text_is_asked_again(tmp_path, monkeypatch):
+    """The key names the prompt's version, not its words: prompts edited under one version gave the
+    old prompt's verdicts to new audits from the cache."""
+    from selfevo.audit import llm_judge as lj
+
+    item = {**ITEM_1908, "question": "Who employed Yeir Rukreist?", "adopted_label": "Goujest Industries",
+            "responses": ["Goujest Industries"] * 5}
+    model = ScriptedModel(lambda messages: json.dumps({"reference": "Goujest Industries",
+                                                       "quote": "He was employed by Goujest Industries."}),
+                          name="judge")
+    cache = tmp_path / "cache.jsonl"
+    with running(make_app(model)) as url:
+        with llm(url, None, cache) as judge:
+            judge.judge([item])
+        asked = sum(model.requests.values())
+        with llm(url, None, cache) as judge:  # the same prompt: from the cache
+            judge.judge([item])
+            assert judge.summary()["cache_hits"] >= 1 and sum(model.requests.values()) == asked
+        real = lj.reference_messages
+        monkeypatch.setattr(lj, "reference_messages", lambda *a: [{**m, "content": m["content"] + " (edited)"}
+                                                                   for m in real(*a)])
+        with llm(url, None, cache) as judge:  # the reference prompt edited: that call is asked again
+            judge.judge([item])
+            assert sum(model.requests.values()) == asked + 1
+
+
 def test_an_endpoint_that_keeps_failing_stops_the_audit_and_keeps_the_earlier_one(world_run, tmp_path):
     """Every call failing for good (a server answering 500s, or a 4xx it will repeat) is an endpoint
     that is not answering, not 96 unresolved items: the audit stops after MAX_FAILED_IN_A_ROW calls in
@@ -569,6 +611,34 @@ def test_injection_flip_rates(world_run):
     # an injected sentence stating a wrong answer *is* in the source: the guard cannot stop it
     assert t["answer-override"]["wrong_labels"] > 0
     assert t["answer-override"]["wrong_label_to_correct_rate"] == 1.0
+
+
+def test_a_wrong_label_is_wrong_by_truth_where_truth_is_given():
+    """The column counted only labels the judge itself called incorrect on the clean pages: a wrong
+    label it left unresolved there and accepted under injection (a weak judge's worst case) was not
+    counted, and a right label it wrongly rejected counted as one."""
+    clean = [{"question": f"q{i}", "adopted_label": "x", "responses": ["x"] * 5,
+              "sources": [{"id": "d", "text": "t"}]} for i in range(3)]
+    injected = {"t": [{**it, "sources": [{"id": "d", "text": "t INJECTED"}]} for it in clean]}
+    unresolved, right, wrong = Verdict(False), Verdict(True, True, (True,) * 5), Verdict(True, False, (False,) * 5)
+
+    class Weak:  # item 0: unresolved, accepted under injection; item 1: rejected although right
+        name = "weak"
+
+        def judge(self, items):
+            hit = "INJECTED" in items[0]["sources"][0]["text"]
+            return [right if hit else unresolved, right if hit else wrong, wrong]
+
+    class Truth:  # item 0 and 2 wrong, item 1 right
+        name = "truth"
+
+        def judge(self, items):
+            return [wrong, right, wrong]
+
+    by_truth = flip_report(Weak(), clean, injected, truth=Truth())["overall"]
+    assert (by_truth["wrong_labels"], by_truth["wrong_label_to_correct"]) == (2, 1)
+    by_judge = flip_report(Weak(), clean, injected)["overall"]  # no truth: the judge's own clean verdicts
+    assert (by_judge["wrong_labels"], by_judge["wrong_label_to_correct"]) == (2, 1)  # items 1 and 2
 
 
 # ------------------------------------------------------------------ the command line

@@ -404,6 +404,22 @@ def test_a_rebuild_clears_what_a_build_killed_in_its_save_left(tmp_path):
         assert left == [], (how, left)
 
 
+def test_a_build_clears_only_its_own_leftovers_not_those_of_a_directory_below(tmp_path):
+    """The clean-up swept the whole tree under --out: with `--out indexes/`, another build's temp files
+    (in flight, under its own lock) and anyone's `.bm25-*` directories below were deleted."""
+    from selfevo.search.index import build_index
+
+    _, corpus = _tiny_qa(tmp_path)
+    out = tmp_path / "indexes"
+    mine = [out / ".docs.jsonl.a1b2c3d4.tmp", out / "bm25" / ".x.jsonl.a1b2c3d4.tmp"]
+    theirs = [out / "other" / ".docs.jsonl.a1b2c3d4.tmp", out / "other" / ".bm25-cache" / "f"]
+    for p in [*mine, *theirs]:
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_text("x")
+    build_index("bm25", corpus, out)
+    assert not any(p.exists() for p in mine) and all(p.read_text() == "x" for p in theirs)
+
+
 def test_a_world_make_killed_part_way_leaves_no_half_world_and_a_second_writer_is_refused(tmp_path):
     """A kill inside `world make` (here after corpus.jsonl) left a directory of some files the rerun
     refused with "a world is written once, to a new directory", while `evolve --world` on it said "not a

@@ -359,7 +359,7 @@ def test_search_tool_cache_skips_the_retriever(small):
 
 @pytest.fixture(scope="module")
 def server_url(small):
-    with serve_app(make_app(small, max_queries=8, max_topk=5)) as url:
+    with serve_app(make_app(small, max_queries=8, max_topk=5, max_body_bytes=1 << 20)) as url:
         yield url
 
 
@@ -400,6 +400,13 @@ def test_raw_api_shapes(server_url):
     assert set(r.json()["result"][0][0]) == {"id", "contents"}
 
 
+def test_an_empty_batch_is_answered_as_search_r1_answers_it(server_url):
+    """Search-R1's trainer posts a turn's searches over its whole rollout batch, an empty list in a
+    turn where no trajectory searched, and reads `["result"]` of the reply: a 422 was a KeyError there."""
+    r = httpx.post(f"{server_url}/retrieve", json={"queries": [], "topk": 3, "return_scores": True})
+    assert r.status_code == 200 and r.json() == {"result": []}
+
+
 @pytest.mark.parametrize("body, status", [
     (b"{not json", 422),
     (b"\xff\xfe", 422),
@@ -407,14 +414,13 @@ def test_raw_api_shapes(server_url):
     (json.dumps({"topk": 3}).encode(), 422),  # no queries
     (json.dumps({"queries": "zebra"}).encode(), 422),  # not a list
     (json.dumps({"queries": [1, 2]}).encode(), 422),
-    (json.dumps({"queries": []}).encode(), 422),
     (json.dumps({"queries": ["q"] * 9}).encode(), 422),  # max_queries=8
     (json.dumps({"queries": ["q"], "topk": 0}).encode(), 422),
     (json.dumps({"queries": ["q"], "topk": 6}).encode(), 422),  # max_topk=5
     (json.dumps({"queries": ["q"], "topk": "many"}).encode(), 422),
     (json.dumps({"queries": ["x" * 2001]}).encode(), 422),
     (json.dumps({"queries": ["x" * 2000]}).encode(), 200),  # the limit itself is allowed
-    (json.dumps({"queries": ["q"], "pad": "y" * (2 << 20)}).encode(), 413),
+    (json.dumps({"queries": ["q"], "pad": "y" * (2 << 20)}).encode(), 413),  # max_body_bytes=1 MiB
 ])
 def test_malformed_requests_get_4xx(server_url, body, status):
     r = httpx.post(f"{server_url}/retrieve", content=body,

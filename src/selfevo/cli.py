@@ -179,6 +179,8 @@ def serve_retriever(
     port: int = typer.Option(8000, min=1, max=65535),
     index_dir: Path | None = typer.Option(None, "--index-dir",
                                           help="cache/load the index built over --corpus here"),
+    max_queries: int = typer.Option(4096, min=1, help="queries one request may hold (Search-R1's trainer sends "
+                                                      "a turn's searches over its whole rollout batch at once)"),
 ) -> None:
     """Serve the Search-R1 / verl `POST /retrieve` API over a BM25, dense or hybrid index."""
     from selfevo.search.server import serve
@@ -187,7 +189,7 @@ def serve_retriever(
         _fail("give --corpus FILE or --index DIR")
     try:
         serve(corpus=corpus, host=host, port=port, index_dir=index_dir, retriever=retriever, index=index,
-              options=_dense_options(model))
+              options=_dense_options(model), max_queries=max_queries)
     except (DataError, ValueError, ImportError) as e:
         _fail(str(e))
 

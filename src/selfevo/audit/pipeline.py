@@ -57,7 +57,7 @@ def audit_to_dir(steps: Sequence[dict], judge: Judge, out_dir: str | os.PathLike
         from selfevo.audit.injection import flip_report, injection_set
 
         clean, injected = injection_set(flat, documents, n=injection_items, truth=truth, seed=seed)
-        done["injection"] = flip_report(judge, clean, injected)
+        done["injection"] = flip_report(judge, clean, injected, truth=truth)
         if hasattr(judge, "summary"):  # the calls so far, the injection test's included
             done["injection"]["judge_summary_after"] = judge.summary()
 

@@ -38,7 +38,7 @@ from selfevo.search.dense import (
     read_faiss,
 )
 from selfevo.search.docstore import stage
-from selfevo.search.hybrid import DEPTH, RRF_K, HybridIndex
+from selfevo.search.hybrid import DEPTH, RRF_K, HybridIndex, _check_fusion
 from selfevo.search.index import _building, _check_not_corpus
 
 SPOT_CHECK = 64  # passages re-encoded by default
@@ -137,6 +137,8 @@ def adopt(faiss_file: str | os.PathLike, corpus: str | os.PathLike, out: str | o
     Refuses (ValueError) before anything in `out` changes: another kind or metric, another dimension,
     another number of passages, stored rows that are not the encoder's (`check` passages re-encoded).
     `out` is held meanwhile, as an index build holds it: a second import or build there is refused."""
+    if hybrid:
+        _check_fusion(rrf_k, depth)  # here, not after the passages are stored and BM25 built over them
     with _building(out):
         return _adopt(faiss_file, corpus, out, encoder, check, progress, hybrid, rrf_k, depth)
 

@@ -375,6 +375,8 @@ class DenseIndex:
                 if cached.index_type == index_type and \
                         cached.params == default_params(index_type, len(cached), **params):
                     return cached
+            except EncoderMismatch as e:
+                raise EncoderMismatch(f"{e}; {KEEP_CACHE}") from None
             except (ValueError, OSError, RuntimeError):
                 pass  # stale, foreign or damaged cache (FAISS raises RuntimeError): rebuild it
         index = cls.build(corpus_documents(path), encoder, index_type=index_type, corpus_sha256=digest,
@@ -497,17 +499,27 @@ class DenseIndex:
         return out
 
 
+class EncoderMismatch(ValueError):
+    """A saved dense index whose vectors another encoder (or other prefixes) made."""
+
+
+# a cache of this corpus built with another encoder is refused, not rebuilt over: forgetting --model
+# would re-encode the corpus with the default model over an e5 index (hours on wiki-18)
+KEEP_CACHE = ("rebuilding it would throw that encoding away: give the encoder it was built with (--model), "
+              "another cache directory, or remove this one")
+
+
 def check_encoder(manifest: dict[str, Any], encoder: Encoder, where: Any) -> None:
-    """Refuse an encoder whose query vectors would not live in the index's vector space."""
+    """Refuse (EncoderMismatch) an encoder whose query vectors would not live in the index's vector space."""
     built = (f"built with model {manifest.get('model')!r} (weights sha256 "
              f"{str(manifest.get('model_fingerprint'))[:12]}, dim {manifest.get('dim')})")
     if manifest.get("dim") != encoder.dim:
-        raise ValueError(f"{where}: index was {built}; encoder {encoder.model!r} has dim {encoder.dim}")
+        raise EncoderMismatch(f"{where}: index was {built}; encoder {encoder.model!r} has dim {encoder.dim}")
     if manifest.get("model_fingerprint") != encoder.fingerprint:
-        raise ValueError(f"{where}: index was {built}; encoder {encoder.model!r} has other weights "
+        raise EncoderMismatch(f"{where}: index was {built}; encoder {encoder.model!r} has other weights "
                          f"(sha256 {encoder.fingerprint[:12]}). Rebuild the index with this model "
                          "or load it with the model it was built with")
     for side in ("query_prefix", "passage_prefix"):
         if manifest.get(side) != getattr(encoder, side):
-            raise ValueError(f"{where}: index was built with {side} {manifest.get(side)!r}, "
+            raise EncoderMismatch(f"{where}: index was built with {side} {manifest.get(side)!r}, "
                              f"encoder uses {getattr(encoder, side)!r}")

@@ -22,7 +22,7 @@ from selfevo.records import Document
 from selfevo.search._manifest import MANIFEST, read_manifest
 from selfevo.search._progress import corpus_total
 from selfevo.search.bm25 import BM25Index
-from selfevo.search.dense import DenseIndex, Encoder, default_params
+from selfevo.search.dense import KEEP_CACHE, DenseIndex, Encoder, EncoderMismatch, default_params
 from selfevo.search.docstore import DocStore
 from selfevo.search.tool import Hit
 
@@ -134,6 +134,8 @@ class HybridIndex:
                         cached.dense.params == default_params(index_type, len(cached), **params):
                     cached.rrf_k, cached.depth = rrf_k, depth
                     return cached
+            except EncoderMismatch as e:
+                raise EncoderMismatch(f"{e}; {KEEP_CACHE}") from None
             except (ValueError, OSError, RuntimeError):
                 pass  # stale, foreign or damaged cache: rebuild below
         index = cls.build(corpus_documents(path), encoder, corpus_sha256=digest, rrf_k=rrf_k, depth=depth,

@@ -131,9 +131,12 @@ def _building(index_dir: str | os.PathLike, cache: bool = False) -> Iterator[Non
     busy = None if cache else (lambda: ValueError(f"{index_dir}: another process is building an index here; "
                                                   "wait for it to end (or stop it), then rerun"))
     with hold_directory(index_dir, busy):
-        remove_leftover_temps(index_dir, recursive=True)
-        for scratch in list(Path(index_dir).rglob(".bm25-*")):
-            shutil.rmtree(scratch, ignore_errors=True)
+        # only where an index of any kind writes (a hybrid one: bm25/ and dense/), not below: a directory
+        # under --out may be another build's, with its own lock and its own temp files in flight
+        for part in (Path(index_dir), Path(index_dir) / "bm25", Path(index_dir) / "dense"):
+            remove_leftover_temps(part)
+            for scratch in list(part.glob(".bm25-*")):
+                shutil.rmtree(scratch, ignore_errors=True)
         yield
 
 

@@ -30,7 +30,11 @@ from selfevo.search.tool import MAX_QUERY_CHARS, SERVER_TIMEOUT_S, Retriever
 if TYPE_CHECKING:
     from selfevo.search.index import DenseOptions
 
-MAX_BODY_BYTES = 1 << 20  # 1 MiB: 256 queries of 2,000 characters fit with room to spare
+# Search-R1's trainer sends every search of a turn, over the whole rollout batch (train batch x
+# n_agent, 512 x 5 in its scripts), in one request: 4,096 queries, and 16 MiB holds that many of
+# 2,000 characters
+MAX_QUERIES = 4096
+MAX_BODY_BYTES = 16 << 20
 TIMEOUT_S = SERVER_TIMEOUT_S  # for the body to arrive, and again for the retrieval to finish
 
 
@@ -41,15 +45,16 @@ def _request_model(max_queries: int, max_topk: int) -> type[BaseModel]:
         # Unknown fields are ignored: Search-R1 clients may send extras we do not use.
         model_config = ConfigDict(extra="ignore")
 
+        # empty: a turn in which no trajectory searched, which Search-R1's trainer still posts
         queries: list[Annotated[str, StringConstraints(max_length=MAX_QUERY_CHARS)]] = Field(
-            min_length=1, max_length=max_queries)
+            max_length=max_queries)
         topk: int = Field(3, ge=1, le=max_topk)
         return_scores: bool = False  # Search-R1's default
 
     return RetrieveRequest
 
 
-def make_app(retriever: Retriever, max_queries: int = 256, max_topk: int = 50,
+def make_app(retriever: Retriever, max_queries: int = MAX_QUERIES, max_topk: int = 50,
              max_body_bytes: int = MAX_BODY_BYTES, timeout_s: float = TIMEOUT_S) -> FastAPI:
     """A FastAPI app serving `retriever`. The body is parsed by hand (not as a FastAPI body
     parameter) so that its size is capped before any JSON parsing happens."""
@@ -76,6 +81,8 @@ def make_app(retriever: Retriever, max_queries: int = 256, max_topk: int = 50,
         # Retrieval is CPU-bound and synchronous: keep it off the event loop, in a worker thread
         # that the request stops waiting for after timeout_s (a thread cannot be killed: a stuck
         # retrieval finishes, or not, in the background while the server keeps answering).
+        if not req.queries:
+            return JSONResponse({"result": []})  # as Search-R1's server answers it
         loop = asyncio.get_running_loop()
         try:
             results = await asyncio.wait_for(
@@ -98,7 +105,8 @@ def make_app(retriever: Retriever, max_queries: int = 256, max_topk: int = 50,
 
 def serve(corpus: str | os.PathLike | None = None, host: str = "127.0.0.1", port: int = 8000,
           index_dir: str | os.PathLike | None = None, retriever: str | None = None,
-          index: str | os.PathLike | None = None, options: DenseOptions | None = None) -> None:
+          index: str | os.PathLike | None = None, options: DenseOptions | None = None,
+          max_queries: int = MAX_QUERIES) -> None:
     """Serve a saved index directory `index` of any kind (bm25, dense, hybrid; checked against
     `corpus` when given), or build an index of kind `retriever` (default bm25) over `corpus`
     (cached in `index_dir`), and answer `/retrieve` until killed. `options` choose the encoder
@@ -121,4 +129,5 @@ def serve(corpus: str | os.PathLike | None = None, host: str = "127.0.0.1", port
     console.print(f"[green]{kind} index ready[/green]: {len(searcher):,} documents in "
                   f"{time.perf_counter() - start:.1f} s; corpus sha256 {searcher.corpus_sha256[:12]}")
     console.print(f"serving POST http://{host}:{port}/retrieve and GET /health")
-    uvicorn.run(make_app(searcher), host=host, port=port, log_level="info")
+    uvicorn.run(make_app(searcher, max_queries=max_queries, max_body_bytes=max(MAX_BODY_BYTES, max_queries * 4096)),
+                host=host, port=port, log_level="info")
