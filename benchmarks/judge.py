@@ -28,6 +28,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections import Counter
 from pathlib import Path
 
 import httpx
@@ -138,6 +139,22 @@ def smollm2_audit(run_path: Path, out: Path, items_per_step: int, injection: int
             "samples": [r.get("raw", "")[:160] for r in rows[:3]]}
 
 
+def verdict_changes(faulty: list, clean: list) -> dict:
+    """Item by item, how the faulty run's verdicts differ from the fault-free run's: `lost` (resolved
+    there, unresolved here, by reason: a call that failed for good or kept replying garbage leaves its
+    item unresolved, as it should) and `differ` (resolved in both, other verdicts: a fault that reached
+    a verdict, which must never happen)."""
+    lost: Counter = Counter()
+    differ = 0
+    for a, b in zip(faulty, clean, strict=True):
+        if b.resolved and not a.resolved:
+            lost[a.reason.split(":")[0]] += 1
+        elif a.resolved and (a.resolved, a.label_correct, a.responses_correct) != (b.resolved, b.label_correct,
+                                                                                  b.responses_correct):
+            differ += 1
+    return {"lost": dict(lost), "differ": differ}
+
+
 def summary_line(s: dict) -> str:
     return (f"{s['distinct_items']} distinct items: {s['resolved']} resolved, {s['unresolved']} unresolved "
             f"({', '.join(f'{k}: {v}' for k, v in s['unresolved_by_reason'].items()) or 'none'}); "
@@ -188,11 +205,8 @@ def main() -> None:
         faulty, fmodel = audit_scripted(truthful, steps, docs, oracle, tmp / "faulty", "scripted-truthful",
                                         fail_rate=0.15, garbage_rate=0.15, slow_rate=0.05, delay=1.0)
         clean_v = res["scripted-truthful"]["verdicts"]
-        # item by item, unresolved ones too: an item the faults lost would be left unresolved there
-        changed = sum((a.resolved, a.label_correct, a.responses_correct) != (b.resolved, b.label_correct,
-                                                                              b.responses_correct)
-                      for a, b in zip(faulty["verdicts"], clean_v, strict=True))
-        console.print(f"faults: {summary_line(faulty['summary'])}; changed verdicts {changed}")
+        changes = verdict_changes(faulty["verdicts"], clean_v)
+        console.print(f"faults: {summary_line(faulty['summary'])}; changed verdicts {changes}")
         kill = kill_and_resume(run.path, truthful, tmp / "killed")
         resumed = kill.pop("metrics")  # the judge's name differs (llm:judge): compare the numbers
         straight_equal = {**resumed, "judge": None} == {**res["scripted-truthful"]["metrics"], "judge": None}
@@ -351,8 +365,11 @@ def main() -> None:
           "**30% faults.** The truthful scripted judge again, with 15% of calls failing (HTTP 500, or 429), 15% "
           "returning garbage (invalid JSON, the wrong schema, or a body that is no chat completion) and 5% "
           "slower (1 s) than the client timeout (0.5 s): " + summary_line(fs) + f". Injected faults: "
-          f"{dict(fmodel.faults)}. Verdicts that differ from the fault-free run's, item by item (an item the "
-          f"faults lost would be one left unresolved): {changed} of {len(flat)}.", "",
+          f"{dict(fmodel.faults)}. Item by item against the fault-free run: resolved there and unresolved "
+          f"here, {sum(changes['lost'].values())} of {len(flat)} "
+          f"({', '.join(f'{k}: {v}' for k, v in changes['lost'].items()) or 'none'}; a call that fails for good, "
+          "or keeps replying garbage past the corrections, leaves its item unresolved rather than guessed); "
+          f"resolved in both with other verdicts: {changes['differ']}.", "",
           "**Kill and resume.** A `selfevo audit --judge llm` process (concurrency 4) was killed with SIGKILL "
           f"after {kill['stored_before_kill']} calls were stored in its cache; the server had answered "
           f"{kill['served_at_kill']} calls by then ({kill['answered_but_unstored_at_kill']} answered but not yet "
@@ -432,7 +449,9 @@ def main() -> None:
           "timeouts, connection errors, 408, 409, 425, 429 and 5xx (tenacity, Retry-After honoured; the HTTP client "
           "the remote solver uses), an append-only JSONL "
           "cache keyed by sha256(model name asked for, prompt version, generation settings, call content), so"
-          " a rerun or a resume repeats no stored call; calls that failed for good are not cached and are "
+          " a rerun or a resume repeats no stored call (a stored call stands only for the prompt text it "
+          "answered, `prompt_sha`: a prompt edited since is asked again); calls that failed for good are not "
+          "cached and are "
           "retried by a rerun. Each stored call also records the model its reply named (`reply_model`), and "
           "is used only while the endpoint lists that model (GET `/models`, probed before the first stored "
           "call is used): a second server under the same `--judge-model` name (llama.cpp and `serve-model` "
@@ -445,7 +464,7 @@ def main() -> None:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text("\n".join(L) + "\n", encoding="utf-8")
     console.print(f"wrote {args.out} in {total / 60:.1f} min")
-    if not (changed == 0 and kill["repeated_successful_calls_of_stored"] == 0):
+    if not (changes["differ"] == 0 and kill["repeated_successful_calls_of_stored"] == 0):
         sys.exit("a robustness check failed; see the numbers above")
 
 

@@ -105,7 +105,7 @@ class EngineSpec(BaseModel):
     grader_port: int = Field(8100, ge=1024, le=65535)
     grader_gpu_memory: float = Field(0.4, gt=0, lt=1)
     grader_concurrency: int = Field(8, ge=1)
-    retriever_url: str = ""  # a Search-R1 /retrieve server ("": the run's own BM25 index, in process)
+    retriever_url: str = ""  # a Search-R1 /retrieve server ("": the run's own index, in process)
     msv_samples: int = Field(3, ge=1)  # paper: 3 with the source, 3 without
     audit: Literal["auto", "none"] = "auto"
     launcher: str = ""  # TRL: "" in process, else e.g. "accelerate launch --config_file FILE"
