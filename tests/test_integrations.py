@@ -1353,6 +1353,55 @@ def test_engine_run_refuses_a_run_another_process_is_writing(tmp_path, monkeypat
     assert not (tmp_path / "run").exists()
 
 
+def test_engine_resume_is_held_to_the_world_or_corpus_it_was_made_on(tmp_path):
+    """engine-run recorded no world or corpus fingerprint, so a resume (and the audit, replay and report
+    after it) went on over a world directory remade, or a corpus rewritten, since: as evolve's runs are
+    held to theirs, these are now, and a resume (evolve's too) to the QA set its rounds were evaluated on."""
+    import copy
+
+    from selfevo.integrations import engine as eng
+    from selfevo.runs import RunDir, RunError
+    from selfevo.world import WorldConfig, make_world, save_world
+
+    def make(cfg, out, resume):
+        return eng.EngineRun(eng.engine_config_from_dict(copy.deepcopy(cfg), engine="trl"), out, resume=resume,
+                             log=lambda m: None)
+
+    world = tmp_path / "world"
+    save_world(make_world(WorldConfig(size="small", seed=0)), world)
+    on_dir = {**ENGINE_CFG, "world": {"name": str(world)}}
+    make(on_dir, tmp_path / "run", resume=False)
+    assert RunDir(tmp_path / "run").manifest()["world_sha256"]
+    make(on_dir, tmp_path / "run", resume=True)
+    shutil.rmtree(world)
+    save_world(make_world(WorldConfig(size="small", seed=1)), world)  # remade under the same path
+    with pytest.raises(RunError, match="the world directory has changed"):
+        make(on_dir, tmp_path / "run", resume=True)
+    # a corpus searched through a /retrieve server (no index here): the file's sha256
+    qa = tmp_path / "qa"
+    qa.mkdir()
+    (qa / "nq.jsonl").write_text(json.dumps({"id": "1", "question": "Where is Beta?", "golden_answers": ["x"]})
+                                 + "\n")
+    corpus = tmp_path / "corpus.jsonl"
+    rows = [{"id": f"d{i}", "contents": f'"Page {i}"\nPage {i} is a page about topic {i}.'} for i in range(60)]
+    corpus.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    on_corpus = {**{k: v for k, v in ENGINE_CFG.items() if k != "world"},
+                 "data": {"corpus": str(corpus), "qa_dir": str(qa)},
+                 "engine": {**ENGINE_CFG["engine"], "retriever_url": "http://127.0.0.1:9/retrieve"}}
+    make(on_corpus, tmp_path / "served", resume=False)
+    made = RunDir(tmp_path / "served").manifest()
+    assert made["corpus_sha256"] and made["index"] is None and made["qa_sha256"]
+    question = (qa / "nq.jsonl").read_text()
+    (qa / "nq.jsonl").write_text(question.replace("Beta", "Gamma"))  # the rounds to come: other questions
+    with pytest.raises(RunError, match="the QA files have changed"):
+        make(on_corpus, tmp_path / "served", resume=True)
+    (qa / "nq.jsonl").write_text(question)
+    make(on_corpus, tmp_path / "served", resume=True)
+    corpus.write_text("".join(json.dumps(r) + "\n" for r in rows[::-1]))
+    with pytest.raises(RunError, match="the corpus has changed"):
+        make(on_corpus, tmp_path / "served", resume=True)
+
+
 def test_engine_resume_removes_what_a_kill_left_inside_an_atomic_write(tmp_path):
     """As `evolve --resume` (RunDir.open_for_resume): the temp files of atomic writes a kill left are
     removed, anywhere in the run directory, once the resume is accepted (a refused one touches

@@ -120,8 +120,9 @@ def test_question_split_keeps_a_repeated_question_on_one_side(runs):
 def test_bank_records_no_truth(bank, tmp_path):
     obj = read_json(bank.save(tmp_path / "bank.json"))
     assert obj["format"] == 3 and set(obj) == {"format", "world", "seed", "base_seed", "sources", "solver", "search",
-                                               "backend", "data", "lm", "items"}
-    assert (obj["backend"], obj["data"], obj["lm"]) == ("sim", {}, {})
+                                               "backend", "data", "lm", "made_on", "items"}
+    # a generated world is its config: no fingerprint to keep (a world directory's or corpus's sha256)
+    assert (obj["backend"], obj["data"], obj["lm"], obj["made_on"]) == ("sim", {}, {}, {})
     assert set(obj["items"][0]) == {"item_id", "question", "label", "draft_label", "source_id", "source_ids",
                                     "group", "run", "round", "hops"}
 
@@ -544,6 +545,24 @@ def test_a_bank_from_msv_runs_is_graded_against_its_adopted_labels(tmp_path):
 
     run_replay(bank, ["coupled"], seeds=1, settings=FAST, judge=Recording())
     assert seen and all(labels == [it.label for it in bank.items] for labels in seen)
+
+
+def test_a_replay_is_held_to_the_world_its_bank_was_made_on(tmp_path):
+    """`replay build` checked its runs' world, `replay run` did not: a world directory remade since
+    graded the bank's questions against other pages, without a word."""
+    from selfevo.world import WorldConfig, make_world, save_world
+
+    world = tmp_path / "world"
+    save_world(make_world(WorldConfig(size="small", seed=0)), world)
+    cfg = load_config(None, [*(o for o in SCALED if not o.startswith("world.name")), f"world.name={world}"])
+    evolve(cfg, tmp_path / "run", progress=False, audit=False)
+    bank = build_bank([tmp_path / "run"], size=20, seed=0)
+    assert bank.made_on == {"world_sha256": RunDir(tmp_path / "run").manifest()["world_sha256"]}
+    assert Bank.from_json(json.loads(json.dumps(bank.to_json()))).made_on == bank.made_on
+    shutil.rmtree(world)
+    save_world(make_world(WorldConfig(size="small", seed=1)), world)  # remade under the same path
+    with pytest.raises(ReplayError, match="has changed since its runs were made on it"):
+        run_replay(bank, ["coupled"], seeds=1, settings=FAST, workers=1)
 
 
 def test_a_one_seed_study_shows_no_spread_rather_than_a_spread_of_zero(bank):

@@ -155,6 +155,43 @@ def test_a_resume_under_other_software_is_warned_and_recorded(tmp_path, monkeypa
         evolve(cfg, run.path, resume=True, progress=False)
 
 
+def test_the_software_record_moves_with_selfevos_own_code(tmp_path):
+    """selfevo's version has not moved while its code has: a run resumed under other code was not
+    warned. The record now holds a digest of the package's source files."""
+    import importlib.util
+    from pathlib import Path
+
+    import selfevo
+    from selfevo._software import source_digest
+
+    pkg = tmp_path / "selfevo"
+    shutil.copytree(Path(selfevo.__file__).parent, pkg, ignore=shutil.ignore_patterns("__pycache__"))
+
+    def digest_of_copy() -> str:
+        spec = importlib.util.spec_from_file_location("_software_copy", pkg / "_software.py")
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+        return mod.source_digest()
+
+    assert software()["selfevo_source"] == source_digest() == digest_of_copy()  # the same files anywhere
+    (pkg / "algos.py").write_text((pkg / "algos.py").read_text() + "\n# an edit\n")
+    assert digest_of_copy() != source_digest()
+
+
+def test_a_resume_removes_tensor_files_no_checkpoint_references(tmp_path):
+    """A kill after a step checkpoint replaced the one before it, before the files only the old one
+    referenced were removed, left those files (a policy each: gigabytes at 4B) for good: nothing
+    looked at them again."""
+    run = RunDir(tmp_path / "run")
+    run.tensors_dir.mkdir(parents=True)
+    (run.path / "checkpoints" / "round-1.json").write_text(json.dumps({"main": {"file": "a", "sha256": "0"}}))
+    run.step_checkpoint_path.write_text(json.dumps({"main": {"file": "b", "sha256": "0"}}))
+    for name in "abc":
+        (run.tensors_dir / name).write_text(name)
+    run._drop_unreferenced_tensors()
+    assert sorted(p.name for p in run.tensors_dir.iterdir()) == ["a", "b"]
+
+
 def test_resume_of_a_missing_run_starts_it(tmp_path, reference):
     evolve(cfg_for(), tmp_path / "run", resume=True, progress=False)
     assert_same_results(RunDir(tmp_path / "run"), reference)

@@ -5,14 +5,17 @@ report under other software can name the difference instead of leaving it to be 
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import platform
 from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
 
 from selfevo import __version__
 
-# the sim's numbers depend on the first two; the language-model backend, the engines and dense
-# retrieval on the rest (a package not installed is left out)
-PACKAGES = ("numpy", "bm25s", "torch", "transformers", "peft", "accelerate", "trl", "vllm", "verl",
+# the sim's numbers depend on the first two (networkx: the connected folds' clusters); the language-model
+# backend, the engines and dense retrieval on the rest (a package not installed is left out)
+PACKAGES = ("numpy", "bm25s", "networkx", "torch", "transformers", "peft", "accelerate", "trl", "vllm", "verl",
             "faiss-cpu", "faiss-gpu", "sentence-transformers", "ray")
 
 
@@ -20,10 +23,22 @@ class SoftwareChanged(UserWarning):
     """A run resumed under other software (Python, platform, package versions) than it was made with."""
 
 
+@functools.lru_cache(maxsize=1)
+def source_digest() -> str:
+    """The first 12 hex digits of the sha256 of selfevo's own source files (their paths and bytes): the
+    package's version has not moved while its code has, and a resume under other code is other software."""
+    root = Path(__file__).resolve().parent
+    h = hashlib.sha256()
+    for path in sorted(root.rglob("*.py")):
+        h.update(str(path.relative_to(root)).encode() + b"\0" + path.read_bytes() + b"\0")
+    return h.hexdigest()[:12]
+
+
 def software() -> dict[str, str]:
-    """{"python", "platform", "selfevo", and each installed package of PACKAGES: its version}."""
+    """{"python", "platform", "selfevo", "selfevo_source" (`source_digest`), and each installed package
+    of PACKAGES: its version}."""
     out = {"python": platform.python_version(), "platform": f"{platform.system()} {platform.machine()}",
-           "selfevo": __version__}
+           "selfevo": __version__, "selfevo_source": source_digest()}
     for name in PACKAGES:
         try:
             out[name] = version(name)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import codecs
 import dataclasses
 import gzip
+import hashlib
 import json
 import os
 import re
@@ -17,7 +18,7 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
-from selfevo._io import atomic_writer
+from selfevo._io import atomic_writer, file_sha256
 from selfevo.records import Document, QAItem
 
 
@@ -263,11 +264,24 @@ def read_qa(path: str | os.PathLike) -> list[QAItem]:
     return list(iter_qa(path))
 
 
+def qa_files(data_dir: str | os.PathLike) -> list[Path]:
+    """The QA files of a directory, in the order `read_qa_dir` reads them."""
+    return sorted(p for p in Path(data_dir).iterdir() if p.name.endswith(QA_SUFFIXES))
+
+
+def qa_sha256(data_dir: str | os.PathLike) -> str:
+    """The sha256 of a QA directory's files (names and bytes): what a run's evaluations were asked."""
+    h = hashlib.sha256()
+    for path in qa_files(data_dir):
+        h.update(path.name.encode() + b"\0" + file_sha256(path).encode())
+    return h.hexdigest()
+
+
 def read_qa_dir(data_dir: str | os.PathLike) -> dict[str, list[QAItem]]:
     """Every QA file of a directory, grouped by benchmark name (`metadata.benchmark`, else the
     file stem). Ids must be unique across the whole directory."""
     data_dir = Path(data_dir)
-    files = sorted(p for p in data_dir.iterdir() if p.name.endswith(QA_SUFFIXES))
+    files = qa_files(data_dir)
     if not files:
         raise DataError(data_dir, None, "no .jsonl, .jsonl.gz or .parquet QA files found")
     out: dict[str, list[QAItem]] = {}

@@ -18,11 +18,11 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from selfevo._io import write_json
+from selfevo._io import file_sha256, write_json
 from selfevo.agents.sim import Reader, SimProposer, SimSolver
 from selfevo.audit import OracleJudge, audit_run
 from selfevo.config import ConfigError, RunConfig, WorldSpec, config_from_dict
-from selfevo.corpus import DataError, read_corpus, read_qa_dir
+from selfevo.corpus import DataError, qa_sha256, read_corpus, read_qa_dir
 from selfevo.evaluate import PartialFileError, evaluate_solver
 from selfevo.loop.admission import MSV, AdmitAll
 from selfevo.loop.engine import BadStepState, Loop
@@ -228,11 +228,46 @@ def check_world_params(cfg: RunConfig, world: World | None) -> None:
                               f"`selfevo world make --{name.replace('_', '-')} {asked}`")
 
 
-def check_world(run: RunDir, cfg: RunConfig) -> None:
+def _corpus_made_on(cfg: RunConfig, index) -> dict:
+    """What a corpus run is made on: the corpus's sha256 (as its index took it when it was indexed;
+    the file's bytes where the run searches through a /retrieve server and has no index here) and
+    what searches it (the index kind and encoder; None without an index here)."""
+    if index is None:
+        return {"corpus_sha256": file_sha256(cfg.data.corpus), "index": None}
+    return {"corpus_sha256": index.corpus_sha256, "index": index_identity(index)}
+
+
+def note_made_on(run: RunDir, cfg: RunConfig, index) -> None:
+    """Note in the manifest what the run is made on (`check_world` holds a resume, audit or replay to
+    it), unless it already says: a run with rounds done keeps what it has (one made before these
+    fields existed has none)."""
+    made = run.manifest()
+    if (sha := world_sha256(cfg)) is not None and "world_sha256" not in made:
+        run.note(world_sha256=sha)
+    if cfg.data.corpus and "corpus_sha256" not in made:
+        run.note(**_corpus_made_on(cfg, index))
+    if cfg.data.qa_dir and "qa_sha256" not in made:
+        run.note(qa_sha256=qa_sha256(cfg.data.qa_dir))
+
+
+def check_world(run: RunDir, cfg: RunConfig, index=False, evaluation: bool = False) -> None:
     """A run's records are judged against the truth of the world they were made on: a world
     directory rewritten since (say by another `selfevo world make`) is refused, and so is a corpus
-    file whose documents have changed since (its sources, the judge's evidence)."""
+    file whose documents have changed since (its sources, the judge's evidence). `index`: the run's
+    index as opened now (None: it searches through a server); not given, it is opened here.
+    `evaluation` (a resume, which evaluates the rounds to come): its QA set must be the one its
+    earlier rounds were evaluated on too."""
     manifest = run.manifest()
+    saved = manifest.get("qa_sha256")
+    if evaluation and saved is not None and cfg.data.qa_dir:
+        try:
+            now = qa_sha256(cfg.data.qa_dir)
+        except OSError as e:
+            raise RunError(f"{cfg.data.qa_dir}: {e.strerror}") from None
+        if saved != now:
+            raise RunError(f"{cfg.data.qa_dir}: the QA files have changed since {run.path} was made (the sha256 "
+                           "the run recorded): its rounds to come would be evaluated on other questions than "
+                           "those before; resume with the QA set it was made with")
     saved = manifest.get("world_sha256")
     if saved is not None and saved != world_sha256(cfg):
         raise RunError(f"{cfg.world.name}: the world directory has changed since {run.path} was made on it "
@@ -241,15 +276,17 @@ def check_world(run: RunDir, cfg: RunConfig) -> None:
     saved = manifest.get("corpus_sha256")
     if saved is not None and cfg.data.corpus:
         try:
-            index = environment(cfg, benchmarks=False).index
+            if index is False:
+                index = environment(cfg, benchmarks=False).index
+            now_made = _corpus_made_on(cfg, index)
         except (DataError, OSError) as e:
             raise RunError(str(e)) from None
-        if saved != index.corpus_sha256:
+        if saved != now_made["corpus_sha256"]:
             raise RunError(f"{cfg.data.corpus}: the corpus has changed since {run.path} was made on it (its "
                            "documents no longer match the sha256 the run recorded); the run can only be audited "
                            "or resumed on the corpus it was made on")
-        searched, now = manifest.get("index"), index_identity(index)  # runs record it since 2026-12-03
-        if searched is not None and searched != now:
+        searched, now = manifest.get("index"), now_made["index"]  # runs record it since 2026-12-03
+        if searched is not None and now is not None and searched != now:
             raise RunError(f"{cfg.data.index or cfg.data.corpus}: the index is not the one {run.path} searched "
                            f"({searched} then, {now} now: rebuilt in place?); the run can only be resumed with "
                            "the index it was made with")
@@ -283,7 +320,7 @@ def evolve(cfg: RunConfig, out: str | os.PathLike, resume: bool = False, progres
         kept_folds = None
         if resuming:
             done = run.open_for_resume(cfg.to_json(), defaults=RunConfig().to_json())
-            check_world(run, cfg)
+            check_world(run, cfg, evaluation=True)
             kept_folds = saved_folds(run, cfg)
             run.check_software()  # last: a refused resume has not resumed (no warning, nothing noted)
         else:
@@ -328,13 +365,8 @@ def evolve(cfg: RunConfig, out: str | os.PathLike, resume: bool = False, progres
         if not done:
             # what the run is made on, noted right after its creation; a resume before any round is done
             # notes what a kill between the two left out (else its world or corpus would never be checked,
-            # and the report would not pool it with its peers). A run with rounds done keeps what it has
-            # (one made before these fields existed has none).
-            made = run.manifest()
-            if (sha := world_sha256(cfg)) is not None and "world_sha256" not in made:
-                run.note(world_sha256=sha)
-            if cfg.data.corpus and "corpus_sha256" not in made:  # the documents' hash, taken when indexed
-                run.note(corpus_sha256=env.index.corpus_sha256, index=index_identity(env.index))
+            # and the report would not pool it with its peers)
+            note_made_on(run, cfg, env.index)
         if not folds_path.exists():
             write_json(folds_path, folds.to_json())
         if done:

@@ -44,7 +44,7 @@ from selfevo.loop.admission import MSV
 from selfevo.loop.feedback import other_fold, trains_on
 from selfevo.loop.folds import FoldAssignment, assign_folds, fold_of, link_graph, question_fold
 from selfevo.loop.schedule import derive_seed
-from selfevo.runs import RunDir, RunError, check_loop_run
+from selfevo.runs import RunDir, RunError, check_loop_run, made_on
 from selfevo.search.docstore import ById, contents_by_id
 from selfevo.search.tool import SearchTool
 
@@ -182,11 +182,14 @@ class Bank:
     # only): a simulated base model's misreadings are seeded by the run seed, and the replay's base
     # model must be the one that wrote and graded the items
     base_seed: int | None = None
+    # what the runs were made on (their manifests' `made_on`: the sha256 of a world directory or corpus;
+    # empty for a bank from before it was kept): a replay run checks the world or corpus it opens
+    made_on: dict = field(default_factory=dict)
 
     def to_json(self) -> dict:
         return {"format": BANK_FORMAT, "world": self.world, "seed": self.seed, "base_seed": self.base_seed,
                 "sources": self.sources, "solver": self.solver, "search": self.search, "backend": self.backend,
-                "data": self.data, "lm": self.lm, "items": [it.to_json() for it in self.items]}
+                "data": self.data, "lm": self.lm, "made_on": self.made_on, "items": [it.to_json() for it in self.items]}
 
     @property
     def corpus(self) -> str:
@@ -258,7 +261,7 @@ class Bank:
         for k, v in (("seed", obj["seed"]), ("base_seed", base_seed)):  # int() truncated 1.5 and took true
             if v is not None and (isinstance(v, bool) or not isinstance(v, int)):
                 raise ReplayError(f"{where}: field {k} should be an integer, got {json.dumps(v)[:80]}")
-        for k in ("world", "solver", "search", "data", "lm"):
+        for k in ("world", "solver", "search", "data", "lm", "made_on"):
             if not isinstance(obj.get(k, {}), dict):
                 raise ReplayError(f"{where}: field {k} should be an object, got {json.dumps(obj[k])[:80]}")
         if not isinstance(obj["sources"], list) or not all(isinstance(s, str) for s in obj["sources"]):
@@ -266,7 +269,7 @@ class Bank:
                               f"got {json.dumps(obj['sources'])[:80]}")
         return cls(dict(obj["world"]), obj["seed"], list(obj["sources"]), items, dict(obj["solver"]),
                    dict(obj["search"]), obj.get("backend", "sim"), dict(obj.get("data", {})), dict(obj.get("lm", {})),
-                   base_seed)
+                   base_seed, dict(obj.get("made_on", {})))
 
     def save(self, path: str | os.PathLike) -> Path:
         write_json(path, self.to_json())
@@ -285,6 +288,20 @@ class Bank:
 
     def digest(self) -> str:
         return hashlib.sha256(json.dumps(self.to_json(), sort_keys=True).encode()).hexdigest()
+
+
+def _check_made_on(bank: Bank, cfg, env) -> None:
+    """The world directory or corpus a replay opens must be the one the bank's runs were made on: a
+    world remade, or a corpus rewritten, since would grade their questions against other pages."""
+    from selfevo.evolve import world_sha256
+
+    world, corpus = bank.made_on.get("world_sha256"), bank.made_on.get("corpus_sha256")
+    if world is not None and world != world_sha256(cfg):
+        raise ReplayError(f"bank: the world directory {cfg.world.name} has changed since its runs were made on "
+                          "it (the sha256 their manifests recorded); replay on the world they were made on")
+    if corpus is not None and env.index is not None and corpus != env.index.corpus_sha256:
+        raise ReplayError(f"bank: the corpus {cfg.data.corpus} has changed since its runs were made on it (the "
+                          "sha256 their manifests recorded); replay on the corpus they were made on")
 
 
 def _environment(cfg, where: str = "bank"):
@@ -339,7 +356,7 @@ def build_bank(run_dirs: Sequence[str | os.PathLike], size: int = 3000, seed: in
             raise ReplayError(f"--from: run directory {key} is named twice ({named[key]}, {d}); name each "
                               "run once")
         named[key] = str(d)
-    configs = []
+    configs, made = [], []
     for d in run_dirs:
         run = RunDir(d)
         if not run.exists():
@@ -353,6 +370,7 @@ def build_bank(run_dirs: Sequence[str | os.PathLike], size: int = 3000, seed: in
                                   "`selfevo evolve --resume`")
             configs.append(run.config())
             check_world(run, config_from_dict(configs[-1]))  # its truth judges the replay
+            made.append(made_on(manifest))
         except RunError as e:
             raise ReplayError(str(e)) from None
         except ConfigError as e:  # its data.index is no longer an index (removed, or half rebuilt)
@@ -371,8 +389,13 @@ def build_bank(run_dirs: Sequence[str | os.PathLike], size: int = 3000, seed: in
                           "replay has one; build the bank from runs of one seed (one run holds the paper's "
                           "3,000 round-2/3 questions)")
     # the data block only says where a corpus is (a world's documents come from the world block)
+    if any(m != made[0] for m in made):  # one world directory or corpus path, remade between the runs
+        raise ReplayError(f"runs made on different data under one path: {run_dirs[0]} and "
+                          f"{run_dirs[made.index(next(m for m in made if m != made[0]))]} (the sha256 their "
+                          "manifests record); a bank is built from runs on one world or corpus")
     shell = Bank(p["world"], seed, [], [], p["solver"], p["search"], p["backend"],
-                 configs[0]["data"] if p["corpus"] else {}, p["lm"], run_seeds[0] if len(run_seeds) == 1 else None)
+                 configs[0]["data"] if p["corpus"] else {}, p["lm"], run_seeds[0] if len(run_seeds) == 1 else None,
+                 {k: v for k, v in made[0].items() if v is not None})
     env = _environment(shell.run_config(), where=str(run_dirs[0]))
     groups = assign_folds(env.documents, seed, 2, "connected").groups
     sources = [str(key) for key in named]  # absolute: a report or a reader elsewhere finds the runs
@@ -424,6 +447,7 @@ class _Context:
         self.bank, self.settings = bank, settings
         cfg = bank.run_config()
         self.env = _environment(cfg)
+        _check_made_on(bank, cfg, self.env)
         self.documents = ById(self.env.documents)  # read on demand: a corpus stays on disk
         # the source too: a fold is a hash of any id, so a source that is no document would be split silently
         absent = sorted({s for it in bank.items for s in (it.source_id, *it.source_ids) if s not in self.documents})

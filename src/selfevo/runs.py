@@ -308,6 +308,7 @@ class RunDir:
         except ValueError as e:  # corruption before the last line is no crash artefact: refuse
             raise RunError(f"{e}; refusing to resume over it") from None
         self.step_state = self._resumable_step(done, rows)
+        self._drop_unreferenced_tensors()
         last = self.step_state["step"] if self.step_state is not None else 0
         keep = [r for r in rows if r["round"] <= done or (r["round"] == done + 1 and r["step"] <= last)]
         if len(keep) != len(rows):
@@ -433,6 +434,19 @@ class RunDir:
         self.step_checkpoint_path.unlink()
         self._step_tensors = set()
         self._drop_tensors(old)
+
+    def _drop_unreferenced_tensors(self) -> None:
+        """On resume: remove tensor files no checkpoint references, which a kill between a step
+        checkpoint's replacement and the removal of the files only the replaced one referenced leaves
+        (each a policy's weights: gigabytes at 4B)."""
+        if not self.tensors_dir.is_dir():
+            return
+        kept = set().union(*(tensor_files(read_json(p)) for p in (self.path / "checkpoints").glob("round-*.json")))
+        self._step_tensors = None  # read again: the file on disk is what a resume goes on from
+        kept |= self._step_tensor_files()
+        for path in self.tensors_dir.iterdir():
+            if path.is_file() and path.name not in kept:
+                path.unlink()
 
     def _drop_tensors(self, files: set[str]) -> None:
         """Remove tensor files that no round checkpoint references (a step checkpoint's, replaced)."""

@@ -284,7 +284,7 @@ def _checked_phases(path: Path) -> list[dict]:
 class EngineRun:
     def __init__(self, ecfg: EngineConfig, out: str | os.PathLike, resume: bool = False,
                  log: Callable[[str], None] = print):
-        from selfevo.evolve import environment, source_pool
+        from selfevo.evolve import check_world, environment, note_made_on, source_pool
 
         self.cfg, self.spec, self.say = ecfg.run, ecfg.engine, log
         self.treatment = parse_treatment(self.cfg.treatment)
@@ -309,6 +309,8 @@ class EngineRun:
             if not resume:
                 raise RunError(f"{self.run.path}: a run already exists here; pass --resume to continue it")
             self._check_resume(engine_json)
+            # the world or corpus (and index) it was made on, as evolve holds a resume to them
+            check_world(self.run, self.cfg, self.env.index, evaluation=True)
         else:
             # engine.json before the manifest (which makes the run exist): a kill between them leaves
             # no run to resume, but a place a rerun starts afresh
@@ -316,6 +318,8 @@ class EngineRun:
             write_json(engine_json, self.spec.model_dump())
             self.run.create(self.cfg.to_json())
             self.run.note(engine=self.spec.engine)
+        if not self.run.manifest().get("rounds_completed"):  # a run with rounds done keeps what it noted
+            note_made_on(self.run, self.cfg, self.env.index)
         from selfevo.evolve import fold_assignment, saved_folds
 
         # permanent: a resumed run keeps the assignment it started with, checked as evolve checks it
