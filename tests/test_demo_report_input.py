@@ -135,6 +135,14 @@ def runs(tmp_path_factory) -> Path:
     return root
 
 
+def _copy_as_seed(run: Path, to: Path, seed: int) -> Path:
+    """A copy of a run directory that says it is of another seed (its records are the original's)."""
+    shutil.copytree(run, to)
+    config = json.loads((to / "config.json").read_text())
+    (to / "config.json").write_text(json.dumps({**config, "seed": seed}))
+    return to
+
+
 def _strict(text: str):
     def no_constant(name: str):
         raise AssertionError(f"{name} is not JSON")
@@ -175,10 +183,7 @@ def _mark_running(run: Path) -> None:
 def test_a_run_not_complete_is_left_out_and_listed(runs, tmp_path):
     root = tmp_path / "r"
     shutil.copytree(runs / "grid", root / "grid")
-    shutil.copytree(runs / "short" / "coupled-s0", root / "killed" / "coupled-s1")
-    killed = root / "killed" / "coupled-s1"
-    config = json.loads((killed / "config.json").read_text())
-    (killed / "config.json").write_text(json.dumps({**config, "seed": 1}))
+    killed = _copy_as_seed(runs / "short" / "coupled-s0", root / "killed" / "coupled-s1", 1)
     _mark_running(killed)
     result = CliRunner().invoke(app, ["report", str(root)])
     assert result.exit_code == 0, result.output
@@ -198,10 +203,7 @@ def test_rows_over_different_seeds_say_so(runs, tmp_path):
     its Δ over the seeds shared with coupled, and the header's seed list was all the reader saw."""
     root = tmp_path / "r"
     shutil.copytree(runs / "grid", root / "grid")
-    extra = root / "grid" / "coupled-s1"
-    shutil.copytree(runs / "grid" / "coupled-s0", extra)
-    config = json.loads((extra / "config.json").read_text())
-    (extra / "config.json").write_text(json.dumps({**config, "seed": 1}))
+    extra = _copy_as_seed(runs / "grid" / "coupled-s0", root / "grid" / "coupled-s1", 1)
     result = CliRunner().invoke(app, ["report", str(root)])
     assert result.exit_code == 0, result.output
     res = _strict((root / "results.json").read_text())
@@ -239,10 +241,7 @@ def test_runs_of_another_config_are_neither_pooled_nor_paired(runs, tmp_path):
     # averaged a round-1 and a round-2 evaluation, and the audit table silently showed one round
     root = tmp_path / "pooled"
     shutil.copytree(runs / "grid", root / "grid")
-    short = root / "other" / "coupled-s1"
-    shutil.copytree(runs / "short" / "coupled-s0", short)
-    config = json.loads((short / "config.json").read_text())
-    (short / "config.json").write_text(json.dumps({**config, "seed": 1}))
+    short = _copy_as_seed(runs / "short" / "coupled-s0", root / "other" / "coupled-s1", 1)
     with pytest.raises(ValueError, match="different configs.*loop.rounds"):
         collect_runs([root / "grid" / "coupled-s0", root / "grid" / "crossfit-s0", short])
     # crossfit (two rounds) paired with a coupled run of one round: Δ against another setting

@@ -435,15 +435,17 @@ class RunDir:
         self._step_tensors = set()
         self._drop_tensors(old)
 
+    def _round_tensor_files(self) -> set[str]:
+        return set().union(*(tensor_files(read_json(p)) for p in (self.path / "checkpoints").glob("round-*.json")))
+
     def _drop_unreferenced_tensors(self) -> None:
         """On resume: remove tensor files no checkpoint references, which a kill between a step
         checkpoint's replacement and the removal of the files only the replaced one referenced leaves
         (each a policy's weights: gigabytes at 4B)."""
         if not self.tensors_dir.is_dir():
             return
-        kept = set().union(*(tensor_files(read_json(p)) for p in (self.path / "checkpoints").glob("round-*.json")))
         self._step_tensors = None  # read again: the file on disk is what a resume goes on from
-        kept |= self._step_tensor_files()
+        kept = self._round_tensor_files() | self._step_tensor_files()
         for path in self.tensors_dir.iterdir():
             if path.is_file() and path.name not in kept:
                 path.unlink()
@@ -452,7 +454,7 @@ class RunDir:
         """Remove tensor files that no round checkpoint references (a step checkpoint's, replaced)."""
         if not files:
             return
-        kept = set().union(*(tensor_files(read_json(p)) for p in (self.path / "checkpoints").glob("round-*.json")))
+        kept = self._round_tensor_files()
         for name in sorted(files - kept):
             (self.tensors_dir / name).unlink(missing_ok=True)
 
