@@ -588,3 +588,104 @@ def test_an_oracle_audit_that_resolves_nothing_says_why(capsys):
     _print_audit_rounds({"judge": "oracle", "rounds": [row]})
     said = " ".join(capsys.readouterr().out.split())
     assert "the judge resolved no item" in said and "audit a language-model run on a world with --judge llm" in said
+
+
+def test_an_out_that_is_an_input_or_lies_inside_one_is_refused_and_the_input_kept(tmp_path):
+    """`score --out` over its predictions (or into its QA directory), `replay build --out` into a run:
+    the command wrote over what it read (a helper's sweep of the commands' error paths)."""
+    qa = tmp_path / "qa"
+    qa.mkdir()
+    (qa / "nq.jsonl").write_text(json.dumps({"id": "1", "question": "q?", "golden_answers": ["a"]}) + "\n")
+    preds = tmp_path / "p.jsonl"
+    preds.write_text(json.dumps({"id": "1", "prediction": "a"}) + "\n")
+    before = {p: p.read_bytes() for p in (preds, qa / "nq.jsonl")}
+    for out in (preds, qa / "nq.jsonl"):
+        text = _usage_error(["score", "--data-dir", str(qa), "--predictions", str(preds), "--out", str(out)])
+        assert f"--out: {out} would write over" in text
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.json").write_text("{}")
+    text = _usage_error(["replay", "build", "--from", str(run), "--out", str(run / "config.json")])
+    assert "which this command reads" in text and (run / "config.json").read_text() == "{}"
+    assert {p: p.read_bytes() for p in before} == before
+
+
+def test_index_and_demo_outs_of_other_files_are_refused_and_the_files_kept(tmp_path):
+    """`index build` wrote its docs.jsonl and manifest.json over a directory's own; `demo` wrote its
+    runs beside unrelated files. Both are refused now, before any work (an encoder load, a job)."""
+    corpus = tmp_path / "c.jsonl"
+    corpus.write_text(json.dumps({"id": "d1", "contents": '"T"\nText one.'}) + "\n")
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "manifest.json").write_text('{"mine": true}')
+    (mine / "keep.txt").write_text("keep")
+    text = _usage_error(["index", "build", "--corpus", str(corpus), "--out", str(mine)])
+    assert "holds a manifest.json that is no index's" in text
+    (mine / "manifest.json").unlink()
+    text = _usage_error(["index", "build", "--corpus", str(corpus), "--retriever", "dense", "--out", str(mine)])
+    assert "not empty, and holds no index" in text
+    assert sorted(p.name for p in mine.iterdir()) == ["keep.txt"]
+    text = _usage_error(["demo", "--out", str(mine), "--workers", "1"])
+    assert "holds files no demo wrote (keep.txt)" in text and sorted(p.name for p in mine.iterdir()) == ["keep.txt"]
+    text = _usage_error(["index", "build", "--corpus", str(corpus), "--retriever", "hybrid", "--depth", "0",
+                         "--out", str(tmp_path / "h")])
+    assert "--depth" in text and not (tmp_path / "h").exists()
+    # into a new directory, over an index, and over what a killed build left (its staged documents)
+    build = ["index", "build", "--corpus", str(corpus), "--out", str(tmp_path / "b")]
+    assert runner.invoke(app, build).exit_code == 0 and runner.invoke(app, build).exit_code == 0
+    (tmp_path / "b" / "manifest.json").unlink()
+    assert runner.invoke(app, build).exit_code == 0
+
+
+def test_a_scripted_judges_answer_key_of_another_shape_is_named_not_a_traceback(tmp_path):
+    key = tmp_path / "key.json"
+    for content, says in (("[1, 2]", "expected an object"), ('{"q1": "x"}', "entry 'q1'")):
+        key.write_text(content)
+        text = _usage_error(["serve-model", "--model", "scripted:judge", "--script-file", str(key)])
+        assert f"{key}: " in text and says in text
+
+
+@pytest.mark.parametrize("command", [["serve-retriever", "--corpus", "{corpus}", "--index-dir", "{tmp}/idx"],
+                                     ["serve-model", "--model", "scripted:echo"]])
+def test_a_port_in_use_is_named_before_the_start_up(tmp_path, command):
+    """The index was built (or the model loaded) before uvicorn found the port taken: exit 3 and its
+    own words, after "serving ..." was printed."""
+    import socket
+
+    corpus = tmp_path / "c.jsonl"
+    corpus.write_text(json.dumps({"id": "d1", "contents": '"T"\nText one.'}) + "\n")
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        args = [a.format(corpus=corpus, tmp=tmp_path) for a in command]
+        text = _usage_error([*args, "--port", str(port)])
+    assert f"--host/--port: cannot listen on 127.0.0.1:{port}" in text and "serving" not in text
+    assert not (tmp_path / "idx").exists()
+
+
+def test_a_missing_policy_file_is_named_before_the_model_loads(tmp_path, monkeypatch):
+    import selfevo.agents.lm.policy as policy
+
+    def no_model(*a, **k):
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.setattr(policy, "LMPolicy", no_model)
+    qa = tmp_path / "qa"
+    qa.mkdir()
+    (qa / "nq.jsonl").write_text(json.dumps({"id": "1", "question": "q?", "golden_answers": ["a"]}) + "\n")
+    corpus = tmp_path / "c.jsonl"
+    corpus.write_text(json.dumps({"id": "d1", "contents": '"T"\nText one.'}) + "\n")
+    text = _usage_error(["eval", "--data-dir", str(qa), "--corpus", str(corpus), "--out", str(tmp_path / "ev"),
+                         "--agent", f"lm:smollm2-135m@{tmp_path}/nope.safetensors"])
+    assert "nope.safetensors: cannot read the policy file" in text
+
+
+@pytest.mark.parametrize("url, says", [("notaurl", "expected http(s)://HOST:PORT"),
+                                       ("http://127.0.0.1:9", "retriever URL http://127.0.0.1:9: ")])
+def test_a_retriever_url_that_answers_nothing_is_named_before_anything_is_written(tmp_path, url, says):
+    qa = tmp_path / "qa"
+    qa.mkdir()
+    (qa / "nq.jsonl").write_text(json.dumps({"id": "1", "question": "q?", "golden_answers": ["a"]}) + "\n")
+    text = _usage_error(["eval", "--data-dir", str(qa), "--retriever-url", url, "--out", str(tmp_path / "ev")])
+    assert says in text and not (tmp_path / "ev").exists()

@@ -201,6 +201,13 @@ def test_a_finished_run_whose_log_lost_its_tail_is_refused(run, damage):
     assert len(RunDir(run).steps()) < 2 * 4
 
 
+def test_a_finished_run_whose_log_is_gone_is_named_as_missing(run):
+    """A missing log read as "steps.jsonl:1: 0 step records where the schedule has N", as if damaged."""
+    _steps(run).unlink()
+    rc, out = cli("audit", run, "--out", run / "again", "--no-figures")
+    assert_one_line_error(rc, out, f"{run}/records/steps.jsonl: missing in a run marked complete")
+
+
 # ------------------------------------------------------------------ the readers themselves
 
 

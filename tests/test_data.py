@@ -145,7 +145,9 @@ GOOD = '{"id": "test_%d", "question": "q%d?", "golden_answers": ["a"]}'
 
 
 @pytest.mark.parametrize("bad, message", [
-    ('{"id": "test_9", "question": "q?", "golden_answers": ["a"]', "malformed JSON"),
+    # the column where the line was cut short (the line ending read as "column 1" of a next line)
+    ('{"id": "test_9", "question": "q?", "golden_answers": ["a"]', "malformed JSON: Expecting ',' delimiter "
+                                                                    "(column 59)"),
     ('["not", "an", "object"]', "expected a JSON object"),
     ('{"id": "test_9", "golden_answers": ["a"]}', "missing field 'question'"),
     ('{"id": "test_9", "question": "  ", "golden_answers": ["a"]}', "field 'question' is empty"),

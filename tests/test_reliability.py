@@ -411,6 +411,7 @@ def test_a_build_clears_only_its_own_leftovers_not_those_of_a_directory_below(tm
 
     _, corpus = _tiny_qa(tmp_path)
     out = tmp_path / "indexes"
+    build_index("bm25", corpus, out)  # an index there, rebuilt: a directory a build may write into
     mine = [out / ".docs.jsonl.a1b2c3d4.tmp", out / "bm25" / ".x.jsonl.a1b2c3d4.tmp"]
     theirs = [out / "other" / ".docs.jsonl.a1b2c3d4.tmp", out / "other" / ".bm25-cache" / "f"]
     for p in [*mine, *theirs]:

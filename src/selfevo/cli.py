@@ -74,6 +74,17 @@ def _fail(msg: str) -> None:
     raise typer.Exit(code=2)
 
 
+def _out_not_over(out: Path, inputs) -> None:
+    """Refuse an --out that is one of the command's inputs, or a file inside one (a predictions file,
+    a QA file, a run's config.json): the command would write over what it reads. A new file beside
+    them is no input."""
+    target = out.resolve()
+    for given in inputs:
+        source = Path(given).resolve()
+        if target == source or (source in target.parents and target.exists()):
+            _fail(f"--out: {out} would write over {given}, which this command reads; choose another path")
+
+
 # the optional dependencies (pyproject.toml's extras) by the module a missing one fails to import
 _EXTRA_OF_MODULE = {"torch": "lm", "transformers": "lm", "peft": "lm", "accelerate": "lm", "gguf": "lm", "ray": "ray",
                     "faiss": "dense", "sentence_transformers": "dense", "huggingface_hub": "data", "trl": "trl",
@@ -132,6 +143,25 @@ def _out_dir(path: Path) -> None:
             return
 
 
+def _check_bind(address: str, port: int) -> None:
+    """Bind --host:--port once before the start-up (an index built, a model loaded) that a port in use
+    or an address of no interface here would waste; the server binds it again (a race a second server
+    could still win, named then by uvicorn)."""
+    import socket
+
+    try:
+        infos = socket.getaddrinfo(address, port, type=socket.SOCK_STREAM)
+    except (socket.gaierror, UnicodeError) as e:
+        _fail(f"--host: {address}: {e}")
+    family, kind, proto, _, sockaddr = infos[0]
+    with socket.socket(family, kind, proto) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds it
+        try:
+            sock.bind(sockaddr)
+        except OSError as e:
+            _fail(f"--host/--port: cannot listen on {address}:{port}: {e.strerror}")
+
+
 def _typer(help: str) -> _Typer:
     return _Typer(add_completion=False, no_args_is_help=True, help=help)
 
@@ -185,6 +215,8 @@ def serve_retriever(
     """Serve the Search-R1 / verl `POST /retrieve` API over a BM25, dense or hybrid index."""
     from selfevo.search.server import serve
 
+    _check_bind(host, port)
+
     if corpus is None and index is None:
         _fail("give --corpus FILE or --index DIR")
     try:
@@ -208,20 +240,24 @@ def index_build(
     faiss_param: list[str] = typer.Option([], "--faiss-param",
                                           help="FAISS setting NAME=INT: hnsw_m, ef_construction, "
                                                "ef_search (hnsw); nlist, nprobe (ivf)"),
-    batch_size: int = typer.Option(32, help="encoding batch size"),
+    batch_size: int = typer.Option(32, min=1, help="encoding batch size"),
     device: str = typer.Option("cpu", help="encoding device (cpu, cuda, ...)"),
     query_prefix: str | None = typer.Option(None, help="prepended to queries (default: 'query: ' for e5)"),
     passage_prefix: str | None = typer.Option(None, help="prepended to passages (default: 'passage: ' for e5)"),
-    rrf_k: int = typer.Option(60, help="hybrid: reciprocal-rank-fusion constant"),
-    depth: int = typer.Option(50, help="hybrid: hits each retriever contributes to the fusion"),
+    rrf_k: int = typer.Option(60, min=0, help="hybrid: reciprocal-rank-fusion constant"),
+    depth: int = typer.Option(50, min=1, help="hybrid: hits each retriever contributes to the fusion"),
 ) -> None:
     """Build a BM25, dense or hybrid index over a corpus and save it to --out."""
     import time
 
-    from selfevo.search.index import KINDS, build_index, index_size_bytes
+    from selfevo.search.index import KINDS, build_index, check_index_out, index_size_bytes
 
     if retriever not in KINDS:
         _fail(f"--retriever: unknown retriever {retriever!r} (known: {', '.join(KINDS)})")
+    try:
+        check_index_out(out)  # before the encoder loads
+    except ValueError as e:
+        _fail(f"--out: {e}")
     options = _dense_options(model, index_type, batch_size, device, rrf_k, depth, query_prefix,
                              passage_prefix, faiss_param)
     start = time.perf_counter()
@@ -249,9 +285,9 @@ def index_import(
     check: int = typer.Option(64, min=1, help="passages re-encoded to check the stored vectors"),
     retriever: str = typer.Option("dense", help="dense | hybrid (the FAISS index as the dense half, BM25 built "
                                                 "over the same passages)"),
-    rrf_k: int = typer.Option(60, help="hybrid: reciprocal-rank-fusion constant"),
-    depth: int = typer.Option(50, help="hybrid: hits each retriever contributes to the fusion"),
-    batch_size: int = typer.Option(32, help="encoding batch size"),
+    rrf_k: int = typer.Option(60, min=0, help="hybrid: reciprocal-rank-fusion constant"),
+    depth: int = typer.Option(50, min=1, help="hybrid: hits each retriever contributes to the fusion"),
+    batch_size: int = typer.Option(32, min=1, help="encoding batch size"),
     device: str = typer.Option("cpu", help="encoding device (cpu, cuda, ...)"),
 ) -> None:
     """Adopt a FAISS index built elsewhere, with its corpus and encoder, as a dense or hybrid index.
@@ -259,12 +295,17 @@ def index_import(
     Its kind, dimension, row count and a spot check of re-encoded passages are verified first."""
     from selfevo.search.adopt import adopt
     from selfevo.search.dense import Encoder
+    from selfevo.search.index import check_index_out
 
     if retriever not in ("dense", "hybrid"):
         _fail(f"--retriever: a FAISS index makes a dense or hybrid index, not {retriever!r}")
     for path, option in ((faiss_file, "--faiss"), (corpus, "--corpus")):  # before the encoder loads (or downloads)
         if not path.is_file():
-            _fail(f"{option}: {path}: no such file")
+            _fail(f"{option}: {path}: {'a directory, not a file' if path.is_dir() else 'no such file'}")
+    try:
+        check_index_out(out)
+    except ValueError as e:
+        _fail(f"--out: {e}")
     try:
         encoder = Encoder(model, query_prefix=query_prefix, passage_prefix=passage_prefix, batch_size=batch_size,
                           device=device, max_seq_length=max_seq_length)
@@ -289,6 +330,7 @@ def score(
     present: the paper's seven-benchmark macro when the QA directory holds those seven), single- and multi-hop."""
     from selfevo.evaluate import print_score_table, score_files
 
+    _out_not_over(out, [predictions, data_dir])
     try:
         result = score_files(data_dir, predictions, out)
     except DataError as e:
@@ -798,14 +840,19 @@ def serve_model_cmd(
     from selfevo.agents.lm.model import load_chat_model
     from selfevo.agents.lm.server import serve
 
+    _check_bind(host, port)
+
     scripts = {}
     if model == "scripted:judge":
         from selfevo.audit.scripted import ScriptedJudge
 
         if script_file is None:
             _fail("scripted:judge needs --script-file (its answer key)")
+        from selfevo.audit.scripted import check_key
+
         try:
             key = json.loads(script_file.read_text(encoding="utf-8"))
+            check_key(key)
         except (OSError, ValueError) as e:
             _fail(f"{script_file}: {e}")
         scripts["judge"] = lambda: ScriptedJudge(key, obey_injections=obey_injections)
@@ -897,6 +944,12 @@ def demo_cmd(
         _fail(f"--workers counts local processes; the {plan.executor} executor schedules by its own resources "
               "(leave --workers out, or use --executor local)")
     _out_dir(out)
+    # a demo goes on in its own directory (finished runs skipped), but does not write beside other files
+    mine = {"runs", "replay", "figures", "report.html", "report.md", "results.json", "demo.json"}
+    if out.is_dir() and (other := sorted(p.name for p in out.iterdir() if not p.name.startswith(".")
+                                         and p.name not in mine)):
+        _fail(f"--out: {out} holds files no demo wrote ({', '.join(other[:3])}{', ...' if len(other) > 3 else ''}); "
+              "give a new directory, or an earlier demo's")
     from selfevo._io import hold_directory
 
     def busy() -> ValueError:  # two demos into one --out would split its jobs, each reporting its half
@@ -961,6 +1014,7 @@ def replay_build(
         wanted = [int(h) for h in hops.split(",") if h.strip()] or None
     except ValueError:
         _fail(f"--hops: expected comma-separated integers, got {hops!r}")
+    _out_not_over(out, [*from_, *(more or [])])
     try:
         bank = build_bank([*from_, *(more or [])], size=size, seed=seed, hops=wanted, distinct=distinct)
     except ReplayError as e:

@@ -71,7 +71,9 @@ def parse_json_line(raw: bytes, path: str | os.PathLike, lineno: int) -> dict[st
     if not text.strip():
         return None
     try:
-        obj = json.loads(text)
+        # without its line ending: a line cut short is then at fault where it ends, not at "column 1" of
+        # the line after
+        obj = json.loads(text.rstrip("\r\n"))
     except json.JSONDecodeError as e:
         raise DataError(path, lineno, f"malformed JSON: {e.msg} (column {e.colno})") from None
     except RecursionError:

@@ -483,9 +483,15 @@ def _run_eval(data_dir, corpus, agent, out_dir: Path, limit, retriever_url, inde
     # fail on a bad spec before indexing anything
     solver = load_agent(agent, corpus=corpus, retriever_url=retriever_url, **(agent_context or {}))
     if retriever_url:
-        from selfevo.search.client import RetrieverClient
+        from selfevo.search.client import RetrieverClient, RetrieverError
 
+        if not retriever_url.startswith(("http://", "https://")):
+            raise ValueError(f"retriever URL {retriever_url!r}: expected http(s)://HOST:PORT")
         retriever = RetrieverClient(retriever_url)
+        try:  # one query, before anything is written (Search-R1's own server has no /health to ask)
+            retriever.retrieve(["probe"], 1)
+        except RetrieverError as e:
+            raise ValueError(f"retriever URL {retriever_url}: {e}") from None
     else:
         if corpus is None and index is None:
             raise ValueError("a corpus or a saved index is needed unless a retriever URL is given")

@@ -496,6 +496,8 @@ class RunDir:
         done = manifest.get("rounds_completed", 0)
         want = [s for s in self._schedule() if s[0] <= done]
         got = [(r["round"], r["step"], r["kind"]) for r in rows]
+        if want and not path.exists():
+            raise RunError(f"{path}: missing in a run marked complete (removed after the run ended?); restore it")
         if got != want:
             line = next((i + 1 for i, (g, w) in enumerate(zip(got, want)) if g != w), min(len(got), len(want)) + 1)
             raise RunError(f"{path}:{line}: {len(got)} step records where the schedule of the {done} round(s) done "

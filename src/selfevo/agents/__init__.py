@@ -8,6 +8,7 @@ Factories import their backend lazily, so asking for the baseline never imports 
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from selfevo.agents.base import Solver, Trajectory
@@ -54,6 +55,8 @@ def _lm(arg: str, **context: Any) -> Solver:
     if not model:
         raise ValueError("agent 'lm' needs a model: lm:smollm2-135m, lm:/path/to/model or lm:org/name")
     cfg = LMConfig(model=model, **(context.get("lm_options") or {}))
+    if adapter and not Path(adapter).is_file():  # before the model loads (seconds; a 4B model, minutes)
+        raise ValueError(f"{adapter}: cannot read the policy file (no such file)")
     workers = int(context.get("workers") or 0)
     if workers:  # `selfevo eval --workers N`: the rollouts run on N Ray actors (agents/lm/workers.py)
         from selfevo.agents.lm.workers import RolloutWorkers

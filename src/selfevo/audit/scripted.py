@@ -42,10 +42,24 @@ def _sentence_with(texts: Sequence[str], pattern: re.Pattern) -> str | None:
     return next((s for t in texts for s in sentences(t) if pattern.search(s)), None)
 
 
+def check_key(key: Any) -> None:
+    """An answer key is {question: {"reference": str | null, "quote": str | null}}: a ValueError
+    naming the first entry that is not."""
+    if not isinstance(key, Mapping):
+        raise ValueError(f"expected an object {{question: {{reference, quote}}}}, got {type(key).__name__}")
+    for q, entry in key.items():
+        if not (isinstance(entry, Mapping) and all(isinstance(entry.get(k), (str, type(None)))
+                                                   for k in ("reference", "quote"))
+                and {"reference", "quote"} <= set(entry)):
+            raise ValueError(f"entry {q!r}: expected {{\"reference\": str or null, \"quote\": str or null}}, "
+                             f"got {json.dumps(entry)[:80]}")
+
+
 class ScriptedJudge:
     """The script: chat messages -> reply text (see the module docstring)."""
 
     def __init__(self, key: Mapping[str, Mapping[str, Any]], obey_injections: bool = False):
+        check_key(key)
         # the prompts carry the question whitespace-collapsed (llm_judge.reference_messages): so do the keys
         self.key = {" ".join(q.split()): v for q, v in key.items()}
         self.obey = obey_injections

@@ -39,7 +39,7 @@ from selfevo.search.dense import (
 )
 from selfevo.search.docstore import stage
 from selfevo.search.hybrid import DEPTH, RRF_K, HybridIndex, _check_fusion
-from selfevo.search.index import _building, _check_not_corpus
+from selfevo.search.index import _building, _check_not_corpus, check_index_out
 
 SPOT_CHECK = 64  # passages re-encoded by default
 # A stored row must point where the encoder points and have its length. The threshold sits between
@@ -139,6 +139,7 @@ def adopt(faiss_file: str | os.PathLike, corpus: str | os.PathLike, out: str | o
     `out` is held meanwhile, as an index build holds it: a second import or build there is refused."""
     if hybrid:
         _check_fusion(rrf_k, depth)  # here, not after the passages are stored and BM25 built over them
+    check_index_out(out)
     with _building(out):
         return _adopt(faiss_file, corpus, out, encoder, check, progress, hybrid, rrf_k, depth)
 

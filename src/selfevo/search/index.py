@@ -140,6 +140,27 @@ def _building(index_dir: str | os.PathLike, cache: bool = False) -> Iterator[Non
         yield
 
 
+def check_index_out(out: str | os.PathLike) -> None:
+    """An index is built (or imported) into a new or empty directory, over an index, or over what a
+    killed build left (its staged documents): never into a directory of other files, which the
+    build would write over (a `docs.jsonl` or `manifest.json` of someone else's)."""
+    from selfevo.search.docstore import DOCS_FILE
+
+    out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"{out}: a file, not a directory; --out names the index directory")
+    if not out.is_dir() or not any(p for p in out.iterdir() if not p.name.startswith(".")):
+        return
+    if (out / MANIFEST).exists():
+        try:
+            index_kind(out)
+        except ValueError:
+            raise ValueError(f"{out}: holds a {MANIFEST} that is no index's; give a new or empty directory") from None
+        return
+    if not any((out / part / DOCS_FILE).exists() for part in ("", "bm25", "dense")):
+        raise ValueError(f"{out}: not empty, and holds no index; give a new or empty directory")
+
+
 def _check_not_corpus(corpus: str | os.PathLike, index_dir: str | os.PathLike) -> None:
     """An index writes its own docs.jsonl (a hybrid one under bm25/ and dense/): never over the corpus
     it is built from, which would be rewritten in place (its other fields dropped, its bytes changed)."""
@@ -202,6 +223,7 @@ def build_index(kind: str, corpus: str | os.PathLike, out: str | os.PathLike,
 
     _check_kind(kind)
     options = options or DenseOptions()
+    check_index_out(out)
     digest = file_sha256(corpus)
     _check_not_corpus(corpus, out)
     with _building(out):

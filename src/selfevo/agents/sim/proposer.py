@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass, field
 from selfevo.agents.base import Proposal
 from selfevo.agents.sim.reader import FEATURES, PageReading, Reader, check_magnitude, features, given
 from selfevo.algos import bucket_advantages, sample_index, softmax
-from selfevo.evaluate import normalize_answer
+from selfevo.evaluate import mentions, normalize_answer
 from selfevo.records import Document
 from selfevo.search.tool import SearchBudgetExhausted, SearchSession, SearchTool
 from selfevo.world.language import RELATIONS, ChainQuery, render_chain
@@ -183,9 +183,9 @@ class SimProposer:
                 continue
             rels, label, pages, later = composed
             question = render_chain(ChainQuery(doc.title, rels), variant=rnd.randrange(3))
-            # format rules (Dr. Zero): a non-empty short answer that the question does not give away
-            norm_label = normalize_answer(label)
-            if not norm_label or norm_label in normalize_answer(question):
+            # format rules (Dr. Zero): a non-empty short answer that the question does not give away (as
+            # whole words: the language-model backend's rule, `protocol.check_proposal`)
+            if not normalize_answer(label) or mentions(question, label):
                 continue
             out.append(Proposal(question, label, doc.id, pages, len(rels), [first, *later]))
             hops = None
