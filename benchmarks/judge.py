@@ -149,8 +149,7 @@ def verdict_changes(faulty: list, clean: list) -> dict:
     for a, b in zip(faulty, clean, strict=True):
         if b.resolved and not a.resolved:
             lost[a.reason.split(":")[0]] += 1
-        elif a.resolved and (a.resolved, a.label_correct, a.responses_correct) != (b.resolved, b.label_correct,
-                                                                                  b.responses_correct):
+        elif a.resolved and (a.label_correct, a.responses_correct) != (b.label_correct, b.responses_correct):
             differ += 1
     return {"lost": dict(lost), "differ": differ}
 

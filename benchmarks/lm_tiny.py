@@ -56,8 +56,9 @@ def summarise(path: Path) -> dict:
     audit = run.audit_metrics()
     # round 2 is the first CrossFit round: each question's grader and its fold
     routing = Counter((it["fold"], it["grader"]["id"]) for s in proposer if s["round"] == 2 for it in s["items"])
+    rounds = run.manifest()["rounds_completed"]
     return {
-        "rounds": run.manifest()["rounds_completed"],
+        "rounds": rounds,
         "proposals": len(items) + len(malformed),
         "well_formed": len(items),
         "malformed_reasons": Counter(malformed).most_common(),
@@ -68,7 +69,7 @@ def summarise(path: Path) -> dict:
         "routing_round_2": sorted(routing.items()),
         "judge": audit["judge"],
         "coverage": [r["coverage"] for r in audit["rounds"]],
-        "evaluated": {r: run.evaluation(r)["benchmarks"] for r in range(run.manifest()["rounds_completed"] + 1)},
+        "questions": sum(b["n"] for b in run.evaluation(0)["benchmarks"].values()),  # each round asks these
     }
 
 
@@ -84,7 +85,6 @@ def block(s: dict, timing: dict | None) -> str:
     sw = software()
     reasons = ", ".join(f"{n} {why!r}" for why, n in s["malformed_reasons"])
     routing = "; ".join(f"fold {fold} by {grader} ({n})" for (fold, grader), n in s["routing_round_2"])
-    questions = sum(b["n"] for b in s["evaluated"][0].values())
     timed = (f"**{timing['wall_s'] / 60:.0f} min {timing['wall_s'] % 60:.0f} s** wall, "
              f"{timing['max_rss_mib'] / 1024:.2f} GiB max RSS (the largest process)" if timing else
              "not timed (read from a kept run directory)")
@@ -106,7 +106,7 @@ def block(s: dict, timing: dict | None) -> str:
         "index and the audit.",
         f"- Audit: judge `{s['judge']}`, coverage by round {', '.join(f'{c:.2f}' for c in s['coverage'])} "
         "(docs/judge.md measures this model as a judge).",
-        f"- Per-round evaluation: {questions} questions (`data.eval_limit = 1`: one per benchmark) after each "
+        f"- Per-round evaluation: {s['questions']} questions (`data.eval_limit = 1`: one per benchmark) after each "
         f"of rounds 0..{s['rounds']}.",
     ]
     return "\n".join(lines)

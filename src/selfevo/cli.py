@@ -844,12 +844,10 @@ def serve_model_cmd(
 
     scripts = {}
     if model == "scripted:judge":
-        from selfevo.audit.scripted import ScriptedJudge
+        from selfevo.audit.scripted import ScriptedJudge, check_key
 
         if script_file is None:
             _fail("scripted:judge needs --script-file (its answer key)")
-        from selfevo.audit.scripted import check_key
-
         try:
             key = json.loads(script_file.read_text(encoding="utf-8"))
             check_key(key)
@@ -934,7 +932,7 @@ def demo_cmd(
     and one report. Exits 1 when a job or the replay study failed (the report covers the rest), 2 on
     an error that leaves no report."""
     from selfevo.config import ConfigError
-    from selfevo.demo import load_plan, run_demo
+    from selfevo.demo import check_out, load_plan, run_demo
 
     try:
         plan = load_plan(config, seeds=seeds, world=world, executor=executor)
@@ -944,12 +942,10 @@ def demo_cmd(
         _fail(f"--workers counts local processes; the {plan.executor} executor schedules by its own resources "
               "(leave --workers out, or use --executor local)")
     _out_dir(out)
-    # a demo goes on in its own directory (finished runs skipped), but does not write beside other files
-    mine = {"runs", "replay", "figures", "report.html", "report.md", "results.json", "demo.json"}
-    if out.is_dir() and (other := sorted(p.name for p in out.iterdir() if not p.name.startswith(".")
-                                         and p.name not in mine)):
-        _fail(f"--out: {out} holds files no demo wrote ({', '.join(other[:3])}{', ...' if len(other) > 3 else ''}); "
-              "give a new directory, or an earlier demo's")
+    try:
+        check_out(out)
+    except ConfigError as e:
+        _fail(str(e))
     from selfevo._io import hold_directory
 
     def busy() -> ValueError:  # two demos into one --out would split its jobs, each reporting its half

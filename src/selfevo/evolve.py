@@ -15,6 +15,7 @@ import json
 import os
 import random
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -239,9 +240,12 @@ def _corpus_made_on(cfg: RunConfig, index) -> dict:
 
 def note_made_on(run: RunDir, cfg: RunConfig, index) -> None:
     """Note in the manifest what the run is made on (`check_world` holds a resume, audit or replay to
-    it), unless it already says: a run with rounds done keeps what it has (one made before these
-    fields existed has none)."""
+    it), where it does not say yet and no round is done: a run with rounds done keeps what it has (one
+    made before these fields existed has none), and a resume before any round is done notes what a kill
+    after the run's creation left out."""
     made = run.manifest()
+    if made.get("rounds_completed"):
+        return
     if (sha := world_sha256(cfg)) is not None and "world_sha256" not in made:
         run.note(world_sha256=sha)
     if cfg.data.corpus and "corpus_sha256" not in made:
@@ -250,13 +254,37 @@ def note_made_on(run: RunDir, cfg: RunConfig, index) -> None:
         run.note(qa_sha256=qa_sha256(cfg.data.qa_dir))
 
 
+def check_made_on(saved: Mapping, cfg: RunConfig, index, since: str, remedy: str) -> dict | None:
+    """The world directory and corpus `cfg` names now against the sha256 `saved` recorded (a run's
+    manifest, a replay bank's `made_on`): one remade or rewritten since is refused (RunError), saying
+    since when (`since`: "run was made on it") and what to do (`remedy`, formatted with `what`: world,
+    corpus). `index`: the corpus's index as opened now (None: searched through a server; False: opened
+    here). Returns what the corpus is made on now (`_corpus_made_on`), None without a recorded corpus."""
+    world = saved.get("world_sha256")
+    if world is not None and world != world_sha256(cfg):
+        raise RunError(f"{cfg.world.name}: the world directory has changed since {since} (its files no longer "
+                       f"match the sha256 recorded); {remedy.format(what='world')}")
+    corpus = saved.get("corpus_sha256")
+    if corpus is None or not cfg.data.corpus:
+        return None
+    try:
+        if index is False:
+            index = environment(cfg, benchmarks=False).index
+        now = _corpus_made_on(cfg, index)
+    except (DataError, OSError) as e:
+        raise RunError(str(e)) from None
+    if corpus != now["corpus_sha256"]:
+        raise RunError(f"{cfg.data.corpus}: the corpus has changed since {since} (its documents no longer match "
+                       f"the sha256 recorded); {remedy.format(what='corpus')}")
+    return now
+
+
 def check_world(run: RunDir, cfg: RunConfig, index=False, evaluation: bool = False) -> None:
     """A run's records are judged against the truth of the world they were made on: a world
     directory rewritten since (say by another `selfevo world make`) is refused, and so is a corpus
-    file whose documents have changed since (its sources, the judge's evidence). `index`: the run's
-    index as opened now (None: it searches through a server); not given, it is opened here.
-    `evaluation` (a resume, which evaluates the rounds to come): its QA set must be the one its
-    earlier rounds were evaluated on too."""
+    file whose documents have changed since (its sources, the judge's evidence), or its index rebuilt
+    in place. `index`: as `check_made_on`'s. `evaluation` (a resume, which evaluates the rounds to
+    come): its QA set must be the one its earlier rounds were evaluated on too."""
     manifest = run.manifest()
     saved = manifest.get("qa_sha256")
     if evaluation and saved is not None and cfg.data.qa_dir:
@@ -268,28 +296,13 @@ def check_world(run: RunDir, cfg: RunConfig, index=False, evaluation: bool = Fal
             raise RunError(f"{cfg.data.qa_dir}: the QA files have changed since {run.path} was made (the sha256 "
                            "the run recorded): its rounds to come would be evaluated on other questions than "
                            "those before; resume with the QA set it was made with")
-    saved = manifest.get("world_sha256")
-    if saved is not None and saved != world_sha256(cfg):
-        raise RunError(f"{cfg.world.name}: the world directory has changed since {run.path} was made on it "
-                       "(its files no longer match the sha256 the run recorded); the run can only be audited "
-                       "or resumed on the world it was made on")
-    saved = manifest.get("corpus_sha256")
-    if saved is not None and cfg.data.corpus:
-        try:
-            if index is False:
-                index = environment(cfg, benchmarks=False).index
-            now_made = _corpus_made_on(cfg, index)
-        except (DataError, OSError) as e:
-            raise RunError(str(e)) from None
-        if saved != now_made["corpus_sha256"]:
-            raise RunError(f"{cfg.data.corpus}: the corpus has changed since {run.path} was made on it (its "
-                           "documents no longer match the sha256 the run recorded); the run can only be audited "
-                           "or resumed on the corpus it was made on")
-        searched, now = manifest.get("index"), now_made["index"]  # runs record it since 2026-12-03
-        if searched is not None and now is not None and searched != now:
-            raise RunError(f"{cfg.data.index or cfg.data.corpus}: the index is not the one {run.path} searched "
-                           f"({searched} then, {now} now: rebuilt in place?); the run can only be resumed with "
-                           "the index it was made with")
+    made = check_made_on(manifest, cfg, index, f"{run.path} was made on it",
+                         "the run can only be audited or resumed on the {what} it was made on")
+    searched = manifest.get("index")  # runs record it since 2026-12-03
+    if made is not None and searched is not None and made["index"] is not None and searched != made["index"]:
+        raise RunError(f"{cfg.data.index or cfg.data.corpus}: the index is not the one {run.path} searched "
+                       f"({searched} then, {made['index']} now: rebuilt in place?); the run can only be resumed "
+                       "with the index it was made with")
 
 
 def evolve(cfg: RunConfig, out: str | os.PathLike, resume: bool = False, progress: bool = True,
@@ -362,11 +375,9 @@ def evolve(cfg: RunConfig, out: str | os.PathLike, resume: bool = False, progres
         loop.step_checkpoints = step_checkpoints
         if not resuming:
             run.create(cfg.to_json())
-        if not done:
-            # what the run is made on, noted right after its creation; a resume before any round is done
-            # notes what a kill between the two left out (else its world or corpus would never be checked,
-            # and the report would not pool it with its peers)
-            note_made_on(run, cfg, env.index)
+        # what the run is made on, noted right after its creation (else its world or corpus would never be
+        # checked, and the report would not pool it with its peers)
+        note_made_on(run, cfg, env.index)
         if not folds_path.exists():
             write_json(folds_path, folds.to_json())
         if done:

@@ -290,20 +290,6 @@ class Bank:
         return hashlib.sha256(json.dumps(self.to_json(), sort_keys=True).encode()).hexdigest()
 
 
-def _check_made_on(bank: Bank, cfg, env) -> None:
-    """The world directory or corpus a replay opens must be the one the bank's runs were made on: a
-    world remade, or a corpus rewritten, since would grade their questions against other pages."""
-    from selfevo.evolve import world_sha256
-
-    world, corpus = bank.made_on.get("world_sha256"), bank.made_on.get("corpus_sha256")
-    if world is not None and world != world_sha256(cfg):
-        raise ReplayError(f"bank: the world directory {cfg.world.name} has changed since its runs were made on "
-                          "it (the sha256 their manifests recorded); replay on the world they were made on")
-    if corpus is not None and env.index is not None and corpus != env.index.corpus_sha256:
-        raise ReplayError(f"bank: the corpus {cfg.data.corpus} has changed since its runs were made on it (the "
-                          "sha256 their manifests recorded); replay on the corpus they were made on")
-
-
 def _environment(cfg, where: str = "bank"):
     """The runs' documents and index, as `selfevo evolve` resolves them (a generated world, a world
     directory, or a corpus file)."""
@@ -389,10 +375,10 @@ def build_bank(run_dirs: Sequence[str | os.PathLike], size: int = 3000, seed: in
                           "replay has one; build the bank from runs of one seed (one run holds the paper's "
                           "3,000 round-2/3 questions)")
     # the data block only says where a corpus is (a world's documents come from the world block)
-    if any(m != made[0] for m in made):  # one world directory or corpus path, remade between the runs
-        raise ReplayError(f"runs made on different data under one path: {run_dirs[0]} and "
-                          f"{run_dirs[made.index(next(m for m in made if m != made[0]))]} (the sha256 their "
-                          "manifests record); a bank is built from runs on one world or corpus")
+    for d, other in zip(run_dirs[1:], made[1:]):  # one world directory or corpus path, remade between the runs
+        if other != made[0]:
+            raise ReplayError(f"runs made on different data under one path: {run_dirs[0]} and {d} (the sha256 "
+                              "their manifests record); a bank is built from runs on one world or corpus")
     shell = Bank(p["world"], seed, [], [], p["solver"], p["search"], p["backend"],
                  configs[0]["data"] if p["corpus"] else {}, p["lm"], run_seeds[0] if len(run_seeds) == 1 else None,
                  {k: v for k, v in made[0].items() if v is not None})
@@ -444,10 +430,16 @@ class _Context:
     adapter per feedback solver) and the judge (the world's oracle unless one is given)."""
 
     def __init__(self, bank: Bank, settings: ReplaySettings):
+        from selfevo.evolve import check_made_on
+
         self.bank, self.settings = bank, settings
         cfg = bank.run_config()
         self.env = _environment(cfg)
-        _check_made_on(bank, cfg, self.env)
+        try:  # the world or corpus its runs were made on: else their questions are graded on other pages
+            check_made_on(bank.made_on, cfg, self.env.index, "its runs were made on it",
+                          "replay on the {what} they were made on")
+        except RunError as e:
+            raise ReplayError(f"bank: {e}") from None
         self.documents = ById(self.env.documents)  # read on demand: a corpus stays on disk
         # the source too: a fold is a hash of any id, so a source that is no document would be split silently
         absent = sorted({s for it in bank.items for s in (it.source_id, *it.source_ids) if s not in self.documents})

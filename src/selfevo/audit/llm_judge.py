@@ -185,28 +185,32 @@ def json_objects(text: str) -> list:
     return found
 
 
+def _last(objects: list) -> dict:
+    if not objects:
+        raise ValueError("the reply is not a JSON object")
+    return objects[-1]
+
+
 def parse_json_object(text: str) -> dict:
     """The last JSON object of a reply (`json_objects`): the answer comes after a draft. Raises
     ValueError if there is none."""
-    found = json_objects(text)
-    if not found:
-        raise ValueError("the reply is not a JSON object")
-    return found[-1]
+    return _last(json_objects(text))
 
 
 def parse_reply(text: str, schema: type[BaseModel]) -> BaseModel:
     """The reply as `schema`: the last JSON object, as `parse_json_object` reads it, unless objects of the
     schema in it say different things ("{...incorrect...} or maybe {...correct...}"): that reply is
     ambiguous, a ValueError (asked again with a correction), not whichever came last."""
+    objects = json_objects(text)
     answers = []
-    for obj in json_objects(text):
+    for obj in objects:
         try:
             answers.append(schema.model_validate(obj))
         except ValueError:  # a draft of another shape, braces in prose: not an answer
             continue
     if len({json.dumps(a.model_dump(), sort_keys=True) for a in answers}) > 1:
         raise ValueError(f"the reply holds {len(answers)} JSON answers that differ; give one")
-    return schema.model_validate(parse_json_object(text))
+    return schema.model_validate(_last(objects))
 
 
 # ---------------------------------------------------------------- evidence and verdicts

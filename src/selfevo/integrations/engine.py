@@ -318,8 +318,7 @@ class EngineRun:
             write_json(engine_json, self.spec.model_dump())
             self.run.create(self.cfg.to_json())
             self.run.note(engine=self.spec.engine)
-        if not self.run.manifest().get("rounds_completed"):  # a run with rounds done keeps what it noted
-            note_made_on(self.run, self.cfg, self.env.index)
+        note_made_on(self.run, self.cfg, self.env.index)
         from selfevo.evolve import fold_assignment, saved_folds
 
         # permanent: a resumed run keeps the assignment it started with, checked as evolve checks it

@@ -16,6 +16,7 @@ from selfevo.report.render import REPLAY_COLUMNS, html_page, markdown
 from selfevo.runs import _TYPE_NAMES, RunError, check_numbers, read_object
 
 DEMO_RECORD = "demo.json"
+REPORT_FILES = ("results.json", "report.md", "report.html", "figures")  # what a report writes in its DIR
 # what demo.json says of each planned run that left no run directory (the report lists them)
 _EXCLUDED_FIELDS = {"run": str, "treatment": str, "seed": int, "why": str}
 

@@ -114,7 +114,7 @@ def markdown(res: dict, figures: dict[str, str]) -> str:
     lines = ["# selfevo report", "", _text(f"Treatments: {', '.join(res['treatments'])}; seeds: "
                                           f"{', '.join(map(str, res['seeds']))}. {res.get('context', '')}"), "",
              f"Software: {software_text(res.get('software', {}))}.", "", STATS_NOTE, ""]
-    lines += [_text(seeds_note(res)), ""] if seeds_note(res) else []
+    lines += [_text(note), ""] if (note := seeds_note(res)) else []
     lines += ["## Readings", ""]
     lines += [f"- {_text(r)}" for r in res["readings"]] or ["- (none)"]
     if res.get("excluded"):
@@ -140,7 +140,7 @@ def html_page(res: dict, figures: dict[str, bytes]) -> str:
              f"<p>Treatments: {esc(', '.join(res['treatments']))}; seeds: {esc(', '.join(map(str, res['seeds'])))}."
              f" {esc(res.get('context', ''))}</p>",
              f"<p>Software: {esc(software_text(res.get('software', {})))}.</p>", f"<p>{esc(STATS_NOTE)}</p>",
-             *([f"<p>{esc(seeds_note(res))}</p>"] if seeds_note(res) else []), "<h2>Readings</h2><ul>"]
+             *([f"<p>{esc(note)}</p>"] if (note := seeds_note(res)) else []), "<h2>Readings</h2><ul>"]
     parts += [f"<li>{esc(r)}</li>" for r in res["readings"]] or ["<li>(none)</li>"]
     parts.append("</ul>")
     if res.get("excluded"):

@@ -119,6 +119,10 @@ def saved_dir(retriever: Any) -> Path | None:
     return None
 
 
+# where an index of any kind writes below its directory: there (bm25, dense) or in a hybrid's halves
+PARTS = ("", "bm25", "dense")
+
+
 @contextlib.contextmanager
 def _building(index_dir: str | os.PathLike, cache: bool = False) -> Iterator[None]:
     """Hold `index_dir` while an index is built (or loaded from it as a cache) there: a second build into it
@@ -131,9 +135,9 @@ def _building(index_dir: str | os.PathLike, cache: bool = False) -> Iterator[Non
     busy = None if cache else (lambda: ValueError(f"{index_dir}: another process is building an index here; "
                                                   "wait for it to end (or stop it), then rerun"))
     with hold_directory(index_dir, busy):
-        # only where an index of any kind writes (a hybrid one: bm25/ and dense/), not below: a directory
-        # under --out may be another build's, with its own lock and its own temp files in flight
-        for part in (Path(index_dir), Path(index_dir) / "bm25", Path(index_dir) / "dense"):
+        # only where an index writes, not below: a directory under --out may be another build's, with its
+        # own lock and its own temp files in flight
+        for part in (Path(index_dir) / p for p in PARTS):
             remove_leftover_temps(part)
             for scratch in list(part.glob(".bm25-*")):
                 shutil.rmtree(scratch, ignore_errors=True)
@@ -157,7 +161,7 @@ def check_index_out(out: str | os.PathLike) -> None:
         except ValueError:
             raise ValueError(f"{out}: holds a {MANIFEST} that is no index's; give a new or empty directory") from None
         return
-    if not any((out / part / DOCS_FILE).exists() for part in ("", "bm25", "dense")):
+    if not any((out / part / DOCS_FILE).exists() for part in PARTS):
         raise ValueError(f"{out}: not empty, and holds no index; give a new or empty directory")
 
 
@@ -166,7 +170,7 @@ def _check_not_corpus(corpus: str | os.PathLike, index_dir: str | os.PathLike) -
     it is built from, which would be rewritten in place (its other fields dropped, its bytes changed)."""
     from selfevo.search.bm25 import DOCS_FILE  # dense's is the same name
 
-    for part in ("", "bm25", "dense"):
+    for part in PARTS:
         target = Path(index_dir) / part / DOCS_FILE
         if target.is_file() and Path(corpus).is_file() and os.path.samefile(target, corpus):
             raise ValueError(f"{corpus}: the index would write its {DOCS_FILE} over this corpus file; "

@@ -31,10 +31,10 @@ if TYPE_CHECKING:
     from selfevo.search.index import DenseOptions
 
 # Search-R1's trainer sends every search of a turn, over the whole rollout batch (train batch x
-# n_agent, 512 x 5 in its scripts), in one request: 4,096 queries, and 16 MiB holds that many of
-# 2,000 characters
+# n_agent, 512 x 5 in its scripts), in one request: 4,096 queries by default
 MAX_QUERIES = 4096
-MAX_BODY_BYTES = 16 << 20
+QUERY_BYTES = 4096  # the body room a query of MAX_QUERY_CHARS characters takes in JSON, escapes and all
+MAX_BODY_BYTES = MAX_QUERIES * QUERY_BYTES  # 16 MiB
 TIMEOUT_S = SERVER_TIMEOUT_S  # for the body to arrive, and again for the retrieval to finish
 
 
@@ -129,5 +129,6 @@ def serve(corpus: str | os.PathLike | None = None, host: str = "127.0.0.1", port
     console.print(f"[green]{kind} index ready[/green]: {len(searcher):,} documents in "
                   f"{time.perf_counter() - start:.1f} s; corpus sha256 {searcher.corpus_sha256[:12]}")
     console.print(f"serving POST http://{host}:{port}/retrieve and GET /health")
-    uvicorn.run(make_app(searcher, max_queries=max_queries, max_body_bytes=max(MAX_BODY_BYTES, max_queries * 4096)),
-                host=host, port=port, log_level="info")
+    body = max(MAX_BODY_BYTES, max_queries * QUERY_BYTES)  # room for --max-queries of them
+    uvicorn.run(make_app(searcher, max_queries=max_queries, max_body_bytes=body), host=host, port=port,
+                log_level="info")
