@@ -637,6 +637,17 @@ def test_index_and_demo_outs_of_other_files_are_refused_and_the_files_kept(tmp_p
     assert runner.invoke(app, build).exit_code == 0
 
 
+@pytest.mark.parametrize("kind, options", [("bm25", ["--index-type", "hnsw"]), ("bm25", ["--model", "m"]),
+                                            ("bm25", ["--faiss-param", "nprobe=4"]), ("dense", ["--rrf-k", "10"])])
+def test_index_build_refuses_settings_its_kind_does_not_read(tmp_path, kind, options):
+    """`--retriever bm25 --index-type hnsw` built a BM25 index and dropped the FAISS setting unsaid."""
+    corpus = tmp_path / "c.jsonl"
+    corpus.write_text(json.dumps({"id": "d1", "contents": '"T"\nText one.'}) + "\n")
+    text = _usage_error(["index", "build", "--corpus", str(corpus), "--retriever", kind, *options,
+                         "--out", str(tmp_path / "i")])
+    assert f"{options[0]}: not read by a {kind} index" in text and not (tmp_path / "i").exists()
+
+
 def test_a_scripted_judges_answer_key_of_another_shape_is_named_not_a_traceback(tmp_path):
     key = tmp_path / "key.json"
     for content, says in (("[1, 2]", "expected an object"), ('{"q1": "x"}', "entry 'q1'")):

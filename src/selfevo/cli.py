@@ -254,6 +254,15 @@ def index_build(
 
     if retriever not in KINDS:
         _fail(f"--retriever: unknown retriever {retriever!r} (known: {', '.join(KINDS)})")
+    # a setting the kind does not read is refused, not dropped: `--index-type hnsw` over bm25 meant a dense index
+    encoder = {"--model": model is not None, "--index-type": index_type != "flat", "--faiss-param": bool(faiss_param),
+               "--batch-size": batch_size != 32, "--device": device != "cpu",
+               "--query-prefix": query_prefix is not None, "--passage-prefix": passage_prefix is not None}
+    fusion = {"--rrf-k": rrf_k != 60, "--depth": depth != 50}
+    unread = {**(encoder if retriever == "bm25" else {}), **(fusion if retriever != "hybrid" else {})}
+    if given := [name for name, set_ in unread.items() if set_]:
+        _fail(f"{', '.join(given)}: not read by a {retriever} index (the encoder's and FAISS's settings are a "
+              "dense or hybrid index's; --rrf-k and --depth a hybrid one's)")
     try:
         check_index_out(out)  # before the encoder loads
     except ValueError as e:
