@@ -533,3 +533,26 @@ def test_a_manifest_entry_that_is_not_an_object_is_one_error_naming_it(tmp_path)
     (out / "manifest.json").write_text("[" * 100_000 + "]" * 100_000)  # nested past the parser's limit
     with pytest.raises(DataError, match="unreadable manifest"):
         download_data(out, "nq", corpus=False, download=no_network, dry_run=True, log=lambda m: None)
+
+
+@pytest.mark.parametrize("gzipped", [False, True])
+def test_a_corpus_rewritten_while_it_is_indexed_is_refused(tmp_path, gzipped):
+    """An index recorded the sha256 of one read of the corpus and indexed a second read: a file rewritten
+    between them was recorded as the new one. The stream now hashes what it reads and compares."""
+    from selfevo.corpus import corpus_documents
+
+    path = tmp_path / ("c.jsonl.gz" if gzipped else "c.jsonl")
+    lines = "".join(json.dumps({"id": f"d{i}", "contents": f'"T{i}"\n' + "word " * 40}) + "\n" for i in range(3000))
+    path.write_bytes(gzip.compress(lines.encode()) if gzipped else lines.encode())
+    digest = file_sha256(path)
+    assert len(list(corpus_documents(path, digest))) == 3000  # every byte hashed, a gzip stream's too
+    stream = corpus_documents(path, digest)
+    next(stream)  # the reader has the file open and a buffer read
+    if gzipped:  # another member appended: the stream reads on into it
+        with open(path, "ab") as fh:
+            fh.write(gzip.compress(json.dumps({"id": "new", "contents": "New."}).encode() + b"\n"))
+    else:  # rewritten in place, as an editor or a second download would
+        with open(path, "r+b") as fh:
+            fh.write(lines.replace("word", "wort").encode())
+    with pytest.raises(DataError, match="changed while it was read"):
+        list(stream)

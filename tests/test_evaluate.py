@@ -774,6 +774,43 @@ def test_a_resumed_evaluation_must_match_what_the_paths_hold(tmp_path, monkeypat
                         partial_key={})
 
 
+def test_a_stopped_evaluation_goes_on_by_what_its_paths_and_model_are_not_how_they_are_written(tmp_path,
+                                                                                                 monkeypatch):
+    """The resume key held the paths as typed (`qa` and `/abs/qa` refused each other, and the message said to
+    remove hours of answers) and an `lm:` agent by its spec alone (a model retrained in place between the stop
+    and the rerun had its answers mixed with the old one's; a helper's review)."""
+    import selfevo.agents
+    from selfevo.evaluate import run_eval
+
+    qa = tmp_path / "qa"
+    qa.mkdir()
+    (qa / "nq.jsonl").write_text("".join(json.dumps({"id": f"n{i}", "question": f"Paris{i} question",
+                                                     "golden_answers": [f"paris{i}"]}) + "\n" for i in range(70)))
+    (tmp_path / "corpus.jsonl").write_text(json.dumps({"id": "d0", "contents": "Paris\nParis is a city."}) + "\n")
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "weights.bin").write_bytes(b"old")
+
+    class Stops(_EchoSolver):
+        def answer(self, questions, tool, **kw):
+            if self.calls and stopping:
+                raise KeyboardInterrupt
+            return super().answer(questions, tool, **kw)
+
+    monkeypatch.setattr(selfevo.agents, "load_agent", lambda spec, **ctx: Stops())
+    monkeypatch.chdir(tmp_path)
+    stopping = True
+    for out in ("a", "b"):
+        with pytest.raises(KeyboardInterrupt):
+            run_eval(tmp_path / "qa", tmp_path / "corpus.jsonl", f"lm:{model}", tmp_path / out, progress=False)
+    stopping = False
+    again = run_eval(Path("qa"), Path("corpus.jsonl"), f"lm:{model}", Path("a"), progress=False)
+    assert again["run"]["resumed_questions"] == 64
+    (model / "weights.bin").write_bytes(b"retrained")
+    with pytest.raises(ValueError, match="a stopped evaluation of other settings"):
+        run_eval(qa, tmp_path / "corpus.jsonl", f"lm:{model}", tmp_path / "b", progress=False)
+
+
 def test_a_question_id_in_two_places_is_refused_before_any_question_is_asked():
     """Answers and scores are keyed by id: the Python API took {"nq": [x], "hotpotqa": [x]} (one id in
     two benchmarks) and scored each with the other's answer (nq 1.0 for "Rome" against "Paris"); an

@@ -1021,6 +1021,25 @@ def test_compare_leaves_out_an_audit_older_than_the_run(local_grid, tmp_path):
     assert res.exit_code == 0 and "run `selfevo audit` on it again" in " ".join(res.output.split()), res.output
 
 
+def test_compare_names_audits_made_differently(local_grid, tmp_path):
+    """`compare` put F, T_P and A of an every-item audit beside those of a `--max-items-per-step 2` one with no
+    word (`report` refuses such runs; a helper's review)."""
+    import shutil
+
+    root, _, _ = local_grid
+    part = tmp_path / "crossfit-part"
+    shutil.copytree(root / "crossfit-s0", part)
+    judge = json.loads((part / "audit" / "judge.json").read_text())
+    (part / "audit" / "judge.json").write_text(json.dumps({**judge, "max_items_per_step": 2}))
+    alike = CliRunner().invoke(app, ["compare", str(root / "coupled-s0"), str(root / "crossfit-s0")],
+                               terminal_width=250)
+    assert alike.exit_code == 0 and "F, T_P, A by oracle" in alike.output and "warning" not in alike.output
+    res = CliRunner().invoke(app, ["compare", str(root / "coupled-s0"), str(part)], terminal_width=250)
+    said = " ".join(res.output.split())
+    assert res.exit_code == 0 and "F, T_P, A come from audits made differently" in said, res.output
+    assert "oracle, the first 2 items a step" in said
+
+
 def test_a_ray_worker_gets_the_run_directory_as_an_absolute_path(tmp_path, monkeypatch):
     """`run_grid` (the Python API) passed a relative run directory to Ray workers as given: a worker
     whose working directory is not the driver's (a cluster's) wrote the run elsewhere."""

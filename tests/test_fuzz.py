@@ -391,6 +391,7 @@ def names_a_given_field(message: str, keys: list[str]) -> bool:
 @settings(FUZZ, max_examples=300)
 @given(pairs=OVERRIDES)
 @example(pairs=[("lm.top_p", "0")])  # once named lm.temperature: two fields' checks shared one message
+@example(pairs=[("loop.proposer_steps", "333309")])  # once named loop.rounds alone
 def test_config_overrides_give_a_valid_config_or_an_error_naming_the_field(pairs):
     overrides = [f"{k}={v}" for k, v in pairs]
     try:

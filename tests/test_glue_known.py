@@ -156,3 +156,43 @@ def test_an_engine_aux_phase_with_no_rows_says_its_solver_grades_untrained(tmp_p
     assert run.aux(1, "aux-1") == {"trained": False}
     assert said == ["  warning: round 1: auxiliary solver aux-1 had no admitted question to train on; it grades "
                     "round 2 untrained, as the base model"]
+
+
+# ---------------------------------------------------------------- what an overhead ratio counts
+
+
+def test_an_engine_runs_audit_is_not_counted_as_training(tmp_path):
+    """engine-run counted its audit phase's seconds (a judge over every item, or a cache's seconds) in
+    compute.json, and `compare` read them as training: every overhead ratio moved with the judge."""
+    from selfevo.integrations.engine import AUDIT_PHASE, PhaseLog
+    from selfevo.report.compare import training_cost
+
+    log = PhaseLog(tmp_path / "phases.jsonl")
+    for phase, seconds in (("r0/eval", 100.0), ("r1/proposer", 1000.0), ("r1/main", 1000.0), ("r1/aux-0", 500.0),
+                           (AUDIT_PHASE, 3000.0)):
+        log.add({"phase": phase, "round": 1, "seconds": seconds})
+    compute = log.compute()
+    assert "audit" not in compute["seconds"] and training_cost(compute)[1] == 2500.0
+
+
+def test_an_aux_solvers_checkpoint_write_is_not_counted_as_its_training(tmp_path, monkeypatch):
+    """The write of the step checkpoint after each auxiliary solver's training was timed as "aux": CrossFit's
+    overhead alone, where no other arm's checkpoint writes are counted."""
+    import time
+
+    from selfevo.config import load_config
+    from selfevo.evolve import evolve
+    from selfevo.runs import RunDir
+
+    write = RunDir.step_checkpoint
+
+    def slow(self, state):
+        time.sleep(0.5)
+        write(self, state)
+
+    monkeypatch.setattr(RunDir, "step_checkpoint", slow)
+    cfg = load_config(None, ["treatment=crossfit", "world.name=small", "loop.rounds=2", "loop.proposer_steps=2",
+                             "loop.solver_steps=2", "loop.admit_per_round=20"])
+    evolve(cfg, tmp_path / "run", progress=False, step_checkpoints=1)
+    compute = json.loads((tmp_path / "run" / "compute.json").read_text())
+    assert compute["seconds"]["aux"] < 0.5  # two aux checkpoints (1 s of sleep) were counted before

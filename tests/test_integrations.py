@@ -1049,7 +1049,7 @@ def test_a_hub_model_is_told_apart_by_the_revision_its_cache_holds(tmp_path, mon
     the two revisions' answers. It is now keyed by the cached snapshot's files, as a directory is."""
     import huggingface_hub
 
-    from selfevo.integrations.engine import model_identity
+    from selfevo.agents.lm.model import model_identity
 
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path))
     repo = tmp_path / "models--org--model"

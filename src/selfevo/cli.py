@@ -902,16 +902,24 @@ def compare_cmd(run_dirs: list[Path] = typer.Argument(..., help="run directories
     except RunError as e:
         _fail(str(e))
 
-    table = Table(title="compute overhead vs coupled (same seed)")
+    audits = {r["audit"] for r in rows if r["audit"] and not r["stale_audit"]}
+    mixed = len(audits) > 1  # (`report` refuses such runs; here the audits are named beside their numbers)
+    table = Table(title="compute overhead vs coupled (same seed)"
+                  + (f"; F, T_P, A by {escape(next(iter(audits)))}" if len(audits) == 1 else ""))
     for col in ("treatment", "seed", "generations", "updates", "seconds", "+gen", "+upd", "+time",
-                "F", "T_P", "A", "Cover-EM"):
+                "F", "T_P", "A", "Cover-EM", *(["audit"] if mixed else [])):
         table.add_column(col, justify="right")
     for r in rows:
         table.add_row(r["treatment"], str(r["seed"]), str(r["generations"]), str(r["updates"]),
                       f"{r['seconds']:.2f}", *[num(r[k], "+.0%") for k in ("extra_generations", "extra_updates",
                                                                             "extra_seconds")],
-                      *[num(r[k]) for k in ("F", "T_P", "A", "cover_em")])
+                      *[num(r[k]) for k in ("F", "T_P", "A", "cover_em")],
+                      *([escape(r["audit"] or DASH)] if mixed else []))
     console.print(table)
+    if mixed:
+        console.print("[yellow]warning:[/yellow] " + escape(
+            f"F, T_P, A come from audits made differently ({'; '.join(sorted(audits))}): they do not compare "
+            "across them; audit the runs alike (`selfevo audit RUN` with one judge, every item)"))
     unfinished = [f"{r['run']} ({r['unfinished']})" for r in rows if r["unfinished"]]
     if unfinished:  # `report` leaves these out; a comparison of what they did so far is still asked for
         console.print("[yellow]warning:[/yellow] " + escape(f"not complete, so counted over the rounds done: "

@@ -36,9 +36,22 @@ class DataError(ValueError):
 GZIP_MAGIC = b"\x1f\x8b"  # a gzip stream's first two bytes
 
 
-def iter_json_lines(path: str | os.PathLike) -> Iterator[tuple[int, dict[str, Any]]]:
+class _Hashing:
+    """A binary file whose bytes, as they are read, go into `digest` too (a gzip stream's compressed ones)."""
+
+    def __init__(self, fh, digest):
+        self.fh, self.digest = fh, digest
+
+    def read(self, size: int = -1) -> bytes:
+        data = self.fh.read(size)
+        self.digest.update(data)
+        return data
+
+
+def iter_json_lines(path: str | os.PathLike, digest=None) -> Iterator[tuple[int, dict[str, Any]]]:
     """Yield (line number, object) for every non-blank line; bytes are decoded per line so a
-    bad byte is reported where it is."""
+    bad byte is reported where it is. `digest` (a hashlib object), if given, takes the file's bytes
+    as they are read."""
     path = Path(path)
     if not path.exists():
         raise DataError(path, None, "file not found")
@@ -49,10 +62,12 @@ def iter_json_lines(path: str | os.PathLike) -> Iterator[tuple[int, dict[str, An
     with fh:
         gzipped = fh.read(2) == GZIP_MAGIC  # by content, whatever the name: a gzip stream is read through
         fh.seek(0)
-        lines = gzip.GzipFile(fileobj=fh) if gzipped else fh
+        lines = gzip.GzipFile(fileobj=fh if digest is None else _Hashing(fh, digest)) if gzipped else fh
         lineno = 0
         try:
             for lineno, raw in enumerate(lines, start=1):
+                if digest is not None and not gzipped:
+                    digest.update(raw)
                 if lineno == 1 and raw.startswith(codecs.BOM_UTF8):  # as Windows tools write it
                     raw = raw[len(codecs.BOM_UTF8):]
                 obj = parse_json_line(raw, path, lineno)
@@ -113,10 +128,11 @@ def _require_str(obj: dict, key: str, path, lineno, allow_empty: bool = False) -
 # ---------------------------------------------------------------- corpora
 
 
-def iter_corpus(path: str | os.PathLike) -> Iterator[Document]:
-    """Stream a FlashRAG corpus (`{"id","contents"}` per line). Duplicate ids are an error."""
+def iter_corpus(path: str | os.PathLike, digest=None) -> Iterator[Document]:
+    """Stream a FlashRAG corpus (`{"id","contents"}` per line). Duplicate ids are an error. `digest`:
+    as `iter_json_lines`'s."""
     seen: set[str] = set()
-    for lineno, obj in iter_json_lines(path):
+    for lineno, obj in iter_json_lines(path, digest):
         doc_id = _require_str(obj, "id", path, lineno)
         contents = _require_str(obj, "contents", path, lineno, allow_empty=True)
         if doc_id in seen:
@@ -125,14 +141,20 @@ def iter_corpus(path: str | os.PathLike) -> Iterator[Document]:
         yield Document.from_contents(doc_id, contents)
 
 
-def corpus_documents(path: str | os.PathLike) -> Iterator[Document]:
-    """`iter_corpus`, refusing (DataError, once the stream ends) a file that holds no document."""
+def corpus_documents(path: str | os.PathLike, sha256: str | None = None) -> Iterator[Document]:
+    """`iter_corpus`, refusing (DataError, once the stream ends) a file that holds no document, and,
+    given the `sha256` an index will record for it, one whose bytes as read were another file's: a
+    corpus rewritten while it was indexed would be recorded as the new one, its passages the old."""
+    digest = None if sha256 is None else hashlib.sha256()
     empty = True
-    for doc in iter_corpus(path):
+    for doc in iter_corpus(path, digest):
         empty = False
         yield doc
     if empty:
         raise DataError(path, None, "corpus is empty")
+    if digest is not None and digest.hexdigest() != sha256:
+        raise DataError(path, None, f"changed while it was read (sha256 {sha256[:12]}… before, "
+                                    f"{digest.hexdigest()[:12]}… as read); index a file that stays put")
 
 
 def count_lines(path: str | os.PathLike) -> int | None:

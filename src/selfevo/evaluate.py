@@ -473,7 +473,7 @@ def run_eval(data_dir: str | os.PathLike, corpus: str | os.PathLike | None, agen
 
 def _run_eval(data_dir, corpus, agent, out_dir: Path, limit, retriever_url, index_dir, progress, retriever_kind,
               index, dense_options, agent_context) -> dict:
-    from selfevo.agents import load_agent
+    from selfevo.agents import agent_files, load_agent
     from selfevo.search.tool import SearchTool
 
     started = time.perf_counter()
@@ -513,8 +513,12 @@ def _run_eval(data_dir, corpus, agent, out_dir: Path, limit, retriever_url, inde
     }
     # what makes a stopped evaluation in out_dir this one, so that a rerun continues it: what the
     # agent is and how it is set up (not how many workers run it), and what it searches
-    same = {k: run_info[k] for k in ("agent", "data_dir", "corpus", "retriever_url", "retriever", "index")}
+    same = {k: run_info[k] for k in ("agent", "retriever_url", "retriever")}
+    # paths by where they are, not how they were written (./qa and /home/me/qa are one directory)
+    same |= {k: None if run_info[k] is None else str(Path(run_info[k]).resolve())
+             for k in ("data_dir", "corpus", "index")}
     same["agent_settings"] = {k: v for k, v in (agent_context or {}).items() if k != "workers"}
+    same["agent_files"] = agent_files(agent)  # an lm: agent's model rewritten (retrained) between the two
     if run_info["retriever"] in ("dense", "hybrid") and dense_options is not None:
         same["encoder"] = {k: v for k, v in asdict(dense_options).items()
                            if k not in ("batch_size", "device")}

@@ -101,4 +101,19 @@ def load_agent(spec: str, **context: Any) -> Solver:
     return factory(arg, **context)
 
 
-__all__ = ["Solver", "Trajectory", "known_agents", "load_agent", "register_agent"]
+def agent_files(spec: str) -> dict | None:
+    """What a built-in spec's agent reads from disk, by content: an `lm:` agent's model (`model_identity`: its
+    files' names, sizes and times) and policy file (sha256). A stopped evaluation goes on only while these
+    are the same; None for an agent that reads no files of its own."""
+    prefix, _, arg = spec.strip().partition(":")
+    if prefix != "lm":
+        return None
+    from selfevo._io import file_sha256
+    from selfevo.agents.lm.model import model_identity
+    from selfevo.agents.lm.policy import resolve_model
+
+    model, _, adapter = arg.partition("@")
+    return {"model": model_identity(resolve_model(model)), "policy": file_sha256(adapter) if adapter else None}
+
+
+__all__ = ["Solver", "Trajectory", "agent_files", "known_agents", "load_agent", "register_agent"]

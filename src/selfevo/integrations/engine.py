@@ -38,7 +38,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import difflib
-import hashlib
 import importlib.util
 import json
 import math
@@ -55,6 +54,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from selfevo import _proc
 from selfevo._io import append_jsonl, read_json, read_jsonl_log, remove_leftover_temps, write_json, write_jsonl
+from selfevo.agents.lm.model import model_identity
 from selfevo.config import ConfigError, RunConfig, check_known, config_from_dict, merge, parse_override, read_toml
 from selfevo.integrations.admit import (
     admit_round,
@@ -71,6 +71,8 @@ from selfevo.loop.feedback import aux_updates, touched_folds, untrained_grader
 from selfevo.loop.schedule import derive_seed
 from selfevo.loop.treatments import parse_treatment
 from selfevo.runs import RunDir, RunError, check_fields, differences, read_object, with_new_defaults
+
+AUDIT_PHASE = "audit"  # the phase log's last phase (not counted in compute.json)
 
 # [engine] fields that say where and how a run executes, not what it computes: a resumed run may change
 # them (another node's GPUs, ports, launcher; how often it checkpoints; whether it audits at the end)
@@ -243,6 +245,10 @@ class PhaseLog:
     def compute(self) -> dict:
         c = Compute()
         for e in self.entries.values():
+            if e["phase"] == AUDIT_PHASE:
+                # a measurement, not training (`evolve` does not count its audit either): its time, a judge's
+                # pass or a cache's seconds, the same in every arm, would move every overhead ratio
+                continue
             for table in ("generations", "updates"):
                 for key, value in (e.get(table) or {}).items():
                     c.add(table, key, value)
@@ -578,7 +584,7 @@ class EngineRun:
         if self.spec.audit == "none":  # not logged as done: resumed with engine.audit = "auto", it audits
             self.say("audit: engine.audit = none, skipped")
         else:
-            self.phase("audit", R, self.audit)
+            self.phase(AUDIT_PHASE, R, self.audit)
         # each phase rewrites compute.json after logging itself; a kill between the two, at the last phase,
         # left it without that phase, and a resume that finds every phase done would not rewrite it
         write_json(self.run.path / "compute.json", self.phases.compute())
@@ -740,33 +746,6 @@ def engine_run(ecfg: EngineConfig, out: str | os.PathLike, resume: bool = False,
 
 
 # ---------------------------------------------------------------- helpers
-
-
-def model_identity(path: str) -> str:
-    """What tells a model apart without reading its weights (18 GB at 9B): a directory by its files'
-    names, sizes and modification times (a retrained model rewrites them; a run directory moved with
-    them kept still matches); a hub id by those of the snapshot its hub cache holds for it (another
-    revision is another snapshot), or by its name where none is cached."""
-    root = Path(path)
-    if not root.is_dir():
-        root = _hub_snapshot(path)
-        if root is None:
-            return path
-    files = sorted((str(p.relative_to(root)), st.st_size, st.st_mtime_ns)
-                   for p in root.rglob("*") if p.is_file() and (st := p.stat()))
-    return hashlib.sha256(json.dumps(files).encode()).hexdigest()
-
-
-def _hub_snapshot(repo_id: str) -> Path | None:
-    """The directory of the revision a hub id loads from the hub cache (the one its `main` ref names,
-    which a download moves): None where nothing of it is cached, or it is no hub id."""
-    try:
-        from huggingface_hub import try_to_load_from_cache
-
-        found = try_to_load_from_cache(repo_id, "config.json")
-    except (ImportError, ValueError):  # not installed; no valid repository id (HFValidationError)
-        return None
-    return Path(found).parent if isinstance(found, str) else None
 
 
 def _corpus_env(cfg: RunConfig):

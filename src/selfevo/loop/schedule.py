@@ -31,8 +31,14 @@ class LoopConfig:
                 raise ValueError(f"loop.{name}: must be a positive integer, got {value!r}")
         if self.rounds * (self.proposer_steps + self.solver_steps) > MAX_STEPS:
             # the schedule is listed before the first step: a typo's 10**12 rounds would hang start-up
-            raise ValueError(f"loop.rounds: {self.rounds} rounds of {self.proposer_steps + self.solver_steps} steps "
-                             f"exceed {MAX_STEPS:,} scheduled steps (the paper's schedule has 129)")
+            # named by the largest factor (the one likeliest mistyped), with the rule over all three
+            per_round = self.proposer_steps + self.solver_steps
+            field = "rounds" if self.rounds >= per_round else max(("proposer_steps", "solver_steps"),
+                                                                 key=lambda f: getattr(self, f))
+            raise ValueError(f"loop.{field}: {self.rounds:,} rounds × ({self.proposer_steps:,} + "
+                             f"{self.solver_steps:,}) steps = {self.rounds * per_round:,} scheduled steps exceed "
+                             f"{MAX_STEPS:,} (loop.rounds × (loop.proposer_steps + loop.solver_steps); the paper's: "
+                             "3 × (18 + 25) = 129)")
         if self.grader_samples < 2:
             # f(k) = (n-k)/(n-1) pays only 0 < k < n: with one sample no k qualifies, every reward is 0
             raise ValueError(f"loop.grader_samples: the frontier reward needs at least 2 grader samples, "

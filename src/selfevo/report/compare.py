@@ -29,6 +29,7 @@ class RunSummary:
     setting: str = ""
     unfinished: str | None = None  # "9 of 10 rounds" for a run not complete (killed, or still running)
     stale_audit: str | None = None  # "rounds 1-2 of 3": an audit made before the run went on (no F, T_P, A)
+    audit: str | None = None  # how it was audited: "oracle", "llm:MODEL (prompt v2), the first 2 items a step"
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> RunSummary:
@@ -39,7 +40,8 @@ class RunSummary:
         if not (run.path / "compute.json").exists():
             raise RunError(f"{path}: no compute.json (the run has not finished a round)")
         compute = run.compute()
-        rounds = run.audit_metrics()["rounds"] if (run.path / "audit" / "metrics.json").exists() else []
+        metrics = run.audit_metrics() if (run.path / "audit" / "metrics.json").exists() else None
+        rounds = metrics["rounds"] if metrics else []
         manifest = run.manifest()
         check_loop_run(manifest, run.path)
         done = manifest.get("rounds_completed", 0)
@@ -54,7 +56,15 @@ class RunSummary:
         generations, seconds = training_cost(compute)
         unfinished = None if manifest.get("status") == "complete" else f"{done} of {cfg['loop']['rounds']} rounds"
         return cls(run.path, cfg["treatment"], cfg["seed"], generations, compute["total_updates"], seconds,
-                   rounds[-1] if rounds else None, cover, setting, unfinished, stale)
+                   rounds[-1] if rounds else None, cover, setting, unfinished, stale,
+                   metrics and describe_audit(metrics.get("judge"), **run.audit_setting()))
+
+
+def describe_audit(judge: str | None, prompt_version: str | None, max_items_per_step: int | None) -> str:
+    """An audit's judge and what it read, in words: two runs' F, T_P and A compare only when these match."""
+    prompt = f" (prompt {prompt_version})" if prompt_version else ""
+    items = f", the first {max_items_per_step} items a step" if max_items_per_step else ""
+    return f"{judge or 'unknown judge'}{prompt}{items}"
 
 
 def training_cost(compute: dict) -> tuple[int, float]:
@@ -90,6 +100,6 @@ def compare(paths: list[str | os.PathLike]) -> list[dict]:
             "extra_seconds": ratio(r.seconds, b and b.seconds),
             "F": r.last_round and r.last_round["F"], "T_P": r.last_round and r.last_round["T_P"],
             "A": r.last_round and r.last_round["A"], "cover_em": r.cover_em, "unfinished": r.unfinished,
-            "stale_audit": r.stale_audit,
+            "stale_audit": r.stale_audit, "audit": r.audit,
         })
     return rows

@@ -165,8 +165,9 @@ def _adopt(faiss_file, corpus, out, encoder: Encoder, check: int, progress: bool
     if lines is not None and lines < source.ntotal:
         raise ValueError(f"{faiss_file}: {source.ntotal:,} vectors, more than {corpus} has lines: not its corpus")
     out.mkdir(parents=True, exist_ok=True)
+    digest = file_sha256(corpus)  # checked as the passages are read: the manifest's is the file they came from
     with ProgressBar(progress, source.ntotal, "storing the corpus's passages") as advance:
-        docs = stage(ticked(corpus_documents(corpus), advance), out)
+        docs = stage(ticked(corpus_documents(corpus, digest), advance), out)
     if len(docs) != source.ntotal:
         shutil.rmtree(docs.path.parent, ignore_errors=True)
         raise ValueError(f"{faiss_file}: {source.ntotal:,} vectors, but {corpus} holds {len(docs):,} passages")
@@ -181,7 +182,7 @@ def _adopt(faiss_file, corpus, out, encoder: Encoder, check: int, progress: bool
     for done in {top / MANIFEST, out / MANIFEST}:  # written last: a partial import is refused by `load`
         done.unlink(missing_ok=True)
     how = place(faiss_file, out / VECTORS_FILE, progress)
-    index = DenseIndex(encoder, read_faiss(out / VECTORS_FILE, index_type), docs, file_sha256(corpus),
+    index = DenseIndex(encoder, read_faiss(out / VECTORS_FILE, index_type), docs, digest,
                        index_type, params, imported={"faiss_file": str(faiss_file.resolve()), "placed_by": how,
                                                      "spot_check": spot,
                                                      "seconds": round(time.perf_counter() - start, 3)})

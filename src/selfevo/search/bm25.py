@@ -179,7 +179,7 @@ class BM25Index:
                 return cls.load(index_dir, expected_corpus_sha256=digest)
             except (ValueError, OSError):
                 pass  # stale, foreign or damaged cache: rebuild below and overwrite it
-        index = cls.build(corpus_documents(path), corpus_sha256=digest, store=index_dir, progress=progress,
+        index = cls.build(corpus_documents(path, digest), corpus_sha256=digest, store=index_dir, progress=progress,
                           expected=corpus_total(path, progress))
         if index_dir is not None:
             index.save(index_dir)

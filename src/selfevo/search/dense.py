@@ -379,7 +379,7 @@ class DenseIndex:
                 raise EncoderMismatch(f"{e}; {KEEP_CACHE}") from None
             except (ValueError, OSError, RuntimeError):
                 pass  # stale, foreign or damaged cache (FAISS raises RuntimeError): rebuild it
-        index = cls.build(corpus_documents(path), encoder, index_type=index_type, corpus_sha256=digest,
+        index = cls.build(corpus_documents(path, digest), encoder, index_type=index_type, corpus_sha256=digest,
                           store=index_dir, progress=progress, expected=corpus_total(path, progress),
                           **params)
         if index_dir is not None:

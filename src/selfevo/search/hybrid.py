@@ -138,7 +138,7 @@ class HybridIndex:
                 raise EncoderMismatch(f"{e}; {KEEP_CACHE}") from None
             except (ValueError, OSError, RuntimeError):
                 pass  # stale, foreign or damaged cache: rebuild below
-        index = cls.build(corpus_documents(path), encoder, corpus_sha256=digest, rrf_k=rrf_k, depth=depth,
+        index = cls.build(corpus_documents(path, digest), encoder, corpus_sha256=digest, rrf_k=rrf_k, depth=depth,
                           index_type=index_type, store=index_dir, progress=progress,
                           expected=corpus_total(path, progress), **params)
         if index_dir is not None:

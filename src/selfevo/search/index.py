@@ -239,7 +239,7 @@ def _build_index(kind: str, corpus: str | os.PathLike, out: str | os.PathLike, o
     from selfevo.corpus import corpus_documents
     from selfevo.search._progress import corpus_total
 
-    docs = corpus_documents(corpus)
+    docs = corpus_documents(corpus, digest)
     stream = {"store": out, "progress": progress, "expected": corpus_total(corpus, progress)}
     if kind == "bm25":
         from selfevo.search.bm25 import BM25Index

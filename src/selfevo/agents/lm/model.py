@@ -355,3 +355,30 @@ def load_chat_model(spec: str, scripts: Mapping[str, Callable[[], Script]] | Non
         if Path(spec).exists() and not (Path(spec) / "config.json").exists():
             raise ValueError(f"{spec}: not a transformers model directory (no config.json)")
     return TransformersChatModel(spec, **options)
+
+
+def model_identity(path: str) -> str:
+    """What tells a model apart without reading its weights (18 GB at 9B): a directory by its files'
+    names, sizes and modification times (a retrained model rewrites them; a run directory moved with
+    them kept still matches); a hub id by those of the snapshot its hub cache holds for it (another
+    revision is another snapshot), or by its name where none is cached."""
+    root = Path(path)
+    if not root.is_dir():
+        root = _hub_snapshot(path)
+        if root is None:
+            return path
+    files = sorted((str(p.relative_to(root)), st.st_size, st.st_mtime_ns)
+                   for p in root.rglob("*") if p.is_file() and (st := p.stat()))
+    return hashlib.sha256(json.dumps(files).encode()).hexdigest()
+
+
+def _hub_snapshot(repo_id: str) -> Path | None:
+    """The directory of the revision a hub id loads from the hub cache (the one its `main` ref names,
+    which a download moves): None where nothing of it is cached, or it is no hub id."""
+    try:
+        from huggingface_hub import try_to_load_from_cache
+
+        found = try_to_load_from_cache(repo_id, "config.json")
+    except (ImportError, ValueError):  # not installed; no valid repository id (HFValidationError)
+        return None
+    return Path(found).parent if isinstance(found, str) else None
