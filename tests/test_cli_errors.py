@@ -7,6 +7,7 @@ import dataclasses
 import json
 import re
 import shutil
+from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
@@ -700,3 +701,26 @@ def test_a_retriever_url_that_answers_nothing_is_named_before_anything_is_writte
     (qa / "nq.jsonl").write_text(json.dumps({"id": "1", "question": "q?", "golden_answers": ["a"]}) + "\n")
     text = _usage_error(["eval", "--data-dir", str(qa), "--retriever-url", url, "--out", str(tmp_path / "ev")])
     assert says in text and not (tmp_path / "ev").exists()
+
+
+@pytest.mark.parametrize("error", ["grading", "endpoint", "process"])
+def test_engine_run_says_to_resume_after_a_phase_that_failed_part_way(tmp_path, monkeypatch, error):
+    """A grader or MSV call failing for good, an endpoint down or a launcher's job failing escaped as a
+    traceback (exit 1), never saying that --resume goes on from the last finished phase."""
+    import subprocess
+
+    from selfevo.agents.chat_client import EndpointError
+    from selfevo.integrations import engine
+    from selfevo.integrations.rewards import GradingFailed
+
+    raised = {"grading": GradingFailed("round 2: 3 of 10 samples of grader aux-1 failed after retries"),
+              "endpoint": EndpointError("http://127.0.0.1:9/v1: 16 calls in a row failed"),
+              "process": subprocess.CalledProcessError(1, ["accelerate", "launch"])}[error]
+
+    def fails(*args, **kwargs):
+        raise raised
+
+    monkeypatch.setattr(engine, "engine_run", fails)
+    config = Path(__file__).parents[1] / "configs" / "trl-tiny.toml"
+    text = _usage_error(["engine-run", "--engine", "trl", "--config", str(config), "--out", str(tmp_path / "run")])
+    assert str(raised).split(";")[0][:40] in text and "the same command with --resume goes on" in text

@@ -1040,6 +1040,33 @@ def test_compare_names_audits_made_differently(local_grid, tmp_path):
     assert "oracle, the first 2 items a step" in said
 
 
+def test_engine_runs_of_other_engine_settings_are_not_paired_nor_pooled(local_grid, tmp_path):
+    """An engine-run's [engine] table lives in engine/engine.json, not config.json: a coupled run of 2 solver
+    generations was the base of a CrossFit run of 8 (+133% generations, a helper's review), and `report`
+    pooled them."""
+    import shutil
+
+    from selfevo.report.collect import collect_runs
+    from selfevo.report.compare import compare
+
+    root, _, _ = local_grid
+    runs = {}
+    for name, generations in (("coupled-s0", 2), ("crossfit-s0", 8)):
+        runs[name] = tmp_path / name
+        shutil.copytree(root / name, runs[name])
+        (runs[name] / "engine").mkdir()
+        (runs[name] / "engine" / "engine.json").write_text(json.dumps(
+            {"engine": "trl", "solver_generations": generations, "grader_port": 8100 + generations}))
+    rows = {Path(r["run"]).name: r for r in compare(list(runs.values()))}
+    assert rows["crossfit-s0"]["extra_generations"] is None
+    with pytest.raises(ValueError, match="were made with different configs"):
+        collect_runs(list(runs.values()))
+    (runs["crossfit-s0"] / "engine" / "engine.json").write_text(json.dumps(
+        {"engine": "trl", "solver_generations": 2, "grader_port": 9000}))  # where it ran: not what it computed
+    rows = {Path(r["run"]).name: r for r in compare(list(runs.values()))}
+    assert rows["crossfit-s0"]["extra_generations"] is not None
+
+
 def test_a_ray_worker_gets_the_run_directory_as_an_absolute_path(tmp_path, monkeypatch):
     """`run_grid` (the Python API) passed a relative run directory to Ray workers as given: a worker
     whose working directory is not the driver's (a cluster's) wrote the run elsewhere."""

@@ -6,6 +6,7 @@ with nothing to train on passed over in silence."""
 from __future__ import annotations
 
 import json
+import re
 import threading
 
 import httpx
@@ -196,3 +197,74 @@ def test_an_aux_solvers_checkpoint_write_is_not_counted_as_its_training(tmp_path
     evolve(cfg, tmp_path / "run", progress=False, step_checkpoints=1)
     compute = json.loads((tmp_path / "run" / "compute.json").read_text())
     assert compute["seconds"]["aux"] < 0.5  # two aux checkpoints (1 s of sleep) were counted before
+
+
+# ---------------------------------------------------------------- MSV over a served model that fails
+
+
+def test_msv_over_a_failing_endpoint_stops_the_phase_rather_than_rejecting_proposals():
+    """A call that failed for good came back as an empty answer, MSV found no majority and rejected the
+    proposal: admitted questions lost to a server's outage, the run going on with exit 0."""
+    from types import SimpleNamespace
+
+    from selfevo.integrations.admit import msv_filter
+    from selfevo.integrations.rewards import GradingFailed
+
+    doc = Document("d1", "Alpha", "Alpha is a river.")
+    item = {"question": "What is Alpha?", "draft_label": "river", "source_id": "d1", "source_ids": ["d1"], "hops": 1}
+
+    class Served:
+        def __init__(self, failing):
+            self.failing = failing
+
+        def answer(self, questions, tool, n=1, **kw):
+            return [[Trajectory(answer="" if self.failing and i == 0 else "river",
+                                trace=SimpleNamespace(failed=self.failing and i == 0)) for i in range(n)]
+                    for _ in questions]
+
+    tool = SearchTool(_Pages())
+    assert [d.admitted for d in msv_filter([item], Served(False), {"d1": doc}, tool, seed=0)] == [True]
+    with pytest.raises(GradingFailed, match="MSV: 1 of 3 samples"):
+        msv_filter([item], Served(True), {"d1": doc}, tool, seed=0)
+
+
+# ---------------------------------------------------------------- [engine] fields checked when read
+
+
+@pytest.mark.parametrize("engine, named", [
+    ({"retriever_url": "127.0.0.1:8000/retrieve"}, "engine.retriever_url: expected http(s)://"),
+    ({"retriever_url": "http://127.0.0.1:8000/retrieve", "launcher": 'accelerate launch --config_file "x'},
+     "engine.launcher: No closing quotation"),
+    ({"engine": "verl", "retriever_url": "http://127.0.0.1:8000/retrieve", "verl": {"actor_rollout_ref.rollout.n": 2}},
+     "engine.verl.actor_rollout_ref.rollout.n: set by the engine"),
+    ({"engine": "verl", "retriever_url": "http://127.0.0.1:8000/retrieve",
+      "verl": {"reward.custom_reward_function.path": "/tmp/other.py"}}, "engine.verl.reward.custom_reward_function"),
+    ({"trl": {"ignore_data_skip": True}}, "engine.trl.ignore_data_skip: pinned"),
+])
+def test_engine_settings_that_would_fail_late_or_replace_the_engines_own_are_refused_when_read(engine, named):
+    """A URL without a scheme, a launcher with an open quote failed only after r0/eval; an [engine.verl] key
+    replaced the group size, step count or reward the engine sets (a helper's review)."""
+    from selfevo.config import ConfigError
+    from selfevo.integrations.engine import engine_config_from_dict
+
+    cfg = {"backend": "lm", "treatment": "coupled", "world": {"name": "small"}, "lm": {"proposer_scaffold": False},
+           "engine": engine}
+    with pytest.raises(ConfigError, match=re.escape(named)):
+        engine_config_from_dict(cfg)
+    free = {"engine": "verl", "retriever_url": "http://127.0.0.1:8000/retrieve",
+            "verl": {"trainer.logger": ["console", "wandb"], "actor_rollout_ref.rollout.gpu_memory_utilization": 0.5}}
+    engine_config_from_dict({**cfg, "engine": free})  # where it logs, how it shares the GPU: the user's
+
+
+def test_engine_run_refuses_folds_left_empty_before_writing_anything(tmp_path):
+    """`evolve` refuses a treatment that leaves a fold without source documents; engine-run created the run,
+    trained round 1 and graded round 2 with auxiliary solvers that never trained."""
+    from selfevo.config import ConfigError
+    from selfevo.integrations import engine as eng
+
+    cfg = {"backend": "lm", "treatment": "crossfit-k30", "world": {"name": "small"},
+           "loop": {"rounds": 2, "proposer_steps": 2, "solver_steps": 30, "admit_per_round": 10, "source_docs": 40},
+           "engine": {"retriever_url": "http://127.0.0.1:9/retrieve"}}
+    with pytest.raises(ConfigError, match="leaves fold"):
+        eng.EngineRun(eng.engine_config_from_dict(cfg, engine="trl"), tmp_path / "run", log=print)
+    assert not (tmp_path / "run").exists()

@@ -552,9 +552,15 @@ def engine_run_cmd(
     resume: bool = typer.Option(False, help="continue a run in --out: finished phases are skipped"),
 ) -> None:
     """Run the rounds as TRL or verl jobs (proposer, admission, main/aux solvers, evaluation, audit)."""
+    import subprocess
+
+    from selfevo.agents.chat_client import EndpointError
     from selfevo.config import ConfigError
     from selfevo.integrations.engine import EngineUnavailable, engine_run, load_engine_config
+    from selfevo.integrations.rewards import GradingFailed
+    from selfevo.integrations.routing import RoutingError
     from selfevo.runs import RunError
+    from selfevo.search.client import RetrieverError
     from selfevo.world import WorldError
 
     if engine not in ("trl", "verl"):
@@ -566,6 +572,9 @@ def engine_run_cmd(
             run = engine_run(ecfg, out, resume=resume, log=lambda msg: console.print(escape(msg)))
     except (ConfigError, RunError, DataError, WorldError, EngineUnavailable) as e:
         _fail(str(e))
+    except (GradingFailed, EndpointError, RetrieverError, RoutingError, subprocess.CalledProcessError) as e:
+        # a phase failed part way (a server down, a launcher's job): the finished phases stand
+        _fail(f"{e}; the same command with --resume goes on from the last finished phase")
     _print_run(run.path)
 
 

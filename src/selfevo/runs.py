@@ -571,6 +571,17 @@ class RunDir:
                     check_numbers(mix, list(mix), f"{where}.hop_mix_admitted")
         return data
 
+    def engine_setting(self) -> dict | None:
+        """An engine-run's [engine] table (engine/engine.json) but where it ran: what its numbers depend on
+        besides config.json (the engine, the group sizes, MSV's samples, the TRL or verl settings). None for
+        an `evolve` run."""
+        path = self.path / "engine" / "engine.json"
+        if not path.exists():
+            return None
+        from selfevo.integrations.engine import WHERE_NOT_WHAT
+
+        return {k: v for k, v in read_object(path).items() if k not in WHERE_NOT_WHAT | {"retriever_url"}}
+
     def audit_setting(self) -> dict:
         """What an audit's numbers depend on besides the records (audit/judge.json): the judge's prompt
         version and whether it read only the first items of every step (`--max-items-per-step`)."""

@@ -90,12 +90,31 @@ def group_steps(staged: Sequence[dict], proposer_steps: int) -> list[tuple[int, 
             for s, c in zip(keys, chunks) if c]
 
 
+class _Unfailing:
+    """A solver whose batch fails whole when one of its calls failed for good (after the client's
+    retries): that sample has no answer, and MSV would read it as one that forms no majority and reject
+    the proposal, dropping admitted questions for a server's outage (the frontier reward's case too)."""
+
+    def __init__(self, model: Solver):
+        self.model = model
+
+    def answer(self, questions, tool, **kw):
+        from selfevo.integrations.rewards import GradingFailed
+
+        groups = self.model.answer(questions, tool, **kw)
+        failed = sum(bool(getattr(t.trace, "failed", False)) for ts in groups for t in ts)
+        if failed:
+            raise GradingFailed(f"MSV: {failed} of {sum(map(len, groups))} samples of the main solver failed after "
+                                "retries; rerun the phase")
+        return groups
+
+
 def msv_filter(items: Sequence[dict], model: Solver, documents: Mapping[str, Document], tool: SearchTool,
                seed: int, samples: int = 3) -> list[Decision]:
     """MSV as a data filter: one decision per item (the loop's MSV over any Solver, e.g. a
     RemoteSolver on the main solver's endpoint)."""
     rule = MSV(documents, samples=samples)
-    rule.model = model  # the main solver as it stood at the start of the round (the loop's choice)
+    rule.model = _Unfailing(model)  # the main solver as it stood at the start of the round (the loop's choice)
     proposals = [Proposal(it["question"], it["draft_label"], it["source_id"], tuple(it["source_ids"]), it["hops"])
                  for it in items]
     return rule.decide(proposals, tool, seed) if proposals else []

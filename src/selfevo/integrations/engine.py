@@ -66,6 +66,7 @@ from selfevo.integrations.admit import (
 )
 from selfevo.integrations.datasets import aux_training_sets, one_pass, proposer_rows, solver_rows, write_verl
 from selfevo.integrations.routing import Grader, aux_roles, options_of
+from selfevo.integrations.verl_launch import pinned_verl
 from selfevo.loop.engine import EVAL_GENERATIONS, Compute
 from selfevo.loop.feedback import aux_updates, touched_folds, untrained_grader
 from selfevo.loop.schedule import derive_seed
@@ -155,6 +156,13 @@ def engine_config_from_dict(data: Mapping, engine: str | None = None) -> EngineC
     except ValidationError as e:
         err = e.errors()[0]
         raise ConfigError(f"engine.{'.'.join(map(str, err['loc']))}: {err['msg']}") from None
+    if spec.retriever_url and not spec.retriever_url.startswith(("http://", "https://")):
+        # else accepted, and the first search (in r0/eval) failed after its retries
+        raise ConfigError(f"engine.retriever_url: expected http(s)://HOST:PORT/retrieve, got {spec.retriever_url!r}")
+    try:
+        shlex.split(spec.launcher)  # else split when the first training phase starts, after r0/eval
+    except ValueError as e:
+        raise ConfigError(f"engine.launcher: {e} in {spec.launcher!r}") from None
     if spec.launcher and not spec.retriever_url:
         raise ConfigError("engine.retriever_url: a launched TRL job searches through a /retrieve server; set it")
     if spec.engine == "trl" and not spec.launcher and run.lm.device.startswith("cuda:") and run.lm.device != "cuda:0":
@@ -171,6 +179,11 @@ def engine_config_from_dict(data: Mapping, engine: str | None = None) -> EngineC
         # action whole (TRL's hf rollout can, engine = "trl" with rollout_backend = "hf")
         raise ConfigError("lm.proposer_scaffold: verl's agent loop cannot force the scaffold's prefixes; set "
                           "lm.proposer_scaffold = false, or use engine = \"trl\" with rollout_backend = \"hf\"")
+    if pinned := sorted(k for k in spec.verl if pinned_verl(k)):
+        # else it replaced the engine's own (verl_launch.phase_overrides): the group size behind the counted
+        # generations, the step count the merge reads, Eq. (1)'s settings, the reward itself
+        raise ConfigError(f"engine.verl.{pinned[0]}: set by the engine from the run's config (the method's settings "
+                          "and the phase's bookkeeping); remove it from [engine.verl]")
     if spec.engine == "verl" and not spec.retriever_url:
         raise ConfigError("engine.retriever_url: verl's search tool needs a /retrieve server "
                           "(selfevo serve-retriever --corpus ... --port 8000 -> http://127.0.0.1:8000/retrieve)")
@@ -290,7 +303,15 @@ def _checked_phases(path: Path) -> list[dict]:
 class EngineRun:
     def __init__(self, ecfg: EngineConfig, out: str | os.PathLike, resume: bool = False,
                  log: Callable[[str], None] = print):
-        from selfevo.evolve import check_world, environment, note_made_on, source_pool
+        from selfevo.evolve import (
+            check_folds,
+            check_world,
+            environment,
+            fold_assignment,
+            note_made_on,
+            saved_folds,
+            source_pool,
+        )
 
         self.cfg, self.spec, self.say = ecfg.run, ecfg.engine, log
         self.treatment = parse_treatment(self.cfg.treatment)
@@ -311,6 +332,7 @@ class EngineRun:
         self.tool = self._tool()
         self.run = RunDir(out)
         engine_json = self.run.path / "engine" / "engine.json"
+        new_folds = None
         if self.run.exists():
             if not resume:
                 raise RunError(f"{self.run.path}: a run already exists here; pass --resume to continue it")
@@ -318,19 +340,21 @@ class EngineRun:
             # the world or corpus (and index) it was made on, as evolve holds a resume to them
             check_world(self.run, self.cfg, self.env.index, evaluation=True)
         else:
+            self.run.check_new()
+            new_folds = fold_assignment(self.cfg, self.env.documents, self.pool)
+            # as evolve refuses it, before anything is written (else round 1 trained, hours at 4B, and round
+            # 2 graded by auxiliary solvers that never trained)
+            check_folds(self.cfg, new_folds, self.pool)
             # engine.json before the manifest (which makes the run exist): a kill between them leaves
             # no run to resume, but a place a rerun starts afresh
-            self.run.check_new()
             write_json(engine_json, self.spec.model_dump())
             self.run.create(self.cfg.to_json())
             self.run.note(engine=self.spec.engine)
         note_made_on(self.run, self.cfg, self.env.index)
-        from selfevo.evolve import fold_assignment, saved_folds
-
         # permanent: a resumed run keeps the assignment it started with, checked as evolve checks it
         self.folds = saved_folds(self.run, self.cfg)
-        if self.folds is None:
-            self.folds = fold_assignment(self.cfg, self.env.documents, self.pool)
+        if self.folds is None:  # a new run, or one killed before its folds were written
+            self.folds = new_folds or fold_assignment(self.cfg, self.env.documents, self.pool)
             write_json(self.run.path / "folds.json", self.folds.to_json())
         self.phases = PhaseLog(self.run.path / "engine" / "phases.jsonl")
         L = self.cfg.loop

@@ -142,6 +142,9 @@ PINNED_GRPO = {
     "remove_unused_columns": "pinned to false: the lineage columns must reach the rewards",
     **dict.fromkeys(("output_dir", "save_strategy", "save_steps", "save_total_limit"),
                     "set from engine.save_steps (a resumed phase looks for its checkpoints there)"),
+    # a resumed phase must end as a phase never killed: the batches trained skipped, the optimizer restored
+    "ignore_data_skip": "pinned to false: a resumed phase skips the batches it trained before the kill",
+    "save_only_model": "pinned to false: a resumed phase restores the optimizer's state from its checkpoint",
 }
 
 

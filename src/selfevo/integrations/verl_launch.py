@@ -56,7 +56,30 @@ def _value(v: object) -> str:
 
 
 def phase_overrides(p: VerlPhase) -> list[str]:
-    o = {
+    o = {**_overrides(p), **p.extra}
+    out = [f"{k}={_value(v)}" for k, v in o.items()]
+    if p.settings:  # not in verl's schema: appended with "+"
+        out.append(f"+{SETTINGS_KEY}={p.settings}")
+    return out
+
+
+SETTINGS_KEY = "reward.custom_reward_function.reward_kwargs.selfevo_settings"
+# overrides an [engine.verl] table may replace: where the job logs and how long prompts are kept; every
+# other one is the method's (Eq. (1), the group size, the reward) or the engine's bookkeeping (the step
+# count its merge reads, the batch that makes one pass, the checkpoints)
+FREE_VERL = frozenset({"trainer.logger", "trainer.project_name", "trainer.experiment_name",
+                       "data.filter_overlong_prompts", "data.truncation"})
+
+
+def pinned_verl(key: str) -> bool:
+    """Does an [engine.verl] key replace (or reach below) an override the engine sets itself?"""
+    key = key.lstrip("+")
+    pinned = (set(_overrides(VerlPhase(*[""] * 5, 1, 1, 2, 0.0, *[""] * 3))) | {SETTINGS_KEY}) - FREE_VERL
+    return any(key == k or key.startswith(k + ".") or k.startswith(key + ".") for k in pinned)
+
+
+def _overrides(p: VerlPhase) -> dict[str, object]:
+    return {
         "algorithm.adv_estimator": "grpo",
         "algorithm.use_kl_in_reward": False,
         "data.train_files": p.train_files,
@@ -103,11 +126,6 @@ def phase_overrides(p: VerlPhase) -> list[str]:
         "trainer.project_name": "selfevo",
         "trainer.experiment_name": p.name,
     }
-    o.update(p.extra)
-    out = [f"{k}={_value(v)}" for k, v in o.items()]
-    if p.settings:  # not in verl's schema: appended with "+"
-        out.append(f"+reward.custom_reward_function.reward_kwargs.selfevo_settings={p.settings}")
-    return out
 
 
 def train_command(p: VerlPhase) -> list[str]:
