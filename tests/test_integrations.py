@@ -372,13 +372,18 @@ def test_proposer_scaffold_forces_both_tags(tool):
 
     calls = []
 
+    seeds = []
+
     def gen(convs, seed, prefix=None, stops=()):
         calls.append((list(prefix), tuple(stops)))
+        seeds.append(seed)
         tail = " Who founded Gamma?\n" if len(calls) % 2 else " Alpha settlers\n"  # the question, then the answer
         return [(p + tail, "stop") for p in prefix]
 
     convs = [[{"role": "user", "content": "doc"}]]
     ((text, finish),) = scaffolded(gen)(convs, 0)
+    # the answer sampled with numbers of its own, not the question's again (a helper's review)
+    assert seeds[0] == 0 and seeds[1] not in (0, None)
     assert calls == [(["<question>"], ("</question>", "\n")),
                      (["<question> Who founded Gamma?</question> <answer>"], ("</answer>", "\n"))]
     assert (text, finish) == ("<question> Who founded Gamma?</question> <answer> Alpha settlers</answer>", "stop")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import re
+from types import SimpleNamespace
 
 import jinja2
 import pytest
@@ -252,3 +253,103 @@ def test_the_scaffolded_proposer_is_not_offered_search(tmp_path, monkeypatch):
     with pytest.raises(eng.EngineUnavailable, match="stop here"):
         eng.EngineRun(eng.engine_config_from_dict(cfg, engine="trl"), tmp_path, log=lambda m: None).proposer(1)
     assert asked["search"] is False
+
+
+def test_a_models_generation_config_adds_nothing_to_greedy_or_sampling(monkeypatch):
+    """transformers fills every field a generate call leaves unset from the model's generation_config.json:
+    a repetition_penalty there (Qwen2.5 ships 1.05) changed every greedy answer and every sample, on the
+    transformers path only (vLLM uses its SamplingParams alone; a helper's review)."""
+    torch = pytest.importorskip("torch")
+    import transformers
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from selfevo.agents.lm.model import load_pretrained
+
+    torch.manual_seed(0)
+    tiny = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                        num_attention_heads=2, num_key_value_heads=2, bos_token_id=1, eos_token_id=2,
+                                        pad_token_id=0))
+    ids = torch.tensor([[5, 6, 7]])
+    plain = tiny.generate(ids, max_new_tokens=12, do_sample=False)
+    tiny.generation_config.repetition_penalty = 100.0
+    assert not torch.equal(tiny.generate(ids, max_new_tokens=12, do_sample=False), plain)  # it does change them
+    tokenizer = SimpleNamespace(chat_template="t")
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", lambda *a, **k: tokenizer)
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", lambda *a, **k: tiny)
+    _, lm = load_pretrained("org/tiny")
+    assert torch.equal(lm.generate(ids, max_new_tokens=12, do_sample=False), plain)
+    assert lm.generation_config.eos_token_id == 2
+
+
+class _IdsTokenizer:
+    """A chat tokenizer over token ids written as numbers: enough for TransformersChatModel.generate."""
+
+    chat_template, pad_token_id, eos_token_id = "t", 0, 2
+
+    def apply_chat_template(self, messages, tokenize=False, add_generation_prompt=True):
+        return "5 6 7"
+
+    def __call__(self, text, return_tensors="pt", add_special_tokens=False):
+        ids = torch.tensor([[int(t) for t in text.split()]])
+        return SimpleNamespace(to=lambda device: {"input_ids": ids, "attention_mask": torch.ones_like(ids)})
+
+    def decode(self, row, skip_special_tokens=True):
+        return " ".join(str(t) for t in row.tolist() if t not in (0, 2))
+
+
+def _tiny_llama(seed: int):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                        num_attention_heads=2, num_key_value_heads=2, bos_token_id=1, eos_token_id=2,
+                                        pad_token_id=0))
+
+
+def test_two_chat_models_sampling_at_once_keep_their_seeded_replies(monkeypatch):
+    """Each model held its own lock around `torch.manual_seed(seed)` and `generate`, but both draw from torch's
+    one global generator: a seeded reply changed while another model of the process sampled (engine-run's
+    local graders serve side by side)."""
+    import threading
+
+    from selfevo.agents.lm import model as M
+
+    models = iter([_tiny_llama(0), _tiny_llama(1)])
+    monkeypatch.setattr(M, "load_pretrained", lambda *a, **k: (_IdsTokenizer(), next(models)))
+    a, b = M.TransformersChatModel("org/a"), M.TransformersChatModel("org/b")
+    ask = dict(temperature=1.0, top_p=1.0, max_tokens=60, seed=7)
+    alone = a.generate([{"role": "user", "content": "q"}], **ask)[0].text
+    done = threading.Event()
+
+    def other():
+        while not done.is_set():
+            b.generate([{"role": "user", "content": "q"}], temperature=1.0, max_tokens=60, seed=None)
+
+    thread = threading.Thread(target=other)
+    thread.start()
+    try:
+        replies = [a.generate([{"role": "user", "content": "q"}], **ask)[0].text for _ in range(10)]
+    finally:
+        done.set()
+        thread.join()
+    assert replies == [alone] * 10
+
+
+def test_a_chat_template_that_refuses_the_messages_is_a_400_with_its_reason(monkeypatch):
+    """Gemma's template raises "System role not supported" on every solver prompt (a system turn first):
+    `serve-model` answered a bare 500, which the client retried as a server fault until it said only that the
+    endpoint was not answering."""
+    from fastapi.testclient import TestClient
+
+    from selfevo.agents.lm import model as M
+    from selfevo.agents.lm.server import make_app
+
+    class Refusing(_IdsTokenizer):
+        def apply_chat_template(self, messages, **kw):
+            raise jinja2.TemplateError("System role not supported")
+
+    monkeypatch.setattr(M, "load_pretrained", lambda *a, **k: (Refusing(), _tiny_llama(0)))
+    with TestClient(make_app(M.TransformersChatModel("org/gemma-like")), raise_server_exceptions=False) as client:
+        res = client.post("/v1/chat/completions", json={"model": "m", "messages": [
+            {"role": "system", "content": "s"}, {"role": "user", "content": "q"}]})
+    assert res.status_code == 400 and "System role not supported" in res.text

@@ -254,13 +254,28 @@ def load_pretrained(path: str | os.PathLike, dtype: str = "float32", model: str 
         lm = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype))
     except (OSError, ValueError) as e:
         raise cannot_load(e) from e
+    lm.generation_config = plain_generation_config(lm.generation_config)
     return tokenizer, lm
+
+
+def plain_generation_config(own):
+    """A model's generation config with its special tokens alone. transformers fills every field a
+    `generate` call leaves unset from the model's generation_config.json (Qwen2.5's repetition_penalty
+    1.05, a min_p, a top_k): greedy would not be plain greedy, nor a sample plain temperature and top-p,
+    as the paper's settings and vLLM's SamplingParams are. The eos ids are kept (Qwen ends at either of two)."""
+    from transformers import GenerationConfig
+
+    return GenerationConfig(**{k: getattr(own, k, None) for k in ("bos_token_id", "eos_token_id", "pad_token_id")})
+
+
+_GENERATING = threading.Lock()
 
 
 class TransformersChatModel:
     """A causal LM with a chat template. Greedy at temperature 0, sampling otherwise (temperature and
     top-p, no top-k: the loop's graders, `LMPolicy.generate`, sample so); one generation
-    at a time (a lock: a CPU model gains nothing from interleaving, and memory stays bounded);
+    at a time in the process, whichever model's (a lock: seeded sampling draws from torch's global
+    generator; a CPU model gains nothing from interleaving, and memory stays bounded);
     `max_tokens` is capped at `max_new_tokens` and at what the model's positions leave after the prompt
     (a prompt that fills them is refused: ModelFault 400). JSON mode prefills the reply with "{" (a nudge,
     not a grammar): the reply is "{" plus what the model continues with. `max_seconds` bounds one
@@ -283,15 +298,21 @@ class TransformersChatModel:
         self.tokenizer, self.model = load_pretrained(model_id_or_path, dtype, model=self.name)
         self.model.to(device).eval()
         self.device = device
-        self._lock = threading.Lock()
+        # one for every model of the process: a seeded sample draws from torch's one global generator, so
+        # two models sampling at once (engine-run's graders, side by side) would draw each other's numbers
+        self._lock = _GENERATING
 
     def generate(self, messages: Messages, *, temperature: float = 0.0, top_p: float = 1.0,
                  max_tokens: int = 256, n: int = 1, seed: int | None = None,
                  json_mode: bool = False, stop: Sequence[str] | None = None) -> list[Completion]:
+        import jinja2
         import torch
 
-        prompt = self.tokenizer.apply_chat_template([dict(m) for m in messages], tokenize=False,
-                                                    add_generation_prompt=True)
+        try:
+            prompt = self.tokenizer.apply_chat_template([dict(m) for m in messages], tokenize=False,
+                                                        add_generation_prompt=True)
+        except jinja2.TemplateError as e:  # e.g. Gemma's "System role not supported": the request's, not ours
+            raise ModelFault(400, f"the model's chat template refuses these messages: {e}") from None
         prefix = "{" if json_mode else ""
         enc = self.tokenizer(prompt + prefix, return_tensors="pt", add_special_tokens=False).to(self.device)
         budget = max(1, min(max_tokens, self.max_new_tokens))

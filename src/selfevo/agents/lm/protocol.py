@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 from selfevo.algos import sample_index
 from selfevo.evaluate import mentions, normalize_answer
+from selfevo.loop.schedule import derive_seed
 
 STOP_STRINGS = ("</search>", "</answer>")
 HOP_RATIO = (4, 3, 2, 1)  # paper (Dr. Zero): 1-, 2-, 3-, 4-hop questions in ratio 4:3:2:1
@@ -165,7 +166,8 @@ def scaffolded(generate: Callable[..., list[tuple[str, str]]]) -> Callable[..., 
         whole = [i for i, (_, finish) in enumerate(out) if finish not in cut]
         if whole:
             heads = [out[i][0].removesuffix("</question>").rstrip("\n").strip() for i in whole]
-            replies = generate([conversations[i] for i in whole], seed,
+            # a seed of its own: with the question's, the answer's k-th token drew the question's k-th number
+            replies = generate([conversations[i] for i in whole], None if seed is None else derive_seed(seed, "answer"),
                                prefix=[f"{h}</question> <answer>" for h in heads], stops=("</answer>", "\n"))
             for i, (a, finish) in zip(whole, replies, strict=True):
                 out[i] = (a if finish in cut else a.rstrip("\n").removesuffix("</answer>") + "</answer>", finish)
