@@ -8,7 +8,7 @@ distinct lines.
 
 Kill points are spread over the whole schedule: the schedule's step lines (plus "before the first
 step") are cut into `--kills` equal strata and one point is drawn from each, then the kill lands
-0-10 ms after that many lines are on disk. Each process gets its own PYTHONHASHSEED, so a resumed
+0-10 ms (`--max-delay-ms`) after that many lines are on disk. Each process gets its own PYTHONHASHSEED, so a resumed
 run also shows that nothing depends on string hashing. Writes the "## Kill -9 and resume" section
 of docs/reliability.md. `tests/test_reliability.py` runs the same experiment on a small world.
 
@@ -101,7 +101,7 @@ def _manifest_rounds(path: Path) -> int:
 
 
 def run_and_kill(cmd: list[str], out: Path, target_lines: int | str, delay_s: float, hash_seed: int,
-                 per_round: int, rounds: int, timeout: float = 600) -> dict:
+                 per_round: int, rounds: int, timeout: float = 600, step_checkpoints: int | None = None) -> dict:
     """Start `cmd`, SIGKILL it `delay_s` after `target_lines` step lines are on disk (0: after the
     manifest appears; "audit": after the manifest records the last round), and say where the kill
     landed."""
@@ -129,18 +129,23 @@ def run_and_kill(cmd: list[str], out: Path, target_lines: int | str, delay_s: fl
     m = json.loads(manifest.read_text()) if manifest.exists() else {"rounds_completed": 0, "status": "none"}
     done = m["rounds_completed"]
     in_round = lines - done * per_round  # steps of the unfinished round already logged
+    # where a resume goes on from: the round's start, or the step checkpoint the kill left (after a
+    # step, or after an auxiliary solver's training), and the answers a killed evaluation kept
+    ck = out / "checkpoints" / "step.json"
+    state = json.loads(ck.read_text()) if ck.exists() else None
+    checkpointed = (state["step"] - done * per_round if state is not None and state["round"] == done + 1
+                    and "aux_trained" not in state else 0)  # steps of the round a step checkpoint holds
     if done == rounds:
         phase, rnd = "after the loop (audit)", "audit"
     elif lines == 0:
         phase, rnd = "setup / base evaluation", 1
     elif in_round >= per_round:
         phase, rnd = f"round {done + 1} evaluation / checkpoint", done + 1
+    elif step_checkpoints and in_round % step_checkpoints == 0 and checkpointed < in_round:
+        # a step is logged, then its checkpoint written: killed between the two
+        phase, rnd = f"round {done + 1}, step {in_round}'s checkpoint", done + 1
     else:
         phase, rnd = f"round {done + 1}, step {in_round + 1} of {per_round}", done + 1
-    # where a resume goes on from: the round's start, or the step checkpoint the kill left (after a
-    # step, or after an auxiliary solver's training), and the answers a killed evaluation kept
-    ck = out / "checkpoints" / "step.json"
-    state = json.loads(ck.read_text()) if ck.exists() else None
     if state is not None and state["round"] == done + 1:
         goes_on = f"round {state['round']} after step {state['step'] - (state['round'] - 1) * per_round}"
         if "aux_trained" in state:
@@ -234,7 +239,8 @@ def experiment(root: Path, world: str = "default", seed: int = 0, overrides: lis
         for _ in range(3):
             try:
                 landing = run_and_kill(evolve_cmd(out, world, seed, overrides, step_checkpoints), out, target, delay,
-                                       hash_seed=k + 1, per_round=per_round, rounds=rounds)
+                                       hash_seed=k + 1, per_round=per_round, rounds=rounds,
+                                       step_checkpoints=step_checkpoints)
                 break
             except KillMissed:
                 # a point near the end can race the run's last milliseconds on a fast machine: start
@@ -331,18 +337,24 @@ def main() -> None:
     ap.add_argument("--keep", type=Path, default=None, help="keep the run directories here")
     ap.add_argument("--step-checkpoints", type=int, default=None,
                     help="the killed runs' `selfevo evolve --step-checkpoints` (default: none)")
+    ap.add_argument("--max-delay-ms", type=float, default=10.0,
+                    help="a kill lands 0 to this many ms after its line (with step checkpoints, make it longer "
+                         "than a step and its checkpoint's write, so kills land in both)")
     args = ap.parse_args()
     from _common import run_root, write_section
 
     with run_root(args.keep) as root:
         summary = experiment(root, args.world, args.seed, args.overrides, args.kills, args.points_seed,
-                             workers=args.workers, step_checkpoints=args.step_checkpoints)
+                             workers=args.workers, step_checkpoints=args.step_checkpoints,
+                             max_delay_s=args.max_delay_ms / 1000)
     print(json.dumps({k: v for k, v in summary.items() if k != "kills"}, indent=2))
     command = "python benchmarks/crash.py" + "".join(
         f" --{k} {v}" for k, v in (("world", args.world), ("seed", args.seed), ("kills", args.kills),
                                    ("points-seed", args.points_seed))) + "".join(f" --set {o}" for o in args.overrides)
     if args.step_checkpoints is not None:
         command += f" --step-checkpoints {args.step_checkpoints}"
+    if args.max_delay_ms != 10.0:
+        command += f" --max-delay-ms {args.max_delay_ms:g}"
     title = section_title(args.step_checkpoints)
     write_section(args.out, title, _section(summary, command), title="# Reliability")
     print(f"wrote {title!r} to {args.out}")

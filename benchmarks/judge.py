@@ -372,9 +372,10 @@ def main() -> None:
           "**Kill and resume.** A `selfevo audit --judge llm` process (concurrency 4) was killed with SIGKILL "
           f"after {kill['stored_before_kill']} calls were stored in its cache; the server had answered "
           f"{kill['served_at_kill']} calls by then ({kill['answered_but_unstored_at_kill']} answered but not yet "
-          f"stored: in flight at the kill). The rerun made {kill['resume_replies']} calls and took "
-          f"{kill['resume_cache_hits']} from the cache; **successful calls repeated among those stored before "
-          f"the kill: {kill['repeated_successful_calls_of_stored']}**. Its metrics equal the uninterrupted "
+          f"stored: in flight at the kill). The rerun made {kill['resume_replies']} calls ({kill['resume_cache_hits']} "
+          "cache hits in all: the calls stored before the kill and those of prompts it had itself asked earlier); "
+          f"**successful calls repeated among the {kill['stored_before_kill']} stored before the kill: "
+          f"{kill['repeated_successful_calls_of_stored']}**. Its metrics equal the uninterrupted "
           f"audit's: {straight_equal}.", ""]
 
     ob = flips["scripted (obedient)"]["templates"]["answer-override"]

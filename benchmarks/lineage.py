@@ -100,12 +100,10 @@ def main() -> None:
         f"| F from those labels alone (share of all grader responses) | {fmt(f_later)} |", "",
         "A source-level fold cannot hold those pages out: the same popular page sits in chains from "
         "sources of both folds, so a grader trained on the other fold can have learned the wrong value "
-        "(its memory is keyed on the page's entity and the relation). That is why, on the replay bank's "
-        "multi-hop questions, a source-held-out grader keeps much of question-split's F above the untrained "
-        "level (\"## Fixed replay bank\", the by-bank table). The `connected` condition there holds out "
-        "every page a question read (link-graph clusters placed whole in folds, a grader trained only on "
-        "questions all of whose pages lie in its fold) and brings most of that excess down, except on the "
-        "questions that read pages of both folds."])
+        "(its memory is keyed on the page's entity and the relation). How much of question-split's F a "
+        "source-held-out grader keeps on the replay bank's multi-hop questions, and how much the `connected` "
+        "condition (every page a question read held out: link-graph clusters placed whole in folds) removes, "
+        "is measured there (\"## Fixed replay bank\", the by-bank table, benchmarks/replay.py), not here."])
     write_section(args.out, HEADING, text)
     Console().print(text)
 

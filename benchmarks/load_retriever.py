@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import math
 import os
 import signal
 import socket
@@ -37,7 +38,8 @@ def _percentile(sorted_values: list[float], q: float) -> float:
     """Nearest-rank percentile of an ascending list."""
     if not sorted_values:
         return float("nan")
-    k = max(0, min(len(sorted_values) - 1, round(q / 100 * len(sorted_values) + 0.5) - 1))
+    # the ceil of q% of n, as a 1-based rank (round() rounds .5 to even: one rank high at times)
+    k = max(0, min(len(sorted_values) - 1, math.ceil(q * len(sorted_values) / 100) - 1))
     return sorted_values[k]
 
 

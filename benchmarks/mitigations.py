@@ -19,7 +19,7 @@ import shutil
 import statistics
 from pathlib import Path
 
-from _common import REPO, fmt, interval_text, machine_line, mean_std, run_root, write_section
+from _common import REPO, fmt, interval_text, machine_line, run_root, write_section
 from rich.console import Console
 from rich.progress import Progress
 
@@ -257,12 +257,13 @@ def main() -> None:
                   + "; ".join(difficulty(t) for t in ("crossfit", "msv") if t in res) + "."]
 
         def than(key: str) -> str:
-            """CrossFit's memory facts against coupled's: 'as many' within the larger seed std (one seed
-            has no std: the two counts, compared as they are, and said so)."""
-            (c, cs), (x, xs) = (mean_std([r[key] for r in res[t]]) for t in ("coupled", "crossfit"))
-            if math.isnan(cs) or math.isnan(xs):
-                return ("as many" if x == c else "more" if x > c else "fewer") + " (one seed: no spread)"
-            return "as many" if abs(x - c) <= max(cs, xs) else "more" if x > c else "fewer"
+            """CrossFit's memory facts against coupled's of the same seed: more or fewer where the paired 95%
+            interval excludes 0, else no clear difference (one seed: the two counts as they are, no interval)."""
+            d, lo, hi = ci95([x[key] - c[key] for x, c in zip(res["crossfit"], base, strict=True)])
+            if lo is None:
+                return ("as many" if d == 0 else "more" if d > 0 else "fewer") + " (one seed: no interval)"
+            word = "more" if lo > 0 else "fewer" if hi < 0 else "no clearly different number of"
+            return f"{word} ({d:+.1f} [{lo:+.1f}, {hi:+.1f}], paired by seed)"
 
         _, gain_lo, _ = ci95([r["macro"] - b["macro"] for r, b in zip(res["crossfit"], base)])
         tp_up = statistics.fmean(r["audit"]["T_P"] for r in res["crossfit"]) > statistics.fmean(

@@ -444,7 +444,10 @@ def main() -> None:
               f"By learner (the default sim solver, whose gains are mostly per-source memory, and a skill-led one, "
               f"`{' '.join(SKILL_LED)}`, whose reading skill learns fast and memory slowly: benchmarks/_common.py "
               f"says how it was picked; one coupled run (seed {args.run_seed}) each, the bank and conditions as "
-              "above; truth = solver truth of the condition's grader over all items, and on the wrong-labelled ones "
+              "above"
+              + ("; its grid included one replay of this seed-0 bank, though it picked by in-loop A alone: this row "
+                 "is not a check on new data" if args.run_seed == 0 else "")
+              + "; truth = solver truth of the condition's grader over all items, and on the wrong-labelled ones "
               "(L / (1 − T_P))):",
               "",
               "| learner | items | T_P | base F | coupled F | question-split F | source-id F | connected F "

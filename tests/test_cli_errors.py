@@ -547,7 +547,7 @@ def test_a_run_damaged_before_its_print_is_named_not_a_traceback(tmp_path, damag
     (["demo", "--world", "small", "--seeds", "1", "--out", "{out}"], "selfevo.demo.run_demo",
      "run the same command again: finished runs are skipped, stopped ones resume"),
     # eval and audit stopped silently too (a helper's review)
-    (["eval", "--data-dir", "{out}", "--out", "{out}"], "selfevo.evaluate.run_eval",
+    (["eval", "--data-dir", "{out}/qa", "--out", "{out}"], "selfevo.evaluate.run_eval",
      "run the same command again: it goes on from the answers given ({out}/predictions.partial.jsonl)"),
     (["audit", "--records", "{records}", "--judge", "gold", "--out", "{out}"], "selfevo.audit.pipeline.audit_to_dir",
      "run the same command again"),

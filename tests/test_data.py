@@ -556,3 +556,62 @@ def test_a_corpus_rewritten_while_it_is_indexed_is_refused(tmp_path, gzipped):
             fh.write(lines.replace("word", "wort").encode())
     with pytest.raises(DataError, match="changed while it was read"):
         list(stream)
+
+
+def test_a_string_gold_is_one_alias_not_its_letters(tmp_path):
+    """QAItem kept `golden_answers="Paris"` as given: written, it became ["P", "a", "r", "i", "s"], and any
+    prediction holding one of those letters then scored Cover-EM 1 (a helper's review)."""
+    from selfevo.corpus import write_qa
+    from selfevo.evaluate import score_item
+    from selfevo.records import QAItem
+
+    item = QAItem("nq-1", "capital of France?", "Paris")
+    assert item.golden_answers == ("Paris",) and item.to_json()["golden_answers"] == ["Paris"]
+    write_qa(tmp_path / "nq.jsonl", [item])
+    (back,) = read_qa(tmp_path / "nq.jsonl")
+    assert back.golden_answers == ("Paris",) and score_item("a", back.golden_answers).cover_em == 0.0
+    with pytest.raises(TypeError, match="golden_answers must be strings"):
+        QAItem("nq-2", "q", ["Paris", 7])
+
+
+def test_qa_and_corpus_lines_of_odd_shapes_are_named_by_file_and_line(tmp_path):
+    """An integer of more than 4,300 digits escaped as a bare ValueError (a traceback from `score`); one past
+    10**308 in an answer as an OverflowError; a line of Unicode whitespace crashed convert_corpus."""
+    from selfevo.data import _answers, convert_corpus
+
+    qa = tmp_path / "qa"
+    qa.mkdir()
+    (qa / "nq.jsonl").write_text('{"id": "1", "question": "q?", "golden_answers": ["a"], "x": ' + "9" * 5000 + "}\n")
+    with pytest.raises(DataError, match=r"nq.jsonl:1: malformed JSON"):
+        read_qa_dir(qa)
+    assert _answers({"golden_answers": [10**400]}, "f", 1) == [str(10**400)]
+    src = tmp_path / "c.jsonl"
+    src.write_text('{"id": "1", "contents": "A\\nText."}\n\u00a0\u2003\n{"id": "2", "contents": "B\\nText."}\n')
+    convert_corpus(src, tmp_path / "out.jsonl")
+    assert [d.id for d in read_corpus(tmp_path / "out.jsonl")] == ["1", "2"]
+
+
+@pytest.mark.parametrize("name", ["nq.json", "popqa.JSONL"])
+def test_a_benchmark_file_of_another_name_is_named_not_skipped(tmp_path, name):
+    """`nq.json` (Dataset.to_json writes JSON Lines so) or `popqa.JSONL` dropped out of every average silently."""
+    qa = tmp_path / "qa"
+    qa.mkdir()
+    for file in ("triviaqa.jsonl", name):
+        (qa / file).write_text(json.dumps({"id": file, "question": "q?", "golden_answers": ["a"]}) + "\n")
+    with pytest.raises(DataError, match=f"{name}: in a QA directory but not read"):
+        read_qa_dir(qa)
+
+
+def test_eval_and_score_refuse_an_out_read_as_a_benchmark(tmp_path):
+    """`eval --out QA_DIR` wrote predictions.jsonl among the benchmarks, and `score --out QA_DIR/s.jsonl` a
+    file read as one: every later command on the directory failed."""
+    qa = tmp_path / "qa"
+    qa.mkdir()
+    (qa / "nq.jsonl").write_text('{"id": "1", "question": "q?", "golden_answers": ["a"]}\n')
+    (tmp_path / "p.jsonl").write_text('{"id": "1", "prediction": "a"}\n')
+    for args in (["eval", "--data-dir", str(qa), "--corpus", str(CORPUS), "--out", str(qa)],
+                 ["score", "--data-dir", str(qa), "--predictions", str(tmp_path / "p.jsonl"),
+                  "--out", str(qa / "score.jsonl")]):
+        res = CliRunner().invoke(app, args)
+        assert res.exit_code == 2 and "would be read as a benchmark" in res.output, res.output
+    assert sorted(p.name for p in qa.iterdir()) == ["nq.jsonl"]

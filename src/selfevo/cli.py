@@ -85,6 +85,16 @@ def _out_not_over(out: Path, inputs) -> None:
             _fail(f"--out: {out} would write over {given}, which this command reads; choose another path")
 
 
+def _out_not_read_as_qa(out: Path, data_dir: Path) -> None:
+    """Every *.jsonl / *.jsonl.gz / *.parquet file of a QA directory is read as a benchmark: `eval --out` the
+    directory itself, or `score --out` such a file beside them, broke every later command on it."""
+    from selfevo.corpus import QA_SUFFIXES
+
+    target, qa = out.resolve(), data_dir.resolve()
+    if target == qa or (target.parent == qa and target.name.endswith(QA_SUFFIXES)):
+        _fail(f"--out: {out} would be read as a benchmark of --data-dir {data_dir}; choose a path outside it")
+
+
 # the optional dependencies (pyproject.toml's extras) by the module a missing one fails to import
 _EXTRA_OF_MODULE = {"torch": "lm", "transformers": "lm", "peft": "lm", "accelerate": "lm", "gguf": "lm", "ray": "ray",
                     "faiss": "dense", "sentence_transformers": "dense", "huggingface_hub": "data", "trl": "trl",
@@ -340,6 +350,7 @@ def score(
     from selfevo.evaluate import print_score_table, score_files
 
     _out_not_over(out, [predictions, data_dir])
+    _out_not_read_as_qa(out, data_dir)
     try:
         result = score_files(data_dir, predictions, out)
     except DataError as e:
@@ -374,6 +385,7 @@ def eval_(
     from selfevo.search.client import RetrieverError
 
     _out_dir(out)
+    _out_not_read_as_qa(out, data_dir)
     if (lm_set or workers) and agent.strip().partition(":")[0] in ("retrieval-baseline", "remote"):
         # the built-in agents other than lm: would run without them, as if they had been applied
         _fail(f"--lm-set and --workers are settings of lm: agents; agent '{agent}' takes neither")

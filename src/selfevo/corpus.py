@@ -93,6 +93,8 @@ def parse_json_line(raw: bytes, path: str | os.PathLike, lineno: int) -> dict[st
         raise DataError(path, lineno, f"malformed JSON: {e.msg} (column {e.colno})") from None
     except RecursionError:
         raise DataError(path, lineno, "malformed JSON: nested too deeply") from None
+    except ValueError as e:  # an integer of more than 4,300 digits (Python's limit on converting one)
+        raise DataError(path, lineno, f"malformed JSON: {e}") from None
     if not isinstance(obj, dict):
         raise DataError(path, lineno, f"expected a JSON object, got {type(obj).__name__}")
     if _SURROGATE_ESCAPE.search(text) and not _encodable(obj):
@@ -306,6 +308,12 @@ def read_qa_dir(data_dir: str | os.PathLike) -> dict[str, list[QAItem]]:
     file stem). Ids must be unique across the whole directory."""
     data_dir = Path(data_dir)
     files = qa_files(data_dir)
+    for p in sorted(data_dir.iterdir()):
+        # a benchmark saved as nq.json (Dataset.to_json writes JSON Lines so) or popqa.JSONL would drop out of
+        # every average without a word
+        if p not in files and p.name.lower().endswith((*QA_SUFFIXES, ".json", ".json.gz")):
+            raise DataError(p, None, "in a QA directory but not read: QA files are named *.jsonl, *.jsonl.gz or "
+                                     "*.parquet (lower case); rename it, or move it out of the directory")
     if not files:
         raise DataError(data_dir, None, "no .jsonl, .jsonl.gz or .parquet QA files found")
     out: dict[str, list[QAItem]] = {}

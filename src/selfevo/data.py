@@ -186,7 +186,8 @@ def _answers(obj: dict, path, lineno) -> list[str]:
         if isinstance(v, float) and not math.isfinite(v):  # NaN (a missing cell) would be the answer "nan"
             raise DataError(path, lineno, f"field '{key}' holds {v}, not an answer")
         # a year read as a number (1939.0 from a numeric column) is the answer "1939"
-        out.append(v if isinstance(v, str) else str(int(v) if float(v).is_integer() else v))
+        # (an int as it is: float() of one past 10**308 overflows)
+        out.append(v if isinstance(v, str) else str(v) if isinstance(v, int) else str(int(v) if v.is_integer() else v))
     return out if any(v.strip() for v in out) else []
 
 
@@ -342,13 +343,17 @@ class _IdSet:
         return True
 
 
-def _check_passage(raw: bytes, path: Path, lineno: int, ids: _IdSet) -> None:
-    """The checks of `selfevo.corpus.iter_corpus`, applied to one line of a stream."""
+def _check_passage(raw: bytes, path: Path, lineno: int, ids: _IdSet) -> bool:
+    """The checks of `selfevo.corpus.iter_corpus`, applied to one line of a stream: False for a blank line
+    (Unicode whitespace too, as the reader skips it), which is not copied."""
     obj = parse_json_line(raw, path, lineno)
+    if obj is None:
+        return False
     doc_id = _require_str(obj, "id", path, lineno)
     _require_str(obj, "contents", path, lineno, allow_empty=True)
     if not ids.add(doc_id):
         raise DataError(path, lineno, f"duplicate id '{doc_id}'")
+    return True
 
 
 def convert_corpus(src: str | os.PathLike, dest: str | os.PathLike,
@@ -370,9 +375,8 @@ def convert_corpus(src: str | os.PathLike, dest: str | os.PathLike,
                     line = raw.rstrip(b"\r\n")
                     if lineno == 1:  # a BOM, as iter_corpus reads past it (not copied: dest is plain UTF-8)
                         line = line.removeprefix(b"\xef\xbb\xbf")
-                    if not line.strip():
+                    if not _check_passage(line, src, lineno, ids):
                         continue
-                    _check_passage(line, src, lineno, ids)
                     line += b"\n"
                     out.write(line)
                     out_sha.update(line)

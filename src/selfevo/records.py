@@ -92,6 +92,14 @@ class QAItem:
     golden_answers: tuple[str, ...]
     metadata: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
 
+    def __post_init__(self):
+        golds = self.golden_answers
+        # a bare string is one alias: kept as given, "Paris" was written as five one-letter golds
+        golds = (golds,) if isinstance(golds, str) else tuple(golds)
+        if not all(isinstance(g, str) for g in golds):
+            raise TypeError(f"question {self.id!r}: golden_answers must be strings, got {list(golds)!r:.200}")
+        object.__setattr__(self, "golden_answers", golds)
+
     @property
     def benchmark(self) -> str | None:
         return self.metadata.get("benchmark")
