@@ -600,6 +600,9 @@ def test_a_benchmark_file_of_another_name_is_named_not_skipped(tmp_path, name):
         (qa / file).write_text(json.dumps({"id": file, "question": "q?", "golden_answers": ["a"]}) + "\n")
     with pytest.raises(DataError, match=f"{name}: in a QA directory but not read"):
         read_qa_dir(qa)
+    (qa / name).unlink()
+    (qa / "score.json").write_text(json.dumps({"macro": {"cover_em": 0.5}}, indent=1))  # no benchmark: read past
+    assert list(read_qa_dir(qa)) == ["triviaqa"]
 
 
 def test_eval_and_score_refuse_an_out_read_as_a_benchmark(tmp_path):

@@ -1061,10 +1061,21 @@ def test_engine_runs_of_other_engine_settings_are_not_paired_nor_pooled(local_gr
     assert rows["crossfit-s0"]["extra_generations"] is None
     with pytest.raises(ValueError, match="were made with different configs"):
         collect_runs(list(runs.values()))
-    (runs["crossfit-s0"] / "engine" / "engine.json").write_text(json.dumps(
-        {"engine": "trl", "solver_generations": 2, "grader_port": 9000}))  # where it ran: not what it computed
-    rows = {Path(r["run"]).name: r for r in compare(list(runs.values()))}
-    assert rows["crossfit-s0"]["extra_generations"] is not None
+    def engine_json(run, **spec):
+        (runs[run] / "engine" / "engine.json").write_text(json.dumps({"engine": "trl", "solver_generations": 2,
+                                                                      "retriever_url": "", **spec}))
+
+    def paired():
+        return {Path(r["run"]).name: r for r in compare(list(runs.values()))}["crossfit-s0"]["extra_generations"]
+
+    engine_json("coupled-s0", verl={"trainer.experiment_name": "coupled", "actor_rollout_ref.rollout.n": 5})
+    # where it ran and where it logs: not what it computed
+    engine_json("crossfit-s0", grader_port=9000, verl={"trainer.experiment_name": "crossfit",
+                                                       "actor_rollout_ref.rollout.n": 5})
+    assert paired() is not None
+    engine_json("crossfit-s0", retriever_url="http://127.0.0.1:8000/retrieve",  # a server, not its own index
+                verl={"trainer.experiment_name": "coupled", "actor_rollout_ref.rollout.n": 5})
+    assert paired() is None
 
 
 def test_a_ray_worker_gets_the_run_directory_as_an_absolute_path(tmp_path, monkeypatch):

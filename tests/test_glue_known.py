@@ -174,6 +174,8 @@ def test_an_engine_runs_audit_is_not_counted_as_training(tmp_path):
         log.add({"phase": phase, "round": 1, "seconds": seconds})
     compute = log.compute()
     assert "audit" not in compute["seconds"] and training_cost(compute)[1] == 2500.0
+    older = {**compute, "seconds": {**compute["seconds"], "audit": 3000.0}}  # an engine run of an earlier version
+    assert training_cost(older)[1] == 2500.0
 
 
 def test_an_aux_solvers_checkpoint_write_is_not_counted_as_its_training(tmp_path, monkeypatch):
@@ -252,8 +254,13 @@ def test_engine_settings_that_would_fail_late_or_replace_the_engines_own_are_ref
     with pytest.raises(ConfigError, match=re.escape(named)):
         engine_config_from_dict(cfg)
     free = {"engine": "verl", "retriever_url": "http://127.0.0.1:8000/retrieve",
-            "verl": {"trainer.logger": ["console", "wandb"], "actor_rollout_ref.rollout.gpu_memory_utilization": 0.5}}
-    engine_config_from_dict({**cfg, "engine": free})  # where it logs, how it shares the GPU: the user's
+            "verl": {"trainer.logger": ["console", "wandb"], "actor_rollout_ref.rollout.gpu_memory_utilization": 0.5,
+                     "trainer": {"nnodes": 2}}}  # (a TOML table's dotted keys nest: read as dotted keys)
+    ecfg = engine_config_from_dict({**cfg, "engine": free})  # where it logs, how it shares the GPU: the user's
+    assert ecfg.engine.verl["trainer.nnodes"] == 2
+    nested = {**free, "verl": {"actor_rollout_ref": {"rollout": {"n": 2}}}}
+    with pytest.raises(ConfigError, match=re.escape("engine.verl.actor_rollout_ref.rollout.n: set by the engine")):
+        engine_config_from_dict({**cfg, "engine": nested})
 
 
 def test_engine_run_refuses_folds_left_empty_before_writing_anything(tmp_path):

@@ -353,3 +353,47 @@ def test_a_chat_template_that_refuses_the_messages_is_a_400_with_its_reason(monk
         res = client.post("/v1/chat/completions", json={"model": "m", "messages": [
             {"role": "system", "content": "s"}, {"role": "user", "content": "q"}]})
     assert res.status_code == 400 and "System role not supported" in res.text
+
+
+def test_trl_rollouts_sample_without_the_policys_generation_config(monkeypatch):
+    """`load_pretrained` left out a model's generation_config.json fields, but TRL loads the policy itself: its
+    hf rollouts still sampled with, e.g., a repetition_penalty, unlike the graders (a helper's review)."""
+    import contextlib
+
+    pytest.importorskip("trl")
+    import trl.models.utils
+    from transformers import GenerationConfig
+
+    from selfevo.integrations.trl_env import hf_generate
+
+    @contextlib.contextmanager
+    def unwrapped(model, accelerator):
+        yield model
+
+    class Policy:  # what hf_generate uses of the trainer's model; generate records what would shape it
+        training, device = True, "cpu"
+        generation_config = GenerationConfig(repetition_penalty=1.05, min_p=0.1, eos_token_id=2)
+
+        def eval(self):
+            self.training = False
+
+        def train(self, mode=True):
+            self.training = mode
+
+        def generate(self, input_ids, **kw):
+            self.saw = (self.generation_config.repetition_penalty, self.generation_config.min_p,
+                        self.generation_config.eos_token_id)
+            return torch.cat([input_ids, torch.tensor([[9, 2]])], dim=1)
+
+    class BatchTokenizer(_IdsTokenizer):
+        padding_side = "right"
+
+        def __call__(self, texts, **kw):  # a batch of one
+            return super().__call__(texts[0])
+
+    monkeypatch.setattr(trl.models.utils, "unwrap_model_for_generation", unwrapped)
+    policy = Policy()
+    [(text, _)] = hf_generate(SimpleNamespace(model_wrapped=policy, accelerator=None), BatchTokenizer(),
+                              [[{"role": "user", "content": "q"}]], seed=3, max_new_tokens=30, temperature=1.0,
+                              top_p=1.0, render=lambda conv, prompt: "5 6 7")
+    assert text == "9" and policy.saw == (None, None, 2) and policy.training  # its eos kept, nothing else

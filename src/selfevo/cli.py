@@ -91,7 +91,7 @@ def _out_not_read_as_qa(out: Path, data_dir: Path) -> None:
     from selfevo.corpus import QA_SUFFIXES
 
     target, qa = out.resolve(), data_dir.resolve()
-    if target == qa or (target.parent == qa and target.name.endswith(QA_SUFFIXES)):
+    if target == qa or (target.parent == qa and target.name.lower().endswith(QA_SUFFIXES)):
         _fail(f"--out: {out} would be read as a benchmark of --data-dir {data_dir}; choose a path outside it")
 
 

@@ -303,15 +303,31 @@ def qa_sha256(data_dir: str | os.PathLike) -> str:
     return h.hexdigest()
 
 
+def unread_benchmark(path: Path) -> bool:
+    """Is a file of a QA directory that `qa_files` does not read named or made like a benchmark: a QA
+    suffix in another case (popqa.JSONL), or JSON Lines of questions named *.json (as Dataset.to_json
+    names them)? Other files (a score.json, a README) are not."""
+    name = path.name.lower()
+    if name.endswith(QA_SUFFIXES):
+        return True
+    if not name.endswith(".json") or not path.is_file():
+        return False
+    with open(path, "rb") as fh:
+        first = next((line for line in fh if line.strip()), b"")
+    try:
+        obj = json.loads(first)
+    except ValueError:  # a pretty-printed JSON document, not JSON Lines
+        return False
+    return isinstance(obj, dict) and "question" in obj
+
+
 def read_qa_dir(data_dir: str | os.PathLike) -> dict[str, list[QAItem]]:
     """Every QA file of a directory, grouped by benchmark name (`metadata.benchmark`, else the
     file stem). Ids must be unique across the whole directory."""
     data_dir = Path(data_dir)
     files = qa_files(data_dir)
-    for p in sorted(data_dir.iterdir()):
-        # a benchmark saved as nq.json (Dataset.to_json writes JSON Lines so) or popqa.JSONL would drop out of
-        # every average without a word
-        if p not in files and p.name.lower().endswith((*QA_SUFFIXES, ".json", ".json.gz")):
+    for p in sorted(set(data_dir.iterdir()) - set(files)):
+        if unread_benchmark(p):  # it would drop out of every average without a word
             raise DataError(p, None, "in a QA directory but not read: QA files are named *.jsonl, *.jsonl.gz or "
                                      "*.parquet (lower case); rename it, or move it out of the directory")
     if not files:

@@ -518,7 +518,9 @@ def _run_eval(data_dir, corpus, agent, out_dir: Path, limit, retriever_url, inde
     same |= {k: None if run_info[k] is None else str(Path(run_info[k]).resolve())
              for k in ("data_dir", "corpus", "index")}
     same["agent_settings"] = {k: v for k, v in (agent_context or {}).items() if k != "workers"}
-    same["agent_files"] = agent_files(agent)  # an lm: agent's model rewritten (retrained) between the two
+    same["agent_files"] = files = agent_files(agent)  # an lm: agent's model rewritten (retrained) between the two
+    if files is not None:  # an lm: agent is its files (`lm:model` and `lm:/abs/model` are one), not its spec
+        same["agent"] = "lm"
     if run_info["retriever"] in ("dense", "hybrid") and dense_options is not None:
         same["encoder"] = {k: v for k, v in asdict(dense_options).items()
                            if k not in ("batch_size", "device")}

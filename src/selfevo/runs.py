@@ -579,8 +579,16 @@ class RunDir:
         if not path.exists():
             return None
         from selfevo.integrations.engine import WHERE_NOT_WHAT
+        from selfevo.integrations.trl_job import TRL_LOGGING
+        from selfevo.integrations.verl_launch import FREE_VERL
 
-        return {k: v for k, v in read_object(path).items() if k not in WHERE_NOT_WHAT | {"retriever_url"}}
+        spec = {k: v for k, v in read_object(path).items() if k not in WHERE_NOT_WHAT}
+        # which server it searched is where; whether it searched one (or its own index) is what
+        spec["retriever_url"] = bool(spec.get("retriever_url"))
+        for table, where in (("verl", FREE_VERL), ("trl", TRL_LOGGING)):  # where a job logs, not what it trains
+            if isinstance(spec.get(table), dict):
+                spec[table] = {k: v for k, v in spec[table].items() if k not in where}
+        return spec
 
     def audit_setting(self) -> dict:
         """What an audit's numbers depend on besides the records (audit/judge.json): the judge's prompt

@@ -143,6 +143,9 @@ def engine_config_from_dict(data: Mapping, engine: str | None = None) -> EngineC
         raise ConfigError(f"engine: expected a table ([engine]), got {type(spec_data).__name__}; the engine "
                           "itself is engine.engine or --engine")
     spec_data = dict(spec_data)
+    if isinstance(spec_data.get("verl"), Mapping):
+        # a TOML table's dotted keys (and `--set engine.verl.a.b=...`) nest; verl's overrides are dotted keys
+        spec_data["verl"] = _dotted(spec_data["verl"])
     if engine is not None:
         if spec_data.get("engine", engine) != engine:
             raise ConfigError(f"engine.engine: the config says {spec_data['engine']!r}, --engine says {engine!r}")
@@ -188,6 +191,15 @@ def engine_config_from_dict(data: Mapping, engine: str | None = None) -> EngineC
         raise ConfigError("engine.retriever_url: verl's search tool needs a /retrieve server "
                           "(selfevo serve-retriever --corpus ... --port 8000 -> http://127.0.0.1:8000/retrieve)")
     return EngineConfig(run, spec)
+
+
+def _dotted(table: Mapping, prefix: str = "") -> dict[str, Any]:
+    """{"a": {"b": 1}, "c.d": 2} -> {"a.b": 1, "c.d": 2}."""
+    out: dict[str, Any] = {}
+    for key, value in table.items():
+        name = f"{prefix}{key}"
+        out.update(_dotted(value, name + ".") if isinstance(value, Mapping) else {name: value})
+    return out
 
 
 def _check_trl(spec: EngineSpec, run: RunConfig) -> None:

@@ -28,6 +28,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from selfevo.agents.lm.model import plain_generation_config
 from selfevo.agents.lm.protocol import STOP_STRINGS, cut_at_stop, parse_action, parse_proposer_action, scaffolded
 from selfevo.agents.lm.rl import Render, append_only, template_of, token_mask, trained_spans
 from selfevo.agents.lm.rollout import Rollout, run_rollouts
@@ -145,6 +146,9 @@ def hf_generate(trainer, tokenizer, conversations: Sequence[Sequence[dict]], *, 
             torch.manual_seed(seed & 0x7FFF_FFFF_FFFF_FFFF)
         was_training = model.training
         model.eval()
+        # as `load_pretrained` does for every other model: the policy's generation_config.json (a
+        # repetition_penalty, a min_p) would otherwise shape the samples it is trained on
+        model.generation_config = plain_generation_config(model.generation_config)
         try:
             out = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=True, temperature=temperature,
                                  top_p=top_p, top_k=None, pad_token_id=pad, stop_strings=list(stops),

@@ -148,6 +148,11 @@ PINNED_GRPO = {
 }
 
 
+# GRPOConfig fields that say where and how a job reports, not what it trains
+TRL_LOGGING = frozenset({"run_name", "report_to", "logging_dir", "logging_steps", "logging_strategy",
+                         "logging_first_step", "log_level", "log_completions", "disable_tqdm", "project"})
+
+
 def grpo_args(job: dict, world_size: int = 1):
     from trl import GRPOConfig
 

@@ -64,11 +64,12 @@ def phase_overrides(p: VerlPhase) -> list[str]:
 
 
 SETTINGS_KEY = "reward.custom_reward_function.reward_kwargs.selfevo_settings"
-# overrides an [engine.verl] table may replace: where the job logs and how long prompts are kept; every
-# other one is the method's (Eq. (1), the group size, the reward) or the engine's bookkeeping (the step
-# count its merge reads, the batch that makes one pass, the checkpoints)
+# overrides an [engine.verl] table may replace: where the job logs, how long prompts are kept, the
+# nodes and the rollout engine; every other one is the method's (Eq. (1), the group size, the reward) or
+# the engine's bookkeeping (the step count its merge reads, the batch that makes one pass, the checkpoints)
 FREE_VERL = frozenset({"trainer.logger", "trainer.project_name", "trainer.experiment_name",
-                       "data.filter_overlong_prompts", "data.truncation"})
+                       "data.filter_overlong_prompts", "data.truncation", "trainer.nnodes",
+                       "actor_rollout_ref.rollout.name"})
 
 
 def pinned_verl(key: str) -> bool:

@@ -71,7 +71,8 @@ def training_cost(compute: dict) -> tuple[int, float]:
     """(generations, wall seconds) of a run's training, from its compute.json: all but the downstream
     evaluation's, which is the same in every arm (it would dilute each overhead towards 0)."""
     generations = compute["total_generations"] - compute["generations"].get(EVAL_GENERATIONS, 0)
-    return generations, sum(v for k, v in compute["seconds"].items() if k != EVAL_PHASE)
+    # (an engine run made before its audit was left out of compute.json has its seconds under "audit")
+    return generations, sum(v for k, v in compute["seconds"].items() if k not in (EVAL_PHASE, "audit"))
 
 
 def compare(paths: list[str | os.PathLike]) -> list[dict]:
