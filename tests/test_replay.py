@@ -229,6 +229,10 @@ def test_condition_names():
     assert len(parse_conditions("all")) == len(parse_conditions(None)) == 14
     with pytest.raises(ReplayError, match=r"unknown 'crossfit' \(known: coupled, same-source"):
         parse_conditions("coupled,crossfit")
+    with pytest.raises(ReplayError, match="unknown 'cupled'"):  # was every condition: "all" came first
+        parse_conditions("all,cupled")
+    with pytest.raises(ReplayError, match="rollouts: must be >= 2"):  # a group of one trains nothing
+        ReplaySettings(rollouts=1)
 
 
 def test_every_condition_reports_the_schema(study, bank):
@@ -829,3 +833,52 @@ def test_a_study_asking_for_less_than_its_journal_holds_says_how_many_of_its_own
     again = run_replay(bank, ["coupled"], seeds=[1], settings=FAST, workers=1, journal=journal, log=said.append)
     assert ran == [] and said == [f"{journal}: 2 finished job(s) of this study, not run again"]
     assert json.dumps(again) == json.dumps(run_replay(bank, ["coupled"], seeds=[1], settings=FAST, workers=1))
+
+
+def test_a_damaged_journal_row_is_named_by_file_and_line(bank, tmp_path):
+    """A journal row without its metrics (or a field) was a KeyError traceback; one graded otherwise an
+    InvariantError blaming the replay (a helper's review)."""
+    journal = tmp_path / "jobs.jsonl"
+    run_replay(bank, "coupled", seeds=[3], settings=FAST, workers=1, journal=journal)
+    rows = [json.loads(x) for x in journal.read_text().splitlines()]
+    row = next(i for i, r in enumerate(rows) if r["job"] == "coupled")
+    del rows[row]["result"]["metrics"]
+    journal.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with pytest.raises(ReplayError, match=rf"jobs.jsonl:{row + 1}: job 'coupled' seed 3: no metrics"):
+        run_replay(bank, "coupled", seeds=[3], settings=FAST, workers=1, journal=journal)
+
+
+def test_a_study_without_seed_0_records_its_updates(bank):
+    assert run_replay(bank, "source-id", seeds=[3], settings=FAST)["invariants"]["updates"]  # was {}
+
+
+def test_a_bank_is_checked_as_replay_run_will_read_it_before_it_is_written(runs, tmp_path):
+    """`replay build` wrote a bank with an item whose source_ids was [] or named no document; `replay run`
+    then refused it (a helper's review)."""
+    import shutil
+
+    run = tmp_path / "run"
+    shutil.copytree(runs[0], run)
+    steps = run / "records" / "steps.jsonl"
+    rows = [json.loads(x) for x in steps.read_text().splitlines()]
+    for r in rows:
+        for it in r.get("items", []):
+            if r["round"] >= 2 and it.get("admitted"):
+                it["source_ids"] = []
+    steps.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with pytest.raises(ReplayError, match="source_ids should be a non-empty list of documents"):
+        build_bank([run], size=20, seed=0)
+
+
+def test_connected_never_grades_an_item_with_a_solver_it_trained_even_where_source_ids_omit_the_source(bank):
+    """`connected` read an item's pages from `source_ids` alone: an item whose source (fold h) was missing
+    from them, its pages all of fold 1-h, trained solver 1-h and was graded by it (a hand-edited bank;
+    a helper's review)."""
+    from dataclasses import replace
+
+    ctx = replay._set_context(bank, FAST)
+    trains, grader = replay._provenance(CONDITIONS["connected"], 0, ctx.connected_folds(0))
+    edited = [replace(it, source_ids=tuple(p for p in it.source_ids if p != it.source_id) or it.source_ids)
+              for it in bank.items]
+    assert sum(it.source_ids != orig.source_ids for it, orig in zip(edited, bank.items)) > 0
+    assert not [it.item_id for it in edited if trains(grader(it)[0], it)]

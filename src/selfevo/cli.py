@@ -1083,6 +1083,7 @@ def replay_run(
     from selfevo.audit.llm_judge import JudgeError
     from selfevo.replay import (
         Bank,
+        InvariantError,
         ReplayError,
         ReplaySettings,
         parse_conditions,
@@ -1114,8 +1115,10 @@ def replay_run(
             write_results(results, out)
     except (ReplayError, JudgeError) as e:
         _fail(str(e))
+    except InvariantError as e:  # the jobs' results disagree: a finished job's kept result may be another's
+        _fail(f"{e}; if {out / 'jobs.jsonl'} was edited or damaged, remove it and run again")
     console.print(results_table(results))
-    if not results["bank"]["coverage"]:  # the bank's items, judged once: the same for every condition
+    if not results["bank"]["coverage"]:  # the base reference's judging resolved none of the bank's items
         _warn_nothing_resolved()
     console.print(escape(f"wrote {out / 'results.json'}, {out / 'results.md'} and {out / 'replay.png'}"))
 

@@ -118,12 +118,12 @@ def parse_conditions(names: Iterable[str] | str | None) -> list[Condition]:
     if isinstance(names, str):
         names = names.split(",")
     wanted = [n.strip() for n in names if n.strip()]
-    if "all" in wanted:
-        return list(CONDITIONS.values())
-    unknown = [n for n in wanted if n not in CONDITIONS]
+    unknown = [n for n in wanted if n not in CONDITIONS and n != "all"]  # before "all": `all,cupled` is a typo
     if unknown:
         raise ReplayError(f"--conditions: unknown {', '.join(map(repr, unknown))} "
                           f"(known: {', '.join(CONDITIONS)}, or all)")
+    if "all" in wanted:
+        return list(CONDITIONS.values())
     if not wanted:
         raise ReplayError("--conditions: no condition named")
     return [c for c in CONDITIONS.values() if c.name in wanted]
@@ -144,6 +144,8 @@ class ReplaySettings:
                 raise ReplayError(f"{f.name}: must be a positive integer, got {v!r}")
         if self.updates < 2:
             raise ReplayError(f"updates: must be >= 2 (the half budget halves it), got {self.updates}")
+        if self.rollouts < 2:  # one answer a question: every advantage 0, nothing trains (counted all the same)
+            raise ReplayError(f"rollouts: must be >= 2 (a group of one has no advantage), got {self.rollouts}")
 
 
 # ---------------------------------------------------------------- the bank
@@ -406,6 +408,12 @@ def build_bank(run_dirs: Sequence[str | os.PathLike], size: int = 3000, seed: in
                 if it["source_id"] not in groups:
                     raise ReplayError(f"{d}: source {it['source_id']!r} is not a document of the run's "
                                       f"{shell.documents_from}")
+                read = it.get("source_ids")
+                if not isinstance(read, list) or not read or any(not isinstance(p, str) or p not in groups
+                                                                 for p in read):
+                    # else written, and refused by `replay run` when it loads the bank
+                    raise ReplayError(f"{d}: item {it.get('item_id')!r}: source_ids should be a non-empty list of "
+                                      f"documents of the run's {shell.documents_from}, got {json.dumps(read)[:80]}")
                 pool.append(BankItem(f"run{i}/{it['item_id']}", it["question"], it["adopted_label"],
                                      it["draft_label"], it["source_id"], tuple(it["source_ids"]),
                                      groups[it["source_id"]], sources[i], int(row["round"]), int(it["hops"])))
@@ -418,7 +426,9 @@ def build_bank(run_dirs: Sequence[str | os.PathLike], size: int = 3000, seed: in
                               "same seed, for a simulated bank)")
         size = len(pool)  # a demo on a small world takes what there is
     chosen = sorted(random.Random(derive_seed(seed, "bank")).sample(range(len(pool)), size))
-    return replace(shell, sources=sources, items=[pool[j] for j in chosen])
+    bank = replace(shell, sources=sources, items=[pool[j] for j in chosen])
+    Bank.from_json(bank.to_json(), where="the bank built")  # what `replay run` will check, checked before writing
+    return bank
 
 
 # ---------------------------------------------------------------- one process's world
@@ -530,7 +540,7 @@ def _msv_job(seed: int, conditions: Sequence[str] = ()) -> dict[str, str | None]
     msv.begin_round(1, base)
     proposals = [Proposal(it.question, it.label, it.source_id, it.source_ids, it.hops) for it in ctx.bank.items]
     decisions = msv.decide(proposals, ctx.tool, derive_seed(seed, "replay-msv"))
-    ctx.release([base])
+    ctx.release([base, msv.model])  # its snapshot too: with lm.adapter = "full", a copy of the model
     labels = {it.item_id: (d.label if d.admitted else None) for it, d in zip(ctx.bank.items, decisions, strict=True)}
     for name in conditions:
         _train_sets(ctx, CONDITIONS[name], seed, labels)
@@ -553,8 +563,8 @@ def _provenance(cond: Condition, seed: int, connected: FoldAssignment | None = N
         def fold(it):
             return connected.of(it.source_id)
 
-        def touched(it):
-            return connected.lineage(it.source_ids)
+        def touched(it):  # (the source too: a bank's source_ids hold it, but it is not checked at load)
+            return connected.lineage({it.source_id, *it.source_ids})
     else:
         def fold(it):
             if cond.split == "source":
@@ -721,7 +731,9 @@ def check_invariants(outcomes: Mapping[tuple[str, int], dict], bank: Bank, setti
         if wrong or not out["updates"]:
             raise InvariantError(f"{where}: feedback solver updates {out['updates']}, expected {want} each")
     return {"items": len(bank.items), "items_sha256": want_graded, "matcher": _CANONICAL_MATCHER,
-            "updates": {name: out["updates"] for (name, seed), out in sorted(outcomes.items()) if seed == 0}}
+            # one seed's (checked above for all): the first, whichever it is (was seed 0's: none without it)
+            "updates": {name: out["updates"] for (name, seed), out in sorted(outcomes.items())
+                        if seed == min(s for _, s in outcomes)}}
 
 
 class _InProcess:
@@ -854,8 +866,26 @@ def _read_journal(path: Path, key: str) -> dict[tuple[str, int], dict]:
             raise ReplayError(f"{path}: holds the finished jobs of another study (another bank, --updates, "
                               "--rollouts, --samples, judge or software version); remove it to start afresh, "
                               "or choose another --out")
+        if (wrong := _journal_result_problem(row["job"], row["result"])) is not None:
+            # else a KeyError, or an InvariantError blaming the replay, far from the line
+            raise ReplayError(f"{path}:{i}: job {row['job']!r} seed {row['seed']}: {wrong}; remove the line to run "
+                              "that job again")
         done[(row["job"], row["seed"])] = row["result"]
     return done
+
+
+def _journal_result_problem(job: str, result: dict) -> str | None:
+    """What is missing from a journal row's result (a damaged file), or None."""
+    if job == "msv":
+        bad = next((k for k, v in result.items() if not (v is None or isinstance(v, str))), None)
+        return None if bad is None else f"the label of item {bad!r} is neither a string nor null"
+    metrics = result.get("metrics")
+    if not isinstance(metrics, dict) or any(not isinstance(metrics.get(m), (int, float)) and metrics.get(m) is not None
+                                            for m in REPORTED):
+        return "no metrics of its own (" + ", ".join(REPORTED) + ")"
+    need = ("graded", "n_graded", "matcher") + (() if job == "base" else ("updates", "train_items"))
+    missing = [k for k in need if k not in result]
+    return f"no field {missing[0]}" if missing else None
 
 
 def run_replay(bank: Bank, conditions: Iterable[str] | str | None = None, seeds: int | Sequence[int] = 5,
@@ -916,7 +946,10 @@ def run_replay(bank: Bank, conditions: Iterable[str] | str | None = None, seeds:
         with Progress(*columns, disable=not progress, transient=True) as bar:
             outcomes, msv, base = _run_jobs(pool, conds, seeds, bar, done, record)
     invariants = check_invariants(outcomes, bank, settings)
-    ref = base[seeds[0]]["metrics"]  # T_P and coverage are properties of the bank (same for every grader)
+    # T_P and coverage of the bank, as the base reference's answers were judged (the oracle resolves by the
+    # question alone: the same for every grader; an LLM judge may leave another grader's answers unresolved,
+    # so each condition's coverage is its own column and its metrics are over the items it resolved)
+    ref = base[seeds[0]]["metrics"]
     out = {"format": FORMAT, "settings": asdict(settings), "seeds": seeds,
            "bank": {"items": len(bank.items), "seed": bank.seed, "sources": bank.sources, "backend": bank.backend,
                     "world": bank.world, "corpus": bank.corpus,
