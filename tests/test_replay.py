@@ -882,3 +882,33 @@ def test_connected_never_grades_an_item_with_a_solver_it_trained_even_where_sour
               for it in bank.items]
     assert sum(it.source_ids != orig.source_ids for it, orig in zip(edited, bank.items)) > 0
     assert not [it.item_id for it in edited if trains(grader(it)[0], it)]
+
+
+def test_with_a_judge_that_resolves_by_the_answers_every_condition_is_compared_on_one_item_set(bank):
+    """An LLM judge leaves an item unresolved when it cannot grade one of its answers, so each grader's
+    metrics were over items of its own: F and A of two conditions over different items (a helper's review)."""
+    class Fussy:  # the oracle's verdicts, unresolved wherever an answer is long: which depends on the grader
+        name = "fussy"
+
+        def judge(self, items):
+            verdicts = replay._ctx().oracle.judge(items)
+            return [v if all(len(r) % 3 for r in it["responses"]) else replace_verdict(v)
+                    for v, it in zip(verdicts, items)]
+
+    def replace_verdict(v):
+        from dataclasses import replace
+
+        return replace(v, resolved=False, label_correct=None, responses_correct=None)
+
+    study = run_replay(bank, "coupled,source-id", seeds=[0], settings=FAST, judge=Fussy())
+    compared = study["bank"]["compared_items"]
+    assert 0 < compared < len(bank.items)
+    coverages = {n: c["coverage"]["mean"] for n, c in study["conditions"].items()}
+    assert len(set(coverages.values())) > 1  # the graders' own coverages differ ...
+    assert run_replay(bank, "coupled", seeds=[0], settings=FAST)["bank"]["compared_items"] is None  # (oracle)
+    # ... and the metrics of every job are over the items all of them resolved
+    codes = {"a": ["-", "1 1 11 11", "0 0 10 01"], "b": ["1 0 11 11", "-", "0 1 11 00"]}
+    jobs = [{"items": codes[k], "metrics": {"coverage": 2 / 3}} for k in "ab"]
+    assert replay.compare_on_common_items(jobs) == 1
+    assert [j["metrics"]["T_P"] for j in jobs] == [0.0, 0.0] and [j["metrics"]["F"] for j in jobs] == [0.5, 1.0]
+    assert all(j["metrics"]["coverage"] == 2 / 3 for j in jobs)  # each keeps its own

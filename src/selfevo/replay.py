@@ -703,12 +703,55 @@ def _grade(ctx: _Context, solvers: Sequence, grader, seed: int) -> dict:
                                 for it, (_, question, label), rs in zip(items, graded, responses)])
     judged = [JudgedItem(tuple(matcher(r, label) for r in rs), v.resolved, v.label_correct, v.responses_correct)
               for (_, _, label), rs, v in zip(graded, responses, verdicts)]
+    hits = [matcher(g, label) for g, (_, _, label) in zip(greedy, graded)]
+    out = {"metrics": _metrics(judged, hits), "graded": _graded_digest(graded), "n_graded": len(graded),
+           "matcher": f"{matcher.__module__}.{matcher.__qualname__}"}
+    if not isinstance(ctx.judge, OracleJudge):
+        # which items a judge resolves may depend on the answers (an LLM judge's), so on the grader: each item
+        # is kept, and the study compares every condition over the items resolved in all of its jobs
+        out["items"] = [_item_code(j, h) for j, h in zip(judged, hits)]
+    return out
+
+
+def _metrics(judged: Sequence[JudgedItem], hits: Sequence[bool]) -> dict:
+    """A job's reported numbers from its judged items and greedy hits (replay accuracy over the resolved)."""
     m = audit_metrics(judged)
-    accuracy = replay_accuracy(greedy, [label for _, _, label in graded], [v.resolved for v in verdicts], matcher)
-    return {"metrics": {"F": m["F"], "solver_truth": m["T_S"], "replay_accuracy": accuracy, "A": m["A"],
-                        "coverage": m["coverage"], "L": m["L"], "T_P": m["T_P"]},
-            "graded": _graded_digest(graded), "n_graded": len(graded),
-            "matcher": f"{matcher.__module__}.{matcher.__qualname__}"}
+    accuracy = replay_accuracy(["x" if h else "" for h in hits], ["x"] * len(hits), [j.resolved for j in judged],
+                               lambda a, b: a == b)
+    return {"F": m["F"], "solver_truth": m["T_S"], "replay_accuracy": accuracy, "A": m["A"],
+            "coverage": m["coverage"], "L": m["L"], "T_P": m["T_P"]}
+
+
+def _item_code(j: JudgedItem, hit: bool) -> str:
+    """One judged item in a journal line: "-" unresolved, else label_correct, greedy hit, then each sample's
+    match and correctness as 0/1 ("1 0 10110 10010")."""
+    if not j.resolved:
+        return "-"
+    return (f"{int(j.label_correct)} {int(hit)} {''.join(str(int(x)) for x in j.matches)} "
+            f"{''.join(str(int(x)) for x in j.responses_correct)}")
+
+
+def _item_decode(code: str) -> tuple[JudgedItem, bool]:
+    if code == "-":
+        return JudgedItem((), False), False
+    label, hit, matches, correct = code.split()
+    judged = JudgedItem(tuple(c == "1" for c in matches), True, label == "1", tuple(c == "1" for c in correct))
+    return judged, hit == "1"
+
+
+def compare_on_common_items(results: Sequence[dict]) -> int | None:
+    """Every job's metrics over the items resolved in all of them (in place; each keeps its own coverage):
+    an LLM judge may resolve an item for one grader's answers and not for another's, and F or A over
+    different items would not compare. Returns how many items that is (None: the oracle's jobs, which
+    resolve by the question alone and keep no items)."""
+    if not results or any("items" not in r for r in results):
+        return None
+    decoded = [[_item_decode(c) for c in r["items"]] for r in results]
+    common = [i for i in range(len(decoded[0])) if all(d[i][0].resolved for d in decoded)]
+    for r, d in zip(results, decoded):
+        own = r["metrics"]["coverage"]
+        r["metrics"] = {**_metrics([d[i][0] for i in common], [d[i][1] for i in common]), "coverage": own}
+    return len(common)
 
 
 # ---------------------------------------------------------------- the study
@@ -946,14 +989,19 @@ def run_replay(bank: Bank, conditions: Iterable[str] | str | None = None, seeds:
         with Progress(*columns, disable=not progress, transient=True) as bar:
             outcomes, msv, base = _run_jobs(pool, conds, seeds, bar, done, record)
     invariants = check_invariants(outcomes, bank, settings)
+    ref = base[seeds[0]]["metrics"]
+    outcomes = {k: dict(v) for k, v in outcomes.items()}  # (a journal's results are not rewritten)
+    base = {s: dict(v) for s, v in base.items()}
+    compared = compare_on_common_items([*outcomes.values(), *(base[s] for s in seeds)])
     # T_P and coverage of the bank, as the base reference's answers were judged (the oracle resolves by the
     # question alone: the same for every grader; an LLM judge may leave another grader's answers unresolved,
-    # so each condition's coverage is its own column and its metrics are over the items it resolved)
-    ref = base[seeds[0]]["metrics"]
+    # so each condition's coverage is its own column, and its other metrics are over the items every job
+    # resolved: `compared_items`)
     out = {"format": FORMAT, "settings": asdict(settings), "seeds": seeds,
            "bank": {"items": len(bank.items), "seed": bank.seed, "sources": bank.sources, "backend": bank.backend,
                     "world": bank.world, "corpus": bank.corpus,
-                    "T_P": ref["T_P"], "coverage": ref["coverage"], "sha256": bank.digest()},
+                    "T_P": ref["T_P"], "coverage": ref["coverage"], "sha256": bank.digest(),
+                    "compared_items": compared},
            "conditions": {}, "reference": {"base": _summary([base[s] for s in seeds])},
            "judge": judge_name, "invariants": invariants, "software": software()}
     for c in conds:
