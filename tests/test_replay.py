@@ -846,6 +846,14 @@ def test_a_damaged_journal_row_is_named_by_file_and_line(bank, tmp_path):
     journal.write_text("".join(json.dumps(r) + "\n" for r in rows))
     with pytest.raises(ReplayError, match=rf"jobs.jsonl:{row + 1}: job 'coupled' seed 3: no metrics"):
         run_replay(bank, "coupled", seeds=[3], settings=FAST, workers=1, journal=journal)
+    journal.unlink()
+    run_replay(bank, "coupled+msv", seeds=[3], settings=FAST, workers=1, journal=journal)
+    rows = [json.loads(x) for x in journal.read_text().splitlines()]
+    row = next(i for i, r in enumerate(rows) if r["job"] == "msv")
+    rows[row]["result"].pop(bank.items[7].item_id)
+    journal.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with pytest.raises(ReplayError, match=rf"jobs.jsonl:{row + 1}: job 'msv' seed 3: no label"):
+        run_replay(bank, "coupled+msv", seeds=[3], settings=FAST, workers=1, journal=journal)
 
 
 def test_a_study_without_seed_0_records_its_updates(bank):

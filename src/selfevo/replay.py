@@ -894,8 +894,9 @@ def _journal_key(bank: Bank, settings: ReplaySettings, judge_name: str) -> str:
     return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()
 
 
-def _read_journal(path: Path, key: str) -> dict[tuple[str, int], dict]:
-    """The finished jobs of this study in `path` (a torn last line, a kill's, is cut off)."""
+def _read_journal(path: Path, key: str, item_ids: Sequence[str] = ()) -> dict[tuple[str, int], dict]:
+    """The finished jobs of this study in `path` (a torn last line, a kill's, is cut off). `item_ids`: the
+    bank's, every one of which an MSV row labels."""
     try:
         rows = read_jsonl_log(path, repair=True)
     except ValueError as e:
@@ -909,7 +910,7 @@ def _read_journal(path: Path, key: str) -> dict[tuple[str, int], dict]:
             raise ReplayError(f"{path}: holds the finished jobs of another study (another bank, --updates, "
                               "--rollouts, --samples, judge or software version); remove it to start afresh, "
                               "or choose another --out")
-        if (wrong := _journal_result_problem(row["job"], row["result"])) is not None:
+        if (wrong := _journal_result_problem(row["job"], row["result"], item_ids)) is not None:
             # else a KeyError, or an InvariantError blaming the replay, far from the line
             raise ReplayError(f"{path}:{i}: job {row['job']!r} seed {row['seed']}: {wrong}; remove the line to run "
                               "that job again")
@@ -917,11 +918,14 @@ def _read_journal(path: Path, key: str) -> dict[tuple[str, int], dict]:
     return done
 
 
-def _journal_result_problem(job: str, result: dict) -> str | None:
+def _journal_result_problem(job: str, result: dict, item_ids: Sequence[str] = ()) -> str | None:
     """What is missing from a journal row's result (a damaged file), or None."""
     if job == "msv":
         bad = next((k for k, v in result.items() if not (v is None or isinstance(v, str))), None)
-        return None if bad is None else f"the label of item {bad!r} is neither a string nor null"
+        if bad is not None:
+            return f"the label of item {bad!r} is neither a string nor null"
+        missing = next((i for i in item_ids if i not in result), None)
+        return None if missing is None else f"no label (nor null) for item {missing!r}"
     metrics = result.get("metrics")
     if not isinstance(metrics, dict) or any(not isinstance(metrics.get(m), (int, float)) and metrics.get(m) is not None
                                             for m in REPORTED):
@@ -980,7 +984,8 @@ def run_replay(bank: Bank, conditions: Iterable[str] | str | None = None, seeds:
             key = _journal_key(bank, settings, judge_name)
             # only this study's jobs: the journal may hold more seeds or conditions than it asks for
             jobs = _jobs(conds, seeds)
-            done = {k: v for k, v in _read_journal(Path(journal), key).items() if k in jobs}
+            done = {k: v for k, v in _read_journal(Path(journal), key, [it.item_id for it in bank.items]).items()
+                    if k in jobs}
             if done and log is not None:
                 log(f"{journal}: {len(done)} finished job(s) of this study, not run again")
 
