@@ -246,18 +246,21 @@ def index_build(
     retriever: str = typer.Option("bm25", help=_RETRIEVER_HELP),
     out: Path = typer.Option(..., help="index directory to write (its manifest names the kind)"),
     model: str | None = typer.Option(None, help=_MODEL_HELP),
-    index_type: str = typer.Option("flat", help="FAISS index: flat (exact) | hnsw | ivf"),
+    index_type: str = typer.Option("flat", help="dense/hybrid: FAISS index: flat (exact) | hnsw | ivf"),
     faiss_param: list[str] = typer.Option([], "--faiss-param",
-                                          help="FAISS setting NAME=INT: hnsw_m, ef_construction, "
+                                          help="dense/hybrid: FAISS setting NAME=INT: hnsw_m, ef_construction, "
                                                "ef_search (hnsw); nlist, nprobe (ivf)"),
-    batch_size: int = typer.Option(32, min=1, help="encoding batch size"),
-    device: str = typer.Option("cpu", help="encoding device (cpu, cuda, ...)"),
-    query_prefix: str | None = typer.Option(None, help="prepended to queries (default: 'query: ' for e5)"),
-    passage_prefix: str | None = typer.Option(None, help="prepended to passages (default: 'passage: ' for e5)"),
+    batch_size: int = typer.Option(32, min=1, help="dense/hybrid: encoding batch size"),
+    device: str = typer.Option("cpu", help="dense/hybrid: encoding device (cpu, cuda, ...)"),
+    query_prefix: str | None = typer.Option(None, help="dense/hybrid: prepended to queries (default: 'query: ' "
+                                                       "for e5)"),
+    passage_prefix: str | None = typer.Option(None, help="dense/hybrid: prepended to passages (default: "
+                                                         "'passage: ' for e5)"),
     rrf_k: int = typer.Option(60, min=0, help="hybrid: reciprocal-rank-fusion constant"),
     depth: int = typer.Option(50, min=1, help="hybrid: hits each retriever contributes to the fusion"),
 ) -> None:
-    """Build a BM25, dense or hybrid index over a corpus and save it to --out."""
+    """Build a BM25, dense or hybrid index over a corpus and save it to --out (a setting the kind does not
+    read, e.g. --index-type for bm25, is refused)."""
     import time
 
     from selfevo.search.index import KINDS, build_index, check_index_out, index_size_bytes
@@ -343,7 +346,7 @@ def index_import(
 def score(
     data_dir: Path = typer.Option(..., "--data-dir", help="directory of FlashRAG QA JSONL files"),
     predictions: Path = typer.Option(..., help='JSONL of {"id","prediction"}'),
-    out: Path = typer.Option(..., help="where to write the score JSON"),
+    out: Path = typer.Option(..., help="where to write the score JSON (not a QA file's name in --data-dir)"),
 ) -> None:
     """Score predictions with Cover-EM / EM / F1 per benchmark, macro (the equal-weight mean of the benchmarks
     present: the paper's seven-benchmark macro when the QA directory holds those seven), single- and multi-hop."""
@@ -366,7 +369,7 @@ def eval_(
     agent: str = typer.Option("retrieval-baseline", help=escape(  # rich would take [@POLICY…] for markup
                               f"{' | '.join(SPEC_FORMS.values())} (MODEL: a model directory, a cached hub id or "
                               "smollm2-135m; POLICY: a trained policy file; URL: an OpenAI-compatible endpoint)")),
-    out: Path = typer.Option(..., help="output directory"),
+    out: Path = typer.Option(..., help="output directory (not --data-dir itself)"),
     limit: int | None = typer.Option(None, min=1, help="at most N questions per benchmark"),
     retriever_url: str | None = typer.Option(None, "--retriever-url",
                                                 help="use a remote /retrieve server instead of a local index"),
@@ -910,8 +913,10 @@ def compare_cmd(run_dirs: list[Path] = typer.Argument(..., help="run directories
     """Compute overhead against the coupled run of the same seed, with last-round F, T_P, A, Cover-EM.
 
     The base of a run is the coupled run among those given with its seed, config (but the treatment),
-    data and rounds done. Overhead counts the training's generations, updates and wall seconds; the
-    downstream evaluation (in compute.json too) is the same in every arm and left out."""
+    data, rounds done and, for an engine-run, [engine] table. Overhead counts the training's
+    generations, updates and wall seconds; the downstream evaluation (in compute.json too) is the same
+    in every arm and left out. F, T_P and A come from each run's audit: audits made differently (judge,
+    prompt version, --max-items-per-step) are named in an audit column, with a warning."""
     from rich.table import Table
 
     from selfevo._fmt import DASH, num
@@ -952,7 +957,7 @@ def compare_cmd(run_dirs: list[Path] = typer.Argument(..., help="run directories
     unpaired = [r["run"] for r in rows if r["extra_generations"] is None]
     if unpaired:  # a dash alone does not say why (a run of another config, world or rounds done than its coupled)
         console.print(escape(f"+gen, +upd, +time {DASH}: no coupled run among those given has the seed, config "
-                             f"(but the treatment), data and rounds done of {', '.join(unpaired)}"))
+                             f"(but the treatment), data, rounds done and [engine] table of {', '.join(unpaired)}"))
 
 
 @app.command("demo")
@@ -1069,7 +1074,7 @@ def replay_run(
     workers: int = typer.Option(min(2, os.cpu_count() or 1), help="parallel processes (a language-model "
                                                                      "bank runs in this process)"),
     updates: int = typer.Option(50, help="updates per feedback solver (half budget: half)"),
-    rollouts: int = typer.Option(5, help="training rollouts per question (the GRPO group)"),
+    rollouts: int = typer.Option(5, help="training rollouts per question (the GRPO group; at least 2)"),
     samples: int = typer.Option(5, help="sampled grader answers per bank item (and one greedy)"),
     judge_url: str | None = typer.Option(None, "--judge-url", help="judge with an LLM at this OpenAI base URL "
                                          "(e.g. http://127.0.0.1:8001/v1) instead of the world's exact truth; "

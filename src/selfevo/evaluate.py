@@ -309,7 +309,7 @@ def evaluate_solver(solver: Solver, data: Mapping[str, Sequence[QAItem]], tool: 
     agent's `describe()` (a remote solver's URL and call counters); a run directory's evaluation files
     leave them out, so a resumed run writes the same bytes).
 
-    With `partial_key` (what makes two evaluations the same: the agent spec, data, retriever) and
+    With `partial_key` (what makes two evaluations the same: the agent, data, retriever) and
     `out_dir` (or `partial_path`), each answered batch is appended to `predictions.partial.jsonl`
     (`partial_path`) as it comes: an evaluation stopped part way (a kill, Ctrl-C, an endpoint that
     stopped answering) continues from there when run again with the same key, and the file is
@@ -432,9 +432,9 @@ def _read_partial(path: Path, key: dict, restart_stale: bool = False) -> dict[st
         if len(rows) <= 1 or restart_stale:  # nothing answered: the corrected command starts afresh
             path.unlink()
             return {}
-        raise PartialFileError(f"{path}: a stopped evaluation of other settings (agent and its settings, data, "
-                               "retriever, encoder, limit or questions); remove it to start over, or choose another "
-                               "--out")
+        raise PartialFileError(f"{path}: a stopped evaluation of other settings (agent and its settings, an lm: "
+                               "agent's model or policy files, data, retriever, encoder, limit or questions); remove "
+                               "it to start over, or choose another --out")
     answers = {}
     for i, row in enumerate(rows[1:], start=2):
         if not (isinstance(row.get("id"), str) and isinstance(row.get("prediction"), str)

@@ -950,7 +950,9 @@ def run_replay(bank: Bank, conditions: Iterable[str] | str | None = None, seeds:
     `journal` (a JSONL file, append-only) keeps every finished job: a study stopped part way and run
     again with the same bank, settings and judge reruns only the jobs it lacks (a job is hours of
     training on a language-model bank), and a study asked for more conditions or seeds runs only
-    those. Its results are the same bytes as those of a study never stopped. `log` gets one line
+    those. Its results are the same bytes as those of a study never stopped (of the same conditions and
+    seeds: with a judge that resolves by the answers, every job's metrics are over the items all of
+    them resolved, `compare_on_common_items`). `log` gets one line
     saying how many jobs the journal held.
     """
     from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn

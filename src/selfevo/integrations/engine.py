@@ -7,7 +7,8 @@
                                  graded by its lineage's grader and paid f(k) (rewards.FrontierReward)
       r{r}/admit                 admission over the round's proposals (all | MSV on main@r-1), capped
                                  at the budget; proposer step records -> records/steps.jsonl; the
-                                 solver training sets, split by fold for the auxiliary solvers
+                                 solver training sets, split by fold for the auxiliary solvers (an
+                                 MSV call that fails for good stops the phase: GradingFailed)
       r{r}/main                  train the main solver on every admitted question (solver step records)
       r{r}/aux-j                 train each auxiliary solver on its fold's questions (not after the
                                  last round: nobody would be graded by them)

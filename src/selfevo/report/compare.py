@@ -76,8 +76,8 @@ def training_cost(compute: dict) -> tuple[int, float]:
 
 
 def compare(paths: list[str | os.PathLike]) -> list[dict]:
-    """One row per run, with ratios against the coupled run of the same seed, config and rounds done
-    (None if absent)."""
+    """One row per run, with ratios against the coupled run of the same seed, config, data, rounds done
+    and [engine] table (None if absent)."""
     runs = [RunSummary.load(p) for p in paths]
     base: dict[str, RunSummary] = {}
     for r in runs:

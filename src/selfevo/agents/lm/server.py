@@ -7,7 +7,8 @@
 
 Enough of the OpenAI API for the official `openai` client, vLLM-style callers and selfevo's own
 judge. Departures, all on the side of refusing: no streaming (400), caps on body size, messages,
-`max_tokens` and `n`, no prompt as long as the model's context (400); content must be a string (no
+`max_tokens` and `n`, no prompt as long as the model's context (400), no messages the model's chat
+template refuses (400, with its reason); content must be a string (no
 list of parts) and the role system, user or assistant; every bad request is a 4xx, never a 500 (a
 5xx is a model failure, which the scripted model injects on purpose). A `max_tokens` within the
 request cap but above the model's own budget (or what its context leaves after the prompt) is clamped
