@@ -312,8 +312,8 @@ def unread_benchmark(path: Path) -> bool:
         return True
     if not name.endswith(".json") or not path.is_file():
         return False
-    with open(path, "rb") as fh:
-        first = next((line for line in fh if line.strip()), b"")
+    with open(path, "rb") as fh:  # (a line read up to 1 MiB: a one-line JSON document of gigabytes is none)
+        first = next((line for line in iter(lambda: fh.readline(1 << 20), b"") if line.strip()), b"")
     try:
         obj = json.loads(first)
     except ValueError:  # a pretty-printed JSON document, not JSON Lines
