@@ -275,3 +275,29 @@ def test_engine_run_refuses_folds_left_empty_before_writing_anything(tmp_path):
     with pytest.raises(ConfigError, match="leaves fold"):
         eng.EngineRun(eng.engine_config_from_dict(cfg, engine="trl"), tmp_path / "run", log=print)
     assert not (tmp_path / "run").exists()
+
+
+# ---------------------------------------------------------------- a remote call's seed
+
+
+def test_a_remote_calls_seed_is_its_rows_not_its_place_among_the_rows_still_running():
+    """Per-call seeds were derived from a conversation's place among those still running: a row whose call
+    failed for good (or that answered early) changed the seeds of every later row of its batch."""
+    def seeds_of_turn_2(failing: bool) -> dict[str, int]:
+        calls: dict[str, list[int]] = {}
+
+        def reply(request: httpx.Request) -> httpx.Response:
+            body = json.loads(request.content)
+            question = body["messages"][1]["content"].rsplit("Question: ", 1)[-1].strip()
+            calls.setdefault(question, []).append(body["seed"])
+            if failing and question.startswith("q0"):
+                return _reply(400, "refused")
+            return _reply(200, "<search> x </search>" if len(calls[question]) == 1 else "<answer> a </answer>")
+
+        s = RemoteSolver("http://fake/v1", "m", max_retries=0, backoff=0.001, concurrency=1)
+        s.client._http = httpx.Client(transport=httpx.MockTransport(reply))
+        s.answer(["q0", "q1", "q2"], SearchTool(_Pages()), greedy=False, n=1, seed=5)
+        return {q: seeds[1] for q, seeds in calls.items() if len(seeds) > 1}
+
+    alive, failed = seeds_of_turn_2(False), seeds_of_turn_2(True)
+    assert set(failed) == {"q1", "q2"} and failed == {q: alive[q] for q in failed}

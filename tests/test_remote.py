@@ -476,8 +476,8 @@ def test_msv_with_the_source_shows_a_served_solver_what_the_loops_solver_sees(sm
                                                  [("<answer> x </answer>", "stop")] * len(convs))[1]
     LMSolver(policy, "main").answer(["Q?"], tool, greedy=False, n=1, seed=0, contexts=[doc])
     remote = RemoteSolver("http://127.0.0.1:9/v1", "main", context=_truncator(str(smollm2_path), cfg.doc_tokens))
-    remote._generate = lambda convs, seed, greedy, streak, stop: (seen.setdefault("engine", convs[0][-1]["content"]),
-                                                                  [("<answer> x </answer>", "stop")] * len(convs))[1]
+    remote._generate = lambda convs, seed, greedy, streak, stop, rows: (
+        seen.setdefault("engine", convs[0][-1]["content"]), [("<answer> x </answer>", "stop")] * len(convs))[1]
     remote.answer(["Q?"], tool, greedy=False, n=1, seed=0, contexts=[doc])
     assert seen["engine"] == seen["loop"]
     assert "word1999" not in seen["engine"]

@@ -8,8 +8,8 @@ rollout driver (`agents.lm.rollout.run_rollouts`); it only supplies `generate`: 
 conversation is one chat call, sent concurrently (a bounded thread pool) with
 `stop=["</search>", "</answer>"]`, so one call is one assistant action. Greedy is temperature 0;
 sampling uses temperature 0.8, top-p 0.95 (paper). Each call carries a seed derived from the batch
-seed, the turn and the row, so a seeded server samples reproducibly and the n samples of a question
-differ.
+seed, the turn and the row (its place in the batch), so a seeded server samples reproducibly, the n
+samples of a question differ, and a row that ends early changes no other row's seeds.
 
 Failures: the HTTP client (`agents.chat_client`, shared with the LLM judge) retries timeouts,
 connection errors, 408, 409, 425, 429, 5xx and 200s that are no chat completion. A call that still
@@ -143,16 +143,17 @@ class RemoteSolver:
 
     # -------------------------------------------------------------- generation
     def _generate(self, conversations: list[list[dict]], seed: int | None, greedy: bool,
-                  streak: FailureStreak, stop: threading.Event) -> list[tuple[str, str]]:
+                  streak: FailureStreak, stop: threading.Event, rows: Sequence[int]) -> list[tuple[str, str]]:
         """One assistant action per conversation, `(text, finish_reason)`; "error" for a call that
         failed for good (the rollout then ends that conversation unanswered). `streak`: the calling
-        batch's failures in a row; `stop`: set when the batch stops, its calls then retry no more."""
+        batch's failures in a row; `stop`: set when the batch stops, its calls then retry no more;
+        `rows`: each conversation's place in the batch, which its call's seed is derived from."""
         temperature, top_p = (0.0, 1.0) if greedy else (self.temperature, self.top_p)
 
         def one(row: int) -> tuple[str, str]:
             self._check_answering(streak)  # once it is not, the calls still queued are not sent
             self._count("calls")
-            row_seed = None if seed is None else derive_seed(seed, "row", row) & SEED_MASK
+            row_seed = None if seed is None else derive_seed(seed, "row", rows[row]) & SEED_MASK
             try:
                 choice = self.client.chat(conversations[row], temperature=temperature, top_p=top_p,
                                           seed=row_seed, stopped=stop)[0]
@@ -199,8 +200,16 @@ class RemoteSolver:
         copies = 1 if greedy else n  # greedy: the n trajectories are identical, run one
         streak = FailureStreak(self.max_failed_in_a_row)  # each batch tries the endpoint afresh
         stop = threading.Event()  # this batch's own: a client is shared by the batches of several threads
-        rollouts = run_rollouts([s for s in starts for _ in range(copies)], tool,
-                                lambda convs, s: self._generate(convs, s, greedy, streak, stop),
+        # a conversation's place in the batch, not among those still running: else a row that ended (an
+        # answer, a call failed for good) changed the seeds of every later row's calls
+        place: dict[int, int] = {}
+
+        def generate(convs: list[list[dict]], s: int | None) -> list[tuple[str, str]]:
+            if not place:  # the first turn holds every conversation, in order; each keeps its message list
+                place.update({id(c): i for i, c in enumerate(convs)})
+            return self._generate(convs, s, greedy, streak, stop, [place[id(c)] for c in convs])
+
+        rollouts = run_rollouts([s for s in starts for _ in range(copies)], tool, generate,
                                 max_actions=self.max_actions, seed=seed)
         trajs = [Trajectory(answer=ro.answer, searches=list(ro.searches), actions=ro.actions, trace=ro)
                  for ro in rollouts]
