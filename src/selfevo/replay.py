@@ -675,8 +675,13 @@ def replay_accuracy(greedy: Sequence[str], labels: Sequence[str], resolved: Sequ
                     matcher=answers_match) -> float | None:
     """The share of the items the judge resolved whose one greedy answer matches the bank label
     (None when it resolved none)."""
-    hits = [matcher(g, y) for g, y, ok in zip(greedy, labels, resolved, strict=True) if ok]
-    return sum(hits) / len(hits) if hits else None
+    return share_of_hits([matcher(g, y) for g, y in zip(greedy, labels, strict=True)], resolved)
+
+
+def share_of_hits(hits: Sequence[bool], resolved: Sequence[bool]) -> float | None:
+    """The share of hits among the resolved items (None when none is resolved)."""
+    kept = [h for h, ok in zip(hits, resolved, strict=True) if ok]
+    return sum(kept) / len(kept) if kept else None
 
 
 def _grade(ctx: _Context, solvers: Sequence, grader, seed: int) -> dict:
@@ -716,8 +721,7 @@ def _grade(ctx: _Context, solvers: Sequence, grader, seed: int) -> dict:
 def _metrics(judged: Sequence[JudgedItem], hits: Sequence[bool]) -> dict:
     """A job's reported numbers from its judged items and greedy hits (replay accuracy over the resolved)."""
     m = audit_metrics(judged)
-    accuracy = replay_accuracy(["x" if h else "" for h in hits], ["x"] * len(hits), [j.resolved for j in judged],
-                               lambda a, b: a == b)
+    accuracy = share_of_hits(hits, [j.resolved for j in judged])
     return {"F": m["F"], "solver_truth": m["T_S"], "replay_accuracy": accuracy, "A": m["A"],
             "coverage": m["coverage"], "L": m["L"], "T_P": m["T_P"]}
 
@@ -762,6 +766,7 @@ def check_invariants(outcomes: Mapping[tuple[str, int], dict], bank: Bank, setti
     graded the bank's items (their questions and labels) under the one matcher, and every feedback
     solver made the full number of updates (half for the half-budget condition)."""
     want_graded = _graded_digest((it.item_id, it.question, it.label) for it in bank.items)
+    first = min((s for _, s in outcomes), default=None)
     for (name, seed), out in sorted(outcomes.items()):
         where = f"replay invariant broken in {name} seed {seed}"
         if out["graded"] != want_graded or out["n_graded"] != len(bank.items):
@@ -775,8 +780,7 @@ def check_invariants(outcomes: Mapping[tuple[str, int], dict], bank: Bank, setti
             raise InvariantError(f"{where}: feedback solver updates {out['updates']}, expected {want} each")
     return {"items": len(bank.items), "items_sha256": want_graded, "matcher": _CANONICAL_MATCHER,
             # one seed's (checked above for all): the first, whichever it is (was seed 0's: none without it)
-            "updates": {name: out["updates"] for (name, seed), out in sorted(outcomes.items())
-                        if seed == min(s for _, s in outcomes)}}
+            "updates": {name: out["updates"] for (name, seed), out in sorted(outcomes.items()) if seed == first}}
 
 
 class _InProcess:
@@ -996,9 +1000,7 @@ def run_replay(bank: Bank, conditions: Iterable[str] | str | None = None, seeds:
         with Progress(*columns, disable=not progress, transient=True) as bar:
             outcomes, msv, base = _run_jobs(pool, conds, seeds, bar, done, record)
     invariants = check_invariants(outcomes, bank, settings)
-    ref = base[seeds[0]]["metrics"]
-    outcomes = {k: dict(v) for k, v in outcomes.items()}  # (a journal's results are not rewritten)
-    base = {s: dict(v) for s, v in base.items()}
+    ref = base[seeds[0]]["metrics"]  # (the bank's: `compare_on_common_items` gives each job metrics anew)
     compared = compare_on_common_items([*outcomes.values(), *(base[s] for s in seeds)])
     # T_P and coverage of the bank, as the base reference's answers were judged (the oracle resolves by the
     # question alone: the same for every grader; an LLM judge may leave another grader's answers unresolved,

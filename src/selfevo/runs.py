@@ -572,23 +572,14 @@ class RunDir:
         return data
 
     def engine_setting(self) -> dict | None:
-        """An engine-run's [engine] table (engine/engine.json) but where it ran: what its numbers depend on
-        besides config.json (the engine, the group sizes, MSV's samples, the TRL or verl settings). None for
-        an `evolve` run."""
+        """An engine-run's [engine] table (engine/engine.json) but where it ran
+        (`integrations.engine.computed_setting`); None for an `evolve` run."""
         path = self.path / "engine" / "engine.json"
         if not path.exists():
             return None
-        from selfevo.integrations.engine import WHERE_NOT_WHAT
-        from selfevo.integrations.trl_job import TRL_LOGGING
-        from selfevo.integrations.verl_launch import FREE_VERL
+        from selfevo.integrations.engine import computed_setting
 
-        spec = {k: v for k, v in read_object(path).items() if k not in WHERE_NOT_WHAT}
-        # which server it searched is where; whether it searched one (or its own index) is what
-        spec["retriever_url"] = bool(spec.get("retriever_url"))
-        for table, where in (("verl", FREE_VERL), ("trl", TRL_LOGGING)):  # where a job logs, not what it trains
-            if isinstance(spec.get(table), dict):
-                spec[table] = {k: v for k, v in spec[table].items() if k not in where}
-        return spec
+        return computed_setting(read_object(path))
 
     def audit_setting(self) -> dict:
         """What an audit's numbers depend on besides the records (audit/judge.json): the judge's prompt

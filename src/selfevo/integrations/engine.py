@@ -88,6 +88,21 @@ def _where_not_what(field: str, before: Any, now: Any) -> bool:
     return field in WHERE_NOT_WHAT or (field == "retriever_url" and bool(before) and bool(now))
 
 
+def computed_setting(spec: Mapping[str, Any]) -> dict[str, Any]:
+    """A saved [engine] table less where the run executed and logged: what its numbers depend on besides
+    config.json (`report` and `compare` pool and pair engine runs by it). Which server it searched is
+    where; whether it searched one (or its own index) is what, as `_where_not_what` has it."""
+    from selfevo.integrations.trl_job import TRL_LOGGING
+    from selfevo.integrations.verl_launch import FREE_VERL
+
+    out = {k: v for k, v in spec.items() if k not in WHERE_NOT_WHAT}
+    out["retriever_url"] = bool(out.get("retriever_url"))
+    for table, where in (("verl", FREE_VERL), ("trl", TRL_LOGGING)):  # where a job logs, not what it trains
+        if isinstance(out.get(table), dict):
+            out[table] = {k: v for k, v in out[table].items() if k not in where}
+    return out
+
+
 class EngineUnavailable(RuntimeError):
     """A phase needs what this machine lacks (verl, GPUs, vLLM)."""
 

@@ -9,6 +9,7 @@ settings: on-policy (one update per batch, no KL), the sequence-mean-of-token-me
 
 from __future__ import annotations
 
+import functools
 import shlex
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -75,8 +76,13 @@ FREE_VERL = frozenset({"trainer.logger", "trainer.project_name", "trainer.experi
 def pinned_verl(key: str) -> bool:
     """Does an [engine.verl] key replace (or reach below) an override the engine sets itself?"""
     key = key.lstrip("+")
-    pinned = (set(_overrides(VerlPhase(*[""] * 5, 1, 1, 2, 0.0, *[""] * 3))) | {SETTINGS_KEY}) - FREE_VERL
-    return any(key == k or key.startswith(k + ".") or k.startswith(key + ".") for k in pinned)
+    return any(key == k or key.startswith(k + ".") or k.startswith(key + ".") for k in _pinned())
+
+
+@functools.cache
+def _pinned() -> frozenset[str]:
+    """The keys `phase_overrides` sets itself (those of any phase) but the free ones."""
+    return (frozenset(_overrides(VerlPhase(*[""] * 5, 1, 1, 2, 0.0, *[""] * 3))) | {SETTINGS_KEY}) - FREE_VERL
 
 
 def _overrides(p: VerlPhase) -> dict[str, object]:
