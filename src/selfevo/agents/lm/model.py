@@ -345,12 +345,14 @@ class TransformersChatModel:
         comps = []
         for row in out:
             new = row[start:]
-            # with n > 1 samples every row is padded to the longest one: a row that ended early
-            # (EOS, a stop string) is neither "length" nor as long as the batch
-            n_new = int((new != pad).sum()) + int(eos is not None and eos == pad and bool((new == eos).any()))
             text = self.tokenizer.decode(new, skip_special_tokens=True)
             # the stop string may end inside a token, so the generated text can run past it: cut
             text, matched = cut_before_stop(prefix + text, stop)
+            # with n > 1 samples every row is padded to the longest one: a row that ended early
+            # (EOS, a stop string) is neither "length" nor as long as the batch. Where the pad is the
+            # EOS token, one of them is the row's own EOS, unless a stop string ended the row
+            ended_on_eos = matched is None and eos is not None and eos == pad and bool((new == eos).any())
+            n_new = int((new != pad).sum()) + int(ended_on_eos)
             stopped = matched is not None or bool(eos is not None and (new == eos).any())
             cut_short = not stopped and (n_new >= budget or timed_out)
             comps.append(Completion(text, "length" if cut_short else "stop", start, n_new, matched))
