@@ -153,6 +153,8 @@ def run_and_kill(cmd: list[str], out: Path, target_lines: int | str, delay_s: fl
     else:
         goes_on = f"round {done + 1} start" if done < rounds else "the audit"
     for partial in (out / "eval").glob("round-*.partial.jsonl"):  # the one evaluation running, if any
+        if partial.with_name(partial.name.replace(".partial.jsonl", ".json")).exists():
+            continue  # a finished evaluation's answers, kept until the next checkpoint: a resume reads its JSON
         kept = partial.read_bytes().count(b"\n") - 1  # its first line names the model
         goes_on += f" (evaluation: {kept} answers kept)"
     return {"target_lines": target_lines, "delay_ms": round(delay_s * 1000, 1), "lines": lines,

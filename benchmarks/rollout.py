@@ -107,8 +107,10 @@ def main() -> None:
              "| mode | generated tokens | seconds | tokens/s | vs sequential |", "|---|---:|---:|---:|---:|"]
     for mode, (n, secs, rate) in rows.items():
         lines.append(f"| {mode} | {n} | {secs:.2f} | {rate:.1f} | {rate / base:.2f}x |")
-    lines += ["", "batched: one left-padded batch with the KV cache (`LMPolicy.generate`); sequential: one prompt "
-              "at a time with the KV cache; no-cache: one at a time, recomputing the prefix for every token."]
+    legend = {"batched": "one left-padded batch with the KV cache (`LMPolicy.generate`)",
+              "sequential": "one prompt at a time with the KV cache",
+              "no-cache": "one at a time, recomputing the prefix for every token"}
+    lines += ["", "; ".join(f"{mode}: {legend[mode]}" for mode in rows) + "."]
     if gpu:
         peak = torch.cuda.max_memory_allocated(torch.device(args.device)) / 2**30
         lines.append(f"Peak GPU memory allocated by the process (model, adapter, KV caches): {peak:.2f} GiB.")

@@ -555,6 +555,27 @@ def test_retrieval_baseline_heuristic(question, docs, expected):
     assert trajs[0].searches == [question] and retriever.queries == [question]
 
 
+def test_either_or_is_the_regex_without_its_backtracking():
+    """`either_or` finds what the plain regex search finds (groups and all) on questions built from
+    the characters that matter to it (commas, "?", " or ", blanks), and a question with thousands of
+    " or " and no match (the search backtracked over every one of them: about a second at 2,000)."""
+    import random
+
+    from selfevo.agents.baseline import _EITHER_OR, either_or
+
+    rng = random.Random(0)
+    parts = [",", "?", " or ", " ", "a", "Bob", "\n", "\u00a0", "x, y"]
+    for _ in range(20000):
+        q = "".join(rng.choice(parts) for _ in range(rng.randint(0, 12)))
+        want, got = _EITHER_OR.search(q), either_or(q)
+        assert (want and (want.span(), want.groups())) == (got and (got.span(), got.groups())), repr(q)
+    for tail in (".", "? and", "? x?"):
+        q = "Which, " + " or ".join(f"x{i}" for i in range(20000)) + tail
+        assert either_or(q) is None
+    q = "Which, " + " or ".join(f"x{i}" for i in range(20000)) + "?"
+    assert either_or(q).groups() == ("x0", q[q.index("x1"):-1])
+
+
 @needs_data
 def test_cli_eval_retrieval_baseline_end_to_end(tmp_path):
     out = tmp_path / "eval"

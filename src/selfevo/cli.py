@@ -349,7 +349,9 @@ def score(
     out: Path = typer.Option(..., help="where to write the score JSON (not a QA file's name in --data-dir)"),
 ) -> None:
     """Score predictions with Cover-EM / EM / F1 per benchmark, macro (the equal-weight mean of the benchmarks
-    present: the paper's seven-benchmark macro when the QA directory holds those seven), single- and multi-hop."""
+    present: the paper's seven-benchmark macro when the QA directory holds those seven), single- and multi-hop.
+    Every question of the directory is scored: one with no prediction scores 0 (after `eval --limit`, the
+    rest of each benchmark; the table says how many are missing)."""
     from selfevo.evaluate import print_score_table, score_files
 
     _out_not_over(out, [predictions, data_dir])
@@ -370,7 +372,8 @@ def eval_(
                               f"{' | '.join(SPEC_FORMS.values())} (MODEL: a model directory, a cached hub id or "
                               "smollm2-135m; POLICY: a trained policy file; URL: an OpenAI-compatible endpoint)")),
     out: Path = typer.Option(..., help="output directory (not --data-dir itself)"),
-    limit: int | None = typer.Option(None, min=1, help="at most N questions per benchmark"),
+    limit: int | None = typer.Option(None, min=1, help="at most N questions per benchmark (its score.json "
+                                                         "scores those; `selfevo score` scores the whole directory)"),
     retriever_url: str | None = typer.Option(None, "--retriever-url",
                                                 help="use a remote /retrieve server instead of a local index"),
     retriever: str | None = typer.Option(None, help=f"{_RETRIEVER_HELP}; default bm25, or --index's kind"),

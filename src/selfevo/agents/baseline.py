@@ -54,6 +54,17 @@ _QUESTION_STOPWORDS = _SPAN_STOPWORDS | {
 # "..., A or B?" at the end of a question
 _EITHER_OR = re.compile(r",\s*([^,?]+?)\s+or\s+([^,?]+?)\s*\?\s*$")
 
+
+def either_or(question: str) -> re.Match | None:
+    """`_EITHER_OR.search(question)`, in time linear in the question. The options hold no "," and no
+    "?", so a match starts at the last comma and ends at the one "?" after it; a question that has no
+    such tail is refused before the regex, whose failing search backtracks over every " or "."""
+    comma = question.rfind(",")
+    tail = question[comma + 1:].rstrip()
+    if comma < 0 or not tail.endswith("?") or "?" in tail[:-1]:
+        return None
+    return _EITHER_OR.search(question, comma)
+
 _TOKEN = re.compile(r"\w+(?:[-'’.]\w+)*")
 
 
@@ -141,9 +152,9 @@ class RetrievalBaseline:
 
     def _pick(self, question: str, hits: list[Hit]) -> str:
         title = _strip_disambiguation(hits[0].document.title) if hits else ""
-        either_or = _EITHER_OR.search(question)
-        if either_or:
-            options = [o.strip() for o in either_or.groups()]
+        pair = either_or(question)
+        if pair:
+            options = [o.strip() for o in pair.groups()]
             t = normalize_answer(title)
             named = [o for o in options
                      if t and (normalize_answer(o) in t or t in normalize_answer(o))]
