@@ -295,6 +295,28 @@ def test_a_loaded_index_maps_its_vectors_and_outlives_a_rebuild_of_its_directory
     assert [ids(h)[0] for h in rebuilt.retrieve(queries, 3)] == [ids(h)[0] for h in before]
 
 
+@pytest.mark.parametrize("index_type", ["flat", "hnsw", "ivf"])
+def test_a_loaded_index_saves_the_vectors_it_was_read_from(encoder, index_type, tmp_path):
+    """An IVF index read mapped holds only a reference to its file's inverted lists, and
+    faiss.write_index wrote that reference (6 KB, no vectors; opening it crashed the process). A
+    loaded index saves the bytes it was read from: back in its own directory, elsewhere, and after
+    its directory was built again from other passages."""
+    DenseIndex.build(DOCS, encoder, index_type=index_type).save(tmp_path / "a")
+    original = (tmp_path / "a" / "vectors.faiss").read_bytes()
+    loaded = DenseIndex.load(tmp_path / "a", encoder)
+    queries = list(PARAPHRASES)
+    before = loaded.retrieve(queries, 3)
+    loaded.save(tmp_path / "a")
+    loaded.save(tmp_path / "b")
+    assert (tmp_path / "a" / "vectors.faiss").read_bytes() == original
+    assert (tmp_path / "b" / "vectors.faiss").read_bytes() == original
+    DenseIndex.build(DOCS[::-1], encoder, index_type=index_type).save(tmp_path / "a")
+    loaded.save(tmp_path / "c")
+    assert (tmp_path / "c" / "vectors.faiss").read_bytes() == original
+    for d in ("b", "c"):
+        assert DenseIndex.load(tmp_path / d, encoder).retrieve(queries, 3) == before
+
+
 def test_load_without_an_encoder_loads_the_manifests_model(flat, saved):
     loaded = DenseIndex.load(saved)  # a real second load of the bundled model, from the manifest
     assert loaded.encoder.fingerprint == flat.encoder.fingerprint

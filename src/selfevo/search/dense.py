@@ -242,6 +242,28 @@ def read_faiss(path: Path, index_type: str | None = None) -> Any:
     return faiss.read_index(str(path), flag)
 
 
+class _ReadFrom:
+    """The FAISS file an index was read from, held open (mapped): the bytes it was read from, even
+    once a rebuild of its directory renames another file over its name."""
+
+    def __init__(self, path: Path):
+        with open(path, "rb") as fh:
+            self._map = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
+            st = os.fstat(fh.fileno())
+        self._inode = (st.st_dev, st.st_ino)
+
+    def is_at(self, path: Path) -> bool:
+        try:
+            st = path.stat()
+        except FileNotFoundError:
+            return False
+        return (st.st_dev, st.st_ino) == self._inode
+
+    def copy_to(self, fh) -> None:
+        for start in range(0, len(self._map), 1 << 24):
+            fh.write(self._map[start:start + (1 << 24)])
+
+
 def faiss_message(error: Exception) -> str:
     """What a FAISS RuntimeError says, without the C++ function signature and source line before it."""
     last = str(error).strip().splitlines()[-1] if str(error).strip() else type(error).__name__
@@ -307,6 +329,7 @@ class DenseIndex:
         self.params = dict(params or {})
         self.build_seconds = build_seconds
         self.imported = imported  # where a FAISS file built elsewhere came from (search/adopt.py)
+        self.vectors_file: _ReadFrom | None = None  # the file `index` was read from (`load`), if any
 
     def __len__(self) -> int:
         return len(self.docs)
@@ -416,10 +439,15 @@ class DenseIndex:
         index_dir = Path(index_dir)
         index_dir.mkdir(parents=True, exist_ok=True)
         (index_dir / MANIFEST).unlink(missing_ok=True)
-        # beside its place and renamed over it: an index loaded from this directory maps the old file,
-        # and a file rewritten in place under a memory map kills its reader
-        with atomic_writer(index_dir / VECTORS_FILE, "wb") as fh:
-            faiss.write_index(self.index, faiss.PyCallbackIOWriter(fh.write))
+        target, source = index_dir / VECTORS_FILE, self.vectors_file
+        if source is None or not source.is_at(target):  # else its own file, as it was read
+            # beside its place and renamed over it: an index loaded from this directory maps the old file,
+            # and a file rewritten in place under a memory map kills its reader
+            with atomic_writer(target, "wb") as fh:
+                if source is not None:  # copied: an IVF index read mapped holds a reference to its file's
+                    source.copy_to(fh)  # lists, all that write_index would write of them
+                else:
+                    faiss.write_index(self.index, faiss.PyCallbackIOWriter(fh.write))
         self.seal(index_dir)
 
     def seal(self, index_dir: Path) -> None:
@@ -470,8 +498,10 @@ class DenseIndex:
         except (KeyError, AttributeError, TypeError, ValueError) as e:  # a manifest not of this file
             raise ValueError(f"{where}: index_type {index_type!r} with index_params {params!r} does not "
                              f"fit {VECTORS_FILE} ({type(e).__name__}: {e})") from None
-        return cls(encoder, index, docs, manifest["corpus_sha256"], index_type, params,
-                   build_seconds=manifest.get("build_seconds"), imported=manifest.get("imported"))
+        loaded = cls(encoder, index, docs, manifest["corpus_sha256"], index_type, params,
+                     build_seconds=manifest.get("build_seconds"), imported=manifest.get("imported"))
+        loaded.vectors_file = _ReadFrom(index_dir / VECTORS_FILE)
+        return loaded
 
     # ------------------------------------------------------------ retrieval
 
