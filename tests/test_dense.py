@@ -676,6 +676,22 @@ def test_a_cached_index_is_rebuilt_when_its_faiss_settings_change(encoder, tmp_p
         assert dense[1].build_seconds == dense[0].build_seconds  # the same settings: the cache
         assert dense[2].params == {"nlist": 2, "nprobe": 2}
         assert (dense[2].index.nlist, dense[2].index.nprobe) == (2, 2)
+        # a search-time setting alone (nprobe) is taken by the cache, not a rebuild (no encoding)
+        c = cls.from_corpus_file(corpus, d, encoder, index_type="ivf", nlist=2, nprobe=1)
+        c = c if cls is DenseIndex else c.dense
+        assert c.build_seconds == dense[2].build_seconds and c.params == {"nlist": 2, "nprobe": 1}
+        assert c.index.nprobe == 1
+        # no type asked (serve-retriever, eval): the cache's own type and settings, a search one over them
+        for asked, params in (({}, {"nlist": 2, "nprobe": 2}), ({"nprobe": 2}, {"nlist": 2, "nprobe": 2})):
+            e = cls.from_corpus_file(corpus, d, encoder, **asked)
+            e = e if cls is DenseIndex else e.dense
+            assert (e.index_type, e.params, e.build_seconds) == ("ivf", params, dense[2].build_seconds)
+            assert e.index.nprobe == params["nprobe"]
+        with pytest.raises(ValueError, match="index type 'ivf' takes no parameter 'ef_search'"):
+            cls.from_corpus_file(corpus, d, encoder, ef_search=8)
+        # another type asked: rebuilt
+        f = cls.from_corpus_file(corpus, d, encoder, index_type="flat")
+        assert (f if cls is DenseIndex else f.dense).index_type == "flat"
 
 
 def test_a_cache_directory_of_another_kind_is_refused_not_overwritten(tmp_path):

@@ -179,7 +179,7 @@ def _typer(help: str) -> _Typer:
 app = _typer("Self-evolving search agents without co-cheating.")
 
 
-def _dense_options(model: str | None, index_type: str = "flat", batch_size: int = 32, device: str = "cpu",
+def _dense_options(model: str | None, index_type: str | None = None, batch_size: int = 32, device: str = "cpu",
                    rrf_k: int | None = None, depth: int | None = None,
                    query_prefix: str | None = None, passage_prefix: str | None = None,
                    faiss_param: list[str] | None = None):
@@ -195,7 +195,7 @@ def _dense_options(model: str | None, index_type: str = "flat", batch_size: int 
     try:  # a bad value fails now, not after the encoding (or at the first search)
         from selfevo.search.dense import default_params
 
-        default_params(index_type, 1, **params)
+        default_params(index_type or "flat", 1, **params)
     except ValueError as e:
         _fail(f"--faiss-param: {e}")
     return DenseOptions(model=model, index_type=index_type, batch_size=batch_size, device=device,

@@ -271,6 +271,9 @@ def faiss_message(error: Exception) -> str:
     return found.group(1) if found else last
 
 
+SEARCH_PARAMS = ("ef_search", "nprobe")  # read at search time: a cache built with others takes these
+
+
 def _apply_search_params(index: Any, index_type: str, params: dict[str, Any]) -> None:
     """Search-time knobs live in the manifest, not (only) in FAISS's file."""
     if index_type == "hnsw":
@@ -385,29 +388,44 @@ class DenseIndex:
 
     @classmethod
     def from_corpus_file(cls, path: str | os.PathLike, index_dir: str | os.PathLike | None = None,
-                         encoder: Encoder | None = None, *, index_type: str = "flat",
+                         encoder: Encoder | None = None, *, index_type: str | None = None,
                          progress: bool = False, **params: Any) -> DenseIndex:
         """Load the index cached in `index_dir` if it was built from this exact corpus file with
-        this encoder, else build it (and save it there). The encoder defaults to MiniLM."""
+        this encoder and the FAISS settings asked for (`take_settings`), else build it (and save it
+        there). The encoder defaults to MiniLM; `index_type` None: the cache's, flat for a build."""
         digest = file_sha256(path)
         encoder = encoder or Encoder()
         if index_dir is not None and (Path(index_dir) / MANIFEST).exists():
             try:
                 cached = cls.load(index_dir, encoder=encoder, expected_corpus_sha256=digest)
-                # the FAISS settings asked for now, not only the type (nprobe, ef_search, nlist, ...)
-                if cached.index_type == index_type and \
-                        cached.params == default_params(index_type, len(cached), **params):
-                    return cached
             except EncoderMismatch as e:
                 raise EncoderMismatch(f"{e}; {KEEP_CACHE}") from None
             except (ValueError, OSError, RuntimeError):
-                pass  # stale, foreign or damaged cache (FAISS raises RuntimeError): rebuild it
-        index = cls.build(corpus_documents(path, digest), encoder, index_type=index_type, corpus_sha256=digest,
-                          store=index_dir, progress=progress, expected=corpus_total(path, progress),
-                          **params)
+                cached = None  # stale, foreign or damaged cache (FAISS raises RuntimeError): rebuild it
+            if cached is not None and cached.take_settings(index_type, params):  # a bad setting: its error
+                return cached
+        index = cls.build(corpus_documents(path, digest), encoder, index_type=index_type or "flat",
+                          corpus_sha256=digest, store=index_dir, progress=progress,
+                          expected=corpus_total(path, progress), **params)
         if index_dir is not None:
             index.save(index_dir)
         return index
+
+    def take_settings(self, index_type: str | None, params: dict[str, Any]) -> bool:
+        """Whether this index serves the FAISS settings asked for (the settings of `index_type`, or of
+        its own type with its own settings under `params` when it is None), taking the search-time
+        ones (`SEARCH_PARAMS`): a build-time setting or type that differs needs a rebuild, a
+        search-time one only its new value (encoding wiki-18 again takes hours)."""
+        if index_type is not None and index_type != self.index_type:
+            return False
+        asked = default_params(self.index_type, len(self), **params)  # names and values checked
+        wanted = asked if index_type is not None else \
+            {**self.params, **{k: asked[k] for k, v in params.items() if v is not None}}
+        if any(wanted.get(k) != self.params.get(k) for k in {*wanted, *self.params} - set(SEARCH_PARAMS)):
+            return False
+        _apply_search_params(self.index, self.index_type, wanted)
+        self.params = wanted
+        return True
 
     # ------------------------------------------------------------ persistence
 

@@ -22,7 +22,7 @@ from selfevo.records import Document
 from selfevo.search._manifest import MANIFEST, read_manifest
 from selfevo.search._progress import corpus_total
 from selfevo.search.bm25 import BM25Index
-from selfevo.search.dense import KEEP_CACHE, DenseIndex, Encoder, EncoderMismatch, default_params
+from selfevo.search.dense import KEEP_CACHE, DenseIndex, Encoder, EncoderMismatch
 from selfevo.search.docstore import DocStore
 from selfevo.search.tool import Hit
 
@@ -121,25 +121,25 @@ class HybridIndex:
     @classmethod
     def from_corpus_file(cls, path: str | os.PathLike, index_dir: str | os.PathLike | None = None,
                          encoder: Encoder | None = None, *, rrf_k: int = RRF_K, depth: int = DEPTH,
-                         index_type: str = "flat", progress: bool = False, **params: Any) -> HybridIndex:
-        """Load from `index_dir` if built from this corpus file with this encoder, else build
-        (and save there). Fusion settings are taken from the arguments, not the cache."""
+                         index_type: str | None = None, progress: bool = False, **params: Any) -> HybridIndex:
+        """Load from `index_dir` if built from this corpus file with this encoder and the FAISS
+        settings asked for (`DenseIndex.take_settings`), else build (and save there). Fusion settings
+        are taken from the arguments, not the cache."""
         _check_fusion(rrf_k, depth)  # a cached index would take a bad one and fail at its first query
         digest = file_sha256(path)
         encoder = encoder or Encoder()
         if index_dir is not None and (Path(index_dir) / MANIFEST).exists():
             try:
                 cached = cls.load(index_dir, encoder=encoder, expected_corpus_sha256=digest)
-                if cached.dense.index_type == index_type and \
-                        cached.dense.params == default_params(index_type, len(cached), **params):
-                    cached.rrf_k, cached.depth = rrf_k, depth
-                    return cached
             except EncoderMismatch as e:
                 raise EncoderMismatch(f"{e}; {KEEP_CACHE}") from None
             except (ValueError, OSError, RuntimeError):
-                pass  # stale, foreign or damaged cache: rebuild below
+                cached = None  # stale, foreign or damaged cache: rebuild below
+            if cached is not None and cached.dense.take_settings(index_type, params):
+                cached.rrf_k, cached.depth = rrf_k, depth
+                return cached
         index = cls.build(corpus_documents(path, digest), encoder, corpus_sha256=digest, rrf_k=rrf_k, depth=depth,
-                          index_type=index_type, store=index_dir, progress=progress,
+                          index_type=index_type or "flat", store=index_dir, progress=progress,
                           expected=corpus_total(path, progress), **params)
         if index_dir is not None:
             index.save(index_dir)

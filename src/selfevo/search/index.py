@@ -25,10 +25,11 @@ KINDS = ("bm25", "dense", "hybrid")
 @dataclass(frozen=True)
 class DenseOptions:
     """Encoder and FAISS settings for building a dense or hybrid index (None = default).
-    `model` also selects the encoder when loading; the prefixes then come from the manifest."""
+    `model` also selects the encoder when loading; the prefixes then come from the manifest.
+    `index_type` None: a cache's own type and settings (`faiss_params` over them), flat for a build."""
 
     model: str | None = None
-    index_type: str = "flat"
+    index_type: str | None = None
     batch_size: int = 32
     device: str = "cpu"
     query_prefix: str | None = None
@@ -248,13 +249,14 @@ def _build_index(kind: str, corpus: str | os.PathLike, out: str | os.PathLike, o
     elif kind == "dense":
         from selfevo.search.dense import DenseIndex
 
-        index = DenseIndex.build(docs, options.encoder(), index_type=options.index_type, corpus_sha256=digest,
+        index = DenseIndex.build(docs, options.encoder(), index_type=options.index_type or "flat", corpus_sha256=digest,
                                  **stream, **options.faiss_params)
     else:
         from selfevo.search.hybrid import HybridIndex
 
-        index = HybridIndex.build(docs, options.encoder(), corpus_sha256=digest, index_type=options.index_type,
-                                  **stream, **options.fusion(), **options.faiss_params)
+        index = HybridIndex.build(docs, options.encoder(), corpus_sha256=digest,
+                                  index_type=options.index_type or "flat", **stream, **options.fusion(),
+                                  **options.faiss_params)
     index.save(out)
     return index
 
