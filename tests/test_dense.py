@@ -317,6 +317,23 @@ def test_a_loaded_index_saves_the_vectors_it_was_read_from(encoder, index_type, 
         assert DenseIndex.load(tmp_path / d, encoder).retrieve(queries, 3) == before
 
 
+def test_an_encoder_named_by_a_relative_path_is_stored_absolute(encoder, tmp_path, monkeypatch):
+    """`index build --model ./enc`: the manifest names the model every later load reads (serve-retriever
+    --index, eval --index, a run's [data] index), so it holds the directory absolute; as typed, a load
+    from another working directory found no './enc'."""
+    import shutil
+
+    shutil.copytree(encoder.path, tmp_path / "enc")
+    monkeypatch.chdir(tmp_path)
+    relative = Encoder("./enc")
+    assert relative.model == str(tmp_path / "enc") and relative.describe()["model_path"] == str(tmp_path / "enc")
+    DenseIndex.build(DOCS, relative).save(tmp_path / "idx")
+    monkeypatch.chdir(tmp_path / "idx")
+    loaded = DenseIndex.load(tmp_path / "idx")
+    assert loaded.encoder.model == str(tmp_path / "enc")
+    assert loaded.retrieve(list(PARAPHRASES), 3) == DenseIndex.build(DOCS, encoder).retrieve(list(PARAPHRASES), 3)
+
+
 def test_load_without_an_encoder_loads_the_manifests_model(flat, saved):
     loaded = DenseIndex.load(saved)  # a real second load of the bundled model, from the manifest
     assert loaded.encoder.fingerprint == flat.encoder.fingerprint

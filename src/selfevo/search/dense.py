@@ -30,7 +30,7 @@ from typing import Any
 
 import numpy as np
 
-from selfevo._io import atomic_writer, check_local_path, file_sha256, write_json
+from selfevo._io import atomic_writer, check_local_path, file_sha256, is_path, write_json
 from selfevo.corpus import corpus_documents
 from selfevo.records import Document
 from selfevo.search._manifest import MANIFEST, read_manifest
@@ -110,9 +110,10 @@ class Encoder:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         st = _require("sentence_transformers")
         check_device(device)
-        self.model = model
-        self.path = resolve_model(model)
-        e5 = is_e5(model)
+        e5 = is_e5(model)  # by the name as given (a resolved link may not say e5)
+        # a directory stored absolute: the manifest names it for every later load, from any directory
+        self.model = str(Path(model).expanduser().resolve()) if is_path(model) else model
+        self.path = resolve_model(self.model)
         self.query_prefix = ("query: " if e5 else "") if query_prefix is None else query_prefix
         self.passage_prefix = ("passage: " if e5 else "") if passage_prefix is None else passage_prefix
         self.batch_size = batch_size
