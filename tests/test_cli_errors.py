@@ -636,6 +636,13 @@ def test_index_and_demo_outs_of_other_files_are_refused_and_the_files_kept(tmp_p
     assert runner.invoke(app, build).exit_code == 0 and runner.invoke(app, build).exit_code == 0
     (tmp_path / "b" / "manifest.json").unlink()
     assert runner.invoke(app, build).exit_code == 0
+    # a hybrid build that failed (a malformed line) left dense/ with nothing in it: the corrected retry runs
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(corpus.read_text() + '{"id": "d2", "contents": \n')
+    hybrid = ["index", "build", "--retriever", "hybrid", "--out", str(tmp_path / "hy")]
+    assert "bad.jsonl:2: malformed JSON" in _usage_error([*hybrid, "--corpus", str(bad)])
+    assert (tmp_path / "hy" / "dense").is_dir()
+    assert runner.invoke(app, [*hybrid, "--corpus", str(corpus)]).exit_code == 0
 
 
 @pytest.mark.parametrize("kind, options", [("bm25", ["--index-type", "hnsw"]), ("bm25", ["--model", "m"]),

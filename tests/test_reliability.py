@@ -419,6 +419,15 @@ def test_a_build_clears_only_its_own_leftovers_not_those_of_a_directory_below(tm
         p.write_text("x")
     build_index("bm25", corpus, out)
     assert not any(p.exists() for p in mine) and all(p.read_text() == "x" for p in theirs)
+    # the corpus copy a rebuild killed while staging left beside a cache that is still valid: the next
+    # user of the cache (eval, serve-retriever --index-dir) loads it and clears the copy
+    from selfevo.search.index import get_retriever
+
+    (out / ".docs-building").mkdir()
+    (out / ".docs-building" / "docs.jsonl").write_text("x")
+    built = (out / "manifest.json").read_bytes()
+    assert len(get_retriever(corpus=corpus, cache_dir=out)) == len(DOCS)
+    assert (out / "manifest.json").read_bytes() == built and not (out / ".docs-building").exists()
 
 
 def test_a_world_make_killed_part_way_leaves_no_half_world_and_a_second_writer_is_refused(tmp_path):
