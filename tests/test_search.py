@@ -440,6 +440,25 @@ def test_oversized_chunked_body_gets_413(server_url):
     assert r.status_code == 413
 
 
+def test_a_request_within_the_caps_fits_the_body_cap(small):
+    """4,096 queries of 2,000 characters each were promised but the body cap (16 MiB) left 4 KB a
+    query: CJK text (6 bytes a character escaped) or characters outside the BMP (12) got a 413. The cap
+    is now what the query caps can need, escapes and indentation included; a byte more is a 413."""
+    from fastapi.testclient import TestClient
+
+    from selfevo.search.server import body_cap
+
+    client = TestClient(make_app(small, max_queries=3))
+    queries = ["\U0001F600" * 2000, "\u6cb3" * 2000, "x" * 2000]  # an emoji, a CJK character, ASCII
+    body = json.dumps({"queries": queries, "topk": 5, "return_scores": True}, indent=8).encode()
+    assert len(body) > 3 * 4096  # what the old cap gave them
+    r = client.post("/retrieve", content=body, headers={"content-type": "application/json"})
+    assert r.status_code == 200 and len(r.json()["result"]) == 3
+    padded = body[:-1] + b" " * (body_cap(3) - len(body) + 1) + b"}"
+    r = client.post("/retrieve", content=padded, headers={"content-type": "application/json"})
+    assert r.status_code == 413
+
+
 def test_serve_binds_loopback_by_default():
     assert inspect.signature(serve).parameters["host"].default == "127.0.0.1"
 

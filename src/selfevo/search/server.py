@@ -33,8 +33,18 @@ if TYPE_CHECKING:
 # Search-R1's trainer sends every search of a turn, over the whole rollout batch (train batch x
 # n_agent, 512 x 5 in its scripts), in one request: 4,096 queries by default
 MAX_QUERIES = 4096
-QUERY_BYTES = 4096  # the body room a query of MAX_QUERY_CHARS characters takes in JSON, escapes and all
-MAX_BODY_BYTES = MAX_QUERIES * QUERY_BYTES  # 16 MiB
+# the body room a query of MAX_QUERY_CHARS characters may take in JSON: 12 bytes a character outside
+# the BMP escaped as Python's and most clients' JSON writes it ("\ud83d\ude00"), then its quotes, comma
+# and some indentation
+QUERY_BYTES = 12 * MAX_QUERY_CHARS + 64
+ENVELOPE_BYTES = 4096  # the rest of a request: {"queries": [...], "topk": ..., "return_scores": ...}
+
+
+def body_cap(max_queries: int) -> int:
+    """The largest body a request of `max_queries` queries within the caps can need (94 MiB at 4,096)."""
+    return max_queries * QUERY_BYTES + ENVELOPE_BYTES
+
+
 TIMEOUT_S = SERVER_TIMEOUT_S  # for the body to arrive, and again for the retrieval to finish
 
 
@@ -55,9 +65,11 @@ def _request_model(max_queries: int, max_topk: int) -> type[BaseModel]:
 
 
 def make_app(retriever: Retriever, max_queries: int = MAX_QUERIES, max_topk: int = 50,
-             max_body_bytes: int = MAX_BODY_BYTES, timeout_s: float = TIMEOUT_S) -> FastAPI:
+             max_body_bytes: int | None = None, timeout_s: float = TIMEOUT_S) -> FastAPI:
     """A FastAPI app serving `retriever`. The body is parsed by hand (not as a FastAPI body
-    parameter) so that its size is capped before any JSON parsing happens."""
+    parameter) so that its size is capped before any JSON parsing happens: at `body_cap(max_queries)`
+    unless `max_body_bytes` says otherwise."""
+    max_body_bytes = body_cap(max_queries) if max_body_bytes is None else max_body_bytes
     app = FastAPI(title="selfevo retriever", docs_url=None, redoc_url=None)
     request_model = _request_model(max_queries, max_topk)
     n_docs = len(retriever) if hasattr(retriever, "__len__") else None
@@ -129,6 +141,5 @@ def serve(corpus: str | os.PathLike | None = None, host: str = "127.0.0.1", port
     console.print(f"[green]{kind} index ready[/green]: {len(searcher):,} documents in "
                   f"{time.perf_counter() - start:.1f} s; corpus sha256 {searcher.corpus_sha256[:12]}")
     console.print(f"serving POST http://{host}:{port}/retrieve and GET /health")
-    body = max(MAX_BODY_BYTES, max_queries * QUERY_BYTES)  # room for --max-queries of them
-    uvicorn.run(make_app(searcher, max_queries=max_queries, max_body_bytes=body), host=host, port=port,
+    uvicorn.run(make_app(searcher, max_queries=max_queries), host=host, port=port,
                 log_level="info")
