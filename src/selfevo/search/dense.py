@@ -526,7 +526,9 @@ class DenseIndex:
 
     def retrieve(self, queries: Sequence[str], topk: int = 3) -> list[list[Hit]]:
         """Top-k passages per query by cosine similarity, best first, ties broken by corpus
-        order. A blank query gets no hits (its embedding would rank passages arbitrarily)."""
+        order (among the topk + 8 candidates FAISS returns; its scores of identical passages can differ
+        in the last bit once a batch holds 20 queries or more, its BLAS path, and then order them). A
+        blank query gets no hits (its embedding would rank passages arbitrarily)."""
         return [[Hit(self.docs[i], s) for i, s in ranked] for ranked in self.search(queries, topk)]
 
     def search(self, queries: Sequence[str], topk: int) -> list[list[tuple[int, float]]]:
