@@ -271,3 +271,27 @@ def test_misread_hop_unknown_mention_and_other_questions():
     unknown = render_chain(ChainQuery("Nobody Known", ("employer", "founder")))
     assert lineage.misread_hop(_truth(), unknown, ["person-0", "org-1"], "Cela Dorn") == 0
     assert lineage.misread_hop(_truth(), "Who is taller, Ada or Bob?", ON_CHAIN, "Ada") is None
+
+
+
+def test_known_items_keys_a_question_by_what_it_asks_not_its_wording():
+    """Repeated benchmark questions are counted by what they ask: every wording of one chain (the
+    templates and the nested form) and an alias of its entity share a key; another entity is another
+    key, and a comparison's pair matches in either order."""
+    from selfevo.world.language import CompareQuery, render_compare
+
+    known = _script("known_items")
+    ents = list(_truth().entities.values())
+    next(e for e in ents if e.id == "person-2").aliases.append("C. Dorn")
+    truth = Truth(ents)
+    keys = {known.question_key(truth, render_chain(ChainQuery(m, ("born_in",)), variant=v))
+            for m in ("Cela Dorn", "C. Dorn") for v in range(3)}
+    assert keys == {("chain", "person-2", ("born_in",))}
+    assert known.question_key(truth, render_chain(ChainQuery("Gita Holm", ("born_in",)))) == \
+        ("chain", "person-8", ("born_in",))
+    assert known.question_key(truth, QUESTION) == ("chain", "person-0", ("employer", "founder", "born_in",
+                                                                          "located_in"))
+    pair = [known.question_key(truth, render_compare(CompareQuery(ms, "birth_year")))
+            for ms in (("Ada Varn", "Cela Dorn"), ("Cela Dorn", "Ada Varn"))]
+    assert pair[0] == pair[1] == ("compare", frozenset({"person-0", "person-2"}), "birth_year")
+    assert known.question_key(truth, "What is love?") is None
