@@ -731,3 +731,31 @@ def test_engine_run_says_to_resume_after_a_phase_that_failed_part_way(tmp_path, 
     config = Path(__file__).parents[1] / "configs" / "trl-tiny.toml"
     text = _usage_error(["engine-run", "--engine", "trl", "--config", str(config), "--out", str(tmp_path / "run")])
     assert str(raised).split(";")[0][:40] in text and "the same command with --resume goes on" in text
+
+
+def test_resume_with_no_options_and_no_run_is_refused_and_a_stop_before_the_config_says_so(tmp_path, monkeypatch):
+    """A run stopped before its config.json was written (the world or index building, a model
+    loading) printed "selfevo evolve --out OUT --resume", which then started a run of the defaults
+    (another world, treatment and schedule) and exited 0. Now the resume is refused and the stop says
+    to run the same command again; once the config is written, the stop gives the resume command."""
+    out = tmp_path / "run"
+    text = _usage_error(["evolve", "--out", str(out), "--resume"])
+    assert f"--resume: {out} holds no run to resume" in text and not out.exists()
+
+    import selfevo.evolve
+
+    writes = {"config": False}
+
+    def stopped(cfg, out, **kw):  # SIGTERM's exit, as terminate_raises raises it
+        if writes["config"]:
+            Path(out).mkdir()
+            (Path(out) / "config.json").write_text("{}")
+        raise SystemExit(143)
+
+    monkeypatch.setattr(selfevo.evolve, "evolve", stopped)
+    says = {False: "no run was made there yet (stopped before its config was written): run the same command again",
+            True: f"the run goes on from its last checkpoint (of a round, or within one): selfevo evolve --out {out} "
+                  "--resume"}
+    for writes["config"] in (False, True):
+        res = runner.invoke(app, ["evolve", "--world", "small", "--out", str(out)])
+        assert res.exit_code == 143 and says[writes["config"]] in " ".join(res.output.split()), res.output

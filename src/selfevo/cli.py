@@ -13,6 +13,7 @@ import os
 import re
 import sys
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 
 import typer
@@ -29,9 +30,10 @@ console = Console(width=None if sys.stdout.isatty() else 200)
 
 
 @contextlib.contextmanager
-def _on_stop(then: str):
+def _on_stop(then: str | Callable[[], str]):
     """Ctrl-C or SIGTERM (`kill`, `timeout`, a scheduler's preemption) inside: one line saying how to
-    go on, and exit status 130 or 143 (it was silence: nothing said that the work is kept). SIGTERM
+    go on (`then`, or what it says once stopped), and exit status 130 or 143 (it was silence: nothing
+    said that the work is kept). SIGTERM
     raises in the main thread, so the work's `finally` blocks run: a training job and a served model
     (`vllm serve`), with the processes they started (`selfevo._proc`), stop with this process instead of
     outliving it, still writing into the run that a resume is about to take."""
@@ -45,7 +47,7 @@ def _on_stop(then: str):
     except (KeyboardInterrupt, SystemExit) as e:
         if isinstance(e, SystemExit) and e.code != 128 + signal.SIGTERM:  # not SIGTERM's: another exit
             raise
-        console.print(f"[yellow]stopped:[/yellow] {escape(then)}")
+        console.print(f"[yellow]stopped:[/yellow] {escape(then if isinstance(then, str) else then())}")
         raise typer.Exit(130 if isinstance(e, KeyboardInterrupt) else e.code) from None
 
 
@@ -505,7 +507,8 @@ def evolve_cmd(
     set_: list[str] = typer.Option([], "--set", help="override a config field, e.g. solver.memory=false"),
     resume: bool = typer.Option(False, help="continue the run in --out, killed or stopped: with no config "
                                             "option, with the config it was made with (its config.json), else "
-                                            "with options that give that config; with no run there, start it"),
+                                            "with options that give that config; with no run there, start it "
+                                            "(from its options)"),
     audit: bool = typer.Option(True, help="audit at the end (exact truth on a world; an LLM judge on a corpus)"),
     backend: str | None = typer.Option(None, help="sim (the embedded learners) | lm (language models)"),
     model: str | None = typer.Option(None, help="lm backend: smollm2-135m | a local directory | a hub id"),
@@ -529,8 +532,18 @@ def evolve_cmd(
     if qa_dir is None and beside is not None and beside.is_dir():
         qa_dir = beside
     options = (config, *set_, world, treatment, seed, rounds, backend, model, corpus, qa_dir, index)
+
+    def how_to_go_on() -> str:  # a stop before the run's config is written leaves nothing to resume
+        if (out / "config.json").is_file():
+            return f"{out}: the run goes on from its last checkpoint (of a round, or within one): " \
+                   f"selfevo evolve --out {out} --resume"
+        return f"{out}: no run was made there yet (stopped before its config was written): run the same command again"
+
     try:
-        if resume and all(o is None for o in options) and (out / "config.json").is_file():
+        if resume and all(o is None for o in options):
+            if not (out / "config.json").is_file():  # else it would start a run of the defaults
+                _fail(f"--resume: {out} holds no run to resume (none was made there, or it was stopped before "
+                      "its config was written): give the options it was started with")
             # nothing to compare: the run's own config, not the defaults (which would differ in every
             # field a recipe set, and be refused)
             cfg = config_from_dict(RunDir(out).config())
@@ -543,9 +556,7 @@ def evolve_cmd(
                 "data.index": None if index is None else str(index)})
         if model is not None and cfg.backend != "lm":  # the sim learners would ignore it
             _fail(f"--model {model}: a language model needs the lm backend (add --backend lm)")
-        with _on_stop(f"{out}: the run goes on from its last checkpoint (of a round, or within one): "
-                      f"selfevo evolve --out {out} --resume"), \
-                _warnings_as_lines():
+        with _on_stop(how_to_go_on), _warnings_as_lines():
             run = evolve(cfg, out, resume=resume, audit=audit, step_checkpoints=step_checkpoints)
     except ConfigError as e:
         if str(e) == NEEDS_QA_DIR and qa_dir is None and beside is not None:  # say it in the command's words
