@@ -816,6 +816,25 @@ def test_a_ray_grid_keeps_the_sigterm_handler_it_found(monkeypatch):
     try:
         assert run_grid([], "ray") == []
         assert signal.getsignal(signal.SIGTERM) is ours
+        # a SIGTERM while ray.init runs meets Ray's handler (exit 15): the command's exit 143, what Ray
+        # started shut down, the handler put back (`eval --workers` starts Ray the same way)
+        shut = []
+        monkeypatch.setattr(ray, "shutdown", lambda: shut.append(True))
+
+        def init_stopped(**kw):
+            signal.signal(signal.SIGTERM, lambda s, f: sys.exit(15))
+            sys.exit(15)  # as Ray's handler does when the signal arrives
+
+        monkeypatch.setattr(ray, "init", init_stopped)
+        with pytest.raises(SystemExit) as stopped:
+            run_grid([], "ray")
+        assert stopped.value.code == 143 and shut == [True] and signal.getsignal(signal.SIGTERM) is ours
+        from selfevo.agents.lm.config import LMConfig
+        from selfevo.agents.lm.workers import RolloutWorkers
+
+        with pytest.raises(SystemExit) as stopped:
+            RolloutWorkers(LMConfig(), 1)
+        assert stopped.value.code == 143 and signal.getsignal(signal.SIGTERM) is ours
     finally:
         signal.signal(signal.SIGTERM, previous)
 

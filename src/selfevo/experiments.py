@@ -91,18 +91,9 @@ def run_grid(jobs: Sequence[Job], executor: str = "local", workers: int | None =
             raise ValueError("executor ray: Ray is not installed (pip install 'selfevo[ray]')") from None
 
         if not ray.is_initialized():
-            from selfevo.agents.lm.workers import check_local_ray_auth
+            from selfevo.agents.lm.workers import start_ray
 
-            address = os.environ.get("RAY_ADDRESS")
-            check_local_ray_auth(address)  # a local Ray listens on every interface: only with token auth
-            # Ray's driver handler exits 15 at a SIGTERM: the command's own (which stops the work with
-            # its cleanup and says how to go on) is put back, whether or not ray.init succeeds
-            before = signal.getsignal(signal.SIGTERM) if threading.current_thread() is threading.main_thread() else None
-            try:
-                ray.init(address=address, include_dashboard=False, log_to_driver=False)
-            finally:
-                if before is not None:  # None: not the main thread, or a handler not set from Python
-                    signal.signal(signal.SIGTERM, before)
+            start_ray()  # a local Ray only with token auth; the command's SIGTERM handling kept
         remote = ray.remote(run_job)
         # a worker's working directory is not the driver's (on a cluster, not even its machine): it gets
         # the run directory as an absolute path, and the result names it as the job does (as locally)

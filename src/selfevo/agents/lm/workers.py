@@ -64,6 +64,32 @@ def check_local_ray_auth(address: str | None) -> None:
                          "cluster of your own with RAY_ADDRESS")
 
 
+def start_ray() -> None:
+    """`ray.init` at RAY_ADDRESS (a local instance if unset, `check_local_ray_auth`), keeping the
+    command's own SIGTERM handling: Ray's driver installs a handler that exits 15 (the command's, put
+    back after the call, stops the work with its clean-up and says how to go on), and a SIGTERM during
+    the call, which that handler turns into exit 15, is the command's exit 143. (A SIGTERM that reaches
+    Ray's C++ code while it starts aborts the process: nothing in Python sees it.)"""
+    import signal
+    import threading
+
+    import ray
+
+    address = os.environ.get("RAY_ADDRESS")
+    check_local_ray_auth(address)
+    before = signal.getsignal(signal.SIGTERM) if threading.current_thread() is threading.main_thread() else None
+    try:
+        ray.init(address=address, include_dashboard=False, log_to_driver=False)
+    except SystemExit as e:
+        if e.code != signal.SIGTERM:
+            raise
+        ray.shutdown()  # what it started, stopped with the command
+        raise SystemExit(128 + signal.SIGTERM) from None
+    finally:
+        if before is not None:  # None: not the main thread, or a handler not set from Python
+            signal.signal(signal.SIGTERM, before)
+
+
 class _RolloutWorker:
     """One actor: a policy for inference and one search tool per retriever source."""
 
@@ -135,9 +161,7 @@ class RolloutWorkers:
         self.corpus = None if corpus is None else str(corpus)
         self._corpus_sha: str | None = None
         if not ray.is_initialized():
-            address = os.environ.get("RAY_ADDRESS")
-            check_local_ray_auth(address)
-            ray.init(address=address, include_dashboard=False, log_to_driver=False)
+            start_ray()
         gpus = 0
         if cfg.device.startswith("cuda"):
             gpus = 1
