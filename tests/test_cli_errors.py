@@ -759,3 +759,21 @@ def test_resume_with_no_options_and_no_run_is_refused_and_a_stop_before_the_conf
     for writes["config"] in (False, True):
         res = runner.invoke(app, ["evolve", "--world", "small", "--out", str(out)])
         assert res.exit_code == 143 and says[writes["config"]] in " ".join(res.output.split()), res.output
+
+
+def test_a_rollout_worker_that_died_is_one_line_saying_how_to_go_on(tmp_path, monkeypatch):
+    """`eval --workers`: a Ray actor that died (killed, out of memory) was a traceback; it is one error
+    line naming the answers kept, which the same command goes on from."""
+    import selfevo.evaluate
+    from selfevo.agents.lm.workers import WorkerDied
+
+    def died(**kw):
+        raise WorkerDied("a rollout worker died: The actor died unexpectedly")
+
+    monkeypatch.setattr(selfevo.evaluate, "run_eval", died)
+    qa = tmp_path / "qa"
+    qa.mkdir()
+    text = _usage_error(["eval", "--data-dir", str(qa), "--agent", "lm:smollm2-135m", "--workers", "2",
+                         "--out", str(tmp_path / "out")])
+    assert "a rollout worker died: The actor died unexpectedly; the same command again goes on from the " \
+           "answers given" in text

@@ -388,6 +388,7 @@ def eval_(
 ) -> None:
     """Run an agent on the seven benchmarks end to end; write predictions.jsonl and score.json."""
     from selfevo.agents.chat_client import EndpointError
+    from selfevo.agents.lm.workers import WorkerDied
     from selfevo.config import ConfigError, load_config
     from selfevo.evaluate import print_score_table, run_eval
     from selfevo.search.client import RetrieverError
@@ -413,6 +414,8 @@ def eval_(
     # EndpointError: a remote agent's endpoint refused a call (401/403/404) after the probe passed
     except (ConfigError, DataError, ValueError, RetrieverError, EndpointError, ImportError) as e:  # one line
         _fail(str(e))
+    except WorkerDied as e:
+        _fail(f"{e}; the same command again goes on from the answers given ({out / 'predictions.partial.jsonl'})")
     print_score_table(result, console)
 
 

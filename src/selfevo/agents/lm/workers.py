@@ -64,6 +64,10 @@ def check_local_ray_auth(address: str | None) -> None:
                          "cluster of your own with RAY_ADDRESS")
 
 
+class WorkerDied(RuntimeError):
+    """A rollout worker (a Ray actor) died: its process was killed, ran out of memory, or its node left."""
+
+
 def start_ray() -> None:
     """`ray.init` at RAY_ADDRESS (a local instance if unset, `check_local_ray_auth`), keeping the
     command's own SIGTERM handling: Ray's driver installs a handler that exits 15 (the command's, put
@@ -195,7 +199,7 @@ class RolloutWorkers:
         except ray.exceptions.RayTaskError as e:  # re-raise the worker's own error (ValueError, ...)
             raise e.as_instanceof_cause() from None
         except ray.exceptions.RayActorError as e:
-            raise RuntimeError(f"a rollout worker died: {e}") from None
+            raise WorkerDied(f"a rollout worker died: {e}") from None
 
     def _source(self, tool: SearchTool) -> tuple:
         """Where the actors search: the same documents the caller's `tool` searches."""
