@@ -166,6 +166,14 @@ def test_audit_refuses_llm_judge_settings_another_judge_would_ignore(tmp_path, j
     assert not (tmp_path / "o").exists()
 
 
+@pytest.mark.parametrize("option", [["--bootstrap", "500"], ["--seed", "9"]])
+def test_audit_refuses_the_settings_of_a_comparison_it_does_not_make(tmp_path, option):
+    """--bootstrap and --seed are read by --compare (its intervals) and --injection-test (its item set)
+    only: without either, an audit that took them said nothing of it."""
+    out = _usage_error(["audit", str(tmp_path / "no-run"), *option, "--out", str(tmp_path / "o")])
+    assert out.startswith(f"error: {option[0]}: read only with --compare") and not (tmp_path / "o").exists()
+
+
 def test_a_run_on_a_world_directory_is_tied_to_that_world(tmp_path, monkeypatch):
     """The run stores the world's absolute path (an audit from another directory reads the same
     world) and its fingerprint: a world rewritten in place is refused by audit, resume and

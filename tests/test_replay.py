@@ -414,6 +414,12 @@ def test_cli_build_and_run(runs, tmp_path):
     assert res.exit_code == 0, res.output
     assert f"{out / 'jobs.jsonl'}: 4 finished job(s) of this study, not run again" in " ".join(res.output.split())
     assert (out / "results.json").read_bytes() == first
+    # a world bank is judged by exact truth: an LLM judge's setting is refused, not ignored
+    for option in (["--judge-cache", str(tmp_path / "c.jsonl")], ["--judge-concurrency", "77"]):
+        res = cli.invoke(app, ["replay", "run", "--bank", str(bank_path), "--conditions", "coupled", "--seeds", "1",
+                               "--updates", "6", "--workers", "1", "--out", str(tmp_path / "other"), *option])
+        assert res.exit_code == 2 and f"{option[0]}: a setting of an LLM judge" in " ".join(res.output.split())
+        assert not (tmp_path / "c.jsonl").exists() and not (tmp_path / "other" / "results.json").exists()
 
 
 @pytest.mark.parametrize("args, message", [

@@ -722,6 +722,11 @@ def audit_cmd(
             # the oracle and gold answers never read the documents: "0 flipped" would say nothing
             _fail(f"--injection-test: only an LLM judge reads the documents the test plants instructions in; "
                   f"--judge {judge} cannot be swayed by them (use it with --judge llm)")
+    if compare is None and not injection_test:  # refused, not ignored, as the judge's settings are
+        given = [p.opts[0] for p in ctx.command.params if p.name in ("bootstrap", "seed")
+                 and ctx.get_parameter_source(p.name).name not in ("DEFAULT", "DEFAULT_MAP")]
+        if given:
+            _fail(f"{given[0]}: read only with --compare (its bootstrap intervals) or --injection-test (its item set)")
     documents, truth = None, None
     partial = None  # what the audit of an unfinished run covers
     if records is not None:
@@ -1081,6 +1086,7 @@ def replay_build(
 
 @replay_app.command("run")
 def replay_run(
+    ctx: typer.Context,
     bank: Path = typer.Option(..., help="a bank file from `selfevo replay build`"),
     conditions: str = typer.Option("all", help="comma-separated: coupled, same-source, full-data, "
                                                "question-split, source-id, source-id-half, connected, "
@@ -1130,6 +1136,12 @@ def replay_run(
             settings = ReplaySettings(updates, rollouts, samples)  # checked before any model loads
             parse_conditions(conditions)
             b = Bank.load(bank)
+            if judge_url is None and not b.corpus:  # a world's exact truth judges: refused, not ignored
+                given = [p.opts[0] for p in ctx.command.params if p.name.startswith("judge_")
+                         and ctx.get_parameter_source(p.name).name not in ("DEFAULT", "DEFAULT_MAP")]
+                if given:
+                    _fail(f"{given[0]}: a setting of an LLM judge; this bank is of a world, judged by its exact "
+                          "truth (give --judge-url to judge with an LLM)")
             with replay_judge(b, judge_url, judge_model, judge_cache or out / "judge-cache.jsonl",
                               judge_concurrency) as judge:
                 results = run_replay(b, conditions, seeds, settings, workers=workers, progress=True, judge=judge,
