@@ -584,6 +584,18 @@ def test_api_key_comes_from_the_environment_and_is_never_written(world_run, tmp_
     assert json.loads((tmp_path / "o" / "judge.json").read_text())["api_key"] == "set"
 
 
+def test_a_judge_model_name_is_text_not_markup(world_run, tmp_path):
+    """`--judge-model '[/x]'` (a name is the user's text) went into the progress bar and the tables as
+    rich markup: a MarkupError traceback, nothing written."""
+    w = world_run
+    with running(make_app(scripted(w["key"]))) as url:
+        result = CliRunner().invoke(app, ["audit", str(w["path"]), "--judge", "llm", "--judge-url", url,
+                                          "--judge-model", "[/x]", "--out", str(tmp_path / "o"),
+                                          "--max-items-per-step", "1", "--no-figures"])
+    assert result.exit_code == 0, result.output
+    assert "audit (llm:[/x]) by round" in result.output and (tmp_path / "o" / "metrics.json").exists()
+
+
 # ------------------------------------------------------------------ prompt injection
 
 

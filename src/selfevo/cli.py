@@ -617,7 +617,7 @@ def _print_audit_rounds(metrics: dict, counts: tuple[str, ...] = ()) -> None:
     from selfevo._fmt import num
     from selfevo.audit import METRICS
 
-    table = Table(title=f"audit ({metrics['judge']}) by round")
+    table = Table(title=escape(f"audit ({metrics['judge']}) by round"))  # a judge's model name: text
     for c in ("round", *METRICS, *counts):
         table.add_column(c, justify="right")
     for r in metrics["rounds"]:
@@ -837,7 +837,7 @@ def audit_cmd(
                       f"unresolved {s['unresolved']} {s['unresolved_by_reason'] or ''}")
     if "comparison" in res:
         cmp = res["comparison"]
-        t = Table(title=f"{cmp['judge']} − {cmp['truth']} by round (95% bootstrap interval)")
+        t = Table(title=escape(f"{cmp['judge']} − {cmp['truth']} by round (95% bootstrap interval)"))
         for c in ("round", *METRICS):
             t.add_column(c, justify="right")
         for b in [*cmp["rounds"], {"round": "all", **cmp["all"]}]:

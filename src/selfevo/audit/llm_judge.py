@@ -651,8 +651,9 @@ class LLMJudge:
 
         from selfevo._bar import Progress
 
-        # on stderr: what an audit prints on stdout stays its tables, whether or not that is a terminal
-        bar = Progress(TextColumn(f"judging ({self.name})"), BarColumn(), MofNCompleteColumn(),
+        # on stderr: what an audit prints on stdout stays its tables, whether or not that is a terminal;
+        # the model's name is text, not rich markup ("[/x]" raised)
+        bar = Progress(TextColumn(f"judging ({self.name})", markup=False), BarColumn(), MofNCompleteColumn(),
                        TimeRemainingColumn(), disable=not self.progress, transient=False,
                        console=Console(stderr=True))
         pool = ThreadPoolExecutor(max_workers=self.concurrency, thread_name_prefix="judge")

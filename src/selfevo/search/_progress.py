@@ -39,7 +39,8 @@ class ProgressBar:
 
         from selfevo._bar import Progress
 
-        self._bar = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+        # descriptions name models and files the user gave: text, never rich markup ("[/x]" would raise)
+        self._bar = Progress(TextColumn("{task.description}", markup=False), BarColumn(), MofNCompleteColumn(),
                              TimeElapsedColumn(), TimeRemainingColumn(), transient=True)
         self._bar.__enter__()
         task = self._bar.add_task(self.what, total=self.total)
