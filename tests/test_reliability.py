@@ -927,3 +927,26 @@ def test_a_job_that_leaves_nothing_running_is_not_warned_about(tmp_path, caplog)
         _proc.run([sys.executable, "-c", "import subprocess, sys; subprocess.run([sys.executable, '-c', 'pass'])"],
                   interval=0.01)
     assert not caplog.records
+
+
+def test_a_starter_refused_does_not_remove_the_directory_another_holds(tmp_path, monkeypatch):
+    """Two starters found the run directory missing; the one the lock refused removed the (still
+    empty) directory the other held, whose writes then went to a new directory nobody held."""
+    import selfevo._io as io
+
+    target = tmp_path / "run"
+    real_open = os.open
+    other = contextlib.ExitStack()
+    opened = []
+
+    def open_after_the_other_holds(path, flags, *a):
+        if Path(path) == target and not opened:  # the other starter gets in between: it holds the directory
+            opened.append(path)
+            other.enter_context(io.hold_directory(target, lambda: RuntimeError("busy")))
+        return real_open(path, flags, *a)
+
+    monkeypatch.setattr(io.os, "open", open_after_the_other_holds)
+    with other:
+        with pytest.raises(RuntimeError, match="busy"), io.hold_directory(target, lambda: RuntimeError("busy")):
+            pass
+        assert target.is_dir()  # the holder's, still there

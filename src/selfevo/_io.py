@@ -114,20 +114,23 @@ def hold_directory(path: str | os.PathLike, busy: Callable[[], BaseException] | 
     `flock` on it, which the kernel drops when the process ends, however (a kill -9 never leaves it
     held). Another holder, in this process or another, makes it raise `busy()`; with `busy` None it
     waits for the holder to end instead (a cache the other process is filling). A directory made here
-    and left empty (a start that failed) is removed again."""
+    and left empty (a start that failed) is removed again, by its holder only: two starters can both
+    find it missing, and the one refused would remove the directory the other holds."""
     path = Path(path)
     made = not path.exists()
     path.mkdir(parents=True, exist_ok=True)
     fd = os.open(path, os.O_RDONLY)
+    held = False
     try:
         if fcntl is not None:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | (fcntl.LOCK_NB if busy is not None else 0))
             except BlockingIOError:
                 raise busy() from None
+        held = True
         yield
     finally:
-        if made and not any(path.iterdir()):
+        if made and held and not any(path.iterdir()):
             with contextlib.suppress(OSError):
                 path.rmdir()
         os.close(fd)
