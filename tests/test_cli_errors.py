@@ -550,8 +550,8 @@ def test_a_run_damaged_before_its_print_is_named_not_a_traceback(tmp_path, damag
 
 
 @pytest.mark.parametrize("command, target, says", [
-    (["evolve", "--world", "small", "--out", "{out}"], "selfevo.evolve.evolve",
-     "the run goes on from its last checkpoint (of a round, or within one): selfevo evolve --out {out} --resume"),
+    (["evolve", "--world", "small", "--out", "{out}"], "selfevo.evolve.evolve",  # stopped before the run was made
+     "no run was made there yet (stopped before its config was written): run the same command again"),
     (["demo", "--world", "small", "--seeds", "1", "--out", "{out}"], "selfevo.demo.run_demo",
      "run the same command again: finished runs are skipped, stopped ones resume"),
     # eval and audit stopped silently too (a helper's review)

@@ -601,6 +601,20 @@ def test_cli_eval_retrieval_baseline_end_to_end(tmp_path):
         assert rescored["benchmarks"][b]["missing"] == n_bench - 5
         assert rescored["benchmarks"][b]["cover_em"] == pytest.approx(
             score["benchmarks"][b]["cover_em"] * 5 / n_bench)
+    # the finished evaluation is not replaced (a rerun with another --limit wrote over it), nor are a run
+    # directory's files written beside
+    before = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    res = CliRunner().invoke(app, ["eval", "--data-dir", str(QA_DIR), "--corpus", str(CORPUS),
+                                   "--agent", "retrieval-baseline", "--limit", "2", "--out", str(out)])
+    assert res.exit_code == 2 and "holds a finished evaluation (score.json)" in " ".join(res.output.split())
+    assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.json").write_text("{}")
+    res = CliRunner().invoke(app, ["eval", "--data-dir", str(QA_DIR), "--corpus", str(CORPUS),
+                                   "--agent", "retrieval-baseline", "--limit", "2", "--out", str(run)])
+    assert res.exit_code == 2 and "holds files no evaluation wrote (config.json)" in " ".join(res.output.split())
+    assert sorted(p.name for p in run.iterdir()) == ["config.json"]
 
 
 def test_cli_eval_usage_errors(tmp_path):

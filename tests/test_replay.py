@@ -414,6 +414,11 @@ def test_cli_build_and_run(runs, tmp_path):
     assert res.exit_code == 0, res.output
     assert f"{out / 'jobs.jsonl'}: 4 finished job(s) of this study, not run again" in " ".join(res.output.split())
     assert (out / "results.json").read_bytes() == first
+    # a directory of other files (a run's, a demo's) is not written into: its results.json would be replaced
+    res = cli.invoke(app, ["replay", "run", "--bank", str(bank_path), "--conditions", "coupled", "--seeds", "1",
+                           "--updates", "6", "--workers", "1", "--out", str(runs[0])])
+    assert res.exit_code == 2 and "holds files no replay study wrote" in " ".join(res.output.split())
+    assert not (runs[0] / "jobs.jsonl").exists()
     # a world bank is judged by exact truth: an LLM judge's setting is refused, not ignored
     for option in (["--judge-cache", str(tmp_path / "c.jsonl")], ["--judge-concurrency", "77"]):
         res = cli.invoke(app, ["replay", "run", "--bank", str(bank_path), "--conditions", "coupled", "--seeds", "1",

@@ -136,6 +136,16 @@ def hold_directory(path: str | os.PathLike, busy: Callable[[], BaseException] | 
         os.close(fd)
 
 
+def stray_files(directory: str | os.PathLike, mine: Iterable[str]) -> str | None:
+    """The first few names in `directory` (if it exists) that a command writing there would not have
+    written (`mine`; hidden files are temp files and locks), as text: a command that writes beside
+    other files (a run's, a demo's, an index's) could replace one of them. None: none there."""
+    directory, mine = Path(directory), set(mine)
+    other = sorted(p.name for p in directory.iterdir() if not p.name.startswith(".") and p.name not in mine) \
+        if directory.is_dir() else []
+    return f"{', '.join(other[:3])}{', ...' if len(other) > 3 else ''}" if other else None
+
+
 def remove_leftover_temps(directory: str | os.PathLike, name: str = "*", recursive: bool = False) -> None:
     """Remove the temp files a kill inside `atomic_writer` left for `name` (any file: "*") in
     `directory` (and below it, `recursive`): `.NAME.XXXXXXXX.tmp`, never read by anything."""

@@ -387,14 +387,21 @@ def eval_(
                                      "or max_new_tokens=128 (see configs/qwen3.5-4b.toml)"),
 ) -> None:
     """Run an agent on the seven benchmarks end to end; write predictions.jsonl and score.json."""
+    from selfevo._io import stray_files
     from selfevo.agents.chat_client import EndpointError
     from selfevo.agents.lm.workers import WorkerDied
     from selfevo.config import ConfigError, load_config
-    from selfevo.evaluate import print_score_table, run_eval
+    from selfevo.evaluate import EVAL_FILES, print_score_table, run_eval
     from selfevo.search.client import RetrieverError
 
     _out_dir(out)
     _out_not_read_as_qa(out, data_dir)
+    if other := stray_files(out, {*EVAL_FILES, *(f"{k}-index" for k in ("bm25", "dense", "hybrid"))}):
+        _fail(f"--out: {out} holds files no evaluation wrote ({other}); give a new directory, or an earlier "
+              "evaluation's")
+    if (out / "score.json").exists() and not (out / "predictions.partial.jsonl").exists():
+        _fail(f"--out: {out} holds a finished evaluation (score.json); give another directory, or remove its "
+              "predictions.jsonl and score.json to evaluate again")
     if (lm_set or workers) and agent.strip().partition(":")[0] in ("retrieval-baseline", "remote"):
         # the built-in agents other than lm: would run without them, as if they had been applied
         _fail(f"--lm-set and --workers are settings of lm: agents; agent '{agent}' takes neither")
@@ -1108,8 +1115,10 @@ def replay_run(
                                             "repeats no call (default: OUT/judge-cache.jsonl)"),
 ) -> None:
     """Replay the bank through feedback solvers trained under each condition's provenance."""
+    from selfevo._io import hold_directory, stray_files
     from selfevo.audit.llm_judge import JudgeError
     from selfevo.replay import (
+        REPLAY_FILES,
         Bank,
         InvariantError,
         ReplayError,
@@ -1124,7 +1133,11 @@ def replay_run(
     if seeds < 1:
         _fail(f"--seeds: must be >= 1, got {seeds}")
     _out_dir(out)
-    from selfevo._io import hold_directory
+    named_cache = {judge_cache.name} if judge_cache is not None and judge_cache.parent.resolve() == out.resolve() \
+        else set()
+    if other := stray_files(out, {*REPLAY_FILES, *named_cache}):
+        _fail(f"--out: {out} holds files no replay study wrote ({other}); give a new directory, or an earlier "
+              "study's")
 
     def busy() -> ReplayError:  # one study into out at a time: two would mix results.json, the table, the figure
         return ReplayError(f"{out}: another replay study is writing here; wait for it to end (or stop it), "

@@ -198,14 +198,12 @@ def load_plan(path: str | os.PathLike | None = None, **changes) -> DemoPlan:
 def check_out(out: Path) -> None:
     """A demo goes on in its own directory (finished runs skipped), but does not write beside other
     files: a ConfigError naming a few of them."""
+    from selfevo._io import stray_files
     from selfevo.report.build import DEMO_RECORD, REPORT_FILES
 
-    mine = {"runs", "replay", DEMO_RECORD, *REPORT_FILES}
-    other = sorted(p.name for p in out.iterdir() if not p.name.startswith(".") and p.name not in mine) \
-        if out.is_dir() else []
-    if other:
-        raise ConfigError(f"--out: {out} holds files no demo wrote ({', '.join(other[:3])}"
-                          f"{', ...' if len(other) > 3 else ''}); give a new directory, or an earlier demo's")
+    if other := stray_files(out, {"runs", "replay", DEMO_RECORD, *REPORT_FILES}):
+        raise ConfigError(f"--out: {out} holds files no demo wrote ({other}); give a new directory, or an "
+                          "earlier demo's")
 
 
 def run_demo(plan: DemoPlan, out: str | os.PathLike, console: Console | None = None,

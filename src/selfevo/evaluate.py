@@ -471,6 +471,10 @@ def run_eval(data_dir: str | os.PathLike, corpus: str | os.PathLike | None, agen
                          retriever_kind, index, dense_options, agent_context)
 
 
+# what `selfevo eval` writes in its --out, besides its index cache (`<kind>-index`)
+EVAL_FILES = ("predictions.jsonl", "score.json", "predictions.partial.jsonl")
+
+
 def _run_eval(data_dir, corpus, agent, out_dir: Path, limit, retriever_url, index_dir, progress, retriever_kind,
               index, dense_options, agent_context) -> dict:
     from selfevo.agents import agent_files, load_agent

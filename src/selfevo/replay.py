@@ -1148,6 +1148,10 @@ def plot_results(results: dict, path: str | os.PathLike) -> Path:
     return Path(path)
 
 
+# what `replay run` writes in its --out (the journal, the results, the judge's default cache)
+REPLAY_FILES = ("jobs.jsonl", "results.json", "results.md", "replay.png", "judge-cache.jsonl")
+
+
 def write_results(results: dict, out: str | os.PathLike) -> Path:
     """DIR/results.json, DIR/results.md (the table) and DIR/replay.png."""
     out = Path(out)
