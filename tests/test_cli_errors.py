@@ -785,3 +785,17 @@ def test_a_rollout_worker_that_died_is_one_line_saying_how_to_go_on(tmp_path, mo
                          "--out", str(tmp_path / "out")])
     assert "a rollout worker died: The actor died unexpectedly; the same command again goes on from the " \
            "answers given" in text
+
+
+def test_an_index_directory_is_no_run(tmp_path):
+    """An index's manifest.json passed for a run's: `evolve --out IDX` said "a run already exists here;
+    pass --resume", and the resume then said to remove the directory (the index) to start afresh."""
+    corpus = tmp_path / "c.jsonl"
+    corpus.write_text(json.dumps({"id": "d1", "contents": '"T"\nText one.'}) + "\n")
+    idx = tmp_path / "idx"
+    assert runner.invoke(app, ["index", "build", "--corpus", str(corpus), "--out", str(idx)]).exit_code == 0
+    before = {p: p.read_bytes() for p in idx.rglob("*") if p.is_file()}
+    assert "not empty and holds no run (it has" in _usage_error(["evolve", "--world", "small", "--out", str(idx)])
+    assert "holds no run to resume" in _usage_error(["evolve", "--out", str(idx), "--resume"])
+    assert "not a run directory (no run manifest.json)" in _usage_error(["audit", str(idx)])
+    assert {p: p.read_bytes() for p in idx.rglob("*") if p.is_file()} == before

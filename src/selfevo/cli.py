@@ -755,7 +755,7 @@ def audit_cmd(
     else:
         run = RunDir(run_dir)
         if not run.exists():
-            _fail(f"{run_dir}: not a run directory (no manifest.json)")
+            _fail(f"{run_dir}: not a run directory (no run manifest.json)")
         if judge == "gold":
             _fail("--judge gold reads gold answers from --records; a world run is audited with --judge oracle")
         if compare not in (None, "oracle"):

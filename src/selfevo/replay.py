@@ -348,7 +348,7 @@ def build_bank(run_dirs: Sequence[str | os.PathLike], size: int = 3000, seed: in
     for d in run_dirs:
         run = RunDir(d)
         if not run.exists():
-            raise ReplayError(f"{d}: not a run directory (no manifest.json)")
+            raise ReplayError(f"{d}: not a run directory (no run manifest.json)")
         try:  # a damaged file: its name, line and field
             manifest = run.manifest()
             check_loop_run(manifest, d)

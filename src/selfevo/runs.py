@@ -233,7 +233,16 @@ class RunDir:
 
     # ---------------------------------------------------------------- lifecycle
     def exists(self) -> bool:
-        return (self.path / "manifest.json").exists()
+        """A run's manifest.json is here: an index's or another tool's (no run status) is no run, which
+        would be told to resume, then to remove the directory."""
+        path = self.path / "manifest.json"
+        if not path.is_file():
+            return False
+        try:
+            m = json.loads(path.read_bytes())
+        except ValueError:
+            return True  # a run's, damaged: resume and audit say so, naming it
+        return not isinstance(m, dict) or "rounds_completed" in m or "status" in m
 
     def check_new(self) -> None:
         """Refuse a place a new run cannot go: an existing run (never overwritten), a file, or a
@@ -288,7 +297,7 @@ class RunDir:
         a run made before a field existed resume while that field keeps its default. The caller calls
         `check_software` once its own checks pass: a refused resume has not resumed."""
         if not self.exists():
-            raise RunError(f"{self.path}: no run to resume (no manifest.json)")
+            raise RunError(f"{self.path}: no run to resume (no run manifest.json)")
         done = None
         try:
             done = self.manifest().get("rounds_completed", 0)

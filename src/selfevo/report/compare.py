@@ -35,7 +35,7 @@ class RunSummary:
     def load(cls, path: str | os.PathLike) -> RunSummary:
         run = RunDir(path)
         if not run.exists():
-            raise RunError(f"{path}: not a run directory (no manifest.json)")
+            raise RunError(f"{path}: not a run directory (no run manifest.json)")
         cfg = run.config()
         if not (run.path / "compute.json").exists():
             raise RunError(f"{path}: no compute.json (the run has not finished a round)")
