@@ -799,3 +799,28 @@ def test_an_index_directory_is_no_run(tmp_path):
     assert "holds no run to resume" in _usage_error(["evolve", "--out", str(idx), "--resume"])
     assert "not a run directory (no run manifest.json)" in _usage_error(["audit", str(idx)])
     assert {p: p.read_bytes() for p in idx.rglob("*") if p.is_file()} == before
+
+
+def test_retriever_settings_nothing_reads_are_refused(tmp_path):
+    """`eval --retriever-url` searched the server whatever --index, --retriever or --model said (score.json
+    then recorded neither), and `--model` over a BM25 index (eval, serve-retriever) was dropped."""
+    import socket
+
+    qa = tmp_path / "qa"
+    qa.mkdir()
+    (qa / "nq.jsonl").write_text(json.dumps({"id": "1", "question": "Q?", "golden_answers": ["a"]}) + "\n")
+    corpus = tmp_path / "c.jsonl"
+    corpus.write_text(json.dumps({"id": "d1", "contents": '"T"\nText one.'}) + "\n")
+    url = ["--retriever-url", "http://127.0.0.1:9"]
+    for extra, named in ((["--index", str(tmp_path)], "--index"), (["--retriever", "dense"], "--retriever"),
+                         (["--model", "m"], "--model")):
+        text = _usage_error(["eval", "--data-dir", str(qa), *url, *extra, "--out", str(tmp_path / "o")])
+        assert f"{named}: the server at --retriever-url searches its own index" in text
+    text = _usage_error(["eval", "--data-dir", str(qa), "--corpus", str(corpus), "--model", "m",
+                         "--out", str(tmp_path / "o")])
+    assert "encoder model 'm': a bm25 index reads none" in text
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    text = _usage_error(["serve-retriever", "--corpus", str(corpus), "--model", "m", "--port", str(port)])
+    assert "encoder model 'm': a bm25 index reads none" in text

@@ -373,7 +373,9 @@ def eval_(
     agent: str = typer.Option("retrieval-baseline", help=escape(  # rich would take [@POLICY…] for markup
                               f"{' | '.join(SPEC_FORMS.values())} (MODEL: a model directory, a cached hub id or "
                               "smollm2-135m; POLICY: a trained policy file; URL: an OpenAI-compatible endpoint)")),
-    out: Path = typer.Option(..., help="output directory (not --data-dir itself)"),
+    out: Path = typer.Option(..., help="output directory: a new one, or an unfinished evaluation's, which it "
+                                       "goes on from (with its <kind>-index/ cache of the index built over "
+                                       "--corpus)"),
     limit: int | None = typer.Option(None, min=1, help="at most N questions per benchmark (its score.json "
                                                          "scores those; `selfevo score` scores the whole directory)"),
     retriever_url: str | None = typer.Option(None, "--retriever-url",
@@ -399,6 +401,9 @@ def eval_(
     if other := stray_files(out, {*EVAL_FILES, *(f"{k}-index" for k in ("bm25", "dense", "hybrid"))}):
         _fail(f"--out: {out} holds files no evaluation wrote ({other}); give a new directory, or an earlier "
               "evaluation's")
+    if retriever_url is not None and (given := [name for name, v in (("--index", index), ("--retriever", retriever),
+                                                                     ("--model", model)) if v is not None]):
+        _fail(f"{', '.join(given)}: the server at --retriever-url searches its own index; give one or the other")
     if (out / "score.json").exists() and not (out / "predictions.partial.jsonl").exists():
         _fail(f"--out: {out} holds a finished evaluation (score.json); give another directory, or remove its "
               "predictions.jsonl and score.json to evaluate again")

@@ -282,6 +282,10 @@ def get_retriever(*, corpus: str | os.PathLike | None = None, index: str | os.Pa
     over `corpus`, cached in `cache_dir`."""
     if kind is not None:
         _check_kind(kind)
+    model = options.model if options is not None else None
+    if model is not None and (index_kind(index) if index is not None else kind or "bm25") == "bm25":
+        raise ValueError(f"encoder model {model!r}: a bm25 index reads none (the model is a dense or hybrid "
+                         "index's)")
     if index is not None:
         found = index_kind(index)
         if kind is not None and kind != found:
