@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+import warnings
 
 import numpy as np
 import pytest
@@ -149,10 +150,31 @@ def test_a_resume_under_other_software_is_warned_and_recorded(tmp_path, monkeypa
     result = CliRunner().invoke(app, ["evolve", "--out", str(run.path), *CLI_SCALED, "--resume"])
     assert result.exit_code == 0 and "warning" not in result.output
     assert len(run.manifest()["software_resumed"]) == 1
-    # from the library: a Python warning of its own class
+    # a finished loop resumed (it audits again, nothing of the loop runs) has not resumed under that
+    # software: no warning, nothing recorded (the report said "resumed under other software")
     monkeypatch.setattr("selfevo.runs.software", lambda: {**software(), "torch": "9.9"})
-    with pytest.warns(SoftwareChanged, match="torch .* → 9.9"):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", SoftwareChanged)
         evolve(cfg, run.path, resume=True, progress=False)
+    assert len(run.manifest()["software_resumed"]) == 1
+
+
+def test_a_resume_refused_by_its_checkpoint_records_no_software(tmp_path, monkeypatch):
+    """The software was checked (and a change noted in the manifest) before the round's checkpoint was
+    read: a resume refused for a damaged checkpoint was recorded as resumed under other software."""
+    cfg = cfg_for()
+    crash_at(monkeypatch, "solver_step", 2, cfg.loop.proposer_steps + 3)
+    with pytest.raises(RuntimeError):
+        evolve(cfg, tmp_path / "run", progress=False)
+    monkeypatch.undo()
+    run = RunDir(tmp_path / "run")
+    run.checkpoint_path(1).write_text('{"proposer": 1}')
+    monkeypatch.setattr("selfevo.runs.software", lambda: {**software(), "numpy": "0.0.1"})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", SoftwareChanged)
+        with pytest.raises(RunError, match="field 'proposer' should be an object"):
+            evolve(cfg, run.path, resume=True, progress=False)
+    assert "software_resumed" not in run.manifest()
 
 
 def test_the_software_record_moves_with_selfevos_own_code(tmp_path):

@@ -335,7 +335,6 @@ def evolve(cfg: RunConfig, out: str | os.PathLike, resume: bool = False, progres
             done = run.open_for_resume(cfg.to_json(), defaults=RunConfig().to_json())
             check_world(run, cfg, evaluation=True)
             kept_folds = saved_folds(run, cfg)
-            run.check_software()  # last: a refused resume has not resumed (no warning, nothing noted)
         else:
             check_world_params(cfg, env.world)
             run.check_new()  # now, not after the model load it would waste
@@ -382,7 +381,11 @@ def evolve(cfg: RunConfig, out: str | os.PathLike, resume: bool = False, progres
             write_json(folds_path, folds.to_json())
         if done:
             _restore(loop, run, done)
-        else:
+        if resuming and done < cfg.loop.rounds:
+            # once its checkpoint loaded: a refused resume has not resumed (no warning, nothing noted), nor
+            # has a finished loop, which only audits again
+            run.check_software()
+        if not done:
             loop.evaluate_main(0)  # the base model, before any training (counted in compute.json)
         try:
             loop.run(run, start_round=done + 1, progress=progress, step_state=run.step_state)
