@@ -8,6 +8,7 @@ import sys
 import textwrap
 from dataclasses import asdict, replace
 
+import numpy as np
 import pytest
 from typer.testing import CliRunner
 
@@ -824,9 +825,15 @@ def test_a_stopped_study_goes_on_from_its_journal_to_the_same_results(bank, tmp_
     every = {(n, s) for n in names for s in (0, 1)}
     assert set(ran) == every - kept and said == [f"{journal}: {len(kept)} finished job(s) of this study, "
                                                   "not run again"]
-    # another study's journal is refused by name, not mixed in
-    with pytest.raises(ReplayError, match=r"jobs\.jsonl: holds the finished jobs of another study"):
+    # another study's journal is refused by name, not mixed in, saying what differs (it said what might)
+    with pytest.raises(ReplayError, match=rf"jobs\.jsonl: holds the finished jobs of another study \(--updates "
+                                          rf"{FAST.updates} → 5\)"):
         run_replay(bank, names, seeds=2, settings=replace(FAST, updates=5), workers=1, journal=journal)
+    monkeypatch.setattr(replay, "software", lambda: {**software(), "numpy": "0.0.1"})
+    with pytest.raises(ReplayError, match=rf"another study \(numpy {np.__version__} → 0\.0\.1\)"):
+        run_replay(bank, names, seeds=2, settings=FAST, workers=1, journal=journal)
+    monkeypatch.undo()
+    monkeypatch.setattr(replay, "_condition_job", lambda *a: ran.append(a[:2]) or real(*a))
     # a study asking for more reuses what it has: one new condition, its jobs only
     ran.clear()
     run_replay(bank, [*names, "full-data"], seeds=2, settings=FAST, workers=1, journal=journal)

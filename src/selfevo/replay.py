@@ -33,7 +33,7 @@ from pathlib import Path
 
 from selfevo._fmt import mean_std_text, num
 from selfevo._io import append_jsonl, atomic_writer, read_json, read_jsonl_log, write_json
-from selfevo._software import software
+from selfevo._software import software, software_changes
 from selfevo.agents.base import Proposal
 from selfevo.agents.sim import Reader, SimSolver
 from selfevo.algos import summary
@@ -890,17 +890,37 @@ def _run_jobs(pool, conds: list[Condition], seeds: list[int], bar, done: Mapping
     return outcomes, msv, base
 
 
-def _journal_key(bank: Bank, settings: ReplaySettings, judge_name: str) -> str:
+def _study(bank: Bank, settings: ReplaySettings, judge_name: str) -> dict:
     """What a job's result depends on besides its condition and seed (and that seed's MSV labels,
     themselves a job): a journal of another bank, settings, judge or software is not this study's."""
-    key = {"format": FORMAT, "bank": bank.digest(), "settings": asdict(settings), "judge": judge_name,
-           "software": software()}
-    return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()
+    return {"format": FORMAT, "bank": bank.digest(), "settings": asdict(settings), "judge": judge_name,
+            "software": software()}
 
 
-def _read_journal(path: Path, key: str, item_ids: Sequence[str] = ()) -> dict[tuple[str, int], dict]:
+def _journal_key(study: dict) -> str:
+    return hashlib.sha256(json.dumps(study, sort_keys=True).encode()).hexdigest()
+
+
+def _study_changes(was: dict | None, now: dict) -> str:
+    """What differs between a journal row's study and this one, in words (a row written before rows
+    named their study: the list of what may differ)."""
+    if not isinstance(was, dict):
+        return "another bank, --updates, --rollouts, --samples, judge or software version"
+    said = []
+    for part, name in (("format", "journal format"), ("bank", "bank"), ("judge", "judge")):
+        if was.get(part) != now[part]:
+            said.append(f"{name} {was.get(part)} → {now[part]}")
+    settings = was.get("settings") if isinstance(was.get("settings"), dict) else {}
+    said += [f"--{k} {settings.get(k)} → {v}" for k, v in now["settings"].items() if settings.get(k) != v]
+    if isinstance(was.get("software"), dict):
+        said += software_changes(was["software"], now["software"])
+    return "; ".join(said) or "its key"
+
+
+def _read_journal(path: Path, study: dict, item_ids: Sequence[str] = ()) -> dict[tuple[str, int], dict]:
     """The finished jobs of this study in `path` (a torn last line, a kill's, is cut off). `item_ids`: the
     bank's, every one of which an MSV row labels."""
+    key = _journal_key(study)
     try:
         rows = read_jsonl_log(path, repair=True)
     except ValueError as e:
@@ -911,9 +931,9 @@ def _read_journal(path: Path, key: str, item_ids: Sequence[str] = ()) -> dict[tu
                 and isinstance(row.get("result"), dict)):
             raise ReplayError(f"{path}:{i}: not a replay job (job, seed, result)")
         if row.get("study") != key:
-            raise ReplayError(f"{path}: holds the finished jobs of another study (another bank, --updates, "
-                              "--rollouts, --samples, judge or software version); remove it to start afresh, "
-                              "or choose another --out")
+            raise ReplayError(f"{path}: holds the finished jobs of another study "
+                              f"({_study_changes(row.get('of'), study)}); remove it to start afresh, or choose "
+                              "another --out")
         if (wrong := _journal_result_problem(row["job"], row["result"], item_ids)) is not None:
             # else a KeyError, or an InvariantError blaming the replay, far from the line
             raise ReplayError(f"{path}:{i}: job {row['job']!r} seed {row['seed']}: {wrong}; remove the line to run "
@@ -987,16 +1007,18 @@ def run_replay(bank: Bank, conditions: Iterable[str] | str | None = None, seeds:
         judge_name = _ctx().judge.name if isinstance(pool, _InProcess) else OracleJudge.name
         done, record = {}, None
         if journal is not None:
-            key = _journal_key(bank, settings, judge_name)
+            study = _study(bank, settings, judge_name)
+            key = _journal_key(study)
             # only this study's jobs: the journal may hold more seeds or conditions than it asks for
             jobs = _jobs(conds, seeds)
-            done = {k: v for k, v in _read_journal(Path(journal), key, [it.item_id for it in bank.items]).items()
+            done = {k: v for k, v in _read_journal(Path(journal), study, [it.item_id for it in bank.items]).items()
                     if k in jobs}
             if done and log is not None:
                 log(f"{journal}: {len(done)} finished job(s) of this study, not run again")
 
             def record(job: str, seed: int, result: dict) -> None:
-                append_jsonl(journal, [{"study": key, "job": job, "seed": seed, "result": result}])
+                # `of`: what the key is made of, so a study that differs can be told in what
+                append_jsonl(journal, [{"study": key, "of": study, "job": job, "seed": seed, "result": result}])
         with Progress(*columns, disable=not progress, transient=True) as bar:
             outcomes, msv, base = _run_jobs(pool, conds, seeds, bar, done, record)
     invariants = check_invariants(outcomes, bank, settings)
