@@ -398,6 +398,10 @@ def test_cli_build_and_run(runs, tmp_path):
                            "--out", str(bank_path)])
     assert res.exit_code == 0, res.output
     assert len(read_json(bank_path)["items"]) == 150
+    first_bank = bank_path.read_bytes()
+    res = cli.invoke(app, ["replay", "build", "--from", str(runs[0]), "--size", "100", "--out", str(bank_path)])
+    assert res.exit_code == 2 and "exists; a bank is written once" in " ".join(res.output.split())
+    assert bank_path.read_bytes() == first_bank
     out = tmp_path / "study"
     res = cli.invoke(app, ["replay", "run", "--bank", str(bank_path), "--conditions", "coupled,source-id+msv",
                            "--seeds", "1", "--updates", "6", "--workers", "1", "--out", str(out)])

@@ -1078,7 +1078,8 @@ def replay_build(
     hops: str = typer.Option("", help="keep only these hop counts, comma-separated (e.g. 1); default all"),
     distinct: bool = typer.Option(False, help="keep a question asked again (same question, same label) once; "
                                               "default: as often as the loop trained on it"),
-    out: Path = typer.Option(..., help="the bank file to write (JSON)"),
+    out: Path = typer.Option(..., help="the bank file to write (JSON; a new file: a study's journal names the "
+                                       "bank it replayed)"),
 ) -> None:
     """Save round-2/3 questions of completed runs with their adopted labels (wrong ones included)."""
     from selfevo.replay import ReplayError, build_bank
@@ -1088,6 +1089,8 @@ def replay_build(
     except ValueError:
         _fail(f"--hops: expected comma-separated integers, got {hops!r}")
     _out_not_over(out, [*from_, *(more or [])])
+    if out.exists():  # a bank replaced under a study's journal turns its finished jobs into another study's
+        _fail(f"--out: {out} exists; a bank is written once: give a new file (or remove this one)")
     try:
         bank = build_bank([*from_, *(more or [])], size=size, seed=seed, hops=wanted, distinct=distinct)
     except ReplayError as e:
