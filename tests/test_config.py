@@ -60,8 +60,8 @@ def test_toml_file_then_overrides_then_top_level(tmp_path):
     assert (cfg.loop.rounds, cfg.loop.proposer_steps, cfg.solver.memory) == (2, 6, False)
     cfg = load_config(path, ["loop.rounds=1", "seed=5"])
     assert (cfg.loop.rounds, cfg.seed, cfg.loop.proposer_steps) == (1, 5, 6)
-    cfg = load_config(path, ["loop.rounds=1"], **{"loop.rounds": 3, "seed": None})
-    assert cfg.loop.rounds == 3 and cfg.seed == 4  # None means "not given"
+    cfg = load_config(path, ["loop.rounds=1"], **{"loop.proposer_steps": 3, "seed": None})
+    assert (cfg.loop.rounds, cfg.loop.proposer_steps, cfg.seed) == (1, 3, 4)  # None means "not given"
 
 
 def test_round_trip_through_json():
@@ -275,3 +275,15 @@ def test_a_config_file_with_a_bom_is_read(tmp_path):
     path.write_bytes(b"\xef\xbb\xbftreatment = \"crossfit\"\nseed = 3\n")
     cfg = load_config(path)
     assert (cfg.treatment, cfg.seed) == ("crossfit", 3)
+
+
+def test_an_option_and_a_set_override_that_disagree_are_refused():
+    """`--set treatment=crossfit --treatment msv` ran msv, and `--set world.name=small --world default` the
+    default world (an option was applied over the overrides): one of the two silently lost. Agreeing, both
+    are fine."""
+    with pytest.raises(ConfigError, match=r"--set treatment='crossfit' and the option for treatment \('msv'\) "
+                                          "disagree"):
+        load_config(None, ["treatment=crossfit"], treatment="msv")
+    with pytest.raises(ConfigError, match=r"--set world.name='small' and the option for world.name"):
+        load_config(None, ["world.name=small"], **{"world.name": "default"})
+    assert load_config(None, ["treatment=msv", "seed=3"], treatment="msv", seed=3).treatment == "msv"

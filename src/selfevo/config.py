@@ -325,12 +325,18 @@ def read_toml(path: str | Path) -> dict:
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] = (), **top: Any) -> RunConfig:
-    """A TOML file (optional), then `--set` overrides, then explicit top-level values."""
+    """A TOML file (optional), then `--set` overrides, then explicit top-level values (a command's options;
+    one that disagrees with an override of the same field is refused)."""
     data: dict = read_toml(path) if path is not None else {}
+    overridden = {}
     for text in overrides:
         keys, value = parse_override(text)
         data = merge(data, keys, value)
+        overridden[".".join(keys)] = value
     for key, value in top.items():
         if value is not None:
+            if key in overridden and overridden[key] != value:  # else one of them silently lost
+                raise ConfigError(f"--set {key}={overridden[key]!r} and the option for {key} ({value!r}) "
+                                  "disagree; give one of them")
             data = merge(data, key.split("."), value)
     return config_from_dict(data)
