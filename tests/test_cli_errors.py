@@ -182,6 +182,11 @@ def test_a_run_on_a_world_directory_is_tied_to_that_world(tmp_path, monkeypatch)
     assert runner.invoke(app, ["world", "make", "--size", "small", "--seed", "3", "--out", "w"]).exit_code == 0
     res = runner.invoke(app, ["evolve", "--world", "w", "--out", "run", "--no-audit", *TINY])
     assert res.exit_code == 0, res.output
+    # what it is made on: the directory's own parameters (config.json's [world] are the defaults left as given)
+    from selfevo.runs import RunDir
+
+    made = RunDir(tmp_path / "run").manifest()["world_params"]
+    assert (made["seed"], made["size"]) == (3, "small") and RunDir(tmp_path / "run").config()["world"]["seed"] == 0
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
     monkeypatch.chdir(elsewhere)

@@ -16,7 +16,7 @@ import os
 import random
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from selfevo._io import file_sha256, write_json
@@ -238,16 +238,17 @@ def _corpus_made_on(cfg: RunConfig, index) -> dict:
     return {"corpus_sha256": index.corpus_sha256, "index": index_identity(index)}
 
 
-def note_made_on(run: RunDir, cfg: RunConfig, index) -> None:
+def note_made_on(run: RunDir, cfg: RunConfig, index, world: World | None = None) -> None:
     """Note in the manifest what the run is made on (`check_world` holds a resume, audit or replay to
     it), where it does not say yet and no round is done: a run with rounds done keeps what it has (one
     made before these fields existed has none), and a resume before any round is done notes what a kill
-    after the run's creation left out."""
+    after the run's creation left out. A world directory's own parameters (`world`: its world.json) go
+    with its sha256: config.json's [world] values are the defaults wherever the command left them."""
     made = run.manifest()
     if made.get("rounds_completed"):
         return
     if (sha := world_sha256(cfg)) is not None and "world_sha256" not in made:
-        run.note(world_sha256=sha)
+        run.note(world_sha256=sha, **({"world_params": asdict(world.config)} if world is not None else {}))
     if cfg.data.corpus and "corpus_sha256" not in made:
         run.note(**_corpus_made_on(cfg, index))
     if cfg.data.qa_dir and "qa_sha256" not in made:
@@ -376,7 +377,7 @@ def evolve(cfg: RunConfig, out: str | os.PathLike, resume: bool = False, progres
             run.create(cfg.to_json())
         # what the run is made on, noted right after its creation (else its world or corpus would never be
         # checked, and the report would not pool it with its peers)
-        note_made_on(run, cfg, env.index)
+        note_made_on(run, cfg, env.index, env.world)
         if not folds_path.exists():
             write_json(folds_path, folds.to_json())
         if done:

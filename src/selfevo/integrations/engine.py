@@ -378,7 +378,7 @@ class EngineRun:
             write_json(engine_json, self.spec.model_dump())
             self.run.create(self.cfg.to_json())
             self.run.note(engine=self.spec.engine)
-        note_made_on(self.run, self.cfg, self.env.index)
+        note_made_on(self.run, self.cfg, self.env.index, self.env.world)
         # permanent: a resumed run keeps the assignment it started with, checked as evolve checks it
         self.folds = saved_folds(self.run, self.cfg)
         if self.folds is None:  # a new run, or one killed before its folds were written
