@@ -40,6 +40,27 @@ def test_audit_metrics_by_hand():
     assert m["coverage"] == pytest.approx(2 / 3)
 
 
+def test_the_bootstraps_count_sums_give_audit_metrics():
+    """The judge comparison's bootstrap recomputes the metrics from per-item count columns: those sums
+    must give what `audit_metrics` gives (its tests built their expectations with the same two functions,
+    so an F column counted as L passed them), checked on hand-made items, a zero-pair one included."""
+    import numpy as np
+
+    from selfevo.audit.compare import _counts, _metrics_from_sums
+
+    items = [*three_items(), JudgedItem((T, T, F, F, F), True, True, (T, T, T, F, F)),
+             JudgedItem((F, F), True, False, (T, F)), JudgedItem((), True, True, ())]
+    assert [_counts(j) for j in items[:2]] == [[1, 5, 5, 5, 0, 0, 1], [1, 5, 2, 1, 2, 1, 0]]
+    sums = _metrics_from_sums(np.array([_counts(j) for j in items]).sum(axis=0), len(items))
+    want = audit_metrics(items)
+    for m in METRICS:
+        assert float(sums[m]) == pytest.approx(want[m]), m
+    assert want["F"] == pytest.approx(2 / 17) and want["L"] == pytest.approx(2 / 17)
+    # resolved items with no response at all: no pair to rate, so no metric (not a division by zero)
+    empty = audit_metrics([JudgedItem((), True, True, ())])
+    assert (empty["resolved"], empty["coverage"]) == (1, 1.0) and all(empty[m] is None for m in METRICS[:-1])
+
+
 def test_audit_metrics_alias_and_partial_agreement():
     items = three_items() + [
         # correct label; a correct response phrased differently (an alias) does not match it:

@@ -268,6 +268,8 @@ def test_cover_em_exact_match_and_f1_by_hand():
 def test_mentions_is_whole_normalized_words():
     assert mentions("Who founded The Red Guild in 1901?", "red guild")
     assert not mentions("Who founded Redguild?", "red guild")  # not inside a word
+    assert not mentions("Who founded Redguilds?", "redguild") and not mentions("Anna sang.", "ann")  # nor a part
+    assert mentions("Anna sang.", "anna")
     assert not mentions("Ann is a person.", "an")  # an article normalizes away: nothing to find
     assert not mentions("anything", "  the ")
 

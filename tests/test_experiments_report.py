@@ -618,8 +618,9 @@ def test_an_interrupted_grid_stops_with_its_workers(tmp_path, signame):
                             start_new_session=True)  # its own group: the test cleans up whatever outlives it
     try:
         deadline = time.monotonic() + 120
-        while not list(tmp_path.glob("*/manifest.json")) and time.monotonic() < deadline:
+        while not list(tmp_path.glob("*/manifest.json")) and time.monotonic() < deadline and proc.poll() is None:
             time.sleep(0.05)
+        assert proc.poll() is None and list(tmp_path.glob("*/manifest.json")), "the grid never started a run"
         proc.send_signal(getattr(signal, signame))  # the grid's process only, as `kill PID` does
         proc.wait(timeout=30)
         after = time.monotonic()

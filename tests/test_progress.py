@@ -6,6 +6,7 @@ import io
 import re
 import time
 
+import pytest
 from rich.console import Console
 from rich.progress import TextColumn
 
@@ -100,13 +101,11 @@ def test_a_removed_task_neither_breaks_the_stop_nor_hides_the_error_leaving_the_
     # before: stop() reported every task ever logged, and a removed one raised KeyError there, in
     # place of the block's own error, with the display left running (a helper's review)
     log = Console(file=io.StringIO())
-    try:
-        with Progress(TextColumn("{task.description}"), console=log, every=0, auto_refresh=False) as bar:
-            task = bar.add_task("index", total=10)
-            bar.advance(task)
-            bar.remove_task(task)
-            raise RuntimeError("the real error")
-    except RuntimeError as e:
-        assert str(e) == "the real error"
+    with pytest.raises(RuntimeError, match="^the real error$"), \
+            Progress(TextColumn("{task.description}"), console=log, every=0, auto_refresh=False) as bar:
+        task = bar.add_task("index", total=10)
+        bar.advance(task)
+        bar.remove_task(task)
+        raise RuntimeError("the real error")
     assert not bar.live.is_started
     assert lines(capsys.readouterr().err)[-1] == ("index", "1")
