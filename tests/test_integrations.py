@@ -175,6 +175,22 @@ def test_frontier_reward_routes_each_fold_to_the_other_folds_grader(tool, tmp_pa
     assert malformed[0]["format_error"] == "no final question" and malformed[0]["reward"] == -0.5
 
 
+def test_the_frontier_reward_over_served_graders_counts_its_samples(tool, tmp_path):
+    """FrontierReward pays f(k) over its own sample count: 2 of 3 samples agreeing pays 1/2 (over the
+    paper's 5 it would pay 3/4)."""
+    calls = []
+    aux1 = _seeded_grader("aux-1", calls, lambda i, q: "one" if i % 3 < 2 else "none")
+    with running(make_app(aux1)) as url:
+        graders = _graders({"aux-0": (url, (0,)), "aux-1": (url, (1,)), "main": (url, (0, 1))})
+        reward = FrontierReward(treatment="crossfit", round=2, folds=FOLDS, graders=graders, tool=tool,
+                                items_path=tmp_path / "items.jsonl", remote=REMOTE, samples=3)
+        rewards = TRLFrontierReward(reward)([[]], [[{"role": "assistant", "content": "<question> Which river is "
+                                                     "in the north? </question> <answer> one </answer>"}]],
+                                            source_id=["d0"], hops=[1])
+        reward.close()
+    assert len(calls) == 3 and rewards == [frontier_reward(2, 3)] == [0.5]
+
+
 def test_a_grader_trained_on_the_questions_fold_is_refused(tool, tmp_path):
     graders = _graders({"aux-0": ("http://127.0.0.1:9/v1", (0,)), "aux-1": ("http://127.0.0.1:9/v1", (0, 1))})
     with pytest.raises(RoutingError, match="aux-1@r1 trained on fold"):

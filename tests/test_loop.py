@@ -152,6 +152,52 @@ def test_proposer_items_carry_lineage_and_a_consistent_reward(runs):
     assert n_items >= 3 * 6 * 15
 
 
+@pytest.mark.parametrize("treatment", ["coupled", "crossfit"])
+def test_the_frontier_reward_counts_the_configured_grader_samples(tmp_path, treatment):
+    """f(k) over n = loop.grader_samples, not the paper's 5: with 3 samples, k = 1 pays 1 and k = 2
+    pays 1/2 (f(k) of 5 would pay 1 and 3/4), in the main solver's grading and an aux solver's."""
+    _, run = run_evolve(tmp_path / "r", extra=[f"treatment={treatment}", "loop.grader_samples=3",
+                                                 "loop.rounds=2"])
+    seen = set()
+    for row in run.steps():
+        for it in row["items"] if row["kind"] == "proposer" else ():
+            assert len(it["responses"]) == 3 and it["reward"] == pytest.approx(frontier_reward(it["k"], 3))
+            seen.add(it["k"])
+    assert {1, 2} <= seen
+
+
+def test_a_malformed_proposal_is_paid_the_penalty_and_neither_graded_nor_admitted(tmp_path, monkeypatch):
+    """A proposal that breaks the format (an LM proposer's; here every seventh of the sim proposer's,
+    marked so) earns -format_penalty, is kept apart from the graded items, is never admitted, and the
+    audit counts it in its round. The sim learners write none, so the real-model test alone (25
+    minutes) checked this: the penalty's sign flipped passed every fast test."""
+    import dataclasses
+
+    from selfevo.agents.sim.proposer import SimProposer
+
+    real = SimProposer.propose
+
+    def some_malformed(self, n, tool, seed):
+        self.format_penalty = 0.5
+        return [dataclasses.replace(p, format_error="empty question") if i % 7 == 3 else p
+                for i, p in enumerate(real(self, n, tool, seed))]
+
+    monkeypatch.setattr(SimProposer, "propose", some_malformed)
+    _, run = run_evolve(tmp_path / "r", extra=["loop.rounds=2"])
+    by_round = {}
+    for row in run.steps():
+        bad = row.get("malformed", [])
+        by_round[row["round"]] = by_round.get(row["round"], 0) + len(bad)
+        assert all(m["reward"] == -0.5 and m["format_error"] == "empty question" for m in bad)
+        ids = {m["item_id"] for m in bad}
+        assert not ids & {it["item_id"] for it in row["items"]}
+    admitted = {it["item_id"] for row in run.steps() if row["kind"] == "proposer" for it in row["items"]
+                if it["admitted"]}
+    assert by_round[1] > 0 and not admitted & {m["item_id"] for row in run.steps() for m in row.get("malformed", [])}
+    audit = json.loads((run.path / "audit" / "metrics.json").read_text())
+    assert {r["round"]: r["malformed"] for r in audit["rounds"]} == by_round
+
+
 def test_coupled_grader_is_the_main_solver_of_the_previous_round(runs):
     _, run, _, _ = runs
     for row in run.steps():
