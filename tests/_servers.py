@@ -18,18 +18,23 @@ def free_port() -> int:
 
 @contextlib.contextmanager
 def serve_app(app):
-    """Yields the base URL; stops the server (and checks it stopped) on exit."""
-    config = uvicorn.Config(app, host="127.0.0.1", port=free_port(), log_level="warning")
+    """Yields the base URL; stops the server (and checks it stopped) on exit. The server is handed a
+    socket already bound: a port found free, then bound by the server, could be taken in between."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning")
     server = uvicorn.Server(config)
-    thread = threading.Thread(target=server.run, daemon=True)
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     deadline = time.monotonic() + 10
     while not server.started:
         assert thread.is_alive() and time.monotonic() < deadline, "server did not start"
         time.sleep(0.02)
     try:
-        yield f"http://127.0.0.1:{config.port}"
+        yield f"http://127.0.0.1:{port}"
     finally:
         server.should_exit = True
         thread.join(timeout=10)
+        sock.close()
         assert not thread.is_alive()

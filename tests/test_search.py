@@ -308,14 +308,22 @@ def test_real_corpus_index(wiki, tmp_path):
     assert loaded.retrieve(queries, 3) == wiki.retrieve(queries, 3)
 
 
-def test_single_query_retrieve_is_cheap(wiki):
-    """Simulated agents issue thousands of single queries: guard against per-call overhead
-    (progress bars, tokenizer construction). Typical: ~0.15 ms; the bound is generous."""
+def test_a_single_query_builds_no_progress_bar_and_no_tokenizer(wiki, monkeypatch):
+    """Simulated agents issue thousands of single queries: no per-call overhead (a progress bar, a
+    tokenizer built) — checked by what a call constructs, not by a timing; the single-query rate is
+    benchmarks/retrieval.py's (docs/benchmarks.md)."""
+    import bm25s
+    import rich.progress
+    import tqdm.std
+
     wiki.retrieve(["warm up"], 3)
-    start = time.perf_counter()
-    for i in range(200):
-        wiki.retrieve([f"history of golf tournament {i}"], 3)
-    assert (time.perf_counter() - start) / 200 < 0.02
+    made = []
+    for owner, name in ((rich.progress.Progress, "__init__"), (tqdm.std.tqdm, "__init__"),  # bm25s's bars: tqdm
+                        (bm25s.tokenization.Tokenizer, "__init__"), (bm25s, "tokenize")):
+        monkeypatch.setattr(owner, name, lambda *a, _n=f"{owner.__name__}.{name}", **k: made.append(_n))
+    for i in range(20):
+        assert len(wiki.retrieve([f"history of golf tournament {i}"], 3)[0]) == 3
+    assert made == []
 
 
 # ------------------------------------------------------------------ SearchTool
