@@ -1141,6 +1141,7 @@ def test_a_call_shared_with_a_stopped_batch_is_asked_again_by_the_running_one():
 
     def shared(owner_stops: bool) -> dict:
         owner_stop, waiter_stop, asked = threading.Event(), threading.Event(), threading.Event()
+        waiting = threading.Event()  # the waiter waits on the owner's call: set from inside, no sleep
         out: dict = {}
 
         def owners_call():  # gives up once its batch stops, as ChatClient.chat(stopped=...) does
@@ -1148,7 +1149,7 @@ def test_a_call_shared_with_a_stopped_batch_is_asked_again_by_the_running_one():
             if owner_stops:
                 owner_stop.wait(5)
             else:
-                time.sleep(0.2)
+                waiting.wait(5)  # fails by itself, once the waiter shares it
             raise CallFailed("gave up")
 
         def run(name, fn, stop):
@@ -1159,10 +1160,19 @@ def test_a_call_shared_with_a_stopped_batch_is_asked_again_by_the_running_one():
 
         owner = threading.Thread(target=run, args=("owner", owners_call, owner_stop))
         owner.start()
-        asked.wait(5)
+        assert asked.wait(5)
         waiter = threading.Thread(target=run, args=("waiter", lambda: {"ok": True}, waiter_stop))
+        fut, _ = judge._inflight["key"]
+        result = fut.result
+
+        def waited_on(timeout=None):
+            if threading.current_thread() is waiter:
+                waiting.set()
+            return result(timeout)
+
+        fut.result = waited_on
         waiter.start()
-        time.sleep(0.1)  # the waiter is waiting on the owner's call
+        assert waiting.wait(5)  # the waiter is waiting on the owner's call
         if owner_stops:
             owner_stop.set()
         owner.join(5)
