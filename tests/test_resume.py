@@ -313,19 +313,26 @@ def test_a_run_still_being_written_is_not_resumed_beside_its_writer(tmp_path):
     """`--resume` (or a grid rerun) while another process still writes the run: refused, naming
     the run, instead of both processes appending the same steps to one log."""
 
-    out = tmp_path / "run"
+    out, go = tmp_path / "run", tmp_path / "go"
     args = ["evolve", "--out", str(out), "--rounds", "2", "--world", "small"]  # the full small schedule: seconds
     src = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src")
-    writer = subprocess.Popen([sys.executable, "-c", "from selfevo.cli import app; app()", *args],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                              env={**os.environ, "PYTHONPATH": src})
+    # the writer holds on after its first solver step until the test says go: it is still writing when
+    # the resume is tried (it finished in about a second of its log appearing, sometimes before the try)
+    script = (f"import os, time\nfrom selfevo.loop.engine import Loop\nreal = Loop.solver_step\n"
+              f"def held(*a, **k):\n    out = real(*a, **k)\n"
+              f"    while not os.path.exists({str(go)!r}): time.sleep(0.02)\n    return out\n"
+              f"Loop.solver_step = held\nfrom selfevo.cli import app\napp()")
+    writer = subprocess.Popen([sys.executable, "-c", script, *args], stdout=subprocess.DEVNULL,
+                              stderr=subprocess.DEVNULL, env={**os.environ, "PYTHONPATH": src})
     deadline = time.monotonic() + 120
     while not (out / "records" / "steps.jsonl").exists() and time.monotonic() < deadline:
         time.sleep(0.02)
     try:
+        assert writer.poll() is None, "the writer ended before the resume was tried"
         with pytest.raises(RunError, match="another process is writing this run"):
             evolve(load_config(None, ["world.name=small", "loop.rounds=2"]), out, resume=True, progress=False)
     finally:
+        go.touch()
         assert writer.wait(timeout=300) == 0
     keys = [(r["round"], r["step"]) for r in RunDir(out).steps()]
     assert keys == sorted(set(keys)) and len(keys) == 2 * (18 + 25)
