@@ -262,6 +262,7 @@ def test_msv_admission_phase_with_a_served_model(smollm2_path, tmp_path):
     sampled 3 times with the source and 3 without for a staged proposal; the decisions and their
     samples land in the proposer step records."""
     from selfevo._io import append_jsonl
+    from selfevo.evaluate import answers_match
     from selfevo.integrations.engine import EngineRun, load_engine_config
 
     ecfg = load_engine_config(TINY, ["treatment=msv"], engine="trl")
@@ -278,6 +279,9 @@ def test_msv_admission_phase_with_a_served_model(smollm2_path, tmp_path):
     for it in record["items"]:
         adm = it["admission"]
         assert len(adm["with_source"]) == 3 and len(adm["without_source"]) == 3
-        assert it["admitted"] == (adm["majority_with"] is not None and adm["majority_without"] is not None
-                                  and it["adopted_label"] == adm["majority_with"])
+        both = adm["majority_with"] is not None and adm["majority_without"] is not None
+        # the rule: both majorities exist and match (under the loop's matcher); the majority is adopted
+        assert it["admitted"] == (both and answers_match(adm["majority_with"], adm["majority_without"]))
+        if it["admitted"]:
+            assert it["adopted_label"] == adm["majority_with"]
     assert out["admitted"] == sum(it["admitted"] for it in record["items"])
