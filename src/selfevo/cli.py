@@ -246,7 +246,7 @@ app.add_typer(index_app, name="index")
 def index_build(
     corpus: Path = typer.Option(..., help="FlashRAG corpus JSONL"),
     retriever: str = typer.Option("bm25", help=_RETRIEVER_HELP),
-    out: Path = typer.Option(..., help="index directory to write (its manifest names the kind)"),
+    out: Path = typer.Option(..., help="index directory to write (its manifest says the kind)"),
     model: str | None = typer.Option(None, help=_MODEL_HELP),
     index_type: str = typer.Option("flat", help="dense/hybrid: FAISS index: flat (exact) | hnsw | ivf"),
     faiss_param: list[str] = typer.Option([], "--faiss-param",
