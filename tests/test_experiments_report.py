@@ -1058,6 +1058,13 @@ def test_compare_names_audits_made_differently(local_grid, tmp_path):
     said = " ".join(res.output.split())
     assert res.exit_code == 0 and "F, T_P, A come from audits made differently" in said, res.output
     assert "oracle, the first 2 items a step" in said
+    # each row says which run it is (two runs of one treatment and seed looked alike), and a run with no
+    # audit (--no-audit) is said to have none rather than left with blank F, T_P, A
+    shutil.rmtree(part / "audit")
+    res = CliRunner().invoke(app, ["compare", str(root / "coupled-s0"), str(part)], terminal_width=250)
+    said = " ".join(res.output.split())
+    assert res.exit_code == 0 and "coupled-s0" in said and "crossfit-part" in said
+    assert f"F, T_P, A left blank: no audit of {part}" in said
 
 
 def test_engine_runs_of_other_engine_settings_are_not_paired_nor_pooled(local_grid, tmp_path):

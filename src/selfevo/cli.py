@@ -966,11 +966,13 @@ def compare_cmd(run_dirs: list[Path] = typer.Argument(..., help="run directories
     mixed = len(audits) > 1  # (`report` refuses such runs; here the audits are named beside their numbers)
     table = Table(title="compute overhead vs coupled (same seed)"
                   + (f"; F, T_P, A by {escape(next(iter(audits)))}" if len(audits) == 1 else ""))
-    for col in ("treatment", "seed", "generations", "updates", "seconds", "+gen", "+upd", "+time",
+    names = [Path(r["run"]).name for r in rows]
+    names = names if len(set(names)) == len(names) else [str(r["run"]) for r in rows]  # which run each row is
+    for col in ("run", "treatment", "seed", "generations", "updates", "seconds", "+gen", "+upd", "+time",
                 "F", "T_P", "A", "Cover-EM", *(["audit"] if mixed else [])):
-        table.add_column(col, justify="right")
-    for r in rows:
-        table.add_row(r["treatment"], str(r["seed"]), str(r["generations"]), str(r["updates"]),
+        table.add_column(col, justify="left" if col == "run" else "right")
+    for name, r in zip(names, rows, strict=True):
+        table.add_row(escape(name), r["treatment"], str(r["seed"]), str(r["generations"]), str(r["updates"]),
                       f"{r['seconds']:.2f}", *[num(r[k], "+.0%") for k in ("extra_generations", "extra_updates",
                                                                             "extra_seconds")],
                       *[num(r[k]) for k in ("F", "T_P", "A", "cover_em")],
@@ -984,6 +986,9 @@ def compare_cmd(run_dirs: list[Path] = typer.Argument(..., help="run directories
     if unfinished:  # `report` leaves these out; a comparison of what they did so far is still asked for
         console.print("[yellow]warning:[/yellow] " + escape(f"not complete, so counted over the rounds done: "
                                                              f"{', '.join(unfinished)}"))
+    if unaudited := [str(r["run"]) for r in rows if not r["audit"] and not r["stale_audit"]]:
+        console.print("[yellow]warning:[/yellow] " + escape(f"F, T_P, A left blank: no audit of {', '.join(unaudited)} "
+                                                             "(made with --no-audit?); run `selfevo audit` on it"))
     stale = [f"{r['run']} (its audit covers {r['stale_audit']})" for r in rows if r["stale_audit"]]
     if stale:
         console.print("[yellow]warning:[/yellow] " + escape(f"F, T_P, A left blank: audited before the run went on, "
