@@ -288,9 +288,17 @@ def _edit(path: Path, fn) -> None:
     (lambda root: _edit(root / "a" / "eval" / "round-0.json", lambda o: o.update(macro=None)),
      "a/eval/round-0.json: field macro: should be an object"),
     (lambda root: _edit(root / "a" / "eval" / "round-2.json", lambda o: o["benchmarks"]["nq"].update(cover_em="x")),
-     "a/eval/round-2.json: field benchmarks.nq.cover_em should be a number or null"),
+     "a/eval/round-2.json: field benchmarks.nq.cover_em should be a finite number or null"),
     (lambda root: _edit(root / "a" / "audit" / "metrics.json", lambda o: o["rounds"][1].pop("F")),
-     "a/audit/metrics.json: field rounds[1].F should be a number or null"),
+     "a/audit/metrics.json: field rounds[1].F should be a finite number or null"),
+    # NaN (which Python's JSON reader takes): the seed was skipped without a word
+    (lambda root: _edit(root / "a" / "eval" / "round-2.json", lambda o: o["macro"].update(cover_em=float("nan"))),
+     "a/eval/round-2.json: field macro.cover_em should be a finite number or null, got nan"),
+    (lambda root: _edit(root / "a" / "audit" / "metrics.json", lambda o: o["rounds"][1].update(F=float("inf"))),
+     "a/audit/metrics.json: field rounds[1].F should be a finite number or null, got inf"),
+    (lambda root: (root / "replay").mkdir() or (root / "replay" / "results.json").write_text(
+        '{"conditions": {}, "bank": [1]}'),
+     "replay/results.json: field 'bank' should be an object"),
     (lambda root: _edit(root / "a" / "audit" / "metrics.json", lambda o: o.pop("steps")),
      "a/audit/metrics.json: field 'steps' is missing"),
     # what the report sums or reads of an audit and compute.json, past the metric numbers
@@ -313,7 +321,7 @@ def _edit(path: Path, fn) -> None:
      "replay/results.json: field conditions.coupled.F: should be an object, got 0.5"),
     (lambda root: (root / "replay").mkdir() or (root / "replay" / "results.json").write_text(
         '{"conditions": {"coupled": {"F": {"mean": "0.5", "std": 0}}}}'),
-     "replay/results.json: field conditions.coupled.F.mean should be a number or null"),
+     "replay/results.json: field conditions.coupled.F.mean should be a finite number or null"),
 ])
 def test_report_names_a_damaged_eval_audit_or_replay_file(tmp_path, finished, damage, named):
     # the report read these without the checks config, manifest and compute have: a KeyError traceback

@@ -741,6 +741,13 @@ def test_runs_made_on_different_data_under_one_path_are_not_pooled_or_paired(loc
         build_report(root)
     rows = compare([root / "coupled-s0", root / "crossfit-s0"])
     assert rows[1]["extra_generations"] is None  # no coupled run of its setting to pair with
+    # the benchmarks evaluated on (a QA directory replaced under its path) tell runs apart too
+    for seed in (0, 1):
+        path = root / f"crossfit-s{seed}" / "manifest.json"
+        path.write_text(json.dumps({**json.loads(path.read_text()), "world_sha256": None, "qa_sha256": "b" * 64}))
+    with pytest.raises(ValueError, match="made on different data under one path .*qa_sha256"):
+        build_report(root)
+    assert compare([root / "coupled-s0", root / "crossfit-s0"])[1]["extra_generations"] is None
 
 
 def test_audits_by_other_settings_are_not_pooled_and_the_judge_is_named(local_grid, tmp_path):

@@ -586,14 +586,16 @@ def test_api_key_comes_from_the_environment_and_is_never_written(world_run, tmp_
 
 def test_a_judge_model_name_is_text_not_markup(world_run, tmp_path):
     """`--judge-model '[/x]'` (a name is the user's text) went into the progress bar and the tables as
-    rich markup: a MarkupError traceback, nothing written."""
+    rich markup: a MarkupError traceback, nothing written (and a "{" into the bar's format string); a "$"
+    pair went into the figures' titles as matplotlib math: a ParseSyntaxException after metrics.json."""
     w = world_run
     with running(make_app(scripted(w["key"]))) as url:
         result = CliRunner().invoke(app, ["audit", str(w["path"]), "--judge", "llm", "--judge-url", url,
-                                          "--judge-model", "[/x]", "--out", str(tmp_path / "o"),
-                                          "--max-items-per-step", "1", "--no-figures"])
+                                          "--judge-model", "[/x]$_{x$", "--out", str(tmp_path / "o"),
+                                          "--max-items-per-step", "1", "--compare", "oracle", "--bootstrap", "100"])
     assert result.exit_code == 0, result.output
-    assert "audit (llm:[/x]) by round" in result.output and (tmp_path / "o" / "metrics.json").exists()
+    assert "audit (llm:[/x]$_{x$) by round" in result.output and (tmp_path / "o" / "metrics.json").exists()
+    assert len(list((tmp_path / "o" / "figures").glob("*.png"))) >= 3
 
 
 # ------------------------------------------------------------------ prompt injection

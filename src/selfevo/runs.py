@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import time
 import warnings
@@ -70,8 +71,10 @@ def with_new_defaults(saved: dict, current: dict, defaults: dict | None) -> dict
 
 def made_on(manifest: dict) -> dict:
     """What a run's records are about beyond its config (from its manifest): the sha256 of the world
-    directory and of the corpus it was made on (None where the config alone fixes them: a generated world)."""
-    return {"world_sha256": manifest.get("world_sha256"), "corpus_sha256": manifest.get("corpus_sha256")}
+    directory, of the corpus and of the QA directory it was made on (None where the config alone fixes
+    them: a generated world)."""
+    return {"world_sha256": manifest.get("world_sha256"), "corpus_sha256": manifest.get("corpus_sha256"),
+            "qa_sha256": manifest.get("qa_sha256")}
 
 
 class RunError(ValueError):
@@ -168,13 +171,16 @@ def _check_steps(path: Path, rows: list) -> list[dict]:
 
 
 def check_numbers(obj, keys: Sequence[str], where: str) -> None:
-    """Each of `keys` is in `obj` (an object) as a number or null (a metric with nothing to measure)."""
+    """Each of `keys` is in `obj` (an object) as a finite number or null (a metric with nothing to
+    measure). NaN and Infinity, which Python's JSON reader takes, are no number a run writes: a report
+    skipped a NaN seed without a word."""
     if not isinstance(obj, dict):
         raise RunError(f"{where}: should be an object, got {obj!r:.60}")
     for key in keys:
         value = obj.get(key, "missing")
-        if value is not None and (not isinstance(value, (int, float)) or isinstance(value, bool)):
-            raise RunError(f"{where}.{key} should be a number or null, got {value!r:.60}")
+        if value is not None and (not isinstance(value, (int, float)) or isinstance(value, bool)
+                                  or not math.isfinite(value)):
+            raise RunError(f"{where}.{key} should be a finite number or null, got {value!r:.60}")
 
 
 _EVAL_GROUPS = ("macro", "single_hop", "multi_hop")

@@ -17,6 +17,12 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
+
+def _plain(text: str) -> str:
+    """A name from a run file (a judge's model) as text: matplotlib reads what lies between two "$" as
+    math, and a model named "org/m$_{x$" raised, after metrics.json, failing the audit (and the run)."""
+    return str(text).replace("$", r"\$")
+
 from selfevo._io import atomic_writer  # noqa: E402
 from selfevo.audit.metrics import METRICS  # noqa: E402
 
@@ -82,7 +88,7 @@ def metrics_figure(result: dict, kind: str = "proposer") -> bytes:
     where = "scheduled step" if all(x == k[1] for k, x in pos.items()) else "step, in (round, step) order"
     ax.set_xlabel(f"{where} ({kind} steps: small points; rounds: large markers)")
     ax.set_ylim(-0.02, 1.02)
-    ax.set_title(f"audit by step and round — judge {result['judge']}", fontsize=10, pad=16)
+    ax.set_title(f"audit by step and round — judge {_plain(result['judge'])}", fontsize=10, pad=16)
     _legend_or_note(ax, fontsize=8, loc="center left", bbox_to_anchor=(1.01, 0.5))  # clear of coverage near 1
     ax.grid(alpha=0.3)
     return png(fig)
@@ -107,7 +113,7 @@ def f_vs_l_figure(result: dict, kind: str = "proposer") -> bytes:
     ax.set_ylim(0, hi * 1.05)
     ax.set_xlabel("L (lost credit: correct response, wrong label)")
     ax.set_ylabel("F (false agreement on a wrong label)")
-    ax.set_title(f"F against L — judge {result['judge']}", fontsize=10)
+    ax.set_title(f"F against L — judge {_plain(result['judge'])}", fontsize=10)
     _legend_or_note(ax, fontsize=8)
     ax.grid(alpha=0.3)
     return png(fig)
@@ -122,7 +128,7 @@ def comparison_figure(cmp: dict) -> bytes:
                                                                                      marker="o"))):
             pts = [(b["round"], b[who][m]) for b in cmp["rounds"] if b[who][m] is not None]
             if pts:
-                top.plot(*zip(*pts), ms=6, lw=1.3, label=cmp[who], **style)
+                top.plot(*zip(*pts), ms=6, lw=1.3, label=_plain(cmp[who]), **style)
         top.set_title(m, fontsize=10)
         top.grid(alpha=0.3)
         d = [(b["round"], b["diff"][m]) for b in cmp["rounds"] if b["diff"].get(m, {}).get("lo") is not None]
@@ -137,7 +143,7 @@ def comparison_figure(cmp: dict) -> bytes:
         bottom.grid(alpha=0.3)
     _legend_or_note(axes[0][0], fontsize=7)
     axes[1][0].set_ylabel("judge − truth (95% CI)")
-    fig.suptitle(f"judge {cmp['judge']} against {cmp['truth']}", fontsize=10)
+    fig.suptitle(f"judge {_plain(cmp['judge'])} against {_plain(cmp['truth'])}", fontsize=10)
     fig.tight_layout()
     return png(fig)
 

@@ -652,8 +652,8 @@ class LLMJudge:
         from selfevo._bar import Progress
 
         # on stderr: what an audit prints on stdout stays its tables, whether or not that is a terminal;
-        # the model's name is text, not rich markup ("[/x]" raised)
-        bar = Progress(TextColumn(f"judging ({self.name})", markup=False), BarColumn(), MofNCompleteColumn(),
+        # the model's name is text, neither rich markup ("[/x]" raised) nor part of a format string ("{")
+        bar = Progress(TextColumn("{task.description}", markup=False), BarColumn(), MofNCompleteColumn(),
                        TimeRemainingColumn(), disable=not self.progress, transient=False,
                        console=Console(stderr=True))
         pool = ThreadPoolExecutor(max_workers=self.concurrency, thread_name_prefix="judge")
@@ -662,7 +662,7 @@ class LLMJudge:
         stop = threading.Event()  # this batch's own: a judge is shared by the batches of several threads
         try:
             with bar:
-                task = bar.add_task("judge", total=len(todo))
+                task = bar.add_task(f"judging ({self.name})", total=len(todo))  # a description: no format string
                 futures = {pool.submit(self._safe_one, it, stop): k for k, it in todo.items()}
                 for fut in as_completed(futures):
                     done[futures[fut]] = fut.result()  # JudgeError propagates: stop

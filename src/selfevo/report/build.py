@@ -80,7 +80,10 @@ def build_report(root: str | os.PathLike, context: str = "", runs: Sequence[str 
             for metric in REPLAY_COLUMNS:
                 check_numbers(c.get(metric), ("mean", "std"), f"{replay_results}: field conditions.{name}.{metric}")
         # the study sits beside the runs, but its bank may come from others: say so where it does
-        sources = (res["replay"].get("bank") or {}).get("sources")
+        bank = res["replay"].get("bank") or {}
+        if not isinstance(bank, dict):
+            raise RunError(f"{replay_results}: field 'bank' should be an object, got {bank!r:.60}")
+        sources = bank.get("sources")
         if not isinstance(sources, list) or not all(isinstance(x, str) for x in sources):
             raise RunError(f"{replay_results}: field bank.sources should be a list of run directories")
         mine = {Path(r).resolve() for r in runs}
