@@ -291,6 +291,9 @@ def _edit(path: Path, fn) -> None:
      "a/eval/round-2.json: field benchmarks.nq.cover_em should be a finite number or null"),
     (lambda root: _edit(root / "a" / "audit" / "metrics.json", lambda o: o["rounds"][1].pop("F")),
      "a/audit/metrics.json: field rounds[1].F should be a finite number or null"),
+    # a complete run whose rounds done are not its config's: its round-1 evaluation was paired with round 2's
+    (lambda root: _edit(root / "a" / "manifest.json", lambda o: o.update(rounds_completed=1)),
+     "a/manifest.json: status 'complete' with 1 round(s) done, but its config runs 2"),
     # NaN (which Python's JSON reader takes): the seed was skipped without a word
     (lambda root: _edit(root / "a" / "eval" / "round-2.json", lambda o: o["macro"].update(cover_em=float("nan"))),
      "a/eval/round-2.json: field macro.cover_em should be a finite number or null, got nan"),

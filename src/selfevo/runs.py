@@ -91,13 +91,19 @@ class ConfigDiffers(RunError):
 ORACLE_ADMISSION = "oracle_admission"
 
 
-def check_loop_run(manifest: dict, path) -> None:
+def check_loop_run(manifest: dict, path, rounds: int | None = None) -> None:
     """Refuse a run whose admission read truth: no run of the loop (its agents were told which labels
-    are wrong), so no report, comparison or replay bank may take it for one."""
+    are wrong), so no report, comparison or replay bank may take it for one. With `rounds` (its config's),
+    refuse one marked complete with another number of rounds done (edited or damaged): its last
+    evaluation would be paired with the other runs' last round."""
     if manifest.get(ORACLE_ADMISSION):
         raise RunError(f"{path}: its admission was decided by the oracle (a diagnostic ceiling, manifest field "
                        f"{ORACLE_ADMISSION!r}), not by the loop's rules: it is no run of the loop to report, "
                        "compare or build a replay bank from")
+    done = manifest.get("rounds_completed", 0)
+    if rounds is not None and manifest.get("status") == "complete" and done != rounds:
+        raise RunError(f"{Path(path) / 'manifest.json'}: status 'complete' with {done} round(s) done, but its "
+                       f"config runs {rounds}: its last evaluation would be paired with the other runs' last round")
 
 
 _TYPE_NAMES = {int: "an integer", str: "a string", bool: "true/false", list: "a list", dict: "an object",

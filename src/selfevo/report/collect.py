@@ -46,7 +46,7 @@ def collect_runs(run_dirs: Sequence[str | os.PathLike]) -> dict:
     for d in run_dirs:
         run = RunDir(d)
         cfg, manifest = run.config(), run.manifest()  # checked: a damaged file is named
-        check_loop_run(manifest, run.path)
+        check_loop_run(manifest, run.path, cfg["loop"]["rounds"])
         treatment, seed = cfg["treatment"], cfg["seed"]
         if (treatment, seed) in seen:
             raise ValueError(f"two runs of {treatment} seed {seed}: {seen[treatment, seed]} and {run.path}; "

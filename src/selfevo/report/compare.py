@@ -43,7 +43,7 @@ class RunSummary:
         metrics = run.audit_metrics() if (run.path / "audit" / "metrics.json").exists() else None
         rounds = metrics["rounds"] if metrics else []
         manifest = run.manifest()
-        check_loop_run(manifest, run.path)
+        check_loop_run(manifest, run.path, cfg["loop"]["rounds"])
         done = manifest.get("rounds_completed", 0)
         stale = None
         if rounds and rounds[-1]["round"] != done:
