@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import base64
 import html
+import re
 
 from selfevo._fmt import DASH, mean_std_text, num
 from selfevo._software import software_text
@@ -104,25 +105,53 @@ def _cell(text: str) -> str:
 
 def _text(text: str) -> str:
     """A line of Markdown made of the run files' text (a world path, an error): `<` would open raw HTML
-    (but in a `code span`, which shows it as written), a line break end the item."""
-    parts = text.replace("\r", " ").replace("\n", " ").split("`")
-    closed = len(parts) - (len(parts) % 2 == 0)  # an unmatched last backtick opens no code span
-    return "`".join(p.replace("<", "&lt;") if i % 2 == 0 or i >= closed else p for i, p in enumerate(parts))
+    (but in a `code span`, which shows it as written), a line break end the item. Code spans are found
+    as CommonMark finds them: a run of n backticks (not after a backslash) closed by the next run of
+    exactly n; an unclosed run is literal backticks."""
+    text = text.replace("\r", " ").replace("\n", " ")
+    out, i = [], 0
+    while i < len(text):
+        if text[i] == "`" and not _escaped(text, i):
+            n = len(text) - i - len(text[i:].lstrip("`"))  # the opening run
+            close = next((m.start() for m in re.finditer(r"`+", text[i + n:]) if len(m.group()) == n), None)
+            if close is not None:
+                end = i + n + close + n
+                out.append(text[i:end])  # a code span: as written
+                i = end
+                continue
+            out.append(text[i:i + n])
+            i += n
+            continue
+        out.append("&lt;" if text[i] == "<" else text[i])
+        i += 1
+    return "".join(out)
+
+
+def _escaped(text: str, i: int) -> bool:
+    """Is text[i] after an odd number of backslashes (a literal character in Markdown)?"""
+    return (i - len(text[:i].rstrip("\\"))) % 2 == 1
+
+
+def _code(text: str) -> str:
+    """`text` as one code span, whatever backticks it holds: a fence longer than its longest run."""
+    n = max((len(m.group()) for m in re.finditer(r"`+", text)), default=0) + 1
+    pad = " " if text.startswith("`") or text.endswith("`") else ""
+    return f"{'`' * n}{pad}{text.replace(chr(13), ' ').replace(chr(10), ' ')}{pad}{'`' * n}"
 
 
 def markdown(res: dict, figures: dict[str, str]) -> str:
     lines = ["# selfevo report", "", _text(f"Treatments: {', '.join(res['treatments'])}; seeds: "
                                           f"{', '.join(map(str, res['seeds']))}. {res.get('context', '')}"), "",
-             f"Software: {software_text(res.get('software', {}))}.", "", STATS_NOTE, ""]
+             _text(f"Software: {software_text(res.get('software', {}))}."), "", STATS_NOTE, ""]
     lines += [_text(note), ""] if (note := seeds_note(res)) else []
     lines += ["## Readings", ""]
     lines += [f"- {_text(r)}" for r in res["readings"]] or ["- (none)"]
     if res.get("excluded"):
         lines += ["", f"## {LEFT_OUT}", ""]
-        lines += [f"- `{r['run']}` ({_text(r['treatment'])} seed {r['seed']}): {_text(r['why'])}"
+        lines += [f"- {_code(r['run'])} ({_text(r['treatment'])} seed {r['seed']}): {_text(r['why'])}"
                   for r in res["excluded"]]
     for title, (head, rows) in tables(res).items():
-        lines += ["", f"## {title}", "", "| " + " | ".join(map(_cell, head)) + " |", "|" + "---|" * len(head)]
+        lines += ["", f"## {_text(title)}", "", "| " + " | ".join(map(_cell, head)) + " |", "|" + "---|" * len(head)]
         lines += ["| " + " | ".join(map(_cell, r)) + " |" for r in rows]
     lines += ["", "## Figures", ""]
     lines += [f"![{caption}]({path})" for caption, path in figures.items()]
