@@ -275,3 +275,19 @@ def test_a_damaged_demo_record_entry_is_named(runs, tmp_path, entry, message):
     assert result.exit_code == 2, result.output
     assert _one_line(result.output) == f"error: {root / 'demo.json'}: field {message}"
     assert not (root / "results.json").exists()
+
+
+def test_a_failed_job_finished_since_says_how_to_take_it_in(runs, tmp_path):
+    """A demo job that failed is left out of its report; finished by hand since (`evolve --resume`), the
+    report went on saying "the job failed" of a complete run. It still follows the demo's plan, and says
+    that the same demo again takes the run in."""
+    from selfevo.report.build import build_report, write_demo_record
+
+    root = tmp_path / "r"
+    shutil.copytree(runs / "grid", root)
+    others = sorted(p.parent for p in root.glob("*/manifest.json") if p.parent.name != "coupled-s0")
+    entry = {"run": str(others[0]), "treatment": "x", "seed": 0, "why": "the job failed: MemoryError"}
+    write_demo_record(root, [root / "coupled-s0"], False, [entry], "")
+    (why,) = [x["why"] for x in build_report(root)["excluded"]]
+    assert why == ("the job failed: MemoryError; its run directory holds a complete run now: the same "
+                   "`selfevo demo` again reports it")

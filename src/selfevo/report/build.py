@@ -13,7 +13,7 @@ from selfevo._io import atomic_writer, write_json
 from selfevo.report import figures as figs
 from selfevo.report.collect import collect_runs, find_runs
 from selfevo.report.render import REPLAY_COLUMNS, html_page, markdown
-from selfevo.runs import _TYPE_NAMES, RunError, check_numbers, read_object
+from selfevo.runs import _TYPE_NAMES, RunDir, RunError, check_numbers, read_object
 
 DEMO_RECORD = "demo.json"
 REPORT_FILES = ("results.json", "report.md", "report.html", "figures")  # what a report writes in its DIR
@@ -48,6 +48,18 @@ def _demo_record(root: Path) -> dict:
     return record
 
 
+def _since_the_demo(left_out: dict) -> dict:
+    """A run the demo left out (its job failed) that has been finished since (`evolve --resume` by hand):
+    the report still follows the demo's plan, so it says how to take it in."""
+    run = RunDir(left_out["run"])
+    try:
+        finished = run.exists() and run.manifest().get("status") == "complete"
+    except RunError:
+        finished = False
+    return {**left_out, "why": f"{left_out['why']}; its run directory holds a complete run now: the same "
+                              "`selfevo demo` again reports it"} if finished else left_out
+
+
 def build_report(root: str | os.PathLike, context: str = "", runs: Sequence[str | os.PathLike] | None = None,
                  replay: bool = True, excluded: Sequence[dict] = ()) -> dict:
     """The report of `runs` (None: those root/demo.json names, else every run directory below
@@ -59,7 +71,7 @@ def build_report(root: str | os.PathLike, context: str = "", runs: Sequence[str 
         demo = _demo_record(root)
         runs = [root / r for r in demo["runs"]]
         replay = replay and demo["replay"]
-        excluded = [*demo["excluded"], *excluded]
+        excluded = [*map(_since_the_demo, demo["excluded"]), *excluded]
         note = (f"The runs{' and replay study' if demo['replay'] else ''} of the demo recorded in "
                 f"{DEMO_RECORD}; other runs below this directory are not reported.")
         context = " ".join(x for x in (note, demo["context"], context) if x)
