@@ -248,8 +248,9 @@ def readings(res: dict) -> list[str]:
             return (f"{metric} {_mean_over(a['last_by_seed'], seeds, metric):.3f} {vs} "
                     f"{_mean_over(coupled['last_by_seed'], seeds, metric):.3f}")
 
-        pattern = (f"{t}: agreement looks worse ({means('A', 'vs coupled')}) while truth is "
-                   f"better ({means('T_P')}; {means('F')}; seeds {', '.join(map(str, seeds))})")
+        # F is quoted beside T_P as measured, not as a part of "better": it can be higher too
+        pattern = (f"{t}: agreement looks worse ({means('A', 'vs coupled')}) while label truth is "
+                   f"better ({means('T_P')}; seeds {', '.join(map(str, seeds))}; false agreement {means('F')})")
         if d_a["hi"] < 0 and d_tp["lo"] > 0:  # both paired intervals exclude 0 in the telling direction
             out.append(pattern + ". An operator watching only in-loop agreement would call this a regression.")
         else:  # the means show the pattern, the seeds do not yet settle it: say both
