@@ -92,6 +92,7 @@ fi
 if step 4; then
   echo "== 4. the replay bank of that run, on the GPU (coupled feedback solver, base model as judge)" | tee "$OUT/replay.txt"
   start=$(date +%s.%N)
+  rm -rf "$WORK/bank.json" "$WORK/replay"  # a rerun's: a bank is written once, and no old table passes for new
   python3 -m selfevo.cli replay build --from "$RUN" --size "${REPLAY_SIZE:-4}" --out "$WORK/bank.json" 2>&1 | tail -2 | tee -a "$OUT/replay.txt" &&
   timeout -k 30 "$REPLAY_TIMEOUT" python3 -m selfevo.cli replay run --bank "$WORK/bank.json" --conditions coupled --seeds 1 \
     --updates 2 --out "$WORK/replay" >> "$OUT/replay.txt" 2>&1

@@ -287,3 +287,29 @@ def test_an_option_and_a_set_override_that_disagree_are_refused():
     with pytest.raises(ConfigError, match=r"--set world.name='small' and the option for world.name"):
         load_config(None, ["world.name=small"], **{"world.name": "default"})
     assert load_config(None, ["treatment=msv", "seed=3"], treatment="msv", seed=3).treatment == "msv"
+
+
+def test_one_path_written_two_ways_is_no_disagreement_and_a_set_qa_dir_is_not_overridden(tmp_path, monkeypatch):
+    """The option's path went through str(Path(...)) (dropping "./") and the override did not: one path
+    was refused as two. And `--corpus C --set data.qa_dir=Q` compared Q with the qa/ directory inferred
+    beside the corpus, which no option named: refused. The inferred one is used only where nothing names one."""
+    monkeypatch.chdir(tmp_path)
+    cfg = load_config(None, ["data.corpus=./c.jsonl", "data.qa_dir=q"], backend="lm", **{"data.corpus": "c.jsonl"})
+    assert cfg.data.corpus == str(tmp_path / "c.jsonl")
+    (tmp_path / "data" / "corpus").mkdir(parents=True)
+    (tmp_path / "data" / "qa").mkdir()
+    (tmp_path / "other").mkdir()
+    corpus = tmp_path / "data" / "corpus" / "c.jsonl"
+    corpus.write_text("")
+    seen = []
+
+    def stopped(cfg, out, **kw):
+        seen.append(cfg.data.qa_dir)
+        raise SystemExit(143)
+
+    monkeypatch.setattr("selfevo.evolve.evolve", stopped)
+    for extra, want in ((["--set", "data.qa_dir=other"], tmp_path / "other"), ([], tmp_path / "data" / "qa")):
+        res = CliRunner().invoke(app, ["evolve", "--backend", "lm", "--corpus", str(corpus), *extra,
+                                       "--out", str(tmp_path / "run")])
+        assert res.exit_code == 143, res.output
+        assert seen[-1] == str(want)

@@ -544,8 +544,6 @@ def evolve_cmd(
     from selfevo.world import WorldError
 
     beside = None if corpus is None else corpus.resolve().parent.parent / "qa"  # the FlashRAG layout
-    if qa_dir is None and beside is not None and beside.is_dir():
-        qa_dir = beside
     options = (config, *set_, world, treatment, seed, rounds, backend, model, corpus, qa_dir, index)
 
     def how_to_go_on() -> str:  # a stop before the run's config is written leaves nothing to resume
@@ -564,11 +562,16 @@ def evolve_cmd(
             cfg = config_from_dict(RunDir(out).config())
             console.print(escape(f"resuming with the run's own config ({out / 'config.json'})"))
         else:
-            cfg = load_config(config, set_, treatment=treatment, seed=seed, backend=backend, **{
-                "world.name": world, "loop.rounds": rounds, "lm.model": model,
-                "data.corpus": None if corpus is None else str(corpus),
-                "data.qa_dir": None if qa_dir is None else str(qa_dir),
-                "data.index": None if index is None else str(index)})
+            top = {"treatment": treatment, "seed": seed, "backend": backend, "world.name": world,
+                   "loop.rounds": rounds, "lm.model": model, "data.corpus": None if corpus is None else str(corpus),
+                   "data.qa_dir": None if qa_dir is None else str(qa_dir),
+                   "data.index": None if index is None else str(index)}
+            try:
+                cfg = load_config(config, set_, **top)
+            except ConfigError as e:  # no QA directory named (option, --set or file): the one beside the corpus
+                if str(e) != NEEDS_QA_DIR or qa_dir is not None or beside is None or not beside.is_dir():
+                    raise
+                cfg = load_config(config, set_, **{**top, "data.qa_dir": str(beside)})
         if model is not None and cfg.backend != "lm":  # the sim learners would ignore it
             _fail(f"--model {model}: a language model needs the lm backend (add --backend lm)")
         with _on_stop(how_to_go_on), _warnings_as_lines():

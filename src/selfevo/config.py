@@ -324,6 +324,14 @@ def read_toml(path: str | Path) -> dict:
         raise ConfigError(f"{path}: cannot read: {e.strerror}") from None
 
 
+def _same_setting(key: str, a: Any, b: Any) -> bool:
+    """Two values of one field, a path field's as the config stores it (absolute: "./c.jsonl" is "c.jsonl")."""
+    if isinstance(a, str) and isinstance(b, str) and a and b and (
+            tuple(key.split(".")) in PATH_FIELDS or (key == "lm.model" and is_path(a) and is_path(b))):
+        return absolute(a) == absolute(b)
+    return a == b
+
+
 def load_config(path: str | Path | None = None, overrides: list[str] = (), **top: Any) -> RunConfig:
     """A TOML file (optional), then `--set` overrides, then explicit top-level values (a command's options;
     one that disagrees with an override of the same field is refused)."""
@@ -335,7 +343,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] = (), **top
         overridden[".".join(keys)] = value
     for key, value in top.items():
         if value is not None:
-            if key in overridden and overridden[key] != value:  # else one of them silently lost
+            if key in overridden and not _same_setting(key, overridden[key], value):  # else one silently lost
                 raise ConfigError(f"--set {key}={overridden[key]!r} and the option for {key} ({value!r}) "
                                   "disagree; give one of them")
             data = merge(data, key.split("."), value)
