@@ -332,6 +332,8 @@ def test_an_encoder_named_by_a_relative_path_is_stored_absolute(encoder, tmp_pat
     loaded = DenseIndex.load(tmp_path / "idx")
     assert loaded.encoder.model == str(tmp_path / "enc")
     assert loaded.retrieve(list(PARAPHRASES), 3) == DenseIndex.build(DOCS, encoder).retrieve(list(PARAPHRASES), 3)
+    monkeypatch.chdir(tmp_path)  # a directory named without "./" is one too (the loader takes it before a hub id)
+    assert Encoder("enc").model == str(tmp_path / "enc") and Encoder("minilm").model == "minilm"
 
 
 def test_load_without_an_encoder_loads_the_manifests_model(flat, saved):
@@ -677,9 +679,10 @@ def test_real_corpus_slice_titles_find_their_passage(encoder, tmp_path):
     assert results == index.retrieve([d.title for d in sample], topk=3)
 
 
-def test_a_cached_index_is_rebuilt_when_its_faiss_settings_change(encoder, tmp_path):
-    """The cache is reused only for the FAISS settings asked for now: a changed nprobe / nlist
-    (or ef_search, hnsw_m) rebuilds instead of silently searching with the old ones."""
+def test_a_cached_index_serves_the_faiss_settings_asked_for(encoder, tmp_path):
+    """The cache serves only the FAISS settings asked for now, never silently the old ones: a changed
+    build-time one (nlist, hnsw_m) or type rebuilds, a search-time one (nprobe, ef_search) is taken
+    without encoding again; with no type asked, the cache's type and settings."""
     docs = [Document(f"d{i}", f"Page {i}", f"Passage {i} about river {i % 5}.") for i in range(120)]
     corpus = tmp_path / "corpus.jsonl"
     write_corpus(corpus, docs)
@@ -706,6 +709,9 @@ def test_a_cached_index_is_rebuilt_when_its_faiss_settings_change(encoder, tmp_p
             assert e.index.nprobe == params["nprobe"]
         with pytest.raises(ValueError, match="index type 'ivf' takes no parameter 'ef_search'"):
             cls.from_corpus_file(corpus, d, encoder, ef_search=8)
+        # no type asked, a build-time setting changed: rebuilt as the type it was
+        g = cls.from_corpus_file(corpus, d, encoder, nlist=3)
+        assert (g if cls is DenseIndex else g.dense).params == {"nlist": 3, "nprobe": 16}
         # another type asked: rebuilt
         f = cls.from_corpus_file(corpus, d, encoder, index_type="flat")
         assert (f if cls is DenseIndex else f.dense).index_type == "flat"
@@ -849,6 +855,12 @@ def test_index_import_adopts_a_foreign_faiss_file_and_searches_like_a_build(kind
                                                 for hits in flat.retrieve(queries, 3)]
     else:
         assert [ids(h)[0] for h in adopted.retrieve(queries, 1)] == [PARAPHRASES[q] for q in queries]
+    # the index `adopt` returns saves its file's bytes (an IVF one wrote a reference to its lists: a crash)
+    from selfevo.search.adopt import adopt
+
+    made = adopt(source, corpus, tmp_path / "again", shared_encoder)
+    made.save(tmp_path / "saved")
+    assert (tmp_path / "saved" / "vectors.faiss").read_bytes() == source.read_bytes()
 
 
 def test_index_import_refuses_what_does_not_match_and_leaves_the_directory_as_it_was(

@@ -32,6 +32,7 @@ from selfevo.search.dense import (
     VECTORS_FILE,
     DenseIndex,
     Encoder,
+    HeldFile,
     _passage_text,
     _require,
     faiss_message,
@@ -182,10 +183,12 @@ def _adopt(faiss_file, corpus, out, encoder: Encoder, check: int, progress: bool
     for done in {top / MANIFEST, out / MANIFEST}:  # written last: a partial import is refused by `load`
         done.unlink(missing_ok=True)
     how = place(faiss_file, out / VECTORS_FILE, progress)
+    held = HeldFile(out / VECTORS_FILE)  # what a later save copies: the lists an IVF read mapped only names
     index = DenseIndex(encoder, read_faiss(out / VECTORS_FILE, index_type), docs, digest,
                        index_type, params, imported={"faiss_file": str(faiss_file.resolve()), "placed_by": how,
                                                      "spot_check": spot,
                                                      "seconds": round(time.perf_counter() - start, 3)})
+    index.vectors_file = held
     index.seal(out)
     if not hybrid:
         return index

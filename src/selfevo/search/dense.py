@@ -111,8 +111,10 @@ class Encoder:
         st = _require("sentence_transformers")
         check_device(device)
         e5 = is_e5(model)  # by the name as given (a resolved link may not say e5)
-        # a directory stored absolute: the manifest names it for every later load, from any directory
-        self.model = str(Path(model).expanduser().resolve()) if is_path(model) else model
+        # a directory stored absolute: the manifest names it for every later load, from any directory (one
+        # here is what the loader would take, "models/enc" too, before a hub id of that name)
+        local = is_path(model) or (model.lower() not in _BUNDLED_NAMES and Path(model).expanduser().exists())
+        self.model = str(Path(model).expanduser().resolve()) if local else model
         self.path = resolve_model(self.model)
         self.query_prefix = ("query: " if e5 else "") if query_prefix is None else query_prefix
         self.passage_prefix = ("passage: " if e5 else "") if passage_prefix is None else passage_prefix
@@ -243,14 +245,15 @@ def read_faiss(path: Path, index_type: str | None = None) -> Any:
     return faiss.read_index(str(path), flag)
 
 
-class _ReadFrom:
+class HeldFile:
     """The FAISS file an index was read from, held open (mapped): the bytes it was read from, even
     once a rebuild of its directory renames another file over its name."""
 
     def __init__(self, path: Path):
         with open(path, "rb") as fh:
-            self._map = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
             st = os.fstat(fh.fileno())
+            # an empty file cannot be mapped: FAISS's reader then says what is wrong with it
+            self._map = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) if st.st_size else b""
         self._inode = (st.st_dev, st.st_ino)
 
     def is_at(self, path: Path) -> bool:
@@ -333,7 +336,7 @@ class DenseIndex:
         self.params = dict(params or {})
         self.build_seconds = build_seconds
         self.imported = imported  # where a FAISS file built elsewhere came from (search/adopt.py)
-        self.vectors_file: _ReadFrom | None = None  # the file `index` was read from (`load`), if any
+        self.vectors_file: HeldFile | None = None  # the file `index` was read from (`load`), if any
 
     def __len__(self) -> int:
         return len(self.docs)
@@ -405,6 +408,8 @@ class DenseIndex:
                 cached = None  # stale, foreign or damaged cache (FAISS raises RuntimeError): rebuild it
             if cached is not None and cached.take_settings(index_type, params):  # a bad setting: its error
                 return cached
+            if cached is not None and index_type is None:  # a build-time setting changed: rebuilt as it was
+                index_type = cached.index_type
         index = cls.build(corpus_documents(path, digest), encoder, index_type=index_type or "flat",
                           corpus_sha256=digest, store=index_dir, progress=progress,
                           expected=corpus_total(path, progress), **params)
@@ -509,9 +514,14 @@ class DenseIndex:
             raise ValueError(f"{where}: index_type {index_type!r} with index_params {params!r}: not a "
                              f"dense index this code wrote (index types: {', '.join(INDEX_TYPES)})")
         try:
+            # held first: the bytes FAISS reads are then those a later save copies, though a rebuild of the
+            # directory renames another file over the name in between (checked below)
+            source = HeldFile(index_dir / VECTORS_FILE)
             index = read_faiss(index_dir / VECTORS_FILE, index_type)
-        except RuntimeError as e:  # FAISS's reader on a damaged, truncated or missing file: a C++ message
+        except (RuntimeError, FileNotFoundError) as e:  # FAISS's reader on a damaged file: a C++ message
             raise ValueError(f"{index_dir / VECTORS_FILE}: not a readable FAISS index ({faiss_message(e)})") from None
+        if not source.is_at(index_dir / VECTORS_FILE):
+            raise ValueError(f"{index_dir}: rebuilt while it was loaded; load it again")
         try:
             _apply_search_params(index, index_type, params)
         except (KeyError, AttributeError, TypeError, ValueError) as e:  # a manifest not of this file
@@ -519,7 +529,7 @@ class DenseIndex:
                              f"fit {VECTORS_FILE} ({type(e).__name__}: {e})") from None
         loaded = cls(encoder, index, docs, manifest["corpus_sha256"], index_type, params,
                      build_seconds=manifest.get("build_seconds"), imported=manifest.get("imported"))
-        loaded.vectors_file = _ReadFrom(index_dir / VECTORS_FILE)
+        loaded.vectors_file = source
         return loaded
 
     # ------------------------------------------------------------ retrieval

@@ -138,6 +138,8 @@ class HybridIndex:
             if cached is not None and cached.dense.take_settings(index_type, params):
                 cached.rrf_k, cached.depth = rrf_k, depth
                 return cached
+            if cached is not None and index_type is None:  # a build-time setting changed: rebuilt as it was
+                index_type = cached.dense.index_type
         index = cls.build(corpus_documents(path, digest), encoder, corpus_sha256=digest, rrf_k=rrf_k, depth=depth,
                           index_type=index_type or "flat", store=index_dir, progress=progress,
                           expected=corpus_total(path, progress), **params)
