@@ -172,6 +172,10 @@ def test_audit_refuses_the_settings_of_a_comparison_it_does_not_make(tmp_path, o
     only: without either, an audit that took them said nothing of it."""
     out = _usage_error(["audit", str(tmp_path / "no-run"), *option, "--out", str(tmp_path / "o")])
     assert out.startswith(f"error: {option[0]}: read only with --compare") and not (tmp_path / "o").exists()
+    if option[0] == "--bootstrap":  # nor with --injection-test alone, which reads the seed only
+        out = _usage_error(["audit", str(tmp_path / "no-run"), "--judge", "llm", "--judge-model", "m",
+                            "--injection-test", "5", *option, "--out", str(tmp_path / "o")])
+        assert out == "error: --bootstrap: read only with --compare (its bootstrap intervals)"
 
 
 def test_a_run_on_a_world_directory_is_tied_to_that_world(tmp_path, monkeypatch):

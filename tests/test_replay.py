@@ -424,6 +424,12 @@ def test_cli_build_and_run(runs, tmp_path):
                            "--updates", "6", "--workers", "1", "--out", str(runs[0])])
     assert res.exit_code == 2 and "holds files no replay study wrote" in " ".join(res.output.split())
     assert not (runs[0] / "jobs.jsonl").exists()
+    beside = tmp_path / "beside"  # the bank in its study's directory, as the demo's replay/ holds it: fine
+    beside.mkdir()
+    shutil.copy(bank_path, beside / "bank.json")
+    res = cli.invoke(app, ["replay", "run", "--bank", str(beside / "bank.json"), "--conditions", "coupled",
+                           "--seeds", "1", "--updates", "6", "--workers", "1", "--out", str(beside)])
+    assert res.exit_code == 0, res.output
     # a world bank is judged by exact truth: an LLM judge's setting is refused, not ignored
     for option in (["--judge-cache", str(tmp_path / "c.jsonl")], ["--judge-concurrency", "77"]):
         res = cli.invoke(app, ["replay", "run", "--bank", str(bank_path), "--conditions", "coupled", "--seeds", "1",

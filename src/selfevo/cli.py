@@ -737,11 +737,14 @@ def audit_cmd(
             # the oracle and gold answers never read the documents: "0 flipped" would say nothing
             _fail(f"--injection-test: only an LLM judge reads the documents the test plants instructions in; "
                   f"--judge {judge} cannot be swayed by them (use it with --judge llm)")
-    if compare is None and not injection_test:  # refused, not ignored, as the judge's settings are
-        given = [p.opts[0] for p in ctx.command.params if p.name in ("bootstrap", "seed")
-                 and ctx.get_parameter_source(p.name).name not in ("DEFAULT", "DEFAULT_MAP")]
-        if given:
-            _fail(f"{given[0]}: read only with --compare (its bootstrap intervals) or --injection-test (its item set)")
+    # refused, not ignored, as the judge's settings are: --compare's intervals read both, --injection-test
+    # its item set the seed
+    unread = (("bootstrap", "seed") if not injection_test else ("bootstrap",)) if compare is None else ()
+    given = [p.opts[0] for p in ctx.command.params if p.name in unread
+             and ctx.get_parameter_source(p.name).name not in ("DEFAULT", "DEFAULT_MAP")]
+    if given:
+        _fail(f"{given[0]}: read only with --compare (its bootstrap intervals)"
+              + ("" if given[0] == "--bootstrap" else " or --injection-test (its item set)"))
     documents, truth = None, None
     partial = None  # what the audit of an unfinished run covers
     if records is not None:
@@ -1149,9 +1152,8 @@ def replay_run(
     if seeds < 1:
         _fail(f"--seeds: must be >= 1, got {seeds}")
     _out_dir(out)
-    named_cache = {judge_cache.name} if judge_cache is not None and judge_cache.parent.resolve() == out.resolve() \
-        else set()
-    if other := stray_files(out, {*REPLAY_FILES, *named_cache}):
+    named = {p.name for p in (judge_cache, bank) if p is not None and p.parent.resolve() == out.resolve()}
+    if other := stray_files(out, {*REPLAY_FILES, *named}):  # the bank beside its study: the demo's replay/
         _fail(f"--out: {out} holds files no replay study wrote ({other}); give a new directory, or an earlier "
               "study's")
 
