@@ -375,3 +375,41 @@ def test_nothing_is_said_after_the_last_allowed_action(index):
     [ro] = run_rollouts([P.solver_messages("q")], SearchTool(CountingRetriever(index), topk=1, max_calls=1),
                         lambda convs, s: [(next(replies), "stop")], max_actions=2)
     assert ro.messages[-1] == {"role": "assistant", "content": "<search> Cairo </search>"}
+
+
+def test_the_token_count_of_sampled_replies_that_end_early():
+    """n > 1 samples come back padded to the longest row, and where the pad is the EOS token: a row
+    that ended at EOS counts its EOS once; one a stop string ended counts up to the stop string, the
+    padding after it not taken for an EOS (it was: one token too many); one out of budget is "length".
+    A model and tokenizer standing in for transformers' (their ids are what the count is of)."""
+    import threading
+    from types import SimpleNamespace
+
+    import torch
+
+    from selfevo.agents.lm.model import TransformersChatModel
+
+    words = {1: "a", 2: "b", 3: ".", 4: "c"}  # 0: EOS and pad
+
+    class Tokenizer:
+        pad_token_id = eos_token_id = 0
+
+        def apply_chat_template(self, messages, **kw):
+            return "prompt"
+
+        def __call__(self, text, **kw):
+            ids = torch.tensor([[7, 8, 9]])
+            return SimpleNamespace(to=lambda device: {"input_ids": ids, "attention_mask": torch.ones_like(ids)})
+
+        def decode(self, ids, skip_special_tokens=True):
+            return "".join(words.get(int(i), "") for i in ids)
+
+    rows = [[1, 2, 3, 0, 0], [1, 0, 0, 0, 0], [1, 2, 4, 1, 2]]  # stop string, EOS, out of budget
+    model = SimpleNamespace(config=SimpleNamespace(max_position_embeddings=100),
+                            generate=lambda **kw: torch.tensor([[7, 8, 9, *r] for r in rows]))
+    m = TransformersChatModel.__new__(TransformersChatModel)
+    m.tokenizer, m.model, m.device, m.max_new_tokens, m.max_seconds = Tokenizer(), model, "cpu", 5, None
+    m._lock = threading.Lock()
+    got = m.generate([{"role": "user", "content": "q"}], temperature=1.0, max_tokens=5, n=3, stop=["."])
+    assert [(c.text, c.finish_reason, c.completion_tokens, c.stop_reason) for c in got] == [
+        ("ab", "stop", 3, "."), ("a", "stop", 2, None), ("abcab", "length", 5, None)]
