@@ -24,7 +24,7 @@ from pathlib import Path
 
 from _common import REPO, machine_line, write_section
 
-from selfevo.agents.baseline import _EITHER_OR, _YES_NO_STARTS, _asks_for_number
+from selfevo.agents.baseline import _YES_NO_STARTS, _asks_for_number, either_or
 from selfevo.evaluate import cover_em
 from selfevo.search.index import open_index
 
@@ -34,7 +34,7 @@ FORMS = ("either-or", "yes/no", "number or date", "other")
 
 def form(question: str) -> str:
     """The branch of `RetrievalBaseline._pick` a question takes, in its order."""
-    if _EITHER_OR.search(question):
+    if either_or(question):
         return "either-or"
     if question.strip().split(" ", 1)[0].lower() in _YES_NO_STARTS:
         return "yes/no"

@@ -972,7 +972,7 @@ def compare_cmd(run_dirs: list[Path] = typer.Argument(..., help="run directories
     mixed = len(audits) > 1  # (`report` refuses such runs; here the audits are named beside their numbers)
     table = Table(title="compute overhead vs coupled (same seed)"
                   + (f"; F, T_P, A by {escape(next(iter(audits)))}" if len(audits) == 1 else ""))
-    names = [Path(r["run"]).name for r in rows]
+    names = [Path(r["run"]).resolve().name for r in rows]  # resolved: `compare .` names its directory
     names = names if len(set(names)) == len(names) else [str(r["run"]) for r in rows]  # which run each row is
     for col in ("run", "treatment", "seed", "generations", "updates", "seconds", "+gen", "+upd", "+time",
                 "F", "T_P", "A", "Cover-EM", *(["audit"] if mixed else [])):
