@@ -114,7 +114,8 @@ def main() -> None:
         HEADING, "",
         "Command: `python benchmarks/baseline_eval.py` (runs `selfevo eval --data-dir ../shared/data/qa --corpus "
         "../shared/data/corpus/wiki18-mini.jsonl --agent retrieval-baseline --out OUT` from a fresh output "
-        "directory, so the time includes building the BM25 index, then again with `--index OUT/bm25-index`)  ",
+        "directory, so the time includes building the BM25 index, then again into a second new directory with "
+        "`--index OUT/bm25-index`)  ",
         f"Machine: {machine_line()}  ",
         "Protocol: all 1,325 questions, one greedy trajectory each through `SearchTool(topk=3, max_calls=5)`;",
         "metric Cover-EM (FlashRAG `acc` / Search-R1 `subem`), with EM and token F1 (FlashRAG's) alongside.",

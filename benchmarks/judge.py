@@ -269,7 +269,8 @@ def main() -> None:
           "`--judge-concurrency` (4), `--judge-timeout` (60 s), `--judge-retries` (4, on timeouts / 408 / 409 / 425 / "
           "429 / 5xx"
           " / a 200 that is no chat completion), `--judge-malformed-retries` (2), `--judge-max-tokens` (384),"
-          " `--judge-cache`, `--max-items-per-step`, `--bootstrap` (2,000), `--seed`. The `--judge-*` flags "
+          " `--judge-cache`, `--max-items-per-step`, `--bootstrap` (2,000; with `--compare`), `--seed` (with "
+          "`--compare` or `--injection-test`). The `--judge-*` flags "
           "and `--injection-test` need `--judge llm`: with the oracle or gold answers they are refused (exit "
           "2), not ignored — neither reads the documents, so an injection test of them would report \"0 "
           "flipped\" about nothing.",

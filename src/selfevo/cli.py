@@ -528,8 +528,9 @@ def evolve_cmd(
     backend: str | None = typer.Option(None, help="sim (the embedded learners) | lm (language models)"),
     model: str | None = typer.Option(None, help="lm backend: smollm2-135m | a local directory | a hub id"),
     corpus: Path | None = typer.Option(None, help="lm backend: a FlashRAG corpus JSONL instead of the world"),
-    qa_dir: Path | None = typer.Option(None, "--qa-dir", help="benchmarks to evaluate on (default with "
-                                       "--corpus: the qa/ directory beside the corpus's directory)"),
+    qa_dir: Path | None = typer.Option(None, "--qa-dir", help="benchmarks to evaluate on (default: the "
+                                       "config's or --set's data.qa_dir, else with --corpus the qa/ directory "
+                                       "beside the corpus's directory)"),
     index: Path | None = typer.Option(None, "--index", help="with --corpus: a saved index of it to search "
                                       "(`selfevo index build`, bm25|dense|hybrid; default: BM25 built in memory)"),
     step_checkpoints: int | None = typer.Option(None, "--step-checkpoints", min=0,
@@ -1118,8 +1119,9 @@ def replay_run(
                                                "question-split, source-id, source-id-half, connected, "
                                                "each also +msv; or all"),
     seeds: int = typer.Option(5, help="seeds 0..N-1"),
-    out: Path = typer.Option(..., help="output directory: results.json, results.md, replay.png, and "
-                                       "jobs.jsonl (finished jobs: run again, a stopped study goes on from them)"),
+    out: Path = typer.Option(..., help="output directory, new or an earlier study's (its bank may sit in it): "
+                                       "results.json, results.md, replay.png, and jobs.jsonl (finished jobs: run "
+                                       "again, a stopped study goes on from them)"),
     workers: int = typer.Option(min(2, os.cpu_count() or 1), help="parallel processes (a language-model "
                                                                      "bank runs in this process)"),
     updates: int = typer.Option(50, help="updates per feedback solver (half budget: half)"),

@@ -367,6 +367,8 @@ class EngineRun:
             self._check_resume(engine_json)
             # the world or corpus (and index) it was made on, as evolve holds a resume to them
             check_world(self.run, self.cfg, self.env.index, evaluation=True)
+            if self.run.manifest().get("status") != "complete":  # once refusals are past; a finished run,
+                self.run.check_software()  # audited again, runs no phase
         else:
             self.run.check_new()
             new_folds = fold_assignment(self.cfg, self.env.documents, self.pool)
@@ -416,7 +418,6 @@ class EngineRun:
             self.say("resuming with " + ", ".join(f"engine.{k} {was[k]!r} -> {spec[k]!r}" for k in moved))
             write_json(engine_json, spec)
         remove_leftover_temps(self.run.path, recursive=True)  # a kill inside an atomic write leaves one
-        self.run.check_software()
 
     # ------------------------------------------------------------ plumbing
     def _tool(self):
