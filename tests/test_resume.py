@@ -125,15 +125,20 @@ def test_resuming_a_complete_run_is_a_no_op(tmp_path):
     assert run.manifest()["status"] == "complete"
 
 
-def test_a_resume_under_other_software_is_warned_and_recorded(tmp_path, monkeypatch, reference):
-    made = reference.manifest()["software"]  # what the run was made with
-    assert made == software() and made["numpy"] == np.__version__ and "bm25s" in made and "python" in made
+def killed_in_round_2(tmp_path, monkeypatch):
+    """A run of `cfg_for()` stopped in round 2 (round 1 checkpointed), in tmp_path/run."""
     cfg = cfg_for()
     crash_at(monkeypatch, "solver_step", 2, cfg.loop.proposer_steps + 3)
     with pytest.raises(RuntimeError):
         evolve(cfg, tmp_path / "run", progress=False)
     monkeypatch.undo()
-    run = RunDir(tmp_path / "run")
+    return cfg, RunDir(tmp_path / "run")
+
+
+def test_a_resume_under_other_software_is_warned_and_recorded(tmp_path, monkeypatch, reference):
+    made = reference.manifest()["software"]  # what the run was made with
+    assert made == software() and made["numpy"] == np.__version__ and "bm25s" in made and "python" in made
+    cfg, run = killed_in_round_2(tmp_path, monkeypatch)
     other = {**software(), "numpy": "0.0.1"}
     monkeypatch.setattr("selfevo.runs.software", lambda: other)
     result = CliRunner().invoke(app, ["evolve", "--out", str(run.path), *CLI_SCALED, "--resume"])
@@ -162,12 +167,7 @@ def test_a_resume_under_other_software_is_warned_and_recorded(tmp_path, monkeypa
 def test_a_resume_refused_by_its_checkpoint_records_no_software(tmp_path, monkeypatch):
     """The software was checked (and a change noted in the manifest) before the round's checkpoint was
     read: a resume refused for a damaged checkpoint was recorded as resumed under other software."""
-    cfg = cfg_for()
-    crash_at(monkeypatch, "solver_step", 2, cfg.loop.proposer_steps + 3)
-    with pytest.raises(RuntimeError):
-        evolve(cfg, tmp_path / "run", progress=False)
-    monkeypatch.undo()
-    run = RunDir(tmp_path / "run")
+    cfg, run = killed_in_round_2(tmp_path, monkeypatch)
     run.checkpoint_path(1).write_text('{"proposer": 1}')
     monkeypatch.setattr("selfevo.runs.software", lambda: {**software(), "numpy": "0.0.1"})
     with warnings.catch_warnings():
