@@ -199,6 +199,15 @@ def test_a_grader_trained_on_the_questions_fold_is_refused(tool, tmp_path):
         route("crossfit", 2, 0, {0}, {"aux-0": graders["aux-0"]})
     # same-source is the control that grades with the own fold on purpose: allowed
     assert route("same-source", 2, 0, {0}, graders).grader.role == "aux-0"
+    # K = 3, a question of fold 0 that read a fold-1 page: its grader (aux-2) must not have trained on
+    # fold 1 either, not only not on the question's own fold (a check of {0} alone passed aux-2 here)
+    three = _graders({"aux-0": ("http://127.0.0.1:9/v1", (0,)), "aux-1": ("http://127.0.0.1:9/v1", (1,)),
+                      "aux-2": ("http://127.0.0.1:9/v1", (1, 2))})
+    with pytest.raises(RoutingError, match="aux-2@r1 trained on fold"):
+        route("crossfit-connected-k3", 2, 0, {0, 1}, three)
+    three["aux-2"] = _graders({"aux-2": ("http://127.0.0.1:9/v1", (2,))})["aux-2"]
+    routed = route("crossfit-connected-k3", 2, 0, {0, 1}, three)
+    assert routed.grader.role == "aux-2" and not routed.fallback
 
 
 def test_connected_grouping_routes_by_every_page_read(tool, tmp_path):
