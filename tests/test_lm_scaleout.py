@@ -526,10 +526,11 @@ def test_eval_lm_set_reaches_the_agent_factory(tmp_path, tiny_corpus):
 
     with _probe_agent("probe-lm-set") as seen:
         args = ["eval", "--data-dir", str(QA_DIR), "--corpus", str(tiny_corpus), "--agent", "probe-lm-set",
-                "--limit", "1", "--out", str(tmp_path / "a")]
-        r = CliRunner().invoke(app, [*args, "--lm-set", "max_new_tokens=128", "--lm-set", 'device="cpu"'])
+                "--limit", "1"]
+        r = CliRunner().invoke(app, [*args, "--out", str(tmp_path / "a"), "--lm-set", "max_new_tokens=128",
+                                     "--lm-set", 'device="cpu"'])
         assert r.exit_code == 0, r.output
-        r = CliRunner().invoke(app, [*args, "--lm-set", "max_new_tokens=0"])
+        r = CliRunner().invoke(app, [*args, "--out", str(tmp_path / "b"), "--lm-set", "max_new_tokens=0"])
         assert r.exit_code == 2 and "lm.max_new_tokens" in r.output
     assert len(seen) == 1
     assert seen[0]["lm_options"]["max_new_tokens"] == 128 and seen[0]["lm_options"]["device"] == "cpu"
