@@ -395,10 +395,11 @@ def eval_(
     from selfevo.config import ConfigError, load_config
     from selfevo.evaluate import EVAL_FILES, print_score_table, run_eval
     from selfevo.search.client import RetrieverError
+    from selfevo.search.index import KINDS
 
     _out_dir(out)
     _out_not_read_as_qa(out, data_dir)
-    if other := stray_files(out, {*EVAL_FILES, *(f"{k}-index" for k in ("bm25", "dense", "hybrid"))}):
+    if other := stray_files(out, {*EVAL_FILES, *(f"{k}-index" for k in KINDS)}):
         _fail(f"--out: {out} holds files no evaluation wrote ({other}); give a new directory, or an earlier "
               "evaluation's")
     if retriever_url is not None and (given := [name for name, v in (("--index", index), ("--retriever", retriever),

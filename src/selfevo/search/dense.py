@@ -314,6 +314,15 @@ def default_params(index_type: str, n: int, **overrides: Any) -> dict[str, Any]:
     return params
 
 
+def cache_serves(cached: DenseIndex | None, index_type: str | None, params: dict[str, Any]) -> tuple[bool, str | None]:
+    """Whether a cached index (None: none usable) serves the FAISS settings asked for (`take_settings`,
+    which it then takes; a bad setting is its error), and the type to build otherwise: the one asked for,
+    else the cache's own (a build-time setting changed: rebuilt as it was)."""
+    if cached is None:
+        return False, index_type
+    return cached.take_settings(index_type, params), index_type or cached.index_type
+
+
 class DenseIndex:
     """Passages embedded by an `Encoder`, searched with FAISS (flat = exact; hnsw, ivf =
     approximate). Implements the `Retriever` protocol. Use `build`, `load` or `from_corpus_file`.
@@ -406,10 +415,9 @@ class DenseIndex:
                 raise EncoderMismatch(f"{e}; {KEEP_CACHE}") from None
             except (ValueError, OSError, RuntimeError):
                 cached = None  # stale, foreign or damaged cache (FAISS raises RuntimeError): rebuild it
-            if cached is not None and cached.take_settings(index_type, params):  # a bad setting: its error
+            served, index_type = cache_serves(cached, index_type, params)
+            if served:
                 return cached
-            if cached is not None and index_type is None:  # a build-time setting changed: rebuilt as it was
-                index_type = cached.index_type
         index = cls.build(corpus_documents(path, digest), encoder, index_type=index_type or "flat",
                           corpus_sha256=digest, store=index_dir, progress=progress,
                           expected=corpus_total(path, progress), **params)

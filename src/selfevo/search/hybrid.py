@@ -22,7 +22,7 @@ from selfevo.records import Document
 from selfevo.search._manifest import MANIFEST, read_manifest
 from selfevo.search._progress import corpus_total
 from selfevo.search.bm25 import BM25Index
-from selfevo.search.dense import KEEP_CACHE, DenseIndex, Encoder, EncoderMismatch
+from selfevo.search.dense import KEEP_CACHE, DenseIndex, Encoder, EncoderMismatch, cache_serves
 from selfevo.search.docstore import DocStore
 from selfevo.search.tool import Hit
 
@@ -135,11 +135,10 @@ class HybridIndex:
                 raise EncoderMismatch(f"{e}; {KEEP_CACHE}") from None
             except (ValueError, OSError, RuntimeError):
                 cached = None  # stale, foreign or damaged cache: rebuild below
-            if cached is not None and cached.dense.take_settings(index_type, params):
+            served, index_type = cache_serves(None if cached is None else cached.dense, index_type, params)
+            if served:
                 cached.rrf_k, cached.depth = rrf_k, depth
                 return cached
-            if cached is not None and index_type is None:  # a build-time setting changed: rebuilt as it was
-                index_type = cached.dense.index_type
         index = cls.build(corpus_documents(path, digest), encoder, corpus_sha256=digest, rrf_k=rrf_k, depth=depth,
                           index_type=index_type or "flat", store=index_dir, progress=progress,
                           expected=corpus_total(path, progress), **params)
