@@ -278,7 +278,7 @@ def test_a_corpus_rewritten_in_the_same_process_is_read_again(tmp_path):
 
     (tmp_path / "qa").mkdir()
     (tmp_path / "qa" / "nq.jsonl").write_text(json.dumps(
-        {"id": "nq-0", "question": "q?", "golden_answers": ["a"], "metadata": {"benchmark": "nq", "hop": "single"}})
+        {"id": "nq-0", "question": "q?", "golden_answers": ["x"], "metadata": {"benchmark": "nq", "hop": "single"}})
         + "\n")
     corpus = tmp_path / "corpus.jsonl"
 
@@ -369,7 +369,7 @@ def test_evolve_on_a_corpus_without_benchmarks_names_the_flag_and_where_it_looke
 
 
 def test_an_unknown_agent_spec_shows_how_each_is_written(tmp_path):
-    (tmp_path / "nq.jsonl").write_text('{"id": "q1", "question": "who?", "golden_answers": ["A"]}\n')
+    (tmp_path / "nq.jsonl").write_text('{"id": "q1", "question": "who?", "golden_answers": ["X"]}\n')
     out = _usage_error(["eval", "--data-dir", str(tmp_path), "--agent", "nope", "--out", str(tmp_path / "e")])
     assert "lm:MODEL[@POLICY.safetensors]" in out and "remote:MODEL@URL" in out
 
@@ -613,7 +613,7 @@ def test_an_out_that_is_an_input_or_lies_inside_one_is_refused_and_the_input_kep
     the command wrote over what it read (a helper's sweep of the commands' error paths)."""
     qa = tmp_path / "qa"
     qa.mkdir()
-    (qa / "nq.jsonl").write_text(json.dumps({"id": "1", "question": "q?", "golden_answers": ["a"]}) + "\n")
+    (qa / "nq.jsonl").write_text(json.dumps({"id": "1", "question": "q?", "golden_answers": ["x"]}) + "\n")
     preds = tmp_path / "p.jsonl"
     preds.write_text(json.dumps({"id": "1", "prediction": "a"}) + "\n")
     before = {p: p.read_bytes() for p in (preds, qa / "nq.jsonl")}
@@ -709,7 +709,7 @@ def test_a_missing_policy_file_is_named_before_the_model_loads(tmp_path, monkeyp
     monkeypatch.setattr(policy, "LMPolicy", no_model)
     qa = tmp_path / "qa"
     qa.mkdir()
-    (qa / "nq.jsonl").write_text(json.dumps({"id": "1", "question": "q?", "golden_answers": ["a"]}) + "\n")
+    (qa / "nq.jsonl").write_text(json.dumps({"id": "1", "question": "q?", "golden_answers": ["x"]}) + "\n")
     corpus = tmp_path / "c.jsonl"
     corpus.write_text(json.dumps({"id": "d1", "contents": '"T"\nText one.'}) + "\n")
     text = _usage_error(["eval", "--data-dir", str(qa), "--corpus", str(corpus), "--out", str(tmp_path / "ev"),
@@ -722,7 +722,7 @@ def test_a_missing_policy_file_is_named_before_the_model_loads(tmp_path, monkeyp
 def test_a_retriever_url_that_answers_nothing_is_named_before_anything_is_written(tmp_path, url, says):
     qa = tmp_path / "qa"
     qa.mkdir()
-    (qa / "nq.jsonl").write_text(json.dumps({"id": "1", "question": "q?", "golden_answers": ["a"]}) + "\n")
+    (qa / "nq.jsonl").write_text(json.dumps({"id": "1", "question": "q?", "golden_answers": ["x"]}) + "\n")
     text = _usage_error(["eval", "--data-dir", str(qa), "--retriever-url", url, "--out", str(tmp_path / "ev")])
     assert says in text and not (tmp_path / "ev").exists()
 
@@ -817,7 +817,7 @@ def test_retriever_settings_nothing_reads_are_refused(tmp_path):
 
     qa = tmp_path / "qa"
     qa.mkdir()
-    (qa / "nq.jsonl").write_text(json.dumps({"id": "1", "question": "Q?", "golden_answers": ["a"]}) + "\n")
+    (qa / "nq.jsonl").write_text(json.dumps({"id": "1", "question": "Q?", "golden_answers": ["x"]}) + "\n")
     corpus = tmp_path / "c.jsonl"
     corpus.write_text(json.dumps({"id": "d1", "contents": '"T"\nText one.'}) + "\n")
     url = ["--retriever-url", "http://127.0.0.1:9"]

@@ -141,20 +141,20 @@ def _qa_fixture(tmp_path, lines: list[str]) -> Path:
     return path
 
 
-GOOD = '{"id": "test_%d", "question": "q%d?", "golden_answers": ["a"]}'
+GOOD = '{"id": "test_%d", "question": "q%d?", "golden_answers": ["x"]}'
 
 
 @pytest.mark.parametrize("bad, message", [
     # the column where the line was cut short (the line ending read as "column 1" of a next line)
-    ('{"id": "test_9", "question": "q?", "golden_answers": ["a"]', "malformed JSON: Expecting ',' delimiter "
+    ('{"id": "test_9", "question": "q?", "golden_answers": ["x"]', "malformed JSON: Expecting ',' delimiter "
                                                                     "(column 59)"),
     ('["not", "an", "object"]', "expected a JSON object"),
-    ('{"id": "test_9", "golden_answers": ["a"]}', "missing field 'question'"),
-    ('{"id": "test_9", "question": "  ", "golden_answers": ["a"]}', "field 'question' is empty"),
+    ('{"id": "test_9", "golden_answers": ["x"]}', "missing field 'question'"),
+    ('{"id": "test_9", "question": "  ", "golden_answers": ["x"]}', "field 'question' is empty"),
     ('{"id": "test_9", "question": "q?"}', "missing field 'golden_answers'"),
     ('{"id": "test_9", "question": "q?", "golden_answers": {"a": 1}}', "must be a list of strings"),
     ('{"id": "test_9", "question": "q?", "golden_answers": [["a"]]}', "must hold only strings"),
-    ('{"id": "test_0", "question": "q?", "golden_answers": ["a"]}', "duplicate id 'test_0'"),
+    ('{"id": "test_0", "question": "q?", "golden_answers": ["x"]}', "duplicate id 'test_0'"),
     ('{"id": "test_9", "question": "q?", "golden_answers": [NaN]}', "holds nan, not an answer"),  # was "nan"
 ])
 def test_malformed_split_names_file_and_line(tmp_path, bad, message):
@@ -455,6 +455,27 @@ def test_a_benchmark_named_like_a_standard_one_but_for_case_is_refused(tmp_path)
         read_qa_dir(qa)
     (qa / "mixed.jsonl").write_text(json.dumps({**rows[1], "metadata": {"benchmark": "mybench"}}) + "\n")
     assert list(read_qa_dir(qa)) == ["mybench"]  # a benchmark of one's own is fine
+    # "nq " was a benchmark of its own too, shown as a second "nq" row
+    (qa / "mixed.jsonl").write_text(json.dumps(rows[0]) + "\n" + json.dumps(
+        {"id": "b", "question": "q", "golden_answers": ["x"], "data_source": "nq "}) + "\n")
+    with pytest.raises(DataError, match="mixed.jsonl:2: field 'data_source' has spaces around it: 'nq '"):
+        read_qa_dir(qa)
+
+
+def test_an_item_no_answer_could_score_is_refused_or_skipped(tmp_path):
+    """Golds of articles and punctuation alone ("The", "?!") normalise to nothing: the item counted in every
+    average and no prediction could be right. The reader refuses it; a download skips it, as a blank one."""
+    qa = tmp_path / "qa"
+    qa.mkdir()
+    (qa / "nq.jsonl").write_text('{"id": "1", "question": "q?", "golden_answers": ["x"]}\n'
+                                 '{"id": "2", "question": "q?", "golden_answers": ["The", "?!"]}\n')
+    with pytest.raises(DataError, match="nq.jsonl:2: field 'golden_answers': no alias is left after normalisation"):
+        read_qa_dir(qa)
+    src = _qa_fixture(tmp_path, ['{"id": "a", "question": "q?", "golden_answers": ["."]}',
+                                 '{"id": "b", "question": "q?", "golden_answers": ["The", "Paris"]}'])
+    info = convert_benchmark(src, "nq", tmp_path / "nq.jsonl")
+    assert (info["items"], info["skipped"]) == (1, 1)
+    assert [i.id for i in read_qa(tmp_path / "nq.jsonl")] == ["nq-b"]
 
 
 def test_search_r1s_merged_test_parquet_reads_with_ids_qualified_by_benchmark(hub, tmp_path):
@@ -497,10 +518,10 @@ def test_search_r1s_merged_test_parquet_reads_with_ids_qualified_by_benchmark(hu
 def test_an_id_in_two_qa_files_names_both_lines(tmp_path):
     """The readers name file and line in every error; an id repeated across two files of a QA
     directory named the files only (no line in a file of 200 questions)."""
-    (tmp_path / "a.jsonl").write_text('{"id": "x1", "question": "q?", "golden_answers": ["a"]}\n\n'
-                                      '{"id": "dup", "question": "q?", "golden_answers": ["a"]}\n')
-    (tmp_path / "b.jsonl").write_text('{"id": "y1", "question": "q?", "golden_answers": ["a"]}\n'
-                                      '{"id": "dup", "question": "q?", "golden_answers": ["a"]}\n')
+    (tmp_path / "a.jsonl").write_text('{"id": "x1", "question": "q?", "golden_answers": ["x"]}\n\n'
+                                      '{"id": "dup", "question": "q?", "golden_answers": ["x"]}\n')
+    (tmp_path / "b.jsonl").write_text('{"id": "y1", "question": "q?", "golden_answers": ["x"]}\n'
+                                      '{"id": "dup", "question": "q?", "golden_answers": ["x"]}\n')
     with pytest.raises(DataError) as exc:
         read_qa_dir(tmp_path)
     assert str(exc.value) == f"{tmp_path / 'b.jsonl'}:2: id 'dup' also appears in {tmp_path / 'a.jsonl'}:3"
@@ -581,7 +602,7 @@ def test_qa_and_corpus_lines_of_odd_shapes_are_named_by_file_and_line(tmp_path):
 
     qa = tmp_path / "qa"
     qa.mkdir()
-    (qa / "nq.jsonl").write_text('{"id": "1", "question": "q?", "golden_answers": ["a"], "x": ' + "9" * 5000 + "}\n")
+    (qa / "nq.jsonl").write_text('{"id": "1", "question": "q?", "golden_answers": ["x"], "x": ' + "9" * 5000 + "}\n")
     with pytest.raises(DataError, match=r"nq.jsonl:1: malformed JSON"):
         read_qa_dir(qa)
     assert _answers({"golden_answers": [10**400]}, "f", 1) == [str(10**400)]
@@ -591,13 +612,15 @@ def test_qa_and_corpus_lines_of_odd_shapes_are_named_by_file_and_line(tmp_path):
     assert [d.id for d in read_corpus(tmp_path / "out.jsonl")] == ["1", "2"]
 
 
-@pytest.mark.parametrize("name", ["nq.json", "popqa.JSONL"])
+@pytest.mark.parametrize("name", ["nq.json", "popqa.JSONL", "hotpotqa.json.gz", "musique.jsonl.bz2",
+                                  "bamboogle.jsonl.zip"])
 def test_a_benchmark_file_of_another_name_is_named_not_skipped(tmp_path, name):
-    """`nq.json` (Dataset.to_json writes JSON Lines so) or `popqa.JSONL` dropped out of every average silently."""
+    """`nq.json` (Dataset.to_json writes JSON Lines so), `popqa.JSONL` or a compression other than
+    gzip (`.json.gz`, `.jsonl.bz2`) dropped out of every average silently."""
     qa = tmp_path / "qa"
     qa.mkdir()
     for file in ("triviaqa.jsonl", name):
-        (qa / file).write_text(json.dumps({"id": file, "question": "q?", "golden_answers": ["a"]}) + "\n")
+        (qa / file).write_text(json.dumps({"id": file, "question": "q?", "golden_answers": ["x"]}) + "\n")
     with pytest.raises(DataError, match=f"{name}: in a QA directory but not read"):
         read_qa_dir(qa)
     (qa / name).unlink()
@@ -610,7 +633,7 @@ def test_eval_and_score_refuse_an_out_read_as_a_benchmark(tmp_path):
     file read as one: every later command on the directory failed."""
     qa = tmp_path / "qa"
     qa.mkdir()
-    (qa / "nq.jsonl").write_text('{"id": "1", "question": "q?", "golden_answers": ["a"]}\n')
+    (qa / "nq.jsonl").write_text('{"id": "1", "question": "q?", "golden_answers": ["x"]}\n')
     (tmp_path / "p.jsonl").write_text('{"id": "1", "prediction": "a"}\n')
     for args in (["eval", "--data-dir", str(qa), "--corpus", str(CORPUS), "--out", str(qa)],
                  ["score", "--data-dir", str(qa), "--predictions", str(tmp_path / "p.jsonl"),

@@ -750,7 +750,7 @@ def test_what_a_resumed_evaluation_must_match_includes_the_encoder_of_a_dense_re
 
     qa = tmp_path / "qa"
     qa.mkdir()
-    (qa / "nq.jsonl").write_text(json.dumps({"id": "n0", "question": "q", "golden_answers": ["a"]}) + "\n")
+    (qa / "nq.jsonl").write_text(json.dumps({"id": "n0", "question": "q", "golden_answers": ["x"]}) + "\n")
     keys = []
     monkeypatch.setattr(index_mod, "get_retriever", lambda **kw: SimpleNamespace(kind=kw["kind"]))
     monkeypatch.setattr(ev, "evaluate_solver", lambda *a, partial_key, **kw: keys.append(partial_key))
@@ -777,7 +777,7 @@ def test_a_resumed_evaluation_must_match_what_the_paths_hold(tmp_path, monkeypat
 
     qa = tmp_path / "qa"
     qa.mkdir()
-    (qa / "nq.jsonl").write_text(json.dumps({"id": "n0", "question": "q", "golden_answers": ["a"]}) + "\n")
+    (qa / "nq.jsonl").write_text(json.dumps({"id": "n0", "question": "q", "golden_answers": ["x"]}) + "\n")
     keys = []
     monkeypatch.setattr(ev, "evaluate_solver", lambda *a, partial_key, **kw: keys.append(partial_key))
 

@@ -357,7 +357,7 @@ def test_an_output_path_that_is_a_directory_or_under_a_file_is_one_line_naming_i
     (".DIR.x1y2z3.tmp: Is a directory"); `--out FILE/x.json` said only "FILE: File exists"."""
     qa = tmp_path / "qa"
     qa.mkdir()
-    (qa / "nq.jsonl").write_text(json.dumps({"id": "n0", "question": "q", "golden_answers": ["a"]}) + "\n")
+    (qa / "nq.jsonl").write_text(json.dumps({"id": "n0", "question": "q", "golden_answers": ["x"]}) + "\n")
     preds = tmp_path / "preds.jsonl"
     preds.write_text(json.dumps({"id": "n0", "prediction": "a"}) + "\n")
     (tmp_path / "taken").mkdir()

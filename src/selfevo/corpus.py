@@ -34,6 +34,9 @@ class DataError(ValueError):
 
 
 GZIP_MAGIC = b"\x1f\x8b"  # a gzip stream's first two bytes
+# archives and compressions that are not read (their bytes would be "invalid UTF-8 at line 1"), by their first bytes
+UNREAD_MAGIC = {b"PK\x03\x04": "zip", b"BZh": "bzip2", b"\xfd7zXZ\x00": "xz", b"\x28\xb5\x2f\xfd": "zstd"}
+COMPRESSED = (".gz", ".bz2", ".xz", ".zst", ".zip")
 
 
 class _Hashing:
@@ -60,7 +63,12 @@ def iter_json_lines(path: str | os.PathLike, digest=None) -> Iterator[tuple[int,
     except OSError as e:  # a directory, no permission
         raise DataError(path, None, f"cannot read: {e.strerror}") from None
     with fh:
-        gzipped = fh.read(2) == GZIP_MAGIC  # by content, whatever the name: a gzip stream is read through
+        head = fh.read(6)
+        gzipped = head[:2] == GZIP_MAGIC  # by content, whatever the name: a gzip stream is read through
+        kind = next((k for magic, k in UNREAD_MAGIC.items() if head.startswith(magic)), None)
+        if kind:
+            raise DataError(path, None, f"a {kind} archive, which is not read: unpack it (gzip is read as it is), "
+                                        "or convert a FlashRAG download with `selfevo data download`")
         fh.seek(0)
         lines = gzip.GzipFile(fileobj=fh if digest is None else _Hashing(fh, digest)) if gzipped else fh
         lineno = 0
@@ -213,6 +221,11 @@ def _qa_item(obj: dict, path, lineno, default_benchmark: str | None) -> QAItem:
         raise DataError(path, lineno, "field 'golden_answers' must hold only strings")
     if not any(g.strip() for g in golds):
         raise DataError(path, lineno, "field 'golden_answers' is empty")
+    from selfevo.evaluate import scorable  # it imports this module
+
+    if not scorable(golds):  # counted in every average, right for no answer
+        raise DataError(path, lineno, f"field 'golden_answers': no alias is left after normalisation "
+                                      f"(articles and punctuation only: {golds[0]!r})")
     metadata = obj.get("metadata") or {}
     if not isinstance(metadata, dict):
         raise DataError(path, lineno, "field 'metadata' must be an object")
@@ -223,9 +236,12 @@ def _qa_item(obj: dict, path, lineno, default_benchmark: str | None) -> QAItem:
         bench = obj.get("data_source") or default_benchmark
         if bench:
             metadata["benchmark"] = bench
-    if "benchmark" in metadata and not isinstance(metadata["benchmark"], str):
+    if "benchmark" in metadata:
         field = "metadata.benchmark" if (obj.get("metadata") or {}).get("benchmark") is not None else "data_source"
-        raise DataError(path, lineno, f"field '{field}' must be a string")
+        if not isinstance(metadata["benchmark"], str):
+            raise DataError(path, lineno, f"field '{field}' must be a string")
+        if metadata["benchmark"] != metadata["benchmark"].strip():  # "nq " would be a benchmark beside "nq"
+            raise DataError(path, lineno, f"field '{field}' has spaces around it: {metadata['benchmark']!r}")
     return QAItem(item_id, question, tuple(g for g in golds if g.strip()), metadata)
 
 
@@ -310,6 +326,9 @@ def unread_benchmark(path: Path) -> bool:
     name = path.name.lower()
     if name.endswith(QA_SUFFIXES):
         return True
+    packed = name.rsplit(".", 1)[0] if name.endswith(COMPRESSED) else None
+    if packed is not None:  # hotpotqa.json.gz (Dataset.to_json's), musique.jsonl.bz2: not opened here
+        return packed.endswith((*QA_SUFFIXES, ".json"))
     if not name.endswith(".json") or not path.is_file():
         return False
     with open(path, "rb") as fh:  # (a line read up to 1 MiB: a one-line JSON document of gigabytes is none)
@@ -329,7 +348,8 @@ def read_qa_dir(data_dir: str | os.PathLike) -> dict[str, list[QAItem]]:
     for p in sorted(set(data_dir.iterdir()) - set(files)):
         if unread_benchmark(p):  # it would drop out of every average without a word
             raise DataError(p, None, "in a QA directory but not read: QA files are named *.jsonl, *.jsonl.gz or "
-                                     "*.parquet (lower case); rename it, or move it out of the directory")
+                                     "*.parquet (lower case, gzip the only compression); rename or convert it, or "
+                                     "move it out of the directory")
     if not files:
         raise DataError(data_dir, None, "no .jsonl, .jsonl.gz or .parquet QA files found")
     out: dict[str, list[QAItem]] = {}

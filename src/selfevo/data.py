@@ -59,6 +59,7 @@ from selfevo.corpus import (
     parse_json_line,
     read_qa_dir,
 )
+from selfevo.evaluate import scorable
 from selfevo.records import QAItem
 
 QA_REPO = "RUC-NLPIR/FlashRAG_datasets"
@@ -193,7 +194,7 @@ def _answers(obj: dict, path, lineno) -> list[str]:
 
 def load_split(path: str | os.PathLike, benchmark: str) -> tuple[list[QAItem], int]:
     """Read one FlashRAG split file into QA items in the selfevo format (prefixed ids, metadata
-    `benchmark` and `hop`). Returns (items, skipped): an item whose answers are all empty is skipped;
+    `benchmark` and `hop`). Returns (items, skipped): an item with no answer left after normalization is skipped;
     anything else malformed raises a `DataError` naming the file and line."""
     bench = BENCHMARKS[benchmark]
     items: list[QAItem] = []
@@ -203,7 +204,7 @@ def load_split(path: str | os.PathLike, benchmark: str) -> tuple[list[QAItem], i
         source_id = _require_str(obj, "id", path, lineno)
         question = _require_str(obj, "question", path, lineno)
         golds = _answers(obj, path, lineno)
-        if not golds:
+        if not scorable(golds):  # blank, or "The" alone: no answer could be right
             skipped += 1
             continue
         item_id = source_id if source_id.startswith(f"{benchmark}-") else f"{benchmark}-{source_id}"

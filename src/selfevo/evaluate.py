@@ -73,6 +73,11 @@ def _normalized_golds(golds: str | Iterable[str]) -> list[str]:
     return [g for g in (normalize_answer(x) for x in golds) if g]
 
 
+def scorable(golds: str | Iterable[str]) -> bool:
+    """Can any answer be right: does an alias survive normalization ("The" alone does not)?"""
+    return bool(_normalized_golds(golds))
+
+
 def _cover_em(pred: str, golds: list[str]) -> float:
     return 1.0 if pred and any(g in pred for g in golds) else 0.0
 
