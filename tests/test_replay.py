@@ -196,6 +196,9 @@ def test_bank_hops_filter(runs, bank):
     (lambda o: {**o, "base_seed": True}, "field base_seed should be an integer, got true"),
     (lambda o: {**o, "world": "small"}, 'field world should be an object, got "small"'),
     (lambda o: {**o, "sources": "x"}, "field sources should be a list"),
+    # read as format 2 or 1: the base model of the sampling seed, not of the runs (a helper's review)
+    (lambda o: {**o, "format": 2.0}, "bank format 2.0, this selfevo reads formats 1"),
+    (lambda o: {**o, "format": True}, "bank format True, this selfevo reads formats 1"),
 ])
 def test_bank_load_errors(bank, tmp_path, edit, message):
     path = tmp_path / "bank.json"
@@ -744,6 +747,19 @@ def test_a_too_small_training_set_is_refused_before_any_job_trains(bank, monkeyp
     assert ran == []
 
 
+def test_msv_sets_from_a_journal_are_checked_before_any_job_trains(bank, tmp_path, monkeypatch):
+    """A seed's MSV labels read back from a journal skipped `_msv_job`, the one place that checked the +msv
+    training sets: the other conditions trained first, then connected+msv was refused (a helper's review)."""
+    settings, journal = ReplaySettings(updates=25), tmp_path / "jobs.jsonl"
+    run_replay(bank, ["coupled+msv"], seeds=[0], settings=settings, journal=journal)  # MSV labels journaled
+    ran = []
+    real = replay._condition_job
+    monkeypatch.setattr(replay, "_condition_job", lambda *a: ran.append(a[:2]) or real(*a))
+    with pytest.raises(ReplayError, match=r"^feedback solver connected-fold\d of connected\+msv seed 0: \d+ training"):
+        run_replay(bank, ["coupled", "source-id", "connected+msv"], seeds=[0], settings=settings, journal=journal)
+    assert ran == []
+
+
 def test_a_failed_pool_study_does_not_cancel_what_the_pool_fails_itself():
     """On a job's error the study cancelled its queued futures, then worker_pool killed the workers,
     and the pool's own thread, failing those futures, raised InvalidStateError: a thread traceback
@@ -882,6 +898,19 @@ def test_a_damaged_journal_row_is_named_by_file_and_line(bank, tmp_path):
     journal.write_text("".join(json.dumps(r) + "\n" for r in rows))
     with pytest.raises(ReplayError, match=rf"jobs.jsonl:{row + 1}: job 'msv' seed 3: no label"):
         run_replay(bank, "coupled+msv", seeds=[3], settings=FAST, workers=1, journal=journal)
+    # a connected row without fallback_graded (a KeyError), updates of another type (an AttributeError)
+    journal.unlink()
+    run_replay(bank, "connected", seeds=[3], settings=FAST, workers=1, journal=journal)
+    clean = [json.loads(x) for x in journal.read_text().splitlines()]
+    row = next(i for i, r in enumerate(clean) if r["job"] == "connected")
+    for damage, said in ((lambda r: r.pop("fallback_graded"), "no field fallback_graded"),
+                         (lambda r: r.update(updates=[6, 6]), "field updates is not what a job writes"),
+                         (lambda r: r.update(n_graded="150"), "field n_graded is not what a job writes")):
+        rows = json.loads(json.dumps(clean))
+        damage(rows[row]["result"])
+        journal.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        with pytest.raises(ReplayError, match=rf"jobs.jsonl:{row + 1}: job 'connected' seed 3: {said}"):
+            run_replay(bank, "connected", seeds=[3], settings=FAST, workers=1, journal=journal)
 
 
 def test_a_study_without_seed_0_records_its_updates(bank):
@@ -920,7 +949,7 @@ def test_connected_never_grades_an_item_with_a_solver_it_trained_even_where_sour
     assert not [it.item_id for it in edited if trains(grader(it)[0], it)]
 
 
-def test_with_a_judge_that_resolves_by_the_answers_every_condition_is_compared_on_one_item_set(bank):
+def test_with_a_judge_that_resolves_by_the_answers_every_condition_is_compared_on_one_item_set(bank, tmp_path):
     """An LLM judge leaves an item unresolved when it cannot grade one of its answers, so each grader's
     metrics were over items of its own: F and A of two conditions over different items (a helper's review)."""
     class Fussy:  # the oracle's verdicts, unresolved wherever an answer is long: which depends on the grader
@@ -948,3 +977,14 @@ def test_with_a_judge_that_resolves_by_the_answers_every_condition_is_compared_o
     assert replay.compare_on_common_items(jobs) == 1
     assert [j["metrics"]["T_P"] for j in jobs] == [0.0, 0.0] and [j["metrics"]["F"] for j in jobs] == [0.5, 1.0]
     assert all(j["metrics"]["coverage"] == 2 / 3 for j in jobs)  # each keeps its own
+    with pytest.raises(ReplayError, match="1 of 2 jobs kept no judged items"):  # each over its own items: refused
+        replay.compare_on_common_items([jobs[0], {"metrics": {"coverage": 1.0}}])
+    # a journal row that lost them: its study's metrics were each over its own items, without a word
+    journal = tmp_path / "jobs.jsonl"
+    run_replay(bank, "coupled,source-id", seeds=[0], settings=FAST, judge=Fussy(), journal=journal)
+    rows = [json.loads(x) for x in journal.read_text().splitlines()]
+    row = next(i for i, r in enumerate(rows) if r["job"] == "source-id")
+    del rows[row]["result"]["items"]
+    journal.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with pytest.raises(ReplayError, match=rf"jobs.jsonl:{row + 1}: job 'source-id' seed 0: no field items"):
+        run_replay(bank, "coupled,source-id", seeds=[0], settings=FAST, judge=Fussy(), journal=journal)

@@ -26,6 +26,7 @@ import json
 import math
 import os
 import random
+import re
 from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import asdict, dataclass, field, fields, replace
@@ -219,7 +220,8 @@ class Bank:
     def from_json(cls, obj: dict, where: str = "bank") -> Bank:
         if not isinstance(obj, dict) or "format" not in obj:
             raise ReplayError(f"{where}: not a replay bank (no format field)")
-        if obj["format"] not in range(1, BANK_FORMAT + 1):
+        # (2.0 or true passed for format 2 or 1: an older bank's base model, read from another field)
+        if type(obj["format"]) is not int or obj["format"] not in range(1, BANK_FORMAT + 1):
             raise ReplayError(f"{where}: bank format {obj['format']!r}, this selfevo reads formats 1 "
                               f"to {BANK_FORMAT}")
         missing = [k for k in ("world", "seed", "sources", "solver", "search", "items") if k not in obj]
@@ -628,15 +630,19 @@ def _train_sets(ctx: _Context, cond: Condition, seed: int,
     return train_pool, names, train_sets, grader
 
 
-def _preflight(names: Sequence[str], seeds: Sequence[int]) -> None:
-    """Every training set that MSV does not decide, checked before any job trains: a fold too small
-    for the updates was refused only when its job ran, after the jobs queued before it (hours of
-    training on a language-model bank, all lost with the refusal)."""
+def _preflight(names: Sequence[str], seeds: Sequence[int],
+               msv_labels: Mapping[int, Mapping[str, str | None]] | None = None) -> None:
+    """Every training set known before any job trains, checked: a fold too small for the updates was
+    refused only when its job ran, after the jobs queued before it (hours of training on a
+    language-model bank, all lost with the refusal). MSV decides the +msv sets: those of the seeds
+    whose MSV labels a journal holds (`msv_labels`) are checked here, the others by `_msv_job`."""
     ctx = _ctx()
     for name in names:
-        if not CONDITIONS[name].msv:
-            for seed in seeds:
+        for seed in seeds:
+            if not CONDITIONS[name].msv:
                 _train_sets(ctx, CONDITIONS[name], seed, None)
+            elif seed in (msv_labels or {}):
+                _train_sets(ctx, CONDITIONS[name], seed, msv_labels[seed])
 
 
 def _condition_job(name: str, seed: int, msv_labels: Mapping[str, str | None] | None) -> dict:
@@ -748,8 +754,11 @@ def compare_on_common_items(results: Sequence[dict]) -> int | None:
     an LLM judge may resolve an item for one grader's answers and not for another's, and F or A over
     different items would not compare. Returns how many items that is (None: the oracle's jobs, which
     resolve by the question alone and keep no items)."""
-    if not results or any("items" not in r for r in results):
+    kept = ["items" in r for r in results]
+    if not results or not any(kept):
         return None
+    if not all(kept):  # each over its own items would not compare: a journal row that lost them
+        raise ReplayError(f"{kept.count(False)} of {len(results)} jobs kept no judged items, the others did")
     decoded = [[_item_decode(c) for c in r["items"]] for r in results]
     common = [i for i in range(len(decoded[0])) if all(d[i][0].resolved for d in decoded)]
     for r, d in zip(results, decoded):
@@ -917,9 +926,11 @@ def _study_changes(was: dict | None, now: dict) -> str:
     return "; ".join(said) or "its key"
 
 
-def _read_journal(path: Path, study: dict, item_ids: Sequence[str] = ()) -> dict[tuple[str, int], dict]:
+def _read_journal(path: Path, study: dict, item_ids: Sequence[str] = (),
+                  items_kept: bool = False) -> dict[tuple[str, int], dict]:
     """The finished jobs of this study in `path` (a torn last line, a kill's, is cut off). `item_ids`: the
-    bank's, every one of which an MSV row labels."""
+    bank's, every one of which an MSV row labels; `items_kept`: a judge other than the oracle, whose
+    jobs keep every judged item (`compare_on_common_items`)."""
     key = _journal_key(study)
     try:
         rows = read_jsonl_log(path, repair=True)
@@ -934,7 +945,7 @@ def _read_journal(path: Path, study: dict, item_ids: Sequence[str] = ()) -> dict
             raise ReplayError(f"{path}: holds the finished jobs of another study "
                               f"({_study_changes(row.get('of'), study)}); remove it to start afresh, or choose "
                               "another --out")
-        if (wrong := _journal_result_problem(row["job"], row["result"], item_ids)) is not None:
+        if (wrong := _journal_result_problem(row["job"], row["result"], item_ids, items_kept)) is not None:
             # else a KeyError, or an InvariantError blaming the replay, far from the line
             raise ReplayError(f"{path}:{i}: job {row['job']!r} seed {row['seed']}: {wrong}; remove the line to run "
                               "that job again")
@@ -942,8 +953,9 @@ def _read_journal(path: Path, study: dict, item_ids: Sequence[str] = ()) -> dict
     return done
 
 
-def _journal_result_problem(job: str, result: dict, item_ids: Sequence[str] = ()) -> str | None:
-    """What is missing from a journal row's result (a damaged file), or None."""
+def _journal_result_problem(job: str, result: dict, item_ids: Sequence[str] = (),
+                            items_kept: bool = False) -> str | None:
+    """What is missing from a journal row's result, or of the wrong type (a damaged file), or None."""
     if job == "msv":
         bad = next((k for k, v in result.items() if not (v is None or isinstance(v, str))), None)
         if bad is not None:
@@ -954,9 +966,27 @@ def _journal_result_problem(job: str, result: dict, item_ids: Sequence[str] = ()
     if not isinstance(metrics, dict) or any(not isinstance(metrics.get(m), (int, float)) and metrics.get(m) is not None
                                             for m in REPORTED):
         return "no metrics of its own (" + ", ".join(REPORTED) + ")"
-    need = ("graded", "n_graded", "matcher") + (() if job == "base" else ("updates", "train_items"))
-    missing = [k for k in need if k not in result]
-    return f"no field {missing[0]}" if missing else None
+    def counts(v) -> bool:
+        return isinstance(v, int) and not isinstance(v, bool)
+
+    def per_solver(v) -> bool:
+        return isinstance(v, dict) and all(counts(n) for n in v.values())
+
+    need = {"graded": lambda v: isinstance(v, str), "n_graded": counts, "matcher": lambda v: isinstance(v, str)}
+    if job != "base":
+        need |= {"updates": per_solver, "train_items": per_solver}
+        if job in CONDITIONS and CONDITIONS[job].split == "connected":
+            need["fallback_graded"] = counts
+    if items_kept:  # each judged item, as `_item_code` writes it
+        need["items"] = lambda v: (isinstance(v, list) and len(v) == len(item_ids)
+                                   and all(isinstance(c, str) and _ITEM_CODE.fullmatch(c) for c in v))
+    wrong = next((k for k, ok in need.items() if k not in result or not ok(result[k])), None)
+    if wrong is None:
+        return None
+    return f"no field {wrong}" if wrong not in result else f"field {wrong} is not what a job writes"
+
+
+_ITEM_CODE = re.compile(r"-|[01] [01] [01]+ [01]+")  # `_item_code`'s form
 
 
 def run_replay(bank: Bank, conditions: Iterable[str] | str | None = None, seeds: int | Sequence[int] = 5,
@@ -1000,10 +1030,6 @@ def run_replay(bank: Bank, conditions: Iterable[str] | str | None = None, seeds:
         executor = worker_pool(workers, _init_worker, (bank.to_json(), settings))
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     with executor as pool:
-        if not isinstance(pool, _InProcess):  # a fork pool starts every worker now, before the bar's thread
-            pool.submit(_preflight, [c.name for c in conds], seeds).result()
-        else:
-            _preflight([c.name for c in conds], seeds)
         judge_name = _ctx().judge.name if isinstance(pool, _InProcess) else OracleJudge.name
         done, record = {}, None
         if journal is not None:
@@ -1011,7 +1037,8 @@ def run_replay(bank: Bank, conditions: Iterable[str] | str | None = None, seeds:
             key = _journal_key(study)
             # only this study's jobs: the journal may hold more seeds or conditions than it asks for
             jobs = _jobs(conds, seeds)
-            done = {k: v for k, v in _read_journal(Path(journal), study, [it.item_id for it in bank.items]).items()
+            done = {k: v for k, v in _read_journal(Path(journal), study, [it.item_id for it in bank.items],
+                                                   items_kept=judge_name != OracleJudge.name).items()
                     if k in jobs}
             if done and log is not None:
                 log(f"{journal}: {len(done)} finished job(s) of this study, not run again")
@@ -1019,6 +1046,11 @@ def run_replay(bank: Bank, conditions: Iterable[str] | str | None = None, seeds:
             def record(job: str, seed: int, result: dict) -> None:
                 # `of`: what the key is made of, so a study that differs can be told in what
                 append_jsonl(journal, [{"study": key, "of": study, "job": job, "seed": seed, "result": result}])
+        preflight = ([c.name for c in conds], seeds, {s: r for (job, s), r in done.items() if job == "msv"})
+        if not isinstance(pool, _InProcess):  # a fork pool starts every worker now, before the bar's thread
+            pool.submit(_preflight, *preflight).result()
+        else:
+            _preflight(*preflight)
         with Progress(*columns, disable=not progress, transient=True) as bar:
             outcomes, msv, base = _run_jobs(pool, conds, seeds, bar, done, record)
     invariants = check_invariants(outcomes, bank, settings)
