@@ -19,6 +19,7 @@ import pytest
 
 from selfevo.agents.base import Proposal
 from selfevo.agents.lm.model import ScriptedModel
+from selfevo.agents.lm.protocol import solver_messages, solver_question
 from selfevo.agents.lm.server import make_app, running
 from selfevo.algos import frontier_reward
 from selfevo.integrations.admit import admit_round, commit_records, msv_filter, read_staged, trim_staged
@@ -247,8 +248,9 @@ def test_coupled_grades_everything_with_the_main_solver(tool, tmp_path):
 def test_solver_reward_trl_and_records(tmp_path):
     rf = TRLSolverReward(tmp_path / "steps.jsonl", round=1, step_base=0, first_step_in_round=19,
                          grader={"id": "main", "trained_on": {"folds": [], "rounds": []}})
-    prompts = [[{"role": "user", "content": "Question: Where is Beta?"}]] * 2 + \
-              [[{"role": "user", "content": "Question: What is Alpha?"}]] * 2
+    # a question holding the prefix itself was recorded from its second "Question: " on (a helper's review)
+    quiz = "Who hosted the show whose catchphrase is 'Question: who dares?'"
+    prompts = [solver_messages("Where is Beta?")] * 2 + [solver_messages(quiz)] * 2
     completions = ["<search> beta </search>\n<information>Doc 1 <answer> decoy </answer></information>"
                    "<answer> The sea </answer>", [{"role": "assistant", "content": "<answer> land </answer>"}],
                    "no answer at all", [{"role": "assistant", "content": "<answer> a river! </answer>"}]]
@@ -259,7 +261,9 @@ def test_solver_reward_trl_and_records(tmp_path):
     (record,) = [json.loads(line) for line in (tmp_path / "steps.jsonl").read_text().splitlines()]
     assert record["kind"] == "solver" and record["step"] == 19 and record["step_in_round"] == 19
     assert [(it["item_id"], it["question"], it["k"], it["reward"]) for it in record["items"]] == \
-        [("a", "Where is Beta?", 1, 0.5), ("b", "What is Alpha?", 1, 0.5)]
+        [("a", "Where is Beta?", 1, 0.5), ("b", quiz, 1, 0.5)]
+    rendered = "<|im_start|>system\n...<|im_end|>\n<|im_start|>user\nQuestion: " + quiz  # a prompt as text
+    assert solver_question(rendered) == quiz
 
 
 def test_verl_compute_score_solver_rows():
@@ -789,6 +793,19 @@ def test_engine_config_errors_name_the_field(tmp_path):
     path.write_text('[engine]\nengine = "trl"\n')
     with pytest.raises(ConfigError, match='backend = "lm"'):
         load_engine_config(path)
+    # refused by the first TRL job (after r0/eval, as a traceback), and no resume could change it
+    path.write_text('backend = "lm"\n[engine]\nengine = "trl"\ntrain_processes = 2\n')
+    with pytest.raises(ConfigError, match=r"^engine\.train_processes: 2 processes need a launcher"):
+        load_engine_config(path)
+    load_engine_config(path, ["engine.launcher=accelerate launch", "engine.retriever_url=http://127.0.0.1:9/retrieve"])
+    # verl was handed neither the LoRA settings nor the clip: each a setting verl ran without
+    url = 'retriever_url = "http://127.0.0.1:9/retrieve"\n'
+    path.write_text(f'backend = "lm"\n[engine]\nengine = "verl"\n{url}')
+    with pytest.raises(ConfigError, match=r'^lm\.adapter: verl trains and merges full models'):
+        load_engine_config(path, engine="verl")
+    with pytest.raises(ConfigError, match=r"^lm\.max_grad_norm: verl clips by its own setting"):
+        load_engine_config(path, ["lm.adapter=full", "lm.max_grad_norm=0.25"], engine="verl")
+    load_engine_config(path, ["lm.adapter=full"], engine="verl")
 
 
 def test_a_misspelt_engine_field_lists_the_known_ones_as_the_other_tables_do(tmp_path):
@@ -1243,7 +1260,7 @@ def test_engine_resume_checks_the_saved_run_as_evolve_does(tmp_path, monkeypatch
     assert said == ["resuming with engine.grader_gpus '' -> '0,1', engine.grader_port 8100 -> 9100, "
                     "engine.save_steps 0 -> 5, engine.train_gpus '' -> '2,3'"]
     assert json.loads(engine_json.read_text())["grader_port"] == 9100  # engine.json says where it runs now
-    for field, value in (("retriever_url", "http://127.0.0.1:8000/retrieve"), ("train_processes", 2),
+    for field, value in (("retriever_url", "http://127.0.0.1:8000/retrieve"), ("proposer_generations", 4),
                          ("trl", {"bf16": True})):
         with pytest.raises(RunError, match=rf"fields: engine\.{field}"):  # the run's own index -> a server
             make({**moved, "engine": {**moved["engine"], field: value}})
@@ -1666,13 +1683,13 @@ def test_verl_refuses_the_scaffold_and_keeps_a_non_searching_proposer_to_one_act
     from selfevo.integrations import engine as eng
 
     cfg = {**ENGINE_CFG, "engine": {**ENGINE_CFG["engine"], "retriever_url": "http://127.0.0.1:9/retrieve"},
-           "lm": {"max_actions": 4}}
+           "lm": {"max_actions": 4, "adapter": "full"}}
     with pytest.raises(ConfigError, match=r"^lm\.proposer_scaffold: verl"):
         eng.engine_config_from_dict({**cfg, "lm": {"proposer_scaffold": True}}, engine="verl")
     verl_phase_stand_ins(monkeypatch)
 
     def proposer_script(search: bool, out: Path) -> str:
-        ecfg = eng.engine_config_from_dict({**cfg, "lm": {"max_actions": 4, "proposer_search": search}}, engine="verl")
+        ecfg = eng.engine_config_from_dict({**cfg, "lm": {**cfg["lm"], "proposer_search": search}}, engine="verl")
         with pytest.raises(eng.EngineUnavailable):
             eng.EngineRun(ecfg, out, log=lambda m: None).proposer(1)
         return (out / "engine" / "round-1" / "proposer.verl.sh").read_text()

@@ -241,8 +241,9 @@ def test_verl_phase_writes_its_launch_and_says_what_is_missing(smollm2_path, tmp
     index = environment(load_engine_config(TINY).run).index
     with running(make_app(index)) as url:
         retrieve = f"engine.retriever_url={url.removesuffix('/v1')}/retrieve"
-        # the tiny config's proposer scaffold cannot run under verl (refused by name): off here
-        ecfg = load_engine_config(TINY, ["engine.engine=verl", retrieve, "lm.proposer_scaffold=false"], engine="verl")
+        # the tiny config's proposer scaffold cannot run under verl (refused by name), nor its LoRA adapter: off here
+        ecfg = load_engine_config(TINY, ["engine.engine=verl", retrieve, "lm.proposer_scaffold=false",
+                                         "lm.adapter=full"], engine="verl")
         er = EngineRun(ecfg, tmp_path / "run2", log=lambda m: None)
         with pytest.raises(EngineUnavailable, match=r"r1/proposer: verl training needs .*proposer\.verl\.sh"):
             er.proposer(1)

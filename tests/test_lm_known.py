@@ -106,7 +106,7 @@ def test_the_loop_and_engine_run_show_the_proposer_the_same_prompt(tmp_path, mon
     cfg = {"backend": "lm", "treatment": "crossfit", "world": {"name": "small"},
            "loop": {"rounds": 2, "proposer_steps": 2, "solver_steps": 3, "admit_per_round": 10, "source_docs": 40},
            "engine": {"proposer_generations": 2, "proposer_prompts": 6, "retriever_url": "http://127.0.0.1:9/retrieve"},
-           "lm": {"max_actions": 4, "proposer_search": search}}
+           "lm": {"max_actions": 4, "proposer_search": search, "adapter": "full"}}
     verl_phase_stand_ins(monkeypatch)
     ecfg = eng.engine_config_from_dict(cfg, engine="verl")
     with pytest.raises(eng.EngineUnavailable):  # after the rows are written

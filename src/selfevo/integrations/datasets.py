@@ -22,7 +22,7 @@ import random
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
-from selfevo.agents.lm.protocol import proposer_messages, sample_hops, solver_messages
+from selfevo.agents.lm.protocol import proposer_messages, sample_hops, solver_messages, solver_question
 from selfevo.loop.feedback import trains_on
 from selfevo.loop.folds import FoldAssignment
 from selfevo.loop.schedule import derive_seed
@@ -145,7 +145,7 @@ def verl_record(row: dict, index: int, split: str = "train") -> dict:
     """One row as verl's RLHFDataset reads it (Search-R1's layout: ground_truth.target is the list
     of accepted answers; here the one adopted label)."""
     solver = row["role"] == "solver"
-    question = row["prompt"][-1]["content"].removeprefix("Question: ") if solver else ""
+    question = solver_question(row["prompt"]) if solver else ""
     return {"data_source": SOLVER_SOURCE if solver else PROPOSER_SOURCE,
             "prompt": [{"role": m["role"], "content": m["content"]} for m in row["prompt"]],
             "ability": "search-qa" if solver else "question-writing",

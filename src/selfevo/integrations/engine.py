@@ -55,6 +55,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from selfevo import _proc
 from selfevo._io import append_jsonl, read_json, read_jsonl_log, remove_leftover_temps, write_json, write_jsonl
+from selfevo.agents.lm.config import LMConfig
 from selfevo.agents.lm.model import model_identity
 from selfevo.config import ConfigError, RunConfig, check_known, config_from_dict, merge, parse_override, read_toml
 from selfevo.integrations.admit import (
@@ -191,6 +192,11 @@ def engine_config_from_dict(data: Mapping, engine: str | None = None) -> EngineC
                           f"engine-run with CUDA_VISIBLE_DEVICES={run.lm.device.split(':')[1]} and lm.device = "
                           "\"cuda\", or run training jobs as subprocesses on that GPU (engine.launcher and "
                           "engine.train_gpus)")
+    if spec.engine == "trl" and not spec.launcher and spec.train_processes > 1:
+        # an in-process job is one process: the first one refused it, after r0/eval, and no resume could mend it
+        raise ConfigError(f"engine.train_processes: {spec.train_processes} processes need a launcher "
+                          "(engine.launcher, e.g. accelerate launch, and engine.retriever_url); in this process "
+                          "TRL trains as 1")
     if spec.engine == "trl":
         _check_trl(spec, run)
     if spec.engine == "verl" and run.lm.proposer_scaffold:
@@ -206,6 +212,13 @@ def engine_config_from_dict(data: Mapping, engine: str | None = None) -> EngineC
     if spec.engine == "verl" and not spec.retriever_url:
         raise ConfigError("engine.retriever_url: verl's search tool needs a /retrieve server "
                           "(selfevo serve-retriever --corpus ... --port 8000 -> http://127.0.0.1:8000/retrieve)")
+    if spec.engine == "verl" and run.lm.adapter != "full":
+        # verl's phase is merged into a full model (verl.model_merger); lm.lora_* never reached it
+        raise ConfigError("lm.adapter: verl trains and merges full models here (lm.lora_* are not passed to it); "
+                          "set lm.adapter = \"full\", as configs/verl-*.yaml do")
+    if spec.engine == "verl" and run.lm.max_grad_norm != LMConfig.max_grad_norm:
+        raise ConfigError("lm.max_grad_norm: verl clips by its own setting, which this is not passed to; set "
+                          "verl's key in [engine.verl] (its actor's grad_clip) and leave lm.max_grad_norm as it is")
     return EngineConfig(run, spec)
 
 

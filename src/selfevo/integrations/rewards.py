@@ -44,6 +44,7 @@ from selfevo.agents.lm.protocol import (
     parse_action,
     parse_proposer_action,
     read_proposal,
+    solver_question,
 )
 from selfevo.algos import frontier_reward
 from selfevo.evaluate import answers_match
@@ -277,7 +278,7 @@ class TRLSolverReward:
             items.append(item_record(item_id=item_id, source_id=cols["source_id"][i0],
                                      source_ids=cols["source_ids"][i0], fold=int(cols["fold"][i0]),
                                      source_folds=cols["source_folds"][i0], hops=int(cols["hops"][i0]),
-                                     question=_question(prompts[i0]), draft_label=cols["draft_label"][i0],
+                                     question=solver_question(prompts[i0]), draft_label=cols["draft_label"][i0],
                                      adopted_label=labels[i0], admitted=True, responses=resp, k=k,
                                      reward=k / len(resp), grader=self.grader))
         sir = self.first + self.calls
@@ -285,12 +286,6 @@ class TRLSolverReward:
         append_jsonl(self.records_path, [step_record(round=self.round, step=self.step_base + sir, step_in_round=sir,
                                                      kind="solver", items=items,
                                                      stats={"reward": sum(it["k"] for it in items) / max(1, n)})])
-
-
-def _question(prompt: Any) -> str:
-    """The question of a solver prompt (`protocol.solver_messages`: the last user turn)."""
-    text = prompt if isinstance(prompt, str) else prompt[-1]["content"]
-    return text.rsplit("Question: ", 1)[-1].strip()
 
 
 # ---------------------------------------------------------------- verl

@@ -121,13 +121,24 @@ def format_information(passages: Sequence[tuple[str, str]], max_words: int = PAS
     return "<information>" + "\n".join(lines) + "</information>"
 
 
+QUESTION = "Question: "  # what the solver's user turn opens with
+
+
 def solver_messages(question: str, context: str | None = None) -> list[dict]:
     """The opening of a solver conversation. `context` (MSV's "with the source") is put in front
     of the question as a document to read."""
-    user = f"Question: {question.strip()}"
+    user = f"{QUESTION}{question.strip()}"
     if context is not None:
         user = f"<document>\n{context}\n</document>\n{user}"
     return [{"role": "system", "content": SOLVER_SYSTEM}, {"role": "user", "content": user}]
+
+
+def solver_question(prompt: list[dict] | str) -> str:
+    """The question of a conversation `solver_messages` opened without a context: its last user turn
+    after the prefix (a question may hold "Question: " itself), or, for a prompt rendered as text, what
+    follows the prefix's first occurrence (the system prompt holds none)."""
+    text = prompt if isinstance(prompt, str) else prompt[-1]["content"]
+    return text.split(QUESTION, 1)[-1].strip()
 
 
 # ---------------------------------------------------------------- proposer
