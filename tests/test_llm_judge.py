@@ -151,6 +151,21 @@ def test_a_reply_with_two_answers_that_differ_is_ambiguous_not_the_last():
     assert parse_reply(again, ReferenceReply).quote == "q"
 
 
+def test_replies_of_reasoning_models_and_notes_after_the_answer_are_read():
+    """A chat template that opens <think> in the prompt leaves only </think> in the reply: its draft object
+    made the reply "2 JSON answers that differ". An answer followed by a note of another shape was read as
+    malformed (the last object was validated). A lone surrogate escape passed into the cache line, which
+    could then never be written: every run of the audit crashed (a helper's review)."""
+    from selfevo.audit.llm_judge import ReferenceReply, parse_reply
+
+    half = 'Draft {"reference": "Ebor", "quote": "x"} -- no.</think>\n{"reference": "Kelda", "quote": "q"}'
+    assert parse_reply(half, ReferenceReply).reference == "Kelda"
+    noted = '{"reference": "Kelda", "quote": "q"}\n{"confidence": 0.9}'
+    assert parse_reply(noted, ReferenceReply).reference == "Kelda"
+    with pytest.raises(ValueError, match="lone surrogate"):
+        parse_reply('{"reference": "Kelda \\ud800", "quote": "q"}', ReferenceReply)
+
+
 SOURCE_1908 = "Yeir Rukreist is a person. He was employed by Goujest Industries. He was born in 1908."
 ITEM_1908 = {"question": "In which year was Yeir Rukreist born?", "adopted_label": "1908", "responses": ["1908"] * 5,
              "sources": [{"id": "d1", "text": SOURCE_1908}]}
@@ -408,6 +423,19 @@ def test_a_call_that_keeps_failing_leaves_its_item_unresolved_and_uncached(world
     with running(make_app(scripted(w["key"]))) as url, llm(url, w["docs"], tmp_path / "c.jsonl") as judge:
         judge.judge(items)
         assert judge.summary()["cache_hits"] == 0 and judge.summary()["replies"] >= 3  # retried, not cached
+
+
+def test_a_failed_call_shared_by_items_counts_once(tmp_path):
+    """Items that share a reference call (one question and source) wait for one HTTP call; its failure was
+    counted once per item, in judge.json's failed_calls and in the failure streak, which then stopped the
+    audit after 4 failed calls saying 16 (a helper's review)."""
+    shared = [{**ITEM_1908, "responses": [f"x{i}"] * 5} for i in range(4)]  # one reference call
+    questions = [{**it, "question": f"{it['question']} ({q})"} for q in range(4) for it in shared]
+    failing = ScriptedModel(lambda messages: "{}", name="judge", fail_rate=1.0)
+    with running(make_app(failing)) as url, LLMJudge(url, "judge", concurrency=8, max_retries=0) as judge:
+        verdicts = judge.judge(questions)  # 4 failed calls, 16 items: no stop
+        assert judge.summary()["failed_calls"] == 4 and judge.streak.count == 4
+    assert not any(v.resolved for v in verdicts) and sum(failing.requests.values()) == 4
 
 
 def test_the_cache_answers_only_for_the_model_that_gave_its_replies(tmp_path):

@@ -626,6 +626,24 @@ def test_a_malformed_key_or_url_is_refused_up_front_and_the_key_is_never_shown(m
     assert "sk-SECRET" not in str(e.value) and "Bearer ***" in str(e.value)
 
 
+def test_the_probe_asks_a_busy_endpoint_again():
+    """One 503 on GET /models read as "lists no models": a judge's whole cache was then not used, the
+    rerun paid again for every call, without a word (a helper's review). A busy reply is asked again;
+    busy through every try, the probe says so."""
+    listed = httpx.Response(200, stream=httpx.ByteStream(json.dumps({"data": [{"id": "judge"}]}).encode()))
+    client = ChatClient("http://fake/v1", "judge", max_retries=2, backoff=0.01)
+    seen = _mock(client, [_error(503, "loading"), _error(429, "slow down"), listed])
+    assert client.check() == ["judge"] and len(seen) == 3
+    client = ChatClient("http://fake/v1", "judge", max_retries=1, backoff=0.01)
+    seen = _mock(client, [lambda: _error(503, "loading")])
+    with pytest.warns(UserWarning, match=r"fake/v1/models answered HTTP 503 to 2 tries: read as listing no models"):
+        assert client.check() == []
+    assert len(seen) == 2
+    client = ChatClient("http://fake/v1", "judge", max_retries=3, backoff=0.01)
+    seen = _mock(client, [_error(404, "no route")])  # no /models route: no model listed, at once
+    assert client.check() == [] and len(seen) == 1
+
+
 def test_what_is_retried_and_what_the_server_said():
     events: list[str] = []
     client = ChatClient("http://fake/v1", "m", backoff=0.001, on_event=events.append)

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import threading
 import time
+import warnings
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -348,11 +349,25 @@ class ChatClient:
             return False
 
     def check(self) -> list[str]:
-        """Probe the endpoint once (GET {url}/models, no retries) before a long run: raises
-        EndpointError if it is unreachable or refuses the key; returns the model ids it lists
-        ([] if it lists none, or has no /models route)."""
-        try:
+        """Probe the endpoint (GET {url}/models) before a long run: raises EndpointError if it is
+        unreachable or refuses the key; returns the model ids it lists ([] if it lists none, or has no
+        /models route). A busy reply (408, 429, 5xx) or a timeout is asked again, as a chat call is: read
+        as "lists none", it turned a judge's whole cache off for the run, without a word."""
+        def probe() -> httpx.Response:
             r = self._request("GET", f"{self.base_url}/models")
+            if r.status_code in RETRIED_STATUS or r.status_code >= 500:
+                raise _Retryable(f"HTTP {r.status_code}", retry_after_seconds(r.headers.get("retry-after")))
+            return r
+
+        try:
+            for attempt in Retrying(retry=retry_if_exception_type((httpx.TimeoutException, _Retryable)),
+                                    stop=stop_after_attempt(self.max_retries + 1), wait=self._wait, reraise=True):
+                with attempt:
+                    r = probe()
+        except _Retryable as e:
+            warnings.warn(f"{shown_url(self.base_url)}/models answered {e} to {self.max_retries + 1} tries: read "
+                          "as listing no models (a judge's stored replies are then not used)", stacklevel=2)
+            return []
         except (httpx.TransportError, httpx.DecodingError) as e:
             raise EndpointError(self._scrub(f"{self.base_url}: cannot connect ({type(e).__name__}: {e})")) from None
         self._check_refused(r)

@@ -166,13 +166,16 @@ class VerdictsReply(BaseModel):
 
 
 _THINK = re.compile(r"<think>.*?</think>", re.S | re.I)
+_THINK_END = re.compile(r"</think>", re.I)
 
 
 def json_objects(text: str) -> list:
     """The complete JSON objects of a reply, in order, after a reasoning model's <think>...</think>
-    block is dropped: bare, in a ``` fence or amid prose, where braces in the prose ("{reference}",
-    "the set {a, b}") must not hide them. Objects nested in one already read are not listed."""
-    text = _THINK.sub(" ", text or "")
+    block is dropped (or all before a lone </think>: a chat template that opens the block in the prompt,
+    as DeepSeek-R1's distills and QwQ's do, leaves only its end in the reply): bare, in a ``` fence or
+    amid prose, where braces in the prose ("{reference}", "the set {a, b}") must not hide them. Objects
+    nested in one already read are not listed."""
+    text = _THINK_END.split(_THINK.sub(" ", text or ""))[-1]
     decoder = json.JSONDecoder()
     found, i = [], text.find("{")
     while i != -1:
@@ -210,7 +213,13 @@ def parse_reply(text: str, schema: type[BaseModel]) -> BaseModel:
             continue
     if len({json.dumps(a.model_dump(), sort_keys=True) for a in answers}) > 1:
         raise ValueError(f"the reply holds {len(answers)} JSON answers that differ; give one")
-    return schema.model_validate(_last(objects))
+    if not answers:  # the last object's own error is what the correction quotes
+        return schema.model_validate(_last(objects))
+    try:  # "\ud800" is valid JSON but no character: the cache line holding it could never be written
+        json.dumps(answers[-1].model_dump(), ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValueError("the reply holds a lone surrogate escape (\\ud800-\\udfff), which is no character") from None
+    return answers[-1]  # an answer, then a note of another shape ({"confidence": 0.9}), is that answer
 
 
 # ---------------------------------------------------------------- evidence and verdicts
@@ -545,6 +554,10 @@ class LLMJudge:
                     choice = self.client.chat(convo, stopped=stop)[0]
                 except EndpointError as e:
                     raise JudgeError(str(e)) from None
+                except CallFailed as e:  # counted here, once: every item waiting for this call gets it
+                    self._count("failed")
+                    self.streak.failed(str(e))
+                    raise
                 self.streak.answered()
                 raw = choice.text
                 if choice.finish_reason == "length":
@@ -625,9 +638,7 @@ class LLMJudge:
         self._check_answering()  # once it is not, the items still queued send nothing
         try:
             return self._judge_one(item, stop)
-        except CallFailed as e:
-            self._count("failed")
-            self.streak.failed(str(e))
+        except CallFailed as e:  # (counted by the call that failed, `_call`)
             self._check_answering()
             return Verdict(False, reason=f"call failed: {e}"), {"question": item["question"]}
 
