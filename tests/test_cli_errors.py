@@ -220,6 +220,25 @@ def test_a_model_on_the_sim_backend_is_refused(tmp_path):
 
 # a world directory fixes its parameters when made (its world.json); a run asking for others would
 # record them in config.json and run with the directory's
+def test_a_server_bound_off_loopback_is_warned_of_and_an_ipv6_host_printed_as_a_url(monkeypatch):
+    """`serve-model --host 0.0.0.0` without a key, or `serve-retriever --host 0.0.0.0`, said nothing of the
+    network reaching it; `--host ::1` printed http://::1:8001/v1, which no client reads (a helper's review)."""
+    from _servers import free_port
+
+    from selfevo._io import url_host
+    from selfevo.agents.lm import server
+
+    monkeypatch.setattr(server, "serve", lambda *args, **kwargs: None)
+    port = free_port()
+    res = runner.invoke(app, ["serve-model", "--model", "scripted:echo", "--host", "0.0.0.0", "--port", str(port)])
+    said = " ".join(res.output.split())
+    assert res.exit_code == 0 and "warning: --host 0.0.0.0 is reachable from other machines: anyone who can " \
+        "reach it can use the model (no --api-key-env: without a key)" in said, res.output
+    res = runner.invoke(app, ["serve-model", "--model", "scripted:echo", "--port", str(port)])
+    assert res.exit_code == 0 and "warning" not in res.output and f"at http://127.0.0.1:{port}/v1" in res.output
+    assert url_host("::1") == "[::1]" and url_host("127.0.0.1") == "127.0.0.1" and url_host("[::1]") == "[::1]"
+
+
 @pytest.fixture(scope="module")
 def world_dir(tmp_path_factory):
     from selfevo.world import WorldConfig, make_world, save_world

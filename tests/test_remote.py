@@ -626,6 +626,18 @@ def test_a_malformed_key_or_url_is_refused_up_front_and_the_key_is_never_shown(m
     assert "sk-SECRET" not in str(e.value) and "Bearer ***" in str(e.value)
 
 
+def test_a_base_url_with_a_query_is_refused_and_a_surrogate_in_a_message_is_sent():
+    """`…/v1?api-version=1` became `…/v1?api-version=1/chat/completions`; a lone surrogate in a message
+    was a bare UnicodeEncodeError before anything was sent (a helper's review)."""
+    for url in ("http://h:8000/v1?api-version=2024", "http://h:8000/v1#x"):
+        with pytest.raises(EndpointError, match="a base URL takes no query or fragment"):
+            ChatClient(url, "m")
+    client = ChatClient("http://fake/v1", "m", max_retries=0)
+    seen = _mock(client, [_ok("fine")])
+    assert client.complete([{"role": "user", "content": "a\ud800b"}]) == "fine"
+    assert json.loads(seen[0].content)["messages"][0]["content"] == "a\ufffdb"
+
+
 def test_the_probe_asks_a_busy_endpoint_again():
     """One 503 on GET /models read as "lists no models": a judge's whole cache was then not used, the
     rerun paid again for every call, without a word (a helper's review). A busy reply is asked again;

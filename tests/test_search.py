@@ -535,6 +535,66 @@ def test_client_connection_refused_is_retried_then_reported():
         client.retrieve(["q"])
 
 
+def test_client_names_damaged_replies_without_a_traceback_or_the_password():
+    """A body that does not decode as its Content-Encoding says, or JSON nested past the parser's limit,
+    escaped as a traceback (eval exited 1 after 160 lines); a NaN score was taken; a password in the
+    URL was printed in every error (a helper's review)."""
+    bad_gzip = lambda n, req: httpx.Response(200, headers={"content-encoding": "gzip"}, content=b"not gzip")  # noqa: E731
+    client, seen = _mock_client(bad_gzip, retries=1)
+    with pytest.raises(RetrieverError, match="DecodingError.*after 2 attempts"):
+        client.retrieve(["q"])
+    assert len(seen) == 2  # (a proxy's fault: asked again)
+    deep = b"[" * 100_000 + b"]" * 100_000
+    client, _ = _mock_client(lambda n, req: httpx.Response(200, content=deep))
+    with pytest.raises(RetrieverError, match="not JSON"):
+        client.retrieve(["q"])
+    nan = b'{"result": [[{"document": {"id": "1", "contents": "c"}, "score": NaN}]]}'
+    client, _ = _mock_client(lambda n, req: httpx.Response(200, content=nan))
+    with pytest.raises(RetrieverError, match="malformed"):
+        client.retrieve(["q"])
+    client = RetrieverClient(f"http://user:s3cret@127.0.0.1:{free_port()}", retries=0, backoff_s=0)
+    with pytest.raises(RetrieverError) as err:
+        client.retrieve(["q"])
+    assert "s3cret" not in str(err.value) and "http://***@127.0.0.1" in str(err.value)
+
+
+def test_eval_writes_no_retriever_password(server_url, tmp_path):
+    """`eval --retriever-url http://user:PW@host` scrubbed the agent's URL, not the retriever's: score.json
+    held the password."""
+    from _shared import QA_DIR
+
+    from selfevo.evaluate import run_eval
+
+    secret = server_url.replace("http://", "http://user:s3cret@")
+    run_eval(QA_DIR, None, "retrieval-baseline", tmp_path / "ev", limit=1, retriever_url=secret, progress=False)
+    score = (tmp_path / "ev" / "score.json").read_text()
+    assert "s3cret" not in score and '"retriever_url": "http://***@127.0.0.1' in score
+
+
+def test_client_timeout_bounds_a_reply_trickled_in():
+    """httpx's timeout bounds each read: a server sending a byte every half second held a call with a 2 s
+    timeout for 40 s (the chat client's fix, now shared)."""
+    from fastapi import FastAPI
+    from fastapi.responses import StreamingResponse
+
+    trickler = FastAPI()
+    reply = json.dumps(GOOD).encode()
+
+    @trickler.post("/retrieve")
+    def retrieve():
+        def body():
+            for i in range(len(reply)):
+                time.sleep(0.1)
+                yield reply[i:i + 1]
+        return StreamingResponse(body(), media_type="application/json")  # chunked, ~8 s in all
+
+    with serve_app(trickler) as url, RetrieverClient(url, timeout=1.0, retries=0) as client:
+        start = time.monotonic()
+        with pytest.raises(RetrieverError, match="ReadTimeout"):
+            client.retrieve(["q"])
+        assert time.monotonic() - start < 3
+
+
 @pytest.mark.parametrize("payload, match", [
     ({"results": []}, "malformed"),
     ({"result": [[{"document": {"id": "1"}, "score": 1.0}]]}, "malformed"),

@@ -39,6 +39,11 @@ def shown_url(text: str) -> str:
     return _CREDENTIALS.sub(r"\1***@", text)
 
 
+def url_host(address: str) -> str:
+    """A bind address as a URL writes it: an IPv6 address in brackets (`http://::1:8000` is no URL)."""
+    return f"[{address}]" if ":" in address and not address.startswith("[") else address
+
+
 def encodable(text: str) -> str:
     """A model's text as a file or a request can carry it: a lone surrogate (no character, so no
     UTF-8; a remote endpoint's JSON can escape one) becomes U+FFFD. Kept, it fails every write of it."""

@@ -20,6 +20,7 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
+from selfevo._io import url_host
 from selfevo._software import SoftwareChanged
 from selfevo.agents import SPEC_FORMS
 from selfevo.corpus import DataError
@@ -155,10 +156,12 @@ def _out_dir(path: Path) -> None:
             return
 
 
-def _check_bind(address: str, port: int) -> None:
+def _check_bind(address: str, port: int, exposed: str) -> None:
     """Bind --host:--port once before the start-up (an index built, a model loaded) that a port in use
     or an address of no interface here would waste; the server binds it again (a race a second server
-    could still win, named then by uvicorn)."""
+    could still win, named then by uvicorn). An address other than loopback is warned of: `exposed`
+    says what the network can then reach."""
+    import ipaddress
     import socket
 
     try:
@@ -172,6 +175,13 @@ def _check_bind(address: str, port: int) -> None:
             sock.bind(sockaddr)
         except OSError as e:
             _fail(f"--host/--port: cannot listen on {address}:{port}: {e.strerror}")
+    try:
+        loopback = ipaddress.ip_address(sockaddr[0].split("%")[0]).is_loopback
+    except ValueError:
+        loopback = False
+    if not loopback:
+        console.print(escape(f"warning: --host {address} is reachable from other machines: {exposed}"),
+                      style="yellow")
 
 
 def _typer(help: str) -> _Typer:
@@ -227,7 +237,7 @@ def serve_retriever(
     """Serve the Search-R1 / verl `POST /retrieve` API over a BM25, dense or hybrid index."""
     from selfevo.search.server import serve
 
-    _check_bind(host, port)
+    _check_bind(host, port, "anyone who can reach it can search the index (the API has no authentication)")
 
     if corpus is None and index is None:
         _fail("give --corpus FILE or --index DIR")
@@ -915,7 +925,8 @@ def serve_model_cmd(
     from selfevo.agents.lm.model import load_chat_model
     from selfevo.agents.lm.server import serve
 
-    _check_bind(host, port)
+    _check_bind(host, port, "anyone who can reach it can use the model" + (
+        "" if api_key_env else " (no --api-key-env: without a key)"))
 
     scripts = {}
     if model == "scripted:judge":
@@ -945,7 +956,7 @@ def serve_model_cmd(
     except (ValueError, OSError) as e:
         _fail(str(e))
     named = f" as {', '.join(served_model_name)}" if served_model_name else " (any model name)"
-    console.print(f"serving {chat_model.name}{named} at http://{host}:{port}/v1 (POST /chat/completions, "
+    console.print(f"serving {chat_model.name}{named} at http://{url_host(host)}:{port}/v1 (POST /chat/completions, "
                   "GET /models, GET /health)")
     serve(chat_model, host=host, port=port, api_key=api_key, served_names=served_model_name)
 

@@ -495,12 +495,12 @@ def _run_eval(data_dir, corpus, agent, out_dir: Path, limit, retriever_url, inde
         from selfevo.search.client import RetrieverClient, RetrieverError
 
         if not retriever_url.startswith(("http://", "https://")):
-            raise ValueError(f"retriever URL {retriever_url!r}: expected http(s)://HOST:PORT")
+            raise ValueError(f"retriever URL {shown_url(retriever_url)!r}: expected http(s)://HOST:PORT")
         retriever = RetrieverClient(retriever_url)
         try:  # one query, before anything is written (Search-R1's own server has no /health to ask)
             retriever.retrieve(["probe"], 1)
         except RetrieverError as e:
-            raise ValueError(f"retriever URL {retriever_url}: {e}") from None
+            raise ValueError(f"retriever URL {shown_url(retriever_url)}: {e}") from None
     else:
         if corpus is None and index is None:
             raise ValueError("a corpus or a saved index is needed unless a retriever URL is given")
@@ -515,7 +515,7 @@ def _run_eval(data_dir, corpus, agent, out_dir: Path, limit, retriever_url, inde
         "agent": shown_url(agent),  # score.json's: a remote endpoint's credentials are not written
         "data_dir": str(data_dir),
         "corpus": None if retriever_url or corpus is None else str(corpus),
-        "retriever_url": retriever_url,
+        "retriever_url": shown_url(retriever_url) if retriever_url else None,  # (as the agent: no password)
         "retriever": None if retriever_url else getattr(retriever, "kind", "bm25"),
         "index": None if index is None or retriever_url else str(index),
         "setup_seconds": round(time.perf_counter() - started, 3),  # loading + indexing

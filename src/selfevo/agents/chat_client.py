@@ -22,7 +22,6 @@ without being shown, and error texts are scrubbed of it.
 from __future__ import annotations
 
 import threading
-import time
 import warnings
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -33,7 +32,7 @@ import httpx
 from tenacity import Retrying, retry_if_exception_type, stop_after_attempt, stop_any, wait_exponential, wait_random
 
 from selfevo._io import encodable, shown_url
-from selfevo.search.client import MAX_WAIT_S, body_text, retry_after_seconds
+from selfevo.search.client import MAX_WAIT_S, body_text, read_reply, retry_after_seconds
 
 _UNSET: Any = object()
 # besides 5xx: a proxy's request timeout, a conflict, "too early", rate limiting (as openai-python)
@@ -164,6 +163,8 @@ class ChatClient:
             raise EndpointError(f"{url}: not a valid URL ({e})") from None
         if parsed.scheme not in ("http", "https") or not parsed.host:
             raise EndpointError(f"{shown_url(url)}: not an http(s) URL with a host, e.g. http://127.0.0.1:8000/v1")
+        if parsed.query or parsed.fragment:  # the routes are appended to the URL: "…/v1?x=1/chat/completions"
+            raise EndpointError(f"{shown_url(url)}: a base URL takes no query or fragment (?…, #…)")
         self.base_url = url.removesuffix("/chat/completions")
         self.endpoint = f"{self.base_url}/chat/completions"
         self.model, self.max_retries, self.timeout = model, max_retries, timeout
@@ -237,7 +238,10 @@ class ChatClient:
         if unknown:
             raise TypeError(f"unknown chat settings: {', '.join(sorted(unknown))}")
         s = {**self.defaults, **{k: v for k, v in overrides.items() if v is not _UNSET}}
-        body: dict[str, Any] = {"model": self.model, "messages": list(messages), "n": n}
+        # a lone surrogate in a message is no UTF-8: the request could not be sent (a bare UnicodeEncodeError)
+        messages = [{**m, "content": encodable(m["content"])} if isinstance(m.get("content"), str) else m
+                    for m in messages]
+        body: dict[str, Any] = {"model": self.model, "messages": messages, "n": n}
         for key in ("max_tokens", "temperature", "top_p", "seed"):
             if s[key] is not None:
                 body[key] = s[key]
@@ -248,16 +252,7 @@ class ChatClient:
         return body
 
     def _request(self, method: str, url: str, **kwargs: Any) -> httpx.Response:
-        """One request with `timeout` bounding the whole body: httpx's timeout bounds each read only,
-        so a server trickling its body in (a byte now and then) would hold the call for ever."""
-        deadline = time.monotonic() + self.timeout
-        with self._http.stream(method, url, **kwargs) as r:
-            raw = bytearray()
-            for chunk in r.iter_raw():
-                raw += chunk
-                if time.monotonic() > deadline:
-                    raise httpx.ReadTimeout(f"reply not received within {self.timeout:g} s", request=r.request)
-        return httpx.Response(r.status_code, headers=r.headers, content=bytes(raw), request=r.request)
+        return read_reply(self._http, method, url, self.timeout, **kwargs)
 
     def _send(self, body: dict) -> list[Choice]:
         self._event("request")

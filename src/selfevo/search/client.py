@@ -11,8 +11,9 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import httpx
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel, FiniteFloat, ValidationError
 
+from selfevo._io import shown_url
 from selfevo.records import Document
 from selfevo.search.tool import SERVER_TIMEOUT_S, Hit, clip_query
 
@@ -31,7 +32,7 @@ class _Doc(BaseModel):
 
 class _ScoredDoc(BaseModel):
     document: _Doc
-    score: float
+    score: FiniteFloat  # a NaN would order hits by nothing
 
 
 class _Response(BaseModel):
@@ -80,6 +81,21 @@ def body_text(text: str) -> str:
     return " ".join(html.unescape(title.group(1) if title else _TAG.sub(" ", text)).split())
 
 
+def read_reply(http: httpx.Client, method: str, url: str, timeout: float, **kwargs: Any) -> httpx.Response:
+    """One request, its whole body read within `timeout`: httpx's timeout bounds each read only, so a
+    server trickling its body in (a byte now and then) would hold the call for ever."""
+    deadline = time.monotonic() + timeout
+    with http.stream(method, url, **kwargs) as r:
+        if r.is_stream_consumed:  # a reply made in memory (an httpx.MockTransport's): nothing left to wait for
+            return r
+        raw = bytearray()
+        for chunk in r.iter_raw():
+            raw += chunk
+            if time.monotonic() > deadline:
+                raise httpx.ReadTimeout(f"reply not received within {timeout:g} s", request=r.request)
+    return httpx.Response(r.status_code, headers=r.headers, content=bytes(raw), request=r.request)
+
+
 class RetrieverClient:
     """HTTP retriever. `url` is the server root (a trailing `/retrieve`, as Search-R1 configs
     write it, is accepted too). Queries go out in batches of `batch_size`; transport errors,
@@ -92,7 +108,7 @@ class RetrieverClient:
         if batch_size < 1 or retries < 0:
             raise ValueError("batch_size must be >= 1 and retries >= 0")
         self.url = url.rstrip("/").removesuffix("/retrieve")
-        self.batch_size, self.retries, self.backoff_s = batch_size, retries, backoff_s
+        self.batch_size, self.retries, self.backoff_s, self.timeout = batch_size, retries, backoff_s, timeout
         # One pooled client: thousands of single-query calls must not each open a connection.
         self._http = httpx.Client(timeout=timeout, transport=transport)
 
@@ -108,24 +124,24 @@ class RetrieverClient:
     def _request(self, method: str, path: str, **kwargs: Any) -> Any:
         """Send with retries; return the decoded JSON of a 2xx answer."""
         url = f"{self.url}{path}"
+        said = f"{method} {shown_url(url)}"  # (a URL's password is not printed)
         for attempt in range(self.retries + 1):
             last = attempt == self.retries
             asked = None  # the server's Retry-After
             try:
-                resp = self._http.request(method, url, **kwargs)
-            except httpx.TransportError as e:
+                resp = read_reply(self._http, method, url, self.timeout, **kwargs)
+            except (httpx.TransportError, httpx.DecodingError) as e:  # (DecodingError: a proxy's wrong encoding)
                 if last:
-                    raise RetrieverError(f"{method} {url}: {type(e).__name__}: {e} "
-                                         f"(after {self.retries + 1} attempts)") from e
+                    raise RetrieverError(shown_url(f"{said}: {type(e).__name__}: {e} "
+                                                   f"(after {self.retries + 1} attempts)")) from None
             else:
                 if resp.status_code < 300:
                     try:
                         return resp.json()
-                    except ValueError:
-                        raise RetrieverError(f"{method} {url}: response is not JSON: "
-                                             f"{resp.text[:200]!r}") from None
+                    except (ValueError, RecursionError):  # (RecursionError: nested past the parser's limit)
+                        raise RetrieverError(f"{said}: response is not JSON: {resp.text[:200]!r}") from None
                 if resp.status_code not in _RETRY_STATUS or last:
-                    raise RetrieverError(f"{method} {url}: HTTP {resp.status_code}: {body_text(resp.text)[:500]}")
+                    raise RetrieverError(f"{said}: HTTP {resp.status_code}: {body_text(resp.text)[:500]}")
                 asked = retry_after_seconds(resp.headers.get("retry-after"))
             time.sleep(min(max(self.backoff_s * 2**attempt, asked or 0.0), MAX_WAIT_S))
         raise AssertionError("unreachable")
@@ -142,11 +158,11 @@ class RetrieverClient:
             try:
                 result = _Response.model_validate(payload).result
             except ValidationError as e:
-                raise RetrieverError(f"malformed /retrieve response from {self.url}: "
+                raise RetrieverError(f"malformed /retrieve response from {shown_url(self.url)}: "
                                      f"{e.error_count()} problem(s), first: "
                                      f"{e.errors()[0]['loc']}: {e.errors()[0]['msg']}") from None
             if len(result) != len(batch):
-                raise RetrieverError(f"malformed /retrieve response from {self.url}: "
+                raise RetrieverError(f"malformed /retrieve response from {shown_url(self.url)}: "
                                      f"{len(result)} result lists for {len(batch)} queries")
             out.extend([Hit(Document.from_contents(str(h.document.id), h.document.contents),
                             h.score) for h in hits] for hits in result)

@@ -25,6 +25,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError
 
 from selfevo._http import read_body
+from selfevo._io import url_host
 from selfevo.search.tool import MAX_QUERY_CHARS, SERVER_TIMEOUT_S, Retriever
 
 if TYPE_CHECKING:
@@ -140,6 +141,6 @@ def serve(corpus: str | os.PathLike | None = None, host: str = "127.0.0.1", port
                              options=options, progress=True)
     console.print(f"[green]{kind} index ready[/green]: {len(searcher):,} documents in "
                   f"{time.perf_counter() - start:.1f} s; corpus sha256 {searcher.corpus_sha256[:12]}")
-    console.print(f"serving POST http://{host}:{port}/retrieve and GET /health")
+    console.print(f"serving POST http://{url_host(host)}:{port}/retrieve and GET /health")
     uvicorn.run(make_app(searcher, max_queries=max_queries), host=host, port=port,
                 log_level="info")

@@ -32,6 +32,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError
 
 from selfevo._http import read_body
+from selfevo._io import url_host
 from selfevo.agents.lm.model import ChatModel, GarbageBody, ModelFault
 
 MAX_BODY_BYTES = 4 << 20  # 4 MiB
@@ -163,7 +164,7 @@ def running(app: FastAPI, host: str = "127.0.0.1", port: int = 0) -> Iterator[st
         time.sleep(0.02)
     bound = server.servers[0].sockets[0].getsockname()[1]
     try:
-        yield f"http://{host}:{bound}/v1"
+        yield f"http://{url_host(host)}:{bound}/v1"
     finally:
         server.should_exit = True
         thread.join(timeout=30)
