@@ -313,3 +313,5 @@ def test_one_path_written_two_ways_is_no_disagreement_and_a_set_qa_dir_is_not_ov
                                        "--out", str(tmp_path / "run")])
         assert res.exit_code == 143, res.output
         assert seen[-1] == str(want)
+        # the inferred one is said (it was taken without a word)
+        assert ("the qa/ beside the corpus's directory" in res.output) == (not extra), res.output

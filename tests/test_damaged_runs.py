@@ -7,6 +7,7 @@ the copy."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import shutil
 from pathlib import Path
@@ -16,9 +17,11 @@ from _shared import loop_that_trains_nothing
 from typer.testing import CliRunner
 
 import selfevo.evolve
+from selfevo._io import file_sha256
 from selfevo.cli import app
 from selfevo.config import load_config
 from selfevo.evolve import evolve
+from selfevo.records import Document
 from selfevo.runs import RunDir, RunError
 
 SMALL = ["world.name=small", "loop.rounds=2", "loop.proposer_steps=2", "loop.solver_steps=2",
@@ -357,9 +360,22 @@ def test_a_corpus_rewritten_since_the_run_is_refused(tmp_path, monkeypatch):
     cfg = load_config(None, [], backend="lm", **{"data.corpus": str(corpus), "data.qa_dir": str(qa)})
     out = tmp_path / "run"
     evolve(cfg, out, progress=False, audit=False)
-    assert RunDir(out).manifest()["corpus_sha256"]
+    # the file's sha256, as a saved index records it (a BM25 index built in memory recorded its documents'
+    # serialisation's: `sha256sum` could not check it, and one file had two hashes; a helper's review) ...
+    assert RunDir(out).manifest()["corpus_sha256"] == file_sha256(corpus)
     assert RunDir(out).manifest()["index"] == {"kind": "bm25", "encoder": None}  # what its searches searched
     evolve(cfg, out, resume=True, progress=False, audit=False)  # the same corpus: resumes
+    # ... and a run that recorded the serialisation's still resumes on the same documents (written here in
+    # other bytes than their serialisation, which the file's own were)
+    written = corpus.read_text(encoding="utf-8")
+    serialised = hashlib.sha256("".join(json.dumps(Document.from_contents(d["id"], d["contents"]).to_json(),
+                                                   ensure_ascii=False) + "\n" for d in docs).encode()).hexdigest()
+    corpus.write_text("".join(json.dumps(d, separators=(",", ":")) + "\n" for d in docs), encoding="utf-8")
+    assert file_sha256(corpus) != serialised
+    edit_json(out / "manifest.json", corpus_sha256=serialised)
+    evolve(cfg, out, resume=True, progress=False, audit=False)
+    corpus.write_text(written, encoding="utf-8")
+    edit_json(out / "manifest.json", corpus_sha256=file_sha256(corpus))
     # an index rebuilt in place (another kind, another encoder) over the same corpus is refused too
     edit_json(out / "manifest.json", index={"kind": "hybrid", "encoder": "0" * 64})
     with pytest.raises(RunError, match="the index is not the one .* searched"):
@@ -381,3 +397,15 @@ def test_a_corpus_rewritten_since_the_run_is_refused(tmp_path, monkeypatch):
     rc, text = cli("audit", out, "--judge", "llm", "--judge-url", "http://127.0.0.1:9/v1", "--judge-model", "m")
     # past every check of the run and its documents, to the judge: whose endpoint, down, is probed first
     assert_one_line_error(rc, text, "http://127.0.0.1:9/v1: cannot connect")
+    # judges and comparisons a corpus run has no truth for, each refused with what does apply (they spoke of
+    # "a world run", and --judge llm --compare oracle was told to use --judge llm; a helper's review)
+    llm = ["--judge", "llm", "--judge-url", "http://127.0.0.1:9/v1", "--judge-model", "m"]
+    for args, said in ((["--judge", "oracle"], "a run on a real corpus has no exact truth; audit it with --judge llm"),
+                       ([*llm, "--compare", "oracle"], "--compare oracle: " + str(out) + " is a run on a real "
+                        "corpus, which has no exact truth to compare the judge with; leave --compare out"),
+                       (["--judge", "gold"], "--judge gold reads gold answers from --records; a run directory is "
+                        "audited with --judge oracle (a world run: its exact truth) or --judge llm"),
+                       ([*llm, "--compare", "gold"], "--compare: a run directory is compared with its world's exact "
+                        "truth only")):
+        rc, text = cli("audit", out, *args)
+        assert_one_line_error(rc, text, said)

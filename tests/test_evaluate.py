@@ -28,6 +28,7 @@ from selfevo.evaluate import (
     cover_em,
     evaluate_solver,
     exact_match,
+    hop_group,
     mentions,
     normalize_answer,
     read_predictions,
@@ -312,6 +313,16 @@ def test_score_predictions_macro_hops_missing_and_other_benchmarks():
 
     only_single = score_predictions({"nq": data["nq"]}, {"n1": "paris"})
     assert only_single["multi_hop"] == {"cover_em": None, "em": None, "f1": None}
+    # a benchmark of one's own whose items all say their hop count is in that group (it was in none, whatever
+    # they said; a helper's review); items that differ, or say nothing, leave it in macro only
+    hop = [QAItem("c1", "q", ("z",), {"benchmark": "custom", "hop": "multi"}),
+           QAItem("c2", "q", ("y",), {"benchmark": "custom", "hop": "multi"})]
+    own = score_predictions({"nq": data["nq"], "custom": hop}, {"n1": "paris", "c1": "z"})
+    assert own["multi_hop"]["cover_em"] == 0.5 and own["single_hop"]["cover_em"] == 0.5
+    mixed = [hop[0], QAItem("c2", "q", ("y",), {"benchmark": "custom", "hop": "single"})]
+    assert score_predictions({"custom": mixed}, {"c1": "z"})["multi_hop"]["cover_em"] is None
+    # a standard benchmark keeps its own group whatever its items say
+    assert hop_group("nq", hop) == "single" and hop_group("custom", data["custom"]) is None
 
 
 def test_unknown_prediction_id_is_an_error():

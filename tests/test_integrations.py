@@ -1827,6 +1827,7 @@ def test_a_proposer_that_never_answered_is_recorded_as_the_loop_records_it(repli
     staged = read_staged(tmp_path / "items.jsonl")
     assert [r["malformed"]["format_error"] for r in staged] == [loop_error] * 2
     assert all(r["malformed"]["question"] == "" and r["malformed"]["draft_label"] == "" for r in staged)
+    assert all(r["malformed"]["text"] for r in staged)  # what the model wrote, as the loop's records keep it
     if len(replies) == 1 and "<answer>" in replies[0]:  # a reply not cut at its first stop string: still a search
         assert compute_score("selfevo_proposer", replies[0], {"target": []}, {"source_id": "d0", "hops": 1},
                              selfevo_settings=str(path)) == -0.25

@@ -751,12 +751,17 @@ def test_cli_audit_of_an_unfinished_run_audits_only_its_finished_rounds(world_ru
     result = CliRunner().invoke(app, ["audit", str(run), "--no-figures"])
     assert result.exit_code == 0, result.output
     assert "rounds audited: 1 of 2 (run not complete)" in " ".join(result.output.split())
+    assert "report` and `compare` read" not in result.output  # (written where they read)
     metrics = json.loads((run / "audit" / "metrics.json").read_text())
     assert [r["round"] for r in metrics["rounds"]] == [1] and {s["round"] for s in metrics["steps"]} == {1}
     assert json.loads((run / "audit" / "judge.json").read_text())["rounds_audited"] == "1 of 2 (run not complete)"
     # a complete run says nothing of the kind
     done = CliRunner().invoke(app, ["audit", str(world_run["path"]), "--no-figures", "--out", str(tmp_path / "o")])
     assert done.exit_code == 0 and "rounds audited" not in done.output
+    # an audit written elsewhere says where report and compare read (a better judge's audit, never read by
+    # them while they warned of the run's own; a helper's review)
+    assert f"audit written to {tmp_path / 'o'}; `selfevo report` and `compare` read {world_run['path'] / 'audit'}" \
+        in "".join(done.output.split("\n"))
     assert "rounds_audited" not in json.loads((tmp_path / "o" / "judge.json").read_text())
 
 

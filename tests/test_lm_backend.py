@@ -232,6 +232,7 @@ def test_evolve_lm_crossfit_writes_the_sim_schema(lm_run, sim_run):
     for st in (s for s in steps if s["kind"] == "proposer"):
         assert len(st["items"]) + len(st.get("malformed", [])) == 8
         assert all(m["format_error"] and m["reward"] == -0.5 for m in st.get("malformed", []))
+        assert all(isinstance(m["text"], str) for m in st.get("malformed", []))  # what the model wrote
     # CrossFit: round 2's graders are the aux solvers of the other fold
     graded = next(s for s in steps if s["round"] == 2 and s["kind"] == "proposer")["items"]
     assert graded  # else the routing below is never checked

@@ -534,6 +534,9 @@ def test_eval_lm_set_reaches_the_agent_factory(tmp_path, tiny_corpus):
         assert r.exit_code == 2 and "lm.max_new_tokens" in r.output
     assert len(seen) == 1
     assert seen[0]["lm_options"]["max_new_tokens"] == 128 and seen[0]["lm_options"]["device"] == "cpu"
+    # and score.json says so (two evaluations with other --lm-set values wrote score files alike)
+    run = json.loads((tmp_path / "a" / "score.json").read_text())["run"]
+    assert run["agent_settings"]["lm_options"]["max_new_tokens"] == 128
 
 
 # ---------------------------------------------------------------- recipes

@@ -9,7 +9,7 @@ import json
 
 from selfevo.loop.admission import Decision
 from selfevo.loop.engine import cap_admissions
-from selfevo.records import SCHEMA_VERSION, item_record, malformed_record, step_record
+from selfevo.records import MALFORMED_TEXT_CHARS, SCHEMA_VERSION, item_record, malformed_record, step_record
 
 GRADER = {"id": "aux-1@r1", "trained_on": {"folds": [1], "rounds": [1]}}
 
@@ -40,6 +40,10 @@ def test_step_record_layout_rounds_float_stats_and_keeps_malformed_last():
     assert rec["schema"] == SCHEMA_VERSION and rec["stats"] == {"reward": 0.142857, "malformed": 1, "admitted": 1}
     assert json.dumps(rec["malformed"]) == ('[{"item_id": "r2-s44-1", "source_id": "d1", "hops": 1, "question": "", '
                                             '"draft_label": "x", "format_error": "empty question", "reward": -0.5}]')
+    # a language model's malformed proposal keeps what it wrote (nothing showed it; a helper's review), cut
+    written = malformed_record(item_id="x", source_id="d1", hops=1, question="", draft_label="",
+                               format_error="no final question", reward=-0.5, text="<search> a " * 500)
+    assert list(written)[-1] == "text" and written["text"] == ("<search> a " * 500)[:MALFORMED_TEXT_CHARS]
     empty = step_record(round=1, step=7, step_in_round=7, kind="solver", items=[], stats={}, malformed=[])
     assert json.dumps(empty) == (f'{{"schema": {SCHEMA_VERSION}, "round": 1, "step": 7, "step_in_round": 7, '
                                  '"kind": "solver", "items": [], "stats": {}}')

@@ -584,6 +584,8 @@ def evolve_cmd(
                 if str(e) != NEEDS_QA_DIR or qa_dir is not None or beside is None or not beside.is_dir():
                     raise
                 cfg = load_config(config, set_, **{**top, "data.qa_dir": str(beside)})
+                console.print(escape(f"evaluating on {beside} (the qa/ beside the corpus's directory; --qa-dir "
+                                     "names another)"))
         if model is not None and cfg.backend != "lm":  # the sim learners would ignore it
             _fail(f"--model {model}: a language model needs the lm backend (add --backend lm)")
         with _on_stop(how_to_go_on), _warnings_as_lines():
@@ -780,9 +782,11 @@ def audit_cmd(
         if not run.exists():
             _fail(f"{run_dir}: not a run directory (no run manifest.json)")
         if judge == "gold":
-            _fail("--judge gold reads gold answers from --records; a world run is audited with --judge oracle")
+            _fail("--judge gold reads gold answers from --records; a run directory is audited with --judge oracle "
+                  "(a world run: its exact truth) or --judge llm")
         if compare not in (None, "oracle"):
-            _fail("--compare: a world run is compared with its exact truth only (--compare oracle)")
+            _fail("--compare: a run directory is compared with its world's exact truth only (--compare oracle, on a "
+                  "world run; a run on a real corpus has none to compare with)")
         from selfevo.evolve import check_world, environment
 
         try:
@@ -795,8 +799,11 @@ def audit_cmd(
             check_world(run, cfg)
         except (ConfigError, ValueError) as e:  # a RunError is a ValueError
             _fail(str(e))
-        if env.truth is None and "oracle" in (judge, compare):
+        if env.truth is None and judge == "oracle":
             _fail(f"{run_dir}: a run on a real corpus has no exact truth; audit it with --judge llm")
+        if env.truth is None and compare == "oracle":
+            _fail(f"--compare oracle: {run_dir} is a run on a real corpus, which has no exact truth to compare the "
+                  "judge with; leave --compare out")
         oracle = OracleJudge(env.truth) if env.truth is not None else None
         try:
             steps = run.steps()
@@ -888,7 +895,11 @@ def audit_cmd(
     if partial:  # a round the run has not finished is not audited: its log may be partial
         console.print(f"[yellow]warning:[/yellow] rounds audited: {escape(partial)}; rerun the audit once the "
                       "run is complete")
-    console.print(escape(f"audit written to {out_dir}"))
+    elsewhere = run_dir is not None and Path(out_dir).resolve() != (Path(run_dir) / "audit").resolve()
+    # (a better judge's audit that `report` and `compare` never read, while they warned of the run's own)
+    console.print(escape(f"audit written to {out_dir}" + (
+        f"; `selfevo report` and `compare` read {Path(run_dir) / 'audit'} (the audit the run ended with): to have "
+        "them read this one, write it there (--out RUN/audit)" if elsewhere else "")))
 
 
 @app.command("serve-model")
@@ -1000,7 +1011,8 @@ def compare_cmd(run_dirs: list[Path] = typer.Argument(..., help="run directories
     if mixed:
         console.print("[yellow]warning:[/yellow] " + escape(
             f"F, T_P, A come from audits made differently ({'; '.join(sorted(audits))}): they do not compare "
-            "across them; audit the runs alike (`selfevo audit RUN` with one judge, every item)"))
+            "across them; audit the runs alike (`selfevo audit RUN` with one judge, every item; an LLM judge's "
+            "audit is read here when written with --out RUN/audit)"))
     unfinished = [f"{r['run']} ({r['unfinished']})" for r in rows if r["unfinished"]]
     if unfinished:  # `report` leaves these out; a comparison of what they did so far is still asked for
         console.print("[yellow]warning:[/yellow] " + escape(f"not complete, so counted over the rounds done: "

@@ -204,7 +204,7 @@ def score_predictions(data: Mapping[str, Sequence[QAItem]],
 
     Schema: `{"benchmarks": {NAME: {"cover_em","em","f1","n","missing"}},
     "macro"|"single_hop"|"multi_hop": {"cover_em","em","f1"}}`. Macro is the equal-weight mean over
-    the benchmarks present; the hop groups average those of the seven standard names present.
+    the benchmarks present; the hop groups average those present of each group (`hop_group`).
     """
     scores = score_items(data, predictions)
     per_bench: dict[str, dict] = {}
@@ -219,9 +219,19 @@ def score_predictions(data: Mapping[str, Sequence[QAItem]],
     return {
         "benchmarks": per_bench,
         "macro": _mean_over(per_bench, list(per_bench)),
-        "single_hop": _mean_over(per_bench, [b for b in SINGLE_HOP if b in per_bench]),
-        "multi_hop": _mean_over(per_bench, [b for b in MULTI_HOP if b in per_bench]),
+        "single_hop": _mean_over(per_bench, [b for b in per_bench if hop_group(b, data[b]) == "single"]),
+        "multi_hop": _mean_over(per_bench, [b for b in per_bench if hop_group(b, data[b]) == "multi"]),
     }
+
+
+def hop_group(name: str, items: Sequence[QAItem]) -> str | None:
+    """A benchmark's hop group, "single" or "multi": a standard benchmark's own, else the `metadata.hop`
+    every item of a benchmark of one's own carries alike (a QA set of one's own was in no group, whatever
+    its items said); None where they differ or say none."""
+    if name in BENCHMARKS:
+        return "single" if name in SINGLE_HOP else "multi"
+    hops = {it.metadata.get("hop") for it in items}
+    return next(iter(hops)) if len(hops) == 1 and hops <= {"single", "multi"} else None
 
 
 # ---------------------------------------------------------------- files
@@ -530,6 +540,9 @@ def _run_eval(data_dir, corpus, agent, out_dir: Path, limit, retriever_url, inde
     same["agent_files"] = files = agent_files(agent)  # an lm: agent's model rewritten (retrained) between the two
     if files is not None:  # an lm: agent is its files (`lm:model` and `lm:/abs/model` are one), not its spec
         same["agent"] = "lm"
+    # score.json's too: two evaluations of one lm: agent with other --lm-set values (or a policy file retrained
+    # under one name) wrote score files no one could tell apart
+    run_info |= {k: same[k] for k in ("agent_settings", "agent_files") if same[k]}
     if run_info["retriever"] in ("dense", "hybrid") and dense_options is not None:
         same["encoder"] = {k: v for k, v in asdict(dense_options).items()
                            if k not in ("batch_size", "device")}

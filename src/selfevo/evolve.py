@@ -23,7 +23,7 @@ from selfevo._io import file_sha256, write_json
 from selfevo.agents.sim import Reader, SimProposer, SimSolver
 from selfevo.audit import OracleJudge, audit_run
 from selfevo.config import ConfigError, RunConfig, WorldSpec, config_from_dict
-from selfevo.corpus import DataError, qa_sha256, read_corpus, read_qa_dir
+from selfevo.corpus import DataError, qa_sha256, read_qa_dir
 from selfevo.evaluate import PartialFileError, evaluate_solver
 from selfevo.loop.admission import MSV, AdmitAll
 from selfevo.loop.engine import BadStepState, Loop
@@ -33,7 +33,7 @@ from selfevo.loop.schedule import derive_seed
 from selfevo.loop.treatments import feedback_options, parse_treatment
 from selfevo.runs import RunDir, RunError
 from selfevo.search.bm25 import BM25Index
-from selfevo.search.docstore import contents_by_id
+from selfevo.search.docstore import contents_by_id, hashed
 from selfevo.search.index import index_identity
 from selfevo.search.tool import Retriever, SearchTool
 from selfevo.world import World, resolve_world, world_fingerprint
@@ -137,7 +137,7 @@ def _file_key(path: str) -> tuple:
     p = Path(path).resolve()
     try:
         st = p.stat()
-    except OSError:  # missing: read_corpus names it
+    except OSError:  # missing: _corpus_index names it
         return (str(p),)
     return (str(p), st.st_size, st.st_mtime_ns, st.st_ino)
 
@@ -160,13 +160,12 @@ def _corpus_index(corpus: str, index_dir: str):
     """What a corpus run searches: the saved index `index_dir` (any kind; refused unless it was built
     from this very corpus file), whose documents are read from disk on demand, else a BM25 index of
     the corpus built in memory."""
-    if not index_dir:
-        return BM25Index.build(read_corpus(corpus))
-    from selfevo._io import file_sha256
-    from selfevo.search.index import open_index
-
     if not Path(corpus).is_file():
         raise DataError(corpus, None, "file not found")
+    if not index_dir:  # (named by the file's sha256, as a saved index is: was its documents' serialisation's)
+        return BM25Index.from_corpus_file(corpus)
+    from selfevo.search.index import open_index
+
     try:
         return open_index(index_dir, expected_corpus_sha256=file_sha256(corpus))
     except ValueError as e:  # not an index, another corpus's, another format
@@ -274,10 +273,21 @@ def check_made_on(saved: Mapping, cfg: RunConfig, index, since: str, remedy: str
         now = _corpus_made_on(cfg, index)
     except (DataError, OSError) as e:
         raise RunError(str(e)) from None
-    if corpus != now["corpus_sha256"]:
+    if corpus != now["corpus_sha256"] and corpus != _serialised_sha256(index):
         raise RunError(f"{cfg.data.corpus}: the corpus has changed since {since} (its documents no longer match "
                        f"the sha256 recorded); {remedy.format(what='corpus')}")
     return now
+
+
+def _serialised_sha256(index) -> str | None:
+    """What a run whose BM25 index was built in memory recorded as its corpus's sha256 before it recorded
+    the file's: the hash of the documents' JSONL serialisation (so such a run still resumes)."""
+    if not isinstance(index, BM25Index) or not isinstance(index.docs, list):
+        return None
+    h = hashlib.sha256()
+    for _ in hashed(index.docs, h):
+        pass
+    return h.hexdigest()
 
 
 def check_world(run: RunDir, cfg: RunConfig, index=False, evaluation: bool = False) -> None:

@@ -34,11 +34,16 @@ def item_record(*, item_id: str, source_id: str, source_ids: Sequence[str], fold
             "reward": round6(reward), "grader": grader, **extra}
 
 
+MALFORMED_TEXT_CHARS = 2000  # of a malformed proposal's last action, kept to show what the model wrote
+
+
 def malformed_record(*, item_id: str, source_id: str, hops: int, question: str, draft_label: str,
-                     format_error: str, reward: float) -> dict[str, Any]:
-    """A proposal that broke the format rules: neither graded nor admitted, so nothing to audit."""
+                     format_error: str, reward: float, text: str | None = None) -> dict[str, Any]:
+    """A proposal that broke the format rules: neither graded nor admitted, so nothing to audit. `text`: a
+    language model's last action as it wrote it (the rule it broke says what is missing, not what is there)."""
     return {"item_id": item_id, "source_id": source_id, "hops": hops, "question": question,
-            "draft_label": draft_label, "format_error": format_error, "reward": reward}
+            "draft_label": draft_label, "format_error": format_error, "reward": reward,
+            **({"text": text[:MALFORMED_TEXT_CHARS]} if text is not None else {})}
 
 
 def step_record(*, round: int, step: int, step_in_round: int, kind: str, items: list[dict],

@@ -107,6 +107,7 @@ class ProposalSample:
     hops: int
     read: tuple[str, ...] = ()  # pages its searches returned while composing (lineage)
     item_id: str = ""  # given by the caller, else derived
+    written: str | None = None  # its last action as written, where `text` is not it (a rollout's '' final)
 
 
 class FrontierReward:
@@ -160,7 +161,7 @@ class FrontierReward:
                 rewards[i] = -self.format_penalty
                 rows.append({"round": self.round, "step_in_round": step, "malformed": malformed_record(
                     item_id=item_id, source_id=s.source_id, hops=s.hops, question=question, draft_label=label,
-                    format_error=error, reward=rewards[i])})
+                    format_error=error, reward=rewards[i], text=s.text if s.written is None else s.written)})
                 continue
             source_ids = tuple(dict.fromkeys([s.source_id, *s.read]))
             fold = item_fold(self.treatment, self.folds, s.source_id, question)
@@ -240,8 +241,9 @@ class TRLFrontierReward:
         self.calls += 1
         # the rollout's `final` is its last action already; else the last turn, read as the loop's proposer
         # reads it (joining the assistant turns first would lose where the last one starts)
-        texts = final if final is not None else [final_turn(c) for c in completions]
-        batch = [ProposalSample(t, sid, int(h), tuple(read[i]) if read is not None else ())
+        last = [final_turn(c) for c in completions]
+        texts = final if final is not None else last
+        batch = [ProposalSample(t, sid, int(h), tuple(read[i]) if read is not None else (), written=last[i])
                  for i, (t, sid, h) in enumerate(zip(texts, source_id, hops, strict=True))]
         return self.reward.score(batch, step=self.calls)
 

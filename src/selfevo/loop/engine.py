@@ -191,7 +191,9 @@ class Loop:
                 p = c.proposal
                 malformed.append(malformed_record(item_id=c.item_id, source_id=p.source_id, hops=p.hops,
                                                   question=p.question, draft_label=p.draft_label,
-                                                  format_error=p.format_error, reward=r))
+                                                  format_error=p.format_error, reward=r,
+                                                  # a language model's rollout (the sim's proposals keep none)
+                                                  text=getattr(p.trace, "last_action", None)))
                 rewards.append(r)
                 continue
             k = sum(answers_match(z, c.proposal.draft_label) for z in responses[i])

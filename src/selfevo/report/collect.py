@@ -149,7 +149,8 @@ def _audits(runs: dict[str, dict[int, RunDir]],
                                  f"{done[run.path]}; audit it again (`selfevo audit {run.path}`) before reporting it")
             setting = _same(setting, {"judge": metrics.get("judge"), **run.audit_setting()}, run.path,
                             "were audited differently", "audit them alike (`selfevo audit RUN` with one judge, "
-                            "every item) before reporting them together")
+                            "every item; an LLM judge's audit is read here when written with --out RUN/audit) "
+                            "before reporting them together")
     return out, setting and setting[0]
 
 

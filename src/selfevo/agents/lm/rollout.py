@@ -49,6 +49,11 @@ class Rollout:
     def answered(self) -> bool:
         return bool(self.final)
 
+    @property
+    def last_action(self) -> str:
+        """Its last assistant action as written (a search, where it never answered: `final` is then '')."""
+        return next((m["content"] for m in reversed(self.messages) if m["role"] == "assistant"), "")
+
 
 def run_rollouts(starts: Sequence[list[dict]], tool: SearchTool, generate: Generate, *,
                  max_actions: int = 5, seed: int | None = None,
