@@ -291,6 +291,20 @@ def _item(i: str, bench: str, *golds: str) -> QAItem:
     return QAItem(i, f"question {i}?", tuple(golds), {"benchmark": bench})
 
 
+def test_metric_details_a_mutation_sweep_found_untested():
+    """Each of these could change without a test failing: a single gold string read as its characters,
+    F1 stopping at an alias with no overlap, FlashRAG's no partial credit for "noanswer", only ASCII
+    punctuation dropped, and an empty prediction (given, not missing) counted as missing."""
+    assert cover_em("Lyon", "paris") == 0.0 and exact_match("Paris!", "paris") == 1.0
+    assert token_f1("Paris", "paris") == 1.0
+    assert token_f1("Barack Obama", ["George Bush", "Obama"]) == pytest.approx(2 / 3)
+    assert token_f1("paris", ["lyon", "paris"]) == 1.0
+    assert token_f1("noanswer here", ["noanswer"]) == 0.0
+    assert normalize_answer("Rock\u2019n\u2019Roll!") == "rock\u2019n\u2019roll"
+    data = {"nq": [QAItem("a", "q?", ("x",)), QAItem("b", "q2?", ("y",))]}
+    assert score_predictions(data, {"a": "", "b": "y"})["benchmarks"]["nq"]["missing"] == 0
+
+
 def test_score_predictions_macro_hops_missing_and_other_benchmarks():
     data = {
         "nq": [_item("n1", "nq", "paris"), _item("n2", "nq", "rome")],

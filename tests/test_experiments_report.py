@@ -136,6 +136,15 @@ def test_report_from_a_grid(local_grid):
             for s in (0, 1)]
     mine = res["audit"]["crossfit"]["rounds"][-1]
     assert mine["admitted"]["mean"] == pytest.approx(sum(r["admitted"] for r in last) / 2)
+    # per step too, the mean over seeds (a mutation that took the first seed's went unseen); coupled has no
+    # gain against itself, nor a reading of one
+    steps = [json.loads((root / f"coupled-s{s}" / "audit" / "metrics.json").read_text())["steps"] for s in (0, 1)]
+    assert any(a["F"] != b["F"] for a, b in zip(*steps))
+    for i, step in enumerate(res["audit"]["coupled"]["steps"]):
+        seen = [st[i]["F"] for st in steps if st[i]["F"] is not None]
+        assert step["F"] == (pytest.approx(sum(seen) / len(seen)) if seen else None)
+    assert "gain_vs_coupled" not in res["downstream"]["coupled"]
+    assert not any(line.startswith("coupled: downstream") for line in res["readings"])
     assert mine["hop_mix_admitted"]["1"] == pytest.approx(
         sum(r["hop_mix_admitted"].get("1", 0) for r in last) / 2, abs=1e-4)
     html = (root / "report.html").read_text()
@@ -320,6 +329,13 @@ def test_readings_state_the_regression_only_where_paired_intervals_show_it():
     lines = readings(_res(COUPLED, higher, [0.03, -0.02, 0.00]))
     assert not any("looks worse" in line for line in lines)
     assert "(an interval including 0; 3 seeds)" in lines[-1]
+    # (each held by no test before a mutation sweep) a gain wholly below 0 excludes 0 too; lower agreement
+    # with lower label truth is no "looks worse, truth better"; one paired seed says nothing and does not crash
+    assert "(an interval excluding 0; 3 seeds)" in readings(_res(COUPLED, higher, [-0.010, -0.012, -0.011]))[-1]
+    worse = dict(clear, T_P=[0.60, 0.61, 0.62])
+    assert not any("looks worse" in line for line in readings(_res(COUPLED, worse, [0.01, 0.012, 0.011])))
+    one = readings(_res({m: v[:1] for m, v in COUPLED.items()}, {m: v[:1] for m, v in clear.items()}, [0.01]))
+    assert not any("looks worse" in line for line in one)
 
 
 def test_the_coupled_reading_claims_co_cheating_only_where_paired_seeds_show_f_rising_with_a():

@@ -747,6 +747,17 @@ def test_a_too_small_training_set_is_refused_before_any_job_trains(bank, monkeyp
     assert ran == []
 
 
+def test_the_update_count_at_its_edges(bank):
+    """(Held by no test before a mutation sweep.) A fold one item short of the updates is refused, and the
+    half budget of an odd number of updates is its floor, in the jobs and in the invariants' check."""
+    trains, _ = replay._provenance(CONDITIONS["source-id"], 0)
+    smallest = min(sum(trains(h, it) for it in bank.items) for h in (0, 1))
+    with pytest.raises(ReplayError, match=f"fewer than the {smallest + 1} updates"):
+        run_replay(bank, ["source-id"], seeds=[0], settings=ReplaySettings(updates=smallest + 1))
+    study = run_replay(bank, ["source-id-half"], seeds=[0], settings=ReplaySettings(updates=5))
+    assert set(study["invariants"]["updates"]["source-id-half"].values()) == {2}
+
+
 def test_msv_sets_from_a_journal_are_checked_before_any_job_trains(bank, tmp_path, monkeypatch):
     """A seed's MSV labels read back from a journal skipped `_msv_job`, the one place that checked the +msv
     training sets: the other conditions trained first, then connected+msv was refused (a helper's review)."""
