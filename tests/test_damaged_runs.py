@@ -374,6 +374,8 @@ def test_a_corpus_rewritten_since_the_run_is_refused(tmp_path, monkeypatch):
     assert file_sha256(corpus) != serialised
     edit_json(out / "manifest.json", corpus_sha256=serialised)
     evolve(cfg, out, resume=True, progress=False, audit=False)
+    # ... and records the file's from then on (else `report` saw other data beside a run made since)
+    assert RunDir(out).manifest()["corpus_sha256"] == file_sha256(corpus)
     corpus.write_text(written, encoding="utf-8")
     edit_json(out / "manifest.json", corpus_sha256=file_sha256(corpus))
     # an index rebuilt in place (another kind, another encoder) over the same corpus is refused too

@@ -460,17 +460,24 @@ def test_a_benchmark_named_like_a_standard_one_but_for_case_is_refused(tmp_path)
         {"id": "b", "question": "q", "golden_answers": ["x"], "data_source": "nq "}) + "\n")
     with pytest.raises(DataError, match="mixed.jsonl:2: field 'data_source' has spaces around it: 'nq '"):
         read_qa_dir(qa)
+    (qa / "mixed.jsonl").rename(qa / "nq .jsonl")  # a name from the file's: no field to point at
+    (qa / "nq .jsonl").write_text(json.dumps({"id": "b", "question": "q", "golden_answers": ["x"]}) + "\n")
+    with pytest.raises(DataError, match=r"nq .jsonl:1: the file's name, the benchmark of its rows, has spaces"):
+        read_qa_dir(qa)
 
 
-def test_an_item_no_answer_could_score_is_refused_or_skipped(tmp_path):
-    """Golds of articles and punctuation alone ("The", "?!") normalise to nothing: the item counted in every
-    average and no prediction could be right. The reader refuses it; a download skips it, as a blank one."""
+def test_an_item_no_answer_could_score_is_left_out_and_said(tmp_path):
+    """Golds of articles and punctuation alone ("The", "?!", an option letter "A") normalise to nothing:
+    the item counted in every average and no prediction could be right. The reader leaves it out and says
+    so (refusing it would refuse the whole directory for one line); a download skips it, as a blank one."""
     qa = tmp_path / "qa"
     qa.mkdir()
     (qa / "nq.jsonl").write_text('{"id": "1", "question": "q?", "golden_answers": ["x"]}\n'
-                                 '{"id": "2", "question": "q?", "golden_answers": ["The", "?!"]}\n')
-    with pytest.raises(DataError, match="nq.jsonl:2: field 'golden_answers': no alias is left after normalisation"):
-        read_qa_dir(qa)
+                                 '{"id": "2", "question": "q?", "golden_answers": ["The", "?!"]}\n'
+                                 '{"id": "3", "question": "Which option?", "golden_answers": ["A"]}\n')
+    with pytest.warns(UserWarning, match=r"nq.jsonl: 2 item\(s\) left out whose every gold answer normalises to "
+                                         r"nothing, so that no answer could score \(line 2: 'The'"):
+        assert [it.id for it in read_qa_dir(qa)["nq"]] == ["1"]
     src = _qa_fixture(tmp_path, ['{"id": "a", "question": "q?", "golden_answers": ["."]}',
                                  '{"id": "b", "question": "q?", "golden_answers": ["The", "Paris"]}'])
     info = convert_benchmark(src, "nq", tmp_path / "nq.jsonl")
@@ -613,7 +620,7 @@ def test_qa_and_corpus_lines_of_odd_shapes_are_named_by_file_and_line(tmp_path):
 
 
 @pytest.mark.parametrize("name", ["nq.json", "popqa.JSONL", "hotpotqa.json.gz", "musique.jsonl.bz2",
-                                  "bamboogle.jsonl.zip"])
+                                  "bamboogle.jsonl.zip", "hotpotqa.zip", "musique.bz2", "nq.gz"])
 def test_a_benchmark_file_of_another_name_is_named_not_skipped(tmp_path, name):
     """`nq.json` (Dataset.to_json writes JSON Lines so), `popqa.JSONL` or a compression other than
     gzip (`.json.gz`, `.jsonl.bz2`) dropped out of every average silently."""

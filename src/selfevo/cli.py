@@ -796,7 +796,7 @@ def audit_cmd(
             manifest = run.manifest()
             cfg = config_from_dict(run.config())
             env = environment(cfg, benchmarks=False)  # the documents and truth; no QA set is read
-            check_world(run, cfg)
+            check_world(run, cfg, held=True)
         except (ConfigError, ValueError) as e:  # a RunError is a ValueError
             _fail(str(e))
         if env.truth is None and judge == "oracle":

@@ -13,6 +13,7 @@ import hashlib
 import json
 import os
 import re
+import warnings
 import zlib
 from collections.abc import Iterable, Iterator
 from pathlib import Path
@@ -221,11 +222,6 @@ def _qa_item(obj: dict, path, lineno, default_benchmark: str | None) -> QAItem:
         raise DataError(path, lineno, "field 'golden_answers' must hold only strings")
     if not any(g.strip() for g in golds):
         raise DataError(path, lineno, "field 'golden_answers' is empty")
-    from selfevo.evaluate import scorable  # it imports this module
-
-    if not scorable(golds):  # counted in every average, right for no answer
-        raise DataError(path, lineno, f"field 'golden_answers': no alias is left after normalisation "
-                                      f"(articles and punctuation only: {golds[0]!r})")
     metadata = obj.get("metadata") or {}
     if not isinstance(metadata, dict):
         raise DataError(path, lineno, "field 'metadata' must be an object")
@@ -237,11 +233,13 @@ def _qa_item(obj: dict, path, lineno, default_benchmark: str | None) -> QAItem:
         if bench:
             metadata["benchmark"] = bench
     if "benchmark" in metadata:
-        field = "metadata.benchmark" if (obj.get("metadata") or {}).get("benchmark") is not None else "data_source"
+        field = ("metadata.benchmark" if (obj.get("metadata") or {}).get("benchmark") is not None
+                 else "data_source" if obj.get("data_source") else None)  # None: the file's name
         if not isinstance(metadata["benchmark"], str):
             raise DataError(path, lineno, f"field '{field}' must be a string")
         if metadata["benchmark"] != metadata["benchmark"].strip():  # "nq " would be a benchmark beside "nq"
-            raise DataError(path, lineno, f"field '{field}' has spaces around it: {metadata['benchmark']!r}")
+            where = f"field '{field}'" if field else "the file's name, the benchmark of its rows,"
+            raise DataError(path, lineno, f"{where} has spaces around it: {metadata['benchmark']!r}")
     return QAItem(item_id, question, tuple(g for g in golds if g.strip()), metadata)
 
 
@@ -294,12 +292,22 @@ def _iter_qa_lines(path: str | os.PathLike) -> Iterator[tuple[int, QAItem]]:
         if any(bench_of.setdefault(it.id, it.benchmark) != it.benchmark for _, it in items):
             items = [(lineno, it if it.id.startswith(f"{it.benchmark}-") else
                       dataclasses.replace(it, id=f"{it.benchmark}-{it.id}")) for lineno, it in items]
+    from selfevo.evaluate import scorable  # it imports this module
+
     seen: dict[str, int] = {}
+    unscorable: list[tuple[int, str]] = []
     for lineno, item in items:
         if item.id in seen:
             raise DataError(path, lineno, f"duplicate id '{item.id}' (first on line {seen[item.id]})")
         seen[item.id] = lineno
+        if not scorable(item.golden_answers):  # counted in every average, right for no answer: left out, said
+            unscorable.append((lineno, item.golden_answers[0]))
+            continue
         yield lineno, item
+    if unscorable:
+        (line, gold), n = unscorable[0], len(unscorable)
+        warnings.warn(f"{path}: {n} item(s) left out whose every gold answer normalises to nothing, so that no "
+                      f"answer could score (line {line}: {gold!r}: articles and punctuation only)", stacklevel=2)
 
 
 def read_qa(path: str | os.PathLike) -> list[QAItem]:
@@ -321,14 +329,14 @@ def qa_sha256(data_dir: str | os.PathLike) -> str:
 
 def unread_benchmark(path: Path) -> bool:
     """Is a file of a QA directory that `qa_files` does not read named or made like a benchmark: a QA
-    suffix in another case (popqa.JSONL), or JSON Lines of questions named *.json (as Dataset.to_json
-    names them)? Other files (a score.json, a README) are not."""
+    suffix in another case (popqa.JSONL), a compressed file (gzip is read as *.jsonl.gz only), or JSON
+    Lines of questions named *.json (as Dataset.to_json names them)? Other files (a score.json, a README)
+    are not."""
     name = path.name.lower()
     if name.endswith(QA_SUFFIXES):
         return True
-    packed = name.rsplit(".", 1)[0] if name.endswith(COMPRESSED) else None
-    if packed is not None:  # hotpotqa.json.gz (Dataset.to_json's), musique.jsonl.bz2: not opened here
-        return packed.endswith((*QA_SUFFIXES, ".json"))
+    if name.endswith(COMPRESSED):  # hotpotqa.json.gz (Dataset.to_json's), musique.jsonl.bz2, nq.zip: not opened
+        return True
     if not name.endswith(".json") or not path.is_file():
         return False
     with open(path, "rb") as fh:  # (a line read up to 1 MiB: a one-line JSON document of gigabytes is none)

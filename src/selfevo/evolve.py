@@ -161,7 +161,7 @@ def _corpus_index(corpus: str, index_dir: str):
     from this very corpus file), whose documents are read from disk on demand, else a BM25 index of
     the corpus built in memory."""
     if not Path(corpus).is_file():
-        raise DataError(corpus, None, "file not found")
+        raise DataError(corpus, None, "not a file" if Path(corpus).exists() else "file not found")
     if not index_dir:  # (named by the file's sha256, as a saved index is: was its documents' serialisation's)
         return BM25Index.from_corpus_file(corpus)
     from selfevo.search.index import open_index
@@ -290,7 +290,7 @@ def _serialised_sha256(index) -> str | None:
     return h.hexdigest()
 
 
-def check_world(run: RunDir, cfg: RunConfig, index=False, evaluation: bool = False) -> None:
+def check_world(run: RunDir, cfg: RunConfig, index=False, evaluation: bool = False, held: bool = False) -> None:
     """A run's records are judged against the truth of the world they were made on: a world
     directory rewritten since (say by another `selfevo world make`) is refused, and so is a corpus
     file whose documents have changed since (its sources, the judge's evidence), or its index rebuilt
@@ -309,6 +309,11 @@ def check_world(run: RunDir, cfg: RunConfig, index=False, evaluation: bool = Fal
                            "those before; resume with the QA set it was made with")
     made = check_made_on(manifest, cfg, index, f"{run.path} was made on it",
                          "the run can only be audited or resumed on the {what} it was made on")
+    if held and made is not None and manifest.get("corpus_sha256") != made["corpus_sha256"]:
+        # the serialisation's hash, taken as the same documents: the file's from now on, as runs made since
+        # record it (else `report` and `replay build` saw other data beside them). `held`: the caller holds
+        # the run's lock (a resume, an audit), so the manifest is its to write
+        run.note(corpus_sha256=made["corpus_sha256"])
     searched = manifest.get("index")  # runs record it since 2026-12-03
     if made is not None and searched is not None and made["index"] is not None and searched != made["index"]:
         raise RunError(f"{cfg.data.index or cfg.data.corpus}: the index is not the one {run.path} searched "
@@ -344,7 +349,7 @@ def evolve(cfg: RunConfig, out: str | os.PathLike, resume: bool = False, progres
         kept_folds = None
         if resuming:
             done = run.open_for_resume(cfg.to_json(), defaults=RunConfig().to_json())
-            check_world(run, cfg, evaluation=True)
+            check_world(run, cfg, evaluation=True, held=True)
             kept_folds = saved_folds(run, cfg)
         else:
             check_world_params(cfg, env.world)

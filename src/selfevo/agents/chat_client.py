@@ -361,7 +361,7 @@ class ChatClient:
                     r = probe()
         except _Retryable as e:
             warnings.warn(f"{shown_url(self.base_url)}/models answered {e} to {self.max_retries + 1} tries: read "
-                          "as listing no models (a judge's stored replies are then not used)", stacklevel=2)
+                          "as listing no models (an LLM judge then uses none of its stored replies)", stacklevel=2)
             return []
         except (httpx.TransportError, httpx.DecodingError) as e:
             raise EndpointError(self._scrub(f"{self.base_url}: cannot connect ({type(e).__name__}: {e})")) from None

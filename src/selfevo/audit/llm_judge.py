@@ -201,9 +201,10 @@ def parse_json_object(text: str) -> dict:
 
 
 def parse_reply(text: str, schema: type[BaseModel]) -> BaseModel:
-    """The reply as `schema`: the last JSON object, as `parse_json_object` reads it, unless objects of the
-    schema in it say different things ("{...incorrect...} or maybe {...correct...}"): that reply is
-    ambiguous, a ValueError (asked again with a correction), not whichever came last."""
+    """The reply as `schema`: the last of its JSON objects (`json_objects`) that is of the schema, unless
+    objects of the schema in it say different things ("{...incorrect...} or maybe {...correct...}"): that
+    reply is ambiguous, a ValueError (asked again with a correction), not whichever came last. With no
+    object of the schema, the last object's own validation error is raised."""
     objects = json_objects(text)
     answers = []
     for obj in objects:

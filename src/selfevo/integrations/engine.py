@@ -379,7 +379,7 @@ class EngineRun:
                 raise RunError(f"{self.run.path}: a run already exists here; pass --resume to continue it")
             self._check_resume(engine_json)
             # the world or corpus (and index) it was made on, as evolve holds a resume to them
-            check_world(self.run, self.cfg, self.env.index, evaluation=True)
+            check_world(self.run, self.cfg, self.env.index, evaluation=True, held=True)
             if self.run.manifest().get("status") != "complete":  # once refusals are past; a finished run,
                 self.run.check_software()  # audited again, runs no phase
         else:
