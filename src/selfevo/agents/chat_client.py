@@ -137,6 +137,11 @@ def _content_text(content: object) -> str:
     raise TypeError(f"message content is a {type(content).__name__}, not text")
 
 
+def _busy(r: httpx.Response) -> bool:
+    """A reply worth asking again: the server is starting, overloaded or failing for the moment."""
+    return r.status_code in RETRIED_STATUS or r.status_code >= 500
+
+
 class ChatClient:
     """POST {url}/chat/completions with retries (see the module docstring). `key_env` and
     `hint_404` only word the error messages."""
@@ -210,7 +215,7 @@ class ChatClient:
         return min(max(self._expo(state), after), MAX_WAIT_S)
 
     def _check_status(self, r: httpx.Response) -> None:
-        if r.status_code in RETRIED_STATUS or r.status_code >= 500:  # the reason is what a warning quotes
+        if _busy(r):  # the reason is what a warning quotes
             said = self._said(r, or_body=True)
             raise _Retryable(f"HTTP {r.status_code}{f': {said}' if said else ''}",
                              retry_after_seconds(r.headers.get("retry-after")))
@@ -350,7 +355,7 @@ class ChatClient:
         as "lists none", it turned a judge's whole cache off for the run, without a word."""
         def probe() -> httpx.Response:
             r = self._request("GET", f"{self.base_url}/models")
-            if r.status_code in RETRIED_STATUS or r.status_code >= 500:
+            if _busy(r):
                 raise _Retryable(f"HTTP {r.status_code}", retry_after_seconds(r.headers.get("retry-after")))
             return r
 
