@@ -249,8 +249,8 @@ def test_engine_settings_that_would_fail_late_or_replace_the_engines_own_are_ref
     from selfevo.config import ConfigError
     from selfevo.integrations.engine import engine_config_from_dict
 
-    cfg = {"backend": "lm", "treatment": "coupled", "world": {"name": "small"}, "lm": {"proposer_scaffold": False},
-           "engine": engine}
+    cfg = {"backend": "lm", "treatment": "coupled", "world": {"name": "small"},
+           "lm": {"proposer_scaffold": False, "adapter": "full"}, "engine": engine}
     with pytest.raises(ConfigError, match=re.escape(named)):
         engine_config_from_dict(cfg)
     free = {"engine": "verl", "retriever_url": "http://127.0.0.1:8000/retrieve",
