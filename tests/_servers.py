@@ -38,3 +38,23 @@ def serve_app(app):
         thread.join(timeout=10)
         sock.close()
         assert not thread.is_alive()
+
+
+def trickling_app(reply: bytes, routes: dict[str, str], chunk: int, every_s: float):
+    """An app answering each of `routes` ({path: method}) with `reply`, `chunk` bytes every `every_s`
+    seconds (a stuck proxy's keep-alive): what a client's timeout must bound as a whole."""
+    from fastapi import FastAPI
+    from fastapi.responses import StreamingResponse
+
+    app = FastAPI()
+
+    def trickle():
+        def body():
+            for i in range(0, len(reply), chunk):
+                time.sleep(every_s)
+                yield reply[i:i + chunk]
+        return StreamingResponse(body(), media_type="application/json")  # chunked
+
+    for path, method in routes.items():
+        app.add_api_route(path, trickle, methods=[method])
+    return app

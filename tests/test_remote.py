@@ -13,7 +13,7 @@ import time
 
 import httpx
 import pytest
-from _servers import serve_app
+from _servers import serve_app, trickling_app
 from _shared import CORPUS, QA_DIR
 from typer.testing import CliRunner
 
@@ -528,24 +528,8 @@ def test_the_timeout_bounds_a_reply_trickled_in():
     """httpx's timeout bounds each read: a server sending its reply a few bytes at a time (a stuck
     proxy's keep-alive) held a call with timeout=1 for as long as it kept trickling. The timeout now
     bounds the whole call (a timeout, retried, then CallFailed)."""
-    from fastapi import FastAPI
-    from fastapi.responses import StreamingResponse
-
-    trickler = FastAPI()
     reply = json.dumps({"choices": [{"message": {"content": "<answer> x </answer>"}}]}).encode()
-
-    @trickler.post("/v1/chat/completions")
-    def chat():
-        def body():
-            for i in range(0, len(reply), 4):
-                time.sleep(0.25)
-                yield reply[i:i + 4]
-        return StreamingResponse(body(), media_type="application/json")  # chunked, ~4 s in all
-
-    @trickler.get("/v1/models")
-    def models():
-        return chat()
-
+    trickler = trickling_app(reply, {"/v1/chat/completions": "POST", "/v1/models": "GET"}, 4, 0.25)  # ~4 s in all
     with serve_app(trickler) as base:
         client = ChatClient(f"{base}/v1", "m", timeout=1.0, max_retries=0)
         start = time.monotonic()

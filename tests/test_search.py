@@ -10,7 +10,7 @@ import time
 import bm25s
 import httpx
 import pytest
-from _servers import free_port, serve_app
+from _servers import free_port, serve_app, trickling_app
 from _shared import CORPUS, loop_that_trains_nothing
 
 from selfevo._io import file_sha256
@@ -574,20 +574,7 @@ def test_eval_writes_no_retriever_password(server_url, tmp_path):
 def test_client_timeout_bounds_a_reply_trickled_in():
     """httpx's timeout bounds each read: a server sending a byte every half second held a call with a 2 s
     timeout for 40 s (the chat client's fix, now shared)."""
-    from fastapi import FastAPI
-    from fastapi.responses import StreamingResponse
-
-    trickler = FastAPI()
-    reply = json.dumps(GOOD).encode()
-
-    @trickler.post("/retrieve")
-    def retrieve():
-        def body():
-            for i in range(len(reply)):
-                time.sleep(0.1)
-                yield reply[i:i + 1]
-        return StreamingResponse(body(), media_type="application/json")  # chunked, ~8 s in all
-
+    trickler = trickling_app(json.dumps(GOOD).encode(), {"/retrieve": "POST"}, 1, 0.1)  # ~8 s in all
     with serve_app(trickler) as url, RetrieverClient(url, timeout=1.0, retries=0) as client:
         start = time.monotonic()
         with pytest.raises(RetrieverError, match="ReadTimeout"):

@@ -741,6 +741,9 @@ def _item_code(j: JudgedItem, hit: bool) -> str:
             f"{''.join(str(int(x)) for x in j.responses_correct)}")
 
 
+_ITEM_CODE = re.compile(r"-|[01] [01] [01]+ [01]+")  # `_item_code`'s form, as a journal row is checked
+
+
 def _item_decode(code: str) -> tuple[JudgedItem, bool]:
     if code == "-":
         return JudgedItem((), False), False
@@ -985,8 +988,6 @@ def _journal_result_problem(job: str, result: dict, item_ids: Sequence[str] = ()
         return None
     return f"no field {wrong}" if wrong not in result else f"field {wrong} is not what a job writes"
 
-
-_ITEM_CODE = re.compile(r"-|[01] [01] [01]+ [01]+")  # `_item_code`'s form
 
 
 def run_replay(bank: Bank, conditions: Iterable[str] | str | None = None, seeds: int | Sequence[int] = 5,

@@ -243,7 +243,8 @@ class TRLFrontierReward:
         # reads it (joining the assistant turns first would lose where the last one starts)
         last = [final_turn(c) for c in completions]
         texts = final if final is not None else last
-        batch = [ProposalSample(t, sid, int(h), tuple(read[i]) if read is not None else (), written=last[i])
+        batch = [ProposalSample(t, sid, int(h), tuple(read[i]) if read is not None else (),
+                                written=last[i] if final is not None else None)
                  for i, (t, sid, h) in enumerate(zip(texts, source_id, hops, strict=True))]
         return self.reward.score(batch, step=self.calls)
 
