@@ -330,12 +330,15 @@ def test_readings_state_the_regression_only_where_paired_intervals_show_it():
     assert not any("looks worse" in line for line in lines)
     assert "(an interval including 0; 3 seeds)" in lines[-1]
     # (each held by no test before a mutation sweep) a gain wholly below 0 excludes 0 too; lower agreement
-    # with lower label truth is no "looks worse, truth better"; one paired seed says nothing and does not crash
+    # with lower label truth is no "looks worse, truth better"; one paired seed says the pattern it shows with
+    # the caveat the coupled reading gives one seed (it said nothing: a one-seed report hid the paper's headline)
     assert "(an interval excluding 0; 3 seeds)" in readings(_res(COUPLED, higher, [-0.010, -0.012, -0.011]))[-1]
     worse = dict(clear, T_P=[0.60, 0.61, 0.62])
     assert not any("looks worse" in line for line in readings(_res(COUPLED, worse, [0.01, 0.012, 0.011])))
     one = readings(_res({m: v[:1] for m, v in COUPLED.items()}, {m: v[:1] for m, v in clear.items()}, [0.01]))
-    assert not any("looks worse" in line for line in one)
+    said = [line for line in one if "looks worse" in line]
+    assert len(said) == 1 and said[0].endswith("(1 seed: no interval, the pattern is not settled).")
+    assert "regression" not in said[0]
 
 
 def test_the_coupled_reading_claims_co_cheating_only_where_paired_seeds_show_f_rising_with_a():
@@ -809,6 +812,21 @@ def test_a_replay_study_of_other_runs_is_named_in_the_report(local_grid, tmp_pat
     study["bank"]["sources"] = [str(root / "coupled-s0")]  # its own runs: nothing to say
     (root / "replay" / "results.json").write_text(json.dumps(study))
     assert not any("not in this report" in r for r in build_report(root)["readings"])
+    # runs and study moved or copied together (the bank names the runs where they were built): the run
+    # is known by its manifest's creation time, and another run's time is still someone else's run
+    created = json.loads((root / "coupled-s0" / "manifest.json").read_text())["created"]
+    study["bank"].update(sources=[str(tmp_path / "before-the-move" / "coupled-s0")], source_created=[created])
+    (root / "replay" / "results.json").write_text(json.dumps(study))
+    assert not any("not in this report" in r for r in build_report(root)["readings"])
+    study["bank"]["source_created"] = [created + 1]
+    (root / "replay" / "results.json").write_text(json.dumps(study))
+    assert any("not in this report" in r for r in build_report(root)["readings"])
+    from selfevo.runs import RunError
+
+    study["bank"]["source_created"] = ["yesterday"]
+    (root / "replay" / "results.json").write_text(json.dumps(study))
+    with pytest.raises(RunError, match="bank.source_created"):
+        build_report(root)
 
 
 def test_a_ray_grid_does_not_start_a_local_ray_with_token_authentication_off(tmp_path, monkeypatch):
@@ -1031,6 +1049,24 @@ def test_one_seed_draws_no_error_bar_of_zero(monkeypatch):
                              {"msv": {"extra_seconds": {"mean": 0.2, "std": None}}}).axes[0]
     (bar,) = ax.containers
     assert all(len(seg) == 0 for coll in bar.lines[2] for seg in coll.get_segments())
+
+
+def test_a_report_whose_treatments_share_no_seed_with_coupled_draws_no_empty_cost_figure(local_grid, tmp_path):
+    """No gain and no overhead to plot: the report showed blank axes captioned as the cost plot, an empty
+    Δ cell and unexplained dashes in the compute table (a review of the report)."""
+    import shutil
+
+    from selfevo._fmt import DASH
+
+    root = tmp_path / "apart"
+    for name in ("coupled-s0", "crossfit-s1"):
+        shutil.copytree(local_grid[0] / name, root / name)
+    build_report(root)
+    md = (root / "report.md").read_text()
+    assert "Downstream gain vs compute" not in md and "Audit by round" in md
+    assert f"overhead against coupled ({DASH}: no coupled run of the same seed)" in md
+    crossfit_row = next(line for line in md.splitlines() if line.startswith("| crossfit |") and "[" in line)
+    assert crossfit_row.rstrip(" |").endswith(DASH)
 
 
 def test_compare_says_why_a_run_has_no_overhead(local_grid):

@@ -121,7 +121,10 @@ def test_question_split_keeps_a_repeated_question_on_one_side(runs):
 def test_bank_records_no_truth(bank, tmp_path):
     obj = read_json(bank.save(tmp_path / "bank.json"))
     assert obj["format"] == 3 and set(obj) == {"format", "world", "seed", "base_seed", "sources", "solver", "search",
-                                               "backend", "data", "lm", "made_on", "items"}
+                                               "backend", "data", "lm", "made_on", "source_created", "items"}
+    # a source is known by its manifest's creation time (a number: no path, no truth)
+    assert len(obj["source_created"]) == len(obj["sources"]) and all(
+        isinstance(c, float) for c in obj["source_created"])
     # a generated world is its config: no fingerprint to keep (a world directory's or corpus's sha256)
     assert (obj["backend"], obj["data"], obj["lm"], obj["made_on"]) == ("sim", {}, {}, {})
     assert set(obj["items"][0]) == {"item_id", "question", "label", "draft_label", "source_id", "source_ids",
@@ -196,6 +199,8 @@ def test_bank_hops_filter(runs, bank):
     (lambda o: {**o, "base_seed": True}, "field base_seed should be an integer, got true"),
     (lambda o: {**o, "world": "small"}, 'field world should be an object, got "small"'),
     (lambda o: {**o, "sources": "x"}, "field sources should be a list"),
+    (lambda o: {**o, "source_created": [True]}, "field source_created should be a list of numbers"),
+    (lambda o: {**o, "source_created": [1.0, 2.0]}, "field source_created should be a list of numbers"),
     # read as format 2 or 1: the base model of the sampling seed, not of the runs (a helper's review)
     (lambda o: {**o, "format": 2.0}, "bank format 2.0, this selfevo reads formats 1"),
     (lambda o: {**o, "format": True}, "bank format True, this selfevo reads formats 1"),

@@ -188,11 +188,17 @@ class Bank:
     # what the runs were made on (their manifests' `made_on`: the sha256 of a world directory or corpus;
     # empty for a bank from before it was kept): a replay run checks the world or corpus it opens
     made_on: dict = field(default_factory=dict)
+    # each source run's manifest `created` time (None: not kept, or a bank from before it was): a report
+    # knows its runs by it after the directory that holds runs and study was moved or copied
+    source_created: list = field(default_factory=list)
 
     def to_json(self) -> dict:
         return {"format": BANK_FORMAT, "world": self.world, "seed": self.seed, "base_seed": self.base_seed,
                 "sources": self.sources, "solver": self.solver, "search": self.search, "backend": self.backend,
-                "data": self.data, "lm": self.lm, "made_on": self.made_on, "items": [it.to_json() for it in self.items]}
+                "data": self.data, "lm": self.lm, "made_on": self.made_on,
+                # (left out where not kept: an older bank's digest, which keys its study's journal, stays)
+                **({"source_created": self.source_created} if self.source_created else {}),
+                "items": [it.to_json() for it in self.items]}
 
     @property
     def corpus(self) -> str:
@@ -271,9 +277,14 @@ class Bank:
         if not isinstance(obj["sources"], list) or not all(isinstance(s, str) for s in obj["sources"]):
             raise ReplayError(f"{where}: field sources should be a list of run directories, "
                               f"got {json.dumps(obj['sources'])[:80]}")
+        created = obj.get("source_created", [])
+        if not isinstance(created, list) or (created and len(created) != len(obj["sources"])) or not all(
+                c is None or (isinstance(c, (int, float)) and not isinstance(c, bool)) for c in created):
+            raise ReplayError(f"{where}: field source_created should be a list of numbers (or null), one per "
+                              f"source, got {json.dumps(created)[:80]}")
         return cls(dict(obj["world"]), obj["seed"], list(obj["sources"]), items, dict(obj["solver"]),
                    dict(obj["search"]), obj.get("backend", "sim"), dict(obj.get("data", {})), dict(obj.get("lm", {})),
-                   base_seed, dict(obj.get("made_on", {})))
+                   base_seed, dict(obj.get("made_on", {})), list(created))
 
     def save(self, path: str | os.PathLike) -> Path:
         write_json(path, self.to_json())
@@ -346,7 +357,7 @@ def build_bank(run_dirs: Sequence[str | os.PathLike], size: int = 3000, seed: in
             raise ReplayError(f"--from: run directory {key} is named twice ({named[key]}, {d}); name each "
                               "run once")
         named[key] = str(d)
-    configs, made = [], []
+    configs, made, created = [], [], []
     for d in run_dirs:
         run = RunDir(d)
         if not run.exists():
@@ -361,6 +372,8 @@ def build_bank(run_dirs: Sequence[str | os.PathLike], size: int = 3000, seed: in
             configs.append(run.config())
             check_world(run, config_from_dict(configs[-1]))  # its truth judges the replay
             made.append(made_on(manifest))
+            c = manifest.get("created")
+            created.append(c if isinstance(c, (int, float)) and not isinstance(c, bool) else None)
         except RunError as e:
             raise ReplayError(str(e)) from None
         except ConfigError as e:  # its data.index is no longer an index (removed, or half rebuilt)
@@ -428,7 +441,7 @@ def build_bank(run_dirs: Sequence[str | os.PathLike], size: int = 3000, seed: in
                               "same seed, for a simulated bank)")
         size = len(pool)  # a demo on a small world takes what there is
     chosen = sorted(random.Random(derive_seed(seed, "bank")).sample(range(len(pool)), size))
-    bank = replace(shell, sources=sources, items=[pool[j] for j in chosen])
+    bank = replace(shell, sources=sources, source_created=created, items=[pool[j] for j in chosen])
     Bank.from_json(bank.to_json(), where="the bank built")  # what `replay run` will check, checked before writing
     return bank
 
@@ -1062,7 +1075,8 @@ def run_replay(bank: Bank, conditions: Iterable[str] | str | None = None, seeds:
     # so each condition's coverage is its own column, and its other metrics are over the items every job
     # resolved: `compared_items`)
     out = {"format": FORMAT, "settings": asdict(settings), "seeds": seeds,
-           "bank": {"items": len(bank.items), "seed": bank.seed, "sources": bank.sources, "backend": bank.backend,
+           "bank": {"items": len(bank.items), "seed": bank.seed, "sources": bank.sources,
+                    "source_created": bank.source_created, "backend": bank.backend,
                     "world": bank.world, "corpus": bank.corpus,
                     "T_P": ref["T_P"], "coverage": ref["coverage"], "sha256": bank.digest(),
                     "compared_items": compared},

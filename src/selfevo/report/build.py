@@ -98,8 +98,15 @@ def build_report(root: str | os.PathLike, context: str = "", runs: Sequence[str 
         sources = bank.get("sources")
         if not isinstance(sources, list) or not all(isinstance(x, str) for x in sources):
             raise RunError(f"{replay_results}: field bank.sources should be a list of run directories")
+        created = bank.get("source_created") or [None] * len(sources)  # (a study from before it was kept)
+        if not isinstance(created, list) or len(created) != len(sources) or not all(
+                c is None or isinstance(c, (int, float)) and not isinstance(c, bool) for c in created):
+            raise RunError(f"{replay_results}: field bank.source_created should be a list of numbers (or null), "
+                           "one per source")
         mine = {Path(r).resolve() for r in runs}
-        outside = [x for x in sources if Path(x).resolve() not in mine]
+        # a run is known by its path, or by its manifest's creation time where the directory was moved
+        made = {RunDir(r).manifest().get("created") for r in runs} - {None}
+        outside = [x for x, c in zip(sources, created) if Path(x).resolve() not in mine and c not in made]
         if outside:
             res["readings"].append(f"The fixed replay bank's questions come from run(s) not in this report "
                                    f"({', '.join(outside)}): its numbers describe those runs, not these.")
@@ -114,7 +121,10 @@ def build_report(root: str | os.PathLike, context: str = "", runs: Sequence[str 
             figs.rounds_figure(res["audit"])
     if replay and (root / "replay" / "replay.png").exists():
         pngs["Fixed replay bank (Figure 7 analogue)"] = (root / "replay" / "replay.png").read_bytes()
-    if "coupled" in res["downstream"] and len(res["downstream"]) > 1:
+    # a point needs a gain (a seed shared with coupled) and an overhead: no empty axes captioned as a plot
+    if any(t != "coupled" and (d.get("gain_vs_coupled", {}).get("macro") or {}).get("mean") is not None
+           and res["compute"].get(t, {}).get("extra_seconds", {}).get("mean") is not None
+           for t, d in res["downstream"].items()):
         pngs["Downstream gain vs compute: macro Cover-EM gain (95% interval) against extra wall time "
              "(± std over seeds: single runs of seconds time noisily)"] = figs.cost_figure(res["downstream"],
                                                                                       res["compute"])

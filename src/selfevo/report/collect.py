@@ -237,7 +237,7 @@ def readings(res: dict) -> list[str]:
                             for s in seeds])
 
         d_a, d_tp = paired("A"), paired("T_P")
-        if d_a["n"] < 2:
+        if d_a["n"] < 1:
             continue
         quoted = {m: [shown(_mean_over(by["last_by_seed"], seeds, m)) for by in (a, coupled)] for m in ("A", "T_P")}
         # lower A, higher T_P, as the quoted means (3 decimals) show them: "A 0.500 vs coupled 0.500"
@@ -252,7 +252,9 @@ def readings(res: dict) -> list[str]:
         # F is quoted beside T_P as measured, not as a part of "better": it can be higher too
         pattern = (f"{t}: agreement looks worse ({means('A', 'vs coupled')}) while label truth is "
                    f"better ({means('T_P')}; seeds {', '.join(map(str, seeds))}; false agreement {means('F')})")
-        if d_a["hi"] < 0 and d_tp["lo"] > 0:  # both paired intervals exclude 0 in the telling direction
+        if d_a["n"] < 2 or d_a["lo"] is None or d_tp["lo"] is None:  # as the coupled rise says of one seed
+            out.append(pattern + f" ({d_a['n']} seed: no interval, the pattern is not settled).")
+        elif d_a["hi"] < 0 and d_tp["lo"] > 0:  # both paired intervals exclude 0 in the telling direction
             out.append(pattern + ". An operator watching only in-loop agreement would call this a regression.")
         else:  # the means show the pattern, the seeds do not yet settle it: say both
             out.append(pattern + f" on average over {d_a['n']} seeds, but the paired 95% intervals (A "

@@ -23,7 +23,7 @@ def _f(s: dict | None, ci: bool = False) -> str:
     if not ci or not s or s.get("mean") is None:
         return mean_std_text(s)
     lo, hi = s.get("lo"), s.get("hi")  # one seed has no interval: a dash, not a made-up "± 0.000"
-    return f"{s['mean']:.3f} [—]" if lo is None else f"{s['mean']:.3f} [{lo:.3f}, {hi:.3f}]"
+    return f"{s['mean']:.3f} [{DASH}]" if lo is None else f"{s['mean']:.3f} [{lo:.3f}, {hi:.3f}]"
 
 
 def _count(s: dict | None) -> str:
@@ -31,10 +31,10 @@ def _count(s: dict | None) -> str:
 
 
 def _gain(s: dict | None) -> str:
-    if not s or s.get("mean") is None:
-        return ""
+    if not s or s.get("mean") is None:  # no seed shared with coupled: undefined, as elsewhere
+        return DASH
     if s.get("lo") is None:  # one seed: no interval
-        return f"{s['mean']:+.3f} [—]"
+        return f"{s['mean']:+.3f} [{DASH}]"
     return f"{s['mean']:+.3f} [{s['lo']:+.3f}, {s['hi']:+.3f}]"
 
 
@@ -66,7 +66,7 @@ def tables(res: dict) -> dict[str, tuple[list[str], list[list[str]]]]:
     for t, d in res["downstream"].items():
         t1.append([t, *[_f(d.get(c), True) for c in cols],
                    *[_f(d.get(c), True) for c in ("macro", "single_hop", "multi_hop")],
-                   _gain(d.get("gain_vs_coupled", {}).get("macro"))])
+                   "" if t == "coupled" else _gain(d.get("gain_vs_coupled", {}).get("macro"))])
     audit_head = ["treatment", "round", *METRICS, "admitted", "admitted hop mix"]
     audit = [[t, str(r["round"]), *[_f(r[m]) for m in METRICS], _count(r.get("admitted")),
               hop_mix_text(r.get("hop_mix_admitted", {}))] for t, a in res["audit"].items() for r in a["rounds"]]
@@ -87,7 +87,8 @@ def tables(res: dict) -> dict[str, tuple[list[str], list[list[str]]]]:
            f"Audit by round (mean ± std over seeds{_audit_note(res.get('audit_setting'))})": (audit_head, audit),
            # compare's training cost: compute.json's totals count the evaluations too
            "Compute of the training (the downstream evaluations, the same in every arm, left out) and "
-           "overhead against coupled": (comp_head, comp)}
+           "overhead against coupled" + (f" ({DASH}: no coupled run of the same seed)" if any(
+               DASH in row for row in comp) else ""): (comp_head, comp)}
     if res.get("replay"):
         rp = res["replay"]["conditions"]
         out["Fixed replay bank (mean ± std over seeds)"] = (
