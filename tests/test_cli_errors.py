@@ -574,7 +574,7 @@ def test_a_run_damaged_before_its_print_is_named_not_a_traceback(tmp_path, damag
     with pytest.raises(typer.Exit) as e:
         _print_run(tmp_path)
     assert e.value.exit_code == 2
-    assert path.name in " ".join(capsys.readouterr().out.split())
+    assert path.name in " ".join(capsys.readouterr().err.split())
 
 
 @pytest.mark.parametrize("command, target, says", [
@@ -623,7 +623,7 @@ def test_an_oracle_audit_that_resolves_nothing_says_why(capsys):
 
     row = {"round": 1, **dict.fromkeys(METRICS), "coverage": 0.0}
     _print_audit_rounds({"judge": "oracle", "rounds": [row]})
-    said = " ".join(capsys.readouterr().out.split())
+    said = " ".join(capsys.readouterr().err.split())
     assert "the judge resolved no item" in said and "audit a language-model run on a world with --judge llm" in said
 
 

@@ -315,3 +315,21 @@ def test_one_path_written_two_ways_is_no_disagreement_and_a_set_qa_dir_is_not_ov
         assert seen[-1] == str(want)
         # the inferred one is said (it was taken without a word)
         assert ("the qa/ beside the corpus's directory" in res.output) == (not extra), res.output
+
+
+def test_a_config_error_says_whether_the_file_a_set_or_an_option_set_the_field(tmp_path):
+    """`evolve --config typo.toml` said "loop.round: unknown field" with no word of the file, beside
+    `--set` overrides it could as well have come from; a demo or engine-run config given to evolve
+    did not say which command reads it (a helper's walk through the CLI)."""
+    typo = tmp_path / "typo.toml"
+    typo.write_text("[loop]\nround = 3\n")
+    with pytest.raises(ConfigError, match=rf"^{re.escape(str(typo))}: loop.round: unknown field"):
+        load_config(typo)
+    with pytest.raises(ConfigError, match=r"^loop.roundz: unknown field .*\(set by --set\)$"):
+        load_config(None, ["loop.roundz=2"])
+    with pytest.raises(ConfigError, match=r"^treatment: "):  # an option: its message names it already
+        load_config(None, [], treatment="nope")
+    demo = tmp_path / "demo.toml"
+    demo.write_text("[demo]\nseeds = 3\n")
+    with pytest.raises(ConfigError, match=r"demo: unknown field .*this is a config for `selfevo demo --config`"):
+        load_config(demo)

@@ -402,7 +402,7 @@ def test_cli_offline_fails_in_one_line(tmp_path):
                            "--benchmarks", "bamboogle"], capture_output=True, text=True, env=env, timeout=120)
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert "Traceback" not in proc.stdout + proc.stderr
-    lines = proc.stdout.strip().splitlines()
+    lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: cannot fetch RUC-NLPIR/FlashRAG_datasets/bamboogle/")
     assert "HF_HUB_OFFLINE" in lines[0]
     assert not (tmp_path / "d").exists()

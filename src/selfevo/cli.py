@@ -28,6 +28,8 @@ from selfevo.loop.feedback import UntrainedGrader
 
 # wide enough for the tables when the output is a pipe or a log file (rich assumes 80 columns)
 console = Console(width=None if sys.stdout.isatty() else 200)
+# errors, warnings and "stopped:" lines: on stderr, so `selfevo ... > log` still shows them (the bars are there too)
+err = Console(stderr=True, width=None if sys.stderr.isatty() else 200)
 
 
 @contextlib.contextmanager
@@ -48,7 +50,7 @@ def _on_stop(then: str | Callable[[], str]):
     except (KeyboardInterrupt, SystemExit) as e:
         if isinstance(e, SystemExit) and e.code != 128 + signal.SIGTERM:  # not SIGTERM's: another exit
             raise
-        console.print(f"[yellow]stopped:[/yellow] {escape(then if isinstance(then, str) else then())}")
+        err.print(f"[yellow]stopped:[/yellow] {escape(then if isinstance(then, str) else then())}")
         raise typer.Exit(130 if isinstance(e, KeyboardInterrupt) else e.code) from None
 
 
@@ -60,7 +62,7 @@ def _warnings_as_lines():
 
     def show(message, category, filename, lineno, file=None, line=None):
         if issubclass(category, (SoftwareChanged, UntrainedGrader)):
-            console.print(f"[yellow]warning:[/yellow] {escape(str(message))}")
+            err.print(f"[yellow]warning:[/yellow] {escape(str(message))}")
         else:
             python_form(message, category, filename, lineno, file, line)
 
@@ -73,7 +75,7 @@ def _warnings_as_lines():
 
 def _fail(msg: str) -> None:
     # the message may quote user input; escape it so rich never reads it as markup
-    console.print(f"[red]error:[/red] {escape(msg)}")
+    err.print(f"[red]error:[/red] {escape(msg)}")
     raise typer.Exit(code=2)
 
 
@@ -662,7 +664,7 @@ def _warn_nothing_resolved(judge: str = "") -> None:
            "wording, not a language model's; audit a language-model run on a world with --judge llm"
            if judge == "oracle" else
            "no records, or every call failed or went unresolved")
-    console.print(f"[yellow]warning:[/yellow] the judge resolved no item ({why}); nothing above is a measurement")
+    err.print(f"[yellow]warning:[/yellow] the judge resolved no item ({why}); nothing above is a measurement")
 
 
 def _print_run(path: Path) -> None:
@@ -676,7 +678,7 @@ def _print_run(path: Path) -> None:
             if audited == list(range(1, done + 1)):
                 _print_audit_rounds(audit, counts=("admitted",))
             else:  # an audit of the run while it was stopped, kept by a resume with --no-audit: not this run's
-                console.print(f"[yellow]warning:[/yellow] {escape(str(path / 'audit' / 'metrics.json'))} audits "
+                err.print(f"[yellow]warning:[/yellow] {escape(str(path / 'audit' / 'metrics.json'))} audits "
                               f"round(s) {escape(', '.join(map(str, audited)) or 'none')} of the {done} this run "
                               f"completed (an earlier audit); audit it again: selfevo audit {escape(str(path))}")
         rounds = sorted(int(m[1]) for p in (path / "eval").glob("round-*.json")
@@ -890,10 +892,10 @@ def audit_cmd(
         console.print(f"injection test: {o['flipped']} of {o['n']} verdicts flipped ({num(o['flip_rate'])}), "
                       f"{o['to_correct']} towards correct")
         if not res["injection"].get("clean_resolved"):  # nothing resolved to flip: the rate says nothing
-            console.print("[yellow]warning:[/yellow] the injection test means nothing here: the judge resolved "
+            err.print("[yellow]warning:[/yellow] the injection test means nothing here: the judge resolved "
                           "none of its clean items")
     if partial:  # a round the run has not finished is not audited: its log may be partial
-        console.print(f"[yellow]warning:[/yellow] rounds audited: {escape(partial)}; rerun the audit once the "
+        err.print(f"[yellow]warning:[/yellow] rounds audited: {escape(partial)}; rerun the audit once the "
                       "run is complete")
     elsewhere = run_dir is not None and Path(out_dir).resolve() != (Path(run_dir) / "audit").resolve()
     # (a better judge's audit that `report` and `compare` never read, while they warned of the run's own)
@@ -1009,20 +1011,20 @@ def compare_cmd(run_dirs: list[Path] = typer.Argument(..., help="run directories
                       *([escape(r["audit"] or DASH)] if mixed else []))
     console.print(table)
     if mixed:
-        console.print("[yellow]warning:[/yellow] " + escape(
+        err.print("[yellow]warning:[/yellow] " + escape(
             f"F, T_P, A come from audits made differently ({'; '.join(sorted(audits))}): they do not compare "
             "across them; audit the runs alike (`selfevo audit RUN` with one judge, every item; an LLM judge's "
             "audit is read here when written with --out RUN/audit)"))
     unfinished = [f"{r['run']} ({r['unfinished']})" for r in rows if r["unfinished"]]
     if unfinished:  # `report` leaves these out; a comparison of what they did so far is still asked for
-        console.print("[yellow]warning:[/yellow] " + escape(f"not complete, so counted over the rounds done: "
+        err.print("[yellow]warning:[/yellow] " + escape(f"not complete, so counted over the rounds done: "
                                                              f"{', '.join(unfinished)}"))
     if unaudited := [str(r["run"]) for r in rows if not r["audit"] and not r["stale_audit"]]:
-        console.print("[yellow]warning:[/yellow] " + escape(f"F, T_P, A left blank: no audit of {', '.join(unaudited)} "
+        err.print("[yellow]warning:[/yellow] " + escape(f"F, T_P, A left blank: no audit of {', '.join(unaudited)} "
                                                              "(made with --no-audit?); run `selfevo audit` on it"))
     stale = [f"{r['run']} (its audit covers {r['stale_audit']})" for r in rows if r["stale_audit"]]
     if stale:
-        console.print("[yellow]warning:[/yellow] " + escape(f"F, T_P, A left blank: audited before the run went on, "
+        err.print("[yellow]warning:[/yellow] " + escape(f"F, T_P, A left blank: audited before the run went on, "
                                                              f"{', '.join(stale)}; run `selfevo audit` on it again"))
     unpaired = [r["run"] for r in rows if r["extra_generations"] is None]
     if unpaired:  # a dash alone does not say why (a run of another config, world or rounds done than its coupled)

@@ -11,6 +11,7 @@ import math
 import re
 import sys
 import typing
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -332,9 +333,35 @@ def _same_setting(key: str, a: Any, b: Any) -> bool:
     return a == b
 
 
+# a table another command reads, met by `evolve --config`: which command the file is for
+_OTHER_COMMAND = {"demo": "selfevo demo --config", "engine": "selfevo engine-run --config"}
+
+
+def blame(e: ConfigError, path: str | Path | None, overridden: Sequence[str] = (),
+          given: Sequence[str] = ()) -> ConfigError:
+    """`e` saying where its field was set: the file (its path first, as for a damaged config.json), a
+    `--set`, or a command's option (its message names the field already). The message starts with
+    the field it is about ("loop.round: unknown field ...")."""
+    field = str(e).split(":", 1)[0]
+
+    def touches(key: str) -> bool:
+        return key == field or key.startswith(field + ".") or field.startswith(key + ".")
+
+    if any(touches(k) for k in given):
+        return e
+    if any(touches(k) for k in overridden):
+        return ConfigError(f"{e} (set by --set)")
+    if path is None:
+        return e
+    hint = (f"; this is a config for `{_OTHER_COMMAND[field]}`"
+            if field in _OTHER_COMMAND and "unknown field" in str(e) else "")
+    return ConfigError(f"{path}: {e}{hint}")
+
+
 def load_config(path: str | Path | None = None, overrides: list[str] = (), **top: Any) -> RunConfig:
     """A TOML file (optional), then `--set` overrides, then explicit top-level values (a command's options;
-    one that disagrees with an override of the same field is refused)."""
+    one that disagrees with an override of the same field is refused). An error says which of the three
+    set the field (`blame`)."""
     data: dict = read_toml(path) if path is not None else {}
     overridden = {}
     for text in overrides:
@@ -347,4 +374,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] = (), **top
                 raise ConfigError(f"--set {key}={overridden[key]!r} and the option for {key} ({value!r}) "
                                   "disagree; give one of them")
             data = merge(data, key.split("."), value)
-    return config_from_dict(data)
+    try:
+        return config_from_dict(data)
+    except ConfigError as e:
+        raise blame(e, path, list(overridden), [k for k, v in top.items() if v is not None]) from None

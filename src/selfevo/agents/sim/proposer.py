@@ -31,6 +31,9 @@ class SimProposerConfig:
     theta: tuple[float, ...] = (0.8, 0.8, 0.8, 0.5)  # reading weights (fixed), see FEATURES
     misread_scale: float = 1.6  # std of the reader's page-specific bias
     read_temperature: float = 0.3  # low: re-reading a page mostly repeats the same reading
+    # paper: the proposer is handed one source document; here it draws `options` pages a proposal and its
+    # policy picks among their facts (1 = the paper's uniform source; co-cheating and CrossFit's cut of F
+    # appear either way, part of CrossFit's T_P gain comes from the source choice: docs/results.md)
     options: int = 8  # candidate (source, relation) options the policy chooses among
     hop_ratio: tuple[int, ...] = (4, 3, 2, 1)  # paper (Dr. Zero): n-hop ratio 4:3:2:1
     lr: float = 0.5
@@ -206,6 +209,8 @@ class SimProposer:
                     self.w_source[page] = self.w_source.get(page, 0.0) + g
                     key = f"{page}|{rel}"
                     self.w_fact[key] = self.w_fact.get(key, 0.0) + g
+                    # a relation is shared by every page: its weight moves by the batch's mean gradient,
+                    # a page's and a fact's by the sum (each is chosen by a few proposals of a batch)
                     self.w_relation[rel] = self.w_relation.get(rel, 0.0) + g / len(proposals)
         self.updates += 1
         return {"proposals": len(proposals), "reward": sum(rewards) / max(1, len(rewards))}
