@@ -333,3 +333,17 @@ def test_a_config_error_says_whether_the_file_a_set_or_an_option_set_the_field(t
     demo.write_text("[demo]\nseeds = 3\n")
     with pytest.raises(ConfigError, match=r"demo: unknown field .*this is a config for `selfevo demo --config`"):
         load_config(demo)
+
+
+def test_grid_overrides_sent_to_another_working_directory_carry_absolute_paths(tmp_path, monkeypatch):
+    """A Ray worker runs in a directory of its own: `world.name=relworld` (a world directory beside the
+    driver) was read there as its own relworld, "not a world directory" (a helper's review); names
+    that are no path (a world size, a hub id) and other fields pass unchanged."""
+    from selfevo.config import absolute_overrides, parse_override
+
+    monkeypatch.chdir(tmp_path)
+    given = ["world.name=relworld", "world.name=small", 'data.corpus="c.jsonl"', "lm.model=./m",
+             "lm.model=HuggingFaceTB/SmolLM2-135M-Instruct", "seed=3", "solver.memory=false"]
+    assert [parse_override(x)[1] for x in absolute_overrides(given)] == [
+        str(tmp_path / "relworld"), "small", str(tmp_path / "c.jsonl"), str(tmp_path / "m"),
+        "HuggingFaceTB/SmolLM2-135M-Instruct", 3, False]

@@ -98,6 +98,10 @@ def test_demo_end_to_end_without_torch(tmp_path):
     again = _demo_without_torch(tmp_path, *args)
     assert again.returncode == 0, again.stdout + again.stderr
     assert json.loads((out / "results.json").read_text())["downstream"] == json.loads(before)["downstream"]
+    # ... and the replay study's finished jobs (2 conditions, the base model) from its journal (it ran them again)
+    assert "3 finished job(s) of this study, not run again" in " ".join(again.stdout.split())
+    assert json.loads((out / "results.json").read_text())["replay"]["conditions"] == \
+        json.loads(before)["replay"]["conditions"]
 
 
 def test_the_torch_blocker_blocks(tmp_path):

@@ -7,6 +7,7 @@ config is parsed, never evaluated.
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import re
 import sys
@@ -298,6 +299,20 @@ def parse_override(text: str) -> tuple[list[str], Any]:
                               "strings in them quoted ([\"a\", \"b\"]) and numbers as TOML does (0.001, 7)") from None
         value = raw  # a bare word is a string: a name, a hub id, a path
     return path, value
+
+
+def absolute_overrides(overrides: Sequence[str]) -> tuple[str, ...]:
+    """`--set` texts with their path fields absolute (`with_absolute_paths`), for a process whose working
+    directory is not this one's (a Ray worker: on a cluster, not even this machine)."""
+    out = []
+    for text in overrides:
+        keys, value = parse_override(text)
+        if isinstance(value, str) and len(keys) == 2:
+            fixed = with_absolute_paths({keys[0]: {keys[1]: value}})[keys[0]][keys[1]]
+            if fixed != value:
+                text = f"{'.'.join(keys)}={json.dumps(fixed)}"  # a JSON string is a TOML basic string
+        out.append(text)
+    return tuple(out)
 
 
 def merge(base: dict, path: list[str], value: Any, _where: str = "") -> dict:

@@ -262,8 +262,10 @@ def run_demo(plan: DemoPlan, out: str | os.PathLike, console: Console | None = N
                       f"{len(seeds)} seeds")
         try:
             bank = build_bank([coupled[0][1]], plan.replay_size, seed=0, allow_fewer=True)
+            # its journal: a rerun (or one after Ctrl-C) does not run the study's finished jobs again
             results = run_replay(bank, list(plan.replay_conditions), seeds,
-                                 workers=workers or os.cpu_count() or 1, progress=True)
+                                 workers=workers or os.cpu_count() or 1, progress=True,
+                                 journal=out / "replay" / "jobs.jsonl", log=lambda m: console.print(escape(m)))
         except ReplayError as e:  # the runs are done: report them, and say why the study is missing
             incomplete.append(f"replay study skipped: {e} (in the demo: raise demo.replay_size, "
                               "loop.admit_per_round or loop.rounds, or set demo.replay_conditions = [])")

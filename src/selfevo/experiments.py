@@ -11,13 +11,14 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import multiprocessing
+import multiprocessing.connection
 import os
 import signal
 import sys
 import threading
 import traceback
 from collections.abc import Callable, Sequence
-from concurrent.futures import ProcessPoolExecutor, as_completed
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -90,24 +91,36 @@ def run_grid(jobs: Sequence[Job], executor: str = "local", workers: int | None =
         except ImportError:
             raise ValueError("executor ray: Ray is not installed (pip install 'selfevo[ray]')") from None
 
-        if not ray.is_initialized():
+        from selfevo.config import absolute_overrides
+
+        started = not ray.is_initialized()
+        if started:
             from selfevo.agents.lm.workers import start_ray
 
             start_ray()  # a local Ray only with token auth; the command's SIGTERM handling kept
         remote = ray.remote(run_job)
         # a worker's working directory is not the driver's (on a cluster, not even its machine): it gets
         # the run directory as an absolute path, and the result names it as the job does (as locally)
-        pending = {remote.remote(replace(job, out=str(Path(job.out).resolve()))): job for job in jobs}
+        pending = {remote.remote(replace(job, out=str(Path(job.out).resolve()),
+                                         overrides=absolute_overrides(job.overrides))): job for job in jobs}
         # installed after ray.init, whose driver handler makes SIGTERM exit 1 (a failed job's code)
-        with terminate_raises():
-            while pending:
-                ready, _ = ray.wait(list(pending), num_returns=1)
-                for ref in ready:
-                    job = pending.pop(ref)
-                    try:
-                        done({**ray.get(ref), "run": job.out})
-                    except Exception as e:  # noqa: BLE001 - run_job never raises: its worker died
-                        done(_died(job, e))
+        try:
+            with terminate_raises():
+                while pending:
+                    ready, _ = ray.wait(list(pending), num_returns=1)
+                    for ref in ready:
+                        job = pending.pop(ref)
+                        try:
+                            done({**ray.get(ref), "run": job.out})
+                        except Exception as e:  # noqa: BLE001 - run_job never raises: its worker died
+                            done(_died(job, e))
+        except BaseException:  # Ctrl-C, SIGTERM: the jobs stop with the grid, as the local workers do
+            for ref in pending:  # (a rerun resumes their runs)
+                ray.cancel(ref, force=True)
+            raise
+        finally:
+            if started:  # the Ray this grid started, with its idle workers' memory, is not kept after it
+                ray.shutdown()
     else:
         # never more processes than jobs: the rest would only be forked to sit idle
         workers = min(workers or os.cpu_count() or 1, len(jobs)) or 1
@@ -115,16 +128,46 @@ def run_grid(jobs: Sequence[Job], executor: str = "local", workers: int | None =
             for job in jobs:
                 done(run_job(job))
         else:
-            with worker_pool(workers) as pool:
-                futures = {pool.submit(run_job, job): job for job in jobs}
-                for fut in as_completed(futures):
-                    try:
-                        done(fut.result())
-                    except Exception as e:  # noqa: BLE001 - run_job never raises: a worker died (a
-                        # killed process breaks the pool, so every job not yet finished ends here too;
-                        # a rerun of the grid resumes them)
-                        done(_died(futures[fut], e))
+            _job_processes(jobs, workers, done)
     return [results[j.name] for j in jobs]
+
+
+def _job_processes(jobs: Sequence[Job], workers: int, done: Callable[[dict], None]) -> None:
+    """Each job in a process of its own, at most `workers` at a time: a job whose process dies (the OOM
+    killer, kill -9) fails alone, where a process pool, broken by one death, failed every job not yet
+    finished, those never started included. Like `worker_pool`, the processes die with this one and
+    are killed on Ctrl-C or SIGTERM (a rerun of the grid resumes their runs)."""
+    ctx = multiprocessing.get_context("fork" if sys.platform.startswith("linux") else "spawn")
+    queue, running = list(jobs), {}  # the result pipe's read end -> (process, job)
+    with terminate_raises():
+        try:
+            while queue or running:
+                while queue and len(running) < workers:
+                    job = queue.pop(0)
+                    recv, send = ctx.Pipe(duplex=False)
+                    proc = ctx.Process(target=_job_process, args=(os.getpid(), job, send), daemon=True)
+                    proc.start()
+                    send.close()  # this end is the child's: its death closes the pipe (EOF), not a hang
+                    running[recv] = (proc, job)
+                for recv in multiprocessing.connection.wait(list(running)):
+                    proc, job = running.pop(recv)
+                    try:
+                        res = recv.recv()
+                    except EOFError:  # died before it sent its result
+                        proc.join()
+                        res = _died(job, RuntimeError(f"exit code {proc.exitcode}"))
+                    recv.close()
+                    proc.join()
+                    done(res)
+        except BaseException:
+            for proc, _ in running.values():
+                proc.kill()
+            raise
+
+
+def _job_process(parent: int, job: Job, send) -> None:
+    _pool_worker(parent, None, ())  # SIGTERM's default action, and death with the grid's process
+    send.send(run_job(job))
 
 
 @contextlib.contextmanager

@@ -64,6 +64,23 @@ def check_local_ray_auth(address: str | None) -> None:
                          "cluster of your own with RAY_ADDRESS")
 
 
+def check_ray_address(address: str | None, timeout: float = 5.0) -> None:
+    """A cluster address that nothing answers at is said now: `ray.init` retries it for about 14 minutes
+    (20 tries of some 40 s each) before its own error. "auto", a bad form and the like are left to Ray,
+    which says so at once."""
+    import socket
+
+    host_port = (address or "").strip().removeprefix("ray://").rstrip("/")
+    host, _, port = host_port.rpartition(":")
+    if not host or not port.isdigit():
+        return
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=timeout).close()
+    except OSError as e:
+        raise ValueError(f"RAY_ADDRESS={address}: nothing answers at {host_port} ({e.strerror or e}); start the "
+                         "cluster's head there (`ray start --head`), or unset RAY_ADDRESS for a local Ray") from None
+
+
 class WorkerDied(RuntimeError):
     """A rollout worker (a Ray actor) died: its process was killed, ran out of memory, or its node left."""
 
@@ -81,6 +98,7 @@ def start_ray() -> None:
 
     address = os.environ.get("RAY_ADDRESS")
     check_local_ray_auth(address)
+    check_ray_address(address)
     before = signal.getsignal(signal.SIGTERM) if threading.current_thread() is threading.main_thread() else None
     try:
         ray.init(address=address, include_dashboard=False, log_to_driver=False)
