@@ -14,6 +14,7 @@ import pytest
 from typer.testing import CliRunner
 
 import selfevo.demo
+from selfevo._fmt import DASH
 from selfevo.cli import app
 from selfevo.config import ConfigError
 from selfevo.demo import load_plan
@@ -159,8 +160,8 @@ def test_one_seed_report_is_strict_json(runs, tmp_path):
     assert gain["n"] == 1 and gain["lo"] is None and gain["hi"] is None and gain["mean"] is not None
     assert res["base"]["macro"]["lo"] is None
     md = (root / "report.md").read_text()
-    assert "nan" not in md.lower() and "[—]" in md  # a missing interval is a dash
-    assert f"| {gain['mean']:+.3f} [—] |" in md
+    assert "nan" not in md.lower() and f"[{DASH}]" in md  # a missing interval is a dash (the tables' one)
+    assert f"| {gain['mean']:+.3f} [{DASH}] |" in md
 
 
 def test_two_runs_of_one_treatment_and_seed_are_refused(runs, tmp_path):
@@ -192,7 +193,8 @@ def test_a_run_not_complete_is_left_out_and_listed(runs, tmp_path):
     assert res["seeds"] == [0]  # the killed seed 1 is in no number
     assert res["downstream"]["coupled"]["macro"]["n"] == 1
     assert res["excluded"] == [{"run": str(killed), "treatment": "coupled", "seed": 1,
-                                "why": "status 'running', 1 round(s) done"}]
+                                "why": "status 'running' (still running, or stopped: `selfevo evolve --out RUN "
+                                       "--resume` goes on), 1 round(s) done"}]
     for page in ("report.md", "report.html"):
         text = (root / page).read_text()
         assert "Runs left out" in text and str(killed) in text

@@ -521,9 +521,13 @@ def test_an_evaluation_stopped_part_way_continues_where_it_stopped(tmp_path):
     assert not (out / "predictions.jsonl").exists()
     with open(out / "predictions.partial.jsonl", "a") as fh:
         fh.write('{"id": "n4", "predic')  # and a kill tore the last line
-    with pytest.raises(ValueError, match="a stopped evaluation of other settings"):
+    # the setting that differs is named (it said every setting that could)
+    with pytest.raises(ValueError, match=r"a stopped evaluation of other settings \(agent differ\)"):
         evaluate_solver(_EchoSolver(), data, tool, out_dir=out, batch_size=2, progress=False,
                         partial_key={**key, "agent": "other"})
+    with pytest.raises(ValueError, match=r"other settings \(limit, questions differ\)"):
+        evaluate_solver(_EchoSolver(), data, tool, out_dir=out, batch_size=2, progress=False, limit=5,
+                        partial_key=key)
     again = _EchoSolver()
     result = evaluate_solver(again, data, tool, out_dir=out, batch_size=2, progress=False, per_invocation=False,
                              partial_key=key)
@@ -747,7 +751,7 @@ def test_a_resumed_evaluation_asks_again_what_failed_and_refuses_other_agent_set
         run(fail={"Paris1 question"}, stop_at=1)
     rows = [json.loads(x) for x in (out / "predictions.partial.jsonl").read_text().splitlines()[1:]]
     assert len(rows) == 64 and [r.get("failed", False) for r in rows[:3]] == [False, True, False]
-    with pytest.raises(ValueError, match="a stopped evaluation of other settings"):
+    with pytest.raises(ValueError, match=r"a stopped evaluation of other settings \(agent settings differ\)"):
         run(agent_context={"lm_options": {"max_new_tokens": 512}})  # other agent settings: refused
     again = run(fail={"Paris69 question"})
     assert again["run"]["resumed_questions"] == 63  # the failed one is asked again

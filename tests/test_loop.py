@@ -759,3 +759,25 @@ def test_a_resume_refuses_a_folds_file_no_run_of_its_config_writes(tmp_path, mon
     with pytest.raises(RunError, match=f"{re.escape(str(path))}: .*{re.escape(said)}"):
         evolve(cfg, tmp_path / "run", resume=True, progress=False, audit=False)
     assert (tmp_path / "run" / "records" / "steps.jsonl").read_bytes() == steps  # nothing run
+
+
+def test_the_progress_bar_numbers_solver_steps_within_their_own_count(tmp_path, monkeypatch):
+    """The bar said "round 1 solver step 37" of a round's 25 solver steps: it numbered them after the
+    proposer steps (a helper's walk through the CLI)."""
+    import selfevo.loop.engine as engine
+
+    said = []
+
+    class Recording(engine.Progress):
+        def update(self, task_id, **kwargs):
+            if "description" in kwargs:
+                said.append(kwargs["description"])
+            super().update(task_id, **kwargs)
+
+    monkeypatch.setattr(engine, "Progress", Recording)
+    cfg = load_config(None, ['world.name="small"', "loop.rounds=1", "loop.admit_per_round=60",
+                             "loop.proposer_steps=3", "loop.solver_steps=2"])
+    evolve(cfg, tmp_path / "run", progress=True, audit=False)
+    steps = [d for d in said if d.startswith("round 1 ")]
+    assert steps == ["round 1 proposer step 1", "round 1 proposer step 2", "round 1 proposer step 3",
+                     "round 1 solver step 1", "round 1 solver step 2", "round 1 evaluation"], said

@@ -1004,3 +1004,18 @@ def test_with_a_judge_that_resolves_by_the_answers_every_condition_is_compared_o
     journal.write_text("".join(json.dumps(r) + "\n" for r in rows))
     with pytest.raises(ReplayError, match=rf"jobs.jsonl:{row + 1}: job 'source-id' seed 0: no field items"):
         run_replay(bank, "coupled,source-id", seeds=[0], settings=FAST, judge=Fussy(), journal=journal)
+
+
+def test_a_bad_setting_names_its_option_and_a_one_round_run_says_why_it_gives_no_bank(bank, tmp_path):
+    """`replay run --updates 1` said "updates: must be >= 2" (the field, beside "--seeds" named as the
+    option); a bank built from a one-round run said to lower --size, which cannot help (a helper's walk
+    through the CLI)."""
+    bank_path = bank.save(tmp_path / "bank.json")
+    res = CliRunner().invoke(app, ["replay", "run", "--bank", str(bank_path), "--updates", "1",
+                                   "--out", str(tmp_path / "study")])
+    assert res.exit_code == 2 and " ".join(res.output.split()).startswith("error: --updates: must be >= 2")
+    one = tmp_path / "one-round"
+    evolve(load_config(None, [*SCALED, "loop.rounds=1"]), one, progress=False, audit=False)
+    with pytest.raises(ReplayError, match=r"no admitted items of rounds >= 2 in 1 run\(s\): a bank needs runs of "
+                                          "at least 2 rounds"):
+        build_bank([one], size=10, allow_fewer=True)

@@ -429,10 +429,15 @@ def eval_(
     try:
         if lm_set:
             # the [lm] table is read by the lm backend only: checked as that backend's settings
-            lm = load_config(None, [f"lm.{x}" for x in lm_set], backend="lm").lm
+            lm = load_config(None, [f"lm.{x}" for x in lm_set], set_by="--lm-set", backend="lm").lm
             context["lm_options"] = {k: v for k, v in vars(lm).items() if k != "model"}
-        with _on_stop(f"{out}: run the same command again: it goes on from the answers given "
-                      f"({out / 'predictions.partial.jsonl'})"):
+        def how_to_go_on() -> str:  # stopped before its first answer: no answers file to name
+            partial = out / "predictions.partial.jsonl"
+            if partial.is_file():
+                return f"{out}: run the same command again: it goes on from the answers given ({partial})"
+            return f"{out}: stopped before its first answer: run the same command again"
+
+        with _on_stop(how_to_go_on):
             result = run_eval(data_dir=data_dir, corpus=corpus, agent=agent, out_dir=out,
                               limit=limit, retriever_url=retriever_url, retriever_kind=retriever,
                               index=index, dense_options=_dense_options(model), agent_context=context or None)
@@ -526,9 +531,10 @@ def evolve_cmd(
     out: Path = typer.Option(..., help="run directory"),
     world: str | None = typer.Option(None, help="small | default | a world directory (default: the config's, "
                                       "else default)"),
-    treatment: str | None = typer.Option(None, help="coupled (default) | msv | crossfit | msv+crossfit | "
+    treatment: str | None = typer.Option(None, help="coupled | msv | crossfit | msv+crossfit | "
                                            "same-source | full-data | question-split | half-budget | "
-                                           "crossfit-k<K> | crossfit-connected[-k<K>], any prefixed msv+"),
+                                           "crossfit-k<K> | crossfit-connected[-k<K>], any prefixed msv+ "
+                                           "(default: the config's, else coupled)"),
     seed: int | None = typer.Option(None, help="run seed (default: the config's, else 0)"),
     rounds: int | None = typer.Option(None, help="rounds of the loop (default: the config's, else 3)"),
     config: Path | None = typer.Option(None, help="TOML config (see configs/)"),
@@ -979,7 +985,7 @@ def compare_cmd(run_dirs: list[Path] = typer.Argument(..., help="run directories
     """Compute overhead against the coupled run of the same seed, with last-round F, T_P, A, Cover-EM.
 
     The base of a run is the coupled run among those given with its seed, config (but the treatment),
-    data, rounds done and, for an engine-run, [engine] table. Overhead counts the training's
+    data, rounds done and, for an engine-run, \\[engine] table. Overhead counts the training's
     generations, updates and wall seconds; the downstream evaluation (in compute.json too) is the same
     in every arm and left out. F, T_P and A come from each run's audit: audits made differently (judge,
     prompt version, --max-items-per-step) are named in an audit column, with a warning."""
@@ -1119,7 +1125,8 @@ def replay_build(
     out: Path = typer.Option(..., help="the bank file to write (JSON; a new file: a study's journal names the "
                                        "bank it replayed)"),
 ) -> None:
-    """Save round-2/3 questions of completed runs with their adopted labels (wrong ones included)."""
+    """Save admitted questions of rounds 2 and later (of the paper's 3 rounds: 2 and 3) of completed runs
+    with their adopted labels (wrong ones included)."""
     from selfevo.replay import ReplayError, build_bank
 
     try:
@@ -1192,7 +1199,10 @@ def replay_run(
     try:
         with _on_stop(f"{out}: run the same command again: finished jobs are kept ({out / 'jobs.jsonl'})"), \
                 hold_directory(out, busy):
-            settings = ReplaySettings(updates, rollouts, samples)  # checked before any model loads
+            try:  # checked before any model loads
+                settings = ReplaySettings(updates, rollouts, samples)
+            except ReplayError as e:  # its message names the field: here it is the option
+                _fail(f"--{e}")
             parse_conditions(conditions)
             b = Bank.load(bank)
             if judge_url is None and not b.corpus:  # a world's exact truth judges: refused, not ignored

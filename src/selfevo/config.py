@@ -353,7 +353,7 @@ _OTHER_COMMAND = {"demo": "selfevo demo --config", "engine": "selfevo engine-run
 
 
 def blame(e: ConfigError, path: str | Path | None, overridden: Sequence[str] = (),
-          given: Sequence[str] = ()) -> ConfigError:
+          given: Sequence[str] = (), set_by: str = "--set") -> ConfigError:
     """`e` saying where its field was set: the file (its path first, as for a damaged config.json), a
     `--set`, or a command's option (its message names the field already). The message starts with
     the field it is about ("loop.round: unknown field ...")."""
@@ -365,7 +365,7 @@ def blame(e: ConfigError, path: str | Path | None, overridden: Sequence[str] = (
     if any(touches(k) for k in given):
         return e
     if any(touches(k) for k in overridden):
-        return ConfigError(f"{e} (set by --set)")
+        return ConfigError(f"{e} (set by {set_by})")
     if path is None:
         return e
     hint = (f"; this is a config for `{_OTHER_COMMAND[field]}`"
@@ -373,7 +373,8 @@ def blame(e: ConfigError, path: str | Path | None, overridden: Sequence[str] = (
     return ConfigError(f"{path}: {e}{hint}")
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] = (), **top: Any) -> RunConfig:
+def load_config(path: str | Path | None = None, overrides: list[str] = (), set_by: str = "--set",
+                **top: Any) -> RunConfig:
     """A TOML file (optional), then `--set` overrides, then explicit top-level values (a command's options;
     one that disagrees with an override of the same field is refused). An error says which of the three
     set the field (`blame`)."""
@@ -392,4 +393,4 @@ def load_config(path: str | Path | None = None, overrides: list[str] = (), **top
     try:
         return config_from_dict(data)
     except ConfigError as e:
-        raise blame(e, path, list(overridden), [k for k, v in top.items() if v is not None]) from None
+        raise blame(e, path, list(overridden), [k for k, v in top.items() if v is not None], set_by) from None

@@ -440,15 +440,23 @@ def _read_partial(path: Path, key: dict, restart_stale: bool = False) -> dict[st
         rows = read_jsonl_log(path, repair=True)  # a kill may have torn the last line
     except ValueError as e:
         raise PartialFileError(f"{e}; remove it to start the evaluation over") from None
-    if not rows or rows[0].get("partial_of") != json.loads(json.dumps(key)):
+    want = json.loads(json.dumps(key))
+    if not rows or rows[0].get("partial_of") != want:
         if len(rows) > 1 and restart_stale:
             warnings.warn(f"{path}: a stopped evaluation of other settings (or another model); it is started over",
                           stacklevel=3)
         if len(rows) <= 1 or restart_stale:  # nothing answered: the corrected command starts afresh
             path.unlink()
             return {}
-        raise PartialFileError(f"{path}: a stopped evaluation of other settings (agent and its settings, an lm: "
-                               "agent's model or policy files, data, retriever, encoder, limit or questions); remove "
+        had = rows[0].get("partial_of")
+        differ = sorted(k for k in {*had, *want} if had.get(k) != want.get(k)) if isinstance(had, dict) else []
+        names = {"agent_settings": "agent settings", "agent_files": "the lm: agent's model or policy files",
+                 "data_dir": "data", "corpus_sha256": "corpus content", "encoder_fingerprint": "encoder",
+                 "tool": "search settings"}
+        which = ", ".join(names.get(k, k) for k in differ) or ("agent and its settings, an lm: agent's model or "
+                                                               "policy files, data, retriever, encoder, limit or "
+                                                               "questions")
+        raise PartialFileError(f"{path}: a stopped evaluation of other settings ({which} differ); remove "
                                "it to start over, or choose another --out")
     answers = {}
     for i, row in enumerate(rows[1:], start=2):

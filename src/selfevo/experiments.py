@@ -55,7 +55,7 @@ def run_job(job: Job) -> dict:
 
     run = RunDir(job.out)
     try:
-        cfg = load_config(overrides=list(job.overrides))
+        cfg = load_config(overrides=list(job.overrides), set_by="the job's overrides")
         if run.exists() and run.manifest().get("status") == "complete":
             # finished under this job's config, or its results would pass for this grid's
             run.check_config(cfg.to_json(), defaults=RunConfig().to_json())

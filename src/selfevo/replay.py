@@ -433,9 +433,13 @@ def build_bank(run_dirs: Sequence[str | os.PathLike], size: int = 3000, seed: in
                                      it["draft_label"], it["source_id"], tuple(it["source_ids"]),
                                      groups[it["source_id"]], sources[i], int(row["round"]), int(it["hops"])))
     if len(pool) < size:
+        which = f" with hops in {sorted(hops)}" if hops is not None else ""
+        kind = "distinct admitted" if distinct else "admitted"
+        if not pool:  # no --size helps: the runs stopped before round `min_round`, or it admitted nothing
+            raise ReplayError(f"no {kind} items{which} of rounds >= {min_round} in {len(run_dirs)} run(s): a bank "
+                              f"needs runs of at least {min_round} rounds (round 1 is graded before any "
+                              "training) that admitted questions in them")
         if not allow_fewer:
-            which = f" with hops in {sorted(hops)}" if hops is not None else ""
-            kind = "distinct admitted" if distinct else "admitted"
             raise ReplayError(f"only {len(pool)} {kind} items{which} of rounds >= {min_round} in "
                               f"{len(run_dirs)} run(s), fewer than --size {size}; lower --size, or add runs (of the "
                               "same seed, for a simulated bank)")

@@ -276,7 +276,8 @@ class Loop:
                 for j, st in enumerate(round_steps[cfg.proposer_steps:]):
                     if st.step <= last_done:
                         continue
-                    bar.update(task, description=f"round {r} solver step {st.step_in_round}")
+                    # (step_in_round counts the proposer steps first: "solver step 37" of 25)
+                    bar.update(task, description=f"round {r} solver step {j + 1}")
                     # an even split, so every scheduled step trains when the pool allows
                     batch = pool[j * len(pool) // cfg.solver_steps:(j + 1) * len(pool) // cfg.solver_steps]
                     record = self.solver_step(st, batch) if batch else self._step_record(st, "solver", [], {})

@@ -17,7 +17,9 @@ class LoopConfig:
     proposer_steps: int = 18  # paper: 18 proposer updates a round
     solver_steps: int = 25  # paper: 25 main-solver updates a round
     admit_per_round: int = 1600  # paper: 1,600 admitted questions a round
-    grader_samples: int = N_GRADER_SAMPLES  # paper: the grader answers each question five times
+    # paper: the grader answers each question five times; here also the solvers' rollouts a question
+    # (their GRPO group; engine-run keeps them apart: engine.solver_generations)
+    grader_samples: int = N_GRADER_SAMPLES
     # Dr. Zero draws its seed documents from a fixed training pool, not the whole corpus; the
     # pool's size sets how often a source comes back across rounds (0 = every document)
     source_docs: int = 300

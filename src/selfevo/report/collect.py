@@ -54,8 +54,12 @@ def collect_runs(run_dirs: Sequence[str | os.PathLike]) -> dict:
         seen[treatment, seed] = run.path
         if manifest.get("status") != "complete":
             excluded.append({"run": str(run.path), "treatment": treatment, "seed": seed,
-                             "why": f"status {manifest.get('status')!r}, "
-                                    f"{manifest.get('rounds_completed', 0)} round(s) done"})
+                             # "running" is also what a stopped or killed run's manifest says: a kill -9
+                             # leaves no chance to write another status, so both are said
+                             "why": f"status {manifest.get('status')!r}"
+                                    + (" (still running, or stopped: `selfevo evolve --out RUN --resume` goes on)"
+                                       if manifest.get("status") == "running" else "")
+                                    + f", {manifest.get('rounds_completed', 0)} round(s) done"})
             continue
         # runs of another setting (rounds, world, learner...) pooled under one treatment name, or
         # paired with a coupled run of another setting, would mix numbers that mean different things
