@@ -1219,17 +1219,44 @@ def test_a_ray_worker_gets_the_run_directory_as_an_absolute_path(tmp_path, monke
 
     def remote(fn):
         class Remote:
+            def options(self, **resources):
+                sent.append(resources)
+                return self
+
             def remote(self, job):
-                sent.append(job.out)
+                sent.append(job)
                 return job
 
         return Remote()
 
     monkeypatch.setattr(ray, "is_initialized", lambda: True)
     monkeypatch.setattr(ray, "remote", remote)
+    monkeypatch.setattr(ray, "cluster_resources", lambda: {"CPU": 2.0})
     monkeypatch.setattr(ray, "wait", lambda refs, num_returns: (refs[:1], refs[1:]))
     monkeypatch.setattr(ray, "get", lambda job: {"job": job.name, "status": "ok", "run": job.out})
     monkeypatch.chdir(tmp_path)
-    [res] = run_grid([Job("j", ("seed=0",), "rel/run")], "ray")
-    assert sent == [str(tmp_path / "rel" / "run")]
+    [res] = run_grid([Job("j", ("seed=0", "world.name=relworld"), "rel/run")], "ray")
+    assert sent[0] == {"num_gpus": 0} and sent[1].out == str(tmp_path / "rel" / "run")
+    # ... and the paths its overrides name, too (a world directory beside the driver was looked for in the
+    # worker's directory: "not a world directory")
+    assert sent[1].overrides == ("seed=0", f"world.name={json.dumps(str(tmp_path / 'relworld'))}")
     assert res == {"job": "j", "status": "ok", "run": "rel/run"}  # as the local executor reports it
+
+
+def test_a_language_model_job_on_ray_asks_for_a_gpu(tmp_path):
+    """Every grid task asked Ray for no GPU, and Ray 2.60 hides none from such a task: an lm grid on a
+    GPU node packed one job per CPU onto cuda:0 (a helper's review). A sim job asks for none, an lm
+    job on cuda or on auto with GPUs in the cluster for one; cuda on a cluster with none is refused
+    before any job starts (Ray would wait for a GPU forever)."""
+    from selfevo.experiments import _job_gpus
+
+    def job(*overrides):
+        return Job("j", overrides, str(tmp_path / "j"))
+
+    assert _job_gpus(job(*SMALL), 4) == 0
+    assert _job_gpus(job('backend="lm"', 'lm.device="cuda:1"'), 4) == 1
+    assert _job_gpus(job('backend="lm"'), 4) == 1 and _job_gpus(job('backend="lm"'), 0) == 0  # auto
+    assert _job_gpus(job('backend="lm"', 'lm.device="cpu"'), 4) == 0
+    assert _job_gpus(job("no.such_field=1"), 4) == 0  # its worker says what is wrong with it
+    with pytest.raises(ValueError, match="job j: lm.device cuda needs a GPU; the Ray cluster has none"):
+        _job_gpus(job('backend="lm"', 'lm.device="cuda"'), 0)

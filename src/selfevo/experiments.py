@@ -98,13 +98,16 @@ def run_grid(jobs: Sequence[Job], executor: str = "local", workers: int | None =
             from selfevo.agents.lm.workers import start_ray
 
             start_ray()  # a local Ray only with token auth; the command's SIGTERM handling kept
-        remote = ray.remote(run_job)
-        # a worker's working directory is not the driver's (on a cluster, not even its machine): it gets
-        # the run directory as an absolute path, and the result names it as the job does (as locally)
-        pending = {remote.remote(replace(job, out=str(Path(job.out).resolve()),
-                                         overrides=absolute_overrides(job.overrides))): job for job in jobs}
-        # installed after ray.init, whose driver handler makes SIGTERM exit 1 (a failed job's code)
+        pending = {}
         try:
+            remote = ray.remote(run_job)
+            gpus = [_job_gpus(job, ray.cluster_resources().get("GPU", 0)) for job in jobs]  # before any starts
+            # a worker's working directory is not the driver's (on a cluster, not even its machine): it gets
+            # the run directory as an absolute path, and the result names it as the job does (as locally)
+            pending = {remote.options(num_gpus=g).remote(
+                replace(job, out=str(Path(job.out).resolve()), overrides=absolute_overrides(job.overrides))): job
+                for job, g in zip(jobs, gpus)}
+            # installed after ray.init, whose driver handler makes SIGTERM exit 1 (a failed job's code)
             with terminate_raises():
                 while pending:
                     ready, _ = ray.wait(list(pending), num_returns=1)
@@ -130,6 +133,24 @@ def run_grid(jobs: Sequence[Job], executor: str = "local", workers: int | None =
         else:
             _job_processes(jobs, workers, done)
     return [results[j.name] for j in jobs]
+
+
+def _job_gpus(job: Job, cluster_gpus: float) -> int:
+    """The GPUs a Ray task of `job` asks for: one for a language-model run on cuda (or on auto where the
+    cluster has a GPU), else none. A task that asks for none sees every GPU of its node (Ray 2.60 no
+    longer hides them) and would start on cuda:0 beside the others, while GPUs sit idle."""
+    from selfevo.config import ConfigError, load_config
+
+    try:
+        cfg = load_config(overrides=list(job.overrides))
+    except (ConfigError, ValueError):  # the job fails in its worker and says why there
+        return 0
+    device = cfg.lm.device if cfg.backend == "lm" else "cpu"
+    want = 1 if device.startswith("cuda") or (device == "auto" and cluster_gpus >= 1) else 0
+    if want > cluster_gpus:  # Ray would queue the task and wait for a GPU forever
+        raise ValueError(f"job {job.name}: lm.device {device} needs a GPU; the Ray cluster has none "
+                         "(set lm.device = \"cpu\", or join a cluster with GPUs: RAY_ADDRESS)")
+    return want
 
 
 def _job_processes(jobs: Sequence[Job], workers: int, done: Callable[[dict], None]) -> None:
