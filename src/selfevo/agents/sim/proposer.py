@@ -33,7 +33,8 @@ class SimProposerConfig:
     read_temperature: float = 0.3  # low: re-reading a page mostly repeats the same reading
     # paper: the proposer is handed one source document; here it draws `options` pages a proposal and its
     # policy picks among their facts (1 = the paper's uniform source; co-cheating and CrossFit's cut of F
-    # appear either way, part of CrossFit's T_P gain comes from the source choice: docs/results.md)
+    # appear either way, most of CrossFit's T_P gain comes from the source choice: docs/results.md,
+    # "Downstream sensitivity", the given-source variant)
     options: int = 8  # candidate (source, relation) options the policy chooses among
     hop_ratio: tuple[int, ...] = (4, 3, 2, 1)  # paper (Dr. Zero): n-hop ratio 4:3:2:1
     lr: float = 0.5
