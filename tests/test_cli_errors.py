@@ -583,8 +583,9 @@ def test_a_run_damaged_before_its_print_is_named_not_a_traceback(tmp_path, damag
     (["demo", "--world", "small", "--seeds", "1", "--out", "{out}"], "selfevo.demo.run_demo",
      "run the same command again: finished runs are skipped, stopped ones resume"),
     # eval and audit stopped silently too (a helper's review)
+    # (stopped before its first answer: it named an answers file that was not there; a review of the diff)
     (["eval", "--data-dir", "{out}/qa", "--out", "{out}"], "selfevo.evaluate.run_eval",
-     "run the same command again: it goes on from the answers given ({out}/predictions.partial.jsonl)"),
+     "stopped before its first answer: run the same command again"),
     (["audit", "--records", "{records}", "--judge", "gold", "--out", "{out}"], "selfevo.audit.pipeline.audit_to_dir",
      "run the same command again"),
 ])
@@ -601,6 +602,21 @@ def test_ctrl_c_says_how_to_go_on(command, target, says, tmp_path, monkeypatch):
                                       for x in command])
     assert result.exit_code == 130
     assert f"stopped: {out}: {says.replace('{out}', str(out))}" in " ".join(result.output.split())
+
+
+def test_eval_stopped_after_answers_names_the_file_it_goes_on_from(tmp_path, monkeypatch):
+    out = tmp_path / "o"
+
+    def stopped(*a, **k):  # answers appended, then Ctrl-C
+        out.mkdir()
+        (out / "predictions.partial.jsonl").write_text('{"partial_of": {}}\n')
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr("selfevo.evaluate.run_eval", stopped)
+    result = CliRunner().invoke(app, ["eval", "--data-dir", str(tmp_path), "--out", str(out)])
+    assert result.exit_code == 130
+    assert (f"stopped: {out}: run the same command again: it goes on from the answers given "
+            f"({out / 'predictions.partial.jsonl'})") in " ".join(result.output.split())
 
 
 @pytest.mark.parametrize("args, says", [
@@ -852,3 +868,16 @@ def test_retriever_settings_nothing_reads_are_refused(tmp_path):
         port = s.getsockname()[1]
     text = _usage_error(["serve-retriever", "--corpus", str(corpus), "--model", "m", "--port", str(port)])
     assert "encoder model 'm': a bm25 index reads none" in text
+
+
+def test_help_texts_say_what_the_commands_do():
+    """`compare --help` lost "[engine]" (rich read it as markup), and `evolve --treatment` said "coupled
+    (default)" where the config's treatment is the default (a helper's walk through the CLI)."""
+    def said(*args: str) -> str:
+        result = CliRunner().invoke(app, [*args, "--help"], terminal_width=200)
+        assert result.exit_code == 0, result.output
+        return " ".join(result.output.replace("│", " ").split())
+
+    assert "for an engine-run, [engine] table" in said("compare")
+    assert "(default: the config's, else coupled)" in said("evolve") and "coupled (default)" not in said("evolve")
+    assert "rounds 2 and later" in said("replay", "build")

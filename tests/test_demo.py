@@ -102,6 +102,14 @@ def test_demo_end_to_end_without_torch(tmp_path):
     assert "3 finished job(s) of this study, not run again" in " ".join(again.stdout.split())
     assert json.loads((out / "results.json").read_text())["replay"]["conditions"] == \
         json.loads(before)["replay"]["conditions"]
+    # a plan changed since (another replay size: another bank): its journal is the demo's own, started over
+    # (the study was skipped, "holds the finished jobs of another study", and the demo exited 1)
+    cfg.write_text(SMALL_DEMO.replace("replay_size = 200", "replay_size = 150"))
+    third = _demo_without_torch(tmp_path, *args)
+    assert third.returncode == 0, third.stdout + third.stderr
+    assert "the journal of an earlier study (another plan, other runs or another selfevo): started over" in \
+        " ".join(third.stdout.split())
+    assert json.loads((out / "results.json").read_text())["replay"]["bank"]["items"] == 150
 
 
 def test_the_torch_blocker_blocks(tmp_path):

@@ -509,6 +509,33 @@ def test_a_worker_that_dies_fails_its_job_and_the_grid_still_returns(tmp_path, m
     assert [r["status"] for r in run_grid(jobs, "local", workers=2)] == ["skipped", "ok", "skipped", "skipped"]
 
 
+def test_a_local_job_may_start_processes_and_one_slow_to_exit_holds_up_no_other(tmp_path, monkeypatch):
+    """Each local job runs in a process of its own: a daemonic one could start no child ("daemonic
+    processes are not allowed to have children": vLLM's engine does), and one joined before the next
+    result was read held up the grid while a thread it left ran on (a review of the session's diff)."""
+    import multiprocessing
+    import threading
+
+    import selfevo.evolve
+
+    real = selfevo.evolve.evolve
+
+    def evolve(cfg, out, **kwargs):  # the forked job processes inherit this
+        child = multiprocessing.get_context("fork").Process(target=int)
+        child.start()
+        child.join()
+        if str(out).endswith("coupled-s0"):  # a thread of the job's left running after its result
+            threading.Thread(target=time.sleep, args=(120,)).start()
+        return real(cfg, out, **kwargs)
+
+    monkeypatch.setattr(selfevo.evolve, "evolve", evolve)
+    jobs = grid(["coupled"], [0, 1, 2], tmp_path, ONE_ROUND)
+    started = time.monotonic()
+    results = run_grid(jobs, "local", workers=2)
+    assert [r["status"] for r in results] == ["ok"] * 3, results
+    assert time.monotonic() - started < 90  # not the thread's 120 s: killed after a grace period
+
+
 def test_collect_pairs_only_values_that_exist(local_grid, tmp_path):
     """No multi-hop benchmark (a corpus's single-hop QA set) leaves that column's gain empty, and a
     seed whose last round the judge resolved nothing of drops out of the readings' pairs."""
@@ -1254,9 +1281,59 @@ def test_a_language_model_job_on_ray_asks_for_a_gpu(tmp_path):
         return Job("j", overrides, str(tmp_path / "j"))
 
     assert _job_gpus(job(*SMALL), 4) == 0
-    assert _job_gpus(job('backend="lm"', 'lm.device="cuda:1"'), 4) == 1
+    assert _job_gpus(job('backend="lm"', 'lm.device="cuda"'), 4) == 1
     assert _job_gpus(job('backend="lm"'), 4) == 1 and _job_gpus(job('backend="lm"'), 0) == 0  # auto
     assert _job_gpus(job('backend="lm"', 'lm.device="cpu"'), 4) == 0
     assert _job_gpus(job("no.such_field=1"), 4) == 0  # its worker says what is wrong with it
     with pytest.raises(ValueError, match="job j: lm.device cuda needs a GPU; the Ray cluster has none"):
         _job_gpus(job('backend="lm"', 'lm.device="cuda"'), 0)
+    # a task sees its one GPU as cuda:0, so cuda:1 would not be there (a review of the session's diff)
+    assert _job_gpus(job('backend="lm"', 'lm.device="cuda:0"'), 4) == 1
+    with pytest.raises(ValueError, match=r"job j: lm.device cuda:1 on Ray: a task sees only the GPU Ray gives it"):
+        _job_gpus(job('backend="lm"', 'lm.device="cuda:1"'), 4)
+
+
+def test_a_ray_grid_shuts_down_the_ray_it_started_and_cancels_its_tasks_when_stopped(tmp_path, monkeypatch):
+    """A Ray the grid started stayed up after it (9 processes, about 780 MB through the demo's replay and
+    report), and a grid interrupted in a live session left its tasks writing their runs (a helper's
+    review). A Ray that was running before the grid is left running."""
+    ray = pytest.importorskip("ray")
+    import selfevo.agents.lm.workers as workers
+
+    calls = []
+
+    def remote(fn):
+        class Remote:
+            def options(self, **resources):
+                return self
+
+            def remote(self, job):
+                return job.name
+
+        return Remote()
+
+    monkeypatch.setattr(workers, "start_ray", lambda: calls.append("start"))
+    monkeypatch.setattr(ray, "remote", remote)
+    monkeypatch.setattr(ray, "cluster_resources", lambda: {"CPU": 2.0})
+    monkeypatch.setattr(ray, "shutdown", lambda: calls.append("shutdown"))
+    monkeypatch.setattr(ray, "cancel", lambda ref, force: calls.append(f"cancel {ref}"))
+    monkeypatch.setattr(ray, "get", lambda ref: {"job": ref, "status": "ok"})
+    monkeypatch.setattr(ray, "wait", lambda refs, num_returns: (refs[:1], refs[1:]))
+    jobs = [Job(n, ("seed=0",), str(tmp_path / n)) for n in ("a", "b")]
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    assert [r["status"] for r in run_grid(jobs, "ray")] == ["ok", "ok"]
+    assert calls == ["start", "shutdown"]
+    calls.clear()
+
+    def stopped(refs, num_returns):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(ray, "wait", stopped)
+    with pytest.raises(KeyboardInterrupt):
+        run_grid(jobs, "ray")
+    assert calls == ["start", "cancel a", "cancel b", "shutdown"]
+    calls.clear()
+    monkeypatch.setattr(ray, "is_initialized", lambda: True)  # someone else's Ray: joined, not shut down
+    with pytest.raises(KeyboardInterrupt):
+        run_grid(jobs, "ray")
+    assert calls == ["cancel a", "cancel b"]

@@ -73,6 +73,11 @@ def _warnings_as_lines():
         yield
 
 
+def _say(msg: str) -> None:
+    """A line of a command's log: its warnings on stderr, as the command's own are."""
+    (err if msg.lstrip().startswith("warning:") else console).print(escape(msg))
+
+
 def _fail(msg: str) -> None:
     # the message may quote user input; escape it so rich never reads it as markup
     err.print(f"[red]error:[/red] {escape(msg)}")
@@ -182,8 +187,8 @@ def _check_bind(address: str, port: int, exposed: str) -> None:
     except ValueError:
         loopback = False
     if not loopback:
-        console.print(escape(f"warning: --host {address} is reachable from other machines: {exposed}"),
-                      style="yellow")
+        err.print(escape(f"warning: --host {address} is reachable from other machines: {exposed}"),
+                  style="yellow")
 
 
 def _typer(help: str) -> _Typer:
@@ -638,7 +643,7 @@ def engine_run_cmd(
         ecfg = load_engine_config(config, set_, engine=engine)
         with _on_stop(f"{out}: the run goes on from its last finished phase: the same command with --resume"), \
                 _warnings_as_lines():
-            run = engine_run(ecfg, out, resume=resume, log=lambda msg: console.print(escape(msg)))
+            run = engine_run(ecfg, out, resume=resume, log=_say)
     except (ConfigError, RunError, DataError, WorldError, EngineUnavailable) as e:
         _fail(str(e))
     except (GradingFailed, EndpointError, RetrieverError, RoutingError, subprocess.CalledProcessError) as e:

@@ -281,13 +281,14 @@ def config_from_dict(data: dict) -> RunConfig:
 _MEANT_AS_TOML = re.compile(r"[\[{\"'].*|(?=.*[0-9])[+-]?[0-9_]*\.?[0-9_]*(?:[eE][+-]?[0-9_]+)?")
 
 
-def parse_override(text: str) -> tuple[list[str], Any]:
-    """`solver.memory=false` -> (["solver", "memory"], False); values are TOML literals."""
+def parse_override(text: str, set_by: str = "--set") -> tuple[list[str], Any]:
+    """`solver.memory=false` -> (["solver", "memory"], False); values are TOML literals. `set_by`: the
+    option that gave it, as its errors name it."""
     if "=" not in text:
-        raise ConfigError(f"--set {text!r}: expected KEY=VALUE")
+        raise ConfigError(f"{set_by} {text!r}: expected KEY=VALUE")
     key, raw = text.split("=", 1)
     if not key.strip():
-        raise ConfigError(f"--set {text!r}: no field name before '='")
+        raise ConfigError(f"{set_by} {text!r}: no field name before '='")
     path, raw = [part.strip() for part in key.split(".")], raw.strip()
     try:
         value = tomllib.loads(f"v = {raw}")["v"]
@@ -295,7 +296,7 @@ def parse_override(text: str) -> tuple[list[str], Any]:
         if _MEANT_AS_TOML.fullmatch(raw):
             # a list, a quoted string or a number that is no TOML literal ([a,b], .001, 007): say why,
             # rather than pass it on as a string that the field then refuses for its type
-            raise ConfigError(f"{'.'.join(path)}: {raw!r} (--set) is not a TOML value ({e}); write lists and "
+            raise ConfigError(f"{'.'.join(path)}: {raw!r} ({set_by}) is not a TOML value ({e}); write lists and "
                               "strings in them quoted ([\"a\", \"b\"]) and numbers as TOML does (0.001, 7)") from None
         value = raw  # a bare word is a string: a name, a hub id, a path
     return path, value
@@ -306,11 +307,15 @@ def absolute_overrides(overrides: Sequence[str]) -> tuple[str, ...]:
     directory is not this one's (a Ray worker: on a cluster, not even this machine)."""
     out = []
     for text in overrides:
-        keys, value = parse_override(text)
+        try:
+            keys, value = parse_override(text)
+        except ConfigError:  # left as it is: the job fails in its worker and says why there
+            keys, value = [], None
         if isinstance(value, str) and len(keys) == 2:
             fixed = with_absolute_paths({keys[0]: {keys[1]: value}})[keys[0]][keys[1]]
-            if fixed != value:
-                text = f"{'.'.join(keys)}={json.dumps(fixed)}"  # a JSON string is a TOML basic string
+            if fixed != value:  # a JSON string is a TOML basic string (a non-BMP character written as it is:
+                # JSON's surrogate-pair escape is no TOML escape)
+                text = f"{'.'.join(keys)}={json.dumps(fixed, ensure_ascii=False)}"
         out.append(text)
     return tuple(out)
 
@@ -357,7 +362,7 @@ def blame(e: ConfigError, path: str | Path | None, overridden: Sequence[str] = (
     """`e` saying where its field was set: the file (its path first, as for a damaged config.json), a
     `--set`, or a command's option (its message names the field already). The message starts with
     the field it is about ("loop.round: unknown field ...")."""
-    field = str(e).split(":", 1)[0]
+    field = str(e).split(":", 1)[0].split("[", 1)[0]  # "proposer.theta[1]": an item of the field set
 
     def touches(key: str) -> bool:
         return key == field or key.startswith(field + ".") or field.startswith(key + ".")
@@ -381,7 +386,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] = (), set_b
     data: dict = read_toml(path) if path is not None else {}
     overridden = {}
     for text in overrides:
-        keys, value = parse_override(text)
+        keys, value = parse_override(text, set_by)
         data = merge(data, keys, value)
         overridden[".".join(keys)] = value
     for key, value in top.items():

@@ -208,7 +208,7 @@ def check_out(out: Path) -> None:
 
 def run_demo(plan: DemoPlan, out: str | os.PathLike, console: Console | None = None,
              workers: int | None = None) -> dict:
-    from selfevo.replay import ReplayError, build_bank, run_replay, write_results
+    from selfevo.replay import OtherStudyJournal, ReplayError, build_bank, run_replay, write_results
     from selfevo.report.build import DEMO_RECORD, build_report, write_demo_record
 
     console = console or Console()
@@ -262,10 +262,21 @@ def run_demo(plan: DemoPlan, out: str | os.PathLike, console: Console | None = N
                       f"{len(seeds)} seeds")
         try:
             bank = build_bank([coupled[0][1]], plan.replay_size, seed=0, allow_fewer=True)
-            # its journal: a rerun (or one after Ctrl-C) does not run the study's finished jobs again
-            results = run_replay(bank, list(plan.replay_conditions), seeds,
-                                 workers=workers or os.cpu_count() or 1, progress=True,
-                                 journal=out / "replay" / "jobs.jsonl", log=lambda m: console.print(escape(m)))
+            # its journal: a rerun (or one after Ctrl-C) does not run the study's finished jobs again; one
+            # of another study (the plan, the runs or selfevo changed since) is the demo's own: started over
+            journal = out / "replay" / "jobs.jsonl"
+
+            def study():
+                return run_replay(bank, list(plan.replay_conditions), seeds, workers=workers or os.cpu_count() or 1,
+                                  progress=True, journal=journal, log=lambda m: console.print(escape(m)))
+
+            try:
+                results = study()
+            except OtherStudyJournal:
+                console.print(escape(f"{journal}: the journal of an earlier study (another plan, other runs or "
+                                     "another selfevo): started over"))
+                journal.unlink()
+                results = study()
         except ReplayError as e:  # the runs are done: report them, and say why the study is missing
             incomplete.append(f"replay study skipped: {e} (in the demo: raise demo.replay_size, "
                               "loop.admit_per_round or loop.rounds, or set demo.replay_conditions = [])")

@@ -16,6 +16,7 @@ import os
 import signal
 import sys
 import threading
+import time
 import traceback
 from collections.abc import Callable, Sequence
 from concurrent.futures import ProcessPoolExecutor
@@ -146,6 +147,9 @@ def _job_gpus(job: Job, cluster_gpus: float) -> int:
     except (ConfigError, ValueError):  # the job fails in its worker and says why there
         return 0
     device = cfg.lm.device if cfg.backend == "lm" else "cpu"
+    if device.startswith("cuda:") and device != "cuda:0":  # Ray shows a task its one GPU as cuda:0
+        raise ValueError(f"job {job.name}: lm.device {device} on Ray: a task sees only the GPU Ray gives it, as "
+                         "cuda:0; set lm.device = \"cuda\" (Ray picks the GPU)")
     want = 1 if device.startswith("cuda") or (device == "auto" and cluster_gpus >= 1) else 0
     if want > cluster_gpus:  # Ray would queue the task and wait for a GPU forever
         raise ValueError(f"job {job.name}: lm.device {device} needs a GPU; the Ray cluster has none "
@@ -153,20 +157,24 @@ def _job_gpus(job: Job, cluster_gpus: float) -> int:
     return want
 
 
-def _job_processes(jobs: Sequence[Job], workers: int, done: Callable[[dict], None]) -> None:
+def _job_processes(jobs: Sequence[Job], workers: int, done: Callable[[dict], None],
+                   grace: float = 10.0) -> None:
     """Each job in a process of its own, at most `workers` at a time: a job whose process dies (the OOM
     killer, kill -9) fails alone, where a process pool, broken by one death, failed every job not yet
     finished, those never started included. Like `worker_pool`, the processes die with this one and
-    are killed on Ctrl-C or SIGTERM (a rerun of the grid resumes their runs)."""
+    are killed on Ctrl-C or SIGTERM (a rerun of the grid resumes their runs). Not daemonic: a job may
+    start processes of its own (vLLM does). A job's result counts when it is sent: a process slow to
+    exit after it (a thread of the job's left running) holds up nothing, and is killed `grace` seconds
+    after the last job's result if it is still there."""
     ctx = multiprocessing.get_context("fork" if sys.platform.startswith("linux") else "spawn")
-    queue, running = list(jobs), {}  # the result pipe's read end -> (process, job)
+    queue, running, exiting = list(jobs), {}, []  # running: the result pipe's read end -> (process, job)
     with terminate_raises():
         try:
             while queue or running:
                 while queue and len(running) < workers:
                     job = queue.pop(0)
                     recv, send = ctx.Pipe(duplex=False)
-                    proc = ctx.Process(target=_job_process, args=(os.getpid(), job, send), daemon=True)
+                    proc = ctx.Process(target=_job_process, args=(os.getpid(), job, send))
                     proc.start()
                     send.close()  # this end is the child's: its death closes the pipe (EOF), not a hang
                     running[recv] = (proc, job)
@@ -174,16 +182,27 @@ def _job_processes(jobs: Sequence[Job], workers: int, done: Callable[[dict], Non
                     proc, job = running.pop(recv)
                     try:
                         res = recv.recv()
-                    except EOFError:  # died before it sent its result
+                    except (EOFError, OSError):  # died before it sent its result, or while sending it
                         proc.join()
                         res = _died(job, RuntimeError(f"exit code {proc.exitcode}"))
                     recv.close()
-                    proc.join()
+                    proc.join(1.0)  # it exits now, as a rule: then no more than `workers` live at once
+                    exiting.append(proc)
+                    exiting = [p for p in exiting if p.is_alive()]  # (is_alive reaps those that ended)
                     done(res)
         except BaseException:
-            for proc, _ in running.values():
+            for proc in [*exiting, *(p for p, _ in running.values())]:
                 proc.kill()
             raise
+        finally:
+            deadline = time.monotonic() + grace
+            for proc in [*exiting, *(p for p, _ in running.values())]:
+                proc.join(max(0.0, deadline - time.monotonic()))
+                if proc.is_alive():
+                    proc.kill()
+                    proc.join()
+            for recv in running:
+                recv.close()
 
 
 def _job_process(parent: int, job: Job, send) -> None:

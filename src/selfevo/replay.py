@@ -71,6 +71,10 @@ class ReplayError(ValueError):
     """Bad input to the replay (run dirs, bank file, conditions); the message says what to fix."""
 
 
+class OtherStudyJournal(ReplayError):
+    """A journal of another bank, settings, judge or software than the study's."""
+
+
 class InvariantError(AssertionError):
     """The replay changed something other than the feedback solver's training data."""
 
@@ -962,7 +966,7 @@ def _read_journal(path: Path, study: dict, item_ids: Sequence[str] = (),
                 and isinstance(row.get("result"), dict)):
             raise ReplayError(f"{path}:{i}: not a replay job (job, seed, result)")
         if row.get("study") != key:
-            raise ReplayError(f"{path}: holds the finished jobs of another study "
+            raise OtherStudyJournal(f"{path}: holds the finished jobs of another study "
                               f"({_study_changes(row.get('of'), study)}); remove it to start afresh, or choose "
                               "another --out")
         if (wrong := _journal_result_problem(row["job"], row["result"], item_ids, items_kept)) is not None:
