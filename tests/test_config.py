@@ -358,3 +358,23 @@ def test_grid_overrides_sent_to_another_working_directory_carry_absolute_paths(t
     # no KEY=VALUE left for its job to refuse, not raised out of the whole grid (a review of the diff)
     assert [parse_override(x)[1] for x in absolute_overrides(['world.name="wé😀"'])] == [str(tmp_path / "wé😀")]
     assert absolute_overrides(["no equals sign"]) == ("no equals sign",)
+
+
+@pytest.mark.parametrize("overrides, says", [
+    (["data.eval_limit=-1"], "data.eval_limit: must be >= 0"),  # else a bare ValueError at round 0's evaluation
+    (["backend=lm", "search.max_calls=0"], "search.max_calls: must be >= 1"),  # (the sim's hop check hides it)
+    (['data.index="idx"'], "data.index: only with data.corpus"),  # a world run would ignore it
+    (["backend=gpu"], "backend: must be sim or lm"),
+    (['data.corpus="c.jsonl"', 'data.qa_dir="qa"'], "data.corpus: the sim backend runs on the synthetic world only"),
+    (["search.topk=true"], "search.topk: expected an integer"),  # True passed `>= 1`
+    (["seed=true"], "seed: expected an integer"),
+    (["solver.temperature=inf"], "solver.temperature: must be finite"),  # no check of its own refuses inf
+    (["backend=lm", "lm.format_penalty=nan"], "lm.format_penalty: must be finite"),
+    (["solver.temperature=true"], "solver.temperature: expected a number"),  # else float(True) = 1.0
+    (["treatment=crossfit-k3", "loop.source_docs=2"], "treatment: 'crossfit-k3' asks for 3 source folds"),
+    (["world.name=' '"], "world.name: empty"),  # else the directory "./ ", refused only at the run's start
+])
+def test_each_check_of_a_run_config_refuses_by_itself(overrides, says):
+    """Checks no other check stands in for: each named by its field, before anything runs."""
+    with pytest.raises(ConfigError, match=f"^{re.escape(says)}"):
+        load_config(None, overrides)

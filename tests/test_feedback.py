@@ -120,3 +120,39 @@ def test_parse_treatment_names_the_field_for_a_k_of_thousands_of_digits():
         parse_treatment("crossfit-k" + "9" * 5000)
     assert parse_treatment("crossfit-k" + "9" * 18).k == 10**18 - 1
     assert (parse_treatment("msv+crossfit-connected-k3").k, parse_treatment("crossfit-k3").grouping) == (3, "source")
+
+
+@pytest.mark.parametrize("name", ["msv+msv", "MSV+crossfit", "Crossfit"])
+def test_parse_treatment_refuses_a_third_spelling_of_a_treatment(name):
+    """`msv` and `msv+coupled` are one treatment's two names already (reported apart); `msv+msv` and a
+    capitalised name would be more runs of one treatment under names no other run of it shares."""
+    with pytest.raises(ValueError, match="treatment: unknown"):
+        parse_treatment(name)
+
+
+@pytest.mark.parametrize("name", ["crossfit-k1", "crossfit-k0", "msv+crossfit-connected-k1"])
+def test_parse_treatment_refuses_fewer_than_two_folds(name):
+    """With one fold no auxiliary solver can grade another fold's question: refused by the name's own check,
+    before `assign_folds` fails at the run's start."""
+    with pytest.raises(ValueError, match=r"treatment: crossfit needs k >= 2"):
+        parse_treatment(name)
+
+
+def test_aux_feedback_refuses_a_budget_of_nothing_and_a_state_of_other_solvers():
+    """A budget of 0 would leave every auxiliary solver untrained; a saved state with another number of
+    auxiliary solvers (a damaged or foreign checkpoint) loaded the ones it had and left the rest as they were."""
+    from selfevo.loop.feedback import AuxFeedback
+
+    class Stub:
+        def __init__(self, name):
+            self.name, self.lineage, self.state = name, {}, None
+
+        def load_state_dict(self, state):
+            self.state = state
+
+    folds = FoldAssignment(2, 0, "source", {})
+    with pytest.raises(ValueError, match="bad split or budget"):
+        AuxFeedback("crossfit", folds, Stub, 25, 5, budget=0.0)
+    rule = AuxFeedback("crossfit", folds, Stub, 25, 5)
+    with pytest.raises(ValueError):
+        rule.load_state_dict({"aux": [{"w": 1}]})

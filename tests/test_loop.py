@@ -781,3 +781,118 @@ def test_the_progress_bar_numbers_solver_steps_within_their_own_count(tmp_path, 
     steps = [d for d in said if d.startswith("round 1 ")]
     assert steps == ["round 1 proposer step 1", "round 1 proposer step 2", "round 1 proposer step 3",
                      "round 1 solver step 1", "round 1 solver step 2", "round 1 evaluation"], said
+
+
+class _TrackedWithLineage(_Tracked):
+    """_Tracked whose snapshots keep the lineage the loop recorded (as the sim and lm solvers' do)."""
+
+    def snapshot(self, name=None):
+        twin = _TrackedWithLineage(name or self.name, self.trained)
+        twin.lineage = {k: list(v) for k, v in self.lineage.items()}
+        return twin
+
+
+@pytest.mark.parametrize("treatment", ["crossfit", "crossfit-connected-k3", "question-split", "same-source",
+                                       "full-data"])
+def test_a_graders_recorded_lineage_is_what_it_really_trained_on(treatment):
+    """DESIGN.md §2: every grading records the folds and rounds its grader trained on ("cross-fitting is
+    a query over lineage"): checked against the questions the grader was really updated on, the folds
+    counted as the rule counts them (connected: every page read; full-data's aux-all: both folds)."""
+    from selfevo.loop.admission import AdmitAll
+    from selfevo.loop.engine import Loop
+    from selfevo.loop.feedback import AuxFeedback
+    from selfevo.loop.folds import FoldAssignment, question_fold
+    from selfevo.loop.treatments import feedback_options, parse_treatment
+
+    t, opts = parse_treatment(treatment), feedback_options(parse_treatment(treatment))
+    folds = FoldAssignment(t.k, 0, t.grouping, {f"d{i}": i % t.k for i in range(12)})
+    _Tracked.registry = {}
+    proposer, sink = _Pages(), _Rows()
+    cfg = LoopConfig(rounds=3, proposer_steps=2, solver_steps=3, admit_per_round=40)
+    rule = AuxFeedback(t.name, folds, _TrackedWithLineage, cfg.solver_steps, cfg.grader_samples, **vars(opts))
+    Loop(cfg, 0, proposer, _TrackedWithLineage("main"), AdmitAll(), rule, None, folds).run(sink, progress=False)
+
+    def counted(q):  # the folds the rule counts a trained question as
+        p = proposer.written[q]
+        if opts.lineage_aware:
+            return folds.lineage(p.source_ids)
+        return {question_fold(q, 0, t.k) if opts.split == "question" else folds.of(p.source_id)}
+
+    round_of = {it["question"]: row["round"] for row in sink.rows if row["kind"] == "proposer"
+                for it in row["items"]}
+    checked = 0
+    for row in sink.rows:
+        if row["kind"] != "proposer" or row["round"] == 1:
+            continue
+        for it in row["items"]:
+            trained = _Tracked.registry[it["grader"]["id"]].trained
+            assert it["grader"]["trained_on"] == {"folds": sorted({f for q in trained for f in counted(q)}),
+                                                  "rounds": sorted({round_of[q] for q in trained})}
+            checked += 1
+    assert checked > 0
+
+
+def test_a_malformed_proposal_costs_no_check_or_grading_and_never_trains(tmp_path, monkeypatch):
+    """A malformed proposal is neither checked by MSV, nor graded, nor admitted: compute.json counts MSV's
+    6 and the grader's 5 generations for the well-formed ones only (the overheads `compare` reports), and
+    no solver step trains on a malformed one (the items the test above checks leave them out)."""
+    import dataclasses
+
+    from selfevo.agents.sim.proposer import SimProposer
+
+    real = SimProposer.propose
+
+    def some_malformed(self, n, tool, seed):
+        return [dataclasses.replace(p, format_error="empty question") if i % 7 == 3 else p
+                for i, p in enumerate(real(self, n, tool, seed))]
+
+    monkeypatch.setattr(SimProposer, "propose", some_malformed)
+    _, run = run_evolve(tmp_path / "r", extra=["loop.rounds=2", "treatment=msv"])
+    rows = run.steps()
+    malformed = {m["item_id"] for row in rows for m in row.get("malformed", [])}
+    graded = sum(len(row["items"]) for row in rows if row["kind"] == "proposer")
+    trained = {it["item_id"] for row in rows if row["kind"] == "solver" for it in row["items"]}
+    comp = json.loads((run.path / "compute.json").read_text())["generations"]
+    assert malformed and trained and not malformed & trained
+    assert comp["proposer"] == graded + len(malformed)
+    assert (comp["msv"], comp["grader"]) == (6 * graded, 5 * graded)
+
+
+def test_a_solver_step_records_the_main_solver_as_it_answered_and_counts_every_page_read():
+    """A solver item's `grader` is the main solver that produced its rollouts (before the step's update), and
+    the update adds the folds of every page the question read (DESIGN.md §2: lineage on every sample), so a
+    2-hop question from a fold-0 source through a fold-1 page counts as both folds."""
+    from selfevo.agents.base import Proposal
+    from selfevo.loop.admission import AdmitAll, Decision
+    from selfevo.loop.engine import Candidate, Loop
+    from selfevo.loop.feedback import CoupledFeedback
+    from selfevo.loop.folds import FoldAssignment
+    from selfevo.loop.schedule import ScheduledStep
+
+    folds = FoldAssignment(2, 0, "source", {"d0": 0, "d1": 1})
+    main = _TrackedWithLineage("main")
+    loop = Loop(LoopConfig(rounds=1, proposer_steps=1, solver_steps=1, admit_per_round=1), 0, _Pages(), main,
+                AdmitAll(), CoupledFeedback(folds), None, folds)
+    two_hop = Candidate("r1-s1-0", Proposal("q", "y", "d0", ("d0", "d1"), 2), 0, (0, 1), Decision(True, "x"), 1, 1)
+    record = loop.solver_step(ScheduledStep(1, 2, 2, "solver"), [two_hop])
+    assert record["items"][0]["grader"] == {"id": "main", "trained_on": {"folds": [], "rounds": []}}
+    # k and the reward count agreement with the adopted label (MSV's majority), not the draft
+    assert (record["items"][0]["k"], record["items"][0]["reward"]) == (2, 2 / 5)
+    assert main.lineage == {"folds": [0, 1], "rounds": [1]}
+
+
+def test_the_evaluation_is_timed_apart_from_the_training(runs):
+    """compute.json times the per-round evaluation as "eval", the one phase `compare` leaves out of the
+    training's seconds (the same in every arm); timed as another phase it would count as training."""
+    _, run, _, _ = runs
+    seconds = json.loads((run.path / "compute.json").read_text())["seconds"]
+    assert set(seconds) == {"propose", "admit", "grade", "proposer_update", "solver_rollout", "solver_update",
+                            "aux", "eval"}
+    assert seconds["eval"] > seconds["aux"]  # coupled trains no auxiliary solver: its "aux" is ~0
+
+
+def test_the_schedule_takes_at_most_a_million_steps():
+    """docs/reliability.md: "At most 1,000,000 scheduled steps" (the schedule is listed at start-up)."""
+    assert LoopConfig(rounds=1, proposer_steps=500_000, solver_steps=500_000).rounds == 1  # exactly the cap
+    with pytest.raises(ValueError, match=r"= 1,000,001 scheduled steps exceed 1,000,000"):
+        LoopConfig(rounds=1, proposer_steps=500_000, solver_steps=500_001)

@@ -652,3 +652,37 @@ def test_a_finished_run_keeps_no_evaluation_answers_file(tmp_path):
     (run.path / "eval" / "round-3.json").write_text("{}")
     run.finish()
     assert sorted(p.name for p in (run.path / "eval").iterdir()) == ["round-3.json"]
+
+
+@pytest.mark.parametrize("every", [1, 4])
+def test_a_kill_in_a_proposer_step_goes_on_after_the_last_step_checkpoint(tmp_path, monkeypatch, reference, every):
+    """A kill in round 2's 5th proposer step (both cadences checkpointed its 4th) redoes the 5th only: the
+    4th, whose record and admissions the checkpoint holds, is not run again (its records twice, its
+    admissions twice in the pool)."""
+    cfg = cfg_for()
+    crash_at(monkeypatch, "proposer_step", 2, 5)
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        evolve(cfg, tmp_path / "run", progress=False, step_checkpoints=every)
+    run = RunDir(tmp_path / "run")
+    assert json.loads(run.step_checkpoint_path.read_text())["step"] == 11 + 4
+    monkeypatch.undo()
+    proposer = _calls(monkeypatch, "proposer_step")
+    evolve(cfg, run.path, resume=True, progress=False, step_checkpoints=every)
+    assert proposer == [(2, 5), (2, 6)] + [(3, i) for i in range(1, 7)]
+    assert_same_results(run, reference)
+
+
+def test_a_step_checkpoint_follows_the_rounds_last_step_whatever_the_cadence(tmp_path, monkeypatch, reference):
+    """Every 4th step of an 11-step round checkpoints steps 4 and 8, and the 11th, the round's last: a kill
+    in the round's evaluation redoes none of its steps."""
+    cfg = cfg_for()
+    _stop_evaluation(monkeypatch, 2, batches=3)
+    with pytest.raises(RuntimeError, match="simulated crash in the evaluation"):
+        evolve(cfg, tmp_path / "run", progress=False, step_checkpoints=4)
+    run = RunDir(tmp_path / "run")
+    assert json.loads(run.step_checkpoint_path.read_text())["step"] == 11 + 11
+    monkeypatch.undo()
+    solver = _calls(monkeypatch, "solver_step")
+    evolve(cfg, run.path, resume=True, progress=False, step_checkpoints=4)
+    assert {r for r, _ in solver} == {3}
+    assert_same_results(run, reference)
