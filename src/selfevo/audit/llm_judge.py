@@ -53,6 +53,7 @@ import os
 import re
 import string
 import threading
+import weakref
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, as_completed
@@ -434,6 +435,10 @@ class LLMJudge:
         self._settings = {"model": model, "prompt_version": PROMPT_VERSION, "max_tokens": max_tokens,
                           "temperature": temperature, "json_mode": json_mode}
         self._inflight: dict[str, tuple[Future, threading.Event]] = {}  # a call in flight, its batch's stop
+        # a batch's calls that failed for good, by its stop event (kept while the batch is): an item that
+        # shares one and comes after it ended gets its failure, not a call of its own (counted again)
+        self._failed: weakref.WeakKeyDictionary[threading.Event, dict[str, BaseException]] = \
+            weakref.WeakKeyDictionary()
         self._results: dict[str, tuple[Verdict, dict]] = {}
 
     # -------------------------------------------------------------- bookkeeping
@@ -516,6 +521,8 @@ class LLMJudge:
         failed because its own batch was stopped is asked again by a waiting batch still running."""
         while True:
             with self._lock:
+                if (failed := self._failed.get(stop, {}).get(key)) is not None:
+                    raise failed
                 fut, owner_stop = self._inflight.get(key, (None, None))
                 owner = fut is None
                 if owner:
@@ -526,6 +533,9 @@ class LLMJudge:
                     fut.set_result(fn())
                 except BaseException as e:
                     fut.set_exception(e)
+                    if isinstance(e, CallFailed) and not stop.is_set():
+                        with self._lock:
+                            self._failed.setdefault(stop, {})[key] = e
                 finally:
                     with self._lock:
                         self._inflight.pop(key, None)
