@@ -90,9 +90,9 @@ def test_an_evolve_log_names_each_phase_of_the_loop(tmp_path, capsys, monkeypatc
     assert re.search(r"^eval main .*1325/1325", err, re.M)  # round 0: the evaluation's own bar, drawn at its end
     logged = lines("\n".join(line for line in err.splitlines() if LINE.match(line)))
     phases = [d for i, (d, _) in enumerate(logged) if i == 0 or d != logged[i - 1][0]]
-    assert phases == ["evolve", "round 1 proposer step 1", "round 1 proposer step 2", "round 1 solver step 3",
+    assert phases == ["evolve", "round 1 proposer step 1", "round 1 proposer step 2", "round 1 solver step 1",
                       "round 1 auxiliary solvers", "round 1 evaluation",
-                      "round 2 proposer step 1", "round 2 proposer step 2", "round 2 solver step 3",
+                      "round 2 proposer step 1", "round 2 proposer step 2", "round 2 solver step 1",
                       "round 2 evaluation"]  # none trained after the last round
     assert logged[-1] == ("round 2 evaluation", "6")
 
