@@ -378,17 +378,22 @@ def blame(e: ConfigError, path: str | Path | None, overridden: Sequence[str] = (
     return ConfigError(f"{path}: {e}{hint}")
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] = (), set_by: str = "--set",
-                **top: Any) -> RunConfig:
-    """A TOML file (optional), then `--set` overrides, then explicit top-level values (a command's options;
-    one that disagrees with an override of the same field is refused). An error says which of the three
-    set the field (`blame`)."""
-    data: dict = read_toml(path) if path is not None else {}
+def apply_overrides(data: dict, overrides: Sequence[str], set_by: str = "--set") -> tuple[dict, dict]:
+    """`data` with each `--set` text merged in, and the fields they set (dotted key -> value)."""
     overridden = {}
     for text in overrides:
         keys, value = parse_override(text, set_by)
         data = merge(data, keys, value)
         overridden[".".join(keys)] = value
+    return data, overridden
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] = (), set_by: str = "--set",
+                **top: Any) -> RunConfig:
+    """A TOML file (optional), then `--set` overrides, then explicit top-level values (a command's options;
+    one that disagrees with an override of the same field is refused). An error says which of the three
+    set the field (`blame`)."""
+    data, overridden = apply_overrides(read_toml(path) if path is not None else {}, overrides, set_by)
     for key, value in top.items():
         if value is not None:
             if key in overridden and not _same_setting(key, overridden[key], value):  # else one silently lost

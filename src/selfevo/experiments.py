@@ -102,7 +102,8 @@ def run_grid(jobs: Sequence[Job], executor: str = "local", workers: int | None =
         pending = {}
         try:
             remote = ray.remote(run_job)
-            gpus = [_job_gpus(job, ray.cluster_resources().get("GPU", 0)) for job in jobs]  # before any starts
+            have = ray.cluster_resources().get("GPU", 0) if jobs else 0  # (asked once; no job, no question)
+            gpus = [_job_gpus(job, have) for job in jobs]  # all checked before any job starts
             # a worker's working directory is not the driver's (on a cluster, not even its machine): it gets
             # the run directory as an absolute path, and the result names it as the job does (as locally)
             pending = {remote.options(num_gpus=g).remote(
@@ -140,6 +141,7 @@ def _job_gpus(job: Job, cluster_gpus: float) -> int:
     """The GPUs a Ray task of `job` asks for: one for a language-model run on cuda (or on auto where the
     cluster has a GPU), else none. A task that asks for none sees every GPU of its node (Ray 2.60 no
     longer hides them) and would start on cuda:0 beside the others, while GPUs sit idle."""
+    from selfevo.agents.lm.workers import task_gpus
     from selfevo.config import ConfigError, load_config
 
     try:
@@ -150,7 +152,7 @@ def _job_gpus(job: Job, cluster_gpus: float) -> int:
     if device.startswith("cuda:") and device != "cuda:0":  # Ray shows a task its one GPU as cuda:0
         raise ValueError(f"job {job.name}: lm.device {device} on Ray: a task sees only the GPU Ray gives it, as "
                          "cuda:0; set lm.device = \"cuda\" (Ray picks the GPU)")
-    want = 1 if device.startswith("cuda") or (device == "auto" and cluster_gpus >= 1) else 0
+    want = task_gpus(device, cluster_gpus)
     if want > cluster_gpus:  # Ray would queue the task and wait for a GPU forever
         raise ValueError(f"job {job.name}: lm.device {device} needs a GPU; the Ray cluster has none "
                          "(set lm.device = \"cpu\", or join a cluster with GPUs: RAY_ADDRESS)")

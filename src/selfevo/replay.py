@@ -71,6 +71,12 @@ class ReplayError(ValueError):
     """Bad input to the replay (run dirs, bank file, conditions); the message says what to fix."""
 
 
+def creation_times_ok(created: object, sources: int) -> bool:
+    """A bank's `source_created`: one manifest creation time (a number, or null) per source."""
+    return isinstance(created, list) and len(created) == sources and all(
+        c is None or (isinstance(c, (int, float)) and not isinstance(c, bool)) for c in created)
+
+
 class OtherStudyJournal(ReplayError):
     """A journal of another bank, settings, judge or software than the study's."""
 
@@ -282,8 +288,7 @@ class Bank:
             raise ReplayError(f"{where}: field sources should be a list of run directories, "
                               f"got {json.dumps(obj['sources'])[:80]}")
         created = obj.get("source_created", [])
-        if not isinstance(created, list) or (created and len(created) != len(obj["sources"])) or not all(
-                c is None or (isinstance(c, (int, float)) and not isinstance(c, bool)) for c in created):
+        if created != [] and not creation_times_ok(created, len(obj["sources"])):
             raise ReplayError(f"{where}: field source_created should be a list of numbers (or null), one per "
                               f"source, got {json.dumps(created)[:80]}")
         return cls(dict(obj["world"]), obj["seed"], list(obj["sources"]), items, dict(obj["solver"]),

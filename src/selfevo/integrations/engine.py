@@ -57,16 +57,7 @@ from selfevo import _proc
 from selfevo._io import append_jsonl, read_json, read_jsonl_log, remove_leftover_temps, write_json, write_jsonl
 from selfevo.agents.lm.config import LMConfig
 from selfevo.agents.lm.model import model_identity
-from selfevo.config import (
-    ConfigError,
-    RunConfig,
-    blame,
-    check_known,
-    config_from_dict,
-    merge,
-    parse_override,
-    read_toml,
-)
+from selfevo.config import ConfigError, RunConfig, apply_overrides, blame, check_known, config_from_dict, read_toml
 from selfevo.integrations.admit import (
     admit_round,
     commit_records,
@@ -268,11 +259,7 @@ def load_engine_config(path: str | Path, overrides: list[str] = (), engine: str 
     data = _read_yaml(path) if path.suffix in (".yaml", ".yml") else read_toml(path)
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: expected a table at the top level")
-    overridden = []
-    for item in overrides:
-        keys, value = parse_override(item)
-        data = merge(data, keys, value)
-        overridden.append(".".join(keys))
+    data, overridden = apply_overrides(data, overrides)
     try:
         return engine_config_from_dict(data, engine)
     except ConfigError as e:

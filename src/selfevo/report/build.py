@@ -98,9 +98,10 @@ def build_report(root: str | os.PathLike, context: str = "", runs: Sequence[str 
         sources = bank.get("sources")
         if not isinstance(sources, list) or not all(isinstance(x, str) for x in sources):
             raise RunError(f"{replay_results}: field bank.sources should be a list of run directories")
+        from selfevo.replay import creation_times_ok
+
         created = bank.get("source_created") or [None] * len(sources)  # (a study from before it was kept)
-        if not isinstance(created, list) or len(created) != len(sources) or not all(
-                c is None or isinstance(c, (int, float)) and not isinstance(c, bool) for c in created):
+        if not creation_times_ok(created, len(sources)):
             raise RunError(f"{replay_results}: field bank.source_created should be a list of numbers (or null), "
                            "one per source")
         mine = {Path(r).resolve() for r in runs}

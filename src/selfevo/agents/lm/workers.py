@@ -81,6 +81,12 @@ def check_ray_address(address: str | None, timeout: float = 5.0) -> None:
                          "cluster's head there (`ray start --head`), or unset RAY_ADDRESS for a local Ray") from None
 
 
+def task_gpus(device: str, cluster_gpus: float, tasks: int = 1) -> int:
+    """The GPUs a Ray task running a model on `device` asks for: one on cuda, or on auto where the
+    cluster has one for each of `tasks`; else none."""
+    return 1 if device.startswith("cuda") or (device == "auto" and cluster_gpus >= tasks) else 0
+
+
 class WorkerDied(RuntimeError):
     """A rollout worker (a Ray actor) died: its process was killed, ran out of memory, or its node left."""
 
@@ -184,12 +190,8 @@ class RolloutWorkers:
         self._corpus_sha: str | None = None
         if not ray.is_initialized():
             start_ray()
-        gpus = 0
-        if cfg.device.startswith("cuda"):
-            gpus = 1
-        elif cfg.device == "auto" and ray.cluster_resources().get("GPU", 0) >= n_workers:
-            gpus = 1
         have = ray.cluster_resources()
+        gpus = task_gpus(cfg.device, have.get("GPU", 0), n_workers)
         if have.get("CPU", 0) < n_workers or have.get("GPU", 0) < gpus * n_workers:
             # Ray would queue the actors that do not fit and wait for them forever
             need = f"{n_workers} CPUs" + (f" and {n_workers} GPUs" if gpus else "")
