@@ -3,7 +3,9 @@
 #   1. the real-model backend tests on the GPU (tests/test_lm_backend.py, SELFEVO_TEST_DEVICE=cuda):
 #      masks on the real tokenizer, a rewarded sequence gains probability, checkpoint round trip
 #      (weights + AdamW moments), frozen snapshots, full fine-tuning, batched generation;
-#   2. rollout throughput, bfloat16 (benchmarks/rollout.py --device cuda);
+#   2. where a decoding step's time goes, bfloat16 (benchmarks/decode_profile.py --device cuda: ms a step
+#      for 1, 16 and 64 rows, LoRA off and on, and a torch profile of 1 and 64 rows; the rollout
+#      throughput of benchmarks/rollout.py --device cuda was measured on an H200, docs/benchmarks.md);
 #   3. a CrossFit loop end to end on the GPU (configs/lm-tiny.toml, larger: ADMIT=16 proposals a step,
 #      NEW_TOKENS=128 an action, EVAL_LIMIT=5 questions a benchmark in every evaluation, GEN_BATCH rows
 #      generated together: on a GPU a 135M model's decoding costs per step, not per row), timed. On an
@@ -19,6 +21,10 @@
 # STEPS picks the steps (default "1 2 3 4"); each step's whole output is in $OUT.
 #
 #   OUT=gpu-out CORPUS=../shared/data/corpus/wiki18-mini.jsonl QA=../shared/data/qa bash benchmarks/gpu_check.sh
+# On the device tool's machines, which reach no network: benchmarks/gpu_pack.sh here, then gpu_unpack.sh
+# there (it sets CORPUS, QA, WORK and PYTHONPATH); sized for a 15-minute lease (not yet run on a GPU):
+#   source benchmarks/gpu_unpack.sh && STEPS="2 3 4" ADMIT=8 NEW_TOKENS=48 LOOP_TIMEOUT=270 \
+#     REPLAY_TIMEOUT=110 bash benchmarks/gpu_check.sh
 set -uo pipefail
 OUT=${OUT:-gpu-out}
 CORPUS=${CORPUS:-../shared/data/corpus/wiki18-mini.jsonl}
@@ -56,9 +62,10 @@ if step 1; then
 fi
 
 if step 2; then
-  echo "== 2. rollout throughput"
-  python3 benchmarks/rollout.py --device cuda --dtype bfloat16 --prompts 32 --new-tokens 64 --repeats 2 \
-    --modes batched,sequential --qa-dir "$QA" --out "$OUT/benchmarks.md" 2>&1 | tail -12
+  echo "== 2. where a decoding step's time goes" | tee "$OUT/profile.txt"
+  timeout -k 10 "${PROFILE_TIMEOUT:-150}" python3 benchmarks/decode_profile.py --device "$DEVICE" --dtype bfloat16 \
+    --rows 1,16,64 --new-tokens 16 --repeats 2 --qa-dir "$QA" --out "$OUT/benchmarks.md" >> "$OUT/profile.txt" 2>&1
+  grep -v -i warn "$OUT/profile.txt" | tail -14
 fi
 
 if step 3; then
