@@ -38,22 +38,24 @@ def sync(device: str) -> None:
         torch.cuda.synchronize(torch.device(device))
 
 
-def generate(policy: LMPolicy, text: str, rows: int, tokens: int, stops: bool) -> None:
+def generate(policy: LMPolicy, name: str | None, text: str, rows: int, tokens: int, stops: bool) -> None:
+    """`rows` copies of `text` continued by policy `name` (None: the base model, the adapter off)."""
     tok = policy.tokenizer
     enc = tok([text] * rows, return_tensors="pt", padding=True, add_special_tokens=False).to(policy.device)
     kwargs = dict(max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False, temperature=None, top_p=None,
                   top_k=None, pad_token_id=tok.pad_token_id, use_cache=True)
     if stops:  # never met with min_new_tokens, but checked at every step, as in LMPolicy.generate
         kwargs.update(stop_strings=list(STOP_STRINGS), tokenizer=tok)
-    with torch.no_grad():
-        policy.peft.generate(**enc, **kwargs)
+    with torch.no_grad(), policy._active(name) as model:
+        model.generate(**enc, **kwargs)
     sync(policy.device)
 
 
-def step_ms(policy: LMPolicy, text: str, rows: int, tokens: int, stops: bool, repeats: int) -> float:
+def step_ms(policy: LMPolicy, name: str | None, text: str, rows: int, tokens: int, stops: bool,
+            repeats: int) -> float:
     def timed(n: int) -> float:
         start = time.perf_counter()
-        generate(policy, text, rows, n, stops)
+        generate(policy, name, text, rows, n, stops)
         return time.perf_counter() - start
 
     timed(2)  # warm-up: kernels chosen, caches allocated
@@ -70,10 +72,10 @@ def profile_rows(policy: LMPolicy, text: str, rows: int, tokens: int) -> tuple[l
 
     gpu = policy.device.startswith("cuda")
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if gpu else [])
-    generate(policy, text, rows, 2, True)
+    generate(policy, "bench", text, rows, 2, True)
     with profile(activities=acts) as prof:
         start = time.perf_counter()
-        generate(policy, text, rows, tokens, True)
+        generate(policy, "bench", text, rows, tokens, True)
         wall = time.perf_counter() - start
     events = prof.key_averages()
     key = "self_device_time_total" if gpu else "self_cpu_time_total"
@@ -108,19 +110,10 @@ def main() -> None:
     policy.new("bench")
     question = next(iter(read_qa_dir(args.qa_dir).values()))[0].question
     text = policy.render(solver_messages(question))
-    variants = {"base model": ("off", False), "LoRA": ("on", False), "LoRA + stop strings": ("on", True)}
+    variants = {"base model": (None, False), "LoRA": ("bench", False), "LoRA + stop strings": ("bench", True)}
     rows = [int(r) for r in args.rows.split(",")]
-    ms: dict[str, list[float]] = {}
-    for label, (adapter, stops) in variants.items():
-        for n in rows:
-            if adapter == "off":
-                with policy.peft.disable_adapter():
-                    value = step_ms(policy, text, n, args.new_tokens, stops, args.repeats)
-            else:
-                policy.peft.set_adapter("bench")
-                value = step_ms(policy, text, n, args.new_tokens, stops, args.repeats)
-            ms.setdefault(label, []).append(value)
-    policy.peft.set_adapter("bench")
+    ms = {label: [step_ms(policy, name, text, n, args.new_tokens, stops, args.repeats) for n in rows]
+          for label, (name, stops) in variants.items()}
     profiles = {n: profile_rows(policy, text, n, args.new_tokens) for n in dict.fromkeys((rows[0], rows[-1]))}
 
     table = Table(title=f"ms per decoding step: {args.model}, {args.device}, {args.dtype}")
