@@ -29,6 +29,7 @@ from selfevo.data import (
     describe_hub_error,
     download_data,
     load_split,
+    parse_benchmarks,
     subsample,
 )
 
@@ -648,3 +649,222 @@ def test_eval_and_score_refuse_an_out_read_as_a_benchmark(tmp_path):
         res = CliRunner().invoke(app, args)
         assert res.exit_code == 2 and "would be read as a benchmark" in res.output, res.output
     assert sorted(p.name for p in qa.iterdir()) == ["nq.jsonl"]
+
+
+# Tests of a mutation sweep (forty-first session): each passes on the code and fails on the mutant its docstring names.
+
+def test_golden_answers_wins_over_answers_and_a_null_field_is_absent():
+    """FlashRAG's field first (mutant: `answers` tried first); a null `golden_answers` falls through to the
+    next field, as if absent (mutant: null read as the value, "must be a list")."""
+    from selfevo.data import _answers
+
+    assert _answers({"golden_answers": ["a"], "answers": ["b"]}, "f", 1) == ["a"]
+    assert _answers({"golden_answers": None, "answers": ["b"]}, "f", 1) == ["b"]
+    with pytest.raises(DataError, match="f:1: missing field 'golden_answers'"):
+        _answers({"golden_answers": None}, "f", 1)
+
+
+def test_a_boolean_answer_is_refused_not_read_as_true(tmp_path):
+    """(mutant: the bool exclusion dropped, [true] became the answer "True")"""
+    src = _qa_fixture(tmp_path, ['{"id": "test_0", "question": "q?", "golden_answers": [true]}'])
+    with pytest.raises(DataError, match=r"test.jsonl:1: field 'golden_answers' must hold only strings, got bool"):
+        convert_benchmark(src, "nq", tmp_path / "out" / "nq.jsonl")
+
+
+def test_an_item_with_one_blank_alias_keeps_its_others(tmp_path):
+    """One alias with text is enough (mutant: `all` for `any`, which skipped the item); `available`
+    counts the usable items, not the skipped ones."""
+    src = _qa_fixture(tmp_path, ['{"id": "test_0", "question": "q?", "golden_answers": ["Paris", ""]}',
+                                 '{"id": "test_1", "question": "q?", "golden_answers": [" "]}'])
+    info = convert_benchmark(src, "nq", tmp_path / "nq.jsonl")
+    assert (info["items"], info["available"], info["skipped"]) == (1, 1, 1)
+    assert [it.golden_answers for it in read_qa(tmp_path / "nq.jsonl")] == [("Paris",)]
+
+
+def test_a_split_with_no_usable_item_is_an_error_and_writes_nothing(tmp_path):
+    """(mutant: the "no usable QA items" check dropped: an empty benchmark file was written)"""
+    src = _qa_fixture(tmp_path, ['{"id": "test_0", "question": "q?", "golden_answers": ["The"]}',
+                                 '{"id": "test_1", "question": "q?", "golden_answers": [""]}'])
+    dest = tmp_path / "out" / "nq.jsonl"
+    with pytest.raises(DataError, match="no usable QA items"):
+        convert_benchmark(src, "nq", dest)
+    assert not dest.exists()
+
+
+def test_convert_benchmark_refuses_an_unknown_name(tmp_path):
+    """(mutant: the check dropped: a KeyError from the table)"""
+    src = _qa_fixture(tmp_path, ['{"id": "test_0", "question": "q?", "golden_answers": ["x"]}'])
+    with pytest.raises(ValueError, match="unknown benchmark 'squad'"):
+        convert_benchmark(src, "squad", tmp_path / "squad.jsonl")
+
+
+def test_a_benchmark_file_that_does_not_read_back_is_refused_and_nothing_is_left(tmp_path, monkeypatch):
+    """The read-back guard (mutant: dropped) and the staging file's removal when it fires (mutant: kept)."""
+    src = _qa_fixture(tmp_path, ['{"id": "test_0", "question": "q?", "golden_answers": ["x"]}'])
+    monkeypatch.setattr(data, "iter_qa", lambda path: iter(()))  # as if the writer had lost the lines
+    out = tmp_path / "out"
+    with pytest.raises(DataError, match="does not read back as written"):
+        convert_benchmark(src, "nq", out / "nq.jsonl")
+    assert list(out.iterdir()) == []
+
+
+def test_corpus_ids_of_other_digits_are_ids_like_any_other(tmp_path):
+    """"²" is a digit to str.isdigit but not to int() (mutant: the isascii() guard dropped: a ValueError)."""
+    src = tmp_path / "c.jsonl"
+    src.write_text("".join(json.dumps({"id": i, "contents": "T\nx"}) + "\n" for i in ("²", "٣", "3", "2")))
+    assert convert_corpus(src, tmp_path / "out.jsonl")["passages"] == 4
+
+
+def test_corpus_lines_as_the_corpus_reader_takes_them(tmp_path):
+    """Empty contents are a passage (mutant: refused), a BOM past line 1 is malformed JSON as the reader has
+    it (mutant: stripped on every line), CRLF lines are written with LF (mutant: the CR kept)."""
+    src = tmp_path / "c.jsonl"
+    src.write_bytes(b'{"id": "1", "contents": ""}\r\n{"id": "2", "contents": "T\\nx"}\r\n')
+    assert convert_corpus(src, tmp_path / "out.jsonl")["passages"] == 2
+    assert (tmp_path / "out.jsonl").read_bytes() == b'{"id": "1", "contents": ""}\n{"id": "2", "contents": "T\\nx"}\n'
+    src.write_bytes(b'{"id": "1", "contents": "a"}\n\xef\xbb\xbf{"id": "2", "contents": "b"}\n')
+    with pytest.raises(DataError, match=r"c.jsonl:2: malformed JSON"):
+        convert_corpus(src, tmp_path / "bom.jsonl")
+
+
+def test_an_empty_or_missing_corpus_is_one_data_error(tmp_path):
+    """(mutants: "corpus is empty" dropped, an empty file written; the existence check dropped, a
+    FileNotFoundError traceback)"""
+    src = tmp_path / "c.jsonl"
+    src.write_text("\n  \n")
+    with pytest.raises(DataError, match="corpus is empty"):
+        convert_corpus(src, tmp_path / "out.jsonl")
+    assert not (tmp_path / "out.jsonl").exists()
+    with pytest.raises(DataError, match="nope.jsonl: file not found"):
+        convert_corpus(tmp_path / "nope.jsonl", tmp_path / "out.jsonl")
+
+
+def test_corpus_progress_is_reported_every_n_passages(tmp_path):
+    src = tmp_path / "c.jsonl"
+    src.write_text("".join(json.dumps({"id": str(i), "contents": "T\nx"}) + "\n" for i in range(5)))
+    seen = []
+    convert_corpus(src, tmp_path / "out.jsonl", progress=seen.append, every=2)
+    assert seen == [2, 4]
+
+
+def test_a_zip_corpus_names_its_one_jsonl_and_is_hashed_whole(tmp_path):
+    """macOS's `__MACOSX/._x.jsonl` is not a second corpus (mutant: counted), two real ones are an error
+    (mutant: the first taken), and the source sha256 is the archive's (mutant: not checked anywhere)."""
+    lines = b"".join(_head(5))
+    mac = tmp_path / "mac.zip"
+    with zipfile.ZipFile(mac, "w") as zf:
+        zf.writestr("wiki.jsonl", lines)
+        zf.writestr("__MACOSX/._wiki.jsonl", b"\x00\x05\x16\x07")
+    info = convert_corpus(mac, tmp_path / "a.jsonl")
+    assert info["passages"] == 5 and info["source_sha256"] == file_sha256(mac)
+    two = tmp_path / "two.zip"
+    with zipfile.ZipFile(two, "w") as zf:
+        zf.writestr("a.jsonl", lines)
+        zf.writestr("b.jsonl", lines)
+    with pytest.raises(DataError, match="expected one .jsonl file in the archive"):
+        convert_corpus(two, tmp_path / "b.jsonl")
+
+
+def test_parse_benchmarks_any_case_canonical_order_and_slips_refused():
+    """(mutants: no lower(); the order as given; an empty list returning []; "all" among others)"""
+    assert parse_benchmarks(" HotpotQA , NQ ") == ["nq", "hotpotqa"]
+    assert parse_benchmarks(["bamboogle", "nq"]) == ["nq", "bamboogle"]
+    assert parse_benchmarks(None) == parse_benchmarks("all") == list(data.BENCHMARKS)
+    for spec in ("", ",", " , "):
+        with pytest.raises(ValueError, match="name at least one"):
+            parse_benchmarks(spec)
+    with pytest.raises(ValueError, match="unknown benchmark.s. all"):
+        parse_benchmarks("all,nq")
+
+
+def test_a_file_changed_in_place_at_the_same_size_is_fetched_again(hub, tmp_path):
+    """The sha256 is compared, not only the size (mutant: the sha256 check dropped)."""
+    out = tmp_path / "data"
+    download_data(out, "nq", per_benchmark=20, corpus=False, download=FakeHub(hub), log=lambda m: None)
+    path = out / "qa" / "nq.jsonl"
+    good = path.read_bytes()
+    i = good.index(b'"question": "') + len(b'"question": "')
+    path.write_bytes(good[:i] + (b"X" if good[i:i + 1] != b"X" else b"Y") + good[i + 1:])
+    fake = FakeHub(hub)
+    download_data(out, "nq", per_benchmark=20, corpus=False, download=fake, log=lambda m: None)
+    assert [f for _, f, _ in fake.calls] == ["nq/test.jsonl"] and path.read_bytes() == good
+
+
+def test_per_benchmark_0_keeps_every_item_and_seed_chooses_them(hub, tmp_path):
+    """per_benchmark=0 is "keep all" (mutant: refused as < 1); the seed given is the seed used (mutant: 0)."""
+    out = tmp_path / "data"
+    download_data(out, "nq,popqa", per_benchmark=0, corpus=False, download=FakeHub(hub), log=lambda m: None)
+    assert {b: len(v) for b, v in read_qa_dir(out / "qa").items()} == {"nq": 200, "popqa": 200}
+    download_data(tmp_path / "s", "nq", per_benchmark=20, seed=7, corpus=False, download=FakeHub(hub),
+                  log=lambda m: None)
+    items, _ = load_split(hub / data.QA_REPO / "nq" / "test.jsonl", "nq")
+    want = [it.id for it in subsample(items, 20, seed=7, benchmark="nq")]
+    assert [it.id for it in read_qa(tmp_path / "s" / "qa" / "nq.jsonl")] == want
+
+
+def test_bamboogle_is_not_fetched_again_for_another_per_benchmark(hub, tmp_path):
+    """Bamboogle is kept whole, so its request leaves out per_benchmark and seed (mutant: they were in it,
+    and every other --per-benchmark refetched it)."""
+    out = tmp_path / "data"
+    download_data(out, "nq,bamboogle", per_benchmark=50, corpus=False, download=FakeHub(hub), log=lambda m: None)
+    fake = FakeHub(hub)
+    download_data(out, "nq,bamboogle", per_benchmark=20, seed=3, corpus=False, download=fake, log=lambda m: None)
+    assert [f for _, f, _ in fake.calls] == ["nq/test.jsonl"]
+
+
+def test_the_downloaded_qa_directory_is_read_back_whole(hub, tmp_path):
+    """After the downloads every QA file reads back, ids unique across files (mutant: the read-back dropped:
+    a file of one's own in qa/ with an id of the download's went unsaid until `eval`)."""
+    out = tmp_path / "data"
+    (out / "qa").mkdir(parents=True)
+    (out / "qa" / "mine.jsonl").write_text('{"id": "nq-test_0", "question": "q?", "golden_answers": ["x"]}\n')
+    with pytest.raises(DataError, match="id 'nq-test_0' also appears in"):
+        download_data(out, "nq", per_benchmark=0, corpus=False, download=FakeHub(hub), log=lambda m: None)
+
+
+def test_a_manifest_without_a_files_object_is_one_error(tmp_path):
+    """(mutant: only the top level checked: a KeyError / AttributeError traceback)"""
+    out = tmp_path / "data"
+    out.mkdir()
+    for manifest in ({"format": 1}, {"format": 1, "files": []}):
+        (out / "manifest.json").write_text(json.dumps(manifest))
+        with pytest.raises(DataError, match="not a manifest written by `selfevo data download`"):
+            download_data(out, "nq", corpus=False, download=no_network, dry_run=True, log=lambda m: None)
+
+
+def test_hub_download_asks_for_a_dataset_repo(monkeypatch, tmp_path):
+    """Both repos are dataset repos (mutant: repo_type "model": every real download a 404)."""
+    hf = pytest.importorskip("huggingface_hub")
+    asked = []
+    monkeypatch.setattr(hf, "hf_hub_download", lambda **kw: asked.append(kw) or str(tmp_path / "f"))
+    assert data.hub_download("o/r", "nq/test.jsonl", "v1") == tmp_path / "f"
+    assert asked == [{"repo_id": "o/r", "filename": "nq/test.jsonl", "repo_type": "dataset", "revision": "v1"}]
+
+
+def test_hub_errors_of_other_versions_and_shapes():
+    """EntryNotFoundError (huggingface_hub 0.2x) is a missing file, so the other split is tried (mutant: only
+    RemoteEntryNotFoundError); OfflineModeIsEnabled says HF_HUB_OFFLINE (mutant: its branch dropped); an error
+    with no text says its type (mutant: "cannot fetch ...: " and nothing); a snapshots path whose next part is
+    no commit gives none (mutant: its length not checked)."""
+    def named(name):
+        return type(name, (Exception,), {})("detail")
+
+    assert isinstance(describe_hub_error(named("EntryNotFoundError"), "o/r", "f", None), MissingFileError)
+    assert str(describe_hub_error(named("OfflineModeIsEnabled"), "o/r", "f", None)) == \
+        "cannot fetch o/r/f: HF_HUB_OFFLINE is set"
+    assert str(describe_hub_error(ConnectionError(), "o/r", "f", None)) == "cannot fetch o/r/f: ConnectionError"
+    assert commit_of("/c/datasets--o--r/snapshots/main/nq/test.jsonl") is None
+
+
+def test_a_corpus_is_gzip_by_its_content_whatever_its_name_as_the_reader_takes_it(tmp_path):
+    """convert_corpus chose gzip by the file's name while selfevo.corpus reads by content: a gzip stream
+    named .jsonl was "invalid UTF-8 at byte 1", a plain file named .jsonl.gz a "corrupt or truncated archive",
+    where the reader took both (a mutation sweep's finding)."""
+    line = b'{"id": "1", "contents": "T\\nx"}\n'
+    for name, blob in (("wiki.jsonl", gzip.compress(line)), ("wiki.jsonl.gz", line)):
+        src = tmp_path / name
+        src.write_bytes(blob)
+        assert [d.id for d in read_corpus(src)] == ["1"]
+        out = tmp_path / f"out-{name}.jsonl"
+        convert_corpus(src, out)
+        assert [json.loads(x)["id"] for x in out.read_text().splitlines()] == ["1"]

@@ -24,13 +24,16 @@ from selfevo.evaluate import (
     BENCHMARKS,
     MULTI_HOP,
     SINGLE_HOP,
+    PartialFileError,
     answers_match,
+    benchmark_order,
     cover_em,
     evaluate_solver,
     exact_match,
     hop_group,
     mentions,
     normalize_answer,
+    print_score_table,
     read_predictions,
     score_files,
     score_items,
@@ -919,3 +922,208 @@ def test_a_lone_surrogate_in_an_answer_is_written_as_u_fffd(tmp_path):
     assert result["benchmarks"]["nq"]["cover_em"] == 1.0
     rows = [json.loads(x) for x in (tmp_path / "predictions.jsonl").read_text(encoding="utf-8").splitlines()]
     assert rows[0]["prediction"] == "Paris0 \ufffd" and rows[0]["searches"] == ["Paris0 question\ufffd"]
+
+
+# Tests of a mutation sweep (forty-first session): each passes on the code and fails on the mutant its docstring names.
+
+def test_f1_passes_over_a_yes_no_alias_it_cannot_credit_and_tries_the_next():
+    """FlashRAG `continue`s past a yes/no alias that differs; stopping there (`break`) scored 0 for the
+    right answer given after it (mutant: continue -> break)."""
+    assert token_f1("yes", ["no", "yes"]) == 1.0
+    assert token_f1("Paris, France", ["no", "Paris"]) == pytest.approx(2 / 3)
+
+
+def test_public_exact_match_and_f1_normalize_the_golds_as_cover_em_does():
+    """`exact_match` / `token_f1` normalize the gold aliases too (only `cover_em` was compared with the
+    reference; mutants: golds only lower-cased in either)."""
+    golds = ["The Beatles!"]
+    assert cover_em("beatles", golds) == exact_match("beatles", golds) == token_f1("beatles", golds) == 1.0
+    assert exact_match("BEATLES", "The Beatles") == 1.0
+
+
+def test_mentions_normalizes_the_text_and_an_empty_answer_is_in_nothing():
+    """The text is normalized like the answer (punctuation beside the word: mutant `text.lower()`), and an
+    answer that normalizes to nothing is in no text, not even an empty one (mutant: `bool(a) and` dropped,
+    where `"  " in "  "` held)."""
+    assert mentions("Was it in Paris?", "paris")
+    assert mentions('He said "Paris," then left.', "PARIS")
+    assert not mentions("", "the") and not mentions("The", "a")
+
+
+def test_benchmarks_of_ones_own_come_after_the_seven_alphabetically():
+    """(mutant: the others sorted in reverse)"""
+    assert benchmark_order(["zeta", "hotpotqa", "alpha", "nq"]) == ["nq", "hotpotqa", "alpha", "zeta"]
+    data = {b: [_item(f"{b}1", b, "x")] for b in ("zeta", "alpha", "nq")}
+    assert list(score_predictions(data, {})["benchmarks"]) == ["nq", "alpha", "zeta"]
+
+
+def test_hop_group_of_ones_own_needs_one_known_hop_said_by_every_item():
+    """Items that say "single" and "multi" put their benchmark in neither group (mutant: one of the two, set
+    order; score_predictions' test checked multi_hop only), nor does a hop other than the two (mutant:
+    any value passed through)."""
+    def items(*hops):
+        return [QAItem(f"c{i}", "q", ("z",), {"benchmark": "custom", **({"hop": h} if h else {})})
+                for i, h in enumerate(hops)]
+
+    assert hop_group("custom", items("multi", "multi")) == "multi"
+    assert hop_group("custom", items("single", "multi")) is None
+    assert hop_group("custom", items("multi", "single")) is None
+    assert hop_group("custom", items("2", "2")) is None and hop_group("custom", items(None)) is None
+    both = score_predictions({"custom": items("single", "multi")}, {"c0": "z"})
+    assert both["single_hop"]["cover_em"] is None and both["multi_hop"]["cover_em"] is None
+
+
+def test_read_predictions_refuses_an_empty_file_and_a_duplicate_names_its_first_line(tmp_path):
+    """(mutants: the "no predictions in file" check dropped; "first on line N" naming the duplicate's own line)"""
+    empty = _write(tmp_path / "empty.jsonl", ["", "  "])
+    with pytest.raises(DataError, match="no predictions in file"):
+        read_predictions(empty)
+    dup = _write(tmp_path / "p.jsonl", ['{"id": "a", "prediction": "x"}', '{"id": "b", "prediction": "y"}',
+                                        '{"id": "a", "prediction": "z"}'])
+    with pytest.raises(DataError, match=r":3: duplicate id 'a' \(first on line 1\)"):
+        read_predictions(dup)
+
+
+def test_the_score_table_shows_missing_answers_and_the_number_of_questions():
+    """(mutants: the "(N missing)" note dropped; the macro row's question count dropped)"""
+    from rich.console import Console
+
+    data = {"nq": [_item("n1", "nq", "paris"), _item("n2", "nq", "rome")],
+            "musique": [_item("m1", "musique", "x")]}
+    console = Console(record=True, width=200)
+    print_score_table(score_predictions(data, {"n1": "paris", "m1": "x"}), console)
+    lines = console.export_text().splitlines()
+    assert any("nq" in line and "2 (1 missing)" in line for line in lines)
+    (macro,) = [line for line in lines if "macro" in line]
+    assert [c.strip() for c in macro.split("│")][2] == "3"
+
+
+def test_evaluate_solver_refuses_a_limit_or_batch_size_below_one():
+    """limit=-1 took `items[:-1]`: every benchmark but its last question, silently (mutant: `_select`'s check
+    dropped); batch_size=0 failed inside range() (mutant: `< 0`)."""
+    data = {"nq": [_item(f"n{i}", "nq", f"paris{i}") for i in range(3)]}
+    tool = SearchTool(_FakeRetriever([]))
+    solver = _EchoSolver()
+    for limit in (0, -1):
+        with pytest.raises(ValueError, match="limit must be >= 1"):
+            evaluate_solver(solver, data, tool, limit=limit, progress=False)
+    with pytest.raises(ValueError, match="batch_size must be >= 1"):
+        evaluate_solver(solver, data, tool, batch_size=0, progress=False)
+    assert solver.calls == []
+
+
+@pytest.mark.parametrize("shape", ["one more", "an empty list"])
+def test_evaluate_solver_refuses_a_solver_that_returns_extra_or_empty_answers(shape):
+    """More trajectory lists than questions were cut off by zip (an answer list out of step with its
+    questions, scored as if in step; mutant `<` for `!=`), and an empty list was an unpacking ValueError
+    (mutant: the emptiness check dropped)."""
+    from selfevo.agents.base import Trajectory
+
+    class Odd:
+        name = "odd"
+
+        def answer(self, questions, tool, **kw):
+            if shape == "one more":
+                return [[Trajectory("x")] for _ in questions] + [[Trajectory("y")]]
+            return [[] for _ in questions]
+
+    data = {"nq": [_item("n1", "nq", "a"), _item("n2", "nq", "b")]}
+    with pytest.raises(RuntimeError, match="trajectory lists for 2 questions"):
+        evaluate_solver(Odd(), data, SearchTool(_FakeRetriever([])), progress=False)
+
+
+def test_prediction_rows_hold_cover_em_and_the_run_counts_every_search(tmp_path):
+    """predictions.jsonl's `cover_em` is Cover-EM, not EM (an answer holding the gold in a sentence; mutant
+    `exact_match`), and `run.searches` counts searches, not questions (mutant `len(answers)`)."""
+
+    class Verbose(_EchoSolver):
+        def answer(self, questions, tool, **kw):
+            out = []
+            for q in questions:
+                session = tool.session()
+                session.search(q)
+                session.search(q + " again")
+                out.append([__import__("selfevo.agents.base", fromlist=["Trajectory"]).Trajectory(
+                    f"I think it is {q.split()[0]}.", list(session.queries), 2)])
+            return out
+
+    data = {"nq": [QAItem(f"n{i}", f"Paris{i} question", (f"paris{i}",), {"benchmark": "nq"}) for i in range(3)]}
+    tool = SearchTool(_FakeRetriever([Document("d", "T", "text")]), topk=3, max_calls=5)
+    result = evaluate_solver(Verbose(), data, tool, out_dir=tmp_path, progress=False)
+    assert result["benchmarks"]["nq"]["cover_em"] == 1.0 and result["benchmarks"]["nq"]["em"] == 0.0
+    rows = [json.loads(x) for x in (tmp_path / "predictions.jsonl").read_text().splitlines()]
+    assert [r["cover_em"] for r in rows] == [1.0, 1.0, 1.0]
+    assert result["run"]["searches"] == 6
+
+
+def _stops_after(batches: int):
+    class Stops(_EchoSolver):
+        def answer(self, questions, tool, **kw):
+            if len(self.calls) == batches:
+                raise RuntimeError("stopped")
+            return super().answer(questions, tool, **kw)
+
+    return Stops()
+
+
+def test_a_damaged_row_of_a_stopped_evaluation_is_named_by_file_and_line(tmp_path):
+    """A row without its prediction was a KeyError traceback (mutant: the row check reduced to the id)."""
+    data = {"nq": [QAItem(f"n{i}", f"Paris{i} question", (f"paris{i}",), {"benchmark": "nq"}) for i in range(4)]}
+    tool = SearchTool(_FakeRetriever([Document("d", "T", "text")]), topk=3, max_calls=5)
+    with pytest.raises(RuntimeError, match="stopped"):
+        evaluate_solver(_stops_after(1), data, tool, out_dir=tmp_path, batch_size=2, progress=False,
+                        partial_key={"agent": "echo"})
+    partial = tmp_path / "predictions.partial.jsonl"
+    lines = partial.read_text().splitlines()
+    row = json.loads(lines[2])
+    del row["prediction"]
+    partial.write_text("\n".join([*lines[:2], json.dumps(row)]) + "\n")
+    with pytest.raises(PartialFileError, match=r"predictions.partial.jsonl:3: not a prediction row"):
+        evaluate_solver(_EchoSolver(), data, tool, out_dir=tmp_path, batch_size=2, progress=False,
+                        partial_key={"agent": "echo"})
+
+
+def test_a_stopped_evaluation_with_a_torn_last_line_can_stop_and_go_on_again(tmp_path):
+    """The torn line is cut from the file when it is read (`repair=True`), so what is appended after it
+    starts a line of its own: read without the repair, the next batch was glued onto the torn bytes and
+    the second resume refused the file as corrupt."""
+    data = {"nq": [QAItem(f"n{i}", f"Paris{i} question", (f"paris{i}",), {"benchmark": "nq"}) for i in range(7)]}
+    tool = SearchTool(_FakeRetriever([Document("d", "T", "text")]), topk=3, max_calls=5)
+    key = {"agent": "echo"}
+    whole = evaluate_solver(_EchoSolver(), data, tool, out_dir=tmp_path / "whole", batch_size=2, progress=False,
+                            per_invocation=False, partial_key=key)
+    out = tmp_path / "stopped"
+    with pytest.raises(RuntimeError, match="stopped"):
+        evaluate_solver(_stops_after(1), data, tool, out_dir=out, batch_size=2, progress=False, partial_key=key)
+    with open(out / "predictions.partial.jsonl", "a") as fh:
+        fh.write('{"id": "n2", "predic')  # a kill tore the last line
+    with pytest.raises(RuntimeError, match="stopped"):  # goes on for one batch, then stops again
+        evaluate_solver(_stops_after(1), data, tool, out_dir=out, batch_size=2, progress=False, partial_key=key)
+    result = evaluate_solver(_EchoSolver(), data, tool, out_dir=out, batch_size=2, progress=False,
+                             per_invocation=False, partial_key=key)
+    assert result == whole
+
+
+def test_run_eval_checks_the_limit_before_building_an_index_and_closes_the_retriever(tmp_path, monkeypatch):
+    """limit=0 was refused only after the index was built (mutant: run_eval's own check dropped, `_select`
+    refusing it later); the retriever's close() was not called (mutant: only the solver closed)."""
+    import selfevo.evaluate as ev
+    import selfevo.search.index as index_mod
+
+    qa = tmp_path / "qa"
+    qa.mkdir()
+    (qa / "nq.jsonl").write_text(json.dumps({"id": "n0", "question": "q", "golden_answers": ["x"]}) + "\n")
+    built, closed = [], []
+    retriever = SimpleNamespace(kind="bm25", corpus_sha256="a", close=lambda: closed.append(True))
+
+    def get_retriever(**kw):
+        built.append(kw)
+        return retriever
+
+    monkeypatch.setattr(index_mod, "get_retriever", get_retriever)
+    monkeypatch.setattr(ev, "evaluate_solver", lambda *a, **kw: {})
+    with pytest.raises(ValueError, match="limit must be >= 1"):
+        ev.run_eval(qa, tmp_path / "corpus.jsonl", "retrieval-baseline", tmp_path / "out", limit=0, progress=False)
+    assert built == []
+    ev.run_eval(qa, tmp_path / "corpus.jsonl", "retrieval-baseline", tmp_path / "out", progress=False)
+    assert closed == [True]

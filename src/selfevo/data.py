@@ -52,6 +52,7 @@ from selfevo._io import atomic_writer, file_sha256, hold_directory, read_json, r
 
 # the readers' own line checks, so a downloaded file fails exactly where `selfevo.corpus` would fail it
 from selfevo.corpus import (
+    GZIP_MAGIC,
     DataError,
     _require_str,
     iter_json_lines,
@@ -306,8 +307,10 @@ def _open_corpus(path: Path) -> Iterator[tuple[Any, Callable[[], str]]]:
                 yield io.BufferedReader(fh, 1 << 20), lambda: file_sha256(path)
         return
     with open(path, "rb") as raw:
+        gzipped = raw.read(2) == GZIP_MAGIC  # by content, whatever the name, as selfevo.corpus reads it
+        raw.seek(0)
         reader = _HashingReader(raw)
-        if path.name.endswith(".gz"):
+        if gzipped:
             stream = io.BufferedReader(gzip.GzipFile(fileobj=io.BufferedReader(reader, 1 << 20)), 1 << 20)
         else:
             stream = io.BufferedReader(reader, 1 << 20)
