@@ -14,10 +14,11 @@ import re
 import shutil
 import threading
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
-from selfevo.agents.base import Proposal
+from selfevo.agents.base import Proposal, Trajectory
 from selfevo.agents.lm.model import ScriptedModel
 from selfevo.agents.lm.protocol import solver_messages, solver_question
 from selfevo.agents.lm.server import make_app, running
@@ -44,8 +45,10 @@ from selfevo.integrations.rewards import (
     reward_settings,
 )
 from selfevo.integrations.routing import Grader, RoutingError, grader_role, item_fold, route
+from selfevo.loop.admission import Decision
 from selfevo.loop.feedback import AuxFeedback, CoupledFeedback
 from selfevo.loop.folds import FoldAssignment
+from selfevo.loop.schedule import derive_seed
 from selfevo.loop.treatments import parse_treatment
 from selfevo.records import Document
 from selfevo.search.bm25 import BM25Index
@@ -1862,3 +1865,451 @@ def test_compute_json_holds_the_last_phase_after_a_kill_before_it_was_rewritten(
     again.run_all()
     compute = json.loads((tmp_path / "run" / "compute.json").read_text())
     assert fake.jobs == [] and compute == again.phases.compute() != before
+
+
+# Tests of a mutation sweep of the training-engine path (forty-first session): each passes on the code
+# and fails on the mutant its docstring names.
+
+# =====================================================================================================
+# -- rewards and routing
+# =====================================================================================================
+
+
+class _FakeGrader:
+    """Stands in for a served grader's RemoteSolver (FrontierReward._solver caches one per role): answers
+    each question with `answers(question, n)`; `failed` marks the i-th sample of every question as a call
+    that failed for good after retries (what RemoteSolver's trace says)."""
+
+    def __init__(self, answers, failed=()):
+        self.answers, self.failed, self.calls = answers, set(failed), []
+
+    def answer(self, questions, tool, *, greedy=True, n=1, seed=None, contexts=None):
+        self.calls.append(list(questions))
+        return [[Trajectory(a, trace=SimpleNamespace(failed=i in self.failed))
+                 for i, a in enumerate(self.answers(q, n))]
+                for q in questions]
+
+    def close(self):
+        pass
+
+
+def _reward_with(graders: dict, tmp_path, **kw) -> FrontierReward:
+    """A FrontierReward whose graders are `_FakeGrader`s (role -> fake), each with an unreachable URL."""
+    served = {role: Grader(role, "http://127.0.0.1:9/v1", role, f"{role}@r1", (int(role[-1]),) if role[-1].isdigit()
+                           else (0, 1), (1,)) for role in graders}
+    kw = {"treatment": "crossfit", "round": 2, "folds": FOLDS,
+          "tool": SearchTool(BM25Index.build(DOCS), topk=2, max_calls=2),
+          **kw}
+    reward = FrontierReward(graders=served, items_path=tmp_path / "items.jsonl", **kw)
+    reward._solvers.update(graders)
+    return reward
+
+
+def test_question_split_grades_a_question_by_the_fold_of_the_question(tool, tmp_path):
+    """question-split (the control): the cross-fitting fold of a graded proposal is its question's
+    (`item_fold`), not its source's or its label's, and it is graded by the other fold's aux solver with
+    no fallback. Mutants: item_fold from the label / from folds.of(source) (rewards.py:167), touched
+    folds from the source's fold (rewards.py:168)."""
+    folds = FoldAssignment(2, 0, "source", {"d0": 0, "d1": 1})
+    questions = [f"Where was Person {i} born?" for i in range(12)]
+    qfolds = [item_fold("question-split", folds, "d0", q) for q in questions]
+    assert set(qfolds) == {0, 1}  # one source, questions in both folds
+    fakes = {"aux-0": _FakeGrader(lambda q, n: ["x"] * n), "aux-1": _FakeGrader(lambda q, n: ["x"] * n)}
+    reward = _reward_with(fakes, tmp_path, treatment="question-split", folds=folds)
+    reward.score([ProposalSample(f"<question> {q} </question> <answer> sea </answer>", "d0", 1) for q in questions],
+                 step=1)
+    items = [r["item"] for r in read_staged(tmp_path / "items.jsonl")]
+    assert [it["fold"] for it in items] == qfolds
+    assert [it["grader"]["id"] for it in items] == [f"aux-{1 - f}@r1" for f in qfolds]
+    assert all("routing" not in it for it in items)  # never the every-fold-touched fallback
+    assert fakes["aux-1"].calls == [[q for q, f in zip(questions, qfolds) if f == 0]]
+
+
+def test_round_one_is_graded_by_the_main_solver_under_crossfit(tmp_path):
+    """Round 1 is shared by every arm: a CrossFit reward of round 1, with only the main solver served,
+    grades every fold with it. Mutant: route with round >= 2 (rewards.py:169) -> RoutingError (no aux)."""
+    main = _FakeGrader(lambda q, n: ["sea"] * 2 + ["land"] * (n - 2))
+    reward = _reward_with({"main": main}, tmp_path, treatment="crossfit", round=1)
+    text = "<question> Where is Beta? </question> <answer> sea </answer>"
+    assert reward.score([ProposalSample(text, "d0", 1), ProposalSample(text, "d1", 1)], step=1) == \
+        [frontier_reward(2)] * 2
+    items = [r["item"] for r in read_staged(tmp_path / "items.jsonl")]
+    assert [it["grader"]["id"] for it in items] == ["main@r1"] * 2 and len(main.calls) == 1
+
+
+def test_one_failed_grader_sample_is_an_error_not_a_wrong_answer(tmp_path):
+    """A single sample of five that failed after retries is a GradingFailed, not a wrong answer (k = 4 ->
+    f = 0.25 paid for the outage), and nothing is staged. Mutant: `if failed > 1` (rewards.py:186); the
+    existing test's grader fails about half its calls, so it cannot tell."""
+    main = _FakeGrader(lambda q, n: ["sea"] * n, failed={3})
+    reward = _reward_with({"main": main}, tmp_path, treatment="coupled", round=2)
+    with pytest.raises(GradingFailed, match="1 of 5 samples"):
+        reward.score([ProposalSample("<question> Where is Beta? </question> <answer> sea </answer>", "d1", 1)], step=1)
+    assert not (tmp_path / "items.jsonl").exists()
+
+
+def test_a_graded_items_pages_start_with_its_source_as_the_loops_do(tmp_path):
+    """source_ids is the source first, then the pages read (deduplicated), as `LMProposer.propose`
+    writes a Proposal's. Mutant: read pages first (rewards.py:166)."""
+    reward = _reward_with({"main": _FakeGrader(lambda q, n: ["x"] * n)}, tmp_path, treatment="coupled")
+    text = "<question> Where is Beta? </question> <answer> sea </answer>"
+    reward.score([ProposalSample(text, "d1", 1, ("d0", "d1", "d3"))], step=1)
+    (row,) = read_staged(tmp_path / "items.jsonl")
+    assert row["item"]["source_ids"] == ["d1", "d0", "d3"] and row["item"]["source_id"] == "d1"
+
+
+def test_trl_frontier_reward_carries_the_rollouts_pages_and_hops_into_the_item(tmp_path):
+    """TRL hands the rollout's `read` pages and the row's `hops` as columns: they are the item's lineage
+    (and, connected, its routing). Mutants: read dropped (rewards.py:246), hops = 1 (rewards.py:246)."""
+    fakes = {"aux-0": _FakeGrader(lambda q, n: ["x"] * n), "aux-1": _FakeGrader(lambda q, n: ["x"] * n)}
+    reward = _reward_with(fakes, tmp_path, treatment="crossfit-connected", round=3)
+    completions = [[{"role": "assistant", "content": "<question> Where is Beta? </question> <answer> sea </answer>"}]]
+    TRLFrontierReward(reward)([[]], completions * 2, source_id=["d1", "d1"], hops=[3, 2],
+                              read=[["d1", "d0"], ["d3"]])
+    a, b = [r["item"] for r in read_staged(tmp_path / "items.jsonl")]
+    assert (a["source_ids"], a["source_folds"], a["hops"]) == (["d1", "d0"], [0, 1], 3)
+    assert a["routing"] == {"fallback": True, "touched": [0, 1]}
+    assert (b["source_ids"], b["source_folds"], b["hops"], b["grader"]["id"]) == (["d1", "d3"], [1], 2, "aux-0@r1")
+
+
+def test_trl_solver_reward_scores_the_rollouts_own_answer(tmp_path):
+    """With the rollout's `answer` column (trl_env.SearchRollout) the reward scores that answer, not a
+    re-reading of the decoded completion (cut at max_tokens, or rendered with template tokens, it can
+    lose the answer the rollout ended on). Mutant: always extract_answer(completion) (rewards.py:265)."""
+    assert TRLSolverReward()([None, None], ["<search> cut at the token lim", "<answer> land </answer>"],
+                             label=["sea", "sea"], answer=["sea", "sea"]) == [1.0, 1.0]
+
+
+def test_solver_step_records_carry_each_items_lineage_and_the_global_step(tmp_path):
+    """TRLSolverReward's step record: each item's own source, fold and draft label (the admitted row's,
+    not the batch's first row's nor the adopted label), and step = step_base + step in round (round 2
+    of 43 steps: 43 + 19 = 62). Mutants: step = step_in_round (rewards.py:289); source_id / fold from
+    row 0 (rewards.py:281-282); draft_label = the adopted label (rewards.py:284)."""
+    rows = solver_rows(_admitted(), FOLDS, 2)[:2]  # d0 (fold 0) and d1 (fold 1, read d0); draft d_i, label a_i
+    batch = [rows[0]] * 2 + [rows[1]] * 2
+    cols = {k: [r[k] for r in batch] for k in ("item_id", "source_id", "source_ids", "fold", "source_folds", "hops",
+                                                "draft_label")}
+    rf = TRLSolverReward(tmp_path / "steps.jsonl", round=2, step_base=43, first_step_in_round=19)
+    rf([r["prompt"] for r in batch], ["<answer> a0 </answer>", "x", "<answer> a1 </answer>", "<answer> a1 </answer>"],
+       label=[r["label"] for r in batch], **cols)
+    (record,) = [json.loads(line) for line in (tmp_path / "steps.jsonl").read_text().splitlines()]
+    assert (record["round"], record["step"], record["step_in_round"]) == (2, 62, 19)
+    assert [(it["source_id"], it["source_ids"], it["fold"], it["source_folds"], it["draft_label"], it["adopted_label"],
+             it["k"]) for it in record["items"]] == [("d0", ["d0"], 0, [0], "d0", "a0", 1),
+                                                     ("d1", ["d1", "d0"], 1, [0, 1], "d1", "a1", 2)]
+
+
+def test_verl_proposer_rows_carry_the_pages_read_and_hops_into_the_item(tmp_path):
+    """verl's compute_score: extra_info.selfevo_read (the pages the agent loop's searches returned) and
+    extra_info.hops are the item's lineage; under crossfit-connected a read page of the other fold
+    makes the question touch both folds (the recorded fallback). Mutants: read dropped (rewards.py:361),
+    hops = 1 (rewards.py:362)."""
+    with running(make_app(_seeded_grader("g", [], lambda i, q: "sea" if i % 5 < 2 else "land"))) as gurl:
+        settings = reward_settings(tmp_path / "s.json", treatment="crossfit-connected", round=2, folds=FOLDS,
+                                   graders=_graders({"aux-0": (gurl, (0,)), "aux-1": (gurl, (1,))}),
+                                   items_path=tmp_path / "items.jsonl", retriever_url="http://127.0.0.1:9",
+                                   remote=REMOTE)
+        sol = "<question> Where is Beta? </question> <answer> sea </answer>"
+        assert compute_score("selfevo_proposer", sol, {"target": []},
+                             {"source_id": "d1", "hops": 3, "selfevo_read": ["d1", "d0"]},
+                             selfevo_settings=str(settings)) == frontier_reward(2)
+    (row,) = read_staged(tmp_path / "items.jsonl")
+    it = row["item"]
+    assert (it["source_ids"], it["source_folds"], it["hops"]) == (["d1", "d0"], [0, 1], 3)
+    assert it["routing"] == {"fallback": True, "touched": [0, 1]}
+
+
+# =====================================================================================================
+# -- admission (admit.py)
+# =====================================================================================================
+
+
+def test_admission_step_records_number_steps_as_the_loop_and_seed_each_step_by_its_global_step():
+    """Round 2 of a 43-step round: the proposer records are steps 44 and 45 (step_in_round 1 and 2), and
+    the admission rule of each step is seeded as the loop's (`derive_seed(seed, round, step, "admit")`,
+    the global step). Mutants: step = step_in_round, step_in_round = step, step off by one
+    (admit.py:130, 146), seeded by the step in round (admit.py:132)."""
+    staged = [{**r, "round": 2} for r in _staged()]
+    seeds = []
+
+    def decide(items, seed):
+        seeds.append(seed)
+        return [Decision(True, it["draft_label"]) for it in items]
+    records, _ = admit_round(staged, round=2, step_base=43, proposer_steps=2, budget=99, seed=7, decide=decide)
+    assert [(r["round"], r["step"], r["step_in_round"]) for r in records] == [(2, 44, 1), (2, 45, 2)]
+    assert seeds == [derive_seed(7, 2, 44, "admit"), derive_seed(7, 2, 45, "admit")]
+
+
+def test_admission_step_stats_are_the_steps_own():
+    """A proposer record's stats, as the loop's: reward = the mean over every proposal of the step,
+    malformed ones (-format_penalty) included; admitted = the step's own admissions, not the round's so
+    far. Mutants: malformed rewards left out of the mean (admit.py:141); admitted = len(round's admitted)
+    (admit.py:145)."""
+    staged = _staged()
+    for row in staged:
+        if "item" in row:
+            row["item"]["reward"] = 0.75
+    records, admitted = admit_round(staged, round=1, step_base=0, proposer_steps=2, budget=4, seed=0)
+    assert [r["stats"]["admitted"] for r in records] == [3, 1] and len(admitted) == 4
+    assert records[0]["stats"]["reward"] == 0.75
+    assert records[1]["stats"]["reward"] == pytest.approx((3 * 0.75 - 0.5) / 4)
+
+
+def test_an_admission_without_detail_records_none_and_an_over_budget_one_keeps_its_rules_label():
+    """As the loop's item records: no `admission` field where the rule said nothing (Dr. Zero admits all),
+    and an admitted-then-capped MSV item keeps the label the rule adopted (Candidate.label is the
+    decision's label). Mutants: `admission: {}` always (admit.py:137); the draft label for every item
+    not admitted (admit.py:136)."""
+    records, _ = admit_round(_staged(1, 3), round=1, step_base=0, proposer_steps=1, budget=9, seed=0)
+    assert all("admission" not in it for it in records[0]["items"])
+
+    def msv_like(items, seed):  # what MSV decides: the matched majority replaces the draft label
+        return [Decision(True, "majority", {"majority_with": "majority"}) for _ in items]
+    records, admitted = admit_round(_staged(1, 3), round=1, step_base=0, proposer_steps=1, budget=2, seed=0,
+                                    decide=msv_like)
+    capped = records[0]["items"][2]
+    assert not capped["admitted"] and capped["admission"]["over_budget"] is True
+    assert capped["adopted_label"] == "majority" and capped["draft_label"] != "majority"
+
+
+def test_commit_records_drops_every_later_round_a_killed_attempt_left(tmp_path):
+    """Recommitting round 1's proposer records drops everything of later rounds, of any kind (a rerun of
+    round 1 invalidates them). Mutant: later rounds' records of another kind kept (admit.py:173)."""
+    from selfevo.integrations.admit import commit_records
+
+    path = tmp_path / "steps.jsonl"
+    commit_records(path, [{"round": 1, "kind": "proposer", "step": 1}], 1, "proposer")
+    commit_records(path, [{"round": 1, "kind": "solver", "step": 2}], 1, "solver")
+    commit_records(path, [{"round": 2, "kind": "solver", "step": 4}], 2, "solver")
+    commit_records(path, [{"round": 1, "kind": "proposer", "step": 1, "again": True}], 1, "proposer")
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    assert rows == [{"round": 1, "kind": "solver", "step": 2},
+                    {"round": 1, "kind": "proposer", "step": 1, "again": True}]
+
+
+def test_msv_filter_samples_as_many_times_as_it_is_told_and_reads_the_source_page(tool):
+    """msv_filter honours engine.msv_samples (5 with the source, 5 without; a strict majority of 3) and
+    gives the model the proposal's *source* page (source_id), not another page it read. Mutants: MSV's
+    default 3 samples whatever `samples` says (admit.py:116); the context from source_ids[-1] (admit.py:118)."""
+    def script(messages):
+        user = messages[-1]["content"]
+        if "<document>" in user:
+            return "<answer> river </answer>" if "Alpha is a river" in user else "<answer> sea </answer>"
+        return "<answer> sea </answer>"
+    item = {**[r["item"] for r in _staged(1, 2) if "item" in r][1], "source_ids": ["d1", "d0"]}  # Beta, read Alpha
+    assert item["source_id"] == "d1"
+    with running(make_app(ScriptedModel(script))) as url:
+        from selfevo.agents.remote import RemoteSolver
+
+        with RemoteSolver(url, "scripted", **REMOTE) as model:
+            (d,) = msv_filter([item], model, {x.id: x for x in DOCS}, tool, seed=0, samples=5)
+    assert d.detail["with_source"] == ["sea"] * 5 and d.detail["without_source"] == ["sea"] * 5
+    assert d.admitted and d.label == "sea"
+
+
+def test_a_single_message_completion_is_read_as_its_content():
+    """TRL may hand a completion as one message dict: its content is the trajectory. Mutant: a Mapping
+    read as '' (rewards.py:74-75)."""
+    from selfevo.integrations.rewards import extract_answer, final_turn
+
+    msg = {"role": "assistant",
+           "content": "<search> beta </search>\n<information>x</information>\n<answer> sea </answer>"}
+    assert final_turn(msg) == "\n<answer> sea </answer>" and extract_answer(msg) == "sea"
+
+
+def test_a_malformed_proposal_records_what_it_said_as_the_loop_does(tmp_path):
+    """A proposal that breaks a format rule (the answer inside its question) is -format_penalty, never
+    graded, and its malformed record keeps the question and draft label it wrote, as the loop's
+    `malformed_record(question=p.question, draft_label=p.draft_label, ...)`. Mutant: blank question and
+    label in the record (rewards.py:162-164)."""
+    main = _FakeGrader(lambda q, n: ["sea"] * n)
+    reward = _reward_with({"main": main}, tmp_path, treatment="coupled", format_penalty=0.25)
+    text = "<question> Where is the sea? </question> <answer> sea </answer>"
+    assert reward.score([ProposalSample(text, "d1", 2)], step=1) == [-0.25] and main.calls == []
+    (row,) = read_staged(tmp_path / "items.jsonl")
+    m = row["malformed"]
+    assert (m["question"], m["draft_label"], m["format_error"], m["hops"], m["reward"]) == \
+        ("Where is the sea?", "sea", "answer in question", 2, -0.25)
+
+
+# =====================================================================================================
+# -- datasets
+# =====================================================================================================
+
+
+def test_proposer_rows_draw_sources_at_random_and_hops_in_dr_zeros_ratio():
+    """The proposer prompts draw a source from the pool and a hop count 1..4 in Dr. Zero's 4:3:2:1
+    ratio, as `LMProposer.propose` does, afresh each round. Mutants: hops always 1 (datasets.py:59); sources
+    taken in turn (datasets.py:58); the round left out of the seed (datasets.py:57)."""
+    from collections import Counter
+
+    rows = proposer_rows(DOCS, FOLDS, 1, 400, seed=0)
+    hops = Counter(r["hops"] for r in rows)
+    assert set(hops) == {1, 2, 3, 4} and hops[1] > hops[2] > hops[3] > hops[4]
+    assert [r["source_id"] for r in rows[:8]] != [d.id for d in DOCS] * 2  # not round robin
+    assert len({r["source_id"] for r in rows}) == len(DOCS)
+    # each round draws its own prompts (the existing `a != round 3` held on the round field alone)
+    later = proposer_rows(DOCS, FOLDS, 2, 400, seed=0)
+    assert [(r["source_id"], r["hops"]) for r in later] != [(r["source_id"], r["hops"]) for r in rows]
+
+
+def test_solver_rows_keep_the_items_cross_fitting_fold():
+    """Under question-split an item's fold is its question's, which may differ from its source's: the
+    solver row (and so which aux solver trains on it) keeps the item's fold, and its hops. Mutants: the
+    row's fold recomputed from the source (datasets.py:69 or :41); hops = 1 (datasets.py:69)."""
+    items = [{**it, "fold": 1 - it["fold"], "hops": 3} for it in _admitted()]  # question folds opposite the sources'
+    rows = solver_rows(items, FOLDS, 1)
+    assert [r["fold"] for r in rows] == [it["fold"] for it in items] and {r["hops"] for r in rows} == {3}
+    sets = aux_training_sets(rows, ["aux-0", "aux-1"])
+    assert [r["item_id"] for r in sets["aux-0"]] == [it["item_id"] for it in items if it["fold"] == 0]
+
+
+def test_trl_rows_hold_every_lineage_column_the_rewards_read():
+    """The TRL dataset carries every lineage column: TRLSolverReward's records read source_ids,
+    draft_label and hops from them (missing, the main phase fails after its first generation). Mutants:
+    draft_label / source_ids / hops left out of the columns (datasets.py:34-35, :123)."""
+    pytest.importorskip("datasets")
+    from selfevo.integrations.datasets import LINEAGE
+
+    rows = solver_rows(_admitted(), FOLDS, 1)
+    ds = to_trl(rows)
+    assert set(ds.column_names) == {"prompt", "item_id", "role", "source_id", "source_ids", "fold", "source_folds",
+                                    "group", "round", "hops", "label", "draft_label"} == {"prompt", *LINEAGE}
+    assert ds[1]["draft_label"] == "d1" and ds[1]["source_ids"] == ["d1", "d0"] and ds[1]["hops"] == 1
+
+
+def test_verl_rows_carry_the_lineage_compute_score_reads(tmp_path):
+    """verl hands extra_info to compute_score: a proposer row's source_id and hops are its proposal's
+    lineage (and its routing); a solver row keeps its item id and draft label. Mutants: extra_info.source_id
+    from another page, hops = 1, item_id blank, draft_label = the adopted label (datasets.py:153-156)."""
+    items = [{**_admitted()[1], "hops": 3}]
+    prop = proposer_rows(DOCS, FOLDS, 1, 30, seed=0)
+    prop = [r for r in prop if r["hops"] > 1][:1]
+    back = read_verl(write_verl(solver_rows(items, FOLDS, 1) + prop, tmp_path / "t.parquet"))
+    s, p = back[0]["extra_info"], back[1]["extra_info"]
+    assert (s["item_id"], s["source_id"], s["source_ids"], s["hops"], s["draft_label"]) == \
+        ("r1-s1-0", "d1", ["d1", "d0"], 3, "d1")
+    assert (p["item_id"], p["source_id"], p["hops"]) == (prop[0]["item_id"], prop[0]["source_id"], prop[0]["hops"])
+
+
+# =====================================================================================================
+# tests/test_integrations.py (or test_lm_known.py)  -- trl_env (the TRL rollout)
+# =====================================================================================================
+
+
+def test_a_proposer_rollout_that_may_not_search_gets_one_action(tool):
+    """lm.proposer_search = false, or the scaffold (which offers no search): the TRL rollout, as the loop's
+    proposer, gets one action; a search or a question cut at the token limit is then "no final question",
+    not a retry. Mutants: max_actions whatever `searching` (trl_env.py:262); searching = search alone,
+    ignoring the scaffold (trl_env.py:260)."""
+    from selfevo.integrations.trl_env import SearchRollout
+
+    convs = [[{"role": "user", "content": "doc"}]]
+    replies = iter(["<search> Alpha </search>", "<question> Where is Alpha? </question> <answer> north </answer>"])
+    (ro,) = SearchRollout(tool, role="proposer", search=False).rollouts(
+        convs, lambda cs, seed: [(next(replies), "stop") for _ in cs], seed=0)
+    assert ro.actions == 1 and ro.final == ""
+
+    def cut(cs, seed, prefix=None, stops=()):  # every question cut at the token limit
+        return [(p + " Where is Alp", "length") for p in prefix]
+    (ro,) = SearchRollout(tool, role="proposer", scaffold=True, search=True).rollouts(convs, cut, seed=0)
+    assert ro.actions == 1 and ro.final == ""
+
+
+def test_the_trl_rollout_cuts_a_completion_and_its_mask_at_max_tokens(smollm2_path, tool):
+    """A completion longer than engine max_tokens is cut, ids and env_mask alike (TRL zips them). Mutant:
+    the ids not cut (trl_env.py:289)."""
+    from transformers import AutoTokenizer
+
+    from selfevo.integrations.trl_env import SearchRollout
+
+    tok = AutoTokenizer.from_pretrained(smollm2_path)
+    replies = iter([("<search> Beta </search>", "stop"), ("<answer> the sea </answer>", "stop")])
+    ro = SearchRollout(tool, role="solver", max_actions=3, max_tokens=7)
+    prompt = [{"role": "system", "content": "S"}, {"role": "user", "content": "Question: Where is Beta?"}]
+    out = ro.encode(tok, [prompt], ro.rollouts([prompt], lambda convs, seed: [next(replies)], seed=0))
+    assert len(out["completion_ids"][0]) == len(out["env_mask"][0]) == 7 and out["answer"] == ["the sea"]
+
+
+def test_each_training_process_samples_its_own_rollouts(monkeypatch, tool):
+    """Data-parallel processes generate their own rows: the rollout seed differs by process index (else
+    every process samples the same numbers), and by step. Mutant: the process left out of the seed
+    (trl_env.py:249)."""
+    from selfevo.integrations import trl_env
+
+    seeds = []
+    monkeypatch.setattr(trl_env, "template_of", lambda tok, **kw: None)
+    monkeypatch.setattr(trl_env, "append_only", lambda template: None)
+    monkeypatch.setattr(trl_env.SearchRollout, "_generator", lambda self, trainer, tok, render: None)
+    monkeypatch.setattr(trl_env.SearchRollout, "rollouts", lambda self, starts, gen, seed: seeds.append(seed) or [])
+    monkeypatch.setattr(trl_env.SearchRollout, "encode", lambda self, tok, prompts, rollouts, render=None: {})
+
+    def trainer(process, step):
+        return SimpleNamespace(processing_class=None, accelerator=SimpleNamespace(process_index=process),
+                               state=SimpleNamespace(global_step=step), args=SimpleNamespace())
+    for process in (0, 1):
+        trl_env.SearchRollout(tool, seed=3)([], trainer(process, 5))
+    trl_env.SearchRollout(tool, seed=3)([], trainer(0, 6))
+    assert len(set(seeds)) == 3
+
+
+# =====================================================================================================
+# -- engine.py's admit phase (the orchestrator, engine faked)
+# =====================================================================================================
+
+
+def test_the_engines_msv_admission_samples_engine_msv_samples_times(tmp_path, monkeypatch):
+    """engine.msv_samples reaches the MSV filter, and the phase counts 2 x msv_samples generations a
+    well-formed candidate. Mutants: msv_filter called without it (engine.py:701: MSV's default 3);
+    the count fixed at 6 (engine.py:706)."""
+    import contextlib
+    import copy
+
+    from test_integrations import ENGINE_CFG, _stage_proposals
+
+    import selfevo.agents.remote as remote
+    from selfevo.integrations import engine as eng
+
+    monkeypatch.setattr(eng, "_truncator", lambda path, n: (lambda text: text))
+
+    @contextlib.contextmanager
+    def fake_serving(self, models):
+        yield {role: (f"http://127.0.0.1:9/{role}/v1", name) for role, (path, name) in models.items()}
+    monkeypatch.setattr(eng.EngineRun, "serving", fake_serving)
+
+    class Unserved:  # the main solver's endpoint: never called, msv_filter is faked
+        def __init__(self, *a, **kw):
+            pass
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+    monkeypatch.setattr(remote, "RemoteSolver", Unserved)
+    seen = []
+
+    def msv(items, model, docs, tool, seed, samples=3):
+        seen.append(samples)
+        return [Decision(True, it["draft_label"]) for it in items]
+    monkeypatch.setattr(eng, "msv_filter", msv)
+    cfg = copy.deepcopy(ENGINE_CFG)
+    cfg["treatment"], cfg["engine"]["msv_samples"] = "msv", 5
+    run = eng.EngineRun(eng.engine_config_from_dict(cfg, engine="trl"), tmp_path / "run", log=lambda m: None)
+    _stage_proposals(run.round_dir(1) / "proposer-items.jsonl", 1, proposer_rows(run.pool, run.folds, 1, 4, seed=0), 2)
+    out = run.admit(1)
+    assert seen == [5, 5] and out["candidates"] == 4 and out["generations"] == {"msv": 2 * 5 * 4}
+
+
+def test_engine_round_two_proposer_records_and_items_carry_the_global_step(tmp_path, monkeypatch):
+    """Round 2 of 2 proposer + 3 solver steps: its proposer step records are steps 6 and 7, as the loop's
+    schedule numbers them, and its reward's item ids start from step_base 5 (r2-s6-0...). Mutants: the admit
+    phase's step_base 0 (engine.py:690); the reward's step_base 0 (engine.py:678)."""
+    from test_integrations import _fake_engine_run
+
+    run, fake = _fake_engine_run(monkeypatch, tmp_path / "run")
+    run.run_all()
+    steps = [json.loads(line) for line in (tmp_path / "run" / "records" / "steps.jsonl").read_text().splitlines()]
+    assert [(s["round"], s["step"], s["step_in_round"]) for s in steps if s["kind"] == "proposer"] == \
+        [(1, 1, 1), (1, 2, 2), (2, 6, 1), (2, 7, 2)]
+    assert [j["reward"]["step_base"] for j in fake.jobs if j["role"] == "proposer"] == [0, 5]

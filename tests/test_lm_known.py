@@ -355,35 +355,39 @@ def test_a_chat_template_that_refuses_the_messages_is_a_400_with_its_reason(monk
     assert res.status_code == 400 and "System role not supported" in res.text
 
 
-def test_trl_rollouts_sample_without_the_policys_generation_config(monkeypatch):
-    """`load_pretrained` left out a model's generation_config.json fields, but TRL loads the policy itself: its
-    hf rollouts still sampled with, e.g., a repetition_penalty, unlike the graders (a helper's review)."""
+class _TRLPolicy:
+    """What hf_generate uses of a TRL trainer's model: `generate` records the generation config and the
+    arguments it was called with, and continues the prompt by `reply` (token ids)."""
+
+    training, device = True, "cpu"
+
+    def __init__(self, reply):
+        from transformers import GenerationConfig
+
+        self.reply = reply
+        self.generation_config = GenerationConfig(repetition_penalty=1.05, min_p=0.1, eos_token_id=2)
+
+    def eval(self):
+        self.training = False
+
+    def train(self, mode=True):
+        self.training = mode
+
+    def generate(self, input_ids, **kw):
+        self.saw = (self.generation_config.repetition_penalty, self.generation_config.min_p,
+                    self.generation_config.eos_token_id)
+        self.kw = kw
+        return torch.cat([input_ids, torch.tensor([self.reply])], dim=1)
+
+
+def _hf_generate(monkeypatch, policy, **kw):
+    """hf_generate on `policy` for one conversation, TRL's unwrapping stood in for."""
     import contextlib
 
     pytest.importorskip("trl")
     import trl.models.utils
-    from transformers import GenerationConfig
 
     from selfevo.integrations.trl_env import hf_generate
-
-    @contextlib.contextmanager
-    def unwrapped(model, accelerator):
-        yield model
-
-    class Policy:  # what hf_generate uses of the trainer's model; generate records what would shape it
-        training, device = True, "cpu"
-        generation_config = GenerationConfig(repetition_penalty=1.05, min_p=0.1, eos_token_id=2)
-
-        def eval(self):
-            self.training = False
-
-        def train(self, mode=True):
-            self.training = mode
-
-        def generate(self, input_ids, **kw):
-            self.saw = (self.generation_config.repetition_penalty, self.generation_config.min_p,
-                        self.generation_config.eos_token_id)
-            return torch.cat([input_ids, torch.tensor([[9, 2]])], dim=1)
 
     class BatchTokenizer(_IdsTokenizer):
         padding_side = "right"
@@ -391,9 +395,29 @@ def test_trl_rollouts_sample_without_the_policys_generation_config(monkeypatch):
         def __call__(self, texts, **kw):  # a batch of one
             return super().__call__(texts[0])
 
-    monkeypatch.setattr(trl.models.utils, "unwrap_model_for_generation", unwrapped)
-    policy = Policy()
-    [(text, _)] = hf_generate(SimpleNamespace(model_wrapped=policy, accelerator=None), BatchTokenizer(),
-                              [[{"role": "user", "content": "q"}]], seed=3, max_new_tokens=30, temperature=1.0,
-                              top_p=1.0, render=lambda conv, prompt: "5 6 7")
+    monkeypatch.setattr(trl.models.utils, "unwrap_model_for_generation",
+                        contextlib.contextmanager(lambda model, accelerator: (yield model)))
+    args = dict(seed=3, max_new_tokens=30, temperature=1.0, top_p=1.0) | kw
+    [reply] = hf_generate(SimpleNamespace(model_wrapped=policy, accelerator=None), BatchTokenizer(),
+                          [[{"role": "user", "content": "q"}]], render=lambda conv, prompt: "5 6 7", **args)
+    return reply
+
+
+def test_trl_rollouts_sample_without_the_policys_generation_config(monkeypatch):
+    """`load_pretrained` left out a model's generation_config.json fields, but TRL loads the policy itself: its
+    hf rollouts still sampled with, e.g., a repetition_penalty, unlike the graders (a helper's review)."""
+    policy = _TRLPolicy([9, 2])
+    text, _ = _hf_generate(monkeypatch, policy)
     assert text == "9" and policy.saw == (None, None, 2) and policy.training  # its eos kept, nothing else
+
+
+def test_trl_rollouts_sample_at_the_rollout_settings_and_say_when_a_reply_was_cut(monkeypatch):
+    """hf_generate samples at the temperature and top_p it is given (not the generator's defaults), and a reply
+    that fills max_new_tokens with no stop string and no EOS is "length", so a scaffolded question cut there is
+    not read as whole; one that ends on EOS is "stop" (mutants of a sweep: both settings dropped, always
+    "stop")."""
+    policy = _TRLPolicy([9, 9, 9])
+    assert _hf_generate(monkeypatch, policy, max_new_tokens=3, temperature=0.8, top_p=0.95) == ("9 9 9", "length")
+    assert policy.kw["temperature"] == 0.8 and policy.kw["top_p"] == 0.95 and policy.kw["do_sample"]
+    assert _hf_generate(monkeypatch, _TRLPolicy([9, 9, 2]), max_new_tokens=3) == ("9 9", "stop")
+    assert _hf_generate(monkeypatch, _TRLPolicy([9, 9]), max_new_tokens=3) == ("9 9", "stop")  # shorter: ended
