@@ -2231,6 +2231,22 @@ def test_the_trl_rollout_cuts_a_completion_and_its_mask_at_max_tokens(smollm2_pa
     assert len(out["completion_ids"][0]) == len(out["env_mask"][0]) == 7 and out["answer"] == ["the sea"]
 
 
+def test_the_trl_proposer_rows_forward_the_rollouts_final_action_not_its_last_message(smollm2_path, tool):
+    """A proposer that never gave a final question forwards final '' (the reward pays it as "no final
+    question"), though its last assistant message has text. Mutant: `final` read from the last assistant
+    message instead of `Rollout.final` (a sweep's survivor)."""
+    from transformers import AutoTokenizer
+
+    from selfevo.integrations.trl_env import SearchRollout
+
+    tok = AutoTokenizer.from_pretrained(smollm2_path)
+    prompt = [{"role": "user", "content": "doc"}]
+    prop = SearchRollout(tool, role="proposer", search=False)
+    (ro,) = prop.rollouts([prompt], lambda cs, seed: [("<search> Alpha </search>", "stop") for _ in cs], seed=0)
+    assert ro.final == "" and ro.messages[-1]["role"] == "assistant" and ro.messages[-1]["content"]
+    assert prop.encode(tok, [prompt], [ro])["final"] == [""]
+
+
 def test_each_training_process_samples_its_own_rollouts(monkeypatch, tool):
     """Data-parallel processes generate their own rows: the rollout seed differs by process index (else
     every process samples the same numbers), and by step. Mutant: the process left out of the seed
