@@ -1009,3 +1009,104 @@ def test_index_import_reads_a_gzipped_corpus_as_every_command_does(flat, shared_
     with pytest.raises(ValueError, match=f"holds {len(DOCS)} passages"):  # still refused when it is not
         adopt(_foreign_faiss(tmp_path / "more.index", np.vstack([vectors, vectors[:1]])), packed,
               tmp_path / "idx2", shared_encoder)
+
+
+# Tests of a mutation sweep of the retrieval stack (forty-first session): each passes on the code and
+# fails on the mutant its docstring names, or on the code before this session's fix.
+
+def test_the_spot_check_rows_take_in_the_first_and_last_passage():
+    """`index import` re-encodes passages spread over the corpus, its first and last line included (a
+    corpus one line short or with its last passage changed is caught there), all of them when few."""
+    from selfevo.search.adopt import spot_rows
+
+    assert spot_rows(5, 64).tolist() == [0, 1, 2, 3, 4]
+    rows = spot_rows(1000, 8).tolist()
+    assert len(rows) == 8 and rows[0] == 0 and rows[-1] == 999 and rows == sorted(set(rows))
+    assert spot_rows(1, 64).tolist() == [0]
+
+
+def test_adopt_refuses_an_out_of_other_files_before_reading_anything(tmp_path):
+    """`adopt` (the API under `index import`) checks `out` as an index build does, first: a directory of
+    someone else's files is refused and kept, before the FAISS file or the corpus is even looked at."""
+    from selfevo.search.adopt import adopt
+
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "keep.txt").write_text("keep")
+    with pytest.raises(ValueError, match="not empty, and holds no index"):
+        adopt(tmp_path / "missing.index", tmp_path / "missing.jsonl", mine, None)
+    assert [p.name for p in mine.iterdir()] == ["keep.txt"]
+
+
+def test_rrf_ties_go_to_the_better_best_rank_before_the_key():
+    """Equal fused scores from different rank pairs: (2, 6) and (3, 3) both give 1/2 + 1/6 = 1/3 + 1/3 at
+    k = 0. The item with the better best rank (2) comes first, though its key is larger."""
+    x, y = 9, 1
+    fused = rrf_fuse([[10, x, y, 11], [12, 13, y, 14, 15, x]], k=0)
+    assert dict(fused)[x] == dict(fused)[y]
+    assert [key for key, _ in fused].index(x) < [key for key, _ in fused].index(y)
+
+
+def test_a_hybrid_index_is_identified_by_its_dense_halfs_encoder(hybrid, flat):
+    """What a resumed evaluation must match: for a hybrid index, the kind and its dense half's encoder
+    (another encoder finds other passages), not `None` as for BM25."""
+    from selfevo.search.index import index_identity
+
+    assert index_identity(hybrid) == {"kind": "hybrid", "encoder": flat.encoder.fingerprint}
+    assert index_identity(flat) == {"kind": "dense", "encoder": flat.encoder.fingerprint}
+    assert index_identity(hybrid.bm25) == {"kind": "bm25", "encoder": None}
+
+
+def test_halves_over_other_corpora_of_the_same_size_are_refused(flat):
+    """The halves' corpus hashes must agree, not only their document counts: a BM25 index over the same
+    number of other (here: reordered) documents would fuse positions that name different passages."""
+    with pytest.raises(ValueError, match="different corpora"):
+        HybridIndex(BM25Index.build(DOCS[::-1]), flat)
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"rrf_k": True}, "rrf_k True: expected an integer >= 0"),
+    ({"depth": True}, "depth True: expected an integer >= 1"),
+    ({"depth": 2.5}, "depth 2.5: expected an integer >= 1"),
+])
+def test_a_hybrid_manifest_with_a_boolean_or_fractional_setting_is_named(hybrid, encoder, tmp_path, change, message):
+    hybrid.save(tmp_path / "h")
+    path = tmp_path / "h" / "manifest.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), **change}))
+    with pytest.raises(ValueError, match=f"{path}: {message}"):
+        HybridIndex.load(tmp_path / "h", encoder)
+
+
+def test_a_hybrid_topk_beyond_its_depth_still_gets_topk_hits(hybrid):
+    """`depth` is how many hits each half contributes, at least `topk`: asking for more than `depth`
+    deepens both lists rather than returning fewer than asked."""
+    shallow = HybridIndex(hybrid.bm25, hybrid.dense, depth=2)
+    [hits] = shallow.retrieve(["river Europe capital city"], topk=6)
+    assert len(hits) == 6
+    with pytest.raises(ValueError, match="topk"):
+        hybrid.retrieve(["river"], topk=0)
+
+
+def test_an_interrupted_hybrid_save_leaves_a_directory_load_refuses(hybrid, encoder, tmp_path, monkeypatch):
+    """The top manifest goes first and comes last: a save that fails in its dense half leaves no manifest
+    over a new BM25 half beside an old dense one."""
+    hybrid.save(tmp_path / "h")
+
+    def boom(*a, **k):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(hybrid.dense, "save", boom)
+    with pytest.raises(OSError, match="disk full"):
+        hybrid.save(tmp_path / "h")
+    monkeypatch.undo()
+    assert not (tmp_path / "h" / "manifest.json").exists()
+    with pytest.raises(ValueError, match="no manifest.json"):
+        HybridIndex.load(tmp_path / "h", encoder)
+
+
+def test_a_hybrid_saves_and_loads_its_own_fusion_settings(hybrid, encoder, tmp_path):
+    HybridIndex(hybrid.bm25, hybrid.dense, rrf_k=7, depth=9).save(tmp_path / "h")
+    manifest = json.loads((tmp_path / "h" / "manifest.json").read_text())
+    assert (manifest["rrf_k"], manifest["depth"]) == (7, 9)
+    loaded = HybridIndex.load(tmp_path / "h", encoder)
+    assert (loaded.rrf_k, loaded.depth) == (7, 9)

@@ -581,3 +581,98 @@ def test_gzipped_and_bom_files_read_as_plain_jsonl(tmp_path):
     for name, kind in (("c.zip", "zip"), ("c.jsonl.bz2", "bzip2"), ("c.jsonl.xz", "xz")):
         with pytest.raises(DataError, match=f"^{tmp_path / name}: a {kind} archive, which is not read: unpack it"):
             read_corpus(tmp_path / name)
+
+
+# Tests of a mutation sweep of the retrieval stack (forty-first session): each passes on the code and
+# fails on the mutant its docstring names, or on the code before this session's fix.
+
+@pytest.mark.parametrize("value", [True, False])
+def test_a_boolean_id_is_no_id(tmp_path, value):
+    """Numeric ids are read as strings ("7"); a JSON true is not a number there: it would become the id
+    "True" (and `true` in two lines a duplicate of nothing the file says)."""
+    path = tmp_path / "c.jsonl"
+    path.write_text(json.dumps({"id": "a", "contents": "x"}) + "\n" + json.dumps({"id": value, "contents": "y"}) + "\n",
+                    encoding="utf-8")
+    with pytest.raises(DataError, match=r"c\.jsonl:2: field 'id' must be a string, got bool"):
+        read_corpus(path)
+    qa = tmp_path / "q.jsonl"
+    qa.write_text(json.dumps({"id": value, "question": "q?", "golden_answers": ["x"]}) + "\n", encoding="utf-8")
+    with pytest.raises(DataError, match=r"q\.jsonl:1: field 'id' must be a string, got bool"):
+        read_qa(qa)
+
+
+def test_a_qa_line_whose_gold_is_one_string_reads_as_one_alias(tmp_path):
+    """`"golden_answers": "Paris"` (a bare string, as some exports write one answer) is one alias, never
+    five one-letter ones (each of which would be a substring of almost any prediction under Cover-EM)."""
+    path = tmp_path / "nq.jsonl"
+    path.write_text(json.dumps({"id": "1", "question": "q?", "golden_answers": "Paris"}) + "\n", encoding="utf-8")
+    assert read_qa(path)[0].golden_answers == ("Paris",)
+
+
+def test_parquet_rows_without_ids_are_numbered_from_zero_like_extra_info_index(tmp_path):
+    """A Search-R1 parquet without an `id` column: a row's id is its `extra_info.index`, else its 0-based
+    row number, the same numbering, so ids do not shift between files that carry the index and files that
+    do not."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rows = [{"question": f"q{i}?", "golden_answers": ["x"], "data_source": "nq"} for i in range(3)]
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "t.parquet")
+    assert [it.id for it in read_qa(tmp_path / "t.parquet")] == ["0", "1", "2"]
+    indexed = [{**r, "extra_info": {"index": i}} for i, r in enumerate(rows)]
+    pq.write_table(pa.Table.from_pylist(indexed), tmp_path / "u.parquet")
+    assert [it.id for it in read_qa(tmp_path / "u.parquet")] == ["0", "1", "2"]
+
+
+def test_a_merged_parquet_qualifies_only_the_ids_not_yet_qualified(tmp_path):
+    """Ids repeated across benchmarks are qualified `<benchmark>-<id>`; one already so (as `selfevo data
+    download` writes them) is kept, never `nq-nq-5`."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rows = [{"id": i, "question": "q?", "golden_answers": ["x"], "data_source": b}
+            for i, b in (("test_0", "nq"), ("test_0", "hotpotqa"), ("nq-5", "nq"))]
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "test.parquet")
+    assert [it.id for it in read_qa(tmp_path / "test.parquet")] == ["nq-test_0", "hotpotqa-test_0", "nq-5"]
+
+
+def test_the_qa_hash_changes_when_a_file_is_renamed(tmp_path):
+    """A file's name is its benchmark when its rows name none: the same bytes as tq.jsonl instead of
+    nq.jsonl are other questions for an evaluation to match, so the directory's hash must differ."""
+    from selfevo.corpus import qa_sha256
+
+    (tmp_path / "a").mkdir()
+    write_qa(tmp_path / "a" / "nq.jsonl", [QAItem("1", "q?", ("x",))])
+    before = qa_sha256(tmp_path / "a")
+    (tmp_path / "a" / "nq.jsonl").rename(tmp_path / "a" / "tq.jsonl")
+    assert qa_sha256(tmp_path / "a") != before
+
+
+def test_a_qa_directory_reads_past_json_files_that_are_no_questions(tmp_path):
+    """A *.json file is refused as an unread benchmark only when it holds JSON Lines of questions; a
+    one-line JSON object of anything else (a config, a score.json) is not a benchmark."""
+    write_qa(tmp_path / "nq.jsonl", [QAItem("1", "q?", ("x",))])
+    (tmp_path / "notes.json").write_text(json.dumps({"source": "hand-made", "n": 1}) + "\n", encoding="utf-8")
+    assert [it.id for it in read_qa_dir(tmp_path)["nq"]] == ["1"]
+    (tmp_path / "tq.json").write_text(json.dumps({"id": "2", "question": "q?", "golden_answers": ["y"]}) + "\n")
+    with pytest.raises(DataError, match=r"tq\.json: in a QA directory but not read"):
+        read_qa_dir(tmp_path)
+
+
+def test_an_empty_qa_file_in_a_directory_is_named_not_dropped(tmp_path):
+    """read_qa of an empty file is an empty benchmark, but in a QA directory it would drop out of the macro
+    average without a word: refused naming the file."""
+    write_qa(tmp_path / "nq.jsonl", [QAItem("1", "q?", ("x",))])
+    (tmp_path / "tq.jsonl").write_text("\n", encoding="utf-8")
+    with pytest.raises(DataError, match=r"tq\.jsonl: no questions"):
+        read_qa_dir(tmp_path)
+
+
+def test_a_parquet_written_for_several_benchmarks_keeps_each_rows_benchmark(tmp_path):
+    """write_qa to parquet records each item's benchmark as `data_source`; the file's stem is only the
+    fallback for items that name none."""
+    items = [QAItem("nq-1", "q?", ("x",), {"benchmark": "nq"}), QAItem("hotpotqa-1", "r?", ("y",),
+                                                                       {"benchmark": "hotpotqa"}),
+             QAItem("3", "s?", ("z",))]
+    write_qa(tmp_path / "test.parquet", items)
+    assert [it.benchmark for it in read_qa(tmp_path / "test.parquet")] == ["nq", "hotpotqa", "test"]

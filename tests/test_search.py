@@ -791,3 +791,184 @@ def test_an_html_error_page_is_said_in_one_line():
     client, _ = _mock_client(lambda n, req: httpx.Response(422, text='{"detail":\n "bad topk"}'))
     with pytest.raises(RetrieverError, match='HTTP 422: {"detail": "bad topk"}$'):
         client.retrieve(["q"])
+
+
+# Tests of a mutation sweep of the retrieval stack (forty-first session): each passes on the code and
+# fails on the mutant its docstring names, or on the code before this session's fix.
+
+def test_the_tokenizer_is_bm25s_own_on_one_letter_words_digits_and_accents():
+    """An index built here must score as `bm25s.tokenize(..., stopwords="en")` would: that splitter keeps
+    words of two or more characters only (\\w\\w+), lowercases, and keeps digits and accented letters."""
+    from selfevo.search.bm25 import _tokens
+
+    text = "A 1 b 42 X-ray Café THE Über naïve 3D I a vitamin C"
+    ref = bm25s.tokenize([text], stopwords="en", return_ids=False, show_progress=False)[0]
+    assert _tokens(text) == ref == ["42", "ray", "café", "über", "naïve", "3d", "vitamin"]
+    index = BM25Index.build([Document("v", "Vitamin C", "Vitamin C is ascorbic acid."),
+                             Document("x", "X", "c c c c c")])
+    assert index.retrieve(["c"], 3) == [[]]  # a one-letter word is no term
+
+
+def test_a_repeated_query_word_counts_each_time_as_in_bm25s(small):
+    """bm25s sums a query's token weights with repeats (a query is a bag of words): "river river Europe"
+    weighs "river" twice. Deduplicating the query's terms would change scores and rankings."""
+    ref = bm25s.BM25()
+    ref.index(bm25s.tokenize([f"{d.title} {d.text}" for d in DOCS], stopwords="en", show_progress=False),
+              show_progress=False)
+    query = "river river river Europe stripes"
+    ref_scores = ref.get_scores(bm25s.tokenize([query], stopwords="en", return_ids=False,
+                                               show_progress=False)[0])
+    [hits] = small.retrieve([query], topk=len(DOCS))
+    pos = {d.id: i for i, d in enumerate(DOCS)}
+    assert [h.score for h in hits] == [pytest.approx(float(ref_scores[pos[h.document.id]]), rel=1e-6)
+                                       for h in hits]
+    [once] = small.retrieve(["river"], topk=2)
+    [twice] = small.retrieve(["river river"], topk=2)
+    assert [h.score for h in twice] == [pytest.approx(2 * h.score) for h in once]
+
+
+def test_ties_among_many_hits_keep_corpus_order():
+    """Ties are broken by corpus order however many hits there are: an unstable sort keeps the order of
+    a handful of equal scores (numpy sorts short arrays by insertion) but not of a few dozen at several levels."""
+    texts = ["comets", "comets comets", "comets comets comets"]
+    docs = [Document(f"c{i:02d}", "Sky", f"{texts[i % 3]} seen tonight") for i in range(45)]
+    index = BM25Index.build(docs)
+    [hits] = index.retrieve(["comets"], topk=40)
+    assert len(hits) == 40 and len({h.score for h in hits}) == 3
+    pos = {d.id: i for i, d in enumerate(docs)}
+    assert [(-h.score, pos[h.document.id]) for h in hits] == sorted((-h.score, pos[h.document.id]) for h in hits)
+
+
+def test_an_index_refuses_a_document_list_of_another_length(small):
+    """A score matrix over n documents with a list of n-1 would return positions past the list's end
+    (an IndexError at some query) or the wrong passages: refused when the index is made."""
+    with pytest.raises(ValueError, match="index holds 6 documents, document list 5"):
+        BM25Index(small.model, DOCS[:-1], small.corpus_sha256)
+
+
+def test_an_interrupted_save_leaves_a_directory_load_refuses(small, tmp_path, monkeypatch):
+    """`save` removes the manifest first and writes it last: a save killed half-way leaves no manifest
+    (load refuses it) rather than the old manifest over a mix of old and new files."""
+    import selfevo.search.bm25 as bm25_mod
+
+    BM25Index.build(DOCS[::-1]).save(tmp_path / "idx")
+    assert (tmp_path / "idx" / MANIFEST).exists()
+
+    def boom(*a, **k):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(bm25_mod.os, "replace", boom)
+    with pytest.raises(OSError, match="disk full"):
+        small.save(tmp_path / "idx")
+    monkeypatch.undo()
+    assert not (tmp_path / "idx" / MANIFEST).exists()
+    with pytest.raises(ValueError, match="no manifest.json"):
+        BM25Index.load(tmp_path / "idx")
+
+
+def test_a_saved_build_reads_its_documents_from_the_index_directory(tmp_path):
+    """A streamed build stages its documents in .docs-building; once saved, the index must read them
+    from the index directory itself: a worker process reopens them there (a DocStore pickles as its
+    directory), and the staging directory is gone."""
+    from selfevo.search.docstore import STAGING, DocStore
+    from selfevo.search.index import build_index
+
+    corpus = tmp_path / "c.jsonl"
+    write_corpus(corpus, DOCS)
+    index = build_index("bm25", corpus, tmp_path / "idx")
+    assert isinstance(index.docs, DocStore) and index.docs.path == tmp_path / "idx" / "docs.jsonl"
+    assert not (tmp_path / "idx" / STAGING).exists()
+    assert list(pickle.loads(pickle.dumps(index.docs))) == DOCS
+
+
+def test_an_in_memory_build_names_its_corpus_by_the_hash_of_its_jsonl(tmp_path):
+    """Without `corpus_sha256` a build hashes the documents as `write_corpus` writes them: the index of a
+    list and the index of that list's file carry the same corpus hash, and other documents another."""
+    from selfevo._io import file_sha256
+
+    docs = DOCS + [Document("u", "Café Über", "Naïve façade, 東京.")]  # written as UTF-8, not \u escapes
+    write_corpus(tmp_path / "c.jsonl", docs)
+    assert BM25Index.build(docs).corpus_sha256 == file_sha256(tmp_path / "c.jsonl")
+    assert BM25Index.build(DOCS[::-1]).corpus_sha256 != BM25Index.build(DOCS).corpus_sha256
+    # a saved index's docs.jsonl is that same JSONL, byte for byte
+    BM25Index.build(docs).save(tmp_path / "idx")
+    assert (tmp_path / "idx" / "docs.jsonl").read_bytes() == (tmp_path / "c.jsonl").read_bytes()
+
+
+def test_doc_store_rescans_a_docs_file_replaced_by_one_of_another_size(tmp_path):
+    """Offsets are trusted only for the file they were written for (their last one is its size): a
+    docs.jsonl replaced by hand by one of other lengths is scanned again, never sliced at old offsets."""
+    from selfevo.search.docstore import DOCS_FILE, OFFSETS_FILE, DocStore
+
+    DocStore.write(tmp_path / "a", DOCS)
+    other = [Document(d.id, d.title + " longer title", d.text) for d in DOCS[:4]]
+    DocStore.write(tmp_path / "b", other)
+    (tmp_path / "a" / DOCS_FILE).write_bytes((tmp_path / "b" / DOCS_FILE).read_bytes())
+    assert (tmp_path / "a" / OFFSETS_FILE).exists()  # the old offsets are still there
+    store = DocStore(tmp_path / "a")
+    assert len(store) == 4 and list(store) == other
+
+
+@pytest.mark.parametrize("line", [
+    b'{"id": "d2"}', b'["d2", "contents"]',
+    b'{"id": "d2", "contents": 5}',
+])
+def test_doc_store_names_a_line_that_is_json_but_no_document(tmp_path, line):
+    """A docs.jsonl line that parses but is no document (a field missing, a list, a number for the
+    contents) is a DataError naming file and line, as a line that does not parse is, not a KeyError or
+    TypeError traceback."""
+    from selfevo.corpus import DataError
+    from selfevo.search.docstore import DOCS_FILE, OFFSETS_FILE, DocStore
+
+    DocStore.write(tmp_path / "a", DOCS)
+    lines = (tmp_path / "a" / DOCS_FILE).read_bytes().splitlines(keepends=True)
+    lines[2] = line + b"\n"
+    (tmp_path / "a" / DOCS_FILE).write_bytes(b"".join(lines))
+    (tmp_path / "a" / OFFSETS_FILE).unlink()
+    store = DocStore(tmp_path / "a")
+    assert store[1] == DOCS[1]
+    with pytest.raises(DataError, match=r"docs\.jsonl:3: not a document line"):
+        store[2]
+
+
+def test_a_build_batch_of_documents_without_any_term_is_indexed(monkeypatch):
+    """A batch (20,000 documents; 2 here) whose documents are all empty or stopwords only made
+    `score_matrix` index an empty array (`heads[col[starts]]`): IndexError. Wiki-18-sized corpora whose last
+    20,000-block is one empty passage hit it (20,001 passages, the last empty)."""
+    import selfevo.search.bm25 as bm25_mod
+
+    monkeypatch.setattr(bm25_mod, "_BATCH", 2)
+    docs = DOCS[:4] + [Document("e1", "", ""), Document("e2", "The", "of the and")]
+    index = BM25Index.build(docs)
+    assert len(index) == 6 and ids(index.retrieve(["zebra"], 1)[0]) == ["d0"]
+
+
+def test_doc_store_equals_a_list_only_of_the_same_length(tmp_path):
+    from selfevo.search.docstore import DocStore
+
+    store = DocStore.write(tmp_path / "a", DOCS)
+    assert store == DOCS and store != DOCS[:3] and store != DOCS + [Document("x", "X", "x")]
+    assert DocStore.write(tmp_path / "b", DOCS[:3]) != DOCS
+
+
+def test_a_failed_streamed_build_leaves_no_staged_documents(tmp_path):
+    """A corpus malformed half-way: the documents staged so far (`.docs-building`) are removed with the
+    error, so the directory holds the saved index as it was and nothing else."""
+    from selfevo.corpus import DataError, corpus_documents
+    from selfevo.search.docstore import STAGING
+
+    bad = tmp_path / "bad.jsonl"
+    write_corpus(bad, DOCS)
+    bad.write_text(bad.read_text() + '{"id": "d9"}\n', encoding="utf-8")
+    with pytest.raises(DataError, match=r"bad\.jsonl:7"):
+        BM25Index.build(corpus_documents(bad), store=tmp_path / "idx")
+    assert not (tmp_path / "idx" / STAGING).exists()
+
+
+def test_an_index_over_no_document_is_refused_by_name(tmp_path):
+    from selfevo.search.docstore import STAGING
+
+    for store in (None, tmp_path / "idx"):
+        with pytest.raises(ValueError, match="cannot build an index over zero documents"):
+            BM25Index.build([], store=store)
+    assert not (tmp_path / "idx" / STAGING).exists()  # nothing staged is left behind

@@ -10,6 +10,7 @@ os.environ["HF_HUB_OFFLINE"] = "1"  # nothing may come from a model hub
 os.environ["TRANSFORMERS_OFFLINE"] = "1"
 
 import json  # noqa: E402
+import shutil  # noqa: E402
 
 import pytest  # noqa: E402
 
@@ -104,3 +105,38 @@ def test_the_client_waits_longer_than_the_server_limits_a_retrieval():
     with RetrieverClient("http://127.0.0.1:9") as client:
         timeout = client._http.timeout
     assert timeout.read > TIMEOUT_S
+
+
+# Tests of a mutation sweep of the retrieval stack (forty-first session): each passes on the code and
+# fails on the mutant its docstring names, or on the code before this session's fix.
+
+def test_a_half_with_one_other_document_off_the_sampled_positions_is_refused(saved_hybrid, tmp_path):
+    """Only documents 0, n/2 and n-1 are compared; a document changed anywhere else is caught by the
+    docs.jsonl sizes differing (here document 10 of 60 made longer)."""
+    from selfevo.search.hybrid import HybridIndex
+
+    where, encoder = saved_hybrid
+    copy = tmp_path / "h"
+    shutil.copytree(where, copy)
+    docs = list(DOCS)
+    docs[10] = Document(docs[10].id, docs[10].title, docs[10].text + " More.")
+    _rewrite_bm25_docs(copy, docs)
+    with pytest.raises(ValueError, match="the BM25 and dense halves hold different documents"):
+        HybridIndex.load(copy, encoder)
+
+
+@pytest.mark.parametrize("at", [30, 59])
+def test_a_half_of_the_same_size_with_another_middle_or_last_document_is_refused(saved_hybrid, tmp_path, at):
+    """Same docs.jsonl size (an id changed for another of its length): the sampled documents, the middle
+    and the last besides the first, still tell the halves apart."""
+    from selfevo.search.hybrid import HybridIndex
+
+    where, encoder = saved_hybrid
+    copy = tmp_path / "h"
+    shutil.copytree(where, copy)
+    docs = list(DOCS)
+    docs[at] = Document("x" + docs[at].id[1:], docs[at].title, docs[at].text)
+    _rewrite_bm25_docs(copy, docs)
+    assert (copy / "bm25" / "docs.jsonl").stat().st_size == (copy / "dense" / "docs.jsonl").stat().st_size
+    with pytest.raises(ValueError, match="the BM25 and dense halves hold different documents"):
+        HybridIndex.load(copy, encoder)

@@ -103,6 +103,8 @@ class _Postings:
         for n_terms, terms, tf in zip(self.n_terms, self.terms, self.tf):
             docs = np.repeat(np.arange(first, first + len(n_terms), dtype=np.int64), n_terms)
             first += len(n_terms)
+            if not len(terms):  # a batch of empty or stopword-only passages adds nothing to any column
+                continue
             tf64 = tf.astype(np.float64)
             tfc = tf64 / (K1 * ((1 - B) + B * lengths[docs] / avg_len) + tf64)
             # counting sort into the columns: each pair's slot is its column's next free one, and a

@@ -88,6 +88,8 @@ class DocStore(Sequence[Document]):
         start, end = int(self._offsets[i]), int(self._offsets[i + 1])
         try:
             obj = json.loads(self._map[start:end])
+            if not isinstance(obj["contents"], str):
+                raise TypeError(f"contents is {type(obj['contents']).__name__}, not a string")
             return Document.from_contents(obj["id"], obj["contents"])
         except (ValueError, KeyError, TypeError) as e:  # a damaged index file
             raise DataError(self.path, i + 1, f"not a document line of this index ({e})") from None
