@@ -498,6 +498,9 @@ def test_hybrid_save_load_and_refusals(hybrid, encoder, tmp_path):
     ({"rrf_k": None}, "rrf_k None: expected an integer >= 0"),
     ({"rrf_k": -5}, "rrf_k -5: expected an integer >= 0"),
     ({"depth": 0}, "depth 0: expected an integer >= 1"),
+    ({"rrf_k": True}, "rrf_k True: expected an integer >= 0"),  # a boolean or a fraction is no setting
+    ({"depth": True}, "depth True: expected an integer >= 1"),
+    ({"depth": 2.5}, "depth 2.5: expected an integer >= 1"),
 ])
 def test_a_damaged_hybrid_manifest_is_named(hybrid, encoder, tmp_path, change, message):
     """(before: TypeError 'list indices must be integers', KeyError 'dense', TypeError from int(None),
@@ -1062,19 +1065,6 @@ def test_halves_over_other_corpora_of_the_same_size_are_refused(flat):
     number of other (here: reordered) documents would fuse positions that name different passages."""
     with pytest.raises(ValueError, match="different corpora"):
         HybridIndex(BM25Index.build(DOCS[::-1]), flat)
-
-
-@pytest.mark.parametrize("change, message", [
-    ({"rrf_k": True}, "rrf_k True: expected an integer >= 0"),
-    ({"depth": True}, "depth True: expected an integer >= 1"),
-    ({"depth": 2.5}, "depth 2.5: expected an integer >= 1"),
-])
-def test_a_hybrid_manifest_with_a_boolean_or_fractional_setting_is_named(hybrid, encoder, tmp_path, change, message):
-    hybrid.save(tmp_path / "h")
-    path = tmp_path / "h" / "manifest.json"
-    path.write_text(json.dumps({**json.loads(path.read_text()), **change}))
-    with pytest.raises(ValueError, match=f"{path}: {message}"):
-        HybridIndex.load(tmp_path / "h", encoder)
 
 
 def test_a_hybrid_topk_beyond_its_depth_still_gets_topk_hits(hybrid):
