@@ -70,6 +70,15 @@ def machine_line() -> str:
             f"bm25s {sw['bm25s']}; date {dt.date.today().isoformat()}")
 
 
+def device_line(device: str, dtype: str, threads: int) -> str:
+    """Where a language-model benchmark ran: the GPU's name, or the CPU's torch threads, and the dtype."""
+    if device == "cpu":
+        return f"CPU, {dtype}, torch threads {threads}"
+    import torch
+
+    return f"{torch.cuda.get_device_name(torch.device(device))}, {dtype}"
+
+
 def replace_section(text: str, heading: str, section: str, title: str = "# Results") -> str:
     """Swap the section starting at `heading` (up to the next "## " heading) or append it."""
     pattern = re.compile(rf"^{re.escape(heading)}\n.*?(?=^## |\Z)", re.DOTALL | re.MULTILINE)

@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 import torch
-from _common import REPO, machine_line, write_section
+from _common import REPO, device_line, machine_line, write_section
 from rich.console import Console
 from rich.table import Table
 
@@ -33,9 +33,8 @@ from selfevo.corpus import read_qa_dir
 HEADING = "## Decoding step profile (LM backend"  # + ")" or ", GPU)"
 
 
-def sync(device: str) -> None:
-    if device.startswith("cuda"):
-        torch.cuda.synchronize(torch.device(device))
+def rows_label(n: int) -> str:
+    return f"{n} row{'s' * (n > 1)}"
 
 
 def generate(policy: LMPolicy, name: str | None, text: str, rows: int, tokens: int, stops: bool) -> None:
@@ -48,7 +47,8 @@ def generate(policy: LMPolicy, name: str | None, text: str, rows: int, tokens: i
         kwargs.update(stop_strings=list(STOP_STRINGS), tokenizer=tok)
     with torch.no_grad(), policy._active(name) as model:
         model.generate(**enc, **kwargs)
-    sync(policy.device)
+    if policy.device.startswith("cuda"):  # the kernels finished, not only queued
+        torch.cuda.synchronize(torch.device(policy.device))
 
 
 def step_ms(policy: LMPolicy, name: str | None, text: str, rows: int, tokens: int, stops: bool,
@@ -119,29 +119,28 @@ def main() -> None:
     table = Table(title=f"ms per decoding step: {args.model}, {args.device}, {args.dtype}")
     table.add_column("variant")
     for n in rows:
-        table.add_column(f"{n} row{'s' * (n > 1)}", justify="right")
+        table.add_column(rows_label(n), justify="right")
     for label, values in ms.items():
         table.add_row(label, *(f"{v:.1f}" for v in values))
     Console().print(table)
     for n, (_, totals) in profiles.items():
         print(n, "rows:", {k: (round(v, 2) if isinstance(v, float) else v) for k, v in totals.items()})
 
-    gpu = args.device != "cpu"
-    where = (f"{torch.cuda.get_device_name(torch.device(args.device))}, {args.dtype}" if gpu
-             else f"CPU, {args.dtype}, torch threads {args.threads}")
+    gpu = policy.device.startswith("cuda")
     lines = [HEADING + (", GPU)" if gpu else ")"), "",
              f"`python benchmarks/decode_profile.py --model {args.model} --rows {args.rows} --new-tokens "
              f"{args.new_tokens} --repeats {args.repeats} --threads {args.threads} --device {args.device} "
-             f"--dtype {args.dtype}` — {machine_line()}; torch {torch.__version__}; {where}; LoRA r="
+             f"--dtype {args.dtype}` — {machine_line()}; torch {torch.__version__}; "
+             f"{device_line(policy.device, args.dtype, args.threads)}; LoRA r="
              f"{policy.cfg.lora_r} on {', '.join(policy.cfg.lora_targets)}; greedy, every row the whole budget; "
              f"decode steps only (prefill left out); median of {args.repeats}.", "",
-             "| ms per decoding step | " + " | ".join(f"{n} row{'s' * (n > 1)}" for n in rows) + " |",
+             "| ms per decoding step | " + " | ".join(rows_label(n) for n in rows) + " |",
              "|---|" + "---:|" * len(rows)]
     lines += [f"| {label} | " + " | ".join(f"{v:.1f}" for v in values) + " |" for label, values in ms.items()]
     for n, (top, totals) in profiles.items():
         kernels = (f", {totals['kernels']} kernels launched, {totals['device ms']:.1f} ms of kernel time on the GPU"
                    if gpu else "")
-        lines += ["", f"{n} row{'s' * (n > 1)} with LoRA and stop strings under torch.profiler, a step (the prefill "
+        lines += ["", f"{rows_label(n)} with LoRA and stop strings under torch.profiler, a step (the prefill "
                   f"counted as one of {args.new_tokens}): {totals['operator calls']} operator calls (nested ones "
                   f"counted), {totals['host ms']:.1f} ms of operator time on the host{kernels}, "
                   f"{totals['wall ms']:.1f} ms of wall time (the profiler's own overhead included). Top operators by "

@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 
 import torch
-from _common import REPO, machine_line, write_section
+from _common import REPO, device_line, machine_line, write_section
 from rich.console import Console
 from rich.table import Table
 
@@ -35,10 +35,6 @@ from selfevo.agents.lm.protocol import solver_messages
 from selfevo.corpus import read_qa_dir
 
 HEADING = "## Rollout throughput (LM backend"  # + ")" or ", GPU)"
-
-
-def gpu_name(device: str) -> str:
-    return torch.cuda.get_device_name(torch.device(device))
 
 
 def prompts(qa_dir: Path, n: int) -> list[list[dict]]:
@@ -97,7 +93,7 @@ def main() -> None:
     Console().print(table)
 
     gpu = args.device != "cpu"
-    where = (f"{gpu_name(args.device)}, {args.dtype}" if gpu else f"CPU, {args.dtype}, torch threads {args.threads}")
+    where = device_line(args.device, args.dtype, args.threads)
     lines = [HEADING + (", GPU)" if gpu else ")"), "",
              f"`python benchmarks/rollout.py --model {args.model} --prompts {args.prompts} --new-tokens "
              f"{args.new_tokens} --repeats {args.repeats} --threads {args.threads} --device {args.device} --dtype "

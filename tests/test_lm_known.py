@@ -395,8 +395,11 @@ def _hf_generate(monkeypatch, policy, **kw):
         def __call__(self, texts, **kw):  # a batch of one
             return super().__call__(texts[0])
 
-    monkeypatch.setattr(trl.models.utils, "unwrap_model_for_generation",
-                        contextlib.contextmanager(lambda model, accelerator: (yield model)))
+    @contextlib.contextmanager
+    def unwrapped(model, accelerator):
+        yield model
+
+    monkeypatch.setattr(trl.models.utils, "unwrap_model_for_generation", unwrapped)
     args = dict(seed=3, max_new_tokens=30, temperature=1.0, top_p=1.0) | kw
     [reply] = hf_generate(SimpleNamespace(model_wrapped=policy, accelerator=None), BatchTokenizer(),
                           [[{"role": "user", "content": "q"}]], render=lambda conv, prompt: "5 6 7", **args)
