@@ -454,6 +454,20 @@ def test_compare_ratios_are_against_the_coupled_run_of_the_same_seed(local_grid)
     assert compare([root / "crossfit-s0"])[0]["extra_generations"] is None  # no coupled run of its seed
 
 
+def test_compare_reads_a_run_given_twice_once(local_grid, tmp_path):
+    """One run under two spellings (and a link to it) was two coupled runs of one seed, refused, or a
+    treatment's row twice."""
+    from selfevo.report.compare import compare
+
+    root, _, _ = local_grid
+    (tmp_path / "link").symlink_to(root / "coupled-s0", target_is_directory=True)
+    spellings = [root / "coupled-s0", f"{root}/./coupled-s0/", tmp_path / "link", root / "crossfit-s0",
+                 root / "crossfit-s0"]
+    rows = compare(spellings)
+    assert [Path(r["run"]).name for r in rows] == ["coupled-s0", "crossfit-s0"]
+    assert rows[1]["extra_generations"] is not None
+
+
 ONE_ROUND = [*SMALL, "loop.rounds=1"]
 
 

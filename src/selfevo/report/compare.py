@@ -75,10 +75,23 @@ def training_cost(compute: dict) -> tuple[int, float]:
     return generations, sum(v for k, v in compute["seconds"].items() if k not in (EVAL_PHASE, "audit"))
 
 
+def unique_dirs(paths: list[str | os.PathLike]) -> list[str | os.PathLike]:
+    """The paths in order, each directory once: `runs/a` and `./runs/a/` (or a link to it) are one run,
+    which would otherwise be two coupled runs of one seed, or a treatment's row twice."""
+    seen: set[Path] = set()
+    unique = []
+    for p in paths:
+        key = Path(p).resolve()
+        if key not in seen:
+            seen.add(key)
+            unique.append(p)
+    return unique
+
+
 def compare(paths: list[str | os.PathLike]) -> list[dict]:
     """One row per run, with ratios against the coupled run of the same seed, config, data, rounds done
     and [engine] table (None if absent)."""
-    runs = [RunSummary.load(p) for p in paths]
+    runs = [RunSummary.load(p) for p in unique_dirs(paths)]
     base: dict[str, RunSummary] = {}
     for r in runs:
         if r.treatment == "coupled":
