@@ -923,3 +923,20 @@ def test_a_lone_surrogate_in_a_reply_is_replaced_so_the_reply_can_be_written(tmp
     (verdict,) = judge.judge([item])
     assert verdict.resolved is False and "quote not found" in verdict.reason  # the quote is not the source's
     assert (tmp_path / "cache.jsonl").read_text(encoding="utf-8").count("\n") == 1
+
+
+def test_a_reply_larger_than_the_bound_fails_its_call_at_once():
+    """A reply's time was bounded, not its size: a server sending hundreds of MB filled memory before the
+    reply failed to parse (a review's 400 MB reply: 1.8 GB). Past `max_reply_bytes` the call fails, not
+    retried (the same request gets the same reply), and the start-up probe says so too."""
+    events: list[str] = []
+    client = ChatClient("http://fake/v1", "m", backoff=0.001, on_event=events.append)
+    client.max_reply_bytes = 1000
+    seen = _mock(client, [_ok("x" * 2000), _ok()])
+    with pytest.raises(CallFailed, match=r"larger than 1,000 bytes \(not retried\)"):
+        client.complete(HI)
+    assert len(seen) == 1 and events.count("malformed_body") == 1
+    assert client.complete(HI) == "ok"  # the next, small, reply reads
+    _mock(client, [httpx.Response(200, stream=httpx.ByteStream(json.dumps({"data": [{"id": "m" * 2000}]}).encode()))])
+    with pytest.raises(EndpointError, match="larger than 1,000 bytes"):
+        client.check()

@@ -972,3 +972,31 @@ def test_an_index_over_no_document_is_refused_by_name(tmp_path):
         with pytest.raises(ValueError, match="cannot build an index over zero documents"):
             BM25Index.build([], store=store)
     assert not (tmp_path / "idx" / STAGING).exists()  # nothing staged is left behind
+
+
+def test_client_refuses_a_reply_larger_than_its_bound():
+    """The client bounded a reply's time, not its size: a server sending hundreds of MB fast filled memory
+    before the reply failed to parse. A body past `max_reply_bytes` (as decoded: a gzip stream inflating
+    past it too) is refused at once, not retried."""
+    import gzip
+
+    big = json.dumps({"result": [[{"document": {"id": "1", "contents": "x" * 5000}, "score": 1.0}]]}).encode()
+    bomb = gzip.compress(b" " * 200_000)  # 200 kB of JSON whitespace in well under 1 kB
+    replies = iter([big, bomb, json.dumps(GOOD).encode()])
+    calls = []
+
+    def handler(req):
+        calls.append(req)
+        body = next(replies)
+        headers = {"content-encoding": "gzip"} if body is bomb else {}
+        return httpx.Response(200, headers=headers, stream=httpx.ByteStream(body))  # read as a stream, as on a socket
+
+    client = RetrieverClient("http://x", retries=3, transport=httpx.MockTransport(handler))
+    client.max_reply_bytes = 4000
+    with pytest.raises(RetrieverError, match="larger than 4,000 bytes"):
+        client.retrieve(["q"])
+    assert len(calls) == 1  # not retried
+    assert len(bomb) < 4000
+    with pytest.raises(RetrieverError, match="larger than 4,000 bytes"):
+        client.retrieve(["q"])
+    assert client.retrieve(["q"])[0][0].score == 1.5  # a small one reads

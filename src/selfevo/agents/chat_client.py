@@ -32,7 +32,7 @@ import httpx
 from tenacity import Retrying, retry_if_exception_type, stop_after_attempt, stop_any, wait_exponential, wait_random
 
 from selfevo._io import encodable, shown_url
-from selfevo.search.client import MAX_WAIT_S, body_text, read_reply, retry_after_seconds
+from selfevo.search.client import MAX_REPLY_BYTES, MAX_WAIT_S, ReplyTooLarge, body_text, read_reply, retry_after_seconds
 
 _UNSET: Any = object()
 # besides 5xx: a proxy's request timeout, a conflict, "too early", rate limiting (as openai-python)
@@ -144,7 +144,10 @@ def _busy(r: httpx.Response) -> bool:
 
 class ChatClient:
     """POST {url}/chat/completions with retries (see the module docstring). `key_env` and
-    `hint_404` only word the error messages."""
+    `hint_404` only word the error messages. A reply body past `max_reply_bytes` fails its call at once
+    (`CallFailed`; the start-up probe's, `EndpointError`)."""
+
+    max_reply_bytes = MAX_REPLY_BYTES
 
     def __init__(self, url: str, model: str, api_key: str | None = None, timeout: float = 60.0,
                  max_retries: int = 4, backoff: float = 0.5, max_backoff: float = 30.0, *,
@@ -257,7 +260,7 @@ class ChatClient:
         return body
 
     def _request(self, method: str, url: str, **kwargs: Any) -> httpx.Response:
-        return read_reply(self._http, method, url, self.timeout, **kwargs)
+        return read_reply(self._http, method, url, self.timeout, self.max_reply_bytes, **kwargs)
 
     def _send(self, body: dict) -> list[Choice]:
         self._event("request")
@@ -269,6 +272,9 @@ class ChatClient:
         except httpx.DecodingError:  # a Content-Encoding the body does not have (a proxy's fault)
             self._event("malformed_body")
             raise _Retryable("a reply body that does not decode as its Content-Encoding says") from None
+        except ReplyTooLarge as e:
+            self._event("malformed_body")
+            raise CallFailed(self._scrub(f"{e} (not retried)")) from None
         self._check_status(r)
         self._event("reply")
         try:
@@ -370,6 +376,8 @@ class ChatClient:
             return []
         except (httpx.TransportError, httpx.DecodingError) as e:
             raise EndpointError(self._scrub(f"{self.base_url}: cannot connect ({type(e).__name__}: {e})")) from None
+        except ReplyTooLarge as e:
+            raise EndpointError(self._scrub(str(e))) from None
         self._check_refused(r)
         if r.status_code == 404 and not self.base_url.rstrip("/").endswith("/v1") and self._lists_models(
                 f"{self.base_url}/v1/models"):

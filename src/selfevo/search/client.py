@@ -43,6 +43,9 @@ class _Response(BaseModel):
 # Retrieval is read-only, so repeating a request is always safe.
 _RETRY_STATUS = {429, 500, 502, 503, 504}
 MAX_WAIT_S = 60.0  # the longest a client waits before a retry, whatever a server asks
+# The most a reply's body may hold: a /retrieve reply of a 64-query batch and a chat completion of n
+# samples are kilobytes to a few MB.
+MAX_REPLY_BYTES = 64 * 2**20
 # How long a call waits for the server's answer: longer than our server's own limit on a retrieval
 # (plus room for its reply), so the server decides: a slow retrieval is answered, or ends in its 504
 # naming the limit. With both at 30 s the client's read timeout fired first, and its retry started
@@ -81,27 +84,41 @@ def body_text(text: str) -> str:
     return " ".join(html.unescape(title.group(1) if title else _TAG.sub(" ", text)).split())
 
 
-def read_reply(http: httpx.Client, method: str, url: str, timeout: float, **kwargs: Any) -> httpx.Response:
-    """One request, its whole body read within `timeout`: httpx's timeout bounds each read only, so a
-    server trickling its body in (a byte now and then) would hold the call for ever."""
+class ReplyTooLarge(httpx.HTTPError):
+    """A reply whose body runs past `read_reply`'s `max_bytes`: not retried, as the same request would
+    get the same reply."""
+
+
+def read_reply(http: httpx.Client, method: str, url: str, timeout: float, max_bytes: int = MAX_REPLY_BYTES,
+               **kwargs: Any) -> httpx.Response:
+    """One request, its whole body read within `timeout` and `max_bytes`: httpx's timeout bounds each
+    read only, so a server trickling its body in (a byte now and then) would hold the call for ever,
+    and one sending hundreds of MB fast would fill memory before the reply failed to parse. The bound
+    is on the body as decoded (a small gzip stream can inflate to gigabytes)."""
     deadline = time.monotonic() + timeout
     with http.stream(method, url, **kwargs) as r:
         if r.is_stream_consumed:  # a reply made in memory (an httpx.MockTransport's): nothing left to wait for
             return r
-        raw = bytearray()
-        for chunk in r.iter_raw():
-            raw += chunk
+        body = bytearray()
+        for chunk in r.iter_bytes():  # decoded as its Content-Encoding says (an httpx.DecodingError if not)
+            body += chunk
+            if len(body) > max_bytes:
+                raise ReplyTooLarge(f"{method} {shown_url(url)}: reply body larger than {max_bytes:,} bytes")
             if time.monotonic() > deadline:
                 raise httpx.ReadTimeout(f"reply not received within {timeout:g} s", request=r.request)
-    return httpx.Response(r.status_code, headers=r.headers, content=bytes(raw), request=r.request)
+    headers = [(k, v) for k, v in r.headers.multi_items() if k not in ("content-encoding", "content-length")]
+    return httpx.Response(r.status_code, headers=headers, content=bytes(body), request=r.request)
 
 
 class RetrieverClient:
     """HTTP retriever. `url` is the server root (a trailing `/retrieve`, as Search-R1 configs
     write it, is accepted too). Queries go out in batches of `batch_size`; transport errors,
     429 and 5xx are retried `retries` times with exponential backoff, or after the wait a
-    `Retry-After` header asks for when that is longer (at most `MAX_WAIT_S`). `transport` swaps
-    the network for an in-process fake (`httpx.MockTransport`)."""
+    `Retry-After` header asks for when that is longer (at most `MAX_WAIT_S`); a reply body past
+    `max_reply_bytes` is refused at once. `transport` swaps the network for an in-process fake
+    (`httpx.MockTransport`)."""
+
+    max_reply_bytes = MAX_REPLY_BYTES
 
     def __init__(self, url: str, timeout: float = TIMEOUT_S, batch_size: int = 64, retries: int = 3,
                  backoff_s: float = 0.5, transport: httpx.BaseTransport | None = None):
@@ -129,7 +146,9 @@ class RetrieverClient:
             last = attempt == self.retries
             asked = None  # the server's Retry-After
             try:
-                resp = read_reply(self._http, method, url, self.timeout, **kwargs)
+                resp = read_reply(self._http, method, url, self.timeout, self.max_reply_bytes, **kwargs)
+            except ReplyTooLarge as e:
+                raise RetrieverError(str(e)) from None
             except (httpx.TransportError, httpx.DecodingError) as e:  # (DecodingError: a proxy's wrong encoding)
                 if last:
                     raise RetrieverError(shown_url(f"{said}: {type(e).__name__}: {e} "
