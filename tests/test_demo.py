@@ -91,7 +91,12 @@ def test_demo_end_to_end_without_torch(tmp_path):
     assert len(res["audit"]["coupled"]["rounds"]) == 3
     html = (out / "report.html").read_text()
     assert html.count("data:image/png;base64,") == 4  # steps, rounds, replay bars, cost
-    assert "Fixed replay bank" in (out / "report.md").read_text()
+    report_md = (out / "report.md").read_text()
+    assert "Fixed replay bank" in report_md
+    # the study's own table: its coverage column and the untrained base model's row, which the figure
+    # draws as a line (the report's table left both out)
+    assert "| condition | F | solver truth | replay accuracy | A | coverage |" in report_md
+    assert "| base model (untrained, reference) |" in report_md
     assert "Downstream" in result.stdout and "report:" in result.stdout
     # a rerun skips the finished runs and rebuilds the same report
     before = (out / "results.json").read_text()

@@ -856,7 +856,7 @@ def test_a_replay_study_of_other_runs_is_named_in_the_report(local_grid, tmp_pat
     (root / "replay").mkdir()
     study = {"bank": {"sources": [str(tmp_path / "elsewhere" / "coupled-7")]},
              "conditions": {"coupled": {m: {"mean": 0.1, "std": 0.01} for m in ("F", "solver_truth",
-                                                                                  "replay_accuracy", "A")}}}
+                                                                                  "replay_accuracy", "A", "coverage")}}}
     (root / "replay" / "results.json").write_text(json.dumps(study))
     res = build_report(root)
     assert any("come from run(s) not in this report" in r and "coupled-7" in r for r in res["readings"])
@@ -877,6 +877,11 @@ def test_a_replay_study_of_other_runs_is_named_in_the_report(local_grid, tmp_pat
     study["bank"]["source_created"] = ["yesterday"]
     (root / "replay" / "results.json").write_text(json.dumps(study))
     with pytest.raises(RunError, match="bank.source_created"):
+        build_report(root)
+    study["bank"]["source_created"] = [created]
+    study["reference"] = {"base": {"F": {"mean": 0.03, "std": 0.001}}}  # a base row lacking its other columns
+    (root / "replay" / "results.json").write_text(json.dumps(study))
+    with pytest.raises(RunError, match=r"field reference.base.solver_truth: should be an object"):
         build_report(root)
 
 

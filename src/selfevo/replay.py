@@ -1143,8 +1143,9 @@ def _summary(rows: list[dict]) -> dict:
 
 # ---------------------------------------------------------------- reporting
 
-_COLUMNS = (("F", "F"), ("solver_truth", "solver truth"), ("replay_accuracy", "replay accuracy"),
-            ("A", "A"), ("coverage", "coverage"))
+# the study's table (its own and the report's): (results.json field, title)
+TABLE_COLUMNS = (("F", "F"), ("solver_truth", "solver truth"), ("replay_accuracy", "replay accuracy"),
+                 ("A", "A"), ("coverage", "coverage"))
 
 
 def _bank_line(results: dict) -> str:
@@ -1153,21 +1154,22 @@ def _bank_line(results: dict) -> str:
     return f"{bank['items']} items, bank T_P {num(bank['T_P'])} (judge coverage {bank['coverage']:.3f})"
 
 
-_BASE_ROW = "base model (untrained, reference)"
+BASE_ROW = "base model (untrained, reference)"
 
 
-def _rows(results: dict) -> list[tuple[str, dict]]:
+def table_rows(results: dict) -> list[tuple[str, dict]]:
+    """(name, its mean-and-std entry) per condition, then the untrained base model's where recorded."""
     rows = list(results["conditions"].items())
-    if "reference" in results:
-        rows.append((_BASE_ROW, results["reference"]["base"]))
+    if "base" in results.get("reference", {}):
+        rows.append((BASE_ROW, results["reference"]["base"]))
     return rows
 
 
 def results_markdown(results: dict) -> str:
-    head = "| condition | " + " | ".join(t for _, t in _COLUMNS) + " |"
-    lines = [head, "|---|" + "---:|" * len(_COLUMNS)]
-    for name, entry in _rows(results):
-        cells = (mean_std_text(entry[k], n=entry["seeds"]) for k, _ in _COLUMNS)
+    head = "| condition | " + " | ".join(t for _, t in TABLE_COLUMNS) + " |"
+    lines = [head, "|---|" + "---:|" * len(TABLE_COLUMNS)]
+    for name, entry in table_rows(results):
+        cells = (mean_std_text(entry[k], n=entry["seeds"]) for k, _ in TABLE_COLUMNS)
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -1177,11 +1179,11 @@ def results_table(results: dict):
 
     table = Table(title=f"fixed replay bank: {_bank_line(results)}, {len(results['seeds'])} seeds (mean ± std)")
     table.add_column("condition")
-    for _, title in _COLUMNS:
+    for _, title in TABLE_COLUMNS:
         table.add_column(title, justify="right")
-    for name, entry in _rows(results):
-        table.add_row(name, *[mean_std_text(entry[k], n=entry["seeds"]) for k, _ in _COLUMNS],
-                      style="dim" if name == _BASE_ROW else None)
+    for name, entry in table_rows(results):
+        table.add_row(name, *[mean_std_text(entry[k], n=entry["seeds"]) for k, _ in TABLE_COLUMNS],
+                      style="dim" if name == BASE_ROW else None)
     return table
 
 

@@ -88,9 +88,13 @@ def build_report(root: str | os.PathLike, context: str = "", runs: Sequence[str 
         conditions = res["replay"].get("conditions")  # what the replay table reads of it
         if not isinstance(conditions, dict) or not all(isinstance(c, dict) for c in conditions.values()):
             raise RunError(f"{replay_results}: field 'conditions' should be an object of objects")
-        for name, c in conditions.items():
-            for metric in REPLAY_COLUMNS:
-                check_numbers(c.get(metric), ("mean", "std"), f"{replay_results}: field conditions.{name}.{metric}")
+        reference = res["replay"].get("reference", {})
+        if not isinstance(reference, dict) or not isinstance(reference.get("base", {}), dict):
+            raise RunError(f"{replay_results}: field 'reference' should be an object with an object 'base'")
+        entries = [(f"conditions.{name}", c) for name, c in conditions.items()]
+        for where, c in entries + ([("reference.base", reference["base"])] if "base" in reference else []):
+            for metric, _ in REPLAY_COLUMNS:
+                check_numbers(c.get(metric), ("mean", "std"), f"{replay_results}: field {where}.{metric}")
         # the study sits beside the runs, but its bank may come from others: say so where it does
         bank = res["replay"].get("bank") or {}
         if not isinstance(bank, dict):

@@ -9,9 +9,9 @@ import re
 from selfevo._fmt import DASH, mean_std_text, num
 from selfevo._software import software_text
 from selfevo.audit import METRICS, hop_mix_text
+from selfevo.replay import TABLE_COLUMNS as REPLAY_COLUMNS
+from selfevo.replay import table_rows as replay_rows
 
-# the replay study's columns (DIR/replay/results.json, conditions.NAME.COLUMN: mean and std)
-REPLAY_COLUMNS = ("F", "solver_truth", "replay_accuracy", "A")
 # runs collect_runs left out of every number (not complete), listed so the reader knows
 LEFT_OUT = "Runs left out (failed or not complete; no number above includes them)"
 # what "±" and "[lo, hi]" mean in every table (algos.summary): said once, since "std" alone could be either
@@ -90,10 +90,10 @@ def tables(res: dict) -> dict[str, tuple[list[str], list[list[str]]]]:
            "overhead against coupled" + (f" ({DASH}: no coupled run of the same seed)" if any(
                DASH in row for row in comp) else ""): (comp_head, comp)}
     if res.get("replay"):
-        rp = res["replay"]["conditions"]
         out["Fixed replay bank (mean ± std over seeds)"] = (
-            ["condition", *REPLAY_COLUMNS],
-            [[n, *[mean_std_text(c.get(k), n=c.get("seeds")) for k in REPLAY_COLUMNS]] for n, c in rp.items()])
+            ["condition", *(title for _, title in REPLAY_COLUMNS)],
+            [[n, *[mean_std_text(c.get(k), n=c.get("seeds")) for k, _ in REPLAY_COLUMNS]]
+             for n, c in replay_rows(res["replay"])])
     return out
 
 
