@@ -156,3 +156,21 @@ def test_aux_feedback_refuses_a_budget_of_nothing_and_a_state_of_other_solvers()
     rule = AuxFeedback("crossfit", folds, Stub, 25, 5)
     with pytest.raises(ValueError):
         rule.load_state_dict({"aux": [{"w": 1}]})
+
+
+def test_make_rules_samples_msv_as_loop_msv_samples():
+    """`evolve` had no knob for MSV's sample count (the replay and engine-run had theirs): loop.msv_samples
+    reaches the admission rule, its strict majority and its generation count."""
+    from selfevo.config import ConfigError, load_config
+    from selfevo.evolve import make_rules
+    from selfevo.loop.admission import AdmitAll
+
+    folds = FoldAssignment(2, 0, "source", {})
+    default, _ = make_rules(load_config(None, ["treatment=msv"]), [], folds, None)
+    assert (default.samples, default.min_count, default.generations_per_candidate) == (3, 2, 6)  # the paper's
+    five, _ = make_rules(load_config(None, ["treatment=msv+crossfit", "loop.msv_samples=5"]), [], folds,
+                         lambda name: type("S", (), {"name": name, "lineage": {}})())
+    assert (five.samples, five.min_count, five.generations_per_candidate) == (5, 3, 10)
+    assert isinstance(make_rules(load_config(None, ["loop.msv_samples=5"]), [], folds, None)[0], AdmitAll)
+    with pytest.raises(ConfigError, match="loop.msv_samples: must be a positive integer, got 0"):
+        load_config(None, ["loop.msv_samples=0"])

@@ -876,6 +876,9 @@ def test_engine_config_file_errors_name_the_file(tmp_path, suffix):
                     else "backend: lm\nengine:\n  solver_generations: 3\n")
     ecfg = load_engine_config(path, ["engine.msv_samples=2", "loop.rounds=2"])
     assert (ecfg.engine.solver_generations, ecfg.engine.msv_samples, ecfg.run.loop.rounds) == (3, 2, 2)
+    # the sim loop's knob would be ignored here: refused, naming the engine's
+    with pytest.raises(ConfigError, match=r"loop.msv_samples: engine-run samples engine.msv_samples \(2\)"):
+        load_engine_config(path, ["engine.msv_samples=2", "loop.msv_samples=5"])
 
 
 @pytest.mark.skipif(not HAVE_VERL, reason="verl is not installed (its imports need deps selfevo does not ship)")

@@ -65,7 +65,7 @@ def make_rules(cfg: RunConfig, sources, folds: FoldAssignment, make_solver):
     """The treatment: an admission rule and a feedback rule for the one loop (`sources`: the
     proposer's source pool, the documents MSV shows its with-source samples)."""
     t = parse_treatment(cfg.treatment)
-    admission = MSV({d.id: d for d in sources}) if t.msv else AdmitAll()
+    admission = MSV({d.id: d for d in sources}, samples=cfg.loop.msv_samples) if t.msv else AdmitAll()
     options = feedback_options(t)  # the one treatment -> aux-solver options mapping
     if options is None:
         return admission, CoupledFeedback(folds)

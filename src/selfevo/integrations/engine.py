@@ -71,7 +71,7 @@ from selfevo.integrations.routing import Grader, aux_roles, options_of
 from selfevo.integrations.verl_launch import pinned_verl
 from selfevo.loop.engine import EVAL_GENERATIONS, Compute
 from selfevo.loop.feedback import aux_updates, touched_folds, untrained_grader
-from selfevo.loop.schedule import derive_seed
+from selfevo.loop.schedule import LoopConfig, derive_seed
 from selfevo.loop.treatments import parse_treatment
 from selfevo.runs import RunDir, RunError, check_fields, differences, read_object, with_new_defaults
 
@@ -197,6 +197,9 @@ def engine_config_from_dict(data: Mapping, engine: str | None = None) -> EngineC
         raise ConfigError(f"engine.train_processes: {spec.train_processes} processes need a launcher "
                           "(engine.launcher, e.g. accelerate launch, and engine.retriever_url); in this process "
                           "TRL trains as 1")
+    if run.loop.msv_samples != LoopConfig.msv_samples:  # else ignored: the engine's MSV filter reads its own
+        raise ConfigError(f"loop.msv_samples: engine-run samples engine.msv_samples ({spec.msv_samples}); set that "
+                          "and leave loop.msv_samples as it is")
     if spec.engine == "trl":
         _check_trl(spec, run)
     if spec.engine == "verl" and run.lm.proposer_scaffold:

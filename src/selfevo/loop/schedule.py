@@ -23,11 +23,14 @@ class LoopConfig:
     # Dr. Zero draws its seed documents from a fixed training pool, not the whole corpus; the
     # pool's size sets how often a source comes back across rounds (0 = every document)
     source_docs: int = 300
+    # MSV (an msv treatment): the admission model's samples with the source, and as many without; a
+    # strict majority of each must exist and match (paper: 3, so 2 of 3)
+    msv_samples: int = 3
 
     def __post_init__(self):
         if not isinstance(self.source_docs, int) or isinstance(self.source_docs, bool) or self.source_docs < 0:
             raise ValueError(f"loop.source_docs: must be an integer >= 0, got {self.source_docs!r}")
-        for name in ("rounds", "proposer_steps", "solver_steps", "admit_per_round", "grader_samples"):
+        for name in ("rounds", "proposer_steps", "solver_steps", "admit_per_round", "grader_samples", "msv_samples"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"loop.{name}: must be a positive integer, got {value!r}")
