@@ -1127,3 +1127,17 @@ def test_run_eval_checks_the_limit_before_building_an_index_and_closes_the_retri
     assert built == []
     ev.run_eval(qa, tmp_path / "corpus.jsonl", "retrieval-baseline", tmp_path / "out", progress=False)
     assert closed == [True]
+
+
+@needs_data
+def test_score_json_names_its_paths_absolute(tmp_path, monkeypatch):
+    """score.json recorded --data-dir and --corpus as typed: "qa" named nothing once read from another
+    directory (a run's config.json holds its paths absolute)."""
+    monkeypatch.chdir(QA_DIR.parent)
+    out = tmp_path / "eval"
+    res = CliRunner().invoke(app, ["eval", "--data-dir", QA_DIR.name, "--corpus", f"corpus/{CORPUS.name}",
+                                   "--agent", "retrieval-baseline", "--limit", "1", "--out", str(out)])
+    assert res.exit_code == 0, res.output
+    run = json.loads((out / "score.json").read_text())["run"]
+    assert run["data_dir"] == str(QA_DIR.resolve()) and run["corpus"] == str(CORPUS.resolve())
+    assert run["index"] is None

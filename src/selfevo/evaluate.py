@@ -544,6 +544,9 @@ def _run_eval(data_dir, corpus, agent, out_dir: Path, limit, retriever_url, inde
     # paths by where they are, not how they were written (./qa and /home/me/qa are one directory)
     same |= {k: None if run_info[k] is None else str(Path(run_info[k]).resolve())
              for k in ("data_dir", "corpus", "index")}
+    # score.json's too: a path as typed ("qa") names nothing once read from another directory (a run's
+    # config.json holds its paths absolute)
+    run_info |= {k: same[k] for k in ("data_dir", "corpus", "index")}
     same["agent_settings"] = {k: v for k, v in (agent_context or {}).items() if k != "workers"}
     same["agent_files"] = files = agent_files(agent)  # an lm: agent's model rewritten (retrained) between the two
     if files is not None:  # an lm: agent is its files (`lm:model` and `lm:/abs/model` are one), not its spec
