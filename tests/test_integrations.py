@@ -2332,3 +2332,581 @@ def test_engine_round_two_proposer_records_and_items_carry_the_global_step(tmp_p
     assert [(s["round"], s["step"], s["step_in_round"]) for s in steps if s["kind"] == "proposer"] == \
         [(1, 1, 1), (1, 2, 2), (2, 6, 1), (2, 7, 2)]
     assert [j["reward"]["step_base"] for j in fake.jobs if j["role"] == "proposer"] == [0, 5]
+
+
+def test_an_engine_key_at_the_top_level_is_blamed_where_it_was_set_under_the_engine_option(tmp_path):
+    """`engine-run --engine trl` (the CLI always passes --engine) over a config with a top-level
+    `engine = "trl"` said "engine: expected a table ..." without the file, and `--set engine=verl` without
+    "(set by --set)": blame took the `engine` table for the option's engine.engine."""
+    from selfevo.config import ConfigError
+    from selfevo.integrations.engine import load_engine_config
+
+    path = tmp_path / "c.toml"
+    path.write_text('backend = "lm"\nengine = "trl"\n')
+    with pytest.raises(ConfigError, match=rf"^{re.escape(str(path))}: engine: expected a table"):
+        load_engine_config(path, engine="trl")
+    path.write_text('backend = "lm"\n')
+    with pytest.raises(ConfigError, match=r"^engine: expected a table .*\(set by --set\)$"):
+        load_engine_config(path, ["engine=verl"], engine="trl")
+
+
+
+# Tests of a mutation sweep of engine.py (forty-second session): each passes on the code and fails on the
+# mutant its docstring names.
+
+
+def test_computed_setting_keeps_whether_a_server_was_searched_not_which():
+    """`report`/`compare` pool and pair engine runs by computed_setting: a retriever server's address, TRL's
+    logging keys and where a run executed are not what it computed (mutants: the URL kept as is; the
+    [engine.trl] table kept whole)."""
+    from selfevo.integrations.engine import computed_setting
+
+    base = {"engine": "trl", "solver_generations": 5, "grader_port": 8100, "retriever_url": "http://10.0.0.1:8000/r",
+            "trl": {"bf16": True, "report_to": "wandb", "run_name": "a"}}
+    moved = {**base, "grader_port": 9100, "retriever_url": "http://10.0.0.2:8000/r",
+             "trl": {"bf16": True, "report_to": "none", "run_name": "b"}}
+    assert computed_setting(base) == computed_setting(moved) == {
+        "engine": "trl", "solver_generations": 5, "retriever_url": True, "trl": {"bf16": True}}
+    assert computed_setting({**base, "retriever_url": ""})["retriever_url"] is False  # its own index: what
+    assert computed_setting({**base, "trl": {"bf16": False}}) != computed_setting(base)
+
+
+def test_graders_of_one_model_share_a_server_and_each_vllm_server_gets_its_port_and_gpu(tmp_path, monkeypatch):
+    """`serving`: roles whose model directory is the same share one server (and its name); with
+    graders = "vllm" server i listens on grader_port + i on the i-th of grader_gpus (mutants: a server per
+    role; every server on grader_port; every server on the first GPU)."""
+    import copy
+
+    from selfevo.integrations import engine as eng
+
+    cfg = copy.deepcopy(ENGINE_CFG)
+    cfg["engine"] = {**cfg["engine"], "graders": "vllm", "grader_gpus": "6,7", "grader_port": 9000}
+    run = eng.EngineRun(eng.engine_config_from_dict(cfg, engine="trl"), tmp_path / "run", log=lambda m: None)
+    started = []
+
+    def fake_vllm(path, name, port, gpus, memory, say):
+        started.append((path, name, port, gpus, memory))
+        yield f"http://127.0.0.1:{port}/v1"
+    monkeypatch.setattr(eng, "_vllm_server", fake_vllm)
+    with run.serving({"aux-0": ("/m/aux-0", "aux-0@r1"), "aux-1": ("/m/aux-1", "aux-1@r1")}) as served:
+        assert served == {"aux-0": ("http://127.0.0.1:9000/v1", "aux-0@r1"),
+                          "aux-1": ("http://127.0.0.1:9001/v1", "aux-1@r1")}
+    assert started == [("/m/aux-0", "aux-0@r1", 9000, "6", 0.4), ("/m/aux-1", "aux-1@r1", 9001, "7", 0.4)]
+    started.clear()
+    with run.serving({"aux-0": ("/m/base", "aux-0@r1"), "aux-1": ("/m/base", "aux-1@r1")}) as served:
+        assert served["aux-0"] == served["aux-1"] == ("http://127.0.0.1:9000/v1", "aux-0@r1")
+    assert len(started) == 1
+    # numbered by server, not by role: two untrained aux solvers on the base model and a third trained one
+    # put two servers on 9000 and 9002, both on GPU 6, while GPU 7 stayed idle
+    started.clear()
+    with run.serving({"aux-0": ("/m/base", "aux-0@r1"), "aux-1": ("/m/base", "aux-1@r1"),
+                      "aux-2": ("/m/aux-2", "aux-2@r1")}) as served:
+        assert served["aux-2"] == ("http://127.0.0.1:9001/v1", "aux-2@r1")
+    assert [(port, gpu) for _, _, port, gpu, _ in started] == [(9000, "6"), (9001, "7")]
+
+
+def test_the_engines_graders_sample_at_lm_temperature_and_top_p(tmp_path):
+    """The remote solvers (graders, MSV, evaluation) are told lm.temperature and lm.top_p, each as
+    itself (mutant: the two swapped), with the grader concurrency and the token and action limits."""
+    import copy
+
+    from selfevo.integrations import engine as eng
+
+    cfg = copy.deepcopy(ENGINE_CFG)
+    cfg["lm"] = {"temperature": 0.7, "top_p": 0.9, "max_new_tokens": 64, "max_actions": 3}
+    cfg["engine"] = {**cfg["engine"], "grader_concurrency": 3}
+    run = eng.EngineRun(eng.engine_config_from_dict(cfg, engine="trl"), tmp_path / "run", log=lambda m: None)
+    assert run.remote_options() == {"max_tokens": 64, "max_actions": 3, "concurrency": 3, "temperature": 0.7,
+                                    "top_p": 0.9}
+
+
+def test_a_round_model_directory_without_its_config_is_not_the_rounds_model(tmp_path):
+    """model_dir: a role's model after a round is a directory with config.json (what a whole save leaves),
+    else the round before's, else the base model: a kill while saving leaves the directory without it
+    (mutant: any directory counts). A round-1 model is found from round 1 on (mutant: the search stops
+    before round 1)."""
+    import copy
+
+    from selfevo.integrations import engine as eng
+
+    run = eng.EngineRun(eng.engine_config_from_dict(copy.deepcopy(ENGINE_CFG), engine="trl"), tmp_path / "run",
+                        log=lambda m: None)
+    base = run.base_model()
+    models = tmp_path / "run" / "models" / "main"
+    (models / "round-1").mkdir(parents=True)  # killed while saving round 1's model
+    assert run.model_dir("main", 1) == run.model_dir("main", 2) == base
+    (models / "round-1" / "config.json").write_text("{}")
+    (models / "round-2").mkdir()
+    assert run.model_dir("main", 1) == run.model_dir("main", 2) == str(models / "round-1")
+    assert run.model_dir("main", 0) == base
+
+
+def test_a_resumed_phase_trains_from_the_model_before_its_round(tmp_path, monkeypatch):
+    """A phase killed after its job saved the round's model but before it was logged runs its job again
+    (trl_job.resume goes on from the checkpoint): the job starts from the model of the round before,
+    not from the round's own half-finished one (mutant: model_dir(role, r)). The job carries the
+    [engine] settings it runs with: engine.trl, save_steps, train_processes, and the scaffold for the
+    proposer only (mutants: each dropped; a scaffolded solver)."""
+    import copy
+
+    from selfevo.integrations import engine as eng
+
+    cfg = copy.deepcopy(ENGINE_CFG)
+    cfg["lm"] = {"proposer_scaffold": True}
+    cfg["engine"] = {**cfg["engine"], "trl": {"warmup_steps": 1}, "save_steps": 2, "train_processes": 2,
+                     "launcher": "python", "retriever_url": "http://127.0.0.1:9/retrieve"}
+    run = eng.EngineRun(eng.engine_config_from_dict(cfg, engine="trl"), tmp_path / "run", log=lambda m: None)
+    out = tmp_path / "run" / "models" / "main" / "round-1"
+    out.mkdir(parents=True)
+    (out / "config.json").write_text("{}")  # saved, then killed before r1/main was logged
+    ran = []
+    monkeypatch.setattr(eng._proc, "run", lambda cmd, env=None: ran.append((cmd, env)))
+
+    def result(path):
+        return {"steps": 3, "completions": 0}
+    monkeypatch.setattr(eng, "read_json", result)
+    rows = [{"item_id": f"q{i}"} for i in range(4)]
+    for kind in ("solver", "proposer"):
+        role = "main" if kind == "solver" else "proposer"
+        run.train(f"r1/{role}", kind, role, 1, rows, 2, 2, 5, {"records_path": None, "round": 1})
+        job = json.loads((tmp_path / "run" / "engine" / "round-1" / f"{role}.job.json").read_text())
+        assert job["model"] == run.base_model() and job["out"] == str(tmp_path / "run" / "models" / role / "round-1")
+        assert (job["grpo"], job["save_steps"], job["processes"]) == ({"warmup_steps": 1}, 2, 2)
+        assert job["rollout"]["scaffold"] is (kind == "proposer")
+    assert [cmd[-3:] for cmd, _ in ran] == [["-m", "selfevo.integrations.trl_job", str(
+        tmp_path / "run" / "engine" / "round-1" / f"{role}.job.json")] for role in ("main", "proposer")]
+
+
+def test_a_launched_job_runs_on_engine_train_gpus(tmp_path, monkeypatch):
+    """engine.train_gpus: the CUDA_VISIBLE_DEVICES of a training job run under engine.launcher (mutant:
+    the launcher started with this process's environment)."""
+    import copy
+
+    from selfevo.integrations import engine as eng
+
+    cfg = copy.deepcopy(ENGINE_CFG)
+    cfg["engine"] = {**cfg["engine"], "launcher": "accelerate launch", "train_gpus": "2,3",
+                     "retriever_url": "http://127.0.0.1:9/retrieve"}
+    run = eng.EngineRun(eng.engine_config_from_dict(cfg, engine="trl"), tmp_path / "run", log=lambda m: None)
+    ran = []
+    monkeypatch.setattr(eng._proc, "run", lambda cmd, env=None: ran.append((cmd, env)))
+    monkeypatch.setattr(eng, "read_json", lambda path: {"steps": 2, "completions": 0})
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
+    run.train("r1/main", "solver", "main", 1, [{"item_id": "q0"}], 2, 1, 5, {"records_path": None, "round": 1})
+    [(cmd, env)] = ran
+    assert cmd[:2] == ["accelerate", "launch"] and env["CUDA_VISIBLE_DEVICES"] == "2,3"
+
+
+@pytest.mark.parametrize("processes, prompts", [(1, 3), (2, 4)])
+def test_the_proposer_fills_the_steps_proposals_in_groups_rounded_up_to_the_processes(processes, prompts, tmp_path,
+                                                                                     monkeypatch):
+    """engine.proposer_prompts = 0: a proposer update has enough prompts of proposer_generations
+    completions to write loop.proposals_per_step proposals (10 admitted over 2 steps: 5, in groups of 2:
+    3 prompts), rounded up to a multiple of the training processes (mutants: rounded down; not rounded
+    to the processes); its job covers the proposer steps with that many prompts each."""
+    import copy
+
+    from selfevo.integrations import engine as eng
+
+    cfg = copy.deepcopy(ENGINE_CFG)
+    cfg["engine"] = {"proposer_generations": 2, "proposer_prompts": 0, "train_processes": processes}
+    if processes > 1:
+        cfg["engine"].update(launcher="accelerate launch", retriever_url="http://127.0.0.1:9/retrieve")
+    monkeypatch.setattr(eng, "_truncator", lambda path, n: (lambda text: text))
+
+    @contextlib.contextmanager
+    def fake_serving(self, models):
+        yield {role: (f"http://127.0.0.1:9/{role}/v1", name) for role, (path, name) in models.items()}
+    monkeypatch.setattr(eng.EngineRun, "serving", fake_serving)
+    run = eng.EngineRun(eng.engine_config_from_dict(cfg, engine="trl"), tmp_path / "run", log=lambda m: None)
+    fake = _FakeEngine(run)
+    run.train = fake.train
+    out = run.proposer(1)
+    [job] = fake.jobs
+    assert out["prompts_per_step"] == job["per_step"] == prompts and len(job["rows"]) == 2 * prompts
+    assert out["generations"] == {"proposer": 2 * prompts * 2, "grader": 2 * prompts * 5}
+
+
+def test_a_logged_phase_drops_its_own_checkpoints_and_nothing_beside_another_model(tmp_path):
+    """Once a training phase is logged its TRL and verl checkpoints go; a model directory outside the
+    run's models/ (the base model, where a job left no model of its own) keeps what lies beside it
+    (mutant: the is_relative_to guard dropped)."""
+    import copy
+
+    from selfevo.integrations import engine as eng
+    from selfevo.integrations.trl_job import trainer_dir
+
+    run = eng.EngineRun(eng.engine_config_from_dict(copy.deepcopy(ENGINE_CFG), engine="trl"), tmp_path / "run",
+                        log=lambda m: None)
+    base = tmp_path / "hub" / "base-model"
+    (trainer_dir(base) / "checkpoint-1").mkdir(parents=True)  # another user's job beside the base model
+    run._drop_checkpoints({"phase": "r1/proposer", "round": 1, "model": str(base)})
+    assert (trainer_dir(base) / "checkpoint-1").exists()
+    own = tmp_path / "run" / "models" / "main" / "round-1"
+    (trainer_dir(own) / "checkpoint-3").mkdir(parents=True)
+    (run._verl_ckpt_dir("main", 1) / "global_step_3").mkdir(parents=True)
+    run._drop_checkpoints({"phase": "r1/main", "round": 1, "model": str(own)})
+    assert not trainer_dir(own).exists() and not run._verl_ckpt_dir("main", 1).exists()
+
+
+def test_a_round_checkpoint_holds_each_solvers_models_and_lineage_after_the_round(tmp_path, monkeypatch):
+    """r{r}/eval writes checkpoints/round-r.json with each role's model and lineage after round r, the
+    aux solvers' included (mutant: the lineage before the round), and logs the evaluation's macro
+    Cover-EM and one generation a question (mutant: a constant count)."""
+    from selfevo.integrations import engine as eng
+
+    real_evaluate = eng.EngineRun.evaluate
+    run, _ = _fake_engine_run(monkeypatch, tmp_path / "run")
+    monkeypatch.setattr(eng.EngineRun, "evaluate", real_evaluate)
+    monkeypatch.setattr(eng.EngineRun, "_evaluate", lambda self, r: {"macro": {"cover_em": 0.25 * r},
+                                                                   "run": {"questions": 7}})
+    run.run_all()
+    trained = {e["trained_on"]["role"]: e["trained_on"] for e in run.phases.entries.values()
+               if e["round"] == 1 and "trained_on" in e}
+    assert sorted(trained) == ["aux-0", "aux-1", "main"]
+    ckpt = json.loads((tmp_path / "run" / "checkpoints" / "round-1.json").read_text())
+    assert ckpt["lineage"] == {role: {"folds": t["folds"], "rounds": [1]} for role, t in trained.items()}
+    assert ckpt["models"] == {role: str(tmp_path / "run" / "models" / role / "round-1")
+                              for role in ("proposer", "main", "aux-0", "aux-1")}
+    assert not (tmp_path / "run" / "checkpoints" / "round-0.json").exists()  # r0/eval is no round (mutant: r >= 0)
+    two = json.loads((tmp_path / "run" / "checkpoints" / "round-2.json").read_text())
+    assert two["lineage"]["main"]["rounds"] == [1, 2] and two["lineage"]["aux-0"]["rounds"] == [1]
+    assert two["models"]["aux-0"].endswith("aux-0/round-1")  # no aux solver trains in the last round
+    evals = [run.phases.get(f"r{r}/eval") for r in (0, 1, 2)]
+    assert [e["macro_cover_em"] for e in evals] == [0.0, 0.25, 0.5]
+    assert json.loads((tmp_path / "run" / "compute.json").read_text())["generations"]["evaluation"] == 3 * 7
+
+
+def test_a_resume_reads_an_engine_field_older_engine_json_lacks_as_its_default(tmp_path):
+    """engine.json written before a field existed: the field reads as its default, so a resume keeping
+    the default is no difference (mutant: with_new_defaults dropped -- a field of what the run computes
+    refused), and one moving a where-field says it moves from the default (mutant: from None)."""
+    import copy
+
+    from selfevo.integrations import engine as eng
+
+    said = []
+
+    def make(cfg, resume=True):
+        return eng.EngineRun(eng.engine_config_from_dict(copy.deepcopy(cfg), engine="trl"), tmp_path / "run",
+                             resume=resume, log=said.append)
+
+    make(ENGINE_CFG, resume=False)
+    engine_json = tmp_path / "run" / "engine" / "engine.json"
+    saved = json.loads(engine_json.read_text())
+    del saved["msv_samples"], saved["save_steps"]  # as a selfevo from before these fields wrote it
+    engine_json.write_text(json.dumps(saved))
+    make(ENGINE_CFG)
+    assert said == []
+    make({**ENGINE_CFG, "engine": {**ENGINE_CFG["engine"], "save_steps": 5}})
+    assert said == ["resuming with engine.save_steps 0 -> 5"]
+
+
+def test_engine_config_errors_of_engine_engine_and_of_an_empty_yaml_file(tmp_path):
+    """--engine against the config's engine is --engine's error, named by the field alone (blame's
+    `given`; mutant: blamed on the file); an empty YAML file reads as no tables, so the error is the
+    backend's (mutant: "expected a table")."""
+    from selfevo.config import ConfigError
+    from selfevo.integrations.engine import load_engine_config
+
+    path = tmp_path / "c.toml"
+    path.write_text('backend = "lm"\n[engine]\nengine = "verl"\n')
+    with pytest.raises(ConfigError, match=r"^engine\.engine: the config says 'verl', --engine says 'trl'$"):
+        load_engine_config(path, engine="trl")
+    empty = tmp_path / "c.yaml"
+    empty.write_text("# nothing yet\n")
+    with pytest.raises(ConfigError, match=rf'^{re.escape(str(empty))}: backend: engine-run trains language models'):
+        load_engine_config(empty)
+
+
+def test_the_engine_option_sets_the_engine_a_config_leaves_unsaid():
+    """`--engine verl` over a config without engine.engine runs verl (mutant: the option dropped, the
+    default "trl" kept)."""
+    from selfevo.config import ConfigError
+    from selfevo.integrations.engine import engine_config_from_dict
+
+    cfg = {"backend": "lm", "lm": {"adapter": "full", "proposer_scaffold": False},
+           "engine": {"retriever_url": "http://127.0.0.1:9/retrieve"}}
+    assert engine_config_from_dict(cfg, engine="verl").engine.engine == "verl"
+    assert engine_config_from_dict(cfg).engine.engine == "trl"
+    with pytest.raises(ConfigError, match=r"^engine\.retriever_url: verl's search tool"):
+        engine_config_from_dict({"backend": "lm", "lm": {"adapter": "full", "proposer_scaffold": False}},
+                                engine="verl")
+
+
+def test_a_launched_trl_job_needs_a_retriever_server_when_the_config_is_read():
+    """engine.launcher runs the job in other processes, which search through a /retrieve server: a
+    launcher without engine.retriever_url is refused by field when read (mutant: the check dropped)."""
+    from selfevo.config import ConfigError
+    from selfevo.integrations.engine import engine_config_from_dict
+
+    with pytest.raises(ConfigError, match=r"^engine\.retriever_url: a launched TRL job searches through a /retrieve"):
+        engine_config_from_dict({"backend": "lm", "engine": {"launcher": "accelerate launch"}}, engine="trl")
+    ecfg = engine_config_from_dict({"backend": "lm", "engine": {"launcher": "accelerate launch",
+                                                               "retriever_url": "http://127.0.0.1:9/retrieve"}})
+    assert ecfg.engine.launcher == "accelerate launch"
+
+
+@pytest.mark.parametrize("field, value, said", [
+    ("round", None, r"engine/phases\.jsonl:3: field 'round' is missing"),
+    ("phase", 3, r"engine/phases\.jsonl:3: field 'phase' should be"),
+    ("seconds", "12.5", r"engine/phases\.jsonl:3: field 'seconds' should be"),
+    ("updates", [1], r"engine/phases\.jsonl:3: field 'updates' should be"),
+])
+def test_a_phase_log_entry_without_its_fields_is_refused_naming_file_and_line(field, value, said, tmp_path,
+                                                                             monkeypatch):
+    """Every field resume reads of a phase log entry is checked when the log is opened: a missing round
+    or phase, a seconds or updates of the wrong type is a RunError naming file and line before any
+    phase, not a KeyError or TypeError from compute.json's sums or the lineage (mutants: the required
+    fields unchecked; the optional ones unchecked)."""
+    from selfevo.runs import RunError
+
+    run, _ = _fake_engine_run(monkeypatch, tmp_path / "run")
+    run.run_all()
+    phases = tmp_path / "run" / "engine" / "phases.jsonl"
+    lines = phases.read_text().splitlines()
+    entry = json.loads(lines[2])
+    if value is None:
+        del entry[field]
+    else:
+        entry[field] = value
+    phases.write_text("\n".join([*lines[:2], json.dumps(entry), *lines[3:]]) + "\n")
+    with pytest.raises(RunError, match=said):
+        _fake_engine_run(monkeypatch, tmp_path / "run", resume=True)
+
+
+def test_the_main_solvers_phase_numbers_its_steps_after_the_proposers_and_records_every_fold_it_read(
+        tmp_path, monkeypatch):
+    """r{r}/main: its job's solver records start after the round's proposer steps, at the run's global
+    step (mutant: first_step_in_round one early); each step has ceil(rows / steps) questions rounded up
+    to a multiple of the training processes (mutant: not rounded); its lineage is every fold its
+    questions' pages came from, not only the questions' own folds (mutant: x["fold"])."""
+    import copy
+
+    from selfevo._io import write_jsonl
+    from selfevo.integrations import engine as eng
+
+    cfg = copy.deepcopy(ENGINE_CFG)
+    cfg["engine"] = {**cfg["engine"], "train_processes": 2, "launcher": "accelerate launch",
+                     "retriever_url": "http://127.0.0.1:9/retrieve"}
+    run = eng.EngineRun(eng.engine_config_from_dict(cfg, engine="trl"), tmp_path / "run", log=lambda m: None)
+    fake = _FakeEngine(run)
+    run.train = fake.train
+    a = next(d for d in run.pool if run.folds.of(d.id) == 0)
+    b = next(d for d in run.pool if run.folds.of(d.id) == 1)
+    write_jsonl(run.round_dir(2) / "admitted.jsonl", [
+        {"item_id": f"r2-s6-{i}", "question": f"Q{i}?", "adopted_label": "x", "draft_label": "x", "source_id": a.id,
+         "source_ids": [a.id, b.id] if i == 0 else [a.id], "fold": 0, "hops": 2 if i == 0 else 1} for i in range(7)])
+    out = run.main(2)
+    [job] = fake.jobs
+    assert len(job["rows"]) == 7 and job["steps"] == 3 and job["per_step"] == 4  # ceil(7 / 3) = 3 -> 4
+    assert (job["reward"]["round"], job["reward"]["step_base"], job["reward"]["first_step_in_round"]) == (2, 5, 3)
+    assert out["trained_on"] == {"role": "main", "folds": [0, 1], "rounds": [2]}
+
+
+def test_a_main_phase_with_nothing_admitted_records_its_empty_solver_steps_as_the_loop(tmp_path):
+    """Nothing admitted: no training, and the round's solver steps are recorded empty, numbered after the
+    proposer steps at the run's global step (mutant: numbered one early)."""
+    import copy
+
+    from selfevo._io import write_jsonl
+    from selfevo.integrations import engine as eng
+
+    run = eng.EngineRun(eng.engine_config_from_dict(copy.deepcopy(ENGINE_CFG), engine="trl"), tmp_path / "run",
+                        log=lambda m: None)
+    write_jsonl(run.round_dir(2) / "admitted.jsonl", [])
+    assert run.main(2) == {"trained": False}
+    steps = [json.loads(line) for line in (tmp_path / "run" / "records" / "steps.jsonl").read_text().splitlines()]
+    assert [(s["round"], s["step"], s["step_in_round"], s["kind"], s["items"]) for s in steps] == [
+        (2, 8, 3, "solver", []), (2, 9, 4, "solver", []), (2, 10, 5, "solver", [])]
+
+
+def test_a_verl_proposer_phase_starts_over_without_what_a_killed_attempt_staged(tmp_path, monkeypatch):
+    """verl's rewards stage items without their step, so a verl phase cannot go on from a checkpoint:
+    what a killed attempt staged is discarded before the phase runs again (mutant: kept, and admitted
+    with the new attempt's proposals)."""
+    from selfevo._io import append_jsonl
+    from selfevo.integrations import engine as eng
+
+    verl_phase_stand_ins(monkeypatch)
+    cfg = {**ENGINE_CFG, "engine": {**ENGINE_CFG["engine"], "retriever_url": "http://127.0.0.1:9/retrieve"},
+           "lm": {"adapter": "full"}}
+    run = eng.EngineRun(eng.engine_config_from_dict(cfg, engine="verl"), tmp_path / "run", log=lambda m: None)
+    items = run.round_dir(1) / "proposer-items.jsonl"
+    append_jsonl(items, [{"round": 1, "step_in_round": None, "item": {"item_id": "r1-v-killed"}}])
+    with pytest.raises(eng.EngineUnavailable):
+        run.proposer(1)
+    assert read_staged(items) == []
+
+
+def test_an_engine_run_that_ran_every_phase_is_complete(tmp_path, monkeypatch):
+    """run_all marks the run complete after its last phase (mutant: never), as `evolve` does; a resume
+    of a complete run runs no phase."""
+    run, _ = _fake_engine_run(monkeypatch, tmp_path / "run")
+    run.run_all()
+    assert json.loads((tmp_path / "run" / "manifest.json").read_text())["status"] == "complete"
+    again, fake = _fake_engine_run(monkeypatch, tmp_path / "run", resume=True)
+    again.run_all()
+    assert fake.jobs == [] and json.loads((tmp_path / "run" / "manifest.json").read_text())["status"] == "complete"
+
+
+def test_an_engine_run_is_not_started_among_a_directorys_other_files(tmp_path):
+    """--out naming a directory of other files (a user's config.json, a world) is refused before anything
+    is written, as `evolve` refuses it (mutant: RunDir.check_new dropped)."""
+    import copy
+
+    from selfevo.integrations import engine as eng
+    from selfevo.runs import RunError
+
+    out = tmp_path / "mine"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
+    with pytest.raises(RunError, match="notes.txt"):
+        eng.EngineRun(eng.engine_config_from_dict(copy.deepcopy(ENGINE_CFG), engine="trl"), out, log=lambda m: None)
+    assert sorted(p.name for p in out.iterdir()) == ["notes.txt"]
+
+
+def test_compute_json_counts_every_logged_phase_when_a_later_phase_is_killed(tmp_path, monkeypatch):
+    """Each phase rewrites compute.json once it is logged: a run killed in r1/admit has compute.json with
+    r1/proposer's updates and generations (mutant: written before the phase was logged, so each phase's
+    numbers arrive only with the next one)."""
+    run, _ = _fake_engine_run(monkeypatch, tmp_path / "run")
+
+    def killed():
+        raise KeyboardInterrupt("killed")
+    monkeypatch.setattr(run, "admit", lambda r: killed())
+    with pytest.raises(KeyboardInterrupt):
+        run.run_all()
+    compute = json.loads((tmp_path / "run" / "compute.json").read_text())
+    assert compute == run.phases.compute() and compute["updates"] == {"proposer": 2}
+
+
+def test_a_verl_phase_counts_its_rollouts_and_checkpoints_under_its_own_round(tmp_path, monkeypatch):
+    """A verl training phase run to its end reports steps × prompts × group size completions for
+    compute.json (mutant: without the group size), and its script checkpoints where `_drop_checkpoints`
+    removes them once the phase is logged: engine/round-r/<role>.verl-ckpt (mutant: the round before's)."""
+    from selfevo.integrations import engine as eng
+
+    verl_phase_stand_ins(monkeypatch)
+    monkeypatch.setattr(eng, "verl_missing", lambda: "")
+    ran = []
+    monkeypatch.setattr(eng._proc, "run", lambda cmd, env=None: ran.append(cmd))
+    cfg = {**ENGINE_CFG, "engine": {**ENGINE_CFG["engine"], "retriever_url": "http://127.0.0.1:9/retrieve"},
+           "lm": {"adapter": "full"}}
+    run = eng.EngineRun(eng.engine_config_from_dict(cfg, engine="verl"), tmp_path / "run", log=lambda m: None)
+    rows = solver_rows([{"item_id": f"r2-s6-{i}", "question": f"Q{i}?", "adopted_label": "x", "draft_label": "x",
+                         "source_id": d.id, "source_ids": [d.id], "fold": run.folds.of(d.id), "hops": 1}
+                        for i, d in enumerate(run.pool[:4])], run.folds, 2)
+    assert run.train("r2/main", "solver", "main", 2, rows, 2, 3, 5, {"records_path": None, "round": 2}) == \
+        {"steps": 2, "completions": 2 * 3 * 5}
+    [cmd] = ran
+    script = Path(cmd[-1]).read_text()
+    assert str(run._verl_ckpt_dir("main", 2)) in script and str(run._verl_ckpt_dir("main", 1)) not in script
+
+
+@pytest.mark.parametrize("engine_table", [
+    {"graders": "vllm"},  # in-process TRL trains here
+    {"launcher": "accelerate launch", "retriever_url": "http://127.0.0.1:9/retrieve"},  # the local graders serve here
+])
+def test_a_device_this_machine_lacks_is_refused_at_start_when_either_part_runs_here(engine_table, tmp_path,
+                                                                                   monkeypatch):
+    """lm.device is resolved before anything is written when the graders are served in this process or
+    TRL trains in it (mutant: only when both)."""
+    import copy
+
+    import torch
+
+    from selfevo.config import ConfigError
+    from selfevo.integrations import engine as eng
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    cfg = copy.deepcopy(ENGINE_CFG)
+    cfg["lm"] = {"device": "cuda:0"}
+    cfg["engine"] = {**cfg["engine"], **engine_table}
+    with pytest.raises(ConfigError, match="lm.device: cuda:0 asked for, but no CUDA GPU"):
+        eng.EngineRun(eng.engine_config_from_dict(cfg, engine="trl"), tmp_path / "run", log=lambda m: None)
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_role_less_message_is_read_as_the_assistants_turn():
+    """final_turn over chat messages: a message without a role is the policy's own (TRL's completions carry
+    none for a plain generation), so its answer is read (mutant: only role == "assistant" counted)."""
+    from selfevo.integrations.rewards import final_turn
+
+    assert final_turn([{"content": "<answer> the sea </answer>"}]) == "<answer> the sea </answer>"
+    assert extract_answer([{"role": "user", "content": "Q"}, {"content": "<answer> sea </answer>"}]) == "sea"
+
+
+def test_item_ids_name_the_process_whenever_there_are_several(tmp_path, monkeypatch):
+    """A TRL step of several processes: each process's item ids carry its rank, from 2 processes on (ids are
+    unique in a run, and two processes' first items of a step would otherwise share one; mutant: only
+    above 2); one process keeps the loop's ids."""
+    reward = _reward_with({}, tmp_path, step_base=4)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "1")
+    reward.score([ProposalSample("no proposal here", "d0", 1)], step=2)
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    reward.score([ProposalSample("no proposal here", "d0", 1)], step=2)
+    assert [r["malformed"]["item_id"] for r in read_staged(tmp_path / "items.jsonl")] == ["r2-s6-p1-0", "r2-s6-0"]
+
+
+def test_a_solver_step_records_its_reward_as_the_mean_over_every_response(tmp_path):
+    """The solver step record's stats.reward is the fraction of the step's responses that match, as the
+    loop's (mutant: averaged over items, not responses)."""
+    rf = TRLSolverReward(tmp_path / "steps.jsonl", round=1, step_base=0, first_step_in_round=3)
+    cols = {"item_id": ["a", "a", "b", "b"], "source_id": ["d1"] * 4, "source_ids": [["d1"]] * 4, "fold": [1] * 4,
+            "source_folds": [[1]] * 4, "hops": [1] * 4, "draft_label": ["sea"] * 4}
+    rf([solver_messages("Where?")] * 4, ["<answer> sea </answer>", "<answer> land </answer>",
+                                         "<answer> hill </answer>", "<answer> hill </answer>"],
+       label=["sea", "sea", "river", "river"], **cols)
+    (record,) = [json.loads(line) for line in (tmp_path / "steps.jsonl").read_text().splitlines()]
+    assert [it["k"] for it in record["items"]] == [1, 0] and record["stats"]["reward"] == 0.25
+
+
+def test_a_trl_step_is_graded_with_the_seed_of_its_step_and_grader_name(tmp_path):
+    """A TRL step's proposals are graded in one call seeded by (seed, round, step, "grade", grader name)
+    (mutants: seeded without the step; by the role instead of the served grader's name)."""
+    seeds = []
+
+    class Recording(_FakeGrader):
+        def answer(self, questions, tool, *, greedy=True, n=1, seed=None, contexts=None):
+            seeds.append(seed)
+            return super().answer(questions, tool, greedy=greedy, n=n, seed=seed, contexts=contexts)
+
+    fakes = {"aux-0": Recording(lambda q, n: ["x"] * n), "aux-1": Recording(lambda q, n: ["x"] * n)}
+    reward = _reward_with(fakes, tmp_path, seed=7)
+    text = "<question> Where is Alpha? </question> <answer> north </answer>"
+    for step in (1, 2):
+        reward.score([ProposalSample(text, "d1", 1)], step=step)
+    [role] = [role for role, fake in fakes.items() if fake.calls]
+    name = reward.graders[role].name
+    assert name == f"{role}@r1" and seeds == [derive_seed(7, 2, step, "grade", name) for step in (1, 2)]
+
+
+def test_a_verl_reward_worker_grades_with_the_remote_options_its_settings_hold(tmp_path):
+    """reward_settings carries the graders' sampling options (temperature, top_p, concurrency, limits) to
+    verl's reward workers; the FrontierReward they build uses them (mutant: dropped)."""
+    from selfevo.integrations.rewards import _frontier_from_settings
+
+    remote = {"max_tokens": 64, "max_actions": 3, "concurrency": 2, "temperature": 0.7, "top_p": 0.9}
+    path = reward_settings(tmp_path / "s.json", treatment="coupled", round=1, folds=FOLDS,
+                           graders=_graders({"main": ("http://127.0.0.1:9/v1", ())}), items_path=tmp_path / "i.jsonl",
+                           retriever_url="http://127.0.0.1:9", remote=remote)
+    assert _frontier_from_settings(str(path)).remote == remote
+
+
+def test_a_verl_reward_worker_reads_its_settings_again_once_they_are_rewritten(tmp_path):
+    """Each phase rewrites reward-settings.json (the next round, its graders); a worker that read it before
+    builds its FrontierReward again from the new file (mutant: the first one cached for good)."""
+    import os
+
+    graders = _graders({"main": ("http://127.0.0.1:9/v1", ())})
+    kw = dict(treatment="coupled", folds=FOLDS, graders=graders, items_path=tmp_path / "i.jsonl",
+              retriever_url="http://127.0.0.1:9")
+    path = reward_settings(tmp_path / "s.json", round=1, format_penalty=0.25, **kw)
+    bad = ("selfevo_proposer", "no proposal", {"target": []}, {"source_id": "d0", "hops": 1})
+    assert compute_score(*bad, selfevo_settings=str(path)) == -0.25
+    reward_settings(path, round=2, format_penalty=0.75, **kw)
+    st = os.stat(path)
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))  # a later write, whatever the clock's grain
+    assert compute_score(*bad, selfevo_settings=str(path)) == -0.75

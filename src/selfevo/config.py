@@ -367,7 +367,9 @@ def blame(e: ConfigError, path: str | Path | None, overridden: Sequence[str] = (
     def touches(key: str) -> bool:
         return key == field or key.startswith(field + ".") or field.startswith(key + ".")
 
-    if any(touches(k) for k in given):
+    # an option sets its own key only: an error about the table above it (`engine: expected a table`
+    # under --engine, which gives engine.engine) is the file's or a --set's
+    if any(k == field or field.startswith(k + ".") for k in given):
         return e
     if any(touches(k) for k in overridden):
         return ConfigError(f"{e} (set by {set_by})")

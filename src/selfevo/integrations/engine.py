@@ -501,9 +501,9 @@ class EngineRun:
         duration. Roles with the same model directory share one server (and its name)."""
         with contextlib.ExitStack() as stack:
             out, by_dir = {}, {}
-            for i, (role, (path, name)) in enumerate(sorted(models.items())):
-                if path not in by_dir:
-                    by_dir[path] = (stack.enter_context(self._serve(path, name, i)), name)
+            for role, (path, name) in sorted(models.items()):
+                if path not in by_dir:  # numbered by server, not role: no port skipped, no GPU left idle
+                    by_dir[path] = (stack.enter_context(self._serve(path, name, len(by_dir))), name)
                 out[role] = by_dir[path]
             yield out
 

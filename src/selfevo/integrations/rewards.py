@@ -174,7 +174,8 @@ class FrontierReward:
         responses: dict[int, list[str]] = {}
         for role, idx in by_role.items():
             g = self.graders[role]
-            # a step (TRL) is graded as the loop grades it: one batch seeded by the step. verl has no step: each
+            # a step (TRL) is graded as the loop grades it, one batch, seeded by its round and step in the round (the
+            # loop's seed takes the global step: the two draw other samples). verl has no step: each
             # item alone, seeded by its content, so that an item is graded alike by compute_score and in any
             # batch of compute_score_batch (the remote solver seeds each sample by its row in the batch)
             parts = [(idx, step)] if step is not None else [([n], _content_key(batch[graded[n][0]])) for n in idx]
