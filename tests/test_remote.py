@@ -940,3 +940,156 @@ def test_a_reply_larger_than_the_bound_fails_its_call_at_once():
     _mock(client, [httpx.Response(200, stream=httpx.ByteStream(json.dumps({"data": [{"id": "m" * 2000}]}).encode()))])
     with pytest.raises(EndpointError, match="larger than 1,000 bytes"):
         client.check()
+
+
+
+# ------------------------------------------------------------------ mutation-sweep additions
+
+
+class _NoWait(threading.Event):
+    """A `stopped` event that records each wait before a retry instead of sleeping it."""
+
+    def __init__(self):
+        super().__init__()
+        self.waits: list[float] = []
+
+    def wait(self, timeout=None):
+        self.waits.append(timeout)
+        return False
+
+
+def test_a_retry_after_past_the_cap_waits_only_the_cap():
+    from selfevo.search.client import MAX_WAIT_S
+
+    client = ChatClient("http://fake/v1", "m", backoff=0.001)
+    seen = _mock(client, [httpx.Response(429, headers={"Retry-After": "86400"}, stream=httpx.ByteStream(b"")),
+                          _ok()])
+    stopped = _NoWait()
+    assert client.chat(HI, stopped=stopped)[0].text == "ok" and len(seen) == 2
+    assert stopped.waits == [MAX_WAIT_S]
+
+
+def test_a_negative_retry_count_is_refused():
+    with pytest.raises(ValueError, match="max_retries"):
+        ChatClient("http://fake/v1", "m", max_retries=-1)
+    ChatClient("http://fake/v1", "m", max_retries=0).close()
+
+
+def test_a_300_is_refused_at_once_like_any_redirect():
+    client = ChatClient("http://fake/v1", "m", backoff=0.001)
+    seen = _mock(client, [httpx.Response(300, headers={"Location": "http://other/v1"}, stream=httpx.ByteStream(b"")),
+                          _ok()])
+    with pytest.raises(EndpointError, match="HTTP 300, redirected to http://other/v1"):
+        client.complete(HI)
+    assert len(seen) == 1
+
+
+def test_json_mode_asks_for_a_json_object_and_a_call_may_turn_it_off():
+    client = ChatClient("http://fake/v1", "m", json_mode=True)
+    assert client.body(HI)["response_format"] == {"type": "json_object"}
+    assert "response_format" not in client.body(HI, json_mode=False)
+    assert "response_format" not in ChatClient("http://fake/v1", "m").body(HI)
+
+
+def test_a_completion_with_no_choices_is_retried_not_an_empty_reply():
+    events: list[str] = []
+    client = ChatClient("http://fake/v1", "m", backoff=0.001, on_event=events.append)
+    empty = httpx.Response(200, stream=httpx.ByteStream(json.dumps({"choices": []}).encode()))
+    seen = _mock(client, [empty, _ok()])
+    assert client.complete(HI) == "ok" and len(seen) == 2 and events.count("malformed_body") == 1
+
+
+def test_the_clients_timeout_is_the_http_timeout_of_every_read():
+    """httpx's own default (5 s a read) must not cut a generation the caller gives 120 s (nor wait
+    5 s for a server the caller gives 0.5 s): each connect and read waits the client's timeout."""
+    for timeout in (0.5, 120.0):
+        with ChatClient("http://fake/v1", "m", timeout=timeout) as client:
+            assert client._http.timeout == httpx.Timeout(timeout)
+
+
+def test_a_url_given_with_its_chat_route_is_the_base_url():
+    client = ChatClient("http://fake/v1/chat/completions/", "m", max_retries=0)
+    seen = _mock(client, [_ok()])
+    assert client.complete(HI) == "ok" and str(seen[0].url) == "http://fake/v1/chat/completions"
+    assert client.base_url == "http://fake/v1"
+
+
+def test_what_the_server_said_is_cut_to_200_characters():
+    client = ChatClient("http://fake/v1", "m", max_retries=0)
+    _mock(client, [_error(400, "x" * 5000)])
+    with pytest.raises(CallFailed) as e:
+        client.complete(HI)
+    assert str(e.value) == "HTTP 400 (not retried): " + "x" * 200
+
+
+def test_a_probe_answered_with_an_error_lists_no_models_whatever_its_body():
+    client = ChatClient("http://fake/v1", "m", max_retries=0)
+    body = json.dumps({"data": [{"id": "m"}], "error": {"message": "no such route"}}).encode()
+    _mock(client, [httpx.Response(404, stream=httpx.ByteStream(body))])
+    assert client.check() == []
+
+
+def test_remote_settings_are_checked_and_the_model_ends_at_the_first_at_http():
+    with pytest.raises(ValueError, match="max_actions"):
+        RemoteSolver("http://fake/v1", "m", max_actions=0)
+    assert parse_remote_spec("m@http://h/v1@http://x") == ("m", "http://h/v1@http://x")
+    with pytest.raises(ValueError, match="n must be >= 1"):
+        solver("http://fake/v1").answer(["a"], tool(), n=0)
+
+
+def test_the_failure_that_completes_the_streak_stops_the_batch_even_as_its_last_call():
+    s = solver("http://fake/v1", max_retries=0, max_failed_in_a_row=3, concurrency=1)
+    seen = _mock(s.client, [lambda: _error(400, "no")])
+    with pytest.raises(EndpointError, match="3 calls in a row failed for good"):
+        s.answer(["a", "b", "c"], tool())
+    assert len(seen) == 3
+
+
+def test_an_error_in_vllms_shape_is_quoted():
+    client = ChatClient("http://fake/v1", "m", max_retries=0)
+    _mock(client, [httpx.Response(400, stream=httpx.ByteStream(json.dumps({"message": "bad request"}).encode()))])
+    with pytest.raises(CallFailed) as e:
+        client.complete(HI)
+    assert str(e.value) == "HTTP 400 (not retried): bad request"
+
+
+def test_the_probe_asks_again_after_a_timeout():
+    listed = httpx.Response(200, stream=httpx.ByteStream(json.dumps({"data": [{"id": "judge"}]}).encode()))
+    client = ChatClient("http://fake/v1", "judge", max_retries=1, backoff=0.001)
+    seen = _mock(client, [httpx.ReadTimeout("slow"), listed])
+    assert client.check() == ["judge"] and len(seen) == 2
+
+
+def test_a_server_without_v1_routes_either_is_not_told_to_add_v1():
+    """The "…/v1" hint is given only when {url}/v1/models answers as a model list does."""
+    client = ChatClient("http://fake", "m", max_retries=0)
+    not_found = lambda: httpx.Response(404, stream=httpx.ByteStream(b'{"detail": "Not Found"}'))  # noqa: E731
+    seen = _mock(client, [not_found])
+    assert client.check() == [] and [r.url.path for r in seen] == ["/models", "/v1/models"]
+
+
+def test_settings_of_the_request_body():
+    """An empty finish_reason is "stop"; a lone stop string is one stop string; `n` is sent."""
+    from selfevo.agents.chat_client import openai_finish_reason
+
+    assert openai_finish_reason("") == "stop" and openai_finish_reason(None) == "stop"
+    client = ChatClient("http://fake/v1", "m", stop="</search>")
+    assert client.body(HI)["stop"] == ["</search>"] and client.body(HI, n=3)["n"] == 3
+    assert client.body(HI, stop="</answer>")["stop"] == ["</answer>"]
+
+
+def test_a_source_is_shown_as_the_context_callable_makes_it():
+    """`context` is what a source shown with a question becomes (the loop's solver's first tokens)."""
+    s = solver("http://fake/v1", context=lambda text: f"FIRST TOKENS OF {len(text)} CHARACTERS")
+    seen = _mock(s.client, [_ok("<answer> x </answer>")])
+    s.answer(["q"], tool(), contexts=[Document("p1", "Zebra page", "The secret word is zebra.")])
+    opening = json.loads(seen[0].content)["messages"][1]["content"]
+    assert "FIRST TOKENS OF" in opening and "zebra" not in opening
+
+
+def test_the_wait_before_a_retry_has_jitter_on_top_of_the_exponential_backoff():
+    client = ChatClient("http://fake/v1", "m", backoff=1.0)
+    _mock(client, [_error(503, "busy"), _error(503, "busy"), _ok()])
+    stopped = _NoWait()
+    assert client.chat(HI, stopped=stopped)[0].text == "ok"
+    assert 1.0 < stopped.waits[0] < 2.0 and 2.0 < stopped.waits[1] < 3.0  # 1, 2 (backoff), + uniform(0, 1)

@@ -409,6 +409,8 @@ class LLMJudge:
                  backoff: float = 0.5, progress: bool = False):
         if concurrency < 1:
             raise ValueError(f"concurrency: must be >= 1, got {concurrency}")
+        if malformed_retries < 0:
+            raise ValueError(f"malformed_retries: must be >= 0, got {malformed_retries}")
         self.name = f"llm:{model}"
         self.model, self.url = model, url
         self.documents = documents
