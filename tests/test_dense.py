@@ -1100,3 +1100,131 @@ def test_a_hybrid_saves_and_loads_its_own_fusion_settings(hybrid, encoder, tmp_p
     assert (manifest["rrf_k"], manifest["depth"]) == (7, 9)
     loaded = HybridIndex.load(tmp_path / "h", encoder)
     assert (loaded.rrf_k, loaded.depth) == (7, 9)
+
+
+
+
+# Tests of a mutation sweep of hybrid.py and index.py (forty-second session): each passes on the code and
+# fails on the mutant its comment names.
+
+def test_rrf_ties_of_the_same_best_rank_go_to_the_smaller_key_whatever_the_list_order():
+    """9 and 3 are both ranked 1st once, 2 and 8 both 2nd: the smaller key first, not the one met first
+    (mutant: the key dropped from the sort, leaving insertion order)."""
+    assert [k for k, _ in rrf_fuse([[9, 8], [3, 2]])] == [3, 9, 2, 8]
+
+
+def test_a_hybrid_built_by_hand_checks_its_settings_and_its_halves_corpus(hybrid, flat):
+    """The constructor refuses what `build` and `load` refuse: a bad fusion setting, and halves whose
+    corpus digests or document counts differ (mutants: any of these checks dropped)."""
+    for kwargs in ({"rrf_k": -1}, {"depth": 0}):
+        with pytest.raises(ValueError, match="need rrf_k >= 0 and depth >= 1"):
+            HybridIndex(hybrid.bm25, flat, **kwargs)
+    other = BM25Index.build(DOCS, corpus_sha256="0" * 64)  # the same documents, said to be of another corpus
+    fewer = BM25Index.build(DOCS[:5], corpus_sha256=flat.corpus_sha256)  # said to be of this corpus, 5 documents
+    for bm25 in (other, fewer):
+        with pytest.raises(ValueError, match="were built from different corpora"):
+            HybridIndex(bm25, flat)
+
+
+def test_a_hybrid_keeps_its_build_time_through_save_and_load(hybrid, encoder, tmp_path):
+    """`build_seconds` (both halves) is recorded by a build, written to the manifest and read back; the
+    manifest counts the documents (mutants: the time dropped, num_docs off by one)."""
+    built = HybridIndex.build(DOCS[:4], encoder)
+    assert isinstance(built.build_seconds, float) and built.build_seconds >= 0
+    timed = HybridIndex(hybrid.bm25, hybrid.dense, build_seconds=12.5)
+    timed.save(tmp_path / "h")
+    manifest = json.loads((tmp_path / "h" / "manifest.json").read_text())
+    assert manifest["build_seconds"] == 12.5 and manifest["num_docs"] == len(DOCS)
+    assert HybridIndex.load(tmp_path / "h", encoder).build_seconds == 12.5
+
+
+def test_a_hybrid_manifest_naming_another_corpus_is_refused_though_its_halves_fit(hybrid, encoder, tmp_path):
+    """The hybrid's own manifest is checked against the corpus asked for, not only its halves' (mutant:
+    that check dropped, the edited manifest went unnoticed)."""
+    hybrid.save(tmp_path / "h")
+    path = tmp_path / "h" / "manifest.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), "corpus_sha256": "0" * 64}))
+    with pytest.raises(ValueError, match=f"{path}: index was built from corpus sha256 0+, expected"):
+        HybridIndex.load(tmp_path / "h", encoder, expected_corpus_sha256=hybrid.corpus_sha256)
+
+
+def test_opening_a_hybrid_hands_the_model_and_encoder_settings_to_its_dense_half(hybrid, encoder, tmp_path,
+                                                                                 monkeypatch):
+    """`model`, `device` and `batch_size` select and set up the encoder a hybrid's dense half loads, from
+    `HybridIndex.load` and from the facade's `DenseOptions` (mutants: any of them dropped on the way)."""
+    hybrid.save(tmp_path / "h")
+    asked = []
+
+    def make(model, **kw):
+        asked.append((model, kw.get("device"), kw.get("batch_size")))
+        return encoder  # the same weights: the index accepts it
+
+    monkeypatch.setattr(dense_mod, "Encoder", make)
+    HybridIndex.load(tmp_path / "h", model="my-minilm", device="cuda:7", batch_size=7)
+    assert asked == [("my-minilm", "cuda:7", 7)]
+    asked.clear()
+    open_index(tmp_path / "h", options=DenseOptions(model="my-minilm", device="cuda:5", batch_size=5))
+    assert asked == [("my-minilm", "cuda:5", 5)]
+
+
+def test_a_hybrid_fuses_with_its_own_rrf_k(hybrid):
+    """Scores are 1/(rrf_k + rank) with the index's rrf_k, not the default 60 (mutant: RRF_K used)."""
+    [both] = HybridIndex(hybrid.bm25, hybrid.dense, rrf_k=0).retrieve(["xj9047qz valve"], 1)
+    assert ids(both) == ["valve"] and both[0].score == pytest.approx(2.0)  # ranked 1st by both lists
+
+
+def test_a_hybrid_cache_of_another_corpus_is_rebuilt(hybrid, shared_encoder, tmp_path):
+    """A cache whose corpus changed is stale: rebuilt and saved over, not an error (mutant: the load's
+    refusal raised out of `from_corpus_file`)."""
+    hybrid.save(tmp_path / "h")
+    corpus = tmp_path / "c.jsonl"
+    write_corpus(corpus, DOCS[:5])
+    rebuilt = HybridIndex.from_corpus_file(corpus, tmp_path / "h", shared_encoder)
+    assert len(rebuilt) == 5
+    assert json.loads((tmp_path / "h" / "manifest.json").read_text())["corpus_sha256"] == file_sha256(corpus)
+
+
+def test_dense_options_make_the_encoder_and_fusion_settings_asked_for(hybrid, encoder, tmp_path, monkeypatch):
+    """Every encoder option reaches the encoder (defaults: the default model, batches of 32, the cpu), and
+    an rrf_k of 0, a valid setting, is kept (mutants: an option dropped or swapped, `if v` for `is not None`)."""
+    asked = []
+
+    def make(model, **kw):
+        asked.append((model, kw))
+        return encoder
+
+    monkeypatch.setattr(dense_mod, "Encoder", make)
+    DenseOptions(model="m", query_prefix="q: ", passage_prefix="p: ", batch_size=9, device="cuda:3").encoder()
+    DenseOptions().encoder()
+    assert asked == [("m", {"query_prefix": "q: ", "passage_prefix": "p: ", "batch_size": 9, "device": "cuda:3"}),
+                     (DEFAULT_MODEL, {"query_prefix": None, "passage_prefix": None, "batch_size": 32, "device": "cpu"})]
+    assert DenseOptions(rrf_k=0, depth=5).fusion() == {"rrf_k": 0, "depth": 5} and DenseOptions().fusion() == {}
+    hybrid.save(tmp_path / "h")
+    assert open_index(tmp_path / "h", options=DenseOptions(rrf_k=0)).rrf_k == 0
+
+
+def test_the_facade_builds_a_cache_with_the_faiss_and_fusion_settings_asked_for(shared_encoder, tmp_path):
+    """`get_retriever(corpus=..., cache_dir=...)` hands `DenseOptions`' FAISS settings to a dense build and
+    those and the fusion settings to a hybrid one (mutants: `faiss_params` or `fusion()` dropped there)."""
+    corpus = tmp_path / "c.jsonl"
+    write_corpus(corpus, DOCS)
+    opts = DenseOptions(index_type="ivf", faiss_params={"nlist": 2, "nprobe": 2}, rrf_k=5, depth=9)
+    d = get_retriever(corpus=corpus, kind="dense", cache_dir=tmp_path / "d", options=opts)
+    assert (d.index_type, d.params) == ("ivf", {"nlist": 2, "nprobe": 2})
+    h = get_retriever(corpus=corpus, kind="hybrid", cache_dir=tmp_path / "h", options=opts)
+    assert (h.rrf_k, h.depth) == (5, 9)
+    assert (h.dense.index_type, h.dense.params) == ("ivf", {"nlist": 2, "nprobe": 2})
+
+
+def test_the_facade_builds_and_opens_a_hybrid_with_the_fusion_settings_asked_for(shared_encoder, tmp_path):
+    """`build_index` saves the fusion settings asked for; `get_retriever(index=...)` opens a saved index
+    with the options given (mutants: `fusion()` dropped from the build; the options not passed on)."""
+    from selfevo.search.index import build_index
+
+    corpus = tmp_path / "c.jsonl"
+    write_corpus(corpus, DOCS)
+    built = build_index("hybrid", corpus, tmp_path / "h", DenseOptions(rrf_k=5, depth=9))
+    manifest = json.loads((tmp_path / "h" / "manifest.json").read_text())
+    assert (built.rrf_k, built.depth) == (manifest["rrf_k"], manifest["depth"]) == (5, 9)
+    opened = get_retriever(index=tmp_path / "h", corpus=corpus, options=DenseOptions(rrf_k=7, depth=11))
+    assert (opened.rrf_k, opened.depth) == (7, 11)

@@ -516,6 +516,26 @@ def test_a_second_evaluation_into_the_same_out_is_refused_and_the_first_is_untou
     run_eval(qa, corpus, "retrieval-baseline", out, progress=False)  # released once the first has ended
 
 
+def _within(seconds: float, fn):
+    """What `fn()` raised (None if it returned), waited for at most `seconds` in a daemon thread."""
+    import threading
+
+    outcome = []
+
+    def run():
+        try:
+            fn()
+            outcome.append(None)
+        except BaseException as e:  # handed to the test
+            outcome.append(e)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(seconds)
+    assert outcome, f"still waiting after {seconds} s"
+    return outcome[0]
+
+
 def test_a_second_index_build_into_the_same_directory_is_refused(tmp_path):
     """Two builds into one index directory (`index build`, or a cache shared by two `serve-retriever
     --index-dir`): the second cleared the first's staged documents under it (the first failed with
@@ -535,10 +555,14 @@ def test_a_second_index_build_into_the_same_directory_is_refused(tmp_path):
     waiter = threading.Thread(target=lambda: loaded.append(get_retriever(corpus=corpus, cache_dir=out)))
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # held, as a build in progress holds it
-        with pytest.raises(ValueError, match="another process is building an index here"):
-            build_index("bm25", corpus, out)
-        res = CliRunner().invoke(cli_app, ["index", "build", "--corpus", str(corpus), "--out", str(out)])
-        assert res.exit_code == 2 and "another process is building an index here" in res.output, res.output
+        # in a thread, bounded: a regression that waits for the lock fails here instead of hanging the suite
+        # (a mutation sweep's did)
+        err = _within(30, lambda: build_index("bm25", corpus, out))
+        assert isinstance(err, ValueError) and "another process is building an index here" in str(err)
+        res = []
+        assert _within(30, lambda: res.append(CliRunner().invoke(
+            cli_app, ["index", "build", "--corpus", str(corpus), "--out", str(out)]))) is None
+        assert res[0].exit_code == 2 and "another process is building an index here" in res[0].output, res[0].output
         waiter.start()
         waiter.join(timeout=2)
         assert waiter.is_alive() and not loaded  # the cache's user waits

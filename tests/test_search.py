@@ -1000,3 +1000,255 @@ def test_client_refuses_a_reply_larger_than_its_bound():
     with pytest.raises(RetrieverError, match="larger than 4,000 bytes"):
         client.retrieve(["q"])
     assert client.retrieve(["q"])[0][0].score == 1.5  # a small one reads
+
+
+
+
+# Tests of a mutation sweep of the HTTP client (forty-second session, search/client.py): each passes on
+# the code and fails on the mutant its comment names.
+
+def test_retry_after_reads_padding_fractions_and_a_date_without_a_zone():
+    """RFC 9110 values as servers write them: surrounding spaces, a fraction of a second, and an HTTP
+    date whose zone is -0000 (no zone to Python: a naive datetime, subtracted from an aware one)."""
+    import email.utils
+
+    from selfevo.search.client import retry_after_seconds
+
+    assert retry_after_seconds(" 2 ") == 2.0  # (mutant: no strip -> None)
+    assert retry_after_seconds("1.5") == 1.5
+    zoneless = email.utils.formatdate(time.time() + 30)  # "... -0000"
+    assert zoneless.endswith("-0000")
+    assert 27 < retry_after_seconds(zoneless) <= 30  # (mutant: no tz fix -> TypeError)
+
+
+def test_an_error_page_is_one_line_whatever_its_markup():
+    """An upper-case <TITLE>, a title over several lines, and a page with no title at all: each said as
+    its words, without tags or line breaks."""
+    from selfevo.search.client import body_text
+
+    assert body_text("<HTML><HEAD><TITLE>503 Service Unavailable</TITLE></HEAD>"
+                     "<BODY><H1>Unavailable</H1>nginx</BODY></HTML>") == "503 Service Unavailable"
+    assert body_text("<title>\r\n  502 Bad\r\n  Gateway\r\n</title><h1>Bad Gateway</h1>") == "502 Bad Gateway"
+    assert body_text("<html><body><h1>Not here</h1>\n<p>try &amp; see</p></body></html>") == "Not here try & see"
+    client, _ = _mock_client(lambda n, req: httpx.Response(404, text="<html><body><h1>No route</h1></body></html>"))
+    with pytest.raises(RetrieverError, match=r"HTTP 404: No route$"):
+        client.retrieve(["q"])
+
+
+def test_client_reads_a_compressed_reply_over_http():
+    """A server (or proxy) gzipping its JSON: the body is read raw and decoded once, by its
+    Content-Encoding (reading it decoded, then decoding again, was a DecodingError after the retries)."""
+    import gzip
+
+    from fastapi import FastAPI
+    from fastapi.responses import Response
+
+    gz = FastAPI()
+
+    @gz.post("/retrieve")
+    def retrieve():
+        return Response(gzip.compress(json.dumps(GOOD).encode()), media_type="application/json",
+                        headers={"content-encoding": "gzip"})
+
+    with serve_app(gz) as url, RetrieverClient(url, retries=0) as client:
+        [[hit]] = client.retrieve(["q"], topk=1)
+    assert hit == Hit(Document("7", "T", "body"), 1.5)
+
+
+def test_client_refuses_a_zero_batch_size_or_negative_retries_at_once():
+    for kwargs in ({"batch_size": 0}, {"retries": -1}):
+        with pytest.raises(ValueError, match="batch_size must be >= 1 and retries >= 0"):
+            RetrieverClient("http://fake", **kwargs)
+    RetrieverClient("http://fake", batch_size=1, retries=0).close()  # the limits themselves are fine
+
+
+def test_client_accepts_a_server_url_with_trailing_slashes():
+    """`http://host/` and `http://host/retrieve/` name the same server as `http://host`."""
+    for given in ("http://fake/", "http://fake/retrieve/"):
+        seen: list[httpx.Request] = []
+        transport = httpx.MockTransport(lambda req, seen=seen: seen.append(req) or httpx.Response(200, json=GOOD))
+        with RetrieverClient(given, transport=transport) as client:
+            client.retrieve(["q"], topk=1)
+        assert str(seen[0].url) == "http://fake/retrieve", given
+
+
+def test_client_defaults_batch_64_and_back_off_exponentially_from_half_a_second(monkeypatch):
+    """The documented defaults: 64 queries a request; 3 retries waiting 0.5, 1 and 2 s; a Retry-After
+    shorter than the backoff does not shorten it; no wait is longer than a minute."""
+    from selfevo.search import client as client_mod
+
+    waits: list[float] = []
+    monkeypatch.setattr(client_mod.time, "sleep", waits.append)
+    seen: list[httpx.Request] = []
+
+    def echo(req):
+        seen.append(req)
+        qs = json.loads(req.content)["queries"]
+        return httpx.Response(200, json={"result": [[] for _ in qs]})
+
+    with RetrieverClient("http://fake", transport=httpx.MockTransport(echo)) as client:
+        assert len(client.retrieve([f"q{i}" for i in range(65)])) == 65
+    assert [len(json.loads(r.content)["queries"]) for r in seen] == [64, 1]
+
+    def always_503(req):
+        seen.append(req)
+        return httpx.Response(503, text="busy")
+
+    seen.clear()
+    with RetrieverClient("http://fake", transport=httpx.MockTransport(always_503)) as client:
+        with pytest.raises(RetrieverError, match="HTTP 503"):
+            client.retrieve(["q"])
+    assert len(seen) == 4 and waits == [0.5, 1.0, 2.0]
+    waits.clear()
+    client, _ = _mock_client(lambda n, req: httpx.Response(503, headers={"Retry-After": "1"}), retries=1)
+    client.backoff_s = 4.0
+    with pytest.raises(RetrieverError):
+        client.retrieve(["q"])
+    assert waits == [4.0]  # the longer of the backoff and the Retry-After
+    waits.clear()
+    client, _ = _mock_client(lambda n, req: httpx.Response(429, headers={"Retry-After": "3600"}), retries=1)
+    with pytest.raises(RetrieverError):
+        client.retrieve(["q"])
+    assert waits == [60.0]
+
+
+def test_client_says_a_redirect_as_an_http_status():
+    """A 3xx (a proxy sending http to https) is no answer: said as its status, not parsed as one."""
+    client, seen = _mock_client(lambda n, req: httpx.Response(
+        301, headers={"location": "https://fake/retrieve"}, json={"result": [[]]}))
+    with pytest.raises(RetrieverError, match="HTTP 301"):
+        client.retrieve(["q"])
+    assert len(seen) == 1
+
+
+def test_client_errors_never_show_the_urls_password():
+    """Every error names the URL without its password: an HTTP error, a reply that is no JSON, and a
+    transport error whose own text quotes the URL."""
+    def client_for(handler):
+        return RetrieverClient("http://user:s3cret@fake", retries=0, backoff_s=0,
+                               transport=httpx.MockTransport(handler))
+
+    def unreachable(req):
+        raise httpx.ConnectError(f"cannot reach {req.url}", request=req)
+
+    for handler in (lambda req: httpx.Response(503, text="down"), lambda req: httpx.Response(200, text="<html>"),
+                    unreachable):
+        with pytest.raises(RetrieverError) as err:
+            client_for(handler).retrieve(["q"])
+        assert "s3cret" not in str(err.value) and "http://***@fake" in str(err.value)
+
+
+def test_client_closes_its_connections_when_its_with_block_ends():
+    with RetrieverClient("http://fake", transport=httpx.MockTransport(lambda req: httpx.Response(200))) as client:
+        assert not client._http.is_closed
+    assert client._http.is_closed
+
+
+# Tests of a mutation sweep of search/index.py (forty-second session): each passes on the code and fails on
+# the mutant its comment names.
+
+def test_a_manifest_of_an_unknown_index_kind_is_no_index(tmp_path):
+    """A manifest naming a kind this code does not know is refused by name, and `--out` will not write
+    over its directory as if it held an index (mutant: only a missing kind refused)."""
+    from selfevo.search.index import check_index_out, index_kind
+
+    (tmp_path / "manifest.json").write_text('{"kind": "splade"}', encoding="utf-8")
+    with pytest.raises(ValueError, match="unknown index kind 'splade'"):
+        index_kind(tmp_path)
+    with pytest.raises(ValueError, match="holds a manifest.json that is no index's"):
+        check_index_out(tmp_path)
+
+
+def test_index_out_is_a_directory_empty_or_of_an_index_or_of_a_killed_build(tmp_path):
+    """`--out` rules: a file is refused; so is a directory holding an unrelated (empty) subdirectory; a
+    hybrid save killed after its dense half (dense/docs.jsonl, no top manifest yet) may be rebuilt over
+    (mutants: the file check dropped, any hidden-only directory taken for a half, only a top docs.jsonl
+    taken for an index's)."""
+    from selfevo.search.index import check_index_out
+
+    afile = tmp_path / "afile"
+    afile.write_text("keep")
+    with pytest.raises(ValueError, match="afile: a file, not a directory"):
+        check_index_out(afile)
+    other = tmp_path / "other"
+    (other / "photos").mkdir(parents=True)
+    with pytest.raises(ValueError, match="not empty, and holds no index"):
+        check_index_out(other)
+    killed = tmp_path / "killed"
+    (killed / "dense").mkdir(parents=True)
+    (killed / "dense" / "docs.jsonl").write_text("{}\n")
+    (killed / "dense" / "manifest.json").write_text("{}")
+    (killed / "bm25" / ".docs-building").mkdir(parents=True)
+    check_index_out(killed)  # no error
+
+
+def test_a_hybrid_index_is_never_written_over_its_corpus_in_a_half(tmp_path, monkeypatch):
+    """A corpus at OUT/bm25/docs.jsonl (or dense/) is where a hybrid index writes a half's documents:
+    refused before anything is built (mutant: only OUT/docs.jsonl compared)."""
+    from selfevo.search.index import DenseOptions, build_index, index_from_corpus_file
+
+    monkeypatch.setattr(DenseOptions, "encoder", lambda self: pytest.fail("an encoder was made: a build began"))
+    for part in ("bm25", "dense"):
+        out = tmp_path / part / "idx"
+        (out / part).mkdir(parents=True)
+        corpus = out / part / "docs.jsonl"
+        corpus.write_text('{"id": "1", "contents": "Alpha\\nalpha text", "meta": "keep me"}\n')
+        before = corpus.read_bytes()
+        with pytest.raises(ValueError, match="would write its docs.jsonl over this corpus file"):
+            build_index("hybrid", corpus, out)
+        with pytest.raises(ValueError, match="would write its docs.jsonl over this corpus file"):
+            index_from_corpus_file("hybrid", corpus, out)
+        assert corpus.read_bytes() == before
+
+
+def test_build_index_refuses_an_out_of_other_files_itself(tmp_path):
+    """The library call checks `out` as the CLI does, before reading the corpus (mutant: only the CLI
+    checked; the build wrote its docs.jsonl and manifest.json beside someone's files)."""
+    from selfevo.search.index import build_index
+
+    corpus = tmp_path / "c.jsonl"
+    write_corpus(corpus, DOCS)
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "keep.txt").write_text("keep")
+    with pytest.raises(ValueError, match="not empty, and holds no index"):
+        build_index("bm25", corpus, mine)
+    assert sorted(p.name for p in mine.iterdir()) == ["keep.txt"]
+
+
+def test_get_retriever_says_what_is_missing_or_unknown(tmp_path):
+    """Neither a corpus nor an index is named as such; an unknown retriever kind is said as unknown, with
+    a saved index too (mutants: either check dropped: a TypeError, or 'a bm25 index, but retriever ...')."""
+    from selfevo.search.index import get_retriever
+
+    with pytest.raises(ValueError, match="need a corpus file or a saved index directory"):
+        get_retriever()
+    BM25Index.build(DOCS).save(tmp_path / "idx")
+    with pytest.raises(ValueError, match="unknown retriever 'splade'; known: bm25, dense, hybrid"):
+        get_retriever(index=tmp_path / "idx", kind="splade")
+
+
+def test_get_retriever_without_a_cache_dir_writes_nothing(tmp_path, monkeypatch):
+    """No `cache_dir`: the index is built in memory and no file is written anywhere (mutant: a cache
+    written in the working directory)."""
+    from selfevo.search.index import get_retriever
+
+    corpus = tmp_path / "c.jsonl"
+    write_corpus(corpus, DOCS)
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    monkeypatch.chdir(cwd)
+    index = get_retriever(corpus=corpus)
+    assert len(index) == len(DOCS) and ids(index.retrieve(["longest river"], 1)[0]) == ["d3"]
+    assert list(cwd.iterdir()) == [] and sorted(p.name for p in tmp_path.iterdir()) == ["c.jsonl", "cwd"]
+
+
+def test_index_size_counts_every_file_below_and_no_directory(tmp_path):
+    """(mutants: only the top level counted; directories' own sizes added)"""
+    from selfevo.search.index import index_size_bytes
+
+    (tmp_path / "bm25" / "deep").mkdir(parents=True)
+    (tmp_path / "manifest.json").write_bytes(b"x" * 10)
+    (tmp_path / "bm25" / "docs.jsonl").write_bytes(b"y" * 200)
+    (tmp_path / "bm25" / "deep" / "f").write_bytes(b"z" * 3000)
+    assert index_size_bytes(tmp_path) == 3210

@@ -140,3 +140,21 @@ def test_a_half_of_the_same_size_with_another_middle_or_last_document_is_refused
     assert (copy / "bm25" / "docs.jsonl").stat().st_size == (copy / "dense" / "docs.jsonl").stat().st_size
     with pytest.raises(ValueError, match="the BM25 and dense halves hold different documents"):
         HybridIndex.load(copy, encoder)
+
+
+
+
+def test_a_half_of_the_same_size_with_another_first_document_is_refused(saved_hybrid, tmp_path):
+    """The first document is one of the sampled three (mutation sweep, forty-second session: comparing
+    only the middle and last let a half whose first document differs, at the same size, through)."""
+    from selfevo.search.hybrid import HybridIndex
+
+    where, encoder = saved_hybrid
+    copy = tmp_path / "h"
+    shutil.copytree(where, copy)
+    docs = list(DOCS)
+    docs[0] = Document("x" + docs[0].id[1:], docs[0].title, docs[0].text)
+    _rewrite_bm25_docs(copy, docs)
+    assert (copy / "bm25" / "docs.jsonl").stat().st_size == (copy / "dense" / "docs.jsonl").stat().st_size
+    with pytest.raises(ValueError, match="the BM25 and dense halves hold different documents"):
+        HybridIndex.load(copy, encoder)
