@@ -937,7 +937,7 @@ def test_a_reply_larger_than_the_bound_fails_its_call_at_once():
         client.complete(HI)
     assert len(seen) == 1 and events.count("malformed_body") == 1
     assert client.complete(HI) == "ok"  # the next, small, reply reads
-    _mock(client, [httpx.Response(200, stream=httpx.ByteStream(json.dumps({"data": [{"id": "m" * 2000}]}).encode()))])
+    _mock(client, [_body({"data": [{"id": "m" * 2000}]})])
     with pytest.raises(EndpointError, match="larger than 1,000 bytes"):
         client.check()
 
@@ -994,8 +994,7 @@ def test_json_mode_asks_for_a_json_object_and_a_call_may_turn_it_off():
 def test_a_completion_with_no_choices_is_retried_not_an_empty_reply():
     events: list[str] = []
     client = ChatClient("http://fake/v1", "m", backoff=0.001, on_event=events.append)
-    empty = httpx.Response(200, stream=httpx.ByteStream(json.dumps({"choices": []}).encode()))
-    seen = _mock(client, [empty, _ok()])
+    seen = _mock(client, [_body({"choices": []}), _ok()])
     assert client.complete(HI) == "ok" and len(seen) == 2 and events.count("malformed_body") == 1
 
 
@@ -1054,7 +1053,7 @@ def test_an_error_in_vllms_shape_is_quoted():
 
 
 def test_the_probe_asks_again_after_a_timeout():
-    listed = httpx.Response(200, stream=httpx.ByteStream(json.dumps({"data": [{"id": "judge"}]}).encode()))
+    listed = _body({"data": [{"id": "judge"}]})
     client = ChatClient("http://fake/v1", "judge", max_retries=1, backoff=0.001)
     seen = _mock(client, [httpx.ReadTimeout("slow"), listed])
     assert client.check() == ["judge"] and len(seen) == 2

@@ -983,15 +983,13 @@ def test_client_refuses_a_reply_larger_than_its_bound():
     big = json.dumps({"result": [[{"document": {"id": "1", "contents": "x" * 5000}, "score": 1.0}]]}).encode()
     bomb = gzip.compress(b" " * 200_000)  # 200 kB of JSON whitespace in well under 1 kB
     replies = iter([big, bomb, json.dumps(GOOD).encode()])
-    calls = []
 
-    def handler(req):
-        calls.append(req)
+    def handler(n, req):
         body = next(replies)
         headers = {"content-encoding": "gzip"} if body is bomb else {}
         return httpx.Response(200, headers=headers, stream=httpx.ByteStream(body))  # read as a stream, as on a socket
 
-    client = RetrieverClient("http://x", retries=3, transport=httpx.MockTransport(handler))
+    client, calls = _mock_client(handler, retries=3)
     client.max_reply_bytes = 4000
     with pytest.raises(RetrieverError, match="larger than 4,000 bytes"):
         client.retrieve(["q"])

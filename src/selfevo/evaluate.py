@@ -529,24 +529,20 @@ def _run_eval(data_dir, corpus, agent, out_dir: Path, limit, retriever_url, inde
         retriever = get_retriever(corpus=corpus, index=index, kind=retriever_kind, cache_dir=index_dir,
                                   options=dense_options, progress=progress)
     tool = SearchTool(retriever, topk=3, max_calls=5)  # paper: identical budget for every row
+    # paths by where they are, not how they were written (./qa and /home/me/qa are one directory; "qa" names
+    # nothing read from another directory): the resume key's and score.json's, as a run's config.json
     run_info = {
         "agent": shown_url(agent),  # score.json's: a remote endpoint's credentials are not written
-        "data_dir": str(data_dir),
-        "corpus": None if retriever_url or corpus is None else str(corpus),
+        "data_dir": str(Path(data_dir).resolve()),
+        "corpus": None if retriever_url or corpus is None else str(Path(corpus).resolve()),
         "retriever_url": shown_url(retriever_url) if retriever_url else None,  # (as the agent: no password)
         "retriever": None if retriever_url else getattr(retriever, "kind", "bm25"),
-        "index": None if index is None or retriever_url else str(index),
+        "index": None if index is None or retriever_url else str(Path(index).resolve()),
         "setup_seconds": round(time.perf_counter() - started, 3),  # loading + indexing
     }
     # what makes a stopped evaluation in out_dir this one, so that a rerun continues it: what the
     # agent is and how it is set up (not how many workers run it), and what it searches
-    same = {k: run_info[k] for k in ("agent", "retriever_url", "retriever")}
-    # paths by where they are, not how they were written (./qa and /home/me/qa are one directory)
-    same |= {k: None if run_info[k] is None else str(Path(run_info[k]).resolve())
-             for k in ("data_dir", "corpus", "index")}
-    # score.json's too: a path as typed ("qa") names nothing once read from another directory (a run's
-    # config.json holds its paths absolute)
-    run_info |= {k: same[k] for k in ("data_dir", "corpus", "index")}
+    same = {k: run_info[k] for k in ("agent", "retriever_url", "retriever", "data_dir", "corpus", "index")}
     same["agent_settings"] = {k: v for k, v in (agent_context or {}).items() if k != "workers"}
     same["agent_files"] = files = agent_files(agent)  # an lm: agent's model rewritten (retrained) between the two
     if files is not None:  # an lm: agent is its files (`lm:model` and `lm:/abs/model` are one), not its spec

@@ -10,9 +10,10 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from selfevo._io import atomic_writer, write_json
+from selfevo.replay import TABLE_COLUMNS as REPLAY_COLUMNS
 from selfevo.report import figures as figs
 from selfevo.report.collect import collect_runs, find_runs
-from selfevo.report.render import REPLAY_COLUMNS, html_page, markdown
+from selfevo.report.render import html_page, markdown
 from selfevo.runs import _TYPE_NAMES, RunDir, RunError, check_numbers, read_object
 
 DEMO_RECORD = "demo.json"
