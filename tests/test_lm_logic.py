@@ -3,6 +3,8 @@ failed on the code before its fix. Fast: no model is loaded."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import jinja2
 import pytest
 
@@ -11,6 +13,7 @@ from selfevo.agents.lm.config import LMConfig
 from selfevo.agents.lm.rl import append_only, content_spans, encode_conversation, encode_trajectory, trained_spans
 from selfevo.agents.lm.rollout import run_rollouts
 from selfevo.integrations.rewards import extract_answer
+from selfevo.loop.schedule import derive_seed
 from selfevo.records import Document
 from selfevo.search.bm25 import BM25Index
 from selfevo.search.tool import SearchTool
@@ -413,3 +416,233 @@ def test_the_token_count_of_sampled_replies_that_end_early():
     got = m.generate([{"role": "user", "content": "q"}], temperature=1.0, max_tokens=5, n=3, stop=["."])
     assert [(c.text, c.finish_reason, c.completion_tokens, c.stop_reason) for c in got] == [
         ("ab", "stop", 3, "."), ("a", "stop", 2, None), ("abcab", "length", 5, None)]
+
+
+# ---------------------------------------------------------------- mutation sweep: encoding edges
+
+
+def test_an_empty_action_does_not_split_a_prefix_stable_chat():
+    # an action the model ended at once ("" before EOS) is no training sequence of its own
+    chat = [*CONVERSATION[:2], {"role": "assistant", "content": ""}, {"role": "user", "content": P.CORRECTIVE},
+            {"role": "assistant", "content": "<answer> Anne </answer>"}]
+    parts = encode_trajectory(OffsetTokenizer(), chat, render=chatml, prompt=lambda ms: chatml(ms, True))
+    assert parts == [encode_conversation(OffsetTokenizer(), chat, render=chatml)]
+    assert trained_text(*parts[0]) == "<answer> Anne </answer>"
+
+
+def test_one_action_rendered_otherwise_than_generated_splits_the_whole_trajectory():
+    # the first action's outer whitespace is trimmed away by the template, the second's is not: every
+    # action must sit in the chat as generated for one sequence, else one sequence an action
+    chat = [*CONVERSATION[:2], {"role": "assistant", "content": " <search> paris mayor </search>"}, *CONVERSATION[3:]]
+    parts = encode_trajectory(OffsetTokenizer(), chat, render=llama3_like,
+                              prompt=lambda ms: llama3_like(ms, add_generation_prompt=True))
+    assert [trained_text(*p) for p in parts] == [" <search> paris mayor </search>", "<answer> Anne </answer>"]
+
+
+def test_append_only_refuses_a_template_that_rewrites_an_actions_text():
+    def shouting(ms, add_generation_prompt=False):
+        text = "".join(f"[{m['role']}]{m['content'].upper()}" for m in ms)
+        return text + ("[assistant]" if add_generation_prompt else "")
+
+    with pytest.raises(ValueError, match="does not render an assistant turn's content as given"):
+        append_only(shouting)(CONVERSATION)
+
+
+# ---------------------------------------------------------------- mutation sweep: the local generator
+
+
+class RecordingModel(ScriptedModel):
+    """A `ScriptedModel` that records the token budget and the torch seed of each call."""
+
+    def __init__(self, replies):
+        super().__init__(replies)
+        self.budgets, self.seeds = [], []
+
+    def generate(self, input_ids, attention_mask=None, max_new_tokens=None, **kw):
+        import torch
+
+        self.budgets.append(max_new_tokens)
+        self.seeds.append(torch.initial_seed())
+        return super().generate(input_ids, attention_mask, max_new_tokens, **kw)
+
+
+def _scripted_policy(replies, **cfg):
+    from selfevo.agents.lm.policy import LMPolicy
+
+    policy = object.__new__(LMPolicy)  # no model to load: the generation loop over a scripted model
+    policy.cfg, policy.tokenizer, policy.device = LMConfig(adapter="full", **cfg), CharTokenizer(), "cpu"
+    policy.base, policy.full = RecordingModel(replies), {}
+    return policy
+
+
+def test_a_reply_cut_at_a_stop_string_or_ending_on_one_at_the_budget_is_a_stop():
+    ran_past = [ord(c) for c in "<answer>P</answer>xyz"]  # 21 tokens, the whole budget, no EOS
+    policy = _scripted_policy([ran_past], max_new_tokens=len(ran_past))
+    [(text, finish)] = policy.generate(None, [P.solver_messages("q")], greedy=True, seed=None)
+    assert (text, finish) == ("<answer>P</answer>", "stop")
+    exact = [ord(c) for c in "<answer>P</answer>"]  # the stop string on the last allowed token
+    policy = _scripted_policy([exact], max_new_tokens=len(exact))
+    assert policy.generate(None, [P.solver_messages("q")], greedy=True, seed=None) == [("<answer>P</answer>", "stop")]
+
+
+def test_a_call_budget_and_prefix_and_each_batch_seed_reach_the_model():
+    from selfevo.loop.schedule import derive_seed
+
+    reply = [ord(c) for c in " Who?"]
+    policy = _scripted_policy([reply], max_new_tokens=64, gen_batch=1)
+    out = policy.generate(None, [P.solver_messages("a"), P.solver_messages("b")], greedy=False, seed=9,
+                          max_new_tokens=5, prefix=["<question>", "<q2>"], stops=("</question>",))
+    # the call's budget, not lm.max_new_tokens: 5 tokens without a stop are cut at the limit
+    assert policy.base.budgets == [5, 5] and [f for _, f in out] == ["length", "length"]
+    assert [t for t, _ in out] == ["<question> Who?", "<q2> Who?"]  # each reply starts with its prefix
+    # each batch of gen_batch rows samples with a seed of its own
+    assert policy.base.seeds == [derive_seed(9, "chunk", k) % 2**63 for k in (0, 1)]
+
+
+def test_a_policy_file_header_is_canonical():
+    import json
+
+    import torch
+    from safetensors.torch import load, save
+
+    from selfevo.agents.lm.policy import canonical_safetensors
+
+    blob = save({"param.b": torch.zeros(3), "param.a": torch.ones(2)}, metadata={"steps": "1", "adapter": "lora"})
+    n = int.from_bytes(blob[:8], "little")
+    # the same content with its header's keys in reverse order (as safetensors may write it)
+    header = json.loads(blob[8:8 + n])
+    reordered = json.dumps({k: header[k] for k in reversed(sorted(header))}).encode()
+    reordered += b" " * (-len(reordered) % 8)
+    other = len(reordered).to_bytes(8, "little") + reordered + blob[8 + n:]
+    canon = canonical_safetensors(blob)
+    assert canonical_safetensors(other) == canon == canonical_safetensors(canon)
+    m = int.from_bytes(canon[:8], "little")
+    assert m % 8 == 0  # safetensors' own alignment of the data that follows
+    assert list(json.loads(canon[8:8 + m])) == sorted(header)
+    got = load(canon)
+    assert torch.equal(got["param.a"], torch.ones(2)) and torch.equal(got["param.b"], torch.zeros(3))
+
+
+def test_resolve_device_picks_cpu_without_a_gpu_and_refuses_cuda(monkeypatch):
+    import torch
+
+    from selfevo.agents.lm.policy import resolve_device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert resolve_device("auto") == "cpu" and resolve_device("cpu") == "cpu"
+    with pytest.raises(ValueError, match=r"lm\.device: cuda:1 asked for, but no CUDA GPU"):
+        resolve_device("cuda:1")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert resolve_device("auto") == "cuda" and resolve_device("cuda:1") == "cuda:1"
+
+
+# ---------------------------------------------------------------- mutation sweep: the LM agents over a stand-in policy
+
+
+class StandInPolicy:
+    """What LMSolver and LMProposer ask of an `LMPolicy`, recorded: no model is loaded."""
+
+    def __init__(self, reply="<answer> Paris </answer>", **cfg):
+        from selfevo.agents.lm.config import LMConfig
+
+        self.cfg, self.reply = LMConfig(**cfg), reply
+        self.new_calls, self.generated, self.encoded, self.updates = [], [], [], []
+
+    def new(self, name, like=None):
+        self.new_calls.append((name, like))
+
+    def truncate(self, text, n):
+        return text[:n]  # a character a token
+
+    def generate(self, name, convs, greedy, seed, **kw):
+        self.generated.append({"name": name, "convs": [list(c) for c in convs], "greedy": greedy, "seed": seed})
+        return [(self.reply, "stop") for _ in convs]
+
+    def encode(self, messages, mask_final_answer=False):
+        self.encoded.append(mask_final_answer)
+        return [([1, 2], [0, 1])]
+
+    def update(self, name, seqs, advs):
+        self.updates.append((name, list(advs)))
+        return {"loss": 0.0}
+
+
+def _paris_tool():
+    return SearchTool(BM25Index.build([Document("d1", "Paris", "Paris is the capital of France.")]), topk=1)
+
+
+def test_a_greedy_solver_generates_once_a_question_and_repeats_it_n_times():
+    from selfevo.agents.lm.agents import LMSolver
+
+    policy = StandInPolicy()
+    [trajs] = LMSolver(policy, "s", policy_name="p").answer(["Where?"], _paris_tool(), greedy=True, n=3, seed=4)
+    assert len(trajs) == 3 and {t.answer for t in trajs} == {"Paris"}
+    [call] = policy.generated
+    assert len(call["convs"]) == 1 and call["greedy"] and call["seed"] is None and call["name"] == "p"
+    # sampled: n rollouts a question, seeded (seed None samples as seed 0, reproducibly)
+    policy = StandInPolicy()
+    [trajs] = LMSolver(policy, "s", policy_name="p").answer(["Where?"], _paris_tool(), greedy=False, n=3)
+    [call] = policy.generated
+    assert len(trajs) == 3 and len(call["convs"]) == 3 and not call["greedy"]
+    assert call["seed"] == derive_seed(0, "turn", 0)
+
+
+def test_a_solver_refuses_contexts_that_do_not_line_up_and_truncates_each_to_doc_tokens():
+    from selfevo.agents.lm.agents import LMSolver
+
+    policy = StandInPolicy(doc_tokens=5)
+    solver = LMSolver(policy, "s", policy_name="p")
+    docs = [Document("d1", "Alpha", "Alpha is a river.")]
+    with pytest.raises(ValueError, match="one context per question"):
+        solver.answer(["a", "b"], _paris_tool(), contexts=docs)
+    solver.answer(["a"], _paris_tool(), contexts=docs)
+    user = policy.generated[0]["convs"][0][1]["content"]
+    assert user.startswith(f"<document>\n{docs[0].contents[:5]}\n</document>\n")
+
+
+def test_frozen_agents_refuse_to_train():
+    from selfevo.agents.lm.agents import LMProposer, LMSolver
+
+    policy = StandInPolicy()
+    with pytest.raises(RuntimeError, match="frozen snapshot"):
+        LMSolver(policy, "s@frozen", policy_name="x", frozen=True).update([])
+    proposer = LMProposer(policy, "proposer", [Document("d", "T", "Alpha.")], frozen=True)
+    with pytest.raises(RuntimeError, match="frozen snapshot"):
+        proposer.update([], [])
+    assert policy.updates == []
+    with pytest.raises(ValueError, match="at least one source document"):
+        LMProposer(policy, "proposer", [])
+
+
+def test_the_proposer_without_search_has_one_action_and_its_lineage_starts_at_its_source():
+    from selfevo.agents.lm.agents import LMProposer
+
+    doc = Document("d", "T", "Alpha is a river.")
+    policy = StandInPolicy(reply="<search> Paris </search>", proposer_search=False, max_actions=4)
+    [p] = LMProposer(policy, "proposer", [doc]).propose(1, _paris_tool(), seed=3)
+    assert len(policy.generated) == 1 and p.format_error == "no final question"
+    assert policy.generated[0]["seed"] == derive_seed(derive_seed(3, "proposer"), "turn", 0)
+    assert p.trace.read == [] and p.source_ids == ("d",)
+    # with search: the pages read follow the source, which comes first
+    policy = StandInPolicy(reply="<search> Paris </search>", max_actions=2)
+    [p] = LMProposer(policy, "proposer", [doc]).propose(1, _paris_tool(), seed=3)
+    assert p.source_ids == ("d", "d1")
+
+
+def test_the_proposer_trains_within_hop_buckets_without_its_final_answer_and_counts_the_malformed():
+    from selfevo.agents.lm.agents import LMProposer
+    from selfevo.algos import bucket_advantages
+
+    doc = Document("d", "T", "Alpha is a river.")
+    policy = StandInPolicy(reply="<question> Who? </question> <answer> Ann </answer>")
+    proposer = LMProposer(policy, "proposer", [doc])
+    proposals = proposer.propose(4, _paris_tool(), seed=1)
+    proposals[0] = dataclasses.replace(proposals[0], format_error="long answer")
+    rewards = [1.0, 0.0, 0.5, 0.25]
+    stats = proposer.update(proposals, rewards)
+    assert policy.encoded == [True] * 4
+    assert policy.updates == [("proposer", bucket_advantages(rewards, [p.hops for p in proposals]))]
+    assert stats["malformed"] == 1 and stats["reward"] == pytest.approx(0.4375)
+    # its frozen snapshot copies it
+    proposer.snapshot()
+    assert policy.new_calls[-1] == ("proposer@frozen", "proposer")

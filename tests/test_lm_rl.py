@@ -218,3 +218,152 @@ def test_the_gradient_raises_rewarded_tokens_and_lowers_punished_ones():
     assert g[0, 0, 1] < 0 and g[0, 1, 2] < 0
     assert g[1, 0, 1] > 0 and g[1, 1, 2] > 0
     assert torch.all(g[:, 2] == 0)  # the last position predicts nothing inside the sequence
+
+
+# ---------------------------------------------------------------- mutation sweep: protocol edges
+
+
+def test_cut_at_stop_cuts_at_the_earliest_stop_string():
+    # a local generation that ran past "</search>" into an answer keeps only the first action's text
+    assert P.cut_at_stop("<search> a </search> <answer> b </answer>") == "<search> a </search>"
+    assert P.cut_at_stop("<answer> b </answer> <search> a </search>") == "<answer> b </answer>"
+    assert P.cut_at_stop("no stop here") == "no stop here"
+    assert P.cut_at_stop("x</question> y", stops=("</question>",)) == "x</question>"
+
+
+def test_the_action_is_read_from_the_text_cut_at_its_first_stop_string():
+    # an answer whose text runs on to a closed search is the search: the first closing tag ends the action
+    assert P.parse_action("<answer> x <search> q </search> y </answer>") == P.Action("search", "q")
+    assert P.parse_action("<search> a <answer> b </answer> </search>") == P.Action("answer", "b")
+
+
+def test_close_action_closes_only_a_reply_stopped_at_a_stop_string():
+    for reason in ("length", "content_filter", "error"):
+        assert P.close_action("<answer> Paris", reason) == "<answer> Paris"
+
+
+def test_a_passage_of_exactly_max_words_is_not_marked_cut():
+    text = P.format_information([("T", "one two")], max_words=2)
+    assert text == "<information>Doc 1 (Title: T) one two</information>"
+    long = " ".join(["w"] * (P.PASSAGE_WORDS + 1))
+    assert P.format_information([("T", long)]).endswith(" ".join(["w"] * P.PASSAGE_WORDS) + " ...</information>")
+    assert P.PASSAGE_WORDS == 100
+
+
+def test_solver_messages_strip_the_question_and_put_the_document_first():
+    [system, user] = P.solver_messages("  Who wrote Hamlet?\n")
+    assert system["content"] == P.SOLVER_SYSTEM and user == {"role": "user", "content": "Question: Who wrote Hamlet?"}
+    [_, user] = P.solver_messages("Who?", context="Alpha is a river.")
+    assert user["content"] == "<document>\nAlpha is a river.\n</document>\nQuestion: Who?"
+    # a question that holds the prefix itself reads back whole, from a message list or rendered text
+    opening = P.solver_messages("Question: what is it?")
+    assert P.solver_question(opening) == "Question: what is it?"
+    assert P.solver_question("[system]...[user]Question: Question: what is it?") == "Question: what is it?"
+
+
+def test_the_proposers_action_edges():
+    # a search written after the question is no search, and an <answer> left open is no final turn
+    assert P.parse_proposer_action("<question> Who? </question> <search> x </search>").kind == "invalid"
+    assert P.parse_proposer_action("<question> Who? </question> <answer> Ann").kind == "invalid"
+    # the longest short answer passes; one word more is long
+    eight = "one two three four five six seven eight"
+    assert P.check_proposal("Who?", eight) is None
+    assert P.check_proposal("Who?", eight + " nine") == "long answer"
+    # a final turn without a question breaks the format rules; only no final turn at all is "no final question"
+    assert P.read_proposal("<answer> Ann </answer>") == ("", "Ann", "empty question")
+    assert P.read_proposal("")[2] == "no final question"
+
+
+# ---------------------------------------------------------------- mutation sweep: the rollout driver
+
+
+def test_run_rollouts_refuses_no_actions_and_a_short_reply_list(tool):
+    with pytest.raises(ValueError, match="max_actions must be >= 1, got 0"):
+        run_rollouts([P.solver_messages("q")], tool, lambda convs, s: [], max_actions=0)
+    with pytest.raises(RuntimeError, match="generate returned 1 replies for 2 conversations"):
+        run_rollouts([P.solver_messages("a"), P.solver_messages("b")], tool,
+                     lambda convs, s: [("<answer> x </answer>", "stop")])
+
+
+def test_each_turn_samples_with_a_seed_of_its_own(tool):
+    from selfevo.loop.schedule import derive_seed
+
+    seeds = []
+
+    def generate(convs, seed):
+        seeds.append(seed)
+        return [("<search> Nile </search>", "stop") if len(seeds) == 1 else ("<answer> Cairo </answer>", "stop")]
+
+    run_rollouts([P.solver_messages("q")], tool, generate, max_actions=3, seed=7)
+    assert seeds == [derive_seed(7, "turn", 0), derive_seed(7, "turn", 1)] and seeds[0] != seeds[1]
+    seeds.clear()
+    run_rollouts([P.solver_messages("q")], tool, generate, max_actions=3)
+    assert seeds == [None, None]
+
+
+def test_a_rollout_cut_once_stays_truncated_and_keeps_its_whole_final_action(tool):
+    replies = iter([("<think>long", "length"), ("<think>ok</think><answer> Paris </answer>", "stop")])
+    [ro] = run_rollouts([P.solver_messages("q")], tool, lambda convs, s: [next(replies)], max_actions=3)
+    assert ro.truncated and ro.invalid == 1 and ro.answer == "Paris"
+    assert ro.final == "<think>ok</think><answer> Paris </answer>" == ro.last_action
+    # an unanswered rollout's last action is the latest one it wrote
+    replies = iter([("<search> Nile </search>", "stop"), ("<search> Cairo </search>", "stop")])
+    [ro] = run_rollouts([P.solver_messages("q")], tool, lambda convs, s: [next(replies)], max_actions=2)
+    assert ro.final == "" and ro.last_action == "<search> Cairo </search>"
+
+
+# ---------------------------------------------------------------- mutation sweep: masks
+
+
+def test_content_spans_take_the_latest_occurrence_of_a_message():
+    # the action repeats the question word for word: its span is its own turn, not the user's
+    ms = [{"role": "system", "content": "S"}, {"role": "user", "content": "Paris"},
+          {"role": "assistant", "content": "Paris"}]
+    rendered = [chatml(ms[:i + 1]) for i in range(3)]
+    spans = content_spans(rendered, ms)
+    assert spans[2][0] == len(chatml(ms[:2])) + len("<|im_start|>assistant\n")
+    assert [rendered[-1][a:b] for a, b in spans] == ["S", "Paris", "Paris"]
+
+
+def test_only_the_last_assistant_messages_answer_is_cut_for_the_proposer():
+    ms = [{"role": "user", "content": "Q"}, {"role": "assistant", "content": "<answer> early </answer>"},
+          {"role": "user", "content": "note"},
+          {"role": "assistant", "content": "<question> W? </question> <answer> A </answer>"}]
+    rendered = [chatml(ms[:i + 1]) for i in range(len(ms))]
+    spans = trained_spans(ms, content_spans(rendered, ms), mask_final_answer=True)
+    assert [rendered[-1][a:b] for a, b in spans] == ["<answer> early </answer>", "<question> W? </question> "]
+
+
+def test_token_mask_trains_tokens_in_adjacent_and_unsorted_spans():
+    assert token_mask([(0, 1), (1, 2), (2, 3)], [(0, 1), (1, 2)]) == [1, 1, 0]
+    assert token_mask([(0, 2), (2, 4), (4, 6)], [(4, 6), (0, 2)]) == [1, 0, 1]
+
+
+def test_content_spans_refuse_a_message_found_only_inside_the_previous_one():
+    # a template that does not render assistant turns: "world" is found, but in the user's turn
+    def no_assistant(ms):
+        return "".join(f"<{m['role']}>{m['content'] if m['role'] == 'user' else ''}</s>" for m in ms)
+
+    ms = [{"role": "user", "content": "hello world"}, {"role": "assistant", "content": "world"}]
+    with pytest.raises(ValueError, match=r"message 1: content not found after the previous message"):
+        content_spans([no_assistant(ms[:i + 1]) for i in range(2)], ms)
+
+
+def test_the_proposers_final_answer_is_cut_across_lines():
+    ms = [*MESSAGES[:4], {"role": "assistant", "content": "<question> W? </question> <answer> Ann\nLee </answer>"}]
+    rendered = [chatml(ms[:i + 1]) for i in range(len(ms))]
+    spans = trained_spans(ms, content_spans(rendered, ms), mask_final_answer=True)
+    assert [rendered[-1][a:b] for a, b in spans] == ["<search> q </search>", "<question> W? </question> "]
+
+
+def test_a_scaffolded_question_the_backend_failed_is_not_continued():
+    calls = []
+
+    def gen(convs, seed, prefix=None, stops=()):
+        calls.append(list(prefix))
+        return [("", "error"), (prefix[1] + " Who?</question>", "stop")] if len(calls) == 1 else [
+            (prefix[0] + " Ann</answer>", "stop")]
+
+    out = P.scaffolded(gen)([[{"role": "user", "content": "doc"}]] * 2, 0)
+    assert calls[1] == ["<question> Who?</question> <answer>"]  # only the whole question goes on
+    assert out == [("", "error"), ("<question> Who?</question> <answer> Ann</answer>", "stop")]

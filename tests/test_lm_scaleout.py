@@ -574,3 +574,114 @@ def test_qwen_recipes_follow_the_paper_schedule(name):
     # a whole trajectory (five actions and their observations) fits the context the engine is sized for
     assert lm.max_prompt_tokens >= 4096 and lm.max_train_tokens >= lm.max_prompt_tokens
     assert max_lora_rank(lm.lora_r) == lm.lora_r
+
+
+# ---------------------------------------------------------------- mutation sweep: the workers' checks, without Ray
+
+
+def test_local_ray_auth_reads_the_mode_without_case_and_local_as_no_cluster(monkeypatch):
+    from selfevo.agents.lm.workers import check_local_ray_auth
+
+    monkeypatch.setenv("RAY_AUTH_MODE", "TOKEN")
+    check_local_ray_auth(None)  # Ray reads "TOKEN" as token: no complaint
+    monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
+    with pytest.raises(ValueError, match="RAY_AUTH_MODE='disabled'"):
+        check_local_ray_auth("local")  # "local" starts one here, as no address does
+    check_local_ray_auth("10.0.0.1:6379")  # a cluster's own business
+
+
+def test_a_ray_address_is_probed_as_host_and_port_only(monkeypatch):
+    import socket
+
+    from selfevo.agents.lm.workers import check_ray_address
+
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+        port = server.getsockname()[1]
+        for address in (f"127.0.0.1:{port}", f"ray://127.0.0.1:{port}/", f"[127.0.0.1]:{port}"):
+            check_ray_address(address)  # something answers there
+    for address in (None, "auto", "127.0.0.1:abc", "127.0.0.1"):
+        check_ray_address(address)  # left to Ray
+    with pytest.raises(ValueError, match=rf"^RAY_ADDRESS=ray://127.0.0.1:{port}: nothing answers at 127.0.0.1:{port}"):
+        check_ray_address(f"ray://127.0.0.1:{port}", timeout=1.0)
+
+
+def test_task_gpus_asks_for_a_gpu_on_cuda_or_where_auto_finds_one_a_task():
+    from selfevo.agents.lm.workers import task_gpus
+
+    assert task_gpus("cuda", 0) == task_gpus("cuda:1", 0) == 1
+    assert task_gpus("auto", 2, tasks=2) == 1 and task_gpus("auto", 1, tasks=2) == 0
+    assert task_gpus("cpu", 8, tasks=2) == 0
+
+
+def test_workers_too_many_for_the_cluster_are_refused_before_any_actor(monkeypatch):
+    ray = pytest.importorskip("ray")
+    from selfevo.agents.lm.workers import RolloutWorkers
+
+    monkeypatch.setattr(ray, "is_initialized", lambda: True)
+    monkeypatch.setattr(ray, "cluster_resources", lambda: {"CPU": 1.0})
+
+    def no_actor(**kw):
+        raise AssertionError("no actor may be made")
+
+    monkeypatch.setattr(ray, "remote", no_actor)
+    with pytest.raises(ValueError, match=r"^workers: 2 rollout workers need 2 CPUs; the Ray cluster has 1 CPUs"):
+        RolloutWorkers(LMConfig(device="cpu"), 2)
+
+
+class _Actor:
+    """A stand-in for a rollout actor: `answer.remote(...)` records its shard and answers it."""
+
+    def __init__(self, calls):
+        self.calls = calls
+        self.answer = types.SimpleNamespace(remote=self._answer)
+
+    def _answer(self, source, topk, max_calls, policy_name, questions, greedy, n, seed, contexts):
+        self.calls.append((questions, seed, contexts))
+        return [[f"{q}@{seed}"] for q in questions]
+
+
+def _stand_in_workers(n_actors, calls):
+    from selfevo.agents.lm.workers import RolloutWorkers
+
+    workers = object.__new__(RolloutWorkers)  # no Ray: the sharding over stand-in actors
+    workers.policy_name, workers.retriever_url, workers.corpus, workers._corpus_sha = None, None, None, None
+    workers._actors = [_Actor(calls) for _ in range(n_actors)]
+    workers._source = lambda tool: ("url", "http://x")
+    workers._get = lambda refs: list(refs)
+    return workers
+
+
+def test_workers_shard_the_questions_in_order_each_shard_seeded_apart():
+    from selfevo.records import Document
+
+    calls = []
+    workers = _stand_in_workers(2, calls)
+    tool = types.SimpleNamespace(topk=1, max_calls=2)
+    got = workers.answer(["a", "b", "c"], tool, greedy=False, n=2, seed=5)
+    s0, s1 = derive_seed(5, "shard", 0), derive_seed(5, "shard", 1)
+    assert got == [[f"a@{s0}"], [f"b@{s0}"], [f"c@{s1}"]]
+    assert [(q, c) for q, _, c in calls] == [(["a", "b"], None), (["c"], None)]
+    calls.clear()
+    assert workers.answer(["a", "b"], tool, greedy=True) == [["a@None"], ["b@None"]]  # greedy: no seed
+    with pytest.raises(ValueError, match="one context per question"):
+        workers.answer(["a", "b"], tool, contexts=[Document("d", "T", "x")])
+    assert workers.answer([], tool) == []
+
+
+def test_workers_search_where_the_caller_does(tmp_path):
+    from selfevo.agents.lm.workers import RolloutWorkers
+    from selfevo.records import Document
+    from selfevo.search.bm25 import BM25Index
+    from selfevo.search.tool import SearchTool
+
+    workers = object.__new__(RolloutWorkers)
+    workers.retriever_url, workers.corpus, workers._corpus_sha = "http://h:8/retrieve/", None, None
+    tool = SearchTool(BM25Index.build([Document("d", "T", "x")]), topk=1)
+    assert workers._source(tool) == ("url", "http://h:8")
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text('{"id": "d", "title": "T", "text": "other"}\n')
+    workers.retriever_url, workers.corpus = None, str(corpus)
+    with pytest.raises(ValueError, match="is not the corpus the tool's BM25 index was built from"):
+        workers._source(tool)
