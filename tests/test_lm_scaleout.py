@@ -685,3 +685,47 @@ def test_workers_search_where_the_caller_does(tmp_path):
     workers.retriever_url, workers.corpus = None, str(corpus)
     with pytest.raises(ValueError, match="is not the corpus the tool's BM25 index was built from"):
         workers._source(tool)
+
+
+def test_start_ray_keeps_the_commands_sigterm_handler_and_exits_143_for_a_sigterm_while_starting(monkeypatch):
+    import signal
+
+    ray = pytest.importorskip("ray")
+    from selfevo.agents.lm.workers import start_ray
+
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    monkeypatch.delenv("RAY_AUTH_MODE", raising=False)
+    shut = []
+    monkeypatch.setattr(ray, "shutdown", lambda: shut.append(True))
+
+    def ours(signum, frame):  # the command's handler, which Ray's driver would replace
+        pass
+
+    def init_replacing_the_handler(**kw):
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+    previous = signal.signal(signal.SIGTERM, ours)
+    try:
+        monkeypatch.setattr(ray, "init", init_replacing_the_handler)
+        start_ray()
+        assert signal.getsignal(signal.SIGTERM) is ours and not shut
+
+        def init_stopped_by_sigterm(**kw):
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            raise SystemExit(signal.SIGTERM)  # what Ray's handler does with a SIGTERM during the call
+
+        monkeypatch.setattr(ray, "init", init_stopped_by_sigterm)
+        with pytest.raises(SystemExit) as stopped:
+            start_ray()
+        assert stopped.value.code == 128 + signal.SIGTERM and shut == [True]
+        assert signal.getsignal(signal.SIGTERM) is ours
+
+        def init_exiting_otherwise(**kw):
+            raise SystemExit(3)
+
+        monkeypatch.setattr(ray, "init", init_exiting_otherwise)
+        with pytest.raises(SystemExit) as other:
+            start_ray()
+        assert other.value.code == 3 and shut == [True]
+    finally:
+        signal.signal(signal.SIGTERM, previous)
