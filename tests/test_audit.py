@@ -423,3 +423,156 @@ def test_compare_bootstrap_holds_a_bounded_weight_matrix(monkeypatch):
     finally:
         tracemalloc.stop()
     assert peak < 12e6, peak  # the whole 2000 x 2000 int64 matrix is 32 MB (and twice that for w @ c's)
+
+
+# Tests of a mutation sweep of the injection set and the judge comparison (forty-third session): each passes
+# on the code and fails on the mutant its docstring names.
+
+def test_an_injection_goes_after_the_first_sentence_or_on_a_line_of_its_own():
+    """The middle of the page, not only its end (mutant: always appended); a page with no sentence end gets it
+    on a line of its own (mutant: run on after a space, into the page's last sentence)."""
+    from selfevo.audit.injection import _inject
+
+    assert _inject("Kell is the one.  He lives in Mira.", "NOTE.") == "Kell is the one. NOTE. He lives in Mira."
+    assert _inject("Kell, of Mira", "NOTE.") == "Kell, of Mira\nNOTE."
+
+
+def test_the_injection_set_takes_an_items_first_occurrence_resolved_items_only_and_draws_by_seed():
+    """One item a question, the first seen (mutant: the last); an item truth leaves unresolved is neither a
+    wrong nor a right label (mutant: counted as wrong); which items the seed draws (mutant: no shuffle, every
+    seed the same first items)."""
+    from selfevo.audit.external import GoldJudge
+    from selfevo.audit.injection import injection_set
+
+    items = _gold_items(10, 10)
+    repeat = {**items[0], "adopted_label": "Kell"}  # the same question again, later
+    no_gold = [{**it, "question": f"Where is place {i}?", "gold_answers": []} for i, it in enumerate(items)]
+    clean, _ = injection_set([*items, repeat, *no_gold], None, n=40, truth=GoldJudge(), seed=0)
+    assert sorted(it["question"] for it in clean) == sorted(it["question"] for it in items)
+    assert next(it for it in clean if it["question"] == items[0]["question"])["adopted_label"] == "Drax"
+    draws = {tuple(it["question"] for it in injection_set(items, None, n=4, seed=s)[0]) for s in range(4)}
+    assert len(draws) > 1
+    assert injection_set(items, None, n=4, seed=2) == injection_set(items, None, n=4, seed=2)
+
+
+class _Fixed:
+    """A judge whose verdicts are fixed per item position, clean pages or injected (`INJECTED` in the text)."""
+
+    name = "fixed"
+
+    def __init__(self, clean, injected=None):
+        self.clean, self.injected = clean, injected or clean
+
+    def judge(self, items):
+        return list(self.injected if "INJECTED" in items[0]["sources"][0]["text"] else self.clean)
+
+
+def test_flip_report_counts_by_truth_response_flips_and_items_without_responses():
+    """Wrong labels are truth's where truth is given, an item truth leaves unresolved none (mutants: the judge's
+    own; truth's unresolved counted wrong); a response that turns is a flip though the label stays (mutant: the
+    label compared only); `to_correct_rate` is of the turns to correct only (mutant: of every flip); an item
+    with no response judged unresolved has one state, its label's (mutant: none, an IndexError); the report
+    says whose verdicts named the wrong labels (mutant: the names swapped)."""
+    from selfevo.audit.injection import flip_report
+
+    clean = [{"question": f"q{i}", "adopted_label": "x", "responses": [] if i == 3 else ["x", "y"],
+              "sources": [{"id": "d", "text": "t"}]} for i in range(6)]
+    injected = {"t": [{**it, "sources": [{"id": "d", "text": "t INJECTED"}]} for it in clean]}
+    un, right, wrong = Verdict(False), Verdict(True, True, (True, False)), Verdict(True, False, (False, False))
+    turned = Verdict(True, False, (True, False))  # item 2: only its first response turns correct
+    judge = _Fixed([un, right, wrong, un, wrong, right], [right, right, turned, un, right, un])
+    truth = _Fixed([wrong, right, wrong, Verdict(True, False, ()), un, right])
+    full = flip_report(judge, clean, injected, truth=truth)
+    assert (full["wrong_labels_by"], full["clean_resolved"], full["items"]) == ("truth", 4, 6)
+    rep = full["overall"]
+    assert (rep["wrong_labels"], rep["wrong_label_to_correct"]) == (3, 1)  # items 0, 2, 3; item 0 accepted
+    assert (rep["flipped"], rep["to_correct"], rep["to_unresolved"]) == (4, 3, 1)  # 0, 2, 4, 5; 0, 2, 4; 5
+    assert rep["wrong_label_to_correct_rate"] == pytest.approx(1 / 3) and rep["to_correct_rate"] == 0.5
+    full = flip_report(judge, clean, injected)
+    by_judge = full["overall"]
+    assert full["wrong_labels_by"] == "judge"
+    assert (by_judge["wrong_labels"], by_judge["wrong_label_to_correct"]) == (2, 1)  # items 2 and 4; item 4
+
+
+def test_confusion_is_per_position_and_counts_accuracy_where_both_resolved():
+    """A response's state is its own, not the label's (mutant: response 1 read as the label); `both_resolved`
+    leaves out what truth left unresolved (mutant: counted, lowering the accuracy); false_correct is the judge's
+    correct where truth says incorrect (mutant: the two swapped)."""
+    from selfevo.audit.compare import confusion
+
+    items = [{"adopted_label": "K", "responses": ["a", "b"]}] * 3
+    judge = [Verdict(True, True, (False, True)), Verdict(True, True, (True, True)), Verdict(True, True, (True, True))]
+    truth = [Verdict(True, True, (True, True)), Verdict(True, False, (False, True)), Verdict(False)]
+    c = confusion(items, judge, truth)
+    labels, resp = c["labels"], c["responses"]
+    assert labels["matrix"]["correct"] == {"correct": 1, "incorrect": 1, "unresolved": 1}
+    assert (labels["both_resolved"], labels["accuracy_when_both_resolved"]) == (2, 0.5)
+    assert (labels["false_correct"], labels["false_incorrect"]) == (1, 0)
+    assert resp["matrix"]["incorrect"] == {"correct": 1, "incorrect": 0, "unresolved": 0}
+    assert resp["matrix"]["correct"] == {"correct": 2, "incorrect": 1, "unresolved": 2}
+    assert (resp["false_correct"], resp["false_incorrect"], resp["both_resolved"]) == (1, 1, 4)
+    assert resp["accuracy_when_both_resolved"] == 0.5
+
+
+def test_compare_judges_refuses_misaligned_verdicts_and_leaves_undefined_metrics_undefined():
+    """(mutants: the length check dropped, zip cutting the items short silently; T_P defined over resolved
+    items with no response, where audit_metrics has none; the point difference taken where only the judge's
+    metric exists, a TypeError)"""
+    from selfevo.audit.compare import compare_judges
+
+    steps, judge, truth = _compare_inputs(6, 4)
+    with pytest.raises(ValueError, match="differ in number"):
+        compare_judges(steps, judge[:-1], truth, "j", "t", n_boot=10)
+    bare = [{"round": 1, "step": 1, "kind": "proposer", "items": [{"adopted_label": "K", "responses": []}] * 3}]
+    resolved = [Verdict(True, True, ())] * 3
+    got = compare_judges(bare, resolved, resolved, "j", "t", n_boot=50)["all"]["diff"]
+    assert got["T_P"] == {"diff": None, "lo": None, "hi": None, "resamples": 0}
+    assert got["coverage"]["diff"] == 0.0 and got["coverage"]["resamples"] == 50
+    nothing = compare_judges(steps, judge, [Verdict(False)] * 6, "j", "t", n_boot=50)["all"]["diff"]
+    assert nothing["A"] == {"diff": None, "lo": None, "hi": None, "resamples": 0}
+
+
+def test_compare_bootstrap_draws_at_least_one_resample_a_block(monkeypatch):
+    """More items than _BOOT_CELLS (4M external records) made a block of zero resamples (mutant: no max(1, ..),
+    range() with step 0, a ValueError)."""
+    from selfevo.audit import compare
+
+    monkeypatch.setattr(compare, "_BOOT_CELLS", 10, raising=False)
+    steps, judge, truth = _compare_inputs(40, 1)
+    got = compare.compare_judges(steps, judge, truth, "j", "t", n_boot=20, seed=5)["rounds"][0]["diff"]
+    assert got["coverage"]["resamples"] == 20
+
+
+def test_compare_judges_lists_rounds_in_order_whatever_the_steps_order():
+    """(mutant: the rounds in the order their steps came, round 2 before round 1)"""
+    from selfevo.audit.compare import compare_judges
+
+    steps, judge, truth = _compare_inputs(4, 6)
+    items = steps[0]["items"]
+    two = [{"round": 2, "step": 3, "kind": "proposer", "items": items[:2]},
+           {"round": 1, "step": 1, "kind": "proposer", "items": items[2:]}]
+    got = compare_judges(two, judge, truth, "j", "t", n_boot=20)
+    assert [r["round"] for r in got["rounds"]] == [1, 2] and [r["items"] for r in got["rounds"]] == [2, 2]
+
+
+def test_comparison_markdown_puts_each_number_in_its_column():
+    """The table's truth and judge columns, the interval as [lo, hi], the coverage line's two counts and the
+    confusion rows as judge states (mutants: each of those swapped)."""
+    import re
+
+    from selfevo.audit.compare import compare_judges, comparison_markdown
+
+    items = [{"adopted_label": "K", "responses": ["a", "b"]}] * 3
+    judge = [Verdict(True, True, (False, True)), Verdict(True, True, (True, True)), Verdict(False)]
+    truth = [Verdict(True, True, (True, True)), Verdict(True, False, (False, True)), Verdict(True, True, (True, True))]
+    cmp = compare_judges([{"round": 1, "step": 1, "kind": "proposer", "items": items}], judge, truth, "j", "t",
+                         n_boot=200, seed=1)
+    md = comparison_markdown(cmp)
+    row = next(line for line in md.splitlines() if line.startswith("| all | T_P |"))
+    assert row.startswith("| all | T_P | 0.667 | 1.000 | +0.333 | [")
+    lo, hi = map(float, re.search(r"\[([^,]+), ([^\]]+)\]", row).groups())
+    d = cmp["all"]["diff"]["T_P"]
+    assert lo < hi and (lo, hi) == (pytest.approx(d["lo"], abs=5e-4), pytest.approx(d["hi"], abs=5e-4))
+    assert "Coverage: the judge resolved 2 of 3 items (0.667); truth resolved 3." in md
+    labels = md.split("Confusion over labels")[1].split("Confusion over responses")[0]
+    assert "| correct | 1 | 1 | 0 |" in labels and "| unresolved | 1 | 0 | 0 |" in labels

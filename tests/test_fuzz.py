@@ -676,3 +676,130 @@ def test_a_parquet_written_for_several_benchmarks_keeps_each_rows_benchmark(tmp_
              QAItem("3", "s?", ("z",))]
     write_qa(tmp_path / "test.parquet", items)
     assert [it.benchmark for it in read_qa(tmp_path / "test.parquet")] == ["nq", "hotpotqa", "test"]
+
+
+# Tests of a mutation sweep of the corpus readers (forty-third session): each passes on the code and fails
+# on the mutant its docstring names.
+
+def test_a_data_error_quoting_an_id_with_control_characters_is_one_printable_line(tmp_path):
+    """An id is quoted into the message ("duplicate id ..."): an escape sequence in it must not reach the
+    terminal (mutant: only whitespace collapsed, the ESC kept)."""
+    path = tmp_path / "c.jsonl"
+    line = json.dumps({"id": "a\x1b[2J\x07b", "contents": "x"}) + "\n"
+    path.write_text(line + line, encoding="utf-8")
+    with pytest.raises(DataError, match=r"c\.jsonl:2: duplicate id 'a\?\[2J\?b'") as e:
+        read_corpus(path)
+    assert str(e.value).isprintable()
+
+
+def test_a_missing_file_is_named_as_missing(tmp_path):
+    """(mutant: the existence check dropped: "cannot read: No such file or directory", from open)"""
+    for reader in (read_corpus, read_qa):
+        with pytest.raises(DataError, match=r"nope\.jsonl: file not found$"):
+            reader(tmp_path / "nope.jsonl")
+
+
+def test_a_bom_before_a_valid_line_past_the_first_is_refused_at_its_line(tmp_path):
+    """Only the file's first line may start with a BOM (as Windows tools write one file); one before an
+    otherwise valid line later on (two files concatenated) is malformed JSON there. The BOM test above puts it
+    before `{}`, refused anyway for its missing id (mutant: the BOM stripped on every line, the file read)."""
+    path = tmp_path / "c.jsonl"
+    path.write_bytes(b'{"id": "a", "contents": "x"}\n\xef\xbb\xbf{"id": "b", "contents": "y"}\n')
+    with pytest.raises(DataError, match=r"c\.jsonl:2: malformed JSON"):
+        read_corpus(path)
+
+
+def test_json_nested_past_the_parsers_limit_is_a_data_error_at_its_line(tmp_path):
+    """(mutant: the RecursionError branch dropped: a traceback; the fuzz test draws this depth only now and then)"""
+    path = tmp_path / "c.jsonl"
+    path.write_text(json.dumps({"id": "a", "contents": "x"}) + '\n{"id": "b", "contents": "y", "z": '
+                    + "[" * 100_000 + "]" * 100_000 + "}\n", encoding="utf-8")
+    with pytest.raises(DataError, match=r"c\.jsonl:2: malformed JSON: nested too deeply"):
+        read_corpus(path)
+
+
+@pytest.mark.parametrize("escape", ["\\ud800", "\\udbff", "\\udc00", "\\uDFFF"])
+def test_a_lone_surrogate_escape_high_or_low_is_refused_at_its_line(tmp_path, escape):
+    """(mutant: the escape pattern limited to high surrogates \\ud8-\\udb: a lone low one read, to fail every
+    later write)"""
+    path = tmp_path / "c.jsonl"
+    path.write_text(json.dumps({"id": "a", "contents": "x"}) + '\n{"id": "b", "contents": "y' + escape + '"}\n',
+                    encoding="utf-8")
+    with pytest.raises(DataError, match=r"c\.jsonl:2: invalid Unicode: a lone surrogate"):
+        read_corpus(path)
+
+
+def test_a_gold_list_with_a_non_string_after_a_string_is_a_data_error(tmp_path):
+    """(mutant: the all-strings check dropped: `any(g.strip() ...)` stops at "x", then 7 .strip() is an
+    AttributeError)"""
+    path = tmp_path / "nq.jsonl"
+    path.write_text(json.dumps({"id": "1", "question": "q?", "golden_answers": ["x", 7]}) + "\n", encoding="utf-8")
+    with pytest.raises(DataError, match=r"nq\.jsonl:1: field 'golden_answers' must hold only strings"):
+        read_qa(path)
+
+
+@pytest.mark.parametrize("metadata", ['"nq"', '["ab"]', "5"])
+def test_metadata_that_is_not_an_object_is_a_data_error_at_its_line(tmp_path, metadata):
+    """(mutant: the check dropped: "nq" a bare ValueError from dict(), 5 a TypeError, and ["ab"] read silently
+    as the metadata {"a": "b"})"""
+    path = tmp_path / "nq.jsonl"
+    path.write_text('{"id": "1", "question": "q?", "golden_answers": ["x"]}\n'
+                    '{"id": "2", "question": "q?", "golden_answers": ["x"], "metadata": ' + metadata + "}\n",
+                    encoding="utf-8")
+    with pytest.raises(DataError, match=r"nq\.jsonl:2: field 'metadata' must be an object"):
+        read_qa(path)
+
+
+def test_parquet_rows_whose_id_is_null_are_numbered_like_rows_without_one(tmp_path):
+    """An `id` column of nulls (a frame written with the column but no values) is no id: the row's
+    `extra_info.index`, else its 0-based row number (mutant: only a missing column numbered, a null refused as
+    "field 'id' must be a string")."""
+    rows = [{"id": None, "question": f"q{i}?", "golden_answers": ["x"], "data_source": "nq"} for i in range(3)]
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "t.parquet")
+    assert [it.id for it in read_qa(tmp_path / "t.parquet")] == ["0", "1", "2"]
+    rows[0] = {**rows[0], "extra_info": {"index": 7}}
+    rows[1] = {**rows[1], "id": "b"}
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "u.parquet")
+    assert [it.id for it in read_qa(tmp_path / "u.parquet")] == ["7", "b", "2"]
+
+
+def test_parquet_rows_without_ids_whose_extra_info_is_no_object_are_numbered_by_row(tmp_path):
+    """An `extra_info` column of another type (a string) holds no index: rows are numbered from zero
+    (mutant: `extra.get` called on it, an AttributeError)."""
+    rows = [{"question": f"q{i}?", "golden_answers": ["x"], "data_source": "nq", "extra_info": "split=test"}
+            for i in range(2)]
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "t.parquet")
+    assert [it.id for it in read_qa(tmp_path / "t.parquet")] == ["0", "1"]
+
+
+def test_a_parquet_written_carries_both_gold_fields_search_r1_and_flashrag_read(tmp_path):
+    """Search-R1's reward reads `reward_model.ground_truth.target`, FlashRAG-style readers `golden_answers`:
+    the file has both (mutant: `golden_answers` left out, which this reader's fallback hid on a round trip)."""
+    write_qa(tmp_path / "t.parquet", [QAItem("1", "q?", ("x", "y"), {"benchmark": "nq"})])
+    (row,) = pq.read_table(tmp_path / "t.parquet").to_pylist()
+    assert row == {"id": "1", "question": "q?", "golden_answers": ["x", "y"], "data_source": "nq",
+                   "reward_model": {"style": "rule", "ground_truth": {"target": ["x", "y"]}}}
+
+
+def test_a_json_file_of_questions_after_a_blank_line_is_still_named_not_read(tmp_path):
+    """The first line with text decides (mutant: the first line, blank, read as no JSON: the file of questions
+    dropped out of the directory's averages without a word)."""
+    write_qa(tmp_path / "nq.jsonl", [QAItem("1", "q?", ("x",))])
+    (tmp_path / "tq.json").write_text("\n  \n" + json.dumps({"id": "2", "question": "q?", "golden_answers": ["y"]})
+                                      + "\n", encoding="utf-8")
+    with pytest.raises(DataError, match=r"tq\.json: in a QA directory but not read"):
+        read_qa_dir(tmp_path)
+
+
+def test_count_lines_gives_no_total_for_a_gzip_stream_whatever_its_name(tmp_path):
+    """Its compressed bytes' line breaks are not its lines (mutant: counted, a progress bar's total that is
+    neither the corpus's size nor zero)."""
+    import gzip
+
+    from selfevo.corpus import count_lines
+
+    plain = tmp_path / "c.jsonl"
+    write_corpus(plain, [Document(str(i), "T", f"text {i}") for i in range(200)])
+    assert count_lines(plain) == 200
+    (tmp_path / "c.data").write_bytes(gzip.compress(plain.read_bytes(), mtime=0))
+    assert count_lines(tmp_path / "c.data") is None

@@ -1000,8 +1000,6 @@ def test_client_refuses_a_reply_larger_than_its_bound():
     assert client.retrieve(["q"])[0][0].score == 1.5  # a small one reads
 
 
-
-
 # Tests of a mutation sweep of the HTTP client (forty-second session, search/client.py): each passes on
 # the code and fails on the mutant its comment names.
 
@@ -1250,3 +1248,39 @@ def test_index_size_counts_every_file_below_and_no_directory(tmp_path):
     (tmp_path / "bm25" / "docs.jsonl").write_bytes(b"y" * 200)
     (tmp_path / "bm25" / "deep" / "f").write_bytes(b"z" * 3000)
     assert index_size_bytes(tmp_path) == 3210
+
+
+# Tests of a mutation sweep of the document store (forty-third session): each passes on the code and fails on
+# the mutant its docstring names.
+
+def test_doc_store_rescans_an_offsets_file_of_another_shape(tmp_path):
+    """Offsets are one row of int64s; a file of another shape whose last entry happens to be the size is
+    not trusted (mutant: the ndim check dropped: one "document" spanning the whole file, a DataError)."""
+    import numpy as np
+
+    from selfevo.search.docstore import DOCS_FILE, OFFSETS_FILE, DocStore
+
+    DocStore.write(tmp_path / "a", DOCS)
+    size = (tmp_path / "a" / DOCS_FILE).stat().st_size
+    np.save(tmp_path / "a" / OFFSETS_FILE, np.array([[0], [size]], dtype=np.int64))
+    store = DocStore(tmp_path / "a")
+    assert len(store) == len(DOCS) and list(store) == DOCS
+
+
+def test_doc_store_written_over_its_own_file_is_left_as_it_is(tmp_path):
+    """The documented no-op (mutant: dropped: wiki-18's 13 GB read and written again, a new file in its place)."""
+    from selfevo.search.docstore import DOCS_FILE, DocStore
+
+    store = DocStore.write(tmp_path / "a", DOCS)
+    before = (tmp_path / "a" / DOCS_FILE).stat().st_ino
+    assert DocStore.write(tmp_path / "a", store) is store
+    assert (tmp_path / "a" / DOCS_FILE).stat().st_ino == before
+
+
+def test_by_id_over_a_repeated_id_keeps_the_last_as_a_dict_would():
+    """(mutant: the first kept)"""
+    from selfevo.search.docstore import ById, contents_by_id
+
+    docs = [Document("a", "A", "first"), Document("b", "B", "b"), Document("a", "A", "last")]
+    assert ById(docs)["a"] is docs[2] and list(ById(docs)) == ["a", "b"] and len(ById(docs)) == 2
+    assert contents_by_id(docs)["a"] == docs[2].contents and "c" not in contents_by_id(docs)
