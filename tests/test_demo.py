@@ -305,3 +305,105 @@ def test_the_headline_prints_names_from_run_files_as_text_not_markup():
     headline(res, Console(file=captured, width=200, color_system=None))
     out = captured.getvalue()
     assert "runs under [bold]x[/bold] read" in out
+
+
+def test_a_demo_stopped_before_its_report_leaves_no_record_of_an_earlier_plan(tmp_path, monkeypatch):
+    """(held by no test before a mutation sweep) The earlier demo's demo.json no longer describes --out
+    once this plan writes there: stopped before its own record, the demo leaves none, and `selfevo report`
+    takes every run below --out instead of the earlier plan's only."""
+    from io import StringIO
+
+    from rich.console import Console
+
+    import selfevo.demo
+    from selfevo.report.build import DEMO_RECORD
+
+    out = tmp_path / "demo"
+    out.mkdir()
+    (out / DEMO_RECORD).write_text("{}")
+
+    def run_grid(*args, **kwargs):
+        raise KeyboardInterrupt  # Ctrl-C while the jobs run
+
+    monkeypatch.setattr(selfevo.demo, "run_grid", run_grid)
+    with pytest.raises(KeyboardInterrupt):
+        selfevo.demo.run_demo(_quick(), out, console=Console(file=StringIO()), workers=1)
+    assert not (out / DEMO_RECORD).exists()
+
+
+def test_the_replay_bank_is_built_from_the_first_seeds_coupled_run(tmp_path, monkeypatch):
+    """(held by no test before a mutation sweep: the demos tried have one seed) The bank is one run's
+    questions, as the paper's are: the coupled run of the lowest seed, whatever order the jobs finish in."""
+    from io import StringIO
+    from pathlib import Path
+
+    from rich.console import Console
+
+    import selfevo.demo
+    import selfevo.replay
+
+    class Built(BaseException):  # past the demo's handlers: the test ends at the bank
+        pass
+
+    def run_grid(jobs, *args, **kwargs):  # every job done, the last seed's first
+        for job in jobs:
+            Path(job.out).mkdir(parents=True)
+            Path(job.out, "manifest.json").write_text('{"status": "complete"}')
+        return [{"job": j.name, "status": "ok", "run": j.out} for j in reversed(jobs)]
+
+    def build_bank(sources, *args, **kwargs):
+        raise Built(sources)
+
+    monkeypatch.setattr(selfevo.demo, "run_grid", run_grid)
+    monkeypatch.setattr(selfevo.replay, "build_bank", build_bank)
+    out = tmp_path / "demo"
+    with pytest.raises(Built) as built:
+        selfevo.demo.run_demo(_quick(seeds=3, replay_conditions=("coupled",)), out, console=Console(file=StringIO()))
+    assert built.value.args == ([str(out / "runs" / "coupled-s0")],)
+
+
+def test_the_headline_shows_the_last_audit_round_and_the_downstream_averages_only(monkeypatch):
+    """(held by no test before a mutation sweep) In the terminal, the audit table keeps its last round
+    (compared as a number: round 10 after round 2) and the downstream table its name and last four
+    columns; the per-benchmark columns live in the report."""
+    import io
+
+    from rich.console import Console
+
+    import selfevo.report.render
+    from selfevo.demo import headline
+
+    made = {"Downstream Cover-EM": (["treatment", "bench-a", "bench-b", "col-1", "col-2", "col-3", "col-4"],
+                                    [["coupled", "0.1", "0.2", "v-1", "v-2", "v-3", "v-4"]]),
+            "Audit by round": (["treatment", "round", "F"],
+                               [["coupled", "1", "f-one"], ["coupled", "2", "f-two"], ["coupled", "10", "f-ten"]])}
+    monkeypatch.setattr(selfevo.report.render, "tables", lambda res: made)
+    captured = io.StringIO()
+    headline({"readings": []}, Console(file=captured, width=200, color_system=None))
+    out = captured.getvalue()
+    assert "Audit, last round" in out and "f-ten" in out and "f-one" not in out and "f-two" not in out
+    assert "bench-a" not in out and "0.2" not in out
+    assert all(f"{x}-{i}" in out for x in ("col", "v") for i in range(1, 5))
+
+
+def test_a_demo_given_a_relative_out_gives_its_jobs_absolute_run_directories(tmp_path, monkeypatch):
+    """(held by no test before a mutation sweep) A Ray worker runs elsewhere (on a cluster, wherever
+    `ray start` ran): the jobs, and the runs the report and demo.json name, get --out as an absolute path."""
+    from io import StringIO
+
+    from rich.console import Console
+
+    import selfevo.demo
+
+    monkeypatch.chdir(tmp_path)
+    seen = []
+
+    def run_grid(jobs, *args, **kwargs):
+        seen.extend(jobs)
+        raise KeyboardInterrupt  # the jobs are all this test needs
+
+    monkeypatch.setattr(selfevo.demo, "run_grid", run_grid)
+    with pytest.raises(KeyboardInterrupt):
+        selfevo.demo.run_demo(_quick(), "demo", console=Console(file=StringIO()), workers=1)
+    runs = tmp_path.resolve() / "demo" / "runs"
+    assert [j.out for j in seen] == [str(runs / "coupled-s0"), str(runs / "crossfit-s0")]

@@ -293,3 +293,37 @@ def test_a_failed_job_finished_since_says_how_to_take_it_in(runs, tmp_path):
     (why,) = [x["why"] for x in build_report(root)["excluded"]]
     assert why == ("the job failed: MemoryError; its run directory holds a complete run now: the same "
                    "`selfevo demo` again reports it")
+
+
+def test_an_empty_demo_world_is_refused_even_beside_a_world_json(tmp_path, monkeypatch):
+    """(held by no test before a mutation sweep) An empty world is no path: run from a world directory,
+    "" named the current directory's world.json (and a run directory from elsewhere, another world)."""
+    (tmp_path / "world.json").write_text("{}")
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ConfigError, match=r"^demo.world: expected small, default or a world directory, got ''$"):
+        selfevo.demo.DemoPlan(world="")
+    with pytest.raises(ConfigError, match=r"^--world: expected small, default or a world directory, got ''$"):
+        load_plan(world="")
+
+
+def test_run_tables_that_fit_coupled_but_not_another_treatment_are_refused_before_anything_runs(tmp_path, no_run):
+    """(held by no test before a mutation sweep) The run tables are checked with every treatment of the
+    plan, not only coupled's: a crossfit with more folds than source documents failed each of its jobs."""
+    cfg = tmp_path / "demo.toml"
+    cfg.write_text('[demo]\ntreatments = ["coupled", "crossfit"]\n[loop]\nsource_docs = 1\n')
+    result = _demo(tmp_path, "--config", str(cfg))
+    assert result.exit_code == 2, result.output
+    assert _one_line(result.output).startswith(f"error: {cfg}: treatment: 'crossfit' asks for 2 source folds")
+    with pytest.raises(ConfigError, match=f"^{re.escape(str(cfg))}: treatment: 'crossfit' asks for 2 source"):
+        load_plan(cfg)
+
+
+def test_a_run_table_given_as_a_value_is_named_not_a_traceback(tmp_path, no_run):
+    """(held by no test before a mutation sweep) `world = 3` at the top of a demo config (meant for
+    demo.world) is named as the table it is not; the check of what the demo sets itself must not look inside it
+    as one (a TypeError, exit 1)."""
+    cfg = tmp_path / "demo.toml"
+    cfg.write_text("world = 3\n")
+    result = _demo(tmp_path, "--config", str(cfg))
+    assert result.exit_code == 2, result.output  # 1 would be a traceback
+    assert _one_line(result.output) == f"error: {cfg}: world: expected a table, got int"

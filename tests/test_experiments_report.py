@@ -1356,3 +1356,149 @@ def test_a_ray_grid_shuts_down_the_ray_it_started_and_cancels_its_tasks_when_sto
     with pytest.raises(KeyboardInterrupt):
         run_grid(jobs, "ray")
     assert calls == ["cancel a", "cancel b"]
+
+
+def test_a_grid_refuses_one_run_directory_named_by_a_relative_and_an_absolute_path(tmp_path, monkeypatch):
+    """(held by no test before a mutation sweep) The run directories are compared resolved: "sub/x", and
+    "/abs/sub/x" or "sub/../sub/x", are one directory two jobs would write at once."""
+    monkeypatch.chdir(tmp_path)
+    a, b = grid(["coupled", "crossfit"], [0], "sub", ONE_ROUND)
+    for other in (str(tmp_path / a.out), f"sub/../{a.out}"):
+        with pytest.raises(ValueError, match="two jobs share the run directory"):
+            run_grid([a, replace(b, out=other)], "local", workers=1)
+    assert not any(tmp_path.iterdir())  # refused before any job ran
+
+
+def test_a_grid_never_runs_more_job_processes_than_workers(tmp_path, monkeypatch):
+    """(held by no test before a mutation sweep: jobs that fail at once never overlap) A job process is
+    started only while fewer than `workers` are in flight: counted at each start, not sampled at each end."""
+    import multiprocessing
+
+    real = multiprocessing.get_context
+    in_flight, done = [], []
+
+    class Context:
+        def __init__(self, ctx):
+            self._ctx = ctx
+
+        def __getattr__(self, name):
+            return getattr(self._ctx, name)
+
+        def Process(self, *args, **kwargs):  # noqa: N802 - the context's own name
+            in_flight.append(len(in_flight) + 1 - len(done))  # jobs running once this one starts
+            return self._ctx.Process(*args, **kwargs)
+
+    monkeypatch.setattr(multiprocessing, "get_context", lambda method=None: Context(real(method)))
+    jobs = [Job(name, ("no.such_field=1",), str(tmp_path / name)) for name in "abcde"]  # fail at once
+    results = run_grid(jobs, "local", workers=2, on_done=lambda res: done.append(res["job"]))
+    assert [r["status"] for r in results] == ["failed"] * 5
+    assert len(in_flight) == 5 and max(in_flight) == 2, in_flight
+
+
+def test_a_job_process_that_dies_is_failed_with_its_exit_code(tmp_path, monkeypatch):
+    """(held by no test before a mutation sweep) The error of a job whose process died says how it
+    ended and that a rerun resumes it; the other jobs' results stand."""
+    import selfevo.experiments
+
+    def run_job(job):  # the forked job processes inherit this
+        if job.name == "b":
+            os._exit(3)
+        return {"job": job.name, "status": "ok", "run": job.out}
+
+    monkeypatch.setattr(selfevo.experiments, "run_job", run_job)
+    results = run_grid([Job(name, (), str(tmp_path / name)) for name in "abc"], "local", workers=2)
+    assert [r["status"] for r in results] == ["ok", "failed", "ok"]
+    assert results[1] == {"job": "b", "status": "failed", "run": str(tmp_path / "b"),
+                          "error": "worker process died (RuntimeError: exit code 3); rerun the grid to resume it"}
+
+
+def test_a_job_process_still_there_after_the_grace_period_is_killed(tmp_path, monkeypatch):
+    """(held by no test before a mutation sweep: the slow-to-exit test passed with the process left
+    running, its pytest then waiting two minutes at exit) A process slow to exit after its result is
+    gone when the grid returns."""
+    import multiprocessing
+    import threading
+
+    import selfevo.experiments
+
+    def run_job(job):  # the forked job process inherits this: a thread left running after its result
+        threading.Thread(target=time.sleep, args=(60,)).start()
+        return {"job": job.name, "status": "ok", "run": job.out}
+
+    monkeypatch.setattr(selfevo.experiments, "run_job", run_job)
+    got = []
+    try:
+        selfevo.experiments._job_processes([Job("a", (), str(tmp_path / "a"))], 2, got.append, grace=0.2)
+        assert [r["status"] for r in got] == ["ok"]
+        assert multiprocessing.active_children() == []
+    finally:
+        for proc in multiprocessing.active_children():
+            proc.kill()
+            proc.join()
+
+
+def test_a_job_process_sent_sigterm_dies_of_it(tmp_path, monkeypatch):
+    """(held by no test before a mutation sweep) A job process is forked inside the grid's
+    `terminate_raises`, whose handler would raise SystemExit in the middle of the job: it gets SIGTERM's
+    default action back, so `kill` of one job ends it as a signal, which its code cannot catch."""
+    import selfevo.experiments
+
+    def run_job(job):  # the forked job processes inherit this
+        if job.name == "b":
+            try:
+                os.kill(os.getpid(), signal.SIGTERM)
+            except BaseException:  # noqa: BLE001 - what a job's own cleanup might do
+                return {"job": job.name, "status": "ok", "run": job.out}
+        return {"job": job.name, "status": "ok", "run": job.out}
+
+    monkeypatch.setattr(selfevo.experiments, "run_job", run_job)
+    results = run_grid([Job(name, (), str(tmp_path / name)) for name in "abc"], "local", workers=2)
+    assert [r["status"] for r in results] == ["ok", "failed", "ok"]
+    assert "exit code -15" in results[1]["error"]
+
+
+def test_a_stopped_grid_kills_its_running_jobs_at_once_not_after_the_grace_period(tmp_path):
+    """(held by no test before a mutation sweep: the grace period after the last result killed them
+    too, 10 s later) SIGTERM of a grid kills the jobs it is running now; with a grace period longer than
+    the test waits, only that kill ends them."""
+    (tmp_path / "marks").mkdir()
+    script = textwrap.dedent(f"""
+        import os, time
+        import selfevo.evolve, selfevo.experiments
+        def evolve(cfg, out, **kwargs):  # a job that runs long after its grid is stopped
+            open(os.path.join({str(tmp_path / "marks")!r}, str(os.getpid())), "w").close()
+            time.sleep(120)
+        selfevo.evolve.evolve = evolve
+        selfevo.experiments._job_processes.__defaults__ = (600.0,)  # a grace no stop may wait out
+        from selfevo.experiments import grid, run_grid
+        run_grid(grid(["coupled"], range(4), {str(tmp_path / "runs")!r}), "local", workers=2)
+        """)
+    proc, left = _stop_with_workers(script, tmp_path / "marks", "SIGTERM")
+    assert proc.returncode == 128 + signal.SIGTERM and left == []
+
+
+def test_an_audit_whose_rounds_are_not_the_runs_rounds_in_order_is_refused(local_grid, tmp_path):
+    """(held by no test before a mutation sweep: only the count of rounds was tried) An audit listing as
+    many rounds as its run completed, but not rounds 1..N in order (a round twice, one missing), is
+    refused too: the report would pair its last entry as the run's last round."""
+    root = _copy_grid(local_grid, tmp_path)
+    path = root / "coupled-s1" / "audit" / "metrics.json"
+    metrics = json.loads(path.read_text())
+    metrics["rounds"][1]["round"] = 1
+    path.write_text(json.dumps(metrics))
+    with pytest.raises(ValueError, match=r"coupled-s1/audit/metrics.json: audits round\(s\) 1, 1, 3 of a run "
+                                         r"that completed 3"):
+        build_report(root)
+
+
+def test_find_runs_takes_only_directories_with_a_config_beside_their_manifest(tmp_path):
+    """(held by no test before a mutation sweep) A manifest.json alone (not a run directory) is no run
+    of the report, which would refuse it as damaged; the runs come sorted, whatever the file system's order."""
+    from selfevo.report.collect import find_runs
+
+    for d in ("b/run", "a/run", "a/run/notes", "other"):
+        (tmp_path / d).mkdir(parents=True, exist_ok=True)
+        (tmp_path / d / "manifest.json").write_text("{}")
+    for d in ("b/run", "a/run"):
+        (tmp_path / d / "config.json").write_text("{}")
+    assert find_runs(tmp_path) == [tmp_path / "a" / "run", tmp_path / "b" / "run"]

@@ -686,3 +686,45 @@ def test_a_step_checkpoint_follows_the_rounds_last_step_whatever_the_cadence(tmp
     evolve(cfg, run.path, resume=True, progress=False, step_checkpoints=4)
     assert {r for r, _ in solver} == {3}
     assert_same_results(run, reference)
+
+
+def test_a_run_with_rounds_done_keeps_what_its_manifest_says_it_was_made_on(tmp_path):
+    """(held by no test before a mutation sweep) A run with rounds done that records no sha256 (made
+    before the fields existed) is not given what the data is now: those rounds were made on the data
+    of then, which a resume, audit or report would then take for checked."""
+    from selfevo.config import load_config
+    from selfevo.evolve import note_made_on
+
+    (tmp_path / "corpus.jsonl").write_text('{"id": "d1", "contents": "a"}\n')
+    (tmp_path / "qa").mkdir()
+    (tmp_path / "qa" / "nq.jsonl").write_text('{"question": "q", "golden_answers": ["a"]}\n')
+
+    class Run:  # a RunDir's manifest, as `note` would update it
+        def __init__(self, manifest):
+            self.manifest_ = manifest
+
+        def manifest(self):
+            return dict(self.manifest_)
+
+        def note(self, **fields):
+            self.manifest_.update(fields)
+
+    cfg = load_config(overrides=['backend="lm"', f'data.corpus="{tmp_path / "corpus.jsonl"}"',
+                                 f'data.qa_dir="{tmp_path / "qa"}"'])
+    old = Run({"status": "running", "rounds_completed": 2})
+    note_made_on(old, cfg, None)
+    assert "qa_sha256" not in old.manifest() and "corpus_sha256" not in old.manifest()
+    new = Run({"status": "running", "rounds_completed": 0})  # a resume before any round is done notes it
+    note_made_on(new, cfg, None)
+    assert len(new.manifest()["qa_sha256"]) == len(new.manifest()["corpus_sha256"]) == 64
+
+
+def test_evolve_refuses_a_negative_step_checkpoints_before_writing_anything(tmp_path):
+    """(held by no test before a mutation sweep) `step_checkpoints=-1` is refused, naming it, before the
+    world is built or the run directory made (it ran with no step checkpoint, as 0)."""
+    from selfevo.config import load_config
+    from selfevo.evolve import evolve
+
+    with pytest.raises(ValueError, match=r"^step_checkpoints: must be an integer >= 0, got -1$"):
+        evolve(load_config(), tmp_path / "run", step_checkpoints=-1)
+    assert not (tmp_path / "run").exists()
