@@ -646,3 +646,342 @@ def test_the_proposer_trains_within_hop_buckets_without_its_final_answer_and_cou
     # its frozen snapshot copies it
     proposer.snapshot()
     assert policy.new_calls[-1] == ("proposer@frozen", "proposer")
+
+
+# ---------------------------------------------------------------- mutation sweep: LMPolicy on a tiny random model
+
+
+class TinyChatTokenizer(CharTokenizer):
+    """`CharTokenizer` with ChatML, offsets for the training masks, and transformers' truncation and
+    padding sides (the policy sets both): what LMPolicy's training, checkpoint and truncation paths use."""
+
+    padding_side = truncation_side = "right"
+
+    def apply_chat_template(self, messages, tokenize=False, add_generation_prompt=False):
+        return chatml(messages, add_generation_prompt)
+
+    def __call__(self, texts, return_tensors=None, padding=False, add_special_tokens=False, truncation=False,
+                 max_length=None, return_offsets_mapping=False):
+        if isinstance(texts, str):  # one text: ids and offsets, as a fast tokenizer gives them
+            return {"input_ids": [ord(c) for c in texts], "offset_mapping": [(i, i + 1) for i in range(len(texts))]}
+        if truncation and max_length is not None:
+            texts = [t[-max_length:] if self.truncation_side == "left" else t[:max_length] for t in texts]
+        if self.padding_side == "left":
+            return super().__call__(texts)
+        enc = super().__call__([t[::-1] for t in texts])  # padded on the right: the mirror image
+        return type(enc)({k: v.flip(1) for k, v in enc.items()})
+
+    def decode(self, row, skip_special_tokens=False):
+        return "".join(chr(int(i)) for i in row if int(i) > 1 or not skip_special_tokens)
+
+
+def _tiny_policy(monkeypatch, store=None, seed=0, **cfg):
+    """An LMPolicy (its own __init__) whose `load_pretrained` gives a one-layer random Llama over
+    `TinyChatTokenizer`'s 128 ids: a step or a save takes milliseconds."""
+    pytest.importorskip("peft")
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from selfevo.agents.lm import policy as policy_module
+
+    torch.manual_seed(0)  # the same base model every call
+    base = LlamaForCausalLM(LlamaConfig(vocab_size=128, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                        num_attention_heads=2, num_key_value_heads=2, pad_token_id=0, eos_token_id=1,
+                                        bos_token_id=2))
+    monkeypatch.setattr(policy_module, "load_pretrained", lambda path, dtype, model=None: (TinyChatTokenizer(), base))
+    return policy_module.LMPolicy(LMConfig(**{"model": "org/tiny-llama", "device": "cpu", "lr": 1e-2, **cfg}),
+                                  store=store, seed=seed)
+
+
+def _seq(text, trained_from=1):
+    """One training sequence: `text`'s ids, trained from position `trained_from` on."""
+    ids = [ord(c) for c in text]
+    return [(ids, [0] * trained_from + [1] * (len(ids) - trained_from))]
+
+
+def _weights(policy, name):
+    return {n: p.detach().clone() for n, p in policy.parameters(name)}
+
+
+def _same(a, b):
+    return a.keys() == b.keys() and all((a[k] == b[k]).all() for k in a)
+
+
+def test_a_zero_advantage_trains_nothing_and_leaves_the_optimizer_without_state(monkeypatch):
+    policy = _tiny_policy(monkeypatch)
+    policy.new("p")
+    stats = policy.update("p", [_seq("abcdef")], [0.0])
+    assert (stats["trained_sequences"], stats["trained_rows"], stats["trained_tokens"]) == (0, 0, 0)
+    assert stats["sequences"] == 1 and stats["grad_norm"] == 0.0 and policy.optimizers["p"].state == {}
+    assert policy.steps["p"] == 1  # a step all the same
+
+
+def test_the_loss_is_equation_1_over_the_trajectories_trained_tokens(monkeypatch):
+    """-(1/G) Σ A_i · mean log π over the tokens trained (position 0 has no log-probability and is not
+    counted, even where its mask is set); G counts every trajectory, a zero advantage included."""
+    policy = _tiny_policy(monkeypatch)
+    policy.new("p")
+    a, b = _seq("hello world", trained_from=0), _seq("xyz", trained_from=1)
+    la = policy.sequence_logprob("p", a)
+    stats = policy.update("p", [a, b], [2.0, 0.0])
+    assert stats["loss"] == pytest.approx(-2.0 * la / 2, rel=1e-5)
+    assert (stats["trained_sequences"], stats["trained_tokens"]) == (1, len("hello world") - 1)
+    # a mask that trains position 0 alone trains nothing
+    policy.new("q")
+    assert policy.update("q", [[([97, 98], [1, 0])]], [1.0])["trained_sequences"] == 0
+
+
+def test_sequence_logprob_is_the_mean_over_its_trained_tokens(monkeypatch):
+    import torch
+
+    from selfevo.agents.lm.rl import token_logprobs
+
+    policy = _tiny_policy(monkeypatch)
+    ids = [ord(c) for c in "abc"]
+    with torch.no_grad():
+        lp = token_logprobs(policy.base(input_ids=torch.tensor([ids])).logits, torch.tensor([ids]))[0]
+    # one trained token (the last): its log-probability, not half of it
+    assert policy.sequence_logprob(None, [(ids, [0, 0, 1])]) == pytest.approx(float(lp[1]), rel=1e-5)
+    assert policy.sequence_logprob(None, [(ids, [0, 1, 1])]) == pytest.approx(float(lp.mean()), rel=1e-5)
+    assert policy.sequence_logprob(None, [(ids, [0, 0, 0])]) == 0.0
+
+
+def test_encode_cuts_each_sequence_at_max_train_tokens(monkeypatch):
+    policy = _tiny_policy(monkeypatch, max_train_tokens=40)
+    chat = [*P.solver_messages("Who wrote Hamlet?"), {"role": "assistant", "content": "<answer> Shakespeare </answer>"}]
+    [(ids, mask)] = policy.encode(chat)
+    assert len(ids) == len(mask) == 40 and ids == [ord(c) for c in chatml(chat)][:40]
+
+
+def test_truncate_keeps_a_text_within_the_budget_as_it_is(monkeypatch):
+    policy = _tiny_policy(monkeypatch)
+    lossy = TinyChatTokenizer()
+    lossy.decode = lambda ids, skip_special_tokens=False: "".join(chr(i) for i in ids).strip()  # as a real one may
+    policy.tokenizer = lossy
+    assert policy.truncate(" Alpha ", 7) == " Alpha " and policy.truncate(" Alpha ", 8) == " Alpha "
+    assert policy.truncate(" Alpha ", 6) == "Alpha"
+
+
+def test_an_over_long_prompt_loses_its_oldest_turns_and_rows_are_padded_on_the_left(monkeypatch):
+    policy = _tiny_policy(monkeypatch, adapter="full", max_prompt_tokens=60, max_new_tokens=4)
+    seen = []
+
+    class Recording(ScriptedModel):
+        def generate(self, input_ids, **kw):
+            seen.extend("".join(chr(int(i)) for i in row) for row in input_ids)
+            return super().generate(input_ids, **kw)
+
+    policy.base = Recording([[ord("x"), 1]] * 2)
+    long = [{"role": "user", "content": "old " * 50 + "new"}]
+    policy.generate(None, [[{"role": "user", "content": "q"}], long], greedy=True, seed=None)
+    # every row ends where its reply starts; the long one keeps its last 60 characters
+    assert seen[0] == chatml([{"role": "user", "content": "q"}], True).rjust(60, chr(0))
+    assert seen[1] == chatml(long, True)[-60:]
+
+
+def test_a_prefix_may_be_a_tuple_of_one_a_row():
+    policy = _scripted_policy([[ord(c) for c in " Who?"], [ord(c) for c in " Why?"]], max_new_tokens=8)
+    out = policy.generate(None, [P.solver_messages("a"), P.solver_messages("b")], greedy=True, seed=None,
+                          prefix=("<q1>", "<q2>"))
+    assert [t for t, _ in out] == ["<q1> Who?", "<q2> Why?"]
+
+
+def test_an_adapter_is_initialised_by_its_name_whatever_was_made_before(monkeypatch):
+    policy = _tiny_policy(monkeypatch)
+    policy.new("one")
+    policy.new("two")
+    first, two = _weights(policy, "one"), _weights(policy, "two")
+    assert not _same(first, two)  # another name, another initialisation
+    policy.drop("one")
+    policy.new("one")  # made again after "two": the same adapter
+    assert _same(_weights(policy, "one"), first)
+
+
+def test_each_step_draws_its_dropout_from_the_policy_and_the_step(monkeypatch):
+    import torch
+
+    from selfevo.loop.schedule import derive_seed
+
+    policy = _tiny_policy(monkeypatch, lora_dropout=0.5, seed=3)
+    policy.new("p")
+    seeds = []
+    hook = policy.peft.register_forward_pre_hook(lambda *a: seeds.append(torch.initial_seed()))
+    try:
+        for _ in range(2):
+            policy.update("p", [_seq("abcdef")], [1.0])
+    finally:
+        hook.remove()
+    assert seeds == [derive_seed(3, "dropout", "p", step) % 2**63 for step in (0, 1)]
+
+
+def test_an_update_leaves_the_policy_in_eval_mode(monkeypatch):
+    policy = _tiny_policy(monkeypatch, lora_dropout=0.5)
+    policy.new("p")
+    policy.update("p", [_seq("abcdef")], [1.0])
+    policy.update("p", [_seq("abcdef")], [1.0])
+    seq = _seq("abcdef")
+    assert policy.sequence_logprob("p", seq) == policy.sequence_logprob("p", seq)  # no dropout outside training
+    assert not policy.peft.training
+    assert all(p.grad is None for _, p in policy.parameters("p"))  # no gradient kept between steps
+
+
+def test_a_step_clips_the_gradient_to_max_grad_norm(monkeypatch):
+    import torch
+
+    policy = _tiny_policy(monkeypatch, max_grad_norm=1e-3)
+    policy.new("p")
+    stats = policy.update("p", [_seq("abcdef")], [1.0])
+    assert stats["grad_norm"] > 1e-2  # reported before clipping
+    # AdamW's first moment after one step is (1 - 0.9) times the gradient it was given: the clipped one
+    moments = [st["exp_avg"] for st in policy.optimizers["p"].state.values()]
+    assert float(torch.linalg.vector_norm(torch.cat([m.flatten() for m in moments]))) == pytest.approx(1e-4, rel=1e-3)
+
+
+def test_full_fine_tuning_trains_the_policys_copy_alone(monkeypatch):
+    policy = _tiny_policy(monkeypatch, adapter="full")
+    policy.new("p")
+    base, before = _weights(policy, "p"), policy.sequence_logprob(None, _seq("abcdef"))
+    policy.update("p", [_seq("abcdef")], [1.0])
+    assert not _same(_weights(policy, "p"), base) and policy.sequence_logprob("p", _seq("abcdef")) > before
+    assert policy.sequence_logprob(None, _seq("abcdef")) == before  # the base model stays as it was
+
+
+def test_a_snapshot_copies_and_a_replaced_policy_starts_afresh(monkeypatch, tmp_path):
+    policy = _tiny_policy(monkeypatch, store=tmp_path)
+    policy.new("p")
+    fresh = policy.save("p")
+    for _ in range(2):
+        policy.update("p", [_seq("abcdef")], [1.0])
+    trained = policy.save("p")
+    policy.new("p@copy", like="p")
+    assert _same(_weights(policy, "p@copy"), _weights(policy, "p"))
+    policy.new("p")  # replaced: a fresh adapter, no steps, no optimizer; saved as the fresh file again
+    assert policy.steps.get("p", 0) == 0 and "p" not in policy.optimizers
+    assert policy.save("p") == fresh != trained
+    before = _weights(policy, "p")
+    policy.update("p", [_seq("abcdef")], [1.0])  # its new optimizer trains the new adapter
+    assert not _same(_weights(policy, "p"), before)
+
+
+def test_save_names_the_file_without_at_and_records_steps_and_optimizer(monkeypatch, tmp_path):
+    import json
+
+    policy = _tiny_policy(monkeypatch, store=tmp_path)
+    policy.new("s@r1")
+    ref = policy.save("s@r1")
+    assert ref["file"].startswith("s_r1-") and "@" not in ref["file"] and ref["steps"] == 0
+    blob = (tmp_path / ref["file"]).read_bytes()
+    meta = json.loads(blob[8:8 + int.from_bytes(blob[:8], "little")])["__metadata__"]
+    assert (meta["model"], meta["has_optimizer"], meta["steps"]) == ("tiny-llama", "False", "0")
+    policy.update("s@r1", [_seq("abcdef")], [1.0])
+    ref = policy.save("s@r1")
+    ref["steps"] = 99  # the caller's copy
+    assert policy.save("s@r1")["steps"] == 1
+
+
+def test_a_checkpoint_round_trip_restores_weights_moments_and_steps(monkeypatch, tmp_path):
+    policy = _tiny_policy(monkeypatch, store=tmp_path)
+    policy.new("p")
+    for _ in range(2):
+        policy.update("p", [_seq("abcdef")], [1.0])
+    ref = policy.save("p")
+    assert ref["steps"] == 2
+    other = _tiny_policy(monkeypatch, store=tmp_path)
+    other.load("p", ref)
+    assert other.steps["p"] == 2 and _same(_weights(other, "p"), _weights(policy, "p"))
+    assert other.save("p") == ref  # the same weights, moments and steps: the same file
+    for p in (policy, other):
+        p.update("p", [_seq("xyzzy")], [-1.0])
+    assert _same(_weights(other, "p"), _weights(policy, "p"))  # the restored moments take the same step
+    # the file's hash is checked
+    with pytest.raises(ValueError, match="checksum mismatch"):
+        other.load("p", dict(ref, sha256="0" * 64))
+
+
+def test_a_policy_loaded_back_to_an_earlier_file_saves_as_that_file(monkeypatch, tmp_path):
+    policy = _tiny_policy(monkeypatch, store=tmp_path)
+    policy.new("p")
+    untrained = policy.save("p")  # no optimizer yet
+    policy.update("p", [_seq("abcdef")], [1.0])
+    trained = policy.save("p")
+    assert trained != untrained
+    policy.load("p", untrained)  # its optimizer (and moments) go: the file had none
+    assert "p" not in policy.optimizers and policy.save("p") == untrained
+    policy.load("p", trained)
+    assert policy.save("p") == trained
+    # a save whose file was removed from the store writes it again
+    (tmp_path / trained["file"]).unlink()
+    assert policy.save("p") == trained and (tmp_path / trained["file"]).exists()
+
+
+def test_a_policy_whose_update_trained_nothing_saves_again_as_the_same_file(monkeypatch, tmp_path):
+    policy = _tiny_policy(monkeypatch, store=tmp_path)
+    policy.new("p")
+    policy.update("p", [_seq("abcdef")], [0.0])  # an optimizer with no state
+    ref = policy.save("p")
+    other = _tiny_policy(monkeypatch, store=tmp_path)
+    other.load("p", ref)
+    assert "p" in other.optimizers and other.save("p") == ref
+
+
+def test_a_policy_file_of_other_settings_is_refused_naming_the_field(monkeypatch, tmp_path):
+    import re
+
+    from safetensors.torch import load, save
+
+    policy = _tiny_policy(monkeypatch, store=tmp_path)
+    policy.new("p")
+    path = tmp_path / policy.save("p")["file"]
+    for setting, field, there, here in ((dict(lora_alpha=16), "lora_alpha", "32", "16"),
+                                        (dict(lora_r=8), "lora_r", "16", "8")):
+        other = _tiny_policy(monkeypatch, **setting)
+        with pytest.raises(ValueError, match=rf"^{re.escape(str(path))}: .*lm\.{field}: '{there}' in the file, "
+                                             rf"'{here}' here"):
+            other.load_file("evaluated", path)
+    # the targets' order is not a setting: a file saved under one order loads under another
+    _tiny_policy(monkeypatch, lora_targets=("v_proj", "o_proj", "k_proj", "q_proj")).load_file("evaluated", path)
+    # files saved before the settings were recorded: the names and shapes are checked instead
+    tensors = load(path.read_bytes())
+    old = tmp_path / "old.safetensors"
+    old.write_bytes(save(tensors, metadata={"adapter": "lora", "steps": "0", "has_optimizer": "False"}))
+    with pytest.raises(ValueError, match=r"another shape .*lm\.lora_r"):
+        _tiny_policy(monkeypatch, lora_r=8).load_file("evaluated", old)
+    old.write_bytes(save({k: v for k, v in tensors.items() if "q_proj" not in k}, metadata={"adapter": "lora"}))
+    with pytest.raises(ValueError, match=rf"^{re.escape(str(old))}: .*parameters missing \(e\.g\. .*q_proj"):
+        _tiny_policy(monkeypatch).load_file("evaluated", old)
+    with pytest.raises(ValueError, match=rf"^{re.escape(str(tmp_path / 'gone'))}: cannot read the policy file"):
+        policy.load_file("evaluated", tmp_path / "gone")
+    for content, why in ((b"not a safetensors file", "not a safetensors policy file"),
+                         (save({"junk": tensors[next(iter(tensors))]}), "not a selfevo policy file")):
+        old.write_bytes(content)
+        with pytest.raises(ValueError, match=rf"^{re.escape(str(old))}: {why}"):
+            policy.load_file("evaluated", old)
+    assert "evaluated" not in policy.names()  # refused before anything was made
+
+
+def test_a_solver_snapshot_keeps_its_own_lineage_and_a_state_without_one_loads_as_none():
+    from selfevo.agents.lm.agents import LMSolver
+
+    class Loading(StandInPolicy):
+        def load(self, name, ref):
+            self.loaded = (name, ref)
+
+    policy = Loading()
+    solver = LMSolver(policy, "main", policy_name="main", lineage={"trained_on": {"folds": [0]}})
+    snap = solver.snapshot()
+    solver.lineage["trained_on"]["folds"].append(1)  # the solver trains on
+    assert snap.lineage == {"trained_on": {"folds": [0]}} and snap.frozen and snap.policy_name == "main@frozen"
+    solver.load_state_dict({"name": "main", "policy": {"file": "f"}, "updates": 3})  # saved before lineage was
+    assert (solver.updates, solver.lineage, policy.loaded) == (3, {}, ("main", {"file": "f"}))
+
+
+def test_the_proposer_samples_from_the_first_doc_tokens_of_its_source():
+    from selfevo.agents.lm.agents import LMProposer
+
+    doc = Document("d", "T", "Alpha is a river in Beta.")
+    policy = StandInPolicy(reply="<question> Who? </question> <answer> Ann </answer>", doc_tokens=5)
+    LMProposer(policy, "proposer", [doc]).propose(2, _paris_tool(), seed=1)
+    [call] = policy.generated
+    assert call["name"] == "proposer" and call["greedy"] is False  # sampled: a group of distinct proposals
+    head = doc.contents[:5]
+    assert all(c[1]["content"].startswith(f"<document>\n{head}\n</document>\n") for c in call["convs"])
