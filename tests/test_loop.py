@@ -530,6 +530,26 @@ def test_a_fold_without_source_documents_or_an_aux_solver_without_updates_is_ref
     load_config(None, ["treatment=half-budget", "loop.solver_steps=2"])  # one each
 
 
+@pytest.mark.parametrize("treatment, refused", [("crossfit", True), ("msv+crossfit", True), ("half-budget", True),
+                                                ("question-split", False), ("coupled", False), ("full-data", False)])
+def test_only_a_source_level_split_needs_a_source_in_every_fold(treatment, refused):
+    """A question-level split's folds are of questions: a source pool that leaves a source fold empty is
+    no reason to refuse it (held by no test before a mutation sweep), nor a run without auxiliary solvers."""
+    from selfevo.config import ConfigError
+    from selfevo.evolve import check_folds
+    from selfevo.loop.folds import FoldAssignment
+    from selfevo.records import Document
+
+    pool = [Document("a", "A", "x"), Document("b", "B", "y")]
+    folds = FoldAssignment(2, 0, "source", {"a": 0, "b": 0})
+    cfg = load_config(None, [f"treatment={treatment}"])
+    if refused:
+        with pytest.raises(ConfigError, match=r"leaves fold\(s\) 1 of 2"):
+            check_folds(cfg, folds, pool)
+    else:
+        check_folds(cfg, folds, pool)
+
+
 def test_a_fold_check_with_a_huge_k_names_a_few_empty_folds_and_their_count(tmp_path):
     """loop.source_docs = 0 (every document) leaves K unbounded by the config: the refusal named every
     empty fold (`crossfit-k1000000` on the small world: an error line of 7.9 MB)."""
@@ -730,6 +750,7 @@ def test_fold_assignment_round_trips_and_refuses_a_value_no_assignment_writes():
     ({"fold": 7}, "must be a fold 0..1, got 7"),  # ran to the end: graded by aux-0, trained no aux solver
     ({"fold": "1"}, "must be a fold 0..1, got '1'"),  # a TypeError traceback in the grading
     ({"k": 3}, "field 'k' is 3, but the run's config makes 2"),
+    ({"seed": 1}, "field 'seed' is 1, but the run's config makes 0"),  # its folds would not be this run's
 ])
 def test_a_resume_refuses_a_folds_file_no_run_of_its_config_writes(tmp_path, monkeypatch, change, said):
     from selfevo.loop.engine import Loop
@@ -896,3 +917,35 @@ def test_the_schedule_takes_at_most_a_million_steps():
     assert LoopConfig(rounds=1, proposer_steps=500_000, solver_steps=500_000).rounds == 1  # exactly the cap
     with pytest.raises(ValueError, match=r"= 1,000,001 scheduled steps exceed 1,000,000"):
         LoopConfig(rounds=1, proposer_steps=500_000, solver_steps=500_001)
+
+
+def test_a_resume_takes_the_base_models_evaluation_from_the_run(tmp_path, monkeypatch):
+    """The round-0 evaluation recorded before a kill is the resumed run's (held by no test before a mutation
+    sweep: evaluating the base model again gives the same file, at hours' cost at 4B)."""
+    import selfevo.evolve
+    from selfevo.loop.engine import Loop
+
+    cfg = load_config(None, ["world.name=small", "loop.rounds=2", "loop.admit_per_round=20",
+                             "loop.proposer_steps=2", "loop.solver_steps=2"])
+    step = Loop.proposer_step
+
+    def killed_in_round_1(self, st, room):
+        if st.round == 1:
+            raise KeyboardInterrupt("killed")
+        return step(self, st, room)
+
+    monkeypatch.setattr(Loop, "proposer_step", killed_in_round_1)
+    with pytest.raises(KeyboardInterrupt):
+        evolve(cfg, tmp_path / "run", progress=False, audit=False)
+    monkeypatch.undo()
+    base = (tmp_path / "run" / "eval" / "round-0.json").read_bytes()
+    evaluated, real = [], selfevo.evolve.evaluate_solver
+
+    def counted(*args, run_info, **kwargs):
+        evaluated.append(run_info["round"])
+        return real(*args, run_info=run_info, **kwargs)
+
+    monkeypatch.setattr(selfevo.evolve, "evaluate_solver", counted)
+    evolve(cfg, tmp_path / "run", resume=True, progress=False, audit=False)
+    assert evaluated == [1, 2]
+    assert (tmp_path / "run" / "eval" / "round-0.json").read_bytes() == base
