@@ -711,6 +711,23 @@ def _alive(pid: int) -> bool:
         return False
 
 
+def _hanging_grid(tmp_path: Path, setup: str = "") -> str:
+    """A script running a 4-job grid on 2 workers whose jobs write tmp_path/marks/PID and then hang
+    (`setup`: a line run before the grid starts)."""
+    (tmp_path / "marks").mkdir()
+    return textwrap.dedent(f"""
+        import os, time
+        import selfevo.evolve, selfevo.experiments
+        def evolve(cfg, out, **kwargs):  # a job that runs long after its grid is stopped
+            open(os.path.join({str(tmp_path / "marks")!r}, str(os.getpid())), "w").close()
+            time.sleep(120)
+        selfevo.evolve.evolve = evolve
+        {setup}
+        from selfevo.experiments import grid, run_grid
+        run_grid(grid(["coupled"], range(4), {str(tmp_path / "runs")!r}), "local", workers=2)
+        """)
+
+
 def _stop_with_workers(script: str, marks: Path, signame: str) -> tuple[subprocess.Popen, list[int]]:
     """Run `script` (whose pool workers each write marks/PID and then hang in their job), send
     its process `signame` once 2 workers are in a job; returns the process (ended) and the pids of
@@ -740,18 +757,7 @@ def test_a_grid_killed_with_kill_9_takes_its_workers_with_it(tmp_path):
     """kill -9 (the OOM killer, `timeout -s KILL`) of a grid left its workers running their jobs as
     orphans, holding the runs' locks: an immediate rerun was refused ("another process is writing
     this run")."""
-    (tmp_path / "marks").mkdir()
-    script = textwrap.dedent(f"""
-        import os, time
-        import selfevo.evolve
-        def evolve(cfg, out, **kwargs):  # a job that runs long after its grid is gone
-            open(os.path.join({str(tmp_path / "marks")!r}, str(os.getpid())), "w").close()
-            time.sleep(120)
-        selfevo.evolve.evolve = evolve
-        from selfevo.experiments import grid, run_grid
-        run_grid(grid(["coupled"], range(4), {str(tmp_path / "runs")!r}), "local", workers=2)
-        """)
-    _, left = _stop_with_workers(script, tmp_path / "marks", "SIGKILL")
+    _, left = _stop_with_workers(_hanging_grid(tmp_path), tmp_path / "marks", "SIGKILL")
     assert left == []
 
 
@@ -1461,19 +1467,9 @@ def test_a_stopped_grid_kills_its_running_jobs_at_once_not_after_the_grace_perio
     """(held by no test before a mutation sweep: the grace period after the last result killed them
     too, 10 s later) SIGTERM of a grid kills the jobs it is running now; with a grace period longer than
     the test waits, only that kill ends them."""
-    (tmp_path / "marks").mkdir()
-    script = textwrap.dedent(f"""
-        import os, time
-        import selfevo.evolve, selfevo.experiments
-        def evolve(cfg, out, **kwargs):  # a job that runs long after its grid is stopped
-            open(os.path.join({str(tmp_path / "marks")!r}, str(os.getpid())), "w").close()
-            time.sleep(120)
-        selfevo.evolve.evolve = evolve
-        selfevo.experiments._job_processes.__defaults__ = (600.0,)  # a grace no stop may wait out
-        from selfevo.experiments import grid, run_grid
-        run_grid(grid(["coupled"], range(4), {str(tmp_path / "runs")!r}), "local", workers=2)
-        """)
-    proc, left = _stop_with_workers(script, tmp_path / "marks", "SIGTERM")
+    # a grace period no stop may wait out
+    grid_ = _hanging_grid(tmp_path, "selfevo.experiments._job_processes.__defaults__ = (600.0,)")
+    proc, left = _stop_with_workers(grid_, tmp_path / "marks", "SIGTERM")
     assert proc.returncode == 128 + signal.SIGTERM and left == []
 
 

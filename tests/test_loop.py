@@ -746,6 +746,26 @@ def test_fold_assignment_round_trips_and_refuses_a_value_no_assignment_writes():
             FoldAssignment.from_json({**fa.to_json(), **change})
 
 
+def _killed_in_round(round_, out, monkeypatch, *options):
+    """A 2-round small-world run (with `options`) killed as round `round_` starts; returns its config."""
+    from selfevo.loop.engine import Loop
+
+    cfg = load_config(None, ["world.name=small", *options, "loop.rounds=2", "loop.admit_per_round=20",
+                             "loop.proposer_steps=2", "loop.solver_steps=2"])
+    step = Loop.proposer_step
+
+    def killed(self, st, room):
+        if st.round == round_:
+            raise KeyboardInterrupt("killed")
+        return step(self, st, room)
+
+    with monkeypatch.context() as m:
+        m.setattr(Loop, "proposer_step", killed)
+        with pytest.raises(KeyboardInterrupt):
+            evolve(cfg, out, progress=False, audit=False)
+    return cfg
+
+
 @pytest.mark.parametrize("change, said", [
     ({"fold": 7}, "must be a fold 0..1, got 7"),  # ran to the end: graded by aux-0, trained no aux solver
     ({"fold": "1"}, "must be a fold 0..1, got '1'"),  # a TypeError traceback in the grading
@@ -753,22 +773,9 @@ def test_fold_assignment_round_trips_and_refuses_a_value_no_assignment_writes():
     ({"seed": 1}, "field 'seed' is 1, but the run's config makes 0"),  # its folds would not be this run's
 ])
 def test_a_resume_refuses_a_folds_file_no_run_of_its_config_writes(tmp_path, monkeypatch, change, said):
-    from selfevo.loop.engine import Loop
     from selfevo.runs import RunError
 
-    cfg = load_config(None, ["world.name=small", "treatment=crossfit", "loop.rounds=2", "loop.admit_per_round=20",
-                             "loop.proposer_steps=2", "loop.solver_steps=2"])
-    step = Loop.proposer_step
-
-    def killed_in_round_2(self, st, room):
-        if st.round == 2:
-            raise KeyboardInterrupt("killed")
-        return step(self, st, room)
-
-    monkeypatch.setattr(Loop, "proposer_step", killed_in_round_2)
-    with pytest.raises(KeyboardInterrupt):
-        evolve(cfg, tmp_path / "run", progress=False, audit=False)
-    monkeypatch.undo()
+    cfg = _killed_in_round(2, tmp_path / "run", monkeypatch, "treatment=crossfit")
     path = tmp_path / "run" / "folds.json"
     data = json.loads(path.read_text())
     if "fold" in change:
@@ -923,21 +930,8 @@ def test_a_resume_takes_the_base_models_evaluation_from_the_run(tmp_path, monkey
     """The round-0 evaluation recorded before a kill is the resumed run's (held by no test before a mutation
     sweep: evaluating the base model again gives the same file, at hours' cost at 4B)."""
     import selfevo.evolve
-    from selfevo.loop.engine import Loop
 
-    cfg = load_config(None, ["world.name=small", "loop.rounds=2", "loop.admit_per_round=20",
-                             "loop.proposer_steps=2", "loop.solver_steps=2"])
-    step = Loop.proposer_step
-
-    def killed_in_round_1(self, st, room):
-        if st.round == 1:
-            raise KeyboardInterrupt("killed")
-        return step(self, st, room)
-
-    monkeypatch.setattr(Loop, "proposer_step", killed_in_round_1)
-    with pytest.raises(KeyboardInterrupt):
-        evolve(cfg, tmp_path / "run", progress=False, audit=False)
-    monkeypatch.undo()
+    cfg = _killed_in_round(1, tmp_path / "run", monkeypatch)
     base = (tmp_path / "run" / "eval" / "round-0.json").read_bytes()
     evaluated, real = [], selfevo.evolve.evaluate_solver
 
