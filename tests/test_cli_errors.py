@@ -881,3 +881,13 @@ def test_help_texts_say_what_the_commands_do():
     assert "for an engine-run, [engine] table" in said("compare")
     assert "(default: the config's, else coupled)" in said("evolve") and "coupled (default)" not in said("evolve")
     assert "rounds 2 and later" in said("replay", "build")
+
+
+def test_a_model_named_by_a_path_under_home_is_checked_where_it_points(tmp_path, monkeypatch):
+    """`~/models/x` is a path (expanded as the shell would): missing, it is reported as missing; present, it passes."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    (tmp_path / "model").mkdir()
+    check_local_path("~/model")
+    with pytest.raises(FileNotFoundError) as err:
+        check_local_path("~/no-model")
+    assert err.value.filename == "~/no-model"

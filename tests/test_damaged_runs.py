@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -22,7 +23,7 @@ from selfevo.cli import app
 from selfevo.config import load_config
 from selfevo.evolve import evolve
 from selfevo.records import Document
-from selfevo.runs import RunDir, RunError
+from selfevo.runs import RunDir, RunError, check_loop_run
 
 SMALL = ["world.name=small", "loop.rounds=2", "loop.proposer_steps=2", "loop.solver_steps=2",
          "loop.admit_per_round=20"]
@@ -411,3 +412,219 @@ def test_a_corpus_rewritten_since_the_run_is_refused(tmp_path, monkeypatch):
                         "truth only")):
         rc, text = cli("audit", out, *args)
         assert_one_line_error(rc, text, said)
+
+
+# ------------------------------------------------------------------ mutation sweep: readers and run detection
+
+
+def test_a_run_file_that_cannot_be_read_is_named_not_a_traceback(run):
+    """An OSError other than a missing file (a directory where compute.json was) is one RunError naming
+    the file, as a missing or corrupt one is."""
+    (run / "compute.json").unlink()
+    (run / "compute.json").mkdir()
+    with pytest.raises(RunError, match=re.escape(f"{run / 'compute.json'}: unreadable (")):
+        RunDir(run).compute()
+
+
+@pytest.mark.parametrize("change, named", [
+    (lambda row: row.update(malformed="x"), "field 'malformed' should be a list, got 'x'"),
+    (lambda row: row.update(items=[5]), "items[0]: expected an object, got int"),
+    (lambda row: row["items"][0].update(source_ids=["d0", 7]),
+     "items[0]: field 'source_ids' should be a list of strings"),
+    (lambda row: row["items"][0].update(responses=[None]), "items[0]: field 'responses' should be a list of strings"),
+])
+def test_a_step_row_with_a_bad_field_is_named_by_line_and_field(run, change, named):
+    steps = _steps(run)
+    rows = [json.loads(line) for line in steps.read_text(encoding="utf-8").splitlines()]
+    n = next(i for i, r in enumerate(rows) if r["items"])  # a step that graded items
+    change(rows[n])
+    steps.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    with pytest.raises(RunError, match=re.escape(f"{steps}:{n + 1}: {named}")):
+        RunDir(run).steps()
+
+
+def test_an_evaluation_number_that_is_a_bool_is_refused_and_null_is_taken(run):
+    """JSON true is no score (Python reads it as 1): refused like a string; null (nothing to measure) is taken."""
+    path = run / "eval" / "round-2.json"
+    _edit(path, lambda o: o["macro"].update(cover_em=None))
+    assert RunDir(run).evaluation(2)["macro"]["cover_em"] is None
+    _edit(path, lambda o: o["macro"].update(cover_em=True))
+    with pytest.raises(RunError, match=re.escape(f"{path}: field macro.cover_em should be a finite number or null, "
+                                                 "got True")):
+        RunDir(run).evaluation(2)
+
+
+def test_a_complete_run_with_more_rounds_done_than_its_config_runs_is_refused(tmp_path):
+    """Not only fewer: a complete run with rounds beyond its config's would pair another round's evaluation."""
+    for done in (1, 3):
+        with pytest.raises(RunError, match=f"status 'complete' with {done} round\\(s\\) done, but its config runs 2"):
+            check_loop_run({"status": "complete", "rounds_completed": done}, tmp_path, 2)
+    check_loop_run({"status": "complete", "rounds_completed": 2}, tmp_path, 2)
+    check_loop_run({"status": "running", "rounds_completed": 1}, tmp_path, 2)  # a run still going: fewer is fine
+
+
+@pytest.mark.parametrize("manifest", ["[1]", '{"status": "running"}', '{"rounds_completed": 0}', "{"])
+def test_a_damaged_or_minimal_run_manifest_is_still_a_run(run, manifest):
+    """A run's manifest that is damaged (not an object, not JSON) or holds only one of its fields is a run:
+    a new run there is refused, never written over it."""
+    (run / "manifest.json").write_text(manifest, encoding="utf-8")
+    rd = RunDir(run)
+    assert rd.exists()
+    with pytest.raises(RunError, match="a run already exists here"):
+        rd.check_new()
+
+
+def test_another_tools_manifest_is_no_run(tmp_path):
+    (tmp_path / "index").mkdir()
+    (tmp_path / "index" / "manifest.json").write_text('{"name": "bm25", "docs": 3}', encoding="utf-8")
+    assert not RunDir(tmp_path / "index").exists()
+
+
+def test_check_new_refuses_a_file_before_any_start_up(tmp_path):
+    """check_new is what evolve and engine-run call before the model load: a file there is refused by it,
+    not only later by the lock."""
+    (tmp_path / "afile").write_text("notes", encoding="utf-8")
+    with pytest.raises(RunError, match="afile: not a directory"):
+        RunDir(tmp_path / "afile").check_new()
+
+
+@pytest.mark.parametrize("left", [
+    ["config.json", "engine/engine.json"],  # engine-run killed before its manifest
+    ["config.json", ".config.json.abc123.tmp"],  # killed inside the config's write
+])
+def test_what_a_start_killed_before_its_manifest_left_does_not_block_the_retry(tmp_path, left):
+    out = tmp_path / "run"
+    for name in left:
+        (out / name).parent.mkdir(parents=True, exist_ok=True)
+        (out / name).write_text(json.dumps({"treatment": "coupled"}), encoding="utf-8")
+    RunDir(out).check_new()
+    RunDir(out).create(small_cfg().to_json())
+    if left[1].endswith(".tmp"):  # the killed write's temp file is cleared
+        assert not (out / left[1]).exists()
+    assert RunDir(out).manifest()["status"] == "running"
+
+
+@pytest.mark.parametrize("config", ['{"seed": 0}', "{"])
+def test_a_directory_holding_only_a_config_json_of_no_run_is_refused(tmp_path, config):
+    """A user's own config.json (no `treatment`, or not JSON) is no run's: a new run would replace it."""
+    (tmp_path / "config.json").write_text(config, encoding="utf-8")
+    with pytest.raises(RunError, match="not empty and holds no run \\(it has config.json\\)"):
+        RunDir(tmp_path).check_new()
+    assert (tmp_path / "config.json").read_text(encoding="utf-8") == config
+
+
+def test_a_resume_over_a_damaged_manifest_never_says_to_remove_the_run(run):
+    """The "remove it to start afresh" hint is for a run with no round finished; a damaged manifest says
+    nothing of the rounds done, and the run behind it (2 rounds here) must not be thrown away."""
+    edit_json(run / "manifest.json", rounds_completed="2")
+    with pytest.raises(RunError, match="should be an integer, got '2'; cannot resume") as e:
+        RunDir(run).open_for_resume(json.loads((run / "config.json").read_text(encoding="utf-8")))
+    assert "remove" not in str(e.value) and "start afresh" not in str(e.value)
+
+
+def test_a_resume_whose_last_checkpoint_is_gone_is_refused_naming_the_round(run):
+    """Refused by open_for_resume itself, before the records are cut back or a model is loaded."""
+    (run / "checkpoints" / "round-2.json").unlink()
+    before = files(run)
+    with pytest.raises(RunError, match="manifest says round 2 is done but its checkpoint is missing"):
+        RunDir(run).open_for_resume(json.loads((run / "config.json").read_text(encoding="utf-8")))
+    assert files(run) == before
+
+
+def test_a_resume_removes_tensor_files_no_checkpoint_references(run):
+    """open_for_resume itself clears what a kill between a step checkpoint's replacement and the removal of
+    the old one's files left (a policy's weights each), keeping the files a checkpoint references."""
+    tensors = RunDir(run).tensors_dir
+    tensors.mkdir()
+    _edit(run / "checkpoints" / "round-2.json", lambda o: o.update(policy={"file": "kept.pt", "sha256": "0"}))
+    for name in ("kept.pt", "left.pt"):
+        (tensors / name).write_text(name, encoding="utf-8")
+    RunDir(run).open_for_resume(json.loads((run / "config.json").read_text(encoding="utf-8")))
+    assert sorted(p.name for p in tensors.iterdir()) == ["kept.pt"]
+
+
+@pytest.mark.parametrize("pool, named", [
+    ([5], "pool[0]: expected an object, got int"),
+    ([{"item_id": "x"}], "pool[0]: field 'question' is missing"),
+])
+def test_a_step_checkpoint_with_a_damaged_pool_is_an_error_naming_it(run, pool, named):
+    """The admitted candidates of a step checkpoint are checked when it is read, not when the loop rebuilds them."""
+    edit_json(run / "manifest.json", status="running", rounds_completed=1)  # killed in round 2, after step 6
+    state = {"round": 2, "step": 6, "proposer": {}, "main": {}, "compute": {}, "pool": pool}
+    RunDir(run).step_checkpoint_path.write_text(json.dumps(state), encoding="utf-8")
+    with pytest.raises(RunError, match=re.escape(f"{RunDir(run).step_checkpoint_path}: {named}")):
+        RunDir(run).open_for_resume(json.loads((run / "config.json").read_text(encoding="utf-8")))
+
+
+def test_a_resume_under_other_software_again_keeps_the_earlier_record(run):
+    """software_resumed is a history: a second resume under other software adds to it, with the rounds done."""
+    from selfevo._software import SoftwareChanged
+
+    earlier = {"rounds_completed": 1, "at": 0.0, "software": {"numpy": "0.0.2"}}
+    _edit(run / "manifest.json", lambda m: m.update(software={**m["software"], "numpy": "0.0.1"},
+                                                   software_resumed=[earlier]))
+    with pytest.warns(SoftwareChanged, match="numpy 0.0.1 →"):
+        RunDir(run).check_software()
+    resumed = RunDir(run).manifest()["software_resumed"]
+    assert len(resumed) == 2 and resumed[0] == earlier and resumed[1]["rounds_completed"] == 2
+
+
+def test_a_manifest_records_the_schema_and_version_it_was_written_with(finished):
+    import selfevo
+    from selfevo.records import SCHEMA_VERSION
+
+    m = RunDir(finished).manifest()
+    assert m["schema"] == SCHEMA_VERSION and m["selfevo_version"] == selfevo.__version__
+    assert m["status"] == "complete" and m["rounds_completed"] == 2 and isinstance(m["created"], float)
+
+
+def test_a_finished_runs_log_with_a_torn_line_past_its_schedule_is_refused(run):
+    """A torn line appended to a complete run's log leaves every scheduled row whole: still damage done after
+    the run ended (no crash of the run tears a line once it is complete), named by its line."""
+    with open(_steps(run), "ab") as fh:
+        fh.write(b'{"schema": 1, "round": 3')
+    with pytest.raises(RunError, match=re.escape(f"{_steps(run)}:9: the last line is cut short, in a run marked "
+                                                 "complete")):
+        RunDir(run).steps()
+
+
+def test_a_finished_run_whose_log_lost_whole_rows_names_the_first_missing_line(run):
+    steps = _steps(run)
+    steps.write_bytes(b"".join(steps.read_bytes().splitlines(keepends=True)[:-2]))
+    with pytest.raises(RunError, match=re.escape(f"{steps}:7: 6 step records where the schedule of the 2 round(s) "
+                                                 "done has 8")):
+        RunDir(run).steps()
+
+
+def test_an_engine_runs_log_is_not_held_to_the_loops_schedule(run):
+    """engine-run logs the steps its trainers ran: a complete engine run with fewer rows than the loop's
+    schedule is no damage (only a torn last line is)."""
+    steps = _steps(run)
+    steps.write_bytes(b"".join(steps.read_bytes().splitlines(keepends=True)[:-2]))
+    edit_json(run / "manifest.json", engine={"name": "trl"})
+    assert len(RunDir(run).steps()) == 6
+
+
+def test_a_recorded_evaluation_is_taken_only_where_it_is_whole(run):
+    """A resumed run takes eval/round-N.json instead of evaluating again only where its question count (what
+    compute.json counts) was written; else None: it evaluates again."""
+    rd = RunDir(run)
+    assert rd.recorded_evaluation(0)["run"]["questions"] > 0
+    _edit(run / "eval" / "round-0.json", lambda o: o["run"].pop("questions"))
+    assert rd.recorded_evaluation(0) is None
+    _edit(run / "eval" / "round-0.json", lambda o: o.pop("run"))
+    assert rd.recorded_evaluation(0) is None
+    (run / "eval" / "round-0.json").unlink()
+    assert rd.recorded_evaluation(0) is None
+
+
+@pytest.mark.parametrize("change, named", [
+    (lambda r: r.update(admitted="20"), "field rounds[0].admitted should be a finite number or null, got '20'"),
+    (lambda r: r.update(hop_mix_admitted={"1": "0.45"}),
+     "field rounds[0].hop_mix_admitted.1 should be a finite number or null, got '0.45'"),
+])
+def test_audit_metrics_name_a_bad_admission_count_or_hop_share(run, change, named):
+    path = run / "audit" / "metrics.json"
+    _edit(path, lambda o: change(o["rounds"][0]))
+    with pytest.raises(RunError, match=re.escape(f"{path}: {named}")):
+        RunDir(run).audit_metrics()

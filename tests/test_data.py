@@ -868,3 +868,12 @@ def test_a_corpus_is_gzip_by_its_content_whatever_its_name_as_the_reader_takes_i
         out = tmp_path / f"out-{name}.jsonl"
         convert_corpus(src, out)
         assert [json.loads(x)["id"] for x in out.read_text().splitlines()] == ["1"]
+
+
+def test_a_question_without_metadata_is_written_without_it():
+    """FlashRAG's QA format: `metadata` only where there is some (an empty object is no field of the format)."""
+    from selfevo.records import QAItem
+
+    assert QAItem("nq-1", "capital of France?", ("Paris",)).to_json() == \
+        {"id": "nq-1", "question": "capital of France?", "golden_answers": ["Paris"]}
+    assert QAItem("nq-1", "q", ("Paris",), {"benchmark": "nq"}).to_json()["metadata"] == {"benchmark": "nq"}

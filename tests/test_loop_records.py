@@ -74,3 +74,12 @@ def test_cap_admissions_holds_the_budget_in_order():
     assert [d.admitted for d in decisions] == [True, False, True, False]
     assert decisions[3].detail == {"over_budget": True} and decisions[2].detail == {"msv": 1}
     assert cap_admissions([Decision(True, "e")], -1) == -2
+
+
+def test_a_malformed_proposal_that_wrote_nothing_keeps_its_empty_text():
+    """`text=""` (the model's last action was empty) is what it wrote, recorded as such; only a proposal with no
+    text given (a sim agent's) has no `text` field."""
+    args = dict(item_id="r1-s1-0", source_id="d0", hops=1, question="", draft_label="", format_error="no answer",
+                reward=-1.0)
+    assert malformed_record(**args, text="")["text"] == ""
+    assert "text" not in malformed_record(**args)

@@ -974,3 +974,123 @@ def test_a_starter_refused_does_not_remove_the_directory_another_holds(tmp_path,
         with pytest.raises(RuntimeError, match="busy"), io.hold_directory(target, lambda: RuntimeError("busy")):
             pass
         assert target.is_dir()  # the holder's, still there
+
+
+def test_an_atomic_write_reads_like_any_new_file_not_like_a_private_temp_file(tmp_path, monkeypatch):
+    """mkstemp makes its file 0600: a run's files written through it must carry the umask's mode (0644 under
+    022), or a colleague reading the run directory is refused."""
+    from selfevo import _io
+
+    monkeypatch.setattr(_io, "_UMASK", 0o022)
+    write_json(tmp_path / "manifest.json", {"round": 1})
+    assert stat.S_IMODE((tmp_path / "manifest.json").stat().st_mode) == 0o644
+
+
+def test_a_directory_the_file_system_cannot_sync_is_left_as_it_is_but_an_io_error_is_raised(tmp_path, monkeypatch):
+    """Some network file systems refuse fsync on a directory (EINVAL): the write stands; a real I/O error of it
+    is no such refusal and is raised."""
+    import errno
+
+    real = os.fsync
+
+    def refusing(code):
+        def fsync(fd):
+            if stat.S_ISDIR(os.fstat(fd).st_mode):
+                raise OSError(code, os.strerror(code))
+            real(fd)
+        return fsync
+
+    monkeypatch.setattr(os, "fsync", refusing(errno.EINVAL))
+    write_json(tmp_path / "a.json", {"round": 1})
+    append_jsonl(tmp_path / "log" / "steps.jsonl", [{"round": 1}])
+    assert read_jsonl_log(tmp_path / "log" / "steps.jsonl") == [{"round": 1}]
+    monkeypatch.setattr(os, "fsync", refusing(errno.EIO))
+    with pytest.raises(OSError, match="Input/output error"):
+        write_json(tmp_path / "b.json", {"round": 2})
+
+
+def test_a_holder_with_no_busy_error_waits_for_the_other_holder_to_end(tmp_path):
+    """hold_directory(path, None) (a second user of an index cache) waits for the holder and then holds it, where
+    one with `busy` is refused at once."""
+    from selfevo._io import hold_directory
+
+    order: list[str] = []
+    failed: list[BaseException] = []
+
+    def second():
+        try:
+            with hold_directory(tmp_path / "cache", None):
+                order.append("second holds")
+        except BaseException as e:  # noqa: BLE001 - reported below, not lost in the thread
+            failed.append(e)
+
+    with hold_directory(tmp_path / "cache", lambda: RuntimeError("busy")):
+        with pytest.raises(RuntimeError, match="busy"):
+            with hold_directory(tmp_path / "cache", lambda: RuntimeError("busy")):
+                pass
+        waiter = threading.Thread(target=second)
+        waiter.start()
+        waiter.join(0.2)  # it cannot take the lock while this block holds it
+        order.append("first ends")
+    waiter.join(10)
+    assert failed == [] and order == ["first ends", "second holds"]
+
+
+def test_stray_files_names_only_what_the_command_would_not_write(tmp_path):
+    """Hidden files (temp files, locks) and the command's own names are no obstacle; the others are named, the
+    first three in name order."""
+    from selfevo._io import stray_files
+
+    for name in (".lock", ".score.json.abc.tmp", "score.json"):
+        (tmp_path / name).write_text("x")
+    assert stray_files(tmp_path, ["score.json"]) is None
+    assert stray_files(tmp_path / "missing", ["score.json"]) is None
+    for name in ("d.txt", "b.txt", "c.txt"):
+        (tmp_path / name).write_text("x")
+    assert stray_files(tmp_path, ["score.json"]) == "b.txt, c.txt, d.txt"
+    (tmp_path / "a.txt").write_text("x")
+    assert stray_files(tmp_path, ["score.json"]) == "a.txt, b.txt, c.txt, ..."
+
+
+def test_only_an_atomic_writes_temp_files_are_cleared_as_leftovers(tmp_path):
+    """`.NAME.XXXXXXXX.tmp` is an atomic write's; any other hidden file (a lock, a user's dotfile) is not."""
+    from selfevo._io import remove_leftover_temps
+
+    for name in (".a.json.x1y2.tmp", ".a.json.keep", ".notes.txt", "a.json", "b.tmp"):
+        (tmp_path / name).write_text("x")
+    remove_leftover_temps(tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".a.json.keep", ".notes.txt", "a.json", "b.tmp"]
+
+
+def test_a_json_file_keeps_its_writers_key_order(tmp_path):
+    """write_json writes keys in the writer's order (a manifest's, an evaluation's), indented, ending its line."""
+    write_json(tmp_path / "x.json", {"status": "complete", "benchmarks": {"nq": 1}, "a": "é"})
+    assert (tmp_path / "x.json").read_text(encoding="utf-8") == \
+        '{\n  "status": "complete",\n  "benchmarks": {\n    "nq": 1\n  },\n  "a": "\\u00e9"\n}\n'
+
+
+def test_a_log_rewritten_on_resume_has_the_bytes_appending_gave_it(tmp_path):
+    """open_for_resume rewrites the kept rows with write_jsonl; they must be the bytes append_jsonl wrote
+    (non-ASCII text as UTF-8), or a resumed run's log differs from an uninterrupted one's."""
+    from selfevo._io import write_jsonl
+
+    rows = [{"question": "Who founded Zürich?", "responses": ["Ærø", "北京"]}, {"round": 2}]
+    append_jsonl(tmp_path / "appended.jsonl", rows)
+    write_jsonl(tmp_path / "rewritten.jsonl", rows)
+    assert (tmp_path / "rewritten.jsonl").read_bytes() == (tmp_path / "appended.jsonl").read_bytes()
+
+
+def test_a_blank_line_inside_a_log_is_corruption_not_its_end(tmp_path):
+    """Only the very end of the file may be empty: a blank line before rows must not end the reading there
+    (the rows after it silently lost)."""
+    path = tmp_path / "steps.jsonl"
+    path.write_bytes(b'{"round": 1}\n\n{"round": 2}\n')
+    with pytest.raises(ValueError, match=re.escape(f"{path}:2: corrupt log line")):
+        read_jsonl_log(path, repair=True)
+    assert path.read_bytes() == b'{"round": 1}\n\n{"round": 2}\n'
+
+
+def test_appending_no_rows_leaves_no_file(tmp_path):
+    """Nothing to append touches nothing: no empty log (a finished run's missing log would read as one emptied)."""
+    append_jsonl(tmp_path / "records" / "steps.jsonl", [])
+    assert not (tmp_path / "records").exists()

@@ -942,7 +942,6 @@ def test_a_reply_larger_than_the_bound_fails_its_call_at_once():
         client.check()
 
 
-
 # ------------------------------------------------------------------ mutation-sweep additions
 
 
@@ -1092,3 +1091,9 @@ def test_the_wait_before_a_retry_has_jitter_on_top_of_the_exponential_backoff():
     stopped = _NoWait()
     assert client.chat(HI, stopped=stopped)[0].text == "ok"
     assert 1.0 < stopped.waits[0] < 2.0 and 2.0 < stopped.waits[1] < 3.0  # 1, 2 (backoff), + uniform(0, 1)
+
+
+def test_credentials_behind_an_upper_case_scheme_are_hidden_too():
+    """A URL's scheme is case-insensitive (`HTTPS://user:KEY@host` works as well): its key is hidden as well."""
+    assert shown_url("HTTPS://user:k3y@host/v1") == "HTTPS://***@host/v1"
+    assert shown_url("remote:m@Http://u:k@h:8000/v1") == "remote:m@Http://***@h:8000/v1"

@@ -728,3 +728,45 @@ def test_evolve_refuses_a_negative_step_checkpoints_before_writing_anything(tmp_
     with pytest.raises(ValueError, match=r"^step_checkpoints: must be an integer >= 0, got -1$"):
         evolve(load_config(), tmp_path / "run", step_checkpoints=-1)
     assert not (tmp_path / "run").exists()
+
+
+def test_a_rounds_checkpoint_clears_what_it_makes_redundant(tmp_path):
+    """RunDir.checkpoint(R): the answers files of the evaluations now recorded (rounds 0..R, R's own too) and
+    the step checkpoint of the round are removed; a later round's answers stay until finish()."""
+    run = RunDir(tmp_path / "run")
+    run.create({"seed": 0})
+    run.eval_partial_path(0).parent.mkdir()
+    for r in (0, 1, 2):
+        run.eval_partial_path(r).write_text("{}\n")
+    run.step_checkpoint({"round": 1, "step": 3})
+    run.checkpoint(1, {"compute": {"total_updates": 3}})
+    assert [run.eval_partial_path(r).exists() for r in (0, 1, 2)] == [False, False, True]
+    assert not run.step_checkpoint_path.exists() and run.manifest()["rounds_completed"] == 1
+    assert json.loads((run.path / "compute.json").read_text()) == {"total_updates": 3}
+    run.finish()
+    assert not run.eval_partial_path(2).exists() and run.manifest()["status"] == "complete"
+
+
+def test_tensor_files_are_the_references_with_a_digest_only():
+    """A checkpoint's {"file", "sha256"} objects name tensor files; a "file" without its digest (a path a
+    config or a state mentions) is none, and is never removed as one."""
+    from selfevo.runs import tensor_files
+
+    state = {"main": {"file": "main.pt", "sha256": "0"}, "aux": [{"policy": {"file": "aux.pt", "sha256": "1"}}],
+             "corpus": {"file": "corpus.jsonl"}, "weights": [0.5, 1.5]}
+    assert tensor_files(state) == {"main.pt", "aux.pt"}
+
+
+def test_a_replaced_step_checkpoint_takes_only_its_own_tensor_files_with_it(tmp_path):
+    """Replacing (or dropping) a step checkpoint removes the tensor files only it referenced (a policy's
+    weights each); a file a round checkpoint references stays, whichever step checkpoint also named it."""
+    run = RunDir(tmp_path / "run")
+    run.tensors_dir.mkdir(parents=True)
+    for name in ("round.pt", "a.pt", "b.pt"):
+        (run.tensors_dir / name).write_text(name)
+    run.checkpoint_path(1).write_text(json.dumps({"main": {"file": "round.pt", "sha256": "0"}}))
+    run.step_checkpoint({"main": {"file": "a.pt", "sha256": "0"}, "proposer": {"file": "round.pt", "sha256": "0"}})
+    run.step_checkpoint({"main": {"file": "b.pt", "sha256": "0"}})
+    assert sorted(p.name for p in run.tensors_dir.iterdir()) == ["b.pt", "round.pt"]
+    run._drop_step_checkpoint()
+    assert sorted(p.name for p in run.tensors_dir.iterdir()) == ["round.pt"] and not run.step_checkpoint_path.exists()

@@ -1284,3 +1284,14 @@ def test_by_id_over_a_repeated_id_keeps_the_last_as_a_dict_would():
     docs = [Document("a", "A", "first"), Document("b", "B", "b"), Document("a", "A", "last")]
     assert ById(docs)["a"] is docs[2] and list(ById(docs)) == ["a", "b"] and len(ById(docs)) == 2
     assert contents_by_id(docs)["a"] == docs[2].contents and "c" not in contents_by_id(docs)
+
+
+@pytest.mark.parametrize("contents, title", [
+    ('"Paris" \nCapital of France.', "Paris"),  # spaces around the quoted title: the title without them
+    ('  "Paris"\nCapital of France.', "Paris"),
+    ('"\nA lone quote.', '"'),  # one quote is no quoted title
+    ('""\nNo title.', ""),
+])
+def test_a_title_is_read_from_its_first_line_and_the_contents_kept_verbatim(contents, title):
+    doc = Document.from_contents("1", contents)
+    assert doc.title == title and doc.contents == contents and doc.to_json() == {"id": "1", "contents": contents}
