@@ -1590,3 +1590,137 @@ def test_answer_key_error_rate_is_the_share_of_misread_entries():
     assert not any(e.get("misread") for e in answer_key(items, None, _Truth(), error_rate=0.0, seed=3).values())
     some = answer_key(items, None, _Truth(), error_rate=0.3, seed=3)
     assert 0 < sum(bool(e.get("misread")) for e in some.values()) < 20
+
+
+# ------------------------------------------------------------------ the chat server: what reaches the model, limits
+
+
+class _RecordingModel:
+    """A chat model that records the keyword arguments each request reaches it with."""
+
+    name = "rec"
+
+    def __init__(self, fault: int | None = None):
+        self.calls: list[dict] = []
+        self.fault = fault
+
+    def generate(self, messages, **kw):
+        from selfevo.agents.lm.model import Completion, ModelFault
+
+        self.calls.append(kw)
+        if self.fault is not None:
+            raise ModelFault(self.fault, f"injected ({self.fault})")
+        return [Completion("a b", "stop", 5, 2)] * kw["n"]
+
+
+_HI = [{"role": "user", "content": "hi"}]
+
+
+def _client(app):
+    from fastapi.testclient import TestClient
+
+    return TestClient(app)
+
+
+def test_chat_server_hands_the_model_the_request_as_asked():
+    """Defaults (temperature 1, top_p 1, max_tokens 256), n, seed, a single stop string as a list,
+    max_completion_tokens over max_tokens, json_schema as JSON mode; choices numbered, usage summed."""
+    model = _RecordingModel()
+    client = _client(make_app(model))
+    r = client.post("/v1/chat/completions", json={"messages": _HI})
+    assert r.status_code == 200 and model.calls[-1] == {
+        "temperature": 1.0, "top_p": 1.0, "max_tokens": 256, "n": 1, "seed": None, "json_mode": False, "stop": None}
+    assert r.json()["usage"] == {"prompt_tokens": 5, "completion_tokens": 2, "total_tokens": 7}
+    r = client.post("/v1/chat/completions", json={
+        "messages": _HI, "temperature": 0.5, "top_p": 0.9, "n": 3, "seed": 7, "stop": "END", "max_tokens": 9,
+        "max_completion_tokens": 4, "response_format": {"type": "json_schema", "json_schema": {"name": "x"}}})
+    assert r.status_code == 200 and model.calls[-1] == {
+        "temperature": 0.5, "top_p": 0.9, "max_tokens": 4, "n": 3, "seed": 7, "json_mode": True, "stop": ["END"]}
+    body = r.json()
+    assert [c["index"] for c in body["choices"]] == [0, 1, 2]
+    assert body["usage"] == {"prompt_tokens": 5, "completion_tokens": 6, "total_tokens": 11}
+    client.post("/v1/chat/completions", json={"messages": _HI, "response_format": {"type": "text"},
+                                              "stop": ["a", "b"]})
+    assert model.calls[-1]["json_mode"] is False and model.calls[-1]["stop"] == ["a", "b"]
+
+
+def test_chat_server_limits_hold_at_their_edges():
+    """64 messages, 200,000 characters a message, 4 stop strings of 1 to 256 characters, temperature in
+    [0, 2], top_p in (0, 1], max_tokens / max_completion_tokens / n from 1, a seed torch takes: the edge
+    is a 200, a step past it a 422 that never reaches the model."""
+    model = _RecordingModel()
+    client = _client(make_app(model, max_tokens_cap=64, max_n=2))
+
+    def status(**fields) -> int:
+        return client.post("/v1/chat/completions", json={"messages": _HI, **fields}).status_code
+
+    edges = [({"messages": _HI * 64}, {"messages": _HI * 65}),
+             ({"messages": [{"role": "user", "content": "x" * 200_000}]},
+              {"messages": [{"role": "user", "content": "x" * 200_001}]}),
+             ({"stop": ["s"] * 4}, {"stop": ["s"] * 5}),
+             ({"stop": "s" * 256}, {"stop": "s" * 257}),
+             ({"stop": ["s"]}, {"stop": ""}),
+             ({"stop": ["s"]}, {"stop": ["s", ""]}),
+             ({"temperature": 0}, {"temperature": -0.01}),
+             ({"temperature": 2}, {"temperature": 2.01}),
+             ({"top_p": 1}, {"top_p": 1.01}),
+             ({"max_tokens": 1}, {"max_tokens": 0}),
+             ({"max_completion_tokens": 64}, {"max_completion_tokens": 65}),
+             ({"max_completion_tokens": 1}, {"max_completion_tokens": 0}),
+             ({"n": 1}, {"n": 0}),
+             ({"seed": 2**64 - 1}, {"seed": 2**64}),
+             ({"seed": -(2**63)}, {"seed": -(2**63) - 1})]
+    for ok, bad in edges:
+        assert (status(**ok), status(**bad)) == (200, 422), (ok, bad)
+    assert len(model.calls) == len(edges)
+
+
+def test_chat_server_default_body_cap_is_4_mib():
+    client = _client(make_app(_RecordingModel()))
+    pad = 4 * 1024 * 1024 - 200  # ignored extra field: only the body size matters
+    r = client.post("/v1/chat/completions", json={"messages": _HI, "pad": "y" * pad})
+    assert r.status_code == 200
+    r = client.post("/v1/chat/completions", json={"messages": _HI, "pad": "y" * (4 * 1024 * 1024)})
+    assert r.status_code == 413
+
+
+def test_chat_server_refusals_never_echo_the_content():
+    client = _client(make_app(_RecordingModel()))
+    r = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "needle" * 40_000}]})
+    assert r.status_code == 422 and "needle" not in r.text
+    assert r.json()["detail"][0]["loc"] == ["messages", 0, "content"]
+
+
+def test_chat_server_api_key_guards_the_model_list_and_comes_before_validation():
+    client = _client(make_app(_RecordingModel(), api_key="s3cret"))
+    assert client.get("/health").status_code == 200  # a liveness probe needs no key
+    assert client.get("/v1/models").status_code == 401
+    assert client.get("/v1/models", headers={"Authorization": "Bearer nope"}).status_code == 401
+    r = client.get("/v1/models", headers={"Authorization": "Bearer s3cret"})
+    assert r.status_code == 200 and r.json()["data"][0]["id"] == "rec"
+    # a caller without the key learns nothing of the schema: 401, not 422
+    assert client.post("/v1/chat/completions", content=b"{not json").status_code == 401
+
+
+@pytest.mark.parametrize("status, kind", [(500, "server_error"), (503, "server_error"),
+                                          (400, "invalid_request_error")])
+def test_a_model_fault_is_answered_with_its_status_and_kind(status, kind):
+    r = _client(make_app(_RecordingModel(fault=status))).post("/v1/chat/completions", json={"messages": _HI})
+    assert r.status_code == status and r.json()["error"] == {"message": f"injected ({status})", "type": kind}
+
+
+def test_serve_model_runs_the_app_with_its_key_and_limits_on_loopback(monkeypatch):
+    import uvicorn
+
+    from selfevo.agents.lm import server
+
+    ran = []
+    monkeypatch.setattr(uvicorn, "run", lambda app, **kw: ran.append((app, kw)))
+    server.serve(_RecordingModel(), api_key="k", max_n=1)
+    [(served, kw)] = ran
+    assert kw["host"] == "127.0.0.1"
+    client = _client(served)
+    assert client.get("/v1/models").status_code == 401
+    auth = {"Authorization": "Bearer k"}
+    assert client.post("/v1/chat/completions", json={"messages": _HI, "n": 1}, headers=auth).status_code == 200
+    assert client.post("/v1/chat/completions", json={"messages": _HI, "n": 2}, headers=auth).status_code == 422

@@ -1094,3 +1094,120 @@ def test_appending_no_rows_leaves_no_file(tmp_path):
     """Nothing to append touches nothing: no empty log (a finished run's missing log would read as one emptied)."""
     append_jsonl(tmp_path / "records" / "steps.jsonl", [])
     assert not (tmp_path / "records").exists()
+
+
+# ------------------------------------------------------------------ _proc: what counts as running, how a stop goes
+
+
+def test_a_zombie_a_reaped_child_or_another_start_time_is_not_running():
+    """`_running` is what keeps a stop from signalling a pid another process took: the start time must
+    match, a zombie is gone, and a reaped pid is gone also when /proc's start time is unknown ("")."""
+    from selfevo import _proc
+
+    me = _proc._stat(os.getpid())
+    fields = Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()
+    assert me == (os.getppid(), fields[0], fields[19]) and _proc._running(os.getpid(), me[2])
+    assert not _proc._running(os.getpid(), str(int(me[2]) + 1))  # same pid, another process
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    start = _proc._stat(child.pid)[2]
+    os.waitid(os.P_PID, child.pid, os.WEXITED | os.WNOWAIT)  # exited, not reaped: a zombie
+    assert _proc._stat(child.pid)[1] == "Z" and not _proc._running(child.pid, start)
+    assert _proc._running(child.pid, "")  # kill(pid, 0) still finds a zombie ...
+    child.wait()
+    assert not _proc._running(child.pid, "") and not _proc._running(child.pid, start)  # ... not a reaped pid
+    assert _proc.process_tree(child.pid) == {child.pid: ""}  # a root /proc does not show
+
+
+def _wait_for(path: Path, deadline_s: float = 60) -> None:
+    deadline = time.monotonic() + deadline_s
+    while not path.exists():
+        assert time.monotonic() < deadline, f"{path} never appeared"
+        time.sleep(0.02)
+
+
+def test_a_stop_sends_sigterm_first_and_does_not_wait_out_the_grace_once_the_job_is_gone(tmp_path, caplog):
+    """A server that handles SIGTERM (saves, exits) gets it, and leaving the block returns as soon as it
+    has exited, not after the grace period; nothing is warned about (the job did not exit by itself)."""
+    from selfevo._proc import running
+
+    ready, termed = tmp_path / "ready", tmp_path / "termed"
+    server = ("import pathlib, signal, sys, time; "
+              f"signal.signal(signal.SIGTERM, lambda *a: (pathlib.Path({str(termed)!r}).write_text('x'), "
+              "sys.exit(0))); "
+              f"pathlib.Path({str(ready)!r}).write_text(''); time.sleep(600)")
+    with caplog.at_level("WARNING", logger="selfevo._proc"):
+        with running([sys.executable, "-c", server], grace=30) as proc:
+            _wait_for(ready)
+            start = time.monotonic()
+        assert time.monotonic() - start < 15  # not the 30 s grace
+    assert termed.exists() and proc.returncode == 0
+    assert not caplog.records
+
+
+def test_a_stop_kills_what_ignores_sigterm_and_reaps_it(tmp_path):
+    from selfevo._proc import running
+
+    ready = tmp_path / "ready"
+    server = ("import pathlib, signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+              f"pathlib.Path({str(ready)!r}).write_text(''); time.sleep(600)")
+    with running([sys.executable, "-c", server], grace=0.2) as proc:
+        _wait_for(ready)
+    assert proc.returncode == -signal.SIGKILL  # reaped: no zombie left behind
+
+
+def test_a_worker_started_since_the_last_look_is_stopped_with_the_job(tmp_path):
+    """The tree is looked at again when the block ends (here the periodic look never comes): a worker
+    in a session of its own, which the job started after the first look, is stopped too, though its
+    parent's exit on SIGTERM leaves it with no parent link."""
+    from selfevo._proc import running
+
+    pidfile = tmp_path / "pid"
+    worker = "import time; time.sleep(600)"
+    server = ("import pathlib, subprocess, sys, time; "
+              f"p = subprocess.Popen([sys.executable, '-c', {worker!r}], start_new_session=True); "
+              f"pathlib.Path({str(pidfile)!r}).write_text(str(p.pid)); time.sleep(600)")
+    pid = None
+    try:
+        with running([sys.executable, "-c", server], grace=5, interval=600):
+            _wait_for(pidfile)
+            pid = int(pidfile.read_text())
+        assert not _running(pid)
+    finally:
+        if pid is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+
+
+def test_a_worker_started_during_the_grace_period_is_killed_with_the_job(tmp_path):
+    """What the job starts while it ignores SIGTERM (a launcher's cleanup spawning a process) is found
+    from the job again before the SIGKILL."""
+    from selfevo._proc import running
+
+    ready, pidfile = tmp_path / "ready", tmp_path / "pid"
+    worker = "import time; time.sleep(600)"
+    server = ("import pathlib, signal, subprocess, sys, time; "
+              "signal.signal(signal.SIGTERM, lambda *a: pathlib.Path(" + repr(str(pidfile)) + ").write_text(str("
+              f"subprocess.Popen([sys.executable, '-c', {worker!r}], start_new_session=True).pid))); "
+              f"pathlib.Path({str(ready)!r}).write_text(''); time.sleep(600)")
+    pid = None
+    try:
+        with running([sys.executable, "-c", server], grace=1.0, interval=600):
+            _wait_for(ready)
+        pid = int(pidfile.read_text())
+        assert not _running(pid)
+    finally:
+        if pid is None and pidfile.exists():
+            pid = int(pidfile.read_text())
+        if pid is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+
+
+def test_run_raises_for_a_job_killed_by_a_signal_and_passes_its_environment():
+    from selfevo import _proc
+
+    with pytest.raises(subprocess.CalledProcessError) as err:
+        _proc.run([sys.executable, "-c", "import os, signal; os.kill(os.getpid(), signal.SIGKILL)"])
+    assert err.value.returncode == -signal.SIGKILL
+    _proc.run([sys.executable, "-c", "import os, sys; sys.exit(os.environ.get('SELFEVO_PROC_T') != 'yes')"],
+              env={**os.environ, "SELFEVO_PROC_T": "yes"})

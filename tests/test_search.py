@@ -1295,3 +1295,76 @@ def test_by_id_over_a_repeated_id_keeps_the_last_as_a_dict_would():
 def test_a_title_is_read_from_its_first_line_and_the_contents_kept_verbatim(contents, title):
     doc = Document.from_contents("1", contents)
     assert doc.title == title and doc.contents == contents and doc.to_json() == {"id": "1", "contents": contents}
+
+
+# ------------------------------------------------------------------ server limits and defaults, pinned
+
+
+def test_queries_at_the_caps_outside_the_bmp_fit_the_body_cap_for_any_max_queries(small):
+    """body_cap promises room for max_queries queries of MAX_QUERY_CHARS characters, each escaped as
+    12 bytes a character, indented, plus the envelope: one such query alone (max_queries=1) needs the
+    envelope's room too."""
+    from fastapi.testclient import TestClient
+
+    for max_queries in (1, 3):
+        client = TestClient(make_app(small, max_queries=max_queries))
+        queries = ["\U0001F600" * 2000] * max_queries
+        body = json.dumps({"queries": queries, "topk": 5, "return_scores": True}, indent=8).encode()
+        r = client.post("/retrieve", content=body, headers={"content-type": "application/json"})
+        assert r.status_code == 200 and len(r.json()["result"]) == max_queries, (max_queries, len(body), r.text[:200])
+
+
+def test_the_default_app_takes_4096_queries_and_topk_50_and_no_more(small):
+    """The documented defaults: Search-R1's trainer sends 4,096 queries a turn; topk is capped at 50."""
+    from fastapi.testclient import TestClient
+
+    client = TestClient(make_app(small))
+    r = client.post("/retrieve", json={"queries": ["zebra"] * 4096, "topk": 1})
+    assert r.status_code == 200 and len(r.json()["result"]) == 4096
+    assert client.post("/retrieve", json={"queries": ["zebra"] * 4097, "topk": 1}).status_code == 422
+    assert client.post("/retrieve", json={"queries": ["zebra"], "topk": 50}).status_code == 200
+    assert client.post("/retrieve", json={"queries": ["zebra"], "topk": 51}).status_code == 422
+
+
+def test_topk_at_the_cap_and_unknown_fields_are_accepted(server_url):
+    """max_topk is inclusive (5 here); a Search-R1 client's extra fields are ignored, not refused."""
+    r = httpx.post(f"{server_url}/retrieve", json={"queries": ["zebra stripes river Europe hoofed"], "topk": 5})
+    assert r.status_code == 200 and len(r.json()["result"][0]) == 5
+    r = httpx.post(f"{server_url}/retrieve", json={"queries": ["zebra"], "topk": 1, "return_scores": True,
+                                                   "session_id": "s1", "meta": {"step": 3}})
+    assert r.status_code == 200 and r.json()["result"][0][0]["document"]["id"] == "d0"
+
+
+def test_a_refused_request_never_echoes_the_query(server_url):
+    """A 422 names the field and the rule, never the offending value (which may be megabytes)."""
+    secret = "needle-" + "x" * 2000  # one character over MAX_QUERY_CHARS
+    r = httpx.post(f"{server_url}/retrieve", json={"queries": [secret]})
+    assert r.status_code == 422 and "needle-" not in r.text
+    [err] = r.json()["detail"]
+    assert err["loc"] == ["queries", 0] and "input" not in err
+
+
+def test_serve_builds_the_app_with_the_asked_query_limit_on_loopback(tmp_path, monkeypatch):
+    """`serve(..., max_queries=N)` (serve-retriever --max-queries) reaches the app it runs."""
+    import uvicorn
+    from fastapi.testclient import TestClient
+
+    corpus = tmp_path / "corpus.jsonl"
+    write_corpus(corpus, DOCS)
+    ran = []
+    monkeypatch.setattr(uvicorn, "run", lambda app, **kw: ran.append((app, kw)))
+    serve(corpus, max_queries=2)
+    [(served, kw)] = ran
+    assert kw["host"] == "127.0.0.1"
+    client = TestClient(served)
+    assert client.post("/retrieve", json={"queries": ["zebra"] * 2, "topk": 1}).status_code == 200
+    assert client.post("/retrieve", json={"queries": ["zebra"] * 3, "topk": 1}).status_code == 422
+
+
+def test_the_app_times_out_at_the_limit_the_client_waits_past():
+    """The client's read timeout exceeds TIMEOUT_S so that it reads the server's 408/504 instead of
+    giving up first: that holds only while the app's default is that limit."""
+    from selfevo.search.client import TIMEOUT_S as CLIENT_TIMEOUT_S
+    from selfevo.search.server import TIMEOUT_S
+
+    assert inspect.signature(make_app).parameters["timeout_s"].default == TIMEOUT_S < CLIENT_TIMEOUT_S
