@@ -17,7 +17,7 @@ from typer.testing import CliRunner
 
 from selfevo.agents import known_agents, load_agent
 from selfevo.agents.base import Trajectory
-from selfevo.agents.baseline import RetrievalBaseline
+from selfevo.agents.baseline import RetrievalBaseline, _best_span, _spans
 from selfevo.cli import app
 from selfevo.corpus import DataError, read_qa_dir
 from selfevo.evaluate import (
@@ -1141,3 +1141,56 @@ def test_score_json_names_its_paths_absolute(tmp_path, monkeypatch):
     run = json.loads((out / "score.json").read_text())["run"]
     assert run["data_dir"] == str(QA_DIR.resolve()) and run["corpus"] == str(CORPUS.resolve())
     assert run["index"] is None
+
+
+# ------------------------------------------------------------------ mutation-sweep additions: the baseline's heuristic
+
+
+@pytest.mark.parametrize("question, docs, expected", [
+    # the question names at least half of the title's words: the nearest span, not the title
+    ("Which label released the Submarine?",
+     [Document("1", "Yellow Submarine", "Yellow Submarine is a 1966 song. It was released by "
+                                        "the label Parlophone. The Beatles recorded it.")],
+     "Parlophone"),
+    # a page without a title: its best span
+    ("Which label signed him?", [Document("1", "", "In 1966 the label Capitol Records signed him.")],
+     "Capitol Records"),
+    # the title named inside an option ("Jacoby" in "James Jacoby") picks that option
+    ("Who died first, Pierre Choffard or James Jacoby?",
+     [Document("1", "Jacoby", "Jacoby was a bridge player.")], "James Jacoby"),
+    # leading blanks do not hide a yes/no question
+    ("  Are both bands from the same country?", [Document("1", "X", "y")], "yes"),
+])
+def test_retrieval_baseline_heuristic_edges(question, docs, expected):
+    retriever = _FakeRetriever(docs)
+    (trajs,) = RetrievalBaseline().answer([question], SearchTool(retriever, topk=3, max_calls=5), n=2)
+    assert [t.answer for t in trajs] == [expected, expected]
+    trajs[1].searches.append("x")  # the n copies share no list
+    assert trajs[0].searches == [question]
+
+
+def test_retrieval_baseline_reads_a_given_context_instead_of_searching():
+    retriever = _FakeRetriever([Document("1", "The Beatles (band)", "Yellow Submarine is a song.")])
+    tool = SearchTool(retriever, topk=3, max_calls=5)
+    context = Document("2", "Abbey Road", "Abbey Road is an album.")
+    (trajs,) = RetrievalBaseline().answer(["Who sang the song about yellow submarines?"], tool, contexts=[context])
+    assert [t.answer for t in trajs] == ["Abbey Road"]
+    assert trajs[0].searches == [] and retriever.queries == []
+
+
+def test_baseline_spans_keep_connectors_only_inside_a_name():
+    assert [s for *_, s in _spans("Leonardo da Vinci painted it")] == ["Leonardo da Vinci"]
+    assert [s for *_, s in _spans("Prince of, Wales")] == ["Prince", "Wales"]
+    assert [s for *_, s in _spans("Prince of wales")] == ["Prince"]
+
+
+@pytest.mark.parametrize("question, text, expected", [
+    ("Who met?", "Ann met Bo", "Ann"),  # a tie goes to the earlier span
+    ("Who met?", "Ann x met Bo", "Bo"),  # distance counts tokens between the span and the word
+    # not a name the question gives
+    ("Which city hosts Oren Vale?", "Paris, far away. Then the city hosts Oren Vale.", "Paris"),
+    ("Which label signed him?", "The label 1966 signed him.", None),  # not a number for a non-number question
+    ("Who was the man?", "Ann Ash was the man. Bo Birch met him.", "Bo Birch"),  # question stopwords anchor nothing
+])
+def test_baseline_best_span_scoring(question, text, expected):
+    assert _best_span(question, text) == expected

@@ -6,11 +6,13 @@ from collections import Counter
 
 import pytest
 
-from selfevo.agents.baseline import _spans
+from selfevo.agents.base import Trajectory
+from selfevo.agents.baseline import RetrievalBaseline, _spans
 from selfevo.agents.sim import Reader, SimProposer, SimProposerConfig, SimSolver, SimSolverConfig
 from selfevo.audit import OracleJudge
 from selfevo.config import ConfigError, load_config
 from selfevo.evaluate import answers_match, normalize_answer
+from selfevo.loop.feedback import record_training
 from selfevo.search.bm25 import BM25Index
 from selfevo.search.tool import SearchTool
 from selfevo.world import WorldConfig, make_world
@@ -486,3 +488,196 @@ def test_a_proposer_without_sources_says_so(env):
     with pytest.raises(ValueError, match="no source documents"):
         make_proposer([]).propose(3, tool, seed=0)
     assert make_proposer([]).propose(0, tool, seed=0) == []
+
+
+# ------------------------------------------------------------------ mutation-sweep additions: state, snapshots, edges
+
+
+class _NoHits:
+    """A retriever that finds nothing: what the solver answers then comes from its memory alone."""
+
+    def retrieve(self, queries, topk=3):
+        return [[] for _ in queries]
+
+
+def _with_memory(memory: dict, **config) -> SimSolver:
+    solver = make_solver(**config)
+    solver.load_state_dict({**solver.state_dict(), "memory": memory})
+    return solver
+
+
+def test_a_solver_snapshot_is_a_faithful_copy_that_shares_no_mutable_state(env, wrong_candidate):
+    """The grader must not move while the solver it was taken from trains: not its memory, nor its
+    lineage (the loop's `record_training` writes into `solver.lineage` in place), nor its counts."""
+    world, _, tool = env
+    person, wrong, _ = wrong_candidate
+    q = render_chain(ChainQuery(person.name, ("born_in",)), variant=0)
+    solver = make_solver(lr_memory=0.5)
+    assert _train_on_wrong_label(solver, q, wrong, tool, steps=1)
+    record_training(solver, [1], 1)
+    snap = solver.snapshot(name="main@r1")
+    assert {**snap.state_dict(), "name": solver.name} == solver.state_dict()
+    frozen = json.dumps(snap.state_dict(), sort_keys=True)
+    _train_on_wrong_label(solver, q, wrong, tool)
+    record_training(solver, [2], 2)
+    assert json.dumps(snap.state_dict(), sort_keys=True) == frozen
+    assert snap.lineage == {"folds": [1], "rounds": [1]} and snap.updates == 1
+
+
+def test_load_state_dict_forgets_what_was_read_with_the_old_weights(env, wrong_candidate):
+    """A solver that already answered (its readings cached) and then loads a trained state answers
+    as the trained solver does, not from its cache."""
+    world, _, tool = env
+    person, wrong, _ = wrong_candidate
+    q = render_chain(ChainQuery(person.name, ("born_in",)), variant=0)
+    trained = make_solver()
+    _train_on_wrong_label(trained, q, wrong, tool)
+    solver = make_solver()
+    p0 = _label_prob(solver, q, wrong, tool)
+    solver.load_state_dict(json.loads(json.dumps(trained.state_dict())))
+    assert _label_prob(solver, q, wrong, tool) == _label_prob(trained, q, wrong, tool) > p0
+
+
+def test_a_loaded_solver_does_not_train_the_state_it_was_loaded_from(env, wrong_candidate):
+    world, _, tool = env
+    person, wrong, _ = wrong_candidate
+    q = render_chain(ChainQuery(person.name, ("born_in",)), variant=0)
+    source = make_solver(lr_memory=0.5)
+    assert _train_on_wrong_label(source, q, wrong, tool, steps=1) and source.memory
+    before = json.dumps(source.state_dict(), sort_keys=True)
+    twin = make_solver(lr_memory=0.5)
+    twin.load_state_dict(source.state_dict())  # in process, not through JSON: nothing may be shared
+    assert _train_on_wrong_label(twin, q, wrong, tool)
+    assert json.dumps(source.state_dict(), sort_keys=True) == before
+
+
+def test_an_update_with_nothing_to_learn_from_counts_and_moves_nothing():
+    solver = make_solver()
+    assert solver.update([]) == {"groups": 0, "groups_with_signal": 0, "reward": 0.0}
+    # rollouts without a trace (another backend's): an advantage, but no choice of this solver to move
+    stats = solver.update([([Trajectory("Paris"), Trajectory("Rome")], "Paris")])
+    assert stats == {"groups": 1, "groups_with_signal": 1, "reward": 0.5}
+    assert solver.updates == 2 and solver.theta == list(solver.config.theta0) and solver.memory == {}
+
+
+def test_a_solver_without_memory_neither_writes_nor_reads_one(env, wrong_candidate):
+    world, _, tool = env
+    person, wrong, _ = wrong_candidate
+    q = render_chain(ChainQuery(person.name, ("born_in",)), variant=0)
+    off = make_solver(memory=False)
+    assert _train_on_wrong_label(off, q, wrong, tool) >= 1
+    assert off.memory == {}
+    trained = make_solver()
+    _train_on_wrong_label(trained, q, wrong, tool)
+    assert trained.memory
+    loaded = make_solver(memory=False)
+    loaded.load_state_dict(trained.state_dict())  # a checkpoint with memory, read by the ablation
+    bare = make_solver(memory=False)
+    bare.load_state_dict({**trained.state_dict(), "memory": {}})
+    assert _label_prob(loaded, q, wrong, tool) == _label_prob(bare, q, wrong, tool)
+
+
+def test_memory_rows_are_keyed_by_the_lowercased_mention_or_the_questions_start(env, wrong_candidate):
+    world, _, tool = env
+    person, _, _ = wrong_candidate
+    two_hop = render_chain(ChainQuery(person.name, ("born_in", "located_in")))
+    name = person.name.lower()
+    assert name != person.name
+    trace = make_solver().answer([two_hop], tool, greedy=True)[0][0].trace
+    city = trace[0][0].cands[trace[0][1]]
+    assert [d.mkey for d, _ in trace] == [f"{name}|born_in", f"{city.lower()}|located_in"]
+    trace = make_solver(memory_key="question").answer([two_hop], tool, greedy=True)[0][0].trace
+    assert [d.mkey for d, _ in trace] == [f"{name}|born_in", f"{name}|born_in/located_in"]
+
+
+def test_memory_alone_answers_chains_and_comparisons():
+    """With no page found, the candidates are what memory holds: it recalls an answer no page shows;
+    greedy ties go to the first candidate (sorted); a comparison's tie goes to the first option and
+    a year it cannot read counts as later than any year."""
+    tool = SearchTool(_NoHits(), topk=3, max_calls=5)
+    q = render_chain(ChainQuery("Ann Ash", ("born_in",)), variant=0)
+    assert answers_of(make_solver(), [q], tool) == [[""]]
+    assert answers_of(_with_memory({"ann ash|born_in": {"Bree": 1.0, "Arda": 1.0}}), [q], tool) == [["Arda"]]
+    compare = "Who was born first, Ann Ash or Bo Birch?"
+    tie = {"ann ash|birth_year": {"1900": 1.0}, "bo birch|birth_year": {"1900": 1.0}}
+    assert answers_of(_with_memory(tie), [compare], tool) == [["Ann Ash"]]
+    unread = {"ann ash|birth_year": {"unknown": 1.0}, "bo birch|birth_year": {"1950": 1.0}}
+    assert answers_of(_with_memory(unread), [compare], tool) == [["Bo Birch"]]
+    # not a question of the world's language, and no page: no answer (not an IndexError)
+    assert answers_of(make_solver(), ["zzz qqq"], tool) == [[""]]
+
+
+def test_contexts_must_match_the_questions_one_to_one(env):
+    world, _, tool = env
+    qs = questions(world, 1)[:2]
+    for agent in (make_solver(), RetrievalBaseline()):
+        with pytest.raises(ValueError):
+            agent.answer(qs, tool, contexts=[world.documents[0]])
+
+
+def test_a_proposer_snapshot_is_a_faithful_copy_that_shares_no_weights(env):
+    world, _, tool = env
+    p = make_proposer(world.documents[:60])
+    batch = p.propose(40, tool, seed=0)
+    p.update(batch, [float(i % 3 == 0) for i in range(len(batch))])
+    snap = p.snapshot(name="proposer@r1")
+    assert snap.frozen and snap.name == "proposer@r1"
+    assert {**snap.state_dict(), "name": p.name} == p.state_dict()
+    frozen = json.dumps(snap.state_dict(), sort_keys=True)
+    p.update(batch, [float(i % 2 == 0) for i in range(len(batch))])
+    assert json.dumps(snap.state_dict(), sort_keys=True) == frozen
+    # and a checkpoint's round trip restores every weight and the count of updates
+    state = json.loads(json.dumps(p.state_dict()))
+    twin = make_proposer(world.documents[:60])
+    twin.load_state_dict(state)
+    assert json.loads(json.dumps(twin.state_dict())) == state and twin.updates == 2
+
+
+def test_a_proposer_update_with_no_proposals_counts_and_moves_nothing(env):
+    world, _, _ = env
+    p = make_proposer(world.documents[:5])
+    assert p.update([], []) == {"proposals": 0, "reward": 0.0}
+    assert p.updates == 1 and p.w_source == p.w_fact == p.w_relation == {}
+
+
+def test_a_proposal_whose_question_names_its_answer_is_dropped(env):
+    """Dr. Zero's format rule: "Where was Paris Vale born?" - "Paris" gives its answer away."""
+    from selfevo.records import Document
+
+    _, _, tool = env
+    cfg = SimProposerConfig(hop_ratio=(1,), options=1, misread_scale=0.0)
+    for title, want in (("Paris Vale", []), ("Oren Vale", ["Paris"])):
+        doc = Document("person-x", title, f"{title} was born in Paris.")
+        proposer = SimProposer("proposer", cfg, Reader("proposer", 0.0, 0.1, 0), [doc])
+        assert sorted({p.draft_label for p in proposer.propose(3, tool, seed=0)}) == want
+
+
+@pytest.mark.parametrize("make, field", [
+    (lambda: SimSolverConfig(misread_scale=-0.5), "solver.misread_scale"),
+    (lambda: SimProposerConfig(misread_scale=-0.5), "proposer.misread_scale"),
+    (lambda: SimProposerConfig(theta=(1.0, 2.0)), "proposer.theta"),
+    (lambda: SimProposerConfig(hop_ratio=(2, -1)), "proposer.hop_ratio"),
+    (lambda: SimProposerConfig(hop_ratio=(0, 0)), "proposer.hop_ratio"),
+    (lambda: SimProposerConfig(hop_ratio=()), "proposer.hop_ratio"),
+])
+def test_a_sim_setting_the_learners_cannot_use_is_refused_in_python(make, field):
+    with pytest.raises(ValueError, match=f"^{field}: "):
+        make()
+
+
+def test_a_zero_learning_rate_freezes_rather_than_being_refused():
+    assert SimSolverConfig(lr_memory=0.0, lr_theta=0.0).lr_theta == 0.0
+    assert SimProposerConfig(lr=0.0).lr == 0.0
+
+
+def test_a_loaded_solvers_lineage_is_its_own():
+    """`load_state_dict` copies theta and memory but kept the state's lineage dict itself: loading
+    another solver's `state_dict()` in process, then recording training (in place, as the loop's
+    `record_training` does) rewrote the other solver's lineage too."""
+    source = make_solver()
+    record_training(source, [1], 1)
+    twin = make_solver("twin")
+    twin.load_state_dict(source.state_dict())
+    record_training(twin, [2], 2)
+    assert source.lineage == {"folds": [1], "rounds": [1]}
+    assert twin.lineage == {"folds": [1, 2], "rounds": [1, 2]}

@@ -115,7 +115,8 @@ class SimSolver:
         self.theta = [float(x) for x in state["theta"]]
         self.memory = {k: {c: float(v) for c, v in d.items()} for k, d in state["memory"].items()}
         self.updates = int(state["updates"])
-        self.lineage = state.get("lineage", {})
+        # a copy: the loop records training into lineage in place, which must not reach the state's owner
+        self.lineage = copy.deepcopy(state.get("lineage", {}))
         self._cache.clear()
 
     # ---------------------------------------------------------------- reading
