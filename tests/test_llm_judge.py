@@ -15,6 +15,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from fastapi.testclient import TestClient
 from typer.testing import CliRunner
 
 from selfevo.agents.chat_client import MAX_FAILED_IN_A_ROW, Choice
@@ -1616,17 +1617,11 @@ class _RecordingModel:
 _HI = [{"role": "user", "content": "hi"}]
 
 
-def _client(app):
-    from fastapi.testclient import TestClient
-
-    return TestClient(app)
-
-
 def test_chat_server_hands_the_model_the_request_as_asked():
     """Defaults (temperature 1, top_p 1, max_tokens 256), n, seed, a single stop string as a list,
     max_completion_tokens over max_tokens, json_schema as JSON mode; choices numbered, usage summed."""
     model = _RecordingModel()
-    client = _client(make_app(model))
+    client = TestClient(make_app(model))
     r = client.post("/v1/chat/completions", json={"messages": _HI})
     assert r.status_code == 200 and model.calls[-1] == {
         "temperature": 1.0, "top_p": 1.0, "max_tokens": 256, "n": 1, "seed": None, "json_mode": False, "stop": None}
@@ -1649,7 +1644,7 @@ def test_chat_server_limits_hold_at_their_edges():
     [0, 2], top_p in (0, 1], max_tokens / max_completion_tokens / n from 1, a seed torch takes: the edge
     is a 200, a step past it a 422 that never reaches the model."""
     model = _RecordingModel()
-    client = _client(make_app(model, max_tokens_cap=64, max_n=2))
+    client = TestClient(make_app(model, max_tokens_cap=64, max_n=2))
 
     def status(**fields) -> int:
         return client.post("/v1/chat/completions", json={"messages": _HI, **fields}).status_code
@@ -1676,7 +1671,7 @@ def test_chat_server_limits_hold_at_their_edges():
 
 
 def test_chat_server_default_body_cap_is_4_mib():
-    client = _client(make_app(_RecordingModel()))
+    client = TestClient(make_app(_RecordingModel()))
     pad = 4 * 1024 * 1024 - 200  # ignored extra field: only the body size matters
     r = client.post("/v1/chat/completions", json={"messages": _HI, "pad": "y" * pad})
     assert r.status_code == 200
@@ -1685,14 +1680,14 @@ def test_chat_server_default_body_cap_is_4_mib():
 
 
 def test_chat_server_refusals_never_echo_the_content():
-    client = _client(make_app(_RecordingModel()))
+    client = TestClient(make_app(_RecordingModel()))
     r = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "needle" * 40_000}]})
     assert r.status_code == 422 and "needle" not in r.text
     assert r.json()["detail"][0]["loc"] == ["messages", 0, "content"]
 
 
 def test_chat_server_api_key_guards_the_model_list_and_comes_before_validation():
-    client = _client(make_app(_RecordingModel(), api_key="s3cret"))
+    client = TestClient(make_app(_RecordingModel(), api_key="s3cret"))
     assert client.get("/health").status_code == 200  # a liveness probe needs no key
     assert client.get("/v1/models").status_code == 401
     assert client.get("/v1/models", headers={"Authorization": "Bearer nope"}).status_code == 401
@@ -1705,7 +1700,7 @@ def test_chat_server_api_key_guards_the_model_list_and_comes_before_validation()
 @pytest.mark.parametrize("status, kind", [(500, "server_error"), (503, "server_error"),
                                           (400, "invalid_request_error")])
 def test_a_model_fault_is_answered_with_its_status_and_kind(status, kind):
-    r = _client(make_app(_RecordingModel(fault=status))).post("/v1/chat/completions", json={"messages": _HI})
+    r = TestClient(make_app(_RecordingModel(fault=status))).post("/v1/chat/completions", json={"messages": _HI})
     assert r.status_code == status and r.json()["error"] == {"message": f"injected ({status})", "type": kind}
 
 
@@ -1719,7 +1714,7 @@ def test_serve_model_runs_the_app_with_its_key_and_limits_on_loopback(monkeypatc
     server.serve(_RecordingModel(), api_key="k", max_n=1)
     [(served, kw)] = ran
     assert kw["host"] == "127.0.0.1"
-    client = _client(served)
+    client = TestClient(served)
     assert client.get("/v1/models").status_code == 401
     auth = {"Authorization": "Bearer k"}
     assert client.post("/v1/chat/completions", json={"messages": _HI, "n": 1}, headers=auth).status_code == 200
