@@ -82,3 +82,38 @@ def test_msv_majority_is_a_strict_majority_of_its_samples(samples, with_src, wit
     msv.begin_round(1, fake)
     d = msv.decide([_proposal("q", "draft")], tool=None, seed=0)[0]
     assert (d.admitted, d.label) == want
+
+
+@pytest.mark.parametrize("samples, with_src, without, want", [
+    (2, ["Paris", "Rome"], ["Paris", "Rome"], (False, "draft")),  # 1 of 2 is no majority
+    (2, ["Paris", "paris"], ["PARIS", "Paris"], (True, "Paris")),
+    (4, ["Paris", "Paris", "Rome", "Rome"], ["Paris", "Paris", "Rome", "Rome"], (False, "draft")),  # a 2-2 tie
+    (4, ["Rome", "Paris", "Paris", "Paris"], ["Paris", "Rome", "paris", "Paris"], (True, "Paris")),
+])
+def test_msv_with_an_even_sample_count_needs_more_than_half(samples, with_src, without, want):
+    fake = _Fake({("q", True): with_src, ("q", False): without})
+    msv = MSV({"d1": Document("d1", "T", "text")}, samples=samples)
+    msv.begin_round(1, fake)
+    d = msv.decide([_proposal("q", "draft")], tool=None, seed=0)[0]
+    assert (d.admitted, d.label) == want
+    # `samples` answers with the source and `samples` without: 2 * samples extra generations a candidate
+    assert [n for _, n, _, _ in fake.calls] == [samples, samples] and msv.generations_per_candidate == 2 * samples
+
+
+def test_msv_puts_each_candidates_own_source_in_context():
+    """M(.|x, q): the page the proposer was given (source_id), not another page of its lineage; the samples
+    without the source get no context at all."""
+    seen = []
+
+    class _Seeing(_Fake):
+        def answer(self, questions, tool, **kw):
+            seen.append(kw.get("contexts"))
+            return super().answer(questions, tool, **kw)
+
+    docs = {d: Document(d, d.upper(), f"text of {d}") for d in ("d1", "d2", "d3")}
+    fake = _Seeing({(q, c): ["x", "x", "x"] for q in ("q1", "q2") for c in (True, False)})
+    msv = MSV(docs)
+    msv.begin_round(1, fake)
+    msv.decide([Proposal("q1", "x", "d2", ("d2", "d3"), 2), Proposal("q2", "x", "d1", ("d3", "d1"), 2)],
+               tool=None, seed=0)
+    assert seen == [[docs["d2"], docs["d1"]], None]

@@ -205,3 +205,8 @@ def test_t95_table_is_student_t_to_three_places():
 
     for df, q in _T95.items():
         assert q == pytest.approx(stats.t.ppf(0.975, df), abs=5e-4), df
+
+
+def test_hash_unit_keeps_its_keys_apart():
+    # keys are separated, not concatenated (as derive_seed's): (1, 23) and (12, 3) are other draws
+    assert hash_unit(1, 23) != hash_unit(12, 3) and hash_unit("a", "bc") != hash_unit("ab", "c")

@@ -7,6 +7,7 @@ from selfevo.audit import METRICS, JudgedItem, OracleJudge, Verdict, audit_metri
 from selfevo.audit import audit_steps as _audit_steps
 from selfevo.world import WorldConfig, make_world
 from selfevo.world.language import ChainQuery, CompareQuery, render_chain, render_compare
+from selfevo.world.truth import Entity, Truth
 
 T, F = True, False
 
@@ -163,6 +164,22 @@ def test_oracle_judge_multi_hop_and_compare(world):
     ])
     assert v[0].label_correct is True and v[0].responses_correct == (False, True)
     assert v[1].label_correct is False and v[1].responses_correct == (True, False)
+
+
+def test_oracle_judge_leaves_a_question_whose_answer_has_no_usable_name_unresolved(world):
+    """A hand-edited truth.json can give an entity no name that normalizes to anything: the oracle, like the
+    gold judge, then has no reference and leaves the item unresolved (it used to resolve it as all wrong)."""
+    truth = world.truth
+    person = next(e for e in truth.entities.values() if e.type == "person" and truth.resolve(e.name) is e)
+    city = truth.entities[person.facts["born_in"]]
+    q = render_chain(ChainQuery(person.name, ("born_in",)))
+    item = {"question": q, "adopted_label": city.name, "responses": [city.name, "Nowhere"]}
+    for aliases in ([], ["The", "-"]):
+        edited = Truth([Entity(**{**vars(e), "aliases": aliases}) if e is city else e for e in truth.entities.values()])
+        v = OracleJudge(edited).judge([item])[0]
+        assert not v.resolved and v.label_correct is None and OracleJudge(edited).reference(q) is None
+    v = OracleJudge(truth).judge([item])[0]  # the world as made: resolved, the label right
+    assert v.resolved and v.label_correct and v.responses_correct == (True, False)
 
 
 # ------------------------------------------------------------------ aggregation per step and round

@@ -18,7 +18,8 @@ import numpy as np
 import pytest
 from typer.testing import CliRunner
 
-from selfevo._software import software, software_tally, software_text
+import selfevo._software as sw
+from selfevo._software import software, software_changes, software_tally, software_text
 from selfevo.cli import app
 from selfevo.experiments import Job, grid, run_grid
 from selfevo.report.build import build_report
@@ -1498,3 +1499,33 @@ def test_find_runs_takes_only_directories_with_a_config_beside_their_manifest(tm
     for d in ("b/run", "a/run"):
         (tmp_path / d / "config.json").write_text("{}")
     assert find_runs(tmp_path) == [tmp_path / "a" / "run", tmp_path / "b" / "run"]
+
+
+def test_software_changes_names_every_difference_in_name_order():
+    was = {"torch": "2.4", "python": "3.11.7", "numpy": "2.4.6", "vllm": "0.6"}
+    now = {"python": "3.11.7", "numpy": "2.5.0", "torch": "2.4", "bm25s": "0.3.16"}
+    # a package on one side only is "none" on the other, whichever side lost it
+    assert software_changes(was, now) == ["bm25s none → 0.3.16", "numpy 2.4.6 → 2.5.0", "vllm 0.6 → none"]
+    assert software_changes(now, now) == [] and software_changes({}, {}) == []
+
+
+def test_software_record_leaves_out_packages_not_installed(monkeypatch):
+    """A package not installed is left out (not recorded as "none"): a record made before it was listed and
+    one made after read the same."""
+
+    monkeypatch.setattr(sw, "PACKAGES", ("numpy", "selfevo-no-such-package"))
+    rec = software()
+    assert rec["numpy"] == np.__version__ and "selfevo-no-such-package" not in rec
+    assert {"python", "platform", "selfevo", "selfevo_source"} <= set(rec)
+
+
+def test_software_tally_skips_records_that_are_not_objects_and_orders_the_text():
+    made = {"python": "3.11.7", "platform": "Linux x86_64", "numpy": "2.5.0"}
+    tally = software_tally([{"software": made}, {"software": {**made, "numpy": "2.4.6"}},
+                            {"software": "3.11.7"}, {"software": None}, {"software": made, "software_resumed": []}])
+    # a record that is not an object is no record; an empty software_resumed list is no resume
+    assert tally == {"versions": {"python": {"3.11.7": 3}, "platform": {"Linux x86_64": 3},
+                                  "numpy": {"2.5.0": 2, "2.4.6": 1}}, "unrecorded": 2, "resumed_under_other": 0}
+    # shared names in software()'s order (python first), a package's versions in version order
+    assert software_text(tally) == ("every run: python 3.11.7, platform Linux x86_64; the runs differ in "
+                                    "numpy 2.4.6 (1 run), 2.5.0 (2 runs); 2 runs made before runs recorded it")

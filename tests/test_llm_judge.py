@@ -36,7 +36,7 @@ from selfevo.audit.llm_judge import (
     parse_json_object,
     reference_messages,
 )
-from selfevo.audit.pipeline import audit_to_dir
+from selfevo.audit.pipeline import audit_to_dir, limit_items
 from selfevo.audit.scripted import ScriptedJudge, answer_key
 from selfevo.cli import app
 from selfevo.config import load_config
@@ -1719,3 +1719,108 @@ def test_serve_model_runs_the_app_with_its_key_and_limits_on_loopback(monkeypatc
     auth = {"Authorization": "Bearer k"}
     assert client.post("/v1/chat/completions", json={"messages": _HI, "n": 1}, headers=auth).status_code == 200
     assert client.post("/v1/chat/completions", json={"messages": _HI, "n": 2}, headers=auth).status_code == 422
+
+
+def test_an_audit_removes_every_earlier_output_it_does_not_write(tmp_path):
+    """An LLM judge's judgements.jsonl (or figures, or a comparison) from an earlier audit into this directory
+    would sit beside a gold-judge audit's metrics and contradict them."""
+    row = {"round": 1, "step": 0, "source_id": "d1", "source": "Mount Ebor rises above Kelda.",
+           "question": "Which town does Mount Ebor rise above?", "label": "Kelda", "responses": ["Kelda", "Tarn"],
+           "gold_answers": ["Kelda"]}
+    (tmp_path / "a.jsonl").write_text(json.dumps(row) + "\n")
+    out = tmp_path / "out"
+    (out / "figures").mkdir(parents=True)
+    stale = ["comparison.json", "comparison.md", "injection.json", "judgements.jsonl", "figures/metrics.png",
+             "figures/f_vs_l.png", "figures/comparison.png"]
+    for name in [*stale, "cache.jsonl"]:
+        (out / name).write_text("from an earlier audit")
+    audit_to_dir(read_records(tmp_path / "a.jsonl"), GoldJudge(), out, figures=False)
+    assert sorted(str(p.relative_to(out)) for p in out.rglob("*") if p.is_file()) == [
+        "cache.jsonl", "judge.json", "metrics.json"]
+
+
+def test_limit_items_keeps_the_first_items_of_every_step():
+    steps = [{"step": 1, "kind": "proposer", "items": [1, 2, 3]}, {"step": 2, "kind": "solver", "items": [4]}]
+    assert limit_items(steps, 2) == [{"step": 1, "kind": "proposer", "items": [1, 2]},
+                                     {"step": 2, "kind": "solver", "items": [4]}]
+    assert limit_items(steps, 1) == [{**steps[0], "items": [1]}, {**steps[1], "items": [4]}]
+    assert limit_items(steps, None) == steps and steps[0]["items"] == [1, 2, 3]  # the records are not cut
+
+
+def test_an_audit_judges_its_items_once_and_records_the_calls_after_the_injection_test(tmp_path):
+    """The judge is the slow (paid) part: the metrics come from the one judging of the items, judgements.jsonl
+    holds every row the judge gives, and injection.json records the judge's calls as they stand after the
+    injection test's own."""
+
+    class Counting(GoldJudge):
+        def __init__(self):
+            self.batches = []
+
+        def judge(self, items):
+            self.batches.append(len(items))
+            return super().judge(items)
+
+        def summary(self):
+            return {"batches": list(self.batches)}
+
+        def judgements(self):
+            return [{"item": i} for i in range(sum(self.batches))]
+
+    src = "Mount Ebor rises above Kelda. The Vell flows past Tarn."
+    row = {"round": 1, "step": 0, "source_id": "d1", "source": src,
+           "question": "Which town does Mount Ebor rise above?", "label": "Kelda", "responses": ["Kelda", "Tarn"],
+           "gold_answers": ["Kelda"]}
+    (tmp_path / "a.jsonl").write_text(json.dumps(row) + "\n" + json.dumps({**row, "label": "Tarn"}) + "\n")
+    judge = Counting()
+    res = audit_to_dir(read_records(tmp_path / "a.jsonl"), judge, tmp_path / "o1", figures=False)
+    assert judge.batches == [2] and res["metrics"]["rounds"][0]["T_P"] == 0.5
+    assert [json.loads(x) for x in (tmp_path / "o1" / "judgements.jsonl").read_text().splitlines()] == [
+        {"item": 0}, {"item": 1}]
+    judge = Counting()
+    audit_to_dir(read_records(tmp_path / "a.jsonl"), judge, tmp_path / "o2", truth=GoldJudge(), n_boot=50,
+                 figures=False, injection_items=1)
+    injection = json.loads((tmp_path / "o2" / "injection.json").read_text())
+    assert judge.batches[0] == 2 and len(judge.batches) > 1
+    assert injection["judge_summary_after"] == {"batches": judge.batches}
+
+
+def test_read_records_groups_lines_by_round_and_step_in_order(tmp_path):
+    def line(rnd, step, **kw):
+        return json.dumps({"round": rnd, "step": step, "source_id": f"d{rnd}{step}", "source": "text", "question": "q",
+                           "label": "x", "responses": ["a"], **kw})
+
+    path = tmp_path / "r.jsonl"
+    path.write_text("\n".join([line(2, 0), line(1, 3), line(0, 0, label=""), line(2, 0), line(1, 3)]) + "\n")
+    steps = read_records(path)
+    # (round, step) in order, whatever the lines' order; round 0 and step 0 are valid, an empty label too
+    assert [(s["round"], s["step"], s["kind"], len(s["items"])) for s in steps] == [
+        (0, 0, "proposer", 1), (1, 3, "proposer", 2), (2, 0, "proposer", 2)]
+    assert [it["item_id"] for it in steps[1]["items"]] == ["r.jsonl:2", "r.jsonl:5"]  # the file's name and line
+    it = steps[0]["items"][0]
+    assert (it["source_ids"], it["sources"], it["adopted_label"], it["line"]) == (
+        ["d00"], [{"id": "d00", "text": "text"}], "", 3)
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"round": -1}, "field 'round': "), ({"step": -1}, "field 'step': "),
+    ({"responses": ["a", 3]}, "field 'responses.1': "), ({"gold_answers": ["x", None]}, "field 'gold_answers.1': "),
+])
+def test_record_errors_name_the_field_and_its_position(tmp_path, change, message):
+    row = {"round": 1, "step": 1, "source_id": "d", "source": "s", "question": "q", "label": "x", "responses": ["a"]}
+    path = tmp_path / "r.jsonl"
+    path.write_text(json.dumps({**row, **change}) + "\n")
+    with pytest.raises(DataError, match=f"^{re.escape(str(path))}:1: {re.escape(message)}"):
+        read_records(path)
+
+
+def test_read_records_refuses_a_file_with_no_records(tmp_path):
+    path = tmp_path / "r.jsonl"
+    path.write_text("\n\n")
+    with pytest.raises(DataError, match="no records"):
+        read_records(path)
+
+
+def test_gold_judge_accepts_any_gold_alias_and_refers_to_the_usable_ones():
+    item = {"adopted_label": "K.", "responses": ["kell", "x", "K"], "gold_answers": ["Kell", "-", "K."]}
+    v = GoldJudge().judge([item])[0]
+    assert states(v) == (True, True, (True, False, True)) and v.reference == ("Kell", "K.")

@@ -15,8 +15,9 @@ from selfevo.cli import app
 from selfevo.config import load_config
 from selfevo.evaluate import answers_match, score_files
 from selfevo.evolve import evolve, load_run_world
-from selfevo.loop.folds import fold_of
+from selfevo.loop.folds import FoldAssignment, assign_folds, fold_of, question_fold
 from selfevo.loop.schedule import LoopConfig, derive_seed, schedule
+from selfevo.records import Document
 from selfevo.runs import RunDir
 from selfevo.world import save_world
 
@@ -943,3 +944,59 @@ def test_a_resume_takes_the_base_models_evaluation_from_the_run(tmp_path, monkey
     evolve(cfg, tmp_path / "run", resume=True, progress=False, audit=False)
     assert evaluated == [1, 2]
     assert (tmp_path / "run" / "eval" / "round-0.json").read_bytes() == base
+
+
+def test_question_fold_ignores_case_and_spacing():
+    """The question-level control hashes the question lowercased with whitespace collapsed: a question
+    asked again in other case or spacing lands in the fold it landed in before."""
+
+    qs = [f"Who founded Alba {i} Bren?" for i in range(40)]
+    for seed, k in [(0, 2), (3, 3)]:
+        same = [question_fold(" " + q.upper().replace(" ", " \t  ") + "\n", seed, k) for q in qs]
+        assert same == [question_fold(q, seed, k) for q in qs]
+
+
+def test_fold_hashes_are_pinned():
+    """The folds are a permanent function of (seed, id): replay recomputes the source and question splits of
+    a saved bank from its seed, so a changed hash would silently move every bank's split. The question split
+    is hashed apart from the source split (a page id equal to a question's text need not share its fold)."""
+
+    big = 10**6
+    pinned = [fold_of("doc-1", 0, big), fold_of("Alba Bren", 0, big), fold_of("doc-1", 7, big)]
+    assert pinned == [197499, 673880, 483685]
+    assert [question_fold("Who founded Alba Bren?", s, big) for s in (0, 7)] == [270161, 128933]
+    assert question_fold("alba bren", 0, big) != fold_of("alba bren", 0, big)
+
+
+def test_lineage_holds_the_fold_of_every_page_read():
+    fa = FoldAssignment(3, 5, "source", {"a": 0, "b": 2, "c": 2})
+    assert fa.lineage(["a", "b", "c"]) == {0, 2} and fa.lineage(["b", "a"]) == {0, 2}
+    assert fa.lineage(iter(["c", "a"])) == {0, 2} and fa.lineage([]) == set()
+    assert fa.lineage(["b", "unlisted"]) == {2, fold_of("unlisted", 5, 3)}  # a page outside it hashes
+
+
+def test_assign_folds_refuses_one_fold_and_an_unknown_grouping():
+    """k=1 put every page into fold 0 under the connected grouping (every aux solver then trains on all of
+    it); an unknown grouping ran as `connected`."""
+
+    docs = [Document("a", "Alda", "Alda knows Bexo."), Document("b", "Bexo", "Bexo alone.")]
+    for grouping in ("source", "connected"):
+        for pages in (docs, []):
+            with pytest.raises(ValueError, match="k must be >= 2, got 1"):
+                assign_folds(pages, 0, k=1, grouping=grouping)
+    with pytest.raises(ValueError, match="unknown grouping 'page'"):
+        assign_folds(docs, 0, 2, grouping="page")
+
+
+def test_connected_folds_name_a_cluster_by_its_least_page_and_fill_the_lowest_fold_first():
+    """The 4 | 3 | 2 | 1 clusters of `test_connected_folds_keep_each_link_cluster_whole_and_balance_the_folds`:
+    the assignment is deterministic down to the fold numbers and the cluster ids folds.json records."""
+
+    names = {"a": ["Alda", "Bexo", "Cimu", "Dova"], "b": ["Ekro", "Fyla", "Gosu"], "c": ["Hiva", "Ivek"],
+             "d": ["Jolo"]}
+    docs = [Document(f"{c}{i}", t, f"{t} knows {ts[(i + 1) % len(ts)]}." if len(ts) > 1 else f"{t} alone.")
+            for c, ts in names.items() for i, t in enumerate(ts)]
+    fa = assign_folds(docs, seed=0, k=2, grouping="connected")
+    assert fa.groups == {f"{c}{i}": f"{c}0" for c, ts in names.items() for i in range(len(ts))}
+    # the largest cluster goes to fold 0 (ties in load go to the lowest fold), the next to fold 1, ...
+    assert {c: fa.of(f"{c}0") for c in names} == {"a": 0, "b": 1, "c": 1, "d": 0}

@@ -1,6 +1,7 @@
 """Resume (torchtune-style): a run killed anywhere and resumed gives the numbers of a run that was
 never interrupted, byte for byte."""
 
+import importlib.util
 import json
 import os
 import shutil
@@ -9,12 +10,14 @@ import subprocess
 import sys
 import time
 import warnings
+from pathlib import Path
 
 import numpy as np
 import pytest
 from typer.testing import CliRunner
 
-from selfevo._software import SoftwareChanged, software
+import selfevo
+from selfevo._software import SoftwareChanged, software, source_digest
 from selfevo.cli import app
 from selfevo.config import load_config
 from selfevo.evolve import evolve
@@ -179,13 +182,7 @@ def test_a_resume_refused_by_its_checkpoint_records_no_software(tmp_path, monkey
 
 def test_the_software_record_moves_with_selfevos_own_code(tmp_path):
     """selfevo's version has not moved while its code has: a run resumed under other code was not
-    warned. The record now holds a digest of the package's source files."""
-    import importlib.util
-    from pathlib import Path
-
-    import selfevo
-    from selfevo._software import source_digest
-
+    warned. The record now holds a digest of the package's source files (each file's path with its bytes)."""
     pkg = tmp_path / "selfevo"
     shutil.copytree(Path(selfevo.__file__).parent, pkg, ignore=shutil.ignore_patterns("__pycache__"))
 
@@ -197,7 +194,10 @@ def test_the_software_record_moves_with_selfevos_own_code(tmp_path):
 
     assert software()["selfevo_source"] == source_digest() == digest_of_copy()  # the same files anywhere
     (pkg / "algos.py").write_text((pkg / "algos.py").read_text() + "\n# an edit\n")
-    assert digest_of_copy() != source_digest()
+    edited = digest_of_copy()
+    assert edited != source_digest()
+    (pkg / "algos.py").rename(pkg / "algos2.py")  # the same bytes under another name: other code
+    assert digest_of_copy() != edited
 
 
 def test_a_resume_removes_tensor_files_no_checkpoint_references(tmp_path):

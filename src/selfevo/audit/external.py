@@ -17,9 +17,9 @@ from typing import Annotated
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError
 
-from selfevo.audit.judges import Verdict
+from selfevo.audit.judges import Verdict, usable_answers
 from selfevo.corpus import DataError, iter_json_lines
-from selfevo.evaluate import answers_match, normalize_answer
+from selfevo.evaluate import answers_match
 
 NonEmpty = Annotated[str, StringConstraints(min_length=1)]
 
@@ -67,9 +67,7 @@ class GoldJudge:
     def judge(self, items: Sequence[dict]) -> list[Verdict]:
         out = []
         for it in items:
-            # an alias that normalizes to nothing ("The The", "-") matches no answer under the matcher
-            # (as Cover-EM drops it): it is no gold answer, so it cannot resolve the item
-            gold = [g for g in (it.get("gold_answers") or []) if normalize_answer(g or "")]
+            gold = usable_answers(it.get("gold_answers") or [])
             if not gold:
                 out.append(Verdict(False, reason="no gold answers"))
                 continue

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from selfevo.evaluate import answers_match
+from selfevo.evaluate import answers_match, normalize_answer
 from selfevo.world.language import parse_question
 from selfevo.world.truth import Truth
 
@@ -29,6 +29,12 @@ class Judge(Protocol):
         ...
 
 
+def usable_answers(answers: Sequence[str | None]) -> list[str]:
+    """The reference answers that can resolve an item: one that normalizes to nothing ("The The",
+    "-") matches no answer under the matcher (as Cover-EM drops it), so it is no answer at all."""
+    return [a for a in answers if a and normalize_answer(a)]
+
+
 class OracleJudge:
     """Exact truth: parse the question in the world's language, follow the true facts. A question
     whose entity is unknown or ambiguous, or whose chain hits a missing fact, stays unresolved."""
@@ -40,7 +46,10 @@ class OracleJudge:
 
     def reference(self, question: str) -> list[str] | None:
         query = parse_question(question)
-        return None if query is None else self.truth.answer(query)
+        ref = None if query is None else self.truth.answer(query)
+        # an entity with no usable name (a hand-edited truth.json) leaves its questions unresolved, as the
+        # gold judge does, rather than every answer wrong
+        return usable_answers(ref or []) or None
 
     def judge(self, items: Sequence[dict]) -> list[Verdict]:
         out = []
