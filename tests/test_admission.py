@@ -75,22 +75,12 @@ def test_admit_all_keeps_the_draft():
     (5, ["Rome", "Rome", "Rome", "Paris", "Lyon"], ["Rome", "Paris", "Rome", "Rome", "Nice"], (True, "Rome")),
     (1, ["Paris"], ["paris"], (True, "Paris")),  # one sample a side: it is the majority
     (1, ["Paris"], ["Rome"], (False, "draft")),
-])
-def test_msv_majority_is_a_strict_majority_of_its_samples(samples, with_src, without, want):
-    fake = _Fake({("q", True): with_src, ("q", False): without})
-    msv = MSV({"d1": Document("d1", "T", "text")}, samples=samples)
-    msv.begin_round(1, fake)
-    d = msv.decide([_proposal("q", "draft")], tool=None, seed=0)[0]
-    assert (d.admitted, d.label) == want
-
-
-@pytest.mark.parametrize("samples, with_src, without, want", [
     (2, ["Paris", "Rome"], ["Paris", "Rome"], (False, "draft")),  # 1 of 2 is no majority
     (2, ["Paris", "paris"], ["PARIS", "Paris"], (True, "Paris")),
     (4, ["Paris", "Paris", "Rome", "Rome"], ["Paris", "Paris", "Rome", "Rome"], (False, "draft")),  # a 2-2 tie
     (4, ["Rome", "Paris", "Paris", "Paris"], ["Paris", "Rome", "paris", "Paris"], (True, "Paris")),
 ])
-def test_msv_with_an_even_sample_count_needs_more_than_half(samples, with_src, without, want):
+def test_msv_majority_is_a_strict_majority_of_its_samples(samples, with_src, without, want):
     fake = _Fake({("q", True): with_src, ("q", False): without})
     msv = MSV({"d1": Document("d1", "T", "text")}, samples=samples)
     msv.begin_round(1, fake)
