@@ -1,7 +1,9 @@
 """The sim backends: SimSolver (search, read, memory, policy gradient) and SimProposer."""
 
 import json
+import math
 import random
+import statistics
 from collections import Counter
 
 import pytest
@@ -9,6 +11,7 @@ import pytest
 from selfevo.agents.base import Trajectory
 from selfevo.agents.baseline import RetrievalBaseline, _spans
 from selfevo.agents.sim import Reader, SimProposer, SimProposerConfig, SimSolver, SimSolverConfig
+from selfevo.agents.sim.reader import check_magnitude, features, hash_normal
 from selfevo.audit import OracleJudge
 from selfevo.config import ConfigError, load_config
 from selfevo.evaluate import answers_match, normalize_answer
@@ -16,7 +19,7 @@ from selfevo.loop.feedback import record_training
 from selfevo.search.bm25 import BM25Index
 from selfevo.search.tool import SearchTool
 from selfevo.world import WorldConfig, make_world
-from selfevo.world.language import ChainQuery, parse_question, render_chain
+from selfevo.world.language import ChainQuery, Statement, parse_question, render_chain
 
 
 @pytest.fixture(scope="module")
@@ -439,7 +442,6 @@ def test_a_hop_count_the_search_budget_cannot_compose_is_refused(env):
 
 class _LowScoringReader(Reader):
     """A reader whose every score lies far below zero (what a strongly negative reading weight gives)."""
-
     def bias(self, doc_id: str, candidate: str) -> float:
         return -2e9 if candidate == self.favourite else -3e9
 
@@ -495,7 +497,6 @@ def test_a_proposer_without_sources_says_so(env):
 
 class _NoHits:
     """A retriever that finds nothing: what the solver answers then comes from its memory alone."""
-
     def retrieve(self, queries, topk=3):
         return [[] for _ in queries]
 
@@ -681,3 +682,66 @@ def test_a_loaded_solvers_lineage_is_its_own():
     record_training(twin, [2], 2)
     assert source.lineage == {"folds": [1], "rounds": [1]}
     assert twin.lineage == {"folds": [1, 2], "rounds": [1, 2]}
+
+
+# ------------------------------------------------------------------ the reader: biases, features, weights
+
+
+def test_reader_biases_correlate_by_shared():
+    """Two readers' page-specific biases are equal at shared=1 and independent at shared=0; each is a fixed
+    function of (page, candidate), differing between pages and candidates."""
+    keys = [(f"person-{i:04d}", c) for i in range(200) for c in ("Kell", "Port Drax")]
+
+    def corr(shared):
+        a, b = Reader("proposer", 1.0, shared, 0), Reader("solver", 1.0, shared, 0)
+        xs, ys = [a.bias(*k) for k in keys], [b.bias(*k) for k in keys]
+        return xs, ys, statistics.correlation(xs, ys)
+
+    xs, ys, r = corr(1.0)
+    assert xs == pytest.approx(ys) and r == pytest.approx(1.0)
+    _, _, r = corr(0.0)
+    assert abs(r) < 0.2
+    _, _, r = corr(0.5)
+    assert 0.3 < r < 0.7
+    reader = Reader("solver", 2.0, 0.1, 0)
+    assert reader.bias("person-0001", "Kell") != reader.bias("person-0002", "Kell")
+    assert reader.bias("person-0001", "Kell") != reader.bias("person-0001", "Port Drax")
+    assert reader.bias("person-0002", "Kell") == Reader("solver", 2.0, 0.1, 0).bias("person-0002", "Kell")
+    assert Reader("solver", 2.0, 0.1, 1).bias("person-0002", "Kell") != reader.bias("person-0002", "Kell")
+    assert Reader("solver", 0.0, 0.1, 0).bias("person-0002", "Kell") == 0.0
+
+
+@pytest.mark.parametrize("shared", [-0.1, 1.5, float("nan")])
+def test_reader_refuses_a_shared_correlation_outside_0_1(shared):
+    with pytest.raises(ValueError, match="shared"):
+        Reader("solver", 1.0, shared, 0)
+
+
+def test_hash_normal_is_a_standard_normal_of_its_keys():
+    xs = [hash_normal("k", i) for i in range(4000)]
+    assert abs(statistics.mean(xs)) < 0.1 and 0.9 < statistics.pstdev(xs) < 1.1
+    assert min(xs) < -2.5 and max(xs) > 2.5  # both tails
+    assert hash_normal("a", 1) == hash_normal("a", 1) != hash_normal("a", 2)
+    assert hash_normal("ab", "c") != hash_normal("a", "bc")  # the keys are kept apart
+
+
+def test_reading_features():
+    about = Statement("born_in", "He", "Kell", True, 2)
+    other = Statement("born_in", "His brother Tam Vale", "Dun", False, 3)
+    assert features(about, True, 0) == (1.0, 1.0, 1.0, 1.0)
+    assert features(about, False, 1) == (1.0, 0.0, 0.0, 0.0)
+    assert features(other, True, 1) == (0.0, 1.0, 0.0, 0.0)
+    assert features(other, False, 0) == (0.0, 0.0, 0.0, 1.0)
+
+
+@pytest.mark.parametrize("make, field", [
+    (lambda: SimSolverConfig(theta0=(float("nan"), 0.0, 0.0, 0.0)), "solver.theta0"),
+    (lambda: SimSolverConfig(theta0=(math.inf, 0.0, 0.0, 0.0)), "solver.theta0"),
+    (lambda: SimProposerConfig(theta=(0.0, float("nan"), 0.0, 0.0)), "proposer.theta"),
+])
+def test_a_nan_or_infinite_weight_is_refused(make, field):
+    with pytest.raises(ValueError, match=field):
+        make()
+    with pytest.raises(ValueError, match="where.x"):
+        check_magnitude("where.x", 1.0, float("nan"))
+    check_magnitude("where.x", 1e6, -1e6, 0.0)

@@ -2,26 +2,33 @@
 
 import json
 import re
+import stat
 from dataclasses import replace
 
+import numpy as np
 import pytest
 from typer.testing import CliRunner
 
+from selfevo._io import _UMASK
 from selfevo.cli import app
 from selfevo.corpus import read_corpus, read_qa_dir
-from selfevo.world import WorldConfig, WorldError, load_world, make_world, resolve_world, save_world
-from selfevo.world.generate import BENCHMARK_SIZES
+from selfevo.world import WorldConfig, WorldError, load_world, make_world, resolve_world, save_world, world_fingerprint
+from selfevo.world.generate import BENCHMARK_SIZES, _Names
 from selfevo.world.language import (
     COMPARE_TEMPLATES,
+    POSSESSIVES,
+    RELATED_NOUNS,
     RELATIONS,
     SINGLE_HOP_TEMPLATES,
     ChainQuery,
     CompareQuery,
+    noun_phrase,
     parse_question,
     read_statements,
     render_chain,
     render_compare,
 )
+from selfevo.world.truth import Entity, Truth
 
 SMALL = WorldConfig(size="small", seed=0)
 
@@ -369,3 +376,228 @@ def test_the_world_parameters_have_one_default_everywhere():
     for f in dataclasses.fields(WorldConfig):
         if f.name != "size":
             assert options[f.name].default.default == spec[f.name] == f.default, f.name
+
+
+# ------------------------------------------------------------------ the world's invariants
+
+
+@pytest.mark.parametrize("kwargs, field", [
+    ({"seed": True}, "world.seed"),  # a bool is an int in Python: True would silently be seed 1
+    ({"seed": 1.5}, "world.seed"),
+    ({"value_skew": 4.5}, "world.value_skew"),
+])
+def test_more_bad_world_configs_raise_naming_the_field(kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        WorldConfig(**kwargs)
+
+
+@pytest.mark.parametrize("kwargs", [
+    {"confusable_rate": 0.0}, {"confusable_rate": 1.0}, {"shared_misreading": 0.0}, {"shared_misreading": 1.0},
+    {"value_skew": 0.0}, {"value_skew": 4.0}, {"seed": 0},
+])
+def test_world_config_accepts_the_ends_of_its_ranges(kwargs):
+    WorldConfig(size="small", **kwargs)
+
+
+def test_every_name_and_alias_names_exactly_one_entity(world):
+    """Mentions in questions are resolved by name: a repeated name or an alias colliding with another
+    entity's name would leave a question without a unique subject."""
+    names = [a for e in world.truth.entities.values() for a in e.aliases]
+    assert len(names) == len(set(names))
+    for e in world.truth.entities.values():
+        assert e.aliases[0] == e.name
+        for a in e.aliases:
+            assert world.truth.resolve(a) is e
+    assert sum(len(e.aliases) > 1 for e in world.truth.entities.values() if e.type == "person") > 0
+
+
+def test_facts_are_typed_and_consistent(world):
+    ents = world.truth.entities
+    married = 0
+    for e in ents.values():
+        for rel, v in e.facts.items():
+            subject_type, object_type = RELATIONS[rel]
+            assert e.type == subject_type, (e.id, rel)
+            if object_type == "year":
+                assert v.isascii() and v.isdigit() and len(v) == 4, (e.id, rel, v)
+            else:
+                assert ents[v].type == object_type, (e.id, rel, v)
+        if "spouse" in e.facts:  # marriage is symmetric and never to oneself
+            married += 1
+            assert e.facts["spouse"] != e.id and ents[e.facts["spouse"]].facts["spouse"] == e.id
+        if e.type == "country":  # the capital is the most popular city located in the country
+            cities = [c for c in ents.values() if c.type == "city" and c.facts["located_in"] == e.id]
+            if cities:
+                assert e.facts["capital"] == max(cities, key=lambda c: c.popularity).id
+            else:
+                assert "capital" not in e.facts
+    assert married > 20
+    assert any("capital" in e.facts for e in ents.values())
+    # popularity is Zipf-like but not in id order
+    pops = [e.popularity for e in ents.values() if e.type == "person"]
+    assert pops != sorted(pops, reverse=True)
+
+
+def test_confusable_sentences_state_a_related_entitys_different_value(world):
+    """Every statement not about the page's subject is "<His/Her/Its> <related noun> <other entity of the
+    same type> ...", stating that entity's true value of the relation, which differs from the subject's."""
+    ents = world.truth.entities
+    by_name = {e.name: e for e in ents.values()}
+    n = 0
+    for d in world.documents:
+        e = ents[d.id]
+        stmts, _ = read_statements(d.title, d.text)
+        for s in stmts:
+            if s.about_page:
+                continue
+            n += 1
+            possessive, rest = s.subject.split(" ", 1)
+            assert possessive in POSSESSIVES, s
+            noun = next(x for x in RELATED_NOUNS[e.type] if rest.startswith(x + " "))
+            other = by_name[rest[len(noun) + 1:]]
+            assert other.type == e.type and other is not e, s
+            ov = other.facts[s.relation]
+            assert s.object == (ents[ov].name if ov in ents else ov), s
+            assert ov != e.facts[s.relation], s
+    assert n > 100
+
+
+def test_confusable_rate_sets_the_share_of_facts_with_a_confusable_sentence():
+    def share(rate):
+        w = make_world(replace(SMALL, confusable_rate=rate))
+        facts = sum(len(e.facts) for e in w.truth.entities.values())
+        wrong = sum(not s.about_page for d in w.documents for s in read_statements(d.title, d.text)[0])
+        return wrong / facts
+
+    # fewer than `rate`: none is written when the related entity lacks the relation or shares the value
+    assert 0.8 < share(1.0) <= 1.0
+    assert 0.45 < share(0.6) < 0.6
+
+
+def test_benchmark_hop_counts_per_benchmark(world):
+    hops = {b: {it.metadata["hops"] for it in items} for b, items in world.benchmarks.items()}
+    assert hops == {"nq": {1}, "triviaqa": {1}, "popqa": {1}, "hotpotqa": {2}, "2wikimultihopqa": {2},
+                    "musique": {2, 3, 4}, "bamboogle": {3}}
+    for items in world.benchmarks.values():
+        for it in items:
+            q = parse_question(it.question)
+            if isinstance(q, ChainQuery):
+                assert len(q.relations) == it.metadata["hops"], it.question
+
+
+def test_benchmark_ids_number_the_items_in_order(world):
+    for bench, items in world.benchmarks.items():
+        assert [it.id for it in items] == [f"{bench}-{i}" for i in range(len(items))]
+
+
+def test_chain_questions_never_revisit_an_entity(world):
+    ents = world.truth.entities
+    for items in world.benchmarks.values():
+        for it in items:
+            q = parse_question(it.question)
+            if not isinstance(q, ChainQuery):
+                continue
+            start = world.truth.resolve(q.mention)
+            path = [start.id, *world.truth.follow(start, q.relations)]
+            visited = [v for v in path if v in ents]
+            assert len(visited) == len(set(visited)), it.question
+
+
+def test_benchmarks_draw_their_subjects_by_popularity(world):
+    """nq asks about the most popular fifth of entities, popqa and bamboogle about the long tail (bottom half)."""
+    by_pop = sorted(world.truth.entities.values(), key=lambda e: -e.popularity)
+    head, tail = by_pop[len(by_pop) // 5 - 1].popularity, by_pop[len(by_pop) // 2].popularity
+
+    def subjects(bench):
+        return [world.truth.resolve(parse_question(it.question).mention) for it in world.benchmarks[bench]]
+
+    assert all(e.popularity >= head for e in subjects("nq"))
+    for bench in ("popqa", "bamboogle"):
+        assert all(e.popularity <= tail for e in subjects(bench)), bench
+
+
+def test_render_chain_variant_cycles_through_templates_and_the_nested_form():
+    for rel, templates in SINGLE_HOP_TEMPLATES.items():
+        q = ChainQuery("Mira Stone", (rel,))
+        for v in range(3 * (len(templates) + 1)):
+            assert render_chain(q, v) == render_chain(q, v % (len(templates) + 1)), (rel, v)
+        assert render_chain(q, len(templates)) == f"What is {noun_phrase((rel,), 'Mira Stone')}?"
+
+
+def test_parse_question_ignores_surrounding_whitespace():
+    assert parse_question("  Who wrote The Map of Dun?\n") == ChainQuery("The Map of Dun", ("author",))
+
+
+def test_read_statements_aliases_only_of_the_page_subject_and_split_on_and():
+    stmts, aliases = read_statements("Ana Vel", "Ana Vel is also known as Ana the Wise and Ani. "
+                                                "Bo Dun is also known as Bo the Red. Bo the Red was born in Kell.")
+    assert aliases == ["Ana Vel", "Ana the Wise", "Ani"]
+    assert [(s.relation, s.subject, s.object, s.about_page) for s in stmts] == \
+        [("born_in", "Bo the Red", "Kell", False)]
+
+
+def _tiny_truth():
+    ana = Entity("person-0000", "person", "Ana Vel", ["Ana Vel", "Ana the Wise"], 0.5,
+                 {"birth_year": "1000", "born_in": "city-0000"})
+    bo = Entity("person-0001", "person", "Bo Dun", ["Bo Dun", "Twin"], 0.3, {"birth_year": "999"})
+    cy = Entity("person-0002", "person", "Cy Dun", ["Cy Dun", "Twin"], 0.2, {"birth_year": "1000"})
+    kell = Entity("city-0000", "city", "Kell", ["Kell"], 1.0, {"located_in": "country-0000"})
+    return Truth([ana, bo, cy, kell])
+
+
+def test_truth_resolve_is_unique_and_strips():
+    truth = _tiny_truth()
+    assert truth.resolve(" Ana the Wise ") is truth.entities["person-0000"]
+    assert truth.resolve("Twin") is None  # two entities go by it
+    assert truth.resolve("Nobody") is None
+    assert truth.answer(ChainQuery("Twin", ("birth_year",))) is None
+
+
+def test_truth_compare_answers_by_number_and_refuses_a_tie():
+    truth = _tiny_truth()
+    # 999 < 1000 as numbers (as strings "1000" < "999")
+    assert truth.answer(CompareQuery(("Ana Vel", "Bo Dun"), "birth_year")) == ["Bo Dun", "Twin"]
+    assert truth.answer(CompareQuery(("Ana Vel", "Cy Dun"), "birth_year")) is None  # a tie has no answer
+    assert truth.answer(CompareQuery(("Ana Vel", "Twin"), "birth_year")) is None
+    assert truth.answer(ChainQuery("Ana Vel", ("born_in", "located_in"))) == ["country-0000"]
+
+
+def test_top_value_share_is_the_most_common_values_share_of_all():
+    truth = _tiny_truth()
+    assert truth.top_value_share("birth_year") == pytest.approx(2 / 3)
+    assert truth.top_value_share("born_in") == 1.0
+
+
+def test_world_fingerprint_covers_qa_files_and_their_names(world, tmp_path):
+    out = save_world(world, tmp_path / "w")
+    before = world_fingerprint(out)
+    qa = out / "qa" / "nq.jsonl"
+    qa.rename(out / "qa" / "nq2.jsonl")
+    renamed = world_fingerprint(out)
+    assert renamed != before
+    (out / "qa" / "nq2.jsonl").rename(qa)
+    assert world_fingerprint(out) == before
+    qa.write_text(qa.read_text().replace("nq-0", "nq-x", 1))
+    assert world_fingerprint(out) != before
+
+
+def test_load_world_with_a_world_json_lacking_its_config_is_a_world_error(world, tmp_path):
+    out = save_world(world, tmp_path / "w")
+    (out / "world.json").write_text(json.dumps({"format": 1}))
+    with pytest.raises(WorldError, match="broken world directory.*KeyError"):
+        load_world(out)
+
+
+def test_a_saved_world_directory_has_ordinary_permissions(world, tmp_path):
+    """The world is written in a mkdtemp directory (mode 0700) and renamed into place: it must not stay
+    private to its writer."""
+    out = save_world(world, tmp_path / "w")
+    assert stat.S_IMODE(out.stat().st_mode) == 0o777 & ~_UMASK
+
+
+def test_names_are_drawn_unique_and_refuse_an_exhausted_name_space():
+    names = _Names(np.random.default_rng(0))
+    drawn = iter(["Ana Vel", "Ana Vel", "The", "Bo Dun"])
+    assert [names.unique(lambda: next(drawn)) for _ in range(2)] == ["Ana Vel", "Bo Dun"]
+    with pytest.raises(RuntimeError, match="exhausted"):
+        names.unique(lambda: "Ana Vel")

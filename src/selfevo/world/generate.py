@@ -134,15 +134,12 @@ def _make_entities(cfg: WorldConfig, rng: np.random.Generator) -> list[Entity]:
 
     weights: dict[str, np.ndarray] = {}
 
-    def pick(type_: str, exclude: str | None = None) -> Entity:
+    def pick(type_: str) -> Entity:
         pool = ents[type_]
         if type_ not in weights:
             p = np.array([e.popularity for e in pool]) ** cfg.value_skew
             weights[type_] = p / p.sum()
-        while True:
-            e = pool[rng.choice(len(pool), p=weights[type_])]
-            if e.id != exclude:
-                return e
+        return pool[rng.choice(len(pool), p=weights[type_])]
 
     for city in ents["city"]:
         city.facts["located_in"] = pick("country").id
