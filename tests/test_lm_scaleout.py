@@ -24,6 +24,7 @@ from selfevo.agents.lm.config import LMConfig
 from selfevo.agents.lm.protocol import STOP_STRINGS, solver_messages
 from selfevo.agents.lm.vllm_engine import (
     VLLM_LORA_RANKS,
+    VLLMEngine,
     check_vllm,
     finish,
     max_lora_rank,
@@ -178,7 +179,6 @@ class _Out:
 
 class _FakeLLM:
     """Records each generate call; replies with `reply(prompt_ids, params)` -> (text, finish)."""
-
     def __init__(self, reply):
         self.reply, self.calls = reply, []
 
@@ -576,7 +576,7 @@ def test_qwen_recipes_follow_the_paper_schedule(name):
     assert max_lora_rank(lm.lora_r) == lm.lora_r
 
 
-# ---------------------------------------------------------------- mutation sweep: the workers' checks, without Ray
+# ---------------------------------------------------------------- the vLLM engine without a model
 
 
 def test_local_ray_auth_reads_the_mode_without_case_and_local_as_no_cluster(monkeypatch):
@@ -632,7 +632,6 @@ def test_workers_too_many_for_the_cluster_are_refused_before_any_actor(monkeypat
 
 class _Actor:
     """A stand-in for a rollout actor: `answer.remote(...)` records its shard and answers it."""
-
     def __init__(self, calls):
         self.calls = calls
         self.answer = types.SimpleNamespace(remote=self._answer)
@@ -729,3 +728,90 @@ def test_start_ray_keeps_the_commands_sigterm_handler_and_exits_143_for_a_sigter
         assert other.value.code == 3 and shut == [True]
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+# ---------------------------------------------------------------- mutation sweep: the engine without a model
+
+
+class _FakePeft:
+    """peft's save_pretrained of one named adapter: a subdirectory of `out` holding its config."""
+    def __init__(self):
+        self.saved = []
+
+    def save_pretrained(self, out, selected_adapters, save_embedding_layers):
+        [name] = selected_adapters
+        (Path(out) / name).mkdir(parents=True)
+        (Path(out) / name / "adapter_config.json").write_text("{}")
+        self.saved.append(name)
+
+
+def _stub_policy(**cfg):
+    """What VLLMEngine uses of an LMPolicy: its config, revisions, peft model, render and tokenizer (one id per
+    character, truncated as asked)."""
+    return types.SimpleNamespace(
+        cfg=LMConfig(**cfg), revision={}, peft=_FakePeft(), render=lambda conv: "|".join(m["content"] for m in conv),
+        tokenizer=lambda p, **kw: {"input_ids": [ord(c) for c in p][:kw["max_length"]]})
+
+
+def test_engine_generate_caps_the_budget_takes_a_prefix_per_row_and_asks_nothing_for_no_rows(monkeypatch, tmp_path):
+    _fake_vllm(monkeypatch)
+    llm = _FakeLLM(lambda ids, sp: (" x </search> y", "stop"))
+    engine = VLLMEngine(_stub_policy(max_new_tokens=16), llm=llm, adapter_root=tmp_path / "a")
+    assert engine.generate(None, [], greedy=True, seed=None) == [] and llm.calls == []
+    convs = [[{"role": "user", "content": "a"}], [{"role": "user", "content": "b"}]]
+    out = engine.generate(None, convs, greedy=True, seed=None, max_new_tokens=10**6, prefix=["<p>", "<q>"])
+    assert out == [("<p> x </search>", "stop"), ("<q> x </search>", "stop")]
+    call = llm.calls[-1]
+    assert [p["prompt_token_ids"] for p in call["prompts"]] == [[ord(c) for c in "a<p>"], [ord(c) for c in "b<q>"]]
+    assert [sp.kwargs["max_tokens"] for sp in call["params"]] == [16, 16]  # capped at lm.max_new_tokens
+    assert engine.generate(None, convs[:1], greedy=True, seed=None, max_new_tokens=3)[0][0].startswith(" x")
+    assert llm.calls[-1]["params"][0].kwargs["max_tokens"] == 3
+    assert engine.max_model_len == LMConfig().max_prompt_tokens + 16
+
+
+def test_engine_exports_a_policy_once_per_revision_and_removes_the_stale_export(monkeypatch, tmp_path):
+    _fake_vllm(monkeypatch)
+    policy = _stub_policy()
+    engine = VLLMEngine(policy, llm=_FakeLLM(lambda ids, sp: ("", "stop")), adapter_root=tmp_path / "a")
+    first = engine.lora_request("main")
+    assert (first.lora_name, first.lora_int_id) == ("main#1", 1)
+    assert first.lora_path == str(tmp_path / "a" / "000001" / "main")
+    assert engine.lora_request("main") is first and engine.exports == 1 and policy.peft.saved == ["main"]
+    policy.revision["main"] = 1  # an update
+    second = engine.lora_request("main")
+    assert (second.lora_name, second.lora_int_id, engine.exports) == ("main#2", 2, 2)
+    assert not Path(first.lora_path).exists() and Path(second.lora_path).is_dir()
+    other = engine.lora_request("main@frozen")  # another policy: its own id, the first one's export kept
+    assert other.lora_int_id == 3 and Path(second.lora_path).is_dir()
+
+
+def test_engine_refuses_a_full_adapter_and_removes_its_own_temporary_exports(monkeypatch):
+    _fake_vllm(monkeypatch)
+    with pytest.raises(ValueError, match="lm.generator=vllm needs lm.adapter=lora"):
+        VLLMEngine(_stub_policy(adapter="full"), llm=_FakeLLM(lambda ids, sp: ("", "stop")))
+    engine = VLLMEngine(_stub_policy(), llm=_FakeLLM(lambda ids, sp: ("", "stop")))
+    path = Path(engine.lora_request("main").lora_path)
+    assert path.is_dir()
+    engine.close()
+    assert not engine.root.exists()
+
+
+def test_the_engine_is_built_for_the_base_model_at_a_rank_and_length_vllm_takes(monkeypatch, tmp_path):
+    """The vllm.LLM made for a policy: its base model, a max_lora_rank vLLM accepts holding lm.lora_r, and a
+    context of lm.max_prompt_tokens + lm.max_new_tokens; cuda:0 is the first visible GPU, so it is taken."""
+    import torch
+
+
+    vllm = _fake_vllm(monkeypatch)
+    built = []
+    vllm.LLM = lambda **kw: built.append(kw) or "llm"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    model = tmp_path / "base"
+    model.mkdir()
+    cfg = LMConfig(model=str(model), device="cuda:0", lora_r=17, max_prompt_tokens=300, max_new_tokens=40,
+                   dtype="bfloat16")
+    check_vllm(cfg)
+    assert VLLMEngine._build_llm(cfg) == "llm"
+    [kw] = built
+    assert (kw["model"], kw["tokenizer"], kw["dtype"], kw["enable_lora"], kw["max_lora_rank"], kw["max_model_len"],
+            kw["gpu_memory_utilization"]) == (str(model), str(model), "bfloat16", True, 32, 340, cfg.vllm_gpu_memory)

@@ -20,7 +20,15 @@ from typer.testing import CliRunner
 from selfevo._io import shown_url
 from selfevo.agents import load_agent
 from selfevo.agents.chat_client import CallFailed, ChatClient, EndpointError
-from selfevo.agents.lm.model import GarbageBody, ScriptedModel
+from selfevo.agents.lm.model import (
+    GarbageBody,
+    ModelFault,
+    ScriptedModel,
+    cut_before_stop,
+    echo_script,
+    load_chat_model,
+    messages_digest,
+)
 from selfevo.agents.lm.protocol import BUDGET_SPENT, CORRECTIVE, STOP_STRINGS
 from selfevo.agents.lm.server import make_app
 from selfevo.agents.remote import RemoteSolver, parse_remote_spec
@@ -39,7 +47,6 @@ def secret(query: str) -> str:
 
 class WordRetriever:
     """Every query finds `topk` pages; the first names the query's secret word."""
-
     def __init__(self):
         self.queries: list[str] = []
 
@@ -71,7 +78,6 @@ def searcher(messages) -> str:
 
 class Recording:
     """A ChatModel that records every request's messages and settings, then lets `inner` reply."""
-
     def __init__(self, inner):
         self.inner, self.name = inner, inner.name
         self.calls: list[dict] = []
@@ -947,7 +953,6 @@ def test_a_reply_larger_than_the_bound_fails_its_call_at_once():
 
 class _NoWait(threading.Event):
     """A `stopped` event that records each wait before a retry instead of sleeping it."""
-
     def __init__(self):
         super().__init__()
         self.waits: list[float] = []
@@ -1097,3 +1102,74 @@ def test_credentials_behind_an_upper_case_scheme_are_hidden_too():
     """A URL's scheme is case-insensitive (`HTTPS://user:KEY@host` works as well): its key is hidden as well."""
     assert shown_url("HTTPS://user:k3y@host/v1") == "HTTPS://***@host/v1"
     assert shown_url("remote:m@Http://u:k@h:8000/v1") == "remote:m@Http://***@h:8000/v1"
+
+
+# ------------------------------------------------------------------ the scripted model
+
+
+def test_an_empty_stop_string_stops_nothing_and_the_earliest_stop_wins():
+    assert cut_before_stop("abc", ["", "c"]) == ("ab", "c")
+    assert cut_before_stop("abc", [""]) == ("abc", None)
+    [c] = ScriptedModel(lambda messages: "one two. three").generate([{"role": "user", "content": "q"}], stop=[""])
+    assert (c.text, c.finish_reason, c.stop_reason) == ("one two. three", "stop", None)
+
+
+def test_the_prompt_digest_is_the_sha256_of_its_canonical_utf8_json():
+    """Clients compute it too (and a judge cache keys replies by it): non-ASCII text is hashed as UTF-8, not
+    as \\u escapes, and only role and content count."""
+    canon = '[{"content":"Zürich — 東京","role":"user"}]'
+    assert messages_digest([{"role": "user", "content": "Zürich — 東京", "name": "x"}]) == hashlib.sha256(
+        canon.encode("utf-8")).hexdigest()
+
+
+def test_the_echo_script_replies_with_the_last_user_message():
+    chat = [{"role": "system", "content": "s"}, {"role": "user", "content": "first"},
+            {"role": "assistant", "content": "a"}, {"role": "user", "content": "last"}]
+    assert echo_script(chat) == "last" and echo_script(chat[:1]) == ""
+
+
+def test_the_scripted_model_refuses_rates_outside_zero_to_one_and_a_negative_delay():
+    for field, bad in (("fail_rate", 1.5), ("garbage_rate", -0.1), ("slow_rate", 2.0)):
+        with pytest.raises(ValueError, match=rf"^{field}: must be in \[0, 1\], got {bad}$"):
+            ScriptedModel(echo_script, **{field: bad})
+    with pytest.raises(ValueError, match=r"fail_rate \+ garbage_rate must be at most 1"):
+        ScriptedModel(echo_script, fail_rate=0.6, garbage_rate=0.5)
+    with pytest.raises(ValueError, match="delay: must be >= 0, got -0.5"):
+        ScriptedModel(echo_script, delay=-0.5)
+    ScriptedModel(echo_script, fail_rate=0.5, garbage_rate=0.5, slow_rate=1.0, delay=0.0)  # the edges are taken
+
+
+def test_the_scripted_model_counts_words_as_tokens_and_cuts_at_the_budget():
+    model = ScriptedModel(lambda messages: "a b c. d e")
+    msgs = [{"role": "system", "content": "two words"}, {"role": "user", "content": "three more words"}]
+    [c] = model.generate(msgs, max_tokens=5)  # exactly the budget: whole, "stop"
+    assert (c.text, c.finish_reason, c.prompt_tokens, c.completion_tokens, c.stop_reason) == (
+        "a b c. d e", "stop", 5, 5, None)
+    [c] = model.generate(msgs, max_tokens=2)
+    assert (c.text, c.finish_reason, c.completion_tokens, c.stop_reason) == ("a b", "length", 2, None)
+    [c] = model.generate(msgs, max_tokens=2, stop=["d"])  # "a b c. " is still over the budget: no stop reached
+    assert (c.text, c.finish_reason, c.completion_tokens, c.stop_reason) == ("a b", "length", 2, None)
+    got = model.generate(msgs, max_tokens=9, stop=[" d"], n=3)
+    assert [(c.text, c.finish_reason, c.completion_tokens, c.stop_reason) for c in got] == [
+        ("a b c.", "stop", 3, " d")] * 3
+
+
+def test_injected_faults_are_both_429s_and_500s_about_three_to_seven():
+    model = ScriptedModel(echo_script, fail_rate=1.0, seed=3)
+    statuses = []
+    for i in range(300):
+        with pytest.raises(ModelFault) as e:
+            model.generate([{"role": "user", "content": f"q{i}"}])
+        statuses.append(e.value.status)
+    assert set(statuses) == {429, 500} and 0.2 < statuses.count(429) / 300 < 0.4
+    assert dict(model.faults) == {"429": statuses.count(429), "500": statuses.count(500)} and not model.served
+
+
+def test_a_scripted_spec_loads_a_registered_script_under_its_spec_name():
+    scripts = {"shout": lambda: lambda messages: "HI"}
+    model = load_chat_model("scripted:shout", scripts=scripts, fail_rate=0.5)
+    assert model.name == "scripted:shout" and model.fail_rate == 0.5
+    assert load_chat_model("scripted:echo").name == "scripted:echo"
+    with pytest.raises(ValueError, match=r"unknown script 'nope' \(known: echo, shout\)"):
+        load_chat_model("scripted:nope", scripts=scripts)
+    assert ScriptedModel(scripts["shout"]()).generate([{"role": "user", "content": "q"}])[0].text == "HI"

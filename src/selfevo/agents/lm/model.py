@@ -323,8 +323,9 @@ class TransformersChatModel:
                                       f"{n_prompt}")
             budget = min(budget, limit - n_prompt)  # clamped, as max_new_tokens is: finish_reason "length"
         greedy = temperature <= 0.0
+        pad = self.tokenizer.pad_token_id  # 0 is a pad id like any other (`or` took it for none)
         kwargs = {"max_new_tokens": budget, "do_sample": not greedy,
-                  "pad_token_id": self.tokenizer.pad_token_id or self.tokenizer.eos_token_id}
+                  "pad_token_id": self.tokenizer.eos_token_id if pad is None else pad}
         if not greedy:  # top_k=0: no top-k cut (transformers' default is 50), as LMPolicy samples
             kwargs.update(temperature=temperature, top_p=top_p, top_k=0, num_return_sequences=n)
         else:  # greedy: the n completions are identical, generate one
