@@ -458,6 +458,7 @@ def test_cli_score(tmp_path):
 
 class _FakeRetriever:
     """Returns fixed passages and records the queries it saw."""
+
     def __init__(self, docs: list[Document]):
         self.docs, self.queries = docs, []
 
@@ -911,6 +912,7 @@ def test_a_lone_surrogate_in_an_answer_is_written_as_u_fffd(tmp_path):
     """A remote endpoint's JSON can escape a lone surrogate (half an emoji); kept in the answer or a
     search it failed the write of the answered batch and of predictions.jsonl (UnicodeEncodeError):
     the evaluation lost, and a rerun failed again on the same answer."""
+
     class HalfEmoji(_EchoSolver):
         def answer(self, questions, tool, **kw):
             groups = super().answer(questions, tool, **kw)
@@ -1038,6 +1040,7 @@ def test_evaluate_solver_refuses_a_solver_that_returns_extra_or_empty_answers(sh
 def test_prediction_rows_hold_cover_em_and_the_run_counts_every_search(tmp_path):
     """predictions.jsonl's `cover_em` is Cover-EM, not EM (an answer holding the gold in a sentence; mutant
     `exact_match`), and `run.searches` counts searches, not questions (mutant `len(answers)`)."""
+
     class Verbose(_EchoSolver):
         def answer(self, questions, tool, **kw):
             out = []

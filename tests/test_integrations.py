@@ -925,6 +925,7 @@ def _stage_proposals(items_path, r: int, rows: list[dict], per_step: int) -> Non
 
 class _FakeEngine:
     """Stands in for TRL: 'trains' by writing a model directory, stages what the rewards would."""
+
     def __init__(self, run):
         self.run, self.jobs = run, []
 
@@ -1570,6 +1571,7 @@ def test_the_reward_reads_the_answer_after_a_budget_spent_or_corrective_observat
 
 class _CaptureReward(FrontierReward):
     """Records what the TRL wrapper hands the frontier reward (no graders)."""
+
     def __init__(self):
         self.seen = []
 
@@ -1881,6 +1883,7 @@ class _FakeGrader:
     """Stands in for a served grader's RemoteSolver (FrontierReward._solver caches one per role): answers
     each question with `answers(question, n)`; `failed` marks the i-th sample of every question as a call
     that failed for good after retries (what RemoteSolver's trace says)."""
+
     def __init__(self, answers, failed=()):
         self.answers, self.failed, self.calls = answers, set(failed), []
 

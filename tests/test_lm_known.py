@@ -289,6 +289,7 @@ def test_a_models_generation_config_adds_nothing_to_greedy_or_sampling(monkeypat
 
 class _IdsTokenizer:
     """A chat tokenizer over token ids written as numbers: enough for TransformersChatModel.generate."""
+
     chat_template, pad_token_id, eos_token_id = "t", 0, 2
 
     def apply_chat_template(self, messages, tokenize=False, add_generation_prompt=True):
@@ -363,6 +364,7 @@ def test_a_chat_template_that_refuses_the_messages_is_a_400_with_its_reason(monk
 class _TRLPolicy:
     """What hf_generate uses of a TRL trainer's model: `generate` records the generation config and the
     arguments it was called with, and continues the prompt by `reply` (token ids)."""
+
     training, device = True, "cpu"
 
     def __init__(self, reply):

@@ -179,6 +179,7 @@ class _Out:
 
 class _FakeLLM:
     """Records each generate call; replies with `reply(prompt_ids, params)` -> (text, finish)."""
+
     def __init__(self, reply):
         self.reply, self.calls = reply, []
 
@@ -632,6 +633,7 @@ def test_workers_too_many_for_the_cluster_are_refused_before_any_actor(monkeypat
 
 class _Actor:
     """A stand-in for a rollout actor: `answer.remote(...)` records its shard and answers it."""
+
     def __init__(self, calls):
         self.calls = calls
         self.answer = types.SimpleNamespace(remote=self._answer)

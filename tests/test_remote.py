@@ -47,6 +47,7 @@ def secret(query: str) -> str:
 
 class WordRetriever:
     """Every query finds `topk` pages; the first names the query's secret word."""
+
     def __init__(self):
         self.queries: list[str] = []
 
@@ -78,6 +79,7 @@ def searcher(messages) -> str:
 
 class Recording:
     """A ChatModel that records every request's messages and settings, then lets `inner` reply."""
+
     def __init__(self, inner):
         self.inner, self.name = inner, inner.name
         self.calls: list[dict] = []
@@ -953,6 +955,7 @@ def test_a_reply_larger_than_the_bound_fails_its_call_at_once():
 
 class _NoWait(threading.Event):
     """A `stopped` event that records each wait before a retry instead of sleeping it."""
+
     def __init__(self):
         super().__init__()
         self.waits: list[float] = []
