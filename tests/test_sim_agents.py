@@ -442,6 +442,7 @@ def test_a_hop_count_the_search_budget_cannot_compose_is_refused(env):
 
 class _LowScoringReader(Reader):
     """A reader whose every score lies far below zero (what a strongly negative reading weight gives)."""
+
     def bias(self, doc_id: str, candidate: str) -> float:
         return -2e9 if candidate == self.favourite else -3e9
 
@@ -497,6 +498,7 @@ def test_a_proposer_without_sources_says_so(env):
 
 class _NoHits:
     """A retriever that finds nothing: what the solver answers then comes from its memory alone."""
+
     def retrieve(self, queries, topk=3):
         return [[] for _ in queries]
 
