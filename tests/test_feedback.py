@@ -7,12 +7,15 @@ from __future__ import annotations
 import pytest
 
 from selfevo.loop.feedback import (
+    AuxFeedback,
     aux_names,
     aux_updates,
     crossfit_fold,
     fewest_aux_updates,
     grader_index,
+    lineage_of,
     other_fold,
+    record_training,
     touched_folds,
     trains_on,
 )
@@ -174,3 +177,32 @@ def test_make_rules_samples_msv_as_loop_msv_samples():
     assert isinstance(make_rules(load_config(None, ["loop.msv_samples=5"]), [], folds, None)[0], AdmitAll)
     with pytest.raises(ConfigError, match="loop.msv_samples: must be a positive integer, got 0"):
         load_config(None, ["loop.msv_samples=0"])
+
+
+def test_record_training_accumulates_folds_and_rounds():
+    """A solver's lineage is everything it ever trained on: a later update on fewer folds adds, never replaces
+    (DESIGN.md §2: cross-fitting is a query over lineage)."""
+    solver = type("S", (), {"name": "aux-0@r2", "lineage": {}})()
+    record_training(solver, [1], 1)
+    record_training(solver, [0], 2)
+    record_training(solver, [1], 2)
+    assert solver.lineage == {"folds": [0, 1], "rounds": [1, 2]}
+    assert lineage_of(solver) == {"id": "aux-0@r2", "trained_on": {"folds": [0, 1], "rounds": [1, 2]}}
+
+
+@pytest.mark.parametrize("option, said", [({"trains": "fold"}, "bad trains/grades option"),
+                                          ({"grades": "other"}, "bad trains/grades option"),
+                                          ({"split": "page"}, "bad split or budget"),
+                                          ({"budget": 1.5}, "bad split or budget")])
+def test_aux_feedback_refuses_an_option_no_treatment_has(option, said):
+    """An unknown `trains` fell through to per-fold training and a budget over 1 gave the aux solvers more
+    updates than the paper's 25 a round each: each is refused, naming the rule."""
+    folds = FoldAssignment(2, 0, "source", {})
+    with pytest.raises(ValueError, match=f"feedback crossfit: {said}"):
+        AuxFeedback("crossfit", folds, lambda name: None, 25, 5, **option)
+
+
+def test_parse_treatment_refuses_nineteen_digits_of_k():
+    """18 digits of K are the most taken (the bound named in the message), 19 already refused."""
+    with pytest.raises(ValueError, match="treatment: crossfit-k<K> takes at most 18 digits of K, got 19"):
+        parse_treatment("crossfit-k" + "1" * 19)

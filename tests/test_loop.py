@@ -3,20 +3,27 @@
 import json
 import os
 import re
+import types
 import warnings
 from collections import Counter
 
 import pytest
 from typer.testing import CliRunner
 
+import selfevo.loop.engine as engine
+from selfevo.agents.base import Proposal
 from selfevo.algos import frontier_reward
 from selfevo.audit import METRICS, OracleJudge, audit_steps
 from selfevo.cli import app
 from selfevo.config import load_config
 from selfevo.evaluate import answers_match, score_files
 from selfevo.evolve import evolve, load_run_world
+from selfevo.loop.admission import AdmitAll
+from selfevo.loop.engine import Loop
+from selfevo.loop.feedback import AuxFeedback
 from selfevo.loop.folds import FoldAssignment, assign_folds, fold_of, question_fold
 from selfevo.loop.schedule import LoopConfig, derive_seed, schedule
+from selfevo.loop.treatments import feedback_options, parse_treatment
 from selfevo.records import Document
 from selfevo.runs import RunDir
 from selfevo.world import save_world
@@ -669,6 +676,24 @@ class _Rows:
         pass
 
 
+def _stub_loop(treatment, rounds=3, solver_steps=3, admit_per_round=40, solver=None, proposer=None, admission=None):
+    """A loop of stand-ins (`_Tracked` solvers, `_Pages` proposer) under `treatment`, on 12 pages,
+    run to its end (`solver`: another class than `_Tracked` for every solver; `proposer`, `admission`: others
+    than `_Pages()`, `AdmitAll()`); returns (loop, rule, proposer, rows)."""
+    t = parse_treatment(treatment)
+    folds = FoldAssignment(t.k, 0, t.grouping, {f"d{i}": i % t.k for i in range(12)})
+    _Tracked.registry = {}
+    proposer, sink = proposer or _Pages(), _Rows()
+    cfg = LoopConfig(rounds=rounds, proposer_steps=2, solver_steps=solver_steps, admit_per_round=admit_per_round)
+    make = solver or _Tracked
+    rule = AuxFeedback(t.name, folds, make, cfg.solver_steps, cfg.grader_samples, **vars(feedback_options(t)))
+    loop = Loop(cfg, 0, proposer, make("main"), admission or AdmitAll(), rule, None, folds)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # an aux solver with nothing to train on (connected grouping)
+        loop.run(sink, progress=False)
+    return loop, rule, proposer, sink.rows
+
+
 @pytest.mark.parametrize("treatment", ["crossfit", "crossfit-k3", "crossfit-connected-k3", "half-budget",
                                        "question-split", "same-source", "full-data"])
 def test_each_grader_trained_only_on_what_its_rule_allows_from_earlier_rounds(treatment):
@@ -676,21 +701,8 @@ def test_each_grader_trained_only_on_what_its_rule_allows_from_earlier_rounds(tr
     CrossFit's never trained on a question of the graded question's fold (connected: of any fold the
     question read, unless the record says fallback), the controls' as they are defined, and every
     grader of round r trained on rounds 1..r-1 only, and (full budget) on all of them its rule allows."""
-    from selfevo.loop.admission import AdmitAll
-    from selfevo.loop.engine import Loop
-    from selfevo.loop.feedback import AuxFeedback
-    from selfevo.loop.folds import FoldAssignment, question_fold
-    from selfevo.loop.treatments import feedback_options, parse_treatment
-
-    t = parse_treatment(treatment)
-    folds = FoldAssignment(t.k, 0, t.grouping, {f"d{i}": i % t.k for i in range(12)})
-    _Tracked.registry = {}
-    proposer, sink = _Pages(), _Rows()
-    cfg = LoopConfig(rounds=3, proposer_steps=2, solver_steps=3, admit_per_round=40)
-    rule = AuxFeedback(t.name, folds, _Tracked, cfg.solver_steps, cfg.grader_samples,
-                       **vars(feedback_options(t)))
-    Loop(cfg, 0, proposer, _Tracked("main"), AdmitAll(), rule, None, folds).run(sink, progress=False)
-    opts = feedback_options(t)
+    loop, _, proposer, rows = _stub_loop(treatment)
+    t, opts, folds = parse_treatment(treatment), feedback_options(parse_treatment(treatment)), loop.folds
 
     def fold(q):  # the fold the rule cross-fits on
         p = proposer.written[q]
@@ -699,10 +711,10 @@ def test_each_grader_trained_only_on_what_its_rule_allows_from_earlier_rounds(tr
     def pages(q):
         return folds.lineage(proposer.written[q].source_ids)
 
-    admitted = {r: [it["question"] for row in sink.rows if row["round"] == r and row["kind"] == "proposer"
+    admitted = {r: [it["question"] for row in rows if row["round"] == r and row["kind"] == "proposer"
                     for it in row["items"] if it["admitted"]] for r in (1, 2, 3)}
     graded = 0
-    for row in sink.rows:
+    for row in rows:
         if row["kind"] != "proposer" or row["round"] == 1:
             continue
         r = row["round"]
@@ -827,19 +839,8 @@ def test_a_graders_recorded_lineage_is_what_it_really_trained_on(treatment):
     """DESIGN.md §2: every grading records the folds and rounds its grader trained on ("cross-fitting is
     a query over lineage"): checked against the questions the grader was really updated on, the folds
     counted as the rule counts them (connected: every page read; full-data's aux-all: both folds)."""
-    from selfevo.loop.admission import AdmitAll
-    from selfevo.loop.engine import Loop
-    from selfevo.loop.feedback import AuxFeedback
-    from selfevo.loop.folds import FoldAssignment, question_fold
-    from selfevo.loop.treatments import feedback_options, parse_treatment
-
-    t, opts = parse_treatment(treatment), feedback_options(parse_treatment(treatment))
-    folds = FoldAssignment(t.k, 0, t.grouping, {f"d{i}": i % t.k for i in range(12)})
-    _Tracked.registry = {}
-    proposer, sink = _Pages(), _Rows()
-    cfg = LoopConfig(rounds=3, proposer_steps=2, solver_steps=3, admit_per_round=40)
-    rule = AuxFeedback(t.name, folds, _TrackedWithLineage, cfg.solver_steps, cfg.grader_samples, **vars(opts))
-    Loop(cfg, 0, proposer, _TrackedWithLineage("main"), AdmitAll(), rule, None, folds).run(sink, progress=False)
+    loop, _, proposer, rows = _stub_loop(treatment, solver=_TrackedWithLineage)
+    t, opts, folds = parse_treatment(treatment), feedback_options(parse_treatment(treatment)), loop.folds
 
     def counted(q):  # the folds the rule counts a trained question as
         p = proposer.written[q]
@@ -847,10 +848,10 @@ def test_a_graders_recorded_lineage_is_what_it_really_trained_on(treatment):
             return folds.lineage(p.source_ids)
         return {question_fold(q, 0, t.k) if opts.split == "question" else folds.of(p.source_id)}
 
-    round_of = {it["question"]: row["round"] for row in sink.rows if row["kind"] == "proposer"
+    round_of = {it["question"]: row["round"] for row in rows if row["kind"] == "proposer"
                 for it in row["items"]}
     checked = 0
-    for row in sink.rows:
+    for row in rows:
         if row["kind"] != "proposer" or row["round"] == 1:
             continue
         for it in row["items"]:
@@ -1000,3 +1001,151 @@ def test_connected_folds_name_a_cluster_by_its_least_page_and_fill_the_lowest_fo
     assert fa.groups == {f"{c}{i}": f"{c}0" for c, ts in names.items() for i in range(len(ts))}
     # the largest cluster goes to fold 0 (ties in load go to the lowest fold), the next to fold 1, ...
     assert {c: fa.of(f"{c}0") for c in names} == {"a": 0, "b": 1, "c": 1, "d": 0}
+
+
+
+@pytest.mark.parametrize("treatment, per_round", [("crossfit", {"aux-0": 3, "aux-1": 3}),
+                                                   ("crossfit-k3", {"aux-0": 3, "aux-1": 3, "aux-2": 3}),
+                                                   ("half-budget", {"aux-0": 2, "aux-1": 1}),
+                                                   ("full-data", {"aux-all": 3})])
+def test_compute_counts_each_aux_solvers_updates_and_rollouts_and_none_after_the_last_round(treatment, per_round):
+    """compute.json's updates per model and aux rollouts (what `compare` reports as CrossFit's overhead):
+    each aux solver's budgeted updates after rounds 1..R-1 (none after the last: nobody is graded by them),
+    counted under its own name, and grader_samples rollouts for every question it trained on."""
+    loop, rule, _, rows = _stub_loop(treatment)
+    updates = loop.compute.updates
+    assert {k: v for k, v in updates.items() if k.startswith("aux")} == {k: 2 * v for k, v in per_round.items()}
+    assert (updates["proposer"], updates["main"]) == (3 * 2, 3 * 3)
+    # each aux solver's first `updates` of the full budget's 3 even batches of its slice, rounds 1 and 2
+    folds = [(row["round"], it["fold"]) for row in rows if row["kind"] == "proposer" for it in row["items"]
+             if it["admitted"]]
+    for j, aux in enumerate(rule.aux):
+        mine = [sum(r == rr and (aux.name == "aux-all" or h == j) for r, h in folds) for rr in (1, 2)]
+        assert len(aux.trained) == sum(rule.updates[j] * n // 3 for n in mine) > 0, aux.name
+    assert loop.compute.generations["aux_rollouts"] == 5 * sum(len(a.trained) for a in rule.aux)
+
+
+def test_round_one_is_graded_by_the_shared_base_model_in_every_arm():
+    """DESIGN.md §1: round 1 is shared by all arms (no aux solver has trained yet): every round-1 question
+    of every aux rule is graded by the base model, recorded as `main@r0` trained on nothing, as coupled's."""
+    for treatment in ("crossfit", "crossfit-connected-k3", "same-source", "full-data", "half-budget"):
+        _, _, _, rows = _stub_loop(treatment, rounds=2)
+        graders = [it["grader"] for row in rows if row["kind"] == "proposer" and row["round"] == 1
+                   for it in row["items"]]
+        assert graders and all(g == {"id": "main@r0", "trained_on": {"folds": [], "rounds": []}} for g in graders)
+        later = {it["grader"]["id"] for row in rows if row["kind"] == "proposer" and row["round"] == 2
+                 for it in row["items"]}
+        assert later and all(g.startswith("aux-") and g.endswith("@r1") for g in later), treatment
+
+
+def test_end_round_reports_each_aux_solvers_own_updates_and_rollouts_in_order():
+    """`trained(j + 1, counts)` after solver j (a resume goes on from the count): its updates under its own
+    name (only those that trained: 10 items over 25 updates is 10) and grader_samples rollouts a question,
+    and from `start` on only (a resumed round does not train again the solvers trained before the kill)."""
+    folds = FoldAssignment(2, 0, "source", {"s0": 0, "s1": 1})
+    rule = AuxFeedback("crossfit", folds, _CountingSolver, 25, 5)
+    items = [type("C", (), {"fold": 0, "label": "x", "proposal": Proposal(f"q{i}", "x", "s0", ("s0",), 1)})()
+             for i in range(10)]
+    said = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # aux-1 has nothing to train on
+        rule.end_round(1, items, tool=None, seed=0, last=False, trained=lambda n, c: said.append((n, c)))
+    assert said == [(1, {"updates": {"aux-0": 10}, "generations": {"aux_rollouts": 50}}),
+                    (2, {"updates": {}, "generations": {"aux_rollouts": 0}})]
+    said.clear()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        rule.end_round(2, items, tool=None, seed=0, last=False, start=1, trained=lambda n, c: said.append((n, c)))
+    assert said == [(2, {"updates": {}, "generations": {"aux_rollouts": 0}})] and len(rule.aux[0].batches) == 10
+
+
+class _Seeded(_Tracked):
+    """_Tracked recording the seed of every sampling call, by the model that drew it."""
+
+    seeds: list = []
+
+    def snapshot(self, name=None):
+        return _Seeded(name or self.name, self.trained)
+
+    def answer(self, questions, tool, *, greedy=True, n=1, seed=None, contexts=None):
+        _Seeded.seeds.append((self.name, seed))
+        return super().answer(questions, tool, greedy=greedy, n=n, seed=seed, contexts=contexts)
+
+
+@pytest.mark.parametrize("treatment", ["crossfit", "crossfit-k3", "full-data"])
+def test_every_sampling_call_of_a_run_draws_its_own_seed(treatment):
+    """Seeds derive from (run seed, round, step, purpose) and the model: the proposer and the admission rule
+    of one step, two graders of one step, two aux solvers' same update, or one aux solver's update in two
+    rounds never draw the same samples."""
+    class Proposing(_Pages):
+        def propose(self, n, tool, seed):
+            _Seeded.seeds.append(("proposer", seed))
+            return super().propose(n, tool, seed)
+
+    class Admitting(AdmitAll):
+        def decide(self, proposals, tool, seed):
+            _Seeded.seeds.append(("admission", seed))
+            return super().decide(proposals, tool, seed)
+
+    _Seeded.seeds = []
+    _, rule, _, _ = _stub_loop(treatment, solver=_Seeded, proposer=Proposing(), admission=Admitting())
+    drawn = [seed for _, seed in _Seeded.seeds]
+    assert len(drawn) == len(set(drawn))
+    graders = {name for name, _ in _Seeded.seeds if "@r" in name}
+    assert len(graders) >= 1 + rule.n_aux * 2  # main@r0, then every aux solver in rounds 2 and 3
+
+
+def test_the_aux_solvers_training_is_timed_as_aux_alone(monkeypatch):
+    """compute.json's "aux" seconds are CrossFit's overhead `compare` reports: with a clock that moves only
+    while an aux solver updates, every second lands in "aux" (the callback after each solver included)."""
+    now = [0.0]
+
+    class Slow(_Tracked):
+        def update(self, groups):
+            if self.name.startswith("aux-"):
+                now[0] += 100.0
+            return super().update(groups)
+
+    monkeypatch.setattr(engine, "time", types.SimpleNamespace(perf_counter=lambda: now[0]))
+    loop, _, _, _ = _stub_loop("crossfit", solver=Slow)
+    # 3 updates of each of 2 aux solvers after rounds 1 and 2 (none after the last)
+    assert {k: v for k, v in loop.compute.seconds.items() if v} == {"aux": 100.0 * 3 * 2 * 2}
+
+
+def test_item_ids_name_the_round_the_runs_step_and_the_proposal():
+    """An item's id is `r<round>-s<step>-<i>`: the step counted over the whole run (as `step` in its row), so
+    ids are unique across rounds and a record can be found from its id alone."""
+    _, _, _, rows = _stub_loop("crossfit", rounds=2)
+    ids = []
+    for row in rows:
+        for i, it in enumerate(row["items"] if row["kind"] == "proposer" else ()):
+            assert it["item_id"] == f"r{row['round']}-s{row['step']}-{i}"
+            ids.append(it["item_id"])
+    assert ids and len(ids) == len(set(ids)) and any(row["step"] != row["step_in_round"] for row in rows)
+
+
+def test_too_many_steps_names_rounds_when_it_ties_with_a_rounds_steps():
+    """The refusal names the largest factor, rounds on a tie (1,001 rounds × 1,001 steps a round)."""
+    with pytest.raises(ValueError, match=r"^loop\.rounds: 1,001 rounds × \(500 \+ 501\) steps"):
+        LoopConfig(rounds=1001, proposer_steps=500, solver_steps=501)
+    with pytest.raises(ValueError, match=r"^loop\.solver_steps: 1,000 rounds"):
+        LoopConfig(rounds=1000, proposer_steps=500, solver_steps=501)
+
+
+def test_the_progress_bar_says_when_the_aux_solvers_train(tmp_path, monkeypatch):
+    """An aux solver's training is 25 updates a round (hours at 4B): the bar names it, after every round but
+    the last (when none is trained)."""
+    said = []
+
+    class Recording(engine.Progress):
+        def update(self, task_id, **kwargs):
+            if "description" in kwargs:
+                said.append(kwargs["description"])
+            super().update(task_id, **kwargs)
+
+    monkeypatch.setattr(engine, "Progress", Recording)
+    cfg = load_config(None, ['world.name="small"', "treatment=crossfit", "loop.rounds=2", "loop.admit_per_round=20",
+                             "loop.proposer_steps=2", "loop.solver_steps=2"])
+    evolve(cfg, tmp_path / "run", progress=True, audit=False)
+    assert [d for d in said if "auxiliary" in d] == ["round 1 auxiliary solvers"]
+    assert said.index("round 1 auxiliary solvers") == said.index("round 1 evaluation") - 1
