@@ -802,11 +802,8 @@ def test_a_resume_refuses_a_folds_file_no_run_of_its_config_writes(tmp_path, mon
     assert (tmp_path / "run" / "records" / "steps.jsonl").read_bytes() == steps  # nothing run
 
 
-def test_the_progress_bar_numbers_solver_steps_within_their_own_count(tmp_path, monkeypatch):
-    """The bar said "round 1 solver step 37" of a round's 25 solver steps: it numbered them after the
-    proposer steps (a helper's walk through the CLI)."""
-    import selfevo.loop.engine as engine
-
+def _progress_said(tmp_path, monkeypatch, overrides):
+    """What the progress bar's descriptions said over a small-world `evolve` with `overrides`."""
     said = []
 
     class Recording(engine.Progress):
@@ -816,9 +813,15 @@ def test_the_progress_bar_numbers_solver_steps_within_their_own_count(tmp_path, 
             super().update(task_id, **kwargs)
 
     monkeypatch.setattr(engine, "Progress", Recording)
-    cfg = load_config(None, ['world.name="small"', "loop.rounds=1", "loop.admit_per_round=60",
-                             "loop.proposer_steps=3", "loop.solver_steps=2"])
-    evolve(cfg, tmp_path / "run", progress=True, audit=False)
+    evolve(load_config(None, ['world.name="small"', *overrides]), tmp_path / "run", progress=True, audit=False)
+    return said
+
+
+def test_the_progress_bar_numbers_solver_steps_within_their_own_count(tmp_path, monkeypatch):
+    """The bar said "round 1 solver step 37" of a round's 25 solver steps: it numbered them after the
+    proposer steps (a helper's walk through the CLI)."""
+    said = _progress_said(tmp_path, monkeypatch, ["loop.rounds=1", "loop.admit_per_round=60",
+                                                  "loop.proposer_steps=3", "loop.solver_steps=2"])
     steps = [d for d in said if d.startswith("round 1 ")]
     assert steps == ["round 1 proposer step 1", "round 1 proposer step 2", "round 1 proposer step 3",
                      "round 1 solver step 1", "round 1 solver step 2", "round 1 evaluation"], said
@@ -1135,17 +1138,7 @@ def test_too_many_steps_names_rounds_when_it_ties_with_a_rounds_steps():
 def test_the_progress_bar_says_when_the_aux_solvers_train(tmp_path, monkeypatch):
     """An aux solver's training is 25 updates a round (hours at 4B): the bar names it, after every round but
     the last (when none is trained)."""
-    said = []
-
-    class Recording(engine.Progress):
-        def update(self, task_id, **kwargs):
-            if "description" in kwargs:
-                said.append(kwargs["description"])
-            super().update(task_id, **kwargs)
-
-    monkeypatch.setattr(engine, "Progress", Recording)
-    cfg = load_config(None, ['world.name="small"', "treatment=crossfit", "loop.rounds=2", "loop.admit_per_round=20",
-                             "loop.proposer_steps=2", "loop.solver_steps=2"])
-    evolve(cfg, tmp_path / "run", progress=True, audit=False)
+    said = _progress_said(tmp_path, monkeypatch, ["treatment=crossfit", "loop.rounds=2", "loop.admit_per_round=20",
+                                                  "loop.proposer_steps=2", "loop.solver_steps=2"])
     assert [d for d in said if "auxiliary" in d] == ["round 1 auxiliary solvers"]
     assert said.index("round 1 auxiliary solvers") == said.index("round 1 evaluation") - 1
