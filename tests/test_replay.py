@@ -10,6 +10,7 @@ from dataclasses import asdict, replace
 
 import numpy as np
 import pytest
+from rich.console import Console
 from typer.testing import CliRunner
 
 from selfevo import replay
@@ -753,7 +754,7 @@ def test_a_too_small_training_set_is_refused_before_any_job_trains(bank, monkeyp
 
 
 def test_the_update_count_at_its_edges(bank):
-    """(Held by no test before a mutation sweep.) A fold one item short of the updates is refused, and the
+    """A fold one item short of the updates is refused, and the
     half budget of an odd number of updates is its floor, in the jobs and in the invariants' check."""
     trains, _ = replay._provenance(CONDITIONS["source-id"], 0)
     smallest = min(sum(trains(h, it) for it in bank.items) for h in (0, 1))
@@ -1019,3 +1020,216 @@ def test_a_bad_setting_names_its_option_and_a_one_round_run_says_why_it_gives_no
     with pytest.raises(ReplayError, match=r"no admitted items of rounds >= 2 in 1 run\(s\): a bank needs runs of "
                                           "at least 2 rounds"):
         build_bank([one], size=10, allow_fewer=True)
+
+
+# ------------------------------------------------------------------ settings, bank files, results
+
+
+def test_conditions_come_in_the_tables_order_once_each_and_an_empty_list_is_refused():
+    """The study's conditions are in the table's order, whatever
+    order --conditions names them in, each once; a list that names none is refused, not a study of nothing."""
+    assert [c.name for c in parse_conditions("source-id+msv, coupled,coupled")] == ["coupled", "source-id+msv"]
+    assert [c.name for c in parse_conditions(["connected", "same-source"])] == ["same-source", "connected"]
+    for empty in (" , ", [], [" "]):
+        with pytest.raises(ReplayError, match="--conditions: no condition named"):
+            parse_conditions(empty)
+
+
+@pytest.mark.parametrize("field", ["updates", "rollouts", "samples", "msv_samples"])
+@pytest.mark.parametrize("value", [0, -1, True, 2.0, "5"])
+def test_every_replay_setting_is_a_positive_integer(field, value):
+    """samples=0 graded with no sampled answer, True passed for 1."""
+    with pytest.raises(ReplayError, match=rf"^{field}: must be a positive integer, got {value!r}$"):
+        ReplaySettings(**{field: value})
+    assert getattr(ReplaySettings(**{field: 3}), field) == 3
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda o: {**o, "format": 0}, "bank format 0, this selfevo reads formats 1 to 3"),
+    (lambda o: {k: v for k, v in o.items() if k != "seed"}, r"missing field\(s\) seed$"),
+    (lambda o: {k: v for k, v in o.items() if k not in ("items", "search")}, r"missing field\(s\) search, items$"),
+    (lambda o: {**o, "items": [{**o["items"][0], "round": 0}]}, "field round should be an integer >= 1, got 0"),
+    (lambda o: {**o, "items": [{**o["items"][0], "hops": True}]}, "field hops should be an integer >= 1, got true"),
+    (lambda o: {**o, "items": [{**o["items"][0], "source_ids": [""]}]}, "field source_ids should be a non-empty list"),
+    (lambda o: {**o, "items": [{**o["items"][0], "item_id": ""}]}, "field item_id should be a non-empty string"),
+    (lambda o: {**o, "items": [{**o["items"][0], "source_id": ""}]}, "field source_id should be a non-empty string"),
+    (lambda o: {**o, "made_on": ["x"]}, r'field made_on should be an object, got \["x"\]'),
+    (lambda o: {**o, "sources": ["a", 7]}, "field sources should be a list of run directories"),
+    (lambda o: {**o, "source_created": None}, "field source_created should be a list of numbers .*got null"),
+    (lambda o: [1, 2], r"not a replay bank \(no format field\)"),
+])
+def test_bank_load_errors_name_the_file_and_field(bank, tmp_path, edit, message):
+    """Each refusal starts with the bank file's path."""
+    path = tmp_path / "bank.json"
+    write_json(path, edit(bank.to_json()))
+    with pytest.raises(ReplayError, match=message) as e:
+        Bank.load(path)
+    assert str(e.value).startswith(f"{path}: ")
+
+
+def test_a_format_3_bank_replays_with_its_runs_base_model_not_its_sampling_seed(bank):
+    """(The fixture's bank samples with seed 0 from runs of seed 0.)
+    A format-3 bank's base model is its `base_seed`; a format 1 or 2 bank's, its sampling seed."""
+    obj = {**bank.to_json(), "seed": 5}
+    assert (Bank.from_json(obj).seed, Bank.from_json(obj).base_seed) == (5, 0)
+    assert Bank.from_json({**obj, "base_seed": 2}).base_seed == 2
+    old = {k: v for k, v in obj.items() if k != "base_seed"}
+    assert Bank.from_json({**old, "format": 2}).base_seed == 5
+    with pytest.raises(ReplayError, match="field base_seed is missing"):
+        Bank.from_json(old)  # format 3 without it: not the sampling seed's
+
+
+def test_a_bank_names_its_runs_absolutely_and_clusters_its_sources_at_its_own_seed(runs, monkeypatch):
+    """(The fixture's runs are named by absolute paths, and its bank's
+    seed is 0.) A run named by a relative path is kept as its absolute path (a reader elsewhere finds it), and
+    each item's connected group is the link-graph cluster at the bank's seed."""
+    monkeypatch.chdir(runs[0].parent)
+    bank = build_bank([runs[0].name], size=60, seed=1)
+    assert bank.sources == [str(runs[0].resolve())] and {it.run for it in bank.items} == {str(runs[0].resolve())}
+    docs = load_run_world(load_config(None, SCALED)).documents
+    at_1, at_0 = (assign_folds(docs, s, 2, "connected").groups for s in (1, 0))
+    assert [it.group for it in bank.items] == [at_1[it.source_id] for it in bank.items]
+    assert any(at_0[it.source_id] != it.group for it in bank.items)  # (the seed makes a difference here)
+
+
+def test_a_bank_of_no_items_or_no_hop_counts_is_refused_up_front(runs):
+    """--size 0 and an empty --hops are the options' errors, not a
+    bank of nothing refused later."""
+    with pytest.raises(ReplayError, match=r"^--size: must be >= 1, got 0$"):
+        build_bank(runs[:1], size=0, allow_fewer=True)
+    with pytest.raises(ReplayError, match=r"^--hops: hop counts must be >= 1, got \[\]$"):
+        build_bank(runs[:1], size=10, hops=[])
+
+
+def test_a_bank_takes_only_admitted_proposals_of_its_rounds(runs, tmp_path):
+    """(Every item of a coupled run is admitted.) A proposal the
+    admission rule turned away never trained anything and is not in the bank; `min_round` bounds the rounds."""
+    run = tmp_path / "run"
+    shutil.copytree(runs[0], run)
+    steps = run / "records" / "steps.jsonl"
+    rows = [json.loads(x) for x in steps.read_text().splitlines()]
+    turned_away = set()
+    for r in rows:
+        for j, it in enumerate(r.get("items", [])):
+            if r["kind"] == "proposer" and j % 3 == 0:
+                it["admitted"] = False
+                turned_away.add(f"run0/{it['item_id']}")
+    steps.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    kept = {f"run0/{it['item_id']}" for _, _, it in _candidates([run])}
+    assert turned_away and kept
+    whole = build_bank([run], size=len(kept), seed=0)
+    assert {it.item_id for it in whole.items} == kept and not kept & turned_away
+    late = build_bank([run], size=10, seed=0, min_round=3)
+    assert {it.round for it in late.items} == {3}
+    assert len(build_bank([run], size=10_000, seed=0, min_round=1, allow_fewer=True).items) > len(kept)
+
+
+def test_a_bank_refuses_runs_made_on_other_data_and_a_source_that_is_no_document(runs, tmp_path):
+    """(The report's check of the sha256s is tested, the bank's was
+    not.) Two runs whose manifests record other data under one path are not pooled; a step item whose source
+    is no page of the world is named."""
+    copies = []
+    for name, sha in (("a", "a" * 64), ("b", "b" * 64)):
+        copies.append(tmp_path / name)
+        shutil.copytree(runs[0], copies[-1])
+        write_json(copies[-1] / "manifest.json", {**read_json(copies[-1] / "manifest.json"), "qa_sha256": sha})
+    with pytest.raises(ReplayError, match=r"^runs made on different data under one path: .*a and .*b \(the sha256"):
+        build_bank(copies, size=10)
+    steps = copies[0] / "records" / "steps.jsonl"
+    rows = [json.loads(x) for x in steps.read_text().splitlines()]
+    late = next(it for r in rows if r["kind"] == "proposer" and r["round"] >= 2 for it in r["items"] if it["admitted"])
+    late["source_id"] = "nope"
+    steps.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with pytest.raises(ReplayError, match=r"a: source 'nope' is not a document of the run's world$"):
+        build_bank(copies[:1], size=10)
+
+
+def test_results_json_says_what_bank_settings_and_seeds_it_replayed(study, bank):
+    """The bank block names the bank (its digest, sampling seed,
+    runs and their creation times), the settings are the study's, and each seed's numbers are its own."""
+    assert study["settings"] == asdict(FAST) and study["seeds"] == [0, 1] and study["judge"] == "oracle"
+    b = study["bank"]
+    assert {k: b[k] for k in ("items", "seed", "sources", "source_created", "backend", "world", "corpus", "sha256",
+                              "compared_items")} == {
+        "items": len(bank.items), "seed": bank.seed, "sources": bank.sources, "source_created": bank.source_created,
+        "backend": "sim", "world": bank.world, "corpus": "", "sha256": bank.digest(), "compared_items": None}
+    assert b["source_created"] and all(isinstance(c, float) for c in b["source_created"])
+    assert study["software"] == software()
+    assert study["invariants"]["items_sha256"] == replay._graded_digest(
+        (it.item_id, it.question, it.label) for it in bank.items)
+    for name, entry in [*study["conditions"].items(), ("base", study["reference"]["base"])]:
+        assert entry["seeds"] == 2, name
+        for m in ("F", "solver_truth", "replay_accuracy", "A", "coverage", "L"):
+            assert entry[m]["mean"] == pytest.approx(sum(entry["per_seed"][m]) / 2), (name, m)
+
+
+def test_each_seed_keeps_its_own_training_sets_and_msv_admissions(bank):
+    """train_items and msv_admitted are each seed's own, and the
+    per-seed numbers are in the order of the seeds asked for; results.json's bank seed is its sampling seed."""
+    bank = replace(bank, seed=7)  # sampled with another seed from the same runs (base_seed 0)
+    study = run_replay(bank, ["source-id+msv"], seeds=[1, 0], settings=FAST)
+    assert (study["bank"]["seed"], study["bank"]["sha256"]) == (7, bank.digest())
+    entry = study["conditions"]["source-id+msv"]
+    singles = {s: run_replay(bank, ["source-id+msv"], seeds=[s], settings=FAST)["conditions"]["source-id+msv"]
+               for s in (0, 1)}
+    assert entry["train_items"] == {str(s): singles[s]["train_items"][str(s)] for s in (1, 0)}
+    assert entry["train_items"]["0"] != entry["train_items"]["1"]  # (the folds are the seed's)
+    admitted = [singles[s]["msv_admitted"]["mean"] for s in (1, 0)]
+    assert entry["msv_admitted"]["mean"] == sum(admitted) / 2 and entry["msv_admitted"]["std"] is not None
+    for m in ("F", "A", "replay_accuracy"):
+        assert entry["per_seed"][m] == [singles[s]["per_seed"][m][0] for s in (1, 0)], m
+    base = study["reference"]["base"]
+    assert base["seeds"] == 2 and base["per_seed"]["F"] == [
+        run_replay(bank, ["coupled"], seeds=[s], settings=FAST)["reference"]["base"]["per_seed"]["F"][0]
+        for s in (1, 0)]
+
+
+def test_the_base_model_is_the_tables_last_row(study):
+    """(test_demo's is a slow end-to-end run.) The untrained base
+    model is the reference row, after the conditions, in the markdown and the terminal's table."""
+    md = results_markdown(study).splitlines()
+    assert md[-1].startswith("| base model (untrained, reference) | ") and md[-1].count("±") == 5
+    assert [line.split(" | ")[0] for line in md[2:-1]] == [f"| {n}" for n in study["conditions"]]
+    console = Console(record=True, width=300)
+    console.print(replay.results_table(study))
+    rows = [line for line in console.export_text().splitlines() if line.startswith("│")]
+    assert len(rows) == len(study["conditions"]) + 1 and replay.BASE_ROW in rows[-1]
+    assert replay.table_rows({"conditions": {"coupled": {}}})[-1][0] == "coupled"  # no reference: no base row
+
+
+def test_an_outcome_that_graded_another_number_of_items_breaks_the_invariant(bank):
+    """The count of graded items is checked beside their digest."""
+    settings = FAST
+    digest = replay._graded_digest((it.item_id, it.question, it.label) for it in bank.items)
+    good = {"graded": digest, "n_graded": len(bank.items), "matcher": "selfevo.evaluate.answers_match",
+            "updates": {"all": 6}}
+    assert replay.check_invariants({("coupled", 0): good}, bank, settings)["items_sha256"] == digest
+    with pytest.raises(InvariantError, match="coupled seed 0: graded items, questions or labels differ"):
+        replay.check_invariants({("coupled", 0): {**good, "n_graded": len(bank.items) - 1}}, bank, settings)
+    with pytest.raises(InvariantError, match="source-id-half\\+msv seed 0: feedback solver updates"):
+        replay.check_invariants({("source-id-half+msv", 0): {**good, "updates": {"a": 6, "b": 6}}}, bank, settings)
+    half = {**good, "updates": {"a": 3, "b": 3}}
+    assert replay.check_invariants({("source-id-half+msv", 2): half, ("coupled", 1): good}, bank, settings)[
+        "updates"] == {"coupled": {"all": 6}}  # one seed's: the first
+
+
+def test_a_replay_never_reads_the_draft_label(bank):
+    """(The fixture's coupled runs adopt every draft label as it is.)
+    Grading, the greedy replay accuracy and MSV all go by the adopted label: a bank whose draft labels are
+    all other strings replays to the same numbers."""
+    redrafted = replace(bank, items=[replace(it, draft_label=f"not {it.label}") for it in bank.items])
+    names = ["coupled", "source-id+msv"]
+    want = run_replay(bank, names, seeds=[0], settings=FAST)["conditions"]
+    got = run_replay(redrafted, names, seeds=[0], settings=FAST)["conditions"]
+    assert want["coupled"]["replay_accuracy"]["mean"] > 0.3
+    assert got == want
+
+
+def test_a_one_seed_study_records_no_spread_in_results_json(bank, tmp_path):
+    """(The markdown's "± –" comes from the seed count.) One seed
+    has no std: results.json says null, not 0.0 (seeds that agree), and the figure is drawn all the same."""
+    one = run_replay(bank, ["coupled", "source-id+msv"], seeds=[0], settings=FAST)
+    for entry in (*one["conditions"].values(), one["reference"]["base"]):
+        assert all(entry[m]["std"] is None and entry[m]["mean"] is not None for m in ("F", "A", "coverage"))
+    assert one["conditions"]["source-id+msv"]["msv_admitted"]["std"] is None
+    assert (write_results(one, tmp_path / "o") / "replay.png").read_bytes()[:4] == b"\x89PNG"
