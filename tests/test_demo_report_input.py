@@ -18,7 +18,7 @@ from selfevo._fmt import DASH
 from selfevo.cli import app
 from selfevo.config import ConfigError
 from selfevo.demo import load_plan
-from selfevo.report.build import build_report
+from selfevo.report.build import build_report, write_demo_record
 
 TINY = ["--world", "small", "--set", "loop.proposer_steps=2", "--set", "loop.solver_steps=2",
         "--set", "loop.admit_per_round=20"]
@@ -319,7 +319,7 @@ def test_run_tables_that_fit_coupled_but_not_another_treatment_are_refused_befor
 
 
 def test_a_run_table_given_as_a_value_is_named_not_a_traceback(tmp_path, no_run):
-    """(held by no test before a mutation sweep) `world = 3` at the top of a demo config (meant for
+    """`world = 3` at the top of a demo config (meant for
     demo.world) is named as the table it is not; the check of what the demo sets itself must not look inside it
     as one (a TypeError, exit 1)."""
     cfg = tmp_path / "demo.toml"
@@ -327,3 +327,17 @@ def test_a_run_table_given_as_a_value_is_named_not_a_traceback(tmp_path, no_run)
     result = _demo(tmp_path, "--config", str(cfg))
     assert result.exit_code == 2, result.output  # 1 would be a traceback
     assert _one_line(result.output) == f"error: {cfg}: world: expected a table, got int"
+
+
+def test_a_demo_report_says_whether_it_holds_the_demos_replay_study_and_keeps_its_context(runs, tmp_path):
+    """The report's opening line says what demo.json names: the
+    replay study only where the demo made one, then the demo's own context, then the caller's."""
+
+    root = tmp_path / "r"
+    shutil.copytree(runs / "grid", root)
+    write_demo_record(root, [root / "coupled-s0"], False, [], "made by the test's demo")
+    assert build_report(root, context="and by hand")["context"] == (
+        "The runs of the demo recorded in demo.json; other runs below this directory are not reported. "
+        "made by the test's demo and by hand")
+    write_demo_record(root, [root / "coupled-s0"], True, [], "")
+    assert build_report(root)["context"].startswith("The runs and replay study of the demo recorded in demo.json;")

@@ -4,6 +4,7 @@ the rest completes; reruns skip finished jobs) and the report built from a grid.
 from __future__ import annotations
 
 import contextlib
+import html
 import json
 import os
 import signal
@@ -19,10 +20,16 @@ import pytest
 from typer.testing import CliRunner
 
 import selfevo._software as sw
+from selfevo._fmt import DASH
 from selfevo._software import software, software_changes, software_tally, software_text
 from selfevo.cli import app
 from selfevo.experiments import Job, grid, run_grid
+from selfevo.report import build
 from selfevo.report.build import build_report
+from selfevo.report.collect import readings
+from selfevo.report.compare import compare, describe_audit
+from selfevo.report.render import html_page, markdown, tables
+from selfevo.runs import RunError
 
 SMALL = ["world.name=\"small\"", "loop.admit_per_round=120", "loop.proposer_steps=6", "loop.solver_steps=5"]
 
@@ -1529,3 +1536,157 @@ def test_software_tally_skips_records_that_are_not_objects_and_orders_the_text()
     # shared names in software()'s order (python first), a package's versions in version order
     assert software_text(tally) == ("every run: python 3.11.7, platform Linux x86_64; the runs differ in "
                                     "numpy 2.4.6 (1 run), 2.5.0 (2 runs); 2 runs made before runs recorded it")
+
+
+def test_the_tables_put_each_statistic_where_its_header_says():
+    """Each cell of the downstream, compute and replay tables, from
+    a results dict made by hand: an interval as [lo, hi], a signed gain on every treatment but coupled, the
+    overheads in their columns with the wall time's std beside it, and one seed's cells without a spread."""
+
+    def stat(mean, lo=None, hi=None, std=None, n=3):
+        return {"mean": mean, "lo": lo, "hi": hi, "std": std, "n": n}
+
+    cols = ("nq", "macro", "single_hop", "multi_hop")
+
+    def cost(gen, upd, secs, extra_gen, extra_upd, extra_secs, std, n=3):
+        return {"generations": stat(gen), "updates": stat(upd), "seconds": stat(secs),
+                "extra_generations": stat(extra_gen), "extra_updates": stat(extra_upd),
+                "extra_seconds": stat(extra_secs, std=std, n=n)}
+
+    res = {"benchmarks": ["nq"], "seeds": [0, 1, 2], "audit": {},
+           "base": {c: stat(0.1, 0.05, 0.15) for c in cols},
+           "downstream": {"coupled": {c: stat(0.3, 0.2, 0.4) for c in cols},
+                          "crossfit": {**{c: stat(0.35, 0.25, 0.45) for c in cols},
+                                       "gain_vs_coupled": {"macro": stat(0.05, 0.01, 0.09)}},
+                          "msv": {**{c: stat(0.3, n=1) for c in cols}, "gain_vs_coupled": {"macro": stat(-0.02, n=1)}}},
+           "compute": {"coupled": cost(100, 50, 10, 0.0, 0.0, 0.0, 0.0),
+                       "crossfit": cost(150, 60, 14, 0.5, 0.2, 0.4, 0.1),
+                       "msv": cost(130, 55, 12, 0.3, 0.1, 0.25, None, n=1)},
+           "replay": {"conditions": {"coupled": {"seeds": 1, **{k: {"mean": 0.5, "std": 0.0} for k in
+                                                                  ("F", "solver_truth", "replay_accuracy", "A",
+                                                                   "coverage")}}}}}
+    out = tables(res)
+    head, rows = out["Downstream Cover-EM after the last round (mean [95% CI] over seeds)"]
+    assert head == ["treatment", "nq", "macro", "single-hop", "multi-hop", "Δ macro vs coupled"]
+    assert rows == [["base (untrained)", *["0.100 [0.050, 0.150]"] * 4, ""],
+                    ["coupled", *["0.300 [0.200, 0.400]"] * 4, ""],
+                    ["crossfit", *["0.350 [0.250, 0.450]"] * 4, "+0.050 [+0.010, +0.090]"],
+                    ["msv", *[f"0.300 [{DASH}]"] * 4, f"-0.020 [{DASH}]"]]
+    (title,) = [t for t in out if t.startswith("Compute")]
+    assert DASH not in title  # every run has its coupled run: no dash to explain
+    head, rows = out[title]
+    assert head[4:] == ["extra generations", "extra updates", "extra wall time (± std over seeds)"]
+    assert rows == [["coupled", "100", "50", "10.00", "+0%", "+0%", "+0% ± 0%"],
+                    ["crossfit", "150", "60", "14.00", "+50%", "+20%", "+40% ± 10%"],
+                    ["msv", "130", "55", "12.00", "+30%", "+10%", "+25%"]]
+    _, rows = out["Fixed replay bank (mean ± std over seeds)"]
+    assert rows == [["coupled", *[f"0.500 ± {DASH}"] * 5]]  # one seed: no spread, as its "seeds" says
+
+
+def test_the_html_page_escapes_every_text_the_run_files_give_it():
+    """Only a benchmark name's escaping was checked: treatment
+    names, the context line, readings, a left-out run's path, treatment and reason, the judge in a table's
+    title and a figure's caption go into the page as text, never as markup; the Markdown puts the run's path
+    in a code span."""
+
+    bad = "<i>x</i>"
+    res = {"treatments": [f"coupled{bad}"], "seeds": [0], "context": f"world {bad}", "software": {},
+           "readings": [f"reading {bad}"], "benchmarks": [], "base": {}, "downstream": {f"coupled{bad}": {}},
+           "audit": {}, "compute": {}, "audit_setting": {"judge": f"llm:{bad}"},
+           "excluded": [{"run": f"/r/{bad}", "treatment": f"msv{bad}", "seed": 1, "why": f"failed: {bad}"}]}
+    page = html_page(res, {f"caption {bad}": b"\x89PNG"})
+    assert "<i>" not in page
+    e = html.escape(bad)
+    for text in (f"Treatments: coupled{e}", f"world {e}</p>", f"<li>reading {e}</li>", f"(msv{e} seed 1)",
+                 f"<code>/r/{e}</code>", f"failed: {e}</li>", f"judge llm:{e})</h2>", f"<td>coupled{e}</td>",
+                 f"alt='caption {e}'", f"<figcaption>caption {e}</figcaption>"):
+        assert text in page, text
+    md = markdown(res, {})
+    assert f"- `/r/{bad}` (msv&lt;i>x&lt;/i> seed 1): failed: &lt;i>x&lt;/i>" in md
+    res["readings"] = []  # none: said so, not an empty section
+    assert "## Readings\n\n- (none)\n" in markdown(res, {}) and "<li>(none)</li>" in html_page(res, {})
+
+
+def test_a_report_writes_no_nan_and_no_replay_figure_of_a_study_it_does_not_report(local_grid, tmp_path, monkeypatch):
+    """A NaN that slips into the results is refused before any file
+    is written (strict JSON); a replay.png with no study beside it, or a study the caller leaves out, is no
+    figure of this report; a bank source that is not a path is named, not a traceback."""
+
+    root = _copy_grid(local_grid, tmp_path)
+    real = build.collect_runs
+
+    def with_nan(runs):
+        res = real(runs)
+        res["downstream"]["crossfit"]["macro"]["mean"] = float("nan")
+        return res
+
+    monkeypatch.setattr(build, "collect_runs", with_nan)
+    with pytest.raises(ValueError, match="results.json: not written, a result is not a finite number"):
+        build_report(root)
+    assert not (root / "results.json").exists() and not (root / "report.html").exists()
+    monkeypatch.setattr(build, "collect_runs", real)
+    (root / "replay").mkdir()
+    (root / "replay" / "replay.png").write_bytes(b"\x89PNG\r\n\x1a\n")  # bytes only: it is embedded as read
+    build_report(root)
+    assert "Fixed replay bank" not in (root / "report.md").read_text()
+    study = {"bank": {"sources": [3]},
+             "conditions": {"coupled": {m: {"mean": 0.1, "std": 0.01} for m in ("F", "solver_truth",
+                                                                                  "replay_accuracy", "A", "coverage")}}}
+    (root / "replay" / "results.json").write_text(json.dumps(study))
+    build_report(root, replay=False)
+    assert "Fixed replay bank" not in (root / "report.md").read_text()
+    with pytest.raises(RunError, match="field bank.sources should be a list of run directories"):
+        build_report(root)
+
+
+def test_a_treatment_reading_needs_lower_a_and_higher_t_p_as_printed_and_pairs_only_valued_seeds():
+    """"Agreement looks worse, truth is better" needs both: A equal
+    to coupled's (as printed) with higher T_P is no "looks worse", nor lower A with T_P equal; and a seed whose
+    last round the judge resolved nothing of is left out of the seeds the reading names."""
+
+    first = {"A": [0.3] * 3, "T_P": [0.7] * 3, "F": [0.03] * 3}
+    coupled = _audit(first, {"A": [0.5] * 3, "T_P": [0.7] * 3, "F": [0.1] * 3})
+
+    def says(last: dict) -> list[str]:
+        lines = readings({"audit": {"coupled": coupled, "crossfit": _audit(first, last)}, "downstream": {}})
+        return [line for line in lines if "looks worse" in line]
+
+    assert says({"A": [0.5] * 3, "T_P": [0.8, 0.81, 0.8], "F": [0.05] * 3}) == []  # A not lower
+    assert says({"A": [0.4, 0.41, 0.4], "T_P": [0.7] * 3, "F": [0.05] * 3}) == []  # T_P not higher
+    (said,) = says({"A": [0.4, 0.41, 0.4], "T_P": [0.8, 0.81, 0.8], "F": [0.05] * 3})  # both: said
+    assert "seeds 0, 1, 2;" in said
+    (said,) = says({"A": [0.4, 0.41, None], "T_P": [0.8, 0.81, None], "F": [0.05, 0.05, None]})
+    assert "seeds 0, 1;" in said and "(A 0.405 vs coupled 0.500)" in said
+
+
+def test_compare_gives_no_ratio_against_a_coupled_count_of_zero(local_grid, tmp_path):
+    """An overhead against a coupled run that counted none of a
+    thing (no updates recorded) is undefined: None, the dash the tables show, not a ZeroDivisionError."""
+
+    root = _copy_grid(local_grid, tmp_path)
+    path = root / "coupled-s0" / "compute.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), "total_updates": 0}))
+    coupled, crossfit = compare([root / "coupled-s0", root / "crossfit-s0"])
+    assert coupled["extra_updates"] is crossfit["extra_updates"] is None
+    assert crossfit["extra_generations"] is not None and crossfit["extra_seconds"] is not None
+
+
+def test_compare_rows_carry_each_metric_of_the_last_audited_round(local_grid):
+    """A row's F, T_P and A are the last round's, each its own, and
+    its Cover-EM the evaluation after the last round."""
+
+    root, _, _ = local_grid
+    last = json.loads((root / "crossfit-s1" / "audit" / "metrics.json").read_text())["rounds"][-1]
+    (row,) = compare([root / "crossfit-s1"])
+    assert (row["F"], row["T_P"], row["A"]) == (last["F"], last["T_P"], last["A"])
+    assert len({last["F"], last["T_P"], last["A"]}) == 3  # three different numbers: a swap would show
+    cover = [json.loads((root / "crossfit-s1" / "eval" / f"round-{r}.json").read_text())["macro"]["cover_em"]
+             for r in (0, 3)]
+    assert row["cover_em"] == cover[1] != cover[0]  # after the last round, not the untrained model's
+
+
+def test_an_audit_is_described_by_its_judge_prompt_and_items():
+    """Two runs' F, T_P and A compare only where these match."""
+
+    assert describe_audit("llm:m", "v2", 2) == "llm:m (prompt v2), the first 2 items a step"
+    assert describe_audit(None, None, None) == "unknown judge"
