@@ -3,7 +3,7 @@ per-step / per-round aggregation."""
 
 import pytest
 
-from selfevo.audit import METRICS, JudgedItem, OracleJudge, Verdict, audit_metrics, hop_mix_text, mean_hop_mix
+from selfevo.audit import METRICS, JudgedItem, OracleJudge, Verdict, audit_metrics, figures, hop_mix_text, mean_hop_mix
 from selfevo.audit import audit_steps as _audit_steps
 from selfevo.world import WorldConfig, make_world
 from selfevo.world.language import ChainQuery, CompareQuery, render_chain, render_compare
@@ -593,3 +593,106 @@ def test_comparison_markdown_puts_each_number_in_its_column():
     assert "Coverage: the judge resolved 2 of 3 items (0.667); truth resolved 3." in md
     labels = md.split("Confusion over labels")[1].split("Confusion over responses")[0]
     assert "| correct | 1 | 1 | 0 |" in labels and "| unresolved | 1 | 0 | 0 |" in labels
+
+
+def _figure_result(judge="gold"):
+    def step(r, s, f, lost):
+        return {"round": r, "step": s, "kind": "proposer", "A": 0.5, "T_P": 0.6, "T_S": 0.4, "F": f, "L": lost}
+
+    steps = [step(1, 0, 0.1, 0.2), step(1, 1, 0.1, 0.3), {**step(1, 2, 0.9, 0.9), "kind": "solver"},
+             step(2, 3, 0.2, 0.1), {**step(2, 4, None, None), "A": None}]
+    rounds = [{"round": r, "A": 0.5, "T_P": 0.6, "T_S": 0.4, "F": f, "L": lost, "coverage": 0.5}
+              for r, f, lost in ((1, 0.1, 0.25), (2, 0.2, 0.1))]
+    return {"judge": judge, "steps": steps, "rounds": rounds}
+
+
+def test_f_vs_l_figure_draws_f_up_and_l_across_for_steps_and_rounds(monkeypatch):
+
+    monkeypatch.setattr(figures, "png", lambda fig: fig)
+    ax = figures.f_vs_l_figure(_figure_result()).axes[0]
+    assert ax.get_xlabel().startswith("L (lost credit") and ax.get_ylabel().startswith("F (false agreement")
+    points = [tuple(map(float, c.get_offsets()[0])) for c in ax.collections]
+    # (L, F): the proposer steps that have an F (not the solver's, not the unresolved one), then the rounds
+    assert points == [(0.2, 0.1), (0.3, 0.1), (0.1, 0.2), (0.25, 0.1), (0.1, 0.2)]
+    assert [t.get_text() for t in ax.get_legend().get_texts()] == ["round 1", "round 2"]
+    (diagonal,) = ax.lines
+    assert list(diagonal.get_xdata()) == list(diagonal.get_ydata()) == [0, 0.3]  # up to the largest F or L
+    assert ax.get_xlim() == ax.get_ylim() == pytest.approx((0, 0.315))
+
+
+def test_the_metrics_figure_places_rounds_over_their_steps_and_names_each_curve(monkeypatch):
+
+    monkeypatch.setattr(figures, "png", lambda fig: fig)
+    ax = figures.metrics_figure(_figure_result()).axes[0]
+    assert [t.get_text() for t in ax.get_legend().get_texts()] == [*figures.CURVES, "coverage"]
+    a = next(line for line in ax.lines if line.get_label() == "A")
+    assert list(a.get_xdata()) == [0.5, 3.5] and list(a.get_ydata()) == [0.5, 0.5]
+    # the step points: A at the three proposer steps with an A (the solver's step 2 left out)
+    assert sorted(float(x) for x, _ in ax.collections[0].get_offsets()) == [0.0, 1.0, 3.0]
+    assert {t.get_text(): t.get_position()[0] for t in ax.texts} == {"round 1": 0.5, "round 2": 3.5}
+    assert ax.get_ylim() == pytest.approx((-0.02, 1.02))
+    assert ax.get_xlabel() == "scheduled step (proposer steps: small points; rounds: large markers)"
+    solver = figures.metrics_figure(_figure_result(), kind="solver").axes[0]
+    assert sorted(float(x) for x, _ in solver.collections[0].get_offsets()) == [2.0]
+    # one step a round, each numbered 0 (within its round): drawn one after the other, not on one x
+    same = {**_figure_result(), "steps": [{**s, "step": 0} for s in _figure_result()["steps"][::3]]}
+    a = next(line for line in figures.metrics_figure(same).axes[0].lines if line.get_label() == "A")
+    assert list(a.get_xdata()) == [0, 1]
+
+
+def test_a_judge_name_with_dollars_is_drawn_as_text_in_every_figure(monkeypatch):
+    """matplotlib reads what lies between two "$" as math: a model named "m$x$" must be escaped in every
+    title and legend that names a judge."""
+
+    monkeypatch.setattr(figures, "png", lambda fig: fig)
+    name = "org/m$_{x$"
+    assert figures._plain(name) == r"org/m\$_{x\$"
+    result = _figure_result(name)
+    assert figures.metrics_figure(result).axes[0].get_title().endswith(r"judge org/m\$_{x\$")
+    assert figures.f_vs_l_figure(result).axes[0].get_title().endswith(r"judge org/m\$_{x\$")
+    cmp = _comparison(judge=name, truth="gold$")
+    fig = figures.comparison_figure(cmp)
+    assert fig._suptitle.get_text() == r"judge org/m\$_{x\$ against gold\$"
+    assert [t.get_text() for t in fig.axes[0].get_legend().get_texts()] == [r"gold\$", r"org/m\$_{x\$"]
+
+
+def _comparison(judge="llm", truth="oracle"):
+    def metrics(v):
+        return {m: v for m in METRICS}
+
+    diff = {m: {"diff": 0.1, "lo": 0.05, "hi": 0.3} for m in METRICS}
+    rounds = [{"round": 1, "truth": metrics(0.5), "judge": metrics(0.6), "diff": diff},
+              {"round": 3, "truth": {**metrics(0.4), "A": None}, "judge": metrics(0.2),
+               "diff": {**diff, "A": {"diff": None, "lo": None, "hi": None}}}]
+    return {"judge": judge, "truth": truth, "rounds": rounds}
+
+
+def test_the_comparison_figure_draws_both_judges_and_the_difference_with_its_interval(monkeypatch):
+
+    monkeypatch.setattr(figures, "png", lambda fig: fig)
+    fig = figures.comparison_figure(_comparison())
+    top, bottom = fig.axes[:len(METRICS)], fig.axes[len(METRICS):]
+    assert [ax.get_title() for ax in top] == list(METRICS)
+    truth, judge = top[0].lines  # A: truth has no value in round 3, the judge has
+    assert (list(truth.get_xdata()), list(truth.get_ydata())) == ([1], [0.5])
+    assert (list(judge.get_xdata()), list(judge.get_ydata())) == ([1, 3], [0.6, 0.2])
+    assert bottom[0].get_ylabel() == "judge − truth (95% CI)"
+    assert all(list(ax.get_xticks()) == [1, 3] for ax in bottom)
+    (a_bar,) = bottom[0].containers  # round 3 has no interval for A: no point there
+    assert list(a_bar.lines[0].get_xdata()) == [1] and list(a_bar.lines[0].get_ydata()) == [0.1]
+    assert sorted(y for seg in a_bar.lines[2][0].get_segments() for _, y in seg) == pytest.approx([0.05, 0.3])
+    (t_bar,) = bottom[1].containers
+    assert list(t_bar.lines[0].get_xdata()) == [1, 3]
+
+
+def test_write_figures_writes_the_comparison_only_when_it_has_rounds_and_closes_each_figure(tmp_path):
+    import matplotlib.pyplot as plt
+
+
+    open_before = set(plt.get_fignums())
+    paths = figures.write_figures(_figure_result(), tmp_path / "a", cmp={**_comparison(), "rounds": []})
+    assert [p.name for p in paths] == ["metrics.png", "f_vs_l.png"]
+    paths = figures.write_figures(_figure_result(), tmp_path / "b", cmp=_comparison())
+    assert [p.name for p in paths] == ["metrics.png", "f_vs_l.png", "comparison.png"]
+    assert all(p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for p in paths)
+    assert set(plt.get_fignums()) == open_before  # a grid of runs draws hundreds

@@ -20,11 +20,12 @@ import pytest
 from typer.testing import CliRunner
 
 import selfevo._software as sw
-from selfevo._fmt import DASH
+from selfevo._fmt import DASH, mean_std_text, num, shown
 from selfevo._software import software, software_changes, software_tally, software_text
+from selfevo.audit.figures import COLORS, CURVES
 from selfevo.cli import app
 from selfevo.experiments import Job, grid, run_grid
-from selfevo.report import build
+from selfevo.report import build, figures
 from selfevo.report.build import build_report
 from selfevo.report.collect import readings
 from selfevo.report.compare import compare, describe_audit
@@ -1690,3 +1691,87 @@ def test_an_audit_is_described_by_its_judge_prompt_and_items():
 
     assert describe_audit("llm:m", "v2", 2) == "llm:m (prompt v2), the first 2 items a step"
     assert describe_audit(None, None, None) == "unknown judge"
+
+
+def test_steps_figure_draws_each_metric_by_round_at_the_proposer_steps_only(monkeypatch):
+    """The report's per-run figure: one segment per round and metric at the proposer steps (a solver
+    step between them is no point of the grader's), each round shaded and named over its steps."""
+    from matplotlib.colors import to_hex
+
+
+    monkeypatch.setattr(figures, "png", lambda fig: fig)
+
+    def step(r, s, kind="proposer"):
+        return {"round": r, "step": s, "kind": kind, "A": 0.1 * s, "T_P": 0.2, "T_S": 0.3, "F": 0.05, "L": 0.01}
+
+    steps = [step(1, 0), step(1, 1), step(1, 2, "solver"), step(2, 3), step(2, 4), step(2, 5, "solver")]
+    ax = figures.steps_figure(steps, "coupled, seed 0").axes[0]
+    assert ax.get_title() == "coupled, seed 0" and ax.get_xlabel().startswith("scheduled step (proposer steps")
+    assert tuple(ax.get_ylim()) == (0, 1)
+    assert [t.get_text() for t in ax.get_legend().get_texts()] == list(CURVES)  # once each, not once a round
+    by_metric = {m: [(list(line.get_xdata()), list(line.get_ydata())) for line in ax.lines
+                     if to_hex(line.get_color()) == COLORS[m]] for m in CURVES}
+    assert by_metric["A"] == [([0, 1], pytest.approx([0.0, 0.1])), ([3, 4], pytest.approx([0.3, 0.4]))]
+    assert by_metric["T_P"] == [([0, 1], [0.2, 0.2]), ([3, 4], [0.2, 0.2])]
+    assert by_metric["L"] == [([0, 1], [0.01, 0.01]), ([3, 4], [0.01, 0.01])]
+    names = {t.get_text(): t.get_position()[0] for t in ax.texts}
+    assert names == {"round 1": 0.5, "round 2": 3.5}
+    spans = sorted((p.get_x(), p.get_x() + p.get_width(), p.get_alpha()) for p in ax.patches)
+    assert spans == [(-0.5, 1.5, 0.07), (2.5, 4.5, 0.0)]  # every other round shaded
+
+
+def test_rounds_figure_draws_a_panel_per_metric_with_each_treatments_mean_and_std(monkeypatch):
+
+    monkeypatch.setattr(figures, "png", lambda fig: fig)
+
+    def rnd(r, a):
+        return {"round": r, "A": {"mean": a, "std": 0.1}, "T_P": {"mean": 0.7, "std": 0.05},
+                "F": {"mean": 0.2, "std": 0.02}}
+
+    audit = {"coupled": {"rounds": [rnd(1, 0.5), rnd(2, 0.6)]}, "msv": {"rounds": [rnd(1, 0.4), rnd(2, 0.3)]}}
+    fig = figures.rounds_figure(audit)
+    assert [ax.get_title() for ax in fig.axes] == ["A", "T_P", "F"]
+    assert [ax.get_xlabel() for ax in fig.axes] == ["round"] * 3
+    ax = fig.axes[0]
+    assert [t.get_text() for t in ax.get_legend().get_texts()] == ["coupled", "msv"]
+    coupled, msv = ax.containers
+    assert list(coupled.lines[0].get_xdata()) == [1, 2] and list(coupled.lines[0].get_ydata()) == [0.5, 0.6]
+    assert list(msv.lines[0].get_ydata()) == [0.4, 0.3]
+    bars = sorted(tuple(round(y, 6) for _, y in seg) for seg in coupled.lines[2][0].get_segments())
+    assert bars == [(0.4, 0.6), (0.5, 0.7)]  # mean ± std
+    assert list(fig.axes[2].containers[0].lines[0].get_ydata()) == [0.2, 0.2]
+
+
+def test_cost_figure_puts_each_treatment_at_its_overhead_in_percent_with_both_bars(monkeypatch):
+    """x is the extra wall time in percent (as its axis says), its bar ± the std in percent too; y the
+    gain with its own interval (lo and hi, not symmetric); each point named; a line marks no gain."""
+
+    monkeypatch.setattr(figures, "png", lambda fig: fig)
+    downstream = {"coupled": {}, "msv": {"gain_vs_coupled": {"macro": {"mean": 0.02, "lo": -0.01, "hi": 0.06}}},
+                  "crossfit": {"gain_vs_coupled": {"macro": {"mean": None, "lo": None, "hi": None}}},
+                  "half-budget": {"gain_vs_coupled": {"macro": {"mean": 0.01, "lo": 0.0, "hi": 0.02}}}}
+    compute = {"msv": {"extra_seconds": {"mean": 0.25, "std": 0.05}},
+               "crossfit": {"extra_seconds": {"mean": 0.1, "std": None}},
+               "half-budget": {"extra_seconds": {"mean": None, "std": None}}}
+    ax = figures.cost_figure(downstream, compute).axes[0]
+    assert ax.get_xlabel() == "extra wall time over coupled (%)"
+    assert ax.get_ylabel() == "macro Cover-EM gain over coupled" and ax.get_title() == "cost-effectiveness"
+    (bar,) = ax.containers  # crossfit has no gain, half-budget no overhead: no point
+    point, _, (xbar, ybar) = bar.lines
+    assert list(point.get_xdata()) == [25.0] and list(point.get_ydata()) == [0.02]
+    assert sorted(x for seg in xbar.get_segments() for x, _ in seg) == pytest.approx([20.0, 30.0])
+    assert sorted(y for seg in ybar.get_segments() for _, y in seg) == pytest.approx([-0.01, 0.06])
+    assert [(t.get_text(), tuple(t.xy)) for t in ax.texts] == [("msv", (25.0, 0.02))]
+    others = [line for line in ax.lines if line is not point and line not in bar.lines[1]]
+    assert [list(line.get_ydata()) for line in others] == [[0, 0]]  # the zero line
+
+
+def test_a_zero_is_a_number_and_a_cell_keeps_its_spec_and_the_seed_count_given():
+
+    assert (num(0.0), num(0, "+.0%"), num(0.0, "+.3f")) == ("0.000", "+0%", "+0.000")  # never the dash
+    assert (shown(0.4996), shown(0.4994), shown(-0.0004)) == (0.5, 0.499, -0.0)
+    assert mean_std_text({"mean": 0.25, "std": 0.015}, "+.1%") == "+25.0% ± +1.5%"
+    assert mean_std_text({"mean": 0.5, "std": 0.01, "n": 1}, n=3) == "0.500 ± 0.010"  # the count given wins
+    assert mean_std_text({"mean": 0.5, "std": 0.01, "n": 3}, n=1) == f"0.500 ± {DASH}"
+    assert mean_std_text({"mean": 0.5, "std": None, "n": 2}) == f"0.500 ± {DASH}"  # no std: no spread to show
+    assert DASH == "\u2013"  # an en dash, not a hyphen that reads as a minus sign

@@ -109,3 +109,16 @@ def test_a_removed_task_neither_breaks_the_stop_nor_hides_the_error_leaving_the_
         raise RuntimeError("the real error")
     assert not bar.live.is_started
     assert lines(capsys.readouterr().err)[-1] == ("index", "1")
+
+
+def test_a_line_shows_a_fractional_count_to_one_decimal_the_elapsed_time_and_is_due_at_every(capsys, monkeypatch):
+    clock = [0.0]
+    monkeypatch.setattr("selfevo._bar.time.monotonic", lambda: clock[0])
+    with Progress(console=Console(file=io.StringIO()), every=10, auto_refresh=False, get_time=lambda: clock[0]) as bar:
+        task = bar.add_task("GB read", total=2.5)
+        clock[0] = 10.0
+        bar.advance(task, 1 / 3)  # `every` seconds after the last line: due, not held back
+        assert capsys.readouterr().err.endswith(" GB read: 0.3/2.5 (0m10s)\n")
+        clock[0] = 75.0
+        bar.advance(task, 1)
+    assert capsys.readouterr().err.endswith(" GB read: 1.3/2.5 (1m15s)\n")

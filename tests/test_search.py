@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 import json
 import pickle
@@ -13,6 +14,7 @@ import pytest
 from _servers import free_port, serve_app, trickling_app
 from _shared import CORPUS, loop_that_trains_nothing
 
+from selfevo._http import read_body
 from selfevo._io import file_sha256
 from selfevo.corpus import write_corpus
 from selfevo.records import Document
@@ -1368,3 +1370,35 @@ def test_the_app_times_out_at_the_limit_the_client_waits_past():
     from selfevo.search.server import TIMEOUT_S
 
     assert inspect.signature(make_app).parameters["timeout_s"].default == TIMEOUT_S < CLIENT_TIMEOUT_S
+
+
+class _Request:
+    """What read_body reads of a request: its headers and its body's chunks (counted as they are read)."""
+
+    def __init__(self, chunks, length=None):
+        self.headers = {} if length is None else {"content-length": length}
+        self.chunks, self.read = chunks, 0
+
+    async def stream(self):
+        for chunk in self.chunks:
+            self.read += 1
+            yield chunk
+
+
+def test_read_body_allows_the_cap_itself_and_refuses_a_byte_more_before_or_while_reading():
+    from fastapi import HTTPException
+
+
+    assert asyncio.run(read_body(_Request([b"ab", b"cd"], "4"), 4)) == b"abcd"  # the cap itself, declared
+    assert asyncio.run(read_body(_Request([b"ab", b"cd"]), 4)) == b"abcd"  # and chunked
+    assert asyncio.run(read_body(_Request([b"abc"], "many"), 4)) == b"abc"  # no number declared: the stream decides
+    declared = _Request([b"x"] * 5, "5")
+    with pytest.raises(HTTPException) as refused:
+        asyncio.run(read_body(declared, 4))
+    assert (refused.value.status_code, refused.value.detail) == (413, "request body over 4 bytes")
+    assert declared.read == 0  # refused on its Content-Length, nothing read
+    chunked = _Request([b"xx"] * 10)
+    with pytest.raises(HTTPException) as refused:
+        asyncio.run(read_body(chunked, 4))
+    assert (refused.value.status_code, refused.value.detail) == (413, "request body over 4 bytes")
+    assert chunked.read == 3  # stopped at the chunk that went over, not read to its end
