@@ -12,18 +12,24 @@ import json
 import os
 import random
 import re
+import runpy
+import shlex
 import shutil
+import stat
 import threading
+from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 
+from selfevo._io import write_jsonl
 from selfevo.agents.base import Proposal, Trajectory
 from selfevo.agents.lm.model import ScriptedModel, model_identity
-from selfevo.agents.lm.protocol import solver_messages, solver_question
+from selfevo.agents.lm.protocol import format_information, solver_messages, solver_question
 from selfevo.agents.lm.server import make_app, running
 from selfevo.algos import frontier_reward
+from selfevo.integrations import trl_job
 from selfevo.integrations.admit import admit_round, commit_records, msv_filter, read_staged, trim_staged
 from selfevo.integrations.datasets import (
     aux_training_sets,
@@ -46,6 +52,25 @@ from selfevo.integrations.rewards import (
     reward_settings,
 )
 from selfevo.integrations.routing import Grader, RoutingError, grader_role, item_fold, route
+from selfevo.integrations.trl_job import (
+    _save,
+    _save_as_the_job_says,
+    grpo_args,
+    job_tool,
+    last_checkpoint,
+    trainer_dir,
+)
+from selfevo.integrations.verl_launch import (
+    FREE_VERL,
+    SETTINGS_KEY,
+    VerlPhase,
+    merge_command,
+    phase_overrides,
+    phase_script,
+    pinned_verl,
+    write_reward_shim,
+)
+from selfevo.integrations.verl_search import search_response, tool_config
 from selfevo.loop.admission import Decision
 from selfevo.loop.feedback import AuxFeedback, CoupledFeedback
 from selfevo.loop.folds import FoldAssignment
@@ -2944,3 +2969,236 @@ def test_a_hub_id_the_cache_knows_to_have_no_config_is_keyed_by_its_name(tmp_pat
     (repo / ".no_exist" / ("c" * 40)).mkdir(parents=True)
     (repo / ".no_exist" / ("c" * 40) / "config.json").write_text("")
     assert model_identity("org/gone") == "org/gone"
+
+
+# ---------------------------------------------------------------- verl's launch and search tool, the TRL job
+
+
+def test_verl_overrides_carry_every_phase_setting_and_eq1(tmp_path):
+    """Each VerlPhase field reaches its own override (mutants: model path from `out`, lr / lengths / sampling /
+    GPUs replaced by the defaults, temperature and top_p crossed), Eq. (1)'s settings are as the docstring says,
+    the merge writes the phase's `out`, and verl's checkpoint is saved at the step the merge reads."""
+
+    p = VerlPhase(name="r3-main", model="/models/main", train_files="/t.parquet", out="/o", ckpt_dir="/c", steps=7,
+                  prompts_per_step=12, n=3, lr=3e-6, tool_config="/t.yaml", agent_loop_config="/a.yaml",
+                  reward_file="/r.py", max_prompt_length=700, max_response_length=900, temperature=0.7, top_p=0.9,
+                  gpus=6)
+    o = dict(x.split("=", 1) for x in phase_overrides(p))
+    want = {"actor_rollout_ref.model.path": "/models/main", "actor_rollout_ref.actor.optim.lr": "3e-06",
+            "data.train_files": "/t.parquet", "data.val_files": "/t.parquet", "data.max_prompt_length": "700",
+            "data.max_response_length": "900", "data.return_raw_chat": "True",
+            "actor_rollout_ref.rollout.temperature": "0.7", "actor_rollout_ref.rollout.top_p": "0.9",
+            "trainer.n_gpus_per_node": "6", "trainer.save_freq": "7", "trainer.experiment_name": "r3-main",
+            "actor_rollout_ref.actor.ppo_mini_batch_size": "12", "actor_rollout_ref.actor.ppo_epochs": "1",
+            "algorithm.use_kl_in_reward": "False", "actor_rollout_ref.actor.use_kl_loss": "False",
+            "actor_rollout_ref.actor.loss_agg_mode": "seq-mean-token-mean",
+            "actor_rollout_ref.rollout.multi_turn.enable": "True",
+            "actor_rollout_ref.rollout.agent.agent_loop_config_path": "/a.yaml",
+            "actor_rollout_ref.rollout.agent.default_agent_loop": "search_r1_agent",
+            "reward.custom_reward_function.path": "/r.py", "reward.custom_reward_function.name": "compute_score"}
+    assert {k: o.get(k) for k in want} == want
+    cmd = merge_command(p)
+    assert cmd[cmd.index("--local_dir") + 1] == "/c/global_step_7/actor" and cmd[cmd.index("--target_dir") + 1] == "/o"
+
+
+def test_verl_extra_overrides_replace_the_engines_free_ones_once(tmp_path):
+    """An [engine.verl] key the engine also sets (the free ones: logger, nodes, rollout engine) replaces the
+    engine's value and is passed once (mutant: the engine's own overrides applied after `extra`, the user's
+    setting silently dropped); a bool and a list are written as Hydra reads them."""
+
+    extra = {"trainer.logger": ["console", "wandb"], "trainer.nnodes": 2, "actor_rollout_ref.rollout.name": "sglang",
+             "actor_rollout_ref.model.enable_gradient_checkpointing": False}
+    out = phase_overrides(replace(_phase(tmp_path), extra=extra))
+    keys = [x.split("=", 1)[0] for x in out]
+    assert len(keys) == len(set(keys))
+    o = dict(x.split("=", 1) for x in out)
+    assert o["trainer.logger"] == "[console,wandb]" and o["trainer.nnodes"] == "2"
+    assert o["actor_rollout_ref.rollout.name"] == "sglang"
+    assert o["actor_rollout_ref.model.enable_gradient_checkpointing"] == "False"
+
+
+def test_verl_phase_script_exports_its_environment_quoted_and_is_executable(tmp_path):
+    """engine.train_gpus reaches the script as an export before the training command, shell-quoted (mutants:
+    the exports dropped; unquoted), and the script is executable (mutant: chmod dropped)."""
+
+    path = phase_script(_phase(tmp_path), tmp_path / "job.sh", {"CUDA_VISIBLE_DEVICES": "2,3", "X": "a b;c"})
+    lines = path.read_text().replace("\\\n", "").splitlines()
+    train = next(i for i, line in enumerate(lines) if "verl.trainer.main_ppo" in line)
+    assert lines.index("export CUDA_VISIBLE_DEVICES=2,3") < train
+    assert lines.index(f"export X={shlex.quote('a b;c')}") < train
+    assert path.stat().st_mode & stat.S_IXUSR
+
+
+def test_the_verl_reward_shim_re_exports_selfevos_reward(tmp_path):
+    """verl loads `reward.custom_reward_function.path` as a file: it must define compute_score (mutant: empty)."""
+
+    ns = runpy.run_path(str(write_reward_shim(tmp_path / "verl_reward.py")))
+    assert ns["compute_score"] is compute_score and ns["compute_score_batch"] is compute_score_batch
+
+
+def test_pinned_verl_reaches_plus_prefixed_parent_and_child_keys():
+    """An [engine.verl] key is refused when it replaces one of the engine's overrides: written with Hydra's "+"
+    (mutant: not stripped), as a parent that would replace a whole subtree, or below one; the reward settings
+    key too (mutant: left out of the pinned set). The free keys and unrelated ones pass."""
+
+    for key in ("actor_rollout_ref.rollout.n", "+actor_rollout_ref.rollout.n", "++trainer.save_freq",
+                "actor_rollout_ref.rollout.multi_turn", "reward.custom_reward_function",
+                "trainer.default_local_dir.sub", SETTINGS_KEY, "+" + SETTINGS_KEY):
+        assert pinned_verl(key), key
+    for key in (*FREE_VERL, "actor_rollout_ref.rollout.gpu_memory_utilization", "actor_rollout_ref.rollout.nx",
+                "trainer.save_freq_extra"):
+        assert not pinned_verl(key), key
+
+
+def test_the_verl_search_response_formats_the_hits_and_returns_their_ids():
+    """The tool's observation: the top `topk` passages as <information> (title, then text), and the ids of the
+    pages read (mutants: topk ignored; title and text crossed; titles in place of ids). tool_config passes
+    each setting it is given (mutant: topk written as its default)."""
+
+    index = BM25Index.build(DOCS)
+    text, ids = search_response(index, "Alpha", topk=1)
+    (hit,) = index.retrieve(["Alpha"], topk=1)[0]
+    assert ids == [hit.document.id] and text == format_information([(hit.document.title, hit.document.text)])
+    text, ids = search_response(index, "Alpha", topk=2)
+    assert sorted(ids) == ["d0", "d2"] and "(Title: Alpha)" in text and "(Title: Gamma)" in text
+    assert search_response(index, "zzz", topk=2)[1] == []
+    cfg = tool_config("http://h:1/retrieve", topk=4, max_calls=2, timeout=5.0)["tools"][0]["config"]
+    assert (cfg["topk"], cfg["max_calls"], cfg["timeout"], cfg["retrieval_service_url"]) == (4, 2, 5.0,
+                                                                                             "http://h:1/retrieve")
+
+
+def _grpo_job(tmp_path, **kw):
+    return {"generations": 2, "prompts_per_step": 4, "out": str(tmp_path / "m" / "round-1"), "steps": 7, "lr": 3e-5,
+            "max_grad_norm": 0.3, "seed": 2**31 + 5, "rollout": {"max_new_tokens": 64, "temperature": 0.6,
+                                                                 "top_p": 0.7}, **kw}
+
+
+def test_trl_grpo_args_carry_the_job_settings(tmp_path):
+    """Every job field reaches GRPOConfig (mutants: lr, grad norm, seed, completion length, temperature, top_p,
+    save_steps replaced by a default; the batch not split over the processes; Eq. (1)'s beta / loss type /
+    lineage columns changed; use_cpu forced); checkpoints go to trainer_dir, one kept."""
+    pytest.importorskip("trl")
+
+    a = grpo_args(_grpo_job(tmp_path, save_steps=3), world_size=2)
+    assert (a.per_device_train_batch_size, a.num_generations, a.max_steps) == (4, 2, 7)
+    assert (a.learning_rate, a.max_grad_norm, a.seed) == (3e-5, 0.3, 5)
+    assert (a.max_completion_length, a.temperature, a.top_p) == (64, 0.6, 0.7)
+    assert (a.beta, a.loss_type, a.num_iterations, a.remove_unused_columns) == (0.0, "grpo", 1, False)
+    assert (a.save_strategy, a.save_steps, a.save_total_limit) == ("steps", 3, 1)
+    assert a.output_dir == str(trainer_dir(tmp_path / "m" / "round-1")) and a.use_cpu is True
+    b = grpo_args(_grpo_job(tmp_path, device="cuda"))
+    assert b.save_strategy == "no" and b.use_cpu is False and b.per_device_train_batch_size == 8
+    with pytest.raises(ValueError, match="trl job: 8 completions a step do not split over 3 processes"):
+        grpo_args(_grpo_job(tmp_path), world_size=3)
+
+
+def test_trl_grpo_args_under_vllm_stop_at_each_action_and_keep_the_users_kwargs(tmp_path):
+    """use_vllm: colocated unless said otherwise (mutant: "server"), generation stops at each action's end
+    (mutant: not set), and the user's generation_kwargs are kept and win (mutant: dropped)."""
+    pytest.importorskip("trl")
+
+    a = grpo_args(_grpo_job(tmp_path, grpo={"use_vllm": True}))
+    assert a.vllm_mode == "colocate"
+    assert a.generation_kwargs == {"stop": ["</search>", "</answer>"], "include_stop_str_in_output": True}
+    b = grpo_args(_grpo_job(tmp_path, grpo={"use_vllm": True, "vllm_mode": "server",
+                                            "generation_kwargs": {"stop": ["</x>"], "repetition_penalty": 1.1}}))
+    assert b.vllm_mode == "server"
+    assert b.generation_kwargs == {"stop": ["</x>"], "include_stop_str_in_output": True, "repetition_penalty": 1.1}
+
+
+def test_a_trl_job_searches_with_the_callers_tool_or_its_servers_settings():
+    """In process the caller's tool is used as it is, with or without a server (mutant: only with one);
+    launched, the job's topk and max_calls reach the tool (mutant: the defaults); no server, no tool: refused."""
+
+    mine = SearchTool(BM25Index.build(DOCS))
+    assert job_tool({"search": {}}, mine) is mine
+    t = job_tool({"search": {"retriever_url": "http://127.0.0.1:9/retrieve", "topk": 4, "max_calls": 2}})
+    assert (t.topk, t.max_calls) == (4, 2)
+    with pytest.raises(ValueError, match=r"search\.retriever_url"):
+        job_tool({"search": {"retriever_url": ""}})
+
+
+def _checkpoint(out, step, state="whole"):
+
+    d = trainer_dir(out) / f"checkpoint-{step}"
+    d.mkdir(parents=True)
+    if state == "whole":
+        (d / "trainer_state.json").write_text(json.dumps({"global_step": step}))
+    elif state is not None:
+        (d / "trainer_state.json").write_text(state)
+    return d
+
+
+def test_trl_last_checkpoint_is_the_newest_whole_one(tmp_path):
+    """The newest checkpoint whose trainer_state.json parses and holds a step (mutants: torn ones taken; a
+    parsed state without global_step raising; the newest not preferred; names only starting "checkpoint-")."""
+
+    out = tmp_path / "models" / "main" / "round-1"
+    assert last_checkpoint(out) == (None, 0)
+    for step in (1, 2, 3, 4, 6, 8, 9):
+        _checkpoint(out, step)
+    want = _checkpoint(out, 10)
+    for step, state in [(11, "{}"), (12, None), (13, "[1]"), (14, '{"global_step": 14')]:
+        _checkpoint(out, step, state)
+    (trainer_dir(out) / "checkpoint-20-tmp").mkdir()
+    (trainer_dir(out) / "checkpoint-20-tmp" / "trainer_state.json").write_text('{"global_step": 20}')
+    assert last_checkpoint(out) == (want, 10)
+
+
+def test_trl_resume_goes_on_from_the_checkpoint_or_starts_over(tmp_path):
+    """With save_steps: from the newest whole checkpoint, its step the start step, what was staged for the steps
+    before it kept (mutants: resume_from / start_step dropped; everything staged dropped). Without: from step 1,
+    the stale checkpoints removed and nothing staged kept (mutants: the checkpoint still used; not removed)."""
+
+    out, items = tmp_path / "models" / "proposer" / "round-1", tmp_path / "items.jsonl"
+    ckpt = _checkpoint(out, 2)
+    write_jsonl(items, [{"round": 1, "step_in_round": s, "item": {"item_id": f"i{s}"}} for s in (1, 2, 3)])
+    job = {"out": str(out), "save_steps": 2, "reward": {"items_path": str(items)}}
+    assert trl_job.resume(job) == {**job, "resume_from": str(ckpt), "start_step": 2}
+    assert [json.loads(line)["step_in_round"] for line in items.read_text().splitlines()] == [1, 2]
+    again = trl_job.resume({**job, "save_steps": 0})
+    assert (again["resume_from"], again["start_step"]) == (None, 0)
+    assert not trainer_dir(out).exists() and not items.exists()
+
+
+def test_a_resumed_trl_job_checkpoints_as_the_job_says():
+    """HF restores save_steps from the checkpoint's state; the job's callback puts the job's back (mutant: not)."""
+    pytest.importorskip("trl")
+
+    state = SimpleNamespace(save_steps=5)
+    _save_as_the_job_says().on_train_begin(SimpleNamespace(save_steps=2), state, None)
+    assert state.save_steps == 2
+
+
+def test_the_trl_job_command_line_and_its_result_file(tmp_path, monkeypatch):
+    """One JOB.json argument, else usage and exit 2 (mutant: two accepted); the result is written beside the job
+    by rank 0 only (mutant: by every process, racing on one file)."""
+
+    assert trl_job.main([]) == 2 and trl_job.main(["a.json", "b.json"]) == 2
+    (tmp_path / "job.json").write_text(json.dumps({"steps": 1}))
+    monkeypatch.setattr(trl_job, "run_job", lambda job, tool=None: {"steps": job["steps"], "completions": 4})
+    monkeypatch.setenv("RANK", "1")
+    assert trl_job.main([str(tmp_path / "job.json")]) == 0 and not (tmp_path / "job.result.json").exists()
+    monkeypatch.setenv("RANK", "0")
+    assert trl_job.main([str(tmp_path / "job.json")]) == 0
+    assert json.loads((tmp_path / "job.result.json").read_text()) == {"steps": 1, "completions": 4}
+
+
+def test_the_trl_job_saves_its_model_in_place_of_the_old_one(tmp_path):
+    """_save writes the model and tokenizer to a temporary directory and renames it over `out`: the old model's
+    files go and nothing is left beside it (mutant: copied, the temporary directory left)."""
+
+    out = tmp_path / "models" / "main" / "round-1"
+    out.mkdir(parents=True)
+    (out / "stale.bin").write_text("old")
+    (out.parent / ".round-1.tmp").mkdir()  # a killed save's
+    (out.parent / ".round-1.tmp" / "torn.bin").write_text("x")
+
+    def save_to(name):
+        return lambda path: (Path(path).mkdir(parents=True, exist_ok=True), (Path(path) / name).write_text(name))
+    acc = SimpleNamespace(is_main_process=True, wait_for_everyone=lambda: None)
+    trainer = SimpleNamespace(accelerator=acc, save_model=save_to("model.safetensors"),
+                              processing_class=SimpleNamespace(save_pretrained=save_to("tokenizer.json")))
+    _save(trainer, {"out": str(out)})
+    assert sorted(p.name for p in out.iterdir()) == ["model.safetensors", "tokenizer.json"]
+    assert sorted(p.name for p in out.parent.iterdir()) == ["round-1"]
