@@ -1609,11 +1609,12 @@ def test_the_html_page_escapes_every_text_the_run_files_give_it():
 
 
 def test_a_report_writes_no_nan_and_no_replay_figure_of_a_study_it_does_not_report(local_grid, tmp_path, monkeypatch):
-    """A NaN that slips into the results is refused before any file
-    is written (strict JSON); a replay.png with no study beside it, or a study the caller leaves out, is no
-    figure of this report; a bank source that is not a path is named, not a traceback."""
-
+    """A NaN that slips into the results is refused before any file is written (strict JSON); a replay.png
+    with no study beside it, or a study the caller leaves out, is no figure of this report; a bank source
+    that is not a path is named, not a traceback."""
     root = _copy_grid(local_grid, tmp_path)
+    for name in ("results.json", "report.html", "report.md"):  # a report an earlier test built in the grid
+        (root / name).unlink(missing_ok=True)
     real = build.collect_runs
 
     def with_nan(runs):
