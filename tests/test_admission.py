@@ -107,3 +107,13 @@ def test_msv_puts_each_candidates_own_source_in_context():
     msv.decide([Proposal("q1", "x", "d2", ("d2", "d3"), 2), Proposal("q2", "x", "d1", ("d3", "d1"), 2)],
                tool=None, seed=0)
     assert seen == [[docs["d2"], docs["d1"]], None]
+
+
+def test_admit_all_checks_no_format_and_takes_an_empty_draft_or_none():
+    """AdmitAll admits whatever reaches it, an empty draft label included (the label it trains on is then '');
+    a format check is the caller's (the loop passes only proposals without a format_error). No proposals:
+    no decisions."""
+    d = AdmitAll().decide([_proposal("q", ""), _proposal("", "x")], tool=None, seed=0)
+    assert [(x.admitted, x.label, x.detail) for x in d] == [(True, "", {}), (True, "x", {})]
+    assert AdmitAll().decide([], tool=None, seed=0) == []
+    assert AdmitAll().generations_per_candidate == 0

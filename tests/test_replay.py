@@ -513,7 +513,8 @@ def test_source_held_out_grader_agrees_less_on_wrong_labels(tmp_path):
 # 2026-12-03 when a simulated bank came to be drawn from runs of one seed, replayed with their base model
 # (tests/test_golden.py explains when to update them): every condition's numbers are
 # the replay's mechanism (which items train which grader, on which labels, with what budget and
-# sampling stream), so a change there moves one of them
+# sampling stream), so a change there moves one of them; the two connected rows updated 2026-12-06, when the
+# link graph's clusters came to read the pages in id order
 REPLAY_GOLDEN = {
     "coupled": (0.07651, 0.525503, 0.580537, 0.514765),
     "same-source": (0.08255, 0.51745, 0.587248, 0.520134),
@@ -521,14 +522,14 @@ REPLAY_GOLDEN = {
     "question-split": (0.054362, 0.434899, 0.40604, 0.387248),
     "source-id": (0.050336, 0.42953, 0.362416, 0.367785),
     "source-id-half": (0.054362, 0.412081, 0.395973, 0.363087),
-    "connected": (0.053691, 0.410067, 0.372483, 0.355034),
+    "connected": (0.063758, 0.42953, 0.38255, 0.391275),
     "coupled+msv": (0.058389, 0.477852, 0.436242, 0.422819),
     "same-source+msv": (0.049664, 0.473826, 0.409396, 0.4),
     "full-data+msv": (0.061745, 0.471812, 0.40604, 0.422819),
     "question-split+msv": (0.04698, 0.434899, 0.385906, 0.365772),
     "source-id+msv": (0.058389, 0.421477, 0.389262, 0.371141),
     "source-id-half+msv": (0.055705, 0.420134, 0.379195, 0.363758),
-    "connected+msv": (0.049664, 0.425503, 0.379195, 0.360403),
+    "connected+msv": (0.05302, 0.437584, 0.379195, 0.377852),
 }
 
 
@@ -1233,3 +1234,77 @@ def test_a_one_seed_study_records_no_spread_in_results_json(bank, tmp_path):
         assert all(entry[m]["std"] is None and entry[m]["mean"] is not None for m in ("F", "A", "coverage"))
     assert one["conditions"]["source-id+msv"]["msv_admitted"]["std"] is None
     assert (write_results(one, tmp_path / "o") / "replay.png").read_bytes()[:4] == b"\x89PNG"
+
+
+# the `study` fixture's base reference (means over its two seeds): F, solver truth, replay accuracy, A
+BASE_GOLDEN = (0.047651, 0.397987, 0.402685, 0.345638)
+
+
+def test_the_base_reference_is_pinned_as_the_conditions_are(study):
+    """The untrained base model grades the bank at a seed of its own (`grade`, `base`), not at a condition's:
+    its row is pinned as REPLAY_GOLDEN pins the conditions'."""
+    base = study["reference"]["base"]
+    got = tuple(base[m]["mean"] for m in ("F", "solver_truth", "replay_accuracy", "A"))
+    assert got == pytest.approx(BASE_GOLDEN, abs=1e-6)
+
+
+def test_a_bank_is_3000_items_unless_told_otherwise(runs, tmp_path):
+    """The paper's 3,000: build_bank's default and the CLI's (a one-run small-world bank has far fewer)."""
+    with pytest.raises(ReplayError, match=r"^only \d+ admitted items of rounds >= 2 in 1 run\(s\), fewer than --size "
+                                          r"3000; "):
+        build_bank(runs[:1], seed=0)
+    res = CliRunner().invoke(app, ["replay", "build", "--from", str(runs[0]), "--out", str(tmp_path / "b.json")])
+    assert res.exit_code != 0 and "fewer than --size 3000" in " ".join(res.output.split())
+    assert not (tmp_path / "b.json").exists()
+
+
+def test_a_replays_msv_samples_as_many_answers_as_its_settings_say(bank, monkeypatch):
+    """ReplaySettings.msv_samples reaches the MSV of the +msv conditions (3 with the source and 3 without
+    by default)."""
+    made = []
+
+    class Counting(replay.MSV):
+        def __init__(self, documents, samples=3):
+            made.append(samples)
+            super().__init__(documents, samples=samples)
+
+    monkeypatch.setattr(replay, "MSV", Counting)
+    out = run_replay(bank, "coupled+msv", seeds=1, settings=replace(FAST, msv_samples=5), workers=1)
+    assert made == [5] and out["settings"]["msv_samples"] == 5
+
+
+def test_the_base_row_of_the_terminals_table_is_dim(study):
+    """The reference row is told apart from the conditions in the terminal's table (dim), as in the
+    markdown it is the last row."""
+    table = replay.results_table(study)
+    assert [row.style for row in table.rows] == [None] * len(study["conditions"]) + ["dim"]
+
+
+@pytest.mark.parametrize("workers", [True, False])
+def test_workers_given_as_a_bool_are_refused(bank, workers):
+    """True is an int to Python, and would have run the study as one worker."""
+    with pytest.raises(ReplayError, match=rf"^--workers: must be a positive integer, got {workers}$"):
+        run_replay(bank, "coupled", seeds=1, settings=FAST, workers=workers)
+
+
+def test_results_md_names_the_judge_results_json_names(study, tmp_path):
+    """results.md's first line says which judge graded (an oracle where results.json names none)."""
+    md = (write_results({**study, "judge": "llm m at http://127.0.0.1:9/v1"}, tmp_path / "a") / "results.md")
+    assert ", judge llm m at http://127.0.0.1:9/v1, seeds [0, 1], mean ± std over seeds." in md.read_text()
+    bare = {k: v for k, v in study.items() if k != "judge"}
+    assert ", judge oracle, seeds [0, 1]," in (write_results(bare, tmp_path / "b") / "results.md").read_text()
+
+
+def test_a_journal_row_without_a_job_an_integer_seed_or_a_result_is_named_by_file_and_line(bank, tmp_path):
+    """Each is refused as no replay job at all (file:line), not read as a job of another seed and run again."""
+    journal = tmp_path / "jobs.jsonl"
+    run_replay(bank, "coupled", seeds=[3], settings=FAST, workers=1, journal=journal)
+    clean = [json.loads(x) for x in journal.read_text().splitlines()]
+    row = next(i for i, r in enumerate(clean) if r["job"] == "coupled")
+    for damage in (lambda r: r.update(seed="3"), lambda r: r.update(seed=3.0), lambda r: r.pop("job"),
+                   lambda r: r.update(result=[])):
+        rows = json.loads(json.dumps(clean))
+        damage(rows[row])
+        journal.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        with pytest.raises(ReplayError, match=rf"jobs.jsonl:{row + 1}: not a replay job \(job, seed, result\)$"):
+            run_replay(bank, "coupled", seeds=[3], settings=FAST, workers=1, journal=journal)

@@ -71,9 +71,10 @@ _WORD = re.compile(r"[\w'-]+")
 
 def link_graph(docs: Sequence[Document], max_title_words: int = 6) -> list[tuple[str, str]]:
     """Edges (a, b) where page a's text mentions page b's title (word n-gram lookup, so it is
-    linear in the corpus size rather than pages × titles)."""
+    linear in the corpus size rather than pages × titles). A title several pages share names the one
+    with the least id, so the graph does not depend on the order the corpus lists its pages in."""
     by_title: dict[tuple[str, ...], str] = {}
-    for d in docs:
+    for d in sorted(docs, key=lambda d: d.id):
         key = tuple(_WORD.findall(d.title))
         if key and len(key) <= max_title_words:
             by_title.setdefault(key, d.id)
@@ -96,7 +97,8 @@ def connected_groups(docs: Sequence[Document], seed: int,
     import networkx as nx
 
     graph = nx.Graph()
-    graph.add_nodes_from(d.id for d in docs)
+    # in id order: Louvain visits nodes in insertion order, so the corpus's order would move the clusters
+    graph.add_nodes_from(sorted(d.id for d in docs))
     graph.add_edges_from(link_graph(docs) if links is None else links)
     communities = nx.community.louvain_communities(graph, seed=seed % 2**32)
     out = {}
