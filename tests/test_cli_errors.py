@@ -12,9 +12,21 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
+import selfevo.data
+import selfevo.evaluate
+import selfevo.evolve
+import selfevo.search.adopt
+import selfevo.search.dense
+import selfevo.search.index
+import selfevo.search.server
+import selfevo.world
 from selfevo._io import check_local_path
-from selfevo.cli import app
+from selfevo._software import SoftwareChanged
+from selfevo.cli import _dense_options, _warnings_as_lines, app
 from selfevo.config import ConfigError, load_config
+from selfevo.integrations import engine
+from selfevo.loop.feedback import UntrainedGrader
+from selfevo.runs import RunError
 
 runner = CliRunner()
 # a run of a few seconds on the small world
@@ -891,3 +903,345 @@ def test_a_model_named_by_a_path_under_home_is_checked_where_it_points(tmp_path,
     with pytest.raises(FileNotFoundError) as err:
         check_local_path("~/no-model")
     assert err.value.filename == "~/no-model"
+
+
+def test_a_users_warning_is_one_line_each_time_it_happens(capsys):
+    """SoftwareChanged and UntrainedGrader print as one `warning:` line, every time (a resumed run may
+    warn again hours later), not Python's `file:line: Category: ...` form shown once per place."""
+    import warnings
+
+    with _warnings_as_lines():
+        for _ in range(2):
+            warnings.warn("resumed under other software", SoftwareChanged, stacklevel=1)
+            warnings.warn("aux-1 had nothing to train on", UntrainedGrader, stacklevel=1)
+    said = capsys.readouterr().err
+    assert said.count("warning: resumed under other software") == 2, said
+    assert said.count("warning: aux-1 had nothing to train on") == 2, said
+    assert "SoftwareChanged" not in said and "UntrainedGrader" not in said
+
+
+def test_selfevo_traceback_reraises_what_is_otherwise_one_line(tmp_path, monkeypatch):
+    """SELFEVO_TRACEBACK=1 is the way to see where a path or an optional dependency failed: the
+    OSError or ImportError comes out as itself, not as the `error:` line."""
+    import sys
+
+    args = ["score", "--data-dir", str(tmp_path / "nope"), "--predictions", str(tmp_path / "p.jsonl"),
+            "--out", str(tmp_path / "s.json")]
+    assert "nope: No such file or directory" in _usage_error(args)
+    res = runner.invoke(app, args, env={"SELFEVO_TRACEBACK": "1"})
+    assert res.exit_code == 1 and isinstance(res.exception, FileNotFoundError), res.output
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}\n")
+    monkeypatch.setitem(sys.modules, "torch", None)
+    res = runner.invoke(app, ["serve-model", "--model", str(model)], env={"SELFEVO_TRACEBACK": "1"})
+    assert res.exit_code == 1 and isinstance(res.exception, ImportError), res.output
+
+
+@pytest.mark.parametrize("raised, says, code", [
+    # ours, naming the extra: one line as it is
+    (ImportError("faiss is not installed: pip install -e '.[dense]'"), "pip install -e '.[dense]'", 2),
+    # a submodule of an optional dependency: the extra of its package
+    (ImportError("No module named 'torch.cuda'", name="torch.cuda"), "this needs the 'lm' extra", 2),
+    # no optional dependency: a broken install, left to its traceback
+    (ImportError("No module named 'numpy_nope'", name="numpy_nope"), None, 1),
+])
+def test_an_import_error_is_one_line_only_for_an_optional_dependency(tmp_path, monkeypatch, raised, says, code):
+    def fails(*args, **kwargs):
+        raise raised
+
+    monkeypatch.setattr(selfevo.evaluate, "score_files", fails)
+    res = runner.invoke(app, ["score", "--data-dir", str(tmp_path), "--predictions", str(tmp_path / "p.jsonl"),
+                              "--out", str(tmp_path / "s.json")])
+    assert res.exit_code == code, (res.output, res.exception)
+    if says is None:
+        assert res.exception is raised
+    else:
+        assert says in " ".join(res.output.split()) and "Traceback" not in res.output
+
+
+def test_out_under_a_file_is_named_before_the_work(tmp_path):
+    """`--out afile/sub`: the file in the way is named, not the directory that cannot be made."""
+    (tmp_path / "afile").write_text("mine\n")
+    out = _usage_error(["eval", "--data-dir", str(tmp_path / "no-qa"), "--corpus", str(tmp_path / "no.jsonl"),
+                        "--out", str(tmp_path / "afile" / "sub")])
+    assert f"{tmp_path / 'afile'}: exists and is not a directory" in out
+    assert (tmp_path / "afile").read_text() == "mine\n"
+
+
+def test_a_host_that_is_no_address_is_named(tmp_path):
+    """A --host that cannot even be looked up (an empty label) is one line naming --host, not a traceback."""
+    corpus = tmp_path / "c.jsonl"
+    corpus.write_text(json.dumps({"id": "d1", "contents": '"T"\nText one.'}) + "\n")
+    text = _usage_error(["serve-retriever", "--corpus", str(corpus), "--host", "a..b"])
+    assert "--host: a..b: " in text
+
+
+def test_faiss_params_are_read_as_written_and_checked_before_the_encoder(capsys):
+    import typer
+
+    options = _dense_options(None, "ivf", 8, "cuda", 7, 9, "q: ", "p: ", [" nprobe = 4"])
+    assert options.faiss_params == {"nprobe": 4} and (options.index_type, options.batch_size) == ("ivf", 8)
+    assert (options.device, options.rrf_k, options.depth) == ("cuda", 7, 9)
+    assert (options.query_prefix, options.passage_prefix) == ("q: ", "p: ")
+    for bad, says in ((["nprobe=x"], "expected NAME=INTEGER"), (["nprobe=\u00b2"], "expected NAME=INTEGER"),
+                      (["ef_search=4"], "takes no parameter 'ef_search'"), (["nprobe=0"], "must be an integer >= 1"),
+                      (["nprobe=-3"], "must be an integer >= 1, got -3")):
+        with pytest.raises(typer.Exit) as e:
+            _dense_options(None, "ivf", faiss_param=bad)
+        assert e.value.exit_code == 2 and says in " ".join(capsys.readouterr().err.split())
+
+
+def test_serve_retriever_needs_a_corpus_or_an_index_and_passes_its_options_on(tmp_path, monkeypatch):
+    from _servers import free_port
+
+    got = {}
+    monkeypatch.setattr(selfevo.search.server, "serve", lambda **kw: got.update(kw))
+    port = free_port()
+    assert "give --corpus FILE or --index DIR" in _usage_error(["serve-retriever", "--port", str(port)])
+    assert got == {}
+    corpus = tmp_path / "c.jsonl"
+    res = runner.invoke(app, ["serve-retriever", "--corpus", str(corpus), "--port", str(port), "--max-queries", "7",
+                              "--retriever", "dense", "--model", "m", "--index-dir", str(tmp_path / "i")])
+    assert res.exit_code == 0, res.output
+    assert (got["corpus"], got["port"], got["max_queries"], got["retriever"]) == (corpus, port, 7, "dense")
+    assert got["index_dir"] == tmp_path / "i" and got["options"].model == "m" and got["host"] == "127.0.0.1"
+
+
+@pytest.mark.parametrize("kind, options", [("bm25", ["--device", "cuda"]), ("bm25", ["--batch-size", "8"]),
+                                            ("bm25", ["--query-prefix", "q: "]), ("dense", ["--depth", "10"])])
+def test_index_build_refuses_every_setting_its_kind_does_not_read(tmp_path, kind, options):
+    corpus = tmp_path / "c.jsonl"
+    corpus.write_text(json.dumps({"id": "d1", "contents": '"T"\nText one.'}) + "\n")
+    text = _usage_error(["index", "build", "--corpus", str(corpus), "--retriever", kind, *options,
+                         "--out", str(tmp_path / "i")])
+    assert f"{options[0]}: not read by a {kind} index" in text and not (tmp_path / "i").exists()
+
+
+def test_index_build_names_an_unknown_retriever_and_passes_its_settings_on(tmp_path, monkeypatch):
+    corpus = tmp_path / "c.jsonl"
+    corpus.write_text(json.dumps({"id": "d1", "contents": '"T"\nText one.'}) + "\n")
+    text = _usage_error(["index", "build", "--corpus", str(corpus), "--retriever", "bm26",
+                         "--out", str(tmp_path / "i")])
+    assert "--retriever: unknown retriever 'bm26' (known: " in text and not (tmp_path / "i").exists()
+    got = {}
+
+    def build(kind, corpus, out, options, progress):
+        got.update(kind=kind, options=options)
+        raise ValueError("stopped here")
+
+    monkeypatch.setattr(selfevo.search.index, "build_index", build)
+    text = _usage_error(["index", "build", "--corpus", str(corpus), "--retriever", "hybrid",
+                         "--out", str(tmp_path / "i"), "--rrf-k", "7", "--depth", "9", "--index-type", "hnsw",
+                         "--faiss-param", "ef_search=5",
+                         "--batch-size", "3", "--device", "cuda", "--model", "m", "--query-prefix", "q: ",
+                         "--passage-prefix", "p: "])
+    assert "stopped here" in text and got["kind"] == "hybrid"
+    o = got["options"]
+    assert (o.rrf_k, o.depth, o.index_type, o.faiss_params, o.batch_size, o.device, o.model) == \
+        (7, 9, "hnsw", {"ef_search": 5}, 3, "cuda", "m")
+    assert (o.query_prefix, o.passage_prefix) == ("q: ", "p: ")
+
+
+def test_index_import_checks_its_options_before_the_encoder_and_passes_them_on(tmp_path, monkeypatch):
+    faiss, corpus = tmp_path / "e5.index", tmp_path / "c.jsonl"
+    faiss.write_bytes(b"x")
+    corpus.write_text(json.dumps({"id": "d1", "contents": '"T"\nText one.'}) + "\n")
+    got = {}
+
+    def encoder(model, **kw):
+        got.update(model=model, **kw)
+        return "the encoder"
+
+    def adopt(faiss_file, corpus, out, encoder, **kw):
+        got.update(encoder=encoder, **kw)
+        raise ValueError("stopped here")
+
+    monkeypatch.setattr(selfevo.search.dense, "Encoder", encoder)
+    monkeypatch.setattr(selfevo.search.adopt, "adopt", adopt)
+    base = ["index", "import", "--model", "m", "--out", str(tmp_path / "i")]
+    text = _usage_error([*base, "--faiss", str(faiss), "--corpus", str(corpus), "--retriever", "bm25"])
+    assert "--retriever: a FAISS index makes a dense or hybrid index, not 'bm25'" in text
+    text = _usage_error([*base, "--faiss", str(tmp_path), "--corpus", str(corpus)])
+    assert f"--faiss: {tmp_path}: a directory, not a file" in text
+    text = _usage_error([*base, "--faiss", str(faiss), "--corpus", str(tmp_path / "no.jsonl")])
+    assert f"--corpus: {tmp_path / 'no.jsonl'}: no such file" in text and got == {}
+    text = _usage_error([*base, "--faiss", str(faiss), "--corpus", str(corpus), "--retriever", "hybrid",
+                         "--check", "5", "--max-seq-length", "128", "--rrf-k", "7", "--depth", "9", "--batch-size", "3",
+                         "--device", "cuda", "--query-prefix", "q: ", "--passage-prefix", "p: "])
+    assert "stopped here" in text
+    assert got == {"model": "m", "query_prefix": "q: ", "passage_prefix": "p: ", "batch_size": 3, "device": "cuda",
+                   "max_seq_length": 128, "encoder": "the encoder", "check": 5, "progress": True, "hybrid": True,
+                   "rrf_k": 7, "depth": 9}
+
+
+def test_score_and_eval_refuse_an_out_their_qa_directory_would_read(tmp_path):
+    """Any case of a QA suffix is read as a benchmark (NQ.JSONL too); `eval --out` the QA directory itself
+    is named as such, not as a directory of stray files."""
+    qa = tmp_path / "qa"
+    qa.mkdir()
+    (qa / "nq.jsonl").write_text(json.dumps({"id": "1", "question": "q?", "golden_answers": ["x"]}) + "\n")
+    preds = tmp_path / "p.jsonl"
+    preds.write_text(json.dumps({"id": "1", "prediction": "x"}) + "\n")
+    for name in ("new.jsonl", "NEW.JSONL", "new.Parquet"):
+        text = _usage_error(["score", "--data-dir", str(qa), "--predictions", str(preds), "--out", str(qa / name)])
+        assert f"--out: {qa / name} would be read as a benchmark of --data-dir {qa}" in text
+    text = _usage_error(["eval", "--data-dir", str(qa), "--out", str(qa)])
+    assert f"--out: {qa} would be read as a benchmark of --data-dir {qa}" in text
+    assert sorted(p.name for p in qa.iterdir()) == ["nq.jsonl"]
+    # a new file of another suffix beside the benchmarks, or inside the predictions' directory, is no input
+    for out in (qa / "score.json", tmp_path / "score.json"):
+        res = runner.invoke(app, ["score", "--data-dir", str(qa), "--predictions", str(preds), "--out", str(out)])
+        assert res.exit_code == 0 and json.loads(out.read_text()), res.output
+
+
+def test_eval_refuses_an_out_of_other_files_and_a_finished_evaluation_but_goes_on_from_an_unfinished_one(
+        tmp_path, monkeypatch):
+    def reached(**kw):
+        raise ValueError("run_eval reached")
+
+    monkeypatch.setattr(selfevo.evaluate, "run_eval", reached)
+    out = tmp_path / "o"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
+    args = ["eval", "--data-dir", str(tmp_path), "--out", str(out)]
+    assert f"--out: {out} holds files no evaluation wrote (notes.txt)" in _usage_error(args)
+    (out / "notes.txt").unlink()
+    (out / "score.json").write_text("{}")
+    assert f"--out: {out} holds a finished evaluation (score.json)" in _usage_error(args)
+    (out / "predictions.partial.jsonl").write_text('{"partial_of": {}}\n')
+    assert "run_eval reached" in _usage_error(args)
+    assert (out / "score.json").read_text() == "{}"
+
+
+def test_eval_passes_its_options_to_the_evaluation(tmp_path, monkeypatch):
+    got = {}
+
+    def reached(**kw):
+        got.update(kw)
+        raise ValueError("run_eval reached")
+
+    monkeypatch.setattr(selfevo.evaluate, "run_eval", reached)
+    text = _usage_error(["eval", "--data-dir", str(tmp_path), "--corpus", str(tmp_path / "c.jsonl"), "--limit", "3",
+                         "--agent", "lm:smollm2-135m", "--workers", "2", "--lm-set", "max_new_tokens=12",
+                         "--retriever", "dense", "--model", "m", "--index", str(tmp_path / "i"),
+                         "--out", str(tmp_path / "o")])
+    assert "run_eval reached" in text
+    assert (got["limit"], got["agent"], got["retriever_kind"], got["index"]) == (3, "lm:smollm2-135m", "dense",
+                                                                              tmp_path / "i")
+    assert got["corpus"] == tmp_path / "c.jsonl" and got["dense_options"].model == "m"
+    assert got["agent_context"]["workers"] == 2 and got["agent_context"]["lm_options"]["max_new_tokens"] == 12
+    _usage_error(["eval", "--data-dir", str(tmp_path), "--out", str(tmp_path / "o2")])
+    assert got["agent_context"] is None and got["limit"] is None
+
+
+def test_data_download_passes_its_options_on_and_a_dry_run_says_nothing_is_ready(tmp_path, monkeypatch):
+    got = {}
+
+    def download(out, benchmarks, **kw):
+        got.update(out=out, benchmarks=benchmarks, **kw)
+        return {"out": str(out)}
+
+    monkeypatch.setattr(selfevo.data, "download_data", download)
+    args = ["data", "download", "--out", str(tmp_path / "d"), "--benchmarks", "nq", "--per-benchmark", "5",
+            "--seed", "9", "--no-corpus", "--revision", "r1", "--corpus-revision", "r2", "--qa-repo", "a/qa",
+            "--corpus-repo", "a/c", "--corpus-file", "c.jsonl"]
+    res = runner.invoke(app, [*args, "--dry-run"])
+    assert res.exit_code == 0 and "data ready" not in res.output, res.output
+    assert {k: v for k, v in got.items() if k != "log"} == {
+        "out": tmp_path / "d", "benchmarks": "nq", "per_benchmark": 5, "seed": 9, "corpus": False, "revision": "r1",
+        "corpus_revision": "r2", "qa_repo": "a/qa", "corpus_repo": "a/c", "corpus_file": "c.jsonl", "dry_run": True}
+    res = runner.invoke(app, args)
+    assert res.exit_code == 0 and "data ready in" in res.output and got["dry_run"] is False, res.output
+
+
+def test_world_make_writes_into_an_empty_directory_and_names_what_holds_it_back(tmp_path, monkeypatch):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert runner.invoke(app, ["world", "make", "--size", "small", "--out", str(empty)]).exit_code == 0
+    assert (empty / "world.json").is_file()
+    assert f"{empty}: not empty; a world is written once" in _usage_error(
+        ["world", "make", "--size", "small", "--out", str(empty)])
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "notes.txt").write_text("mine")
+    assert f"{other}: not empty, and holds no world (no world.json)" in _usage_error(
+        ["world", "make", "--size", "small", "--out", str(other)])
+    got = []
+
+    def make(config):
+        got.append(config)
+        raise ValueError("stopped here")
+
+    monkeypatch.setattr(selfevo.world, "make_world", make)
+    assert "stopped here" in _usage_error(["world", "make", "--size", "small", "--seed", "4", "--confusable-rate",
+                                           "0.3", "--shared-misreading", "0.2", "--value-skew", "0.5",
+                                           "--out", str(tmp_path / "w")])
+    c = got[0]
+    assert (c.size, c.seed, c.confusable_rate, c.shared_misreading, c.value_skew) == ("small", 4, 0.3, 0.2, 0.5)
+
+
+def test_evolve_passes_its_options_on_and_a_resume_with_overrides_is_checked_against_them(tmp_path, monkeypatch):
+    """`--resume --set ...` makes a config from the options (compared with the run's), not the run's own."""
+    got = []
+
+    def reached(cfg, out, **kw):
+        got.append((cfg, kw))
+        raise RunError("evolve reached")
+
+    monkeypatch.setattr(selfevo.evolve, "evolve", reached)
+    out = tmp_path / "run"
+    text = _usage_error(["evolve", "--world", "small", "--out", str(out), "--no-audit", "--step-checkpoints", "3",
+                         "--seed", "5", *TINY])
+    assert "evolve reached" in text
+    cfg, kw = got[-1]
+    assert kw == {"resume": False, "audit": False, "step_checkpoints": 3}
+    assert (cfg.seed, cfg.loop.rounds, cfg.world.name) == (5, 2, "small")
+    assert "evolve reached" in _usage_error(["evolve", "--out", str(out), "--resume", "--set", "loop.rounds=2"])
+    cfg, kw = got[-1]
+    assert kw == {"resume": True, "audit": True, "step_checkpoints": None} and cfg.loop.rounds == 2
+
+
+def test_engine_run_names_an_unknown_engine_and_one_the_config_contradicts(tmp_path, monkeypatch):
+    got = []
+
+    def fails(ecfg, out, **kw):
+        got.append(kw["resume"])
+        raise engine.EngineUnavailable("verl is not installed")
+
+    monkeypatch.setattr(engine, "engine_run", fails)
+    config = Path(__file__).parents[1] / "configs" / "trl-tiny.toml"
+    base = ["engine-run", "--config", str(config), "--out", str(tmp_path / "run")]
+    assert "--engine: trl or verl, got 'vllm'" in _usage_error([*base, "--engine", "vllm"])
+    assert "the config says 'trl', --engine says 'verl'" in _usage_error([*base, "--engine", "verl"])
+    assert got == []
+    text = _usage_error([*base, "--engine", "trl", "--resume"])
+    assert "verl is not installed" in text and "--resume goes on" not in text and got == [True]
+
+
+def test_engine_run_stopped_says_to_resume(tmp_path, monkeypatch):
+    def stopped(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(engine, "engine_run", stopped)
+    config = Path(__file__).parents[1] / "configs" / "trl-tiny.toml"
+    out = tmp_path / "run"
+    res = runner.invoke(app, ["engine-run", "--engine", "trl", "--config", str(config), "--out", str(out)])
+    assert res.exit_code == 130
+    assert f"stopped: {out}: the run goes on from its last finished phase: the same command with --resume" in \
+        " ".join(res.output.split())
+
+
+def test_index_build_names_out_when_it_refuses_the_directory(tmp_path):
+    """The refusal of an --out directory comes before the encoder and the FAISS settings, as an `--out:` line."""
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "manifest.json").write_text('{"mine": true}')
+    corpus = tmp_path / "c.jsonl"
+    corpus.write_text(json.dumps({"id": "d1", "contents": '"T"\nText one.'}) + "\n")
+    text = _usage_error(["index", "build", "--corpus", str(corpus), "--out", str(mine)])
+    assert "error: --out: " in text and "no index's" in text
+    text = _usage_error(["index", "build", "--corpus", str(corpus), "--retriever", "dense", "--index-type", "ivf",
+                         "--faiss-param", "nprobe=0", "--out", str(mine)])
+    assert "error: --out: " in text and "--faiss-param" not in text
+    assert (mine / "manifest.json").read_text() == '{"mine": true}'
