@@ -23,14 +23,21 @@ from types import SimpleNamespace
 
 import pytest
 
-from selfevo._io import write_jsonl
+from selfevo._io import append_jsonl, write_jsonl
 from selfevo.agents.base import Proposal, Trajectory
 from selfevo.agents.lm.model import ScriptedModel, model_identity
-from selfevo.agents.lm.protocol import format_information, solver_messages, solver_question
+from selfevo.agents.lm.protocol import format_information, proposer_messages, solver_messages, solver_question
 from selfevo.agents.lm.server import make_app, running
 from selfevo.algos import frontier_reward
-from selfevo.integrations import trl_job
-from selfevo.integrations.admit import admit_round, commit_records, msv_filter, read_staged, trim_staged
+from selfevo.integrations import trl_env, trl_job
+from selfevo.integrations.admit import (
+    admit_round,
+    commit_records,
+    merge_step_records,
+    msv_filter,
+    read_staged,
+    trim_staged,
+)
 from selfevo.integrations.datasets import (
     aux_training_sets,
     one_pass,
@@ -51,7 +58,7 @@ from selfevo.integrations.rewards import (
     extract_answer,
     reward_settings,
 )
-from selfevo.integrations.routing import Grader, RoutingError, grader_role, item_fold, route
+from selfevo.integrations.routing import Grader, RoutingError, aux_roles, grader_role, item_fold, route
 from selfevo.integrations.trl_job import (
     _save,
     _save_as_the_job_says,
@@ -3202,3 +3209,182 @@ def test_the_trl_job_saves_its_model_in_place_of_the_old_one(tmp_path):
     _save(trainer, {"out": str(out)})
     assert sorted(p.name for p in out.iterdir()) == ["model.safetensors", "tokenizer.json"]
     assert sorted(p.name for p in out.parent.iterdir()) == ["round-1"]
+
+
+def test_unstepped_items_cut_into_fewer_runs_than_steps_write_no_empty_step_record():
+    """verl items carry no step: 5 of them over 4 proposer steps are cut into runs of ceil(5/4) = 2, and
+    the step left with nothing gets no record (not one with no items and reward 0). Mutant: the empty
+    run kept (admit.py:90, `if c`)."""
+    unstepped = [{**r, "step_in_round": None} for r in _staged(2, 3) if "item" in r][:5]
+    records, admitted = admit_round(unstepped, round=1, step_base=0, proposer_steps=4, budget=99, seed=0)
+    assert [(r["step"], len(r["items"])) for r in records] == [(1, 2), (2, 2), (3, 1)]
+    assert len(admitted) == 5
+
+
+def test_merged_step_records_round_the_reward_keep_a_rewardless_stat_and_leave_their_input_alone():
+    """merge_step_records recomputes a step's reward as the mean k over every response, rounded as the
+    loop's records are (round6); a record whose stats hold no reward gets none; the records passed in are
+    not changed (each process's own log stays its share). Mutants: the reward unrounded (admit.py:163);
+    a reward added to any stats (admit.py:162); the first share's record merged in place (admit.py:156)."""
+    def rec(step, ids, k, stats):
+        return {"round": 1, "step": step, "kind": "solver", "stats": dict(stats),
+                "items": [{"item_id": i, "k": k, "responses": ["a"] * 3} for i in ids]}
+    shares = [rec(7, ["a"], 1, {"reward": 0.0}), rec(7, ["b"], 0, {"reward": 0.0}), rec(8, ["c"], 2, {"n": 1})]
+    before = json.loads(json.dumps(shares))
+    merged = merge_step_records(shares)
+    assert merged[0]["stats"]["reward"] == 0.166667  # 1 of 6 responses, to six places
+    assert merged[1]["stats"] == {"n": 1}
+    assert shares == before and [it["item_id"] for it in merged[0]["items"]] == ["a", "b"]
+
+
+def test_read_staged_cuts_a_torn_tail_so_later_appends_read_back(tmp_path):
+    """A kill mid-write leaves a torn last staged row: read_staged drops it and cuts it from the file, so
+    the rows a resumed phase appends read back whole. Mutant: read without repair (admit.py:34): the next
+    row is glued onto the torn one and the file no longer reads."""
+    path = tmp_path / "items.jsonl"
+    path.write_text(json.dumps({"step_in_round": 1, "item": {"item_id": "a"}}) + '\n{"step_in_round": 2, "it')
+    assert [r["item"]["item_id"] for r in read_staged(path)] == ["a"]
+    append_jsonl(path, [{"step_in_round": 2, "item": {"item_id": "b"}}])
+    assert [r["item"]["item_id"] for r in read_staged(path)] == ["a", "b"]
+
+
+def test_a_missing_grader_names_the_served_ones_sorted_or_none():
+    """The routing error lists the graders that are served, sorted, or says none. Mutant: the names in
+    the order given and nothing for none (routing.py:107)."""
+    main = Grader("main", "http://127.0.0.1:9/v1", "m")
+    aux0 = Grader("aux-0", "http://127.0.0.1:9/v1", "m", folds=(0,))
+    with pytest.raises(RoutingError, match=re.escape("to 'aux-1', but no such grader is served (have: aux-0, main)")):
+        route("crossfit", 2, 0, {0}, {"main": main, "aux-0": aux0})
+    with pytest.raises(RoutingError, match=re.escape("(have: none)")):
+        route("crossfit", 2, 0, {0}, {})
+
+
+def test_aux_roles_are_one_per_fold_of_the_treatment_or_one_on_everything():
+    """The auxiliary solvers the engine serves and trains: K of them (crossfit-k3: 3), aux-all for the
+    full-data control, none for coupled. Mutant: K = 2 whatever the treatment (routing.py:74)."""
+    assert aux_roles("crossfit-k3") == ["aux-0", "aux-1", "aux-2"]
+    assert aux_roles("crossfit") == ["aux-0", "aux-1"]
+    assert aux_roles("full-data") == ["aux-all"] and aux_roles("coupled") == []
+
+
+def test_a_grader_lineage_round_trips_and_is_recorded_sorted():
+    """A grader's JSON (the engine's servers file) reads back as the same grader, its name included; its
+    record lineage sorts folds and rounds as `loop.feedback.lineage_of` writes them, under its name (else
+    its role). Mutants: folds and rounds swapped when read (routing.py:51); the name not written
+    (routing.py:45); folds unsorted (routing.py:41); the id always the role (routing.py:41)."""
+    g = Grader("aux-1", "http://127.0.0.1:9/v1", "m", "aux-1@r2", (1, 0), (2, 1))
+    assert Grader.from_json(json.loads(json.dumps(g.to_json()))) == g
+    assert g.lineage() == {"id": "aux-1@r2", "trained_on": {"folds": [0, 1], "rounds": [1, 2]}}
+    assert Grader("main", "u", "m").lineage() == {"id": "main", "trained_on": {"folds": [], "rounds": []}}
+
+
+def test_a_routes_touched_folds_are_recorded_sorted():
+    """The route records the folds a question touched in order (the item record's `routing.touched`), also
+    where a set does not iterate sorted ({1, 8} under K = 9). Mutant: the set's own order (routing.py:114)."""
+    graders = _graders({f"aux-{j}": ("http://127.0.0.1:9/v1", (j,)) for j in range(9)})
+    routed = route("crossfit-connected-k9", 2, 1, {8, 1}, graders)  # CPython iterates it 8, 1
+    assert routed.touched == (1, 8) and not routed.fallback and routed.grader.folds not in {(1,), (8,)}
+
+
+def test_the_trl_rollout_renders_with_the_jobs_chat_template_kwargs(monkeypatch, tool):
+    """GRPOConfig.chat_template_kwargs (enable_thinking=False, say) shape the text each action is generated
+    from and trained on, as TRL's own generation passes them; none given, the template's defaults. Mutant:
+    the kwargs dropped (trl_env.py:73)."""
+    got = []
+    monkeypatch.setattr(trl_env, "template_of", lambda tok, **kw: got.append(kw))
+    monkeypatch.setattr(trl_env, "append_only", lambda template: None)
+    monkeypatch.setattr(trl_env.SearchRollout, "_generator", lambda self, trainer, tok, render: None)
+    monkeypatch.setattr(trl_env.SearchRollout, "rollouts", lambda self, starts, gen, seed: [])
+    monkeypatch.setattr(trl_env.SearchRollout, "encode", lambda self, tok, prompts, rollouts, render=None: {})
+
+    def trainer(**args):
+        return SimpleNamespace(processing_class=None, accelerator=SimpleNamespace(process_index=0),
+                               state=SimpleNamespace(global_step=1), args=SimpleNamespace(**args))
+    trl_env.SearchRollout(tool)([], trainer(chat_template_kwargs={"enable_thinking": False}))
+    trl_env.SearchRollout(tool)([], trainer(chat_template_kwargs=None))
+    trl_env.SearchRollout(tool)([], trainer())
+    assert got == [{"enable_thinking": False}, {}, {}]
+
+
+def test_a_trl_rollouts_calls_are_seeded_apart():
+    """Two generations of one process at one step (a trainer may call rollout_func more than once a step)
+    sample with different seeds. Mutant: the call counter never advanced (trl_env.py:70)."""
+    seeds = []
+    ro = trl_env.SearchRollout(SearchTool(BM25Index.build(DOCS), topk=1, max_calls=1), seed=3)
+    ro.rollouts = lambda starts, gen, seed: seeds.append(seed) or []
+    ro._generator = lambda trainer, tok, render: None
+    ro.encode = lambda tok, prompts, rollouts, render=None: {}
+    trainer = SimpleNamespace(processing_class=SimpleNamespace(apply_chat_template=None),
+                              accelerator=SimpleNamespace(process_index=0), state=SimpleNamespace(global_step=5),
+                              args=SimpleNamespace())
+    ro([], trainer)
+    ro([], trainer)
+    assert ro.calls == 2 and len(set(seeds)) == 2
+
+
+def test_proposer_rows_offer_search_as_the_job_says_and_refuse_an_empty_pool():
+    """lm.proposer_search = false: the proposer's prompt row does not offer the search tool (as the loop's
+    proposer's prompt), and an empty source pool is an error, not an empty training set. Mutants: the tool
+    offered whatever `search` says (datasets.py:60); an empty pool gives no rows (datasets.py:54)."""
+    on, off = proposer_rows(DOCS, FOLDS, 1, 3, seed=0), proposer_rows(DOCS, FOLDS, 1, 3, seed=0, search=False)
+    assert [r["source_id"] for r in on] == [r["source_id"] for r in off]
+    for a, b in zip(on, off, strict=True):
+        text = next(d.contents for d in DOCS if d.id == b["source_id"])
+        assert b["prompt"] == proposer_messages(text, b["hops"], False) != a["prompt"]
+    with pytest.raises(ValueError, match="the source pool is empty"):
+        proposer_rows([], FOLDS, 1, 3, seed=0)
+
+
+def test_solver_rows_without_pages_read_carry_the_source_and_the_draft_label():
+    """An item with no `source_ids` (or an empty list) read its source page alone: the row's lineage is
+    that page; its draft label is kept beside the adopted one. Mutants: the lineage left empty
+    (datasets.py:69); the draft label dropped (datasets.py:70)."""
+    items = [{k: v for k, v in _admitted()[1].items() if k != "source_ids"}, {**_admitted()[3], "source_ids": []}]
+    rows = solver_rows(items, FOLDS, 1)
+    assert [(r["source_ids"], r["source_folds"]) for r in rows] == [(["d1"], [1]), (["d3"], [1])]
+    assert [(r["label"], r["draft_label"]) for r in rows] == [("a1", "d1"), ("a3", "d3")]
+
+
+def test_empty_training_sets_are_refused_by_both_writers(tmp_path):
+    """An empty training set cannot train: to_trl and write_verl refuse it (write_verl naming the file)
+    rather than hand an engine nothing. Mutants: either check dropped (datasets.py:122, :169)."""
+    pytest.importorskip("datasets")
+    with pytest.raises(ValueError, match="to_trl: no rows"):
+        to_trl([])
+    with pytest.raises(ValueError, match=re.escape(f"{tmp_path / 'e.parquet'}: no rows")):
+        write_verl([], tmp_path / "e.parquet")
+    assert not (tmp_path / "e.parquet").exists()
+
+
+def test_verl_rows_name_their_split_and_ability_and_a_proposer_row_no_question(tmp_path):
+    """write_verl's `split` reaches every row's extra_info; a solver row is search-qa with its question, a
+    proposer row question-writing with no question and no target. Mutants: split always "train"
+    (datasets.py:170); one ability for both roles (datasets.py:151); the question for both (datasets.py:148)."""
+    rows = solver_rows(_admitted()[:1], FOLDS, 1) + proposer_rows(DOCS, FOLDS, 1, 1, seed=0)
+    back = read_verl(write_verl(rows, tmp_path / "val.parquet", split="validation"))
+    assert [r["extra_info"]["split"] for r in back] == ["validation", "validation"]
+    assert [(r["ability"], r["extra_info"]["question"]) for r in back] == [("search-qa", "Q0?"),
+                                                                          ("question-writing", "")]
+    assert back[1]["reward_model"]["ground_truth"]["target"] == []
+
+
+def test_a_rows_source_folds_are_sorted_whatever_order_the_set_iterates():
+    """source_folds (the lineage the aux split and verl's extra_info read) is sorted, also where the set
+    of folds does not iterate sorted ({1, 8} under K = 9: CPython gives 8, 1). Mutant: the set's own order
+    (datasets.py:42)."""
+    folds = FoldAssignment(9, 0, "connected", {"p1": 1, "p8": 8})
+    item = {"item_id": "r1-s1-0", "question": "Q?", "adopted_label": "a", "source_id": "p8", "source_ids": ["p8", "p1"],
+            "fold": 8, "hops": 2}
+    (row,) = solver_rows([item], folds, 1)
+    assert row["source_folds"] == [1, 8]
+
+
+def test_an_agents_private_trace_is_no_part_of_what_it_did():
+    """Trajectory and Proposal compare by what the agent did, never by its backend-private trace (a
+    rerun's trace is another object); a proposal breaks no format rule unless told, and a trajectory
+    made without a count took no action. Mutants: the trace compared (base.py:22, :45); format_error
+    "" by default (base.py:48); actions 1 by default (base.py:20)."""
+    assert Trajectory("Paris", ["capital"], 2, trace=object()) == Trajectory("Paris", ["capital"], 2, trace=object())
+    assert Trajectory("x").actions == 0 and Trajectory("x").searches == []
+    p = Proposal("Q?", "a", "d0", ("d0",), 1, trace=object())
+    assert p == Proposal("Q?", "a", "d0", ("d0",), 1, trace=object()) and p.format_error is None

@@ -4,6 +4,7 @@ failed on the code before its fix. Fast: no model is loaded."""
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import jinja2
 import pytest
@@ -11,8 +12,9 @@ import pytest
 from selfevo.agents.lm import protocol as P
 from selfevo.agents.lm.config import LMConfig
 from selfevo.agents.lm.rl import append_only, content_spans, encode_conversation, encode_trajectory, trained_spans
-from selfevo.agents.lm.rollout import run_rollouts
+from selfevo.agents.lm.rollout import Rollout, run_rollouts
 from selfevo.integrations.rewards import extract_answer
+from selfevo.integrations.trl_env import SearchRollout
 from selfevo.loop.schedule import derive_seed
 from selfevo.records import Document
 from selfevo.search.bm25 import BM25Index
@@ -985,3 +987,132 @@ def test_the_proposer_samples_from_the_first_doc_tokens_of_its_source():
     assert call["name"] == "proposer" and call["greedy"] is False  # sampled: a group of distinct proposals
     head = doc.contents[:5]
     assert all(c[1]["content"].startswith(f"<document>\n{head}\n</document>\n") for c in call["convs"])
+
+
+class _ChatmlTokenizer(OffsetTokenizer):  # chatml, one token a character; EOS is ">" (so "<|im_end|>" ends a turn)
+    eos_token_id = ord(">")
+
+    def apply_chat_template(self, messages, tokenize=False, add_generation_prompt=False):
+        return chatml(messages, add_generation_prompt)
+
+
+def _paris_tool():
+    return SearchTool(BM25Index.build([Document("d1", "Paris", "The mayor is Anne.")]), topk=1, max_calls=2)
+
+
+def test_the_trl_rollout_refuses_an_unknown_role_or_backend_and_a_scaffold_off_hf():
+    """SearchRollout's settings are checked when it is made, each error naming the setting. Mutants: each
+    check dropped (trl_env.py:56, :58, :60)."""
+    tool = _paris_tool()
+    with pytest.raises(ValueError, match=r"^SearchRollout\.role: solver or proposer, got 'grader'"):
+        SearchRollout(tool, role="grader")
+    with pytest.raises(ValueError, match=r"^SearchRollout\.backend: hf or vllm, got 'sglang'"):
+        SearchRollout(tool, backend="sglang")
+    with pytest.raises(ValueError, match="the proposer scaffold needs backend='hf'"):
+        SearchRollout(tool, role="proposer", scaffold=True, backend="vllm")
+    assert SearchRollout(tool, role="proposer", scaffold=True).calls == 0  # hf: fine
+
+
+def test_the_trl_rollout_forwards_each_page_read_once_and_ends_at_the_last_actions_end_of_turn():
+    """`read` (the proposal's lineage, for the reward) holds each page once, in the order the searches
+    first returned it, with the answer and final action beside it; the completion ends at the last
+    action's end of turn (the template's "\\n" after it is not trained on or scored), while one that ends
+    on an observation keeps it whole. Mutants: duplicates kept (trl_env.py:113); the completion not cut at
+    its last EOS (trl_env.py:103)."""
+    ro = Rollout(list(CONVERSATION), answer="Anne", final="<answer> Anne </answer>", read=["d2", "d1", "d2", "d1"])
+    out = SearchRollout(_paris_tool()).encode(_ChatmlTokenizer(), [CONVERSATION[:2]], [ro])
+    assert out["read"] == [["d2", "d1"]] and out["answer"] == ["Anne"] and out["final"] == ["<answer> Anne </answer>"]
+    assert "".join(map(chr, out["prompt_ids"][0])) == chatml(CONVERSATION[:2], True)
+    completion = "".join(map(chr, out["completion_ids"][0]))
+    assert completion == chatml(CONVERSATION)[len(chatml(CONVERSATION[:2], True)):].removesuffix("\n")
+    assert len(out["env_mask"][0]) == len(out["completion_ids"][0])
+    assert trained_text(out["completion_ids"][0], out["env_mask"][0]) == (
+        "<search> paris mayor </search><answer> Anne </answer>")
+    unanswered = Rollout(list(CONVERSATION[:4]))  # the last turn is an observation
+    out = SearchRollout(_paris_tool()).encode(_ChatmlTokenizer(), [CONVERSATION[:2]], [unanswered])
+    assert "".join(map(chr, out["completion_ids"][0])).endswith("</information><|im_end|>\n")
+
+
+def test_the_trl_proposer_rollout_reads_its_reply_as_a_proposal_and_never_trains_its_answer():
+    """The proposer's rollout reads its final reply with the proposer's parser (the whole proposal is what
+    the reward parses, not the <answer> alone), and its final <answer> span is not trained
+    (`trained_spans(mask_final_answer=True)`). Mutants: the solver's parser for the proposer
+    (trl_env.py:83); the final answer trained (trl_env.py:88)."""
+    text = "<question> Who is the mayor of Paris? </question> <answer> Anne </answer>"
+    prompt = [{"role": "system", "content": "S"}, {"role": "user", "content": "doc"}]
+    prop = SearchRollout(_paris_tool(), role="proposer")
+    (ro,) = prop.rollouts([prompt], lambda cs, seed: [(text, "stop") for _ in cs], seed=0)
+    assert ro.answer == ro.final == text
+    out = prop.encode(_ChatmlTokenizer(), [prompt], [ro])
+    assert out["answer"] == [text]
+    assert trained_text(out["completion_ids"][0], out["env_mask"][0]) == (
+        "<question> Who is the mayor of Paris? </question> ")
+
+
+def test_the_trl_vllm_backend_generates_from_the_generation_prompt_and_reads_each_finish():
+    """backend = vllm: each conversation goes to TRL's colocated engine as the append-only rendering with
+    its generation prompt; a reply is cut after its first stop string, and it stopped when it held one or
+    ended in EOS, else it ran out of tokens. Mutants: the reply not cut (trl_env.py:180); EOS not read as a
+    stop (trl_env.py:182); rendered without the generation prompt (trl_env.py:175); the hf generator for
+    backend = vllm (trl_env.py:119)."""
+    from types import SimpleNamespace
+
+    eos = 4
+
+    class Tok(OffsetTokenizer):
+        eos_token_id = eos
+
+        def decode(self, ids, skip_special_tokens=False):
+            return "".join(chr(i) for i in ids if not (skip_special_tokens and i == eos))
+
+    sent = []
+    replies = ["<search> a </search> and on", "<answer> b", "<answer> c"]
+
+    def generate(prompts, images, num_generations):
+        sent.extend(prompts)
+        return None, [[ord(c) for c in r] + ([eos] if i == 1 else []) for i, r in enumerate(replies)], None, None
+    trainer = SimpleNamespace(vllm_generation=SimpleNamespace(generate=generate))
+    tool = SearchTool(BM25Index.build([Document("d1", "Paris", "The mayor is Anne.")]), topk=1, max_calls=2)
+    render = append_only(chatml)
+    gen = SearchRollout(tool, backend="vllm")._generator(trainer, Tok(), render)
+    convs = [CONVERSATION[:2]] * 3
+    assert gen(convs, 0) == [("<search> a </search>", "stop"), ("<answer> b", "stop"), ("<answer> c", "length")]
+    assert ["".join(map(chr, p)) for p in sent] == [chatml(CONVERSATION[:2], True)] * 3
+
+
+@pytest.mark.parametrize("settings, field", [
+    ({"model": "  "}, "model"), ({"adapter": "qlora"}, "adapter"), ({"dtype": "fp8"}, "dtype"),
+    ({"judge_max_tokens": 0}, "judge_max_tokens"), ({"lora_alpha": 0}, "lora_alpha"), ({"threads": -1}, "threads"),
+    ({"lora_dropout": 1.0}, "lora_dropout"), ({"max_grad_norm": 0.0}, "max_grad_norm"),
+    ({"temperature": 2.01}, "temperature"), ({"top_p": 0.0}, "top_p"), ({"format_penalty": -0.1}, "format_penalty"),
+    ({"lora_targets": ()}, "lora_targets"), ({"generator": "sglang"}, "generator"),
+    ({"generator": "vllm", "adapter": "full"}, "generator"), ({"vllm_gpu_memory": 1.0}, "vllm_gpu_memory"),
+])
+def test_each_lm_setting_out_of_range_is_refused_by_name(settings, field):
+    """Each [lm] check refuses by itself, naming its field. Mutants: each check dropped or its bound moved
+    (config.py:49-98)."""
+    with pytest.raises(ValueError, match=rf"^lm\.{field}: "):
+        LMConfig(**settings)
+
+
+def test_each_lm_setting_at_its_bound_passes():
+    """The bounds themselves: threads 0 (torch's default), temperature 2, top_p 1, no format penalty, a
+    LoRA dropout of 0."""
+    cfg = LMConfig(threads=0, temperature=2.0, top_p=1.0, format_penalty=0.0, lora_dropout=0.0, vllm_gpu_memory=0.99)
+    assert (cfg.threads, cfg.temperature, cfg.top_p, cfg.format_penalty) == (0, 2.0, 1.0, 0.0)
+
+
+def test_the_scaffolded_proposer_never_searches():
+    """The scaffold writes the reply at once: the proposer does not search, whatever lm.proposer_search says.
+    Mutant: proposer_searches = proposer_search (config.py:104)."""
+    assert LMConfig().proposer_searches and not LMConfig(proposer_search=False).proposer_searches
+    assert not LMConfig(proposer_scaffold=True).proposer_searches
+
+
+@pytest.mark.parametrize("field", ["lr", "max_grad_norm", "format_penalty"])
+@pytest.mark.parametrize("value", [math.nan, math.inf])
+def test_an_lm_setting_built_in_python_as_nan_or_inf_is_refused(field, value):
+    """load_config refuses a non-finite number before it builds LMConfig; a Python caller building LMConfig
+    itself gets the same refusal from the check of the field (nan passed `< 0` and `> 0` tests as written)."""
+    with pytest.raises(ValueError, match=rf"^lm\.{field}: must be a finite number"):
+        LMConfig(**{field: value})

@@ -3,6 +3,7 @@ config is parsed and checked before anything heavy is imported."""
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -67,15 +68,17 @@ class LMConfig:
             raise ValueError(f"lm.threads: must be >= 0, got {self.threads}")
         if not 0 <= self.lora_dropout < 1:
             raise ValueError(f"lm.lora_dropout: must be in [0, 1), got {self.lora_dropout}")
+        # written as ranges so that nan (every comparison false) and inf are refused too: a config file
+        # cannot hold them (load_config refuses them), a Python caller can
         for name in ("lr", "max_grad_norm"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"lm.{name}: must be > 0, got {getattr(self, name)}")
+            if not 0 < getattr(self, name) < math.inf:
+                raise ValueError(f"lm.{name}: must be a finite number > 0, got {getattr(self, name)}")
         if not 0 < self.temperature <= 2:
             raise ValueError(f"lm.temperature: must be in (0, 2], got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"lm.top_p: must be in (0, 1], got {self.top_p}")
-        if self.format_penalty < 0:
-            raise ValueError(f"lm.format_penalty: must be >= 0, got {self.format_penalty}")
+        if not 0 <= self.format_penalty < math.inf:
+            raise ValueError(f"lm.format_penalty: must be a finite number >= 0, got {self.format_penalty}")
         if not self.lora_targets:
             raise ValueError("lm.lora_targets: name at least one module")
         if self.generator not in ("hf", "vllm"):
