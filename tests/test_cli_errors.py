@@ -13,6 +13,7 @@ import pytest
 from typer.testing import CliRunner
 
 import selfevo.data
+import selfevo.demo
 import selfevo.evaluate
 import selfevo.evolve
 import selfevo.search.adopt
@@ -22,7 +23,11 @@ import selfevo.search.server
 import selfevo.world
 from selfevo._io import check_local_path
 from selfevo._software import SoftwareChanged
-from selfevo.cli import _dense_options, _warnings_as_lines, app
+from selfevo.agents.lm import model as lm_model
+from selfevo.agents.lm import server
+from selfevo.audit import METRICS, llm_judge, pipeline
+from selfevo.audit.external import GoldJudge
+from selfevo.cli import _dense_options, _print_audit_rounds, _warnings_as_lines, app
 from selfevo.config import ConfigError, load_config
 from selfevo.integrations import engine
 from selfevo.loop.feedback import UntrainedGrader
@@ -1245,3 +1250,224 @@ def test_index_build_names_out_when_it_refuses_the_directory(tmp_path):
                          "--faiss-param", "nprobe=0", "--out", str(mine)])
     assert "error: --out: " in text and "--faiss-param" not in text
     assert (mine / "manifest.json").read_text() == '{"mine": true}'
+
+
+def test_serve_model_hands_its_options_to_the_scripted_model_and_the_server(tmp_path, monkeypatch):
+    """serve-model's options reach what they configure: the fault rates and --delay the scripted model,
+    --obey-injections the scripted judge, the key, port and --served-model-name the server; the line it
+    prints names the served names."""
+    from _servers import free_port
+
+    loaded, served = [], []
+    real = lm_model.load_chat_model
+
+    def load(spec, scripts=None, **options):
+        loaded.append((spec, scripts, options))
+        return real(spec, scripts=scripts, **options)
+
+    monkeypatch.setattr(lm_model, "load_chat_model", load)
+    monkeypatch.setattr(server, "serve", lambda model, **kw: served.append((model, kw)))
+    monkeypatch.setenv("SELFEVO_TEST_SERVE_KEY", "s3cret")
+    key = tmp_path / "key.json"
+    key.write_text("{}")
+    port = free_port()
+    res = runner.invoke(app, ["serve-model", "--model", "scripted:judge", "--script-file", str(key),
+                              "--obey-injections", "--slow-rate", "0.25", "--delay", "0.5", "--port", str(port),
+                              "--api-key-env", "SELFEVO_TEST_SERVE_KEY", "--served-model-name", "a",
+                              "--served-model-name", "b"])
+    assert res.exit_code == 0, res.output
+    [(spec, scripts, options)] = loaded
+    assert spec == "scripted:judge"
+    assert options == {"fail_rate": 0.0, "garbage_rate": 0.0, "slow_rate": 0.25, "delay": 0.5}
+    assert scripts["judge"]().obey is True
+    [(_, kw)] = served
+    assert kw == {"host": "127.0.0.1", "port": port, "api_key": "s3cret", "served_names": ["a", "b"]}
+    assert f"serving scripted:judge as a, b at http://127.0.0.1:{port}/v1" in " ".join(res.output.split())
+    loaded.clear()
+    res = runner.invoke(app, ["serve-model", "--model", "scripted:judge", "--script-file", str(key),
+                              "--port", str(port)])
+    assert res.exit_code == 0 and "(any model name)" in res.output
+    assert loaded[0][1]["judge"]().obey is False
+
+
+def test_serve_model_hands_a_real_models_budget_to_it(monkeypatch):
+    """--max-new-tokens, --threads and --max-seconds reach the model's load (not the scripted model's faults)."""
+    from _servers import free_port
+
+    loaded = []
+
+    class Loaded:
+        name = "m"
+
+    monkeypatch.setattr(lm_model, "load_chat_model",
+                        lambda spec, scripts=None, **options: loaded.append((spec, options)) or Loaded())
+    monkeypatch.setattr(server, "serve", lambda *args, **kwargs: None)
+    res = runner.invoke(app, ["serve-model", "--model", "smollm2", "--max-new-tokens", "77", "--threads", "1",
+                              "--max-seconds", "2.5", "--port", str(free_port())])
+    assert res.exit_code == 0, res.output
+    assert loaded == [("smollm2", {"max_new_tokens": 77, "threads": 1, "max_seconds": 2.5})]
+
+
+def test_serve_model_refuses_a_delay_without_a_script_and_a_key_variable_set_empty(tmp_path, monkeypatch):
+    """--delay alone is fault injection too (a real model would ignore it); a key variable set to ""
+    is no key: the server would run open, or with an empty key."""
+    from _servers import free_port
+
+    served = []
+    monkeypatch.setattr(server, "serve", lambda *args, **kwargs: served.append(kwargs))
+    out = _usage_error(["serve-model", "--model", str(tmp_path), "--delay", "1"])
+    assert "fault injection (--fail-rate, --garbage-rate, --slow-rate, --delay) needs a scripted model" in out
+    monkeypatch.setenv("SELFEVO_TEST_EMPTY_KEY", "")
+    out = _usage_error(["serve-model", "--model", "scripted:echo", "--api-key-env", "SELFEVO_TEST_EMPTY_KEY",
+                        "--port", str(free_port())])
+    assert "--api-key-env: $SELFEVO_TEST_EMPTY_KEY is not set" in out and served == []
+
+
+def test_replay_run_refuses_zero_seeds_before_reading_the_bank(tmp_path):
+    """--seeds 0 is a study of nothing: named as the option, before the bank (here missing) is read."""
+    out = _usage_error(["replay", "run", "--bank", str(tmp_path / "no-bank.json"), "--seeds", "0",
+                        "--out", str(tmp_path / "study")])
+    assert out == "error: --seeds: must be >= 1, got 0" and not (tmp_path / "study").exists()
+
+
+def test_replay_run_names_an_unknown_condition_before_reading_the_bank(tmp_path):
+    """--conditions is checked before the bank is loaded (a language-model bank loads a model): a typo is
+    named as the option, not as the missing bank that follows it."""
+    out = _usage_error(["replay", "run", "--bank", str(tmp_path / "no-bank.json"), "--conditions", "coupled,nope",
+                        "--out", str(tmp_path / "study")])
+    assert out.startswith("error: --conditions: unknown 'nope'") and "no-bank.json" not in out
+
+
+def test_an_audit_that_resolved_items_in_some_round_gives_no_warning(capsys):
+    """The warning is for a table of nothing but dashes: a judge that resolved a later round's items
+    measured something."""
+    row = {"round": 1, **dict.fromkeys(METRICS), "coverage": 0.0}
+    _print_audit_rounds({"judge": "llm:m", "rounds": [row, {**row, "round": 2, "coverage": 0.5}]})
+    assert "resolved no item" not in capsys.readouterr().err
+
+
+def _one_record(tmp_path) -> Path:
+    records = tmp_path / "r.jsonl"
+    records.write_text('{"round": 1, "step": 0, "source_id": "d", "source": "A b c. It is in Kelda.", '
+                       '"question": "Where?", "label": "Kelda", "responses": ["Kelda"], "gold_answers": ["Kelda"]}\n')
+    return records
+
+
+def test_audit_refuses_what_it_cannot_audit_naming_why(tmp_path):
+    """A run directory and --records together; --records with the oracle (the default judge), which needs a
+    world run; --compare oracle of records, which have no world; --injection-test 1 with a judge
+    that reads no document; an LLM judge with no model name: each one error line, nothing written."""
+    records = _one_record(tmp_path)
+    run = tmp_path / "no-run"
+    out = _usage_error(["audit", str(run), "--records", str(records), "--judge", "gold", "--out", str(tmp_path / "o")])
+    assert out == "error: give a run directory or --records FILE (one of them)"
+    out = _usage_error(["audit", "--records", str(records), "--out", str(tmp_path / "o")])
+    assert out == "error: --judge oracle needs a world run; for --records use --judge gold or llm"
+    out = _usage_error(["audit", "--records", str(records), "--judge", "gold", "--compare", "oracle",
+                        "--out", str(tmp_path / "o")])
+    assert out == "error: --compare: records can be compared with their gold answers only (--compare gold)"
+    out = _usage_error(["audit", "--records", str(records), "--judge", "gold", "--injection-test", "1",
+                        "--out", str(tmp_path / "o")])
+    assert out.startswith("error: --injection-test: only an LLM judge reads the documents")
+    out = _usage_error(["audit", "--records", str(records), "--judge", "llm", "--judge-url", "http://127.0.0.1:9/v1",
+                        "--out", str(tmp_path / "o")])
+    assert out == "error: --judge llm needs --judge-url and --judge-model"
+    assert not (tmp_path / "o").exists()
+
+
+def test_audit_takes_a_seed_for_its_injection_test_alone(tmp_path):
+    """--injection-test reads --seed (its item set): the pair passes the check of settings nothing reads
+    (here to the missing run); --seed alone is refused naming both readers."""
+    base = ["audit", str(tmp_path / "no-run"), "--judge", "llm", "--judge-model", "m", "--out", str(tmp_path / "o")]
+    out = _usage_error([*base, "--injection-test", "5", "--seed", "9"])
+    assert out == f"error: {tmp_path / 'no-run'}: not a run directory (no run manifest.json)"
+    out = _usage_error([*base, "--seed", "9"])
+    assert out == "error: --seed: read only with --compare (its bootstrap intervals) or --injection-test (its item set)"
+
+
+def test_audit_hands_its_settings_to_the_judge_and_the_pipeline_and_prints_what_they_return(tmp_path, monkeypatch):
+    """Every LLM-judge option reaches the judge (checked before any item), --bootstrap, --seed, --no-figures,
+    --injection-test and --max-items-per-step reach the audit; its judge-call summary, comparison and
+    injection test print as returned, each number in its place."""
+    made, checked, audited = [], [], []
+
+    class Judge:
+        def __init__(self, url, model, **kw):
+            made.append((url, model, kw))
+
+        def check(self):
+            checked.append(True)
+
+        def close(self):
+            pass
+
+    metrics = {"judge": "llm:m", "rounds": [{"round": 1, **dict.fromkeys(METRICS, 0.5)}]}
+    res = {"metrics": metrics,
+           "summary": {"replies": 10, "requests": 12, "retries": 3, "cache_hits": 4, "failed_calls": 1,
+                       "malformed_replies": 2, "cut_replies": 6, "malformed_bodies": 5, "resolved": 7,
+                       "unresolved": 2, "unresolved_by_reason": {"no quote": 2}},
+           "comparison": {"judge": "llm:m", "truth": "gold",
+                          "rounds": [{"round": 1, "diff": {"A": {"diff": 0.1, "lo": -0.05, "hi": 0.2}}}],
+                          "all": {"diff": {"A": {"diff": 0.05, "lo": -0.01, "hi": 0.3}}}},
+           "injection": {"overall": {"flipped": 1, "n": 8, "flip_rate": 0.125, "to_correct": 1}, "clean_resolved": 6}}
+
+    def audit(steps, judge, out_dir, **kw):
+        audited.append((steps, judge, out_dir, kw))
+        return res
+
+    monkeypatch.setattr(llm_judge, "LLMJudge", Judge)
+    monkeypatch.setattr(pipeline, "audit_to_dir", audit)
+    row = {"round": 1, "step": 0, "source_id": "d", "source": "A b c. It is in Kelda.", "question": "Where?",
+           "label": "Kelda", "responses": ["Kelda"], "gold_answers": ["Kelda"]}
+    records = tmp_path / "r.jsonl"
+    records.write_text(json.dumps(row) + "\n" + json.dumps({**row, "question": "Which?"}) + "\n")
+    out = tmp_path / "o"
+    args = ["audit", "--records", str(records), "--judge", "llm", "--judge-url", "http://127.0.0.1:9/v1",
+            "--judge-model", "m", "--out", str(out), "--judge-concurrency", "7", "--judge-timeout", "2.5",
+            "--judge-retries", "3", "--judge-max-tokens", "100", "--judge-malformed-retries", "1", "--no-progress",
+            "--compare", "gold", "--bootstrap", "300", "--seed", "5", "--no-figures", "--injection-test", "4",
+            "--max-items-per-step", "1"]
+    result = runner.invoke(app, [*args, "--judge-cache", str(tmp_path / "c.jsonl")])
+    assert result.exit_code == 0, result.output
+    [(url, model, kw)] = made
+    assert (url, model) == ("http://127.0.0.1:9/v1", "m") and checked == [True]
+    assert kw == {"documents": None, "cache_path": tmp_path / "c.jsonl", "concurrency": 7, "timeout": 2.5,
+                  "max_retries": 3, "max_tokens": 100, "malformed_retries": 1, "progress": False}
+    [(steps, judge, out_dir, kw)] = audited
+    assert [len(st["items"]) for st in steps] == [1] and isinstance(judge, Judge) and out_dir == out
+    assert isinstance(kw.pop("truth"), GoldJudge)
+    assert kw == {"n_boot": 300, "seed": 5, "figures": False, "documents": None, "injection_items": 4,
+                  "info": {"source": str(records), "max_items_per_step": 1}}
+    said = " ".join(result.output.split())
+    assert ("judge calls: 10 replies to 12 requests (3 retries), 4 cache hits, 1 failed calls, 2 malformed replies, "
+            "6 replies cut at --judge-max-tokens, 5 bodies that were no chat completion (retried); items resolved 7, "
+            "unresolved 2 {'no quote': 2}") in said
+    assert "injection test: 1 of 8 verdicts flipped (0.125), 1 towards correct" in said
+    assert "means nothing here" not in said
+    assert "llm:m − gold by round (95% bootstrap interval)" in said
+    cells = {tuple(c.strip() for c in line.split("│")[1:3]) for line in result.output.splitlines()}
+    assert ("1", "+0.100 [-0.050, +0.200]") in cells and ("all", "+0.050 [-0.010, +0.300]") in cells
+    assert f"audit written to {out}" in said and "report` and `compare` read" not in said
+    made.clear()
+    assert runner.invoke(app, args).exit_code == 0
+    assert made[0][2]["cache_path"] == out / "cache.jsonl"
+
+
+def test_demo_hands_its_workers_on_and_exits_1_for_a_partial_demo(tmp_path, monkeypatch):
+    """--workers reaches the demo's jobs; a demo whose report covers only part of its jobs exits 1, a whole
+    one 0 (a script tells them apart)."""
+    seen, incomplete = [], []
+    monkeypatch.setattr(selfevo.demo, "run_demo", lambda plan, out, console, workers: seen.append(workers)
+                        or {"incomplete": list(incomplete)})
+    args = ["demo", "--world", "small", "--seeds", "1", "--workers", "3", "--out", str(tmp_path / "d")]
+    assert runner.invoke(app, args).exit_code == 0
+    incomplete.append("coupled-s0")
+    assert runner.invoke(app, args).exit_code == 1
+    assert seen == [3, 3]
+
+
+def test_demo_names_an_out_that_is_a_file_before_any_job(tmp_path):
+    (tmp_path / "afile").write_text("mine\n")
+    out = _usage_error(["demo", "--world", "small", "--seeds", "1", "--out", str(tmp_path / "afile")])
+    assert f"{tmp_path / 'afile'}: exists and is not a directory (--out names a directory)" in out
+    assert (tmp_path / "afile").read_text() == "mine\n"

@@ -1776,3 +1776,74 @@ def test_a_zero_is_a_number_and_a_cell_keeps_its_spec_and_the_seed_count_given()
     assert mean_std_text({"mean": 0.5, "std": 0.01, "n": 3}, n=1) == f"0.500 ± {DASH}"
     assert mean_std_text({"mean": 0.5, "std": None, "n": 2}) == f"0.500 ± {DASH}"  # no std: no spread to show
     assert DASH == "\u2013"  # an en dash, not a hyphen that reads as a minus sign
+
+
+def _compare_rows(output: str) -> dict[str, list[str]]:
+    """The rows of `compare`'s table by their run cell (rich draws the cells between │)."""
+    rows = {}
+    for line in output.splitlines():
+        cells = [c.strip() for c in line.split("│")[1:-1]]
+        if len(cells) >= 13 and cells[0] not in ("run", ""):
+            rows[cells[0]] = cells[1:]
+    return rows
+
+
+def test_compare_prints_each_number_in_its_column(local_grid):
+    """Every cell of the table is the row's own number under its own header: seed, generations,
+    updates, seconds (2 decimals), the three overheads as percentages, F, T_P, A and Cover-EM."""
+    root, _, _ = local_grid
+    runs = [root / "coupled-s1", root / "crossfit-s1"]
+    res = CliRunner().invoke(app, ["compare", *map(str, runs)], terminal_width=250)
+    assert res.exit_code == 0, res.output
+    printed = _compare_rows(res.output)
+    assert set(printed) == {"coupled-s1", "crossfit-s1"}
+    for row in compare(runs):
+        assert row["generations"] != row["updates"] and len({row["F"], row["T_P"], row["A"]}) == 3
+        assert row["extra_generations"] != row["extra_updates"] or row["treatment"] == "coupled"
+        assert printed[Path(row["run"]).name] == [
+            row["treatment"], str(row["seed"]), str(row["generations"]), str(row["updates"]), f"{row['seconds']:.2f}",
+            *[num(row[k], "+.0%") for k in ("extra_generations", "extra_updates", "extra_seconds")],
+            *[num(row[k]) for k in ("F", "T_P", "A", "cover_em")]]
+
+
+def test_compare_names_a_run_given_as_dot_and_runs_of_one_name_by_their_paths(local_grid, tmp_path, monkeypatch):
+    """`compare .` names the directory it is run in, not an empty cell; two runs of one directory name
+    are told apart by their paths."""
+    import shutil
+
+    root, _, _ = local_grid
+    monkeypatch.chdir(root / "crossfit-s0")
+    res = CliRunner().invoke(app, ["compare", "."], terminal_width=250)
+    assert res.exit_code == 0, res.output
+    assert list(_compare_rows(res.output)) == ["crossfit-s0"]
+    other = tmp_path / "elsewhere" / "crossfit-s0"
+    shutil.copytree(root / "crossfit-s0", other)
+    res = CliRunner().invoke(app, ["compare", str(root / "crossfit-s0"), str(other)], terminal_width=400)
+    assert res.exit_code == 0, res.output
+    assert list(_compare_rows(res.output)) == [str(root / "crossfit-s0"), str(other)]
+
+
+def test_compare_does_not_count_a_stale_audit_as_no_audit_nor_as_one_made_differently(local_grid, tmp_path):
+    """A run audited before it went on is warned of as such: its F, T_P, A are blank, so its audit is
+    neither a run "with no audit" nor one "made differently" from the others' (its numbers are not shown)."""
+    import shutil
+
+    root, _, _ = local_grid
+    stale = tmp_path / "crossfit-stale"
+    shutil.copytree(root / "crossfit-s0", stale)
+    metrics = json.loads((stale / "audit" / "metrics.json").read_text())
+    (stale / "audit" / "metrics.json").write_text(json.dumps({**metrics, "rounds": metrics["rounds"][:-1]}))
+    judge = json.loads((stale / "audit" / "judge.json").read_text())
+    (stale / "audit" / "judge.json").write_text(json.dumps({**judge, "max_items_per_step": 2}))
+    res = CliRunner().invoke(app, ["compare", str(root / "coupled-s0"), str(stale)], terminal_width=250)
+    said = " ".join(res.output.split())
+    assert res.exit_code == 0 and "run `selfevo audit` on it again" in said, res.output
+    assert "no audit of" not in said and "made differently" not in said and "F, T_P, A by oracle" in said
+
+
+def test_report_cli_names_the_page_it_wrote(local_grid):
+    """The last line says where the report is (the one line a user follows from the terminal)."""
+    root, _, _ = local_grid
+    res = CliRunner().invoke(app, ["report", str(root)], terminal_width=400)
+    assert res.exit_code == 0, res.output
+    assert f"report: {root / 'report.html'}" in "".join(res.output.split("\n"))

@@ -1824,3 +1824,22 @@ def test_gold_judge_accepts_any_gold_alias_and_refers_to_the_usable_ones():
     item = {"adopted_label": "K.", "responses": ["kell", "x", "K"], "gold_answers": ["Kell", "-", "K."]}
     v = GoldJudge().judge([item])[0]
     assert states(v) == (True, True, (True, False, True)) and v.reference == ("Kell", "K.")
+
+
+def test_cli_audit_llm_of_a_run_writes_beside_the_oracles_audit_by_default(world_run, tmp_path):
+    """An LLM judge's audit of a run goes to RUN/audit/llm, leaving the oracle's RUN/audit (the one `report`
+    and `compare` read) as it was, and says so."""
+    import shutil
+
+    run = tmp_path / "run"
+    shutil.copytree(world_run["path"], run)
+    before = (run / "audit" / "metrics.json").read_bytes()
+    with running(make_app(scripted(world_run["key"]))) as url:
+        result = CliRunner().invoke(app, ["audit", str(run), "--judge", "llm", "--judge-url", url, "--judge-model",
+                                          "judge", "--max-items-per-step", "1", "--no-figures", "--no-progress"])
+    assert result.exit_code == 0, result.output
+    assert json.loads((run / "audit" / "llm" / "metrics.json").read_text())["judge"] == "llm:judge"
+    assert (run / "audit" / "llm" / "cache.jsonl").exists()
+    assert (run / "audit" / "metrics.json").read_bytes() == before
+    assert f"audit written to {run / 'audit' / 'llm'}; `selfevo report` and `compare` read {run / 'audit'}" \
+        in "".join(result.output.split("\n"))

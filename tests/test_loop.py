@@ -12,10 +12,11 @@ import pytest
 from typer.testing import CliRunner
 
 import selfevo.loop.engine as engine
+from selfevo._fmt import num
 from selfevo.agents.base import Proposal
 from selfevo.algos import frontier_reward
 from selfevo.audit import METRICS, OracleJudge, audit_steps
-from selfevo.cli import app
+from selfevo.cli import _print_run, app
 from selfevo.config import load_config
 from selfevo.evaluate import answers_match, score_files
 from selfevo.evolve import evolve, load_run_world
@@ -1008,7 +1009,6 @@ def test_connected_folds_name_a_cluster_by_its_least_page_and_fill_the_lowest_fo
     assert {c: fa.of(f"{c}0") for c in names} == {"a": 0, "b": 1, "c": 1, "d": 0}
 
 
-
 @pytest.mark.parametrize("treatment, per_round", [("crossfit", {"aux-0": 3, "aux-1": 3}),
                                                    ("crossfit-k3", {"aux-0": 3, "aux-1": 3, "aux-2": 3}),
                                                    ("half-budget", {"aux-0": 2, "aux-1": 1}),
@@ -1201,3 +1201,33 @@ def test_connected_clusters_of_the_default_world_move_with_the_seed():
     for s, fa in at.items():  # each cluster went to the lighter fold: the folds differ by at most a cluster's size
         counts = Counter(fa.folds.values())
         assert abs(counts[0] - counts[1]) <= max(len(p) for p in parts[s])
+
+
+def test_a_finished_runs_print_shows_its_audit_and_evaluations(runs, tmp_path, capsys):
+    """What `evolve` prints at its end: the audit table, a row a round with its metrics and admitted count,
+    the main solver's Cover-EM after every round in round order (round 10 after round 3), and the run
+    directory; an audit of other rounds than the run completed is not printed as the run's."""
+    import shutil
+
+    _, run, _, _ = runs
+    path = tmp_path / "run"
+    shutil.copytree(run.path, path)
+    shutil.copy(path / "eval" / "round-3.json", path / "eval" / "round-10.json")
+    _print_run(path)
+    said = capsys.readouterr()
+    rows = {tuple(c.strip() for c in line.split("│")[1:-1]) for line in said.out.splitlines()}
+    metrics = json.loads((path / "audit" / "metrics.json").read_text())
+    assert [r["round"] for r in metrics["rounds"]] == [1, 2, 3]
+    for r in metrics["rounds"]:
+        assert (str(r["round"]), *[num(r[m]) for m in METRICS], str(r["admitted"])) in rows
+    cover = {r: json.loads((path / "eval" / f"round-{r}.json").read_text())["macro"]["cover_em"] for r in (0, 1, 2, 3)}
+    line = ", ".join(f"r{r} {cover[r]:.3f}" for r in (0, 1, 2, 3)) + f", r10 {cover[3]:.3f}"
+    text = " ".join(said.out.split())
+    assert f"main solver macro Cover-EM by round: {line}" in text
+    assert f"run directory: {path}" in "".join(said.out.split("\n")) and "warning" not in said.err
+    manifest = json.loads((path / "manifest.json").read_text())
+    (path / "manifest.json").write_text(json.dumps({**manifest, "rounds_completed": 2}))
+    _print_run(path)
+    said = capsys.readouterr()
+    assert "audit (oracle) by round" not in said.out
+    assert "audits round(s) 1, 2, 3 of the 2 this run completed" in " ".join(said.err.split())

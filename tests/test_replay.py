@@ -1308,3 +1308,68 @@ def test_a_journal_row_without_a_job_an_integer_seed_or_a_result_is_named_by_fil
         journal.write_text("".join(json.dumps(r) + "\n" for r in rows))
         with pytest.raises(ReplayError, match=rf"jobs.jsonl:{row + 1}: not a replay job \(job, seed, result\)$"):
             run_replay(bank, "coupled", seeds=[3], settings=FAST, workers=1, journal=journal)
+
+
+def test_cli_build_hands_its_options_to_the_bank_and_names_bad_hops(runs, tmp_path):
+    """--seed, --hops and --distinct reach the bank (the same items as `build_bank` given them, which
+    another seed or every repeat would change); --hops that is no list of integers is one error line naming
+    it."""
+    out = tmp_path / "bank.json"
+    res = CliRunner().invoke(app, ["replay", "build", "--from", str(runs[0]), "--size", "30", "--seed", "3",
+                                   "--hops", "1", "--distinct", "--out", str(out)])
+    assert res.exit_code == 0, res.output
+    assert f"wrote a bank of 30 items from 1 run(s) to {out}" in " ".join(res.output.split())
+    saved = read_json(out)
+    assert saved["seed"] == 3
+
+    def items(**kw):
+        return build_bank(runs[:1], size=30, **kw).to_json()["items"]
+
+    assert saved["items"] == items(seed=3, hops=[1], distinct=True)
+    assert saved["items"] != items(seed=0, hops=[1], distinct=True)
+    assert saved["items"] != items(seed=3, hops=[1], distinct=False)
+    res = CliRunner().invoke(app, ["replay", "build", "--from", str(runs[0]), "--hops", "1,two",
+                                   "--out", str(tmp_path / "b2.json")])
+    said = " ".join(res.output.split())
+    assert res.exit_code == 2 and "--hops: expected comma-separated integers, got '1,two'" in said
+    assert not (tmp_path / "b2.json").exists()
+
+
+def test_cli_run_hands_the_judge_settings_to_the_judge(bank, tmp_path, monkeypatch):
+    """--judge-url, --judge-model, --judge-cache and --judge-concurrency reach the judge the study grades
+    with; the cache defaults to OUT/judge-cache.jsonl."""
+    asked = []
+
+    def judge(b, url, model, cache, concurrency):
+        asked.append((b.seed, url, model, str(cache), concurrency))
+        raise ReplayError("judged no further")
+
+    monkeypatch.setattr(replay, "replay_judge", judge)
+    bank_path = bank.save(tmp_path / "bank.json")
+    args = ["replay", "run", "--bank", str(bank_path), "--conditions", "coupled", "--seeds", "1", "--workers", "1",
+            "--judge-url", "http://127.0.0.1:9/v1", "--judge-model", "m", "--out", str(tmp_path / "o")]
+    res = CliRunner().invoke(app, [*args, "--judge-cache", str(tmp_path / "c.jsonl"), "--judge-concurrency", "7"])
+    assert res.exit_code == 2 and "judged no further" in res.output
+    res = CliRunner().invoke(app, args)
+    assert res.exit_code == 2 and "judged no further" in res.output
+    assert asked == [(bank.seed, "http://127.0.0.1:9/v1", "m", str(tmp_path / "c.jsonl"), 7),
+                     (bank.seed, "http://127.0.0.1:9/v1", "m", str(tmp_path / "o" / "judge-cache.jsonl"), 4)]
+
+
+def test_cli_run_hands_its_workers_on_and_names_the_journal_when_results_disagree(bank, tmp_path, monkeypatch):
+    """--workers reaches the study; results that break an invariant (a kept job's result another's) end in
+    one line saying which journal to remove."""
+    seen = []
+
+    def study(*args, **kwargs):
+        seen.append(kwargs["workers"])
+        raise InvariantError("coupled seed 0: two results")
+
+    monkeypatch.setattr(replay, "run_replay", study)
+    bank_path = bank.save(tmp_path / "bank.json")
+    out = tmp_path / "o"
+    res = CliRunner().invoke(app, ["replay", "run", "--bank", str(bank_path), "--conditions", "coupled",
+                                   "--seeds", "1", "--workers", "3", "--out", str(out)])
+    said = " ".join(res.output.split())
+    assert res.exit_code == 2 and seen == [3]
+    assert f"coupled seed 0: two results; if {out / 'jobs.jsonl'} was edited or damaged, remove it" in said
