@@ -1116,3 +1116,12 @@ def test_an_lm_setting_built_in_python_as_nan_or_inf_is_refused(field, value):
     itself gets the same refusal from the check of the field (nan passed `< 0` and `> 0` tests as written)."""
     with pytest.raises(ValueError, match=rf"^lm\.{field}: must be a finite number"):
         LMConfig(**{field: value})
+
+
+@pytest.mark.parametrize("settings", [{"lora_r": 2.5}, {"threads": True}, {"max_new_tokens": 64.0}])
+def test_an_lm_count_built_in_python_must_be_an_integer(settings):
+    """A count given as a float or a bool (True is an int to Python) is refused by name, as load_config
+    refuses it in a config file."""
+    (field, value), = settings.items()
+    with pytest.raises(ValueError, match=rf"^lm\.{field}: must be an integer, got {value!r}$"):
+        LMConfig(**settings)

@@ -60,12 +60,15 @@ class LMConfig:
         # "cuda0" or "cuda:x" passed a prefix test here and was a torch traceback on a GPU machine
         if not (self.device in ("auto", "cpu") or re.fullmatch(r"cuda(:\d+)?", self.device)):
             raise ValueError(f"lm.device: must be auto, cpu, cuda or cuda:N, got {self.device!r}")
-        for name in ("lora_r", "lora_alpha", "max_actions", "max_new_tokens", "max_prompt_tokens",
-                     "max_train_tokens", "doc_tokens", "gen_batch", "train_batch", "judge_max_tokens"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"lm.{name}: must be >= 1, got {getattr(self, name)}")
-        if self.threads < 0:
-            raise ValueError(f"lm.threads: must be >= 0, got {self.threads}")
+        counts = ("lora_r", "lora_alpha", "max_actions", "max_new_tokens", "max_prompt_tokens", "max_train_tokens",
+                  "doc_tokens", "gen_batch", "train_batch", "judge_max_tokens")
+        for name in (*counts, "threads"):
+            value = getattr(self, name)
+            # load_config checks types; a Python caller's 2.5 or True would pass the bounds below
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise ValueError(f"lm.{name}: must be an integer, got {value!r}")
+            if value < (0 if name == "threads" else 1):
+                raise ValueError(f"lm.{name}: must be >= {0 if name == 'threads' else 1}, got {value}")
         if not 0 <= self.lora_dropout < 1:
             raise ValueError(f"lm.lora_dropout: must be in [0, 1), got {self.lora_dropout}")
         # written as ranges so that nan (every comparison false) and inf are refused too: a config file
