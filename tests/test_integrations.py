@@ -3388,3 +3388,25 @@ def test_an_agents_private_trace_is_no_part_of_what_it_did():
     assert Trajectory("x").actions == 0 and Trajectory("x").searches == []
     p = Proposal("Q?", "a", "d0", ("d0",), 1, trace=object())
     assert p == Proposal("Q?", "a", "d0", ("d0",), 1, trace=object()) and p.format_error is None
+
+
+def test_write_verl_and_trim_staged_failing_at_the_rename_leave_the_earlier_file_whole(tmp_path, monkeypatch):
+    """A rewrite of the verl parquet or of a trimmed staging file that fails at its last step (the rename:
+    a full disk, a kill) leaves the file a reader had before, byte for byte, and no temporary file beside it."""
+    path = write_verl(solver_rows(_admitted(), FOLDS, 1), tmp_path / "train.parquet")
+    staged = tmp_path / "solver-steps.jsonl"
+    staged.write_text("".join(json.dumps({"step_in_round": s}) + "\n" for s in (1, 2, 3)))
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+
+    def no_rename(src, dst):
+        raise OSError("no space left on device")
+
+    monkeypatch.setattr(os, "replace", no_rename)
+    with pytest.raises(OSError, match="no space left"):
+        write_verl(proposer_rows(DOCS, FOLDS, 1, 2, seed=0), path)
+    with pytest.raises(OSError, match="no space left"):
+        trim_staged({"records_path": str(staged)}, 1)
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before
+    monkeypatch.undo()
+    trim_staged({"records_path": str(staged)}, 1)
+    assert staged.read_text() == json.dumps({"step_in_round": 1}) + "\n"

@@ -15,11 +15,12 @@ import httpx
 import pytest
 from _servers import serve_app, trickling_app
 from _shared import CORPUS, QA_DIR
+from fastapi import FastAPI, Request
 from typer.testing import CliRunner
 
 from selfevo._io import shown_url
 from selfevo.agents import load_agent
-from selfevo.agents.chat_client import CallFailed, ChatClient, EndpointError
+from selfevo.agents.chat_client import CallFailed, ChatClient, EndpointError, openai_finish_reason
 from selfevo.agents.lm.model import (
     GarbageBody,
     ModelFault,
@@ -1176,3 +1177,113 @@ def test_a_scripted_spec_loads_a_registered_script_under_its_spec_name():
     with pytest.raises(ValueError, match=r"unknown script 'nope' \(known: echo, shout\)"):
         load_chat_model("scripted:nope", scripts=scripts)
     assert ScriptedModel(scripts["shout"]()).generate([{"role": "user", "content": "q"}])[0].text == "HI"
+
+
+def test_a_solver_without_a_worker_is_refused_up_front():
+    """concurrency 0 is refused when the solver is made, naming the setting, not at the first batch
+    (where the thread pool would refuse it with its own words, after an index was built)."""
+    with pytest.raises(ValueError, match="concurrency: must be >= 1, got 0"):
+        RemoteSolver("http://fake/v1", "m", concurrency=0)
+
+
+def test_a_row_that_ends_early_changes_no_other_rows_seeds():
+    """A call's seed comes from its conversation's place in the batch, not among those still running:
+    a question answered at its first action leaves the seeds of every other question's calls as they were."""
+    def quick_or_search(messages):
+        return "<answer> now </answer>" if "quick" in question_of(messages) else searcher(messages)
+
+    model = recording(quick_or_search)
+
+    def seeds(questions):
+        model.calls.clear()
+        with solver(url) as s:
+            s.answer(questions, tool(), greedy=False, seed=5)
+        return {(question_of(c["messages"]), len(c["messages"])): c["seed"] for c in model.calls}
+
+    with serve_app(make_app(model)) as base:
+        url = f"{base}/v1"
+        both_search = seeds(["slow a", "slow b"])
+        first_ends = seeds(["quick a", "slow b"])
+    assert len(both_search) == 4 and len(first_ends) == 3  # b's two actions; a's one or two
+    assert both_search[("slow b", 2)] == first_ends[("slow b", 2)]
+    assert both_search[("slow b", 4)] == first_ends[("slow b", 4)]
+
+
+def test_a_client_without_a_key_sends_no_authorization_header(monkeypatch):
+    """No key (none given, or SELFEVO_API_KEY set but empty) sends no Authorization header at all: a
+    "Bearer None" is a key that a server or proxy checking any key it is sent refuses."""
+    seen = []
+    app = FastAPI()
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request):
+        seen.append(request.headers.get("authorization"))
+        return {"model": "m", "choices": [{"message": {"content": "<answer> x </answer>"}, "finish_reason": "stop"}]}
+
+    monkeypatch.setenv("SELFEVO_API_KEY", "")
+    with serve_app(app) as base:
+        with ChatClient(f"{base}/v1", "m") as client:
+            assert client.complete(HI) == "<answer> x </answer>"
+        with solver(f"{base}/v1") as s:
+            assert s.answer(["q"], tool())[0][0].answer == "x"
+            assert s.describe()["api_key"] == "unset"
+        with ChatClient(f"{base}/v1", "m", api_key="k3y") as client:
+            client.complete(HI)
+    assert seen == [None, None, "Bearer k3y"]
+
+
+def test_every_servers_word_for_stop_is_read_as_stop_and_other_reasons_are_kept():
+    """TGI's "eos_token" / "stop_sequence", "eos" and Anthropic-style "end_turn" all mean the model stopped
+    by itself: read otherwise, the action a stop string ended stays open (an invalid action)."""
+    said = ["eos_token", "eos", "stop_sequence", "end_turn", "stop", "length", "tool_calls", "content_filter"]
+    assert [openai_finish_reason(r) for r in said] == ["stop"] * 5 + ["length", "tool_calls", "content_filter"]
+
+
+def test_a_transport_error_is_named_by_its_class_and_its_text_when_it_has_one():
+    """The CallFailed of a transport error reads "ReadTimeout" when httpx gives no text, not "ReadTimeout: ",
+    and "ConnectError: <text>" when it does."""
+    for raised, said in ((httpx.ReadTimeout(""), "ReadTimeout"),
+                         (httpx.ConnectError("connection refused"), "ConnectError: connection refused")):
+        client = ChatClient("http://fake/v1", "m", max_retries=0)
+        _mock(client, [raised])
+        with pytest.raises(CallFailed) as failed:
+            client.chat(HI)
+        assert str(failed.value) == said
+
+
+def test_the_exponential_backoff_stops_growing_at_max_backoff():
+    """backoff 1 s doubles each retry (1, 2, 4, ...) up to max_backoff (3 s here), then jitter of up to
+    `backoff` on top: the 5th wait is 3-4 s, not 16-17."""
+    client = ChatClient("http://fake/v1", "m", max_retries=5, backoff=1.0, max_backoff=3.0)
+    _mock(client, [lambda: _error(503, "busy")] * 5 + [_ok()])
+    stopped = _NoWait()
+    assert client.chat(HI, stopped=stopped)[0].text == "ok"
+    assert len(stopped.waits) == 5
+    assert 1.0 <= stopped.waits[0] <= 2.0 and all(3.0 <= w <= 4.0 for w in stopped.waits[2:])
+
+
+def test_a_425_and_a_429_are_retried_like_the_other_busy_replies():
+    """"Too early" (425) and rate limiting (429) are asked again, as 408, 409 and 5xx are (openai-python
+    does so too): read as any other 4xx, one call failed for good and its question scored wrong."""
+    for status in (425, 429):
+        client = ChatClient("http://fake/v1", "m", backoff=0.001)
+        seen = _mock(client, [httpx.Response(status, stream=httpx.ByteStream(b"")), _ok()])
+        assert client.complete(HI) == "ok" and len(seen) == 2, status
+
+
+def test_a_content_part_without_a_type_is_text():
+    """A list of content parts whose parts carry no "type" is read as text parts (the type defaults to
+    text), in order; a part of another type is left out."""
+    client = ChatClient("http://fake/v1", "m", max_retries=0)
+    parts = [{"text": "<answer> Paris"}, {"type": "reasoning", "text": "hmm"}, {"text": " </answer>"}]
+    _mock(client, [_body({"choices": [{"message": {"content": parts}, "finish_reason": "stop"}]})])
+    assert client.complete(HI) == "<answer> Paris </answer>"
+
+
+def test_a_misspelt_setting_of_a_request_body_is_refused_naming_it():
+    """`body` takes only the client's settings: a misspelt one is a TypeError naming it, not a setting
+    silently dropped (a "temprature" the server never sees)."""
+    client = ChatClient("http://fake/v1", "m")
+    with pytest.raises(TypeError, match="unknown chat settings: temprature"):
+        client.body(HI, temprature=0.5)
+    assert client.body(HI, temperature=0.5)["temperature"] == 0.5

@@ -21,7 +21,7 @@ from selfevo.records import Document
 from selfevo.search import SearchBudgetExhausted, SearchTool
 from selfevo.search.bm25 import MANIFEST, BM25Index
 from selfevo.search.client import RetrieverClient, RetrieverError
-from selfevo.search.server import make_app, serve
+from selfevo.search.server import body_cap, make_app, serve
 from selfevo.search.tool import Hit
 
 DOCS = [
@@ -1402,3 +1402,42 @@ def test_read_body_allows_the_cap_itself_and_refuses_a_byte_more_before_or_while
         asyncio.run(read_body(chunked, 4))
     assert (refused.value.status_code, refused.value.detail) == (413, "request body over 4 bytes")
     assert chunked.read == 3  # stopped at the chunk that went over, not read to its end
+
+
+def test_an_empty_batch_never_reaches_the_retriever(small):
+    """An empty `queries` is answered by the server itself: a retriever (a dense encoder, a remote one)
+    need not take an empty batch, and Search-R1's trainer posts one in every turn no trajectory searched."""
+    from fastapi.testclient import TestClient
+
+    class Refusing:
+        def __init__(self):
+            self.calls = []
+
+        def retrieve(self, queries, topk=3):
+            self.calls.append(list(queries))
+            if not queries:
+                raise ValueError("an empty batch")
+            return small.retrieve(queries, topk)
+
+    retriever = Refusing()
+    client = TestClient(make_app(retriever))
+    r = client.post("/retrieve", json={"queries": [], "topk": 3, "return_scores": True})
+    assert r.status_code == 200 and r.json() == {"result": []}
+    assert retriever.calls == []
+    assert client.post("/retrieve", json={"queries": ["zebra"], "topk": 1}).json()["result"][0][0]["id"] == "d0"
+
+
+def test_max_body_bytes_is_the_cap_whether_above_or_below_the_query_caps_need(small):
+    """`max_body_bytes` replaces the cap `body_cap(max_queries)` would give: a smaller one refuses a body
+    the query caps allow, a larger one admits a body (an extra field) past it."""
+    from fastapi.testclient import TestClient
+
+    padded = json.dumps({"queries": ["zebra"], "topk": 1, "pad": "y" * (2 * body_cap(1))}).encode()
+    headers = {"content-type": "application/json"}
+    assert TestClient(make_app(small, max_queries=1)).post("/retrieve", content=padded,
+                                                           headers=headers).status_code == 413
+    big = TestClient(make_app(small, max_queries=1, max_body_bytes=len(padded)))
+    r = big.post("/retrieve", content=padded, headers=headers)
+    assert r.status_code == 200 and r.json()["result"][0][0]["id"] == "d0"
+    small_cap = TestClient(make_app(small, max_body_bytes=16))
+    assert small_cap.post("/retrieve", json={"queries": ["zebra"], "topk": 1}).status_code == 413
