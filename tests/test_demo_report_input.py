@@ -63,6 +63,7 @@ def test_a_missing_demo_config_is_an_error(tmp_path, no_run, monkeypatch):
     ('[demo]\nreplay_conditions = ["coupled", "nope"]\n', "demo.replay_conditions: unknown 'nope'"),
     ('[demo]\nreplay_conditions = "coupled"\n', "demo.replay_conditions: expected a list"),
     ('[demo]\nworld = "no-such-world"\n', "demo.world: no-such-world: not a world directory"),
+    ('[demo]\nworld = "~nosuchuser0/w"\n', "demo.world: ~nosuchuser0/w: no home directory for ~nosuchuser0 here"),
     ("[demo]\nworld = 3\n", "demo.world: expected small, default or a world directory, got 3"),
     ("[demo]\nexecutor = 1\n", "demo.executor: expected one of local, ray, got 1"),
     ("demo = 3\n", "demo: expected a table, got int"),
@@ -341,3 +342,13 @@ def test_a_demo_report_says_whether_it_holds_the_demos_replay_study_and_keeps_it
         "made by the test's demo and by hand")
     write_demo_record(root, [root / "coupled-s0"], True, [], "")
     assert build_report(root)["context"].startswith("The runs and replay study of the demo recorded in demo.json;")
+
+
+def test_a_demo_world_under_home_is_found_where_it_points(tmp_path, monkeypatch):
+    """`demo.world = "~/w"` is the world in the home directory, stored absolute for the jobs: its world.json
+    was looked for in a directory named "~" under the working directory, and the world refused."""
+    (tmp_path / "home" / "w").mkdir(parents=True)
+    (tmp_path / "home" / "w" / "world.json").write_text("{}")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.chdir(tmp_path)
+    assert selfevo.demo.DemoPlan(world="~/w").world == str(tmp_path / "home" / "w")

@@ -16,8 +16,12 @@ import pytest
 from _shared import CORPUS, QA_DIR
 from typer.testing import CliRunner
 
+import selfevo.agents
 import selfevo.agents.lm.policy as policy_module
 import selfevo.agents.remote as remote
+import selfevo.evaluate as ev
+import selfevo.search.client as client
+import selfevo.search.index as index_mod
 from selfevo import agents
 from selfevo.agents import agent_files, known_agents, load_agent
 from selfevo.agents.base import Trajectory
@@ -1257,3 +1261,156 @@ def test_a_remote_agent_whose_endpoint_fails_its_probe_is_closed(monkeypatch):
     with pytest.raises(ValueError, match="agent 'remote:m@http://h:1/v1': cannot connect"):
         load_agent("remote:m@http://h:1/v1")
     assert closed == ["http://h:1/v1"]
+
+
+# Tests of a mutation sweep (forty-fifth session, helper e): each passes on the code and fails on the mutant its
+# docstring names.
+
+def test_benchmarks_of_ones_own_are_sorted_not_in_set_order():
+    """With two names of one's own, set order was right half the time (mutant: `sorted(...)` -> `list(...)`
+    survived the test above by the hash seed); with eight it is right once in 40,320."""
+    own = ["h", "c", "f", "a", "g", "b", "e", "d"]
+    assert benchmark_order([*own, "musique", "nq"]) == ["nq", "musique", *sorted(own)]
+
+
+def test_the_score_table_says_nothing_missing_where_nothing_is_and_counts_only_the_macro_row():
+    """(mutants: "(0 missing)" shown for a benchmark with every answer, `row.get("missing")` ->
+    `"missing" in row`; the question count written on the single-hop and multi-hop rows too)"""
+    from rich.console import Console
+
+    data = {"nq": [_item("n1", "nq", "paris"), _item("n2", "nq", "rome")], "musique": [_item("m1", "musique", "x")]}
+    console = Console(record=True, width=200)
+    print_score_table(score_predictions(data, {"n1": "paris", "n2": "rome", "m1": "x"}), console)
+    text = console.export_text()
+    assert "missing" not in text
+    cells = {line.split("│")[1].strip(): line.split("│")[2].strip() for line in text.splitlines() if "│" in line}
+    assert cells["nq"] == "2" and cells["macro"] == "3"
+    assert cells["single-hop"] == "" and cells["multi-hop"] == ""
+
+
+def test_a_run_directorys_evaluation_leaves_out_what_depends_on_the_invocation(tmp_path):
+    """per_invocation=False (a run directory's files, byte-identical across reruns) leaves out the seconds and
+    the agent's `describe()`; the default keeps both (mutants: either written whatever `per_invocation`)."""
+    class Described(_EchoSolver):
+        def describe(self):
+            return {"url": "http://x", "calls": len(self.calls)}
+
+    data = {"nq": [_item("n1", "nq", "paris")]}
+    tool = SearchTool(_FakeRetriever([Document("d", "T", "text")]), topk=3, max_calls=5)
+    run = evaluate_solver(Described(), data, tool, progress=False)["run"]
+    assert "answer_seconds" in run and run["agent_detail"] == {"url": "http://x", "calls": 1}
+    run = evaluate_solver(Described(), data, tool, progress=False, per_invocation=False)["run"]
+    assert "answer_seconds" not in run and "agent_detail" not in run
+
+
+def test_restart_stale_starts_over_an_answers_file_of_other_settings_with_a_warning(tmp_path):
+    """A resumed run's evaluation whose model came out otherwise than before the kill (`restart_stale=True`)
+    sets the old answers aside, said, and asks every question (mutants: refused as without the flag; the
+    warning dropped)."""
+    data = {"nq": [QAItem(f"n{i}", f"Paris{i} question", (f"paris{i}",), {"benchmark": "nq"}) for i in range(4)]}
+    tool = SearchTool(_FakeRetriever([Document("d", "T", "text")]), topk=3, max_calls=5)
+    partial = tmp_path / "partial.jsonl"
+    with pytest.raises(RuntimeError, match="stopped"):
+        evaluate_solver(_stops_after(1), data, tool, batch_size=2, progress=False, partial_key={"model": "old"},
+                        partial_path=partial)
+    with pytest.raises(PartialFileError, match="other settings"):
+        evaluate_solver(_EchoSolver(), data, tool, batch_size=2, progress=False, partial_key={"model": "new"},
+                        partial_path=partial)
+    solver = _EchoSolver()
+    with pytest.warns(UserWarning, match="a stopped evaluation of other settings .* started over"):
+        result = evaluate_solver(solver, data, tool, batch_size=2, progress=False, partial_key={"model": "new"},
+                                 partial_path=partial, restart_stale=True, remove_partial=False)
+    assert sum(n for n, *_ in solver.calls) == 4 and "resumed_questions" not in result["run"]
+    assert json.loads(partial.read_text().splitlines()[0])["partial_of"]["model"] == "new"
+
+
+@pytest.mark.parametrize("field, value", [("searches", None), ("searches", "Paris0 question"), ("id", None), ("id", 2)])
+def test_a_stopped_evaluations_row_without_a_list_of_searches_or_a_string_id_is_named_by_file_and_line(tmp_path,
+                                                                                                      field, value):
+    """A row whose `searches` is missing, or whose `id` is, was a KeyError traceback; `searches` as a string was
+    read as its characters, and an id 2 was an answer to no question (mutants: the row check without
+    `isinstance(row.get("searches"), list)`; without `isinstance(row.get("id"), str)`)."""
+    data = {"nq": [QAItem(f"n{i}", f"Paris{i} question", (f"paris{i}",), {"benchmark": "nq"}) for i in range(4)]}
+    tool = SearchTool(_FakeRetriever([Document("d", "T", "text")]), topk=3, max_calls=5)
+    with pytest.raises(RuntimeError, match="stopped"):
+        evaluate_solver(_stops_after(1), data, tool, out_dir=tmp_path, batch_size=2, progress=False,
+                        partial_key={"agent": "echo"})
+    partial = tmp_path / "predictions.partial.jsonl"
+    lines = partial.read_text().splitlines()
+    row = json.loads(lines[2])
+    row.pop(field)
+    if value is not None:
+        row[field] = value
+    partial.write_text("\n".join([*lines[:2], json.dumps(row)]) + "\n")
+    with pytest.raises(PartialFileError, match=r"predictions.partial.jsonl:3: not a prediction row"):
+        evaluate_solver(_EchoSolver(), data, tool, out_dir=tmp_path, batch_size=2, progress=False,
+                        partial_key={"agent": "echo"})
+
+
+def test_a_stopped_evaluation_goes_on_under_a_key_that_holds_a_tuple(tmp_path):
+    """The key is compared as JSON reads it back (a tuple comes back a list): compared as given, a key holding
+    a tuple refused its own answers file on every resume (mutant: `want = key`)."""
+    data = {"nq": [QAItem(f"n{i}", f"Paris{i} question", (f"paris{i}",), {"benchmark": "nq"}) for i in range(4)]}
+    tool = SearchTool(_FakeRetriever([Document("d", "T", "text")]), topk=3, max_calls=5)
+    key = {"agent": "echo", "agent_settings": {"stop": ("</answer>", "\n")}}
+    with pytest.raises(RuntimeError, match="stopped"):
+        evaluate_solver(_stops_after(1), data, tool, out_dir=tmp_path, batch_size=2, progress=False, partial_key=key)
+    again = _EchoSolver()
+    result = evaluate_solver(again, data, tool, out_dir=tmp_path, batch_size=2, progress=False, partial_key=key)
+    assert result["run"]["resumed_questions"] == 2 and again.calls == [(2, True, 1, 5)]
+
+
+def test_the_run_counts_the_searches_of_a_question_left_without_an_answer(tmp_path):
+    """`run.searches` is every search made, answered or not (mutant: only those of answered questions)."""
+    class Silent(_EchoSolver):
+        def answer(self, questions, tool, **kw):
+            groups = super().answer(questions, tool, **kw)
+            for (traj,) in groups:
+                traj.answer = ""
+            return groups
+
+    data = {"nq": [QAItem(f"n{i}", f"Paris{i} question", (f"paris{i}",), {"benchmark": "nq"}) for i in range(3)]}
+    tool = SearchTool(_FakeRetriever([Document("d", "T", "text")]), topk=3, max_calls=5)
+    result = evaluate_solver(Silent(), data, tool, progress=False)
+    assert result["run"]["searches"] == 3 and result["benchmarks"]["nq"]["cover_em"] == 0.0
+
+
+def test_run_eval_caches_an_index_under_its_kind_and_closes_the_agent_whatever_happens(tmp_path, monkeypatch):
+    """By default a dense index is cached in `OUT/dense-index`, not in `OUT/bm25-index` beside a BM25 one of
+    another run (mutant: the kind left out of the name); the agent is closed (an HTTP client's pool) when the
+    evaluation fails too (mutant: only the retriever closed)."""
+    qa = tmp_path / "qa"
+    qa.mkdir()
+    (qa / "nq.jsonl").write_text(json.dumps({"id": "n0", "question": "q", "golden_answers": ["x"]}) + "\n")
+    cache, closed = [], []
+    solver = SimpleNamespace(name="s", close=lambda: closed.append("solver"))
+    monkeypatch.setattr(selfevo.agents, "load_agent", lambda spec, **ctx: solver)
+    monkeypatch.setattr(index_mod, "get_retriever",
+                        lambda **kw: cache.append(kw["cache_dir"]) or SimpleNamespace(kind=kw["kind"] or "bm25"))
+
+    def fails(*a, **kw):
+        raise RuntimeError("the endpoint stopped answering")
+
+    monkeypatch.setattr(ev, "evaluate_solver", fails)
+    for kind in ("dense", None):
+        with pytest.raises(RuntimeError, match="stopped answering"):
+            ev.run_eval(qa, tmp_path / "corpus.jsonl", "x", tmp_path / "out", progress=False, retriever_kind=kind)
+    assert cache == [tmp_path / "out" / "dense-index", tmp_path / "out" / "bm25-index"]
+    assert closed == ["solver", "solver"]
+
+
+def test_run_eval_takes_an_https_retriever_url(tmp_path, monkeypatch):
+    """`https://` is a retriever URL as `http://` is: it is probed, not refused as "expected http(s)://" (mutant:
+    `startswith("http://")` alone); the score names it without its password."""
+    qa = tmp_path / "qa"
+    qa.mkdir()
+    (qa / "nq.jsonl").write_text(json.dumps({"id": "n0", "question": "q", "golden_answers": ["x"]}) + "\n")
+    probed, runs = [], []
+    monkeypatch.setattr(client.RetrieverClient, "retrieve", lambda self, queries, topk=3: probed.append(queries))
+    monkeypatch.setattr(ev, "evaluate_solver", lambda *a, run_info, **kw: runs.append(run_info))
+    ev.run_eval(qa, None, "retrieval-baseline", tmp_path / "out", retriever_url="https://me:secret@search.example:443",
+                progress=False)
+    assert probed == [["probe"]] and "secret" not in json.dumps(runs[0])
+    with pytest.raises(ValueError, match="expected http"):
+        ev.run_eval(qa, None, "retrieval-baseline", tmp_path / "out", retriever_url="search.example:443",
+                    progress=False)

@@ -28,9 +28,10 @@ from test_config import flat
 from test_search import server_url, small  # noqa: F401  (fixtures: a BM25 index, a real uvicorn on 127.0.0.1)
 from typer.testing import CliRunner
 
+from selfevo._io import check_local_path
 from selfevo.cli import app
 from selfevo.config import ConfigError, RunConfig, config_from_dict, load_config
-from selfevo.corpus import DataError, read_corpus, read_qa, read_qa_dir, write_corpus, write_qa
+from selfevo.corpus import DataError, count_lines, read_corpus, read_qa, read_qa_dir, write_corpus, write_qa
 from selfevo.evaluate import scorable
 from selfevo.records import Document, QAItem
 from selfevo.search.server import make_app
@@ -394,6 +395,7 @@ def names_a_given_field(message: str, keys: list[str]) -> bool:
 @given(pairs=OVERRIDES)
 @example(pairs=[("lm.top_p", "0")])  # once named lm.temperature: two fields' checks shared one message
 @example(pairs=[("loop.proposer_steps", "333309")])  # once named loop.rounds alone
+@example(pairs=[("world.name", '"~0"')])  # a home of no user here: once a RuntimeError traceback
 def test_config_overrides_give_a_valid_config_or_an_error_naming_the_field(pairs):
     overrides = [f"{k}={v}" for k, v in pairs]
     try:
@@ -803,3 +805,29 @@ def test_count_lines_gives_no_total_for_a_gzip_stream_whatever_its_name(tmp_path
     assert count_lines(plain) == 200
     (tmp_path / "c.data").write_bytes(gzip.compress(plain.read_bytes(), mtime=0))
     assert count_lines(tmp_path / "c.data") is None
+
+
+def test_count_lines_counts_a_last_line_without_its_line_break(tmp_path):
+    """A corpus whose last document has no "\\n" (as an editor or `head -c` leaves it) has that document too:
+    the progress bar's total was one short (mutant: `lines + (last != b"\\n")` -> `lines`). An empty file has
+    none, and one ending in "\\n" is not counted twice."""
+    path = tmp_path / "c.jsonl"
+    for content, n in ((b'{"id": "a"}\n{"id": "b"}', 2), (b'{"id": "a"}\n{"id": "b"}\n', 2), (b"", 0), (b"x", 1)):
+        path.write_bytes(content)
+        assert count_lines(path) == n, content
+
+
+@pytest.mark.parametrize("overrides, field", [
+    (["world.name=~nosuchuser0/w"], "world.name"),
+    (["backend=lm", "data.corpus=~nosuchuser0/c.jsonl", "data.qa_dir=/tmp"], "data.corpus"),
+    (["lm.model=~nosuchuser0/m"], "lm.model"),
+])
+def test_a_path_under_the_home_of_a_user_that_does_not_exist_is_an_error_naming_the_field(overrides, field):
+    """`--set world.name=~nosuchuser/w` was a RuntimeError traceback ("Could not determine home directory",
+    pathlib's `expanduser`), where every other bad value is a ConfigError naming its field (hypothesis found
+    `world.name="~0"`)."""
+    with pytest.raises(ConfigError, match=rf"^{re.escape(field)}: ~nosuchuser0/\w+(\.jsonl)?: no home directory for "
+                                          r"~nosuchuser0 here"):
+        load_config(None, overrides)
+    with pytest.raises(FileNotFoundError):  # a model checked before it loads: no such file, not a traceback
+        check_local_path("~nosuchuser0/m")

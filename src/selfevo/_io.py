@@ -220,11 +220,26 @@ def is_path(name: str) -> bool:
     return name.startswith((".", "/", "~"))
 
 
+def expand_user(path: str | os.PathLike) -> Path:
+    """`Path.expanduser`, with a `~user` who has no home here a ValueError naming the path (pathlib
+    raises a RuntimeError, which reached the user as a traceback)."""
+    try:
+        return Path(path).expanduser()
+    except RuntimeError:
+        raise ValueError(f"{path}: no home directory for {str(path).split('/', 1)[0]} here") from None
+
+
 def check_local_path(name: str) -> None:
     """A model or file named by a path (./x, ../x, /x, ~/x) must exist. Loaders that also accept
     hub ids (transformers, sentence-transformers) report a missing directory as a malformed hub
     id, which hides the typo."""
-    if is_path(name) and not Path(name).expanduser().exists():
+    if not is_path(name):
+        return
+    try:
+        found = expand_user(name).exists()
+    except ValueError:  # under the home of no user here
+        found = False
+    if not found:
         raise FileNotFoundError(2, "no such file or directory", name)
 
 

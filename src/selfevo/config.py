@@ -22,7 +22,7 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover
     import tomli as tomllib
 
-from selfevo._io import is_path
+from selfevo._io import expand_user, is_path
 from selfevo.agents.lm.config import LMConfig
 from selfevo.agents.sim import SimProposerConfig, SimSolverConfig
 from selfevo.loop.schedule import LoopConfig
@@ -42,8 +42,13 @@ NEEDS_QA_DIR = "data.corpus: needs data.qa_dir as well (the benchmarks to evalua
 PATH_FIELDS = (("world", "name"), ("data", "corpus"), ("data", "qa_dir"), ("data", "index"))
 
 
-def absolute(path: str) -> str:
-    return str(Path(path).expanduser().resolve())
+def absolute(path: str, field: str) -> str:
+    """A path field as a config stores it: `~` expanded, absolute; a `~user` with no home here is a
+    ValueError naming the field."""
+    try:
+        return str(expand_user(path).resolve())
+    except ValueError as e:
+        raise ValueError(f"{field}: {e}") from None
 
 
 def with_absolute_paths(config: dict) -> dict:
@@ -53,10 +58,10 @@ def with_absolute_paths(config: dict) -> dict:
     for table, key in PATH_FIELDS:
         value = out.get(table, {}).get(key) if isinstance(out.get(table), dict) else None
         if isinstance(value, str) and value and not (table == "world" and value in SIZES):
-            out[table][key] = absolute(value)
+            out[table][key] = absolute(value, f"{table}.{key}")
     model = out.get("lm", {}).get("model") if isinstance(out.get("lm"), dict) else None
     if isinstance(model, str) and is_path(model):  # a hub id or the shipped name is no path
-        out["lm"]["model"] = absolute(model)
+        out["lm"]["model"] = absolute(model, "lm.model")
     return out
 
 
@@ -72,7 +77,7 @@ class WorldSpec:
         if not self.name.strip():
             raise ValueError("world.name: empty (small, default or a world directory)")
         if self.name not in SIZES:
-            object.__setattr__(self, "name", absolute(self.name))
+            object.__setattr__(self, "name", absolute(self.name, "world.name"))
         # validate the world parameters here, so a bad one is reported before anything runs
         WorldConfig(size="small", **self.params())
 
@@ -117,7 +122,7 @@ class DataSpec:
                              "the world's own seven benchmarks)")
         for name in ("corpus", "qa_dir", "index"):
             if getattr(self, name):
-                object.__setattr__(self, name, absolute(getattr(self, name)))
+                object.__setattr__(self, name, absolute(getattr(self, name), f"data.{name}"))
 
 
 @dataclass(frozen=True)
@@ -349,7 +354,7 @@ def _same_setting(key: str, a: Any, b: Any) -> bool:
     """Two values of one field, a path field's as the config stores it (absolute: "./c.jsonl" is "c.jsonl")."""
     if isinstance(a, str) and isinstance(b, str) and a and b and (
             tuple(key.split(".")) in PATH_FIELDS or (key == "lm.model" and is_path(a) and is_path(b))):
-        return absolute(a) == absolute(b)
+        return absolute(a, key) == absolute(b, key)
     return a == b
 
 

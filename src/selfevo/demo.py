@@ -96,12 +96,16 @@ def _check_field(name: str, value):
             raise ConfigError(f"demo.world: expected small, default or a world directory, got {value!r}")
         if value in SIZES:
             return value
+        # absolute: a job run from another directory (a ray worker) must read the same world
+        try:
+            path = absolute(value, "demo.world")
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
         # checked once here, not by every job of the grid (each would fail the same way)
-        if not (Path(value) / "world.json").is_file():
+        if not (Path(path) / "world.json").is_file():
             raise ConfigError(f"demo.world: {value}: not a world directory (no world.json); make one with "
                               f"`selfevo world make` or use {' or '.join(SIZES)}")
-        # absolute: a job run from another directory (a ray worker) must read the same world
-        return absolute(value)
+        return path
     raise ConfigError(f"demo.{name}: unknown field")
 
 

@@ -30,7 +30,7 @@ from typing import Any
 
 import numpy as np
 
-from selfevo._io import atomic_writer, check_local_path, file_sha256, is_path, write_json
+from selfevo._io import atomic_writer, check_local_path, expand_user, file_sha256, is_path, write_json
 from selfevo.corpus import corpus_documents
 from selfevo.records import Document
 from selfevo.search._manifest import MANIFEST, read_manifest
@@ -113,8 +113,8 @@ class Encoder:
         e5 = is_e5(model)  # by the name as given (a resolved link may not say e5)
         # a directory stored absolute: the manifest names it for every later load, from any directory (one
         # here is what the loader would take, "models/enc" too, before a hub id of that name)
-        local = is_path(model) or (model.lower() not in _BUNDLED_NAMES and Path(model).expanduser().exists())
-        self.model = str(Path(model).expanduser().resolve()) if local else model
+        local = is_path(model) or (model.lower() not in _BUNDLED_NAMES and expand_user(model).exists())
+        self.model = str(expand_user(model).resolve()) if local else model
         self.path = resolve_model(self.model)
         self.query_prefix = ("query: " if e5 else "") if query_prefix is None else query_prefix
         self.passage_prefix = ("passage: " if e5 else "") if passage_prefix is None else passage_prefix

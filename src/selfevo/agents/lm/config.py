@@ -6,9 +6,8 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass, fields
-from pathlib import Path
 
-from selfevo._io import is_path
+from selfevo._io import expand_user, is_path
 
 
 @dataclass(frozen=True)
@@ -52,7 +51,10 @@ class LMConfig:
         if is_path(self.model):
             # absolute: a run resumed, audited or replayed from another directory (or on a Ray worker)
             # must load the same model (a hub id or the shipped name is no path)
-            object.__setattr__(self, "model", str(Path(self.model).expanduser().resolve()))
+            try:
+                object.__setattr__(self, "model", str(expand_user(self.model).resolve()))
+            except ValueError as e:
+                raise ValueError(f"lm.model: {e}") from None
         if self.adapter not in ("lora", "full"):
             raise ValueError(f"lm.adapter: must be lora or full, got {self.adapter!r}")
         if self.dtype not in ("float32", "bfloat16", "float16"):
