@@ -621,10 +621,12 @@ def test_qa_and_corpus_lines_of_odd_shapes_are_named_by_file_and_line(tmp_path):
 
 
 @pytest.mark.parametrize("name", ["nq.json", "popqa.JSONL", "hotpotqa.json.gz", "musique.jsonl.bz2",
-                                  "bamboogle.jsonl.zip", "hotpotqa.zip", "musique.bz2", "nq.gz"])
+                                  "bamboogle.jsonl.zip", "hotpotqa.zip", "musique.bz2", "nq.gz",
+                                  "nq.JSON", "hotpotqa.JSON.GZ", "musique.JSONL.BZ2", "nq.ZIP"])
 def test_a_benchmark_file_of_another_name_is_named_not_skipped(tmp_path, name):
     """`nq.json` (Dataset.to_json writes JSON Lines so), `popqa.JSONL` or a compression other than
-    gzip (`.json.gz`, `.jsonl.bz2`) dropped out of every average silently."""
+    gzip (`.json.gz`, `.jsonl.bz2`) dropped out of every average silently; the name is compared in lower
+    case for every check, not only the QA suffixes (`nq.JSON`, `musique.JSONL.BZ2`)."""
     qa = tmp_path / "qa"
     qa.mkdir()
     for file in ("triviaqa.jsonl", name):
@@ -877,19 +879,3 @@ def test_a_question_without_metadata_is_written_without_it():
     assert QAItem("nq-1", "capital of France?", ("Paris",)).to_json() == \
         {"id": "nq-1", "question": "capital of France?", "golden_answers": ["Paris"]}
     assert QAItem("nq-1", "q", ("Paris",), {"benchmark": "nq"}).to_json()["metadata"] == {"benchmark": "nq"}
-
-
-# Tests of a mutation sweep (forty-fifth session, helper e): each passes on the code and fails on the mutant its
-# docstring names.
-
-@pytest.mark.parametrize("name", ["nq.JSON", "hotpotqa.JSON.GZ", "musique.JSONL.BZ2", "nq.ZIP"])
-def test_a_benchmark_file_named_in_upper_case_is_named_not_skipped(tmp_path, name):
-    """The name is compared in lower case for every check, not only the QA suffixes: `nq.JSON` (JSON Lines of
-    questions) or `musique.JSONL.BZ2` dropped out of every average silently (mutant: `.lower()` kept for the
-    QA suffixes alone)."""
-    qa = tmp_path / "qa"
-    qa.mkdir()
-    for file in ("triviaqa.jsonl", name):
-        (qa / file).write_text(json.dumps({"id": file, "question": "q?", "golden_answers": ["x"]}) + "\n")
-    with pytest.raises(DataError, match=f"{name}: in a QA directory but not read"):
-        read_qa_dir(qa)

@@ -1075,8 +1075,13 @@ def _stops_after(batches: int):
     return Stops()
 
 
-def test_a_damaged_row_of_a_stopped_evaluation_is_named_by_file_and_line(tmp_path):
-    """A row without its prediction was a KeyError traceback (mutant: the row check reduced to the id)."""
+@pytest.mark.parametrize("field, value", [("prediction", None), ("searches", None), ("searches", "Paris0 question"),
+                                          ("id", None), ("id", 2)])
+def test_a_damaged_row_of_a_stopped_evaluation_is_named_by_file_and_line(tmp_path, field, value):
+    """A row without its prediction, its `searches` or its `id` was a KeyError traceback; `searches` as a
+    string was read as its characters, and an id 2 was an answer to no question (mutants: the row check
+    reduced to the id; without `isinstance(row.get("searches"), list)`; without `isinstance(row.get("id"),
+    str)`)."""
     data = {"nq": [QAItem(f"n{i}", f"Paris{i} question", (f"paris{i}",), {"benchmark": "nq"}) for i in range(4)]}
     tool = SearchTool(_FakeRetriever([Document("d", "T", "text")]), topk=3, max_calls=5)
     with pytest.raises(RuntimeError, match="stopped"):
@@ -1085,7 +1090,9 @@ def test_a_damaged_row_of_a_stopped_evaluation_is_named_by_file_and_line(tmp_pat
     partial = tmp_path / "predictions.partial.jsonl"
     lines = partial.read_text().splitlines()
     row = json.loads(lines[2])
-    del row["prediction"]
+    row.pop(field)
+    if value is not None:
+        row[field] = value
     partial.write_text("\n".join([*lines[:2], json.dumps(row)]) + "\n")
     with pytest.raises(PartialFileError, match=r"predictions.partial.jsonl:3: not a prediction row"):
         evaluate_solver(_EchoSolver(), data, tool, out_dir=tmp_path, batch_size=2, progress=False,
@@ -1263,7 +1270,7 @@ def test_a_remote_agent_whose_endpoint_fails_its_probe_is_closed(monkeypatch):
     assert closed == ["http://h:1/v1"]
 
 
-# Tests of a mutation sweep (forty-fifth session, helper e): each passes on the code and fails on the mutant its
+# Tests of a mutation sweep (forty-fifth session): each passes on the code and fails on the mutant its
 # docstring names.
 
 def test_benchmarks_of_ones_own_are_sorted_not_in_set_order():
@@ -1322,29 +1329,6 @@ def test_restart_stale_starts_over_an_answers_file_of_other_settings_with_a_warn
                                  partial_path=partial, restart_stale=True, remove_partial=False)
     assert sum(n for n, *_ in solver.calls) == 4 and "resumed_questions" not in result["run"]
     assert json.loads(partial.read_text().splitlines()[0])["partial_of"]["model"] == "new"
-
-
-@pytest.mark.parametrize("field, value", [("searches", None), ("searches", "Paris0 question"), ("id", None), ("id", 2)])
-def test_a_stopped_evaluations_row_without_a_list_of_searches_or_a_string_id_is_named_by_file_and_line(tmp_path,
-                                                                                                      field, value):
-    """A row whose `searches` is missing, or whose `id` is, was a KeyError traceback; `searches` as a string was
-    read as its characters, and an id 2 was an answer to no question (mutants: the row check without
-    `isinstance(row.get("searches"), list)`; without `isinstance(row.get("id"), str)`)."""
-    data = {"nq": [QAItem(f"n{i}", f"Paris{i} question", (f"paris{i}",), {"benchmark": "nq"}) for i in range(4)]}
-    tool = SearchTool(_FakeRetriever([Document("d", "T", "text")]), topk=3, max_calls=5)
-    with pytest.raises(RuntimeError, match="stopped"):
-        evaluate_solver(_stops_after(1), data, tool, out_dir=tmp_path, batch_size=2, progress=False,
-                        partial_key={"agent": "echo"})
-    partial = tmp_path / "predictions.partial.jsonl"
-    lines = partial.read_text().splitlines()
-    row = json.loads(lines[2])
-    row.pop(field)
-    if value is not None:
-        row[field] = value
-    partial.write_text("\n".join([*lines[:2], json.dumps(row)]) + "\n")
-    with pytest.raises(PartialFileError, match=r"predictions.partial.jsonl:3: not a prediction row"):
-        evaluate_solver(_EchoSolver(), data, tool, out_dir=tmp_path, batch_size=2, progress=False,
-                        partial_key={"agent": "echo"})
 
 
 def test_a_stopped_evaluation_goes_on_under_a_key_that_holds_a_tuple(tmp_path):
