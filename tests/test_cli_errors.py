@@ -39,6 +39,12 @@ TINY = ["--set", "loop.rounds=2", "--set", "loop.proposer_steps=2", "--set", "lo
         "--set", "loop.admit_per_round=20"]
 
 
+def _one_doc_corpus(tmp_path: Path) -> Path:
+    corpus = tmp_path / "c.jsonl"
+    corpus.write_text(json.dumps({"id": "d1", "contents": '"T"\nText one.'}) + "\n")
+    return corpus
+
+
 def _usage_error(args: list[str]) -> str:
     res = runner.invoke(app, args)
     assert res.exit_code == 2, (res.exit_code, res.output, res.exception)
@@ -683,8 +689,7 @@ def test_an_out_that_is_an_input_or_lies_inside_one_is_refused_and_the_input_kep
 def test_index_and_demo_outs_of_other_files_are_refused_and_the_files_kept(tmp_path):
     """`index build` wrote its docs.jsonl and manifest.json over a directory's own; `demo` wrote its
     runs beside unrelated files. Both are refused now, before any work (an encoder load, a job)."""
-    corpus = tmp_path / "c.jsonl"
-    corpus.write_text(json.dumps({"id": "d1", "contents": '"T"\nText one.'}) + "\n")
+    corpus = _one_doc_corpus(tmp_path)
     mine = tmp_path / "mine"
     mine.mkdir()
     (mine / "manifest.json").write_text('{"mine": true}')
@@ -720,8 +725,7 @@ def test_index_and_demo_outs_of_other_files_are_refused_and_the_files_kept(tmp_p
                                             ("bm25", ["--query-prefix", "q: "]), ("dense", ["--depth", "10"])])
 def test_index_build_refuses_settings_its_kind_does_not_read(tmp_path, kind, options):
     """`--retriever bm25 --index-type hnsw` built a BM25 index and dropped the FAISS setting unsaid."""
-    corpus = tmp_path / "c.jsonl"
-    corpus.write_text(json.dumps({"id": "d1", "contents": '"T"\nText one.'}) + "\n")
+    corpus = _one_doc_corpus(tmp_path)
     text = _usage_error(["index", "build", "--corpus", str(corpus), "--retriever", kind, *options,
                          "--out", str(tmp_path / "i")])
     assert f"{options[0]}: not read by a {kind} index" in text and not (tmp_path / "i").exists()
@@ -742,8 +746,7 @@ def test_a_port_in_use_is_named_before_the_start_up(tmp_path, command):
     own words, after "serving ..." was printed."""
     import socket
 
-    corpus = tmp_path / "c.jsonl"
-    corpus.write_text(json.dumps({"id": "d1", "contents": '"T"\nText one.'}) + "\n")
+    corpus = _one_doc_corpus(tmp_path)
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
@@ -764,8 +767,7 @@ def test_a_missing_policy_file_is_named_before_the_model_loads(tmp_path, monkeyp
     qa = tmp_path / "qa"
     qa.mkdir()
     (qa / "nq.jsonl").write_text(json.dumps({"id": "1", "question": "q?", "golden_answers": ["x"]}) + "\n")
-    corpus = tmp_path / "c.jsonl"
-    corpus.write_text(json.dumps({"id": "d1", "contents": '"T"\nText one.'}) + "\n")
+    corpus = _one_doc_corpus(tmp_path)
     text = _usage_error(["eval", "--data-dir", str(qa), "--corpus", str(corpus), "--out", str(tmp_path / "ev"),
                          "--agent", f"lm:smollm2-135m@{tmp_path}/nope.safetensors"])
     assert "nope.safetensors: cannot read the policy file" in text
@@ -853,8 +855,7 @@ def test_a_rollout_worker_that_died_is_one_line_saying_how_to_go_on(tmp_path, mo
 def test_an_index_directory_is_no_run(tmp_path):
     """An index's manifest.json passed for a run's: `evolve --out IDX` said "a run already exists here;
     pass --resume", and the resume then said to remove the directory (the index) to start afresh."""
-    corpus = tmp_path / "c.jsonl"
-    corpus.write_text(json.dumps({"id": "d1", "contents": '"T"\nText one.'}) + "\n")
+    corpus = _one_doc_corpus(tmp_path)
     idx = tmp_path / "idx"
     assert runner.invoke(app, ["index", "build", "--corpus", str(corpus), "--out", str(idx)]).exit_code == 0
     before = {p: p.read_bytes() for p in idx.rglob("*") if p.is_file()}
@@ -872,8 +873,7 @@ def test_retriever_settings_nothing_reads_are_refused(tmp_path):
     qa = tmp_path / "qa"
     qa.mkdir()
     (qa / "nq.jsonl").write_text(json.dumps({"id": "1", "question": "Q?", "golden_answers": ["x"]}) + "\n")
-    corpus = tmp_path / "c.jsonl"
-    corpus.write_text(json.dumps({"id": "d1", "contents": '"T"\nText one.'}) + "\n")
+    corpus = _one_doc_corpus(tmp_path)
     url = ["--retriever-url", "http://127.0.0.1:9"]
     for extra, named in ((["--index", str(tmp_path)], "--index"), (["--retriever", "dense"], "--retriever"),
                          (["--model", "m"], "--model")):
@@ -978,8 +978,7 @@ def test_out_under_a_file_is_named_before_the_work(tmp_path):
 
 def test_a_host_that_is_no_address_is_named(tmp_path):
     """A --host that cannot even be looked up (an empty label) is one line naming --host, not a traceback."""
-    corpus = tmp_path / "c.jsonl"
-    corpus.write_text(json.dumps({"id": "d1", "contents": '"T"\nText one.'}) + "\n")
+    corpus = _one_doc_corpus(tmp_path)
     text = _usage_error(["serve-retriever", "--corpus", str(corpus), "--host", "a..b"])
     assert "--host: a..b: " in text
 
@@ -1016,8 +1015,7 @@ def test_serve_retriever_needs_a_corpus_or_an_index_and_passes_its_options_on(tm
 
 
 def test_index_build_names_an_unknown_retriever_and_passes_its_settings_on(tmp_path, monkeypatch):
-    corpus = tmp_path / "c.jsonl"
-    corpus.write_text(json.dumps({"id": "d1", "contents": '"T"\nText one.'}) + "\n")
+    corpus = _one_doc_corpus(tmp_path)
     text = _usage_error(["index", "build", "--corpus", str(corpus), "--retriever", "bm26",
                          "--out", str(tmp_path / "i")])
     assert "--retriever: unknown retriever 'bm26' (known: " in text and not (tmp_path / "i").exists()
@@ -1041,9 +1039,8 @@ def test_index_build_names_an_unknown_retriever_and_passes_its_settings_on(tmp_p
 
 
 def test_index_import_checks_its_options_before_the_encoder_and_passes_them_on(tmp_path, monkeypatch):
-    faiss, corpus = tmp_path / "e5.index", tmp_path / "c.jsonl"
+    faiss, corpus = tmp_path / "e5.index", _one_doc_corpus(tmp_path)
     faiss.write_bytes(b"x")
-    corpus.write_text(json.dumps({"id": "d1", "contents": '"T"\nText one.'}) + "\n")
     got = {}
 
     def encoder(model, **kw):
@@ -1234,8 +1231,7 @@ def test_index_build_names_out_when_it_refuses_the_directory(tmp_path):
     mine = tmp_path / "mine"
     mine.mkdir()
     (mine / "manifest.json").write_text('{"mine": true}')
-    corpus = tmp_path / "c.jsonl"
-    corpus.write_text(json.dumps({"id": "d1", "contents": '"T"\nText one.'}) + "\n")
+    corpus = _one_doc_corpus(tmp_path)
     text = _usage_error(["index", "build", "--corpus", str(corpus), "--out", str(mine)])
     assert "error: --out: " in text and "no index's" in text
     text = _usage_error(["index", "build", "--corpus", str(corpus), "--retriever", "dense", "--index-type", "ivf",

@@ -460,6 +460,11 @@ def test_cli_score(tmp_path):
 # ---------------------------------------------------------------- runner and agents
 
 
+def _nq_items(n: int) -> list[QAItem]:
+    """n nq questions "Paris{i} question" whose gold is "paris{i}" (the echo solver answers "Paris{i}")."""
+    return [QAItem(f"n{i}", f"Paris{i} question", (f"paris{i}",), {"benchmark": "nq"}) for i in range(n)]
+
+
 class _FakeRetriever:
     """Returns fixed passages and records the queries it saw."""
 
@@ -490,8 +495,7 @@ class _EchoSolver:
 
 
 def test_evaluate_solver_writes_predictions_and_score(tmp_path):
-    data = {"nq": [QAItem(f"n{i}", f"Paris{i} question", (f"paris{i}",), {"benchmark": "nq"})
-                   for i in range(5)],
+    data = {"nq": _nq_items(5),
             "bamboogle": [QAItem("b0", "Rome question", ("Milan",), {"benchmark": "bamboogle"})]}
     tool = SearchTool(_FakeRetriever([Document("d", "T", "text")]), topk=3, max_calls=5)
     solver = _EchoSolver()
@@ -514,7 +518,7 @@ def test_evaluate_solver_writes_predictions_and_score(tmp_path):
 def test_an_evaluation_stopped_part_way_continues_where_it_stopped(tmp_path):
     """`selfevo eval` kept every answer in memory until the end: an endpoint that stopped answering
     at question 64 of 70 (or a kill, or Ctrl-C) lost all of them."""
-    data = {"nq": [QAItem(f"n{i}", f"Paris{i} question", (f"paris{i}",), {"benchmark": "nq"}) for i in range(7)]}
+    data = {"nq": _nq_items(7)}
     tool = SearchTool(_FakeRetriever([Document("d", "T", "text")]), topk=3, max_calls=5)
     key = {"agent": "echo", "data_dir": "qa"}
     whole = evaluate_solver(_EchoSolver(), data, tool, out_dir=tmp_path / "whole", batch_size=2, progress=False,
@@ -836,7 +840,7 @@ def test_a_resumed_evaluation_must_match_what_the_paths_hold(tmp_path, monkeypat
 
     # the same ids asking other questions
     tool = SearchTool(_FakeRetriever([Document("d", "T", "text")]), topk=3, max_calls=5)
-    data = {"nq": [QAItem(f"n{i}", f"Paris{i} question", (f"paris{i}",), {"benchmark": "nq"}) for i in range(4)]}
+    data = {"nq": _nq_items(4)}
 
     class Stops(_EchoSolver):
         def answer(self, questions, tool, **kw):
@@ -924,7 +928,7 @@ def test_a_lone_surrogate_in_an_answer_is_written_as_u_fffd(tmp_path):
                 traj.answer, traj.searches = f"{traj.answer} \ud83d", [q + "\udc00" for q in traj.searches]
             return groups
 
-    data = {"nq": [QAItem(f"n{i}", f"Paris{i} question", (f"paris{i}",), {"benchmark": "nq"}) for i in range(3)]}
+    data = {"nq": _nq_items(3)}
     tool = SearchTool(_FakeRetriever([Document("d", "T", "text")]), topk=3, max_calls=5)
     result = evaluate_solver(HalfEmoji(), data, tool, out_dir=tmp_path, batch_size=2, progress=False,
                              partial_key={"agent": "half-emoji"})
@@ -1056,7 +1060,7 @@ def test_prediction_rows_hold_cover_em_and_the_run_counts_every_search(tmp_path)
                     f"I think it is {q.split()[0]}.", list(session.queries), 2)])
             return out
 
-    data = {"nq": [QAItem(f"n{i}", f"Paris{i} question", (f"paris{i}",), {"benchmark": "nq"}) for i in range(3)]}
+    data = {"nq": _nq_items(3)}
     tool = SearchTool(_FakeRetriever([Document("d", "T", "text")]), topk=3, max_calls=5)
     result = evaluate_solver(Verbose(), data, tool, out_dir=tmp_path, progress=False)
     assert result["benchmarks"]["nq"]["cover_em"] == 1.0 and result["benchmarks"]["nq"]["em"] == 0.0
@@ -1082,7 +1086,7 @@ def test_a_damaged_row_of_a_stopped_evaluation_is_named_by_file_and_line(tmp_pat
     string was read as its characters, and an id 2 was an answer to no question (mutants: the row check
     reduced to the id; without `isinstance(row.get("searches"), list)`; without `isinstance(row.get("id"),
     str)`)."""
-    data = {"nq": [QAItem(f"n{i}", f"Paris{i} question", (f"paris{i}",), {"benchmark": "nq"}) for i in range(4)]}
+    data = {"nq": _nq_items(4)}
     tool = SearchTool(_FakeRetriever([Document("d", "T", "text")]), topk=3, max_calls=5)
     with pytest.raises(RuntimeError, match="stopped"):
         evaluate_solver(_stops_after(1), data, tool, out_dir=tmp_path, batch_size=2, progress=False,
@@ -1103,7 +1107,7 @@ def test_a_stopped_evaluation_with_a_torn_last_line_can_stop_and_go_on_again(tmp
     """The torn line is cut from the file when it is read (`repair=True`), so what is appended after it
     starts a line of its own: read without the repair, the next batch was glued onto the torn bytes and
     the second resume refused the file as corrupt."""
-    data = {"nq": [QAItem(f"n{i}", f"Paris{i} question", (f"paris{i}",), {"benchmark": "nq"}) for i in range(7)]}
+    data = {"nq": _nq_items(7)}
     tool = SearchTool(_FakeRetriever([Document("d", "T", "text")]), topk=3, max_calls=5)
     key = {"agent": "echo"}
     whole = evaluate_solver(_EchoSolver(), data, tool, out_dir=tmp_path / "whole", batch_size=2, progress=False,
@@ -1314,7 +1318,7 @@ def test_restart_stale_starts_over_an_answers_file_of_other_settings_with_a_warn
     """A resumed run's evaluation whose model came out otherwise than before the kill (`restart_stale=True`)
     sets the old answers aside, said, and asks every question (mutants: refused as without the flag; the
     warning dropped)."""
-    data = {"nq": [QAItem(f"n{i}", f"Paris{i} question", (f"paris{i}",), {"benchmark": "nq"}) for i in range(4)]}
+    data = {"nq": _nq_items(4)}
     tool = SearchTool(_FakeRetriever([Document("d", "T", "text")]), topk=3, max_calls=5)
     partial = tmp_path / "partial.jsonl"
     with pytest.raises(RuntimeError, match="stopped"):
@@ -1334,7 +1338,7 @@ def test_restart_stale_starts_over_an_answers_file_of_other_settings_with_a_warn
 def test_a_stopped_evaluation_goes_on_under_a_key_that_holds_a_tuple(tmp_path):
     """The key is compared as JSON reads it back (a tuple comes back a list): compared as given, a key holding
     a tuple refused its own answers file on every resume (mutant: `want = key`)."""
-    data = {"nq": [QAItem(f"n{i}", f"Paris{i} question", (f"paris{i}",), {"benchmark": "nq"}) for i in range(4)]}
+    data = {"nq": _nq_items(4)}
     tool = SearchTool(_FakeRetriever([Document("d", "T", "text")]), topk=3, max_calls=5)
     key = {"agent": "echo", "agent_settings": {"stop": ("</answer>", "\n")}}
     with pytest.raises(RuntimeError, match="stopped"):
@@ -1353,7 +1357,7 @@ def test_the_run_counts_the_searches_of_a_question_left_without_an_answer(tmp_pa
                 traj.answer = ""
             return groups
 
-    data = {"nq": [QAItem(f"n{i}", f"Paris{i} question", (f"paris{i}",), {"benchmark": "nq"}) for i in range(3)]}
+    data = {"nq": _nq_items(3)}
     tool = SearchTool(_FakeRetriever([Document("d", "T", "text")]), topk=3, max_calls=5)
     result = evaluate_solver(Silent(), data, tool, progress=False)
     assert result["run"]["searches"] == 3 and result["benchmarks"]["nq"]["cover_em"] == 0.0

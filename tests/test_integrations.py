@@ -2287,22 +2287,29 @@ def test_each_training_process_samples_its_own_rollouts(monkeypatch, tool):
     """Data-parallel processes generate their own rows: the rollout seed differs by process index (else
     every process samples the same numbers), and by step. Mutant: the process left out of the seed
     (trl_env.py:249)."""
-    from selfevo.integrations import trl_env
-
     seeds = []
-    monkeypatch.setattr(trl_env, "template_of", lambda tok, **kw: None)
+    _rollout_without_a_model(monkeypatch, rollouts=lambda self, starts, gen, seed: seeds.append(seed) or [])
+    for process in (0, 1):
+        trl_env.SearchRollout(tool, seed=3)([], _trl_trainer(process, 5))
+    trl_env.SearchRollout(tool, seed=3)([], _trl_trainer(0, 6))
+    assert len(set(seeds)) == 3
+
+
+def _rollout_without_a_model(monkeypatch, template_of=lambda tok, **kw: None,
+                             rollouts=lambda self, starts, gen, seed: []):
+    """SearchRollout's call with its template, generator, rollouts and encoding stubbed: what is left is how
+    it reads the trainer."""
+    monkeypatch.setattr(trl_env, "template_of", template_of)
     monkeypatch.setattr(trl_env, "append_only", lambda template: None)
     monkeypatch.setattr(trl_env.SearchRollout, "_generator", lambda self, trainer, tok, render: None)
-    monkeypatch.setattr(trl_env.SearchRollout, "rollouts", lambda self, starts, gen, seed: seeds.append(seed) or [])
+    monkeypatch.setattr(trl_env.SearchRollout, "rollouts", rollouts)
     monkeypatch.setattr(trl_env.SearchRollout, "encode", lambda self, tok, prompts, rollouts, render=None: {})
 
-    def trainer(process, step):
-        return SimpleNamespace(processing_class=None, accelerator=SimpleNamespace(process_index=process),
-                               state=SimpleNamespace(global_step=step), args=SimpleNamespace())
-    for process in (0, 1):
-        trl_env.SearchRollout(tool, seed=3)([], trainer(process, 5))
-    trl_env.SearchRollout(tool, seed=3)([], trainer(0, 6))
-    assert len(set(seeds)) == 3
+
+def _trl_trainer(process: int = 0, step: int = 1, tok=None, **args):
+    """The parts of a TRL trainer a rollout reads: its tokenizer, process index, step and GRPO args."""
+    return SimpleNamespace(processing_class=tok, accelerator=SimpleNamespace(process_index=process),
+                           state=SimpleNamespace(global_step=step), args=SimpleNamespace(**args))
 
 
 # =====================================================================================================
@@ -3291,18 +3298,10 @@ def test_the_trl_rollout_renders_with_the_jobs_chat_template_kwargs(monkeypatch,
     from and trained on, as TRL's own generation passes them; none given, the template's defaults. Mutant:
     the kwargs dropped (trl_env.py:73)."""
     got = []
-    monkeypatch.setattr(trl_env, "template_of", lambda tok, **kw: got.append(kw))
-    monkeypatch.setattr(trl_env, "append_only", lambda template: None)
-    monkeypatch.setattr(trl_env.SearchRollout, "_generator", lambda self, trainer, tok, render: None)
-    monkeypatch.setattr(trl_env.SearchRollout, "rollouts", lambda self, starts, gen, seed: [])
-    monkeypatch.setattr(trl_env.SearchRollout, "encode", lambda self, tok, prompts, rollouts, render=None: {})
-
-    def trainer(**args):
-        return SimpleNamespace(processing_class=None, accelerator=SimpleNamespace(process_index=0),
-                               state=SimpleNamespace(global_step=1), args=SimpleNamespace(**args))
-    trl_env.SearchRollout(tool)([], trainer(chat_template_kwargs={"enable_thinking": False}))
-    trl_env.SearchRollout(tool)([], trainer(chat_template_kwargs=None))
-    trl_env.SearchRollout(tool)([], trainer())
+    _rollout_without_a_model(monkeypatch, template_of=lambda tok, **kw: got.append(kw))
+    trl_env.SearchRollout(tool)([], _trl_trainer(chat_template_kwargs={"enable_thinking": False}))
+    trl_env.SearchRollout(tool)([], _trl_trainer(chat_template_kwargs=None))
+    trl_env.SearchRollout(tool)([], _trl_trainer())
     assert got == [{"enable_thinking": False}, {}, {}]
 
 
@@ -3314,9 +3313,7 @@ def test_a_trl_rollouts_calls_are_seeded_apart():
     ro.rollouts = lambda starts, gen, seed: seeds.append(seed) or []
     ro._generator = lambda trainer, tok, render: None
     ro.encode = lambda tok, prompts, rollouts, render=None: {}
-    trainer = SimpleNamespace(processing_class=SimpleNamespace(apply_chat_template=None),
-                              accelerator=SimpleNamespace(process_index=0), state=SimpleNamespace(global_step=5),
-                              args=SimpleNamespace())
+    trainer = _trl_trainer(step=5, tok=SimpleNamespace(apply_chat_template=None))
     ro([], trainer)
     ro([], trainer)
     assert ro.calls == 2 and len(set(seeds)) == 2

@@ -229,6 +229,15 @@ def expand_user(path: str | os.PathLike) -> Path:
         raise ValueError(f"{path}: no home directory for {str(path).split('/', 1)[0]} here") from None
 
 
+def absolute(path: str, field: str) -> str:
+    """A path setting as a config stores it: `~` expanded, absolute; a `~user` with no home here is a
+    ValueError naming the field."""
+    try:
+        return str(expand_user(path).resolve())
+    except ValueError as e:
+        raise ValueError(f"{field}: {e}") from None
+
+
 def check_local_path(name: str) -> None:
     """A model or file named by a path (./x, ../x, /x, ~/x) must exist. Loaders that also accept
     hub ids (transformers, sentence-transformers) report a missing directory as a malformed hub

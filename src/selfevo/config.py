@@ -22,7 +22,7 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover
     import tomli as tomllib
 
-from selfevo._io import expand_user, is_path
+from selfevo._io import absolute, is_path
 from selfevo.agents.lm.config import LMConfig
 from selfevo.agents.sim import SimProposerConfig, SimSolverConfig
 from selfevo.loop.schedule import LoopConfig
@@ -40,15 +40,6 @@ NEEDS_QA_DIR = "data.corpus: needs data.qa_dir as well (the benchmarks to evalua
 # Fields that name a file or directory. Stored absolute: a run audited, resumed or replayed from
 # another directory (or on a Ray worker) must read the same files, not whatever is there.
 PATH_FIELDS = (("world", "name"), ("data", "corpus"), ("data", "qa_dir"), ("data", "index"))
-
-
-def absolute(path: str, field: str) -> str:
-    """A path field as a config stores it: `~` expanded, absolute; a `~user` with no home here is a
-    ValueError naming the field."""
-    try:
-        return str(expand_user(path).resolve())
-    except ValueError as e:
-        raise ValueError(f"{field}: {e}") from None
 
 
 def with_absolute_paths(config: dict) -> dict:

@@ -20,10 +20,10 @@ from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsed
 from rich.table import Table
 
 from selfevo._bar import Progress
+from selfevo._io import absolute
 from selfevo.config import (
     ConfigError,
     RunConfig,
-    absolute,
     check_known,
     coerce,
     config_from_dict,

@@ -113,8 +113,9 @@ class Encoder:
         e5 = is_e5(model)  # by the name as given (a resolved link may not say e5)
         # a directory stored absolute: the manifest names it for every later load, from any directory (one
         # here is what the loader would take, "models/enc" too, before a hub id of that name)
-        local = is_path(model) or (model.lower() not in _BUNDLED_NAMES and expand_user(model).exists())
-        self.model = str(expand_user(model).resolve()) if local else model
+        here = expand_user(model)
+        local = is_path(model) or (model.lower() not in _BUNDLED_NAMES and here.exists())
+        self.model = str(here.resolve()) if local else model
         self.path = resolve_model(self.model)
         self.query_prefix = ("query: " if e5 else "") if query_prefix is None else query_prefix
         self.passage_prefix = ("passage: " if e5 else "") if passage_prefix is None else passage_prefix

@@ -7,7 +7,7 @@ import math
 import re
 from dataclasses import dataclass, fields
 
-from selfevo._io import expand_user, is_path
+from selfevo._io import absolute, is_path
 
 
 @dataclass(frozen=True)
@@ -51,10 +51,7 @@ class LMConfig:
         if is_path(self.model):
             # absolute: a run resumed, audited or replayed from another directory (or on a Ray worker)
             # must load the same model (a hub id or the shipped name is no path)
-            try:
-                object.__setattr__(self, "model", str(expand_user(self.model).resolve()))
-            except ValueError as e:
-                raise ValueError(f"lm.model: {e}") from None
+            object.__setattr__(self, "model", absolute(self.model, "lm.model"))
         if self.adapter not in ("lora", "full"):
             raise ValueError(f"lm.adapter: must be lora or full, got {self.adapter!r}")
         if self.dtype not in ("float32", "bfloat16", "float16"):
@@ -64,13 +61,13 @@ class LMConfig:
             raise ValueError(f"lm.device: must be auto, cpu, cuda or cuda:N, got {self.device!r}")
         counts = ("lora_r", "lora_alpha", "max_actions", "max_new_tokens", "max_prompt_tokens", "max_train_tokens",
                   "doc_tokens", "gen_batch", "train_batch", "judge_max_tokens")
-        for name in (*counts, "threads"):
+        for name, least in (*((c, 1) for c in counts), ("threads", 0)):
             value = getattr(self, name)
-            # load_config checks types; a Python caller's 2.5 or True would pass the bounds below
+            # load_config checks types; a Python caller's 2.5 or True would pass the bound below
             if not isinstance(value, int) or isinstance(value, bool):
                 raise ValueError(f"lm.{name}: must be an integer, got {value!r}")
-            if value < (0 if name == "threads" else 1):
-                raise ValueError(f"lm.{name}: must be >= {0 if name == 'threads' else 1}, got {value}")
+            if value < least:
+                raise ValueError(f"lm.{name}: must be >= {least}, got {value}")
         if not 0 <= self.lora_dropout < 1:
             raise ValueError(f"lm.lora_dropout: must be in [0, 1), got {self.lora_dropout}")
         # written as ranges so that nan (every comparison false) and inf are refused too: a config file
