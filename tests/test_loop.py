@@ -177,11 +177,18 @@ def test_the_frontier_reward_counts_the_configured_grader_samples(tmp_path, trea
     assert {1, 2} <= seen
 
 
-def test_a_malformed_proposal_is_paid_the_penalty_and_neither_graded_nor_admitted(tmp_path, monkeypatch):
+@pytest.mark.parametrize("change, error", [({"format_error": "empty question"}, "empty question"),
+                                           ({"draft_label": " \u200b"}, "empty answer"),
+                                           ({"draft_label": "The."}, "empty answer"),
+                                           ({"question": "\t"}, "empty question")])
+def test_a_malformed_proposal_is_paid_the_penalty_and_neither_graded_nor_admitted(tmp_path, monkeypatch, change,
+                                                                                    error):
     """A proposal that breaks the format (an LM proposer's; here every seventh of the sim proposer's,
     marked so) earns -format_penalty, is kept apart from the graded items, is never admitted, and the
     audit counts it in its round. The sim learners write none, so the real-model test alone (25
-    minutes) checked this: the penalty's sign flipped passed every fast test."""
+    minutes) checked this: the penalty's sign flipped passed every fast test. A proposer of one's own that
+    leaves an empty question or label unmarked has it marked by the loop (admitted, the solver would train on
+    ''; an answer the matcher's normalisation empties, "The.", counts as empty)."""
     import dataclasses
 
     from selfevo.agents.sim.proposer import SimProposer
@@ -190,8 +197,7 @@ def test_a_malformed_proposal_is_paid_the_penalty_and_neither_graded_nor_admitte
 
     def some_malformed(self, n, tool, seed):
         self.format_penalty = 0.5
-        return [dataclasses.replace(p, format_error="empty question") if i % 7 == 3 else p
-                for i, p in enumerate(real(self, n, tool, seed))]
+        return [dataclasses.replace(p, **change) if i % 7 == 3 else p for i, p in enumerate(real(self, n, tool, seed))]
 
     monkeypatch.setattr(SimProposer, "propose", some_malformed)
     _, run = run_evolve(tmp_path / "r", extra=["loop.rounds=2"])
@@ -199,7 +205,7 @@ def test_a_malformed_proposal_is_paid_the_penalty_and_neither_graded_nor_admitte
     for row in run.steps():
         bad = row.get("malformed", [])
         by_round[row["round"]] = by_round.get(row["round"], 0) + len(bad)
-        assert all(m["reward"] == -0.5 and m["format_error"] == "empty question" for m in bad)
+        assert all(m["reward"] == -0.5 and m["format_error"] == error for m in bad)
         ids = {m["item_id"] for m in bad}
         assert not ids & {it["item_id"] for it in row["items"]}
     admitted = {it["item_id"] for row in run.steps() if row["kind"] == "proposer" for it in row["items"]

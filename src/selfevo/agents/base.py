@@ -3,10 +3,12 @@ these few methods; the loop and the evaluator know nothing else about an agent."
 
 from __future__ import annotations
 
+import unicodedata
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
+from selfevo.evaluate import normalize_answer
 from selfevo.records import Document
 from selfevo.search.tool import SearchTool
 
@@ -46,6 +48,30 @@ class Proposal:
     # the format rule it breaks (LM proposers: empty, long answer, answer in the question), or None;
     # a malformed proposal is neither graded nor admitted, and earns -format_penalty
     format_error: str | None = None
+
+
+def blank(text: str) -> bool:
+    """Nothing a reader sees: only whitespace and format characters (category Cf: zero-width space,
+    joiners, BOM), which `str.strip` keeps. `<answer>\u200b</answer>` is read as an empty answer."""
+    return all(c.isspace() or unicodedata.category(c) == "Cf" for c in text)
+
+
+def missing_part(question: str, answer: str) -> str | None:
+    """"empty question" or "empty answer" where a proposal has nothing there to read (an answer the
+    loop's normalisation empties, "the" or ".", counts: it matches nothing), else None."""
+    if blank(question):
+        return "empty question"
+    if blank(answer) or not normalize_answer(answer):
+        return "empty answer"
+    return None
+
+
+def mark_missing(p: Proposal) -> Proposal:
+    """`p`, or a copy marked malformed where its question or draft label is empty and its proposer left
+    `format_error` unset: admitted, such a proposal would train the solver on ''. (selfevo's proposers
+    mark it themselves; one of a user's own may not.)"""
+    empty = None if p.format_error is not None else missing_part(p.question, p.draft_label)
+    return replace(p, format_error=empty) if empty else p
 
 
 class Learner(Protocol):

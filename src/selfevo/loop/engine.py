@@ -24,7 +24,7 @@ from typing import Protocol
 from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn
 
 from selfevo._bar import Progress
-from selfevo.agents.base import Proposal, Proposer, TrainableSolver
+from selfevo.agents.base import Proposal, Proposer, TrainableSolver, mark_missing
 from selfevo.algos import frontier_reward
 from selfevo.evaluate import answers_match
 from selfevo.loop.admission import Admission, Decision
@@ -147,8 +147,9 @@ class Loop:
         """`room`: admissions left in this round's budget; admitted candidates beyond it are
         recorded as not admitted (`over_budget`)."""
         cfg, t = self.config, time.perf_counter()
-        proposals = self.proposer.propose(cfg.proposals_per_step, self.tool,
-                                          derive_seed(self.seed, st.round, st.step, "propose"))
+        proposals = [mark_missing(p) for p in
+                     self.proposer.propose(cfg.proposals_per_step, self.tool,
+                                           derive_seed(self.seed, st.round, st.step, "propose"))]
         self.compute.add("generations", "proposer", len(proposals))
         t = self._timed("propose", t)
         # a malformed proposal (LM proposers) is neither admitted nor graded

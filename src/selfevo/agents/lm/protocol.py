@@ -16,12 +16,12 @@ applies the format rules: both non-empty, the answer short and not inside the qu
 from __future__ import annotations
 
 import re
-import unicodedata
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from selfevo.agents.base import blank, missing_part
 from selfevo.algos import sample_index
-from selfevo.evaluate import mentions, normalize_answer
+from selfevo.evaluate import mentions
 from selfevo.loop.schedule import derive_seed
 
 STOP_STRINGS = ("</search>", "</answer>")
@@ -61,12 +61,6 @@ BUDGET_SPENT = "The search budget is spent. Give your final answer now inside <a
 # reward's exact match calls wrong and Cover-EM right)
 _TAG = {name: re.compile(rf"<{name}>((?:(?!<{name}>).)*?)</{name}>", re.DOTALL)
         for name in ("search", "answer", "question")}
-
-
-def blank(text: str) -> bool:
-    """Nothing a reader sees: only whitespace and format characters (category Cf: zero-width space,
-    joiners, BOM), which `str.strip` keeps. `<answer>\u200b</answer>` is read as an empty answer."""
-    return all(c.isspace() or unicodedata.category(c) == "Cf" for c in text)
 
 
 @dataclass(frozen=True)
@@ -208,10 +202,8 @@ def parse_proposer_action(text: str) -> Action:
 def check_proposal(question: str, answer: str, max_answer_words: int = MAX_ANSWER_WORDS) -> str | None:
     """The format rule a proposal breaks, or None: non-empty question and answer, a short answer,
     the answer not given away inside the question (under the loop's normalisation)."""
-    if blank(question):
-        return "empty question"
-    if blank(answer) or not normalize_answer(answer):
-        return "empty answer"
+    if empty := missing_part(question, answer):
+        return empty
     if len(answer.split()) > max_answer_words:
         return "long answer"
     if mentions(question, answer):
