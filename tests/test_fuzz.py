@@ -583,6 +583,13 @@ def test_gzipped_and_bom_files_read_as_plain_jsonl(tmp_path):
     for name, kind in (("c.zip", "zip"), ("c.jsonl.bz2", "bzip2"), ("c.jsonl.xz", "xz")):
         with pytest.raises(DataError, match=f"^{tmp_path / name}: a {kind} archive, which is not read: unpack it"):
             read_corpus(tmp_path / name)
+    # a QA set may be Search-R1 parquet (read by its name), a corpus not: its bytes were "invalid UTF-8 at byte 7"
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.Table.from_pylist([{"id": "1", "contents": "x"}]), tmp_path / "c.parquet")
+    with pytest.raises(DataError, match=f"^{tmp_path / 'c.parquet'}: a parquet file, which is read only as a QA set"):
+        read_corpus(tmp_path / "c.parquet")
 
 
 # Tests of a mutation sweep of the retrieval stack (forty-first session): each passes on the code and

@@ -37,6 +37,7 @@ class DataError(ValueError):
 GZIP_MAGIC = b"\x1f\x8b"  # a gzip stream's first two bytes
 # archives and compressions that are not read (their bytes would be "invalid UTF-8 at line 1"), by their first bytes
 UNREAD_MAGIC = {b"PK\x03\x04": "zip", b"BZh": "bzip2", b"\xfd7zXZ\x00": "xz", b"\x28\xb5\x2f\xfd": "zstd"}
+PARQUET_MAGIC = b"PAR1"
 COMPRESSED = (".gz", ".bz2", ".xz", ".zst", ".zip")
 
 
@@ -70,6 +71,9 @@ def iter_json_lines(path: str | os.PathLike, digest=None) -> Iterator[tuple[int,
         if kind:
             raise DataError(path, None, f"a {kind} archive, which is not read: unpack it (gzip is read as it is), "
                                         "or convert a FlashRAG download with `selfevo data download`")
+        if head.startswith(PARQUET_MAGIC):  # read by name as a QA set only; here its bytes are "invalid UTF-8"
+            raise DataError(path, None, "a parquet file, which is read only as a QA set named *.parquet: a corpus is "
+                                        "FlashRAG JSONL (gzipped or not)")
         fh.seek(0)
         lines = gzip.GzipFile(fileobj=fh if digest is None else _Hashing(fh, digest)) if gzipped else fh
         lineno = 0

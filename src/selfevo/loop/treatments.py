@@ -78,4 +78,4 @@ def parse_treatment(name: str) -> Treatment:
         return Treatment(name, msv, "crossfit", k, "connected" if m[1] else "source")
     raise ValueError(f"treatment: unknown {name!r} (known: coupled, msv, "
                      f"{', '.join(FEEDBACKS[1:])}, crossfit-k<K>, crossfit-connected[-k<K>], "
-                     "and msv+<any of them>)")
+                     "and msv+<any of them but msv>)")
