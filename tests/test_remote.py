@@ -1287,3 +1287,94 @@ def test_a_misspelt_setting_of_a_request_body_is_refused_naming_it():
     with pytest.raises(TypeError, match="unknown chat settings: temprature"):
         client.body(HI, temprature=0.5)
     assert client.body(HI, temperature=0.5)["temperature"] == 0.5
+
+
+def test_only_a_stop_string_of_the_protocol_is_put_back_and_only_when_the_reply_stopped():
+    """The action gets back the stop string a server names only when it is one of the protocol's own
+    ("</search>", "</answer>") and the reply stopped: a server-side stop string ("<|im_end|>") is not put
+    into the answer, and a reply cut by its length stays cut."""
+    for stop_reason, finish_reason, content, answer in (("<|im_end|>", "stop", "<answer> Paris </answer>", "Paris"),
+                                                        ("</answer>", "length", "<answer> Paris ", "")):
+        s = solver("http://fake/v1", max_actions=1, max_retries=0)
+        _mock(s.client, [_body({"choices": [{"message": {"content": "<answer> Paris "}, "finish_reason": finish_reason,
+                                             "stop_reason": stop_reason}]})])
+        (traj,), = s.answer(["q"], tool())
+        assert (traj.trace.messages[2]["content"], traj.answer) == (content, answer), stop_reason
+
+
+def test_a_batch_runs_on_at_most_concurrency_threads(monkeypatch):
+    """`concurrency` bounds the calls a batch has in flight (a hosted API's rate limit, a server's
+    slots): the pool is never larger, nor larger than the batch."""
+    import selfevo.agents.remote as remote
+
+    sizes: list[int] = []
+
+    class Pool(remote.ThreadPoolExecutor):
+        def __init__(self, max_workers=None, **kw):
+            sizes.append(max_workers)
+            super().__init__(max_workers=max_workers, **kw)
+
+    monkeypatch.setattr(remote, "ThreadPoolExecutor", Pool)
+    s = solver("http://fake/v1", concurrency=2, max_retries=0)
+    _mock(s.client, [lambda: _ok("<answer> x </answer>")])
+    assert [t.answer for (t,) in s.answer([f"q{i}" for i in range(5)], tool())] == ["x"] * 5
+    s = solver("http://fake/v1", concurrency=8, max_retries=0)
+    _mock(s.client, [lambda: _ok("<answer> x </answer>")])
+    assert s.answer(["q"], tool())[0][0].answer == "x"
+    assert sizes == [2, 1]
+
+
+def test_a_probe_reply_that_does_not_decode_is_an_endpoint_error_not_a_traceback():
+    """A /models reply whose body does not decode as its Content-Encoding says (a proxy's fault) stops the
+    start-up check with one line naming the URL, as a refused connection does, not an httpx traceback."""
+    client = ChatClient("http://fake/v1", "m", max_retries=0)
+    _mock(client, [httpx.Response(200, headers={"Content-Encoding": "gzip"}, stream=httpx.ByteStream(b"not gzip"))])
+    with pytest.raises(EndpointError, match=r"^http://fake/v1/models: a reply body that does not decode as its "
+                                            "Content-Encoding says"):
+        client.check()
+
+
+def test_sixteen_failed_calls_in_a_row_stop_a_batch_by_default():
+    """The documented default (README, docs/judge.md): 16 calls failing for good with no reply between stop
+    the evaluation, naming the URL; the calls after them are not sent."""
+    s = solver("http://fake/v1", max_retries=0, concurrency=1)
+    seen = _mock(s.client, [lambda: _error(400, "no")])
+    with pytest.raises(EndpointError, match=r"^http://fake/v1: 16 calls in a row failed for good \(last: HTTP 400"):
+        s.answer([f"q{i}" for i in range(20)], tool())
+    assert len(seen) == 16
+
+
+def test_a_refused_key_sends_none_of_the_calls_still_queued():
+    """A 401 ends the batch: the calls queued behind it are not sent (each would be refused the same way,
+    and a hosted API may count them), though one already taken by a worker may be."""
+    s = solver("http://fake/v1", max_retries=0, concurrency=1)
+    seen = _mock(s.client, [lambda: _error(401, "key revoked")])
+    with pytest.raises(EndpointError, match="HTTP 401: key revoked"):
+        s.answer([f"q{i}" for i in range(20)], tool())
+    assert len(seen) < 20  # 1 (or 2: the worker took the next call before the batch stopped); all 20 before
+
+
+def test_the_stats_count_a_reply_cut_by_its_length_as_truncated_not_invalid():
+    """A reply cut at max_tokens after a whole action is a truncated trajectory, not an invalid action: the
+    two counts in `describe()["stats"]` tell a too small max_tokens from a model that ignores the protocol."""
+    s = solver("http://fake/v1", max_actions=1, max_retries=0)
+    _mock(s.client, [_body({"choices": [{"message": {"content": "<answer> x </answer> and so"},
+                                         "finish_reason": "length"}]})])
+    (t,), = s.answer(["q"], tool())
+    assert t.answer == "x"
+    stats = s.describe()["stats"]
+    assert (stats["truncated_trajectories"], stats["invalid_actions"], stats["unanswered"]) == (1, 0, 0)
+
+
+def test_a_timed_out_call_is_counted_as_a_timeout_and_a_retry():
+    """The records count the timeouts of an evaluation's calls (a too small --timeout shows there)."""
+    s = solver("http://fake/v1", max_actions=1)
+    _mock(s.client, [httpx.ReadTimeout("slow"), _ok("<answer> x </answer>")])
+    (t,), = s.answer(["q"], tool())
+    assert t.answer == "x"
+    assert (s.stats["timeouts"], s.stats["retries"], s.stats["requests"], s.stats["replies"]) == (1, 1, 2, 1)
+
+
+def test_a_remote_spec_with_whitespace_around_it_is_read_without_it():
+    """A spec pasted with a space or read from a file with its newline is the same spec, not an error."""
+    assert parse_remote_spec("  qwen@http://127.0.0.1:8000/v1\n") == ("qwen", "http://127.0.0.1:8000/v1")

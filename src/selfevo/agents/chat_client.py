@@ -374,8 +374,11 @@ class ChatClient:
             warnings.warn(f"{shown_url(self.base_url)}/models answered {e} to {self.max_retries + 1} tries: read "
                           "as listing no models (an LLM judge then uses none of its stored replies)", stacklevel=2)
             return []
-        except (httpx.TransportError, httpx.DecodingError) as e:
+        except httpx.TransportError as e:
             raise EndpointError(self._scrub(f"{self.base_url}: cannot connect ({type(e).__name__}: {e})")) from None
+        except httpx.DecodingError as e:  # it connected: a Content-Encoding the body does not have (a proxy's fault)
+            raise EndpointError(self._scrub(f"{self.base_url}/models: a reply body that does not decode as its "
+                                            f"Content-Encoding says ({e})")) from None
         except ReplyTooLarge as e:
             raise EndpointError(self._scrub(str(e))) from None
         self._check_refused(r)
