@@ -91,6 +91,14 @@ def edit_json(path: Path, **fields) -> None:
 # ------------------------------------------------------------------ evolve --resume
 
 
+def edit_main(run: Path, **fields) -> None:
+    """Set fields of the main solver's part of the round-2 checkpoint."""
+    path = run / "checkpoints" / "round-2.json"
+    data = json.loads(path.read_text(encoding="utf-8"))
+    data["main"].update(fields)
+    path.write_text(json.dumps(data), encoding="utf-8")
+
+
 def _steps(run):
     return run / "records" / "steps.jsonl"
 
@@ -112,6 +120,11 @@ def _steps(run):
     (lambda run: (run / "checkpoints" / "round-2.json").write_text(
         '{"proposer": {}, "main": {}, "feedback": {}, "compute": {}}', encoding="utf-8"),
      "checkpoints/round-2.json: not a checkpoint this run can load"),
+    # a part of the right kind holding values of the wrong shape: the loader's own error, named
+    (lambda run: edit_main(run, theta="x"), "checkpoints/round-2.json: not a checkpoint this run can load ("),
+    (lambda run: edit_main(run, theta=[1.0]), "checkpoints/round-2.json: not a checkpoint this run can load ("),
+    (lambda run: edit_main(run, memory=5), "checkpoints/round-2.json: not a checkpoint this run can load ("),
+    (lambda run: edit_main(run, memory=[[1]]), "checkpoints/round-2.json: not a checkpoint this run can load ("),
     (lambda run: (run / "folds.json").write_text("{", encoding="utf-8"), "folds.json: unreadable, not valid JSON"),
     (lambda run: edit_json(run / "folds.json", k="2"), "folds.json: field 'k' should be an integer"),
 ])
@@ -628,3 +641,44 @@ def test_audit_metrics_name_a_bad_admission_count_or_hop_share(run, change, name
     _edit(path, lambda o: change(o["rounds"][0]))
     with pytest.raises(RunError, match=re.escape(f"{path}: {named}")):
         RunDir(run).audit_metrics()
+
+
+def test_a_resume_clears_what_a_kill_inside_an_atomic_write_left(run):
+    """A kill inside an atomic write (a checkpoint, the manifest, an evaluation) leaves `.NAME.XXXX.tmp`
+    beside the file: the resume removes them all, below the run's top too, and nothing else (mutant: the
+    sweep dropped from open_for_resume -- they piled up with every kill, some a checkpoint's size)."""
+    left = [run / ".manifest.json.k1ll3d00.tmp", run / "checkpoints" / ".round-3.json.k1ll3d00.tmp",
+            run / "eval" / ".round-2.json.abcd1234.tmp"]
+    for p in left:
+        p.write_text("{half", encoding="utf-8")
+    mine = run / "checkpoints" / "notes.tmp"  # no atomic write's leftover
+    mine.write_text("mine", encoding="utf-8")
+    assert RunDir(run).open_for_resume(json.loads((run / "config.json").read_text(encoding="utf-8"))) == 2
+    assert [p.exists() for p in left] == [False, False, False] and mine.read_text(encoding="utf-8") == "mine"
+
+
+def test_a_step_checkpoint_past_its_rounds_last_step_is_refused_naming_it(run):
+    """A step checkpoint whose step the round's schedule does not reach (edited: no kill writes one) is
+    refused naming the file, before anything is cut back (mutant: only "no step at all" refused -- it was
+    gone on from as if the round's last step were done)."""
+    edit_json(run / "manifest.json", status="running", rounds_completed=1)
+    step = run / "checkpoints" / "step.json"
+    step.write_text(json.dumps({"round": 2, "step": 99, "proposer": {}, "main": {}, "compute": {}, "pool": []}))
+    before = files(run)
+    with pytest.raises(RunError, match=r"step\.json: a checkpoint of round 2 step 99, .*no such step next"):
+        RunDir(run).open_for_resume(json.loads((run / "config.json").read_text(encoding="utf-8")))
+    assert files(run) == before
+
+
+@pytest.mark.parametrize("field, value", [("seed", 5), ("k", 3), ("grouping", "connected")])
+def test_a_resume_refuses_folds_its_config_does_not_make(run, field, value):
+    """folds.json is permanent for the run, so one made by another seed, K or grouping (edited, or copied from
+    another run) is refused naming the file and field, not run on (mutant: the seed not compared)."""
+    from selfevo.evolve import saved_folds
+
+    made = json.loads((run / "folds.json").read_text(encoding="utf-8"))[field]
+    assert made != value
+    edit_json(run / "folds.json", **{field: value})
+    with pytest.raises(RunError, match=rf"folds\.json: field '{field}' is {value!r}, but the run's config makes "
+                                       rf"{made!r}$"):
+        saved_folds(RunDir(run), small_cfg())

@@ -770,3 +770,74 @@ def test_a_replaced_step_checkpoint_takes_only_its_own_tensor_files_with_it(tmp_
     assert sorted(p.name for p in run.tensors_dir.iterdir()) == ["b.pt", "round.pt"]
     run._drop_step_checkpoint()
     assert sorted(p.name for p in run.tensors_dir.iterdir()) == ["round.pt"] and not run.step_checkpoint_path.exists()
+
+
+def test_a_field_the_saved_config_lacks_resumes_only_at_its_default(tmp_path):
+    """A run made before a field existed (its config.json lacks it) resumes where the config keeps that
+    field's default -- nested fields too (mutant: no recursion into tables) -- and is refused, naming the
+    field, where the config moves it (mutant: the missing field filled from the config whatever it says)."""
+    from selfevo.config import RunConfig
+    from selfevo.runs import ConfigDiffers
+
+    run = RunDir(tmp_path / "run")
+    cfg = cfg_for().to_json()
+    assert cfg["search"]["topk"] == RunConfig().search.topk
+    run.create(cfg)
+    saved = json.loads((run.path / "config.json").read_text())
+    del saved["search"]["topk"]  # as a selfevo from before the field wrote it
+    (run.path / "config.json").write_text(json.dumps(saved))
+    defaults = RunConfig().to_json()
+    run.check_config(cfg, defaults)  # the default kept: the run means what it meant
+    moved = json.loads(json.dumps(cfg))
+    moved["search"]["topk"] += 1
+    with pytest.raises(ConfigDiffers, match=r"\(fields: search\.topk\)$"):
+        run.check_config(moved, defaults)
+
+
+def test_a_run_made_before_runs_recorded_their_software_resumes_without_a_word(tmp_path):
+    """A manifest without "software" (a run made before runs recorded it) is not checked on resume: no
+    warning, nothing noted (mutant: the check dropped -- a KeyError, every such run refused)."""
+    run = RunDir(tmp_path / "run")
+    run.create({"seed": 0})
+    m = json.loads((run.path / "manifest.json").read_text())
+    del m["software"]
+    (run.path / "manifest.json").write_text(json.dumps(m))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        run.check_software()
+    assert "software_resumed" not in run.manifest()
+
+
+def test_config_differences_name_fields_either_side_has_alone():
+    """The dotted fields where two configs differ, sorted: a field only the new config has is named too
+    (mutant: only the saved config's keys walked -- "config differs (fields: )")."""
+    from selfevo.runs import differences
+
+    saved = {"seed": 0, "loop": {"rounds": 3, "gone": 1}}
+    now = {"seed": 0, "loop": {"rounds": 4, "new": 2}, "search": {"topk": 3}}
+    assert differences(saved, now) == ["loop.gone", "loop.new", "loop.rounds", "search"]
+    assert differences(now, now) == []
+
+
+def test_a_resume_takes_the_base_models_recorded_evaluation_and_is_held_to_its_qa_set(tmp_path, monkeypatch,
+                                                                                         reference):
+    """A run killed in round 1 (none checkpointed) has its base model's evaluation recorded: the resume takes
+    it instead of evaluating again (hours at 4B; mutant: evaluated again, the same numbers), and checks the
+    world and the QA set its rounds to come are evaluated on (mutant: evaluation=False, the QA set unchecked)."""
+    import selfevo.evolve as ev
+
+    cfg = cfg_for()
+    crash_at(monkeypatch, "solver_step", 1, cfg.loop.proposer_steps + 1)
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        evolve(cfg, tmp_path / "run", progress=False)
+    monkeypatch.undo()
+    run = RunDir(tmp_path / "run")
+    assert run.manifest()["rounds_completed"] == 0 and run.eval_path(0).exists()
+    evaluated, checked = [], []
+    real_evaluate, real_check = ev.evaluate_solver, ev.check_world
+    monkeypatch.setattr(ev, "evaluate_solver", lambda *a, **k: evaluated.append(k["run_info"]["round"])
+                        or real_evaluate(*a, **k))
+    monkeypatch.setattr(ev, "check_world", lambda *a, **k: checked.append(k) or real_check(*a, **k))
+    evolve(cfg, run.path, resume=True, progress=False)
+    assert evaluated == [1, 2, 3] and checked == [{"evaluation": True, "held": True}]
+    assert_same_results(run, reference)

@@ -112,7 +112,10 @@ class SimSolver:
                 "memory": self.memory, "updates": self.updates, "lineage": self.lineage}
 
     def load_state_dict(self, state: dict) -> None:
-        self.theta = [float(x) for x in state["theta"]]
+        theta = [float(x) for x in state["theta"]]
+        if len(theta) != len(FEATURES):  # a short one read as zeros on the features it lacks (zip stops early)
+            raise ValueError(f"theta: expected {len(FEATURES)} weights, got {len(theta)}")
+        self.theta = theta
         self.memory = {k: {c: float(v) for c, v in d.items()} for k, d in state["memory"].items()}
         self.updates = int(state["updates"])
         # a copy: the loop records training into lineage in place, which must not reach the state's owner
