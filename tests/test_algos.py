@@ -210,3 +210,19 @@ def test_t95_table_is_student_t_to_three_places():
 def test_hash_unit_keeps_its_keys_apart():
     # keys are separated, not concatenated (as derive_seed's): (1, 23) and (12, 3) are other draws
     assert hash_unit(1, 23) != hash_unit(12, 3) and hash_unit("a", "bc") != hash_unit("ab", "c")
+
+
+def test_group_advantages_divide_by_std_plus_eps():
+    # verl's (r - mean) / (std + eps): with std 0.5 and eps 0.5 the advantages are halved, not +-1
+    assert group_advantages([0.0, 1.0], eps=0.5) == [-0.5, 0.5]
+    assert group_advantages([0.0, 1.0], eps=0.6) == [0.0, 0.0]  # std below eps: no signal
+
+
+def test_bucket_advantages_pass_their_eps_to_each_bucket():
+    assert bucket_advantages([0.0, 1.0, 0.0, 1.0], ["a", "a", "b", "b"], eps=1.0) == [0.0] * 4
+    assert bucket_advantages([0.0, 1.0], [1, 1], eps=0.5) == [-0.5, 0.5]
+
+
+def test_hash_unit_draws_are_pinned():
+    # a fault script recorded with one selfevo repeats under the next: the draw itself is fixed, not only its properties
+    assert hash_unit(7, "q", 0) == 0.8759876876733982

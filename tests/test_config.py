@@ -378,3 +378,80 @@ def test_each_check_of_a_run_config_refuses_by_itself(overrides, says):
     """Checks no other check stands in for: each named by its field, before anything runs."""
     with pytest.raises(ConfigError, match=f"^{re.escape(says)}"):
         load_config(None, overrides)
+
+
+# ------------------------------------------------------------------ pinned by a mutation sweep (forty-sixth session)
+
+
+def test_a_huge_integer_for_a_float_field_names_the_field_not_an_overflow():
+    """float(10**400) raises OverflowError: it must come out as the field's ConfigError, its size given by length."""
+    with pytest.raises(ConfigError, match=r"^solver\.lr_theta: must be finite, got an integer of 401 digits"):
+        load_config(None, ["solver.lr_theta=1" + "0" * 400])
+
+
+def test_a_set_value_may_itself_hold_an_equals_sign():
+    """Only the first '=' splits KEY from VALUE: a quoted value keeps the rest whole."""
+    from selfevo.config import parse_override
+
+    assert parse_override('data.corpus="a=b.jsonl"') == (["data", "corpus"], "a=b.jsonl")
+    assert parse_override("lm.model=org/x=y") == (["lm", "model"], "org/x=y")
+
+
+def test_a_set_without_a_field_name_says_so():
+    with pytest.raises(ConfigError, match=r"^--set '=3': no field name before '='"):
+        load_config(None, ["=3"])
+    with pytest.raises(ConfigError, match=r"^--lm-set ' =x': no field name before '='"):
+        load_config(None, [" =x"], set_by="--lm-set")
+
+
+def test_an_error_inside_a_table_set_whole_by_set_is_the_sets():
+    """`--set loop={rounds=0}` sets the table loop: an error about loop.rounds is the --set's."""
+    with pytest.raises(ConfigError, match=r"^loop\.rounds: must be a positive integer, got 0 \(set by --set\)$"):
+        load_config(None, ["loop={rounds = 0}"])
+
+
+def test_an_option_left_unset_does_not_take_the_blame_from_a_set():
+    """A command passes every option, None where not given: an error is then the --set's, said so."""
+    with pytest.raises(ConfigError, match=r"^seed: expected an integer, got 'x' \(set by --set\)$"):
+        load_config(None, ["seed='x'"], seed=None, treatment=None)
+
+
+def test_a_components_own_message_without_a_field_is_prefixed_with_its_table():
+    """config._build: a component check that names no field is said under its table ("config" at the top)."""
+    import dataclasses
+
+    from selfevo.config import _build
+
+    @dataclasses.dataclass(frozen=True)
+    class Picky:
+        n: int = 1
+
+        def __post_init__(self):
+            if self.n > 1:
+                raise ValueError("too many")
+
+    with pytest.raises(ConfigError, match=r"^sec: too many$"):
+        _build(Picky, {"n": 2}, "sec")
+    with pytest.raises(ConfigError, match=r"^config: too many$"):
+        _build(Picky, {"n": 2})
+    with pytest.raises(ConfigError, match=r"^sec\.n: expected an integer"):
+        _build(Picky, {"n": "2"}, "sec")
+
+
+@pytest.mark.parametrize("path, overrides, options, said", [
+    (True, ["loop.rounds=2"], {}, "{path}: loop: expected a table, got int; --set loop.rounds=2 sets a field in it"),
+    (False, ["loop=3", "loop.rounds=2"], {},
+     "loop: expected a table, got int (set by --set); --set loop.rounds=2 sets a field in it"),
+    (False, ["loop=3"], {"loop.rounds": 2},
+     "loop: expected a table, got int (set by --set); the option for loop.rounds sets a field in it"),
+    (True, [], {"loop.rounds": 2},
+     "{path}: loop: expected a table, got int; the option for loop.rounds sets a field in it"),
+])
+def test_a_value_where_a_later_setting_needs_a_table_names_both_settings(tmp_path, path, overrides, options, said):
+    """A file's `loop = 3` (or `--set loop=3`) under `--set loop.rounds=2` (or an option for loop.rounds) said only
+    "loop: expected a table, got int", not which of the file, a --set or an option set what."""
+    cfg = tmp_path / "c.toml"
+    cfg.write_text("loop = 3\n", encoding="utf-8")
+    with pytest.raises(ConfigError) as e:
+        load_config(cfg if path else None, overrides, **options)
+    assert str(e.value) == said.format(path=cfg)

@@ -206,3 +206,11 @@ def test_parse_treatment_refuses_nineteen_digits_of_k():
     """18 digits of K are the most taken (the bound named in the message), 19 already refused."""
     with pytest.raises(ValueError, match="treatment: crossfit-k<K> takes at most 18 digits of K, got 19"):
         parse_treatment("crossfit-k" + "1" * 19)
+
+
+@pytest.mark.parametrize("name, msv", [("msv+crossfit-k3", True), ("msv+crossfit-connected", True),
+                                       ("msv+crossfit-connected-k4", True), ("crossfit-k3", False),
+                                       ("crossfit-connected", False)])
+def test_parse_treatment_keeps_msv_on_every_crossfit_spelling(name, msv):
+    """`msv+` before a crossfit-k<K> or crossfit-connected name is MSV admission too, not dropped silently."""
+    assert parse_treatment(name).msv is msv and parse_treatment(name).feedback == "crossfit"

@@ -1237,3 +1237,10 @@ def test_a_finished_runs_print_shows_its_audit_and_evaluations(runs, tmp_path, c
     said = capsys.readouterr()
     assert "audit (oracle) by round" not in said.out
     assert "audits round(s) 1, 2, 3 of the 2 this run completed" in " ".join(said.err.split())
+
+
+def test_loop_config_refuses_a_bool_for_source_docs():
+    """True is an int in Python: `source_docs=True` (a config built in code) would draw from one document."""
+    with pytest.raises(ValueError, match=r"^loop\.source_docs: must be an integer >= 0, got True"):
+        LoopConfig(source_docs=True)
+    assert LoopConfig(source_docs=0).source_docs == 0  # 0: every document

@@ -12,7 +12,7 @@ import math
 import re
 import sys
 import typing
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -376,12 +376,24 @@ def blame(e: ConfigError, path: str | Path | None, overridden: Sequence[str] = (
     return ConfigError(f"{path}: {e}{hint}")
 
 
-def apply_overrides(data: dict, overrides: Sequence[str], set_by: str = "--set") -> tuple[dict, dict]:
-    """`data` with each `--set` text merged in, and the fields they set (dotted key -> value)."""
+def _merge_into(data: dict, keys: list[str], value: Any, setter: str, path: str | Path | None,
+                overridden: Mapping[str, Any], set_by: str) -> dict:
+    """`merge`, whose error (a field above `keys` holds a value, not a table) says who set that value (the
+    file or a `--set`, as `blame` does) and who (`setter`) sets a field inside it."""
+    try:
+        return merge(data, keys, value)
+    except ConfigError as e:
+        raise ConfigError(f"{blame(e, path, list(overridden), (), set_by)}; {setter} sets a field in it") from None
+
+
+def apply_overrides(data: dict, overrides: Sequence[str], set_by: str = "--set",
+                    path: str | Path | None = None) -> tuple[dict, dict]:
+    """`data` (read from `path`, if any) with each `--set` text merged in, and the fields they set (dotted
+    key -> value)."""
     overridden = {}
     for text in overrides:
         keys, value = parse_override(text, set_by)
-        data = merge(data, keys, value)
+        data = _merge_into(data, keys, value, f"{set_by} {text}", path, overridden, set_by)
         overridden[".".join(keys)] = value
     return data, overridden
 
@@ -391,13 +403,13 @@ def load_config(path: str | Path | None = None, overrides: list[str] = (), set_b
     """A TOML file (optional), then `--set` overrides, then explicit top-level values (a command's options;
     one that disagrees with an override of the same field is refused). An error says which of the three
     set the field (`blame`)."""
-    data, overridden = apply_overrides(read_toml(path) if path is not None else {}, overrides, set_by)
+    data, overridden = apply_overrides(read_toml(path) if path is not None else {}, overrides, set_by, path)
     for key, value in top.items():
         if value is not None:
             if key in overridden and not _same_setting(key, overridden[key], value):  # else one silently lost
                 raise ConfigError(f"--set {key}={overridden[key]!r} and the option for {key} ({value!r}) "
                                   "disagree; give one of them")
-            data = merge(data, key.split("."), value)
+            data = _merge_into(data, key.split("."), value, f"the option for {key}", path, overridden, set_by)
     try:
         return config_from_dict(data)
     except ConfigError as e:

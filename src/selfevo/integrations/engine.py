@@ -262,7 +262,7 @@ def load_engine_config(path: str | Path, overrides: list[str] = (), engine: str 
     data = _read_yaml(path) if path.suffix in (".yaml", ".yml") else read_toml(path)
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: expected a table at the top level")
-    data, overridden = apply_overrides(data, overrides)
+    data, overridden = apply_overrides(data, overrides, path=path)
     try:
         return engine_config_from_dict(data, engine)
     except ConfigError as e:
