@@ -1459,3 +1459,34 @@ def test_demo_names_an_out_that_is_a_file_before_any_job(tmp_path):
     out = _usage_error(["demo", "--world", "small", "--seeds", "1", "--out", str(tmp_path / "afile")])
     assert f"{tmp_path / 'afile'}: exists and is not a directory (--out names a directory)" in out
     assert (tmp_path / "afile").read_text() == "mine\n"
+
+
+def test_a_world_directory_rewritten_in_the_same_process_is_read_again(tmp_path, monkeypatch):
+    """The process keeps the worlds it generated or read (a grid worker, the demo): a world directory
+    rewritten in the meantime is keyed by its bytes too, so it is read again, never served stale."""
+    from selfevo.config import load_config
+    from selfevo.evolve import world_and_index
+
+    monkeypatch.chdir(tmp_path)
+    cfg = load_config(None, [f'world.name="{tmp_path / "w"}"'])
+    assert runner.invoke(app, ["world", "make", "--size", "small", "--seed", "3", "--out", "w"]).exit_code == 0
+    first, _ = world_and_index(cfg)
+    assert world_and_index(cfg)[0] is first
+    (tmp_path / "w").rename(tmp_path / "w-old")
+    assert runner.invoke(app, ["world", "make", "--size", "small", "--seed", "4", "--out", "w"]).exit_code == 0
+    again, _ = world_and_index(cfg)
+    assert again is not first and [d.text for d in again.documents] != [d.text for d in first.documents]
+
+
+def test_a_source_pool_as_large_as_the_corpus_is_the_corpus_in_its_order():
+    """loop.source_docs equal to the number of documents takes them all, as 0 does, in the corpus's order
+    (not a seeded sample sorted by id: another order of the proposer's draws)."""
+    from selfevo.config import load_config
+    from selfevo.evolve import source_pool
+    from selfevo.records import Document
+
+    docs = [Document(f"d{i}", f"T{i}", "x") for i in (3, 1, 2)]
+    for n in (0, 3, 5):
+        assert source_pool(load_config(None, [f"loop.source_docs={n}"]), docs) == docs
+    sample = source_pool(load_config(None, ["loop.source_docs=2"]), docs)
+    assert len(sample) == 2 and sample == sorted(sample, key=lambda d: d.id)  # fewer: a sample, in id order

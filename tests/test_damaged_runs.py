@@ -324,6 +324,8 @@ def _edit(path: Path, fn) -> None:
     # what the report sums or reads of an audit and compute.json, past the metric numbers
     (lambda root: _edit(root / "a" / "compute.json", lambda o: o["seconds"].update(eval="0.27")),
      "a/compute.json: field seconds.eval should be a number"),
+    (lambda root: _edit(root / "a" / "compute.json", lambda o: o["generations"].update(proposer=True)),
+     "a/compute.json: field generations.proposer should be a number, got True"),  # summed as 1
     (lambda root: _edit(root / "a" / "audit" / "metrics.json", lambda o: o["steps"][0].pop("kind")),
      "a/audit/metrics.json: field steps[0]: field 'kind' is missing"),
     (lambda root: _edit(root / "a" / "audit" / "metrics.json", lambda o: o["rounds"][0].update(hop_mix_admitted=[])),

@@ -841,3 +841,61 @@ def test_a_resume_takes_the_base_models_recorded_evaluation_and_is_held_to_its_q
     evolve(cfg, run.path, resume=True, progress=False)
     assert evaluated == [1, 2, 3] and checked == [{"evaluation": True, "held": True}]
     assert_same_results(run, reference)
+
+
+def test_a_resumed_run_grades_by_the_folds_it_wrote_not_by_the_folds_made_again(tmp_path, monkeypatch):
+    """folds.json is the run's permanent assignment: a resume reads it back rather than assigning again (a
+    selfevo whose assignment changed would otherwise move sources between folds mid-run). Here it is edited
+    (every source in the other fold) between the kill and the resume: round 3 grades by the edited folds."""
+    cfg = cfg_for(extra=["treatment=crossfit"])
+    crash_at(monkeypatch, "proposer_step", 3, 1)
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        evolve(cfg, tmp_path / "run", progress=False)
+    monkeypatch.undo()
+    path = tmp_path / "run" / "folds.json"
+    saved = json.loads(path.read_text(encoding="utf-8"))
+    saved["folds"] = {doc: 1 - fold for doc, fold in saved["folds"].items()}
+    path.write_text(json.dumps(saved), encoding="utf-8")
+    evolve(cfg, tmp_path / "run", resume=True, progress=False)
+    items = [it for row in RunDir(tmp_path / "run").steps() if row["kind"] == "proposer" and row["round"] == 3
+             for it in row["items"]]
+    assert items and all(it["fold"] == saved["folds"][it["source_id"]] for it in items)
+
+
+def test_a_config_replaced_in_code_is_checked_before_anything_is_written(tmp_path):
+    """A RunConfig built or replaced in Python skips the parser: evolve checks it as config.json would be read
+    back, so a str seed is a ConfigError naming the field, and no run directory is left behind."""
+    import dataclasses
+
+    from selfevo.config import ConfigError
+
+    with pytest.raises(ConfigError, match=r"^seed: expected an integer, got '0'"):
+        evolve(dataclasses.replace(cfg_for(), seed="0"), tmp_path / "run", progress=False)
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_saved_config_with_relative_paths_resumes_from_its_directory(tmp_path, monkeypatch):
+    """An older selfevo saved path fields as given (relative to its working directory); this one stores them
+    absolute. A resume from that directory reads them as it does and is not refused as another config."""
+    from selfevo.config import RunConfig
+    from selfevo.runs import ConfigDiffers
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "w").mkdir()
+    cfg = load_config(None, [*SCALED, f'world.name="{tmp_path / "w"}"']).to_json()
+    run = RunDir(tmp_path / "run")
+    run.create(cfg)
+    saved = json.loads((run.path / "config.json").read_text(encoding="utf-8"))
+    saved["world"]["name"] = "w"
+    (run.path / "config.json").write_text(json.dumps(saved), encoding="utf-8")
+    run.check_config(cfg, RunConfig().to_json())
+    monkeypatch.chdir(tmp_path / "w")  # from elsewhere "w" is another directory
+    with pytest.raises(ConfigDiffers, match=r"\(fields: world\.name\)$"):
+        run.check_config(cfg, RunConfig().to_json())
+
+
+def test_a_run_notes_the_wall_time_of_the_invocation_that_last_ran_it(reference):
+    """The manifest says how long the last `evolve` of the run took, the evaluation and audit included
+    (compute.json's seconds are the loop's phases only)."""
+    seconds = reference.manifest()["wall_seconds_last_invocation"]
+    assert isinstance(seconds, float) and 0 < seconds < 600
