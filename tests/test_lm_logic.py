@@ -1125,3 +1125,129 @@ def test_an_lm_count_built_in_python_must_be_an_integer(settings):
     (field, value), = settings.items()
     with pytest.raises(ValueError, match=rf"^lm\.{field}: must be an integer, got {value!r}$"):
         LMConfig(**settings)
+
+
+# ------------------------------------------------ pinned by a mutation sweep (forty-sixth session): the update path
+
+
+def test_a_micro_batch_of_rows_of_other_lengths_trains_each_on_its_own_tokens(monkeypatch):
+    """Rows of different lengths share a micro-batch (lm.train_batch): the padding is neither trained nor
+    counted, and each row is read where its own tokens are, so the loss is Equation (1) over each alone."""
+    policy = _tiny_policy(monkeypatch)
+    policy.new("p")
+    long, short = _seq("hello world"), _seq("xyz")
+    la, ls = policy.sequence_logprob("p", long), policy.sequence_logprob("p", short)
+    stats = policy.update("p", [long, short], [1.0, -1.0])
+    assert stats["trained_rows"] == 2 and stats["trained_tokens"] == len("hello world") - 1 + len("xyz") - 1
+    assert stats["loss"] == pytest.approx(-(1.0 * la - 1.0 * ls) / 2, rel=1e-5)
+
+
+def test_a_trajectory_of_several_sequences_is_one_mean_over_all_its_trained_tokens(monkeypatch):
+    """One trajectory trained one sequence an action (`encode_trajectory`'s fallback): each row is divided by
+    the trajectory's trained tokens, not its own, so the rows sum to the trajectory's mean (Equation (1)); a
+    row with nothing to train (only position 0 set) takes no forward pass."""
+    policy = _tiny_policy(monkeypatch, train_batch=1)  # each row a micro-batch of its own: their losses add up
+    policy.new("p")
+    trajectory = _seq("abcdefgh") + _seq("xyz") + [([97, 98, 99], [1, 0, 0])]  # 7 + 2 + 0 trained tokens
+    mean = policy.sequence_logprob("p", trajectory)
+    stats = policy.update("p", [trajectory], [1.0])
+    assert (stats["trained_sequences"], stats["trained_rows"], stats["sequences"]) == (1, 2, 1)
+    assert stats["loss"] == pytest.approx(-mean, rel=1e-5)
+
+
+def test_an_update_refuses_advantages_that_do_not_line_up_with_the_trajectories(monkeypatch):
+    policy = _tiny_policy(monkeypatch)
+    policy.new("p")
+    with pytest.raises(ValueError):
+        policy.update("p", [_seq("abcdef"), _seq("xyz")], [1.0])
+
+
+def test_the_optimizer_is_adamw_without_weight_decay_and_its_betas(monkeypatch):
+    """A fresh LoRA adapter's B is zero, so its A gets no gradient at the first step: without weight decay A
+    does not move. AdamW's second moment after one step is (1 - 0.999) g², its first (1 - 0.9) g."""
+    import torch
+
+    policy = _tiny_policy(monkeypatch, max_grad_norm=1e6)
+    policy.new("p")
+    before = _weights(policy, "p")
+    policy.update("p", [_seq("abcdef")], [1.0])
+    after = _weights(policy, "p")
+    a_keys = [k for k in before if "lora_A" in k]
+    assert a_keys and all(torch.equal(before[k], after[k]) for k in a_keys)
+    assert not all(torch.equal(before[k], after[k]) for k in before)  # B moved
+    for st in policy.optimizers["p"].state.values():
+        g = st["exp_avg"] / (1 - 0.9)
+        assert torch.allclose(st["exp_avg_sq"], (1 - 0.999) * g * g, rtol=1e-4, atol=1e-12)
+
+
+def test_an_update_runs_the_policy_in_training_mode(monkeypatch):
+    # lm.lora_dropout applies only in training mode: the forward of an update must see it
+    policy = _tiny_policy(monkeypatch, lora_dropout=0.5)
+    policy.new("p")
+    modes = []
+    hook = policy.peft.register_forward_pre_hook(lambda module, args: modes.append(module.training))
+    try:
+        for _ in range(2):  # the second after the first left it in eval mode
+            policy.update("p", [_seq("abcdef")], [1.0])
+        policy.sequence_logprob("p", _seq("abcdef"))
+    finally:
+        hook.remove()
+    assert modes == [True, True, False]
+
+
+def test_an_update_leaves_the_callers_random_state_as_it_was(monkeypatch):
+    import torch
+
+    policy = _tiny_policy(monkeypatch, lora_dropout=0.5)
+    policy.new("p")
+    torch.manual_seed(5)
+    expected = torch.rand(3)
+    torch.manual_seed(5)
+    policy.update("p", [_seq("abcdef")], [1.0])
+    assert torch.equal(torch.rand(3), expected)
+
+
+def test_a_policy_file_of_another_base_model_or_adapter_kind_is_refused_naming_the_field(monkeypatch, tmp_path):
+    import re
+
+    policy = _tiny_policy(monkeypatch, store=tmp_path)
+    policy.new("p")
+    path = tmp_path / policy.save("p")["file"]
+    other = _tiny_policy(monkeypatch, model="org/other-llama")
+    with pytest.raises(ValueError, match=rf"^{re.escape(str(path))}: .*lm\.model: 'tiny-llama' in the file, "
+                                         r"'other-llama' here"):
+        other.load_file("evaluated", path)
+    full = _tiny_policy(monkeypatch, adapter="full")
+    with pytest.raises(ValueError, match=r"lm\.adapter: 'lora' in the file, 'full' here"):
+        full.load_file("evaluated", path)
+
+
+# ------------------------------------------------ pinned by a mutation sweep (forty-sixth session): rollouts
+
+
+def test_a_conversation_the_backend_failed_ends_at_once_unanswered_and_leaves_the_batch(index):
+    sizes = []
+
+    def generate(convs, seed):
+        sizes.append(len(convs))
+        return [("", "error") if "a" in c[1]["content"] else ("<search> Nile </search>", "stop") for c in convs]
+
+    starts = [P.solver_messages("q a"), P.solver_messages("q b")]
+    failed, ok = run_rollouts(starts, SearchTool(index, topk=1), generate, max_actions=3)
+    assert failed.failed and not ok.failed and sizes == [2, 1, 1]
+    assert failed.messages == starts[0] and failed.actions == 0 and not failed.answered and failed.last_action == ""
+
+
+def test_a_policy_file_loaded_over_a_trained_policy_brings_its_own_step_count(monkeypatch, tmp_path):
+    """The step count goes with the weights and optimizer state it counts: loaded over a policy trained
+    further, the file's (the old count stayed, and a save then recorded it with the file's weights)."""
+    policy = _tiny_policy(monkeypatch, store=tmp_path)
+    policy.new("p")
+    policy.update("p", [_seq("abcdef")], [1.0])
+    path = tmp_path / policy.save("p")["file"]
+    for _ in range(2):
+        policy.update("p", [_seq("abcdef")], [1.0])
+    assert policy.steps["p"] == 3
+    policy.load_file("p", path)
+    policy.load_file("evaluated", path)
+    assert (policy.steps["p"], policy.steps["evaluated"]) == (1, 1)

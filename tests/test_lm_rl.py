@@ -367,3 +367,69 @@ def test_a_scaffolded_question_the_backend_failed_is_not_continued():
     out = P.scaffolded(gen)([[{"role": "user", "content": "doc"}]] * 2, 0)
     assert calls[1] == ["<question> Who?</question> <answer>"]  # only the whole question goes on
     assert out == [("", "error"), ("<question> Who?</question> <answer> Ann</answer>", "stop")]
+
+
+# ---------------------------------------------------------------- pinned by a mutation sweep (forty-sixth session)
+
+
+def test_the_proposers_final_action_has_each_answer_cut_and_the_text_between_them_trained():
+    ms = [*MESSAGES[:4], {"role": "assistant", "content": "<question> W? </question> <answer> A </answer> or "
+                                                         "<answer> B </answer>."}]
+    rendered = [chatml(ms[:i + 1]) for i in range(len(ms))]
+    spans = trained_spans(ms, content_spans(rendered, ms), mask_final_answer=True)
+    assert [rendered[-1][a:b] for a, b in spans] == ["<search> q </search>", "<question> W? </question> ", " or ", "."]
+
+
+def test_content_spans_keep_an_actions_whitespace_where_it_follows_the_previous_message_directly():
+    # a template with nothing between messages: " A " starts right where "Q" ends, as rendered, whitespace and all
+    ms = [{"role": "user", "content": "Q"}, {"role": "assistant", "content": " A "}]
+    rendered = ["Q", "Q A "]
+    assert content_spans(rendered, ms) == [(0, 1), (1, 4)]
+
+
+def test_template_of_passes_its_settings_to_the_chat_template():
+    from selfevo.agents.lm.rl import template_of
+
+    seen = []
+
+    class Tokenizer:
+        def apply_chat_template(self, messages, tokenize=True, add_generation_prompt=False, **kwargs):
+            seen.append((tokenize, add_generation_prompt, kwargs))
+            return "text"
+
+    render = template_of(Tokenizer(), enable_thinking=False)
+    assert render([{"role": "user", "content": "q"}], True) == "text"
+    render([{"role": "user", "content": "q"}])
+    assert seen == [(False, True, {"enable_thinking": False}), (False, False, {"enable_thinking": False})]
+
+
+def test_content_spans_find_a_trimmed_action_in_its_own_turn_not_in_an_earlier_one():
+    # a trimming template (Llama 3's `| trim`) and an action that repeats the user's words: the stripped action
+    # is looked for from the end, so it is found in its own turn (from the start it lay before the user's end)
+    def trimming(ms):
+        return "".join(f"<{m['role']}>{m['content'].strip()}</s>" for m in ms)
+
+    ms = [{"role": "user", "content": "Paris"}, {"role": "assistant", "content": " Paris"}]
+    rendered = [trimming(ms[:i + 1]) for i in range(2)]
+    spans = content_spans(rendered, ms)
+    assert spans[1] == (len("<user>Paris</s><assistant>"), len("<user>Paris</s><assistant>Paris"))
+
+
+def test_a_reply_that_ran_past_its_stop_string_is_recorded_cut_and_a_cut_short_one_counts_as_an_action(tool):
+    replies = iter([("<search> Nile </search> <answer> Cairo </answer>", "stop"), ("<think>long", "length"),
+                    ("<answer> Cairo </answer> more", "stop")])
+    [ro] = run_rollouts([P.solver_messages("q")], tool, lambda convs, s: [next(replies)], max_actions=3)
+    assert [m["content"] for m in ro.messages if m["role"] == "assistant"] == [
+        "<search> Nile </search>", "<think>long", "<answer> Cairo </answer>"]
+    assert ro.actions == 3 and ro.invalid == 1 and ro.truncated and ro.final == "<answer> Cairo </answer>"
+
+
+def test_content_spans_refuse_a_template_that_rewrites_an_earlier_messages_own_text():
+    # the text before the action is unchanged, but the action itself is rendered otherwise once a turn follows
+    def shouting_earlier(ms):
+        return "".join(f"<{m['role']}>{m['content'].upper() if i < len(ms) - 1 else m['content']}</s>"
+                       for i, m in enumerate(ms))
+
+    ms = [{"role": "user", "content": "Q"}, {"role": "assistant", "content": "abc"}, {"role": "user", "content": "x"}]
+    with pytest.raises(ValueError, match=r"message 1 \(assistant\): the chat template renders"):
+        content_spans([shouting_earlier(ms[:i + 1]) for i in range(3)], ms)

@@ -396,7 +396,6 @@ class LMPolicy:
         if hashlib.sha256(blob).hexdigest() != ref["sha256"]:
             raise ValueError(f"{path}: checksum mismatch (corrupt or replaced checkpoint)")
         self._restore(name, blob, path)
-        self.steps[name] = int(ref.get("steps", 0))
 
     def load_file(self, name: str, path: str | os.PathLike) -> None:
         """Policy `name` from a saved safetensors file (e.g. a run's main solver, to evaluate it)."""
@@ -422,6 +421,9 @@ class LMPolicy:
         header = int.from_bytes(blob[:8], "little")
         meta = json.loads(blob[8:8 + header]).get("__metadata__") or {}
         self._check_file_settings(path, meta)
+        steps = meta.get("steps", "0")  # a file saved before selfevo recorded it: 0
+        if not (steps.isascii() and steps.isdecimal()):
+            raise ValueError(f"{path}: the policy file's steps should be an integer, got {steps!r:.40}")
         if name not in self.names():
             self.new(name)
         params = dict(self.parameters(name))
@@ -451,4 +453,6 @@ class LMPolicy:
                 if st:
                     st["step"] = st["step"].to("cpu")
                     opt.state[p] = st
+        # the file's, as its optimizer state is (loaded over a trained policy, the old count stayed)
+        self.steps[name] = int(steps)
         self._changed(name)
