@@ -1640,6 +1640,10 @@ def test_verl_solver_row_labels_as_verl_hands_them():
 
     for gt in ({"target": ["sea"]}, {"target": np.array(["sea"], dtype=object)}, "sea"):
         assert compute_score("selfevo_solver", "<answer> sea </answer>", gt, {}) == 1.0
+    # several labels (golden answers of one's own, any of them right to Search-R1) were scored against the first
+    for gt in ({"target": ["ocean", "sea"]}, {"target": np.array(["ocean", "sea"], dtype=object)}):
+        with pytest.raises(ValueError, match=r"scored against its one adopted label; got 2 in ground_truth\.target"):
+            compute_score("selfevo_solver", "<answer> sea </answer>", gt, {})
 
 
 @pytest.mark.parametrize("extra_info, field", [(None, "source_id"), ({"hops": 1}, "source_id"),
@@ -1914,13 +1918,16 @@ def test_compute_json_holds_the_last_phase_after_a_kill_before_it_was_rewritten(
 class _FakeGrader:
     """Stands in for a served grader's RemoteSolver (FrontierReward._solver caches one per role): answers
     each question with `answers(question, n)`; `failed` marks the i-th sample of every question as a call
-    that failed for good after retries (what RemoteSolver's trace says)."""
+    that failed for good after retries (what RemoteSolver's trace says). Each call's questions, seed and
+    search tool are kept."""
 
     def __init__(self, answers, failed=()):
-        self.answers, self.failed, self.calls = answers, set(failed), []
+        self.answers, self.failed, self.calls, self.seeds, self.tools = answers, set(failed), [], [], []
 
     def answer(self, questions, tool, *, greedy=True, n=1, seed=None, contexts=None):
         self.calls.append(list(questions))
+        self.seeds.append(seed)
+        self.tools.append(tool)
         return [[Trajectory(a, trace=SimpleNamespace(failed=i in self.failed))
                  for i, a in enumerate(self.answers(q, n))]
                 for q in questions]
@@ -2891,15 +2898,17 @@ def test_item_ids_name_the_process_whenever_there_are_several(tmp_path, monkeypa
 
 def test_a_solver_step_records_its_reward_as_the_mean_over_every_response(tmp_path):
     """The solver step record's stats.reward is the fraction of the step's responses that match, as the
-    loop's (mutant: averaged over items, not responses)."""
+    loop's: a process's share of a batch can cut a prompt's group, here items of 3 and 1 responses, 2 of 4
+    matching = 0.5, not the mean of the items' k/n, (1/3 + 1) / 2 (mutant: averaged over items)."""
     rf = TRLSolverReward(tmp_path / "steps.jsonl", round=1, step_base=0, first_step_in_round=3)
-    cols = {"item_id": ["a", "a", "b", "b"], "source_id": ["d1"] * 4, "source_ids": [["d1"]] * 4, "fold": [1] * 4,
-            "source_folds": [[1]] * 4, "hops": [1] * 4, "draft_label": ["sea"] * 4}
+    cols = {"item_id": ["a", "a", "a", "b"], "source_id": ["d1"] * 4, "source_ids": [["d1"]] * 4, "fold": [1] * 4,
+            "source_folds": [[1]] * 4, "hops": [1] * 4, "draft_label": ["sea"] * 3 + ["river"]}
     rf([solver_messages("Where?")] * 4, ["<answer> sea </answer>", "<answer> land </answer>",
-                                         "<answer> hill </answer>", "<answer> hill </answer>"],
-       label=["sea", "sea", "river", "river"], **cols)
+                                         "<answer> hill </answer>", "<answer> river </answer>"],
+       label=["sea", "sea", "sea", "river"], **cols)
     (record,) = [json.loads(line) for line in (tmp_path / "steps.jsonl").read_text().splitlines()]
-    assert [it["k"] for it in record["items"]] == [1, 0] and record["stats"]["reward"] == 0.25
+    assert [(it["k"], len(it["responses"])) for it in record["items"]] == [(1, 3), (1, 1)]
+    assert record["stats"]["reward"] == 0.5
 
 
 def test_a_trl_step_is_graded_with_the_seed_of_its_step_and_grader_name(tmp_path):
@@ -3407,3 +3416,92 @@ def test_write_verl_and_trim_staged_failing_at_the_rename_leave_the_earlier_file
     monkeypatch.undo()
     trim_staged({"records_path": str(staged)}, 1)
     assert staged.read_text() == json.dumps({"step_in_round": 1}) + "\n"
+
+
+def test_a_trl_steps_graded_items_are_staged_under_their_step_so_a_resume_keeps_only_the_steps_done(tmp_path):
+    """Each staged row of a TRL step (graded item and malformed proposal alike) carries the step within
+    the round it was graded in: admission groups by it and a resumed phase trims by it. Mutant: a graded
+    item staged with step_in_round None -> trim_staged refuses the log, admission cuts runs."""
+    reward = _reward_with({"main": _FakeGrader(lambda q, n: ["sea"] * 2 + ["x"] * (n - 2))}, tmp_path,
+                          treatment="coupled")
+    good = "<question> Where is Beta? </question> <answer> sea </answer>"
+    for step in (1, 2):
+        reward.score([ProposalSample(good, "d1", 1), ProposalSample("<question> no answer", "d0", 1)], step=step)
+    staged = read_staged(tmp_path / "items.jsonl")
+    assert [(r["step_in_round"], "item" in r) for r in staged] == [(1, False), (1, True), (2, False), (2, True)]
+    trim_staged({"items_path": str(tmp_path / "items.jsonl"), "first_step_in_round": 1}, 1)
+    kept = read_staged(tmp_path / "items.jsonl")
+    assert [r["step_in_round"] for r in kept] == [1, 1] and kept[1]["item"]["item_id"] == "r2-s1-0"
+
+
+def test_a_solver_step_records_its_items_as_admitted_and_graded_by_the_untrained_main_solver_by_default(tmp_path):
+    """The main solver trains only on admitted questions: its step record says so of every item, and a
+    reward built without a grader lineage records the main solver with no training (what a job whose settings
+    carry no `grader` writes). Mutants: admitted = False; another default grader id
+   ."""
+    rf = TRLSolverReward(tmp_path / "steps.jsonl", round=1)
+    cols = {"item_id": ["a", "a"], "source_id": ["d1"] * 2, "source_ids": [["d1"]] * 2, "fold": [1] * 2,
+            "source_folds": [[1]] * 2, "hops": [1] * 2, "draft_label": ["sea"] * 2}
+    rf([solver_messages("Where is Beta?")] * 2, ["<answer> sea </answer>", "x"], label=["sea", "sea"], **cols)
+    (record,) = [json.loads(line) for line in (tmp_path / "steps.jsonl").read_text().splitlines()]
+    (item,) = record["items"]
+    assert item["admitted"] is True and item["adopted_label"] == "sea" and item["reward"] == 0.5
+    assert item["grader"] == {"id": "main", "trained_on": {"folds": [], "rounds": []}}
+
+
+def test_a_verl_reward_worker_builds_its_reward_with_every_setting_the_phase_wrote(tmp_path):
+    """reward_settings -> the worker's FrontierReward: the graders' seed, the sample count, the round and
+    step base, the format penalty and the graders' search tool limits are the phase's, none a default (a
+    default seed grades every run's proposals with the same samples). Mutants: seed / topk / max_calls left
+    at their defaults."""
+    from selfevo.integrations.rewards import _frontier_from_settings
+
+    graders = _graders({"aux-0": ("http://127.0.0.1:9/v1", (0,)), "aux-1": ("http://127.0.0.1:9/v1", (1,))})
+    path = reward_settings(tmp_path / "s.json", treatment="crossfit", round=3, folds=FOLDS, graders=graders,
+                           items_path=tmp_path / "i.jsonl", retriever_url="http://127.0.0.1:9", topk=2, max_calls=4,
+                           samples=4, format_penalty=0.25, seed=11, step_base=86)
+    fr = _frontier_from_settings(str(path))
+    assert (fr.seed, fr.samples, fr.round, fr.step_base, fr.format_penalty) == (11, 4, 3, 86, 0.25)
+    assert (fr.treatment.name, fr.graders, fr.items_path) == ("crossfit", graders, tmp_path / "i.jsonl")
+    assert (fr.tool.topk, fr.tool.max_calls) == (2, 4) and (fr._tool().topk, fr._tool().max_calls) == (2, 4)
+
+
+def test_a_verl_item_is_seeded_by_its_source_and_text_alone(tmp_path):
+    """verl has no step: each proposal is graded alone, seeded by its content -- its source and its text --
+    so it is graded alike in any batch, and the same question written from two sources is graded by
+    independent samples. Mutant: the content key without the source."""
+    grader = _FakeGrader(lambda q, n: ["x"] * n)
+    reward = _reward_with({"main": grader}, tmp_path, treatment="coupled")
+    text = "<question> Where is Alpha? </question> <answer> north </answer>"
+    reward.score([ProposalSample(text, "d0", 1), ProposalSample(text, "d2", 1)])
+    reward.score([ProposalSample(text, "d2", 1)])
+    seeds = grader.seeds
+    assert len(seeds) == 3 and seeds[0] != seeds[1] and seeds[1] == seeds[2]
+
+
+def test_verl_batch_refuses_an_unknown_data_source_and_proposer_rows_without_settings(tmp_path):
+    """compute_score_batch grades as compute_score does: a row of another data source is named as such (not
+    graded as a proposal because its extra_info has a source), and proposer rows without
+    reward_kwargs.selfevo_settings are named, not a TypeError from the settings path. Mutants: every
+    non-solver row taken for a proposer; the settings check dropped."""
+    sol = "<question> Where is Beta? </question> <answer> sea </answer>"
+    info = {"source_id": "d1", "hops": 1}
+    with pytest.raises(ValueError, match="unknown data_source 'nq'"):
+        compute_score_batch(["selfevo_solver", "nq"], ["<answer> sea </answer>", sol], [{"target": ["sea"]}] * 2,
+                            [{}, info], selfevo_settings=str(tmp_path / "no.json"))
+    with pytest.raises(ValueError, match="compute_score_batch: proposer rows need reward_kwargs.selfevo_settings"):
+        compute_score_batch(["selfevo_solver", "selfevo_proposer"], ["<answer> sea </answer>", sol],
+                            [{"target": ["sea"]}, {"target": []}], [{}, info])
+
+
+def test_each_grading_call_searches_with_a_tool_of_its_own_with_the_rewards_limits(tmp_path):
+    """verl scores samples concurrently: each grading call gets its own SearchTool (its own call budget and
+    result cache) over the reward's retriever with the reward's topk and max_calls. Mutant: every call shares
+    the reward's one tool."""
+    grader = _FakeGrader(lambda q, n: ["x"] * n)
+    reward = _reward_with({"main": grader}, tmp_path, treatment="coupled")
+    text = "<question> Where is Alpha? </question> <answer> north </answer>"
+    reward.score([ProposalSample(text, "d0", 1), ProposalSample(text, "d2", 1)])
+    tools = grader.tools
+    assert len(tools) == 2 and len({id(t) for t in [*tools, reward.tool]}) == 3
+    assert all((t.retriever, t.topk, t.max_calls) == (reward.tool.retriever, 2, 2) for t in tools)

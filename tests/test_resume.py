@@ -62,6 +62,16 @@ def crash_at(monkeypatch, method: str, round_: int, step_in_round: int):
     return fired
 
 
+def crashed_run(tmp_path, monkeypatch, cfg, method: str, round_: int, step_in_round: int) -> RunDir:
+    """`cfg` run into tmp_path/run and killed (a simulated crash) at the given step; every monkeypatch of
+    the test undone after it, so the run is ready to resume."""
+    crash_at(monkeypatch, method, round_, step_in_round)
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        evolve(cfg, tmp_path / "run", progress=False)
+    monkeypatch.undo()
+    return RunDir(tmp_path / "run")
+
+
 # ------------------------------------------------------------------ in-process crash + resume
 
 
@@ -223,11 +233,7 @@ def test_resume_with_no_config_option_takes_the_runs_own(tmp_path, monkeypatch, 
     """`selfevo evolve --resume --out RUN` alone: the defaults differed from a scaled run in every
     field it set, and were refused; the run's config.json is its config."""
     cfg = cfg_for()
-    crash_at(monkeypatch, "solver_step", 2, cfg.loop.proposer_steps + 3)
-    with pytest.raises(RuntimeError, match="simulated crash"):
-        evolve(cfg, tmp_path / "run", progress=False)
-    monkeypatch.undo()
-    run = RunDir(tmp_path / "run")
+    run = crashed_run(tmp_path, monkeypatch, cfg, "solver_step", 2, cfg.loop.proposer_steps + 3)
     result = CliRunner().invoke(app, ["evolve", "--out", str(run.path), "--resume"])
     assert result.exit_code == 0, result.output
     assert "the run's own config" in " ".join(result.output.split())
@@ -827,11 +833,7 @@ def test_a_resume_takes_the_base_models_recorded_evaluation_and_is_held_to_its_q
     import selfevo.evolve as ev
 
     cfg = cfg_for()
-    crash_at(monkeypatch, "solver_step", 1, cfg.loop.proposer_steps + 1)
-    with pytest.raises(RuntimeError, match="simulated crash"):
-        evolve(cfg, tmp_path / "run", progress=False)
-    monkeypatch.undo()
-    run = RunDir(tmp_path / "run")
+    run = crashed_run(tmp_path, monkeypatch, cfg, "solver_step", 1, cfg.loop.proposer_steps + 1)
     assert run.manifest()["rounds_completed"] == 0 and run.eval_path(0).exists()
     evaluated, checked = [], []
     real_evaluate, real_check = ev.evaluate_solver, ev.check_world
@@ -848,10 +850,7 @@ def test_a_resumed_run_grades_by_the_folds_it_wrote_not_by_the_folds_made_again(
     selfevo whose assignment changed would otherwise move sources between folds mid-run). Here it is edited
     (every source in the other fold) between the kill and the resume: round 3 grades by the edited folds."""
     cfg = cfg_for(extra=["treatment=crossfit"])
-    crash_at(monkeypatch, "proposer_step", 3, 1)
-    with pytest.raises(RuntimeError, match="simulated crash"):
-        evolve(cfg, tmp_path / "run", progress=False)
-    monkeypatch.undo()
+    crashed_run(tmp_path, monkeypatch, cfg, "proposer_step", 3, 1)
     path = tmp_path / "run" / "folds.json"
     saved = json.loads(path.read_text(encoding="utf-8"))
     saved["folds"] = {doc: 1 - fold for doc, fold in saved["folds"].items()}

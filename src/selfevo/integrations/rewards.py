@@ -343,9 +343,13 @@ def _target(ground_truth: Any) -> str:
     target = ground_truth.get("target") if isinstance(ground_truth, Mapping) else ground_truth
     if target is not None and not isinstance(target, str):
         try:
-            target = next(iter(target), None)
+            labels = list(target)
         except TypeError:  # neither a label nor a list of them: named below
-            pass
+            labels = []
+        if len(labels) > 1:  # golden answers of one's own (any of them right, to Search-R1): not one label
+            raise ValueError(f"compute_score: a {SOLVER_SOURCE} row is scored against its one adopted label; "
+                             f"got {len(labels)} in ground_truth.target")
+        target = labels[0] if labels else None
     if not isinstance(target, str) or not target.strip():
         raise ValueError(f"compute_score: a {SOLVER_SOURCE} row needs ground_truth.target, the adopted label "
                          f"(a non-empty list or string); got ground_truth={ground_truth!r}")
