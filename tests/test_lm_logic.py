@@ -1251,3 +1251,13 @@ def test_a_policy_file_loaded_over_a_trained_policy_brings_its_own_step_count(mo
     policy.load_file("p", path)
     policy.load_file("evaluated", path)
     assert (policy.steps["p"], policy.steps["evaluated"]) == (1, 1)
+    # a step count that is no integer (an edited file) is named, not an int() traceback
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+
+    with safe_open(str(path), "pt") as fh:
+        meta = fh.metadata()
+    save_file(load_file(str(path)), str(tmp_path / "edited.safetensors"), metadata={**meta, "steps": "1.5"})
+    with pytest.raises(ValueError, match=r"edited\.safetensors: the policy file's steps should be an integer, "
+                                         r"got '1\.5'"):
+        policy.load_file("p", tmp_path / "edited.safetensors")

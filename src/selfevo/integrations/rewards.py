@@ -337,8 +337,8 @@ def _frontier_from_settings(path: str) -> FrontierReward:
 
 
 def _target(ground_truth: Any) -> str:
-    """A solver row's adopted label: ground_truth.target, a list of labels as `datasets.verl_record`
-    writes it (Search-R1's layout; verl may hand it as an array), or a label string. A row without one
+    """A solver row's adopted label: ground_truth.target, a list of that one label as `datasets.verl_record`
+    writes it (Search-R1's layout; verl may hand it as an array), or the label string. A row without one
     is an error, not a 0 for every answer (scored against '', nothing matches)."""
     target = ground_truth.get("target") if isinstance(ground_truth, Mapping) else ground_truth
     if target is not None and not isinstance(target, str):
