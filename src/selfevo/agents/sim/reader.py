@@ -79,7 +79,7 @@ class Reader:
 
     def score(self, theta, phi, doc_id: str, candidate: str) -> float:
         """How strongly this reader believes `candidate`: weights . features + its own bias."""
-        return sum(t * f for t, f in zip(theta, phi, strict=True)) + self.bias(doc_id, candidate)
+        return sum(t * f for t, f in zip(theta, phi)) + self.bias(doc_id, candidate)
 
     def bias(self, doc_id: str, candidate: str) -> float:
         """This reader's systematic pull towards `candidate` when reading page `doc_id`."""

@@ -83,6 +83,15 @@ class _Dist:
     probs: list[float]
 
 
+def _weights(values) -> list[float]:
+    """The reading weights, one per feature, checked where they come in: the reader's dot product (a hot
+    path) zips them with the features, so a short list would read as zeros on the features it lacks."""
+    theta = [float(x) for x in values]
+    if len(theta) != len(FEATURES):
+        raise ValueError(f"theta: expected {len(FEATURES)} weights, got {len(theta)}")
+    return theta
+
+
 @dataclass
 class SimSolver:
     name: str
@@ -95,8 +104,7 @@ class SimSolver:
     lineage: dict = field(default_factory=dict)  # which folds/rounds its training data came from
 
     def __post_init__(self):
-        if not self.theta:
-            self.theta = list(self.config.theta0)
+        self.theta = _weights(self.theta or self.config.theta0)
         self._cache: dict[tuple[str, str, tuple[Document, ...]], _Dist | None] = {}
         self._parsed: dict[str, ChainQuery | CompareQuery | None] = {}
 
@@ -112,10 +120,7 @@ class SimSolver:
                 "memory": self.memory, "updates": self.updates, "lineage": self.lineage}
 
     def load_state_dict(self, state: dict) -> None:
-        theta = [float(x) for x in state["theta"]]
-        if len(theta) != len(FEATURES):  # a short one read as zeros on the features it lacks (zip stops early)
-            raise ValueError(f"theta: expected {len(FEATURES)} weights, got {len(theta)}")
-        self.theta = theta
+        self.theta = _weights(state["theta"])
         self.memory = {k: {c: float(v) for c, v in d.items()} for k, d in state["memory"].items()}
         self.updates = int(state["updates"])
         # a copy: the loop records training into lineage in place, which must not reach the state's owner
