@@ -13,9 +13,9 @@ from pathlib import Path
 
 from selfevo import __version__
 
-# the sim's numbers depend on the first two (networkx: the connected folds' clusters); the language-model
-# backend, the engines and dense retrieval on the rest (a package not installed is left out)
-PACKAGES = ("numpy", "bm25s", "networkx", "torch", "transformers", "peft", "accelerate", "trl", "vllm", "verl",
+# the sim's numbers depend on the first two; the language-model backend, the engines and dense retrieval on
+# the rest (a package not installed is left out)
+PACKAGES = ("numpy", "bm25s", "torch", "transformers", "peft", "accelerate", "trl", "vllm", "verl",
             "faiss-cpu", "faiss-gpu", "sentence-transformers", "ray")
 
 

@@ -89,24 +89,84 @@ def link_graph(docs: Sequence[Document], max_title_words: int = 6) -> list[tuple
     return sorted(edges)
 
 
+def louvain(nodes: Sequence[str], edges: Iterable[tuple[str, str]], seed: int) -> list[list[str]]:
+    """Louvain communities (Blondel et al. 2008, modularity at resolution 1) of an unweighted graph:
+    each community's nodes in id order, the communities in the order of their least id. Every level
+    moves each node, in an order a hash of (seed, level, its least original id) sets, to the
+    neighbouring community of the greatest modularity gain while some move gains, then merges each
+    community into one node; it stops at a level where no node moves.
+
+    The gains are compared as exact integers: the gain of moving node i into community C, times 2m²
+    (m edges), is 2m·k_iC − Σ_C·k_i (k_iC: i's edge weight into C, Σ_C: C's total degree, k_i: i's
+    degree), so the clusters depend on the graph and the seed alone, not on a library's floating-point
+    arithmetic: networkx's Louvain, used before, gave other clusters under networkx 3.7 (which pip installs
+    on Python 3.12 and later) than under 3.6, for every world and seed tried.
+    A tie keeps the node where it is, or goes to the community of least index."""
+    nodes = sorted(set(nodes))
+    index = {v: i for i, v in enumerate(nodes)}
+    members = [[v] for v in nodes]  # original nodes of each node of the current level
+    adj: list[dict[int, int]] = [{} for _ in nodes]  # node -> {neighbour: edge weight}, no self loops
+    for a, b in edges:
+        i, j = index[a], index[b]
+        if i != j:  # a simple graph: an edge given twice is one edge
+            adj[i][j] = adj[j][i] = 1
+    degree = [sum(a.values()) for a in adj]  # a merged node's includes its inner edges (twice)
+    two_m = sum(degree)
+    level = 0
+    while two_m:
+        community = list(range(len(adj)))
+        total = degree[:]  # Σ_C: the degree of every node in community C
+        order = sorted(range(len(adj)), key=lambda i: derive_seed(seed, "louvain", level, members[i][0]))
+        moved, improved = False, True
+        while improved:
+            improved = False
+            for i in order:
+                own, k = community[i], degree[i]
+                into: dict[int, int] = {}
+                for j, w in adj[i].items():
+                    into[community[j]] = into.get(community[j], 0) + w
+                total[own] -= k
+                best, best_gain = own, two_m * into.get(own, 0) - total[own] * k
+                for c in sorted(into):
+                    gain = two_m * into[c] - total[c] * k
+                    if gain > best_gain:
+                        best, best_gain = c, gain
+                total[best] += k
+                if best != own:
+                    community[i] = best
+                    improved = moved = True
+        if not moved:
+            break
+        # merge: one node per community, numbered by its least original id
+        least: dict[int, str] = {}
+        for i, c in enumerate(community):
+            least[c] = min(least.get(c, members[i][0]), members[i][0])
+        kept = sorted(least, key=least.get)
+        renumber = {c: n for n, c in enumerate(kept)}
+        merged_members: list[list[str]] = [[] for _ in kept]
+        merged_adj: list[dict[int, int]] = [{} for _ in kept]
+        merged_degree = [0] * len(kept)
+        for i in range(len(adj)):
+            c = renumber[community[i]]
+            merged_members[c].extend(members[i])
+            merged_degree[c] += degree[i]
+            for j, w in adj[i].items():
+                d = renumber[community[j]]
+                if d != c:
+                    merged_adj[c][d] = merged_adj[c].get(d, 0) + w
+        members = [sorted(m) for m in merged_members]
+        adj, degree = merged_adj, merged_degree
+        level += 1
+    return sorted(members, key=lambda m: m[0])
+
+
 def connected_groups(docs: Sequence[Document], seed: int,
                      links: Sequence[tuple[str, str]] | None = None) -> dict[str, str]:
-    """Clusters of the link graph (Louvain communities, seeded): source id -> cluster id. `links`:
-    `link_graph(docs)` computed before (it does not depend on the seed; over a corpus it is the
-    expensive part)."""
-    import networkx as nx
-
-    graph = nx.Graph()
-    # in id order: Louvain visits nodes in insertion order, so the corpus's order would move the clusters
-    graph.add_nodes_from(sorted(d.id for d in docs))
-    graph.add_edges_from(link_graph(docs) if links is None else links)
-    communities = nx.community.louvain_communities(graph, seed=seed % 2**32)
-    out = {}
-    for members in sorted(communities, key=min):  # sorted: communities are sets, their order differs by process
-        cid = min(members)
-        for m in sorted(members):
-            out[m] = cid
-    return out
+    """Clusters of the link graph (`louvain`, seeded by the run's seed): source id -> cluster id, the
+    cluster's least source id. `links`: `link_graph(docs)` computed before (it does not depend on the
+    seed; over a corpus it is the expensive part)."""
+    communities = louvain([d.id for d in docs], link_graph(docs) if links is None else links, seed)
+    return {m: members[0] for members in communities for m in members}
 
 
 def assign_folds(docs: Sequence[Document], seed: int, k: int = 2, grouping: str = "source",
