@@ -23,6 +23,7 @@ from selfevo.cli import app
 from selfevo.config import load_config
 from selfevo.evolve import evolve
 from selfevo.records import Document
+from selfevo.replay import ReplayError, build_bank
 from selfevo.runs import RunDir, RunError, check_loop_run
 
 SMALL = ["world.name=small", "loop.rounds=2", "loop.proposer_steps=2", "loop.solver_steps=2",
@@ -389,6 +390,10 @@ def test_a_corpus_rewritten_since_the_run_is_refused(tmp_path, monkeypatch):
     corpus.write_text("".join(json.dumps(d, separators=(",", ":")) + "\n" for d in docs), encoding="utf-8")
     assert file_sha256(corpus) != serialised
     edit_json(out / "manifest.json", corpus_sha256=serialised)
+    # a reader without the run's lock (`replay build`, a grid's completeness check) accepts it and writes nothing
+    with pytest.raises(ReplayError, match="no admitted items"):  # past the checks: the loop here trains nothing
+        build_bank([out], size=1)
+    assert RunDir(out).manifest()["corpus_sha256"] == serialised
     evolve(cfg, out, resume=True, progress=False, audit=False)
     # ... and records the file's from then on (else `report` saw other data beside a run made since)
     assert RunDir(out).manifest()["corpus_sha256"] == file_sha256(corpus)
