@@ -7,6 +7,7 @@ import pytest
 
 from selfevo.algos import (
     bucket_advantages,
+    float_sum,
     frontier_reward,
     group_advantages,
     hash_unit,
@@ -226,3 +227,12 @@ def test_bucket_advantages_pass_their_eps_to_each_bucket():
 def test_hash_unit_draws_are_pinned():
     # a fault script recorded with one selfevo repeats under the next: the draw itself is fixed, not only its properties
     assert hash_unit(7, "q", 0) == 0.8759876876733982
+
+
+def test_float_sum_adds_left_to_right_as_sum_did_before_python_3_12():
+    """Python 3.12's sum() of floats compensates its rounding (there sum([1e16, 1.0, -1e16]) is 1.0, as
+    math.fsum gives); float_sum adds in order on every Python, so a run is the same to the bit on 3.10 to 3.13
+    (docs/reliability.md, "Other Pythons")."""
+    assert float_sum([1e16, 1.0, -1e16]) == 0.0
+    assert float_sum([0.1] * 10) == 0.9999999999999999
+    assert float_sum(x for x in (0.5, 0.25)) == 0.75 and float_sum([]) == 0

@@ -295,3 +295,20 @@ def test_known_items_keys_a_question_by_what_it_asks_not_its_wording():
             for ms in (("Ada Varn", "Cela Dorn"), ("Cela Dorn", "Ada Varn"))]
     assert pair[0] == pair[1] == ("compare", frozenset({"person-0", "person-2"}), "birth_year")
     assert known.question_key(truth, "What is love?") is None
+
+
+def test_the_pythons_check_compares_values_as_numbers_and_leaves_timings_out(tmp_path):
+    """benchmarks/pythons.py: two run files compared value by value (a JSONL log line by line), a number by its
+    difference, anything else as differing or not, wall seconds left out; a report compared without its
+    compute section, wall-time and software lines."""
+    pythons = _script("pythons")
+    a = pythons.parsed(b'{"w": [1.0, 2.0], "label": "x", "compute": {"seconds": {"propose": 0.5}}}')
+    b = pythons.parsed(b'{"w": [1.0, 2.5], "label": "y", "compute": {"seconds": {"propose": 9.0}}}')
+    assert pythons.differences(a, b) == (1, 0.5)
+    assert pythons.differences(a, a) == (0, 0.0)
+    assert pythons.parsed(b'{"a": 1}\n{"a": 2}\n') == [{"a": 1}, {"a": 2}]
+    assert pythons.differences([{"a": 1}], [{"a": 1}, {"a": 2}]) == (1, 0.0)  # a line more is a difference
+    report = tmp_path / "report.md"
+    report.write_text("# r\nTreatments: a; demo wall time 3 s\nSoftware: python 3.11\n## Audit\n| a | 1 |\n"
+                      "## Compute of the training\n| a | 1.2 s |\n## Replay\n| b | 2 |\n", encoding="utf-8")
+    assert pythons.tables(report) == ["# r", "## Audit", "| a | 1 |", "## Replay", "| b | 2 |"]

@@ -33,6 +33,7 @@ from rich.table import Table
 from selfevo._bar import Progress
 from selfevo._fmt import num
 from selfevo._io import append_jsonl, encodable, hold_directory, read_jsonl_log, shown_url, write_json, write_jsonl
+from selfevo.algos import float_sum
 from selfevo.corpus import DataError, _require_str, iter_json_lines, read_qa_dir
 from selfevo.records import QAItem
 
@@ -165,7 +166,7 @@ def _mean_over(per_bench: Mapping[str, Mapping[str, Any]], names: Sequence[str])
     """Equal-weight mean over benchmarks (not items); None where no benchmark is present."""
     if not names:
         return {m: None for m in METRICS}
-    return {m: sum(per_bench[b][m] for b in names) / len(names) for m in METRICS}
+    return {m: float_sum(per_bench[b][m] for b in names) / len(names) for m in METRICS}
 
 
 def _check_questions(data: Mapping[str, Sequence[QAItem]]) -> None:
@@ -211,7 +212,7 @@ def score_predictions(data: Mapping[str, Sequence[QAItem]],
     for name in benchmark_order(data):
         items = data[name]
         n = len(items)
-        row: dict[str, Any] = {m: sum(getattr(scores[it.id], m) for it in items) / n
+        row: dict[str, Any] = {m: float_sum(getattr(scores[it.id], m) for it in items) / n
                                for m in METRICS}
         row["n"] = n
         row["missing"] = sum(1 for it in items if it.id not in predictions)

@@ -26,6 +26,7 @@ import re
 from collections.abc import Sequence
 
 from selfevo.agents.base import Trajectory
+from selfevo.algos import float_sum
 from selfevo.evaluate import normalize_answer
 from selfevo.records import Document
 from selfevo.search.tool import Hit, SearchTool
@@ -132,7 +133,7 @@ def _best_span(question: str, text: str) -> str | None:
         norm = normalize_answer(span)
         if not norm or norm in q_norm or numeric != any(c.isdigit() for c in span):
             continue
-        score = sum(1.0 / (1 + (start - k if k < start else k - end + 1))
+        score = float_sum(1.0 / (1 + (start - k if k < start else k - end + 1))
                     for k in anchors if not start <= k < end)
         if best is None or score > best[0]:  # strict: ties keep the earlier span
             best = (score, start, span)

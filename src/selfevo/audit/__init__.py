@@ -8,6 +8,7 @@ import os
 from collections import Counter
 from collections.abc import Sequence
 
+from selfevo.algos import float_sum
 from selfevo.audit.judges import Judge, OracleJudge, Verdict
 from selfevo.audit.metrics import METRICS, JudgedItem, audit_metrics
 from selfevo.evaluate import answers_match
@@ -35,7 +36,7 @@ def mean_hop_mix(mixes: Sequence[dict]) -> dict:
     it is left out, not averaged in as shares of 0, which would make the mix sum to less than 1."""
     mixes = [m for m in mixes if m]
     hops = sorted({h for m in mixes for h in m}, key=int)
-    return {h: round(sum(m.get(h, 0.0) for m in mixes) / len(mixes), 4) for h in hops}
+    return {h: round(float_sum(m.get(h, 0.0) for m in mixes) / len(mixes), 4) for h in hops}
 
 
 def hop_mix_text(mix: dict) -> str:

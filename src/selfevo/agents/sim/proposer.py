@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass, field
 
 from selfevo.agents.base import Proposal
 from selfevo.agents.sim.reader import FEATURES, PageReading, Reader, check_magnitude, features, given
-from selfevo.algos import bucket_advantages, sample_index, softmax
+from selfevo.algos import bucket_advantages, float_sum, sample_index, softmax
 from selfevo.evaluate import mentions, normalize_answer
 from selfevo.records import Document
 from selfevo.search.tool import SearchBudgetExhausted, SearchSession, SearchTool
@@ -214,4 +214,4 @@ class SimProposer:
                     # a page's and a fact's by the sum (each is chosen by a few proposals of a batch)
                     self.w_relation[rel] = self.w_relation.get(rel, 0.0) + g / len(proposals)
         self.updates += 1
-        return {"proposals": len(proposals), "reward": sum(rewards) / max(1, len(rewards))}
+        return {"proposals": len(proposals), "reward": float_sum(rewards) / max(1, len(rewards))}

@@ -15,6 +15,7 @@ import math
 import struct
 from dataclasses import dataclass
 
+from selfevo.algos import float_sum
 from selfevo.records import Document
 from selfevo.world.language import Statement, read_statements
 
@@ -79,7 +80,7 @@ class Reader:
 
     def score(self, theta, phi, doc_id: str, candidate: str) -> float:
         """How strongly this reader believes `candidate`: weights . features + its own bias."""
-        return sum(t * f for t, f in zip(theta, phi)) + self.bias(doc_id, candidate)
+        return float_sum(t * f for t, f in zip(theta, phi)) + self.bias(doc_id, candidate)
 
     def bias(self, doc_id: str, candidate: str) -> float:
         """This reader's systematic pull towards `candidate` when reading page `doc_id`."""

@@ -24,7 +24,7 @@ from dataclasses import asdict, dataclass, field
 
 from selfevo.agents.base import Trajectory
 from selfevo.agents.sim.reader import FEATURES, Reader, check_magnitude, features
-from selfevo.algos import group_advantages, sample_index, softmax
+from selfevo.algos import float_sum, group_advantages, sample_index, softmax
 from selfevo.evaluate import answers_match
 from selfevo.records import Document
 from selfevo.search.tool import Hit, SearchBudgetExhausted, SearchSession, SearchTool
@@ -258,4 +258,4 @@ class SimSolver:
         self.updates += 1
         self._cache.clear()
         return {"groups": len(groups), "groups_with_signal": signal,
-                "reward": sum(rewards_all) / max(1, len(rewards_all))}
+                "reward": float_sum(rewards_all) / max(1, len(rewards_all))}
