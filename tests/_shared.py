@@ -3,6 +3,8 @@ a stand-in for the loop where a test checks what evolve does around it."""
 
 from __future__ import annotations
 
+import contextlib
+import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -20,3 +22,16 @@ def loop_that_trains_nothing(cfg, env, tool, folds, evaluate, **kwargs):
 
     main = RetrievalBaseline()
     return SimpleNamespace(main=main, run=lambda *a, **k: None, evaluate_main=lambda r: evaluate(main, r))
+
+
+@contextlib.contextmanager
+def frequent_thread_switches(seconds: float = 1e-6):
+    """Threads switch every `seconds` (the interpreter's switch interval, 5 ms by default): a worker thread
+    that wakes another then runs on interleaved with it, so a race in which the worker starts its next
+    task before the woken thread stops it is lost far more often than at the default."""
+    before = sys.getswitchinterval()
+    sys.setswitchinterval(seconds)
+    try:
+        yield
+    finally:
+        sys.setswitchinterval(before)

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from _shared import frequent_thread_switches
 from fastapi.testclient import TestClient
 from typer.testing import CliRunner
 
@@ -1418,6 +1419,30 @@ def test_once_the_streak_is_broken_the_items_still_queued_send_nothing():
         with pytest.raises(JudgeError):
             judge.judge(items)
     assert len(calls) == MAX_FAILED_IN_A_ROW
+
+
+def test_a_refused_key_sends_none_of_the_items_still_queued():
+    """A 401 ends the batch with its error, and the items queued behind it send nothing (each would be refused
+    the same way). Before, only the pool's cancelling stopped them, once the batch's thread woke: over 20
+    batches, one sent 9 of its 20 items on Python 3.11, and every one sent 2 on 3.13; with the threads
+    switching every microsecond, more than 1 in each of 3 runs on 3.11."""
+    from selfevo.agents.chat_client import EndpointError
+
+    calls = []
+
+    def chat(messages, **_):
+        calls.append(1)
+        raise EndpointError("http://127.0.0.1:9/v1: HTTP 401: key revoked")
+
+    items = [{**ITEM_1908, "question": f"In which year was Yeir Rukreist born? ({i})"} for i in range(20)]
+    for _ in range(10):
+        calls.clear()
+        with LLMJudge("http://127.0.0.1:9/v1", "judge", concurrency=1) as judge, frequent_thread_switches():
+            judge.client.chat = chat
+            with pytest.raises(JudgeError, match="HTTP 401: key revoked"):
+                judge.judge(items)
+            assert judge.summary()["replies"] == 0
+        assert len(calls) == 1
 
 
 def test_the_reference_call_is_keyed_by_the_sources_too(tmp_path):

@@ -151,6 +151,18 @@ class RemoteSolver:
         temperature, top_p = (0.0, 1.0) if greedy else (self.temperature, self.top_p)
 
         def one(row: int) -> tuple[str, str]:
+            # the batch has ended (a call of it raised): the calls still queued are not sent. The worker that
+            # raised says so at once; the pool's cancelling comes later, once this thread is woken (an instant
+            # refusal let one worker send every queued call first: all 20 of a test's, on Python 3.13)
+            if stop.is_set():
+                return "", "error"
+            try:
+                return call(row)
+            except BaseException:
+                stop.set()
+                raise
+
+        def call(row: int) -> tuple[str, str]:
             self._check_answering(streak)  # once it is not, the calls still queued are not sent
             self._count("calls")
             row_seed = None if seed is None else derive_seed(seed, "row", rows[row]) & SEED_MASK
