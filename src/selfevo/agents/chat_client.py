@@ -67,6 +67,20 @@ class FailureStreak:
         return f"{count} calls in a row failed for good (last: {last})" if count >= self.limit else None
 
 
+def unless_stopped(stop: threading.Event, call: Callable, *args):
+    """A batch's queued call, for a thread pool: not made (None) once the batch has stopped, and stopping it
+    when it raises. The worker whose call raised says so at once; the pool's cancelling comes only once the
+    batch's own thread wakes, and until then an instant refusal (a 401) let one worker go on to the calls
+    still queued (all 20 of a test's, on Python 3.13)."""
+    if stop.is_set():
+        return None
+    try:
+        return call(*args)
+    except BaseException:
+        stop.set()
+        raise
+
+
 class EndpointError(RuntimeError):
     """The endpoint cannot work at all (HTTP 401/403: the API key; 404: the URL or the model)."""
 

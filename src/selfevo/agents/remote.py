@@ -41,6 +41,7 @@ from selfevo.agents.chat_client import (
     ChatClient,
     EndpointError,
     FailureStreak,
+    unless_stopped,
 )
 from selfevo.agents.lm.protocol import STOP_STRINGS, solver_messages
 from selfevo.agents.lm.rollout import run_rollouts
@@ -151,18 +152,6 @@ class RemoteSolver:
         temperature, top_p = (0.0, 1.0) if greedy else (self.temperature, self.top_p)
 
         def one(row: int) -> tuple[str, str]:
-            # the batch has ended (a call of it raised): the calls still queued are not sent. The worker that
-            # raised says so at once; the pool's cancelling comes later, once this thread is woken (an instant
-            # refusal let one worker send every queued call first: all 20 of a test's, on Python 3.13)
-            if stop.is_set():
-                return "", "error"
-            try:
-                return call(row)
-            except BaseException:
-                stop.set()
-                raise
-
-        def call(row: int) -> tuple[str, str]:
             self._check_answering(streak)  # once it is not, the calls still queued are not sent
             self._count("calls")
             row_seed = None if seed is None else derive_seed(seed, "row", rows[row]) & SEED_MASK
@@ -184,7 +173,8 @@ class RemoteSolver:
 
         with ThreadPoolExecutor(max_workers=min(self.concurrency, max(1, len(conversations))),
                                 thread_name_prefix="remote") as pool:
-            futures = [pool.submit(one, row) for row in range(len(conversations))]
+            # (a call not made once the batch stopped gives None: the batch raises, its results unread)
+            futures = [pool.submit(unless_stopped, stop, one, row) for row in range(len(conversations))]
             try:
                 # the first failure, not the first row: an EndpointError of a later row must not wait
                 # for an earlier row sleeping out a Retry-After

@@ -63,7 +63,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
 
 from selfevo._io import append_jsonl, read_jsonl_log, shown_url
-from selfevo.agents.chat_client import CallFailed, ChatClient, EndpointError, FailureStreak
+from selfevo.agents.chat_client import CallFailed, ChatClient, EndpointError, FailureStreak, unless_stopped
 from selfevo.agents.lm.model import messages_digest
 from selfevo.audit.judges import Verdict
 from selfevo.evaluate import answers_match, normalize_answer
@@ -647,22 +647,13 @@ class LLMJudge:
             return Verdict(False, reference=(reference,), reason=reason), detail
         return Verdict(True, correct[0], tuple(correct[1:]), (reference,)), detail
 
-    def _safe_one(self, item: Mapping[str, Any], stop: threading.Event) -> tuple[Verdict, dict] | None:
-        """An item's verdict; None for one not judged because its batch had stopped (a call of it raised: the
-        worker that raised says so at once, where the pool's cancelling comes only once the batch's thread
-        wakes, and an instant refusal let one worker send up to 9 of 20 queued items first)."""
-        if stop.is_set():
-            return None
+    def _safe_one(self, item: Mapping[str, Any], stop: threading.Event) -> tuple[Verdict, dict]:
+        self._check_answering()  # once it is not, the items still queued send nothing
         try:
-            self._check_answering()  # once it is not, the items still queued send nothing
-            try:
-                return self._judge_one(item, stop)
-            except CallFailed as e:  # (counted by the call that failed, `_call`)
-                self._check_answering()
-                return Verdict(False, reason=f"call failed: {e}"), {"question": item["question"]}
-        except BaseException:
-            stop.set()
-            raise
+            return self._judge_one(item, stop)
+        except CallFailed as e:  # (counted by the call that failed, `_call`)
+            self._check_answering()
+            return Verdict(False, reason=f"call failed: {e}"), {"question": item["question"]}
 
     @staticmethod
     def item_key(item: Mapping[str, Any], documents: Mapping[str, str] | None = None) -> str:
@@ -696,7 +687,7 @@ class LLMJudge:
         try:
             with bar:
                 task = bar.add_task(f"judging ({self.name})", total=len(todo))  # a description: no format string
-                futures = {pool.submit(self._safe_one, it, stop): k for k, it in todo.items()}
+                futures = {pool.submit(unless_stopped, stop, self._safe_one, it, stop): k for k, it in todo.items()}
                 for fut in as_completed(futures):
                     result = fut.result()  # JudgeError propagates: stop
                     if result is not None:  # (None: not judged, the batch stopped; its error comes too)
