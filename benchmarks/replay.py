@@ -1,14 +1,15 @@
 """The fixed replay bank on the embedded world: every feedback provenance over one frozen bank.
 
-    python benchmarks/replay.py [--run-seed 0] [--size 3000] [--seeds 5] [--out docs/results.md]
+    python benchmarks/replay.py [--run-seed 0] [--size 3000] [--seeds 5] [--bank-seeds 5] [--out docs/results.md]
 
 Makes the bank from a fresh default-world coupled run (the paper's schedule; its round-2/3 admitted
 proposals, so wrong labels are present: its 3,200 round-2/3 admitted questions hold the 3,000, as
 in the paper; one run, because a simulated run's base model is seeded by its run seed and the
 replay has one base model), then runs the whole study (all
 14 conditions × seeds) with `selfevo replay run` three times, timed (median of 3), and checks the
-issue's acceptance numbers. Writes the "## Fixed replay bank" section of docs/results.md and the
-figure docs/figures/replay.png.
+issue's acceptance numbers; then the same contrasts on banks of other hop kinds, memory keys, value
+skews and learners, and on the banks of `--bank-seeds` coupled runs (one bank is one draw). Writes
+the "## Fixed replay bank" section of docs/results.md and the figure docs/figures/replay.png.
 """
 
 from __future__ import annotations
@@ -62,6 +63,9 @@ def spread_text(a: dict, b: dict) -> str:
 
 
 HOP_CONDITIONS = ["coupled", "question-split", "source-id", "connected"]
+# every condition the acceptance reads, MSV left out: what each bank of the by-bank table replays
+BANK_CONDITIONS = ["coupled", "same-source", "full-data", "question-split", "source-id", "source-id-half",
+                   "connected"]
 QUESTION_KEYED = 'solver.memory_key="question"'
 SKEWS = (0.5, 0.0)  # world.value_skew levels next to the default 1
 
@@ -190,6 +194,45 @@ def learner_reading(default: dict, skill: dict) -> str:
             f"{F['source-id'] / F['question-split']:.2f}.")
 
 
+def bank_measures(res: dict) -> dict:
+    """One bank's study in the acceptance's terms: the F ratio, the excess over the untrained level,
+    source-id's solver truth gap to coupled (mean over replay seeds), and the three 'within the spread'
+    checks (same-source and full-data near coupled, half budget near source-id)."""
+    F, base = mean_F(res)
+    c = res["conditions"]
+
+    def near(a: str, b: str) -> bool:
+        return abs(c[a]["F"]["mean"] - c[b]["F"]["mean"]) <= spread(c[a]["F"], c[b]["F"])
+
+    return {"ratio": F["source-id"] / F["question-split"], "excess": excess_of(res),
+            "truth_gap": c["source-id"]["solver_truth"]["mean"] - c["coupled"]["solver_truth"]["mean"],
+            "same-source": near("same-source", "coupled"), "full-data": near("full-data", "coupled"),
+            "half": near("source-id-half", "source-id")}
+
+
+def bank_row(learner: str, seed: int, res: dict) -> str:
+    """A by-bank table row: the bank's F contrast (hop_row's columns) and the solver truth gap."""
+    c, m = res["conditions"], bank_measures(res)
+    truth = [mean_std_text(c[n]["solver_truth"], n=c[n].get("seeds")) for n in ("coupled", "source-id")]
+    return f"{hop_row(f'{learner}, run seed {seed}', res)} {' | '.join(truth)} | {m['truth_gap']:+.3f} |"
+
+
+def bank_reading(name: str, studies: list[tuple[int, dict]]) -> str:
+    """The by-bank table of one learner in words: each acceptance item over its banks."""
+    ms = [bank_measures(r) for _, r in studies]
+    n = len(ms)
+
+    def count(key: str) -> int:
+        return sum(m[key] for m in ms)
+
+    ratio, gap = [m["ratio"] for m in ms], summary([m["truth_gap"] for m in ms])
+    return (f"{name}, over the {n} banks: ratio {fmt(ratio, 2)} (at or below 0.2 in {sum(r <= 0.2 for r in ratio)} "
+            f"of {n}), excess {fmt([m['excess'] for m in ms], 2)}; source-id − coupled solver truth "
+            f"{interval_text(gap)} (95% t-interval over banks; above 0 in {sum(m['truth_gap'] > 0 for m in ms)} of "
+            f"{n}); same-source F near coupled in {count('same-source')} of {n}, full-data in {count('full-data')} "
+            f"of {n}; source-id-half F near source-id in {count('half')} of {n}.")
+
+
 def top_share(skew: float) -> float:
     """The share of the default world's birthplaces that are its most common one, at `skew`."""
     return make_world(WorldConfig("default", 0, value_skew=skew)).truth.top_value_share("born_in")
@@ -254,6 +297,8 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=REPO / "docs" / "results.md")
     ap.add_argument("--figure", type=Path, default=REPO / "docs" / "figures" / "replay.png")
     ap.add_argument("--keep", type=Path, default=None, help="keep the runs, bank and study here")
+    ap.add_argument("--bank-seeds", type=int, default=5,
+                    help="the by-bank table: banks from coupled runs of seeds run-seed .. run-seed + N - 1")
     args = ap.parse_args()
     console = Console()
     with run_root(args.keep) as root:  # the runs, the bank and the study
@@ -355,6 +400,16 @@ def main() -> None:
             k_dirs = coupled_runs(root, args.run_seed, SKILL_LED, bar, "skill-led")
         skill = run_replay(build_bank(k_dirs, size=args.size, seed=0), HOP_CONDITIONS, seeds=args.seeds,
                            workers=args.workers)
+        # the acceptance's contrasts on banks from other runs (run seeds), for both learners: one bank
+        # is one draw of the loop's proposals, and the replay seeds vary only the feedback solvers
+        bank_seeds = range(args.run_seed, args.run_seed + args.bank_seeds)
+        by_bank = {}
+        for learner, overrides, name in (("memory-led", [], "coupled"), ("skill-led", SKILL_LED, "skill-led")):
+            with Progress(console=console, transient=True) as bar:
+                by_bank[learner] = [
+                    (seed, run_replay(build_bank(coupled_runs(root, seed, overrides, bar, name), size=args.size,
+                                                 seed=0), BANK_CONDITIONS, seeds=args.seeds, workers=args.workers))
+                    for seed in bank_seeds]
         once_F, _ = mean_F(by_hops[2][1])
         once, per_source = repeats(bank)
         q_once, _ = repeats(q_bank)
@@ -365,7 +420,7 @@ def main() -> None:
     n_conds = len(c)
     lines = [HEADING, "",
              f"Command: `python benchmarks/replay.py --run-seed {args.run_seed} --size {args.size} "
-             f"--seeds {args.seeds}`  ",
+             f"--seeds {args.seeds} --bank-seeds {args.bank_seeds}`  ",
              f"Machine: {machine_line()}  ",
              f"Bank: {res['bank']['items']} admitted round-2/3 proposals (question + adopted label; a question "
              f"asked again counts as often as the loop trained on it) sampled (seed 0) from one default-world "
@@ -458,6 +513,21 @@ def main() -> None:
               learner_row("skill-led", skill),
               "",
               learner_reading(res, skill),
+              "",
+              f"By bank (one bank is one draw of the loop's proposals: banks from coupled runs of seeds "
+              f"{bank_seeds[0]}..{bank_seeds[-1]}, each learner, each bank replayed with the conditions the "
+              f"acceptance reads, MSV left out, seeds 0..{args.seeds - 1}; the skill-led learner was picked on "
+              "coupled, CrossFit and MSV runs of seeds 0..2 and one replay of the seed-0 bank, so its banks of "
+              "seeds 1 and up were never replayed before and those of seeds 3 and up never run; Δ truth = "
+              "source-id − coupled solver truth):",
+              "",
+              "| bank | items | T_P | base F | coupled F | question-split F | source-id F | connected F "
+              "| source-id / question-split | excess | coupled truth | source-id truth | Δ truth |",
+              "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+              *[bank_row(learner, seed, r) for learner, studies in by_bank.items() for seed, r in studies],
+              "",
+              " ".join(bank_reading(f"{learner.capitalize()} learner", studies)
+                       for learner, studies in by_bank.items()),
               "",
               f"Solver truth: the coupled grader trained on the very items it grades, whose adopted labels are right "
               f"for {res['bank']['T_P']:.0%} of them, and the sim solver's memory (keyed on mention and relation) "

@@ -55,6 +55,34 @@ def test_replay_spread_of_one_seed_is_nan():
     assert replay.spread_text({"std": 0.3}, {"std": 0.4}) == "bound ±1.000"
 
 
+def _study(F: dict[str, float], truth: dict[str, float], std: float = 0.01, base: float = 0.03) -> dict:
+    """A replay study's results.json as the by-bank helpers read it: each condition's F and solver
+    truth as mean and std over seeds, the untrained reference's F."""
+    return {"conditions": {n: {"F": {"mean": f, "std": std}, "solver_truth": {"mean": truth.get(n, 0.5), "std": std},
+                               "seeds": 5} for n, f in F.items()},
+            "reference": {"base": {"F": {"mean": base, "std": std}}}, "bank": {"items": 3000, "T_P": 0.75}}
+
+
+def test_replay_by_bank_measures_and_reading_count_each_bank():
+    replay = _script("replay")
+    F = {"coupled": 0.12, "same-source": 0.12, "full-data": 0.20, "question-split": 0.08, "source-id": 0.05,
+         "source-id-half": 0.045, "connected": 0.04}
+    m = replay.bank_measures(_study(F, {"coupled": 0.75, "source-id": 0.40}))
+    assert m["ratio"] == pytest.approx(0.05 / 0.08) and m["excess"] == pytest.approx(0.02 / 0.05)
+    assert m["truth_gap"] == pytest.approx(-0.35)
+    # the spread bound is 2 * sqrt(2) * 0.01 = 0.028: full-data's +0.08 is outside it, half's -0.005 inside
+    assert (m["same-source"], m["full-data"], m["half"]) == (True, False, True)
+    clean = dict(F, **{"source-id": 0.01, "full-data": 0.12})  # a held-out grader under 0.2 of the split
+    studies = [(0, _study(F, {"coupled": 0.75, "source-id": 0.40})),
+               (1, _study(clean, {"coupled": 0.70, "source-id": 0.80}))]
+    text = replay.bank_reading("Memory-led learner", studies)
+    assert "over the 2 banks" in text and "(at or below 0.2 in 1 of 2)" in text
+    assert "above 0 in 1 of 2" in text and "full-data in 1 of 2" in text
+    assert "same-source F near coupled in 2 of 2" in text
+    row = replay.bank_row("memory-led", 1, studies[1][1])
+    assert row.startswith("| memory-led, run seed 1 | 3000 | 0.750 |") and row.endswith("| +0.100 |")
+
+
 def test_horizon_table_with_one_seed():
     downstream = _script("downstream")
     runs = [{"treatment": t, "seed": 0, "macro": [0.30 + 0.01 * i + (0.02 if t == "crossfit" else 0.0)
