@@ -195,16 +195,16 @@ def learner_reading(default: dict, skill: dict) -> str:
 
 
 def bank_measures(res: dict) -> dict:
-    """One bank's study in the acceptance's terms: the F ratio, the excess over the untrained level,
-    source-id's solver truth gap to coupled (mean over replay seeds), and the three 'within the spread'
-    checks (same-source and full-data near coupled, half budget near source-id)."""
-    F, base = mean_F(res)
+    """One bank's study in the acceptance's terms: the F ratio, source-id's solver truth gap to coupled
+    (mean over replay seeds), and the three 'within the spread' checks (same-source and full-data near
+    coupled, half budget near source-id)."""
+    F, _ = mean_F(res)
     c = res["conditions"]
 
     def near(a: str, b: str) -> bool:
         return abs(c[a]["F"]["mean"] - c[b]["F"]["mean"]) <= spread(c[a]["F"], c[b]["F"])
 
-    return {"ratio": F["source-id"] / F["question-split"], "excess": excess_of(res),
+    return {"ratio": F["source-id"] / F["question-split"],
             "truth_gap": c["source-id"]["solver_truth"]["mean"] - c["coupled"]["solver_truth"]["mean"],
             "same-source": near("same-source", "coupled"), "full-data": near("full-data", "coupled"),
             "half": near("source-id-half", "source-id")}
@@ -227,7 +227,7 @@ def bank_reading(name: str, studies: list[tuple[int, dict]]) -> str:
 
     ratio, gap = [m["ratio"] for m in ms], summary([m["truth_gap"] for m in ms])
     return (f"{name}, over the {n} banks: ratio {fmt(ratio, 2)} (at or below 0.2 in {sum(r <= 0.2 for r in ratio)} "
-            f"of {n}), excess {fmt([m['excess'] for m in ms], 2)}; source-id − coupled solver truth "
+            f"of {n}); source-id − coupled solver truth "
             f"{interval_text(gap)} (95% t-interval over banks; above 0 in {sum(m['truth_gap'] > 0 for m in ms)} of "
             f"{n}); same-source F near coupled in {count('same-source')} of {n}, full-data in {count('full-data')} "
             f"of {n}; source-id-half F near source-id in {count('half')} of {n}.")
