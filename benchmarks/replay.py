@@ -75,6 +75,12 @@ def mean_F(res: dict) -> tuple[dict[str, float], float]:
     return {n: e["F"]["mean"] for n, e in res["conditions"].items()}, res["reference"]["base"]["F"]["mean"]
 
 
+def f_ratio(res: dict) -> float:
+    """source-id F / question-split F: the acceptance's ratio (≤ 0.2 asked, the paper's 0.08)."""
+    F, _ = mean_F(res)
+    return F["source-id"] / F["question-split"]
+
+
 def excess_of(res: dict, condition: str = "source-id") -> float:
     """(condition's F - untrained F) / (question-split F - untrained F): the share of the question
     split's learned false agreement a grader of that provenance (by default source-held-out) keeps."""
@@ -92,7 +98,7 @@ def hop_row(name: str, res: dict) -> str:
     F, base = mean_F(res)
     return (f"| {name} | {res['bank']['items']} | {res['bank']['T_P']:.3f} | {base:.4f} | {F['coupled']:.4f} | "
             f"{F['question-split']:.4f} | {F['source-id']:.4f} | {F['connected']:.4f} | "
-            f"{F['source-id'] / F['question-split']:.2f} | {excess_of(res):.2f} |")
+            f"{f_ratio(res):.2f} | {excess_of(res):.2f} |")
 
 
 def coupled_runs(root: Path, seed: int, overrides: list[str], bar, name: str) -> list[Path]:
@@ -191,20 +197,19 @@ def learner_reading(default: dict, skill: dict) -> str:
     return (f"Reading: source-id's solver truth against coupled's is {gap(default)} with the default learner and "
             f"{gap(skill)} with the skill-led one, where {verdict}. Its F, {F['source-id']:.4f}, is {below} that "
             f"learner's untrained level {base:.4f}, and the ratio to question-split is "
-            f"{F['source-id'] / F['question-split']:.2f}.")
+            f"{f_ratio(skill):.2f}.")
 
 
 def bank_measures(res: dict) -> dict:
     """One bank's study in the acceptance's terms: the F ratio, source-id's solver truth gap to coupled
     (mean over replay seeds), and the three 'within the spread' checks (same-source and full-data near
     coupled, half budget near source-id)."""
-    F, _ = mean_F(res)
     c = res["conditions"]
 
     def near(a: str, b: str) -> bool:
         return abs(c[a]["F"]["mean"] - c[b]["F"]["mean"]) <= spread(c[a]["F"], c[b]["F"])
 
-    return {"ratio": F["source-id"] / F["question-split"],
+    return {"ratio": f_ratio(res),
             "truth_gap": c["source-id"]["solver_truth"]["mean"] - c["coupled"]["solver_truth"]["mean"],
             "same-source": near("same-source", "coupled"), "full-data": near("full-data", "coupled"),
             "half": near("source-id-half", "source-id")}
@@ -262,8 +267,9 @@ def chance_agreement(bank) -> dict[str, float]:
     return {k: kinds[k] / matched for k in ("confusable", "another page", "neither")}
 
 
-def skew_reading(by_skew: list[tuple[str, dict, dict]]) -> str:
-    """The value-skew table in words: the default first, then the flatter worlds."""
+def skew_reading(by_skew: list[tuple[str, dict, dict]], bank_ratios: list[list[float]]) -> str:
+    """The value-skew table in words: the default first, then the flatter worlds; `bank_ratios`, in the
+    same order, each world's source-id / question-split F ratio on the banks of several coupled runs."""
     names = " / ".join(name for name, _, _ in by_skew[1:])
 
     def col(values: list[str]) -> str:
@@ -272,19 +278,30 @@ def skew_reading(by_skew: list[tuple[str, dict, dict]]) -> str:
     base = [f"{mean_F(r)[1]:.4f}" for _, r, _ in by_skew]
     other = [f"{c['another page']:.0%}" for _, _, c in by_skew]
     excess = [f"{excess_of(r):.2f}" for _, r, _ in by_skew]
-    ratios = [mean_F(r)[0]["source-id"] / mean_F(r)[0]["question-split"] for _, r, _ in by_skew]
+    ratios = [f_ratio(r) for _, r, _ in by_skew]
     under = [mean_F(r)[0]["question-split"] < 5 * mean_F(r)[1] for _, r, _ in by_skew]
     verdict = ("at or below 0.2 in at least one world" if min(ratios) <= 0.2 else
                "below 0.2 in no world here" + (": question-split F stays under 5× the untrained level" if all(under)
                                                else f"; question-split F is under 5× the untrained level in "
                                                f"{sum(under)} of {len(under)} worlds"))
+    low = sum(r <= 0.2 for rs in bank_ratios for r in rs)
     return ("Reading (`base: …`: the untrained grader's sampled answers to the bank's wrong-labelled questions "
             "that match the label, by what it read at the hop it got wrong; one sampling seed): the untrained "
             f"level is {col(base)}. A statement of another page that ranks for the mention (a popular value: "
             f"another person born in the same city) makes {col(other)} of its agreeing pairs; the rest is the "
             "confusable sentence the proposer misread, which the untrained solver samples too. Source-id's "
             f"excess is {col(excess)} (popular pages lie on chains from many sources), and the ratio "
-            f"{col([f'{r:.2f}' for r in ratios])}: {verdict}.")
+            f"{col([f'{r:.2f}' for r in ratios])}: {verdict}. Over the banks of {len(bank_ratios[0])} coupled runs "
+            f"in each world (\"By bank\" below), the ratio is {col([fmt(rs, 2) for rs in bank_ratios])}, at or below "
+            f"0.2 on {low} of the {sum(map(len, bank_ratios))} banks.")
+
+
+def bank_studies(root: Path, seeds: range, overrides: list[str], name: str, conditions: list[str],
+                 args: argparse.Namespace, console: Console) -> list[tuple[int, dict]]:
+    """(run seed, replay study) for the bank of each seed's coupled run under `overrides`."""
+    with Progress(console=console, transient=True) as bar:
+        return [(seed, run_replay(build_bank(coupled_runs(root, seed, overrides, bar, name), size=args.size, seed=0),
+                                  conditions, seeds=args.seeds, workers=args.workers)) for seed in seeds]
 
 
 def main() -> None:
@@ -336,7 +353,7 @@ def main() -> None:
         F = {n: e["F"] for n, e in c.items()}
         truth = {n: e["solver_truth"] for n, e in c.items()}
         base = res["reference"]["base"]
-        ratio = F["source-id"]["mean"] / F["question-split"]["mean"]
+        ratio = f_ratio(res)
         per_seed = [s / q for s, q in zip(c["source-id"]["per_seed"]["F"], c["question-split"]["per_seed"]["F"])]
         excess = excess_of(res)
         msv_f = [e["F"]["mean"] for n, e in c.items() if n.endswith("+msv")]
@@ -384,6 +401,12 @@ def main() -> None:
         q_bank = build_bank(q_dirs, size=args.size, seed=0)
         by_hops.append(("all hops, question-keyed memory",
                         run_replay(q_bank, HOP_CONDITIONS, seeds=args.seeds, workers=args.workers)))
+        # the acceptance's contrasts on banks from other runs (run seeds), for both learners: one bank
+        # is one draw of the loop's proposals, and the replay seeds vary only the feedback solvers
+        bank_seeds = range(args.run_seed, args.run_seed + args.bank_seeds)
+        by_bank = {learner: bank_studies(root, bank_seeds, overrides, name, BANK_CONDITIONS, args, console)
+                   for learner, overrides, name in (("memory-led", [], "coupled"),
+                                                    ("skill-led", SKILL_LED, "skill-led"))}
         # the same contrast in worlds whose fact values follow popularity less (world.value_skew):
         # two independent errors agree by chance less often when no value is a fifth of all of them
         by_skew = []
@@ -394,22 +417,16 @@ def main() -> None:
             by_skew.append((f"{skew:g}", run_replay(s_bank, HOP_CONDITIONS, seeds=args.seeds, workers=args.workers),
                             chance_agreement(s_bank)))
         by_skew.insert(0, ("1 (default)", res, chance_agreement(bank)))
+        skew_ratios = [[f_ratio(r) for _, r in by_bank["memory-led"]]]
+        skew_ratios += [[f_ratio(r) for _, r in bank_studies(
+            root, bank_seeds, [f"world.value_skew={skew}"], f"value-skew-{skew}", ["question-split", "source-id"],
+            args, console)] for skew in SKEWS]
         # the same contrast with a learner whose skill transfers across sources (SKILL_LED): runs,
         # bank and feedback solvers all learn so
         with Progress(console=console, transient=True) as bar:
             k_dirs = coupled_runs(root, args.run_seed, SKILL_LED, bar, "skill-led")
         skill = run_replay(build_bank(k_dirs, size=args.size, seed=0), HOP_CONDITIONS, seeds=args.seeds,
                            workers=args.workers)
-        # the acceptance's contrasts on banks from other runs (run seeds), for both learners: one bank
-        # is one draw of the loop's proposals, and the replay seeds vary only the feedback solvers
-        bank_seeds = range(args.run_seed, args.run_seed + args.bank_seeds)
-        by_bank = {}
-        for learner, overrides, name in (("memory-led", [], "coupled"), ("skill-led", SKILL_LED, "skill-led")):
-            with Progress(console=console, transient=True) as bar:
-                by_bank[learner] = [
-                    (seed, run_replay(build_bank(coupled_runs(root, seed, overrides, bar, name), size=args.size,
-                                                 seed=0), BANK_CONDITIONS, seeds=args.seeds, workers=args.workers))
-                    for seed in bank_seeds]
         once_F, _ = mean_F(by_hops[2][1])
         once, per_source = repeats(bank)
         q_once, _ = repeats(q_bank)
@@ -494,7 +511,7 @@ def main() -> None:
               "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
               *[f"{hop_row(name, r)} {c['confusable']:.0%} | {c['another page']:.0%} |" for name, r, c in by_skew],
               "",
-              skew_reading(by_skew),
+              skew_reading(by_skew, skew_ratios),
               "",
               f"By learner (the default sim solver, whose gains are mostly per-source memory, and a skill-led one, "
               f"`{' '.join(SKILL_LED)}`, whose reading skill learns fast and memory slowly: benchmarks/_common.py "

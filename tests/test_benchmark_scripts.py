@@ -83,6 +83,16 @@ def test_replay_by_bank_measures_and_reading_count_each_bank():
     assert row.startswith("| memory-led, run seed 1 | 3000 | 0.750 |") and row.endswith("| +0.100 |")
 
 
+def test_replay_value_skew_reading_counts_the_banks_at_or_below_the_ratio():
+    replay = _script("replay")
+    chance = {"another page": 0.5, "confusable": 0.5}
+    by_skew = [(name, _study({"question-split": 0.08, "source-id": 0.05}, {}), chance) for name in ("1", "0.5")]
+    text = replay.skew_reading(by_skew, [[0.6, 0.5], [0.3, 0.2]])
+    assert "and the ratio 0.62 at the default and 0.62 at 0.5: below 0.2 in no world here" in text
+    assert "Over the banks of 2 coupled runs" in text and "at or below 0.2 on 1 of the 4 banks" in text
+    assert "the ratio is 0.55 ± 0.07 at the default and 0.25 ± 0.07 at 0.5," in text
+
+
 def test_horizon_table_with_one_seed():
     downstream = _script("downstream")
     runs = [{"treatment": t, "seed": 0, "macro": [0.30 + 0.01 * i + (0.02 if t == "crossfit" else 0.0)
