@@ -410,6 +410,31 @@ def test_replay_of_a_language_model_run_on_a_real_corpus(lm_run, tmp_path):
     assert (out / "judge-cache.jsonl").stat().st_size > 0 and (out / "replay.png").exists()
 
 
+def test_eval_of_a_runs_saved_policy_answers_as_the_run_evaluated_it(lm_run, tmp_path):
+    """README's `selfevo eval --agent lm:smollm2-135m@RUN/checkpoints/tensors/main-<hash>.safetensors`:
+    the main solver a run saved after round 2, evaluated on its own with the run's generation settings,
+    gives the answers the run's own round-2 evaluation gave (greedy, the same questions). At this size
+    they are also the base model's (one small update): that the agent is the file's policy, not the base,
+    is test_lm_logic.py's test_an_lm_agent_with_a_policy_file_is_that_policy_frozen."""
+    from selfevo.cli import app
+
+    def answers(path: Path) -> dict:
+        rows = [json.loads(x) for x in path.read_text().splitlines()]
+        return {(r["benchmark"], r["id"]): r["prediction"] for r in rows}
+
+    cfg = json.loads((lm_run / "config.json").read_text())
+    main = json.loads((lm_run / "checkpoints" / "round-2.json").read_text())["main"]["policy"]["file"]
+    adapter = lm_run / "checkpoints" / "tensors" / main
+    settings = [x for k in ("max_actions", "max_new_tokens", "threads") for x in ("--lm-set", f"{k}={cfg['lm'][k]}")]
+    result = CliRunner().invoke(app, ["eval", "--agent", f"lm:smollm2-135m@{adapter}", "--data-dir",
+                                      cfg["data"]["qa_dir"], "--corpus", str(CORPUS), "--limit",
+                                      str(cfg["data"]["eval_limit"]), *settings, "--out", str(tmp_path / "eval")])
+    assert result.exit_code == 0, result.output
+    got = answers(tmp_path / "eval" / "predictions.jsonl")
+    assert got == answers(lm_run / "eval" / "round-2.predictions.jsonl") and len(got) == 7
+    assert json.loads((tmp_path / "eval" / "score.json").read_text())["run"]["agent"] == f"lm:smollm2-135m@{adapter}"
+
+
 def test_sampled_replies_that_end_early_are_not_length(smollm2_path):
     """n > 1 samples come back padded to the longest row: a reply that ended at EOS or a stop
     string is finish_reason "stop" with its own token count, whatever the other rows did."""

@@ -686,11 +686,13 @@ def _tiny_policy(monkeypatch, store=None, seed=0, **cfg):
 
     from selfevo.agents.lm import policy as policy_module
 
-    torch.manual_seed(0)  # the same base model every call
-    base = LlamaForCausalLM(LlamaConfig(vocab_size=128, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                                        num_attention_heads=2, num_key_value_heads=2, pad_token_id=0, eos_token_id=1,
-                                        bos_token_id=2))
-    monkeypatch.setattr(policy_module, "load_pretrained", lambda path, dtype, model=None: (TinyChatTokenizer(), base))
+    def load(path, dtype, model=None):  # a base of its own for every policy (peft wraps it in place)
+        torch.manual_seed(0)  # the same weights every call
+        return TinyChatTokenizer(), LlamaForCausalLM(LlamaConfig(
+            vocab_size=128, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+            num_key_value_heads=2, pad_token_id=0, eos_token_id=1, bos_token_id=2))
+
+    monkeypatch.setattr(policy_module, "load_pretrained", load)
     return policy_module.LMPolicy(LMConfig(**{"model": "org/tiny-llama", "device": "cpu", "lr": 1e-2, **cfg}),
                                   store=store, seed=seed)
 
@@ -961,6 +963,32 @@ def test_a_policy_file_of_other_settings_is_refused_naming_the_field(monkeypatch
     assert "evaluated" not in policy.names()  # refused before anything was made
 
 
+def test_an_lm_agent_with_a_policy_file_is_that_policy_frozen(monkeypatch, tmp_path):
+    """`selfevo eval --agent lm:MODEL@FILE` (README: a run's checkpoints/tensors/main-*.safetensors):
+    the agent is a frozen solver generating from the policy in the file, not from the base model (a
+    solver generates from its policy_name: test_a_greedy_solver_generates_once_a_question...)."""
+    import torch
+
+    from selfevo.agents import load_agent
+    from selfevo.agents.lm.agents import LMSolver
+
+    trained = _tiny_policy(monkeypatch, store=tmp_path)
+    trained.new("main")
+    for _ in range(3):
+        trained.update("main", [_seq("abcdefgh")], [1.0])
+    path = tmp_path / trained.save("main")["file"]
+    agent = load_agent(f"lm:org/tiny-llama@{path}", lm_options={"device": "cpu"})
+    assert isinstance(agent, LMSolver) and agent.name == f"lm:org/tiny-llama@{path}"
+    assert agent.policy_name == "evaluated" and agent.policy.names() == ["evaluated"]
+    want, got = _weights(trained, "main"), _weights(agent.policy, "evaluated")
+    assert want.keys() == got.keys() and all(torch.equal(want[n], got[n]) for n in want)
+    assert any(w.abs().max() > 0 for n, w in want.items() if "lora_B" in n)  # trained: not the zero init
+    with pytest.raises(RuntimeError, match="frozen"):
+        agent.update([])
+    base = load_agent("lm:org/tiny-llama", lm_options={"device": "cpu"})
+    assert base.policy_name is None and base.name == "lm:org/tiny-llama" and base.policy.names() == []
+
+
 def test_a_solver_snapshot_keeps_its_own_lineage_and_a_state_without_one_loads_as_none():
     from selfevo.agents.lm.agents import LMSolver
 
@@ -996,14 +1024,14 @@ class _ChatmlTokenizer(OffsetTokenizer):  # chatml, one token a character; EOS i
         return chatml(messages, add_generation_prompt)
 
 
-def _paris_tool():
+def _mayor_tool():
     return SearchTool(BM25Index.build([Document("d1", "Paris", "The mayor is Anne.")]), topk=1, max_calls=2)
 
 
 def test_the_trl_rollout_refuses_an_unknown_role_or_backend_and_a_scaffold_off_hf():
     """SearchRollout's settings are checked when it is made, each error naming the setting. Mutants: each
     check dropped (trl_env.py:56, :58, :60)."""
-    tool = _paris_tool()
+    tool = _mayor_tool()
     with pytest.raises(ValueError, match=r"^SearchRollout\.role: solver or proposer, got 'grader'"):
         SearchRollout(tool, role="grader")
     with pytest.raises(ValueError, match=r"^SearchRollout\.backend: hf or vllm, got 'sglang'"):
@@ -1020,7 +1048,7 @@ def test_the_trl_rollout_forwards_each_page_read_once_and_ends_at_the_last_actio
     on an observation keeps it whole. Mutants: duplicates kept (trl_env.py:113); the completion not cut at
     its last EOS (trl_env.py:103)."""
     ro = Rollout(list(CONVERSATION), answer="Anne", final="<answer> Anne </answer>", read=["d2", "d1", "d2", "d1"])
-    out = SearchRollout(_paris_tool()).encode(_ChatmlTokenizer(), [CONVERSATION[:2]], [ro])
+    out = SearchRollout(_mayor_tool()).encode(_ChatmlTokenizer(), [CONVERSATION[:2]], [ro])
     assert out["read"] == [["d2", "d1"]] and out["answer"] == ["Anne"] and out["final"] == ["<answer> Anne </answer>"]
     assert "".join(map(chr, out["prompt_ids"][0])) == chatml(CONVERSATION[:2], True)
     completion = "".join(map(chr, out["completion_ids"][0]))
@@ -1029,7 +1057,7 @@ def test_the_trl_rollout_forwards_each_page_read_once_and_ends_at_the_last_actio
     assert trained_text(out["completion_ids"][0], out["env_mask"][0]) == (
         "<search> paris mayor </search><answer> Anne </answer>")
     unanswered = Rollout(list(CONVERSATION[:4]))  # the last turn is an observation
-    out = SearchRollout(_paris_tool()).encode(_ChatmlTokenizer(), [CONVERSATION[:2]], [unanswered])
+    out = SearchRollout(_mayor_tool()).encode(_ChatmlTokenizer(), [CONVERSATION[:2]], [unanswered])
     assert "".join(map(chr, out["completion_ids"][0])).endswith("</information><|im_end|>\n")
 
 
@@ -1040,7 +1068,7 @@ def test_the_trl_proposer_rollout_reads_its_reply_as_a_proposal_and_never_trains
     (trl_env.py:83); the final answer trained (trl_env.py:88)."""
     text = "<question> Who is the mayor of Paris? </question> <answer> Anne </answer>"
     prompt = [{"role": "system", "content": "S"}, {"role": "user", "content": "doc"}]
-    prop = SearchRollout(_paris_tool(), role="proposer")
+    prop = SearchRollout(_mayor_tool(), role="proposer")
     (ro,) = prop.rollouts([prompt], lambda cs, seed: [(text, "stop") for _ in cs], seed=0)
     assert ro.answer == ro.final == text
     out = prop.encode(_ChatmlTokenizer(), [prompt], [ro])
