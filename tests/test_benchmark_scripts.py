@@ -350,3 +350,19 @@ def test_the_pythons_check_compares_values_as_numbers_and_leaves_timings_out(tmp
     report.write_text("# r\nTreatments: a; demo wall time 3 s\nSoftware: python 3.11\n## Audit\n| a | 1 |\n"
                       "## Compute of the training\n| a | 1.2 s |\n## Replay\n| b | 2 |\n", encoding="utf-8")
     assert pythons.tables(report) == ["# r", "## Audit", "| a | 1 |", "## Replay", "| b | 2 |"]
+
+
+def test_line_coverage_lists_lines_as_ranges_and_files_by_lines_not_run(tmp_path):
+    cov = _script("line_coverage")
+    assert cov.line_ranges([9, 1, 2, 3, 7, 10]) == "1-3, 7, 9-10"
+    assert cov.line_ranges([5]) == "5" and cov.line_ranges([]) == ""
+    package = tmp_path / "src" / "selfevo"
+    report = {"files": {str(package / "a.py"): {"missing_lines": [3], "summary": {"num_statements": 10}},
+                        str(package / "b" / "c.py"): {"missing_lines": [1, 2], "summary": {"num_statements": 4}},
+                        str(package / "d.py"): {"missing_lines": [], "summary": {"num_statements": 7}},
+                        str(package / "e.py"): {"missing_lines": [8], "summary": {"num_statements": 9}}}}
+    assert cov.package_rows(report, package) == [("b/c.py", 4, [1, 2]), ("a.py", 10, [3]), ("e.py", 9, [8])]
+    # an installed copy's lines count as the repository's; one place is named once
+    rc = cov.rc_text(tmp_path / ".coverage", package, tmp_path / "site" / "selfevo")
+    assert f"source =\n    {package}\n    {tmp_path / 'site' / 'selfevo'}\n" in rc and "patch = subprocess" in rc
+    assert cov.rc_text(tmp_path / ".coverage", package, package).endswith(f"source =\n    {package}\n")

@@ -3,10 +3,12 @@ conditions), and the plan's validation."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
@@ -33,6 +35,20 @@ solver_steps = 5
 def test_plan_defaults_match_the_shipped_config():
     assert load_plan() == DemoPlan(run=load_plan().run)
     assert load_plan().seeds == 3 and "crossfit" in load_plan().treatments
+
+
+def test_an_installed_package_without_configs_plans_the_same_demo(monkeypatch):
+    """A non-editable install has no configs/ directory: `selfevo demo` then plans from the defaults,
+    which must be configs/demo.toml's plan, run configs included."""
+    from selfevo import demo
+    from selfevo.config import load_config
+
+    shipped = load_plan()
+    monkeypatch.setattr(demo, "DEFAULT_CONFIG", Path("/nonexistent/configs/demo.toml"))
+    installed = load_plan()
+    assert dataclasses.replace(installed, run=shipped.run) == shipped
+    assert load_config(overrides=installed.overrides()) == load_config(overrides=shipped.overrides())
+    assert load_plan(seeds=2).seeds == 2  # the command's flags apply as before
 
 
 def test_plan_validation(tmp_path):

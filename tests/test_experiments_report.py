@@ -1187,6 +1187,21 @@ def test_compare_says_which_runs_are_not_complete(local_grid, tmp_path):
     assert str(root / "crossfit-s0") + " (" not in said
 
 
+def test_compare_refuses_what_is_not_a_run_or_has_no_compute_yet(local_grid, tmp_path):
+    """`compare` names the directory that is not a run, and a run killed before its first round ended
+    (no compute.json), rather than a traceback or a row of zeros."""
+    import shutil
+
+    root, _, _ = local_grid
+    res = CliRunner().invoke(app, ["compare", str(root / "coupled-s0"), str(tmp_path)], terminal_width=250)
+    assert res.exit_code == 2 and f"{tmp_path}: not a run directory (no run manifest.json)" in res.output
+    early = tmp_path / "crossfit-early"
+    shutil.copytree(root / "crossfit-s0", early)
+    (early / "compute.json").unlink()
+    res = CliRunner().invoke(app, ["compare", str(root / "coupled-s0"), str(early)], terminal_width=250)
+    assert res.exit_code == 2 and f"{early}: no compute.json (the run has not finished a round)" in res.output
+
+
 def test_compare_leaves_out_an_audit_older_than_the_run(local_grid, tmp_path):
     """An audit of rounds 1..k of a run that went on to round k+1 (audited, then resumed with
     --no-audit) put round k's F beside round k+1's Cover-EM; the report refuses such a run."""

@@ -1393,6 +1393,17 @@ def test_an_item_with_one_source_id_is_judged_on_that_document():
     assert item_sources({"source_ids": ["d2", "d9"]}, {"d1": "text", "d2": "other"}) == [("d2", "other")]
 
 
+def test_an_item_whose_sources_the_judge_does_not_hold_is_unresolved_without_a_call():
+    """Records audited against another corpus (no source id of the item is among the judge's documents)
+    leave the item unresolved, saying why, and ask the model nothing."""
+    judge, seen = LLMJudge("http://127.0.0.1:9/v1", "judge", documents={"d9": "Another page."}), []
+    judge.client.chat = _scripted_chat([], seen)
+    item = {k: v for k, v in ITEM_1908.items() if k != "sources"} | {"source_id": "d1", "source_ids": ["d1"]}
+    [v] = judge.judge([item])
+    assert not v.resolved and v.reason == "no source document: none of the item's source ids is known"
+    assert seen == [] and judge.judgements()[0]["source_ids"] == []
+
+
 def test_a_reply_stored_as_cut_stands_on_a_rerun_with_the_same_cap(tmp_path):
     """A reply cut at max_tokens is cached: the same cap would cut it again, so a rerun does not ask."""
     seen = []

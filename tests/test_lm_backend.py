@@ -341,7 +341,7 @@ def test_evolve_lm_resumes_after_a_crash_to_the_same_records(lm_run, tmp_path, m
 # ------------------------------------------------------------------ the replay bank on a language model
 
 
-def test_replay_of_a_language_model_run_on_a_real_corpus(lm_run, tmp_path):
+def test_replay_of_a_language_model_run_on_a_real_corpus(lm_run, tmp_path, monkeypatch):
     """`selfevo replay` on a bank of an lm run: the feedback solvers are fresh adapters on the run's
     base model trained by GRPO on the bank's labels, and the metrics follow the judge given (a real
     corpus has no exact truth; here a judge that calls every adopted label right, so no agreement
@@ -408,6 +408,25 @@ def test_replay_of_a_language_model_run_on_a_real_corpus(lm_run, tmp_path):
     assert res["conditions"]["coupled"]["coverage"]["mean"] == res["bank"]["coverage"]
     assert res["bank"]["backend"] == "lm" and res["bank"]["corpus"] == str(CORPUS)
     assert (out / "judge-cache.jsonl").stat().st_size > 0 and (out / "replay.png").exists()
+
+    # without --judge-url, a corpus bank is graded as `evolve` audits a corpus run: by the runs' base
+    # model served on loopback (selfevo.evolve.default_judge, which the lm_run fixture's audit runs)
+    import contextlib
+
+    from selfevo import evolve as evolve_module
+    from selfevo.replay import replay_judge
+
+    made = []
+
+    @contextlib.contextmanager
+    def base_model_judge(cfg, env, cache_path=None, progress=False):
+        made.append((cfg.lm.model, cfg.data.corpus, len(env.documents), cache_path))
+        yield "the base model's judge"
+
+    monkeypatch.setattr(evolve_module, "default_judge", base_model_judge)
+    with replay_judge(bank, cache_path=tmp_path / "cache.jsonl") as judge:
+        assert judge == "the base model's judge"
+    assert made == [("smollm2-135m", str(CORPUS), len(_ctx().documents), tmp_path / "cache.jsonl")]
 
 
 def test_eval_of_a_runs_saved_policy_answers_as_the_run_evaluated_it(lm_run, tmp_path):

@@ -364,6 +364,20 @@ def test_search_tool_cache_skips_the_retriever(small):
     assert counting.calls == 2 and counting.queries == 2  # only "river" was new, asked once
 
 
+def test_search_tool_cache_drops_the_least_recently_used_query_past_its_size(small):
+    counting = CountingRetriever(small)
+    tool = SearchTool(counting, topk=2, cache_size=2)
+    want = {q: tool.lookup([q])[0] for q in ("zebra", "river", "horse")}  # "zebra" dropped for "horse"
+    assert counting.queries == 3
+    assert tool.lookup(["river"]) == [want["river"]] and counting.queries == 3  # kept; now the most recent
+    assert tool.lookup(["zebra"]) == [want["zebra"]] and counting.queries == 4  # asked again; drops "horse"
+    assert tool.lookup(["river"]) == [want["river"]] and counting.queries == 4
+    assert tool.lookup(["horse"]) == [want["horse"]] and counting.queries == 5
+    # a batch of more new queries than the cache holds is answered whole, then trimmed to the size
+    batch = tool.lookup(["a zebra", "a river", "a horse"])
+    assert len(batch) == 3 and len(tool._cache) == 2 and list(tool._cache) == ["a river", "a horse"]
+
+
 # ------------------------------------------------------------------ server over real HTTP
 
 
