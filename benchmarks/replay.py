@@ -292,8 +292,9 @@ def skew_reading(by_skew: list[tuple[str, dict, dict]], bank_ratios: list[list[f
             "confusable sentence the proposer misread, which the untrained solver samples too. Source-id's "
             f"excess is {col(excess)} (popular pages lie on chains from many sources), and the ratio "
             f"{col([f'{r:.2f}' for r in ratios])}: {verdict}. Over the banks of {len(bank_ratios[0])} coupled runs "
-            f"in each world (\"By bank\" below), the ratio is {col([fmt(rs, 2) for rs in bank_ratios])}, at or below "
-            f"0.2 on {low} of the {sum(map(len, bank_ratios))} banks.")
+            f"in each world (the default world's: \"By bank\" below), the ratio is "
+            f"{col([fmt(rs, 2) for rs in bank_ratios])}, at or below 0.2 on {low} of the {sum(map(len, bank_ratios))} "
+            "banks.")
 
 
 def bank_studies(root: Path, seeds: range, overrides: list[str], name: str, conditions: list[str],
