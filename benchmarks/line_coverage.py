@@ -13,6 +13,7 @@ line no test runs, with those lines.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import shlex
@@ -29,18 +30,8 @@ HEADING = "## Line coverage"
 
 def line_ranges(lines: list[int]) -> str:
     """Sorted line numbers as ranges: [1, 2, 3, 7, 9, 10] -> '1-3, 7, 9-10'."""
-    parts: list[str] = []
-    start = prev = None
-    for n in sorted(lines):
-        if prev is not None and n == prev + 1:
-            prev = n
-            continue
-        if start is not None:
-            parts.append(str(start) if start == prev else f"{start}-{prev}")
-        start = prev = n
-    if start is not None:
-        parts.append(str(start) if start == prev else f"{start}-{prev}")
-    return ", ".join(parts)
+    runs = [[n for _, n in run] for _, run in itertools.groupby(enumerate(sorted(lines)), lambda p: p[1] - p[0])]
+    return ", ".join(str(r[0]) if len(r) == 1 else f"{r[0]}-{r[-1]}" for r in runs)
 
 
 def package_rows(report: dict, package: Path) -> list[tuple[str, int, list[int]]]:

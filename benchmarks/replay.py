@@ -318,6 +318,8 @@ def main() -> None:
     ap.add_argument("--bank-seeds", type=int, default=5,
                     help="the by-bank table: banks from coupled runs of seeds run-seed .. run-seed + N - 1")
     args = ap.parse_args()
+    if args.bank_seeds < 1:
+        ap.error("--bank-seeds: must be >= 1 (the by-learner row is the run seed's skill-led bank)")
     console = Console()
     with run_root(args.keep) as root:  # the runs, the bank and the study
 
@@ -403,31 +405,30 @@ def main() -> None:
         by_hops.append(("all hops, question-keyed memory",
                         run_replay(q_bank, HOP_CONDITIONS, seeds=args.seeds, workers=args.workers)))
         # the acceptance's contrasts on banks from other runs (run seeds), for both learners: one bank
-        # is one draw of the loop's proposals, and the replay seeds vary only the feedback solvers
+        # is one draw of the loop's proposals, and the replay seeds vary only the feedback solvers. The
+        # run seed's default bank is the main study's (every condition): it is not replayed again.
         bank_seeds = range(args.run_seed, args.run_seed + args.bank_seeds)
-        by_bank = {learner: bank_studies(root, bank_seeds, overrides, name, BANK_CONDITIONS, args, console)
-                   for learner, overrides, name in (("memory-led", [], "coupled"),
-                                                    ("skill-led", SKILL_LED, "skill-led"))}
+        others = bank_seeds[1:]
+        by_bank = {"memory-led": [(args.run_seed, res),
+                                  *bank_studies(root, others, [], "coupled", BANK_CONDITIONS, args, console)],
+                   "skill-led": bank_studies(root, bank_seeds, SKILL_LED, "skill-led", BANK_CONDITIONS, args,
+                                             console)}
+        # the same contrast with a learner whose skill transfers across sources (SKILL_LED): runs, bank
+        # and feedback solvers all learn so (the by-learner row: its bank of the run seed)
+        skill = by_bank["skill-led"][0][1]
         # the same contrast in worlds whose fact values follow popularity less (world.value_skew):
         # two independent errors agree by chance less often when no value is a fifth of all of them
-        by_skew = []
+        by_skew, skew_ratios = [], [[f_ratio(r) for _, r in by_bank["memory-led"]]]
         for skew in SKEWS:
+            overrides, name = [f"world.value_skew={skew}"], f"value-skew-{skew}"
             with Progress(console=console, transient=True) as bar:
-                s_dirs = coupled_runs(root, args.run_seed, [f"world.value_skew={skew}"], bar, f"value-skew-{skew}")
+                s_dirs = coupled_runs(root, args.run_seed, overrides, bar, name)
             s_bank = build_bank(s_dirs, size=args.size, seed=0)
-            by_skew.append((f"{skew:g}", run_replay(s_bank, HOP_CONDITIONS, seeds=args.seeds, workers=args.workers),
-                            chance_agreement(s_bank)))
+            s_res = run_replay(s_bank, HOP_CONDITIONS, seeds=args.seeds, workers=args.workers)
+            by_skew.append((f"{skew:g}", s_res, chance_agreement(s_bank)))
+            skew_ratios.append([f_ratio(s_res), *(f_ratio(r) for _, r in bank_studies(
+                root, others, overrides, name, ["question-split", "source-id"], args, console))])
         by_skew.insert(0, ("1 (default)", res, chance_agreement(bank)))
-        skew_ratios = [[f_ratio(r) for _, r in by_bank["memory-led"]]]
-        skew_ratios += [[f_ratio(r) for _, r in bank_studies(
-            root, bank_seeds, [f"world.value_skew={skew}"], f"value-skew-{skew}", ["question-split", "source-id"],
-            args, console)] for skew in SKEWS]
-        # the same contrast with a learner whose skill transfers across sources (SKILL_LED): runs,
-        # bank and feedback solvers all learn so
-        with Progress(console=console, transient=True) as bar:
-            k_dirs = coupled_runs(root, args.run_seed, SKILL_LED, bar, "skill-led")
-        skill = run_replay(build_bank(k_dirs, size=args.size, seed=0), HOP_CONDITIONS, seeds=args.seeds,
-                           workers=args.workers)
         once_F, _ = mean_F(by_hops[2][1])
         once, per_source = repeats(bank)
         q_once, _ = repeats(q_bank)
