@@ -783,6 +783,22 @@ def test_a_retriever_url_that_answers_nothing_is_named_before_anything_is_writte
     assert says in text and not (tmp_path / "ev").exists()
 
 
+def test_an_engine_runs_retriever_url_that_answers_nothing_is_named_before_anything_is_written(tmp_path, monkeypatch):
+    """engine-run's /retrieve server was first asked by a phase's first search (after a model load, the run
+    created, perhaps hours of training when only the evaluation searches): it is probed as eval's is."""
+    from selfevo.integrations import engine
+
+    def started(*args, **kwargs):
+        raise AssertionError("the run started")
+
+    monkeypatch.setattr(engine, "EngineRun", started)
+    config = Path(__file__).parents[1] / "configs" / "trl-tiny.toml"
+    text = _usage_error(["engine-run", "--engine", "trl", "--config", str(config), "--out", str(tmp_path / "run"),
+                         "--set", "engine.retriever_url=http://user:secret@127.0.0.1:9/retrieve"])
+    assert "engine.retriever_url http://***@127.0.0.1:9/retrieve: " in text and "secret" not in text
+    assert "--resume" not in text and not (tmp_path / "run").exists()
+
+
 @pytest.mark.parametrize("error", ["grading", "endpoint", "process"])
 def test_engine_run_says_to_resume_after_a_phase_that_failed_part_way(tmp_path, monkeypatch, error):
     """A grader or MSV call failing for good, an endpoint down or a launcher's job failing escaped as a
@@ -1360,6 +1376,14 @@ def test_audit_refuses_what_it_cannot_audit_naming_why(tmp_path):
     out = _usage_error(["audit", "--records", str(records), "--judge", "llm", "--judge-url", "http://127.0.0.1:9/v1",
                         "--out", str(tmp_path / "o")])
     assert out == "error: --judge llm needs --judge-url and --judge-model"
+    out = _usage_error(["audit", "--records", str(records), "--judge", "gold"])
+    assert out == "error: --out is required with --records"
+    (tmp_path / "notes.jsonl").write_text("my notes\n")  # --judge-cache naming a file the judge did not write
+    out = _usage_error(["audit", "--records", str(records), "--judge", "llm", "--judge-url", "http://127.0.0.1:9/v1",
+                        "--judge-model", "m", "--judge-cache", str(tmp_path / "notes.jsonl"),
+                        "--out", str(tmp_path / "o")])
+    assert out.startswith(f"error: {tmp_path / 'notes.jsonl'}:1: corrupt log line: not a judge cache")
+    assert (tmp_path / "notes.jsonl").read_text() == "my notes\n"
     assert not (tmp_path / "o").exists()
 
 

@@ -286,3 +286,55 @@ def test_msv_admission_phase_with_a_served_model(smollm2_path, tmp_path):
         if it["admitted"]:
             assert it["adopted_label"] == adm["majority_with"]
     assert out["admitted"] == sum(it["admitted"] for it in record["items"])
+
+
+def test_trl_engine_run_on_a_corpus_searched_through_a_retriever_server(smollm2_path, tmp_path, monkeypatch):
+    """engine-run on a real corpus with `engine.retriever_url` and no `[data] index`: no index is built here
+    (the server answers the searches: it is asked before the run starts), the corpus's documents are
+    read from a store on disk made once (`corpus_store`, in selfevo's cache), and the audit is the one
+    `evolve` gives a corpus run, the LLM judge over the base model on loopback, reading each item's source
+    from that store. Seed 2: the 135M model writes one well-formed proposal (its other three are cut or
+    too long), so the judge has items."""
+    from _servers import serve_app
+    from _shared import CORPUS, QA_DIR
+
+    import selfevo._io as io
+    from selfevo import evolve as evolve_module
+    from selfevo._io import file_sha256
+    from selfevo.search.bm25 import BM25Index
+    from selfevo.search.server import make_app
+
+    index = BM25Index.from_corpus_file(CORPUS)
+    searched = []
+    retrieve = index.retrieve
+    index.retrieve = lambda queries, *a, **k: searched.extend(queries) or retrieve(queries, *a, **k)
+
+    def no_local_index(*args, **kwargs):
+        raise AssertionError("an index was built in the run's process")
+
+    monkeypatch.setattr(evolve_module, "_corpus_index", no_local_index)
+    monkeypatch.setattr(io, "cache_root", lambda: tmp_path / "cache")
+    config = tmp_path / "corpus-tiny.toml"  # trl-tiny.toml without its world, which a corpus run refuses
+    config.write_text(TINY.read_text().replace('[world]\nname = "small"\n', ""))
+    out = tmp_path / "run"
+    with serve_app(make_app(index)) as url:
+        result = CliRunner().invoke(app, ["engine-run", "--engine", "trl", "--config", str(config), "--out", str(out),
+                                          "--set", f"data.corpus={CORPUS}", "--set", f"data.qa_dir={QA_DIR}",
+                                          "--set", f"engine.retriever_url={url}/retrieve", "--set", "seed=2",
+                                          "--set", "lm.judge_max_tokens=64"])
+    assert result.exit_code == 0, result.output
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["status"] == "complete"
+    assert manifest["corpus_sha256"] == file_sha256(CORPUS) and manifest["index"] is None
+    # the server was asked before anything was written (the probe); the 135M model writes no search of its own
+    # at this scale, so the run's searches, through the client to that server, are not exercised here
+    assert searched[:1] == ["probe"]
+    store = tmp_path / "cache" / "corpora" / file_sha256(CORPUS)
+    assert sorted(p.name for p in store.iterdir()) == ["docs.jsonl", "docs.offsets.npy"]
+    items = [it for s in _lines(out / "records/steps.jsonl") for it in s["items"]]
+    assert items  # else nothing below is judged
+    judge = json.loads((out / "audit" / "judge.json").read_text())
+    assert judge["judge"] == json.loads((out / "audit" / "metrics.json").read_text())["judge"] == "llm:smollm2-135m"
+    assert judge["summary"]["items"] == len(items) and judge["summary"]["requests"] >= 1
+    rows = _lines(out / "audit" / "judgements.jsonl")
+    assert [r["source_ids"] for r in rows] == [it["source_ids"] for it in items]

@@ -269,6 +269,46 @@ def test_evolve_lm_crossfit_writes_the_sim_schema(lm_run, sim_run):
     assert not (lm_run / "checkpoints" / "step.json").exists()
 
 
+def test_evolve_audits_a_corpus_run_with_the_judge_it_is_given(lm_run, tmp_path, monkeypatch):
+    """`evolve(cfg, out, judge=J)` from Python: a corpus run is audited by J, not by the base model served on
+    loopback (the default judge, which the lm_run fixture's audit runs). A finished run resumed only audits
+    again, so the run's records are the fixture's, judged anew; here by a judge that calls every label wrong."""
+    import shutil
+
+    from selfevo import evolve as evolve_module
+    from selfevo.audit import Verdict
+    from selfevo.config import config_from_dict
+    from selfevo.runs import RunDir
+
+    out = tmp_path / "run"
+    shutil.copytree(lm_run, out)
+    before = (out / "records" / "steps.jsonl").read_bytes()
+
+    def no_default_judge(*args, **kwargs):
+        raise AssertionError("the default judge was made though a judge was given")
+
+    monkeypatch.setattr(evolve_module, "default_judge", no_default_judge)
+    seen = []
+
+    class LabelsAreWrong:
+        name = "labels-are-wrong"
+
+        def judge(self, items):
+            seen.extend(items)
+            return [Verdict(True, False, tuple(False for _ in it["responses"]), ()) for it in items]
+
+    run = evolve_module.evolve(config_from_dict(RunDir(lm_run).config()), out, resume=True, progress=False,
+                               judge=LabelsAreWrong())
+    assert run.manifest()["status"] == "complete" and (out / "records" / "steps.jsonl").read_bytes() == before
+    audit = json.loads((out / "audit" / "metrics.json").read_text())
+    assert audit["judge"] == "labels-are-wrong"
+    steps = run.steps()
+    assert len(seen) == sum(len(s["items"]) for s in steps) > 0  # every item of every step, in one call
+    for r in audit["rounds"]:  # nothing is right: no agreement is true, every agreement is false
+        assert r["T_P"] == 0.0 and r["T_S"] == 0.0 and r["coverage"] == 1.0
+        assert r["F"] == pytest.approx(r["A"])
+
+
 @pytest.mark.parametrize("crash_in", ["round-2-solver-step", "round-1-aux-1"])
 def test_evolve_lm_resumes_after_a_crash_to_the_same_records(lm_run, tmp_path, monkeypatch, crash_in):
     """Generation on CPU is deterministic at a fixed thread count: a run killed in round 2's solver

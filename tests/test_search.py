@@ -925,6 +925,45 @@ def test_doc_store_rescans_a_docs_file_replaced_by_one_of_another_size(tmp_path)
     assert len(store) == 4 and list(store) == other
 
 
+def test_a_corpus_store_is_written_once_a_corpus_file_and_reopened(tmp_path, monkeypatch):
+    """`corpus_store` (a run searching through a /retrieve server reads its corpus's documents from it):
+    the corpus's documents, numeric ids as strings and a gzipped file read through as everywhere; a store
+    per file content (its sha256), opened as it is on the next use (nothing written), another for a
+    rewritten file; a bad corpus a DataError naming file and line, leaving nothing under the root."""
+    import gzip
+
+    from selfevo.corpus import DataError
+    from selfevo.search import docstore
+    from selfevo.search.docstore import corpus_store
+
+    corpus = tmp_path / "c.jsonl"
+    write_corpus(corpus, DOCS)
+    root = tmp_path / "cache"
+    store = corpus_store(corpus, root)
+    assert list(store) == DOCS and store.path == root / file_sha256(corpus) / "docs.jsonl"
+    assert sorted(p.name for p in root.iterdir()) == [file_sha256(corpus)]  # no build directory left
+
+    def no_write(*args, **kwargs):
+        raise AssertionError("a store that exists was written again")
+
+    with monkeypatch.context() as m:
+        m.setattr(docstore.DocStore, "write", no_write)
+        assert corpus_store(corpus, root) == store
+    gz = tmp_path / "c.jsonl.gz"  # the same documents gzipped: another file, another store, the same documents
+    gz.write_bytes(gzip.compress(corpus.read_bytes()))
+    assert list(corpus_store(gz, root)) == DOCS and len(list(root.iterdir())) == 2
+    numeric = tmp_path / "n.jsonl"
+    numeric.write_text(json.dumps({"id": 7, "contents": '"Seven"\nA number.'}) + "\n")
+    assert [(d.id, d.title) for d in corpus_store(numeric, root)] == [("7", "Seven")]
+    bad = tmp_path / "bad.jsonl"
+    bad.write_bytes(corpus.read_bytes() + b'{"id": "x"}\n')
+    with pytest.raises(DataError, match=rf"bad\.jsonl:{len(DOCS) + 1}: missing field 'contents'"):
+        corpus_store(bad, root)
+    with pytest.raises(DataError, match="file not found"):
+        corpus_store(tmp_path / "nope.jsonl", root)
+    assert len(list(root.iterdir())) == 3  # the bad corpus left neither a store nor its build directory
+
+
 @pytest.mark.parametrize("line", [
     b'{"id": "d2"}', b'["d2", "contents"]',
     b'{"id": "d2", "contents": 5}',

@@ -206,6 +206,12 @@ def append_jsonl(path: str | os.PathLike, rows: Iterable[dict], fsync: bool = Tr
         os.close(fd)
 
 
+def cache_root() -> Path:
+    """Where selfevo keeps what it makes once and reuses (converted models, corpus stores):
+    $SELFEVO_CACHE_DIR, else ~/.cache/selfevo."""
+    return Path(os.environ.get("SELFEVO_CACHE_DIR") or Path.home() / ".cache" / "selfevo")
+
+
 def file_sha256(path: str | os.PathLike) -> str:
     """sha256 of a file's bytes, read in 4 MiB chunks (corpora are gigabytes)."""
     h = hashlib.sha256()

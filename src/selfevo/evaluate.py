@@ -516,8 +516,8 @@ def _run_eval(data_dir, corpus, agent, out_dir: Path, limit, retriever_url, inde
         if not retriever_url.startswith(("http://", "https://")):
             raise ValueError(f"retriever URL {shown_url(retriever_url)!r}: expected http(s)://HOST:PORT")
         retriever = RetrieverClient(retriever_url)
-        try:  # one query, before anything is written (Search-R1's own server has no /health to ask)
-            retriever.retrieve(["probe"], 1)
+        try:
+            retriever.probe()
         except RetrieverError as e:
             raise ValueError(f"retriever URL {shown_url(retriever_url)}: {e}") from None
     else:

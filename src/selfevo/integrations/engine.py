@@ -54,7 +54,15 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from selfevo import _proc
-from selfevo._io import append_jsonl, read_json, read_jsonl_log, remove_leftover_temps, write_json, write_jsonl
+from selfevo._io import (
+    append_jsonl,
+    read_json,
+    read_jsonl_log,
+    remove_leftover_temps,
+    shown_url,
+    write_json,
+    write_jsonl,
+)
 from selfevo.agents.lm.config import LMConfig
 from selfevo.agents.lm.model import model_identity
 from selfevo.config import ConfigError, RunConfig, apply_overrides, blame, check_known, config_from_dict, read_toml
@@ -811,6 +819,14 @@ class EngineRun:
 
 def engine_run(ecfg: EngineConfig, out: str | os.PathLike, resume: bool = False,
                log: Callable[[str], None] = print) -> RunDir:
+    if url := ecfg.engine.retriever_url:  # a server that answers nothing fails before anything is written
+        from selfevo.search.client import RetrieverClient, RetrieverError
+
+        try:
+            with RetrieverClient(url) as client:
+                client.probe()
+        except RetrieverError as e:
+            raise ConfigError(f"engine.retriever_url {shown_url(url)}: {e}") from None
     with RunDir(out).lock():  # one writer, as for `evolve`
         return EngineRun(ecfg, out, resume=resume, log=log).run_all()
 
@@ -819,11 +835,16 @@ def engine_run(ecfg: EngineConfig, out: str | os.PathLike, resume: bool = False,
 
 
 def _corpus_env(cfg: RunConfig):
-    """A real corpus searched through a /retrieve server: documents and benchmarks, no local index."""
-    from selfevo.corpus import read_corpus, read_qa_dir
+    """A real corpus searched through a /retrieve server: documents and benchmarks, no local index. The
+    documents (the proposer's sources, the judge's evidence) are read by id from a copy on disk made once
+    a corpus file (selfevo's cache: `corpus_store`), as a saved index's are."""
+    from selfevo._io import cache_root
+    from selfevo.corpus import read_qa_dir
     from selfevo.evolve import Environment
+    from selfevo.search.docstore import corpus_store
 
-    return Environment(read_corpus(cfg.data.corpus), None, read_qa_dir(cfg.data.qa_dir))
+    return Environment(corpus_store(cfg.data.corpus, cache_root() / "corpora", progress=True), None,
+                       read_qa_dir(cfg.data.qa_dir))
 
 
 def _seconds(x: float) -> float:

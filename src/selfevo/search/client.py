@@ -168,6 +168,12 @@ class RetrieverClient:
     def health(self) -> dict[str, Any]:
         return self._request("GET", "/health")
 
+    def probe(self) -> None:
+        """One query, before a command writes anything (Search-R1's own server has no /health to ask): a
+        server that answers nothing, or not as /retrieve does, is a RetrieverError now, not in the first
+        search, perhaps hours into a run."""
+        self.retrieve(["probe"], 1)
+
     def retrieve(self, queries: Sequence[str], topk: int = 3) -> list[list[Hit]]:
         out: list[list[Hit]] = []
         for start in range(0, len(queries), self.batch_size):

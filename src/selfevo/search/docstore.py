@@ -14,6 +14,7 @@ import json
 import mmap
 import os
 import shutil
+import tempfile
 from array import array
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
@@ -21,9 +22,10 @@ from typing import Any
 
 import numpy as np
 
-from selfevo._io import atomic_writer
-from selfevo.corpus import DataError
+from selfevo._io import atomic_writer, file_sha256
+from selfevo.corpus import DataError, corpus_documents
 from selfevo.records import Document
+from selfevo.search._progress import ProgressBar, corpus_total, ticked
 
 DOCS_FILE = "docs.jsonl"
 OFFSETS_FILE = "docs.offsets.npy"
@@ -152,6 +154,34 @@ def settle(docs: Sequence[Document], index_dir: str | os.PathLike) -> DocStore:
         shutil.rmtree(index_dir / STAGING, ignore_errors=True)
         return docs
     return DocStore.write(index_dir, docs)
+
+
+def corpus_store(corpus: str | os.PathLike, root: str | os.PathLike, progress: bool = False) -> DocStore:
+    """The documents of a corpus file as a store in `root`/<the file's sha256>, written on first use (read
+    and checked as any corpus: `corpus_documents`) and opened as it is after: what needs a corpus's
+    documents by id and has no index of it (a run searching through a /retrieve server) keeps them on
+    disk, not as Python objects (wiki-18 would take about 40 GB). Built in a directory of its own and
+    renamed into place, as `convert_gguf` does: a killed or concurrent build never leaves a half store
+    under the name. `progress`: a bar while the store is written."""
+    if not Path(corpus).is_file():
+        raise DataError(corpus, None, "not a file" if Path(corpus).exists() else "file not found")
+    sha = file_sha256(corpus)
+    out = Path(root) / sha
+    if (out / OFFSETS_FILE).exists():  # written last: its docs.jsonl is whole
+        return DocStore(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{sha[:12]}.tmp-"))
+    try:
+        with ProgressBar(progress, corpus_total(corpus, progress), f"copying {Path(corpus).name} to {out}") as advance:
+            DocStore.write(tmp, ticked(corpus_documents(corpus, sha), advance))
+        try:
+            os.rename(tmp, out)
+        except OSError:  # another process finished first: keep its copy
+            if not (out / OFFSETS_FILE).exists():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return DocStore(out)
 
 
 def hashed(docs: Iterable[Document], h: Any) -> Iterator[Document]:

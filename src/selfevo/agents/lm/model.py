@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
-from selfevo._io import check_local_path
+from selfevo._io import cache_root, check_local_path
 from selfevo.algos import hash_unit
 
 Messages = Sequence[Mapping[str, str]]
@@ -172,10 +172,6 @@ class ScriptedModel:
 
 
 # ---------------------------------------------------------------- transformers
-
-
-def cache_root() -> Path:
-    return Path(os.environ.get("SELFEVO_CACHE_DIR") or Path.home() / ".cache" / "selfevo")
 
 
 def smollm2_gguf() -> Path:
