@@ -1440,12 +1440,16 @@ def test_engine_run_refuses_a_run_another_process_is_writing(tmp_path, monkeypat
     assert not (tmp_path / "run").exists()
 
 
-def test_engine_resume_is_held_to_the_world_or_corpus_it_was_made_on(tmp_path):
+def test_engine_resume_is_held_to_the_world_or_corpus_it_was_made_on(tmp_path, monkeypatch):
     """engine-run recorded no world or corpus fingerprint, so a resume (and the audit, replay and report
     after it) went on over a world directory remade, or a corpus rewritten, since: as evolve's runs are
-    held to theirs, these are now, and a resume (evolve's too) to the QA set its rounds were evaluated on."""
+    held to theirs, these are now, and a resume (evolve's too) to the QA set its rounds were evaluated on.
+    A corpus searched through a server is read from its store in selfevo's cache (a copy per file
+    content); a cache where none can be written is a ConfigError naming it, before the run is made."""
     import copy
 
+    import selfevo._io
+    from selfevo.config import ConfigError
     from selfevo.integrations import engine as eng
     from selfevo.runs import RunDir, RunError
     from selfevo.world import WorldConfig, make_world, save_world
@@ -1475,9 +1479,18 @@ def test_engine_resume_is_held_to_the_world_or_corpus_it_was_made_on(tmp_path):
     on_corpus = {**{k: v for k, v in ENGINE_CFG.items() if k != "world"},
                  "data": {"corpus": str(corpus), "qa_dir": str(qa)},
                  "engine": {**ENGINE_CFG["engine"], "retriever_url": "http://127.0.0.1:9/retrieve"}}
+    cache = tmp_path / "cache"
+    monkeypatch.setattr(selfevo._io, "cache_root", lambda: cache)  # read when called: `cache` is reassigned below
     make(on_corpus, tmp_path / "served", resume=False)
     made = RunDir(tmp_path / "served").manifest()
     assert made["corpus_sha256"] and made["index"] is None and made["qa_sha256"]
+    assert [p.name for p in (cache / "corpora").iterdir()] == [made["corpus_sha256"]]
+    cache = tmp_path / "a-file"  # no directory can be made under a file
+    cache.write_text("")
+    with pytest.raises(ConfigError, match=rf"a-file/corpora: cannot write the store of {corpus}'s documents"):
+        make(on_corpus, tmp_path / "unwritable", resume=False)
+    assert not (tmp_path / "unwritable").exists()
+    cache = tmp_path / "cache"
     question = (qa / "nq.jsonl").read_text()
     (qa / "nq.jsonl").write_text(question.replace("Beta", "Gamma"))  # the rounds to come: other questions
     with pytest.raises(RunError, match="the QA files have changed"):

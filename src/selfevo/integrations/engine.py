@@ -843,8 +843,13 @@ def _corpus_env(cfg: RunConfig):
     from selfevo.evolve import Environment
     from selfevo.search.docstore import corpus_store
 
-    return Environment(corpus_store(cfg.data.corpus, cache_root() / "corpora", progress=True), None,
-                       read_qa_dir(cfg.data.qa_dir))
+    root = cache_root() / "corpora"
+    try:
+        docs = corpus_store(cfg.data.corpus, root, progress=True)
+    except OSError as e:  # the store's directory: not writable, or no room for the copy
+        raise ConfigError(f"{root}: cannot write the store of {cfg.data.corpus}'s documents ({e.strerror or e}); "
+                          "set SELFEVO_CACHE_DIR to a writable directory with room for a copy of the corpus") from None
+    return Environment(docs, None, read_qa_dir(cfg.data.qa_dir))
 
 
 def _seconds(x: float) -> float:

@@ -165,7 +165,10 @@ def corpus_store(corpus: str | os.PathLike, root: str | os.PathLike, progress: b
     under the name. `progress`: a bar while the store is written."""
     if not Path(corpus).is_file():
         raise DataError(corpus, None, "not a file" if Path(corpus).exists() else "file not found")
-    sha = file_sha256(corpus)
+    try:
+        sha = file_sha256(corpus)
+    except OSError as e:  # (any OSError after this one is the store's)
+        raise DataError(corpus, None, f"cannot read: {e.strerror}") from None
     out = Path(root) / sha
     if (out / OFFSETS_FILE).exists():  # written last: its docs.jsonl is whole
         return DocStore(out)
