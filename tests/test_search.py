@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import inspect
 import json
 import pickle
+import shutil
 import time
 
 import bm25s
@@ -949,6 +951,25 @@ def test_a_corpus_store_is_written_once_a_corpus_file_and_reopened(tmp_path, mon
     with monkeypatch.context() as m:
         m.setattr(docstore.DocStore, "write", no_write)
         assert corpus_store(corpus, root) == store
+    # a build killed part way left its directory beside the store's place: the next build replaces it
+    shutil.rmtree(store.path.parent)
+    leftover = root / f".{file_sha256(corpus)}.tmp"
+    leftover.mkdir()
+    (leftover / "docs.jsonl").write_text('{"id": "half')
+    assert list(corpus_store(corpus, root)) == DOCS and not leftover.exists()
+    # two builders at once (two runs of a grid starting together): one writes, the other waits and opens it
+    shutil.rmtree(store.path.parent)
+    real_write, writes = docstore.DocStore.write, []
+
+    def slow_write(directory, docs):
+        writes.append(directory)
+        time.sleep(0.3)  # the other builder arrives while this one writes
+        return real_write(directory, docs)
+
+    with monkeypatch.context() as m, concurrent.futures.ThreadPoolExecutor(2) as pool:
+        m.setattr(docstore.DocStore, "write", slow_write)
+        built = [f.result() for f in [pool.submit(corpus_store, corpus, root) for _ in range(2)]]
+    assert len(writes) == 1 and all(list(b) == DOCS for b in built)
     gz = tmp_path / "c.jsonl.gz"  # the same documents gzipped: another file, another store, the same documents
     gz.write_bytes(gzip.compress(corpus.read_bytes()))
     assert list(corpus_store(gz, root)) == DOCS and len(list(root.iterdir())) == 2

@@ -14,7 +14,6 @@ import json
 import mmap
 import os
 import shutil
-import tempfile
 from array import array
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
@@ -22,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from selfevo._io import atomic_writer, file_sha256
+from selfevo._io import atomic_writer, file_sha256, hold_directory
 from selfevo.corpus import DataError, corpus_documents
 from selfevo.records import Document
 from selfevo.search._progress import ProgressBar, corpus_total, ticked
@@ -160,9 +159,10 @@ def corpus_store(corpus: str | os.PathLike, root: str | os.PathLike, progress: b
     """The documents of a corpus file as a store in `root`/<the file's sha256>, written on first use (read
     and checked as any corpus: `corpus_documents`) and opened as it is after: what needs a corpus's
     documents by id and has no index of it (a run searching through a /retrieve server) keeps them on
-    disk, not as Python objects (wiki-18 would take about 40 GB). Built in a directory of its own and
-    renamed into place, as `convert_gguf` does: a killed or concurrent build never leaves a half store
-    under the name. `progress`: a bar while the store is written."""
+    disk, not as Python objects (wiki-18 would take about 40 GB). One process builds a corpus's store at a
+    time (another waits, then opens it), beside its place, renamed into place when whole: a kill never
+    leaves a half store under the name, and the next build removes what it left. `progress`: a bar while
+    the store is written."""
     if not Path(corpus).is_file():
         raise DataError(corpus, None, "not a file" if Path(corpus).exists() else "file not found")
     try:
@@ -170,20 +170,18 @@ def corpus_store(corpus: str | os.PathLike, root: str | os.PathLike, progress: b
     except OSError as e:  # (any OSError after this one is the store's)
         raise DataError(corpus, None, f"cannot read: {e.strerror}") from None
     out = Path(root) / sha
-    if (out / OFFSETS_FILE).exists():  # written last: its docs.jsonl is whole
-        return DocStore(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{sha[:12]}.tmp-"))
-    try:
-        with ProgressBar(progress, corpus_total(corpus, progress), f"copying {Path(corpus).name} to {out}") as advance:
-            DocStore.write(tmp, ticked(corpus_documents(corpus, sha), advance))
-        try:
-            os.rename(tmp, out)
-        except OSError:  # another process finished first: keep its copy
-            if not (out / OFFSETS_FILE).exists():
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+    if not (out / OFFSETS_FILE).exists():  # written last: its docs.jsonl is whole
+        with hold_directory(Path(root) / f".{sha}.lock", None):
+            if not (out / OFFSETS_FILE).exists():  # (another process may have built it while this one waited)
+                tmp = Path(root) / f".{sha}.tmp"
+                shutil.rmtree(tmp, ignore_errors=True)  # a killed build's
+                try:
+                    with ProgressBar(progress, corpus_total(corpus, progress),
+                                     f"copying {Path(corpus).name} to {out}") as advance:
+                        DocStore.write(tmp, ticked(corpus_documents(corpus, sha), advance))
+                    os.rename(tmp, out)
+                finally:
+                    shutil.rmtree(tmp, ignore_errors=True)
     return DocStore(out)
 
 
