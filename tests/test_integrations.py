@@ -1448,7 +1448,7 @@ def test_engine_resume_is_held_to_the_world_or_corpus_it_was_made_on(tmp_path, m
     content); a cache where none can be written is a ConfigError naming it, before the run is made."""
     import copy
 
-    import selfevo._io
+    from selfevo import evolve
     from selfevo.config import ConfigError
     from selfevo.integrations import engine as eng
     from selfevo.runs import RunDir, RunError
@@ -1480,7 +1480,7 @@ def test_engine_resume_is_held_to_the_world_or_corpus_it_was_made_on(tmp_path, m
                  "data": {"corpus": str(corpus), "qa_dir": str(qa)},
                  "engine": {**ENGINE_CFG["engine"], "retriever_url": "http://127.0.0.1:9/retrieve"}}
     cache = tmp_path / "cache"
-    monkeypatch.setattr(selfevo._io, "cache_root", lambda: cache)  # read when called: `cache` is reassigned below
+    monkeypatch.setattr(evolve, "cache_root", lambda: cache)  # read when called: `cache` is reassigned below
     make(on_corpus, tmp_path / "served", resume=False)
     made = RunDir(tmp_path / "served").manifest()
     assert made["corpus_sha256"] and made["index"] is None and made["qa_sha256"]

@@ -298,7 +298,6 @@ def test_trl_engine_run_on_a_corpus_searched_through_a_retriever_server(smollm2_
     from _servers import serve_app
     from _shared import CORPUS, QA_DIR
 
-    import selfevo._io as io
     from selfevo import evolve as evolve_module
     from selfevo._io import file_sha256
     from selfevo.search.bm25 import BM25Index
@@ -313,7 +312,7 @@ def test_trl_engine_run_on_a_corpus_searched_through_a_retriever_server(smollm2_
         raise AssertionError("an index was built in the run's process")
 
     monkeypatch.setattr(evolve_module, "_corpus_index", no_local_index)
-    monkeypatch.setattr(io, "cache_root", lambda: tmp_path / "cache")
+    monkeypatch.setattr(evolve_module, "cache_root", lambda: tmp_path / "cache")
     config = tmp_path / "corpus-tiny.toml"  # trl-tiny.toml without its world, which a corpus run refuses
     config.write_text(TINY.read_text().replace('[world]\nname = "small"\n', ""))
     out = tmp_path / "run"
@@ -338,3 +337,25 @@ def test_trl_engine_run_on_a_corpus_searched_through_a_retriever_server(smollm2_
     assert judge["summary"]["items"] == len(items) and judge["summary"]["requests"] >= 1
     rows = _lines(out / "audit" / "judgements.jsonl")
     assert [r["source_ids"] for r in rows] == [it["source_ids"] for it in items]
+
+    # `selfevo audit RUN --judge llm` afterwards (a stronger judge, as docs/lm.md says): the run is audited as
+    # it ran, its documents read from the store, no index built (it would index all of wiki-18 for a judge
+    # that reads a few pages); each item's source reaches the judge
+    from selfevo.agents.lm.model import ScriptedModel
+    from selfevo.agents.lm.server import make_app as chat_app
+    from selfevo.agents.lm.server import running
+    from selfevo.corpus import read_corpus
+
+    prompts = []
+
+    def judge_script(messages):
+        prompts.append(next(m["content"] for m in messages if m["role"] == "user"))
+        return "{}"  # no reference: every item unresolved, which is not what is checked
+
+    with running(chat_app(ScriptedModel(judge_script, name="judge"))) as judge_url:
+        result = CliRunner().invoke(app, ["audit", str(out), "--judge", "llm", "--judge-url", judge_url,
+                                          "--judge-model", "judge", "--no-progress"])
+    assert result.exit_code == 0, result.output
+    assert json.loads((out / "audit" / "llm" / "metrics.json").read_text())["judge"] == "llm:judge"
+    text = {d.id: d.text for d in read_corpus(CORPUS) if d.id in {s for it in items for s in it["source_ids"]}}
+    assert text and all(any(t[:200] in p for p in prompts) for t in text.values())

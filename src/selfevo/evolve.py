@@ -19,7 +19,7 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from selfevo._io import file_sha256, write_json
+from selfevo._io import cache_root, file_sha256, write_json
 from selfevo.agents.sim import Reader, SimProposer, SimSolver
 from selfevo.audit import OracleJudge, audit_run
 from selfevo.config import ConfigError, RunConfig, WorldSpec, config_from_dict
@@ -33,7 +33,7 @@ from selfevo.loop.schedule import derive_seed
 from selfevo.loop.treatments import feedback_options, parse_treatment
 from selfevo.runs import RunDir, RunError
 from selfevo.search.bm25 import BM25Index
-from selfevo.search.docstore import contents_by_id, hashed
+from selfevo.search.docstore import contents_by_id, corpus_store, hashed
 from selfevo.search.index import index_identity
 from selfevo.search.tool import Retriever, SearchTool
 from selfevo.world import World, resolve_world, world_fingerprint
@@ -129,6 +129,19 @@ class Environment:
 
 
 _CORPORA: dict[tuple, Retriever] = {}
+
+
+def served_environment(cfg: RunConfig, benchmarks: bool = True) -> Environment:
+    """A corpus searched through a /retrieve server (no index here): its documents (the proposer's sources,
+    the judge's evidence) read by id from a copy on disk made once a corpus file (`corpus_store`, in
+    selfevo's cache), as a saved index's are; and its benchmarks (`benchmarks=False`: none)."""
+    root = cache_root() / "corpora"
+    try:
+        docs = corpus_store(cfg.data.corpus, root, progress=True)
+    except OSError as e:  # the store's directory: not writable, or no room for the copy
+        raise ConfigError(f"{root}: cannot write the store of {cfg.data.corpus}'s documents ({e.strerror or e}); "
+                          "set SELFEVO_CACHE_DIR to a writable directory with room for a copy of the corpus") from None
+    return Environment(docs, None, read_qa_dir(cfg.data.qa_dir) if benchmarks else {})
 
 
 def _file_key(path: str) -> tuple:

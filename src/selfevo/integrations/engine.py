@@ -363,6 +363,7 @@ class EngineRun:
             fold_assignment,
             note_made_on,
             saved_folds,
+            served_environment,
             source_pool,
         )
 
@@ -380,7 +381,7 @@ class EngineRun:
         # bad data fails before anything is written; with a /retrieve server no local index is built (a
         # saved one, data.index, is only opened: its documents stay on disk)
         local = not (self.spec.retriever_url and self.cfg.data.corpus) or self.cfg.data.index
-        self.env = environment(self.cfg) if local else _corpus_env(self.cfg)
+        self.env = environment(self.cfg) if local else served_environment(self.cfg)
         self.pool = source_pool(self.cfg, self.env.documents)
         self.tool = self._tool()
         self.run = RunDir(out)
@@ -832,24 +833,6 @@ def engine_run(ecfg: EngineConfig, out: str | os.PathLike, resume: bool = False,
 
 
 # ---------------------------------------------------------------- helpers
-
-
-def _corpus_env(cfg: RunConfig):
-    """A real corpus searched through a /retrieve server: documents and benchmarks, no local index. The
-    documents (the proposer's sources, the judge's evidence) are read by id from a copy on disk made once
-    a corpus file (selfevo's cache: `corpus_store`), as a saved index's are."""
-    from selfevo._io import cache_root
-    from selfevo.corpus import read_qa_dir
-    from selfevo.evolve import Environment
-    from selfevo.search.docstore import corpus_store
-
-    root = cache_root() / "corpora"
-    try:
-        docs = corpus_store(cfg.data.corpus, root, progress=True)
-    except OSError as e:  # the store's directory: not writable, or no room for the copy
-        raise ConfigError(f"{root}: cannot write the store of {cfg.data.corpus}'s documents ({e.strerror or e}); "
-                          "set SELFEVO_CACHE_DIR to a writable directory with room for a copy of the corpus") from None
-    return Environment(docs, None, read_qa_dir(cfg.data.qa_dir))
 
 
 def _seconds(x: float) -> float:
