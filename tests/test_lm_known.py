@@ -567,6 +567,14 @@ def test_load_pretrained_refuses_a_tokenizer_with_no_chat_template_before_the_we
     with pytest.raises(ValueError, match="language model 'org/base': the tokenizer has no chat template"):
         load_pretrained(tmp_path, model="org/base")
     assert weights == []
+    # `evolve` with such a model: a config error naming it, before the run directory is made
+    from selfevo.config import ConfigError, load_config
+    from selfevo.evolve import evolve
+
+    cfg = load_config(None, ["backend=lm", "lm.model=org/base", "world.name=small"])
+    with pytest.raises(ConfigError, match="language model 'org/base': the tokenizer has no chat template"):
+        evolve(cfg, tmp_path / "run", progress=False)
+    assert weights == [] and not (tmp_path / "run").exists()
 
 
 def test_weights_that_cannot_be_loaded_are_named_with_the_model_and_its_directory(monkeypatch, tmp_path):
