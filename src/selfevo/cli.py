@@ -812,7 +812,8 @@ def audit_cmd(
             # server (engine-run's, no index recorded) is audited without one, as it ran: its documents are
             # read from their store, where building an index of wiki-18 would take hours
             served = bool(cfg.data.corpus) and not cfg.data.index and manifest.get("index", False) is None
-            env = served_environment(cfg, benchmarks=False) if served else environment(cfg, benchmarks=False)
+            env = (served_environment(cfg, benchmarks=False, progress=progress) if served
+                   else environment(cfg, benchmarks=False))
             check_world(run, cfg, index=None if served else False, held=True)
         except (ConfigError, ValueError) as e:  # a RunError is a ValueError
             _fail(str(e))

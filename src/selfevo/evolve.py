@@ -131,13 +131,14 @@ class Environment:
 _CORPORA: dict[tuple, Retriever] = {}
 
 
-def served_environment(cfg: RunConfig, benchmarks: bool = True) -> Environment:
+def served_environment(cfg: RunConfig, benchmarks: bool = True, progress: bool = True) -> Environment:
     """A corpus searched through a /retrieve server (no index here): its documents (the proposer's sources,
     the judge's evidence) read by id from a copy on disk made once a corpus file (`corpus_store`, in
-    selfevo's cache), as a saved index's are; and its benchmarks (`benchmarks=False`: none)."""
+    selfevo's cache), as a saved index's are; and its benchmarks (`benchmarks=False`: none). `progress`: a
+    bar while the copy is made."""
     root = cache_root() / "corpora"
     try:
-        docs = corpus_store(cfg.data.corpus, root, progress=True)
+        docs = corpus_store(cfg.data.corpus, root, progress=progress)
     except OSError as e:  # the store's directory: not writable, or no room for the copy
         raise ConfigError(f"{root}: cannot write the store of {cfg.data.corpus}'s documents ({e.strerror or e}); "
                           "set SELFEVO_CACHE_DIR to a writable directory with room for a copy of the corpus") from None

@@ -170,7 +170,7 @@ def corpus_store(corpus: str | os.PathLike, root: str | os.PathLike, progress: b
     except OSError as e:  # (any OSError after this one is the store's)
         raise DataError(corpus, None, f"cannot read: {e.strerror}") from None
     out = Path(root) / sha
-    if not (out / OFFSETS_FILE).exists():  # written last: its docs.jsonl is whole
+    if not (out / OFFSETS_FILE).exists():  # (a store is renamed into place whole)
         with hold_directory(Path(root) / f".{sha}.lock", None):
             if not (out / OFFSETS_FILE).exists():  # (another process may have built it while this one waited)
                 tmp = Path(root) / f".{sha}.tmp"
