@@ -1449,7 +1449,7 @@ def test_engine_resume_is_held_to_the_world_or_corpus_it_was_made_on(tmp_path, m
     import copy
 
     from selfevo import evolve
-    from selfevo.config import ConfigError
+    from selfevo.config import ConfigError, config_from_dict
     from selfevo.integrations import engine as eng
     from selfevo.runs import RunDir, RunError
     from selfevo.world import WorldConfig, make_world, save_world
@@ -1497,7 +1497,18 @@ def test_engine_resume_is_held_to_the_world_or_corpus_it_was_made_on(tmp_path, m
         make(on_corpus, tmp_path / "served", resume=True)
     (qa / "nq.jsonl").write_text(question)
     make(on_corpus, tmp_path / "served", resume=True)
+    # what checks such a run with no index in hand (an audit, `replay build`) builds none: the file's hash
+    served_run = RunDir(tmp_path / "served")
+    served_cfg = config_from_dict(served_run.config())
+
+    def no_index(*args, **kwargs):
+        raise AssertionError("an index was built to check a run that searched through a server")
+
+    monkeypatch.setattr(evolve, "_corpus_index", no_index)
+    evolve.check_world(served_run, served_cfg)
     corpus.write_text("".join(json.dumps(r) + "\n" for r in rows[::-1]))
+    with pytest.raises(RunError, match="the corpus has changed"):
+        evolve.check_world(served_run, served_cfg)
     with pytest.raises(RunError, match="the corpus has changed"):
         make(on_corpus, tmp_path / "served", resume=True)
 

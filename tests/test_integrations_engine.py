@@ -359,3 +359,13 @@ def test_trl_engine_run_on_a_corpus_searched_through_a_retriever_server(smollm2_
     assert json.loads((out / "audit" / "llm" / "metrics.json").read_text())["judge"] == "llm:judge"
     text = {d.id: d.text for d in read_corpus(CORPUS) if d.id in {s for it in items for s in it["source_ids"]}}
     assert text and all(any(t[:200] in p for p in prompts) for t in text.values())
+
+    # `selfevo replay build` from the run: its connected groups walk the documents, read from the store (no
+    # index built); the bank holds the run's admitted proposal
+    from selfevo.replay import build_bank
+
+    bank = build_bank([out], size=10, min_round=1, allow_fewer=True)
+    admitted = [it for s in _lines(out / "records/steps.jsonl") if s["kind"] == "proposer"
+                for it in s["items"] if it["admitted"]]
+    assert admitted and [(it.question, it.source_id) for it in bank.items] == \
+        [(it["question"], it["source_id"]) for it in admitted]

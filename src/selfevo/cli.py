@@ -800,7 +800,7 @@ def audit_cmd(
         if compare not in (None, "oracle"):
             _fail("--compare: a run directory is compared with its world's exact truth only (--compare oracle, on a "
                   "world run; a run on a real corpus has none to compare with)")
-        from selfevo.evolve import check_world, environment, served_environment
+        from selfevo.evolve import check_world, environment, searched_through_a_server, served_environment
 
         try:
             # a run another process holds (still running, or resuming) is refused: its log and its audit
@@ -811,10 +811,9 @@ def audit_cmd(
             # the documents and truth; no QA set is read. A corpus run that searched through a /retrieve
             # server (engine-run's, no index recorded) is audited without one, as it ran: its documents are
             # read from their store, where building an index of wiki-18 would take hours
-            served = bool(cfg.data.corpus) and not cfg.data.index and manifest.get("index", False) is None
-            env = (served_environment(cfg, benchmarks=False, progress=progress) if served
-                   else environment(cfg, benchmarks=False))
-            check_world(run, cfg, index=None if served else False, held=True)
+            env = (served_environment(cfg, benchmarks=False, progress=progress)
+                   if searched_through_a_server(cfg, manifest) else environment(cfg, benchmarks=False))
+            check_world(run, cfg, held=True)
         except (ConfigError, ValueError) as e:  # a RunError is a ValueError
             _fail(str(e))
         if env.truth is None and judge == "oracle":

@@ -131,6 +131,13 @@ class Environment:
 _CORPORA: dict[tuple, Retriever] = {}
 
 
+def searched_through_a_server(cfg: RunConfig, manifest: Mapping) -> bool:
+    """Did the run (its config and manifest) search its corpus through a /retrieve server, with no index of
+    it here (engine-run's `retriever_url`; its manifest records no index)? What reads such a run's documents
+    reads them as the run did (`served_environment`), and builds no index."""
+    return bool(cfg.data.corpus) and not cfg.data.index and manifest.get("index", False) is None
+
+
 def served_environment(cfg: RunConfig, benchmarks: bool = True, progress: bool = True) -> Environment:
     """A corpus searched through a /retrieve server (no index here): its documents (the proposer's sources,
     the judge's evidence) read by id from a copy on disk made once a corpus file (`corpus_store`, in
@@ -311,6 +318,8 @@ def check_world(run: RunDir, cfg: RunConfig, index=False, evaluation: bool = Fal
     in place. `index`: as `check_made_on`'s. `evaluation` (a resume, which evaluates the rounds to
     come): its QA set must be the one its earlier rounds were evaluated on too."""
     manifest = run.manifest()
+    if index is False and searched_through_a_server(cfg, manifest):
+        index = None  # no index to open or build: the corpus file's own hash is what the run recorded
     saved = manifest.get("qa_sha256")
     if evaluation and saved is not None and cfg.data.qa_dir:
         try:

@@ -314,15 +314,18 @@ class Bank:
         return hashlib.sha256(json.dumps(self.to_json(), sort_keys=True).encode()).hexdigest()
 
 
-def _environment(cfg, where: str = "bank"):
+def _environment(cfg, where: str = "bank", served: bool = False):
     """The runs' documents and index, as `selfevo evolve` resolves them (a generated world, a world
-    directory, or a corpus file)."""
+    directory, or a corpus file). `served`: the documents only, as runs that searched through a /retrieve
+    server read them (`evolve.served_environment`: no index built)."""
     from selfevo.config import ConfigError
     from selfevo.corpus import DataError
-    from selfevo.evolve import environment
+    from selfevo.evolve import environment, served_environment
     from selfevo.world import WorldError
 
     try:
+        if served:
+            return served_environment(cfg, benchmarks=False, progress=False)
         return environment(cfg, benchmarks=False)
     except (ConfigError, DataError, WorldError, OSError) as e:  # ConfigError: data.index is no index (removed?)
         raise ReplayError(f"{where}: {e}") from None
@@ -354,7 +357,7 @@ def build_bank(run_dirs: Sequence[str | os.PathLike], size: int = 3000, seed: in
     if size < 1:
         raise ReplayError(f"--size: must be >= 1, got {size}")
     from selfevo.config import ConfigError, config_from_dict
-    from selfevo.evolve import check_world
+    from selfevo.evolve import check_world, searched_through_a_server
 
     hops = set(hops) if hops is not None else None
     if hops is not None and (not hops or min(hops) < 1):
@@ -366,7 +369,7 @@ def build_bank(run_dirs: Sequence[str | os.PathLike], size: int = 3000, seed: in
             raise ReplayError(f"--from: run directory {key} is named twice ({named[key]}, {d}); name each "
                               "run once")
         named[key] = str(d)
-    configs, made, created = [], [], []
+    configs, made, created, served = [], [], [], []
     for d in run_dirs:
         run = RunDir(d)
         if not run.exists():
@@ -381,6 +384,7 @@ def build_bank(run_dirs: Sequence[str | os.PathLike], size: int = 3000, seed: in
             configs.append(run.config())
             check_world(run, config_from_dict(configs[-1]))  # its truth judges the replay
             made.append(made_on(manifest))
+            served.append(searched_through_a_server(config_from_dict(configs[-1]), manifest))
             c = manifest.get("created")
             created.append(c if isinstance(c, (int, float)) and not isinstance(c, bool) else None)
         except RunError as e:
@@ -408,7 +412,9 @@ def build_bank(run_dirs: Sequence[str | os.PathLike], size: int = 3000, seed: in
     shell = Bank(p["world"], seed, [], [], p["solver"], p["search"], p["backend"],
                  configs[0]["data"] if p["corpus"] else {}, p["lm"], run_seeds[0] if len(run_seeds) == 1 else None,
                  {k: v for k, v in made[0].items() if v is not None})
-    env = _environment(shell.run_config(), where=str(run_dirs[0]))
+    # the documents only (the link graph's groups; no search): those of runs that searched through a server
+    # are read as they read them, with no index built
+    env = _environment(shell.run_config(), where=str(run_dirs[0]), served=all(served))
     groups = assign_folds(env.documents, seed, 2, "connected").groups
     sources = [str(key) for key in named]  # absolute: a report or a reader elsewhere finds the runs
     pool: list[BankItem] = []
