@@ -1511,6 +1511,8 @@ def test_engine_resume_is_held_to_the_world_or_corpus_it_was_made_on(tmp_path, m
         evolve.check_world(served_run, served_cfg)
     with pytest.raises(RunError, match="the corpus has changed"):
         make(on_corpus, tmp_path / "served", resume=True)
+    # refused before the rewritten file was copied into a store of its own
+    assert [p.name for p in (cache / "corpora").iterdir()] == [made["corpus_sha256"]]
 
 
 def test_engine_resume_removes_what_a_kill_left_inside_an_atomic_write(tmp_path):

@@ -381,18 +381,22 @@ class EngineRun:
         # bad data fails before anything is written; with a /retrieve server no local index is built (a
         # saved one, data.index, is only opened: its documents stay on disk)
         local = not (self.spec.retriever_url and self.cfg.data.corpus) or self.cfg.data.index
-        self.env = environment(self.cfg) if local else served_environment(self.cfg)
-        self.pool = source_pool(self.cfg, self.env.documents)
-        self.tool = self._tool()
         self.run = RunDir(out)
         engine_json = self.run.path / "engine" / "engine.json"
-        new_folds = None
         if self.run.exists():
             if not resume:
                 raise RunError(f"{self.run.path}: a run already exists here; pass --resume to continue it")
             self._check_resume(engine_json)
-            # the world or corpus (and index) it was made on, as evolve holds a resume to them
-            check_world(self.run, self.cfg, self.env.index, evaluation=True, held=True)
+            if not local:  # a served run's corpus needs no index to be checked: checked before it is copied
+                # into its store, so that a corpus rewritten since is refused, not copied first
+                check_world(self.run, self.cfg, None, evaluation=True, held=True)
+        self.env = environment(self.cfg) if local else served_environment(self.cfg)
+        self.pool = source_pool(self.cfg, self.env.documents)
+        self.tool = self._tool()
+        new_folds = None
+        if self.run.exists():
+            if local:  # the world or corpus (and index) it was made on, as evolve holds a resume to them
+                check_world(self.run, self.cfg, self.env.index, evaluation=True, held=True)
             if self.run.manifest().get("status") != "complete":  # once refusals are past; a finished run,
                 self.run.check_software()  # audited again, runs no phase
         else:
