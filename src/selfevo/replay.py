@@ -382,9 +382,10 @@ def build_bank(run_dirs: Sequence[str | os.PathLike], size: int = 3000, seed: in
                 raise ReplayError(f"{d}: the run is not complete (status {status!r}); finish it with "
                                   "`selfevo evolve --resume`")
             configs.append(run.config())
-            check_world(run, config_from_dict(configs[-1]))  # its truth judges the replay
+            cfg = config_from_dict(configs[-1])
+            check_world(run, cfg)  # its truth judges the replay
             made.append(made_on(manifest))
-            served.append(searched_through_a_server(config_from_dict(configs[-1]), manifest))
+            served.append(searched_through_a_server(cfg, manifest))
             c = manifest.get("created")
             created.append(c if isinstance(c, (int, float)) and not isinstance(c, bool) else None)
         except RunError as e:
