@@ -24,3 +24,13 @@ def mean_std_text(cell: dict | None, spec: str = ".3f", n: int | None = None) ->
     n = cell.get("n") if n is None else n
     std = DASH if n == 1 or cell.get("std") is None else format(cell["std"], spec)
     return f"{format(cell['mean'], spec)} ± {std}"
+
+
+def size_text(n: int) -> str:
+    """A byte count for people: "512 B", "34.2 KiB", "516.5 MiB", "13.1 GiB"."""
+    if n < 1024:
+        return f"{n} B"
+    for unit in ("KiB", "MiB", "GiB"):
+        n /= 1024
+        if n < 1024 or unit == "GiB":
+            return f"{n:,.1f} {unit}"

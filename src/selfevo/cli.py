@@ -282,6 +282,7 @@ def index_build(
     read, e.g. --index-type for bm25, is refused)."""
     import time
 
+    from selfevo._fmt import size_text
     from selfevo.search.index import KINDS, build_index, check_index_out, index_size_bytes
 
     if retriever not in KINDS:
@@ -307,7 +308,7 @@ def index_build(
     except (DataError, ValueError, ImportError) as e:
         _fail(str(e))
     console.print(f"built a {retriever} index over {len(index):,} passages in {time.perf_counter() - start:.1f} s: "
-                  f"{escape(str(out))} ({index_size_bytes(out) / 2**20:.1f} MiB)")
+                  f"{escape(str(out))} ({size_text(index_size_bytes(out))})")
 
 
 @index_app.command("import")
@@ -1233,6 +1234,67 @@ def replay_run(
     if not results["bank"]["coverage"]:  # the base reference's judging resolved none of the bank's items
         _warn_nothing_resolved()
     console.print(escape(f"wrote {out / 'results.json'}, {out / 'results.md'} and {out / 'replay.png'}"))
+
+
+cache_app = _typer("selfevo's cache ($SELFEVO_CACHE_DIR, else ~/.cache/selfevo): converted models, corpus stores.")
+app.add_typer(cache_app, name="cache")
+
+
+def _cache_table(found, title: str):
+    from rich.table import Table
+
+    from selfevo._fmt import size_text
+
+    table = Table(title=escape(title))
+    for col in ("kind", "entry", "size", "made from"):
+        table.add_column(col, justify="right" if col == "size" else "left")
+    for e in found:
+        made = "; ".join(f"{p} ({state})" for p, state in e.made_from)
+        table.add_row(e.kind, escape(e.path.name), size_text(e.bytes), escape(made or e.note))
+    return table
+
+
+@cache_app.command("list")
+def cache_list(confirm: bool = typer.Option(False, "--confirm", help="hash a recorded corpus file whose time "
+                                            "changed but not its size (\"touched\"), to tell its content")) -> None:
+    """List what the cache holds, with each entry's size and, for a corpus store, the corpus files it was
+    made or opened from and whether each still holds its content: as recorded (the same size and time),
+    same content (touched, hashed with --confirm), rewritten, missing."""
+    from selfevo._fmt import size_text
+    from selfevo._io import cache_root
+    from selfevo.cache import entries, stale
+
+    root = cache_root()
+    found = entries(root, confirm)
+    console.print(_cache_table(found, f"{root}: {size_text(sum(e.bytes for e in found))}"))
+    if confirm and (n := sum(stale(e) is not None for e in found)):
+        console.print(f"{n} of them `selfevo cache prune` would remove")
+
+
+@cache_app.command("prune")
+def cache_prune(dry_run: bool = typer.Option(False, "--dry-run", help="say what would go; remove nothing")) -> None:
+    """Remove the corpus stores no recorded file holds any more (each file missing, or rewritten: hashed
+    where only its time changed) and what killed builds left. A store in use is left; a process reading a
+    removed one reads on, and a run that needs it again copies its corpus again. Converted models and stores
+    made before stores recorded their files are kept."""
+    from selfevo._fmt import size_text
+    from selfevo._io import cache_root
+    from selfevo.cache import entries, remove, stale
+
+    freed, found = 0, [(e, why) for e in entries(cache_root(), confirm=True) if (why := stale(e)) is not None]
+    if not found:
+        console.print(escape(f"{cache_root()}: nothing to remove"))
+        return
+    for e, why in found:
+        if dry_run:
+            console.print(escape(f"would remove {e.path} ({size_text(e.bytes)}): {why}"))
+        elif remove(e):
+            freed += e.bytes
+            console.print(escape(f"removed {e.path} ({size_text(e.bytes)}): {why}"))
+        else:
+            err.print("[yellow]warning:[/yellow] " + escape(f"{e.path}: in use by another process; left"))
+    if not dry_run:
+        console.print(f"freed {size_text(freed)}")
 
 
 if __name__ == "__main__":

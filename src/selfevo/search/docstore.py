@@ -10,6 +10,7 @@ older version (no offsets file) is scanned once when opened.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import mmap
 import os
@@ -21,13 +22,14 @@ from typing import Any
 
 import numpy as np
 
-from selfevo._io import atomic_writer, file_sha256, hold_directory
+from selfevo._io import atomic_writer, file_sha256, hold_directory, read_json, write_json
 from selfevo.corpus import DataError, corpus_documents
 from selfevo.records import Document
 from selfevo.search._progress import ProgressBar, corpus_total, ticked
 
 DOCS_FILE = "docs.jsonl"
 OFFSETS_FILE = "docs.offsets.npy"
+SOURCES_FILE = "sources.json"  # a corpus store's: the files it was made or opened from
 STAGING = ".docs-building"  # where a streaming build writes its documents until the index is saved
 
 
@@ -161,18 +163,22 @@ def corpus_store(corpus: str | os.PathLike, root: str | os.PathLike, progress: b
     documents by id and has no index of it (a run searching through a /retrieve server) keeps them on
     disk, not as Python objects (wiki-18 would take about 40 GB). One process builds a corpus's store at a
     time (another waits, then opens it), beside its place, renamed into place when whole: a kill never
-    leaves a half store under the name, and the next build removes what it left. `progress`: a bar while
-    the store is written."""
+    leaves a half store under the name, and the next build removes what it left. The store records the
+    corpus files it was made or opened from (`SOURCES_FILE`), so `selfevo cache prune` can tell a store
+    no file holds any more. `progress`: a bar while the store is written."""
     if not Path(corpus).is_file():
         raise DataError(corpus, None, "not a file" if Path(corpus).exists() else "file not found")
     try:
+        seen = file_record(corpus)  # before the hash: a rewrite while it is read shows as a change later
         sha = file_sha256(corpus)
     except OSError as e:  # (any OSError after this one is the store's)
         raise DataError(corpus, None, f"cannot read: {e.strerror}") from None
     out = Path(root) / sha
-    if not (out / OFFSETS_FILE).exists():  # (a store is renamed into place whole)
+    store = _whole_store(out)
+    if store is None:
         with hold_directory(Path(root) / f".{sha}.lock", None):
-            if not (out / OFFSETS_FILE).exists():  # (another process may have built it while this one waited)
+            store = _whole_store(out)  # (another process may have built it while this one waited)
+            if store is None:
                 tmp = Path(root) / f".{sha}.tmp"
                 shutil.rmtree(tmp, ignore_errors=True)  # a killed build's
                 try:
@@ -182,7 +188,61 @@ def corpus_store(corpus: str | os.PathLike, root: str | os.PathLike, progress: b
                     os.rename(tmp, out)
                 finally:
                     shutil.rmtree(tmp, ignore_errors=True)
-    return DocStore(out)
+                store = DocStore(out)
+    if seen not in store_sources(out):
+        # a cache this process cannot write (another user's) is read as it is: the record only guides a prune
+        with contextlib.suppress(OSError), hold_directory(Path(root) / f".{sha}.lock", None):
+            if out.is_dir():  # (`cache prune` may have removed a store this process had opened: it reads on)
+                write_json(out / SOURCES_FILE, [r for r in store_sources(out) if r["path"] != seen["path"]] + [seen])
+    return store
+
+
+def _whole_store(out: Path) -> DocStore | None:
+    """The store at `out` if one is there whole (a store is renamed into place whole, offsets included), else
+    None, as when `selfevo cache prune` removes it between the look and the open."""
+    if not (out / OFFSETS_FILE).exists():
+        return None
+    try:
+        return DocStore(out)
+    except FileNotFoundError:
+        return None
+
+
+def file_record(path: str | os.PathLike) -> dict:
+    """A corpus file as a store records it: its absolute path, size and modification time."""
+    st = os.stat(path)
+    return {"path": str(Path(path).resolve()), "bytes": st.st_size, "mtime_ns": st.st_mtime_ns}
+
+
+def store_sources(store: str | os.PathLike) -> list[dict]:
+    """The corpus files (`file_record`s) a store was made or opened from; [] for a store made before stores
+    recorded them (or a record that cannot be read: a cache is rebuilt, never trusted)."""
+    try:
+        rows = read_json(Path(store) / SOURCES_FILE)
+    except (OSError, ValueError):
+        return []
+    keys = {"path", "bytes", "mtime_ns"}
+    return [r for r in rows if isinstance(r, dict) and set(r) == keys] if isinstance(rows, list) else []
+
+
+def source_state(record: dict, sha: str, confirm: bool) -> str:
+    """Does the file a store recorded still hold the store's content (sha256 `sha`)? "as recorded" (the
+    same size and time), "missing", "rewritten" (another size, or `confirm` and another hash), "same
+    content" (touched: another time, `confirm` and the same hash) or "touched" (another time, not hashed)."""
+    try:
+        now = file_record(record["path"])
+    except OSError:
+        return "missing"
+    if now == record:
+        return "as recorded"
+    if now["bytes"] != record["bytes"]:
+        return "rewritten"
+    if not confirm:
+        return "touched"
+    try:
+        return "same content" if file_sha256(record["path"]) == sha else "rewritten"
+    except OSError:
+        return "missing"
 
 
 def hashed(docs: Iterable[Document], h: Any) -> Iterator[Document]:
