@@ -1221,6 +1221,59 @@ def test_engine_jobs_are_one_pass_and_a_resume_may_turn_the_audit_on(tmp_path, m
     assert left() == []
 
 
+def test_a_trl_phase_killed_part_way_resumes_from_its_checkpoint(tmp_path, monkeypatch):
+    """With engine.save_steps, a TRL phase killed after a checkpoint goes on from it when the run is
+    resumed: the job is given the checkpoint and its step, what it staged for the steps before it is kept
+    (the rest dropped), and the run says so."""
+    import contextlib
+    import copy
+
+    from selfevo.integrations import engine as eng
+    from selfevo.integrations import trl_job
+
+    monkeypatch.setattr(eng, "_truncator", lambda path, n: (lambda text: text))
+    monkeypatch.setattr(eng.EngineRun, "evaluate", lambda self, r: {"macro_cover_em": 0.0})
+    monkeypatch.setattr(eng.EngineRun, "audit", lambda self: {"audit": "oracle", "rounds": 2})
+
+    @contextlib.contextmanager
+    def fake_serving(self, models):
+        yield {role: (f"http://127.0.0.1:9/{role}/v1", name) for role, (path, name) in models.items()}
+    monkeypatch.setattr(eng.EngineRun, "serving", fake_serving)
+    started = []
+
+    def killed_after_step_1(job, tool=None):
+        started.append(job)
+        if job["start_step"]:
+            raise KeyboardInterrupt  # killed again before it staged anything
+        rows = trl_job._rows(job["rows"])
+        _stage_proposals(job["reward"]["items_path"], job["reward"]["round"], rows, job["prompts_per_step"])
+        ckpt = trl_job.trainer_dir(job["out"]) / "checkpoint-1"
+        ckpt.mkdir(parents=True)
+        (ckpt / "trainer_state.json").write_text(json.dumps({"global_step": 1}))
+        raise KeyboardInterrupt  # killed during step 2, after step 1's checkpoint
+    monkeypatch.setattr(trl_job, "run_job", killed_after_step_1)
+    cfg = copy.deepcopy(ENGINE_CFG)
+    cfg["engine"]["save_steps"] = 1
+    with pytest.raises(KeyboardInterrupt):
+        eng.EngineRun(eng.engine_config_from_dict(copy.deepcopy(cfg), engine="trl"), tmp_path / "run",
+                      log=lambda m: None).run_all()
+    first = started[0]
+    assert first["start_step"] == 0 and first["resume_from"] is None and first["save_steps"] == 1
+    items = Path(first["reward"]["items_path"])
+    assert {json.loads(line)["step_in_round"] for line in items.read_text().splitlines()} == {1, 2}
+    said = []
+    with pytest.raises(KeyboardInterrupt):
+        eng.EngineRun(eng.engine_config_from_dict(copy.deepcopy(cfg), engine="trl"), tmp_path / "run", resume=True,
+                      log=said.append).run_all()
+    again = started[1]
+    ckpt = trl_job.trainer_dir(first["out"]) / "checkpoint-1"
+    assert again["out"] == first["out"] and again["start_step"] == 1 and again["resume_from"] == str(ckpt)
+    assert f"  r1/proposer: resuming from {ckpt} (1 of 2 steps done)" in said
+    # the job file a launcher reads says the same; step 1's staged proposals kept, step 2's dropped
+    assert json.loads((tmp_path / "run/engine/round-1/proposer.job.json").read_text())["start_step"] == 1
+    assert {json.loads(line)["step_in_round"] for line in items.read_text().splitlines()} == {1}
+
+
 def _phase_names(run):
     return [json.loads(line)["phase"] for line in (run / "engine" / "phases.jsonl").read_text().splitlines()]
 
