@@ -955,6 +955,21 @@ def _stage_proposals(items_path, r: int, rows: list[dict], per_step: int) -> Non
         "responses": ["x"] * 5, "k": 0, "reward": 0.0, "grader": {}}} for i, row in enumerate(rows)])
 
 
+def _fake_services(monkeypatch) -> None:
+    """What the orchestrator's tests fake of the engine's services: prompts cut by no tokenizer, and models
+    served nowhere (each grader a URL of a closed loopback port, which a faked job never calls)."""
+    import contextlib
+
+    from selfevo.integrations import engine as eng
+
+    monkeypatch.setattr(eng, "_truncator", lambda path, n: (lambda text: text))
+
+    @contextlib.contextmanager
+    def fake_serving(self, models):
+        yield {role: (f"http://127.0.0.1:9/{role}/v1", name) for role, (path, name) in models.items()}
+    monkeypatch.setattr(eng.EngineRun, "serving", fake_serving)
+
+
 class _FakeEngine:
     """Stands in for TRL: 'trains' by writing a model directory, stages what the rewards would."""
 
@@ -977,17 +992,11 @@ def test_engine_run_phases_lineage_and_resume(treatment, tmp_path, monkeypatch):
     """Two rounds with the engine faked: the phases run in the paper's order (aux solvers only
     before the last round), each aux solver trains on its fold alone with its budget, round 2's
     graders are the aux solvers with that lineage, and a rerun skips every finished phase."""
-    import contextlib
 
     from selfevo.integrations import engine as eng
 
-    monkeypatch.setattr(eng, "_truncator", lambda path, n: (lambda text: text))
+    _fake_services(monkeypatch)
     monkeypatch.setattr(eng.EngineRun, "evaluate", lambda self, r: {"macro_cover_em": 0.0})
-
-    @contextlib.contextmanager
-    def fake_serving(self, models):
-        yield {role: (f"http://127.0.0.1:9/{role}/v1", name) for role, (path, name) in models.items()}
-    monkeypatch.setattr(eng.EngineRun, "serving", fake_serving)
     cfg = {"backend": "lm", "treatment": treatment, "world": {"name": "small"},
            "loop": {"rounds": 2, "proposer_steps": 2, "solver_steps": 3, "admit_per_round": 10, "source_docs": 40},
            "engine": {"proposer_generations": 2, "proposer_prompts": 6}}
@@ -1166,20 +1175,14 @@ def test_engine_jobs_are_one_pass_and_a_resume_may_turn_the_audit_on(tmp_path, m
     """The TRL jobs the engine writes (the real `train`, the job itself faked) train one pass over
     exactly steps × prompts rows holding every question they are given; an audit skipped with
     engine.audit = "none" is not logged as done, so the run resumed with "auto" audits."""
-    import contextlib
     import copy
 
     from selfevo.integrations import engine as eng
     from selfevo.integrations import trl_job
 
-    monkeypatch.setattr(eng, "_truncator", lambda path, n: (lambda text: text))
+    _fake_services(monkeypatch)
     monkeypatch.setattr(eng.EngineRun, "evaluate", lambda self, r: {"macro_cover_em": 0.0})
     monkeypatch.setattr(eng.EngineRun, "audit", lambda self: {"audit": "oracle", "rounds": 2})
-
-    @contextlib.contextmanager
-    def fake_serving(self, models):
-        yield {role: (f"http://127.0.0.1:9/{role}/v1", name) for role, (path, name) in models.items()}
-    monkeypatch.setattr(eng.EngineRun, "serving", fake_serving)
     jobs = {}
 
     def fake_job(job, tool=None):
@@ -1225,20 +1228,14 @@ def test_a_trl_phase_killed_part_way_resumes_from_its_checkpoint(tmp_path, monke
     """With engine.save_steps, a TRL phase killed after a checkpoint goes on from it when the run is
     resumed: the job is given the checkpoint and its step, what it staged for the steps before it is kept
     (the rest dropped), and the run says so."""
-    import contextlib
     import copy
 
     from selfevo.integrations import engine as eng
     from selfevo.integrations import trl_job
 
-    monkeypatch.setattr(eng, "_truncator", lambda path, n: (lambda text: text))
+    _fake_services(monkeypatch)
     monkeypatch.setattr(eng.EngineRun, "evaluate", lambda self, r: {"macro_cover_em": 0.0})
     monkeypatch.setattr(eng.EngineRun, "audit", lambda self: {"audit": "oracle", "rounds": 2})
-
-    @contextlib.contextmanager
-    def fake_serving(self, models):
-        yield {role: (f"http://127.0.0.1:9/{role}/v1", name) for role, (path, name) in models.items()}
-    monkeypatch.setattr(eng.EngineRun, "serving", fake_serving)
     started = []
 
     def killed_after_step_1(job, tool=None):
@@ -1786,17 +1783,11 @@ def test_engine_trl_refuses_what_the_job_pins(field, tmp_path):
 def verl_phase_stand_ins(monkeypatch):
     """An engine-run's verl phase up to its files, with no model, server or verl: the phase then stops
     with EngineUnavailable after writing its rows and script."""
-    import contextlib
 
     from selfevo.integrations import engine as eng
 
-    monkeypatch.setattr(eng, "_truncator", lambda path, n: (lambda text: text))
+    _fake_services(monkeypatch)
     monkeypatch.setattr(eng, "verl_missing", lambda: "verl")
-
-    @contextlib.contextmanager
-    def fake_serving(self, models):
-        yield {role: (f"http://127.0.0.1:9/{role}/v1", name) for role, (path, name) in models.items()}
-    monkeypatch.setattr(eng.EngineRun, "serving", fake_serving)
 
 
 def test_verl_refuses_the_scaffold_and_keeps_a_non_searching_proposer_to_one_action(tmp_path, monkeypatch):
@@ -1843,19 +1834,13 @@ def test_the_frontier_reward_refuses_one_grader_sample(tool, tmp_path):
 
 def _fake_engine_run(monkeypatch, out: Path, resume: bool = False):
     """An EngineRun of ENGINE_CFG with TRL, the graders, evaluation and audit faked (`_FakeEngine`)."""
-    import contextlib
     import copy
 
     from selfevo.integrations import engine as eng
 
-    monkeypatch.setattr(eng, "_truncator", lambda path, n: (lambda text: text))
+    _fake_services(monkeypatch)
     monkeypatch.setattr(eng.EngineRun, "evaluate", lambda self, r: {"macro_cover_em": 0.0})
     monkeypatch.setattr(eng.EngineRun, "audit", lambda self: {"audit": "skipped"})
-
-    @contextlib.contextmanager
-    def fake_serving(self, models):
-        yield {role: (f"http://127.0.0.1:9/{role}/v1", name) for role, (path, name) in models.items()}
-    monkeypatch.setattr(eng.EngineRun, "serving", fake_serving)
     run = eng.EngineRun(eng.engine_config_from_dict(copy.deepcopy(ENGINE_CFG), engine="trl"), out, resume=resume,
                         log=lambda m: None)
     fake = _FakeEngine(run)
@@ -2407,7 +2392,6 @@ def test_the_engines_msv_admission_samples_engine_msv_samples_times(tmp_path, mo
     """engine.msv_samples reaches the MSV filter, and the phase counts 2 x msv_samples generations a
     well-formed candidate. Mutants: msv_filter called without it (engine.py:701: MSV's default 3);
     the count fixed at 6 (engine.py:706)."""
-    import contextlib
     import copy
 
     from test_integrations import ENGINE_CFG, _stage_proposals
@@ -2415,12 +2399,7 @@ def test_the_engines_msv_admission_samples_engine_msv_samples_times(tmp_path, mo
     import selfevo.agents.remote as remote
     from selfevo.integrations import engine as eng
 
-    monkeypatch.setattr(eng, "_truncator", lambda path, n: (lambda text: text))
-
-    @contextlib.contextmanager
-    def fake_serving(self, models):
-        yield {role: (f"http://127.0.0.1:9/{role}/v1", name) for role, (path, name) in models.items()}
-    monkeypatch.setattr(eng.EngineRun, "serving", fake_serving)
+    _fake_services(monkeypatch)
 
     class Unserved:  # the main solver's endpoint: never called, msv_filter is faked
         def __init__(self, *a, **kw):
@@ -2637,12 +2616,7 @@ def test_the_proposer_fills_the_steps_proposals_in_groups_rounded_up_to_the_proc
     cfg["engine"] = {"proposer_generations": 2, "proposer_prompts": 0, "train_processes": processes}
     if processes > 1:
         cfg["engine"].update(launcher="accelerate launch", retriever_url="http://127.0.0.1:9/retrieve")
-    monkeypatch.setattr(eng, "_truncator", lambda path, n: (lambda text: text))
-
-    @contextlib.contextmanager
-    def fake_serving(self, models):
-        yield {role: (f"http://127.0.0.1:9/{role}/v1", name) for role, (path, name) in models.items()}
-    monkeypatch.setattr(eng.EngineRun, "serving", fake_serving)
+    _fake_services(monkeypatch)
     run = eng.EngineRun(eng.engine_config_from_dict(cfg, engine="trl"), tmp_path / "run", log=lambda m: None)
     fake = _FakeEngine(run)
     run.train = fake.train
