@@ -329,7 +329,8 @@ def test_trl_engine_run_on_a_corpus_searched_through_a_retriever_server(smollm2_
     # at this scale, so the run's searches, through the client to that server, are not exercised here
     assert searched[:1] == ["probe"]
     store = tmp_path / "cache" / "corpora" / file_sha256(CORPUS)
-    assert sorted(p.name for p in store.iterdir()) == ["docs.jsonl", "docs.offsets.npy"]
+    assert sorted(p.name for p in store.iterdir()) == ["docs.jsonl", "docs.offsets.npy", "sources.json"]
+    assert [r["path"] for r in json.loads((store / "sources.json").read_text())] == [str(Path(CORPUS).resolve())]
     items = [it for s in _lines(out / "records/steps.jsonl") for it in s["items"]]
     assert items  # else nothing below is judged
     judge = json.loads((out / "audit" / "judge.json").read_text())

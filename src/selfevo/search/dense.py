@@ -315,6 +315,20 @@ def default_params(index_type: str, n: int, **overrides: Any) -> dict[str, Any]:
     return params
 
 
+def load_cache(load: Callable[..., Any], index_dir: str | os.PathLike | None, encoder: Encoder, digest: str) -> Any:
+    """The index cached in `index_dir` (read by `load`, a dense or hybrid class's) if it was built from the
+    corpus file of sha256 `digest`; None where there is none, or a stale, foreign or damaged one (FAISS
+    raises RuntimeError), which is rebuilt. One built with another encoder is an error (`KEEP_CACHE`)."""
+    if index_dir is None or not (Path(index_dir) / MANIFEST).exists():
+        return None
+    try:
+        return load(index_dir, encoder=encoder, expected_corpus_sha256=digest)
+    except EncoderMismatch as e:
+        raise EncoderMismatch(f"{e}; {KEEP_CACHE}") from None
+    except (ValueError, OSError, RuntimeError):
+        return None
+
+
 def cache_serves(cached: DenseIndex | None, index_type: str | None, params: dict[str, Any]) -> tuple[bool, str | None]:
     """Whether a cached index (None: none usable) serves the FAISS settings asked for (`take_settings`,
     which it then takes; a bad setting is its error), and the type to build otherwise: the one asked for,
@@ -409,16 +423,10 @@ class DenseIndex:
         there). The encoder defaults to MiniLM; `index_type` None: the cache's, flat for a build."""
         digest = file_sha256(path)
         encoder = encoder or Encoder()
-        if index_dir is not None and (Path(index_dir) / MANIFEST).exists():
-            try:
-                cached = cls.load(index_dir, encoder=encoder, expected_corpus_sha256=digest)
-            except EncoderMismatch as e:
-                raise EncoderMismatch(f"{e}; {KEEP_CACHE}") from None
-            except (ValueError, OSError, RuntimeError):
-                cached = None  # stale, foreign or damaged cache (FAISS raises RuntimeError): rebuild it
-            served, index_type = cache_serves(cached, index_type, params)
-            if served:
-                return cached
+        cached = load_cache(cls.load, index_dir, encoder, digest)
+        served, index_type = cache_serves(cached, index_type, params)
+        if served:
+            return cached
         index = cls.build(corpus_documents(path, digest), encoder, index_type=index_type or "flat",
                           corpus_sha256=digest, store=index_dir, progress=progress,
                           expected=corpus_total(path, progress), **params)

@@ -22,7 +22,7 @@ from selfevo.records import Document
 from selfevo.search._manifest import MANIFEST, read_manifest
 from selfevo.search._progress import corpus_total
 from selfevo.search.bm25 import BM25Index
-from selfevo.search.dense import KEEP_CACHE, DenseIndex, Encoder, EncoderMismatch, cache_serves
+from selfevo.search.dense import DenseIndex, Encoder, cache_serves, load_cache
 from selfevo.search.docstore import DocStore
 from selfevo.search.tool import Hit
 
@@ -128,17 +128,11 @@ class HybridIndex:
         _check_fusion(rrf_k, depth)  # a cached index would take a bad one and fail at its first query
         digest = file_sha256(path)
         encoder = encoder or Encoder()
-        if index_dir is not None and (Path(index_dir) / MANIFEST).exists():
-            try:
-                cached = cls.load(index_dir, encoder=encoder, expected_corpus_sha256=digest)
-            except EncoderMismatch as e:
-                raise EncoderMismatch(f"{e}; {KEEP_CACHE}") from None
-            except (ValueError, OSError, RuntimeError):
-                cached = None  # stale, foreign or damaged cache: rebuild below
-            served, index_type = cache_serves(None if cached is None else cached.dense, index_type, params)
-            if served:
-                cached.rrf_k, cached.depth = rrf_k, depth
-                return cached
+        cached = load_cache(cls.load, index_dir, encoder, digest)
+        served, index_type = cache_serves(None if cached is None else cached.dense, index_type, params)
+        if served:
+            cached.rrf_k, cached.depth = rrf_k, depth
+            return cached
         index = cls.build(corpus_documents(path, digest), encoder, corpus_sha256=digest, rrf_k=rrf_k, depth=depth,
                           index_type=index_type or "flat", store=index_dir, progress=progress,
                           expected=corpus_total(path, progress), **params)
