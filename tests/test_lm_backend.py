@@ -381,12 +381,28 @@ def test_evolve_lm_resumes_after_a_crash_to_the_same_records(lm_run, tmp_path, m
 # ------------------------------------------------------------------ the replay bank on a language model
 
 
+class _LabelsAreRight:
+    """A judge that calls every adopted label right (so no agreement can be false), keeping what it saw."""
+
+    name = "labels-are-right"
+
+    def __init__(self):
+        self.seen = []
+
+    def judge(self, items):
+        from selfevo.audit import Verdict
+        from selfevo.evaluate import answers_match
+
+        self.seen.extend(items)
+        return [Verdict(True, True, tuple(answers_match(r, it["adopted_label"]) for r in it["responses"]),
+                        (it["adopted_label"],)) for it in items]
+
+
 def test_replay_of_a_language_model_run_on_a_real_corpus(lm_run, tmp_path, monkeypatch):
     """`selfevo replay` on a bank of an lm run: the feedback solvers are fresh adapters on the run's
     base model trained by GRPO on the bank's labels, and the metrics follow the judge given (a real
     corpus has no exact truth; here a judge that calls every adopted label right, so no agreement
     can be false)."""
-    from selfevo.audit import Verdict
     from selfevo.evaluate import answers_match
     from selfevo.replay import Bank, ReplayError, ReplaySettings, _ctx, build_bank, run_replay
 
@@ -398,17 +414,9 @@ def test_replay_of_a_language_model_run_on_a_real_corpus(lm_run, tmp_path, monke
     with pytest.raises(ReplayError, match="no exact truth"):
         run_replay(bank, "coupled", seeds=1, settings=settings)
 
-    seen = []
-
-    class LabelsAreRight:
-        name = "labels-are-right"
-
-        def judge(self, items):
-            seen.extend(items)
-            return [Verdict(True, True, tuple(answers_match(r, it["adopted_label"]) for r in it["responses"]),
-                            (it["adopted_label"],)) for it in items]
-
-    res = run_replay(bank, "coupled,full-data", seeds=1, settings=settings, workers=2, judge=LabelsAreRight())
+    judge = _LabelsAreRight()
+    seen = judge.seen
+    res = run_replay(bank, "coupled,full-data", seeds=1, settings=settings, workers=2, judge=judge)
     assert set(res["conditions"]) == {"coupled", "full-data"}
     assert res["invariants"]["updates"] == {"coupled": {"all": 2}, "full-data": {"all-b": 2}}
     for entry in (*res["conditions"].values(), res["reference"]["base"]):
@@ -714,3 +722,43 @@ def test_a_loaded_policy_saves_again_as_the_same_file(policy):
             assert policy.save("reload-probe") == saved
     finally:
         policy.drop("reload-probe")
+
+
+def test_replay_of_a_language_model_bank_through_a_retriever_server(lm_run, tmp_path, monkeypatch):
+    """`replay run --retriever-url` (for a bank of runs that searched through a /retrieve server, whose
+    config names no index): the feedback solvers search through the server (asked once before anything
+    loads), the corpus's documents come from its store, and no index is opened or built here; the results
+    are those of the replay searching the same BM25 index in process, and its journal rows are another
+    study's (the jobs run again, not taken from that replay's rows)."""
+    from _servers import serve_app
+
+    from selfevo import evolve as evolve_module
+    from selfevo.replay import OtherStudyJournal, ReplaySettings, _ctx, build_bank, run_replay
+    from selfevo.search.bm25 import BM25Index
+    from selfevo.search.client import RetrieverClient
+    from selfevo.search.server import make_app
+
+    bank = build_bank([lm_run], size=1000, min_round=1, allow_fewer=True)
+    settings, journal = ReplaySettings(updates=2, rollouts=2, samples=2), tmp_path / "jobs.jsonl"
+    here = run_replay(bank, "coupled", seeds=1, settings=settings, judge=_LabelsAreRight(), journal=journal)
+
+    index = BM25Index.from_corpus_file(CORPUS)
+    searched = []
+    retrieve = index.retrieve
+    index.retrieve = lambda queries, *a, **k: searched.extend(queries) or retrieve(queries, *a, **k)
+
+    def no_local_index(*args, **kwargs):
+        raise AssertionError("an index was opened or built in the replay's process")
+
+    monkeypatch.setattr(evolve_module, "_corpus_index", no_local_index)
+    monkeypatch.setattr(evolve_module, "cache_root", lambda: tmp_path / "cache")
+    with serve_app(make_app(index)) as url:
+        with pytest.raises(OtherStudyJournal, match="searched in process → through a /retrieve server"):
+            run_replay(bank, "coupled", seeds=1, settings=settings, judge=_LabelsAreRight(), journal=journal,
+                       retriever_url=f"{url}/retrieve")
+        served = run_replay(bank, "coupled", seeds=1, settings=settings, judge=_LabelsAreRight(),
+                            journal=tmp_path / "served.jsonl", retriever_url=f"{url}/retrieve")
+        assert isinstance(_ctx().tool.retriever, RetrieverClient)
+    assert searched[:1] == ["probe"]
+    assert served["conditions"] == here["conditions"] and served["reference"] == here["reference"]
+    assert (tmp_path / "cache" / "corpora").is_dir()  # the documents' store

@@ -467,6 +467,13 @@ def test_cli_build_and_run(runs, tmp_path):
     # a judge endpoint that is down: said before the solvers train, not after 16 calls' retries
     (["run", "--bank", "{bank}", "--judge-url", "http://127.0.0.1:9/v1", "--judge-model", "m", "--out", "{tmp}/o"],
      "cannot connect"),
+    # a /retrieve server: for a corpus bank only; one that answers nothing, said before any model loads
+    (["run", "--bank", "{bank}", "--retriever-url", "http://127.0.0.1:9", "--out", "{tmp}/o"],
+     "--retriever-url: this bank's runs worked on a world"),
+    (["run", "--bank", "{corpus_bank}", "--retriever-url", "127.0.0.1:9", "--out", "{tmp}/o"],
+     "--retriever-url 127.0.0.1:9: expected http(s)://HOST:PORT, got '127.0.0.1:9'"),
+    (["run", "--bank", "{corpus_bank}", "--retriever-url", "http://127.0.0.1:9/retrieve", "--out", "{tmp}/o"],
+     "--retriever-url http://127.0.0.1:9/retrieve: POST http://127.0.0.1:9/retrieve: ConnectError"),
 ])
 def test_cli_usage_errors_exit_2(runs, bank, tmp_path, args, message):
     other = tmp_path / "other"
@@ -1341,8 +1348,8 @@ def test_cli_run_hands_the_judge_settings_to_the_judge(bank, tmp_path, monkeypat
     with; the cache defaults to OUT/judge-cache.jsonl."""
     asked = []
 
-    def judge(b, url, model, cache, concurrency):
-        asked.append((b.seed, url, model, str(cache), concurrency))
+    def judge(b, url, model, cache, concurrency, served):
+        asked.append((b.seed, url, model, str(cache), concurrency, served))
         raise ReplayError("judged no further")
 
     monkeypatch.setattr(replay, "replay_judge", judge)
@@ -1353,8 +1360,22 @@ def test_cli_run_hands_the_judge_settings_to_the_judge(bank, tmp_path, monkeypat
     assert res.exit_code == 2 and "judged no further" in res.output
     res = CliRunner().invoke(app, args)
     assert res.exit_code == 2 and "judged no further" in res.output
-    assert asked == [(bank.seed, "http://127.0.0.1:9/v1", "m", str(tmp_path / "c.jsonl"), 7),
-                     (bank.seed, "http://127.0.0.1:9/v1", "m", str(tmp_path / "o" / "judge-cache.jsonl"), 4)]
+    assert asked == [(bank.seed, "http://127.0.0.1:9/v1", "m", str(tmp_path / "c.jsonl"), 7, False),
+                     (bank.seed, "http://127.0.0.1:9/v1", "m", str(tmp_path / "o" / "judge-cache.jsonl"), 4, False)]
+    # a corpus bank searched through a /retrieve server: its judge reads the documents as the replay does
+    from _servers import serve_app
+
+    from selfevo.search.bm25 import BM25Index
+    from selfevo.search.server import make_app
+
+    corpus = tmp_path / "corpus.jsonl"
+    write_corpus(corpus, load_run_world(load_config(None, SCALED)).documents)
+    corpus_bank = replace(bank, backend="lm", world=asdict(WorldSpec()), data={"corpus": str(corpus),
+                                                                               "qa_dir": str(tmp_path)})
+    with serve_app(make_app(BM25Index.from_corpus_file(corpus))) as url:
+        res = CliRunner().invoke(app, [*args[:3], str(corpus_bank.save(tmp_path / "corpus-bank.json")), *args[4:],
+                                       "--retriever-url", url])
+    assert res.exit_code == 2 and "judged no further" in res.output and asked[-1][-1] is True
 
 
 def test_cli_run_hands_its_workers_on_and_names_the_journal_when_results_disagree(bank, tmp_path, monkeypatch):

@@ -1177,6 +1177,10 @@ def replay_run(
     judge_concurrency: int = typer.Option(4, "--judge-concurrency", min=1, max=256, help="judge calls in flight"),
     judge_cache: Path | None = typer.Option(None, "--judge-cache", help="judge call cache JSONL, so a rerun "
                                             "repeats no call (default: OUT/judge-cache.jsonl)"),
+    retriever_url: str | None = typer.Option(None, "--retriever-url", help="a corpus bank: the feedback solvers "
+                                             "search through this Search-R1 /retrieve server (e.g. `selfevo "
+                                             "serve-retriever --index IDX`), the corpus's documents read from a "
+                                             "store in selfevo's cache; no index opened or built here"),
 ) -> None:
     """Replay the bank through feedback solvers trained under each condition's provenance."""
     from selfevo._io import hold_directory, stray_files
@@ -1191,6 +1195,7 @@ def replay_run(
         replay_judge,
         results_table,
         run_replay,
+        served_retriever,
         write_results,
     )
 
@@ -1221,10 +1226,13 @@ def replay_run(
                 if given:
                     _fail(f"{given[0]}: a setting of an LLM judge; this bank is of a world, judged by its exact "
                           "truth (give --judge-url to judge with an LLM)")
+            if retriever_url:  # a dead server, before the judge's model loads
+                served_retriever(b, retriever_url).close()
             with replay_judge(b, judge_url, judge_model, judge_cache or out / "judge-cache.jsonl",
-                              judge_concurrency) as judge:
+                              judge_concurrency, served=bool(retriever_url)) as judge:
                 results = run_replay(b, conditions, seeds, settings, workers=workers, progress=True, judge=judge,
-                                     journal=out / "jobs.jsonl", log=lambda m: console.print(escape(m)))
+                                     journal=out / "jobs.jsonl", log=lambda m: console.print(escape(m)),
+                                     retriever_url=retriever_url)
             write_results(results, out)
     except (ReplayError, JudgeError) as e:
         _fail(str(e))

@@ -511,13 +511,10 @@ def _run_eval(data_dir, corpus, agent, out_dir: Path, limit, retriever_url, inde
     # fail on a bad spec before indexing anything
     solver = load_agent(agent, corpus=corpus, retriever_url=retriever_url, **(agent_context or {}))
     if retriever_url:
-        from selfevo.search.client import RetrieverClient, RetrieverError
+        from selfevo.search.client import RetrieverError, probed_client
 
-        if not retriever_url.startswith(("http://", "https://")):
-            raise ValueError(f"retriever URL {shown_url(retriever_url)!r}: expected http(s)://HOST:PORT")
-        retriever = RetrieverClient(retriever_url)
         try:
-            retriever.probe()
+            retriever = probed_client(retriever_url)
         except RetrieverError as e:
             raise ValueError(f"retriever URL {shown_url(retriever_url)}: {e}") from None
     else:

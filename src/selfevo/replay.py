@@ -331,6 +331,22 @@ def _environment(cfg, where: str = "bank", served: bool = False):
         raise ReplayError(f"{where}: {e}") from None
 
 
+def served_retriever(bank: Bank, url: str):
+    """A /retrieve server as the retriever of `bank`'s feedback solvers, asked one query first: one that
+    answers nothing is refused before any model loads or trains (`replay run` asks before its judge loads
+    too). A bank of runs on a world is refused: its feedback solvers search the world's own index."""
+    from selfevo._io import shown_url
+    from selfevo.search.client import RetrieverError, probed_client
+
+    if not bank.corpus:
+        raise ReplayError("--retriever-url: this bank's runs worked on a world, whose own index its feedback "
+                          "solvers search; a /retrieve server is for a bank of runs on a corpus")
+    try:
+        return probed_client(url)
+    except RetrieverError as e:
+        raise ReplayError(f"--retriever-url {shown_url(url)}: {e}") from None
+
+
 def _bank_parts(cfg: dict) -> dict:
     """What of a run's config a bank keeps (and its runs must share): where the documents come
     from, the search tool (a saved index of the corpus too: the bank keeps the first run's data
@@ -474,14 +490,15 @@ class _Context:
     built once per process), the base model (the sim reader, or the runs' language model with one
     adapter per feedback solver) and the judge (the world's oracle unless one is given)."""
 
-    def __init__(self, bank: Bank, settings: ReplaySettings):
+    def __init__(self, bank: Bank, settings: ReplaySettings, retriever_url: str | None = None):
         from selfevo.evolve import check_made_on
 
         self.bank, self.settings = bank, settings
         cfg = bank.run_config()
-        self.env = _environment(cfg)
+        retriever = served_retriever(bank, retriever_url) if retriever_url else None
+        self.env = _environment(cfg, served=bool(retriever_url))
         try:  # the world or corpus its runs were made on: else their questions are graded on other pages
-            check_made_on(bank.made_on, cfg, self.env.index, "its runs were made on it",
+            check_made_on(bank.made_on, cfg, None if retriever_url else self.env.index, "its runs were made on it",
                           "replay on the {what} they were made on")
         except RunError as e:
             raise ReplayError(f"bank: {e}") from None
@@ -491,7 +508,8 @@ class _Context:
         if absent:
             raise ReplayError(f"bank: {len(absent)} source document(s) (e.g. {absent[0]!r}) are not in its "
                               f"{bank.documents_from}")
-        self.tool = SearchTool(self.env.index, topk=cfg.search.topk, max_calls=cfg.search.max_calls)
+        self.tool = SearchTool(self.env.index if retriever is None else retriever, topk=cfg.search.topk,
+                               max_calls=cfg.search.max_calls)
         self.policy = None
         if cfg.backend == "lm":
             from selfevo.agents.lm.policy import LMPolicy
@@ -540,12 +558,12 @@ class _Context:
 _CONTEXT: tuple[str, _Context] | None = None
 
 
-def _set_context(bank: Bank, settings: ReplaySettings) -> _Context:
+def _set_context(bank: Bank, settings: ReplaySettings, retriever_url: str | None = None) -> _Context:
     global _CONTEXT
-    key = f"{bank.digest()}:{settings}"
+    key = f"{bank.digest()}:{settings}:{retriever_url}"
     if _CONTEXT is None or _CONTEXT[0] != key:
         _CONTEXT = None  # the old one's model goes before the new one loads
-        _CONTEXT = (key, _Context(bank, settings))
+        _CONTEXT = (key, _Context(bank, settings, retriever_url))
     ctx = _CONTEXT[1]
     # a judge an earlier study of this process gave (_InProcess) is not this study's: a fork pool's
     # workers inherit this context and grade with the oracle, as results.json says they do
@@ -553,8 +571,8 @@ def _set_context(bank: Bank, settings: ReplaySettings) -> _Context:
     return ctx
 
 
-def _init_worker(bank_json: dict, settings: ReplaySettings) -> None:
-    _set_context(Bank.from_json(bank_json), settings)
+def _init_worker(bank_json: dict, settings: ReplaySettings, retriever_url: str | None = None) -> None:
+    _set_context(Bank.from_json(bank_json), settings, retriever_url)
 
 
 def _ctx() -> _Context:
@@ -832,8 +850,8 @@ class _InProcess:
     """workers=1: the same job code path as the pool, in this process; a job runs when the
     study loop asks for the next finished one (so the progress bar moves)."""
 
-    def __init__(self, bank: Bank, settings: ReplaySettings, judge=None):
-        ctx = _set_context(bank, settings)
+    def __init__(self, bank: Bank, settings: ReplaySettings, judge=None, retriever_url: str | None = None):
+        ctx = _set_context(bank, settings, retriever_url)
         ctx.judge = judge if judge is not None else ctx.oracle
         if ctx.judge is None:
             raise ReplayError("bank: its runs worked on a real corpus, which has no exact truth; give a judge "
@@ -935,11 +953,14 @@ def _run_jobs(pool, conds: list[Condition], seeds: list[int], bar, done: Mapping
     return outcomes, msv, base
 
 
-def _study(bank: Bank, settings: ReplaySettings, judge_name: str) -> dict:
+def _study(bank: Bank, settings: ReplaySettings, judge_name: str, served: bool = False) -> dict:
     """What a job's result depends on besides its condition and seed (and that seed's MSV labels,
-    themselves a job): a journal of another bank, settings, judge or software is not this study's."""
-    return {"format": FORMAT, "bank": bank.digest(), "settings": asdict(settings), "judge": judge_name,
-            "software": software()}
+    themselves a job): a journal of another bank, settings, judge or software is not this study's, nor
+    one whose feedback solvers searched otherwise (`served`: through a /retrieve server, whose address
+    may change between a stop and a rerun, as engine-run's may)."""
+    study = {"format": FORMAT, "bank": bank.digest(), "settings": asdict(settings), "judge": judge_name,
+             "software": software()}
+    return {**study, "retriever": "server"} if served else study  # (a key written before servers stays)
 
 
 def _journal_key(study: dict) -> str:
@@ -957,6 +978,9 @@ def _study_changes(was: dict | None, now: dict) -> str:
             said.append(f"{name} {was.get(part)} → {now[part]}")
     settings = was.get("settings") if isinstance(was.get("settings"), dict) else {}
     said += [f"--{k} {settings.get(k)} → {v}" for k, v in now["settings"].items() if settings.get(k) != v]
+    if was.get("retriever") != now.get("retriever"):
+        said.append("searched " + " → ".join("through a /retrieve server" if s.get("retriever") else "in process"
+                                             for s in (was, now)))
     if isinstance(was.get("software"), dict):
         said += software_changes(was["software"], now["software"])
     return "; ".join(said) or "its key"
@@ -1025,7 +1049,8 @@ def _journal_result_problem(job: str, result: dict, item_ids: Sequence[str] = ()
 
 def run_replay(bank: Bank, conditions: Iterable[str] | str | None = None, seeds: int | Sequence[int] = 5,
                settings: ReplaySettings | None = None, workers: int = 1, progress: bool = False,
-               judge=None, journal: str | os.PathLike | None = None, log=None) -> dict:
+               judge=None, journal: str | os.PathLike | None = None, log=None,
+               retriever_url: str | None = None) -> dict:
     """Every (condition, seed) job, checked against the invariants, summarised over seeds.
 
     Results are identical for any `workers`: each job is a pure function of the bank, the
@@ -1042,6 +1067,11 @@ def run_replay(bank: Bank, conditions: Iterable[str] | str | None = None, seeds:
     seeds: with a judge that resolves by the answers, every job's metrics are over the items all of
     them resolved, `compare_on_common_items`). `log` gets one line
     saying how many jobs the journal held.
+
+    `retriever_url`: the feedback solvers search through this /retrieve server (a bank of runs on a corpus:
+    those of `engine-run` with `engine.retriever_url`, say), the corpus's documents read from its store
+    (`evolve.served_environment`), instead of the bank's `[data] index` or a BM25 index built here; a
+    journal of a study that searched otherwise is not this one's.
     """
     from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn
 
@@ -1059,15 +1089,15 @@ def run_replay(bank: Bank, conditions: Iterable[str] | str | None = None, seeds:
         raise ReplayError(f"--workers: must be a positive integer, got {workers!r}")
     workers = min(workers, len(_jobs(conds, seeds)))  # never more processes than jobs: the rest would sit idle
     if workers == 1 or bank.backend == "lm" or judge is not None:
-        executor = _InProcess(bank, settings, judge)
+        executor = _InProcess(bank, settings, judge, retriever_url)
     else:  # the grid's pool: its workers die with this process (SIGTERM, Ctrl-C, kill -9)
-        executor = worker_pool(workers, _init_worker, (bank.to_json(), settings))
+        executor = worker_pool(workers, _init_worker, (bank.to_json(), settings, retriever_url))
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     with executor as pool:
         judge_name = _ctx().judge.name if isinstance(pool, _InProcess) else OracleJudge.name
         done, record = {}, None
         if journal is not None:
-            study = _study(bank, settings, judge_name)
+            study = _study(bank, settings, judge_name, served=bool(retriever_url))
             key = _journal_key(study)
             # only this study's jobs: the journal may hold more seeds or conditions than it asks for
             jobs = _jobs(conds, seeds)
@@ -1115,18 +1145,19 @@ def run_replay(bank: Bank, conditions: Iterable[str] | str | None = None, seeds:
 
 @contextlib.contextmanager
 def replay_judge(bank: Bank, url: str | None = None, model: str | None = None,
-                 cache_path: str | os.PathLike | None = None, concurrency: int = 4):
+                 cache_path: str | os.PathLike | None = None, concurrency: int = 4, served: bool = False):
     """The judge a replay of `bank` grades with, for its duration: an LLM judge at `url` (any
     OpenAI-compatible endpoint serving `model`); else None (the world's exact-truth oracle); on a
     real corpus, which has no truth, the runs' base model served on 127.0.0.1 as an LLM judge, as
-    `selfevo evolve` audits such runs (see `selfevo.evolve.default_judge`)."""
+    `selfevo evolve` audits such runs (see `selfevo.evolve.default_judge`). `served`: the replay searches
+    through a /retrieve server, so the sources the judge reads come from the corpus's store, no index built."""
     if (url is None) != (model is None):
         raise ReplayError("--judge-url and --judge-model go together")
     if url is None and not bank.corpus:  # a world has exact truth: nothing to load here
         yield None
         return
     cfg = bank.run_config()
-    env = _environment(cfg)  # an LLM judge reads the sources (cached: the replay reuses it)
+    env = _environment(cfg, served=served)  # an LLM judge reads the sources (cached: the replay reuses it)
     if url is not None:
         from selfevo.audit.llm_judge import LLMJudge
 

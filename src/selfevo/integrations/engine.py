@@ -825,11 +825,10 @@ class EngineRun:
 def engine_run(ecfg: EngineConfig, out: str | os.PathLike, resume: bool = False,
                log: Callable[[str], None] = print) -> RunDir:
     if url := ecfg.engine.retriever_url:  # a server that answers nothing fails before anything is written
-        from selfevo.search.client import RetrieverClient, RetrieverError
+        from selfevo.search.client import RetrieverError, probed_client
 
         try:
-            with RetrieverClient(url) as client:
-                client.probe()
+            probed_client(url).close()
         except RetrieverError as e:
             raise ConfigError(f"engine.retriever_url {shown_url(url)}: {e}") from None
     with RunDir(out).lock():  # one writer, as for `evolve`

@@ -192,3 +192,18 @@ class RetrieverClient:
             out.extend([Hit(Document.from_contents(str(h.document.id), h.document.contents),
                             h.score) for h in hits] for hits in result)
         return out
+
+
+def probed_client(url: str) -> RetrieverClient:
+    """A client of the /retrieve server at `url` (http or https), asked one query (`probe`) before a command
+    loads or writes anything: a URL of another scheme, or a server that answers nothing, is a RetrieverError
+    now (the caller names its option)."""
+    if not url.startswith(("http://", "https://")):
+        raise RetrieverError(f"expected http(s)://HOST:PORT, got {shown_url(url)!r}")
+    client = RetrieverClient(url)
+    try:
+        client.probe()
+    except BaseException:
+        client.close()
+        raise
+    return client
