@@ -758,7 +758,13 @@ def test_replay_of_a_language_model_bank_through_a_retriever_server(lm_run, tmp_
                        retriever_url=f"{url}/retrieve")
         served = run_replay(bank, "coupled", seeds=1, settings=settings, judge=_LabelsAreRight(),
                             journal=tmp_path / "served.jsonl", retriever_url=f"{url}/retrieve")
-        assert isinstance(_ctx().tool.retriever, RetrieverClient)
-    assert searched[:1] == ["probe"]
+        # the 135M model writes no search of its own here (the server is asked the probe alone), so the
+        # feedback solvers' tool is asked directly: its hits are the in-process index's
+        tool = _ctx().tool
+        assert isinstance(tool.retriever, RetrieverClient) and searched == ["probe"]
+        questions = [it.question for it in bank.items]
+        assert [[(h.document.id, h.document.contents) for h in hits] for hits in tool.lookup(questions)] == \
+            [[(h.document.id, h.document.contents) for h in hits] for hits in retrieve(questions, topk=tool.topk)]
+        assert searched[1:] == list(dict.fromkeys(questions))
     assert served["conditions"] == here["conditions"] and served["reference"] == here["reference"]
     assert (tmp_path / "cache" / "corpora").is_dir()  # the documents' store
