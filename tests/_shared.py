@@ -35,3 +35,28 @@ def frequent_thread_switches(seconds: float = 1e-6):
         yield
     finally:
         sys.setswitchinterval(before)
+
+
+@contextlib.contextmanager
+def corpus_served_elsewhere(monkeypatch, cache):
+    """CORPUS's BM25 index served on loopback (a /retrieve server, as `selfevo serve-retriever` serves one),
+    while this process may not open or build an index of it (`evolve._corpus_index` fails the test) and
+    keeps its corpus stores in `cache`. Yields the server's URL and the list of every query it was asked."""
+    from _servers import serve_app
+
+    from selfevo import evolve as evolve_module
+    from selfevo.search.bm25 import BM25Index
+    from selfevo.search.server import make_app
+
+    index = BM25Index.from_corpus_file(CORPUS)
+    searched = []
+    retrieve = index.retrieve
+    index.retrieve = lambda queries, *a, **k: searched.extend(queries) or retrieve(queries, *a, **k)
+
+    def no_local_index(*args, **kwargs):
+        raise AssertionError("an index was opened or built in this process")
+
+    monkeypatch.setattr(evolve_module, "_corpus_index", no_local_index)
+    monkeypatch.setattr(evolve_module, "cache_root", lambda: cache)
+    with serve_app(make_app(index)) as url:
+        yield url, searched

@@ -295,28 +295,14 @@ def test_trl_engine_run_on_a_corpus_searched_through_a_retriever_server(smollm2_
     `evolve` gives a corpus run, the LLM judge over the base model on loopback, reading each item's source
     from that store. Seed 2: the 135M model writes one well-formed proposal (its other three are cut or
     too long), so the judge has items."""
-    from _servers import serve_app
-    from _shared import CORPUS, QA_DIR
+    from _shared import CORPUS, QA_DIR, corpus_served_elsewhere
 
-    from selfevo import evolve as evolve_module
     from selfevo._io import file_sha256
-    from selfevo.search.bm25 import BM25Index
-    from selfevo.search.server import make_app
 
-    index = BM25Index.from_corpus_file(CORPUS)
-    searched = []
-    retrieve = index.retrieve
-    index.retrieve = lambda queries, *a, **k: searched.extend(queries) or retrieve(queries, *a, **k)
-
-    def no_local_index(*args, **kwargs):
-        raise AssertionError("an index was built in the run's process")
-
-    monkeypatch.setattr(evolve_module, "_corpus_index", no_local_index)
-    monkeypatch.setattr(evolve_module, "cache_root", lambda: tmp_path / "cache")
     config = tmp_path / "corpus-tiny.toml"  # trl-tiny.toml without its world, which a corpus run refuses
     config.write_text(TINY.read_text().replace('[world]\nname = "small"\n', ""))
     out = tmp_path / "run"
-    with serve_app(make_app(index)) as url:
+    with corpus_served_elsewhere(monkeypatch, tmp_path / "cache") as (url, searched):
         result = CliRunner().invoke(app, ["engine-run", "--engine", "trl", "--config", str(config), "--out", str(out),
                                           "--set", f"data.corpus={CORPUS}", "--set", f"data.qa_dir={QA_DIR}",
                                           "--set", f"engine.retriever_url={url}/retrieve", "--set", "seed=2",

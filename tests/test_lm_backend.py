@@ -730,29 +730,17 @@ def test_replay_of_a_language_model_bank_through_a_retriever_server(lm_run, tmp_
     loads), the corpus's documents come from its store, and no index is opened or built here; the results
     are those of the replay searching the same BM25 index in process, and its journal rows are another
     study's (the jobs run again, not taken from that replay's rows)."""
-    from _servers import serve_app
+    from _shared import corpus_served_elsewhere
 
-    from selfevo import evolve as evolve_module
     from selfevo.replay import OtherStudyJournal, ReplaySettings, _ctx, build_bank, run_replay
     from selfevo.search.bm25 import BM25Index
     from selfevo.search.client import RetrieverClient
-    from selfevo.search.server import make_app
 
     bank = build_bank([lm_run], size=1000, min_round=1, allow_fewer=True)
     settings, journal = ReplaySettings(updates=2, rollouts=2, samples=2), tmp_path / "jobs.jsonl"
     here = run_replay(bank, "coupled", seeds=1, settings=settings, judge=_LabelsAreRight(), journal=journal)
 
-    index = BM25Index.from_corpus_file(CORPUS)
-    searched = []
-    retrieve = index.retrieve
-    index.retrieve = lambda queries, *a, **k: searched.extend(queries) or retrieve(queries, *a, **k)
-
-    def no_local_index(*args, **kwargs):
-        raise AssertionError("an index was opened or built in the replay's process")
-
-    monkeypatch.setattr(evolve_module, "_corpus_index", no_local_index)
-    monkeypatch.setattr(evolve_module, "cache_root", lambda: tmp_path / "cache")
-    with serve_app(make_app(index)) as url:
+    with corpus_served_elsewhere(monkeypatch, tmp_path / "cache") as (url, searched):
         with pytest.raises(OtherStudyJournal, match="searched in process → through a /retrieve server"):
             run_replay(bank, "coupled", seeds=1, settings=settings, judge=_LabelsAreRight(), journal=journal,
                        retriever_url=f"{url}/retrieve")
@@ -763,8 +751,9 @@ def test_replay_of_a_language_model_bank_through_a_retriever_server(lm_run, tmp_
         tool = _ctx().tool
         assert isinstance(tool.retriever, RetrieverClient) and searched == ["probe"]
         questions = [it.question for it in bank.items]
+        in_process = BM25Index.from_corpus_file(CORPUS).retrieve(questions, topk=tool.topk)
         assert [[(h.document.id, h.document.contents) for h in hits] for hits in tool.lookup(questions)] == \
-            [[(h.document.id, h.document.contents) for h in hits] for hits in retrieve(questions, topk=tool.topk)]
+            [[(h.document.id, h.document.contents) for h in hits] for hits in in_process]
         assert searched[1:] == list(dict.fromkeys(questions))
     assert served["conditions"] == here["conditions"] and served["reference"] == here["reference"]
     assert (tmp_path / "cache" / "corpora").is_dir()  # the documents' store
