@@ -212,6 +212,17 @@ def cache_root() -> Path:
     return Path(os.environ.get("SELFEVO_CACHE_DIR") or Path.home() / ".cache" / "selfevo")
 
 
+def directory_bytes(path: str | os.PathLike) -> int:
+    """Bytes of the files under `path` (a file removed while they are counted is left out: a cache entry
+    another process is building or removing)."""
+    total = 0
+    for d, _, files in os.walk(path):
+        for f in files:
+            with contextlib.suppress(OSError):
+                total += os.lstat(os.path.join(d, f)).st_size
+    return total
+
+
 def file_sha256(path: str | os.PathLike) -> str:
     """sha256 of a file's bytes, read in 4 MiB chunks (corpora are gigabytes)."""
     h = hashlib.sha256()

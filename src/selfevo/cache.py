@@ -9,14 +9,13 @@ A store is named by its file's content, so a corpus rewritten leaves the old sto
 
 from __future__ import annotations
 
-import contextlib
 import os
 import re
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-from selfevo._io import hold_directory, read_json
+from selfevo._io import directory_bytes, hold_directory, read_json
 from selfevo.search.docstore import OFFSETS_FILE, source_state, store_sources
 
 _SHA = re.compile(r"[0-9a-f]{64}")
@@ -31,16 +30,6 @@ class Entry:
     bytes: int
     made_from: tuple[tuple[str, str], ...] = ()  # a store's recorded files, each with its `source_state`
     note: str = ""
-
-
-def _size(path: Path) -> int:
-    """Bytes of the files under `path` (those removed meanwhile left out)."""
-    total = 0
-    for d, _, files in os.walk(path):
-        for f in files:
-            with contextlib.suppress(OSError):
-                total += os.lstat(os.path.join(d, f)).st_size
-    return total
 
 
 def _alive(pid: int) -> bool:
@@ -72,22 +61,22 @@ def entries(root: Path, confirm: bool = False) -> list[Entry]:
     for p in sorted(models.iterdir()) if models.is_dir() else []:
         if (m := _MODEL_TMP.fullmatch(p.name)) and p.is_dir():
             if not _alive(int(m[2])):  # a conversion in progress is not a leftover
-                out.append(Entry("leftover", p, _size(p), note=f"a killed conversion of {m[1]}"))
+                out.append(Entry("leftover", p, directory_bytes(p), note=f"a killed conversion of {m[1]}"))
         elif (p / "config.json").exists():
             try:
                 src = read_json(p / "selfevo-source.json")
                 note = f"converted from {src['gguf']} ({src['bytes']:,} bytes)"
             except (OSError, ValueError, KeyError, TypeError):
                 note = ""
-            out.append(Entry("model", p, _size(p), note=note))
+            out.append(Entry("model", p, directory_bytes(p), note=note))
     corpora = root / "corpora"
     for p in sorted(corpora.iterdir()) if corpora.is_dir() else []:
         if (m := _STORE_TMP.fullmatch(p.name)) and p.is_dir():
             if not _held(corpora / f".{m[1]}.lock"):  # a build in progress holds its lock
-                out.append(Entry("leftover", p, _size(p), note="a killed copy of a corpus"))
+                out.append(Entry("leftover", p, directory_bytes(p), note="a killed copy of a corpus"))
         elif _SHA.fullmatch(p.name) and (p / OFFSETS_FILE).exists():
             made_from = tuple((r["path"], source_state(r, p.name, confirm)) for r in store_sources(p))
-            out.append(Entry("corpus store", p, _size(p), made_from,
+            out.append(Entry("corpus store", p, directory_bytes(p), made_from,
                              "" if made_from else "made before stores recorded their files"))
     return out
 

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from selfevo._io import directory_bytes
 from selfevo.search._manifest import MANIFEST, load_manifest
 from selfevo.search.tool import Retriever
 
@@ -271,7 +272,7 @@ def _build_index(kind: str, corpus: str | os.PathLike, out: str | os.PathLike, o
 
 def index_size_bytes(index_dir: str | os.PathLike) -> int:
     """Bytes on disk of everything in an index directory."""
-    return sum(p.stat().st_size for p in Path(index_dir).rglob("*") if p.is_file())
+    return directory_bytes(index_dir)
 
 
 def get_retriever(*, corpus: str | os.PathLike | None = None, index: str | os.PathLike | None = None,
