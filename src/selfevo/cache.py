@@ -16,11 +16,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from selfevo._io import directory_bytes, hold_directory, read_json
-from selfevo.search.docstore import OFFSETS_FILE, source_state, store_sources
+from selfevo.search.docstore import OFFSETS_FILE, source_state, store_lock, store_scratch, store_sources
 
 _SHA = re.compile(r"[0-9a-f]{64}")
 _MODEL_TMP = re.compile(r"\.(.+)\.tmp-([0-9]+)-[0-9]+")  # convert_gguf's: .NAME.tmp-PID-THREAD
-_STORE_TMP = re.compile(r"\.([0-9a-f]{64})\.tmp")  # corpus_store's: .SHA.tmp
+_STORE_SCRATCH = re.compile(r"\.([0-9a-f]{64})\.tmp")  # `store_scratch`'s names
 
 
 @dataclass(frozen=True)
@@ -71,8 +71,8 @@ def entries(root: Path, confirm: bool = False) -> list[Entry]:
             out.append(Entry("model", p, directory_bytes(p), note=note))
     corpora = root / "corpora"
     for p in sorted(corpora.iterdir()) if corpora.is_dir() else []:
-        if (m := _STORE_TMP.fullmatch(p.name)) and p.is_dir():
-            if not _held(corpora / f".{m[1]}.lock"):  # a build in progress holds its lock
+        if (m := _STORE_SCRATCH.fullmatch(p.name)) and p.is_dir():
+            if not _held(store_lock(corpora, m[1])):  # a build in progress holds its lock
                 out.append(Entry("leftover", p, directory_bytes(p), note="a killed copy of a corpus"))
         elif _SHA.fullmatch(p.name) and (p / OFFSETS_FILE).exists():
             made_from = tuple((r["path"], source_state(r, p.name, confirm)) for r in store_sources(p))
@@ -102,8 +102,8 @@ def remove(entry: Entry) -> bool:
         return True
     sha, root = entry.path.name, entry.path.parent
     try:
-        with hold_directory(root / f".{sha}.lock", lambda: BlockingIOError()):
-            trash = root / f".{sha}.tmp"  # a name the next build clears: a kill mid-removal leaves no half store
+        with hold_directory(store_lock(root, sha), lambda: BlockingIOError()):
+            trash = store_scratch(root, sha)  # a name the next build clears: a kill mid-removal leaves no half store
             shutil.rmtree(trash, ignore_errors=True)
             os.rename(entry.path, trash)
             shutil.rmtree(trash)

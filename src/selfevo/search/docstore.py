@@ -176,10 +176,10 @@ def corpus_store(corpus: str | os.PathLike, root: str | os.PathLike, progress: b
     out = Path(root) / sha
     store = _whole_store(out)
     if store is None:
-        with hold_directory(Path(root) / f".{sha}.lock", None):
+        with hold_directory(store_lock(root, sha), None):
             store = _whole_store(out)  # (another process may have built it while this one waited)
             if store is None:
-                tmp = Path(root) / f".{sha}.tmp"
+                tmp = store_scratch(root, sha)
                 shutil.rmtree(tmp, ignore_errors=True)  # a killed build's
                 try:
                     with ProgressBar(progress, corpus_total(corpus, progress),
@@ -191,10 +191,20 @@ def corpus_store(corpus: str | os.PathLike, root: str | os.PathLike, progress: b
                 store = DocStore(out)
     if seen not in store_sources(out):
         # a cache this process cannot write (another user's) is read as it is: the record only guides a prune
-        with contextlib.suppress(OSError), hold_directory(Path(root) / f".{sha}.lock", None):
+        with contextlib.suppress(OSError), hold_directory(store_lock(root, sha), None):
             if out.is_dir():  # (`cache prune` may have removed a store this process had opened: it reads on)
                 write_json(out / SOURCES_FILE, [r for r in store_sources(out) if r["path"] != seen["path"]] + [seen])
     return store
+
+
+def store_lock(root: str | os.PathLike, sha: str) -> Path:
+    """The lock of the store of content `sha` in `root`: held while it is built, its files recorded, or removed."""
+    return Path(root) / f".{sha}.lock"
+
+
+def store_scratch(root: str | os.PathLike, sha: str) -> Path:
+    """Where the store of content `sha` is built (or put to be deleted) before it is renamed: never read."""
+    return Path(root) / f".{sha}.tmp"
 
 
 def _whole_store(out: Path) -> DocStore | None:
