@@ -10,6 +10,7 @@ from selfevo.loop.feedback import (
     AuxFeedback,
     aux_names,
     aux_updates,
+    budget_batches,
     crossfit_fold,
     fewest_aux_updates,
     grader_index,
@@ -34,6 +35,25 @@ from selfevo.loop.treatments import FeedbackOptions, feedback_options, parse_tre
 def test_aux_updates_splits_the_budget(updates, n_aux, budget, want):
     assert aux_updates(updates, n_aux, budget) == want
     assert fewest_aux_updates(updates, n_aux, budget) == min(want)
+
+
+def test_budget_batches_are_the_full_splits_batches_a_smaller_budget_draws_from_the_whole_round():
+    """The half budget trained on the full split's first batches: the round's first proposer steps'
+    questions only. Now a seeded draw over the whole round, in order, of the same batches."""
+    full = budget_batches(100, 25, 25, seed=0)
+    assert full == [(u, 4 * u, 4 * u + 4) for u in range(25)]  # the even split, every item once
+    half = budget_batches(100, 25, 13, seed=0)
+    assert len(half) == 13 and set(half) <= set(full) and half == sorted(half)
+    assert half == budget_batches(100, 25, 13, seed=0)  # the seed decides
+    assert max(u for u, _, _ in half) > 12  # not the first 13
+    draws = [budget_batches(100, 25, 13, seed=s) for s in range(200)]
+    assert len({tuple(d) for d in draws}) > 150
+    shares = [sum(u >= 13 for u, _, _ in d) / 13 for d in draws]  # the round's second half: 12 of 25 batches
+    assert abs(sum(shares) / len(shares) - 12 / 25) < 0.03
+    # fewer items than updates: one item a batch, and the budget draws among those
+    assert budget_batches(3, 25, 25, seed=0) == [(8, 0, 1), (16, 1, 2), (24, 2, 3)]
+    assert len(budget_batches(3, 25, 2, seed=0)) == 2
+    assert budget_batches(0, 25, 13, seed=0) == []
 
 
 @pytest.mark.parametrize("h, touched, k, want", [

@@ -48,9 +48,10 @@ GOLDEN = {
         "F": [0.063366, 0.036, 0.098], "admitted": [100, 100, 100], "macro": [0.491, 0.529, 0.552857, 0.567857],
         "generations": {"proposer": 306, "msv": 0, "grader": 1530, "solver_rollouts": 1500, "aux_rollouts": 1000},
         "updates": {"proposer": 18, "main": 15, "aux-all": 10}},
-    "half-budget": {"A": [0.437624, 0.370297, 0.408081], "T_P": [0.722772, 0.683168, 0.777778],
-        "F": [0.063366, 0.045545, 0.024242], "admitted": [100, 100, 100], "macro": [0.491, 0.529, 0.544286, 0.563],
-        "generations": {"proposer": 306, "msv": 0, "grader": 1530, "solver_rollouts": 1500, "aux_rollouts": 495},
+    # half-budget updated 2026-12-07: its aux solvers' batches are drawn from the whole round, not its first ones
+    "half-budget": {"A": [0.437624, 0.368317, 0.383673], "T_P": [0.722772, 0.693069, 0.785714],
+        "F": [0.063366, 0.043564, 0.026531], "admitted": [100, 100, 100], "macro": [0.491, 0.529, 0.547143, 0.576286],
+        "generations": {"proposer": 306, "msv": 0, "grader": 1530, "solver_rollouts": 1500, "aux_rollouts": 505},
         "updates": {"proposer": 18, "main": 15, "aux-0": 6, "aux-1": 4}},
     # crossfit-connected updated 2026-12-06 (twice): the link graph's clusters read the pages in id order (not the
     # world's); then selfevo's own Louvain (exact integer gains) in place of networkx's, whose clusters moved with

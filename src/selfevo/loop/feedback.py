@@ -15,6 +15,7 @@ Round 1 is shared by every rule: no aux solver has trained yet, so the base mode
 
 from __future__ import annotations
 
+import random
 import warnings
 from collections.abc import Callable, Collection, Sequence
 from typing import Protocol
@@ -84,6 +85,19 @@ def aux_updates(updates_per_round: int, n_aux: int, budget: float = 1.0) -> list
     paper: each aux solver gets 25 updates a round; half budget: 25 a round in total."""
     total = round(updates_per_round * n_aux * budget)
     return [total // n_aux + (1 if j < total % n_aux else 0) for j in range(n_aux)]
+
+
+def budget_batches(n: int, full: int, updates: int, seed: int) -> list[tuple[int, int, int]]:
+    """`(batch, start, stop)`: the item ranges an aux solver trains on, one an update: the full budget's even
+    split of its `n` items into `full` batches (as the main solver's, so every update trains; fewer
+    items than updates: one item a batch), of which a smaller budget takes `updates` drawn at random,
+    in order. Not the first ones: the items come in proposer-step order, and the round's first steps'
+    questions are the proposer's before its updates of the round (`engine-run` samples its subset too)."""
+    batches = [(u, u * n // full, (u + 1) * n // full) for u in range(full)]
+    batches = [b for b in batches if b[2] > b[1]]
+    if updates >= len(batches):
+        return batches
+    return [batches[i] for i in sorted(random.Random(seed).sample(range(len(batches)), updates))]
 
 
 def fewest_aux_updates(updates_per_round: int, n_aux: int, budget: float = 1.0) -> int:
@@ -261,13 +275,10 @@ class AuxFeedback:
                 # e.g. connected grouping: a fold can have sources and no question all of whose pages lie in it
                 warnings.warn(UntrainedGrader(untrained_grader(aux.name, round, bool(aux.lineage.get("rounds")))),
                               stacklevel=2)
-            # the full budget's even split (as the main solver's), so every one of its updates
-            # trains; a smaller budget takes the first of those batches
-            n, full = len(items), self.full_updates
-            for u in range(self.updates[j]):
-                batch = items[u * n // full:(u + 1) * n // full]
-                if not batch:  # fewer items than updates
-                    continue
+            chosen = budget_batches(len(items), self.full_updates, self.updates[j],
+                                    derive_seed(seed, aux.name, "budget"))
+            for u, lo, hi in chosen:
+                batch = items[lo:hi]
                 trajs = aux.answer([c.proposal.question for c in batch], tool, greedy=False, n=self.samples,
                                    seed=derive_seed(seed, aux.name, u))
                 aux.update([(ts, c.label) for ts, c in zip(trajs, batch, strict=True)])
