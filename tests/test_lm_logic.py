@@ -311,18 +311,20 @@ class CharTokenizer:
         text = "".join(f"[{m['role']}]{m['content']}" for m in messages)
         return text + ("[assistant]" if add_generation_prompt else "")
 
-    def __call__(self, texts, return_tensors=None, padding=False, add_special_tokens=False, truncation=False,
-                 max_length=None):
+    def __call__(self, text, add_special_tokens=False, return_offsets_mapping=False):
+        return {"input_ids": [ord(c) for c in text], "offset_mapping": [(i, i + 1) for i in range(len(text))]}
+
+    def pad(self, encoded, return_tensors=None):  # on the left, as LMPolicy sets its tokenizer's padding_side
         import torch
 
         class Encoding(dict):
             def to(self, device):
                 return self
 
-        ids = [[ord(c) for c in t] for t in texts]
+        ids = encoded["input_ids"]
         width = max(map(len, ids))
         return Encoding({"input_ids": torch.tensor([[0] * (width - len(r)) + r for r in ids]),
-                              "attention_mask": torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in ids])})
+                         "attention_mask": torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in ids])})
 
     def decode(self, row, skip_special_tokens=False):
         return "".join(chr(int(i)) for i in row if int(i) > 1)

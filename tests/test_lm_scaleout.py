@@ -27,6 +27,7 @@ from selfevo.agents.lm.vllm_engine import (
     VLLMEngine,
     check_vllm,
     finish,
+    keep_head,
     max_lora_rank,
     prompt_token_ids,
     sampling_kwargs,
@@ -90,19 +91,45 @@ def test_max_lora_rank_rounds_up_to_a_rank_vllm_accepts():
         max_lora_rank(513)
 
 
-def test_prompt_token_ids_are_the_hf_batch_without_its_padding(smollm2_path):
+def test_keep_head_keeps_the_head_and_the_newest_tokens():
+    ids = list(range(10))
+    assert keep_head(ids, 3, 10) == ids and keep_head(ids, 3, 20) == ids  # within the limit: as it is
+    assert keep_head(ids, 3, 6) == [0, 1, 2, 7, 8, 9]  # the oldest after the head dropped
+    assert keep_head(ids, 0, 6) == [4, 5, 6, 7, 8, 9]  # no head: plain left truncation
+    assert keep_head(ids, 6, 6) == keep_head(ids, 8, 6) == [4, 5, 6, 7, 8, 9]  # a head that fills the limit: not kept
+
+
+def test_a_prompt_over_the_limit_keeps_its_system_prompt_and_question(smollm2_path):
+    """Cut from the left, a long search's fifth action was generated without the system prompt and
+    the question (4 observations of ~450 tokens and 4 actions pass the default 4,096). Now the cut
+    falls after them: the prompt keeps its head and its newest turns, up to the generation prompt.
+    Under the limit the ids are the tokenizer's, the HF batch's rows without their padding."""
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(smollm2_path)
-    tok.padding_side = "left"
-    prompts = [tok.apply_chat_template(solver_messages(q), tokenize=False, add_generation_prompt=True) + head
-               for q, head in (("Who wrote Hamlet?", ""), ("Where is the Eiffel Tower, and who built it?",
-                                                            "<think>"))]
-    for limit in (4096, 20):  # long enough, and cut by the tokenizer
-        enc = tok(prompts, padding=True, add_special_tokens=False, truncation=True, max_length=limit)
-        hf = [[i for i, a in zip(ids, att) if a] for ids, att in zip(enc["input_ids"], enc["attention_mask"])]
-        assert prompt_token_ids(tok, prompts, limit) == hf
-    assert len(prompt_token_ids(tok, prompts, 20)[1]) == 20
+    from selfevo.agents.lm.policy import LMPolicy
+
+    policy = object.__new__(LMPolicy)  # its tokenizer and config are all prompt_ids reads
+    policy.tokenizer = AutoTokenizer.from_pretrained(smollm2_path)
+    policy.tokenizer.padding_side = "left"
+    policy.cfg = LMConfig(max_prompt_tokens=300)
+    passage = " ".join(f"Passage word {i} about the tower." for i in range(60))
+    long = solver_messages("Where is the Eiffel Tower, and who built it?")
+    for k in range(3):
+        long += [{"role": "assistant", "content": f"<search> tower {k} </search>"},
+                 {"role": "user", "content": f"<information>{passage} (end of {k})</information>"}]
+    short = solver_messages("Who wrote Hamlet?")
+    ids = policy.prompt_ids([short, long], ["", "<think>"])
+    tok = policy.tokenizer
+    assert ids[0] == tok(policy.render(short), add_special_tokens=False)["input_ids"]
+    batch = tok([policy.render(short), policy.render(short)], padding=True, add_special_tokens=False)
+    assert tok.pad({"input_ids": [ids[0]] * 2})["input_ids"] == batch["input_ids"]
+    assert len(ids[1]) == 300
+    text = tok.decode(ids[1])
+    head = tok.apply_chat_template(long[:2], tokenize=False)
+    assert text.startswith(head) and text.endswith("<|im_start|>assistant\n<think>")
+    assert "(end of 2)" in text and "(end of 0)" not in text  # the newest observation, not the oldest
+    cut = prompt_token_ids(tok, [policy.render(long)], 300)[0]  # no head: the plain left cut
+    assert len(cut) == 300 and "Eiffel" not in tok.decode(cut)
 
 
 def test_shard_bounds_are_contiguous_balanced_and_in_order():
@@ -217,8 +244,7 @@ def test_engine_serves_each_policy_change_as_a_new_lora_version(smollm2_path, mo
     assert out == [("<think>hm</think><search> Hamlet </search>", "stop")] * 2
     call = llm.calls[-1]
     assert call["lora"] is None  # the base model: no adapter
-    assert [p["prompt_token_ids"] for p in call["prompts"]] == prompt_token_ids(
-        policy.tokenizer, [policy.render(c) for c in convs], cfg.max_prompt_tokens)
+    assert [p["prompt_token_ids"] for p in call["prompts"]] == policy.prompt_ids(convs, ["", ""])
     assert [sp.kwargs for sp in call["params"]] == [
         sampling_kwargs(cfg, greedy=True, seed=None, row=i, max_tokens=16) for i in range(2)]
     # a prefix starts the prompt and the returned text; the budget maps to max_tokens and "length"
@@ -227,8 +253,7 @@ def test_engine_serves_each_policy_change_as_a_new_lora_version(smollm2_path, mo
     sp = llm.calls[-1]["params"][0].kwargs
     assert sp["max_tokens"] == 2 and sp["temperature"] == cfg.temperature
     assert sp["seed"] == derive_seed(3, "row", 0) % 2**31
-    assert llm.calls[-1]["prompts"][0]["prompt_token_ids"] == prompt_token_ids(
-        policy.tokenizer, [policy.render(convs[0]) + "<think>"], cfg.max_prompt_tokens)[0]
+    assert llm.calls[-1]["prompts"][0]["prompt_token_ids"] == policy.prompt_ids(convs[:1], ["<think>"])[0]
 
     def exported(name):
         state = get_peft_model_state_dict(policy.peft, adapter_name=name)
@@ -748,11 +773,15 @@ class _FakePeft:
 
 
 def _stub_policy(**cfg):
-    """What VLLMEngine uses of an LMPolicy: its config, revisions, peft model, render and tokenizer (one id per
-    character, truncated as asked)."""
-    return types.SimpleNamespace(
-        cfg=LMConfig(**cfg), revision={}, peft=_FakePeft(), render=lambda conv: "|".join(m["content"] for m in conv),
-        tokenizer=lambda p, **kw: {"input_ids": [ord(c) for c in p][:kw["max_length"]]})
+    """What VLLMEngine uses of an LMPolicy: its config, revisions, peft model and prompt ids (one id per
+    character of the rendered conversation and its prefix)."""
+    config = LMConfig(**cfg)
+
+    def prompt_ids(convs, prefixes):
+        prompts = ["|".join(m["content"] for m in conv) + p for conv, p in zip(convs, prefixes, strict=True)]
+        return prompt_token_ids(lambda p, **kw: {"input_ids": [ord(c) for c in p]}, prompts, config.max_prompt_tokens)
+
+    return types.SimpleNamespace(cfg=config, revision={}, peft=_FakePeft(), prompt_ids=prompt_ids)
 
 
 def test_engine_generate_caps_the_budget_takes_a_prefix_per_row_and_asks_nothing_for_no_rows(monkeypatch, tmp_path):

@@ -25,7 +25,7 @@ class LMConfig:
     threads: int = 0  # torch CPU threads (0: torch's default)
     max_actions: int = 5  # paper: at most 5 assistant actions a trajectory
     max_new_tokens: int = 512  # paper: at most 512 new tokens an action
-    max_prompt_tokens: int = 4096  # a longer conversation is cut from the left when generating
+    max_prompt_tokens: int = 4096  # a longer prompt keeps its system prompt and question, cut after them
     max_train_tokens: int = 4096  # a longer sequence is cut when training
     temperature: float = 0.8  # paper: grader and rollout sampling at temperature 0.8, top-p 0.95
     top_p: float = 0.95

@@ -82,7 +82,6 @@ class LMPolicy:
         self.base_name = Path(path).name
         self.tokenizer, base = load_pretrained(path, cfg.dtype, model=cfg.model)
         self.tokenizer.padding_side = "left"  # batched generation continues every row at its end
-        self.tokenizer.truncation_side = "left"  # an over-long conversation loses its oldest turns
         if self.tokenizer.pad_token_id is None:
             self.tokenizer.pad_token = self.tokenizer.eos_token
         base.to(self.device).eval()
@@ -186,6 +185,27 @@ class LMPolicy:
     def render(self, messages: Sequence[dict]) -> str:
         return self.tokenizer.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=True)
 
+    def head_chars(self, messages: Sequence[dict], prompt: str) -> int:
+        """Characters of `prompt` (the rendering of `messages`) up to the end of its first user turn:
+        the system prompt and the question, what a cut keeps; 0 where the template renders those turns
+        otherwise alone (nothing is kept then: the cut is plain left truncation)."""
+        first = next((i for i, m in enumerate(messages) if m["role"] == "user"), None)
+        if first is None:
+            return 0
+        head = self.tokenizer.apply_chat_template(list(messages[:first + 1]), tokenize=False,
+                                                  add_generation_prompt=False)
+        return len(head) if prompt.startswith(head) else 0
+
+    def prompt_ids(self, conversations: Sequence[Sequence[dict]], prefixes: Sequence[str]) -> list[list[int]]:
+        """The token ids generation continues, for both generators: each conversation rendered with its
+        prefix; one over `lm.max_prompt_tokens` keeps its system prompt and question and loses the
+        oldest turns after them (a model at its fifth action still reads what it was asked)."""
+        from selfevo.agents.lm.vllm_engine import prompt_token_ids
+
+        prompts = [self.render(c) + h for c, h in zip(conversations, prefixes, strict=True)]
+        heads = [self.head_chars(c, p) for c, p in zip(conversations, prompts)]
+        return prompt_token_ids(self.tokenizer, prompts, self.cfg.max_prompt_tokens, heads)
+
     def truncate(self, text: str, n_tokens: int) -> str:
         """The first `n_tokens` tokens of `text` (Dr. Zero shows the proposer 256 of its source)."""
         ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
@@ -208,9 +228,8 @@ class LMPolicy:
         out: list[tuple[str, str]] = []
         for start in range(0, len(conversations), cfg.gen_batch):
             heads = prefixes[start:start + cfg.gen_batch]
-            chunk = [self.render(c) + h for c, h in zip(conversations[start:start + cfg.gen_batch], heads)]
-            enc = tok(chunk, return_tensors="pt", padding=True, add_special_tokens=False,
-                      truncation=True, max_length=cfg.max_prompt_tokens).to(self.device)
+            ids = self.prompt_ids(conversations[start:start + cfg.gen_batch], heads)
+            enc = tok.pad({"input_ids": ids}, return_tensors="pt").to(self.device)  # left: padding_side
             kwargs = dict(max_new_tokens=budget, do_sample=not greedy, use_cache=True,
                           pad_token_id=tok.pad_token_id, stop_strings=list(stops), tokenizer=tok)
             if greedy:

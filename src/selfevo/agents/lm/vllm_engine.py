@@ -12,7 +12,8 @@ from (a main-solver step, a frozen snapshot once), never one per update that nob
 
 Everything else matches the transformers path so the rollout driver cannot tell the two apart:
 - the prompt is `render(conversation) + prefix`, tokenized exactly as the HF path tokenizes it
-  (no special tokens added, truncated to `lm.max_prompt_tokens` by the same tokenizer call);
+  (`LMPolicy.prompt_ids`: no special tokens added; one over `lm.max_prompt_tokens` keeps its system
+  prompt and question and loses its oldest turns after them);
 - greedy is temperature 0; sampling is `lm.temperature` / `lm.top_p`, no top-k, like HF;
 - the stop strings end an action and stay in its text (`include_stop_str_in_output`), the text is
   cut after the first one, and the prefix starts the returned text;
@@ -94,11 +95,31 @@ def sampling_kwargs(cfg: LMConfig, *, greedy: bool, seed: int | None, row: int, 
     return kwargs
 
 
-def prompt_token_ids(tokenizer, prompts: Sequence[str], max_prompt_tokens: int) -> list[list[int]]:
-    """Token ids of each prompt exactly as the HF path builds them (its batch, minus the padding):
-    no special tokens added, truncated by the tokenizer to `max_prompt_tokens`."""
-    return [list(tokenizer(p, add_special_tokens=False, truncation=True,
-                           max_length=max_prompt_tokens)["input_ids"]) for p in prompts]
+def keep_head(ids: Sequence[int], head: int, limit: int) -> list[int]:
+    """`ids` cut to `limit` tokens: the first `head` kept (the system prompt and the question), the
+    oldest after them dropped, so a long search still ends at its last observation and generation
+    prompt. A head longer than the limit is not kept: the last `limit` tokens, as plain left truncation."""
+    if len(ids) <= limit:
+        return list(ids)
+    if head >= limit:
+        return list(ids[len(ids) - limit:])
+    return list(ids[:head]) + list(ids[len(ids) - (limit - head):])
+
+
+def prompt_token_ids(tokenizer, prompts: Sequence[str], max_prompt_tokens: int,
+                     heads: Sequence[int] | None = None) -> list[list[int]]:
+    """Token ids of each prompt, as both generators (HF and vLLM) take them: no special tokens added;
+    one over `max_prompt_tokens` is cut by `keep_head`, its head the tokens within its first
+    `heads[i]` characters (0: none kept)."""
+    out = []
+    for i, p in enumerate(prompts):
+        ids = list(tokenizer(p, add_special_tokens=False)["input_ids"])
+        head = heads[i] if heads is not None else 0
+        if len(ids) > max_prompt_tokens and head:
+            ends = [b for _, b in tokenizer(p, add_special_tokens=False, return_offsets_mapping=True)["offset_mapping"]]
+            head = sum(1 for b in ends if b <= head)
+        out.append(keep_head(ids, head if len(ids) > max_prompt_tokens else 0, max_prompt_tokens))
+    return out
 
 
 def finish(head: str, text: str, finish_reason: str | None,
@@ -184,12 +205,11 @@ class VLLMEngine:
         # the engine's context is sized for lm.max_new_tokens: a larger budget is capped
         budget = min(max_new_tokens or cfg.max_new_tokens, cfg.max_new_tokens)
         heads = [prefix] * len(conversations) if isinstance(prefix, str) else list(prefix)
-        prompts = [self.policy.render(c) + h for c, h in zip(conversations, heads)]
-        ids = prompt_token_ids(self.policy.tokenizer, prompts, cfg.max_prompt_tokens)
+        ids = self.policy.prompt_ids(conversations, heads)
         from vllm import SamplingParams
 
         params = [SamplingParams(**sampling_kwargs(cfg, greedy=greedy, seed=seed, row=i, max_tokens=budget,
-                                                   stops=stops)) for i in range(len(prompts))]
+                                                   stops=stops)) for i in range(len(ids))]
         lora = None if name is None else self.lora_request(name)
         outputs = self.llm.generate([{"prompt_token_ids": x} for x in ids], params,
                                     lora_request=lora, use_tqdm=False)
