@@ -50,9 +50,11 @@ def test_budget_batches_are_the_full_splits_batches_a_smaller_budget_draws_from_
     assert len({tuple(d) for d in draws}) > 150
     shares = [sum(u >= 13 for u, _, _ in d) / 13 for d in draws]  # the round's second half: 12 of 25 batches
     assert abs(sum(shares) / len(shares) - 12 / 25) < 0.03
-    # fewer items than updates: one item a batch, and the budget draws among those
+    # fewer items than updates: one item a batch, the rest empty; a budget draws among all of them, so the
+    # half budget trains on about half the items (taking every non-empty batch, it trained as CrossFit)
     assert budget_batches(3, 25, 25, seed=0) == [(8, 0, 1), (16, 1, 2), (24, 2, 3)]
-    assert len(budget_batches(3, 25, 2, seed=0)) == 2
+    trained = [sum(hi - lo for _, lo, hi in budget_batches(10, 25, 13, seed=s)) for s in range(400)]
+    assert abs(sum(trained) / len(trained) - 10 * 13 / 25) < 0.3 and max(trained) < 10
     assert budget_batches(0, 25, 13, seed=0) == []
 
 

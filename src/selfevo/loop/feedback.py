@@ -90,14 +90,12 @@ def aux_updates(updates_per_round: int, n_aux: int, budget: float = 1.0) -> list
 def budget_batches(n: int, full: int, updates: int, seed: int) -> list[tuple[int, int, int]]:
     """`(batch, start, stop)`: the item ranges an aux solver trains on, one an update: the full budget's even
     split of its `n` items into `full` batches (as the main solver's, so every update trains; fewer
-    items than updates: one item a batch), of which a smaller budget takes `updates` drawn at random,
-    in order. Not the first ones: the items come in proposer-step order, and the round's first steps'
+    items than updates: one item a batch, the others empty), of which a smaller budget takes `updates`
+    drawn at random, in order, an empty one drawn being no update: a budget's share of the items whatever
+    their number. Not the first ones: the items come in proposer-step order, and the round's first steps'
     questions are the proposer's before its updates of the round (`engine-run` samples its subset too)."""
-    batches = [(u, u * n // full, (u + 1) * n // full) for u in range(full)]
-    batches = [b for b in batches if b[2] > b[1]]
-    if updates >= len(batches):
-        return batches
-    return [batches[i] for i in sorted(random.Random(seed).sample(range(len(batches)), updates))]
+    drawn = range(full) if updates >= full else sorted(random.Random(seed).sample(range(full), updates))
+    return [(u, u * n // full, (u + 1) * n // full) for u in drawn if (u + 1) * n // full > u * n // full]
 
 
 def fewest_aux_updates(updates_per_round: int, n_aux: int, budget: float = 1.0) -> int:
