@@ -277,7 +277,7 @@ ONE_ROUND = ["--set", "loop.rounds=1", "--set", "loop.proposer_steps=2", "--set"
 
 
 @pytest.mark.parametrize("field, value", [("shared_misreading", "0.9"), ("confusable_rate", "0.0"),
-                                          ("value_skew", "3.0")])
+                                          ("value_skew", "3.0"), ("seed", "3")])
 def test_a_world_directory_refuses_parameters_it_was_not_made_with(tmp_path, world_dir, field, value):
     out = _usage_error(["evolve", "--world", str(world_dir), "--out", str(tmp_path / "run"), *ONE_ROUND,
                         "--set", f"world.{field}={value}"])
@@ -1384,6 +1384,36 @@ def test_audit_refuses_what_it_cannot_audit_naming_why(tmp_path):
                         "--out", str(tmp_path / "o")])
     assert out.startswith(f"error: {tmp_path / 'notes.jsonl'}:1: corrupt log line: not a judge cache")
     assert (tmp_path / "notes.jsonl").read_text() == "my notes\n"
+    assert not (tmp_path / "o").exists()
+
+
+def test_audit_refuses_to_write_into_another_run_or_compare_a_judge_with_itself(tmp_path):
+    """`audit RUN_A --out RUN_B/audit` replaced B's audit with A's, and `compare` and `report` showed A's numbers
+    under B; `--records ... --out RUN` wrote metrics.json and figures/ among a run's own files; `--judge gold
+    --compare gold` printed a comparison of zeros."""
+    records = _one_record(tmp_path)
+    run = tmp_path / "run-b"
+    (run / "audit").mkdir(parents=True)
+    (run / "manifest.json").write_text(json.dumps({"status": "complete", "rounds_completed": 3}))
+    for out in (run / "audit", run / "audit" / "llm"):
+        got = _usage_error(["audit", "--records", str(records), "--judge", "gold", "--out", str(out)])
+        assert got.startswith(f"error: --out: {out} is inside the run directory {run}, whose audit")
+    got = _usage_error(["audit", "--records", str(records), "--judge", "gold", "--out", str(run)])
+    assert got.startswith(f"error: --out: {run} is a run directory")
+    assert sorted(p.name for p in run.rglob("*")) == ["audit", "manifest.json"]  # nothing written
+    import typer
+
+    from selfevo.cli import _out_not_in_another_run
+
+    _out_not_in_another_run(run / "audit" / "llm", run)  # the run audited: its own audit/ is where it goes
+    other = tmp_path / "run-a"
+    other.mkdir()
+    (other / "manifest.json").write_text(json.dumps({"status": "complete", "rounds_completed": 3}))
+    with pytest.raises(typer.Exit):
+        _out_not_in_another_run(run / "audit", other)
+    got = _usage_error(["audit", "--records", str(records), "--judge", "gold", "--compare", "gold",
+                        "--out", str(tmp_path / "o")])
+    assert got.startswith("error: --compare gold: the judge is gold itself")
     assert not (tmp_path / "o").exists()
 
 

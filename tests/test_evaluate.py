@@ -431,6 +431,20 @@ def test_score_files_unknown_id_names_file_and_line(tmp_path):
     assert not (tmp_path / "s.json").exists()
 
 
+def test_score_files_refuse_predictions_of_another_question_set(tmp_path):
+    """Ids such as nq-0 recur across question sets: a world run's predictions scored against the shared
+    benchmarks scored 0.001, exit 0. A prediction that carries its question (eval writes it) is checked."""
+    qa = _tiny_qa_dir(tmp_path)
+    asked = _item("n1", "nq", "Paris").question
+    preds = _write(tmp_path / "p.jsonl", [json.dumps({"id": "n1", "question": f"  {asked} ", "prediction": "paris"}),
+                                          json.dumps({"id": "n2", "question": "Who is Sirith?", "prediction": "x"})])
+    with pytest.raises(DataError, match="'n2' answers 'Who is Sirith\\?', but .* asks") as err:
+        score_files(qa, preds, tmp_path / "s.json")
+    assert err.value.line == 2 and not (tmp_path / "s.json").exists()
+    _write(preds, [json.dumps({"id": "n1", "question": asked, "prediction": "paris"})])  # the same question
+    assert score_files(qa, preds, tmp_path / "s.json")["benchmarks"]["nq"]["cover_em"] == 0.5
+
+
 def _squash(text: str) -> str:
     return "".join(text.split())  # rich may wrap long paths across lines
 

@@ -605,8 +605,12 @@ def test_a_replay_is_held_to_the_world_its_bank_was_made_on(tmp_path):
     assert Bank.from_json(json.loads(json.dumps(bank.to_json()))).made_on == bank.made_on
     shutil.rmtree(world)
     save_world(make_world(WorldConfig(size="small", seed=1)), world)  # remade under the same path
-    with pytest.raises(ReplayError, match="has changed since its runs were made on it"):
-        run_replay(bank, ["coupled"], seeds=1, settings=FAST, workers=1)
+    for workers in (1, 2):  # a pool's worker refuses it as the study's error (it broke the pool: a traceback)
+        with pytest.raises(ReplayError, match="has changed since its runs were made on it"):
+            run_replay(bank, ["coupled"], seeds=1, settings=FAST, workers=workers)
+    shutil.rmtree(world)  # moved away: `replay build` named it in a traceback
+    with pytest.raises(ReplayError, match=r"run: .*world: not a world directory"):
+        build_bank([tmp_path / "run"], size=20, seed=0)
 
 
 def test_a_one_seed_study_shows_no_spread_rather_than_a_spread_of_zero(bank):

@@ -95,6 +95,23 @@ def _out_not_over(out: Path, inputs) -> None:
             _fail(f"--out: {out} would write over {given}, which this command reads; choose another path")
 
 
+def _out_not_in_another_run(out: Path, own: Path | None) -> None:
+    """Refuse an audit's --out that is a run directory, or inside one other than the run audited: written
+    into another run's audit/, `compare` and `report` read its metrics as that run's."""
+    from selfevo.runs import RunDir
+
+    target = out.resolve()
+    for d in (target, *target.parents):
+        if RunDir(d).exists():
+            if d == target:
+                _fail(f"--out: {out} is a run directory; an audit goes in a directory of its own (a run's is "
+                      "RUN_DIR/audit)")
+            if own is None or d != own.resolve():
+                _fail(f"--out: {out} is inside the run directory {d}, whose audit `compare` and `report` read as "
+                      "that run's; choose a path outside it")
+            return
+
+
 def _out_not_read_as_qa(out: Path, data_dir: Path) -> None:
     """Every *.jsonl / *.jsonl.gz / *.parquet file of a QA directory is read as a benchmark: `eval --out` the
     directory itself, or `score --out` such a file beside them, broke every later command on it."""
@@ -753,6 +770,9 @@ def audit_cmd(
         _fail("give a run directory or --records FILE (one of them)")
     if judge not in ("oracle", "llm", "gold"):
         _fail(f"--judge: unknown judge {judge!r} (known: oracle, llm, gold)")
+    if compare is not None and compare == judge:
+        _fail(f"--compare {compare}: the judge is {judge} itself (every difference would be 0); compare an LLM "
+              f"judge with it: --judge llm --compare {compare}")
     if judge != "llm":
         # settings only an LLM judge reads are refused, not ignored: an audit given a judge URL must
         # not pass for that judge's. By the source's name: typer vendors its own click, whose
@@ -841,6 +861,8 @@ def audit_cmd(
         documents = contents_by_id(env.documents)  # read on demand: a corpus stays on disk
         truth = oracle if compare == "oracle" else None
         out_dir = out or run.path / "audit" / ("llm" if judge == "llm" else "")
+    if out is not None:
+        _out_not_in_another_run(out, run_dir)
     steps = limit_items(steps, max_items_per_step)
     from selfevo._io import hold_directory
 

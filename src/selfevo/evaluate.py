@@ -238,19 +238,23 @@ def hop_group(name: str, items: Sequence[QAItem]) -> str | None:
 # ---------------------------------------------------------------- files
 
 
-def _read_predictions(path: str | os.PathLike) -> tuple[dict[str, str], dict[str, int]]:
-    """Predictions and the line each came from (so later errors can name file:line)."""
+def _read_predictions(path: str | os.PathLike) -> tuple[dict[str, str], dict[str, int], dict[str, str]]:
+    """Predictions, the line each came from (so later errors can name file:line) and the question of
+    those that carry one (`selfevo eval` writes it)."""
     preds: dict[str, str] = {}
     lines: dict[str, int] = {}
+    questions: dict[str, str] = {}
     for lineno, obj in iter_json_lines(path):
         pid = _require_str(obj, "id", path, lineno)
         pred = _require_str(obj, "prediction", path, lineno, allow_empty=True)
         if pid in preds:
             raise DataError(path, lineno, f"duplicate id '{pid}' (first on line {lines[pid]})")
         preds[pid], lines[pid] = pred, lineno
+        if obj.get("question") is not None:
+            questions[pid] = _require_str(obj, "question", path, lineno)
     if not preds:
         raise DataError(path, None, "no predictions in file")
-    return preds, lines
+    return preds, lines, questions
 
 
 def read_predictions(path: str | os.PathLike) -> dict[str, str]:
@@ -262,11 +266,17 @@ def score_files(data_dir: str | os.PathLike, predictions_path: str | os.PathLike
                 out_path: str | os.PathLike) -> dict:
     """Score a predictions file against a QA directory and write the result JSON atomically."""
     data = read_qa_dir(data_dir)
-    preds, lines = _read_predictions(predictions_path)
-    known = {it.id for items in data.values() for it in items}
+    preds, lines, questions = _read_predictions(predictions_path)
+    known = {it.id: it for items in data.values() for it in items}
     for pid, lineno in lines.items():
         if pid not in known:
             raise DataError(predictions_path, lineno, f"id '{pid}' is not in {data_dir}")
+        # ids such as nq-0 recur across question sets (a world's, the shared benchmarks'): scored against
+        # another set's answers, its predictions scored near 0 without a word
+        asked = questions.get(pid)
+        if asked is not None and " ".join(asked.split()) != " ".join(known[pid].question.split()):
+            raise DataError(predictions_path, lineno, f"id '{pid}' answers {asked!r}, but {data_dir} asks "
+                                                      f"{known[pid].question!r}: predictions of another question set?")
     result = score_predictions(data, preds)
     write_json(out_path, result)
     return result

@@ -236,12 +236,11 @@ def world_sha256(cfg: RunConfig) -> str | None:
 
 def check_world_params(cfg: RunConfig, world: World | None) -> None:
     """A world directory's parameters were fixed when it was made (its world.json); a run config that
-    asks for other values would be recorded in config.json but not used. Refuse it, naming the field.
-    (world.seed is documented as ignored for a world directory.)"""
+    asks for other values would be recorded in config.json but not used. Refuse it, naming the field."""
     if world is None or cfg.data.corpus or cfg.world.name in SIZES:
         return
     default = WorldSpec()
-    for name in ("confusable_rate", "shared_misreading", "value_skew"):
+    for name in ("seed", "confusable_rate", "shared_misreading", "value_skew"):
         asked, made = getattr(cfg.world, name), getattr(world.config, name)
         if asked != getattr(default, name) and asked != made:
             raise ConfigError(f"world.{name}: {asked} asked, but the world directory {cfg.world.name} was made "

@@ -373,7 +373,9 @@ def build_bank(run_dirs: Sequence[str | os.PathLike], size: int = 3000, seed: in
     if size < 1:
         raise ReplayError(f"--size: must be >= 1, got {size}")
     from selfevo.config import ConfigError, config_from_dict
+    from selfevo.corpus import DataError
     from selfevo.evolve import check_world, searched_through_a_server
+    from selfevo.world import WorldError
 
     hops = set(hops) if hops is not None else None
     if hops is not None and (not hops or min(hops) < 1):
@@ -406,8 +408,8 @@ def build_bank(run_dirs: Sequence[str | os.PathLike], size: int = 3000, seed: in
             created.append(c if isinstance(c, (int, float)) and not isinstance(c, bool) else None)
         except RunError as e:
             raise ReplayError(str(e)) from None
-        except ConfigError as e:  # its data.index is no longer an index (removed, or half rebuilt)
-            raise ReplayError(f"{d}: {e}") from None
+        except (ConfigError, DataError, WorldError) as e:  # data.index no longer an index (removed, or half
+            raise ReplayError(f"{d}: {e}") from None      # rebuilt); its world directory moved or broken
     parts = [_bank_parts(cfg) for cfg in configs]
     for key in parts[0]:
         for d, other in zip(run_dirs[1:], parts[1:]):
@@ -571,11 +573,20 @@ def _set_context(bank: Bank, settings: ReplaySettings, retriever_url: str | None
     return ctx
 
 
+_INIT_ERROR: Exception | None = None  # a pool worker's failure to set its context, raised by its first job
+
+
 def _init_worker(bank_json: dict, settings: ReplaySettings, retriever_url: str | None = None) -> None:
-    _set_context(Bank.from_json(bank_json), settings, retriever_url)
+    global _INIT_ERROR
+    try:
+        _set_context(Bank.from_json(bank_json), settings, retriever_url)
+    except Exception as e:  # raised in an initializer it would break the pool, saying nothing of why
+        _INIT_ERROR = e
 
 
 def _ctx() -> _Context:
+    if _INIT_ERROR is not None:  # the job's error, as `workers=1` raises it (a bank its world no longer fits)
+        raise _INIT_ERROR
     assert _CONTEXT is not None, "replay context not set"
     return _CONTEXT[1]
 
