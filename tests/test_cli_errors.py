@@ -1544,3 +1544,11 @@ def test_a_source_pool_as_large_as_the_corpus_is_the_corpus_in_its_order():
         assert source_pool(load_config(None, [f"loop.source_docs={n}"]), docs) == docs
     sample = source_pool(load_config(None, ["loop.source_docs=2"]), docs)
     assert len(sample) == 2 and sample == sorted(sample, key=lambda d: d.id)  # fewer: a sample, in id order
+
+
+def test_version_prints_the_version_and_the_source_digest_runs_record():
+    from selfevo import __version__
+    from selfevo._software import software
+
+    res = CliRunner().invoke(app, ["--version"])
+    assert res.exit_code == 0 and res.output == f"selfevo {__version__} (source {software()['selfevo_source']})\n"

@@ -1252,6 +1252,8 @@ def test_an_lm_agent_is_refused_before_its_model_loads(monkeypatch, tmp_path):
         load_agent("lm:")
     with pytest.raises(ValueError, match=f"{tmp_path}/p.safetensors: cannot read the policy file"):
         load_agent(f"lm:org/m@{tmp_path}/p.safetensors")
+    with pytest.raises(ValueError, match=f"{tmp_path}: a directory; name the policy file in it"):
+        load_agent(f"lm:org/m@{tmp_path}")
     assert loaded == []
     solver = load_agent("lm:org/m")
     assert loaded == ["org/m"] and solver.name == "lm:org/m" and solver.frozen and solver.policy_name is None

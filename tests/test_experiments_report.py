@@ -216,6 +216,10 @@ def test_report_cli(local_grid, tmp_path):
     for absent in (tmp_path / "nope", tmp_path / "nope" / "deeper"):  # named, and not made
         result = CliRunner().invoke(app, ["report", str(absent)])
         assert result.exit_code == 2 and not (tmp_path / "nope").exists()
+        assert "no such directory" in result.output  # was "no run directories found below it"
+    (tmp_path / "c.jsonl").write_text("{}\n")
+    result = CliRunner().invoke(app, ["report", str(tmp_path / "c.jsonl")])
+    assert result.exit_code == 2 and "not a directory" in result.output
 
 
 def test_report_refuses_a_directory_a_demo_is_writing(local_grid):

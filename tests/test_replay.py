@@ -186,6 +186,7 @@ def test_bank_hops_filter(runs, bank):
     (lambda o: {**o, "items": [{k: v for k, v in o["items"][0].items() if k != "label"}]}, "item 0.*label"),
     (lambda o: {**o, "items": [o["items"][0], o["items"][0]]}, "duplicate item id"),
     (lambda o: [1, 2], "not a replay bank"),
+    (lambda o: {"format": 1, "seeds": [0], "conditions": {}}, r"not a replay bank \(no items"),  # a results.json
     (lambda o: {**o, "seed": "zero"}, "field seed should be an integer"),
     (lambda o: {**o, "items": [{**o["items"][0], "round": "late"}]}, r"item 0 \('run0/.*'\): field round should be"),
     # a bank edited by hand: each of these ran (a null label graded as "no answer", a float hop count
@@ -1060,7 +1061,8 @@ def test_every_replay_setting_is_a_positive_integer(field, value):
 @pytest.mark.parametrize("edit, message", [
     (lambda o: {**o, "format": 0}, "bank format 0, this selfevo reads formats 1 to 3"),
     (lambda o: {k: v for k, v in o.items() if k != "seed"}, r"missing field\(s\) seed$"),
-    (lambda o: {k: v for k, v in o.items() if k not in ("items", "search")}, r"missing field\(s\) search, items$"),
+    (lambda o: {k: v for k, v in o.items() if k not in ("world", "search")}, r"missing field\(s\) world, search$"),
+    (lambda o: {k: v for k, v in o.items() if k not in ("items", "search")}, r"not a replay bank \(no items"),
     (lambda o: {**o, "items": [{**o["items"][0], "round": 0}]}, "field round should be an integer >= 1, got 0"),
     (lambda o: {**o, "items": [{**o["items"][0], "hops": True}]}, "field hops should be an integer >= 1, got true"),
     (lambda o: {**o, "items": [{**o["items"][0], "source_ids": [""]}]}, "field source_ids should be a non-empty list"),

@@ -1229,6 +1229,10 @@ def test_a_manifest_of_an_unknown_index_kind_is_no_index(tmp_path):
         index_kind(tmp_path)
     with pytest.raises(ValueError, match="holds a manifest.json that is no index's"):
         check_index_out(tmp_path)
+    # a run directory's manifest (`eval --index runs/x`): said to be no index, not "unknown index kind None"
+    (tmp_path / "manifest.json").write_text('{"status": "complete", "rounds_completed": 3}', encoding="utf-8")
+    with pytest.raises(ValueError, match="not an index directory"):
+        index_kind(tmp_path)
 
 
 def test_index_out_is_a_directory_empty_or_of_an_index_or_of_a_killed_build(tmp_path):

@@ -584,8 +584,12 @@ def test_world_fingerprint_covers_qa_files_and_their_names(world, tmp_path):
 def test_load_world_with_a_world_json_lacking_its_config_is_a_world_error(world, tmp_path):
     out = save_world(world, tmp_path / "w")
     (out / "world.json").write_text(json.dumps({"format": 1}))
-    with pytest.raises(WorldError, match="broken world directory.*KeyError"):
+    with pytest.raises(WorldError, match="broken world directory: world.json: KeyError"):
         load_world(out)
+    save_world(world, tmp_path / "w2")
+    (tmp_path / "w2" / "truth.json").write_text('{"facts": [1,')  # cut short: the file is named, not only the line
+    with pytest.raises(WorldError, match="broken world directory: truth.json: JSONDecodeError"):
+        load_world(tmp_path / "w2")
 
 
 def test_a_saved_world_directory_has_ordinary_permissions(world, tmp_path):

@@ -215,6 +215,22 @@ def _typer(help: str) -> _Typer:
 app = _typer("Self-evolving search agents without co-cheating.")
 
 
+def _print_version(asked: bool) -> None:
+    if asked:
+        from selfevo import __version__
+        from selfevo._software import source_digest
+
+        # the source digest, as run manifests record it: the version has not moved while the code has
+        console.print(f"selfevo {__version__} (source {source_digest()})")
+        raise typer.Exit()
+
+
+@app.callback()
+def _main(version: bool = typer.Option(False, "--version", is_eager=True, callback=_print_version,
+                                       help="print selfevo's version and source digest, and exit")) -> None:
+    """Self-evolving search agents without co-cheating."""
+
+
 def _dense_options(model: str | None, index_type: str | None = None, batch_size: int = 32, device: str = "cpu",
                    rrf_k: int | None = None, depth: int | None = None,
                    query_prefix: str | None = None, passage_prefix: str | None = None,

@@ -240,6 +240,9 @@ class Bank:
         if type(obj["format"]) is not int or obj["format"] not in range(1, BANK_FORMAT + 1):
             raise ReplayError(f"{where}: bank format {obj['format']!r}, this selfevo reads formats 1 "
                               f"to {BANK_FORMAT}")
+        if "items" not in obj:  # a study's results.json, another tool's JSON with a format field
+            raise ReplayError(f"{where}: not a replay bank (no items; a bank is the file `selfevo replay build` "
+                              "writes)")
         missing = [k for k in ("world", "seed", "sources", "solver", "search", "items") if k not in obj]
         if missing:
             raise ReplayError(f"{where}: missing field(s) {', '.join(missing)}")

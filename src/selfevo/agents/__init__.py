@@ -56,6 +56,9 @@ def _lm(arg: str, **context: Any) -> Solver:
         raise ValueError("agent 'lm' needs a model: lm:smollm2-135m, lm:/path/to/model or lm:org/name")
     cfg = LMConfig(model=model, **(context.get("lm_options") or {}))
     if adapter and not Path(adapter).is_file():  # before the model loads (seconds; a 4B model, minutes)
+        if Path(adapter).is_dir():
+            raise ValueError(f"{adapter}: a directory; name the policy file in it (a run's are "
+                             "checkpoints/tensors/main-<hash>.safetensors)")
         raise ValueError(f"{adapter}: cannot read the policy file (no such file)")
     workers = int(context.get("workers") or 0)
     if workers:  # `selfevo eval --workers N`: the rollouts run on N Ray actors (agents/lm/workers.py)

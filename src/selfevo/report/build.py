@@ -76,6 +76,9 @@ def build_report(root: str | os.PathLike, context: str = "", runs: Sequence[str 
         note = (f"The runs{' and replay study' if demo['replay'] else ''} of the demo recorded in "
                 f"{DEMO_RECORD}; other runs below this directory are not reported.")
         context = " ".join(x for x in (note, demo["context"], context) if x)
+    if runs is None and not root.is_dir():
+        raise ValueError(f"{root}: " + ("not a directory (give the directory that holds the runs)" if root.exists()
+                                        else "no such directory"))
     runs = find_runs(root) if runs is None else runs
     if not runs:
         raise ValueError(f"{root}: no run directories found below it")

@@ -63,6 +63,9 @@ def index_kind(index_dir: str | os.PathLike) -> str:
         raise ValueError(f"{index_dir}: no {MANIFEST}; not a (complete) index directory")
     manifest = load_manifest(path)
     kind = manifest.get("kind") or ("bm25" if "bm25s_version" in manifest else None)
+    if kind is None:  # another tool's manifest: a run directory's, a model's
+        raise ValueError(f"{index_dir}: not an index directory (its {MANIFEST} names no index kind; make one "
+                         "with `selfevo index build`)")
     if kind not in KINDS:
         raise ValueError(f"{path}: unknown index kind {kind!r}")
     return kind

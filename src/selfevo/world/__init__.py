@@ -82,12 +82,14 @@ def load_world(path: str | os.PathLike) -> World:
 
     path = Path(path)
     _require_world_dir(path)
+    name = "world.json"  # the file a failure is in, named in its error
     try:
-        meta = read_json(path / "world.json")
+        meta = read_json(path / name)
         config = WorldConfig(**meta["config"])
-        truth = Truth.from_json(read_json(path / "truth.json"))
+        name = "truth.json"
+        truth = Truth.from_json(read_json(path / name))
     except (OSError, ValueError, TypeError, KeyError) as e:  # JSONDecodeError is a ValueError
-        raise WorldError(f"{path}: broken world directory ({type(e).__name__}: {e})") from None
+        raise WorldError(f"{path}: broken world directory: {name}: {type(e).__name__}: {e}") from None
     if not (path / "qa").is_dir():  # else read_qa_dir's bare FileNotFoundError
         raise WorldError(f"{path}: broken world directory (no qa/ directory of benchmarks)")
     return World(config, read_corpus(path / "corpus.jsonl"), read_qa_dir(path / "qa"), truth)

@@ -203,8 +203,8 @@ class LMPolicy:
         from selfevo.agents.lm.vllm_engine import prompt_token_ids
 
         prompts = [self.render(c) + h for c, h in zip(conversations, prefixes, strict=True)]
-        heads = [self.head_chars(c, p) for c, p in zip(conversations, prompts)]
-        return prompt_token_ids(self.tokenizer, prompts, self.cfg.max_prompt_tokens, heads)
+        return prompt_token_ids(self.tokenizer, prompts, self.cfg.max_prompt_tokens,
+                                lambda i: self.head_chars(conversations[i], prompts[i]))
 
     def truncate(self, text: str, n_tokens: int) -> str:
         """The first `n_tokens` tokens of `text` (Dr. Zero shows the proposer 256 of its source)."""

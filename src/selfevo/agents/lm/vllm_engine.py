@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import shutil
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -107,18 +107,18 @@ def keep_head(ids: Sequence[int], head: int, limit: int) -> list[int]:
 
 
 def prompt_token_ids(tokenizer, prompts: Sequence[str], max_prompt_tokens: int,
-                     heads: Sequence[int] | None = None) -> list[list[int]]:
+                     head_chars: Callable[[int], int] | None = None) -> list[list[int]]:
     """Token ids of each prompt, as both generators (HF and vLLM) take them: no special tokens added;
-    one over `max_prompt_tokens` is cut by `keep_head`, its head the tokens within its first
-    `heads[i]` characters (0: none kept)."""
+    prompt i over `max_prompt_tokens` is cut by `keep_head`, its head the tokens within its first
+    `head_chars(i)` characters (asked only of such a prompt; none: no head kept)."""
     out = []
     for i, p in enumerate(prompts):
         ids = list(tokenizer(p, add_special_tokens=False)["input_ids"])
-        head = heads[i] if heads is not None else 0
-        if len(ids) > max_prompt_tokens and head:
+        head = 0
+        if len(ids) > max_prompt_tokens and head_chars is not None and (chars := head_chars(i)):
             ends = [b for _, b in tokenizer(p, add_special_tokens=False, return_offsets_mapping=True)["offset_mapping"]]
-            head = sum(1 for b in ends if b <= head)
-        out.append(keep_head(ids, head if len(ids) > max_prompt_tokens else 0, max_prompt_tokens))
+            head = sum(1 for b in ends if b <= chars)
+        out.append(keep_head(ids, head, max_prompt_tokens))
     return out
 
 
