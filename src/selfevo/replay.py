@@ -411,8 +411,9 @@ def build_bank(run_dirs: Sequence[str | os.PathLike], size: int = 3000, seed: in
             created.append(c if isinstance(c, (int, float)) and not isinstance(c, bool) else None)
         except RunError as e:
             raise ReplayError(str(e)) from None
-        except (ConfigError, DataError, WorldError) as e:  # data.index no longer an index (removed, or half
-            raise ReplayError(f"{d}: {e}") from None      # rebuilt); its world directory moved or broken
+        # its data.index no longer an index (removed, or half rebuilt); its world directory moved or broken
+        except (ConfigError, DataError, WorldError) as e:
+            raise ReplayError(f"{d}: {e}") from None
     parts = [_bank_parts(cfg) for cfg in configs]
     for key in parts[0]:
         for d, other in zip(run_dirs[1:], parts[1:]):
@@ -581,6 +582,7 @@ _INIT_ERROR: Exception | None = None  # a pool worker's failure to set its conte
 
 def _init_worker(bank_json: dict, settings: ReplaySettings, retriever_url: str | None = None) -> None:
     global _INIT_ERROR
+    _INIT_ERROR = None
     try:
         _set_context(Bank.from_json(bank_json), settings, retriever_url)
     except Exception as e:  # raised in an initializer it would break the pool, saying nothing of why
