@@ -696,3 +696,47 @@ def test_write_figures_writes_the_comparison_only_when_it_has_rounds_and_closes_
     assert [p.name for p in paths] == ["metrics.png", "f_vs_l.png", "comparison.png"]
     assert all(p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for p in paths)
     assert set(plt.get_fignums()) == open_before  # a grid of runs draws hundreds
+
+
+def test_audit_run_refuses_a_missing_run_and_an_llm_judge_without_documents_and_writes_where_told(tmp_path):
+    """From a helper's use of the Python API: `audit_run("no/such/run", judge)` wrote an empty audit into a
+    directory it made; an LLM judge made without documents left every item unresolved (no source document)
+    over the run's oracle audit, with no word. `out` writes another judge's audit beside the run's own."""
+    from selfevo.audit import audit_run
+    from selfevo.audit.llm_judge import LLMJudge
+    from selfevo.runs import RunDir, RunError
+
+    with pytest.raises(RunError, match="not a run directory"):
+        audit_run(tmp_path / "no" / "run", TableJudge(TABLE))
+    assert not (tmp_path / "no").exists()
+    run = RunDir(tmp_path / "run")
+    run.create({})
+    run.append_steps([{**st, "schema": 1,
+                       "items": [{**it, "source_id": "s", "source_ids": ["s"], "draft_label": it["adopted_label"]}
+                                 for it in st["items"]]} for st in _steps()])
+    with pytest.raises(ValueError, match="made without documents"):
+        audit_run(run, LLMJudge("http://127.0.0.1:9/v1", "judge"))
+    assert not (run.path / "audit").exists()
+    audit_run(run, TableJudge(TABLE), out=tmp_path / "elsewhere")
+    assert (tmp_path / "elsewhere" / "metrics.json").exists() and not (run.path / "audit").exists()
+
+
+def test_a_library_audit_checks_its_judge_before_judging_and_writes_nothing_if_it_fails(tmp_path):
+    """The command probed an LLM judge's endpoint; `audit_to_dir` from Python did not, and a dead endpoint
+    wrote every item unresolved over the audit there."""
+    from selfevo.audit.llm_judge import JudgeError
+    from selfevo.audit.pipeline import audit_to_dir
+
+    audit_to_dir(_steps(), TableJudge(TABLE), tmp_path / "a", figures=False)
+    before = (tmp_path / "a" / "metrics.json").read_bytes()
+
+    class Down(TableJudge):
+        def check(self):
+            raise JudgeError("http://127.0.0.1:9/v1: connection refused")
+
+        def judge(self, items):
+            raise AssertionError("judged after a failed check")
+
+    with pytest.raises(JudgeError, match="connection refused"):
+        audit_to_dir(_steps(), Down(TABLE), tmp_path / "a", figures=False)
+    assert (tmp_path / "a" / "metrics.json").read_bytes() == before

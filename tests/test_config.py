@@ -455,3 +455,20 @@ def test_a_value_where_a_later_setting_needs_a_table_names_both_settings(tmp_pat
     with pytest.raises(ConfigError) as e:
         load_config(cfg if path else None, overrides, **options)
     assert str(e.value) == said.format(path=cfg)
+
+
+def test_one_override_string_or_run_directory_is_refused_not_read_as_its_characters(tmp_path):
+    """From a helper's use of the Python API: `load_config(None, "loop.rounds=2")` said "--set 'l': expected
+    KEY=VALUE"; a grid's `common="..."` built jobs of single characters; `build_bank("runs/x")` said a run
+    directory was named twice."""
+    from selfevo.experiments import grid
+    from selfevo.replay import build_bank
+
+    with pytest.raises(TypeError, match=r"overrides: a list of KEY=VALUE strings, got one string"):
+        load_config(None, "loop.rounds=2")
+    assert load_config(None, ["loop.rounds=2"]).loop.rounds == 2
+    with pytest.raises(TypeError, match=r"common: a list of KEY=VALUE strings"):
+        grid(["coupled"], [0], tmp_path / "g", common="loop.rounds=2")
+    for one in ("runs/coupled-0", tmp_path / "run"):
+        with pytest.raises(TypeError, match="run_dirs: a list of run directories, got one"):
+            build_bank(one, size=10)

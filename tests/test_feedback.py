@@ -236,3 +236,29 @@ def test_parse_treatment_refuses_nineteen_digits_of_k():
 def test_parse_treatment_keeps_msv_on_every_crossfit_spelling(name, msv):
     """`msv+` before a crossfit-k<K> or crossfit-connected name is MSV admission too, not dropped silently."""
     assert parse_treatment(name).msv is msv and parse_treatment(name).feedback == "crossfit"
+
+
+def test_the_rules_refuse_a_misspelt_option_and_a_fold_of_no_assignment():
+    """A misspelt control ran as CrossFit (`grader_index("own_fold", ...)` graded by another fold);
+    `other_fold(0, {0}, 0)` divided by zero; a fold outside 0..k-1 was routed."""
+    folds = FoldAssignment(2, 0, "source", {"s0": 0, "s1": 1})
+    with pytest.raises(ValueError, match="grades: other-fold, own-fold or full, got 'own_fold'"):
+        grader_index("own_fold", 1, {1}, 2)
+    with pytest.raises(ValueError, match="split: source or question, got 'sources'"):
+        crossfit_fold(folds, "sources", "s0", "q")
+    for h, k in ((7, 2), (-1, 2), (0, 0), (0, 1)):
+        with pytest.raises(ValueError, match="k >= 2 folds, numbered 0..k-1"):
+            other_fold(h, {h}, k)
+
+
+def test_a_fold_assignment_hands_out_copies_and_reads_back_only_what_it_writes():
+    folds = FoldAssignment(2, 7, "source", {"a": 0, "b": 1}, {"a": "a", "b": "b"})
+    j = folds.to_json()
+    j["folds"]["a"], j["groups"]["a"] = 1, "b"  # editing what it handed out changed the assignment
+    assert folds.of("a") == 0 and folds.groups["a"] == "a"
+    assert FoldAssignment.from_json(folds.to_json()) == folds
+    for bad, message in (({**folds.to_json(), "seed": "7"}, "field 'seed': must be an integer, got '7'"),
+                         ({**folds.to_json(), "seed": 7.9}, "field 'seed': must be an integer, got 7.9"),
+                         ({k: v for k, v in folds.to_json().items() if k != "groups"}, "field 'groups': missing")):
+        with pytest.raises(ValueError, match=message):
+            FoldAssignment.from_json(bad)

@@ -5,6 +5,7 @@ admission (MSV included) and the verl configs."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import importlib.util
 import itertools
@@ -727,6 +728,12 @@ def test_verl_launch_script(tmp_path):
     assert overrides["actor_rollout_ref.rollout.multi_turn.format"] == "search_r1"
     assert overrides["+reward.custom_reward_function.reward_kwargs.selfevo_settings"] == "/s.json"
     assert overrides["actor_rollout_ref.rollout.gpu_memory_utilization"] == "0.5"
+    # an extra of a phase made by hand replaced the method's settings (rollout.n=8 for the group of 5); an
+    # [engine.verl] table is refused at its reading, this at the phase
+    with pytest.raises(ValueError, match="extra: actor_rollout_ref.rollout.n is set by the engine"):
+        phase_overrides(dataclasses.replace(_phase(tmp_path), extra={"actor_rollout_ref.rollout.n": 8}))
+    free = dataclasses.replace(_phase(tmp_path), extra={"trainer.logger": "['console','wandb']"})
+    assert "trainer.logger=['console','wandb']" in phase_overrides(free)
     script = phase_script(_phase(tmp_path), tmp_path / "job.sh").read_text()
     lines = script.replace("\\\n", "").splitlines()
     train = shlex.split(next(line for line in lines if "verl.trainer.main_ppo" in line))

@@ -1519,3 +1519,15 @@ def test_max_body_bytes_is_the_cap_whether_above_or_below_the_query_caps_need(sm
     assert r.status_code == 200 and r.json()["result"][0][0]["id"] == "d0"
     small_cap = TestClient(make_app(small, max_body_bytes=16))
     assert small_cap.post("/retrieve", json={"queries": ["zebra"], "topk": 1}).status_code == 413
+
+
+def test_one_query_string_is_refused_not_searched_as_its_characters(small):
+    """`retrieve("capital of France")` returned 17 empty lists, one a character; `SearchTool.lookup` cached
+    each character as a query and counted 5 searches."""
+    tool = SearchTool(small)
+    for call in (lambda: small.retrieve("capital of France"), lambda: tool.lookup("Paris"),
+                 lambda: RetrieverClient("http://127.0.0.1:9").retrieve("Paris")):
+        with pytest.raises(TypeError, match=r"a list of query strings, got one string .*pass \[query\]"):
+            call()
+    assert (tool.calls, tool.queries_issued) == (0, 0)
+    assert ids(tool.lookup(["capital of France"])[0]) == ids(small.retrieve(["capital of France"])[0])

@@ -909,8 +909,6 @@ def audit_cmd(
         stopped += f": the judge's calls made so far are not made again ({judge_cache or out_dir / 'cache.jsonl'})"
     try:
         with _on_stop(f"{out_dir}: {stopped}"):
-            if judge == "llm":
-                the_judge.check()  # an endpoint that is down or refuses the key: stop before any item
             res = audit_to_dir(steps, the_judge, out_dir, truth=truth, n_boot=bootstrap, seed=seed,
                                figures=figures, documents=documents, injection_items=injection_test, info=info)
     except JudgeError as e:

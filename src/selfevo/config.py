@@ -390,6 +390,8 @@ def apply_overrides(data: dict, overrides: Sequence[str], set_by: str = "--set",
                     path: str | Path | None = None) -> tuple[dict, dict]:
     """`data` (read from `path`, if any) with each `--set` text merged in, and the fields they set (dotted
     key -> value)."""
+    if isinstance(overrides, str):  # else read as its characters: "--set 'l': expected KEY=VALUE"
+        raise TypeError(f"overrides: a list of KEY=VALUE strings, got one string ({overrides!r}): pass [{overrides!r}]")
     overridden = {}
     for text in overrides:
         keys, value = parse_override(text, set_by)

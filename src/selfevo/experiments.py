@@ -39,6 +39,8 @@ def grid(treatments: Sequence[str], seeds: Sequence[int], root: str | os.PathLik
          common: Sequence[str] = ()) -> list[Job]:
     """One job a (treatment, seed), named `<treatment>-s<seed>` under `root`, each with the `common`
     overrides; those may not set what the grid sets per job (they were overridden silently)."""
+    if isinstance(common, str):  # else each job's overrides are its characters
+        raise TypeError(f"common: a list of KEY=VALUE strings, got one string ({common!r}): pass [{common!r}]")
     for o in common:
         key = o.split("=", 1)[0].strip()
         if key in ("treatment", "seed"):

@@ -371,6 +371,8 @@ def build_bank(run_dirs: Sequence[str | os.PathLike], size: int = 3000, seed: in
     default a question the proposer asked several times is in the bank as often as the loop
     trained on it (paper: 3,000 of one run's 3,200 round-2/3 admitted questions); the question
     split keeps such repeats on one side (`question_fold`)."""
+    if isinstance(run_dirs, (str, os.PathLike)):  # a string was read as its characters' run directories
+        raise TypeError(f"run_dirs: a list of run directories, got one ({str(run_dirs)!r}): pass [it]")
     if not run_dirs:
         raise ReplayError("--from: name at least one run directory")
     if size < 1:

@@ -78,11 +78,20 @@ def audit_steps(steps: Sequence[dict], judge: Judge, verdicts: Sequence[Verdict]
     return {"judge": judge.name, "rounds": rounds, "steps": per_step}
 
 
-def audit_run(run: RunDir | str | os.PathLike, judge: Judge) -> dict:
-    """Audit a finished run (a RunDir or its directory) into RUN/audit/ as `selfevo audit` does
-    (metrics.json, judge.json, and an LLM judge's judgements.jsonl), without figures; returns the metrics."""
+def audit_run(run: RunDir | str | os.PathLike, judge: Judge, out: str | os.PathLike | None = None) -> dict:
+    """Audit a finished run (a RunDir or its directory) as `selfevo audit` does (metrics.json, judge.json, and
+    an LLM judge's judgements.jsonl), without figures; returns the metrics. Into `out`, by default RUN/audit:
+    the run's own audit, which `report` and `compare` read (a world run ends with the oracle's there: give
+    another judge's an `out` of its own, as `selfevo audit --judge llm` writes RUN/audit/llm)."""
     from selfevo.audit.pipeline import audit_to_dir  # it imports this module
+    from selfevo.runs import RunError
 
     if not isinstance(run, RunDir):
         run = RunDir(run)
-    return audit_to_dir(run.steps(), judge, run.path / "audit", figures=False)["metrics"]
+    if not run.exists():  # else its steps are none, and an empty audit is written for a run that is not there
+        raise RunError(f"{run.path}: not a run directory (no run manifest.json)")
+    if getattr(judge, "documents", ...) is None:  # an LLM judge made without the run's documents
+        raise ValueError(f"{getattr(judge, 'name', 'the judge')}: made without documents, it would leave every "
+                         "item unresolved (no source document); give it the run's: "
+                         "documents=selfevo.search.docstore.contents_by_id(...) of the run's world or corpus")
+    return audit_to_dir(run.steps(), judge, run.path / "audit" if out is None else out, figures=False)["metrics"]

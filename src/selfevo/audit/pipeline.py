@@ -39,6 +39,10 @@ def audit_to_dir(steps: Sequence[dict], judge: Judge, out_dir: str | os.PathLike
 
     out = Path(out_dir)
     flat = [it for st in steps for it in st["items"]]
+    # an endpoint that is down or refuses the key (an LLM judge's `check`): stop before any item, not
+    # write every item unresolved over the audit there
+    if (check := getattr(judge, "check", None)) is not None:
+        check()
     # judge first (the slow part, the one that can fail): a failed audit leaves the earlier one whole
     verdicts = judge.judge(flat)
     result = audit_steps(steps, judge, verdicts=verdicts)

@@ -57,6 +57,11 @@ def _value(v: object) -> str:
 
 
 def phase_overrides(p: VerlPhase) -> list[str]:
+    # the method's settings are the engine's: an `extra` (an [engine.verl] table, refused there by name, or
+    # a VerlPhase made by hand) may add settings and replace the free ones only
+    if pinned := sorted(k for k in p.extra if pinned_verl(k)):
+        raise ValueError(f"extra: {pinned[0]} is set by the engine from the run's config (the method's settings or "
+                         "its bookkeeping); only these may be replaced: " + ", ".join(sorted(FREE_VERL)))
     o = {**_overrides(p), **p.extra}
     out = [f"{k}={_value(v)}" for k, v in o.items()]
     if p.settings:  # not in verl's schema: appended with "+"

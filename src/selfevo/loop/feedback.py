@@ -34,6 +34,8 @@ def crossfit_fold(folds: FoldAssignment, split: str, source_id: str, question: s
     question's, so the same source lands in both folds."""
     if split == "question":
         return question_fold(question, folds.seed, folds.k)
+    if split != "source":  # a misspelt control would run as CrossFit
+        raise ValueError(f"split: source or question, got {split!r}")
     return folds.of(source_id)
 
 
@@ -53,6 +55,8 @@ def other_fold(h: int, touched: Collection[int], k: int) -> tuple[int, bool]:
     """`(j, fallback)`: the fold whose aux solver grades a fold-h question -- the next fold after
     h (deterministic) that the question did not touch; when it touched every fold, the next fold
     all the same (`fallback`: the source rule, and the records say so)."""
+    if not (isinstance(k, int) and k >= 2 and 0 <= h < k):
+        raise ValueError(f"other_fold: fold {h!r} of k={k!r} (k >= 2 folds, numbered 0..k-1)")
     for step in range(1, k):
         j = (h + step) % k
         if j not in touched:
@@ -66,6 +70,8 @@ def grader_index(grades: str, h: int, touched: Collection[int], k: int) -> tuple
         return 0, False
     if grades == "own-fold":  # the same-source control
         return h, False
+    if grades != "other-fold":  # a misspelt control would run as CrossFit
+        raise ValueError(f"grades: other-fold, own-fold or full, got {grades!r}")
     return other_fold(h, touched, k)
 
 

@@ -48,14 +48,20 @@ class FoldAssignment:
         return {self.of(s) for s in source_ids}
 
     def to_json(self) -> dict:
-        return {"k": self.k, "seed": self.seed, "grouping": self.grouping, "folds": self.folds,
-                "groups": self.groups}
+        # copies: a caller editing what it got would change the assignment
+        return {"k": self.k, "seed": self.seed, "grouping": self.grouping, "folds": dict(self.folds),
+                "groups": dict(self.groups)}
 
     @classmethod
     def from_json(cls, obj: dict) -> FoldAssignment:
         """Read back `to_json`; a value no assignment writes is a ValueError naming the field (a fold
         outside 0..k-1 ran on silently: graded by some aux solver, trained none)."""
-        k, grouping = obj["k"], obj["grouping"]
+        missing = [f for f in ("k", "seed", "grouping", "folds", "groups") if f not in obj]
+        if missing:
+            raise ValueError(f"field '{missing[0]}': missing")
+        k, grouping, seed = obj["k"], obj["grouping"], obj["seed"]
+        if not isinstance(seed, int) or isinstance(seed, bool):  # "7" or 7.9 was read as 7
+            raise ValueError(f"field 'seed': must be an integer, got {seed!r}")
         if not isinstance(k, int) or isinstance(k, bool) or k < 2:
             raise ValueError(f"field 'k': must be an integer >= 2, got {k!r}")
         if grouping not in ("source", "connected"):
@@ -63,7 +69,7 @@ class FoldAssignment:
         for sid, fold in obj["folds"].items():
             if not isinstance(fold, int) or isinstance(fold, bool) or not 0 <= fold < k:
                 raise ValueError(f"field 'folds.{sid}': must be a fold 0..{k - 1}, got {fold!r}")
-        return cls(k, int(obj["seed"]), grouping, dict(obj["folds"]), dict(obj["groups"]))
+        return cls(k, seed, grouping, dict(obj["folds"]), dict(obj["groups"]))
 
 
 _WORD = re.compile(r"[\w'-]+")

@@ -27,7 +27,7 @@ from selfevo.records import Document
 from selfevo.search._manifest import MANIFEST, read_manifest
 from selfevo.search._progress import ProgressBar, corpus_total, ticked
 from selfevo.search.docstore import DOCS_FILE, DocStore, hashed, held, settle, stage
-from selfevo.search.tool import Hit
+from selfevo.search.tool import Hit, check_queries
 
 FORMAT_VERSION = 2  # 2: documents keep a corpus's contents verbatim (1 re-quoted an unquoted title)
 K1, B = 1.5, 0.75  # bm25s's defaults (Lucene BM25)
@@ -246,6 +246,7 @@ class BM25Index:
         Only documents sharing at least one term with the query are returned (Lucene idf is
         positive, so score > 0 exactly then): an empty, all-stopword or all-unknown query
         gets no hits rather than `topk` arbitrary zero-score documents."""
+        queries = check_queries(queries)
         return [[Hit(self.docs[i], s) for i, s in ranked] for ranked in self.search(queries, topk)]
 
     def search(self, queries: Sequence[str], topk: int) -> list[list[tuple[int, float]]]:

@@ -15,7 +15,7 @@ from pydantic import BaseModel, FiniteFloat, ValidationError
 
 from selfevo._io import shown_url
 from selfevo.records import Document
-from selfevo.search.tool import SERVER_TIMEOUT_S, Hit, clip_query
+from selfevo.search.tool import SERVER_TIMEOUT_S, Hit, check_queries, clip_query
 
 if TYPE_CHECKING:
     from typing_extensions import Self  # typing.Self needs Python 3.11
@@ -175,6 +175,7 @@ class RetrieverClient:
         self.retrieve(["probe"], 1)
 
     def retrieve(self, queries: Sequence[str], topk: int = 3) -> list[list[Hit]]:
+        queries = check_queries(queries)
         out: list[list[Hit]] = []
         for start in range(0, len(queries), self.batch_size):
             batch = [clip_query(q) for q in queries[start:start + self.batch_size]]  # the server's cap

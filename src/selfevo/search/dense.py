@@ -36,7 +36,7 @@ from selfevo.records import Document
 from selfevo.search._manifest import MANIFEST, read_manifest
 from selfevo.search._progress import ProgressBar, corpus_total
 from selfevo.search.docstore import DOCS_FILE, DocStore, hashed, held, settle, stage
-from selfevo.search.tool import Hit
+from selfevo.search.tool import Hit, check_queries
 
 FORMAT_VERSION = 2  # 2: documents keep a corpus's contents verbatim (1 re-quoted an unquoted title)
 KIND = "dense"
@@ -556,6 +556,7 @@ class DenseIndex:
         order (among the topk + 8 candidates FAISS returns; its scores of identical passages can differ
         in the last bit once a batch holds 20 queries or more, its BLAS path, and then order them). A
         blank query gets no hits (its embedding would rank passages arbitrarily)."""
+        queries = check_queries(queries)
         return [[Hit(self.docs[i], s) for i, s in ranked] for ranked in self.search(queries, topk)]
 
     def search(self, queries: Sequence[str], topk: int) -> list[list[tuple[int, float]]]:

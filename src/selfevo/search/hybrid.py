@@ -24,7 +24,7 @@ from selfevo.search._progress import corpus_total
 from selfevo.search.bm25 import BM25Index
 from selfevo.search.dense import DenseIndex, Encoder, cache_serves, load_cache
 from selfevo.search.docstore import DocStore
-from selfevo.search.tool import Hit
+from selfevo.search.tool import Hit, check_queries
 
 FORMAT_VERSION = 2  # 2: documents keep a corpus's contents verbatim (1 re-quoted an unquoted title)
 KIND = "hybrid"
@@ -197,6 +197,7 @@ class HybridIndex:
 
     def retrieve(self, queries: Sequence[str], topk: int = 3) -> list[list[Hit]]:
         """Top-k by fused RRF score, best first; deterministic ties (see `rrf_fuse`)."""
+        queries = check_queries(queries)
         if topk < 1:
             raise ValueError(f"topk must be >= 1, got {topk}")
         depth = max(self.depth, topk)

@@ -39,6 +39,14 @@ def clip_query(query: str) -> str:
     return encodable(query[:MAX_QUERY_CHARS])
 
 
+def check_queries(queries: Sequence[str]) -> Sequence[str]:
+    """`queries` as a retriever takes them: a sequence of strings. One string alone was searched as its
+    characters (a list of empty results, one a character)."""
+    if isinstance(queries, str):
+        raise TypeError(f"queries: a list of query strings, got one string ({queries[:40]!r}): pass [query]")
+    return queries
+
+
 class SearchBudgetExhausted(RuntimeError):
     """Raised when a trajectory asks for more searches than its budget allows."""
 
@@ -67,7 +75,7 @@ class SearchTool:
     def lookup(self, queries: Sequence[str]) -> list[list[Hit]]:
         """Unbudgeted, cached batch lookup (the session enforces the budget)."""
         # the common case is one query already cached (the sim's rollouts): nothing but this scan
-        missing = [q for q in queries if q not in self._cache]
+        missing = [q for q in check_queries(queries) if q not in self._cache]
         if missing:
             missing = list(dict.fromkeys(missing))
             results = self.retriever.retrieve([clip_query(q) for q in missing], topk=self.topk)
