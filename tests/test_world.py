@@ -605,3 +605,13 @@ def test_names_are_drawn_unique_and_refuse_an_exhausted_name_space():
     assert [names.unique(lambda: next(drawn)) for _ in range(2)] == ["Ana Vel", "Bo Dun"]
     with pytest.raises(RuntimeError, match="exhausted"):
         names.unique(lambda: "Ana Vel")
+
+
+def test_resolve_world_refuses_parameters_for_a_world_directory(world, tmp_path):
+    """`resolve_world("worlds/w1", seed=5)` returned the world made with seed 1, the seed ignored."""
+    from selfevo.world import resolve_world
+
+    out = save_world(world, tmp_path / "w")
+    assert resolve_world(str(out)).truth.to_json() == world.truth.to_json()
+    with pytest.raises(WorldError, match="seed are for a generated world"):
+        resolve_world(str(out), seed=5)

@@ -114,4 +114,7 @@ def resolve_world(spec: str, **params) -> World:
 
     if spec in SIZES:
         return make_world(WorldConfig(size=spec, **params))
+    if params:  # they were ignored: the world was the directory's, made with its own
+        raise WorldError(f"{spec}: a world directory has the parameters it was made with (its world.json); "
+                         f"{', '.join(sorted(params))} are for a generated world (small, default)")
     return load_world(spec)
