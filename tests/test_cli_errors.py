@@ -1472,7 +1472,8 @@ def test_audit_hands_its_settings_to_the_judge_and_the_pipeline_and_prints_what_
     result = runner.invoke(app, [*args, "--judge-cache", str(tmp_path / "c.jsonl")])
     assert result.exit_code == 0, result.output
     [(url, model, kw)] = made
-    assert (url, model) == ("http://127.0.0.1:9/v1", "m") and checked == [True]
+    # the endpoint's probe is audit_to_dir's (stubbed here; tests/test_audit.py), for the command and the library
+    assert (url, model) == ("http://127.0.0.1:9/v1", "m") and checked == []
     assert kw == {"documents": None, "cache_path": tmp_path / "c.jsonl", "concurrency": 7, "timeout": 2.5,
                   "max_retries": 3, "max_tokens": 100, "malformed_retries": 1, "progress": False}
     [(steps, judge, out_dir, kw)] = audited
