@@ -345,6 +345,38 @@ class ScriptedModel:
         return torch.cat([input_ids, new], dim=1)
 
 
+def test_an_action_generated_from_a_cut_prompt_is_trained_on_that_cut_prompt():
+    """An action whose prompt was over `lm.max_prompt_tokens` was sampled from the prompt `prompt_ids` cut
+    (head kept, oldest turns after it dropped). It was trained on the whole context: tokens the model
+    never saw when it chose the action. Now its sequence is the cut prompt followed by the action."""
+    from selfevo.agents.lm.policy import LMPolicy
+
+    chat = P.solver_messages("Where is Beta?")
+    chat += [{"role": "assistant", "content": "<search> Beta </search>"},
+             {"role": "user", "content": "<information>" + "old passage " * 20 + "</information>"},
+             {"role": "assistant", "content": "<search> Beta city </search>"},
+             {"role": "user", "content": "<information>Beta is a city by the sea.</information>"},
+             {"role": "assistant", "content": "<answer> the sea </answer>"}]
+    policy = object.__new__(LMPolicy)
+    policy.tokenizer = CharTokenizer()
+    head = len(policy.render(chat[:2])) - len("[assistant]")
+    policy.cfg = LMConfig(max_prompt_tokens=10_000, max_train_tokens=100_000)
+    [(whole, whole_mask)] = policy.encode(chat)  # under the limit: one sequence, as before
+    limit = head + 120  # the first action's prompt fits, the last two's do not
+    policy.cfg = LMConfig(max_prompt_tokens=limit, max_train_tokens=100_000)
+    parts = policy.encode(chat)
+    assert len(parts) == 3
+    for k, (ids, mask) in zip((2, 4, 6), parts, strict=True):
+        seen = policy.prompt_ids([chat[:k]], [""])[0]  # what generation continued
+        action = [ord(c) for c in chat[k]["content"]]
+        assert ids == seen + action and mask == [0] * len(seen) + [1] * len(action)
+    assert len(parts[0][0]) - len(chat[2]["content"]) < limit  # not cut
+    assert len(parts[2][0]) == limit + len(chat[6]["content"])  # cut to the limit, its head kept
+    assert "".join(map(chr, parts[2][0])).startswith(policy.render(chat[:2])[:head])
+    assert "old passage" not in "".join(map(chr, parts[2][0]))
+    assert sum(m for _, mask in parts for m in mask) == sum(whole_mask)  # every action trained, once
+
+
 def test_a_reply_that_ends_with_eos_on_its_last_allowed_token_is_a_stop():
     from selfevo.agents.lm.policy import LMPolicy
 

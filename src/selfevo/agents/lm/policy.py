@@ -273,10 +273,13 @@ class LMPolicy:
 
     def encode(self, messages: Sequence[dict], mask_final_answer: bool = False) -> list[tuple[list[int], list[int]]]:
         """The training sequences `(ids, mask)` of one trajectory (`rl.encode_trajectory`: one, or one
-        an action), each cut at `max_train_tokens`."""
+        an action), each cut at `max_train_tokens`. An action generated from a prompt over
+        `max_prompt_tokens` is trained on that prompt as `prompt_ids` cut it (a forced reply prefix, the
+        proposer scaffold's, counts as the reply's here: a one-action prompt of a few hundred tokens)."""
         limit = self.cfg.max_train_tokens
         return [(ids[:limit], mask[:limit]) for ids, mask in
-                encode_trajectory(self.tokenizer, messages, mask_final_answer, prompt=self.render)]
+                encode_trajectory(self.tokenizer, messages, mask_final_answer, prompt=self.render,
+                                  max_prompt_tokens=self.cfg.max_prompt_tokens, head_chars=self.head_chars)]
 
     def update(self, name: str, trajectories: Sequence[Sequence[tuple[list[int], list[int]]]],
                advantages: Sequence[float]) -> dict:

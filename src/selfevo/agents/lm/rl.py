@@ -165,10 +165,17 @@ def encode_conversation(tokenizer, messages: Sequence[dict], mask_final_answer: 
 
 def encode_trajectory(tokenizer, messages: Sequence[dict], mask_final_answer: bool = False,
                       render: Callable[[Sequence[dict]], str] | None = None,
-                      prompt: Callable[[Sequence[dict]], str] | None = None) -> list[tuple[list[int], list[int]]]:
+                      prompt: Callable[[Sequence[dict]], str] | None = None,
+                      max_prompt_tokens: int | None = None,
+                      head_chars: Callable[[Sequence[dict], str], int] | None = None,
+                      ) -> list[tuple[list[int], list[int]]]:
     """The training sequences of one trajectory, each `(ids, mask)`: trained on the context each action
     was generated from. `prompt(messages[:k])` is what generation rendered before assistant message k
     (the chat template with its generation prompt).
+
+    An action whose prompt was over `max_prompt_tokens` was generated from that prompt cut by
+    `keep_head` (its first `head_chars(messages[:k], prompt)` characters kept, the oldest turns after
+    them dropped: `LMPolicy.prompt_ids`); it is trained on the same cut context, in a sequence of its own.
 
     One sequence, the whole rendered chat, where every action sits in it, as generated, right after its
     own prompt (a prefix-stable template such as ChatML); otherwise one sequence per action, its prompt
@@ -181,6 +188,8 @@ def encode_trajectory(tokenizer, messages: Sequence[dict], mask_final_answer: bo
     prompt = prompt or _renderer(tokenizer, generation_prompt=True)
     actions = [i for i, m in enumerate(messages) if m["role"] == "assistant" and m["content"]]
     prompts = {i: prompt(messages[:i]) for i in actions}
+    cut = {i: head_chars(messages[:i], prompts[i]) if head_chars else 0
+           for i in actions if _over(tokenizer, prompts[i], max_prompt_tokens)}
     rendered = [render(messages[:i + 1]) for i in range(len(messages))]
     try:
         spans = content_spans(rendered, messages)
@@ -188,7 +197,8 @@ def encode_trajectory(tokenizer, messages: Sequence[dict], mask_final_answer: bo
         spans = None
     # each action as generated, right after its prompt: a template that trims each message (Llama 3's)
     # renders an action's outer whitespace away, and the tokens trained would not be those sampled
-    if spans is not None and all(rendered[-1][:spans[i][1]] == prompts[i] + messages[i]["content"] for i in actions):
+    if not cut and spans is not None and all(rendered[-1][:spans[i][1]] == prompts[i] + messages[i]["content"]
+                                             for i in actions):
         return [_encode_whole(tokenizer, rendered[-1], messages, spans, mask_final_answer)]
     parts = []
     for i in actions:
@@ -196,9 +206,34 @@ def encode_trajectory(tokenizer, messages: Sequence[dict], mask_final_answer: bo
         spans = [(0, 0)] * len(messages)
         spans[i] = (start, start + len(messages[i]["content"]))
         enc = tokenizer(prompts[i] + messages[i]["content"], add_special_tokens=False, return_offsets_mapping=True)
-        parts.append((list(enc["input_ids"]),
-                      token_mask(enc["offset_mapping"], trained_spans(messages, spans, mask_final_answer))))
+        ids = list(enc["input_ids"])
+        mask = token_mask(enc["offset_mapping"], trained_spans(messages, spans, mask_final_answer))
+        if i in cut:  # the prompt's tokens (never trained) cut as generation cut them
+            n = sum(1 for _, e in enc["offset_mapping"] if e <= start)
+            head = sum(1 for _, e in enc["offset_mapping"][:n] if e <= cut[i])
+            keep = keep_head(range(n), head, max_prompt_tokens) + list(range(n, len(ids)))
+            ids, mask = [ids[k] for k in keep], [mask[k] for k in keep]
+        parts.append((ids, mask))
     return parts
+
+
+def _over(tokenizer, prompt: str, max_prompt_tokens: int | None) -> bool:
+    """Whether `prompt` is over the limit in tokens (a token is at least one byte: a prompt of no more
+    bytes than the limit is never tokenized for this)."""
+    if max_prompt_tokens is None or len(prompt.encode("utf-8")) <= max_prompt_tokens:
+        return False
+    return len(tokenizer(prompt, add_special_tokens=False)["input_ids"]) > max_prompt_tokens
+
+
+def keep_head(ids: Sequence[int], head: int, limit: int) -> list[int]:
+    """`ids` cut to `limit` tokens: the first `head` kept (the system prompt and the question), the
+    oldest after them dropped, so a long search still ends at its last observation and generation
+    prompt. A head longer than the limit is not kept: the last `limit` tokens, as plain left truncation."""
+    if len(ids) <= limit:
+        return list(ids)
+    if head >= limit:
+        return list(ids[len(ids) - limit:])
+    return list(ids[:head]) + list(ids[len(ids) - (limit - head):])
 
 
 def _renderer(tokenizer, generation_prompt: bool = False) -> Callable[[Sequence[dict]], str]:

@@ -36,6 +36,7 @@ from typing import Any
 
 from selfevo.agents.lm.config import LMConfig
 from selfevo.agents.lm.protocol import STOP_STRINGS, cut_at_stop
+from selfevo.agents.lm.rl import keep_head
 from selfevo.loop.schedule import derive_seed
 
 # the LoRA ranks vLLM accepts for max_lora_rank (vllm/config: possible_max_ranks)
@@ -93,17 +94,6 @@ def sampling_kwargs(cfg: LMConfig, *, greedy: bool, seed: int | None, row: int, 
         if seed is not None:
             kwargs["seed"] = derive_seed(seed, "row", row) % 2**31
     return kwargs
-
-
-def keep_head(ids: Sequence[int], head: int, limit: int) -> list[int]:
-    """`ids` cut to `limit` tokens: the first `head` kept (the system prompt and the question), the
-    oldest after them dropped, so a long search still ends at its last observation and generation
-    prompt. A head longer than the limit is not kept: the last `limit` tokens, as plain left truncation."""
-    if len(ids) <= limit:
-        return list(ids)
-    if head >= limit:
-        return list(ids[len(ids) - limit:])
-    return list(ids[:head]) + list(ids[len(ids) - (limit - head):])
 
 
 def prompt_token_ids(tokenizer, prompts: Sequence[str], max_prompt_tokens: int,
