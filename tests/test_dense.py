@@ -740,6 +740,29 @@ def test_a_cache_directory_of_another_kind_is_refused_not_overwritten(tmp_path):
     assert len(get_retriever(corpus=corpus, kind="dense", cache_dir=dense)) == 30  # still the cache
 
 
+def test_an_index_built_over_one_of_another_kind_leaves_none_of_its_files(tmp_path):
+    """`index build --out DIR` over an index of another kind wrote the new index's files beside the old
+    one's, which stayed (a dense index's vectors beside a new BM25 index, a hybrid's halves beside a flat
+    index). Each rebuild now leaves the files a build of its kind makes in an empty directory, no more."""
+    from selfevo.search.index import build_index, index_kind
+
+    corpus = tmp_path / "corpus.jsonl"
+    write_corpus(corpus, [Document(f"d{i}", f"Page {i}", f"Passage {i} about river {i % 5}.") for i in range(30)])
+
+    def files(d):
+        return sorted(p.relative_to(d).as_posix() for p in d.rglob("*") if not p.name.startswith("."))
+
+    fresh = {}
+    for kind in ("bm25", "dense", "hybrid"):
+        build_index(kind, corpus, tmp_path / f"fresh-{kind}")
+        fresh[kind] = files(tmp_path / f"fresh-{kind}")
+    out = tmp_path / "idx"
+    for kind in ("bm25", "dense", "hybrid", "bm25", "hybrid", "dense", "bm25"):
+        index = build_index(kind, corpus, out)
+        assert index_kind(out) == kind and files(out) == fresh[kind], kind
+        assert len(index.retrieve(["river 3"], 1)[0]) == 1
+
+
 def test_a_cache_of_this_corpus_by_another_encoder_is_refused_not_rebuilt_over(encoder, tmp_path):
     """`serve-retriever --index-dir` over an e5 cache, without `--model`: the cache was re-encoded with
     MiniLM over it (hours on wiki-18). A cache of another corpus is still rebuilt: that is stale."""

@@ -148,7 +148,40 @@ def _building(index_dir: str | os.PathLike, cache: bool = False) -> Iterator[Non
             remove_leftover_temps(part)
             for scratch in [*part.glob(".bm25-*"), part / STAGING]:
                 shutil.rmtree(scratch, ignore_errors=True)
+        before = None if cache else _kind_or_none(index_dir)  # a cache of another kind is refused, never rebuilt
         yield
+        if before is not None:
+            _drop_old_kind(Path(index_dir), before)
+
+
+def _kind_or_none(index_dir: str | os.PathLike) -> str | None:
+    if not (Path(index_dir) / MANIFEST).is_file():
+        return None
+    try:
+        return index_kind(index_dir)
+    except (ValueError, OSError):
+        return None
+
+
+def _drop_old_kind(out: Path, old: str) -> None:
+    """Once an index of another kind is saved over an index of kind `old`, remove the files of the old one
+    that the new one does not use (a dense index's vectors beside a new BM25 index: gigabytes no manifest
+    names). A flat index (bm25, dense) keeps its files at the top, a hybrid one its halves in bm25/ and
+    dense/ (the same files a level down); the BM25 arrays are bm25s's `*.index.*`."""
+    from selfevo.search.dense import VECTORS_FILE
+    from selfevo.search.docstore import DOCS_FILE, OFFSETS_FILE
+
+    new = _kind_or_none(out)
+    if new is None or new == old:
+        return
+    docs = [out / DOCS_FILE, out / OFFSETS_FILE] if new == "hybrid" else []  # a flat index's documents
+    left = {"bm25": [*out.glob("*.index.*"), *docs], "dense": [out / VECTORS_FILE, *docs],
+            "hybrid": [out / "bm25", out / "dense"]}[old]
+    for path in left:
+        if path.is_dir():
+            shutil.rmtree(path)
+        else:
+            path.unlink(missing_ok=True)
 
 
 def _left_part(path: Path) -> bool:
