@@ -678,6 +678,46 @@ def test_cli_eval_retrieval_baseline_end_to_end(tmp_path):
     assert sorted(p.name for p in run.iterdir()) == ["config.json"]
 
 
+def test_cli_eval_takes_the_search_budget_it_is_given(tmp_path, monkeypatch):
+    """`eval` asked every question with 3 passages a search and 5 searches, while a run's own per-round
+    evaluation takes its config's [search] (the CPU recipe lm-tiny searches at most twice): the two rows of
+    one model could not be made alike. `--topk` / `--max-calls` set the budget; score.json and the resume
+    key record it."""
+    from selfevo.search.tool import SearchBudgetExhausted
+
+    class Searcher:  # searches until the budget is spent; answers with how many passages it saw
+        name = "searcher"
+
+        def answer(self, questions, tool, *, greedy=True, n=1, seed=None, contexts=None):
+            out = []
+            for _ in questions:
+                session, seen = tool.session(), 0
+                try:
+                    while True:
+                        seen += len(session.search("Paris Rome Capitol"))
+                except SearchBudgetExhausted:
+                    pass
+                out.append([Trajectory(answer=str(seen), searches=session.queries)] * n)
+            return out
+
+    monkeypatch.setitem(agents._REGISTRY, "searcher", lambda arg, **context: Searcher())
+    qa = _tiny_qa_dir(tmp_path)
+    corpus = _write(tmp_path / "c.jsonl", [json.dumps({"id": f"d{i}", "contents": f"Page {i}\nParis Rome Capitol {i}"})
+                                          for i in range(6)])
+    for args, calls, topk in (([], 5, 3), (["--max-calls", "2", "--topk", "1"], 2, 1)):
+        out = tmp_path / f"eval-{calls}"
+        res = CliRunner().invoke(app, ["eval", "--data-dir", str(qa), "--corpus", str(corpus), "--agent", "searcher",
+                                       "--out", str(out), *args])
+        assert res.exit_code == 0, res.output
+        rows = [json.loads(x) for x in (out / "predictions.jsonl").read_text().splitlines()]
+        assert [len(r["searches"]) for r in rows] == [calls] * 3
+        assert [r["prediction"] for r in rows] == [str(calls * topk)] * 3
+        assert json.loads((out / "score.json").read_text())["run"]["tool"] == {"topk": topk, "max_calls": calls}
+    res = CliRunner().invoke(app, ["eval", "--data-dir", str(qa), "--corpus", str(corpus), "--agent", "searcher",
+                                   "--out", str(tmp_path / "o"), "--max-calls", "0"])
+    assert res.exit_code == 2 and "--max-calls" in res.output
+
+
 def test_cli_eval_usage_errors(tmp_path):
     qa = _tiny_qa_dir(tmp_path)
     runner = CliRunner()

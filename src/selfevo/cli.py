@@ -438,12 +438,16 @@ def eval_(
                                 "with its own copy of the model (0: in this process)"),
     lm_set: list[str] = typer.Option([], "--lm-set", help="lm: agents: an \\[lm] setting, e.g. device=\"cuda\" "
                                      "or max_new_tokens=128 (see configs/qwen3.5-4b.toml)"),
+    topk: int = typer.Option(3, "--topk", min=1, help="passages a search returns (the paper's 3; a run's own "
+                                                      "per-round evaluation takes its config's search.topk)"),
+    max_calls: int = typer.Option(5, "--max-calls", min=1, help="searches a question may make (the paper's 5; "
+                                                                "a run's takes its config's search.max_calls)"),
 ) -> None:
     """Run an agent on the seven benchmarks end to end; write predictions.jsonl and score.json."""
     from selfevo._io import stray_files
     from selfevo.agents.chat_client import EndpointError
     from selfevo.agents.lm.workers import WorkerDied
-    from selfevo.config import ConfigError, load_config
+    from selfevo.config import ConfigError, SearchConfig, load_config
     from selfevo.evaluate import EVAL_FILES, print_score_table, run_eval
     from selfevo.search.client import RetrieverError
     from selfevo.search.index import KINDS
@@ -479,7 +483,8 @@ def eval_(
         with _on_stop(how_to_go_on):
             result = run_eval(data_dir=data_dir, corpus=corpus, agent=agent, out_dir=out,
                               limit=limit, retriever_url=retriever_url, retriever_kind=retriever,
-                              index=index, dense_options=_dense_options(model), agent_context=context or None)
+                              index=index, dense_options=_dense_options(model), agent_context=context or None,
+                              search=SearchConfig(topk=topk, max_calls=max_calls))
     # EndpointError: a remote agent's endpoint refused a call (401/403/404) after the probe passed
     except (ConfigError, DataError, ValueError, RetrieverError, EndpointError, ImportError) as e:  # one line
         _fail(str(e))

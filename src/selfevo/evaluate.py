@@ -485,7 +485,7 @@ def run_eval(data_dir: str | os.PathLike, corpus: str | os.PathLike | None, agen
              retriever_url: str | None = None, index_dir: str | os.PathLike | None = None,
              progress: bool = True, retriever_kind: str | None = None,
              index: str | os.PathLike | None = None, dense_options: Any = None,
-             agent_context: Mapping[str, Any] | None = None) -> dict:
+             agent_context: Mapping[str, Any] | None = None, search: Any = None) -> dict:
     """`selfevo eval`: QA dir + retriever + agent spec → predictions.jsonl and score.json.
 
     The retriever is a remote `/retrieve` server (`retriever_url`), a saved index directory of
@@ -493,7 +493,9 @@ def run_eval(data_dir: str | os.PathLike, corpus: str | os.PathLike | None, agen
     (bm25 | dense | hybrid, default bm25) over `corpus`, cached in `index_dir` (by default
     `out_dir/<kind>-index`, so a rerun skips indexing). `dense_options` (a
     `selfevo.search.index.DenseOptions`) choose the encoder of a dense or hybrid index.
-    `agent_context` goes to the agent's factory (e.g. `{"workers": 4}` for `lm:` agents).
+    `agent_context` goes to the agent's factory (e.g. `{"workers": 4}` for `lm:` agents). `search` (a
+    `selfevo.config.SearchConfig`; default the paper's 3 passages a search, 5 searches) is every question's
+    tool budget: a run's own per-round evaluation takes its config's `[search]`, which this matches when given.
     """
     out_dir = Path(out_dir)
     # one evaluation in out_dir at a time: a second would append to the first's predictions.partial.jsonl
@@ -502,7 +504,7 @@ def run_eval(data_dir: str | os.PathLike, corpus: str | os.PathLike | None, agen
     with hold_directory(out_dir, lambda: ValueError(f"{out_dir}: another evaluation is writing here; wait for it "
                                                     "to end (or stop it), or choose another --out")):
         return _run_eval(data_dir, corpus, agent, out_dir, limit, retriever_url, index_dir, progress,
-                         retriever_kind, index, dense_options, agent_context)
+                         retriever_kind, index, dense_options, agent_context, search)
 
 
 # what `selfevo eval` writes in its --out, besides its index cache (`<kind>-index`)
@@ -510,8 +512,9 @@ EVAL_FILES = ("predictions.jsonl", "score.json", "predictions.partial.jsonl")
 
 
 def _run_eval(data_dir, corpus, agent, out_dir: Path, limit, retriever_url, index_dir, progress, retriever_kind,
-              index, dense_options, agent_context) -> dict:
+              index, dense_options, agent_context, search) -> dict:
     from selfevo.agents import agent_files, load_agent
+    from selfevo.config import SearchConfig
     from selfevo.search.tool import SearchTool
 
     started = time.perf_counter()
@@ -536,7 +539,8 @@ def _run_eval(data_dir, corpus, agent, out_dir: Path, limit, retriever_url, inde
         index_dir = index_dir or out_dir / f"{retriever_kind or 'bm25'}-index"
         retriever = get_retriever(corpus=corpus, index=index, kind=retriever_kind, cache_dir=index_dir,
                                   options=dense_options, progress=progress)
-    tool = SearchTool(retriever, topk=3, max_calls=5)  # paper: identical budget for every row
+    search = search or SearchConfig()  # paper: identical budget for every row (3 passages, 5 searches)
+    tool = SearchTool(retriever, topk=search.topk, max_calls=search.max_calls)
     # paths by where they are, not how they were written (./qa and /home/me/qa are one directory; "qa" names
     # nothing read from another directory): the resume key's and score.json's, as a run's config.json
     run_info = {
