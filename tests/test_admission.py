@@ -109,6 +109,15 @@ def test_msv_puts_each_candidates_own_source_in_context():
     assert seen == [[docs["d2"], docs["d1"]], None]
 
 
+def test_msv_names_a_proposal_written_from_no_source_it_was_given():
+    """A proposer of a user's that wrote from a page outside the run's sources got a bare KeyError."""
+    docs = {d: Document(d, d.upper(), f"text of {d}") for d in ("d1", "d2")}
+    msv = MSV(docs)
+    msv.begin_round(1, _Fake({}))
+    with pytest.raises(ValueError, match="source_id is none of the source documents it was given \\('d9'\\)"):
+        msv.decide([Proposal("q1", "x", "d1", ("d1",), 1), Proposal("q2", "x", "d9", ("d9",), 1)], tool=None, seed=0)
+
+
 def test_admit_all_checks_no_format_and_takes_an_empty_draft_or_none():
     """AdmitAll admits whatever reaches it, an empty draft label included (the label it trains on is then '');
     a format check is the caller's (the loop passes only proposals without a format_error). No proposals:

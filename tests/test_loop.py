@@ -22,7 +22,7 @@ from selfevo.evaluate import answers_match, score_files
 from selfevo.evolve import evolve, load_run_world
 from selfevo.loop.admission import AdmitAll
 from selfevo.loop.engine import Loop
-from selfevo.loop.feedback import AuxFeedback
+from selfevo.loop.feedback import AuxFeedback, CoupledFeedback
 from selfevo.loop.folds import FoldAssignment, assign_folds, fold_of, link_graph, louvain, question_fold
 from selfevo.loop.schedule import LoopConfig, derive_seed, schedule
 from selfevo.loop.treatments import feedback_options, parse_treatment
@@ -381,7 +381,7 @@ def test_every_aux_update_of_the_budget_trains(n, budget, want):
     split): a batch size rounded up once ran out of items early (26 items: 13 updates, 576: 24).
     Fewer items than updates: one item an update."""
     from selfevo.agents.base import Proposal
-    from selfevo.loop.feedback import AuxFeedback
+    from selfevo.loop.feedback import AuxFeedback, CoupledFeedback
     from selfevo.loop.folds import FoldAssignment
 
     folds = FoldAssignment(2, 0, "source", {"s0": 0, "s1": 1})
@@ -624,8 +624,10 @@ class _Tracked:
         self.name, self.lineage, self.trained = name, {}, set(trained)
         _Tracked.registry[name] = self
 
-    def snapshot(self, name=None):
-        return _Tracked(name or self.name, self.trained)
+    def snapshot(self, name=None):  # keeps the lineage the loop recorded, as the sim and lm solvers' do
+        twin = type(self)(name or self.name, self.trained)
+        twin.lineage = {k: list(v) for k, v in self.lineage.items()}
+        return twin
 
     def answer(self, questions, tool, *, greedy=True, n=1, seed=None, contexts=None):
         from selfevo.agents.base import Trajectory
@@ -695,12 +697,75 @@ def _stub_loop(treatment, rounds=3, solver_steps=3, admit_per_round=40, solver=N
     proposer, sink = proposer or _Pages(), _Rows()
     cfg = LoopConfig(rounds=rounds, proposer_steps=2, solver_steps=solver_steps, admit_per_round=admit_per_round)
     make = solver or _Tracked
-    rule = AuxFeedback(t.name, folds, make, cfg.solver_steps, cfg.grader_samples, **vars(feedback_options(t)))
+    options = feedback_options(t)
+    rule = CoupledFeedback(folds) if options is None else AuxFeedback(t.name, folds, make, cfg.solver_steps,
+                                                                      cfg.grader_samples, **vars(options))
     loop = Loop(cfg, 0, proposer, make("main"), admission or AdmitAll(), rule, None, folds)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # an aux solver with nothing to train on (connected grouping)
         loop.run(sink, progress=False)
     return loop, rule, proposer, sink.rows
+
+
+class _Forgetful(_Tracked):
+    """A user's solver whose snapshot leaves its lineage behind (the Learner protocol did not ask for it)."""
+
+    def snapshot(self, name=None):
+        return _Forgetful(name or self.name, self.trained)
+
+
+class _NoLineage(_Tracked):
+    def __init__(self, name, trained=()):
+        super().__init__(name, trained)
+        del self.lineage
+
+    def snapshot(self, name=None):
+        return _NoLineage(name or self.name, self.trained)
+
+
+@pytest.mark.parametrize("treatment", ["coupled", "crossfit"])
+def test_a_learner_without_lineage_or_whose_snapshot_drops_it_is_named(treatment):
+    """A solver of a user's whose snapshot left its lineage behind ran to the end, every round-2 grader recorded
+    as trained on nothing (`{'folds': [], 'rounds': []}`); one without a `lineage` died on an AttributeError
+    deep in the loop. Both are now a TypeError naming the class and what it lacks."""
+    with pytest.raises(TypeError, match="_Forgetful.snapshot: the copy's lineage .* is not the model's"):
+        _stub_loop(treatment, solver=_Forgetful)
+    with pytest.raises(TypeError, match="_NoLineage \\(main\\): no `lineage` dict"):
+        _stub_loop(treatment, solver=_NoLineage)
+
+
+class _Rule:
+    """An admission rule of a user's, misbehaving as `how` says."""
+
+    name, generations_per_candidate = "my-check", 1
+
+    def __init__(self, how):
+        self.how = how
+
+    def begin_round(self, round, main):
+        pass
+
+    def decide(self, proposals, tool, seed):
+        from selfevo.loop.admission import Decision
+
+        out = [Decision(True, "" if self.how == "empty" else p.draft_label) for p in proposals]
+        return out[:-1] if self.how == "short" else out
+
+
+@pytest.mark.parametrize("how, message", [
+    ("short", "admission rule 'my-check': 19 decisions for 20 proposals"),  # was a bare StopIteration
+    ("empty", "admission rule 'my-check' admitted .* with the label '': an admitted question needs a label"),
+])
+def test_an_admission_rule_of_a_users_that_answers_amiss_is_named(how, message):
+    with pytest.raises(ValueError, match=message):
+        _stub_loop("coupled", admission=_Rule(how))
+
+
+def test_an_admission_rules_generations_are_counted_under_its_own_name():
+    """A user's rule's generations were booked under "msv"; selfevo's rules keep that key."""
+    loop = _stub_loop("coupled", rounds=1, admission=_Rule("fine"))[0]
+    assert loop.compute.generations["my-check"] == 2 * 20 and "msv" not in loop.compute.generations
+    assert _stub_loop("coupled", rounds=1)[0].compute.generations["msv"] == 0
 
 
 @pytest.mark.parametrize("treatment", ["crossfit", "crossfit-k3", "crossfit-connected-k3", "half-budget",
@@ -836,22 +901,13 @@ def test_the_progress_bar_numbers_solver_steps_within_their_own_count(tmp_path, 
                      "round 1 solver step 1", "round 1 solver step 2", "round 1 evaluation"], said
 
 
-class _TrackedWithLineage(_Tracked):
-    """_Tracked whose snapshots keep the lineage the loop recorded (as the sim and lm solvers' do)."""
-
-    def snapshot(self, name=None):
-        twin = _TrackedWithLineage(name or self.name, self.trained)
-        twin.lineage = {k: list(v) for k, v in self.lineage.items()}
-        return twin
-
-
 @pytest.mark.parametrize("treatment", ["crossfit", "crossfit-connected-k3", "question-split", "same-source",
                                        "full-data"])
 def test_a_graders_recorded_lineage_is_what_it_really_trained_on(treatment):
     """DESIGN.md §2: every grading records the folds and rounds its grader trained on ("cross-fitting is
     a query over lineage"): checked against the questions the grader was really updated on, the folds
     counted as the rule counts them (connected: every page read; full-data's aux-all: both folds)."""
-    loop, _, proposer, rows = _stub_loop(treatment, solver=_TrackedWithLineage)
+    loop, _, proposer, rows = _stub_loop(treatment, solver=_Tracked)
     t, opts, folds = parse_treatment(treatment), feedback_options(parse_treatment(treatment)), loop.folds
 
     def counted(q):  # the folds the rule counts a trained question as
@@ -912,7 +968,7 @@ def test_a_solver_step_records_the_main_solver_as_it_answered_and_counts_every_p
     from selfevo.loop.schedule import ScheduledStep
 
     folds = FoldAssignment(2, 0, "source", {"d0": 0, "d1": 1})
-    main = _TrackedWithLineage("main")
+    main = _Tracked("main")
     loop = Loop(LoopConfig(rounds=1, proposer_steps=1, solver_steps=1, admit_per_round=1), 0, _Pages(), main,
                 AdmitAll(), CoupledFeedback(folds), None, folds)
     two_hop = Candidate("r1-s1-0", Proposal("q", "y", "d0", ("d0", "d1"), 2), 0, (0, 1), Decision(True, "x"), 1, 1)
@@ -1079,9 +1135,6 @@ class _Seeded(_Tracked):
     """_Tracked recording the seed of every sampling call, by the model that drew it."""
 
     seeds: list = []
-
-    def snapshot(self, name=None):
-        return _Seeded(name or self.name, self.trained)
 
     def answer(self, questions, tool, *, greedy=True, n=1, seed=None, contexts=None):
         _Seeded.seeds.append((self.name, seed))

@@ -61,9 +61,14 @@ def missing_part(question: str, answer: str) -> str | None:
     loop's normalisation empties, "the" or ".", counts: it matches nothing), else None."""
     if blank(question):
         return "empty question"
-    if blank(answer) or not normalize_answer(answer):
+    if empty_answer(answer):
         return "empty answer"
     return None
+
+
+def empty_answer(answer: str) -> bool:
+    """An answer with nothing to match: blank, or emptied by the loop's normalisation ("the", ".")."""
+    return blank(answer) or not normalize_answer(answer)
 
 
 def mark_missing(p: Proposal) -> Proposal:
@@ -79,8 +84,9 @@ class Learner(Protocol):
 
     name: str
 
-    def snapshot(self) -> Learner:
-        """A frozen copy (a grader must not change while it grades)."""
+    def snapshot(self, name: str | None = None) -> Learner:
+        """A frozen copy (a grader must not change while it grades), named `name` (default its own); a
+        solver's carries a copy of its `lineage`."""
         ...
 
     def state_dict(self) -> dict:
@@ -91,6 +97,11 @@ class Learner(Protocol):
 
 
 class TrainableSolver(Solver, Learner, Protocol):
+    # which folds and rounds its training data came from, `{"folds": [...], "rounds": [...]}` ({} untrained):
+    # the loop records each training into it (`loop.feedback.record_training`) and writes it beside every
+    # grading; `snapshot` and `state_dict` carry a copy of it
+    lineage: dict
+
     def update(self, groups: Sequence[tuple[list[Trajectory], str]]) -> dict:
         """One policy-gradient step on groups of rollouts, each rewarded against its label."""
         ...

@@ -8,6 +8,7 @@ from typing import Protocol
 
 from selfevo.agents.base import Proposal, Solver, TrainableSolver
 from selfevo.evaluate import answers_match
+from selfevo.loop.feedback import snapshot_of
 from selfevo.loop.schedule import derive_seed
 from selfevo.records import Document
 from selfevo.search.tool import SearchTool
@@ -25,7 +26,8 @@ class Admission(Protocol):
 
     def begin_round(self, round: int, main: TrainableSolver) -> None: ...
 
-    # extra model generations per candidate (compute accounting)
+    # extra model generations per candidate (compute accounting), counted in compute.json under the rule's
+    # `purpose` where it has one (selfevo's rules: "msv"), else its `name`
     generations_per_candidate: int
 
     def decide(self, proposals: Sequence[Proposal], tool: SearchTool, seed: int) -> list[Decision]: ...
@@ -35,6 +37,7 @@ class AdmitAll:
     """Dr. Zero: every well-formed proposal is admitted with its draft label."""
 
     name = "none"
+    purpose = "msv"  # compute.json's key for admission generations (none here): one key in every run
     generations_per_candidate = 0
 
     def begin_round(self, round: int, main: TrainableSolver) -> None:
@@ -62,7 +65,7 @@ class MSV:
     loop grades with), so MSV alone cannot see past what that solver already believes.
     """
 
-    name = "msv"
+    name = purpose = "msv"
 
     def __init__(self, documents: Mapping[str, Document], samples: int = 3):
         self.documents, self.samples = documents, samples
@@ -73,11 +76,15 @@ class MSV:
         self.model: Solver | None = None
 
     def begin_round(self, round: int, main: TrainableSolver) -> None:
-        self.model = main.snapshot(name=f"msv@r{round - 1}")
+        self.model = snapshot_of(main, f"msv@r{round - 1}")
 
     def decide(self, proposals: Sequence[Proposal], tool: SearchTool, seed: int) -> list[Decision]:
         assert self.model is not None, "begin_round first"
         questions = [p.question for p in proposals]
+        if unknown := sorted({p.source_id for p in proposals} - self.documents.keys()):
+            raise ValueError(f"MSV: proposals whose source_id is none of the source documents it was given "
+                             f"({', '.join(map(repr, unknown[:3]))}{' ...' if len(unknown) > 3 else ''}): a proposal's "
+                             "source_id names the document it was written from, one of the run's sources")
         contexts = [self.documents[p.source_id] for p in proposals]
         with_src = self.model.answer(questions, tool, greedy=False, n=self.samples,
                                      seed=derive_seed(seed, "with-source"), contexts=contexts)

@@ -24,7 +24,7 @@ from typing import Protocol
 from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn
 
 from selfevo._bar import Progress
-from selfevo.agents.base import Proposal, Proposer, TrainableSolver, mark_missing
+from selfevo.agents.base import Proposal, Proposer, TrainableSolver, empty_answer, mark_missing
 from selfevo.algos import frontier_reward
 from selfevo.evaluate import answers_match
 from selfevo.loop.admission import Admission, Decision
@@ -33,6 +33,21 @@ from selfevo.loop.folds import FoldAssignment
 from selfevo.loop.schedule import LoopConfig, ScheduledStep, derive_seed, schedule
 from selfevo.records import item_record, malformed_record, step_record
 from selfevo.search.tool import SearchTool
+
+
+def check_decisions(rule: str, proposals: Sequence[Proposal], decisions: Sequence) -> None:
+    """An admission rule's answer to `decide`: one `Decision` a proposal, in order, and no admitted one
+    with an empty label (it would train the solver on ''). A rule of a user's that breaks this is named."""
+    if len(decisions) != len(proposals):
+        raise ValueError(f"admission rule {rule!r}: {len(decisions)} decisions for {len(proposals)} proposals; "
+                         "decide returns one Decision a proposal, in their order")
+    for p, d in zip(proposals, decisions):
+        if not isinstance(d, Decision):
+            raise ValueError(f"admission rule {rule!r}: decide returned a {type(d).__name__}, not a "
+                             "selfevo.loop.admission.Decision")
+        if d.admitted and (not isinstance(d.label, str) or empty_answer(d.label)):
+            raise ValueError(f"admission rule {rule!r} admitted {p.question!r} with the label {d.label!r}: an "
+                             "admitted question needs a label to train on")
 
 
 def cap_admissions(decisions: Sequence[Decision], room: int) -> int:
@@ -154,11 +169,13 @@ class Loop:
         t = self._timed("propose", t)
         # a malformed proposal (LM proposers) is neither admitted nor graded
         wellformed = [p for p in proposals if p.format_error is None]
-        decided = iter(self.admission.decide(wellformed, self.tool,
-                                             derive_seed(self.seed, st.round, st.step, "admit")))
+        made = list(self.admission.decide(wellformed, self.tool, derive_seed(self.seed, st.round, st.step, "admit")))
+        check_decisions(self.admission.name, wellformed, made)
+        decided = iter(made)
         decisions = [next(decided) if p.format_error is None else
                      Decision(False, p.draft_label) for p in proposals]
-        self.compute.add("generations", "msv", self.admission.generations_per_candidate * len(wellformed))
+        self.compute.add("generations", getattr(self.admission, "purpose", self.admission.name),
+                         self.admission.generations_per_candidate * len(wellformed))
         cap_admissions(decisions, room)
         t = self._timed("admit", t)
         cands = []

@@ -123,13 +123,29 @@ def untrained_grader(name: str, round: int, ever_trained: bool) -> str:
 
 def lineage_of(solver) -> dict:
     """The grader's identity and what it was trained on: cross-fitting is a query over this."""
+    return {"id": solver.name, "trained_on": _trained_on(solver)}
+
+
+def _trained_on(solver) -> dict:
     lin = getattr(solver, "lineage", {}) or {}
-    return {"id": solver.name, "trained_on": {"folds": sorted(lin.get("folds", [])),
-                                              "rounds": sorted(lin.get("rounds", []))}}
+    return {"folds": sorted(lin.get("folds", [])), "rounds": sorted(lin.get("rounds", []))}
+
+
+def snapshot_of(solver, name: str):
+    """`solver.snapshot(name=name)`, checked to carry what its model was trained on: a learner whose copy
+    leaves its lineage behind would have every grading recorded as by a model trained on nothing."""
+    snap = solver.snapshot(name=name)
+    if (copied := _trained_on(snap)) != (had := _trained_on(solver)):
+        raise TypeError(f"{type(solver).__name__}.snapshot: the copy's lineage {copied} is not the model's {had}; a "
+                        "snapshot carries a copy of `lineage` (selfevo.agents.base.TrainableSolver)")
+    return snap
 
 
 def record_training(solver, folds: Sequence[int], round: int) -> None:
-    lin = solver.lineage
+    lin = getattr(solver, "lineage", None)
+    if not isinstance(lin, dict):
+        raise TypeError(f"{type(solver).__name__} ({solver.name}): no `lineage` dict to record its training in "
+                        "(selfevo.agents.base.TrainableSolver)")
     lin["folds"] = sorted(set(lin.get("folds", [])) | set(folds))
     lin["rounds"] = sorted(set(lin.get("rounds", [])) | {round})
 
@@ -184,7 +200,7 @@ class CoupledFeedback:
         return self.folds.of(proposal.source_id)
 
     def begin_round(self, round: int, main: TrainableSolver) -> None:
-        self.grader = main.snapshot(name=f"main@r{round - 1}")
+        self.grader = snapshot_of(main, f"main@r{round - 1}")
 
     def route(self, item) -> tuple[Solver, dict | None]:
         assert self.grader is not None, "begin_round first"
@@ -245,8 +261,8 @@ class AuxFeedback:
     # ---------------------------------------------------------------- grading
     def begin_round(self, round: int, main: TrainableSolver) -> None:
         if round == 1:  # shared by all arms: no aux solver has trained yet
-            self.base = main.snapshot(name="main@r0")
-        self.graders = [a.snapshot(name=f"{a.name}@r{round - 1}") for a in self.aux]
+            self.base = snapshot_of(main, "main@r0")
+        self.graders = [snapshot_of(a, f"{a.name}@r{round - 1}") for a in self.aux]
         self._round = round
 
     def route(self, item) -> tuple[Solver, dict | None]:
