@@ -381,7 +381,7 @@ def test_every_aux_update_of_the_budget_trains(n, budget, want):
     split): a batch size rounded up once ran out of items early (26 items: 13 updates, 576: 24).
     Fewer items than updates: one item an update."""
     from selfevo.agents.base import Proposal
-    from selfevo.loop.feedback import AuxFeedback, CoupledFeedback
+    from selfevo.loop.feedback import AuxFeedback
     from selfevo.loop.folds import FoldAssignment
 
     folds = FoldAssignment(2, 0, "source", {"s0": 0, "s1": 1})
