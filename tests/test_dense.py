@@ -763,6 +763,54 @@ def test_an_index_built_over_one_of_another_kind_leaves_none_of_its_files(tmp_pa
         assert len(index.retrieve(["river 3"], 1)[0]) == 1
 
 
+def test_a_rebuild_that_fills_the_disk_leaves_the_index_there_loadable(tmp_path, monkeypatch):
+    """A rebuild over a working index removed its manifest first: one that failed on a full disk while
+    writing its arrays or vectors left no loadable index (hours to rebuild for wiki-18), and the BM25 error
+    was numpy's "N requested and M written", naming nothing. The manifest now goes only once the new files
+    are whole, and the error names the index directory. A retry of another kind after a save cut short
+    (no manifest left to name the old kind) still clears the old kind's files."""
+    import bm25s
+    import faiss
+
+    from selfevo.search.index import build_index
+
+    def docs(n, word):
+        return [Document(f"d{i}", f"Page {i}", f"Passage {i} about {word} {i % 5}.") for i in range(n)]
+
+    old, new = tmp_path / "old.jsonl", tmp_path / "new.jsonl"
+    write_corpus(old, docs(30, "river"))
+    write_corpus(new, docs(40, "mountain"))
+
+    def full_disk(*a, **k):
+        raise OSError("1232641 requested and 429024 written")  # numpy's tofile on ENOSPC: no errno, no file
+
+    def files(d):
+        return sorted(p.relative_to(d).as_posix() for p in d.rglob("*") if not p.name.startswith("."))
+
+    for kind in ("bm25", "dense"):
+        out = tmp_path / kind
+        build_index(kind, old, out)
+        with monkeypatch.context() as m:
+            m.setattr(bm25s.BM25, "save", full_disk)
+            m.setattr(faiss, "write_index", full_disk)
+            with pytest.raises(OSError, match="requested and 429024 written") as err:
+                build_index(kind, new, out)
+        if kind == "bm25":
+            assert str(out) in str(err.value) and "disk full" in str(err.value)
+        assert len(open_index(out, expected_corpus_sha256=file_sha256(old))) == 30, kind  # before: no manifest
+        assert not [p for p in out.rglob(".*") if p.name != ".lock"], kind  # no staged copy of the corpus left
+    fresh = tmp_path / "fresh"
+    build_index("hybrid", new, fresh)
+    out = tmp_path / "bm25"
+    with monkeypatch.context() as m:  # a hybrid save cut short after its first half: no manifest anywhere
+        m.setattr(faiss, "write_index", full_disk)
+        with pytest.raises(OSError):
+            build_index("hybrid", new, out)
+    assert not (out / "manifest.json").exists() and (out / "bm25" / "manifest.json").exists()
+    build_index("hybrid", new, out)
+    assert files(out) == files(fresh)  # before: the old BM25 index's files stayed at the top
+
+
 def test_a_cache_of_this_corpus_by_another_encoder_is_refused_not_rebuilt_over(encoder, tmp_path):
     """`serve-retriever --index-dir` over an e5 cache, without `--model`: the cache was re-encoded with
     MiniLM over it (hours on wiki-18). A cache of another corpus is still rebuilt: that is stale."""

@@ -193,15 +193,20 @@ class BM25Index:
         """bm25s's own files (numpy arrays + JSON, no pickle), docs.jsonl with its offsets, then
         manifest.json.
 
-        The manifest is removed first and written last, so an interrupted save leaves a
-        directory that `load` refuses rather than a mix of old and new files. Each file is
-        written beside its place and renamed over it: an index loaded from this directory keeps
-        reading the files it mapped (a file rewritten in place under a memory map kills the reader)."""
+        The manifest is removed before the first file is renamed into place and written last, so an
+        interrupted save leaves a directory that `load` refuses rather than a mix of old and new files;
+        a save that fails while writing its arrays (a full disk) leaves an index already there as it was.
+        Each file is written beside its place and renamed over it: an index loaded from this directory
+        keeps reading the files it mapped (a file rewritten in place under a memory map kills the reader)."""
         index_dir = Path(index_dir)
         index_dir.mkdir(parents=True, exist_ok=True)
-        (index_dir / MANIFEST).unlink(missing_ok=True)
         with tempfile.TemporaryDirectory(prefix=".bm25-", dir=index_dir) as tmp:
-            self.model.save(tmp, allow_pickle=False, show_progress=False)
+            try:
+                self.model.save(tmp, allow_pickle=False, show_progress=False)
+            except OSError as e:  # numpy's tofile says only "N requested and M written" on a full disk
+                why = e.strerror or f"{e}: is the disk full?"
+                raise OSError(e.errno, f"writing the BM25 arrays failed: {why}", str(index_dir)) from e
+            (index_dir / MANIFEST).unlink(missing_ok=True)
             for f in Path(tmp).iterdir():
                 os.replace(f, index_dir / f.name)
         self.docs = settle(self.docs, index_dir)

@@ -474,12 +474,12 @@ class DenseIndex:
 
     def save(self, index_dir: str | os.PathLike) -> None:
         """vectors.faiss (faiss.write_index), docs.jsonl with its offsets, then manifest.json. The
-        manifest is removed first and written last, so an interrupted save leaves a directory `load`
-        refuses."""
+        manifest is removed before the vectors are renamed into place and written last, so an interrupted
+        save leaves a directory `load` refuses; one that fails while writing the vectors (a full disk)
+        leaves an index already there as it was."""
         faiss = _require("faiss")
         index_dir = Path(index_dir)
         index_dir.mkdir(parents=True, exist_ok=True)
-        (index_dir / MANIFEST).unlink(missing_ok=True)
         target, source = index_dir / VECTORS_FILE, self.vectors_file
         if source is None or not source.is_at(target):  # else its own file, as it was read
             # beside its place and renamed over it: an index loaded from this directory maps the old file,
@@ -489,6 +489,10 @@ class DenseIndex:
                     source.copy_to(fh)  # lists, all that write_index would write of them
                 else:
                     faiss.write_index(self.index, faiss.PyCallbackIOWriter(fh.write))
+                fh.flush()
+                os.fsync(fh.fileno())  # every byte on disk before the index there is given up
+                (index_dir / MANIFEST).unlink(missing_ok=True)  # next: renamed into place
+        (index_dir / MANIFEST).unlink(missing_ok=True)  # (its own file kept: the documents change below)
         self.seal(index_dir)
 
     def seal(self, index_dir: Path) -> None:

@@ -141,17 +141,24 @@ def _building(index_dir: str | os.PathLike, cache: bool = False) -> Iterator[Non
 
     busy = None if cache else (lambda: ValueError(f"{index_dir}: another process is building an index here; "
                                                   "wait for it to end (or stop it), then rerun"))
-    with hold_directory(index_dir, busy):
+    def clear() -> None:
         # only where an index writes, not below: a directory under --out may be another build's, with its
         # own lock and its own temp files in flight
         for part in (Path(index_dir) / p for p in PARTS):
             remove_leftover_temps(part)
             for scratch in [*part.glob(".bm25-*"), part / STAGING]:
                 shutil.rmtree(scratch, ignore_errors=True)
-        before = None if cache else _kind_or_none(index_dir)  # a cache of another kind is refused, never rebuilt
-        yield
-        if before is not None:
-            _drop_old_kind(Path(index_dir), before)
+
+    with hold_directory(index_dir, busy):
+        clear()
+        before = set() if cache else _kinds_there(Path(index_dir))  # a cache of another kind is refused, not rebuilt
+        try:
+            yield
+        except BaseException:
+            clear()  # a build that failed (a full disk) leaves no copy of the corpus staged beside the index
+            raise
+        for old in before:
+            _drop_old_kind(Path(index_dir), old)
 
 
 def _kind_or_none(index_dir: str | os.PathLike) -> str | None:
@@ -161,6 +168,20 @@ def _kind_or_none(index_dir: str | os.PathLike) -> str | None:
         return index_kind(index_dir)
     except (ValueError, OSError):
         return None
+
+
+def _kinds_there(out: Path) -> set[str]:
+    """The kind of the index in `out`; with no manifest (a save cut short removed it), every kind whose files
+    are there: a failed build of another kind leaves its own files beside the old index's."""
+    if (kind := _kind_or_none(out)) is not None:
+        return {kind}
+    if (out / MANIFEST).exists():
+        return set()  # unreadable: not known to be an index's
+    from selfevo.search.dense import VECTORS_FILE
+
+    found = {"bm25": any(out.glob("*.index.*")), "dense": (out / VECTORS_FILE).exists(),
+             "hybrid": any((out / part).is_dir() for part in PARTS[1:])}
+    return {kind for kind, there in found.items() if there}
 
 
 def _drop_old_kind(out: Path, old: str) -> None:
