@@ -640,6 +640,39 @@ def test_a_report_leaves_no_figure_of_an_earlier_report_behind(local_grid, tmp_p
     assert "figures/figure-1.png" in (root / "report.md").read_text()
 
 
+def test_a_report_that_cannot_be_written_whole_leaves_the_previous_one(local_grid, tmp_path, monkeypatch):
+    """On a full disk the report's files were written one at a time: new figures, results.json and report.md
+    beside the old report.html, each whole, the set telling two stories. Now every file is written before any
+    replaces its old self."""
+    import errno
+    import shutil
+
+    import selfevo._io as io_mod
+
+    root = tmp_path / "grid"
+    shutil.copytree(local_grid[0], root)
+    build_report(root, runs=[root / "coupled-s0", root / "coupled-s1"])
+    files = [root / "results.json", root / "report.md", root / "report.html", *(root / "figures").glob("*.png")]
+    before = {p: p.read_bytes() for p in files}
+    real = io_mod.atomic_writer
+    written = []
+
+    def full_at_html(path, mode="w", fsync=True):  # the disk fills as the last file is written
+        if Path(path).name == "report.html":
+            raise OSError(errno.ENOSPC, "No space left on device", str(path))
+        written.append(Path(path).name)
+        return real(path, mode, fsync)
+
+    monkeypatch.setattr(io_mod, "atomic_writer", full_at_html)
+    with pytest.raises(OSError, match="No space left"):
+        build_report(root)
+    assert "results.json" in written and "report.md" in written  # they were written, then not put in place
+    assert {p: p.read_bytes() for p in before} == before and len(list((root / "figures").iterdir())) == len(files) - 3
+    assert not list(root.rglob(".*.tmp"))
+    monkeypatch.setattr(io_mod, "atomic_writer", real)
+    assert "crossfit" in build_report(root)["downstream"] and "crossfit" in (root / "report.html").read_text()
+
+
 TWO_SMALL = ["world.name=\"small\"", "loop.admit_per_round=20", "loop.proposer_steps=2", "loop.solver_steps=2"]
 
 

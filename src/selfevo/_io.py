@@ -13,7 +13,7 @@ import json
 import os
 import re
 import tempfile
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -111,6 +111,18 @@ def atomic_writer(path: str | os.PathLike, mode: str = "w", fsync: bool = True) 
         if isinstance(e, OSError) and (named := _named(e, path)) is not e:
             raise named from None
         raise
+
+
+def write_all_atomically(files: Mapping[str | os.PathLike, bytes]) -> None:
+    """Write every file beside its place, whole and synced, before any is renamed over its place: a write
+    that fails (a full disk) changes none of them, where one at a time left, say, a new results.json beside
+    an old report.html. Only the renames, which need no space, come last."""
+    with contextlib.ExitStack() as stack:
+        for path, data in files.items():
+            fh = stack.enter_context(atomic_writer(path, "wb"))
+            fh.write(data)
+            fh.flush()
+            os.fsync(fh.fileno())
 
 
 @contextlib.contextmanager

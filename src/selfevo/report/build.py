@@ -9,7 +9,7 @@ import os
 from collections.abc import Sequence
 from pathlib import Path
 
-from selfevo._io import atomic_writer, write_json
+from selfevo._io import write_all_atomically, write_json
 from selfevo.replay import TABLE_COLUMNS as REPLAY_COLUMNS
 from selfevo.report import figures as figs
 from selfevo.report.collect import collect_runs, find_runs
@@ -143,19 +143,13 @@ def build_report(root: str | os.PathLike, context: str = "", runs: Sequence[str 
         text = json.dumps(res, default=str, indent=2, allow_nan=False) + "\n"
     except ValueError as e:
         raise ValueError(f"{root / 'results.json'}: not written, a result is not a finite number ({e})") from None
-    paths = {}
-    for i, (caption, png) in enumerate(pngs.items()):
-        path = root / "figures" / f"figure-{i + 1}.png"
-        with atomic_writer(path, "wb") as fh:
-            fh.write(png)
-        paths[caption] = f"figures/{path.name}"
+    paths = {caption: f"figures/figure-{i + 1}.png" for i, caption in enumerate(pngs)}
+    # all or none: a report that cannot be written whole (a full disk) leaves the previous one as it was
+    write_all_atomically({**{root / paths[c]: png for c, png in pngs.items()},
+                          root / "results.json": text.encode("utf-8"),
+                          root / "report.md": markdown(res, paths).encode("utf-8"),
+                          root / "report.html": html_page(res, pngs).encode("utf-8")})
     for old in (root / "figures").glob("figure-*.png"):  # a previous report's extra figure would
         if f"figures/{old.name}" not in paths.values():  # sit beside this one as if it were its own
             old.unlink()
-    with atomic_writer(root / "results.json") as fh:
-        fh.write(text)
-    with atomic_writer(root / "report.md") as fh:
-        fh.write(markdown(res, paths))
-    with atomic_writer(root / "report.html") as fh:
-        fh.write(html_page(res, pngs))
     return res
