@@ -576,7 +576,7 @@ def test_evaluate_solver_rejects_a_solver_that_drops_questions():
 
     data = {"nq": [_item("n1", "nq", "a"), _item("n2", "nq", "b")]}
     tool = SearchTool(_FakeRetriever([]))
-    with pytest.raises(RuntimeError, match="1 trajectory lists for 2 questions"):
+    with pytest.raises(ValueError, match="agent 'dropper': .* got 1 items for 2 questions"):
         evaluate_solver(Dropper(), data, tool, progress=False)
 
 
@@ -1079,23 +1079,36 @@ def test_evaluate_solver_refuses_a_limit_or_batch_size_below_one():
     assert solver.calls == []
 
 
-@pytest.mark.parametrize("shape", ["one more", "an empty list"])
-def test_evaluate_solver_refuses_a_solver_that_returns_extra_or_empty_answers(shape):
+@pytest.mark.parametrize("shape, says", [
+    ("one more", "got 3 items for 2 questions"),
+    ("an empty list", "question 1 got list"),
+    ("flat", "question 1 got Trajectory"),  # was: object of type 'Trajectory' has no len()
+    ("strings", "question 1 got list \"\\['x'\\]\""),  # was: 'str' object has no attribute 'answer'
+    ("None", "a Trajectory's answer is a string \\(got None\\)"),  # was: scored as no answer, without a word
+    ("int", "a Trajectory's answer is a string \\(got 42\\)"),
+    ("over budget", "search budget of 5 calls used up; an agent answers once its search session refuses"),
+])
+def test_evaluate_solver_refuses_a_solver_that_answers_in_another_shape(shape, says):
     """More trajectory lists than questions were cut off by zip (an answer list out of step with its
     questions, scored as if in step; mutant `<` for `!=`), and an empty list was an unpacking ValueError
-    (mutant: the emptiness check dropped)."""
+    (mutant: the emptiness check dropped). An agent of a user's answering in another shape died on a
+    TypeError deep in scoring, or a bare SearchBudgetExhausted (a helper's review): each names the agent."""
     from selfevo.agents.base import Trajectory
 
     class Odd:
         name = "odd"
 
         def answer(self, questions, tool, **kw):
-            if shape == "one more":
-                return [[Trajectory("x")] for _ in questions] + [[Trajectory("y")]]
-            return [[] for _ in questions]
+            one = {"flat": Trajectory("x"), "strings": ["x"], "None": [Trajectory(None)], "int": [Trajectory(42)],
+                   "an empty list": []}.get(shape, [Trajectory("x")])
+            if shape == "over budget":
+                session = tool.session()
+                for _ in range(6):
+                    session.search("q")
+            return [one for _ in questions] + ([[Trajectory("y")]] if shape == "one more" else [])
 
     data = {"nq": [_item("n1", "nq", "a"), _item("n2", "nq", "b")]}
-    with pytest.raises(RuntimeError, match="trajectory lists for 2 questions"):
+    with pytest.raises(ValueError, match="agent 'odd'.*" + says):
         evaluate_solver(Odd(), data, SearchTool(_FakeRetriever([])), progress=False)
 
 

@@ -36,6 +36,7 @@ from selfevo._io import append_jsonl, encodable, hold_directory, read_jsonl_log,
 from selfevo.algos import float_sum
 from selfevo.corpus import DataError, _require_str, iter_json_lines, read_qa_dir
 from selfevo.records import QAItem
+from selfevo.search.tool import SearchBudgetExhausted
 
 if TYPE_CHECKING:  # only for annotations: importing agents here would be a cycle later
     from selfevo.agents.base import Solver
@@ -379,10 +380,12 @@ def evaluate_solver(solver: Solver, data: Mapping[str, Sequence[QAItem]], tool: 
                             total=len(items), completed=resumed)
         for start in range(0, len(todo), batch_size):
             batch = todo[start:start + batch_size]
-            trajs = solver.answer([it.question for _, it in batch], tool, greedy=True, n=1)
-            if len(trajs) != len(batch) or any(len(t) < 1 for t in trajs):
-                raise RuntimeError(f"solver returned {len(trajs)} trajectory lists for "
-                                   f"{len(batch)} questions (or an empty list)")
+            try:
+                trajs = solver.answer([it.question for _, it in batch], tool, greedy=True, n=1)
+            except SearchBudgetExhausted as e:  # a solver of a user's that searched past its budget
+                raise ValueError(f"agent {getattr(solver, 'name', type(solver).__name__)!r}: {e}; an agent "
+                                 "answers once its search session refuses") from None
+            check_answers(getattr(solver, "name", type(solver).__name__), trajs, len(batch))
             for (_, it), (traj, *_) in zip(batch, trajs):
                 answers[it.id] = traj
             if partial is not None:
@@ -422,6 +425,24 @@ def evaluate_solver(solver: Solver, data: Mapping[str, Sequence[QAItem]], tool: 
         elif remove_partial:
             partial.unlink()  # its rows are in predictions.jsonl now
     return result
+
+
+def check_answers(agent: str, trajs: Any, n_questions: int) -> None:
+    """A solver's answer to `answer(questions, n=1)`: one list a question, each of at least one `Trajectory`
+    whose answer is a string. An agent of a user's that returns another shape is named here, not by a
+    TypeError deep in scoring (or, an answer of None, scored as no answer without a word)."""
+    from selfevo.agents.base import Trajectory
+
+    shape = "answer() returns a list of one list of Trajectory a question"
+    if not isinstance(trajs, list) or len(trajs) != n_questions:
+        got = f"{len(trajs)} items" if isinstance(trajs, list) else f"a {type(trajs).__name__}"
+        raise ValueError(f"agent {agent!r}: {shape}; got {got} for {n_questions} questions")
+    for i, ts in enumerate(trajs):
+        if not isinstance(ts, (list, tuple)) or not ts or not all(isinstance(t, Trajectory) for t in ts):
+            raise ValueError(f"agent {agent!r}: {shape}; question {i + 1} got {type(ts).__name__} {str(ts)[:80]!r}")
+        if not all(isinstance(t.answer, str) for t in ts):
+            raise ValueError(f"agent {agent!r}: question {i + 1}: a Trajectory's answer is a string (got "
+                             f"{next(t.answer for t in ts if not isinstance(t.answer, str))!r})")
 
 
 def _prediction_row(bench: str, it: QAItem, traj: Any) -> dict:
