@@ -1,6 +1,8 @@
 """The post-hoc audit: A / T_P / T_S / F / L / coverage on hand-made items, the oracle judge, and
 per-step / per-round aggregation."""
 
+import json
+
 import pytest
 
 from selfevo.audit import METRICS, JudgedItem, OracleJudge, Verdict, audit_metrics, figures, hop_mix_text, mean_hop_mix
@@ -719,6 +721,45 @@ def test_audit_run_refuses_a_missing_run_and_an_llm_judge_without_documents_and_
     assert not (run.path / "audit").exists()
     audit_run(run, TableJudge(TABLE), out=tmp_path / "elsewhere")
     assert (tmp_path / "elsewhere" / "metrics.json").exists() and not (run.path / "audit").exists()
+
+
+def test_a_users_judge_is_validated_against_the_worlds_truth_and_named_when_it_answers_amiss(tmp_path):
+    """A judge of a user's could be compared with exact truth only through `audit_to_dir`, undocumented;
+    `audit_run(..., truth="oracle")` does it now, writing comparison.json beside the metrics. A judge that
+    answered with a generator passed the audit and died in the comparison (no len()), one with dicts or
+    string booleans met an AttributeError or TypeError in the metrics: each is named with the item."""
+    from selfevo.audit import Verdict, audit_run
+    from selfevo.config import load_config
+    from selfevo.evolve import evolve
+
+    run = evolve(load_config(None, ['world.name="small"', "loop.rounds=1", "loop.proposer_steps=2",
+                                    "loop.solver_steps=1", "loop.admit_per_round=20", "data.eval_limit=2"]),
+                 tmp_path / "run", progress=False)
+
+    class Lenient:  # takes every label as right and resolves every item: its coverage is 1, its T_P too high
+        name = "lenient"
+
+        def __init__(self, how="list"):
+            self.how = how
+
+        def judge(self, items):
+            out = (Verdict(True, True, tuple(r == it["adopted_label"] for r in it["responses"])) for it in items)
+            if self.how == "dict":
+                return [vars(v) for v in out]
+            if self.how == "strings":
+                return [Verdict(True, "yes", v.responses_correct) for v in out]
+            return out if self.how == "generator" else list(out)
+
+    metrics = audit_run(run, Lenient("generator"), out=tmp_path / "lenient", truth="oracle")
+    cmp = json.loads((tmp_path / "lenient" / "comparison.json").read_text())
+    assert metrics["rounds"][0]["T_P"] == 1.0 and (cmp["judge"], cmp["truth"]) == ("lenient", "oracle")
+    assert (tmp_path / "lenient" / "comparison.md").exists()
+    for how, says in (("dict", "a dict, not a selfevo.audit.Verdict"),
+                      ("strings", "a resolved verdict needs label_correct .*got 'yes'")):
+        with pytest.raises(ValueError, match=f"judge 'lenient', item 'r1-s1-0': {says}"):
+            audit_run(run, Lenient(how), out=tmp_path / how)
+    with pytest.raises(ValueError, match="truth: 'oracle' or a Judge"):
+        audit_run(run, Lenient(), out=tmp_path / "x", truth="gold")
 
 
 def test_a_library_audit_checks_its_judge_before_judging_and_writes_nothing_if_it_fails(tmp_path):

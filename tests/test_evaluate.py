@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 import random
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -716,6 +717,55 @@ def test_cli_eval_takes_the_search_budget_it_is_given(tmp_path, monkeypatch):
     res = CliRunner().invoke(app, ["eval", "--data-dir", str(qa), "--corpus", str(corpus), "--agent", "searcher",
                                    "--out", str(tmp_path / "o"), "--max-calls", "0"])
     assert res.exit_code == 2 and "--max-calls" in res.output
+
+
+def test_an_installed_packages_agent_is_found_by_the_command_and_resumes_only_as_itself(tmp_path, monkeypatch):
+    """`selfevo eval --agent PREFIX` knew only the built-in agents and those `register_agent` registered in
+    the same process, which the command never is: an agent of a user's needed a wrapper script. An installed
+    package now names its factory under the `selfevo.agents` entry points. A stopped evaluation went on with
+    another version of such an agent (answers of both in one predictions file): an agent's `identity` is now
+    part of what a resume must match."""
+    site = tmp_path / "site"
+    (site / "myagents-0.1.dist-info").mkdir(parents=True)
+    (site / "myagents-0.1.dist-info" / "METADATA").write_text("Metadata-Version: 2.1\nName: myagents\nVersion: 0.1\n")
+    (site / "myagents-0.1.dist-info" / "entry_points.txt").write_text("[selfevo.agents]\nconst = myagents_mod:make\n")
+    (site / "myagents_mod.py").write_text(
+        "from selfevo.agents.base import Trajectory\n"
+        "class Const:\n"
+        "    name = 'const'\n"
+        "    def __init__(self, arg):\n"
+        "        self.answer_text, self.identity = arg.split('/')[0], {'version': arg}\n"
+        "    def answer(self, questions, tool, *, greedy=True, n=1, seed=None, contexts=None):\n"
+        "        return [[Trajectory(self.answer_text)] * n for _ in questions]\n"
+        "def make(arg, **context):\n"
+        "    return Const(arg)\n")
+    monkeypatch.syspath_prepend(str(site))
+    monkeypatch.setattr(agents, "_REGISTRY", dict(agents._REGISTRY))  # what loading registers goes with the test
+    assert "const" in known_agents()
+    qa, out = _tiny_qa_dir(tmp_path), tmp_path / "eval"
+    corpus = _write(tmp_path / "c.jsonl", [json.dumps({"id": "d1", "contents": "Paris\nParis is a city."})])
+    res = CliRunner().invoke(app, ["eval", "--data-dir", str(qa), "--corpus", str(corpus), "--agent", "const:Paris/1",
+                                   "--out", str(out)])
+    assert res.exit_code == 0, res.output
+    score = json.loads((out / "score.json").read_text())
+    assert score["run"]["agent_identity"] == {"version": "Paris/1"} and score["benchmarks"]["nq"]["cover_em"] == 0.5
+    # an evaluation of version 1 stopped after its first answer, gone on with version 2 of the same spec
+    from selfevo.evaluate import run_eval
+
+    stopped = tmp_path / "stopped"
+    def stop(*args, **kwargs):
+        raise RuntimeError("the agent stopped")
+
+    with monkeypatch.context() as m:
+        m.setattr(sys.modules["myagents_mod"].Const, "answer", stop)
+        with pytest.raises(RuntimeError, match="the agent stopped"):
+            run_eval(qa, corpus, "const:Paris/1", stopped, progress=False)
+    partial = stopped / "predictions.partial.jsonl"
+    with partial.open("a") as fh:  # its first batch, answered before it stopped
+        fh.write(json.dumps({"id": "n1", "prediction": "Paris", "searches": []}) + "\n")
+    with pytest.raises(PartialFileError, match="the agent's identity differ"):
+        run_eval(qa, corpus, "const:Paris/2", stopped, progress=False)
+    assert run_eval(qa, corpus, "const:Paris/1", stopped, progress=False)["run"]["resumed_questions"] == 1
 
 
 def test_cli_eval_usage_errors(tmp_path):

@@ -484,7 +484,7 @@ def _read_partial(path: Path, key: dict, restart_stale: bool = False) -> dict[st
         differ = sorted(k for k in {*had, *want} if had.get(k) != want.get(k)) if isinstance(had, dict) else []
         names = {"agent_settings": "agent settings", "agent_files": "the lm: agent's model or policy files",
                  "data_dir": "data", "corpus_sha256": "corpus content", "encoder_fingerprint": "encoder",
-                 "tool": "search settings"}
+                 "tool": "search settings", "agent_identity": "the agent's identity"}
         which = ", ".join(names.get(k, k) for k in differ) or ("agent and its settings, an lm: agent's model or "
                                                                "policy files, data, retriever, encoder, limit or "
                                                                "questions")
@@ -580,9 +580,13 @@ def _run_eval(data_dir, corpus, agent, out_dir: Path, limit, retriever_url, inde
     same["agent_files"] = files = agent_files(agent)  # an lm: agent's model rewritten (retrained) between the two
     if files is not None:  # an lm: agent is its files (`lm:model` and `lm:/abs/model` are one), not its spec
         same["agent"] = "lm"
+    # an agent of a user's says what it is beyond its spec (a version, its weights' digest) by an `identity`:
+    # a stopped evaluation goes on only with the same one, where answers of two versions were mixed
+    if (identity := getattr(solver, "identity", None)) is not None:
+        same["agent_identity"] = identity() if callable(identity) else identity
     # score.json's too: two evaluations of one lm: agent with other --lm-set values (or a policy file retrained
     # under one name) wrote score files no one could tell apart
-    run_info |= {k: same[k] for k in ("agent_settings", "agent_files") if same[k]}
+    run_info |= {k: same[k] for k in ("agent_settings", "agent_files", "agent_identity") if same.get(k)}
     if run_info["retriever"] in ("dense", "hybrid") and dense_options is not None:
         same["encoder"] = {k: v for k, v in asdict(dense_options).items()
                            if k not in ("batch_size", "device")}

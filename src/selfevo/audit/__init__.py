@@ -14,8 +14,8 @@ from selfevo.audit.metrics import METRICS, JudgedItem, audit_metrics
 from selfevo.evaluate import answers_match
 from selfevo.runs import RunDir
 
-__all__ = ["METRICS", "Judge", "JudgedItem", "OracleJudge", "Verdict", "audit_metrics", "audit_run", "hop_mix_text",
-           "mean_hop_mix"]
+__all__ = ["METRICS", "Judge", "JudgedItem", "OracleJudge", "Verdict", "audit_metrics", "audit_run", "checked_verdicts",
+           "hop_mix_text", "mean_hop_mix"]
 
 
 def _judged(item: dict, verdict: Verdict) -> JudgedItem:
@@ -44,6 +44,29 @@ def hop_mix_text(mix: dict) -> str:
     return ", ".join(f"{h}: {share:.2f}" for h, share in mix.items()) or "-"
 
 
+def checked_verdicts(judge: Judge, items: Sequence[dict], verdicts) -> list[Verdict]:
+    """`judge`'s verdicts on `items` as a list: one `Verdict` an item, in order, a resolved one saying whether
+    the label and each response are right (booleans). A judge of a user's that answers otherwise is named
+    with the item, not met later as a TypeError in the metrics (or a generator read twice)."""
+    name = getattr(judge, "name", type(judge).__name__)
+    verdicts = list(verdicts)
+    if len(verdicts) != len(items):
+        raise ValueError(f"judge {name!r}: {len(verdicts)} verdicts for {len(items)} items")
+    for it, v in zip(items, verdicts):
+        where = f"judge {name!r}, item {it.get('item_id', '?')!r}"
+        if not isinstance(v, Verdict):
+            raise ValueError(f"{where}: a {type(v).__name__}, not a selfevo.audit.Verdict")
+        if not isinstance(v.resolved, bool):
+            raise ValueError(f"{where}: resolved is {v.resolved!r}, not True or False")
+        if v.resolved and not (isinstance(v.label_correct, bool) and isinstance(v.responses_correct, tuple | list)
+                               and all(isinstance(x, bool) for x in v.responses_correct)
+                               and len(v.responses_correct) == len(it["responses"])):
+            raise ValueError(f"{where}: a resolved verdict needs label_correct (True or False) and responses_correct "
+                             f"(one True or False a response: {len(it['responses'])}); got {v.label_correct!r}, "
+                             f"{v.responses_correct!r}")
+    return verdicts
+
+
 def audit_steps(steps: Sequence[dict], judge: Judge, verdicts: Sequence[Verdict] | None = None) -> dict:
     """Per step (both kinds) and per round. Round metrics aggregate the proposer steps, whose
     responses are the grader's (the feedback the proposer is paid with); `solver` holds the same
@@ -56,9 +79,7 @@ def audit_steps(steps: Sequence[dict], judge: Judge, verdicts: Sequence[Verdict]
     for st in steps:
         malformed[st["round"]] += len(st.get("malformed", ()))
     flat = [it for st in steps for it in st["items"]]
-    verdicts = list(judge.judge(flat) if verdicts is None else verdicts)
-    if len(verdicts) != len(flat):
-        raise ValueError(f"{len(verdicts)} verdicts for {len(flat)} items")
+    verdicts = checked_verdicts(judge, flat, judge.judge(flat) if verdicts is None else verdicts)
     per_step, by_round, pos = [], {}, 0
     for st in steps:
         items = st["items"]
@@ -78,11 +99,15 @@ def audit_steps(steps: Sequence[dict], judge: Judge, verdicts: Sequence[Verdict]
     return {"judge": judge.name, "rounds": rounds, "steps": per_step}
 
 
-def audit_run(run: RunDir | str | os.PathLike, judge: Judge, out: str | os.PathLike | None = None) -> dict:
+def audit_run(run: RunDir | str | os.PathLike, judge: Judge, out: str | os.PathLike | None = None, *,
+              truth: Judge | str | None = None) -> dict:
     """Audit a finished run (a RunDir or its directory) as `selfevo audit` does (metrics.json, judge.json, and
     an LLM judge's judgements.jsonl), without figures; returns the metrics. Into `out`, by default RUN/audit:
     the run's own audit, which `report` and `compare` read (a world run ends with the oracle's there: give
-    another judge's an `out` of its own, as `selfevo audit --judge llm` writes RUN/audit/llm)."""
+    another judge's an `out` of its own, as `selfevo audit --judge llm` writes RUN/audit/llm).
+
+    `truth`: a judge to validate `judge` against (`--compare`): "oracle", the exact truth of the run's world,
+    or any Judge; comparison.json and comparison.md are written beside the metrics (docs/judge.md)."""
     from selfevo.audit.pipeline import audit_to_dir  # it imports this module
     from selfevo.runs import RunError
 
@@ -94,4 +119,14 @@ def audit_run(run: RunDir | str | os.PathLike, judge: Judge, out: str | os.PathL
         raise ValueError(f"{getattr(judge, 'name', 'the judge')}: made without documents, it would leave every "
                          "item unresolved (no source document); give it the run's: "
                          "documents=selfevo.search.docstore.contents_by_id(...) of the run's world or corpus")
-    return audit_to_dir(run.steps(), judge, run.path / "audit" if out is None else out, figures=False)["metrics"]
+    if truth == "oracle":
+        from selfevo.config import config_from_dict
+        from selfevo.evolve import environment
+
+        if (world_truth := environment(config_from_dict(run.config()), benchmarks=False).truth) is None:
+            raise ValueError(f"{run.path}: a run on a real corpus has no exact truth to compare the judge with")
+        truth = OracleJudge(world_truth)
+    elif isinstance(truth, str):
+        raise ValueError(f"truth: 'oracle' or a Judge, got {truth!r}")
+    return audit_to_dir(run.steps(), judge, run.path / "audit" if out is None else out, truth=truth,
+                        figures=False)["metrics"]

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from selfevo._io import atomic_writer, write_json, write_jsonl
-from selfevo.audit import Judge, audit_steps
+from selfevo.audit import Judge, audit_steps, checked_verdicts
 
 # what an audit may write besides metrics.json and judge.json, by its options and judge (the call
 # cache is not among them: a rerun needs it)
@@ -44,12 +44,13 @@ def audit_to_dir(steps: Sequence[dict], judge: Judge, out_dir: str | os.PathLike
     if (check := getattr(judge, "check", None)) is not None:
         check()
     # judge first (the slow part, the one that can fail): a failed audit leaves the earlier one whole
-    verdicts = judge.judge(flat)
+    verdicts = checked_verdicts(judge, flat, judge.judge(flat))
     result = audit_steps(steps, judge, verdicts=verdicts)
     done: dict[str, Any] = {"metrics": result, "out": str(out)}
     cmp = None
     if truth is not None:
-        cmp = compare_judges(steps, verdicts, truth.judge(flat), judge.name, truth.name, n_boot=n_boot, seed=seed)
+        cmp = compare_judges(steps, verdicts, checked_verdicts(truth, flat, truth.judge(flat)), judge.name, truth.name,
+                             n_boot=n_boot, seed=seed)
         done["comparison"] = cmp
     described = getattr(judge, "describe", None)
     judge_json = {**(described() if described else {"judge": judge.name}), **(info or {})}
