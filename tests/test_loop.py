@@ -761,6 +761,41 @@ def test_an_admission_rule_of_a_users_that_answers_amiss_is_named(how, message):
         _stub_loop("coupled", admission=_Rule(how))
 
 
+class _Sloppy(_Pages):
+    """A proposer of a user's whose proposals or statistics break the loop's contract, as `how` says."""
+
+    def __init__(self, how):
+        super().__init__()
+        self.how = how
+
+    def propose(self, n, tool, seed):
+        import dataclasses
+
+        out = super().propose(n, tool, seed)
+        if self.how == "dicts":
+            return [vars(p) for p in out]
+        bad = {"no lineage": {"source_ids": ()}, "hops 0": {"hops": 0}}.get(self.how)
+        return [dataclasses.replace(p, **bad) for p in out] if bad else out
+
+    def update(self, proposals, rewards):
+        return None if self.how == "no stats" else {"seen": {1, 2}} if self.how == "a set" else {}
+
+
+@pytest.mark.parametrize("how, message", [
+    ("dicts", "proposer 'proposer': propose returned a dict, not a selfevo.agents.base.Proposal"),
+    ("no lineage", "source_ids \\(\\) \\(every page read\\) must hold its source_id 'd0'"),  # was: no fold
+    ("hops 0", "hops is the number of pages the question chains through \\(>= 1\\), got 0"),
+    ("no stats", "proposer.update returns a dict of statistics \\(JSON values\\), got NoneType"),
+    ("a set", "proposer.update: its statistics are written to the step records as JSON"),
+])
+def test_a_proposer_of_a_users_that_breaks_the_contract_is_named(how, message):
+    """A user's proposer returning dicts, or a statistic that is no dict or no JSON, met an AttributeError or a
+    TypeError deep in the loop or the JSON encoder; a proposal with no lineage or no hops was taken, and the
+    main solver trained on it with no fold recorded (a helper's review)."""
+    with pytest.raises(ValueError, match=message):
+        _stub_loop("coupled", rounds=1, proposer=_Sloppy(how))
+
+
 def test_an_admission_rules_generations_are_counted_under_its_own_name():
     """A user's rule's generations were booked under "msv"; selfevo's rules keep that key."""
     loop = _stub_loop("coupled", rounds=1, admission=_Rule("fine"))[0]

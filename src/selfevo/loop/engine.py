@@ -16,6 +16,7 @@ round or step checkpoint draws exactly what an uninterrupted run draws.
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -33,6 +34,38 @@ from selfevo.loop.folds import FoldAssignment
 from selfevo.loop.schedule import LoopConfig, ScheduledStep, derive_seed, schedule
 from selfevo.records import item_record, malformed_record, step_record
 from selfevo.search.tool import SearchTool
+
+
+def check_proposals(proposer: str, proposals: Sequence) -> None:
+    """A proposer's answer to `propose`: `Proposal`s whose texts are strings, whose hop count is at least 1 and
+    whose lineage (`source_ids`) holds the page it was given. A proposer of a user's that breaks this is named
+    here: a proposal with no lineage would train the main solver with no fold recorded."""
+    if not isinstance(proposals, list | tuple):
+        raise ValueError(f"proposer {proposer!r}: propose returns a list of Proposal, got {type(proposals).__name__}")
+    for p in proposals:
+        if not isinstance(p, Proposal):
+            raise ValueError(f"proposer {proposer!r}: propose returned a {type(p).__name__}, not a "
+                             "selfevo.agents.base.Proposal")
+        if not (isinstance(p.question, str) and isinstance(p.draft_label, str) and isinstance(p.source_id, str)):
+            raise ValueError(f"proposer {proposer!r}: a proposal's question, draft_label and source_id are strings "
+                             f"({p.question!r}, {p.draft_label!r}, {p.source_id!r})")
+        if isinstance(p.hops, bool) or not isinstance(p.hops, int) or p.hops < 1:
+            raise ValueError(f"proposer {proposer!r}: {p.question!r}: hops is the number of pages the question "
+                             f"chains through (>= 1), got {p.hops!r}")
+        if p.source_id not in tuple(p.source_ids):
+            raise ValueError(f"proposer {proposer!r}: {p.question!r}: source_ids {tuple(p.source_ids)!r} (every "
+                             f"page read) must hold its source_id {p.source_id!r}")
+
+
+def check_stats(who: str, stats: object) -> dict:
+    """What an `update` returns, written into the step record: a dict of JSON values."""
+    if not isinstance(stats, dict):
+        raise ValueError(f"{who}.update returns a dict of statistics (JSON values), got {type(stats).__name__}")
+    try:
+        json.dumps(stats)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"{who}.update: its statistics are written to the step records as JSON: {e}") from None
+    return stats
 
 
 def check_decisions(rule: str, proposals: Sequence[Proposal], decisions: Sequence) -> None:
@@ -162,9 +195,10 @@ class Loop:
         """`room`: admissions left in this round's budget; admitted candidates beyond it are
         recorded as not admitted (`over_budget`)."""
         cfg, t = self.config, time.perf_counter()
-        proposals = [mark_missing(p) for p in
-                     self.proposer.propose(cfg.proposals_per_step, self.tool,
-                                           derive_seed(self.seed, st.round, st.step, "propose"))]
+        proposed = self.proposer.propose(cfg.proposals_per_step, self.tool,
+                                         derive_seed(self.seed, st.round, st.step, "propose"))
+        check_proposals(getattr(self.proposer, "name", type(self.proposer).__name__), proposed)
+        proposals = [mark_missing(p) for p in proposed]
         self.compute.add("generations", "proposer", len(proposals))
         t = self._timed("propose", t)
         # a malformed proposal (LM proposers) is neither admitted nor graded
@@ -218,7 +252,7 @@ class Loop:
             r = frontier_reward(k, cfg.grader_samples)
             rewards.append(r)
             items.append(self._item_record(c, responses[i], k, r, lineage_of(graders[i]), routes[i]))
-        stats = self.proposer.update([c.proposal for c in cands], rewards)
+        stats = check_stats("proposer", self.proposer.update([c.proposal for c in cands], rewards))
         self.compute.add("updates", "proposer", 1)
         self._timed("proposer_update", t)
         admitted = [c for c in cands if c.decision.admitted]
@@ -233,7 +267,7 @@ class Loop:
         self.compute.add("generations", "solver_rollouts", cfg.grader_samples * len(batch))
         t = self._timed("solver_rollout", t)
         identity = lineage_of(self.main)
-        stats = self.main.update([(ts, c.label) for ts, c in zip(trajs, batch)])
+        stats = check_stats("main solver", self.main.update([(ts, c.label) for ts, c in zip(trajs, batch)]))
         self.compute.add("updates", "main", 1)
         record_training(self.main, sorted({f for c in batch for f in c.source_folds}), st.round)
         self._timed("solver_update", t)
