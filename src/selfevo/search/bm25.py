@@ -14,7 +14,7 @@ import math
 import os
 import re
 import tempfile
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 
 import bm25s
@@ -189,7 +189,7 @@ class BM25Index:
 
     # ------------------------------------------------------------ persistence
 
-    def save(self, index_dir: str | os.PathLike) -> None:
+    def save(self, index_dir: str | os.PathLike, before_replacing: Callable[[], None] | None = None) -> None:
         """bm25s's own files (numpy arrays + JSON, no pickle), docs.jsonl with its offsets, then
         manifest.json.
 
@@ -197,7 +197,8 @@ class BM25Index:
         interrupted save leaves a directory that `load` refuses rather than a mix of old and new files;
         a save that fails while writing its arrays (a full disk) leaves an index already there as it was.
         Each file is written beside its place and renamed over it: an index loaded from this directory
-        keeps reading the files it mapped (a file rewritten in place under a memory map kills the reader)."""
+        keeps reading the files it mapped (a file rewritten in place under a memory map kills the reader).
+        `before_replacing` is called there too (a hybrid index removes its own manifest then)."""
         index_dir = Path(index_dir)
         index_dir.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(prefix=".bm25-", dir=index_dir) as tmp:
@@ -207,6 +208,8 @@ class BM25Index:
                 why = e.strerror or f"{e}: is the disk full?"
                 raise OSError(e.errno, f"writing the BM25 arrays failed: {why}", str(index_dir)) from e
             (index_dir / MANIFEST).unlink(missing_ok=True)
+            if before_replacing is not None:
+                before_replacing()
             for f in Path(tmp).iterdir():
                 os.replace(f, index_dir / f.name)
         self.docs = settle(self.docs, index_dir)

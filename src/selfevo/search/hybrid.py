@@ -145,8 +145,10 @@ class HybridIndex:
     def save(self, index_dir: str | os.PathLike) -> None:
         index_dir = Path(index_dir)
         index_dir.mkdir(parents=True, exist_ok=True)
-        (index_dir / MANIFEST).unlink(missing_ok=True)  # written last: a partial save is refused
-        self.bm25.save(index_dir / "bm25")
+        # written last, removed once a half is about to change: a partial save is refused, and one that fails
+        # while writing the BM25 arrays (a full disk) leaves a hybrid index there as it was
+        self.bm25.save(index_dir / "bm25", before_replacing=lambda: (index_dir / MANIFEST).unlink(missing_ok=True))
+        (index_dir / MANIFEST).unlink(missing_ok=True)
         self.dense.save(index_dir / "dense")
         self.write_manifest(index_dir)
 
