@@ -761,6 +761,38 @@ def test_a_users_judge_is_validated_against_the_worlds_truth_and_named_when_it_a
     with pytest.raises(ValueError, match="truth: 'oracle' or a Judge"):
         audit_run(run, Lenient(), out=tmp_path / "x", truth="gold")
 
+    class NumpyJudge(Lenient):  # verdicts of array comparisons: numpy's bools, taken as Python's
+        def judge(self, items):
+            import numpy as np
+
+            return [Verdict(np.bool_(True), np.bool_(False), tuple(np.array(it["responses"]) == "")) for it in items]
+
+    assert audit_run(run, NumpyJudge(), out=tmp_path / "np")["rounds"][0]["T_P"] == 0.0
+
+
+def test_a_judge_is_compared_with_the_truth_of_the_world_its_run_was_made_on(tmp_path):
+    """`audit_run(truth="oracle")` rebuilt the oracle from the run's config without the check `selfevo audit`
+    makes: a world directory remade since was taken, and the judge compared with another world's truth."""
+    from selfevo.audit import audit_run
+    from selfevo.config import load_config
+    from selfevo.evolve import evolve
+    from selfevo.runs import RunError
+    from selfevo.world import save_world
+
+    save_world(make_world(WorldConfig(size="small", seed=0)), tmp_path / "w")
+    run = evolve(load_config(None, [f'world.name="{tmp_path / "w"}"', "loop.rounds=1", "loop.proposer_steps=1",
+                                    "loop.solver_steps=1", "loop.admit_per_round=20", "data.eval_limit=2"]),
+                 tmp_path / "run", progress=False)
+    audit_run(run, OracleJudge(make_world(WorldConfig(size="small", seed=0)).truth), out=tmp_path / "a",
+              truth="oracle")
+    import shutil
+
+    shutil.rmtree(tmp_path / "w")
+    save_world(make_world(WorldConfig(size="small", seed=7)), tmp_path / "w")
+    with pytest.raises(RunError, match="has changed since"):
+        audit_run(run, OracleJudge(make_world(WorldConfig(size="small", seed=7)).truth), out=tmp_path / "b",
+                  truth="oracle")
+
 
 def test_a_library_audit_checks_its_judge_before_judging_and_writes_nothing_if_it_fails(tmp_path):
     """The command probed an LLM judge's endpoint; `audit_to_dir` from Python did not, and a dead endpoint

@@ -1129,6 +1129,20 @@ def test_evaluate_solver_refuses_a_limit_or_batch_size_below_one():
     assert solver.calls == []
 
 
+def test_evaluate_solver_takes_a_tuple_of_answer_lists():
+    from selfevo.agents.base import Trajectory
+
+    class Tuple:
+        name = "tuple"
+
+        def answer(self, questions, tool, **kw):
+            return tuple((Trajectory("Paris"),) for _ in questions)
+
+    data = {"nq": [_item("n1", "nq", "Paris"), _item("n2", "nq", "Rome")]}
+    result = evaluate_solver(Tuple(), data, SearchTool(_FakeRetriever([])), progress=False)
+    assert result["benchmarks"]["nq"]["cover_em"] == 0.5
+
+
 @pytest.mark.parametrize("shape, says", [
     ("one more", "got 3 items for 2 questions"),
     ("an empty list", "question 1 got list"),

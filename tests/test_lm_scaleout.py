@@ -22,14 +22,13 @@ from _shared import QA_DIR, REPO
 
 from selfevo.agents.lm.config import LMConfig
 from selfevo.agents.lm.protocol import STOP_STRINGS, solver_messages
+from selfevo.agents.lm.rl import keep_head, prompt_token_ids
 from selfevo.agents.lm.vllm_engine import (
     VLLM_LORA_RANKS,
     VLLMEngine,
     check_vllm,
     finish,
-    keep_head,
     max_lora_rank,
-    prompt_token_ids,
     sampling_kwargs,
 )
 from selfevo.agents.lm.workers import shard_bounds
@@ -89,6 +88,31 @@ def test_max_lora_rank_rounds_up_to_a_rank_vllm_accepts():
     assert max_lora_rank(512) == 512 and VLLM_LORA_RANKS[-1] == 512
     with pytest.raises(ValueError, match="lm.lora_r"):
         max_lora_rank(513)
+
+
+def test_an_action_from_a_cut_prompt_trains_on_the_ids_generation_continued(smollm2_path):
+    """A cut prompt's action was first trained on the prompt and action tokenized together, the prompt part
+    then cut: where a token spans the two ("assistant\\n" + "\\n\\n<answer>" makes "\\n\\n" + "\\n" in
+    ChatML), one old token came back that generation had dropped. The training sequence now starts with the
+    very ids `prompt_ids` gave the generator, whatever the action's first characters."""
+    from transformers import AutoTokenizer
+
+    from selfevo.agents.lm.policy import LMPolicy
+
+    policy = object.__new__(LMPolicy)
+    policy.tokenizer = AutoTokenizer.from_pretrained(smollm2_path)
+    policy.cfg = LMConfig(max_prompt_tokens=300, max_train_tokens=10_000)
+    passage = " ".join(f"Passage word {i} about the old tower." for i in range(60))
+    chat = solver_messages("Where is the Eiffel Tower, and who built it?")
+    for k in range(3):
+        chat += [{"role": "assistant", "content": f"<search> tower {k} </search>"},
+                 {"role": "user", "content": f"<information>{passage} (end of {k})</information>"}]
+    for action in ("\n\n<answer> Paris </answer>", " <answer> Paris </answer>", "<answer> Paris </answer>"):
+        conversation = [*chat, {"role": "assistant", "content": action}]
+        ids, mask = policy.encode(conversation)[-1]
+        seen = policy.prompt_ids([chat], [""])[0]
+        assert len(seen) == 300 and ids[:300] == seen and not any(mask[:300]), repr(action)
+        assert policy.tokenizer.decode([t for t, m in zip(ids, mask) if m]).strip() == action.strip()
 
 
 def test_keep_head_keeps_the_head_and_the_newest_tokens():

@@ -434,8 +434,8 @@ def check_answers(agent: str, trajs: Any, n_questions: int) -> None:
     from selfevo.agents.base import Trajectory
 
     shape = "answer() returns a list of one list of Trajectory a question"
-    if not isinstance(trajs, list) or len(trajs) != n_questions:
-        got = f"{len(trajs)} items" if isinstance(trajs, list) else f"a {type(trajs).__name__}"
+    if not isinstance(trajs, list | tuple) or len(trajs) != n_questions:
+        got = f"{len(trajs)} items" if isinstance(trajs, list | tuple) else f"a {type(trajs).__name__}"
         raise ValueError(f"agent {agent!r}: {shape}; got {got} for {n_questions} questions")
     for i, ts in enumerate(trajs):
         if not isinstance(ts, (list, tuple)) or not ts or not all(isinstance(t, Trajectory) for t in ts):
@@ -584,6 +584,11 @@ def _run_eval(data_dir, corpus, agent, out_dir: Path, limit, retriever_url, inde
     # a stopped evaluation goes on only with the same one, where answers of two versions were mixed
     if (identity := getattr(solver, "identity", None)) is not None:
         same["agent_identity"] = identity() if callable(identity) else identity
+        try:
+            json.dumps(same["agent_identity"], allow_nan=False)
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"agent {agent!r}: its identity is written to score.json and the resume key, so a "
+                             f"JSON value: {e}") from None
     # score.json's too: two evaluations of one lm: agent with other --lm-set values (or a policy file retrained
     # under one name) wrote score files no one could tell apart
     run_info |= {k: same[k] for k in ("agent_settings", "agent_files", "agent_identity") if same.get(k)}

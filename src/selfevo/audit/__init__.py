@@ -48,23 +48,35 @@ def checked_verdicts(judge: Judge, items: Sequence[dict], verdicts) -> list[Verd
     """`judge`'s verdicts on `items` as a list: one `Verdict` an item, in order, a resolved one saying whether
     the label and each response are right (booleans). A judge of a user's that answers otherwise is named
     with the item, not met later as a TypeError in the metrics (or a generator read twice)."""
+    import dataclasses
+
+    import numpy as np
+
+    def truth_value(x) -> bool:  # a bool, or numpy's (a judge built on array comparisons)
+        return isinstance(x, bool | np.bool_)
+
     name = getattr(judge, "name", type(judge).__name__)
     verdicts = list(verdicts)
     if len(verdicts) != len(items):
         raise ValueError(f"judge {name!r}: {len(verdicts)} verdicts for {len(items)} items")
+    out = []
     for it, v in zip(items, verdicts):
         where = f"judge {name!r}, item {it.get('item_id', '?')!r}"
         if not isinstance(v, Verdict):
             raise ValueError(f"{where}: a {type(v).__name__}, not a selfevo.audit.Verdict")
-        if not isinstance(v.resolved, bool):
+        if not truth_value(v.resolved):
             raise ValueError(f"{where}: resolved is {v.resolved!r}, not True or False")
-        if v.resolved and not (isinstance(v.label_correct, bool) and isinstance(v.responses_correct, tuple | list)
-                               and all(isinstance(x, bool) for x in v.responses_correct)
+        if v.resolved and not (truth_value(v.label_correct) and isinstance(v.responses_correct, tuple | list)
+                               and all(map(truth_value, v.responses_correct))
                                and len(v.responses_correct) == len(it["responses"])):
             raise ValueError(f"{where}: a resolved verdict needs label_correct (True or False) and responses_correct "
                              f"(one True or False a response: {len(it['responses'])}); got {v.label_correct!r}, "
                              f"{v.responses_correct!r}")
-    return verdicts
+        if v.resolved:  # Python's own: written as JSON later
+            v = dataclasses.replace(v, resolved=True, label_correct=bool(v.label_correct),
+                                    responses_correct=tuple(map(bool, v.responses_correct)))
+        out.append(v if v.resolved else dataclasses.replace(v, resolved=False))
+    return out
 
 
 def audit_steps(steps: Sequence[dict], judge: Judge, verdicts: Sequence[Verdict] | None = None) -> dict:
@@ -121,11 +133,13 @@ def audit_run(run: RunDir | str | os.PathLike, judge: Judge, out: str | os.PathL
                          "documents=selfevo.search.docstore.contents_by_id(...) of the run's world or corpus")
     if truth == "oracle":
         from selfevo.config import config_from_dict
-        from selfevo.evolve import environment
+        from selfevo.evolve import check_world, environment
 
-        if (world_truth := environment(config_from_dict(run.config()), benchmarks=False).truth) is None:
+        cfg = config_from_dict(run.config())
+        if cfg.data.corpus:  # before any index of it is opened or built
             raise ValueError(f"{run.path}: a run on a real corpus has no exact truth to compare the judge with")
-        truth = OracleJudge(world_truth)
+        check_world(run, cfg)  # the truth of the world the run was made on, not of one remade since
+        truth = OracleJudge(environment(cfg, benchmarks=False).truth)
     elif isinstance(truth, str):
         raise ValueError(f"truth: 'oracle' or a Judge, got {truth!r}")
     return audit_to_dir(run.steps(), judge, run.path / "audit" if out is None else out, truth=truth,

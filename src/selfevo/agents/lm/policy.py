@@ -26,7 +26,7 @@ from selfevo._io import check_local_path
 from selfevo.agents.lm.config import LMConfig
 from selfevo.agents.lm.model import SMOLLM2_IDS, load_pretrained, smollm2_dir
 from selfevo.agents.lm.protocol import STOP_STRINGS, cut_at_stop
-from selfevo.agents.lm.rl import encode_trajectory, sequence_pg_loss, token_logprobs
+from selfevo.agents.lm.rl import encode_trajectory, prompt_token_ids, sequence_pg_loss, token_logprobs
 from selfevo.loop.schedule import derive_seed
 
 
@@ -200,7 +200,6 @@ class LMPolicy:
         """The token ids generation continues, for both generators: each conversation rendered with its
         prefix; one over `lm.max_prompt_tokens` keeps its system prompt and question and loses the
         oldest turns after them (a model at its fifth action still reads what it was asked)."""
-        from selfevo.agents.lm.vllm_engine import prompt_token_ids
 
         prompts = [self.render(c) + h for c, h in zip(conversations, prefixes, strict=True)]
         return prompt_token_ids(self.tokenizer, prompts, self.cfg.max_prompt_tokens,

@@ -202,18 +202,20 @@ def encode_trajectory(tokenizer, messages: Sequence[dict], mask_final_answer: bo
         return [_encode_whole(tokenizer, rendered[-1], messages, spans, mask_final_answer)]
     parts = []
     for i in actions:
+        content, spans = messages[i]["content"], [(0, 0)] * len(messages)
+        if i in cut:  # the prompt's ids as generation took them (cut: `prompt_token_ids`), then the action's
+            seen = prompt_token_ids(tokenizer, [prompts[i]], max_prompt_tokens, lambda _, i=i: cut[i])[0]
+            spans[i] = (0, len(content))
+            enc = tokenizer(content, add_special_tokens=False, return_offsets_mapping=True)
+            parts.append((seen + list(enc["input_ids"]),
+                          [0] * len(seen) + token_mask(enc["offset_mapping"],
+                                                       trained_spans(messages, spans, mask_final_answer))))
+            continue
         start = len(prompts[i])
-        spans = [(0, 0)] * len(messages)
-        spans[i] = (start, start + len(messages[i]["content"]))
-        enc = tokenizer(prompts[i] + messages[i]["content"], add_special_tokens=False, return_offsets_mapping=True)
-        ids = list(enc["input_ids"])
-        mask = token_mask(enc["offset_mapping"], trained_spans(messages, spans, mask_final_answer))
-        if i in cut:  # the prompt's tokens (never trained) cut as generation cut them
-            n = sum(1 for _, e in enc["offset_mapping"] if e <= start)
-            head = sum(1 for _, e in enc["offset_mapping"][:n] if e <= cut[i])
-            keep = keep_head(range(n), head, max_prompt_tokens) + list(range(n, len(ids)))
-            ids, mask = [ids[k] for k in keep], [mask[k] for k in keep]
-        parts.append((ids, mask))
+        spans[i] = (start, start + len(content))
+        enc = tokenizer(prompts[i] + content, add_special_tokens=False, return_offsets_mapping=True)
+        parts.append((list(enc["input_ids"]),
+                      token_mask(enc["offset_mapping"], trained_spans(messages, spans, mask_final_answer))))
     return parts
 
 
@@ -223,6 +225,22 @@ def _over(tokenizer, prompt: str, max_prompt_tokens: int | None) -> bool:
     if max_prompt_tokens is None or len(prompt.encode("utf-8")) <= max_prompt_tokens:
         return False
     return len(tokenizer(prompt, add_special_tokens=False)["input_ids"]) > max_prompt_tokens
+
+
+def prompt_token_ids(tokenizer, prompts: Sequence[str], max_prompt_tokens: int,
+                     head_chars: Callable[[int], int] | None = None) -> list[list[int]]:
+    """Token ids of each prompt, as both generators (HF and vLLM) take them: no special tokens added;
+    prompt i over `max_prompt_tokens` is cut by `keep_head`, its head the tokens within its first
+    `head_chars(i)` characters (asked only of such a prompt; none: no head kept)."""
+    out = []
+    for i, p in enumerate(prompts):
+        ids = list(tokenizer(p, add_special_tokens=False)["input_ids"])
+        head = 0
+        if len(ids) > max_prompt_tokens and head_chars is not None and (chars := head_chars(i)):
+            ends = [b for _, b in tokenizer(p, add_special_tokens=False, return_offsets_mapping=True)["offset_mapping"]]
+            head = sum(1 for b in ends if b <= chars)
+        out.append(keep_head(ids, head, max_prompt_tokens))
+    return out
 
 
 def keep_head(ids: Sequence[int], head: int, limit: int) -> list[int]:

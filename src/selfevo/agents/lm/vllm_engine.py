@@ -22,7 +22,7 @@ Seeds differ in kind: HF seeds one torch generator per batch chunk, vLLM seeds e
 (`derive_seed(seed, "row", i)`), so a seeded sampled run is reproducible within one generator but
 the two generators draw different samples. Greedy outputs agree up to kernel numerics.
 
-The pure mapping functions (`sampling_kwargs`, `prompt_token_ids`, `finish`, `max_lora_rank`)
+The pure mapping functions (`sampling_kwargs`, `finish`, `max_lora_rank`; the prompt's ids: `rl.prompt_token_ids`)
 import nothing heavy and are tested without vLLM.
 """
 
@@ -30,13 +30,12 @@ from __future__ import annotations
 
 import shutil
 import tempfile
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from selfevo.agents.lm.config import LMConfig
 from selfevo.agents.lm.protocol import STOP_STRINGS, cut_at_stop
-from selfevo.agents.lm.rl import keep_head
 from selfevo.loop.schedule import derive_seed
 
 # the LoRA ranks vLLM accepts for max_lora_rank (vllm/config: possible_max_ranks)
@@ -94,22 +93,6 @@ def sampling_kwargs(cfg: LMConfig, *, greedy: bool, seed: int | None, row: int, 
         if seed is not None:
             kwargs["seed"] = derive_seed(seed, "row", row) % 2**31
     return kwargs
-
-
-def prompt_token_ids(tokenizer, prompts: Sequence[str], max_prompt_tokens: int,
-                     head_chars: Callable[[int], int] | None = None) -> list[list[int]]:
-    """Token ids of each prompt, as both generators (HF and vLLM) take them: no special tokens added;
-    prompt i over `max_prompt_tokens` is cut by `keep_head`, its head the tokens within its first
-    `head_chars(i)` characters (asked only of such a prompt; none: no head kept)."""
-    out = []
-    for i, p in enumerate(prompts):
-        ids = list(tokenizer(p, add_special_tokens=False)["input_ids"])
-        head = 0
-        if len(ids) > max_prompt_tokens and head_chars is not None and (chars := head_chars(i)):
-            ends = [b for _, b in tokenizer(p, add_special_tokens=False, return_offsets_mapping=True)["offset_mapping"]]
-            head = sum(1 for b in ends if b <= chars)
-        out.append(keep_head(ids, head, max_prompt_tokens))
-    return out
 
 
 def finish(head: str, text: str, finish_reason: str | None,
