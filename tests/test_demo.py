@@ -268,6 +268,17 @@ def test_a_replay_worker_killed_fails_the_study_not_the_demo(tmp_path, monkeypat
     report = (out / "report.md").read_text()
     assert "Replay study failed: BrokenProcessPool" in report and "| coupled |" in report
 
+    def full(*args, **kwargs):
+        raise OSError(28, "No space left on device", str(out / "report.html"))
+
+    # the report cannot be written either (a full disk): the line naming the study's failure is printed all the same
+    monkeypatch.setattr("selfevo.report.build.build_report", full)
+    said = StringIO()
+    with pytest.raises(OSError, match="No space left"):
+        run_demo(_quick(treatments=("coupled",), replay_conditions=("coupled",)), out,
+                 console=Console(file=said, width=400), workers=2)
+    assert "replay study failed: BrokenProcessPool" in said.getvalue()
+
 
 def test_the_ray_executor_without_ray_is_one_line(monkeypatch, tmp_path):
     import sys

@@ -295,7 +295,12 @@ def run_demo(plan: DemoPlan, out: str | os.PathLike, console: Console | None = N
                f"({plan.executor} executor).")
     context = " ".join([context, *[f"{x[0].upper()}{x[1:]}." for x in incomplete]])
     write_demo_record(out, runs, replay, never, context)  # `selfevo report out` reports this plan too
-    res = build_report(out, context=context, runs=runs, replay=replay, excluded=never)
+    try:
+        res = build_report(out, context=context, runs=runs, replay=replay, excluded=never)
+    except BaseException:  # a full disk: what failed before it is said all the same (demo.json records it)
+        for line in incomplete:
+            console.print(f"[yellow]{escape(line)}[/yellow]")
+        raise
     res["incomplete"] = incomplete
     headline(res, console)
     for line in incomplete:
