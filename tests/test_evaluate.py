@@ -768,6 +768,20 @@ def test_an_installed_packages_agent_is_found_by_the_command_and_resumes_only_as
     assert run_eval(qa, corpus, "const:Paris/1", stopped, progress=False)["run"]["resumed_questions"] == 1
 
 
+def test_an_agent_identity_that_is_no_json_value_is_named(tmp_path, monkeypatch):
+    """An identity of a user's agent that JSON cannot hold (a Path) failed in the JSON writer, a traceback."""
+    class WithPath:
+        name, identity = "with-path", tmp_path
+
+        def answer(self, questions, tool, **kw):
+            return [[Trajectory("x")] for _ in questions]
+
+    monkeypatch.setitem(agents._REGISTRY, "with-path", lambda arg, **context: WithPath())
+    corpus = _write(tmp_path / "c.jsonl", [json.dumps({"id": "d1", "contents": "Paris\nParis is a city."})])
+    with pytest.raises(ValueError, match="agent 'with-path': its identity is written to score.json .* a JSON value"):
+        ev.run_eval(_tiny_qa_dir(tmp_path), corpus, "with-path", tmp_path / "out", progress=False)
+
+
 def test_cli_eval_usage_errors(tmp_path):
     qa = _tiny_qa_dir(tmp_path)
     runner = CliRunner()
