@@ -744,8 +744,8 @@ def test_a_users_judge_is_validated_against_the_worlds_truth_and_named_when_it_a
 
         def judge(self, items):
             out = (Verdict(True, True, tuple(r == it["adopted_label"] for r in it["responses"])) for it in items)
-            if self.how == "dict":
-                return [vars(v) for v in out]
+            if self.how in ("dict", "None"):
+                return None if self.how == "None" else [vars(v) for v in out]
             if self.how == "strings":
                 return [Verdict(True, "yes", v.responses_correct) for v in out]
             return out if self.how == "generator" else list(out)
@@ -754,9 +754,10 @@ def test_a_users_judge_is_validated_against_the_worlds_truth_and_named_when_it_a
     cmp = json.loads((tmp_path / "lenient" / "comparison.json").read_text())
     assert metrics["rounds"][0]["T_P"] == 1.0 and (cmp["judge"], cmp["truth"]) == ("lenient", "oracle")
     assert (tmp_path / "lenient" / "comparison.md").exists()
-    for how, says in (("dict", "a dict, not a selfevo.audit.Verdict"),
-                      ("strings", "a resolved verdict needs label_correct .*got 'yes'")):
-        with pytest.raises(ValueError, match=f"judge 'lenient', item 'r1-s1-0': {says}"):
+    for how, says in (("dict", "item 'r1-s1-0': a dict, not a selfevo.audit.Verdict"),
+                      ("None", "judge\\(\\) returns a list of Verdict, one an item; got NoneType"),
+                      ("strings", "item 'r1-s1-0': a resolved verdict needs label_correct .*got 'yes'")):
+        with pytest.raises(ValueError, match=f"judge 'lenient'(, |: ){says}"):
             audit_run(run, Lenient(how), out=tmp_path / how)
     with pytest.raises(ValueError, match="truth: 'oracle' or a Judge"):
         audit_run(run, Lenient(), out=tmp_path / "x", truth="gold")
@@ -765,7 +766,7 @@ def test_a_users_judge_is_validated_against_the_worlds_truth_and_named_when_it_a
         def judge(self, items):
             import numpy as np
 
-            return [Verdict(np.bool_(True), np.bool_(False), tuple(np.array(it["responses"]) == "")) for it in items]
+            return [Verdict(np.bool_(True), np.bool_(False), np.array(it["responses"]) == "") for it in items]
 
     assert audit_run(run, NumpyJudge(), out=tmp_path / "np")["rounds"][0]["T_P"] == 0.0
 

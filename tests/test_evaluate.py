@@ -768,6 +768,12 @@ def test_an_installed_packages_agent_is_found_by_the_command_and_resumes_only_as
     assert run_eval(qa, corpus, "const:Paris/1", stopped, progress=False)["run"]["resumed_questions"] == 1
 
 
+def test_an_agent_factory_that_returns_no_solver_is_named(monkeypatch):
+    monkeypatch.setitem(agents._REGISTRY, "nothing", lambda arg, **context: None)
+    with pytest.raises(ValueError, match="agent 'nothing': its factory returned NoneType, not a solver"):
+        load_agent("nothing:v1")
+
+
 def test_an_agent_identity_that_is_no_json_value_is_named(tmp_path, monkeypatch):
     """An identity of a user's agent that JSON cannot hold (a Path) failed in the JSON writer, a traceback."""
     class WithPath:
@@ -1165,6 +1171,8 @@ def test_evaluate_solver_takes_a_tuple_of_answer_lists():
     ("None", "a Trajectory's answer is a string \\(got None\\)"),  # was: scored as no answer, without a word
     ("int", "a Trajectory's answer is a string \\(got 42\\)"),
     ("over budget", "search budget of 5 calls used up; an agent answers once its search session refuses"),
+    ("searches None", "a Trajectory's searches are a list of the queries it sent \\(strings\\), got None"),
+    ("searches str", "a Trajectory's searches are a list of the queries it sent \\(strings\\), got 'abc'"),
 ])
 def test_evaluate_solver_refuses_a_solver_that_answers_in_another_shape(shape, says):
     """More trajectory lists than questions were cut off by zip (an answer list out of step with its
@@ -1178,7 +1186,8 @@ def test_evaluate_solver_refuses_a_solver_that_answers_in_another_shape(shape, s
 
         def answer(self, questions, tool, **kw):
             one = {"flat": Trajectory("x"), "strings": ["x"], "None": [Trajectory(None)], "int": [Trajectory(42)],
-                   "an empty list": []}.get(shape, [Trajectory("x")])
+                   "an empty list": [], "searches None": [Trajectory("x", None)],
+                   "searches str": [Trajectory("x", "abc")]}.get(shape, [Trajectory("x")])
             if shape == "over budget":
                 session = tool.session()
                 for _ in range(6):

@@ -367,8 +367,10 @@ class _CountingSolver:
     def __init__(self, name):
         self.name, self.lineage, self.batches = name, {}, []
 
-    def answer(self, questions, tool, **kw):
-        return [[None] for _ in questions]
+    def answer(self, questions, tool, *, n=1, **kw):
+        from selfevo.agents.base import Trajectory
+
+        return [[Trajectory("x")] * n for _ in questions]
 
     def update(self, groups):
         self.batches.append(len(groups))
@@ -749,16 +751,48 @@ class _Rule:
         from selfevo.loop.admission import Decision
 
         out = [Decision(True, "" if self.how == "empty" else p.draft_label) for p in proposals]
+        if self.how in ("a string", "a set"):
+            out = [Decision("no", p.draft_label) if self.how == "a string" else Decision(True, p.draft_label, {1})
+                   for p in proposals]
         return out[:-1] if self.how == "short" else out
 
 
 @pytest.mark.parametrize("how, message", [
     ("short", "admission rule 'my-check': 19 decisions for 20 proposals"),  # was a bare StopIteration
     ("empty", "admission rule 'my-check' admitted .* with the label '': an admitted question needs a label"),
+    # both ran to the end, and the run could not be read back ('admitted' should be true/false; a bare TypeError)
+    ("a string", "a Decision's admitted is True or False and its label a string, got 'no'"),
+    ("a set", "a Decision's detail is a dict of JSON values"),
+    ("costs '2'", "generations_per_candidate is the number of extra generations .* got '2'"),
 ])
 def test_an_admission_rule_of_a_users_that_answers_amiss_is_named(how, message):
+    rule = _Rule(how)
+    if how == "costs '2'":
+        rule.generations_per_candidate = "2"
     with pytest.raises(ValueError, match=message):
-        _stub_loop("coupled", admission=_Rule(how))
+        _stub_loop("coupled", admission=rule)
+
+
+class _Terse(_Tracked):
+    """A user's solver answering with one sample where the loop asked five, or with None for an answer."""
+
+    how = "one"
+
+    def answer(self, questions, tool, *, greedy=True, n=1, seed=None, contexts=None):
+        from selfevo.agents.base import Trajectory
+
+        return [[Trajectory(None if self.how == "None" else "x")] * (1 if self.how == "one" else n) for _ in questions]
+
+
+@pytest.mark.parametrize("how, message", [
+    ("one", "a list of 5 Trajectory a question, in a list; question 1 got 1"),  # was: k of 1 paid as of 5
+    ("None", "a Trajectory's answer is a string \\(got None\\)"),  # was: a run whose records could not be read
+])
+def test_a_solver_of_a_users_answering_in_another_shape_is_named(how, message, monkeypatch):
+    monkeypatch.setattr(_Terse, "how", how)
+    for treatment in ("coupled", "crossfit"):
+        with pytest.raises(ValueError, match=message):
+            _stub_loop(treatment, solver=_Terse)
 
 
 class _Sloppy(_Pages):
@@ -778,7 +812,7 @@ class _Sloppy(_Pages):
         return [dataclasses.replace(p, **bad) for p in out] if bad else out
 
     def update(self, proposals, rewards):
-        return None if self.how == "no stats" else {"seen": {1, 2}} if self.how == "a set" else {}
+        return {"no stats": None, "a set": {"seen": {1, 2}}, "NaN": {"loss": float("nan")}}.get(self.how, {})
 
 
 @pytest.mark.parametrize("how, message", [
@@ -787,6 +821,7 @@ class _Sloppy(_Pages):
     ("hops 0", "hops is the number of pages the question chains through \\(>= 1\\), got 0"),
     ("no stats", "proposer.update returns a dict of statistics \\(JSON values\\), got NoneType"),
     ("a set", "proposer.update: its statistics are written to the step records as JSON"),
+    ("NaN", "proposer.update: its statistics are written to the step records as JSON: Out of range float"),
 ])
 def test_a_proposer_of_a_users_that_breaks_the_contract_is_named(how, message):
     """A user's proposer returning dicts, or a statistic that is no dict or no JSON, met an AttributeError or a

@@ -427,22 +427,30 @@ def evaluate_solver(solver: Solver, data: Mapping[str, Sequence[QAItem]], tool: 
     return result
 
 
-def check_answers(agent: str, trajs: Any, n_questions: int) -> None:
-    """A solver's answer to `answer(questions, n=1)`: one list a question, each of at least one `Trajectory`
-    whose answer is a string. An agent of a user's that returns another shape is named here, not by a
-    TypeError deep in scoring (or, an answer of None, scored as no answer without a word)."""
+def check_answers(agent: str, trajs: Any, n_questions: int, n: int | None = None) -> Any:
+    """A solver's answer to `answer(questions, n=...)`: one list a question, each of `n` (None: at least one)
+    `Trajectory`s whose answer is a string and whose searches a list of strings; returned as it is. An agent
+    of a user's that returns another shape is named here, not met as a TypeError deep in scoring or a reward
+    of k samples counted out of the wrong number (or, an answer of None, scored as no answer without a word)."""
     from selfevo.agents.base import Trajectory
 
-    shape = "answer() returns a list of one list of Trajectory a question"
+    shape = f"answer() returns a list of {n or 'one'} Trajectory a question, in a list"
     if not isinstance(trajs, list | tuple) or len(trajs) != n_questions:
         got = f"{len(trajs)} items" if isinstance(trajs, list | tuple) else f"a {type(trajs).__name__}"
         raise ValueError(f"agent {agent!r}: {shape}; got {got} for {n_questions} questions")
     for i, ts in enumerate(trajs):
         if not isinstance(ts, (list, tuple)) or not ts or not all(isinstance(t, Trajectory) for t in ts):
             raise ValueError(f"agent {agent!r}: {shape}; question {i + 1} got {type(ts).__name__} {str(ts)[:80]!r}")
-        if not all(isinstance(t.answer, str) for t in ts):
-            raise ValueError(f"agent {agent!r}: question {i + 1}: a Trajectory's answer is a string (got "
-                             f"{next(t.answer for t in ts if not isinstance(t.answer, str))!r})")
+        if n is not None and len(ts) != n:
+            raise ValueError(f"agent {agent!r}: {shape}; question {i + 1} got {len(ts)}")
+        for t in ts:
+            if not isinstance(t.answer, str):
+                raise ValueError(f"agent {agent!r}: question {i + 1}: a Trajectory's answer is a string (got "
+                                 f"{t.answer!r})")
+            if not isinstance(t.searches, list | tuple) or not all(isinstance(q, str) for q in t.searches):
+                raise ValueError(f"agent {agent!r}: question {i + 1}: a Trajectory's searches are a list of the "
+                                 f"queries it sent (strings), got {t.searches!r}")
+    return trajs
 
 
 def _prediction_row(bench: str, it: QAItem, traj: Any) -> dict:
@@ -591,7 +599,9 @@ def _run_eval(data_dir, corpus, agent, out_dir: Path, limit, retriever_url, inde
                              f"JSON value: {e}") from None
     # score.json's too: two evaluations of one lm: agent with other --lm-set values (or a policy file retrained
     # under one name) wrote score files no one could tell apart
-    run_info |= {k: same[k] for k in ("agent_settings", "agent_files", "agent_identity") if same.get(k)}
+    run_info |= {k: same[k] for k in ("agent_settings", "agent_files") if same[k]}
+    if "agent_identity" in same:  # whatever it is (0 and "" too)
+        run_info["agent_identity"] = same["agent_identity"]
     if run_info["retriever"] in ("dense", "hybrid") and dense_options is not None:
         same["encoder"] = {k: v for k, v in asdict(dense_options).items()
                            if k not in ("batch_size", "device")}

@@ -121,7 +121,11 @@ def load_agent(spec: str, **context: Any) -> Solver:
     if factory is None:
         forms = (SPEC_FORMS.get(p, f"{p}[:ARG]") for p in known_agents())
         raise ValueError(f"unknown agent spec '{spec}'; known: {', '.join(forms)}")
-    return factory(arg, **context)
+    solver = factory(arg, **context)
+    if not callable(getattr(solver, "answer", None)):  # a factory of a user's that returned nothing
+        raise ValueError(f"agent '{prefix}': its factory returned {type(solver).__name__}, not a solver (an object "
+                         "with answer(questions, tool, ...))")
+    return solver
 
 
 def agent_files(spec: str) -> dict | None:

@@ -56,7 +56,11 @@ def checked_verdicts(judge: Judge, items: Sequence[dict], verdicts) -> list[Verd
         return isinstance(x, bool | np.bool_)
 
     name = getattr(judge, "name", type(judge).__name__)
-    verdicts = list(verdicts)
+    try:
+        verdicts = list(verdicts)
+    except TypeError:
+        raise ValueError(f"judge {name!r}: judge() returns a list of Verdict, one an item; got "
+                         f"{type(verdicts).__name__}") from None
     if len(verdicts) != len(items):
         raise ValueError(f"judge {name!r}: {len(verdicts)} verdicts for {len(items)} items")
     out = []
@@ -66,12 +70,13 @@ def checked_verdicts(judge: Judge, items: Sequence[dict], verdicts) -> list[Verd
             raise ValueError(f"{where}: a {type(v).__name__}, not a selfevo.audit.Verdict")
         if not truth_value(v.resolved):
             raise ValueError(f"{where}: resolved is {v.resolved!r}, not True or False")
-        if v.resolved and not (truth_value(v.label_correct) and isinstance(v.responses_correct, tuple | list)
+        if v.resolved and not (truth_value(v.label_correct)
+                               and isinstance(v.responses_correct, tuple | list | np.ndarray)
                                and all(map(truth_value, v.responses_correct))
                                and len(v.responses_correct) == len(it["responses"])):
             raise ValueError(f"{where}: a resolved verdict needs label_correct (True or False) and responses_correct "
-                             f"(one True or False a response: {len(it['responses'])}); got {v.label_correct!r}, "
-                             f"{v.responses_correct!r}")
+                             f"(a tuple or list of one True or False a response: {len(it['responses'])}); got "
+                             f"{v.label_correct!r}, {v.responses_correct!r}")
         if v.resolved:  # Python's own: written as JSON later
             v = dataclasses.replace(v, resolved=True, label_correct=bool(v.label_correct),
                                     responses_correct=tuple(map(bool, v.responses_correct)))

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from selfevo.agents.base import Proposal, Solver, TrainableSolver
-from selfevo.evaluate import answers_match
+from selfevo.evaluate import answers_match, check_answers
 from selfevo.loop.feedback import snapshot_of
 from selfevo.loop.schedule import derive_seed
 from selfevo.records import Document
@@ -86,10 +86,13 @@ class MSV:
                              f"({', '.join(map(repr, unknown[:3]))}{' ...' if len(unknown) > 3 else ''}): a proposal's "
                              "source_id names the document it was written from, one of the run's sources")
         contexts = [self.documents[p.source_id] for p in proposals]
-        with_src = self.model.answer(questions, tool, greedy=False, n=self.samples,
-                                     seed=derive_seed(seed, "with-source"), contexts=contexts)
-        without = self.model.answer(questions, tool, greedy=False, n=self.samples,
-                                    seed=derive_seed(seed, "without-source"))
+        who = getattr(self.model, "name", type(self.model).__name__)
+        with_src = check_answers(who, self.model.answer(
+            questions, tool, greedy=False, n=self.samples, seed=derive_seed(seed, "with-source"), contexts=contexts),
+            len(questions), self.samples)
+        without = check_answers(who, self.model.answer(
+            questions, tool, greedy=False, n=self.samples, seed=derive_seed(seed, "without-source")),
+            len(questions), self.samples)
         out = []
         for p, ws, wo in zip(proposals, with_src, without, strict=True):
             a, b = [t.answer for t in ws], [t.answer for t in wo]

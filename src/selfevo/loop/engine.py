@@ -27,7 +27,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsed
 from selfevo._bar import Progress
 from selfevo.agents.base import Proposal, Proposer, TrainableSolver, empty_answer, mark_missing
 from selfevo.algos import frontier_reward
-from selfevo.evaluate import answers_match
+from selfevo.evaluate import answers_match, check_answers
 from selfevo.loop.admission import Admission, Decision
 from selfevo.loop.feedback import Feedback, lineage_of, record_training
 from selfevo.loop.folds import FoldAssignment
@@ -57,14 +57,21 @@ def check_proposals(proposer: str, proposals: Sequence) -> None:
                              f"page read) must hold its source_id {p.source_id!r}")
 
 
+def json_problem(value: object) -> str | None:
+    """Why `value` cannot be written as strict JSON (a set, a NaN, a Path), or None."""
+    try:
+        json.dumps(value, allow_nan=False)
+    except (TypeError, ValueError) as e:
+        return str(e)
+    return None
+
+
 def check_stats(who: str, stats: object) -> dict:
     """What an `update` returns, written into the step record: a dict of JSON values."""
     if not isinstance(stats, dict):
         raise ValueError(f"{who}.update returns a dict of statistics (JSON values), got {type(stats).__name__}")
-    try:
-        json.dumps(stats)
-    except (TypeError, ValueError) as e:
-        raise ValueError(f"{who}.update: its statistics are written to the step records as JSON: {e}") from None
+    if problem := json_problem(stats):
+        raise ValueError(f"{who}.update: its statistics are written to the step records as JSON: {problem}")
     return stats
 
 
@@ -78,9 +85,15 @@ def check_decisions(rule: str, proposals: Sequence[Proposal], decisions: Sequenc
         if not isinstance(d, Decision):
             raise ValueError(f"admission rule {rule!r}: decide returned a {type(d).__name__}, not a "
                              "selfevo.loop.admission.Decision")
-        if d.admitted and (not isinstance(d.label, str) or empty_answer(d.label)):
+        if not isinstance(d.admitted, bool) or not isinstance(d.label, str):
+            raise ValueError(f"admission rule {rule!r}: {p.question!r}: a Decision's admitted is True or False and "
+                             f"its label a string, got {d.admitted!r}, {d.label!r}")
+        if d.admitted and empty_answer(d.label):
             raise ValueError(f"admission rule {rule!r} admitted {p.question!r} with the label {d.label!r}: an "
                              "admitted question needs a label to train on")
+        if not isinstance(d.detail, dict) or json_problem(d.detail):
+            raise ValueError(f"admission rule {rule!r}: {p.question!r}: a Decision's detail is a dict of JSON values "
+                             f"(it is written to the step records), got {str(d.detail)[:80]!r}")
 
 
 def cap_admissions(decisions: Sequence[Decision], room: int) -> int:
@@ -208,8 +221,12 @@ class Loop:
         decided = iter(made)
         decisions = [next(decided) if p.format_error is None else
                      Decision(False, p.draft_label) for p in proposals]
+        extra = self.admission.generations_per_candidate
+        if isinstance(extra, bool) or not isinstance(extra, int) or extra < 0:
+            raise ValueError(f"admission rule {self.admission.name!r}: generations_per_candidate is the number of "
+                             f"extra generations a candidate costs (an integer >= 0), got {extra!r}")
         self.compute.add("generations", getattr(self.admission, "purpose", self.admission.name),
-                         self.admission.generations_per_candidate * len(wellformed))
+                         extra * len(wellformed))
         cap_admissions(decisions, room)
         t = self._timed("admit", t)
         cands = []
@@ -228,9 +245,10 @@ class Loop:
         responses: dict[int, list[str]] = {}
         for idx in sorted(by_grader.values(), key=lambda v: v[0]):
             g = graders[idx[0]]
-            trajs = g.answer([cands[i].proposal.question for i in idx], self.tool, greedy=False,
-                             n=cfg.grader_samples,
-                             seed=derive_seed(self.seed, st.round, st.step, "grade", g.name))
+            trajs = check_answers(g.name, g.answer([cands[i].proposal.question for i in idx], self.tool,
+                                                   greedy=False, n=cfg.grader_samples,
+                                                   seed=derive_seed(self.seed, st.round, st.step, "grade", g.name)),
+                                  len(idx), cfg.grader_samples)
             for i, ts in zip(idx, trajs):
                 responses[i] = [tr.answer for tr in ts]
         self.compute.add("generations", "grader", cfg.grader_samples * len(graders))
@@ -261,9 +279,11 @@ class Loop:
     # ---------------------------------------------------------------- one main-solver step
     def solver_step(self, st: ScheduledStep, batch: Sequence[Candidate]) -> dict:
         cfg, t = self.config, time.perf_counter()
-        trajs = self.main.answer([c.proposal.question for c in batch], self.tool, greedy=False,
-                                 n=cfg.grader_samples,
-                                 seed=derive_seed(self.seed, st.round, st.step, "rollout"))
+        trajs = check_answers(self.main.name, self.main.answer([c.proposal.question for c in batch], self.tool,
+                                                               greedy=False, n=cfg.grader_samples,
+                                                               seed=derive_seed(self.seed, st.round, st.step,
+                                                                                "rollout")),
+                              len(batch), cfg.grader_samples)
         self.compute.add("generations", "solver_rollouts", cfg.grader_samples * len(batch))
         t = self._timed("solver_rollout", t)
         identity = lineage_of(self.main)

@@ -21,6 +21,7 @@ from collections.abc import Callable, Collection, Sequence
 from typing import Protocol
 
 from selfevo.agents.base import Proposal, Solver, TrainableSolver
+from selfevo.evaluate import check_answers
 from selfevo.loop.folds import FoldAssignment, question_fold
 from selfevo.loop.schedule import derive_seed
 
@@ -299,8 +300,9 @@ class AuxFeedback:
                                     derive_seed(seed, aux.name, "budget"))
             for u, lo, hi in chosen:
                 batch = items[lo:hi]
-                trajs = aux.answer([c.proposal.question for c in batch], tool, greedy=False, n=self.samples,
-                                   seed=derive_seed(seed, aux.name, u))
+                trajs = check_answers(aux.name, aux.answer([c.proposal.question for c in batch], tool, greedy=False,
+                                                           n=self.samples, seed=derive_seed(seed, aux.name, u)),
+                                      len(batch), self.samples)
                 aux.update([(ts, c.label) for ts, c in zip(trajs, batch, strict=True)])
                 record_training(aux, sorted({f for c in batch for f in self._item_folds(c)}), round)
                 updates, rollouts = updates + 1, rollouts + self.samples * len(batch)
