@@ -27,7 +27,7 @@ from selfevo.loop.folds import FoldAssignment, assign_folds, fold_of, link_graph
 from selfevo.loop.schedule import LoopConfig, derive_seed, schedule
 from selfevo.loop.treatments import feedback_options, parse_treatment
 from selfevo.records import Document
-from selfevo.runs import RunDir
+from selfevo.runs import RunDir, RunError
 from selfevo.world import save_world
 from selfevo.world.generate import WorldConfig, make_world
 
@@ -829,6 +829,48 @@ def test_a_proposer_of_a_users_that_breaks_the_contract_is_named(how, message):
     main solver trained on it with no fold recorded (a helper's review)."""
     with pytest.raises(ValueError, match=message):
         _stub_loop("coupled", rounds=1, proposer=_Sloppy(how))
+
+
+def my_learners(cfg, sources):
+    """A user's learners for `evolve(agents=...)`: here selfevo's sim learners, built as a user would."""
+    from selfevo.agents.sim.proposer import SimProposer
+    from selfevo.agents.sim.reader import Reader
+    from selfevo.agents.sim.solver import SimSolver
+
+    shared = 0.1
+    solver_reader = Reader("solver", cfg.solver.misread_scale, shared, cfg.seed)
+    proposer = SimProposer("proposer", cfg.proposer, Reader("proposer", cfg.proposer.misread_scale, shared, cfg.seed),
+                           sources)
+    return proposer, lambda name: SimSolver(name, cfg.solver, solver_reader)
+
+
+def test_a_run_of_a_users_learners_is_recorded_as_theirs_and_kept_apart(tmp_path):
+    """A loop of a user's learners was assembled by hand (no resume, no world check, no audit) and recorded as
+    selfevo's own: `report` pooled it with selfevo's runs of its treatment and seed, and `replay build` made a
+    bank whose feedback solvers were selfevo's learners of a config the run never used. `evolve(agents=...)`
+    runs them in the loop with everything else of a run, records them, and the others keep them apart."""
+    from selfevo.replay import ReplayError, build_bank
+    from selfevo.report.collect import collect_runs
+
+    small = ['world.name="small"', "loop.rounds=2", "loop.proposer_steps=2", "loop.solver_steps=2",
+             "loop.admit_per_round=40", "data.eval_limit=2", "seed=1"]
+    mine = evolve(load_config(None, [*small, "treatment=crossfit"]), tmp_path / "mine", progress=False,
+                  agents=my_learners)
+    assert mine.manifest()["agents"] == "test_loop.my_learners" and mine.manifest()["status"] == "complete"
+    assert json.loads((mine.path / "audit" / "metrics.json").read_text())["rounds"][1]["F"] is not None
+    ours = evolve(load_config(None, [*small, "treatment=coupled"]), tmp_path / "ours", progress=False)
+    with pytest.raises(ValueError, match="were made with different configs"):
+        collect_runs([ours.path, mine.path])
+    with pytest.raises(ReplayError, match="made with learners of the user's \\(test_loop.my_learners\\)"):
+        build_bank([mine.path], size=10, seed=0)
+    with pytest.raises(RunError, match="made with the learners 'test_loop.my_learners', resumed with 'sim'"):
+        evolve(load_config(None, [*small, "treatment=crossfit"]), mine.path, resume=True, progress=False)
+    with pytest.raises(RunError, match="made with the learners 'sim', resumed with 'test_loop.my_learners'"):
+        evolve(load_config(None, [*small, "treatment=coupled"]), ours.path, resume=True, progress=False,
+               agents=my_learners)
+    again = evolve(load_config(None, [*small, "treatment=crossfit"]), mine.path, resume=True, progress=False,
+                   agents=my_learners)  # a finished run: audited again
+    assert again.manifest()["agents"] == "test_loop.my_learners"
 
 
 def test_an_admission_rules_generations_are_counted_under_its_own_name():

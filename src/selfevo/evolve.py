@@ -15,9 +15,10 @@ import json
 import os
 import random
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 from selfevo._io import cache_root, file_sha256, write_json
 from selfevo.agents.sim import Reader, SimProposer, SimSolver
@@ -193,10 +194,27 @@ def _corpus_index(corpus: str, index_dir: str):
         raise ConfigError(f"data.index: {e}") from None
 
 
+# `evolve(agents=...)`: a user's learners in the loop, `agents(cfg, sources) -> (proposer, make_solver)`
+# (sources: the proposer's source documents; make_solver(name): a fresh trainable solver, the main one and
+# every auxiliary one); the treatment's admission and feedback rules are selfevo's (`make_rules`)
+Agents = Callable[[RunConfig, list], tuple[Any, Callable[[str], Any]]]
+
+
+def agents_name(agents: Agents | None) -> str | None:
+    """How a run records the user's learners it was made with (None: selfevo's own, `cfg.backend`)."""
+    return None if agents is None else f"{agents.__module__}.{getattr(agents, '__qualname__', type(agents).__name__)}"
+
+
 def build_loop(cfg: RunConfig, env: Environment, tool: SearchTool, folds: FoldAssignment, evaluate=None,
-               store: Path | None = None) -> Loop:
-    """The loop of `cfg.backend` (`store`: where an lm backend keeps its checkpointed tensors)."""
+               store: Path | None = None, agents: Agents | None = None) -> Loop:
+    """The loop of `cfg.backend` (`store`: where an lm backend keeps its checkpointed tensors), or of the
+    user's learners `agents` makes."""
     pool = source_pool(cfg, env.documents)
+    if agents is not None:
+        proposer, make_user_solver = agents(cfg, pool)
+        admission, feedback = make_rules(cfg, pool, folds, make_user_solver)
+        return Loop(cfg.loop, cfg.seed, proposer, make_user_solver("main"), admission, feedback, tool, folds,
+                    evaluate=evaluate)
     if cfg.backend == "lm":
         from selfevo.agents.lm.agents import LMProposer, LMSolver
         from selfevo.agents.lm.policy import LMPolicy
@@ -344,13 +362,16 @@ def check_world(run: RunDir, cfg: RunConfig, index=False, evaluation: bool = Fal
 
 
 def evolve(cfg: RunConfig, out: str | os.PathLike, resume: bool = False, progress: bool = True,
-           audit: bool = True, judge=None, step_checkpoints: int | None = None) -> RunDir:
+           audit: bool = True, judge=None, step_checkpoints: int | None = None, agents: Agents | None = None) -> RunDir:
     """Run, then audit: with the world's exact truth (OracleJudge), or on a real corpus with
     `judge` (e.g. an LLMJudge; None: `selfevo.evolve.default_judge`, the base model served on
     loopback). The judge only reads the finished records: it never feeds back.
     `step_checkpoints`: a checkpoint within each round every this many steps, which a resume goes
     on from (0: only at round ends; None: every step with language models, whose rounds take hours,
-    else 0). It changes no result, so a resume may use another."""
+    else 0). It changes no result, so a resume may use another.
+    `agents`: learners of the user's in place of `cfg.backend`'s (`Agents`, docs/extending.md); the run
+    records them (manifest.json's `agents`), a resume must give the same, and `report` and `replay build`
+    keep such runs apart from selfevo's own."""
     started = time.perf_counter()
     if not isinstance(cfg, RunConfig):
         raise TypeError(f"cfg: expected a RunConfig (selfevo.config.load_config), got {type(cfg).__name__}")
@@ -370,6 +391,9 @@ def evolve(cfg: RunConfig, out: str | os.PathLike, resume: bool = False, progres
         resuming = resume and run.exists()
         kept_folds = None
         if resuming:
+            if (made_with := run.manifest().get("agents")) != agents_name(agents):
+                raise RunError(f"{run.path}: made with the learners {made_with or cfg.backend!r}, resumed with "
+                               f"{agents_name(agents) or cfg.backend!r}; a run goes on with the learners it began with")
             done = run.open_for_resume(cfg.to_json(), defaults=RunConfig().to_json())
             check_world(run, cfg, evaluation=True, held=True)
             kept_folds = saved_folds(run, cfg)
@@ -408,10 +432,12 @@ def evolve(cfg: RunConfig, out: str | os.PathLike, resume: bool = False, progres
             pool = source_pool(cfg, env.documents)
             folds = fold_assignment(cfg, env.documents, pool if cfg.data.corpus else None)
             check_folds(cfg, folds, pool)
-        loop = build_loop(cfg, env, tool, folds, evaluate, store=run.tensors_dir)
+        loop = build_loop(cfg, env, tool, folds, evaluate, store=run.tensors_dir, agents=agents)
         loop.step_checkpoints = step_checkpoints
         if not resuming:
             run.create(cfg.to_json())
+            if agents is not None:  # config.json's [solver]/[proposer]/[lm] are not what ran
+                run.note(agents=agents_name(agents))
         # what the run is made on, noted right after its creation (else its world or corpus would never be
         # checked, and the report would not pool it with its peers)
         note_made_on(run, cfg, env.index, env.world)

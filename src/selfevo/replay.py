@@ -404,6 +404,9 @@ def build_bank(run_dirs: Sequence[str | os.PathLike], size: int = 3000, seed: in
             if status != "complete":
                 raise ReplayError(f"{d}: the run is not complete (status {status!r}); finish it with "
                                   "`selfevo evolve --resume`")
+            if manifest.get("agents"):  # the replay trains selfevo's learners of the run's config
+                raise ReplayError(f"{d}: made with learners of the user's ({manifest['agents']}); a replay bank's "
+                                  "feedback solvers are selfevo's learners of the run's config, not those")
             configs.append(run.config())
             cfg = config_from_dict(configs[-1])
             check_world(run, cfg)  # its truth judges the replay

@@ -63,7 +63,8 @@ def collect_runs(run_dirs: Sequence[str | os.PathLike]) -> dict:
             continue
         # runs of another setting (rounds, world, learner...) pooled under one treatment name, or
         # paired with a coupled run of another setting, would mix numbers that mean different things
-        setting = _same(setting, {**{k: v for k, v in cfg.items() if k not in _VARIED}, "engine": run.engine_setting()},
+        setting = _same(setting, {**{k: v for k, v in cfg.items() if k not in _VARIED}, "engine": run.engine_setting(),
+                                  **({"agents": manifest["agents"]} if manifest.get("agents") else {})},
                         run.path,
                         "were made with different configs",
                         "a report compares treatments and seeds of one config, so report them apart")

@@ -25,7 +25,7 @@ class RunSummary:
     cover_em: float | None  # main solver macro Cover-EM after the last round
     # what a treatment's run must share with its coupled run: the config but the treatment, the data
     # it was made on (a world directory or corpus remade under one path), the rounds done (compute.json
-    # counts those only) and, for an engine-run, its [engine] table (`RunDir.engine_setting`)
+    # counts those only), for an engine-run its [engine] table (`RunDir.engine_setting`), and a user's learners
     setting: str = ""
     unfinished: str | None = None  # "9 of 10 rounds" for a run not complete (killed, or still running)
     stale_audit: str | None = None  # "rounds 1-2 of 3": an audit made before the run went on (no F, T_P, A)
@@ -52,7 +52,7 @@ class RunSummary:
             stale, rounds = f"rounds 1-{rounds[-1]['round']} of {done}", []
         cover = run.evaluation(done)["macro"]["cover_em"] if run.eval_path(done).exists() else None
         setting = json.dumps([{k: v for k, v in cfg.items() if k != "treatment"}, made_on(manifest), done,
-                              run.engine_setting()], sort_keys=True)
+                              run.engine_setting(), manifest.get("agents")], sort_keys=True)
         generations, seconds = training_cost(compute)
         unfinished = None if manifest.get("status") == "complete" else f"{done} of {cfg['loop']['rounds']} rounds"
         return cls(run.path, cfg["treatment"], cfg["seed"], generations, compute["total_updates"], seconds,
