@@ -463,9 +463,9 @@ def eval_(
     if (out / "score.json").exists() and not (out / "predictions.partial.jsonl").exists():
         _fail(f"--out: {out} holds a finished evaluation (score.json); give another directory, or remove its "
               "predictions.jsonl and score.json to evaluate again")
-    if (lm_set or workers) and agent.strip().partition(":")[0] != "lm":
-        # any other agent (a registered one of a user's too) would run without them, while score.json
-        # recorded them as applied
+    if (lm_set or workers) and agent.strip().partition(":")[0] in ("retrieval-baseline", "remote"):
+        # the built-in agents other than lm: would run without them, as if they had been applied (a registered
+        # agent of a user's gets them in its factory's context, to use or to refuse: docs/extending.md)
         _fail(f"--lm-set and --workers are settings of lm: agents; agent '{agent}' takes neither")
     if any(x.partition("=")[0].strip() == "model" for x in lm_set):
         _fail("--lm-set model=...: the model is the agent's own (lm:MODEL)")
