@@ -113,6 +113,15 @@ def atomic_writer(path: str | os.PathLike, mode: str = "w", fsync: bool = True) 
         raise
 
 
+def json_problem(value: object) -> str | None:
+    """Why `value` cannot be written as strict JSON (a set, a NaN, a Path), or None."""
+    try:
+        json.dumps(value, allow_nan=False)
+    except (TypeError, ValueError) as e:
+        return str(e)
+    return None
+
+
 def write_all_atomically(files: Mapping[str | os.PathLike, bytes]) -> None:
     """Write every file beside its place, whole and synced, before any is renamed over its place: a write
     that fails (a full disk) changes none of them, where one at a time left, say, a new results.json beside

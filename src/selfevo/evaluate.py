@@ -32,7 +32,16 @@ from rich.table import Table
 
 from selfevo._bar import Progress
 from selfevo._fmt import num
-from selfevo._io import append_jsonl, encodable, hold_directory, read_jsonl_log, shown_url, write_json, write_jsonl
+from selfevo._io import (
+    append_jsonl,
+    encodable,
+    hold_directory,
+    json_problem,
+    read_jsonl_log,
+    shown_url,
+    write_json,
+    write_jsonl,
+)
 from selfevo.algos import float_sum
 from selfevo.corpus import DataError, _require_str, iter_json_lines, read_qa_dir
 from selfevo.records import QAItem
@@ -592,11 +601,9 @@ def _run_eval(data_dir, corpus, agent, out_dir: Path, limit, retriever_url, inde
     # a stopped evaluation goes on only with the same one, where answers of two versions were mixed
     if (identity := getattr(solver, "identity", None)) is not None:
         same["agent_identity"] = identity() if callable(identity) else identity
-        try:
-            json.dumps(same["agent_identity"], allow_nan=False)
-        except (TypeError, ValueError) as e:
+        if problem := json_problem(same["agent_identity"]):
             raise ValueError(f"agent {agent!r}: its identity is written to score.json and the resume key, so a "
-                             f"JSON value: {e}") from None
+                             f"JSON value: {problem}")
     # score.json's too: two evaluations of one lm: agent with other --lm-set values (or a policy file retrained
     # under one name) wrote score files no one could tell apart
     run_info |= {k: same[k] for k in ("agent_settings", "agent_files") if same[k]}

@@ -16,7 +16,6 @@ round or step checkpoint draws exactly what an uninterrupted run draws.
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -25,6 +24,7 @@ from typing import Protocol
 from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn
 
 from selfevo._bar import Progress
+from selfevo._io import json_problem
 from selfevo.agents.base import Proposal, Proposer, TrainableSolver, empty_answer, mark_missing
 from selfevo.algos import frontier_reward
 from selfevo.evaluate import answers_match, check_answers
@@ -57,15 +57,6 @@ def check_proposals(proposer: str, proposals: Sequence) -> None:
                              f"page read) must hold its source_id {p.source_id!r}")
 
 
-def json_problem(value: object) -> str | None:
-    """Why `value` cannot be written as strict JSON (a set, a NaN, a Path), or None."""
-    try:
-        json.dumps(value, allow_nan=False)
-    except (TypeError, ValueError) as e:
-        return str(e)
-    return None
-
-
 def check_stats(who: str, stats: object) -> dict:
     """What an `update` returns, written into the step record: a dict of JSON values."""
     if not isinstance(stats, dict):
@@ -75,9 +66,14 @@ def check_stats(who: str, stats: object) -> dict:
     return stats
 
 
-def check_decisions(rule: str, proposals: Sequence[Proposal], decisions: Sequence) -> None:
+def check_decisions(admission: Admission, proposals: Sequence[Proposal], decisions: Sequence) -> None:
     """An admission rule's answer to `decide`: one `Decision` a proposal, in order, and no admitted one
-    with an empty label (it would train the solver on ''). A rule of a user's that breaks this is named."""
+    with an empty label (it would train the solver on ''); and its cost, an integer count of generations a
+    candidate. A rule of a user's that breaks this is named."""
+    rule, extra = admission.name, admission.generations_per_candidate
+    if isinstance(extra, bool) or not isinstance(extra, int) or extra < 0:
+        raise ValueError(f"admission rule {rule!r}: generations_per_candidate is the number of extra generations "
+                         f"a candidate costs (an integer >= 0), got {extra!r}")
     if len(decisions) != len(proposals):
         raise ValueError(f"admission rule {rule!r}: {len(decisions)} decisions for {len(proposals)} proposals; "
                          "decide returns one Decision a proposal, in their order")
@@ -217,16 +213,12 @@ class Loop:
         # a malformed proposal (LM proposers) is neither admitted nor graded
         wellformed = [p for p in proposals if p.format_error is None]
         made = list(self.admission.decide(wellformed, self.tool, derive_seed(self.seed, st.round, st.step, "admit")))
-        check_decisions(self.admission.name, wellformed, made)
+        check_decisions(self.admission, wellformed, made)
         decided = iter(made)
         decisions = [next(decided) if p.format_error is None else
                      Decision(False, p.draft_label) for p in proposals]
-        extra = self.admission.generations_per_candidate
-        if isinstance(extra, bool) or not isinstance(extra, int) or extra < 0:
-            raise ValueError(f"admission rule {self.admission.name!r}: generations_per_candidate is the number of "
-                             f"extra generations a candidate costs (an integer >= 0), got {extra!r}")
         self.compute.add("generations", getattr(self.admission, "purpose", self.admission.name),
-                         extra * len(wellformed))
+                         self.admission.generations_per_candidate * len(wellformed))
         cap_admissions(decisions, room)
         t = self._timed("admit", t)
         cands = []

@@ -157,11 +157,13 @@ def _building(index_dir: str | os.PathLike, cache: bool = False) -> Iterator[Non
         except BaseException:
             clear()  # a build that failed (a full disk) leaves no copy of the corpus staged beside the index
             raise
-        for old in before:
-            _drop_old_kind(Path(index_dir), old)
+        if before and (new := _kind_or_none(index_dir)) is not None:
+            for old in before - {new}:
+                _drop_old_kind(Path(index_dir), old, new)
 
 
 def _kind_or_none(index_dir: str | os.PathLike) -> str | None:
+    """The kind its manifest names; None without a readable one."""
     if not (Path(index_dir) / MANIFEST).is_file():
         return None
     try:
@@ -184,17 +186,14 @@ def _kinds_there(out: Path) -> set[str]:
     return {kind for kind, there in found.items() if there}
 
 
-def _drop_old_kind(out: Path, old: str) -> None:
-    """Once an index of another kind is saved over an index of kind `old`, remove the files of the old one
+def _drop_old_kind(out: Path, old: str, new: str) -> None:
+    """Once an index of kind `new` is saved over an index of kind `old`, remove the files of the old one
     that the new one does not use (a dense index's vectors beside a new BM25 index: gigabytes no manifest
     names). A flat index (bm25, dense) keeps its files at the top, a hybrid one its halves in bm25/ and
     dense/ (the same files a level down); the BM25 arrays are bm25s's `*.index.*`."""
     from selfevo.search.dense import VECTORS_FILE
     from selfevo.search.docstore import DOCS_FILE, OFFSETS_FILE
 
-    new = _kind_or_none(out)
-    if new is None or new == old:
-        return
     docs = [out / DOCS_FILE, out / OFFSETS_FILE] if new == "hybrid" else []  # a flat index's documents
     left = {"bm25": [*out.glob("*.index.*"), *docs], "dense": [out / VECTORS_FILE, *docs],
             "hybrid": [out / "bm25", out / "dense"]}[old]
@@ -260,11 +259,8 @@ def index_from_corpus_file(kind: str, corpus: str | os.PathLike,
 
 def _index_from_corpus_file(kind: str, corpus: str | os.PathLike, index_dir: str | os.PathLike | None,
                             options: DenseOptions, progress: bool) -> Retriever:
-    if index_dir is not None and (Path(index_dir) / MANIFEST).exists():
-        try:
-            found = index_kind(index_dir)
-        except (ValueError, OSError):
-            found = None  # unreadable: a damaged cache of any kind is rebuilt, as before
+    if index_dir is not None:
+        found = _kind_or_none(index_dir)  # unreadable: a damaged cache of any kind is rebuilt, as before
         if found is not None and found != kind:
             # a cache of another kind would be overwritten by the rebuild (a dense one: hours of encoding)
             raise ValueError(f"{index_dir}: holds a {found} index, not a {kind} one; give another cache "
