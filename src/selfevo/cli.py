@@ -601,10 +601,14 @@ def evolve_cmd(
                                                 help="a checkpoint within each round every N steps, which --resume "
                                                      "goes on from (0: at round ends only; default: every step with "
                                                      "the lm backend, else 0)"),
+    learners: str | None = typer.Option(None, help="the proposer and solvers of an installed package of yours, "
+                                                   "by the name it gives them under the selfevo.learners entry "
+                                                   "points, in place of the backend's (docs/extending.md; "
+                                                   "--resume: the run's own, by default)"),
 ) -> None:
     """Run the self-evolution loop into a run directory, then audit it."""
     from selfevo.config import NEEDS_QA_DIR, ConfigError, config_from_dict, load_config
-    from selfevo.evolve import evolve
+    from selfevo.evolve import evolve, learners_of_run, load_learners
     from selfevo.runs import ConfigDiffers, RunDir, RunError
     from selfevo.world import WorldError
 
@@ -641,8 +645,18 @@ def evolve_cmd(
                                      "names another)"))
         if model is not None and cfg.backend != "lm":  # the sim learners would ignore it
             _fail(f"--model {model}: a language model needs the lm backend (add --backend lm)")
+        agents = None
+        if learners is not None:
+            try:
+                agents = load_learners(learners)
+            except ValueError as e:  # not installed, or its import failed (named, with the error)
+                _fail(f"--learners: {e}")
+        elif resume and RunDir(out).exists() and (own := learners_of_run(RunDir(out))) is not None:
+            # the run's own learners, as its own config is: a resume that forgot --learners would be refused
+            console.print(escape(f"resuming with the run's own learners ({own[0]})"))
+            agents = own[1]
         with _on_stop(how_to_go_on), _warnings_as_lines():
-            run = evolve(cfg, out, resume=resume, audit=audit, step_checkpoints=step_checkpoints)
+            run = evolve(cfg, out, resume=resume, audit=audit, step_checkpoints=step_checkpoints, agents=agents)
     except ConfigError as e:
         if str(e) == NEEDS_QA_DIR and qa_dir is None and beside is not None:  # say it in the command's words
             _fail(f"--qa-dir: not given, and no qa/ directory beside the corpus's directory ({beside}): "
@@ -747,7 +761,9 @@ def audit_cmd(
     ctx: typer.Context,
     run_dir: Path | None = typer.Argument(None, help="a run directory (or give --records)"),
     judge: str = typer.Option("oracle", help="oracle (a world run's exact truth) | llm (an OpenAI-compatible "
-                                             "chat endpoint) | gold (the records' gold_answers)"),
+                                             "chat endpoint) | gold (the records' gold_answers) | NAME[:ARG] (a "
+                                             "judge an installed package of yours names under the selfevo.judges "
+                                             "entry points; docs/extending.md)"),
     records: Path | None = typer.Option(None, "--records", help="step records of another system, JSONL "
                                         "(round, step, source_id, source, question, label, responses, gold_answers)"),
     out: Path | None = typer.Option(None, help="output directory (default: RUN_DIR/audit for the oracle, "
@@ -790,8 +806,14 @@ def audit_cmd(
 
     if (run_dir is None) == (records is None):
         _fail("give a run directory or --records FILE (one of them)")
-    if judge not in ("oracle", "llm", "gold"):
-        _fail(f"--judge: unknown judge {judge!r} (known: oracle, llm, gold)")
+    from selfevo.audit.judges import installed_judges, load_judge
+
+    mine = judge.partition(":")[0] if judge not in ("oracle", "llm", "gold") else None  # a user's judge
+    if mine is not None and mine not in installed_judges():
+        _fail(f"--judge: unknown judge {judge!r} (known: oracle, llm, gold"
+              + "".join(f", {j}[:ARG]" for j in installed_judges()) + ")")
+    if mine is not None and out is None and not re.fullmatch(r"[A-Za-z0-9][\w-]*", mine):
+        _fail(f"--judge {judge}: its audit goes to RUN_DIR/audit/{mine}, not a directory name; give --out")
     if compare is not None and compare == judge:
         _fail(f"--compare {compare}: the judge is {judge} itself (every difference would be 0); compare an LLM "
               f"judge with it: --judge llm --compare {compare}")
@@ -803,7 +825,7 @@ def audit_cmd(
                  and ctx.get_parameter_source(p.name).name not in ("DEFAULT", "DEFAULT_MAP")]
         if given:
             _fail(f"{given[0]}: a setting of the LLM judge, which --judge {judge} does not use (add --judge llm)")
-        if injection_test:
+        if injection_test and mine is None:
             # the oracle and gold answers never read the documents: "0 flipped" would say nothing
             _fail(f"--injection-test: only an LLM judge reads the documents the test plants instructions in; "
                   f"--judge {judge} cannot be swayed by them (use it with --judge llm)")
@@ -882,7 +904,7 @@ def audit_cmd(
 
         documents = contents_by_id(env.documents)  # read on demand: a corpus stays on disk
         truth = oracle if compare == "oracle" else None
-        out_dir = out or run.path / "audit" / ("llm" if judge == "llm" else "")
+        out_dir = out or run.path / "audit" / ("llm" if judge == "llm" else mine or "")
     if out is not None:
         _out_not_in_another_run(out, run_dir)
     steps = limit_items(steps, max_items_per_step)
@@ -905,9 +927,16 @@ def audit_cmd(
                                  progress=progress)  # in a log: a line at most every 30 s (`_bar`)
         except JudgeError as e:  # e.g. --judge-cache names a file that is not a cache
             _fail(str(e))
+    elif mine is not None:
+        try:
+            the_judge = load_judge(judge, documents=documents)
+        except ValueError as e:  # its import failed, its argument is refused, it built no judge
+            _fail(f"--judge: {e}")
     else:
         the_judge = oracle if judge == "oracle" else gold
     info = {"source": str(records or run_dir), "max_items_per_step": max_items_per_step}
+    if mine is not None:
+        info["judge_spec"] = judge
     if partial:
         info["rounds_audited"] = partial
     stopped = "run the same command again"
@@ -919,8 +948,12 @@ def audit_cmd(
                                figures=figures, documents=documents, injection_items=injection_test, info=info)
     except JudgeError as e:
         _fail(str(e))
+    except ValueError as e:
+        if mine is None:
+            raise
+        _fail(str(e))  # a user's judge that answers amiss, named with the item (`audit.checked_verdicts`)
     finally:
-        if judge == "llm":
+        if callable(getattr(the_judge, "close", None)):  # an LLM judge's connections; a user's judge may hold some
             the_judge.close()
 
     _print_audit_rounds(res["metrics"])

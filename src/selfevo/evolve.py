@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from selfevo._io import cache_root, file_sha256, write_json
+from selfevo._plugins import load, name_of, qualified_name
 from selfevo.agents.sim import Reader, SimProposer, SimSolver
 from selfevo.audit import OracleJudge, audit_run
 from selfevo.config import ConfigError, RunConfig, WorldSpec, config_from_dict
@@ -200,9 +201,35 @@ def _corpus_index(corpus: str, index_dir: str):
 Agents = Callable[[RunConfig, list], tuple[Any, Callable[[str], Any]]]
 
 
+# where an installed package of a user's names its learners (its pyproject.toml:
+# [project.entry-points."selfevo.learners"] NAME = "module:function"), for `selfevo evolve --learners NAME`
+LEARNERS = "selfevo.learners"
+
+
 def agents_name(agents: Agents | None) -> str | None:
     """How a run records the user's learners it was made with (None: selfevo's own, `cfg.backend`)."""
-    return None if agents is None else f"{agents.__module__}.{getattr(agents, '__qualname__', type(agents).__name__)}"
+    return None if agents is None else qualified_name(agents)
+
+
+def load_learners(name: str) -> Agents:
+    """The learners an installed package names `name` under the `selfevo.learners` entry points."""
+    agents = load(LEARNERS, name, "learners")
+    if not callable(agents):
+        raise ValueError(f"learners '{name}': {agents_name(agents)} is a {type(agents).__name__}, not a function "
+                         "(cfg, sources) -> (proposer, make_solver)")
+    return agents
+
+
+def learners_of_run(run: RunDir) -> tuple[str, Agents] | None:
+    """The installed learners a run was made with (their entry-point name and themselves), None for a run of
+    selfevo's own; a RunError when no installed package names them any more."""
+    made_with = run.manifest().get("agents")
+    if made_with is None:
+        return None
+    if (name := name_of(LEARNERS, made_with)) is None:
+        raise RunError(f"{run.path}: made with the learners {made_with!r}, which no installed package names under "
+                       f"the {LEARNERS} entry points: install it again to resume the run")
+    return name, load_learners(name)
 
 
 def build_loop(cfg: RunConfig, env: Environment, tool: SearchTool, folds: FoldAssignment, evaluate=None,

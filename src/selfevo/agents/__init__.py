@@ -11,6 +11,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from selfevo._plugins import installed, load
 from selfevo.agents.base import Solver, Trajectory
 
 AgentFactory = Callable[..., Solver]  # factory(arg: str, **context) -> Solver
@@ -90,7 +91,7 @@ def register_agent(prefix: str, factory: AgentFactory) -> None:
 
 
 def known_agents() -> list[str]:
-    return sorted({*_REGISTRY, *_plugins()})
+    return sorted({*_REGISTRY, *installed(ENTRY_POINTS)})
 
 
 # where an installed package of a user's names its agent factories (its pyproject.toml:
@@ -99,24 +100,14 @@ def known_agents() -> list[str]:
 ENTRY_POINTS = "selfevo.agents"
 
 
-def _plugins() -> dict[str, Any]:
-    from importlib.metadata import entry_points
-
-    return {ep.name: ep for ep in entry_points(group=ENTRY_POINTS)}
-
-
 def load_agent(spec: str, **context: Any) -> Solver:
     """Build the solver a spec names: a built-in one, one `register_agent` registered, or one an installed
     package names under the `selfevo.agents` entry points. `context` carries what a backend may need (corpus
     path, retriever_url, lm_options, workers); each factory takes what it uses and ignores the rest."""
     prefix, _, arg = spec.strip().partition(":")
     factory = _REGISTRY.get(prefix)
-    if factory is None and (plugin := _plugins().get(prefix)) is not None:
-        try:
-            factory = plugin.load()
-        except Exception as e:  # the package's own import error: named, with where it came from
-            raise ValueError(f"agent '{prefix}': loading {plugin.value} (entry point {ENTRY_POINTS}) failed: "
-                             f"{type(e).__name__}: {e}") from e
+    if factory is None and prefix in installed(ENTRY_POINTS):
+        factory = load(ENTRY_POINTS, prefix, "agent")
         register_agent(prefix, factory)
     if factory is None:
         forms = (SPEC_FORMS.get(p, f"{p}[:ARG]") for p in known_agents())

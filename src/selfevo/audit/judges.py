@@ -65,3 +65,28 @@ class OracleJudge:
             out.append(Verdict(True, correct(it["adopted_label"]),
                                tuple(correct(r) for r in it["responses"]), tuple(ref)))
         return out
+
+
+# where an installed package of a user's names its judge factories (its pyproject.toml:
+# [project.entry-points."selfevo.judges"] NAME = "module:make"), for `selfevo audit --judge NAME[:ARG]`;
+# a factory `make(arg: str, *, documents) -> Judge`, `documents` the audited run's {id: text} (None for --records)
+JUDGES = "selfevo.judges"
+
+
+def installed_judges() -> list[str]:
+    from selfevo._plugins import installed
+
+    return sorted(installed(JUDGES))
+
+
+def load_judge(spec: str, documents=None) -> Judge:
+    """The judge `NAME[:ARG]` names: built by the factory an installed package names NAME under the
+    `selfevo.judges` entry points."""
+    from selfevo._plugins import load
+
+    name, _, arg = spec.partition(":")
+    judge = load(JUDGES, name, "judge")(arg, documents=documents)
+    if not isinstance(getattr(judge, "name", None), str) or not callable(getattr(judge, "judge", None)):
+        raise ValueError(f"judge '{name}': its factory returned {type(judge).__name__}, not a judge (an object "
+                         "with a name and judge(items) -> list of Verdict)")
+    return judge

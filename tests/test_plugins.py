@@ -1,0 +1,161 @@
+"""Pieces of a user's that an installed package names under selfevo's entry points, found by the commands:
+learners (`selfevo evolve --learners`) and judges (`selfevo audit --judge`). Agents (`selfevo eval --agent`):
+tests/test_evaluate.py. Each package here is installed as pip would: a module and a dist-info directory with
+its entry_points.txt, on sys.path."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+
+import pytest
+from typer.testing import CliRunner
+
+from selfevo._plugins import name_of
+from selfevo.cli import app
+
+TINY = ["--world", "small", "--set", "loop.rounds=2", "--set", "loop.proposer_steps=2", "--set",
+        "loop.solver_steps=2", "--set", "loop.admit_per_round=40", "--set", "data.eval_limit=2", "--seed", "1"]
+
+LEARNERS = '''
+from selfevo.agents.sim.proposer import SimProposer
+from selfevo.agents.sim.reader import Reader
+from selfevo.agents.sim.solver import SimSolver
+
+
+def make(cfg, sources):
+    """selfevo's sim learners, built as a user's package would build its own."""
+    solver_reader = Reader("solver", cfg.solver.misread_scale, 0.1, cfg.seed)
+    proposer_reader = Reader("proposer", cfg.proposer.misread_scale, 0.1, cfg.seed)
+    return SimProposer("proposer", cfg.proposer, proposer_reader, sources), \\
+        lambda name: SimSolver(name, cfg.solver, solver_reader)
+'''
+
+JUDGES = '''
+from selfevo.audit.judges import Verdict
+
+
+class Says:
+    """Calls every label and response right (`yes`) or wrong (`no`): a judge whose errors are known."""
+
+    def __init__(self, arg, documents):
+        if arg not in ("yes", "no", "dicts"):
+            raise ValueError(f"says: yes, no or dicts, got {arg!r}")
+        self.name, self.arg, self.documents = f"says-{arg}", arg, documents
+
+    def judge(self, items):
+        if self.arg == "dicts":
+            return [{"resolved": True} for _ in items]
+        right = self.arg == "yes"
+        return [Verdict(True, right, tuple(right for _ in it["responses"])) for it in items]
+
+
+def make(arg, *, documents):
+    return Says(arg, documents)
+'''
+
+
+def _install(site, dist, module, source, group, entries):
+    """A package as pip installs it: `module`.py and dist-info naming `entries` under `group`."""
+    info = site / f"{dist}-0.1.dist-info"
+    info.mkdir(parents=True)
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {dist}\nVersion: 0.1\n")
+    (info / "entry_points.txt").write_text(f"[{group}]\n" + "".join(f"{k} = {v}\n" for k, v in entries.items()))
+    (site / f"{module}.py").write_text(source)
+    return info
+
+
+def _cli(*args):
+    res = CliRunner().invoke(app, [str(a) for a in args])
+    return res.exit_code, res.output
+
+
+def test_the_command_runs_an_installed_packages_learners_and_resumes_with_them(tmp_path, monkeypatch):
+    """`evolve(agents=...)` ran a user's learners from Python only: the command `selfevo evolve` had no way
+    to load them. `--learners NAME` loads what a package names under `selfevo.learners`; a resume with no
+    option goes on with the run's own learners, found again by what the manifest recorded."""
+    site = tmp_path / "site"
+    info = _install(site, "mylearners", "mylearners_mod", LEARNERS, "selfevo.learners",
+                    {"mine": "mylearners_mod:make", "broken": "mylearners_missing:make"})
+    monkeypatch.syspath_prepend(str(site))
+    run = tmp_path / "run"
+    code, out = _cli("evolve", "--out", run, "--learners", "mine", "--treatment", "crossfit", *TINY)
+    assert code == 0, out
+    manifest = json.loads((run / "manifest.json").read_text())
+    assert manifest["agents"] == "mylearners_mod.make" and manifest["status"] == "complete"
+    assert json.loads((run / "audit" / "metrics.json").read_text())["rounds"][1]["F"] is not None
+    assert name_of("selfevo.learners", "mylearners_mod.make") == "mine"
+
+    code, out = _cli("evolve", "--out", run, "--resume")  # a finished run: audited again, as itself
+    assert code == 0, out
+    assert "resuming with the run's own learners (mine)" in out
+
+    ours = tmp_path / "ours"
+    assert _cli("evolve", "--out", ours, *TINY)[0] == 0
+    code, out = _cli("evolve", "--out", ours, "--resume", "--learners", "mine")
+    assert code != 0 and "made with the learners 'sim', resumed with 'mylearners_mod.make'" in out
+
+    code, out = _cli("evolve", "--out", tmp_path / "x", "--learners", "nope", *TINY)
+    assert code != 0 and "--learners: learners 'nope': no installed package names it under the selfevo.learners" \
+        in " ".join(out.split()) and not (tmp_path / "x").exists()
+    code, out = _cli("evolve", "--out", tmp_path / "y", "--learners", "broken", *TINY)
+    assert code != 0 and "loading mylearners_missing:make (entry point selfevo.learners) failed: " \
+                         "ModuleNotFoundError" in " ".join(out.split())
+
+    shutil.rmtree(info)  # the package uninstalled: the run cannot go on with learners nobody names
+    code, out = _cli("evolve", "--out", run, "--resume")
+    assert code != 0 and "which no installed package names under the selfevo.learners entry points" in out
+
+
+@pytest.fixture(scope="module")
+def world_run(tmp_path_factory):
+    run = tmp_path_factory.mktemp("judged") / "run"
+    code, out = _cli("evolve", "--out", run, *TINY)
+    assert code == 0, out
+    return run
+
+
+def test_the_command_audits_with_an_installed_packages_judge_and_compares_it_with_truth(world_run, tmp_path,
+                                                                                         monkeypatch):
+    """`selfevo audit` knew the oracle, an LLM judge and gold answers: a user's judge was audited from Python
+    only (`audit_run`). `--judge NAME[:ARG]` builds it through the factory its package names under
+    `selfevo.judges`, into RUN/audit/NAME, and `--compare oracle` validates it against exact truth."""
+    site = tmp_path / "site"
+    _install(site, "myjudges", "myjudges_mod", JUDGES, "selfevo.judges", {"says": "myjudges_mod:make"})
+    monkeypatch.syspath_prepend(str(site))
+    oracle = json.loads((world_run / "audit" / "metrics.json").read_text())
+
+    code, out = _cli("audit", world_run, "--judge", "says:yes", "--compare", "oracle", "--no-figures",
+                     "--no-progress")
+    assert code == 0, out
+    audit = world_run / "audit" / "says"
+    metrics = json.loads((audit / "metrics.json").read_text())
+    # every label and response called right: by this judge no agreement is false, and its error is measured
+    assert metrics["judge"] == "says-yes"
+    assert all(r["T_P"] == 1.0 and r["T_S"] == 1.0 and r["F"] == 0.0 for r in metrics["rounds"])
+    assert json.loads((audit / "judge.json").read_text())["judge_spec"] == "says:yes"
+    cmp = json.loads((audit / "comparison.json").read_text())
+    truth_tp = oracle["rounds"][1]["T_P"]
+    assert cmp["rounds"][1]["diff"]["T_P"]["diff"] == pytest.approx(1.0 - truth_tp) and truth_tp < 1.0
+    assert json.loads((world_run / "audit" / "metrics.json").read_text()) == oracle  # the run's own audit stands
+
+    code, out = _cli("audit", world_run, "--judge", "says:maybe", "--out", tmp_path / "a")
+    assert code != 0 and "--judge: says: yes, no or dicts, got 'maybe'" in out
+    code, out = _cli("audit", world_run, "--judge", "says:dicts", "--out", tmp_path / "b")
+    assert code != 0 and "says-dicts" in out and not (tmp_path / "b" / "metrics.json").exists()
+    code, out = _cli("audit", world_run, "--judge", "nobody", "--out", tmp_path / "c")
+    assert code != 0 and "unknown judge 'nobody' (known: oracle, llm, gold, says[:ARG])" in out
+    code, out = _cli("audit", world_run, "--judge", "says:yes", "--judge-url", "http://127.0.0.1:1/v1")
+    assert code != 0 and "--judge-url: a setting of the LLM judge" in out
+
+    records = tmp_path / "records.jsonl"  # another system's steps: the judge reads them with no documents
+    records.write_text(json.dumps({"round": 1, "step": 0, "source_id": "d", "source": "It is in Kelda.",
+                                   "question": "Where?", "label": "Kelda", "responses": ["Kelda", "Oslo"],
+                                   "gold_answers": ["Kelda"]}) + "\n")
+    code, out = _cli("audit", "--records", records, "--judge", "says:no", "--compare", "gold", "--out",
+                     tmp_path / "rec", "--no-figures", "--no-progress")
+    assert code == 0, out
+    cmp = json.loads((tmp_path / "rec" / "comparison.json").read_text())["all"]["diff"]
+    assert cmp["T_P"]["diff"] == -1.0 and cmp["T_S"]["diff"] == -0.5  # gold: the label and one response right
+    sys.modules.pop("myjudges_mod", None)
