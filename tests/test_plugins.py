@@ -8,12 +8,14 @@ from __future__ import annotations
 import json
 import shutil
 import sys
+from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
 
 from selfevo._plugins import name_of
 from selfevo.cli import app
+from selfevo.runs import RunDir
 
 TINY = ["--world", "small", "--set", "loop.rounds=2", "--set", "loop.proposer_steps=2", "--set",
         "loop.solver_steps=2", "--set", "loop.admit_per_round=40", "--set", "data.eval_limit=2", "--seed", "1"]
@@ -30,6 +32,9 @@ def make(cfg, sources):
     proposer_reader = Reader("proposer", cfg.proposer.misread_scale, 0.1, cfg.seed)
     return SimProposer("proposer", cfg.proposer, proposer_reader, sources), \\
         lambda name: SimSolver(name, cfg.solver, solver_reader)
+
+
+NUMBER = 3
 '''
 
 JUDGES = '''
@@ -77,7 +82,8 @@ def test_the_command_runs_an_installed_packages_learners_and_resumes_with_them(t
     option goes on with the run's own learners, found again by what the manifest recorded."""
     site = tmp_path / "site"
     info = _install(site, "mylearners", "mylearners_mod", LEARNERS, "selfevo.learners",
-                    {"mine": "mylearners_mod:make", "broken": "mylearners_missing:make"})
+                    {"mine": "mylearners_mod:make", "broken": "mylearners_missing:make",
+                     "number": "mylearners_mod:NUMBER"})
     monkeypatch.syspath_prepend(str(site))
     run = tmp_path / "run"
     code, out = _cli("evolve", "--out", run, "--learners", "mine", "--treatment", "crossfit", *TINY)
@@ -102,6 +108,8 @@ def test_the_command_runs_an_installed_packages_learners_and_resumes_with_them(t
     code, out = _cli("evolve", "--out", tmp_path / "y", "--learners", "broken", *TINY)
     assert code != 0 and "loading mylearners_missing:make (entry point selfevo.learners) failed: " \
                          "ModuleNotFoundError" in " ".join(out.split())
+    code, out = _cli("evolve", "--out", tmp_path / "z", "--learners", "number", *TINY)
+    assert code != 0 and "learners 'number': an object of type int, not a function" in " ".join(out.split())
 
     shutil.rmtree(info)  # the package uninstalled: the run cannot go on with learners nobody names
     code, out = _cli("evolve", "--out", run, "--resume")
@@ -159,3 +167,62 @@ def test_the_command_audits_with_an_installed_packages_judge_and_compares_it_wit
     cmp = json.loads((tmp_path / "rec" / "comparison.json").read_text())["all"]["diff"]
     assert cmp["T_P"]["diff"] == -1.0 and cmp["T_S"]["diff"] == -0.5  # gold: the label and one response right
     sys.modules.pop("myjudges_mod", None)
+
+
+def _treatment_example() -> str:
+    """docs/extending.md's example treatment, as its package's module: the page's code is what runs here."""
+    page = (Path(__file__).resolve().parents[1] / "docs" / "extending.md").read_text()
+    section = page[page.index("## A treatment of your own"):]
+    return section.split("```python\n", 1)[1].split("```", 1)[0] + "\nNOT_A_FUNCTION = 3\n" \
+        "def other(cfg, sources, folds, make_solver):\n    return grounded(cfg, sources, folds, make_solver)\n"
+
+
+def test_a_treatment_of_an_installed_package_runs_resumes_and_is_reported_beside_selfevos(tmp_path, monkeypatch):
+    """A user's admission or feedback rule ran only in a `Loop` assembled by hand: no resume, no audit, no
+    evaluation, a config.json to fill by hand, no report beside coupled. A name an installed package gives
+    under `selfevo.treatments` is now a treatment: `--treatment NAME` runs its rules in `selfevo evolve`
+    with everything else of a run, and `report` sets it beside coupled with its gain."""
+    site = tmp_path / "site"
+    info = _install(site, "mytreatments", "mytreatments_mod", _treatment_example(), "selfevo.treatments",
+                    {"grounded": "mytreatments_mod:grounded", "three": "mytreatments_mod:NOT_A_FUNCTION"})
+    monkeypatch.syspath_prepend(str(site))
+    runs = tmp_path / "runs"
+    for treatment in ("coupled", "grounded"):
+        code, out = _cli("evolve", "--out", runs / treatment, "--treatment", treatment, *TINY)
+        assert code == 0, out
+    run = runs / "grounded"
+    assert json.loads((run / "config.json").read_text())["treatment"] == "grounded"
+    assert json.loads((run / "manifest.json").read_text())["rules"] == "mytreatments_mod.grounded"
+    items = [it for st in RunDir(run).steps() if st["kind"] == "proposer" for it in st["items"]]
+    stated = [it["admitted"] for it in items if "stated_on_source" in json.dumps(it)]
+    assert items and len(stated) == len(items) and 0 < sum(stated) < len(stated)  # the rule decided, both ways
+    assert _cli("evolve", "--out", run, "--resume")[0] == 0  # a finished run: audited again, by the same rules
+
+    code, out = _cli("report", runs)
+    assert code == 0, out
+    results = json.loads((runs / "results.json").read_text())
+    assert results["treatments"] == ["coupled", "grounded"]
+    assert "gain_vs_coupled" in results["downstream"]["grounded"]
+
+    from selfevo.demo import _check_field  # a demo's plan may list treatments of a user's, each its own
+    assert _check_field("treatments", ["coupled", "grounded", "three"]) == ("coupled", "grounded", "three")
+    code, out = _cli("evolve", "--out", tmp_path / "x", "--treatment", "three", *TINY)
+    assert code != 0 and "not a function (cfg, sources, folds, make_solver)" in " ".join(out.split())
+    code, out = _cli("evolve", "--out", tmp_path / "y", "--treatment", "nope", *TINY)
+    assert code != 0 and "grounded, three; a treatment of yours: a name an installed package gives under the " \
+                         "selfevo.treatments entry points" in " ".join(out.split())
+
+    from selfevo.config import ConfigError
+    from selfevo.integrations.engine import load_engine_config
+    trl = Path(__file__).resolve().parents[1] / "configs" / "trl-tiny.toml"
+    with pytest.raises(ConfigError, match="engine-run runs selfevo's own"):
+        load_engine_config(trl, ["treatment=grounded"])
+
+    (info / "entry_points.txt").write_text("[selfevo.treatments]\ngrounded = mytreatments_mod:other\n")
+    code, out = _cli("evolve", "--out", run, "--resume")  # the name now points at other code
+    assert code != 0 and "treatment 'grounded' was made by mytreatments_mod.grounded, and is now made by " \
+                         "mytreatments_mod.other" in " ".join(out.split())
+
+    shutil.rmtree(info)  # uninstalled: its runs' config names a treatment nobody makes
+    code, out = _cli("evolve", "--out", run, "--resume")
+    assert code != 0 and "treatment: unknown 'grounded'" in out

@@ -579,7 +579,9 @@ def evolve_cmd(
     treatment: str | None = typer.Option(None, help="coupled | msv | crossfit | msv+crossfit | "
                                            "same-source | full-data | question-split | half-budget | "
                                            "crossfit-k<K> | crossfit-connected[-k<K>], msv+ before any but msv, "
-                                           "msv+crossfit (default: the config's, else coupled)"),
+                                           "msv+crossfit | NAME (a treatment an installed package of yours "
+                                           "names under the selfevo.treatments entry points) (default: the "
+                                           "config's, else coupled)"),
     seed: int | None = typer.Option(None, help="run seed (default: the config's, else 0)"),
     rounds: int | None = typer.Option(None, help="rounds of the loop (default: the config's, else 3)"),
     config: Path | None = typer.Option(None, help="TOML config (see configs/)"),

@@ -70,7 +70,8 @@ def _check_field(name: str, value):
         seen: dict = {}
         for i, t in enumerate(value):
             try:
-                what = dataclasses.replace(parse_treatment(t), name="")
+                what = parse_treatment(t)
+                what = what if what.feedback == "user" else dataclasses.replace(what, name="")  # users': by name
             except ValueError as e:  # parse_treatment names `treatment`, which the demo sets itself
                 raise ConfigError(str(e).replace("treatment:", f"demo.treatments[{i}]:", 1)) from None
             if what in seen:  # "msv" and "msv+coupled", "crossfit" and "crossfit-k2": one treatment

@@ -32,7 +32,7 @@ from selfevo.loop.engine import BadStepState, Loop
 from selfevo.loop.feedback import AuxFeedback, CoupledFeedback
 from selfevo.loop.folds import FoldAssignment, assign_folds, fold_of
 from selfevo.loop.schedule import derive_seed
-from selfevo.loop.treatments import feedback_options, parse_treatment
+from selfevo.loop.treatments import USER_TREATMENTS, feedback_options, parse_treatment
 from selfevo.runs import RunDir, RunError
 from selfevo.search.bm25 import BM25Index
 from selfevo.search.docstore import contents_by_id, corpus_store, hashed
@@ -63,9 +63,34 @@ def world_and_index(cfg: RunConfig) -> tuple[World, BM25Index]:
     return _WORLDS[key]
 
 
+# a treatment of a user's (`loop.treatments.USER_TREATMENTS`): `rules(cfg, sources, folds, make_solver) ->
+# (admission, feedback)`, the arguments as `make_rules` gets them (docs/extending.md)
+Rules = Callable[[RunConfig, list, FoldAssignment, Callable[[str], Any]], tuple[Any, Any]]
+
+
+def user_rules(cfg: RunConfig) -> Rules | None:
+    """The function that makes a user's treatment's rules (None: a treatment of selfevo's)."""
+    if parse_treatment(cfg.treatment).feedback != "user":
+        return None
+    try:
+        rules = load(USER_TREATMENTS, cfg.treatment, "treatment")
+    except ValueError as e:  # its package's import failed
+        raise ConfigError(str(e)) from None
+    if not callable(rules):
+        raise ConfigError(f"treatment: {cfg.treatment!r} names an object of type {type(rules).__name__}, not a "
+                          "function (cfg, sources, folds, make_solver) -> (admission, feedback)")
+    return rules
+
+
 def make_rules(cfg: RunConfig, sources, folds: FoldAssignment, make_solver):
     """The treatment: an admission rule and a feedback rule for the one loop (`sources`: the
     proposer's source pool, the documents MSV shows its with-source samples)."""
+    if (rules := user_rules(cfg)) is not None:
+        made = rules(cfg, sources, folds, make_solver)
+        if not (isinstance(made, tuple) and len(made) == 2):
+            raise ValueError(f"treatment {cfg.treatment!r}: {qualified_name(rules)} returns (admission, feedback), "
+                             f"got {type(made).__name__}")
+        return made
     t = parse_treatment(cfg.treatment)
     admission = MSV({d.id: d for d in sources}, samples=cfg.loop.msv_samples) if t.msv else AdmitAll()
     options = feedback_options(t)  # the one treatment -> aux-solver options mapping
@@ -215,7 +240,7 @@ def load_learners(name: str) -> Agents:
     """The learners an installed package names `name` under the `selfevo.learners` entry points."""
     agents = load(LEARNERS, name, "learners")
     if not callable(agents):
-        raise ValueError(f"learners '{name}': {agents_name(agents)} is a {type(agents).__name__}, not a function "
+        raise ValueError(f"learners '{name}': an object of type {type(agents).__name__}, not a function "
                          "(cfg, sources) -> (proposer, make_solver)")
     return agents
 
@@ -413,6 +438,8 @@ def evolve(cfg: RunConfig, out: str | os.PathLike, resume: bool = False, progres
     # a new run directory is written: a failed start leaves nothing to block the corrected retry.
     env = environment(cfg)
     tool = SearchTool(env.index, topk=cfg.search.topk, max_calls=cfg.search.max_calls)
+    rules = user_rules(cfg)
+    rules_name = None if rules is None else qualified_name(rules)
     run = RunDir(out)
     with run.lock():  # one writer: a second (a rerun beside a live orphan) would interleave its records
         resuming = resume and run.exists()
@@ -421,6 +448,9 @@ def evolve(cfg: RunConfig, out: str | os.PathLike, resume: bool = False, progres
             if (made_with := run.manifest().get("agents")) != agents_name(agents):
                 raise RunError(f"{run.path}: made with the learners {made_with or cfg.backend!r}, resumed with "
                                f"{agents_name(agents) or cfg.backend!r}; a run goes on with the learners it began with")
+            if (made_by := run.manifest().get("rules")) != rules_name:  # its package's entry point moved
+                raise RunError(f"{run.path}: treatment {cfg.treatment!r} was made by {made_by}, and is now made by "
+                               f"{rules_name}; a run goes on with the rules it began with")
             done = run.open_for_resume(cfg.to_json(), defaults=RunConfig().to_json())
             check_world(run, cfg, evaluation=True, held=True)
             kept_folds = saved_folds(run, cfg)
@@ -465,6 +495,8 @@ def evolve(cfg: RunConfig, out: str | os.PathLike, resume: bool = False, progres
             run.create(cfg.to_json())
             if agents is not None:  # config.json's [solver]/[proposer]/[lm] are not what ran
                 run.note(agents=agents_name(agents))
+            if rules_name is not None:  # the code behind a user's treatment's name
+                run.note(rules=rules_name)
         # what the run is made on, noted right after its creation (else its world or corpus would never be
         # checked, and the report would not pool it with its peers)
         note_made_on(run, cfg, env.index, env.world)

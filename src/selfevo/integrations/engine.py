@@ -178,6 +178,9 @@ def engine_config_from_dict(data: Mapping, engine: str | None = None) -> EngineC
     run = config_from_dict(data)
     if run.backend != "lm":
         raise ConfigError('backend: engine-run trains language models; set backend = "lm"')
+    if parse_treatment(run.treatment).feedback == "user":  # its jobs route selfevo's own rules only
+        raise ConfigError(f"treatment: {run.treatment!r} is a treatment of an installed package's; engine-run runs "
+                          "selfevo's own (its rules run in `selfevo evolve`)")
     check_known(spec_data, list(EngineSpec.model_fields), "engine")  # pydantic's own error lists no field
     try:
         spec = EngineSpec(**spec_data)

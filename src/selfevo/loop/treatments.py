@@ -4,7 +4,8 @@
     half-budget | crossfit-k<K> | crossfit-connected[-k<K>]
 
 Any feedback name may be prefixed `msv+` (MSV decides admission and label; the feedback rule
-decides the grader).
+decides the grader). A name an installed package gives under the `selfevo.treatments` entry points is a
+treatment of a user's: its function makes both rules (`evolve.make_rules`, docs/extending.md).
 
 `feedback_options` is the one mapping from a treatment to how its auxiliary solvers train and
 grade; the loop (`evolve.make_rules` -> `loop.feedback.AuxFeedback`) and the engine integrations
@@ -17,6 +18,9 @@ import re
 from dataclasses import dataclass
 
 FEEDBACKS = ("coupled", "crossfit", "same-source", "full-data", "question-split", "half-budget")
+# where an installed package names a treatment of its own (its pyproject.toml:
+# [project.entry-points."selfevo.treatments"] NAME = "module:rules"), for `--treatment NAME`
+USER_TREATMENTS = "selfevo.treatments"
 # ASCII digits and fullmatch: `\d` took other scripts' digits ("crossfit-k٣") and `$` a trailing newline
 # ("crossfit\n"), each a run under a name no other run of the treatment shares
 _CROSSFIT = re.compile(r"crossfit(?:-(connected))?(?:-k([0-9]+))?")
@@ -26,7 +30,7 @@ _CROSSFIT = re.compile(r"crossfit(?:-(connected))?(?:-k([0-9]+))?")
 class Treatment:
     name: str
     msv: bool
-    feedback: str  # one of FEEDBACKS
+    feedback: str  # one of FEEDBACKS, or "user": a user's treatment, whose rules are its own
     k: int = 2
     grouping: str = "source"  # how sources are grouped into folds: source | connected
 
@@ -43,9 +47,10 @@ class FeedbackOptions:
 
 
 def feedback_options(treatment: Treatment) -> FeedbackOptions | None:
-    """The aux-solver options of a treatment; None for coupled (the main solver grades, no aux)."""
+    """The aux-solver options of a treatment; None for coupled (the main solver grades, no aux) and for a
+    user's treatment (no auxiliary solvers of selfevo's: its rules train what they train)."""
     f = treatment.feedback
-    if f == "coupled":
+    if f in ("coupled", "user"):
         return None
     if f == "crossfit":
         return FeedbackOptions(lineage_aware=treatment.grouping == "connected")
@@ -76,6 +81,13 @@ def parse_treatment(name: str) -> Treatment:
         if k < 2:
             raise ValueError(f"treatment: crossfit needs k >= 2, got {name!r}")
         return Treatment(name, msv, "crossfit", k, "connected" if m[1] else "source")
+    from selfevo._plugins import installed
+
+    mine = installed(USER_TREATMENTS)
+    if name in mine:  # its folds: K = 2, by source (folds.json), which its rules may read or not
+        return Treatment(name, False, "user")
     raise ValueError(f"treatment: unknown {name!r} (known: coupled, msv, "
                      f"{', '.join(FEEDBACKS[1:])}, crossfit-k<K>, crossfit-connected[-k<K>], "
-                     "and msv+<any of them but msv>)")
+                     "and msv+<any of them but msv>"
+                     + "".join(f", {n}" for n in sorted(mine)) + "; a treatment of yours: a name an installed "
+                     f"package gives under the {USER_TREATMENTS} entry points)")
