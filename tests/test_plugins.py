@@ -5,6 +5,7 @@ its entry_points.txt, on sys.path."""
 
 from __future__ import annotations
 
+import functools
 import json
 import shutil
 import sys
@@ -35,6 +36,10 @@ def make(cfg, sources):
 
 
 NUMBER = 3
+
+
+def proposer_only(cfg, sources):
+    return make(cfg, sources)[0]
 '''
 
 JUDGES = '''
@@ -58,6 +63,13 @@ class Says:
 
 def make(arg, *, documents):
     return Says(arg, documents)
+
+
+def make_without_documents(arg):
+    return Says(arg, None)
+
+
+TWO = 2
 '''
 
 
@@ -83,7 +95,7 @@ def test_the_command_runs_an_installed_packages_learners_and_resumes_with_them(t
     site = tmp_path / "site"
     info = _install(site, "mylearners", "mylearners_mod", LEARNERS, "selfevo.learners",
                     {"mine": "mylearners_mod:make", "broken": "mylearners_missing:make",
-                     "number": "mylearners_mod:NUMBER"})
+                     "number": "mylearners_mod:NUMBER", "half": "mylearners_mod:proposer_only"})
     monkeypatch.syspath_prepend(str(site))
     run = tmp_path / "run"
     code, out = _cli("evolve", "--out", run, "--learners", "mine", "--treatment", "crossfit", *TINY)
@@ -110,6 +122,13 @@ def test_the_command_runs_an_installed_packages_learners_and_resumes_with_them(t
                          "ModuleNotFoundError" in " ".join(out.split())
     code, out = _cli("evolve", "--out", tmp_path / "z", "--learners", "number", *TINY)
     assert code != 0 and "learners 'number': an object of type int, not a function" in " ".join(out.split())
+    code, out = _cli("evolve", "--out", tmp_path / "h", "--learners", "half", *TINY)
+    assert code != 0 and "learners mylearners_mod.proposer_only: return (proposer, make_solver)" \
+        in " ".join(out.split()) and "Traceback" not in out
+    # a run records its learners by module and name, and a resume finds them by it: a partial has neither
+    from selfevo.evolve import agents_name
+    with pytest.raises(ValueError, match="an object of type partial, not a function defined at a module's top"):
+        agents_name(functools.partial(sys.modules["mylearners_mod"].make))
 
     shutil.rmtree(info)  # the package uninstalled: the run cannot go on with learners nobody names
     code, out = _cli("evolve", "--out", run, "--resume")
@@ -130,7 +149,9 @@ def test_the_command_audits_with_an_installed_packages_judge_and_compares_it_wit
     only (`audit_run`). `--judge NAME[:ARG]` builds it through the factory its package names under
     `selfevo.judges`, into RUN/audit/NAME, and `--compare oracle` validates it against exact truth."""
     site = tmp_path / "site"
-    _install(site, "myjudges", "myjudges_mod", JUDGES, "selfevo.judges", {"says": "myjudges_mod:make"})
+    _install(site, "myjudges", "myjudges_mod", JUDGES, "selfevo.judges",
+             {"says": "myjudges_mod:make", "figures": "myjudges_mod:make", "oracle": "myjudges_mod:make",
+              "two": "myjudges_mod:TWO", "older": "myjudges_mod:make_without_documents"})
     monkeypatch.syspath_prepend(str(site))
     oracle = json.loads((world_run / "audit" / "metrics.json").read_text())
 
@@ -153,7 +174,14 @@ def test_the_command_audits_with_an_installed_packages_judge_and_compares_it_wit
     code, out = _cli("audit", world_run, "--judge", "says:dicts", "--out", tmp_path / "b")
     assert code != 0 and "says-dicts" in out and not (tmp_path / "b" / "metrics.json").exists()
     code, out = _cli("audit", world_run, "--judge", "nobody", "--out", tmp_path / "c")
-    assert code != 0 and "unknown judge 'nobody' (known: oracle, llm, gold, says[:ARG])" in out
+    assert code != 0 and "unknown judge 'nobody' (known: oracle, llm, gold, figures[:ARG], older[:ARG]" in out
+    for spec, message in (("two", "judge 'two': names an object of type int, not a factory"),
+                          ("older:yes", "its factory failed: TypeError: make_without_documents() got an unexpected"),
+                          ("figures:yes", "its audit would go to RUN_DIR/audit/figures, which cannot be its own"),
+                          ("oracle:yes", "unknown judge 'oracle:yes' (known: oracle, llm, gold, figures[:ARG], "
+                                         "older[:ARG], says[:ARG], two[:ARG])")):
+        code, out = _cli("audit", world_run, "--judge", spec)
+        assert code != 0 and message in " ".join(out.split()) and "Traceback" not in out, out
     code, out = _cli("audit", world_run, "--judge", "says:yes", "--judge-url", "http://127.0.0.1:1/v1")
     assert code != 0 and "--judge-url: a setting of the LLM judge" in out
 
@@ -174,7 +202,11 @@ def _treatment_example() -> str:
     page = (Path(__file__).resolve().parents[1] / "docs" / "extending.md").read_text()
     section = page[page.index("## A treatment of your own"):]
     return section.split("```python\n", 1)[1].split("```", 1)[0] + "\nNOT_A_FUNCTION = 3\n" \
-        "def other(cfg, sources, folds, make_solver):\n    return grounded(cfg, sources, folds, make_solver)\n"
+        "def other(cfg, sources, folds, make_solver):\n    return grounded(cfg, sources, folds, make_solver)\n" \
+        "def swapped(cfg, sources, folds, make_solver):\n" \
+        "    return grounded(cfg, sources, folds, make_solver)[::-1]\n" \
+        "class Costly(Grounded):\n    name = 'evaluation'\n" \
+        "def costly(cfg, sources, folds, make_solver):\n    return Costly(sources), CoupledFeedback(folds)\n"
 
 
 def test_a_treatment_of_an_installed_package_runs_resumes_and_is_reported_beside_selfevos(tmp_path, monkeypatch):
@@ -184,7 +216,9 @@ def test_a_treatment_of_an_installed_package_runs_resumes_and_is_reported_beside
     with everything else of a run, and `report` sets it beside coupled with its gain."""
     site = tmp_path / "site"
     info = _install(site, "mytreatments", "mytreatments_mod", _treatment_example(), "selfevo.treatments",
-                    {"grounded": "mytreatments_mod:grounded", "three": "mytreatments_mod:NOT_A_FUNCTION"})
+                    {"grounded": "mytreatments_mod:grounded", "three": "mytreatments_mod:NOT_A_FUNCTION",
+                     "swapped": "mytreatments_mod:swapped", "costly": "mytreatments_mod:costly",
+                     "coupled": "mytreatments_mod:other", "../up": "mytreatments_mod:other"})
     monkeypatch.syspath_prepend(str(site))
     runs = tmp_path / "runs"
     for treatment in ("coupled", "grounded"):
@@ -202,15 +236,27 @@ def test_a_treatment_of_an_installed_package_runs_resumes_and_is_reported_beside
     assert code == 0, out
     results = json.loads((runs / "results.json").read_text())
     assert results["treatments"] == ["coupled", "grounded"]
+    assert results["rules"] == {"grounded": "mytreatments_mod.grounded"}
     assert "gain_vs_coupled" in results["downstream"]["grounded"]
 
     from selfevo.demo import _check_field  # a demo's plan may list treatments of a user's, each its own
-    assert _check_field("treatments", ["coupled", "grounded", "three"]) == ("coupled", "grounded", "three")
+    assert _check_field("treatments", ["coupled", "grounded", "swapped"]) == ("coupled", "grounded", "swapped")
+    with pytest.raises(ValueError, match="'three' names an object of type int"):
+        _check_field("treatments", ["coupled", "three"])
+    with pytest.raises(ValueError, match="unknown '../up'"):  # no path component: a grid names a directory after it
+        _check_field("treatments", ["coupled", "../up"])
+    for name, message in (("swapped", "admission rule 'coupled' (CoupledFeedback): has no generations_per_candidate"),
+                          ("costly", "its purpose, else its name, 'evaluation': that must be a name other than")):
+        code, out = _cli("evolve", "--out", tmp_path / name, "--treatment", name, *TINY)
+        assert code != 0 and message in " ".join(out.split()) and "Traceback" not in out, out
+    code, out = _cli("evolve", "--out", runs / "coupled", "--resume", "--treatment", "grounded", *TINY)
+    assert code != 0 and "fields: treatment" in " ".join(out.split()), out  # the config differs: said so
     code, out = _cli("evolve", "--out", tmp_path / "x", "--treatment", "three", *TINY)
-    assert code != 0 and "not a function (cfg, sources, folds, make_solver)" in " ".join(out.split())
+    assert code != 0 and "not a function defined at a module's top level (cfg, sources, folds, make_solver)" \
+        in " ".join(out.split())
     code, out = _cli("evolve", "--out", tmp_path / "y", "--treatment", "nope", *TINY)
-    assert code != 0 and "grounded, three; a treatment of yours: a name an installed package gives under the " \
-                         "selfevo.treatments entry points" in " ".join(out.split())
+    assert code != 0 and "costly, grounded, swapped, three; a treatment of yours: a name an installed package " \
+                         "gives under the selfevo.treatments entry points" in " ".join(out.split())
 
     from selfevo.config import ConfigError
     from selfevo.integrations.engine import load_engine_config
@@ -222,7 +268,14 @@ def test_a_treatment_of_an_installed_package_runs_resumes_and_is_reported_beside
     code, out = _cli("evolve", "--out", run, "--resume")  # the name now points at other code
     assert code != 0 and "treatment 'grounded' was made by mytreatments_mod.grounded, and is now made by " \
                          "mytreatments_mod.other" in " ".join(out.split())
+    assert _cli("evolve", "--out", runs / "grounded-2", "--treatment", "grounded", *TINY, "--seed", "2")[0] == 0
+    code, out = _cli("report", runs)  # two functions under one name are not pooled
+    assert code != 0 and "treatment 'grounded' made by mytreatments_mod.grounded and by mytreatments_mod.other" \
+        in " ".join(out.split())
+    shutil.rmtree(runs / "grounded-2")
 
-    shutil.rmtree(info)  # uninstalled: its runs' config names a treatment nobody makes
+    shutil.rmtree(info)  # uninstalled: its finished records are still read; only running it needs its rules
     code, out = _cli("evolve", "--out", run, "--resume")
-    assert code != 0 and "treatment: unknown 'grounded'" in out
+    assert code != 0 and "'grounded' is a treatment of a package that is not installed" in " ".join(out.split())
+    assert _cli("report", runs)[0] == 0 and _cli("compare", runs / "coupled", run)[0] == 0
+    assert _cli("audit", run, "--no-figures", "--no-progress")[0] == 0

@@ -38,6 +38,15 @@ def qualified_name(obj: Any) -> str:
     return f"{obj.__module__}.{getattr(obj, '__qualname__', type(obj).__name__)}"
 
 
+def top_level_function(obj: Any) -> bool:
+    """A function defined at a module's top level: a run records it by its module and name, and a resume finds
+    it again by them. A partial, an instance or a lambda has no name of its own (two would pass for one
+    another)."""
+    import inspect
+
+    return inspect.isfunction(obj) and "<" not in obj.__qualname__
+
+
 def name_of(group: str, qualname: str) -> str | None:
     """The installed name under `group` of the piece a run recorded as `qualname` (`qualified_name`), or None.
     An entry point that says where the piece is defined (`module:attr`) is matched without importing it; one

@@ -616,6 +616,7 @@ def evolve_cmd(
 
     beside = None if corpus is None else corpus.resolve().parent.parent / "qa"  # the FlashRAG layout
     options = (config, *set_, world, treatment, seed, rounds, backend, model, corpus, qa_dir, index)
+    users = False  # does the run hold a piece of the user's (learners, a treatment), whose errors are named?
 
     def how_to_go_on() -> str:  # a stop before the run's config is written leaves nothing to resume
         if (out / "config.json").is_file():
@@ -657,6 +658,9 @@ def evolve_cmd(
             # the run's own learners, as its own config is: a resume that forgot --learners would be refused
             console.print(escape(f"resuming with the run's own learners ({own[0]})"))
             agents = own[1]
+        from selfevo.loop.treatments import parse_treatment
+
+        users = agents is not None or parse_treatment(cfg.treatment).feedback == "user"
         with _on_stop(how_to_go_on), _warnings_as_lines():
             run = evolve(cfg, out, resume=resume, audit=audit, step_checkpoints=step_checkpoints, agents=agents)
     except ConfigError as e:
@@ -670,6 +674,12 @@ def evolve_cmd(
         _fail(f"{e}; resume with no config options (the run's own config is used) or with those it was made with")
     except (RunError, DataError, WorldError) as e:
         _fail(str(e))
+    except (ValueError, TypeError) as e:
+        if not users:
+            raise
+        # a piece of the user's that broke its contract (the loop's checks name it): fixed, the run goes on
+        _fail(f"{e}" + (f"; once fixed, the run goes on: selfevo evolve --out {out} --resume"
+                        if (out / "config.json").is_file() else ""))
     _print_run(run.path)
 
 
@@ -808,14 +818,16 @@ def audit_cmd(
 
     if (run_dir is None) == (records is None):
         _fail("give a run directory or --records FILE (one of them)")
-    from selfevo.audit.judges import installed_judges, load_judge
+    from selfevo.audit.judges import BUILT_IN_JUDGES, installed_judges, load_judge
 
-    mine = judge.partition(":")[0] if judge not in ("oracle", "llm", "gold") else None  # a user's judge
+    mine = judge.partition(":")[0] if judge not in BUILT_IN_JUDGES else None  # a user's judge
     if mine is not None and mine not in installed_judges():
         _fail(f"--judge: unknown judge {judge!r} (known: oracle, llm, gold"
               + "".join(f", {j}[:ARG]" for j in installed_judges()) + ")")
-    if mine is not None and out is None and not re.fullmatch(r"[A-Za-z0-9][\w-]*", mine):
-        _fail(f"--judge {judge}: its audit goes to RUN_DIR/audit/{mine}, not a directory name; give --out")
+    if mine is not None and out is None and (mine == "figures" or not re.fullmatch(r"[A-Za-z0-9][\w.-]*", mine)):
+        # RUN_DIR/audit/figures holds the run's own audit's figures
+        _fail(f"--judge {judge}: its audit would go to RUN_DIR/audit/{mine}, which cannot be its own directory; "
+              "give --out")
     if compare is not None and compare == judge:
         _fail(f"--compare {compare}: the judge is {judge} itself (every difference would be 0); compare an LLM "
               f"judge with it: --judge llm --compare {compare}")

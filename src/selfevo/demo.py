@@ -62,7 +62,7 @@ def _check_field(name: str, value):
     if name in ("seeds", "replay_size"):
         return _int(name, value, 1)
     if name == "treatments":
-        from selfevo.loop.treatments import parse_treatment
+        from selfevo.loop.treatments import parse_treatment, user_rules
 
         value = _names(name, value)
         if "coupled" not in value:
@@ -71,6 +71,8 @@ def _check_field(name: str, value):
         for i, t in enumerate(value):
             try:
                 what = parse_treatment(t)
+                if what.feedback == "user":
+                    user_rules(t)  # its package's import, once, not in every seed's job
                 what = what if what.feedback == "user" else dataclasses.replace(what, name="")  # users': by name
             except ValueError as e:  # parse_treatment names `treatment`, which the demo sets itself
                 raise ConfigError(str(e).replace("treatment:", f"demo.treatments[{i}]:", 1)) from None

@@ -21,18 +21,19 @@ from pathlib import Path
 from typing import Any
 
 from selfevo._io import cache_root, file_sha256, write_json
-from selfevo._plugins import load, name_of, qualified_name
+from selfevo._plugins import load, name_of, qualified_name, top_level_function
 from selfevo.agents.sim import Reader, SimProposer, SimSolver
 from selfevo.audit import OracleJudge, audit_run
 from selfevo.config import ConfigError, RunConfig, WorldSpec, config_from_dict
 from selfevo.corpus import DataError, qa_sha256, read_qa_dir
 from selfevo.evaluate import PartialFileError, evaluate_solver
+from selfevo.loop import treatments
 from selfevo.loop.admission import MSV, AdmitAll
 from selfevo.loop.engine import BadStepState, Loop
 from selfevo.loop.feedback import AuxFeedback, CoupledFeedback
 from selfevo.loop.folds import FoldAssignment, assign_folds, fold_of
 from selfevo.loop.schedule import derive_seed
-from selfevo.loop.treatments import USER_TREATMENTS, feedback_options, parse_treatment
+from selfevo.loop.treatments import feedback_options, parse_treatment
 from selfevo.runs import RunDir, RunError
 from selfevo.search.bm25 import BM25Index
 from selfevo.search.docstore import contents_by_id, corpus_store, hashed
@@ -73,13 +74,9 @@ def user_rules(cfg: RunConfig) -> Rules | None:
     if parse_treatment(cfg.treatment).feedback != "user":
         return None
     try:
-        rules = load(USER_TREATMENTS, cfg.treatment, "treatment")
-    except ValueError as e:  # its package's import failed
+        return treatments.user_rules(cfg.treatment)
+    except ValueError as e:  # not installed, its import failed, no function
         raise ConfigError(str(e)) from None
-    if not callable(rules):
-        raise ConfigError(f"treatment: {cfg.treatment!r} names an object of type {type(rules).__name__}, not a "
-                          "function (cfg, sources, folds, make_solver) -> (admission, feedback)")
-    return rules
 
 
 def make_rules(cfg: RunConfig, sources, folds: FoldAssignment, make_solver):
@@ -88,8 +85,8 @@ def make_rules(cfg: RunConfig, sources, folds: FoldAssignment, make_solver):
     if (rules := user_rules(cfg)) is not None:
         made = rules(cfg, sources, folds, make_solver)
         if not (isinstance(made, tuple) and len(made) == 2):
-            raise ValueError(f"treatment {cfg.treatment!r}: {qualified_name(rules)} returns (admission, feedback), "
-                             f"got {type(made).__name__}")
+            raise ConfigError(f"treatment: {cfg.treatment!r} ({qualified_name(rules)}) returns (admission, feedback), "
+                              f"got {type(made).__name__}")
         return made
     t = parse_treatment(cfg.treatment)
     admission = MSV({d.id: d for d in sources}, samples=cfg.loop.msv_samples) if t.msv else AdmitAll()
@@ -233,15 +230,21 @@ LEARNERS = "selfevo.learners"
 
 def agents_name(agents: Agents | None) -> str | None:
     """How a run records the user's learners it was made with (None: selfevo's own, `cfg.backend`)."""
-    return None if agents is None else qualified_name(agents)
+    if agents is None:
+        return None
+    if not top_level_function(agents):
+        raise ValueError(f"learners: an object of type {type(agents).__name__}, not a function defined at a "
+                         "module's top level (cfg, sources) -> (proposer, make_solver)")
+    return qualified_name(agents)
 
 
 def load_learners(name: str) -> Agents:
     """The learners an installed package names `name` under the `selfevo.learners` entry points."""
     agents = load(LEARNERS, name, "learners")
-    if not callable(agents):
-        raise ValueError(f"learners '{name}': an object of type {type(agents).__name__}, not a function "
-                         "(cfg, sources) -> (proposer, make_solver)")
+    try:
+        agents_name(agents)
+    except ValueError as e:
+        raise ValueError(f"learners '{name}'{str(e).removeprefix('learners')}") from None
     return agents
 
 
@@ -254,7 +257,10 @@ def learners_of_run(run: RunDir) -> tuple[str, Agents] | None:
     if (name := name_of(LEARNERS, made_with)) is None:
         raise RunError(f"{run.path}: made with the learners {made_with!r}, which no installed package names under "
                        f"the {LEARNERS} entry points: install it again to resume the run")
-    return name, load_learners(name)
+    try:
+        return name, load_learners(name)
+    except ValueError as e:  # its package's import fails now
+        raise RunError(f"{run.path}: {e}") from None
 
 
 def build_loop(cfg: RunConfig, env: Environment, tool: SearchTool, folds: FoldAssignment, evaluate=None,
@@ -263,7 +269,11 @@ def build_loop(cfg: RunConfig, env: Environment, tool: SearchTool, folds: FoldAs
     user's learners `agents` makes."""
     pool = source_pool(cfg, env.documents)
     if agents is not None:
-        proposer, make_user_solver = agents(cfg, pool)
+        made = agents(cfg, pool)
+        if not (isinstance(made, tuple) and len(made) == 2 and callable(made[1])):
+            raise ValueError(f"learners {agents_name(agents)}: return (proposer, make_solver), make_solver(name) "
+                             f"a fresh trainable solver; got {type(made).__name__}")
+        proposer, make_user_solver = made
         admission, feedback = make_rules(cfg, pool, folds, make_user_solver)
         return Loop(cfg.loop, cfg.seed, proposer, make_user_solver("main"), admission, feedback, tool, folds,
                     evaluate=evaluate)
@@ -440,15 +450,17 @@ def evolve(cfg: RunConfig, out: str | os.PathLike, resume: bool = False, progres
     tool = SearchTool(env.index, topk=cfg.search.topk, max_calls=cfg.search.max_calls)
     rules = user_rules(cfg)
     rules_name = None if rules is None else qualified_name(rules)
+    learners_name = agents_name(agents)  # refused now, not once the run is made, where no name can record them
     run = RunDir(out)
     with run.lock():  # one writer: a second (a rerun beside a live orphan) would interleave its records
         resuming = resume and run.exists()
         kept_folds = None
         if resuming:
-            if (made_with := run.manifest().get("agents")) != agents_name(agents):
+            if (made_with := run.manifest().get("agents")) != learners_name:
                 raise RunError(f"{run.path}: made with the learners {made_with or cfg.backend!r}, resumed with "
-                               f"{agents_name(agents) or cfg.backend!r}; a run goes on with the learners it began with")
-            if (made_by := run.manifest().get("rules")) != rules_name:  # its package's entry point moved
+                               f"{learners_name or cfg.backend!r}; a run goes on with the learners it began with")
+            if run.config()["treatment"] == cfg.treatment and (made_by := run.manifest().get("rules")) != rules_name:
+                # its package's entry point moved (another treatment: the config check below names it)
                 raise RunError(f"{run.path}: treatment {cfg.treatment!r} was made by {made_by}, and is now made by "
                                f"{rules_name}; a run goes on with the rules it began with")
             done = run.open_for_resume(cfg.to_json(), defaults=RunConfig().to_json())
@@ -494,7 +506,7 @@ def evolve(cfg: RunConfig, out: str | os.PathLike, resume: bool = False, progres
         if not resuming:
             run.create(cfg.to_json())
             if agents is not None:  # config.json's [solver]/[proposer]/[lm] are not what ran
-                run.note(agents=agents_name(agents))
+                run.note(agents=learners_name)
             if rules_name is not None:  # the code behind a user's treatment's name
                 run.note(rules=rules_name)
         # what the run is made on, noted right after its creation (else its world or corpus would never be

@@ -537,6 +537,11 @@ class RunDir:
         """The saved config, parsed as `selfevo evolve` would (a field added to selfevo since the
         run was made reads as its default), as plain JSON."""
         path = self.path / "config.json"
+        if (self.path / "manifest.json").is_file() and isinstance(self.manifest().get("rules"), str):
+            # a user's treatment (its rules the manifest names): its records read without its package
+            from selfevo.loop.treatments import note_recorded
+
+            note_recorded(read_object(path).get("treatment", ""))
         try:
             cfg = config_from_dict(read_object(path))
         except ConfigError as e:

@@ -73,10 +73,14 @@ class OracleJudge:
 JUDGES = "selfevo.judges"
 
 
+BUILT_IN_JUDGES = ("oracle", "llm", "gold")
+
+
 def installed_judges() -> list[str]:
+    """The judges installed packages name (selfevo's own names win)."""
     from selfevo._plugins import installed
 
-    return sorted(installed(JUDGES))
+    return sorted(set(installed(JUDGES)) - set(BUILT_IN_JUDGES))
 
 
 def load_judge(spec: str, documents=None) -> Judge:
@@ -85,7 +89,15 @@ def load_judge(spec: str, documents=None) -> Judge:
     from selfevo._plugins import load
 
     name, _, arg = spec.partition(":")
-    judge = load(JUDGES, name, "judge")(arg, documents=documents)
+    make = load(JUDGES, name, "judge")
+    if not callable(make):
+        raise ValueError(f"judge '{name}': names an object of type {type(make).__name__}, not a factory "
+                         "make(arg, *, documents) -> Judge")
+    try:
+        judge = make(arg, documents=documents)
+    except TypeError as e:  # most often a factory of another signature
+        raise ValueError(f"judge '{name}': its factory failed: TypeError: {e} (a factory is "
+                         "make(arg, *, documents) -> Judge)") from None
     if not isinstance(getattr(judge, "name", None), str) or not callable(getattr(judge, "judge", None)):
         raise ValueError(f"judge '{name}': its factory returned {type(judge).__name__}, not a judge (an object "
                          "with a name and judge(items) -> list of Verdict)")

@@ -66,6 +66,34 @@ def check_stats(who: str, stats: object) -> dict:
     return stats
 
 
+# what the loop calls of each piece (the protocols of agents.base, loop.admission and loop.feedback)
+_PIECES = {
+    "proposer": ("propose", "update", "state_dict", "load_state_dict"),
+    "main solver": ("name", "answer", "update", "state_dict", "load_state_dict"),
+    "admission rule": ("name", "generations_per_candidate", "begin_round", "decide"),
+    "feedback rule": ("item_fold", "begin_round", "route", "n_aux", "end_round", "state_dict", "load_state_dict"),
+}
+# compute.json's generation keys of the loop's own; an admission rule's cost is booked under its own key
+RESERVED_GENERATIONS = ("proposer", "grader", "solver_rollouts", "aux_rollouts", "evaluation")
+
+
+def check_pieces(pieces: dict) -> None:
+    """Each piece (by `_PIECES`'s names) has what the loop calls, and an admission rule books its cost under
+    a key of its own: a piece of a user's (a feedback rule handed as the admission rule, one missing a
+    method) is named now, not met as an AttributeError rounds later."""
+    for what, piece in pieces.items():
+        missing = [a for a in _PIECES[what] if not hasattr(piece, a)]
+        if missing:
+            raise ValueError(f"{what} {getattr(piece, 'name', type(piece).__name__)!r} ({type(piece).__name__}): "
+                             f"has no {', '.join(missing)} (docs/extending.md)")
+    admission = pieces["admission rule"]
+    key = getattr(admission, "purpose", admission.name)
+    if not isinstance(key, str) or key in RESERVED_GENERATIONS:
+        raise ValueError(f"admission rule {admission.name!r}: its generations are counted in compute.json under "
+                         f"its purpose, else its name, {key!r}: that must be a name other than the loop's own "
+                         f"({', '.join(RESERVED_GENERATIONS)})")
+
+
 def check_decisions(admission: Admission, proposals: Sequence[Proposal], decisions: Sequence) -> None:
     """An admission rule's answer to `decide`: one `Decision` a proposal, in order, and no admitted one
     with an empty label (it would train the solver on ''); and its cost, an integer count of generations a
@@ -193,6 +221,10 @@ class Loop:
     # a mid-round checkpoint every this many steps of a round, and after its last step (0: only the
     # round's own, after its evaluation): with language models a round is hours
     step_checkpoints: int = 0
+
+    def __post_init__(self):
+        check_pieces({"proposer": self.proposer, "main solver": self.main, "admission rule": self.admission,
+                      "feedback rule": self.feedback})
 
     def _timed(self, phase: str, t0: float) -> float:
         t1 = time.perf_counter()

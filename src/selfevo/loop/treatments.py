@@ -21,6 +21,16 @@ FEEDBACKS = ("coupled", "crossfit", "same-source", "full-data", "question-split"
 # where an installed package names a treatment of its own (its pyproject.toml:
 # [project.entry-points."selfevo.treatments"] NAME = "module:rules"), for `--treatment NAME`
 USER_TREATMENTS = "selfevo.treatments"
+# a user's treatment's name is a run directory's name in grids and demos: one path component
+USER_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
+# the user's treatments named in the manifests of runs read in this process (`runs.RunDir.config`): their
+# finished records are read without their package (only a resume needs its rules)
+_RECORDED: set[str] = set()
+
+
+def note_recorded(name: str) -> None:
+    if USER_NAME.fullmatch(name):
+        _RECORDED.add(name)
 # ASCII digits and fullmatch: `\d` took other scripts' digits ("crossfit-k٣") and `$` a trailing newline
 # ("crossfit\n"), each a run under a name no other run of the treatment shares
 _CROSSFIT = re.compile(r"crossfit(?:-(connected))?(?:-k([0-9]+))?")
@@ -81,13 +91,42 @@ def parse_treatment(name: str) -> Treatment:
         if k < 2:
             raise ValueError(f"treatment: crossfit needs k >= 2, got {name!r}")
         return Treatment(name, msv, "crossfit", k, "connected" if m[1] else "source")
-    from selfevo._plugins import installed
-
-    mine = installed(USER_TREATMENTS)
-    if name in mine:  # its folds: K = 2, by source (folds.json), which its rules may read or not
+    mine = user_treatments()
+    if name in mine or name in _RECORDED:  # its folds: K = 2, by source (folds.json), its rules' to read or not
         return Treatment(name, False, "user")
     raise ValueError(f"treatment: unknown {name!r} (known: coupled, msv, "
                      f"{', '.join(FEEDBACKS[1:])}, crossfit-k<K>, crossfit-connected[-k<K>], "
                      "and msv+<any of them but msv>"
-                     + "".join(f", {n}" for n in sorted(mine)) + "; a treatment of yours: a name an installed "
+                     + "".join(f", {n}" for n in mine) + "; a treatment of yours: a name an installed "
                      f"package gives under the {USER_TREATMENTS} entry points)")
+
+
+def _builtin(name: str) -> bool:
+    rest = name[len("msv+"):] if name.startswith("msv+") else name
+    return rest in FEEDBACKS or rest == "msv" or _CROSSFIT.fullmatch(rest) is not None
+
+
+def user_treatments() -> list[str]:
+    """The treatments installed packages name: selfevo's own names win, and a name that is no path component
+    (a grid's run directory is named after it) is none."""
+    from selfevo._plugins import installed
+
+    return sorted(n for n in installed(USER_TREATMENTS) if USER_NAME.fullmatch(n) and not _builtin(n))
+
+
+def user_rules(name: str):
+    """The function that makes the rules of the user's treatment `name` (ValueError, naming the field, where
+    no installed package names it, its import fails or it is no function)."""
+    from selfevo._plugins import load, top_level_function
+
+    if name not in user_treatments():
+        raise ValueError(f"treatment: {name!r} is a treatment of a package that is not installed (none names it "
+                         f"under the {USER_TREATMENTS} entry points); install it (again) to run it")
+    try:
+        rules = load(USER_TREATMENTS, name, "treatment")
+    except ValueError as e:  # its package's import failed
+        raise ValueError(f"treatment: {e}") from None
+    if not top_level_function(rules):
+        raise ValueError(f"treatment: {name!r} names an object of type {type(rules).__name__}, not a function "
+                         "defined at a module's top level (cfg, sources, folds, make_solver) -> (admission, feedback)")
+    return rules

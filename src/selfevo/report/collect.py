@@ -41,6 +41,7 @@ def collect_runs(run_dirs: Sequence[str | os.PathLike]) -> dict:
     done: dict[Path, int] = {}  # rounds completed, by run directory
     manifests = []  # of the complete runs
     excluded = []
+    rules: dict[str, tuple[str | None, Path]] = {}  # by treatment: the function behind a user's, and a run of it
     setting: tuple[dict, Path] | None = None  # the config every complete run shares, but _VARIED
     data: tuple[dict, Path] | None = None  # and the world directory or corpus they were made on
     for d in run_dirs:
@@ -72,6 +73,11 @@ def collect_runs(run_dirs: Sequence[str | os.PathLike]) -> dict:
         data = _same(data, made_on(manifest), run.path,
                         "were made on different data under one path (the sha256 their manifests record)",
                         "a report compares treatments and seeds on one world or corpus, so report them apart")
+        # a user's treatment: one function behind its name in every run pooled under it
+        if (made_by := rules.setdefault(treatment, (manifest.get("rules"), run.path)))[0] != manifest.get("rules"):
+            raise ValueError(f"{made_by[1]} and {run.path}: treatment {treatment!r} made by {made_by[0]} and by "
+                             f"{manifest.get('rules')}; a report pools the runs of one treatment's rules, so report "
+                             "them apart")
         runs.setdefault(treatment, {})[seed] = run
         done[run.path] = manifest.get("rounds_completed", 0)
         manifests.append(manifest)
@@ -91,6 +97,8 @@ def collect_runs(run_dirs: Sequence[str | os.PathLike]) -> dict:
 
     out: dict = {"treatments": treatments, "seeds": seeds, "benchmarks": benchmarks, "downstream": {},
                  "audit": {}, "compute": {}, "excluded": excluded}
+    if made_by := {t: rules[t][0] for t in treatments if rules[t][0]}:
+        out["rules"] = made_by  # what each treatment of a user's ran (its manifests' `rules`)
     audits, out["audit_setting"] = _audits(runs, done)
     out["base"] = {c: summary([r.get(c) for r in base_rows]) for c in columns}
     coupled = finals.get("coupled", {})
