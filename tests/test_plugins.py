@@ -121,14 +121,22 @@ def test_the_command_runs_an_installed_packages_learners_and_resumes_with_them(t
     assert code != 0 and "loading mylearners_missing:make (entry point selfevo.learners) failed: " \
                          "ModuleNotFoundError" in " ".join(out.split())
     code, out = _cli("evolve", "--out", tmp_path / "z", "--learners", "number", *TINY)
-    assert code != 0 and "learners 'number': an object of type int, not a function" in " ".join(out.split())
+    assert code != 0 and "learners 'number': an object of type int (builtins.int), not a function" \
+        in " ".join(out.split())
     code, out = _cli("evolve", "--out", tmp_path / "h", "--learners", "half", *TINY)
     assert code != 0 and "learners mylearners_mod.proposer_only: return (proposer, make_solver)" \
         in " ".join(out.split()) and "Traceback" not in out
     # a run records its learners by module and name, and a resume finds them by it: a partial has neither
     from selfevo.evolve import agents_name
-    with pytest.raises(ValueError, match="an object of type partial, not a function defined at a module's top"):
+    with pytest.raises(ValueError, match="type partial \\(functools.partial\\), not a function defined at a"):
         agents_name(functools.partial(sys.modules["mylearners_mod"].make))
+
+    @functools.wraps(sys.modules["mylearners_mod"].make)  # a wrapper with another's name: two would share it
+    def scaled(cfg, sources):
+        return sys.modules["mylearners_mod"].make(cfg, sources)
+
+    with pytest.raises(ValueError, match="not a function defined at a module's top level under its own name"):
+        agents_name(scaled)
 
     shutil.rmtree(info)  # the package uninstalled: the run cannot go on with learners nobody names
     code, out = _cli("evolve", "--out", run, "--resume")
@@ -182,6 +190,8 @@ def test_the_command_audits_with_an_installed_packages_judge_and_compares_it_wit
                                          "older[:ARG], says[:ARG], two[:ARG])")):
         code, out = _cli("audit", world_run, "--judge", spec)
         assert code != 0 and message in " ".join(out.split()) and "Traceback" not in out, out
+    code, out = _cli("audit", world_run, "--judge", "says:yes", "--injection-test", "5")
+    assert code != 0 and "--injection-test: for an LLM judge (--judge llm)" in out
     code, out = _cli("audit", world_run, "--judge", "says:yes", "--judge-url", "http://127.0.0.1:1/v1")
     assert code != 0 and "--judge-url: a setting of the LLM judge" in out
 
@@ -206,7 +216,9 @@ def _treatment_example() -> str:
         "def swapped(cfg, sources, folds, make_solver):\n" \
         "    return grounded(cfg, sources, folds, make_solver)[::-1]\n" \
         "class Costly(Grounded):\n    name = 'evaluation'\n" \
-        "def costly(cfg, sources, folds, make_solver):\n    return Costly(sources), CoupledFeedback(folds)\n"
+        "def costly(cfg, sources, folds, make_solver):\n    return Costly(sources), CoupledFeedback(folds)\n" \
+        "class Buggy(Grounded):\n    def decide(self, proposals, tool, seed):\n        return 1 + proposals[0]\n" \
+        "def buggy(cfg, sources, folds, make_solver):\n    return Buggy(sources), CoupledFeedback(folds)\n"
 
 
 def test_a_treatment_of_an_installed_package_runs_resumes_and_is_reported_beside_selfevos(tmp_path, monkeypatch):
@@ -218,7 +230,8 @@ def test_a_treatment_of_an_installed_package_runs_resumes_and_is_reported_beside
     info = _install(site, "mytreatments", "mytreatments_mod", _treatment_example(), "selfevo.treatments",
                     {"grounded": "mytreatments_mod:grounded", "three": "mytreatments_mod:NOT_A_FUNCTION",
                      "swapped": "mytreatments_mod:swapped", "costly": "mytreatments_mod:costly",
-                     "coupled": "mytreatments_mod:other", "../up": "mytreatments_mod:other"})
+                     "coupled": "mytreatments_mod:other", "../up": "mytreatments_mod:other",
+                     "buggy": "mytreatments_mod:buggy"})
     monkeypatch.syspath_prepend(str(site))
     runs = tmp_path / "runs"
     for treatment in ("coupled", "grounded"):
@@ -249,10 +262,14 @@ def test_a_treatment_of_an_installed_package_runs_resumes_and_is_reported_beside
                           ("costly", "its purpose, else its name, 'evaluation': that must be a name other than")):
         code, out = _cli("evolve", "--out", tmp_path / name, "--treatment", name, *TINY)
         assert code != 0 and message in " ".join(out.split()) and "Traceback" not in out, out
+    # a bug of its own, not a broken contract, keeps its traceback (which locates it); the run goes on once fixed
+    res = CliRunner().invoke(app, ["evolve", "--out", str(tmp_path / "buggy"), "--treatment", "buggy", *TINY])
+    assert res.exit_code == 1 and isinstance(res.exception, TypeError) and "unsupported operand" in str(res.exception)
     code, out = _cli("evolve", "--out", runs / "coupled", "--resume", "--treatment", "grounded", *TINY)
     assert code != 0 and "fields: treatment" in " ".join(out.split()), out  # the config differs: said so
     code, out = _cli("evolve", "--out", tmp_path / "x", "--treatment", "three", *TINY)
-    assert code != 0 and "not a function defined at a module's top level (cfg, sources, folds, make_solver)" \
+    assert code != 0 and "not a function defined at a module's top level under its own name (cfg, sources, " \
+                         "folds, make_solver)" \
         in " ".join(out.split())
     code, out = _cli("evolve", "--out", tmp_path / "y", "--treatment", "nope", *TINY)
     assert code != 0 and "costly, grounded, swapped, three; a treatment of yours: a name an installed package " \
@@ -277,5 +294,10 @@ def test_a_treatment_of_an_installed_package_runs_resumes_and_is_reported_beside
     shutil.rmtree(info)  # uninstalled: its finished records are still read; only running it needs its rules
     code, out = _cli("evolve", "--out", run, "--resume")
     assert code != 0 and "'grounded' is a treatment of a package that is not installed" in " ".join(out.split())
+    damaged = tmp_path / "damaged"
+    shutil.copytree(run, damaged)
+    (damaged / "config.json").write_text((damaged / "config.json").read_text().replace('"grounded"', "5"))
+    code, out = _cli("audit", damaged)
+    assert code != 0 and "config.json: treatment: expected a string, got 5" in " ".join(out.split()), out
     assert _cli("report", runs)[0] == 0 and _cli("compare", runs / "coupled", run)[0] == 0
     assert _cli("audit", run, "--no-figures", "--no-progress")[0] == 0

@@ -4,13 +4,25 @@ command finds them without a line of selfevo's changed (the package's pyproject.
 
 - `selfevo.agents`: solver factories for `selfevo eval --agent NAME[:ARG]`;
 - `selfevo.learners`: the learners of `selfevo evolve --learners NAME` (`evolve.Agents`);
-- `selfevo.judges`: judge factories for `selfevo audit --judge NAME[:ARG]`.
+- `selfevo.judges`: judge factories for `selfevo audit --judge NAME[:ARG]`;
+- `selfevo.treatments`: a treatment's rules, for `--treatment NAME` (`loop.treatments`).
 """
 
 from __future__ import annotations
 
+import re
 from importlib.metadata import EntryPoint, entry_points
 from typing import Any
+
+# a name that is one path component: a user's treatment names its runs' directories in grids, a user's judge
+# its audit's directory
+DIRECTORY_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
+
+
+class ContractError(ValueError, TypeError):
+    """A piece of a user's (agent, learner, judge, rule) answered outside its protocol, named by the check that
+    met it. The commands print it as one line; any other exception inside such a piece keeps its traceback,
+    which locates the bug. (A ValueError and a TypeError, as the checks raised before it existed.)"""
 
 
 def installed(group: str) -> dict[str, EntryPoint]:
@@ -35,16 +47,27 @@ def load(group: str, name: str, what: str) -> Any:
 
 def qualified_name(obj: Any) -> str:
     """How a run records a piece of a user's: its module and qualified name."""
-    return f"{obj.__module__}.{getattr(obj, '__qualname__', type(obj).__name__)}"
+    return f"{getattr(obj, '__module__', type(obj).__module__)}.{getattr(obj, '__qualname__', type(obj).__name__)}"
 
 
-def top_level_function(obj: Any) -> bool:
-    """A function defined at a module's top level: a run records it by its module and name, and a resume finds
-    it again by them. A partial, an instance or a lambda has no name of its own (two would pass for one
-    another)."""
+def recorded_name(obj: Any, what: str, signature: str) -> str:
+    """`qualified_name(obj)` of a function defined at a module's top level and found there under that name: a
+    run records it by the name, and a resume finds it again by it. A partial, an instance, a lambda or a
+    wrapper copying another's name has no name of its own (two would pass for one another): ContractError."""
+    import importlib
     import inspect
 
-    return inspect.isfunction(obj) and "<" not in obj.__qualname__
+    if inspect.isfunction(obj) and "<" not in obj.__qualname__:
+        try:
+            found = importlib.import_module(obj.__module__)
+            for part in obj.__qualname__.split("."):
+                found = getattr(found, part)
+        except (ImportError, AttributeError):
+            found = None
+        if found is obj:
+            return qualified_name(obj)
+    raise ContractError(f"{what} an object of type {type(obj).__name__} ({qualified_name(obj)}), not a function "
+                        f"defined at a module's top level under its own name {signature}")
 
 
 def name_of(group: str, qualname: str) -> str | None:

@@ -609,6 +609,7 @@ def evolve_cmd(
                                                    "--resume: the run's own, by default)"),
 ) -> None:
     """Run the self-evolution loop into a run directory, then audit it."""
+    from selfevo._plugins import ContractError
     from selfevo.config import NEEDS_QA_DIR, ConfigError, config_from_dict, load_config
     from selfevo.evolve import evolve, learners_of_run, load_learners
     from selfevo.runs import ConfigDiffers, RunDir, RunError
@@ -616,7 +617,6 @@ def evolve_cmd(
 
     beside = None if corpus is None else corpus.resolve().parent.parent / "qa"  # the FlashRAG layout
     options = (config, *set_, world, treatment, seed, rounds, backend, model, corpus, qa_dir, index)
-    users = False  # does the run hold a piece of the user's (learners, a treatment), whose errors are named?
 
     def how_to_go_on() -> str:  # a stop before the run's config is written leaves nothing to resume
         if (out / "config.json").is_file():
@@ -658,9 +658,6 @@ def evolve_cmd(
             # the run's own learners, as its own config is: a resume that forgot --learners would be refused
             console.print(escape(f"resuming with the run's own learners ({own[0]})"))
             agents = own[1]
-        from selfevo.loop.treatments import parse_treatment
-
-        users = agents is not None or parse_treatment(cfg.treatment).feedback == "user"
         with _on_stop(how_to_go_on), _warnings_as_lines():
             run = evolve(cfg, out, resume=resume, audit=audit, step_checkpoints=step_checkpoints, agents=agents)
     except ConfigError as e:
@@ -674,11 +671,9 @@ def evolve_cmd(
         _fail(f"{e}; resume with no config options (the run's own config is used) or with those it was made with")
     except (RunError, DataError, WorldError) as e:
         _fail(str(e))
-    except (ValueError, TypeError) as e:
-        if not users:
-            raise
-        # a piece of the user's that broke its contract (the loop's checks name it): fixed, the run goes on
-        _fail(f"{e}" + (f"; once fixed, the run goes on: selfevo evolve --out {out} --resume"
+    except ContractError as e:  # a piece of the user's answered amiss (the loop's checks name it); another
+        # exception in it keeps its traceback, which locates the bug. Once it is fixed, the run goes on
+        _fail(f"{e}" + (f"; once it is fixed, the run goes on: selfevo evolve --out {out} --resume"
                         if (out / "config.json").is_file() else ""))
     _print_run(run.path)
 
@@ -818,13 +813,14 @@ def audit_cmd(
 
     if (run_dir is None) == (records is None):
         _fail("give a run directory or --records FILE (one of them)")
+    from selfevo._plugins import DIRECTORY_NAME, ContractError
     from selfevo.audit.judges import BUILT_IN_JUDGES, installed_judges, load_judge
 
     mine = judge.partition(":")[0] if judge not in BUILT_IN_JUDGES else None  # a user's judge
     if mine is not None and mine not in installed_judges():
         _fail(f"--judge: unknown judge {judge!r} (known: oracle, llm, gold"
               + "".join(f", {j}[:ARG]" for j in installed_judges()) + ")")
-    if mine is not None and out is None and (mine == "figures" or not re.fullmatch(r"[A-Za-z0-9][\w.-]*", mine)):
+    if mine is not None and out is None and (mine == "figures" or not DIRECTORY_NAME.fullmatch(mine)):
         # RUN_DIR/audit/figures holds the run's own audit's figures
         _fail(f"--judge {judge}: its audit would go to RUN_DIR/audit/{mine}, which cannot be its own directory; "
               "give --out")
@@ -839,7 +835,11 @@ def audit_cmd(
                  and ctx.get_parameter_source(p.name).name not in ("DEFAULT", "DEFAULT_MAP")]
         if given:
             _fail(f"{given[0]}: a setting of the LLM judge, which --judge {judge} does not use (add --judge llm)")
-        if injection_test and mine is None:
+        if injection_test and mine is not None:
+            # where a judge of a user's reads its documents (the mapping or the items' sources) is its own
+            _fail("--injection-test: for an LLM judge (--judge llm), whose prompt holds the documents the test "
+                  "plants instructions in")
+        if injection_test:
             # the oracle and gold answers never read the documents: "0 flipped" would say nothing
             _fail(f"--injection-test: only an LLM judge reads the documents the test plants instructions in; "
                   f"--judge {judge} cannot be swayed by them (use it with --judge llm)")
@@ -960,12 +960,8 @@ def audit_cmd(
         with _on_stop(f"{out_dir}: {stopped}"):
             res = audit_to_dir(steps, the_judge, out_dir, truth=truth, n_boot=bootstrap, seed=seed,
                                figures=figures, documents=documents, injection_items=injection_test, info=info)
-    except JudgeError as e:
+    except (JudgeError, ContractError) as e:  # ContractError: a judge that answers amiss, named with the item
         _fail(str(e))
-    except ValueError as e:
-        if mine is None:
-            raise
-        _fail(str(e))  # a user's judge that answers amiss, named with the item (`audit.checked_verdicts`)
     finally:
         if callable(getattr(the_judge, "close", None)):  # an LLM judge's connections; a user's judge may hold some
             the_judge.close()

@@ -42,6 +42,7 @@ from selfevo._io import (
     write_json,
     write_jsonl,
 )
+from selfevo._plugins import ContractError
 from selfevo.algos import float_sum
 from selfevo.corpus import DataError, _require_str, iter_json_lines, read_qa_dir
 from selfevo.records import QAItem
@@ -446,19 +447,19 @@ def check_answers(agent: str, trajs: Any, n_questions: int, n: int | None = None
     shape = f"answer() returns a list of {n or 'one'} Trajectory a question, in a list"
     if not isinstance(trajs, list | tuple) or len(trajs) != n_questions:
         got = f"{len(trajs)} items" if isinstance(trajs, list | tuple) else f"a {type(trajs).__name__}"
-        raise ValueError(f"agent {agent!r}: {shape}; got {got} for {n_questions} questions")
+        raise ContractError(f"agent {agent!r}: {shape}; got {got} for {n_questions} questions")
     for i, ts in enumerate(trajs):
         if not isinstance(ts, (list, tuple)) or not ts or not all(isinstance(t, Trajectory) for t in ts):
-            raise ValueError(f"agent {agent!r}: {shape}; question {i + 1} got {type(ts).__name__} {str(ts)[:80]!r}")
+            raise ContractError(f"agent {agent!r}: {shape}; question {i + 1} got {type(ts).__name__} {str(ts)[:80]!r}")
         if n is not None and len(ts) != n:
-            raise ValueError(f"agent {agent!r}: {shape}; question {i + 1} got {len(ts)}")
+            raise ContractError(f"agent {agent!r}: {shape}; question {i + 1} got {len(ts)}")
         for t in ts:
             if not isinstance(t.answer, str):
-                raise ValueError(f"agent {agent!r}: question {i + 1}: a Trajectory's answer is a string (got "
-                                 f"{t.answer!r})")
+                raise ContractError(f"agent {agent!r}: question {i + 1}: a Trajectory's answer is a string (got "
+                                    f"{t.answer!r})")
             if not isinstance(t.searches, list | tuple) or not all(isinstance(q, str) for q in t.searches):
-                raise ValueError(f"agent {agent!r}: question {i + 1}: a Trajectory's searches are a list of the "
-                                 f"queries it sent (strings), got {t.searches!r}")
+                raise ContractError(f"agent {agent!r}: question {i + 1}: a Trajectory's searches are a list of the "
+                                    f"queries it sent (strings), got {t.searches!r}")
     return trajs
 
 

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from selfevo._io import cache_root, file_sha256, write_json
-from selfevo._plugins import load, name_of, qualified_name, top_level_function
+from selfevo._plugins import ContractError, load, name_of, qualified_name, recorded_name
 from selfevo.agents.sim import Reader, SimProposer, SimSolver
 from selfevo.audit import OracleJudge, audit_run
 from selfevo.config import ConfigError, RunConfig, WorldSpec, config_from_dict
@@ -219,7 +219,7 @@ def _corpus_index(corpus: str, index_dir: str):
 
 # `evolve(agents=...)`: a user's learners in the loop, `agents(cfg, sources) -> (proposer, make_solver)`
 # (sources: the proposer's source documents; make_solver(name): a fresh trainable solver, the main one and
-# every auxiliary one); the treatment's admission and feedback rules are selfevo's (`make_rules`)
+# every auxiliary one); the treatment's admission and feedback rules are its own (`make_rules`)
 Agents = Callable[[RunConfig, list], tuple[Any, Callable[[str], Any]]]
 
 
@@ -230,12 +230,7 @@ LEARNERS = "selfevo.learners"
 
 def agents_name(agents: Agents | None) -> str | None:
     """How a run records the user's learners it was made with (None: selfevo's own, `cfg.backend`)."""
-    if agents is None:
-        return None
-    if not top_level_function(agents):
-        raise ValueError(f"learners: an object of type {type(agents).__name__}, not a function defined at a "
-                         "module's top level (cfg, sources) -> (proposer, make_solver)")
-    return qualified_name(agents)
+    return None if agents is None else recorded_name(agents, "learners:", "(cfg, sources) -> (proposer, make_solver)")
 
 
 def load_learners(name: str) -> Agents:
@@ -271,8 +266,8 @@ def build_loop(cfg: RunConfig, env: Environment, tool: SearchTool, folds: FoldAs
     if agents is not None:
         made = agents(cfg, pool)
         if not (isinstance(made, tuple) and len(made) == 2 and callable(made[1])):
-            raise ValueError(f"learners {agents_name(agents)}: return (proposer, make_solver), make_solver(name) "
-                             f"a fresh trainable solver; got {type(made).__name__}")
+            raise ContractError(f"learners {agents_name(agents)}: return (proposer, make_solver), make_solver(name) "
+                                f"a fresh trainable solver; got {type(made).__name__}")
         proposer, make_user_solver = made
         admission, feedback = make_rules(cfg, pool, folds, make_user_solver)
         return Loop(cfg.loop, cfg.seed, proposer, make_user_solver("main"), admission, feedback, tool, folds,
@@ -504,11 +499,9 @@ def evolve(cfg: RunConfig, out: str | os.PathLike, resume: bool = False, progres
         loop = build_loop(cfg, env, tool, folds, evaluate, store=run.tensors_dir, agents=agents)
         loop.step_checkpoints = step_checkpoints
         if not resuming:
-            run.create(cfg.to_json())
-            if agents is not None:  # config.json's [solver]/[proposer]/[lm] are not what ran
-                run.note(agents=learners_name)
-            if rules_name is not None:  # the code behind a user's treatment's name
-                run.note(rules=rules_name)
+            # a user's learners (config.json's [solver]/[proposer]/[lm] are not what ran) and the code behind a
+            # user's treatment's name
+            run.create(cfg.to_json(), **{k: v for k, v in (("agents", learners_name), ("rules", rules_name)) if v})
         # what the run is made on, noted right after its creation (else its world or corpus would never be
         # checked, and the report would not pool it with its peers)
         note_made_on(run, cfg, env.index, env.world)

@@ -295,13 +295,15 @@ class RunDir:
                                                         "for it to end (or stop it), then rerun")):
             yield
 
-    def create(self, config: dict) -> None:
+    def create(self, config: dict, **facts) -> None:
+        """`facts`: what else the manifest records from the start (a user's learners and rules: in the one
+        write, so that no stop leaves a run that cannot say what made it)."""
         self.check_new()
         self.path.mkdir(parents=True, exist_ok=True)
         remove_leftover_temps(self.path, recursive=True)  # of a start killed before its manifest
         write_json(self.path / "config.json", config)
         self._write_manifest({"status": "running", "rounds_completed": 0, "created": time.time(),
-                              "software": software()})
+                              "software": software(), **facts})
 
     def open_for_resume(self, config: dict, defaults: dict | None = None) -> int:
         """Check the config matches, drop records after the last checkpoint; return the number of

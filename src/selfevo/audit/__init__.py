@@ -8,6 +8,7 @@ import os
 from collections import Counter
 from collections.abc import Sequence
 
+from selfevo._plugins import ContractError
 from selfevo.algos import float_sum
 from selfevo.audit.judges import Judge, OracleJudge, Verdict
 from selfevo.audit.metrics import METRICS, JudgedItem, audit_metrics
@@ -59,24 +60,25 @@ def checked_verdicts(judge: Judge, items: Sequence[dict], verdicts) -> list[Verd
     try:
         verdicts = list(verdicts)
     except TypeError:
-        raise ValueError(f"judge {name!r}: judge() returns a list of Verdict, one an item; got "
-                         f"{type(verdicts).__name__}") from None
+        raise ContractError(f"judge {name!r}: judge() returns a list of Verdict, one an item; got "
+                            f"{type(verdicts).__name__}") from None
     if len(verdicts) != len(items):
-        raise ValueError(f"judge {name!r}: {len(verdicts)} verdicts for {len(items)} items")
+        raise ContractError(f"judge {name!r}: {len(verdicts)} verdicts for {len(items)} items")
     out = []
     for it, v in zip(items, verdicts):
         where = f"judge {name!r}, item {it.get('item_id', '?')!r}"
         if not isinstance(v, Verdict):
-            raise ValueError(f"{where}: a {type(v).__name__}, not a selfevo.audit.Verdict")
+            raise ContractError(f"{where}: a {type(v).__name__}, not a selfevo.audit.Verdict")
         if not truth_value(v.resolved):
-            raise ValueError(f"{where}: resolved is {v.resolved!r}, not True or False")
+            raise ContractError(f"{where}: resolved is {v.resolved!r}, not True or False")
         if v.resolved and not (truth_value(v.label_correct)
                                and isinstance(v.responses_correct, tuple | list | np.ndarray)
                                and all(map(truth_value, v.responses_correct))
                                and len(v.responses_correct) == len(it["responses"])):
-            raise ValueError(f"{where}: a resolved verdict needs label_correct (True or False) and responses_correct "
-                             f"(a tuple or list of one True or False a response: {len(it['responses'])}); got "
-                             f"{v.label_correct!r}, {v.responses_correct!r}")
+            raise ContractError(f"{where}: a resolved verdict needs label_correct (True or False) and "
+                                "responses_correct (a tuple or list of one True or False a response: "
+                                f"{len(it['responses'])}); got "
+                                f"{v.label_correct!r}, {v.responses_correct!r}")
         if v.resolved:  # Python's own: written as JSON later
             v = dataclasses.replace(v, resolved=True, label_correct=bool(v.label_correct),
                                     responses_correct=tuple(map(bool, v.responses_correct)))

@@ -25,6 +25,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsed
 
 from selfevo._bar import Progress
 from selfevo._io import json_problem
+from selfevo._plugins import ContractError
 from selfevo.agents.base import Proposal, Proposer, TrainableSolver, empty_answer, mark_missing
 from selfevo.algos import frontier_reward
 from selfevo.evaluate import answers_match, check_answers
@@ -41,28 +42,29 @@ def check_proposals(proposer: str, proposals: Sequence) -> None:
     whose lineage (`source_ids`) holds the page it was given. A proposer of a user's that breaks this is named
     here: a proposal with no lineage would train the main solver with no fold recorded."""
     if not isinstance(proposals, list | tuple):
-        raise ValueError(f"proposer {proposer!r}: propose returns a list of Proposal, got {type(proposals).__name__}")
+        raise ContractError(f"proposer {proposer!r}: propose returns a list of Proposal, got "
+                            f"{type(proposals).__name__}")
     for p in proposals:
         if not isinstance(p, Proposal):
-            raise ValueError(f"proposer {proposer!r}: propose returned a {type(p).__name__}, not a "
-                             "selfevo.agents.base.Proposal")
+            raise ContractError(f"proposer {proposer!r}: propose returned a {type(p).__name__}, not a "
+                                "selfevo.agents.base.Proposal")
         if not (isinstance(p.question, str) and isinstance(p.draft_label, str) and isinstance(p.source_id, str)):
-            raise ValueError(f"proposer {proposer!r}: a proposal's question, draft_label and source_id are strings "
-                             f"({p.question!r}, {p.draft_label!r}, {p.source_id!r})")
+            raise ContractError(f"proposer {proposer!r}: a proposal's question, draft_label and source_id are strings "
+                                f"({p.question!r}, {p.draft_label!r}, {p.source_id!r})")
         if isinstance(p.hops, bool) or not isinstance(p.hops, int) or p.hops < 1:
-            raise ValueError(f"proposer {proposer!r}: {p.question!r}: hops is the number of pages the question "
-                             f"chains through (>= 1), got {p.hops!r}")
+            raise ContractError(f"proposer {proposer!r}: {p.question!r}: hops is the number of pages the question "
+                                f"chains through (>= 1), got {p.hops!r}")
         if p.source_id not in tuple(p.source_ids):
-            raise ValueError(f"proposer {proposer!r}: {p.question!r}: source_ids {tuple(p.source_ids)!r} (every "
-                             f"page read) must hold its source_id {p.source_id!r}")
+            raise ContractError(f"proposer {proposer!r}: {p.question!r}: source_ids {tuple(p.source_ids)!r} (every "
+                                f"page read) must hold its source_id {p.source_id!r}")
 
 
 def check_stats(who: str, stats: object) -> dict:
     """What an `update` returns, written into the step record: a dict of JSON values."""
     if not isinstance(stats, dict):
-        raise ValueError(f"{who}.update returns a dict of statistics (JSON values), got {type(stats).__name__}")
+        raise ContractError(f"{who}.update returns a dict of statistics (JSON values), got {type(stats).__name__}")
     if problem := json_problem(stats):
-        raise ValueError(f"{who}.update: its statistics are written to the step records as JSON: {problem}")
+        raise ContractError(f"{who}.update: its statistics are written to the step records as JSON: {problem}")
     return stats
 
 
@@ -84,14 +86,14 @@ def check_pieces(pieces: dict) -> None:
     for what, piece in pieces.items():
         missing = [a for a in _PIECES[what] if not hasattr(piece, a)]
         if missing:
-            raise ValueError(f"{what} {getattr(piece, 'name', type(piece).__name__)!r} ({type(piece).__name__}): "
-                             f"has no {', '.join(missing)} (docs/extending.md)")
+            raise ContractError(f"{what} {getattr(piece, 'name', type(piece).__name__)!r} ({type(piece).__name__}): "
+                                f"has no {', '.join(missing)} (docs/extending.md)")
     admission = pieces["admission rule"]
     key = getattr(admission, "purpose", admission.name)
     if not isinstance(key, str) or key in RESERVED_GENERATIONS:
-        raise ValueError(f"admission rule {admission.name!r}: its generations are counted in compute.json under "
-                         f"its purpose, else its name, {key!r}: that must be a name other than the loop's own "
-                         f"({', '.join(RESERVED_GENERATIONS)})")
+        raise ContractError(f"admission rule {admission.name!r}: its generations are counted in compute.json under "
+                            f"its purpose, else its name, {key!r}: that must be a name other than the loop's own "
+                            f"({', '.join(RESERVED_GENERATIONS)})")
 
 
 def check_decisions(admission: Admission, proposals: Sequence[Proposal], decisions: Sequence) -> None:
@@ -100,24 +102,24 @@ def check_decisions(admission: Admission, proposals: Sequence[Proposal], decisio
     candidate. A rule of a user's that breaks this is named."""
     rule, extra = admission.name, admission.generations_per_candidate
     if isinstance(extra, bool) or not isinstance(extra, int) or extra < 0:
-        raise ValueError(f"admission rule {rule!r}: generations_per_candidate is the number of extra generations "
-                         f"a candidate costs (an integer >= 0), got {extra!r}")
+        raise ContractError(f"admission rule {rule!r}: generations_per_candidate is the number of extra generations "
+                            f"a candidate costs (an integer >= 0), got {extra!r}")
     if len(decisions) != len(proposals):
-        raise ValueError(f"admission rule {rule!r}: {len(decisions)} decisions for {len(proposals)} proposals; "
-                         "decide returns one Decision a proposal, in their order")
+        raise ContractError(f"admission rule {rule!r}: {len(decisions)} decisions for {len(proposals)} proposals; "
+                            "decide returns one Decision a proposal, in their order")
     for p, d in zip(proposals, decisions):
         if not isinstance(d, Decision):
-            raise ValueError(f"admission rule {rule!r}: decide returned a {type(d).__name__}, not a "
-                             "selfevo.loop.admission.Decision")
+            raise ContractError(f"admission rule {rule!r}: decide returned a {type(d).__name__}, not a "
+                                "selfevo.loop.admission.Decision")
         if not isinstance(d.admitted, bool) or not isinstance(d.label, str):
-            raise ValueError(f"admission rule {rule!r}: {p.question!r}: a Decision's admitted is True or False and "
-                             f"its label a string, got {d.admitted!r}, {d.label!r}")
+            raise ContractError(f"admission rule {rule!r}: {p.question!r}: a Decision's admitted is True or False and "
+                                f"its label a string, got {d.admitted!r}, {d.label!r}")
         if d.admitted and empty_answer(d.label):
-            raise ValueError(f"admission rule {rule!r} admitted {p.question!r} with the label {d.label!r}: an "
-                             "admitted question needs a label to train on")
+            raise ContractError(f"admission rule {rule!r} admitted {p.question!r} with the label {d.label!r}: an "
+                                "admitted question needs a label to train on")
         if not isinstance(d.detail, dict) or json_problem(d.detail):
-            raise ValueError(f"admission rule {rule!r}: {p.question!r}: a Decision's detail is a dict of JSON values "
-                             f"(it is written to the step records), got {str(d.detail)[:80]!r}")
+            raise ContractError(f"admission rule {rule!r}: {p.question!r}: a Decision's detail is a dict of JSON "
+                                f"values (it is written to the step records), got {str(d.detail)[:80]!r}")
 
 
 def cap_admissions(decisions: Sequence[Decision], room: int) -> int:

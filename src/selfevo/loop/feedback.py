@@ -20,6 +20,7 @@ import warnings
 from collections.abc import Callable, Collection, Sequence
 from typing import Protocol
 
+from selfevo._plugins import ContractError
 from selfevo.agents.base import Proposal, Solver, TrainableSolver
 from selfevo.evaluate import check_answers
 from selfevo.loop.folds import FoldAssignment, question_fold
@@ -137,16 +138,16 @@ def snapshot_of(solver, name: str):
     leaves its lineage behind would have every grading recorded as by a model trained on nothing."""
     snap = solver.snapshot(name=name)
     if (copied := _trained_on(snap)) != (had := _trained_on(solver)):
-        raise TypeError(f"{type(solver).__name__}.snapshot: the copy's lineage {copied} is not the model's {had}; a "
-                        "snapshot carries a copy of `lineage` (selfevo.agents.base.TrainableSolver)")
+        raise ContractError(f"{type(solver).__name__}.snapshot: the copy's lineage {copied} is not the model's "
+                            f"{had}; a snapshot carries a copy of `lineage` (selfevo.agents.base.TrainableSolver)")
     return snap
 
 
 def record_training(solver, folds: Sequence[int], round: int) -> None:
     lin = getattr(solver, "lineage", None)
     if not isinstance(lin, dict):
-        raise TypeError(f"{type(solver).__name__} ({solver.name}): no `lineage` dict to record its training in "
-                        "(selfevo.agents.base.TrainableSolver)")
+        raise ContractError(f"{type(solver).__name__} ({solver.name}): no `lineage` dict to record its training in "
+                            "(selfevo.agents.base.TrainableSolver)")
     lin["folds"] = sorted(set(lin.get("folds", [])) | set(folds))
     lin["rounds"] = sorted(set(lin.get("rounds", [])) | {round})
 

@@ -21,15 +21,15 @@ FEEDBACKS = ("coupled", "crossfit", "same-source", "full-data", "question-split"
 # where an installed package names a treatment of its own (its pyproject.toml:
 # [project.entry-points."selfevo.treatments"] NAME = "module:rules"), for `--treatment NAME`
 USER_TREATMENTS = "selfevo.treatments"
-# a user's treatment's name is a run directory's name in grids and demos: one path component
-USER_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
 # the user's treatments named in the manifests of runs read in this process (`runs.RunDir.config`): their
 # finished records are read without their package (only a resume needs its rules)
 _RECORDED: set[str] = set()
 
 
 def note_recorded(name: str) -> None:
-    if USER_NAME.fullmatch(name):
+    from selfevo._plugins import DIRECTORY_NAME
+
+    if isinstance(name, str) and DIRECTORY_NAME.fullmatch(name):  # config.json's field, checked when parsed
         _RECORDED.add(name)
 # ASCII digits and fullmatch: `\d` took other scripts' digits ("crossfit-k٣") and `$` a trailing newline
 # ("crossfit\n"), each a run under a name no other run of the treatment shares
@@ -109,15 +109,15 @@ def _builtin(name: str) -> bool:
 def user_treatments() -> list[str]:
     """The treatments installed packages name: selfevo's own names win, and a name that is no path component
     (a grid's run directory is named after it) is none."""
-    from selfevo._plugins import installed
+    from selfevo._plugins import DIRECTORY_NAME, installed
 
-    return sorted(n for n in installed(USER_TREATMENTS) if USER_NAME.fullmatch(n) and not _builtin(n))
+    return sorted(n for n in installed(USER_TREATMENTS) if DIRECTORY_NAME.fullmatch(n) and not _builtin(n))
 
 
 def user_rules(name: str):
     """The function that makes the rules of the user's treatment `name` (ValueError, naming the field, where
     no installed package names it, its import fails or it is no function)."""
-    from selfevo._plugins import load, top_level_function
+    from selfevo._plugins import load, recorded_name
 
     if name not in user_treatments():
         raise ValueError(f"treatment: {name!r} is a treatment of a package that is not installed (none names it "
@@ -126,7 +126,5 @@ def user_rules(name: str):
         rules = load(USER_TREATMENTS, name, "treatment")
     except ValueError as e:  # its package's import failed
         raise ValueError(f"treatment: {e}") from None
-    if not top_level_function(rules):
-        raise ValueError(f"treatment: {name!r} names an object of type {type(rules).__name__}, not a function "
-                         "defined at a module's top level (cfg, sources, folds, make_solver) -> (admission, feedback)")
+    recorded_name(rules, f"treatment: {name!r} names", "(cfg, sources, folds, make_solver) -> (admission, feedback)")
     return rules
