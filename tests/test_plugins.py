@@ -159,7 +159,8 @@ def test_the_command_audits_with_an_installed_packages_judge_and_compares_it_wit
     site = tmp_path / "site"
     _install(site, "myjudges", "myjudges_mod", JUDGES, "selfevo.judges",
              {"says": "myjudges_mod:make", "figures": "myjudges_mod:make", "oracle": "myjudges_mod:make",
-              "two": "myjudges_mod:TWO", "older": "myjudges_mod:make_without_documents"})
+              "two": "myjudges_mod:TWO", "older": "myjudges_mod:make_without_documents",
+              "metrics.json": "myjudges_mod:make"})
     monkeypatch.syspath_prepend(str(site))
     oracle = json.loads((world_run / "audit" / "metrics.json").read_text())
 
@@ -182,12 +183,13 @@ def test_the_command_audits_with_an_installed_packages_judge_and_compares_it_wit
     code, out = _cli("audit", world_run, "--judge", "says:dicts", "--out", tmp_path / "b")
     assert code != 0 and "says-dicts" in out and not (tmp_path / "b" / "metrics.json").exists()
     code, out = _cli("audit", world_run, "--judge", "nobody", "--out", tmp_path / "c")
-    assert code != 0 and "unknown judge 'nobody' (known: oracle, llm, gold, figures[:ARG], older[:ARG]" in out
+    assert code != 0 and "unknown judge 'nobody' (known: oracle, llm, gold, figures[:ARG], metrics.json[:ARG]" in out
     for spec, message in (("two", "judge 'two': names an object of type int, not a factory"),
                           ("older:yes", "its factory failed: TypeError: make_without_documents() got an unexpected"),
                           ("figures:yes", "its audit would go to RUN_DIR/audit/figures, which cannot be its own"),
+                          ("metrics.json:yes", "would go to " + str(world_run / "audit" / "metrics.json") + ", a file"),
                           ("oracle:yes", "unknown judge 'oracle:yes' (known: oracle, llm, gold, figures[:ARG], "
-                                         "older[:ARG], says[:ARG], two[:ARG])")):
+                                         "metrics.json[:ARG], older[:ARG], says[:ARG], two[:ARG])")):
         code, out = _cli("audit", world_run, "--judge", spec)
         assert code != 0 and message in " ".join(out.split()) and "Traceback" not in out, out
     code, out = _cli("audit", world_run, "--judge", "says:yes", "--injection-test", "5")

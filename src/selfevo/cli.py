@@ -919,6 +919,8 @@ def audit_cmd(
         documents = contents_by_id(env.documents)  # read on demand: a corpus stays on disk
         truth = oracle if compare == "oracle" else None
         out_dir = out or run.path / "audit" / ("llm" if judge == "llm" else mine or "")
+        if mine is not None and out is None and out_dir.exists() and not out_dir.is_dir():
+            _fail(f"--judge {judge}: its audit would go to {out_dir}, a file of the run's own audit; give --out")
     if out is not None:
         _out_not_in_another_run(out, run_dir)
     steps = limit_items(steps, max_items_per_step)

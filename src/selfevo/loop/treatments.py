@@ -125,6 +125,6 @@ def user_rules(name: str):
     try:
         rules = load(USER_TREATMENTS, name, "treatment")
     except ValueError as e:  # its package's import failed
-        raise ValueError(f"treatment: {e}") from None
+        raise ValueError(f"treatment: {str(e).removeprefix('treatment ')}") from None
     recorded_name(rules, f"treatment: {name!r} names", "(cfg, sources, folds, make_solver) -> (admission, feedback)")
     return rules
