@@ -1205,11 +1205,11 @@ def test_evolve_passes_its_options_on_and_a_resume_with_overrides_is_checked_aga
                          "--seed", "5", *TINY])
     assert "evolve reached" in text
     cfg, kw = got[-1]
-    assert kw == {"resume": False, "audit": False, "step_checkpoints": 3, "agents": None}
+    assert kw == {"resume": False, "audit": False, "step_checkpoints": 3}
     assert (cfg.seed, cfg.loop.rounds, cfg.world.name) == (5, 2, "small")
     assert "evolve reached" in _usage_error(["evolve", "--out", str(out), "--resume", "--set", "loop.rounds=2"])
     cfg, kw = got[-1]
-    assert kw == {"resume": True, "audit": True, "step_checkpoints": None, "agents": None} and cfg.loop.rounds == 2
+    assert kw == {"resume": True, "audit": True, "step_checkpoints": None} and cfg.loop.rounds == 2
 
 
 def test_engine_run_names_an_unknown_engine_and_one_the_config_contradicts(tmp_path, monkeypatch):

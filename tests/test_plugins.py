@@ -14,7 +14,6 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from selfevo._plugins import name_of
 from selfevo.cli import app
 from selfevo.runs import RunDir
 
@@ -90,8 +89,11 @@ def _cli(*args):
 
 def test_the_command_runs_an_installed_packages_learners_and_resumes_with_them(tmp_path, monkeypatch):
     """`evolve(agents=...)` ran a user's learners from Python only: the command `selfevo evolve` had no way
-    to load them. `--learners NAME` loads what a package names under `selfevo.learners`; a resume with no
-    option goes on with the run's own learners, found again by what the manifest recorded."""
+    to load them, nor a demo plan or a grid. The config's `learners` (`--learners NAME`) names what a package
+    gives under `selfevo.learners`; a resume reads it from the run's config, and the manifest records the
+    function behind the name."""
+    from selfevo.demo import DemoPlan
+
     site = tmp_path / "site"
     info = _install(site, "mylearners", "mylearners_mod", LEARNERS, "selfevo.learners",
                     {"mine": "mylearners_mod:make", "broken": "mylearners_missing:make",
@@ -102,20 +104,17 @@ def test_the_command_runs_an_installed_packages_learners_and_resumes_with_them(t
     assert code == 0, out
     manifest = json.loads((run / "manifest.json").read_text())
     assert manifest["agents"] == "mylearners_mod.make" and manifest["status"] == "complete"
+    assert json.loads((run / "config.json").read_text())["learners"] == "mine"
     assert json.loads((run / "audit" / "metrics.json").read_text())["rounds"][1]["F"] is not None
-    assert name_of("selfevo.learners", "mylearners_mod.make") == "mine"
-
-    code, out = _cli("evolve", "--out", run, "--resume")  # a finished run: audited again, as itself
-    assert code == 0, out
-    assert "resuming with the run's own learners (mine)" in out
+    assert _cli("evolve", "--out", run, "--resume")[0] == 0  # a finished run: audited again, as itself
 
     ours = tmp_path / "ours"
     assert _cli("evolve", "--out", ours, *TINY)[0] == 0
-    code, out = _cli("evolve", "--out", ours, "--resume", "--learners", "mine")
-    assert code != 0 and "made with the learners 'sim', resumed with 'mylearners_mod.make'" in out
+    code, out = _cli("evolve", "--out", ours, "--resume", "--learners", "mine", *TINY)
+    assert code != 0 and "fields: learners" in " ".join(out.split())
 
     code, out = _cli("evolve", "--out", tmp_path / "x", "--learners", "nope", *TINY)
-    assert code != 0 and "--learners: learners 'nope': no installed package names it under the selfevo.learners" \
+    assert code != 0 and "learners: learners 'nope': no installed package names it under the selfevo.learners" \
         in " ".join(out.split()) and not (tmp_path / "x").exists()
     code, out = _cli("evolve", "--out", tmp_path / "y", "--learners", "broken", *TINY)
     assert code != 0 and "loading mylearners_missing:make (entry point selfevo.learners) failed: " \
@@ -138,9 +137,21 @@ def test_the_command_runs_an_installed_packages_learners_and_resumes_with_them(t
     with pytest.raises(ValueError, match="not a function defined at a module's top level under its own name"):
         agents_name(scaled)
 
+    # a demo plan runs them in every job; its replay study (selfevo's learners) is refused with them
+    DemoPlan(treatments=("coupled", "crossfit"), seeds=1, replay_conditions=(), run={"learners": "mine"})
+    with pytest.raises(ValueError, match="the replay study trains selfevo's own learners"):
+        DemoPlan(treatments=("coupled",), seeds=1, run={"learners": "mine"})
+    with pytest.raises(ValueError, match="learners: learners 'broken': loading"):
+        DemoPlan(treatments=("coupled",), seeds=1, replay_conditions=(), run={"learners": "broken"})
+
+    (info / "entry_points.txt").write_text("[selfevo.learners]\nmine = mylearners_mod:proposer_only\n")
+    code, out = _cli("evolve", "--out", run, "--resume")  # the name now points at other code
+    assert code != 0 and "made with the learners 'mylearners_mod.make', resumed with " \
+                         "'mylearners_mod.proposer_only'" in " ".join(out.split())
     shutil.rmtree(info)  # the package uninstalled: the run cannot go on with learners nobody names
     code, out = _cli("evolve", "--out", run, "--resume")
-    assert code != 0 and "which no installed package names under the selfevo.learners entry points" in out
+    assert code != 0 and "learners: learners 'mine': no installed package names it" in " ".join(out.split())
+    assert _cli("audit", run, "--no-figures", "--no-progress")[0] == 0  # its records are read without it
 
 
 @pytest.fixture(scope="module")
@@ -303,3 +314,26 @@ def test_a_treatment_of_an_installed_package_runs_resumes_and_is_reported_beside
     assert code != 0 and "config.json: treatment: expected a string, got 5" in " ".join(out.split()), out
     assert _cli("report", runs)[0] == 0 and _cli("compare", runs / "coupled", run)[0] == 0
     assert _cli("audit", run, "--no-figures", "--no-progress")[0] == 0
+
+
+def test_a_demo_plan_runs_a_users_learners_and_treatment_beside_selfevos(tmp_path, monkeypatch):
+    """The paper's protocol on a user's pieces: a demo plan naming learners and a treatment of installed
+    packages runs every job with them (worker processes, which find the packages as the parent does), and
+    the report sets the user's treatment beside coupled."""
+    site = tmp_path / "site"
+    _install(site, "mylearners", "mylearners_mod", LEARNERS, "selfevo.learners", {"mine": "mylearners_mod:make"})
+    _install(site, "mytreatments", "mytreatments_mod", _treatment_example(), "selfevo.treatments",
+             {"grounded": "mytreatments_mod:grounded"})
+    monkeypatch.syspath_prepend(str(site))
+    monkeypatch.setenv("PYTHONPATH", str(site))  # the grid's worker processes
+    plan = tmp_path / "demo.toml"
+    plan.write_text('learners = "mine"\n[demo]\ntreatments = ["coupled", "grounded"]\nseeds = 2\nworld = "small"\n'
+                    "replay_conditions = []\n[loop]\nrounds = 2\nadmit_per_round = 40\nproposer_steps = 2\n"
+                    "solver_steps = 2\n[data]\neval_limit = 2\n")
+    code, out = _cli("demo", "--config", plan, "--out", tmp_path / "demo")
+    assert code == 0, out
+    results = json.loads((tmp_path / "demo" / "results.json").read_text())
+    assert results["treatments"] == ["coupled", "grounded"] and results["seeds"] == [0, 1]
+    assert results["rules"] == {"grounded": "mytreatments_mod.grounded"}
+    manifests = [json.loads(p.read_text()) for p in (tmp_path / "demo").rglob("manifest.json")]
+    assert len(manifests) == 4 and all(m["agents"] == "mylearners_mod.make" for m in manifests)

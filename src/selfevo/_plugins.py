@@ -68,20 +68,3 @@ def recorded_name(obj: Any, what: str, signature: str) -> str:
             return qualified_name(obj)
     raise ContractError(f"{what} an object of type {type(obj).__name__} ({qualified_name(obj)}), not a function "
                         f"defined at a module's top level under its own name {signature}")
-
-
-def name_of(group: str, qualname: str) -> str | None:
-    """The installed name under `group` of the piece a run recorded as `qualname` (`qualified_name`), or None.
-    An entry point that says where the piece is defined (`module:attr`) is matched without importing it; one
-    that points at a re-export is loaded to read its qualified name."""
-    found = installed(group)
-    for name, ep in found.items():
-        if f"{ep.module}.{ep.attr}" == qualname:
-            return name
-    for name, ep in found.items():
-        try:
-            if qualified_name(ep.load()) == qualname:
-                return name
-        except Exception:  # a broken package that is not the one asked for
-            continue
-    return None

@@ -605,18 +605,18 @@ def evolve_cmd(
                                                      "the lm backend, else 0)"),
     learners: str | None = typer.Option(None, help="the proposer and solvers of an installed package of yours, "
                                                    "by the name it gives them under the selfevo.learners entry "
-                                                   "points, in place of the backend's (docs/extending.md; "
-                                                   "--resume: the run's own, by default)"),
+                                                   "points, in place of the backend's (docs/extending.md; the "
+                                                   "config's learners field; default: the config's, else none)"),
 ) -> None:
     """Run the self-evolution loop into a run directory, then audit it."""
     from selfevo._plugins import ContractError
     from selfevo.config import NEEDS_QA_DIR, ConfigError, config_from_dict, load_config
-    from selfevo.evolve import evolve, learners_of_run, load_learners
+    from selfevo.evolve import evolve
     from selfevo.runs import ConfigDiffers, RunDir, RunError
     from selfevo.world import WorldError
 
     beside = None if corpus is None else corpus.resolve().parent.parent / "qa"  # the FlashRAG layout
-    options = (config, *set_, world, treatment, seed, rounds, backend, model, corpus, qa_dir, index)
+    options = (config, *set_, world, treatment, seed, rounds, backend, model, corpus, qa_dir, index, learners)
 
     def how_to_go_on() -> str:  # a stop before the run's config is written leaves nothing to resume
         if (out / "config.json").is_file():
@@ -634,7 +634,8 @@ def evolve_cmd(
             cfg = config_from_dict(RunDir(out).config())
             console.print(escape(f"resuming with the run's own config ({out / 'config.json'})"))
         else:
-            top = {"treatment": treatment, "seed": seed, "backend": backend, "world.name": world,
+            top = {"treatment": treatment, "seed": seed, "backend": backend, "learners": learners,
+                   "world.name": world,
                    "loop.rounds": rounds, "lm.model": model, "data.corpus": None if corpus is None else str(corpus),
                    "data.qa_dir": None if qa_dir is None else str(qa_dir),
                    "data.index": None if index is None else str(index)}
@@ -648,18 +649,8 @@ def evolve_cmd(
                                      "names another)"))
         if model is not None and cfg.backend != "lm":  # the sim learners would ignore it
             _fail(f"--model {model}: a language model needs the lm backend (add --backend lm)")
-        agents = None
-        if learners is not None:
-            try:
-                agents = load_learners(learners)
-            except ValueError as e:  # not installed, or its import failed (named, with the error)
-                _fail(f"--learners: {e}")
-        elif resume and RunDir(out).exists() and (own := learners_of_run(RunDir(out))) is not None:
-            # the run's own learners, as its own config is: a resume that forgot --learners would be refused
-            console.print(escape(f"resuming with the run's own learners ({own[0]})"))
-            agents = own[1]
         with _on_stop(how_to_go_on), _warnings_as_lines():
-            run = evolve(cfg, out, resume=resume, audit=audit, step_checkpoints=step_checkpoints, agents=agents)
+            run = evolve(cfg, out, resume=resume, audit=audit, step_checkpoints=step_checkpoints)
     except ConfigError as e:
         if str(e) == NEEDS_QA_DIR and qa_dir is None and beside is not None:  # say it in the command's words
             _fail(f"--qa-dir: not given, and no qa/ directory beside the corpus's directory ({beside}): "

@@ -121,6 +121,8 @@ class RunConfig:
     treatment: str = "coupled"
     seed: int = 0
     backend: str = "sim"  # sim: the embedded numpy learners | lm: language models (transformers)
+    # "": the backend's | the name an installed package gives its learners under selfevo.learners
+    learners: str = ""
     world: WorldSpec = field(default_factory=WorldSpec)
     data: DataSpec = field(default_factory=DataSpec)
     loop: LoopConfig = field(default_factory=LoopConfig)

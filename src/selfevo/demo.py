@@ -145,6 +145,17 @@ class DemoPlan:
                               "runs need at least 2 rounds; or set demo.replay_conditions = []")
         for t in self.treatments:  # validate every treatment (and the run tables) before running
             config_from_dict({**self.run, "treatment": t})
+        if (learners := config_from_dict(self.run).learners) and self.replay_conditions:
+            # the bank's feedback solvers are selfevo's learners: a bank of the runs would be refused once they ended
+            raise ConfigError(f"learners: {learners!r}: the replay study trains selfevo's own learners on the runs' "
+                              "questions, not yours; set demo.replay_conditions = [] with learners of your own")
+        if learners:
+            from selfevo.evolve import load_learners
+
+            try:
+                load_learners(learners)  # its package's import, once, not in every seed's job
+            except ValueError as e:
+                raise ConfigError(f"learners: {e}") from None
 
     def overrides(self) -> list[str]:
         """The run tables as `--set` overrides (TOML literals), plus the world."""

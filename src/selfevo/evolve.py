@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from selfevo._io import cache_root, file_sha256, write_json
-from selfevo._plugins import ContractError, load, name_of, qualified_name, recorded_name
+from selfevo._plugins import ContractError, load, qualified_name, recorded_name
 from selfevo.agents.sim import Reader, SimProposer, SimSolver
 from selfevo.audit import OracleJudge, audit_run
 from selfevo.config import ConfigError, RunConfig, WorldSpec, config_from_dict
@@ -243,19 +243,6 @@ def load_learners(name: str) -> Agents:
     return agents
 
 
-def learners_of_run(run: RunDir) -> tuple[str, Agents] | None:
-    """The installed learners a run was made with (their entry-point name and themselves), None for a run of
-    selfevo's own; a RunError when no installed package names them any more."""
-    made_with = run.manifest().get("agents")
-    if made_with is None:
-        return None
-    if (name := name_of(LEARNERS, made_with)) is None:
-        raise RunError(f"{run.path}: made with the learners {made_with!r}, which no installed package names under "
-                       f"the {LEARNERS} entry points: install it again to resume the run")
-    try:
-        return name, load_learners(name)
-    except ValueError as e:  # its package's import fails now
-        raise RunError(f"{run.path}: {e}") from None
 
 
 def build_loop(cfg: RunConfig, env: Environment, tool: SearchTool, folds: FoldAssignment, evaluate=None,
@@ -443,6 +430,13 @@ def evolve(cfg: RunConfig, out: str | os.PathLike, resume: bool = False, progres
     # a new run directory is written: a failed start leaves nothing to block the corrected retry.
     env = environment(cfg)
     tool = SearchTool(env.index, topk=cfg.search.topk, max_calls=cfg.search.max_calls)
+    if cfg.learners:
+        if agents is not None:
+            raise ConfigError(f"learners: {cfg.learners!r} in the config, and evolve(agents=...) given; one of them")
+        try:
+            agents = load_learners(cfg.learners)
+        except ValueError as e:  # not installed, its import failed, no function
+            raise ConfigError(f"learners: {e}") from None
     rules = user_rules(cfg)
     rules_name = None if rules is None else qualified_name(rules)
     learners_name = agents_name(agents)  # refused now, not once the run is made, where no name can record them
@@ -451,11 +445,12 @@ def evolve(cfg: RunConfig, out: str | os.PathLike, resume: bool = False, progres
         resuming = resume and run.exists()
         kept_folds = None
         if resuming:
-            if (made_with := run.manifest().get("agents")) != learners_name:
+            # another config's learners or treatment: the config check below names the field
+            made = run.config()
+            if made["learners"] == cfg.learners and (made_with := run.manifest().get("agents")) != learners_name:
                 raise RunError(f"{run.path}: made with the learners {made_with or cfg.backend!r}, resumed with "
                                f"{learners_name or cfg.backend!r}; a run goes on with the learners it began with")
-            if run.config()["treatment"] == cfg.treatment and (made_by := run.manifest().get("rules")) != rules_name:
-                # its package's entry point moved (another treatment: the config check below names it)
+            if made["treatment"] == cfg.treatment and (made_by := run.manifest().get("rules")) != rules_name:
                 raise RunError(f"{run.path}: treatment {cfg.treatment!r} was made by {made_by}, and is now made by "
                                f"{rules_name}; a run goes on with the rules it began with")
             done = run.open_for_resume(cfg.to_json(), defaults=RunConfig().to_json())

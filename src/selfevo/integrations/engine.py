@@ -178,6 +178,9 @@ def engine_config_from_dict(data: Mapping, engine: str | None = None) -> EngineC
     run = config_from_dict(data)
     if run.backend != "lm":
         raise ConfigError('backend: engine-run trains language models; set backend = "lm"')
+    if run.learners:  # its jobs train the language model of [lm]
+        raise ConfigError(f"learners: {run.learners!r}: engine-run trains selfevo's language-model learners; "
+                          "learners of yours run in `selfevo evolve`")
     if parse_treatment(run.treatment).feedback == "user":  # its jobs route selfevo's own rules only
         raise ConfigError(f"treatment: {run.treatment!r} is a treatment of an installed package's; engine-run runs "
                           "selfevo's own (its rules run in `selfevo evolve`)")
