@@ -243,8 +243,6 @@ def load_learners(name: str) -> Agents:
     return agents
 
 
-
-
 def build_loop(cfg: RunConfig, env: Environment, tool: SearchTool, folds: FoldAssignment, evaluate=None,
                store: Path | None = None, agents: Agents | None = None) -> Loop:
     """The loop of `cfg.backend` (`store`: where an lm backend keeps its checkpointed tensors), or of the
@@ -428,8 +426,6 @@ def evolve(cfg: RunConfig, out: str | os.PathLike, resume: bool = False, progres
         raise ValueError(f"step_checkpoints: must be an integer >= 0, got {step_checkpoints!r}")
     # Everything that can fail at start-up (bad data, a model that does not load) happens before
     # a new run directory is written: a failed start leaves nothing to block the corrected retry.
-    env = environment(cfg)
-    tool = SearchTool(env.index, topk=cfg.search.topk, max_calls=cfg.search.max_calls)
     if cfg.learners:
         if agents is not None:
             raise ConfigError(f"learners: {cfg.learners!r} in the config, and evolve(agents=...) given; one of them")
@@ -440,6 +436,8 @@ def evolve(cfg: RunConfig, out: str | os.PathLike, resume: bool = False, progres
     rules = user_rules(cfg)
     rules_name = None if rules is None else qualified_name(rules)
     learners_name = agents_name(agents)  # refused now, not once the run is made, where no name can record them
+    env = environment(cfg)
+    tool = SearchTool(env.index, topk=cfg.search.topk, max_calls=cfg.search.max_calls)
     run = RunDir(out)
     with run.lock():  # one writer: a second (a rerun beside a live orphan) would interleave its records
         resuming = resume and run.exists()
