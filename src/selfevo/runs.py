@@ -539,11 +539,17 @@ class RunDir:
         """The saved config, parsed as `selfevo evolve` would (a field added to selfevo since the
         run was made reads as its default), as plain JSON."""
         path = self.path / "config.json"
-        if (self.path / "manifest.json").is_file() and isinstance(self.manifest().get("rules"), str):
-            # a user's treatment (its rules the manifest names): its records read without its package
+        try:  # a damaged or missing manifest is its reader's to name, not the config's
+            user_treatment = isinstance(self.manifest().get("rules"), str)
+        except (ValueError, OSError):
+            user_treatment = False
+        if user_treatment:  # a user's treatment (its rules the manifest names): records read without its package
             from selfevo.loop.treatments import note_recorded
 
-            note_recorded(read_object(path).get("treatment", ""))
+            try:
+                note_recorded(read_object(path).get("treatment", ""))
+            except (ValueError, OSError):
+                pass  # config.json damaged or missing: named below
         try:
             cfg = config_from_dict(read_object(path))
         except ConfigError as e:
