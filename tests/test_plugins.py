@@ -107,6 +107,10 @@ def test_the_command_runs_an_installed_packages_learners_and_resumes_with_them(t
     assert json.loads((run / "config.json").read_text())["learners"] == "mine"
     assert json.loads((run / "audit" / "metrics.json").read_text())["rounds"][1]["F"] is not None
     assert _cli("evolve", "--out", run, "--resume")[0] == 0  # a finished run: audited again, as itself
+    # [solver], [proposer] and [lm] are the learners' to read, whatever the backend
+    code, out = _cli("evolve", "--out", tmp_path / "lm-table", "--learners", "mine", "--set", "lm.max_actions=3",
+                     *TINY)
+    assert code == 0, out
 
     ours = tmp_path / "ours"
     assert _cli("evolve", "--out", ours, *TINY)[0] == 0
@@ -114,13 +118,13 @@ def test_the_command_runs_an_installed_packages_learners_and_resumes_with_them(t
     assert code != 0 and "fields: learners" in " ".join(out.split())
 
     code, out = _cli("evolve", "--out", tmp_path / "x", "--learners", "nope", *TINY)
-    assert code != 0 and "learners: learners 'nope': no installed package names it under the selfevo.learners" \
+    assert code != 0 and "learners: 'nope': no installed package names it under the selfevo.learners" \
         in " ".join(out.split()) and not (tmp_path / "x").exists()
     code, out = _cli("evolve", "--out", tmp_path / "y", "--learners", "broken", *TINY)
     assert code != 0 and "loading mylearners_missing:make (entry point selfevo.learners) failed: " \
                          "ModuleNotFoundError" in " ".join(out.split())
     code, out = _cli("evolve", "--out", tmp_path / "z", "--learners", "number", *TINY)
-    assert code != 0 and "learners 'number': an object of type int (builtins.int), not a function" \
+    assert code != 0 and "learners: 'number': an object of type int (builtins.int), not a function" \
         in " ".join(out.split())
     code, out = _cli("evolve", "--out", tmp_path / "h", "--learners", "half", *TINY)
     assert code != 0 and "learners mylearners_mod.proposer_only: return (proposer, make_solver)" \
@@ -137,11 +141,18 @@ def test_the_command_runs_an_installed_packages_learners_and_resumes_with_them(t
     with pytest.raises(ValueError, match="not a function defined at a module's top level under its own name"):
         agents_name(scaled)
 
+    other = _install(site, "otherlearners", "otherlearners_mod", LEARNERS, "selfevo.learners",
+                     {"mine": "otherlearners_mod:make"})
+    code, out = _cli("evolve", "--out", tmp_path / "two", "--learners", "mine", *TINY)
+    assert code != 0 and "'mine': named by several installed packages under the selfevo.learners entry points " \
+        "(mylearners_mod:make in mylearners, otherlearners_mod:make in otherlearners)" in " ".join(out.split())
+    shutil.rmtree(other)
+
     # a demo plan runs them in every job; its replay study (selfevo's learners) is refused with them
     DemoPlan(treatments=("coupled", "crossfit"), seeds=1, replay_conditions=(), run={"learners": "mine"})
     with pytest.raises(ValueError, match="the replay study trains selfevo's own learners"):
         DemoPlan(treatments=("coupled",), seeds=1, run={"learners": "mine"})
-    with pytest.raises(ValueError, match="learners: learners 'broken': loading"):
+    with pytest.raises(ValueError, match="learners: 'broken': loading"):
         DemoPlan(treatments=("coupled",), seeds=1, replay_conditions=(), run={"learners": "broken"})
 
     (info / "entry_points.txt").write_text("[selfevo.learners]\nmine = mylearners_mod:proposer_only\n")
@@ -150,7 +161,7 @@ def test_the_command_runs_an_installed_packages_learners_and_resumes_with_them(t
                          "'mylearners_mod.proposer_only'" in " ".join(out.split())
     shutil.rmtree(info)  # the package uninstalled: the run cannot go on with learners nobody names
     code, out = _cli("evolve", "--out", run, "--resume")
-    assert code != 0 and "learners: learners 'mine': no installed package names it" in " ".join(out.split())
+    assert code != 0 and "learners: 'mine': no installed package names it" in " ".join(out.split())
     assert _cli("audit", run, "--no-figures", "--no-progress")[0] == 0  # its records are read without it
 
 
@@ -195,8 +206,8 @@ def test_the_command_audits_with_an_installed_packages_judge_and_compares_it_wit
     assert code != 0 and "says-dicts" in out and not (tmp_path / "b" / "metrics.json").exists()
     code, out = _cli("audit", world_run, "--judge", "nobody", "--out", tmp_path / "c")
     assert code != 0 and "unknown judge 'nobody' (known: oracle, llm, gold, figures[:ARG], metrics.json[:ARG]" in out
-    for spec, message in (("two", "judge 'two': names an object of type int, not a factory"),
-                          ("older:yes", "its factory failed: TypeError: make_without_documents() got an unexpected"),
+    for spec, message in (("two", "judge 'two': builtins.int is no factory make(arg, *, documents) -> Judge"),
+                          ("older:yes", "myjudges_mod.make_without_documents is no factory make(arg, *, documents)"),
                           ("figures:yes", "its audit would go to RUN_DIR/audit/figures, which cannot be its own"),
                           ("metrics.json:yes", "would go to " + str(world_run / "audit" / "metrics.json") + ", a file"),
                           ("oracle:yes", "unknown judge 'oracle:yes' (known: oracle, llm, gold, figures[:ARG], "
@@ -231,7 +242,8 @@ def _treatment_example() -> str:
         "class Costly(Grounded):\n    name = 'evaluation'\n" \
         "def costly(cfg, sources, folds, make_solver):\n    return Costly(sources), CoupledFeedback(folds)\n" \
         "class Buggy(Grounded):\n    def decide(self, proposals, tool, seed):\n        return 1 + proposals[0]\n" \
-        "def buggy(cfg, sources, folds, make_solver):\n    return Buggy(sources), CoupledFeedback(folds)\n"
+        "def buggy(cfg, sources, folds, make_solver):\n    return Buggy(sources), CoupledFeedback(folds)\n" \
+        "def listed(cfg, sources, folds, make_solver):\n    return list(grounded(cfg, sources, folds, make_solver))\n"
 
 
 def test_a_treatment_of_an_installed_package_runs_resumes_and_is_reported_beside_selfevos(tmp_path, monkeypatch):
@@ -244,7 +256,7 @@ def test_a_treatment_of_an_installed_package_runs_resumes_and_is_reported_beside
                     {"grounded": "mytreatments_mod:grounded", "three": "mytreatments_mod:NOT_A_FUNCTION",
                      "swapped": "mytreatments_mod:swapped", "costly": "mytreatments_mod:costly",
                      "coupled": "mytreatments_mod:other", "../up": "mytreatments_mod:other",
-                     "buggy": "mytreatments_mod:buggy"})
+                     "buggy": "mytreatments_mod:buggy", "listed": "mytreatments_mod:listed"})
     monkeypatch.syspath_prepend(str(site))
     runs = tmp_path / "runs"
     for treatment in ("coupled", "grounded"):
@@ -271,7 +283,9 @@ def test_a_treatment_of_an_installed_package_runs_resumes_and_is_reported_beside
         _check_field("treatments", ["coupled", "three"])
     with pytest.raises(ValueError, match="unknown '../up'"):  # no path component: a grid names a directory after it
         _check_field("treatments", ["coupled", "../up"])
-    for name, message in (("swapped", "admission rule 'coupled' (CoupledFeedback): has no generations_per_candidate"),
+    for name, message in (("listed", "treatment 'listed' (mytreatments_mod.listed): returns (admission, feedback), "
+                                     "got list"),
+                          ("swapped", "admission rule 'coupled' (CoupledFeedback): has no generations_per_candidate"),
                           ("costly", "its purpose, else its name, 'evaluation': that must be a name other than")):
         code, out = _cli("evolve", "--out", tmp_path / name, "--treatment", name, *TINY)
         assert code != 0 and message in " ".join(out.split()) and "Traceback" not in out, out
@@ -285,7 +299,7 @@ def test_a_treatment_of_an_installed_package_runs_resumes_and_is_reported_beside
                          "folds, make_solver)" \
         in " ".join(out.split())
     code, out = _cli("evolve", "--out", tmp_path / "y", "--treatment", "nope", *TINY)
-    assert code != 0 and "costly, grounded, swapped, three; a treatment of yours: a name an installed package " \
+    assert code != 0 and "grounded, listed, swapped, three; a treatment of yours: a name an installed package " \
                          "gives under the selfevo.treatments entry points" in " ".join(out.split())
 
     from selfevo.config import ConfigError
@@ -321,7 +335,8 @@ def test_a_demo_plan_runs_a_users_learners_and_treatment_beside_selfevos(tmp_pat
     packages runs every job with them (worker processes, which find the packages as the parent does), and
     the report sets the user's treatment beside coupled."""
     site = tmp_path / "site"
-    _install(site, "mylearners", "mylearners_mod", LEARNERS, "selfevo.learners", {"mine": "mylearners_mod:make"})
+    learners = _install(site, "mylearners", "mylearners_mod", LEARNERS, "selfevo.learners",
+                        {"mine": "mylearners_mod:make"})
     _install(site, "mytreatments", "mytreatments_mod", _treatment_example(), "selfevo.treatments",
              {"grounded": "mytreatments_mod:grounded"})
     monkeypatch.syspath_prepend(str(site))
@@ -337,3 +352,10 @@ def test_a_demo_plan_runs_a_users_learners_and_treatment_beside_selfevos(tmp_pat
     assert results["rules"] == {"grounded": "mytreatments_mod.grounded"}
     manifests = [json.loads(p.read_text()) for p in (tmp_path / "demo").rglob("manifest.json")]
     assert len(manifests) == 4 and all(m["agents"] == "mylearners_mod.make" for m in manifests)
+    assert results["learners"] == "mylearners_mod.make"  # the report says whose learners made its numbers
+
+    # the name now points at other code: a rerun does not count the finished runs as the plan's
+    (learners / "entry_points.txt").write_text("[selfevo.learners]\nmine = mylearners_mod:proposer_only\n")
+    code, out = _cli("demo", "--config", plan, "--out", tmp_path / "demo")
+    assert code != 0 and "made with the learners 'mylearners_mod.make', resumed with 'mylearners_mod.proposer_only'" \
+        in " ".join(out.split()), out

@@ -37,6 +37,10 @@ def load(group: str, name: str, what: str) -> Any:
         known = ", ".join(sorted(found)) or "none installed"
         raise ValueError(f"{what} '{name}': no installed package names it under the {group} entry points "
                          f"(known: {known})")
+    same = {ep.value: getattr(ep.dist, "name", "?") for ep in entry_points(group=group) if ep.name == name}
+    if len(same) > 1:  # which one `entry_points` lists last is no choice of the user's
+        raise ValueError(f"{what} '{name}': named by several installed packages under the {group} entry points ("
+                         + ", ".join(f"{v} in {d}" for v, d in sorted(same.items())) + "); uninstall all but one")
     ep = found[name]
     try:
         return ep.load()

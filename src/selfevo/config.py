@@ -136,17 +136,18 @@ class RunConfig:
             raise ValueError(f"backend: must be sim or lm, got {self.backend!r}")
         if self.backend == "sim" and self.data.corpus:
             raise ValueError("data.corpus: the sim backend runs on the synthetic world only; use backend = \"lm\"")
-        # a setting only the other backend reads would be recorded in config.json and silently ignored
-        for table in ("lm",) if self.backend == "sim" else ("solver", "proposer"):
+        # a setting only the other backend reads would be recorded in config.json and silently ignored (learners
+        # of a user's read what they read: [solver], [proposer], [lm] and the world's settings are theirs)
+        for table in () if self.learners else ("lm",) if self.backend == "sim" else ("solver", "proposer"):
             default = type(getattr(self, table))()
             for f in dataclasses.fields(default):
                 if getattr(getattr(self, table), f.name) != getattr(default, f.name):
                     reader = "lm backend (--backend lm)" if table == "lm" else "sim backend's learners"
                     raise ValueError(f"{table}.{f.name}: read only by the {reader}; backend {self.backend!r} "
                                      "would ignore it")
-        if self.backend == "sim":
+        if self.backend == "sim" and not self.learners:
             self._check_hops_fit_search_budget()
-        if self.backend == "lm" and self.world.shared_misreading != WorldSpec.shared_misreading:
+        if self.backend == "lm" and not self.learners and self.world.shared_misreading != WorldSpec.shared_misreading:
             raise ValueError("world.shared_misreading: read only by the sim backend's readers; backend 'lm' "
                              "would ignore it")
         if self.data.corpus:  # the corpus replaces the synthetic world: a [world] setting would be ignored too

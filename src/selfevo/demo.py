@@ -155,7 +155,7 @@ class DemoPlan:
             try:
                 load_learners(learners)  # its package's import, once, not in every seed's job
             except ValueError as e:
-                raise ConfigError(f"learners: {e}") from None
+                raise ConfigError(f"learners: {str(e).removeprefix('learners ')}") from None
 
     def overrides(self) -> list[str]:
         """The run tables as `--set` overrides (TOML literals), plus the world."""

@@ -85,8 +85,8 @@ def make_rules(cfg: RunConfig, sources, folds: FoldAssignment, make_solver):
     if (rules := user_rules(cfg)) is not None:
         made = rules(cfg, sources, folds, make_solver)
         if not (isinstance(made, tuple) and len(made) == 2):
-            raise ConfigError(f"treatment: {cfg.treatment!r} ({qualified_name(rules)}) returns (admission, feedback), "
-                              f"got {type(made).__name__}")
+            raise ContractError(f"treatment {cfg.treatment!r} ({qualified_name(rules)}): returns (admission, "
+                                f"feedback), got {type(made).__name__}")
         return made
     t = parse_treatment(cfg.treatment)
     admission = MSV({d.id: d for d in sources}, samples=cfg.loop.msv_samples) if t.msv else AdmitAll()
@@ -241,6 +241,34 @@ def load_learners(name: str) -> Agents:
     except ValueError as e:
         raise ValueError(f"learners '{name}'{str(e).removeprefix('learners')}") from None
     return agents
+
+
+def user_pieces(cfg: RunConfig, agents: Agents | None = None) -> tuple[Agents | None, str | None, str | None]:
+    """A run's learners of a user's (`agents`, or the config's `learners`), and how the manifest records them
+    and a user's treatment's rules (None: selfevo's own)."""
+    if cfg.learners:
+        if agents is not None:
+            raise ConfigError(f"learners: {cfg.learners!r} in the config, and evolve(agents=...) given; one of them")
+        try:
+            agents = load_learners(cfg.learners)
+        except ValueError as e:  # not installed, its import failed, no function
+            raise ConfigError(f"learners: {str(e).removeprefix('learners ')}") from None
+    rules = user_rules(cfg)
+    # refused now (a partial, a wrapper), not once the run is made, where no name can record them
+    return agents, agents_name(agents), None if rules is None else qualified_name(rules)
+
+
+def check_made_by(run: RunDir, cfg: RunConfig, learners_name: str | None, rules_name: str | None) -> None:
+    """A run goes on (or counts as this config's, finished) only with the functions it was made by: a name an
+    entry point now points elsewhere is refused. Another config's learners or treatment: the config check
+    names the field."""
+    made, manifest = run.config(), run.manifest()
+    if made["learners"] == cfg.learners and (made_with := manifest.get("agents")) != learners_name:
+        raise RunError(f"{run.path}: made with the learners {made_with or cfg.backend!r}, resumed with "
+                       f"{learners_name or cfg.backend!r}; a run goes on with the learners it began with")
+    if made["treatment"] == cfg.treatment and (made_by := manifest.get("rules")) != rules_name:
+        raise RunError(f"{run.path}: treatment {cfg.treatment!r} was made by {made_by}, and is now made by "
+                       f"{rules_name}; a run goes on with the rules it began with")
 
 
 def build_loop(cfg: RunConfig, env: Environment, tool: SearchTool, folds: FoldAssignment, evaluate=None,
@@ -426,16 +454,7 @@ def evolve(cfg: RunConfig, out: str | os.PathLike, resume: bool = False, progres
         raise ValueError(f"step_checkpoints: must be an integer >= 0, got {step_checkpoints!r}")
     # Everything that can fail at start-up (bad data, a model that does not load) happens before
     # a new run directory is written: a failed start leaves nothing to block the corrected retry.
-    if cfg.learners:
-        if agents is not None:
-            raise ConfigError(f"learners: {cfg.learners!r} in the config, and evolve(agents=...) given; one of them")
-        try:
-            agents = load_learners(cfg.learners)
-        except ValueError as e:  # not installed, its import failed, no function
-            raise ConfigError(f"learners: {e}") from None
-    rules = user_rules(cfg)
-    rules_name = None if rules is None else qualified_name(rules)
-    learners_name = agents_name(agents)  # refused now, not once the run is made, where no name can record them
+    agents, learners_name, rules_name = user_pieces(cfg, agents)
     env = environment(cfg)
     tool = SearchTool(env.index, topk=cfg.search.topk, max_calls=cfg.search.max_calls)
     run = RunDir(out)
@@ -443,14 +462,7 @@ def evolve(cfg: RunConfig, out: str | os.PathLike, resume: bool = False, progres
         resuming = resume and run.exists()
         kept_folds = None
         if resuming:
-            # another config's learners or treatment: the config check below names the field
-            made = run.config()
-            if made["learners"] == cfg.learners and (made_with := run.manifest().get("agents")) != learners_name:
-                raise RunError(f"{run.path}: made with the learners {made_with or cfg.backend!r}, resumed with "
-                               f"{learners_name or cfg.backend!r}; a run goes on with the learners it began with")
-            if made["treatment"] == cfg.treatment and (made_by := run.manifest().get("rules")) != rules_name:
-                raise RunError(f"{run.path}: treatment {cfg.treatment!r} was made by {made_by}, and is now made by "
-                               f"{rules_name}; a run goes on with the rules it began with")
+            check_made_by(run, cfg, learners_name, rules_name)
             done = run.open_for_resume(cfg.to_json(), defaults=RunConfig().to_json())
             check_world(run, cfg, evaluation=True, held=True)
             kept_folds = saved_folds(run, cfg)

@@ -53,7 +53,7 @@ def grid(treatments: Sequence[str], seeds: Sequence[int], root: str | os.PathLik
 def run_job(job: Job) -> dict:
     """Run one job; never raises (a failure is a result)."""
     from selfevo.config import RunConfig, load_config
-    from selfevo.evolve import check_world, evolve
+    from selfevo.evolve import check_made_by, check_world, evolve, user_pieces
     from selfevo.runs import RunDir
 
     run = RunDir(job.out)
@@ -63,6 +63,7 @@ def run_job(job: Job) -> dict:
             # finished under this job's config, or its results would pass for this grid's
             run.check_config(cfg.to_json(), defaults=RunConfig().to_json())
             check_world(run, cfg)  # ... and on the world (directory) it names now, as a resume checks
+            check_made_by(run, cfg, *user_pieces(cfg)[1:])  # ... by the functions its names point at now
             return {"job": job.name, "status": "skipped", "run": job.out}
         evolve(cfg, job.out, resume=run.exists(), progress=False)
         return {"job": job.name, "status": "ok", "run": job.out}

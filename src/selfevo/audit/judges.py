@@ -86,19 +86,21 @@ def installed_judges() -> list[str]:
 def load_judge(spec: str, documents=None) -> Judge:
     """The judge `NAME[:ARG]` names: built by the factory an installed package names NAME under the
     `selfevo.judges` entry points."""
-    from selfevo._plugins import load
+    import inspect
+
+    from selfevo._plugins import ContractError, load, qualified_name
 
     name, _, arg = spec.partition(":")
     make = load(JUDGES, name, "judge")
-    if not callable(make):
-        raise ValueError(f"judge '{name}': names an object of type {type(make).__name__}, not a factory "
-                         "make(arg, *, documents) -> Judge")
     try:
-        judge = make(arg, documents=documents)
-    except TypeError as e:  # most often a factory of another signature
-        raise ValueError(f"judge '{name}': its factory failed: TypeError: {e} (a factory is "
-                         "make(arg, *, documents) -> Judge)") from None
+        inspect.signature(make).bind(arg, documents=documents)
+    except TypeError as e:  # not callable, or of another signature (a TypeError inside it keeps its traceback)
+        raise ContractError(f"judge '{name}': {qualified_name(make)} is no factory make(arg, *, documents) -> Judge "
+                            f"({e})") from None
+    except ValueError:  # a callable with no signature Python can read (a builtin): called as it is
+        pass
+    judge = make(arg, documents=documents)
     if not isinstance(getattr(judge, "name", None), str) or not callable(getattr(judge, "judge", None)):
-        raise ValueError(f"judge '{name}': its factory returned {type(judge).__name__}, not a judge (an object "
+        raise ContractError(f"judge '{name}': its factory returned {type(judge).__name__}, not a judge (an object "
                          "with a name and judge(items) -> list of Verdict)")
     return judge

@@ -99,6 +99,8 @@ def collect_runs(run_dirs: Sequence[str | os.PathLike]) -> dict:
                  "audit": {}, "compute": {}, "excluded": excluded}
     if made_by := {t: rules[t][0] for t in treatments if rules[t][0]}:
         out["rules"] = made_by  # what each treatment of a user's ran (its manifests' `rules`)
+    if manifests and (agents := manifests[0].get("agents")):  # one for all: the setting check above
+        out["learners"] = agents  # a user's learners ran every run, not selfevo's
     audits, out["audit_setting"] = _audits(runs, done)
     out["base"] = {c: summary([r.get(c) for r in base_rows]) for c in columns}
     coupled = finals.get("coupled", {})
