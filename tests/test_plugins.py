@@ -6,6 +6,7 @@ its entry_points.txt, on sys.path."""
 from __future__ import annotations
 
 import functools
+import html
 import json
 import shutil
 import sys
@@ -353,6 +354,9 @@ def test_a_demo_plan_runs_a_users_learners_and_treatment_beside_selfevos(tmp_pat
     manifests = [json.loads(p.read_text()) for p in (tmp_path / "demo").rglob("manifest.json")]
     assert len(manifests) == 4 and all(m["agents"] == "mylearners_mod.make" for m in manifests)
     assert results["learners"] == "mylearners_mod.make"  # the report says whose learners made its numbers
+    for page in ("report.md", "report.html"):
+        assert "Made with: learners mylearners_mod.make (a user's: every run); treatment grounded's rules " \
+               "mytreatments_mod.grounded (a user's)." in html.unescape((tmp_path / "demo" / page).read_text())
 
     # the name now points at other code: a rerun does not count the finished runs as the plan's
     (learners / "entry_points.txt").write_text("[selfevo.learners]\nmine = mylearners_mod:proposer_only\n")

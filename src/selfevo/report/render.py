@@ -140,10 +140,18 @@ def _code(text: str) -> str:
     return f"{'`' * n}{pad}{text.replace(chr(13), ' ').replace(chr(10), ' ')}{pad}{'`' * n}"
 
 
+def users_pieces_text(res: dict) -> str:
+    """Whose learners and rules made the numbers, where a user's did (results.json's `learners`, `rules`)."""
+    said = [f"learners {res['learners']} (a user's: every run)"] if res.get("learners") else []
+    said += [f"treatment {t}'s rules {f} (a user's)" for t, f in res.get("rules", {}).items()]
+    return f"Made with: {'; '.join(said)}." if said else ""
+
+
 def markdown(res: dict, figures: dict[str, str]) -> str:
     lines = ["# selfevo report", "", _text(f"Treatments: {', '.join(res['treatments'])}; seeds: "
                                           f"{', '.join(map(str, res['seeds']))}. {res.get('context', '')}"), "",
              _text(f"Software: {software_text(res.get('software', {}))}."), "", STATS_NOTE, ""]
+    lines += [_text(made), ""] if (made := users_pieces_text(res)) else []
     lines += [_text(note), ""] if (note := seeds_note(res)) else []
     lines += ["## Readings", ""]
     lines += [f"- {_text(r)}" for r in res["readings"]] or ["- (none)"]
@@ -170,6 +178,7 @@ def html_page(res: dict, figures: dict[str, bytes]) -> str:
              f"<p>Treatments: {esc(', '.join(res['treatments']))}; seeds: {esc(', '.join(map(str, res['seeds'])))}."
              f" {esc(res.get('context', ''))}</p>",
              f"<p>Software: {esc(software_text(res.get('software', {})))}.</p>", f"<p>{esc(STATS_NOTE)}</p>",
+             *([f"<p>{esc(made)}</p>"] if (made := users_pieces_text(res)) else []),
              *([f"<p>{esc(note)}</p>"] if (note := seeds_note(res)) else []), "<h2>Readings</h2><ul>"]
     parts += [f"<li>{esc(r)}</li>" for r in res["readings"]] or ["<li>(none)</li>"]
     parts.append("</ul>")
