@@ -32,16 +32,17 @@ def installed(group: str) -> dict[str, EntryPoint]:
 
 def load(group: str, name: str, what: str) -> Any:
     """The object `name` points at under `group`; `what` names the kind of piece in errors ("agent", ...)."""
-    found = installed(group)
-    if name not in found:
-        known = ", ".join(sorted(found)) or "none installed"
+    eps = entry_points(group=group)
+    same = {ep.value: ep for ep in eps if ep.name == name}
+    if not same:
+        known = ", ".join(sorted({ep.name for ep in eps})) or "none installed"
         raise ValueError(f"{what} '{name}': no installed package names it under the {group} entry points "
                          f"(known: {known})")
-    same = {ep.value: getattr(ep.dist, "name", "?") for ep in entry_points(group=group) if ep.name == name}
     if len(same) > 1:  # which one `entry_points` lists last is no choice of the user's
         raise ValueError(f"{what} '{name}': named by several installed packages under the {group} entry points ("
-                         + ", ".join(f"{v} in {d}" for v, d in sorted(same.items())) + "); uninstall all but one")
-    ep = found[name]
+                         + ", ".join(f"{v} in {getattr(ep.dist, 'name', '?')}" for v, ep in sorted(same.items()))
+                         + "); uninstall all but one")
+    ep = next(iter(same.values()))
     try:
         return ep.load()
     except Exception as e:  # the package's own import error: named, with where it came from

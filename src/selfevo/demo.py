@@ -150,12 +150,9 @@ class DemoPlan:
             raise ConfigError(f"learners: {learners!r}: the replay study trains selfevo's own learners on the runs' "
                               "questions, not yours; set demo.replay_conditions = [] with learners of your own")
         if learners:
-            from selfevo.evolve import load_learners
+            from selfevo.evolve import user_pieces
 
-            try:
-                load_learners(learners)  # its package's import, once, not in every seed's job
-            except ValueError as e:
-                raise ConfigError(f"learners: {str(e).removeprefix('learners ')}") from None
+            user_pieces(config_from_dict(self.run))  # its package's import, once, not in every seed's job
 
     def overrides(self) -> list[str]:
         """The run tables as `--set` overrides (TOML literals), plus the world."""

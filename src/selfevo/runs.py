@@ -539,6 +539,7 @@ class RunDir:
         """The saved config, parsed as `selfevo evolve` would (a field added to selfevo since the
         run was made reads as its default), as plain JSON."""
         path = self.path / "config.json"
+        data = read_object(path)
         try:  # a damaged or missing manifest is its reader's to name, not the config's
             user_treatment = isinstance(self.manifest().get("rules"), str)
         except (ValueError, OSError):
@@ -546,12 +547,9 @@ class RunDir:
         if user_treatment:  # a user's treatment (its rules the manifest names): records read without its package
             from selfevo.loop.treatments import note_recorded
 
-            try:
-                note_recorded(read_object(path).get("treatment", ""))
-            except (ValueError, OSError):
-                pass  # config.json damaged or missing: named below
+            note_recorded(data.get("treatment", ""))
         try:
-            cfg = config_from_dict(read_object(path))
+            cfg = config_from_dict(data)
         except ConfigError as e:
             raise RunError(f"{path}: {e}") from None
         return json.loads(json.dumps(cfg.to_json()))  # tuples -> lists, as saved

@@ -102,5 +102,5 @@ def load_judge(spec: str, documents=None) -> Judge:
     judge = make(arg, documents=documents)
     if not isinstance(getattr(judge, "name", None), str) or not callable(getattr(judge, "judge", None)):
         raise ContractError(f"judge '{name}': its factory returned {type(judge).__name__}, not a judge (an object "
-                         "with a name and judge(items) -> list of Verdict)")
+                            "with a name and judge(items) -> list of Verdict)")
     return judge

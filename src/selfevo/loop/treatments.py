@@ -78,6 +78,20 @@ def feedback_options(treatment: Treatment) -> FeedbackOptions | None:
 
 def parse_treatment(name: str) -> Treatment:
     """Validate and decompose a treatment name; errors name the field and list what is known."""
+    if (t := _parse_builtin(name)) is not None:
+        return t
+    mine = user_treatments()
+    if name in mine or name in _RECORDED:  # its folds: K = 2, by source (folds.json), its rules' to read or not
+        return Treatment(name, False, "user")
+    raise ValueError(f"treatment: unknown {name!r} (known: coupled, msv, "
+                     f"{', '.join(FEEDBACKS[1:])}, crossfit-k<K>, crossfit-connected[-k<K>], "
+                     "and msv+<any of them but msv>"
+                     + "".join(f", {n}" for n in mine) + "; a treatment of yours: a name an installed "
+                     f"package gives under the {USER_TREATMENTS} entry points)")
+
+
+def _parse_builtin(name: str) -> Treatment | None:
+    """One of selfevo's own treatments (ValueError for a crossfit-k<K> of a K it refuses), else None."""
     msv, rest = (True, name[len("msv+"):]) if name.startswith("msv+") else (False, name)
     if rest == "msv" and not msv:
         return Treatment(name, True, "coupled")
@@ -91,19 +105,15 @@ def parse_treatment(name: str) -> Treatment:
         if k < 2:
             raise ValueError(f"treatment: crossfit needs k >= 2, got {name!r}")
         return Treatment(name, msv, "crossfit", k, "connected" if m[1] else "source")
-    mine = user_treatments()
-    if name in mine or name in _RECORDED:  # its folds: K = 2, by source (folds.json), its rules' to read or not
-        return Treatment(name, False, "user")
-    raise ValueError(f"treatment: unknown {name!r} (known: coupled, msv, "
-                     f"{', '.join(FEEDBACKS[1:])}, crossfit-k<K>, crossfit-connected[-k<K>], "
-                     "and msv+<any of them but msv>"
-                     + "".join(f", {n}" for n in mine) + "; a treatment of yours: a name an installed "
-                     f"package gives under the {USER_TREATMENTS} entry points)")
+    return None
 
 
 def _builtin(name: str) -> bool:
-    rest = name[len("msv+"):] if name.startswith("msv+") else name
-    return rest in FEEDBACKS or rest == "msv" or _CROSSFIT.fullmatch(rest) is not None
+    """A name of selfevo's own treatments' grammar (a refused K included): a package's such name is shadowed."""
+    try:
+        return _parse_builtin(name) is not None
+    except ValueError:
+        return True
 
 
 def user_treatments() -> list[str]:
