@@ -1165,7 +1165,9 @@ def test_a_worker_started_since_the_last_look_is_stopped_with_the_job(tmp_path):
     worker = "import time; time.sleep(600)"
     server = ("import pathlib, subprocess, sys, time; "
               f"p = subprocess.Popen([sys.executable, '-c', {worker!r}], start_new_session=True); "
-              f"pathlib.Path({str(pidfile)!r}).write_text(str(p.pid)); time.sleep(600)")
+              # written beside and renamed: the test reads it as soon as it exists, never half-written
+              f"t = pathlib.Path({str(pidfile) + '.part'!r}); t.write_text(str(p.pid)); "
+              f"t.replace({str(pidfile)!r}); time.sleep(600)")
     pid = None
     try:
         with running([sys.executable, "-c", server], grace=5, interval=600):
