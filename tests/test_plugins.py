@@ -69,6 +69,21 @@ def make_without_documents(arg):
     return Says(arg, None)
 
 
+class Hooked(Says):
+    """Has the audit's optional hooks: `describe` (judge.json) and `judgements`; `described` answers a string."""
+
+    def describe(self):
+        return "a judge of mine" if self.arg == "no" else {"judge": self.name, "by": "me"}
+
+    def judgements(self):
+        return [{"item": 0}]
+
+
+class Checking(Says):
+    def check(self, item):  # a method of a hook's name, for something else
+        return item
+
+
 TWO = 2
 '''
 
@@ -183,7 +198,8 @@ def test_the_command_audits_with_an_installed_packages_judge_and_compares_it_wit
     _install(site, "myjudges", "myjudges_mod", JUDGES, "selfevo.judges",
              {"says": "myjudges_mod:make", "figures": "myjudges_mod:make", "oracle": "myjudges_mod:make",
               "two": "myjudges_mod:TWO", "older": "myjudges_mod:make_without_documents",
-              "metrics.json": "myjudges_mod:make"})
+              "metrics.json": "myjudges_mod:make", "hooked": "myjudges_mod:Hooked",
+              "checking": "myjudges_mod:Checking"})
     monkeypatch.syspath_prepend(str(site))
     oracle = json.loads((world_run / "audit" / "metrics.json").read_text())
 
@@ -206,15 +222,28 @@ def test_the_command_audits_with_an_installed_packages_judge_and_compares_it_wit
     code, out = _cli("audit", world_run, "--judge", "says:dicts", "--out", tmp_path / "b")
     assert code != 0 and "says-dicts" in out and not (tmp_path / "b" / "metrics.json").exists()
     code, out = _cli("audit", world_run, "--judge", "nobody", "--out", tmp_path / "c")
-    assert code != 0 and "unknown judge 'nobody' (known: oracle, llm, gold, figures[:ARG], metrics.json[:ARG]" in out
+    assert code != 0 and "unknown judge 'nobody' (known: oracle, llm, gold, checking[:ARG], figures[:ARG]" in out
     for spec, message in (("two", "judge 'two': builtins.int is no factory make(arg, *, documents) -> Judge"),
                           ("older:yes", "myjudges_mod.make_without_documents is no factory make(arg, *, documents)"),
                           ("figures:yes", "its audit would go to RUN_DIR/audit/figures, which cannot be its own"),
                           ("metrics.json:yes", "would go to " + str(world_run / "audit" / "metrics.json") + ", a file"),
-                          ("oracle:yes", "unknown judge 'oracle:yes' (known: oracle, llm, gold, figures[:ARG], "
-                                         "metrics.json[:ARG], older[:ARG], says[:ARG], two[:ARG])")):
+                          ("oracle:yes", "unknown judge 'oracle:yes' (known: oracle, llm, gold, checking[:ARG], "
+                                         "figures[:ARG], hooked[:ARG], metrics.json[:ARG], older[:ARG], says[:ARG], "
+                                         "two[:ARG])"),
+                          # the audit's optional hooks (check, describe, summary, judgements): a method of one's
+                          # name for another use, or answering in another shape, is named before anything is written
+                          ("checking:yes", "judge 'says-yes': check is an audit hook, called with no argument"),
+                          ("hooked:no", "judge 'says-no': describe returns a dict (docs/extending.md), got str")):
         code, out = _cli("audit", world_run, "--judge", spec)
         assert code != 0 and message in " ".join(out.split()) and "Traceback" not in out, out
+    assert not (world_run / "audit" / "hooked").exists() and not (world_run / "audit" / "checking").exists()
+    code, out = _cli("audit", world_run, "--judge", "hooked:yes", "--no-figures", "--no-progress")
+    assert code == 0, out
+    hooked = world_run / "audit" / "hooked"
+    assert json.loads((hooked / "judge.json").read_text()) == {
+        "judge": "says-yes", "by": "me", "source": str(world_run), "max_items_per_step": None,
+        "judge_spec": "hooked:yes"}
+    assert (hooked / "judgements.jsonl").read_text() == '{"item": 0}\n'
     code, out = _cli("audit", world_run, "--judge", "says:yes", "--injection-test", "5")
     assert code != 0 and "--injection-test: for an LLM judge (--judge llm)" in out
     code, out = _cli("audit", world_run, "--judge", "says:yes", "--judge-url", "http://127.0.0.1:1/v1")

@@ -643,7 +643,16 @@ def test_a_client_retrying_the_servers_504_waits_out_the_abandoned_retrieval(sma
     try:
         with serve_app(make_app(slow, timeout_s=0.3)) as url, \
                 RetrieverClient(url, retries=1, backoff_s=0.01) as client:
-            threading.Timer(0.6, slow.gate.set).start()  # the abandoned retrieval ends meanwhile
+            # the abandoned retrieval ends meanwhile: 0.6 s after it began (on the clock of the server's 0.3 s
+            # limit, not the test's: a handoff delayed under load would let the first try succeed)
+            wait = slow.retrieve
+
+            def retrieve(queries, topk=3):
+                if not timer.is_alive() and not slow.gate.is_set():
+                    timer.start()
+                return wait(queries, topk)
+
+            timer, slow.retrieve = threading.Timer(0.6, slow.gate.set), retrieve
             start = time.monotonic()
             [[hit]] = client.retrieve(["zebra"], topk=1)
             assert hit.document.id == "d0" and time.monotonic() - start >= 1.0  # Retry-After: 1
@@ -922,11 +931,15 @@ def test_a_job_that_exits_leaving_its_workers_running_has_them_stopped(tmp_path,
     from selfevo import _proc
 
     pidfile = tmp_path / "pids"
-    worker = ("import os, signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
-              f"open({str(pidfile)!r}, 'a').write(str(os.getpid()) + ' '); time.sleep(600)")
-    launcher = ("import subprocess, sys, time; "
-                f"subprocess.Popen([sys.executable, '-c', {worker!r}], start_new_session=True); "
-                f"time.sleep(1.5); sys.exit({code})")
+    worker = ("import os, pathlib, signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+              f"t = pathlib.Path({str(pidfile) + '.part'!r}); t.write_text(str(os.getpid())); "
+              f"t.replace({str(pidfile)!r}); time.sleep(600)")
+    # the launcher exits once its worker is up (its pid written beside and renamed, whole) and the watch,
+    # every 0.05 s, has had the time to record it
+    launcher = ("import os, subprocess, sys, time; "
+                f"subprocess.Popen([sys.executable, '-c', {worker!r}], start_new_session=True)\n"
+                f"while not os.path.exists({str(pidfile)!r}): time.sleep(0.02)\n"
+                f"time.sleep(1.0); sys.exit({code})")
     pids = []
     try:
         with caplog.at_level("WARNING", logger="selfevo._proc"):
@@ -1155,6 +1168,32 @@ def test_a_stop_kills_what_ignores_sigterm_and_reaps_it(tmp_path):
     assert proc.returncode == -signal.SIGKILL  # reaped: no zombie left behind
 
 
+def test_an_interrupt_while_the_stop_looks_at_the_tree_kills_what_was_recorded(tmp_path, monkeypatch):
+    """A second Ctrl-C or SIGTERM landing while the stop looked at the job's tree, before its signals, ended
+    the stop there and left the job (and its workers) running. What was recorded is now killed at once."""
+    from selfevo import _proc
+
+    ready = tmp_path / "ready"
+    server = ("import pathlib, signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+              f"pathlib.Path({str(ready)!r}).write_text(''); time.sleep(600)")
+    close = _proc._Watch.close
+
+    def interrupted(self):
+        close(self)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(_proc._Watch, "close", interrupted)
+    proc = None
+    try:
+        with pytest.raises(KeyboardInterrupt), _proc.running([sys.executable, "-c", server], grace=30) as proc:
+            _wait_for(ready)
+        assert proc.returncode == -signal.SIGKILL  # killed, not waited out for the 30 s grace, and reaped
+    finally:
+        if proc is not None and proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
 def test_a_worker_started_since_the_last_look_is_stopped_with_the_job(tmp_path):
     """The tree is looked at again when the block ends (here the periodic look never comes): a worker
     in a session of its own, which the job started after the first look, is stopped too, though its
@@ -1188,12 +1227,13 @@ def test_a_worker_started_during_the_grace_period_is_killed_with_the_job(tmp_pat
     ready, pidfile = tmp_path / "ready", tmp_path / "pid"
     worker = "import time; time.sleep(600)"
     server = ("import pathlib, signal, subprocess, sys, time; "
-              "signal.signal(signal.SIGTERM, lambda *a: pathlib.Path(" + repr(str(pidfile)) + ").write_text(str("
-              f"subprocess.Popen([sys.executable, '-c', {worker!r}], start_new_session=True).pid))); "
+              "signal.signal(signal.SIGTERM, lambda *a: (pathlib.Path(" + repr(str(pidfile) + ".part") + ").write_text("
+              f"str(subprocess.Popen([sys.executable, '-c', {worker!r}], start_new_session=True).pid)), "
+              "pathlib.Path(" + repr(str(pidfile) + ".part") + ").replace(" + repr(str(pidfile)) + "))); "
               f"pathlib.Path({str(ready)!r}).write_text(''); time.sleep(600)")
     pid = None
     try:
-        with running([sys.executable, "-c", server], grace=1.0, interval=600):
+        with running([sys.executable, "-c", server], grace=3.0, interval=600):  # time to spawn, under load too
             _wait_for(ready)
         pid = int(pidfile.read_text())
         assert not _running(pid)

@@ -141,7 +141,11 @@ def _stop(tree: Mapping[int, str], grace: float, proc: subprocess.Popen | None =
 def _stop_watched(watch: _Watch, grace: float) -> None:
     """Stop the job's tree, recorded and present: its process, if still running, and what of the
     processes it started outlived it (a warning names them)."""
-    tree = watch.close()
+    try:
+        tree = watch.close()
+    except BaseException:  # a second interrupt while the tree is looked at: what was recorded is killed at once
+        _stop(watch.seen, 0, watch.proc)
+        raise
     if watch.proc.poll() is not None:
         left = sorted(pid for pid, start in tree.items() if _running(pid, start))
         if left:

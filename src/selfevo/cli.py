@@ -960,7 +960,7 @@ def audit_cmd(
             the_judge.close()
 
     _print_audit_rounds(res["metrics"])
-    if "summary" in res:
+    if "summary" in res and judge == "llm":  # the LLM judge's call counts; a user's judge's summary is its own
         s = res["summary"]
         console.print(f"judge calls: {s['replies']} replies to {s['requests']} requests ({s['retries']} retries), "
                       f"{s['cache_hits']} cache hits, {s['failed_calls']} failed calls, "

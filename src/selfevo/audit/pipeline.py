@@ -31,6 +31,44 @@ def limit_items(steps: Sequence[dict], per_step: int | None) -> list[dict]:
     return [{**st, "items": st["items"][:per_step]} for st in steps]
 
 
+# a judge's optional hooks, called with no argument (the LLM judge has all four; docs/extending.md): `check`
+# before any item (an endpoint that is down), `describe` -> judge.json's dict, `summary` -> its call counts,
+# `judgements` -> judgements.jsonl's rows
+HOOKS = {"check": None, "describe": dict, "summary": dict, "judgements": list}
+
+
+def call_hook(judge: Judge, hook: str) -> Any:
+    """What the judge's `hook` returns, or None where it has none; one of another signature or answering in
+    another shape (a user's judge with a method of that name for something else) is a ContractError naming it,
+    not a traceback after every item was judged."""
+    import inspect
+
+    from selfevo._io import json_problem
+    from selfevo._plugins import ContractError
+
+    method = getattr(judge, hook, None)
+    if method is None:
+        return None
+    where = f"judge {getattr(judge, 'name', type(judge).__name__)!r}: {hook}"
+    try:
+        inspect.signature(method).bind()
+    except TypeError as e:  # not callable, or it needs an argument
+        raise ContractError(f"{where} is an audit hook, called with no argument ({e}; docs/extending.md)") from None
+    except ValueError:  # a callable with no signature Python can read: called as it is
+        pass
+    value = method()
+    kind = HOOKS[hook]
+    if kind is not None:
+        if kind is list and not isinstance(value, str):
+            value = list(value)
+        if not isinstance(value, kind) or (kind is list and not all(isinstance(r, dict) for r in value)):
+            raise ContractError(f"{where} returns {'a list of dicts' if kind is list else 'a dict'} "
+                                f"(docs/extending.md), got {type(value).__name__}")
+        if problem := json_problem(value):
+            raise ContractError(f"{where}: what it returns is written as JSON: {problem}")
+    return value
+
+
 def audit_to_dir(steps: Sequence[dict], judge: Judge, out_dir: str | os.PathLike, *, truth: Judge | None = None,
                  n_boot: int = 2000, seed: int = 0, figures: bool = True,
                  documents: Mapping[str, str] | None = None, injection_items: int = 0,
@@ -41,8 +79,7 @@ def audit_to_dir(steps: Sequence[dict], judge: Judge, out_dir: str | os.PathLike
     flat = [it for st in steps for it in st["items"]]
     # an endpoint that is down or refuses the key (an LLM judge's `check`): stop before any item, not
     # write every item unresolved over the audit there
-    if (check := getattr(judge, "check", None)) is not None:
-        check()
+    call_hook(judge, "check")
     # judge first (the slow part, the one that can fail): a failed audit leaves the earlier one whole
     verdicts = checked_verdicts(judge, flat, judge.judge(flat))
     result = audit_steps(steps, judge, verdicts=verdicts)
@@ -52,19 +89,17 @@ def audit_to_dir(steps: Sequence[dict], judge: Judge, out_dir: str | os.PathLike
         cmp = compare_judges(steps, verdicts, checked_verdicts(truth, flat, truth.judge(flat)), judge.name, truth.name,
                              n_boot=n_boot, seed=seed)
         done["comparison"] = cmp
-    described = getattr(judge, "describe", None)
-    judge_json = {**(described() if described else {"judge": judge.name}), **(info or {})}
-    judgements = None
-    if hasattr(judge, "judgements"):
-        judgements = list(judge.judgements())
-        done["summary"] = judge.summary()
+    judge_json = {**(call_hook(judge, "describe") or {"judge": judge.name}), **(info or {})}
+    judgements = call_hook(judge, "judgements")
+    if (summary := call_hook(judge, "summary")) is not None:
+        done["summary"] = summary
     if injection_items:
         from selfevo.audit.injection import flip_report, injection_set
 
         clean, injected = injection_set(flat, documents, n=injection_items, truth=truth, seed=seed)
         done["injection"] = flip_report(judge, clean, injected, truth=truth)
-        if hasattr(judge, "summary"):  # the calls so far, the injection test's included
-            done["injection"]["judge_summary_after"] = judge.summary()
+        if (summary := call_hook(judge, "summary")) is not None:  # the calls so far, the injection test's included
+            done["injection"]["judge_summary_after"] = summary
 
     # an earlier audit into this directory (another judge, --compare, --injection-test, other records)
     # may have written outputs this one does not: beside the new metrics they would contradict them
