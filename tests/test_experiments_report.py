@@ -774,10 +774,12 @@ def _hanging_grid(tmp_path: Path, setup: str = "") -> str:
         """)
 
 
-def _stop_with_workers(script: str, marks: Path, signame: str) -> tuple[subprocess.Popen, list[int]]:
+def _stop_with_workers(script: str, marks: Path, signame: str,
+                       children: Path | None = None) -> tuple[subprocess.Popen, list[int]]:
     """Run `script` (whose pool workers each write marks/PID and then hang in their job), send
     its process `signame` once 2 workers are in a job; returns the process (ended) and the pids of
-    the workers still alive 5 s later. The test's process group is killed on the way out."""
+    the workers (and of the processes named in `children`) still alive 5 s later. The test's process
+    group is killed on the way out."""
     proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                             env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1] / "src")},
                             start_new_session=True)  # its own group: the test cleans up whatever outlives it
@@ -787,6 +789,7 @@ def _stop_with_workers(script: str, marks: Path, signame: str) -> tuple[subproce
             time.sleep(0.05)
         workers = [int(p.name) for p in marks.glob("*")]
         assert len(workers) == 2, proc.stderr.read().decode() if proc.poll() is not None else "no worker started"
+        workers += [int(p.name) for p in children.glob("*")] if children else []
         proc.send_signal(getattr(signal, signame))  # the process only, as `kill PID` or the OOM killer does
         proc.wait(timeout=30)
         deadline = time.monotonic() + 5
@@ -805,6 +808,58 @@ def test_a_grid_killed_with_kill_9_takes_its_workers_with_it(tmp_path):
     this run")."""
     _, left = _stop_with_workers(_hanging_grid(tmp_path), tmp_path / "marks", "SIGKILL")
     assert left == []
+
+
+def test_a_stopped_grid_stops_what_its_jobs_started(tmp_path):
+    """SIGTERM of a grid killed its jobs' processes alone: what a job had started (vLLM's engine processes,
+    holding a GPU) ran on, orphaned."""
+    marks, children = tmp_path / "marks", tmp_path / "children"
+    marks.mkdir()
+    children.mkdir()
+    script = textwrap.dedent(f"""
+        import os, subprocess, sys, time
+        import selfevo.evolve
+        def evolve(cfg, out, **kwargs):  # a job that starts a process of its own, then runs long
+            child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+            open(os.path.join({str(children)!r}, str(child.pid)), "w").close()
+            open(os.path.join({str(marks)!r}, str(os.getpid())), "w").close()
+            time.sleep(120)
+        selfevo.evolve.evolve = evolve
+        from selfevo.experiments import grid, run_grid
+        run_grid(grid(["coupled"], range(4), {str(tmp_path / "runs")!r}), "local", workers=2)
+        """)
+    proc, left = _stop_with_workers(script, marks, "SIGTERM", children)
+    assert proc.returncode == 128 + signal.SIGTERM and len(list(children.glob("*"))) == 2 and left == []
+
+
+def test_a_job_process_that_dies_leaving_a_process_with_its_pipe_is_failed_at_once(tmp_path, monkeypatch):
+    """A job's death was noticed only as the end of its result pipe, which a process it had started held
+    open: the grid waited on that process (forever, for a server), its other jobs queued behind it."""
+    import selfevo.experiments
+
+    helper = tmp_path / "helper"
+
+    def run_job(job):  # the forked job processes inherit this: a forks a helper (keeping the pipe), then dies
+        if job.name == "b":
+            return {"job": job.name, "status": "ok", "run": job.out}
+        pid = os.fork()
+        if pid == 0:
+            time.sleep(60)
+            os._exit(0)
+        helper.write_text(str(pid))
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    monkeypatch.setattr(selfevo.experiments, "run_job", run_job)
+    start = time.monotonic()
+    try:
+        results = run_grid([Job(name, (), str(tmp_path / name)) for name in "ab"], "local", workers=2)
+        assert time.monotonic() - start < 30  # not the helper's 60 s
+        assert results[0]["status"] == "failed" and "exit code -9" in results[0]["error"]
+        assert results[1]["status"] == "ok"
+    finally:
+        if helper.exists():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(int(helper.read_text()), signal.SIGKILL)
 
 
 def test_a_grid_forks_no_more_workers_than_jobs(tmp_path):

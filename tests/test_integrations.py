@@ -1625,6 +1625,16 @@ def test_vllm_graders_sample_with_vllms_defaults_not_the_models(tmp_path, monkey
     cmd = started[0]
     assert cmd[:3] == ["/opt/bin/vllm", "serve", "/models/main"]
     assert cmd[cmd.index("--generation-config") + 1] == "vllm" and cmd[cmd.index("--host") + 1] == "127.0.0.1"
+    # a port a server left by a killed run still holds (it would answer /health for the new one): refused
+    import socket
+
+    with socket.socket() as leftover:
+        leftover.bind(("127.0.0.1", 0))
+        leftover.listen()
+        port = leftover.getsockname()[1]
+        with pytest.raises(eng.EngineUnavailable, match=f"127.0.0.1:{port} is in use .*pgrep -af 'vllm serve'"):
+            next(eng._vllm_server("/models/main", "main@r0", port, "6", 0.4, lambda m: None))
+    assert len(started) == 1  # refused before anything was started
 
 
 def test_trl_settings_are_checked_when_the_config_is_read(monkeypatch):

@@ -729,11 +729,16 @@ class _NoLineage(_Tracked):
 def test_a_learner_without_lineage_or_whose_snapshot_drops_it_is_named(treatment):
     """A solver of a user's whose snapshot left its lineage behind ran to the end, every round-2 grader recorded
     as trained on nothing (`{'folds': [], 'rounds': []}`); one without a `lineage` died on an AttributeError
-    deep in the loop. Both are now a TypeError naming the class and what it lacks."""
+    deep in the loop. Both are now a TypeError naming the class and what it lacks (the main solver's lack when the
+    loop is made; an auxiliary solver's when it is first trained)."""
     with pytest.raises(TypeError, match="_Forgetful.snapshot: the copy's lineage .* is not the model's"):
         _stub_loop(treatment, solver=_Forgetful)
-    with pytest.raises(TypeError, match="_NoLineage \\(main\\): no `lineage` dict"):
+    with pytest.raises(TypeError, match="main solver 'main' \\(_NoLineage\\): has no lineage"):
         _stub_loop(treatment, solver=_NoLineage)
+    from selfevo.loop.feedback import record_training
+
+    with pytest.raises(TypeError, match="_NoLineage \\(aux-0\\): no `lineage` dict"):
+        record_training(_NoLineage("aux-0"), [0], round=1)
 
 
 class _Rule:
@@ -878,6 +883,11 @@ def test_an_admission_rules_generations_are_counted_under_its_own_name():
     loop = _stub_loop("coupled", rounds=1, admission=_Rule("fine"))[0]
     assert loop.compute.generations["my-check"] == 2 * 20 and "msv" not in loop.compute.generations
     assert _stub_loop("coupled", rounds=1)[0].compute.generations["msv"] == 0
+    numbered = _Rule("fine")
+    numbered.purpose = 5  # said to be no string, not to be one of the loop's own names
+    with pytest.raises(TypeError, match="its purpose, else its name, names its generations in compute.json: a string, "
+                                        "got int"):
+        _stub_loop("coupled", rounds=1, admission=numbered)
 
 
 @pytest.mark.parametrize("treatment", ["crossfit", "crossfit-k3", "crossfit-connected-k3", "half-budget",

@@ -156,12 +156,25 @@ def test_the_command_runs_an_installed_packages_learners_and_resumes_with_them(t
 
     with pytest.raises(ValueError, match="not a function defined at a module's top level under its own name"):
         agents_name(scaled)
+    # one of the script running: any other script's function of that name would pass for it
+    script = {"__name__": "__main__"}
+    exec("def my_learners(cfg, sources):\n    return None", script)
+    monkeypatch.setattr(sys.modules["__main__"], "my_learners", script["my_learners"], raising=False)
+    with pytest.raises(ValueError, match="my_learners, a function of the script or notebook running"):
+        agents_name(script["my_learners"])
 
     other = _install(site, "otherlearners", "otherlearners_mod", LEARNERS, "selfevo.learners",
                      {"mine": "otherlearners_mod:make"})
     code, out = _cli("evolve", "--out", tmp_path / "two", "--learners", "mine", *TINY)
     assert code != 0 and "'mine': named by several installed packages under the selfevo.learners entry points " \
         "(mylearners_mod:make in mylearners, otherlearners_mod:make in otherlearners)" in " ".join(out.split())
+    shutil.rmtree(other)
+    # two packages giving the name, pointing at one module's function alike: still two, refused
+    other = _install(site, "samelearners", "samelearners_mod", LEARNERS, "selfevo.learners",
+                     {"mine": "mylearners_mod:make"})
+    code, out = _cli("evolve", "--out", tmp_path / "same", "--learners", "mine", *TINY)
+    assert code != 0 and "(mylearners_mod:make in mylearners, mylearners_mod:make in samelearners)" \
+        in " ".join(out.split())
     shutil.rmtree(other)
 
     # a demo plan runs them in every job; its replay study (selfevo's learners) is refused with them
@@ -358,6 +371,10 @@ def test_a_treatment_of_an_installed_package_runs_resumes_and_is_reported_beside
     assert code != 0 and "config.json: treatment: expected a string, got 5" in " ".join(out.split()), out
     assert _cli("report", runs)[0] == 0 and _cli("compare", runs / "coupled", run)[0] == 0
     assert _cli("audit", run, "--no-figures", "--no-progress")[0] == 0
+    # runs read in this process leave no treatment name behind them (a process-wide set of them did)
+    from selfevo.config import load_config
+    with pytest.raises(ConfigError, match="unknown 'grounded'"):
+        load_config(None, ["treatment=grounded"])
 
 
 def test_a_demo_plan_runs_a_users_learners_and_treatment_beside_selfevos(tmp_path, monkeypatch):

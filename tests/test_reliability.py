@@ -1168,6 +1168,26 @@ def test_a_stop_kills_what_ignores_sigterm_and_reaps_it(tmp_path):
     assert proc.returncode == -signal.SIGKILL  # reaped: no zombie left behind
 
 
+@pytest.mark.skipif(not Path("/proc/self/comm").exists(), reason="needs Linux's /proc")
+def test_a_process_named_in_bytes_that_are_no_utf8_is_read(tmp_path):
+    """A process name is cut at 15 bytes, which can split a UTF-8 character (`./обработка`): /proc read as
+    text raised UnicodeDecodeError in every job's start anywhere on the machine, the job left running."""
+    from selfevo import _proc
+
+    ready = tmp_path / "ready"
+    named = ("import pathlib, time; pathlib.Path('/proc/self/comm').write_bytes(b'obrab\\xd0\\xbe\\xd0'); "
+             f"pathlib.Path({str(ready)!r}).write_text(''); time.sleep(600)")
+    other = subprocess.Popen([sys.executable, "-c", named])
+    try:
+        _wait_for(ready)
+        assert Path(f"/proc/{other.pid}/comm").read_bytes() == b"obrab\xd0\xbe\xd0\n"
+        assert other.pid in _proc.process_tree(other.pid)
+        _proc.run([sys.executable, "-c", "pass"])  # a job's start and stop look at every process
+    finally:
+        other.kill()
+        other.wait()
+
+
 def test_an_interrupt_while_the_stop_looks_at_the_tree_kills_what_was_recorded(tmp_path, monkeypatch):
     """A second Ctrl-C or SIGTERM landing while the stop looked at the job's tree, before its signals, ended
     the stop there and left the job (and its workers) running. What was recorded is now killed at once."""
@@ -1190,6 +1210,58 @@ def test_an_interrupt_while_the_stop_looks_at_the_tree_kills_what_was_recorded(t
         assert proc.returncode == -signal.SIGKILL  # killed, not waited out for the 30 s grace, and reaped
     finally:
         if proc is not None and proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_a_pid_an_earlier_descendant_held_is_recorded_as_the_process_holding_it_now(monkeypatch):
+    """The watch kept the start time first seen for a pid: a later descendant that took the pid of an earlier
+    one (a long job) was recorded as the earlier, which `_running` found gone, and was never signalled."""
+    from selfevo import _proc
+
+    looks = []
+
+    def tree(*roots):  # the job 1, its worker 100 replaced by another that took its pid
+        looks.append(roots)
+        return {1: "10", 100: "50" if len(looks) == 1 else "90"}
+
+    class Job:
+        pid = 1
+
+        def poll(self):
+            return None
+
+    monkeypatch.setattr(_proc, "process_tree", tree)
+    watch = _proc._Watch(Job(), 0.01)
+    deadline = time.monotonic() + 10
+    while len(looks) < 3 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert watch.seen == {1: "10", 100: "90"}
+    assert watch.close() == {1: "10", 100: "90"}
+
+
+def test_an_interrupt_during_the_stops_last_look_at_the_tree_still_kills(tmp_path, monkeypatch):
+    """A third Ctrl-C landing while the stop looked for what the job started in its grace period skipped the
+    SIGKILL: a job ignoring SIGTERM ran on."""
+    from selfevo import _proc
+
+    ready = tmp_path / "ready"
+    server = ("import pathlib, signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+              f"pathlib.Path({str(ready)!r}).write_text(''); time.sleep(600)")
+    proc = subprocess.Popen([sys.executable, "-c", server])
+    try:
+        _wait_for(ready)
+        tree = _proc.process_tree(proc.pid)
+
+        def interrupted(*pids):
+            raise KeyboardInterrupt
+
+        monkeypatch.setattr(_proc, "process_tree", interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            _proc._stop(tree, 0, proc)
+        assert proc.returncode == -signal.SIGKILL
+    finally:
+        if proc.poll() is None:
             proc.kill()
             proc.wait()
 

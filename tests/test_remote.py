@@ -544,11 +544,11 @@ def test_the_timeout_bounds_a_reply_trickled_in():
         start = time.monotonic()
         with pytest.raises(CallFailed, match="ReadTimeout"):
             client.complete([{"role": "user", "content": "hi"}])
-        assert time.monotonic() - start < 2.5
+        assert time.monotonic() - start < 3.5  # ~1.25 s; the whole trickle, ~4 s (slack for a loaded machine)
         start = time.monotonic()  # the start-up probe too
         with pytest.raises(EndpointError, match="ReadTimeout"):
             client.check()
-        assert time.monotonic() - start < 2.5
+        assert time.monotonic() - start < 3.5
         # a reply that arrives in time reads as before
         assert ChatClient(f"{base}/v1", "m", timeout=30.0).complete([{"role": "user", "content": "hi"}]) == \
             "<answer> x </answer>"
@@ -1381,3 +1381,20 @@ def test_a_timed_out_call_is_counted_as_a_timeout_and_a_retry():
 def test_a_remote_spec_with_whitespace_around_it_is_read_without_it():
     """A spec pasted with a space or read from a file with its newline is the same spec, not an error."""
     assert parse_remote_spec("  qwen@http://127.0.0.1:8000/v1\n") == ("qwen", "http://127.0.0.1:8000/v1")
+
+
+def test_an_interrupt_while_the_chat_server_starts_stops_it(monkeypatch):
+    """`running`'s start-up wait sat outside its cleanup: a Ctrl-C there (or its time-out) left the model
+    served on a thread for the rest of the process."""
+    import types
+
+    from selfevo.agents.lm import server as chat_server
+
+    def interrupted(seconds):
+        raise KeyboardInterrupt
+
+    before = set(threading.enumerate())
+    monkeypatch.setattr(chat_server, "time", types.SimpleNamespace(monotonic=time.monotonic, sleep=interrupted))
+    with pytest.raises(KeyboardInterrupt), chat_server.running(FastAPI()):
+        raise AssertionError("served before the start-up wait was interrupted")  # uvicorn takes milliseconds
+    assert set(threading.enumerate()) <= before

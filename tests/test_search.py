@@ -530,7 +530,7 @@ def test_client_waits_as_long_as_retry_after_asks(monkeypatch):
     client, seen = _mock_client(lambda n, req: httpx.Response(
         429 if n < 4 else 200, headers={"Retry-After": asks[n]} if n in asks else {}, json=GOOD))
     assert len(client.retrieve(["q"])) == 1 and len(seen) == 4
-    assert waits[:2] == [2.0, MAX_WAIT_S] and 27 < waits[2] <= 30
+    assert waits[:2] == [2.0, MAX_WAIT_S] and 20 < waits[2] <= 30  # whole seconds, and a loaded machine
     assert retry_after_seconds("soon") is None and retry_after_seconds(None) is None
     assert retry_after_seconds("Wed, 21 Oct 2015 07:28:00 GMT") == 0.0  # in the past: at once
 
@@ -1090,7 +1090,7 @@ def test_retry_after_reads_padding_fractions_and_a_date_without_a_zone():
     assert retry_after_seconds("1.5") == 1.5
     zoneless = email.utils.formatdate(time.time() + 30)  # "... -0000"
     assert zoneless.endswith("-0000")
-    assert 27 < retry_after_seconds(zoneless) <= 30  # (mutant: no tz fix -> TypeError)
+    assert 20 < retry_after_seconds(zoneless) <= 30  # (mutant: no tz fix -> TypeError)
 
 
 def test_an_error_page_is_one_line_whatever_its_markup():

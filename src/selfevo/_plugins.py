@@ -33,14 +33,15 @@ def installed(group: str) -> dict[str, EntryPoint]:
 def load(group: str, name: str, what: str) -> Any:
     """The object `name` points at under `group`; `what` names the kind of piece in errors ("agent", ...)."""
     eps = entry_points(group=group)
-    same = {ep.value: ep for ep in eps if ep.name == name}
+    # by package too: two pointing at one function are still two packages claiming the name
+    same = {(ep.value, getattr(ep.dist, "name", "?")): ep for ep in eps if ep.name == name}
     if not same:
         known = ", ".join(sorted({ep.name for ep in eps})) or "none installed"
         raise ValueError(f"{what} '{name}': no installed package names it under the {group} entry points "
                          f"(known: {known})")
     if len(same) > 1:  # which one `entry_points` lists last is no choice of the user's
         raise ValueError(f"{what} '{name}': named by several installed packages under the {group} entry points ("
-                         + ", ".join(f"{v} in {getattr(ep.dist, 'name', '?')}" for v, ep in sorted(same.items()))
+                         + ", ".join(f"{value} in {dist}" for value, dist in sorted(same))
                          + "); uninstall all but one")
     ep = next(iter(same.values()))
     try:
@@ -58,10 +59,16 @@ def qualified_name(obj: Any) -> str:
 def recorded_name(obj: Any, what: str, signature: str) -> str:
     """`qualified_name(obj)` of a function defined at a module's top level and found there under that name: a
     run records it by the name, and a resume finds it again by it. A partial, an instance, a lambda or a
-    wrapper copying another's name has no name of its own (two would pass for one another): ContractError."""
+    wrapper copying another's name has no name of its own (two would pass for one another), nor has a function of
+    the script or notebook running (`__main__`: any other's function of that name would pass for it):
+    ContractError."""
     import importlib
     import inspect
 
+    if inspect.isfunction(obj) and obj.__module__ == "__main__":
+        raise ContractError(f"{what} {obj.__qualname__}, a function of the script or notebook running (__main__), "
+                            "which a run cannot name (another script's function of that name would pass for it): "
+                            f"define it in a module of its own, imported from there {signature}")
     if inspect.isfunction(obj) and "<" not in obj.__qualname__:
         try:
             found = importlib.import_module(obj.__module__)

@@ -40,11 +40,11 @@ KILL_WAIT = 10.0  # seconds a stop waits for the processes it killed to be gone
 
 def _stat(pid: int) -> tuple[int, str, str] | None:
     """(parent pid, state, start time) of a process from /proc; None if there is none."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    try:  # bytes: the name before ")" is any process's, cut at 15 bytes (a UTF-8 character split, say)
+        fields = Path(f"/proc/{pid}/stat").read_bytes().rsplit(b")", 1)[1].split()
     except (OSError, IndexError):
         return None
-    return int(fields[1]), fields[0], fields[19]
+    return int(fields[1]), fields[0].decode(), fields[19].decode()
 
 
 def process_tree(*roots: int) -> dict[int, str]:
@@ -100,14 +100,15 @@ class _Watch:
         while not self._done.wait(interval) and self.proc.poll() is None:
             tree = process_tree(pid)
             if tree.get(pid) == self.seen[pid]:  # not another process that took the pid once it was reaped
-                self.seen = {**tree, **self.seen}
+                # the live tree's start times win: a pid an earlier descendant held is a new process's now
+                self.seen = {**self.seen, **tree}
 
     def close(self) -> dict[int, str]:
         """Stop watching; the tree as recorded and as it is now."""
         self._done.set()
         self._thread.join()
         if self.proc.poll() is None:
-            return {**process_tree(self.proc.pid), **self.seen}
+            return {**self.seen, **process_tree(self.proc.pid)}
         # reaped: its pid may be another process's now, and its orphans have no parent link to it
         return {pid: start for pid, start in self.seen.items() if pid != self.proc.pid}
 
@@ -126,16 +127,29 @@ def _stop(tree: Mapping[int, str], grace: float, proc: subprocess.Popen | None =
                 break
             time.sleep(0.1)
     finally:
-        alive = {pid: start for pid, start in tree.items() if _running(pid, start)}
-        # and what they started meanwhile (a pid found anew keeps the start time found first)
-        tree = {**process_tree(*alive), **alive} if alive else {}
-        _signal(tree, signal.SIGKILL)
-        if proc is not None:
-            proc.wait()
-        # a killed process takes a moment to exit (a GPU's memory is freed then): gone on return
-        deadline = time.monotonic() + KILL_WAIT
-        while any(_running(pid, start) for pid, start in tree.items()) and time.monotonic() < deadline:
-            time.sleep(0.02)
+        tree = {pid: start for pid, start in tree.items() if _running(pid, start)}
+        try:  # and what they started meanwhile (a pid found anew keeps the start time found first)
+            if tree:
+                tree = {**process_tree(*tree), **tree}
+        finally:  # killed even where that look is itself interrupted (a third Ctrl-C)
+            _signal(tree, signal.SIGKILL)
+            if proc is not None:
+                with contextlib.suppress(subprocess.TimeoutExpired):  # one stuck in the GPU driver: not forever
+                    proc.wait(KILL_WAIT)
+            # a killed process takes a moment to exit (a GPU's memory is freed then): gone on return
+            deadline = time.monotonic() + KILL_WAIT
+            while any(_running(pid, start) for pid, start in tree.items()) and time.monotonic() < deadline:
+                time.sleep(0.02)
+            if left := sorted(pid for pid, start in tree.items() if _running(pid, start)):
+                log.warning("pid %s still there %.0f s after SIGKILL (in uninterruptible sleep: a device driver)",
+                            ", ".join(map(str, left)), KILL_WAIT)
+
+
+def stop_now(*pids: int) -> None:
+    """`pids` and every process descended from them (all found before any is signalled) stopped at once:
+    SIGTERM, then SIGKILL; gone on return. For processes not started here by `running`: a grid's jobs."""
+    if pids:
+        _stop(process_tree(*pids), 0)
 
 
 def _stop_watched(watch: _Watch, grace: float) -> None:
@@ -161,7 +175,11 @@ def running(cmd: Sequence[str], env: Mapping[str, str] | None = None, grace: flo
     """`cmd` running for the block's duration (a server), stopped with its descendants after it,
     those it left behind included."""
     proc = subprocess.Popen(list(cmd), env=env)
-    watch = _Watch(proc, WATCH_INTERVAL if interval is None else interval)
+    try:
+        watch = _Watch(proc, WATCH_INTERVAL if interval is None else interval)
+    except BaseException:  # interrupted before the watch began: the job, and what it started, stopped now
+        _stop({proc.pid: ""}, 0, proc)
+        raise
     try:
         yield proc
     finally:

@@ -610,7 +610,7 @@ def evolve_cmd(
 ) -> None:
     """Run the self-evolution loop into a run directory, then audit it."""
     from selfevo._plugins import ContractError
-    from selfevo.config import NEEDS_QA_DIR, ConfigError, config_from_dict, load_config
+    from selfevo.config import NEEDS_QA_DIR, ConfigError, load_config
     from selfevo.evolve import evolve
     from selfevo.runs import ConfigDiffers, RunDir, RunError
     from selfevo.world import WorldError
@@ -631,7 +631,7 @@ def evolve_cmd(
                       "its config was written): give the options it was started with")
             # nothing to compare: the run's own config, not the defaults (which would differ in every
             # field a recipe set, and be refused)
-            cfg = config_from_dict(RunDir(out).config())
+            cfg = RunDir(out).run_config()
             console.print(escape(f"resuming with the run's own config ({out / 'config.json'})"))
         else:
             top = {"treatment": treatment, "seed": seed, "backend": backend, "learners": learners,
@@ -765,7 +765,8 @@ def audit_cmd(
     records: Path | None = typer.Option(None, "--records", help="step records of another system, JSONL "
                                         "(round, step, source_id, source, question, label, responses, gold_answers)"),
     out: Path | None = typer.Option(None, help="output directory (default: RUN_DIR/audit for the oracle, "
-                                    "RUN_DIR/audit/llm for an LLM judge; required with --records)"),
+                                    "RUN_DIR/audit/llm for an LLM judge, RUN_DIR/audit/NAME for a judge NAME of an "
+                                    "installed package's; required with --records)"),
     compare: str | None = typer.Option(None, "--compare", help="also audit with a truth judge and compare: "
                                        "oracle (a world run) | gold (records)"),
     judge_url: str | None = typer.Option(None, "--judge-url", help="OpenAI base URL, e.g. http://127.0.0.1:8001/v1 "
@@ -791,15 +792,15 @@ def audit_cmd(
 ) -> None:
     """Audit saved steps post hoc: A, T_P, T_S, F, L and coverage per step and round.
 
-    The judge is the oracle, an LLM judge or gold answers; optionally the judge is compared with
-    truth (audit the auditor)."""
+    The judge is the oracle, an LLM judge, gold answers or a judge of an installed package's; optionally
+    the judge is compared with truth (audit the auditor)."""
     from rich.table import Table
 
     from selfevo._fmt import DASH, num
     from selfevo.audit import METRICS, OracleJudge
     from selfevo.audit.llm_judge import JudgeError, LLMJudge
     from selfevo.audit.pipeline import audit_to_dir, limit_items
-    from selfevo.config import ConfigError, config_from_dict
+    from selfevo.config import ConfigError
     from selfevo.runs import RunDir
 
     if (run_dir is None) == (records is None):
@@ -877,7 +878,7 @@ def audit_cmd(
             # directory are that process's until it ends. Held until this command ends, however it ends
             ctx.with_resource(run.lock())
             manifest = run.manifest()
-            cfg = config_from_dict(run.config())
+            cfg = run.run_config()
             # the documents and truth; no QA set is read. A corpus run that searched through a /retrieve
             # server (engine-run's, no index recorded) is audited without one, as it ran: its documents are
             # read from their store, where building an index of wiki-18 would take hours

@@ -253,10 +253,11 @@ def _build(cls, data: dict, prefix: str = ""):
         raise ConfigError(msg) from None
 
 
-def config_from_dict(data: dict) -> RunConfig:
+def config_from_dict(data: dict, *, recorded: bool = False) -> RunConfig:
+    """`data` as a RunConfig, checked (`recorded`: `parse_treatment`'s, for a finished run's config)."""
     cfg = _build(RunConfig, data)
     try:
-        t = parse_treatment(cfg.treatment)
+        t = parse_treatment(cfg.treatment, recorded=recorded)
     except ValueError as e:
         raise ConfigError(str(e)) from None
     if t.feedback == "crossfit" and 0 < cfg.loop.source_docs < t.k:

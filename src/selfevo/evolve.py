@@ -70,8 +70,9 @@ Rules = Callable[[RunConfig, list, FoldAssignment, Callable[[str], Any]], tuple[
 
 
 def user_rules(cfg: RunConfig) -> Rules | None:
-    """The function that makes a user's treatment's rules (None: a treatment of selfevo's)."""
-    if parse_treatment(cfg.treatment).feedback != "user":
+    """The function that makes a user's treatment's rules (None: a treatment of selfevo's). `cfg` was parsed:
+    a name of none of selfevo's is a user's, whose package `treatments.user_rules` finds, or says is gone."""
+    if parse_treatment(cfg.treatment, recorded=True).feedback != "user":
         return None
     try:
         return treatments.user_rules(cfg.treatment)
@@ -446,8 +447,9 @@ def evolve(cfg: RunConfig, out: str | os.PathLike, resume: bool = False, progres
     if not isinstance(cfg, RunConfig):
         raise TypeError(f"cfg: expected a RunConfig (selfevo.config.load_config), got {type(cfg).__name__}")
     # a RunConfig built or replaced in code skipped the parser's checks (a str seed, an unknown
-    # treatment): check it as config.json will be read back, before anything is written
-    cfg = config_from_dict(cfg.to_json())
+    # treatment): check it as config.json will be read back, before anything is written (a resume of a user's
+    # treatment whose package is gone is told so by `user_pieces`)
+    cfg = config_from_dict(cfg.to_json(), recorded=resume and RunDir(out).made_with_users_rules())
     if step_checkpoints is None:
         step_checkpoints = 1 if cfg.backend == "lm" else 0
     if not isinstance(step_checkpoints, int) or step_checkpoints < 0:

@@ -23,6 +23,8 @@ from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from selfevo import _proc
+
 EXECUTORS = ("local", "ray")
 
 
@@ -183,11 +185,17 @@ def _job_processes(jobs: Sequence[Job], workers: int, done: Callable[[dict], Non
                     proc.start()
                     send.close()  # this end is the child's: its death closes the pipe (EOF), not a hang
                     running[recv] = (proc, job)
-                for recv in multiprocessing.connection.wait(list(running)):
+                # a job's result, or its process's end, looked for every second: one that died without sending
+                # its result may have forked a process that holds the pipe (and its sentinel) open, and no end
+                # of file would come
+                ready = set(multiprocessing.connection.wait(list(running), timeout=1.0))
+                for recv in [r for r, (p, _) in running.items() if r in ready or not p.is_alive()]:
                     proc, job = running.pop(recv)
                     try:
-                        res = recv.recv()
+                        res = recv.recv() if recv.poll() else None
                     except (EOFError, OSError):  # died before it sent its result, or while sending it
+                        res = None
+                    if res is None:
                         proc.join()
                         res = _died(job, RuntimeError(f"exit code {proc.exitcode}"))
                     recv.close()
@@ -195,17 +203,18 @@ def _job_processes(jobs: Sequence[Job], workers: int, done: Callable[[dict], Non
                     exiting.append(proc)
                     exiting = [p for p in exiting if p.is_alive()]  # (is_alive reaps those that ended)
                     done(res)
-        except BaseException:
-            for proc in [*exiting, *(p for p, _ in running.values())]:
-                proc.kill()
+        except BaseException:  # each job's process and what it started (vLLM's engine processes, holding a GPU)
+            _proc.stop_now(*(proc.pid for proc in [*exiting, *(proc for proc, _ in running.values())]
+                             if proc.is_alive()))
             raise
         finally:
             deadline = time.monotonic() + grace
-            for proc in [*exiting, *(p for p, _ in running.values())]:
+            for proc in [*exiting, *(proc for proc, _ in running.values())]:
                 proc.join(max(0.0, deadline - time.monotonic()))
-                if proc.is_alive():
-                    proc.kill()
-                    proc.join()
+            left = [proc for proc in [*exiting, *(proc for proc, _ in running.values())] if proc.is_alive()]
+            _proc.stop_now(*(proc.pid for proc in left))
+            for proc in left:
+                proc.join()
             for recv in running:
                 recv.close()
 

@@ -377,7 +377,7 @@ def build_bank(run_dirs: Sequence[str | os.PathLike], size: int = 3000, seed: in
         raise ReplayError("--from: name at least one run directory")
     if size < 1:
         raise ReplayError(f"--size: must be >= 1, got {size}")
-    from selfevo.config import ConfigError, config_from_dict
+    from selfevo.config import ConfigError
     from selfevo.corpus import DataError
     from selfevo.evolve import check_world, searched_through_a_server
     from selfevo.world import WorldError
@@ -407,8 +407,8 @@ def build_bank(run_dirs: Sequence[str | os.PathLike], size: int = 3000, seed: in
             if manifest.get("agents"):  # the replay trains selfevo's learners of the run's config
                 raise ReplayError(f"{d}: made with learners of the user's ({manifest['agents']}); a replay bank's "
                                   "feedback solvers are selfevo's learners of the run's config, not those")
+            cfg = run.run_config()
             configs.append(run.config())
-            cfg = config_from_dict(configs[-1])
             check_world(run, cfg)  # its truth judges the replay
             made.append(made_on(manifest))
             served.append(searched_through_a_server(cfg, manifest))

@@ -39,7 +39,7 @@ from selfevo._io import (
     write_jsonl,
 )
 from selfevo._software import SoftwareChanged, software, software_changes
-from selfevo.config import ConfigError, config_from_dict, with_absolute_paths
+from selfevo.config import ConfigError, RunConfig, config_from_dict, with_absolute_paths
 from selfevo.records import SCHEMA_VERSION
 
 
@@ -535,24 +535,27 @@ class RunDir:
     def load_checkpoint(self, round: int) -> dict:
         return read_object(self.checkpoint_path(round))
 
-    def config(self) -> dict:
-        """The saved config, parsed as `selfevo evolve` would (a field added to selfevo since the
-        run was made reads as its default), as plain JSON."""
+    def made_with_users_rules(self) -> bool:
+        """Whether the manifest names the rules of a user's treatment (False for a damaged or missing one: its
+        reader's to name, not the config's)."""
+        try:
+            return isinstance(self.manifest().get("rules"), str)
+        except (ValueError, OSError):
+            return False
+
+    def run_config(self) -> RunConfig:
+        """The saved config, parsed as `selfevo evolve` would (a field added to selfevo since the run was made
+        reads as its default); a user's treatment whose rules the manifest names is read without its package."""
         path = self.path / "config.json"
         data = read_object(path)
-        try:  # a damaged or missing manifest is its reader's to name, not the config's
-            user_treatment = isinstance(self.manifest().get("rules"), str)
-        except (ValueError, OSError):
-            user_treatment = False
-        if user_treatment:  # a user's treatment (its rules the manifest names): records read without its package
-            from selfevo.loop.treatments import note_recorded
-
-            note_recorded(data.get("treatment", ""))
         try:
-            cfg = config_from_dict(data)
+            return config_from_dict(data, recorded=self.made_with_users_rules())
         except ConfigError as e:
             raise RunError(f"{path}: {e}") from None
-        return json.loads(json.dumps(cfg.to_json()))  # tuples -> lists, as saved
+
+    def config(self) -> dict:
+        """`run_config()` as plain JSON."""
+        return json.loads(json.dumps(self.run_config().to_json()))  # tuples -> lists, as saved
 
     def folds(self) -> dict:
         """folds.json (see `selfevo.loop.folds.FoldAssignment.from_json`)."""

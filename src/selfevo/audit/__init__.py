@@ -139,10 +139,9 @@ def audit_run(run: RunDir | str | os.PathLike, judge: Judge, out: str | os.PathL
                          "item unresolved (no source document); give it the run's: "
                          "documents=selfevo.search.docstore.contents_by_id(...) of the run's world or corpus")
     if truth == "oracle":
-        from selfevo.config import config_from_dict
         from selfevo.evolve import check_world, environment
 
-        cfg = config_from_dict(run.config())
+        cfg = run.run_config()
         if cfg.data.corpus:  # before any index of it is opened or built
             raise ValueError(f"{run.path}: a run on a real corpus has no exact truth to compare the judge with")
         check_world(run, cfg)  # the truth of the world the run was made on, not of one remade since

@@ -882,6 +882,21 @@ def _truncator(model_dir: str, n_tokens: int) -> Callable[[str], str]:
     return cut
 
 
+def _port_free(port: int, path: str) -> None:
+    """A port something listens on already is refused: a `vllm serve` left by a killed run answers /health
+    there, and the new one, failing to bind, would go unnoticed while the grading went to the old one."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as vLLM's server binds it
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError as e:
+            raise EngineUnavailable(f"vllm serve {path}: 127.0.0.1:{port} is in use ({e.strerror}); a vllm serve "
+                                    "an earlier run left when it was killed? Stop it (pgrep -af 'vllm serve') or "
+                                    "set engine.grader_port") from None
+
+
 def _vllm_server(path: str, name: str, port: int, gpus: str, memory: float, say) -> Iterator[str]:
     """`vllm serve` in a subprocess for the block's duration (an OpenAI-compatible endpoint)."""
     import httpx
@@ -897,6 +912,7 @@ def _vllm_server(path: str, name: str, port: int, gpus: str, memory: float, say)
     cmd = [exe, "serve", path, "--served-model-name", name, "--port", str(port), "--host", "127.0.0.1",
            "--gpu-memory-utilization", str(memory), "--generation-config", "vllm"]
     say("  $ " + " ".join(shlex.quote(c) for c in cmd))
+    _port_free(port, path)
     with _proc.running(cmd, env, grace=60) as proc:  # stopped with its engine processes, whatever stops this
         deadline = time.monotonic() + 900
         while True:

@@ -71,7 +71,7 @@ def check_stats(who: str, stats: object) -> dict:
 # what the loop calls of each piece (the protocols of agents.base, loop.admission and loop.feedback)
 _PIECES = {
     "proposer": ("propose", "update", "state_dict", "load_state_dict"),
-    "main solver": ("name", "answer", "update", "state_dict", "load_state_dict"),
+    "main solver": ("name", "answer", "update", "snapshot", "lineage", "state_dict", "load_state_dict"),
     "admission rule": ("name", "generations_per_candidate", "begin_round", "decide"),
     "feedback rule": ("item_fold", "begin_round", "route", "n_aux", "end_round", "state_dict", "load_state_dict"),
 }
@@ -90,7 +90,10 @@ def check_pieces(pieces: dict) -> None:
                                 f"has no {', '.join(missing)} (docs/extending.md)")
     admission = pieces["admission rule"]
     key = getattr(admission, "purpose", admission.name)
-    if not isinstance(key, str) or key in RESERVED_GENERATIONS:
+    if not isinstance(key, str):
+        raise ContractError(f"admission rule {admission.name!r}: its purpose, else its name, names its generations "
+                            f"in compute.json: a string, got {type(key).__name__}")
+    if key in RESERVED_GENERATIONS:
         raise ContractError(f"admission rule {admission.name!r}: its generations are counted in compute.json under "
                             f"its purpose, else its name, {key!r}: that must be a name other than the loop's own "
                             f"({', '.join(RESERVED_GENERATIONS)})")

@@ -21,16 +21,6 @@ FEEDBACKS = ("coupled", "crossfit", "same-source", "full-data", "question-split"
 # where an installed package names a treatment of its own (its pyproject.toml:
 # [project.entry-points."selfevo.treatments"] NAME = "module:rules"), for `--treatment NAME`
 USER_TREATMENTS = "selfevo.treatments"
-# the user's treatments named in the manifests of runs read in this process (`runs.RunDir.config`): their
-# finished records are read without their package (only a resume needs its rules)
-_RECORDED: set[str] = set()
-
-
-def note_recorded(name: str) -> None:
-    from selfevo._plugins import DIRECTORY_NAME
-
-    if isinstance(name, str) and DIRECTORY_NAME.fullmatch(name):  # config.json's field, checked when parsed
-        _RECORDED.add(name)
 # ASCII digits and fullmatch: `\d` took other scripts' digits ("crossfit-k٣") and `$` a trailing newline
 # ("crossfit\n"), each a run under a name no other run of the treatment shares
 _CROSSFIT = re.compile(r"crossfit(?:-(connected))?(?:-k([0-9]+))?")
@@ -76,12 +66,17 @@ def feedback_options(treatment: Treatment) -> FeedbackOptions | None:
     raise AssertionError(f"feedback {f!r} has no options")  # parse_treatment admits nothing else
 
 
-def parse_treatment(name: str) -> Treatment:
-    """Validate and decompose a treatment name; errors name the field and list what is known."""
+def parse_treatment(name: str, *, recorded: bool = False) -> Treatment:
+    """Validate and decompose a treatment name; errors name the field and list what is known. `recorded`: the
+    name of a finished run whose manifest names a user's treatment's rules (`runs.RunDir.run_config`), read
+    without its package (only a resume needs the rules)."""
+    from selfevo._plugins import DIRECTORY_NAME
+
     if (t := _parse_builtin(name)) is not None:
         return t
     mine = user_treatments()
-    if name in mine or name in _RECORDED:  # its folds: K = 2, by source (folds.json), its rules' to read or not
+    if name in mine or (recorded and DIRECTORY_NAME.fullmatch(name)):
+        # its folds: K = 2, by source (folds.json), its rules' to read or not
         return Treatment(name, False, "user")
     raise ValueError(f"treatment: unknown {name!r} (known: coupled, msv, "
                      f"{', '.join(FEEDBACKS[1:])}, crossfit-k<K>, crossfit-connected[-k<K>], "

@@ -22,6 +22,7 @@ import hmac
 import threading
 import time
 import uuid
+import warnings
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Annotated, Any, Literal
@@ -157,17 +158,20 @@ def running(app: FastAPI, host: str = "127.0.0.1", port: int = 0) -> Iterator[st
     server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        if not thread.is_alive() or time.monotonic() > deadline:
-            raise RuntimeError("the chat server did not start")
-        time.sleep(0.02)
-    bound = server.servers[0].sockets[0].getsockname()[1]
-    try:
+    try:  # the start-up wait too: a Ctrl-C in it, or its time-out, left the model served on its thread
+        deadline = time.monotonic() + 30
+        while not server.started:
+            if not thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError("the chat server did not start")
+            time.sleep(0.02)
+        bound = server.servers[0].sockets[0].getsockname()[1]
         yield f"http://{url_host(host)}:{bound}/v1"
     finally:
         server.should_exit = True
         thread.join(timeout=30)
+        if thread.is_alive():  # a request still generating: the daemon thread ends with this process
+            warnings.warn("the chat server's thread was still answering a request 30 s after its stop",
+                          RuntimeWarning, stacklevel=3)
 
 
 def serve(model: ChatModel, host: str = "127.0.0.1", port: int = 8001, api_key: str | None = None,
