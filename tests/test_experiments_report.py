@@ -832,9 +832,10 @@ def test_a_stopped_grid_stops_what_its_jobs_started(tmp_path):
     assert proc.returncode == 128 + signal.SIGTERM and len(list(children.glob("*"))) == 2 and left == []
 
 
-def test_a_job_process_that_dies_leaving_a_process_with_its_pipe_is_failed_at_once(tmp_path, monkeypatch):
+def test_a_job_process_that_dies_leaving_a_process_with_its_pipe_is_failed_at_once(tmp_path, monkeypatch, caplog):
     """A job's death was noticed only as the end of its result pipe, which a process it had started held
-    open: the grid waited on that process (forever, for a server), its other jobs queued behind it."""
+    open: the grid waited on that process (forever, for a server), its other jobs queued behind it. The
+    job fails at once, and the process it left is stopped, named in a warning."""
     import selfevo.experiments
 
     helper = tmp_path / "helper"
@@ -847,15 +848,19 @@ def test_a_job_process_that_dies_leaving_a_process_with_its_pipe_is_failed_at_on
             time.sleep(60)
             os._exit(0)
         helper.write_text(str(pid))
+        time.sleep(2)  # the grid's watch has seen the helper (it looks every second)
         os.kill(os.getpid(), signal.SIGKILL)
 
     monkeypatch.setattr(selfevo.experiments, "run_job", run_job)
     start = time.monotonic()
     try:
-        results = run_grid([Job(name, (), str(tmp_path / name)) for name in "ab"], "local", workers=2)
+        with caplog.at_level("WARNING", logger="selfevo._proc"):
+            results = run_grid([Job(name, (), str(tmp_path / name)) for name in "ab"], "local", workers=2)
         assert time.monotonic() - start < 30  # not the helper's 60 s
         assert results[0]["status"] == "failed" and "exit code -9" in results[0]["error"]
         assert results[1]["status"] == "ok"
+        assert not _alive(int(helper.read_text()))
+        assert f"job a exited (code -9) leaving 1 of its processes running (pid {helper.read_text()})" in caplog.text
     finally:
         if helper.exists():
             with contextlib.suppress(ProcessLookupError):

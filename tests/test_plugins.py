@@ -70,18 +70,31 @@ def make_without_documents(arg):
 
 
 class Hooked(Says):
-    """Has the audit's optional hooks: `describe` (judge.json) and `judgements`; `described` answers a string."""
+    """Has the audit's optional hooks, `describe` (judge.json) and `judgements`, answering as `arg` says: right
+    (`yes`), or a string (`str`), a dict (`dict`) or nothing (`none`)."""
+
+    def __init__(self, arg, documents):
+        super().__init__("yes", documents)
+        self.hook = arg
 
     def describe(self):
-        return "a judge of mine" if self.arg == "no" else {"judge": self.name, "by": "me"}
+        return "a judge of mine" if self.hook == "str" else {"judge": self.name, "by": "me"}
 
     def judgements(self):
-        return [{"item": 0}]
+        return {"dict": {"item": 0}, "none": None}.get(self.hook, [{"item": 0}])
 
 
 class Checking(Says):
     def check(self, item):  # a method of a hook's name, for something else
         return item
+
+
+class Asking(Says):
+    def describe(self, run):  # a hook's name taking an argument: named before any item is judged
+        return {}
+
+    def judge(self, items):
+        raise AssertionError("judged before its hooks were checked")
 
 
 TWO = 2
@@ -212,7 +225,7 @@ def test_the_command_audits_with_an_installed_packages_judge_and_compares_it_wit
              {"says": "myjudges_mod:make", "figures": "myjudges_mod:make", "oracle": "myjudges_mod:make",
               "two": "myjudges_mod:TWO", "older": "myjudges_mod:make_without_documents",
               "metrics.json": "myjudges_mod:make", "hooked": "myjudges_mod:Hooked",
-              "checking": "myjudges_mod:Checking"})
+              "checking": "myjudges_mod:Checking", "asking": "myjudges_mod:Asking"})
     monkeypatch.syspath_prepend(str(site))
     oracle = json.loads((world_run / "audit" / "metrics.json").read_text())
 
@@ -235,18 +248,22 @@ def test_the_command_audits_with_an_installed_packages_judge_and_compares_it_wit
     code, out = _cli("audit", world_run, "--judge", "says:dicts", "--out", tmp_path / "b")
     assert code != 0 and "says-dicts" in out and not (tmp_path / "b" / "metrics.json").exists()
     code, out = _cli("audit", world_run, "--judge", "nobody", "--out", tmp_path / "c")
-    assert code != 0 and "unknown judge 'nobody' (known: oracle, llm, gold, checking[:ARG], figures[:ARG]" in out
+    assert code != 0 and "unknown judge 'nobody' (known: oracle, llm, gold, asking[:ARG], checking[:ARG]" in out
     for spec, message in (("two", "judge 'two': builtins.int is no factory make(arg, *, documents) -> Judge"),
                           ("older:yes", "myjudges_mod.make_without_documents is no factory make(arg, *, documents)"),
                           ("figures:yes", "its audit would go to RUN_DIR/audit/figures, which cannot be its own"),
                           ("metrics.json:yes", "would go to " + str(world_run / "audit" / "metrics.json") + ", a file"),
-                          ("oracle:yes", "unknown judge 'oracle:yes' (known: oracle, llm, gold, checking[:ARG], "
-                                         "figures[:ARG], hooked[:ARG], metrics.json[:ARG], older[:ARG], says[:ARG], "
-                                         "two[:ARG])"),
+                          ("oracle:yes", "unknown judge 'oracle:yes' (known: oracle, llm, gold, asking[:ARG], "
+                                         "checking[:ARG], figures[:ARG], hooked[:ARG], metrics.json[:ARG], "
+                                         "older[:ARG], says[:ARG], two[:ARG])"),
                           # the audit's optional hooks (check, describe, summary, judgements): a method of one's
                           # name for another use, or answering in another shape, is named before anything is written
                           ("checking:yes", "judge 'says-yes': check is an audit hook, called with no argument"),
-                          ("hooked:no", "judge 'says-no': describe returns a dict (docs/extending.md), got str")):
+                          ("hooked:str", "judge 'says-yes': describe returns a dict (docs/extending.md), got str"),
+                          ("hooked:dict", "judge 'says-yes': judgements returns a list of dicts (docs/extending.md), "
+                                          "got dict"),
+                          ("hooked:none", "judgements returns a list of dicts (docs/extending.md), got NoneType"),
+                          ("asking:yes", "judge 'says-yes': describe is an audit hook, called with no argument")):
         code, out = _cli("audit", world_run, "--judge", spec)
         assert code != 0 and message in " ".join(out.split()) and "Traceback" not in out, out
     assert not (world_run / "audit" / "hooked").exists() and not (world_run / "audit" / "checking").exists()
@@ -364,6 +381,12 @@ def test_a_treatment_of_an_installed_package_runs_resumes_and_is_reported_beside
     shutil.rmtree(info)  # uninstalled: its finished records are still read; only running it needs its rules
     code, out = _cli("evolve", "--out", run, "--resume")
     assert code != 0 and "'grounded' is a treatment of a package that is not installed" in " ".join(out.split())
+    import dataclasses
+
+    from selfevo.evolve import evolve
+    typo = dataclasses.replace(RunDir(run).run_config(), treatment="groundd")  # no name the run recorded
+    with pytest.raises(ConfigError, match="unknown 'groundd'"):
+        evolve(typo, run, resume=True, progress=False)
     damaged = tmp_path / "damaged"
     shutil.copytree(run, damaged)
     (damaged / "config.json").write_text((damaged / "config.json").read_text().replace('"grounded"', "5"))

@@ -1196,13 +1196,13 @@ def test_an_interrupt_while_the_stop_looks_at_the_tree_kills_what_was_recorded(t
     ready = tmp_path / "ready"
     server = ("import pathlib, signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
               f"pathlib.Path({str(ready)!r}).write_text(''); time.sleep(600)")
-    close = _proc._Watch.close
+    close = _proc.Watch.close
 
     def interrupted(self):
         close(self)
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(_proc._Watch, "close", interrupted)
+    monkeypatch.setattr(_proc.Watch, "close", interrupted)
     proc = None
     try:
         with pytest.raises(KeyboardInterrupt), _proc.running([sys.executable, "-c", server], grace=30) as proc:
@@ -1232,12 +1232,40 @@ def test_a_pid_an_earlier_descendant_held_is_recorded_as_the_process_holding_it_
             return None
 
     monkeypatch.setattr(_proc, "process_tree", tree)
-    watch = _proc._Watch(Job(), 0.01)
+    watch = _proc.Watch(Job(), 0.01)
     deadline = time.monotonic() + 10
     while len(looks) < 3 and time.monotonic() < deadline:
         time.sleep(0.01)
     assert watch.seen == {1: "10", 100: "90"}
     assert watch.close() == {1: "10", 100: "90"}
+
+
+def test_a_stop_waits_kill_wait_in_all_for_what_sigkill_does_not_end(monkeypatch, caplog):
+    """The wait for a job stuck after SIGKILL (in a device driver) was KILL_WAIT on the job, then KILL_WAIT
+    again on its tree; and a process /proc does not show (macOS: start "", an unreaped child that kill(pid, 0)
+    finds) was waited on, and warned of, as one stuck."""
+    from selfevo import _proc
+
+    class Stuck:  # a job SIGKILL does not end
+        pid, args, returncode = 4242, ["job"], None
+
+        def wait(self, timeout=None):
+            time.sleep(timeout)
+            raise subprocess.TimeoutExpired(self.args, timeout)
+
+    monkeypatch.setattr(_proc, "KILL_WAIT", 0.6)
+    monkeypatch.setattr(_proc, "_signal", lambda tree, signum: None)
+    monkeypatch.setattr(_proc, "_running", lambda pid, start: True)
+    monkeypatch.setattr(_proc, "process_tree", lambda *pids: {})
+    with caplog.at_level("WARNING", logger="selfevo._proc"):
+        start = time.monotonic()
+        _proc._stop({4242: "77", 4243: "78"}, 0, Stuck())
+        assert 0.5 < time.monotonic() - start < 1.0  # KILL_WAIT in all
+        assert "pid 4242, 4243 still there 1 s after SIGKILL" in caplog.text
+        caplog.clear()
+        start = time.monotonic()
+        _proc._stop({4244: ""}, 0)
+        assert time.monotonic() - start < 0.3 and not caplog.records
 
 
 def test_an_interrupt_during_the_stops_last_look_at_the_tree_still_kills(tmp_path, monkeypatch):

@@ -85,9 +85,10 @@ def _signal(tree: Mapping[int, str], signum: int) -> None:
                 os.kill(pid, signum)
 
 
-class _Watch:
+class Watch:
     """The processes `proc` and its descendants have been, recorded every `interval` seconds on a
-    thread while the job runs (pid -> the start time first seen)."""
+    thread while the job runs (pid -> start time). `proc`: a Popen, or what has its `pid`, `args`,
+    `returncode`, `poll()` and `wait(timeout)` (a grid's job process, `experiments._JobProcess`)."""
 
     def __init__(self, proc: subprocess.Popen, interval: float):
         self.proc, self.seen = proc, process_tree(proc.pid)
@@ -133,26 +134,23 @@ def _stop(tree: Mapping[int, str], grace: float, proc: subprocess.Popen | None =
                 tree = {**process_tree(*tree), **tree}
         finally:  # killed even where that look is itself interrupted (a third Ctrl-C)
             _signal(tree, signal.SIGKILL)
-            if proc is not None:
-                with contextlib.suppress(subprocess.TimeoutExpired):  # one stuck in the GPU driver: not forever
-                    proc.wait(KILL_WAIT)
-            # a killed process takes a moment to exit (a GPU's memory is freed then): gone on return
+            # a killed process takes a moment to exit (a GPU's memory is freed then): gone on return, or
+            # named after KILL_WAIT seconds (one stuck in a device driver is not waited on for ever)
             deadline = time.monotonic() + KILL_WAIT
-            while any(_running(pid, start) for pid, start in tree.items()) and time.monotonic() < deadline:
+            if proc is not None:
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    proc.wait(max(0.0, deadline - time.monotonic()))
+            # ("": a root /proc does not show, reaped above where it is `proc`)
+            alive = [pid for pid, start in tree.items() if start and _running(pid, start)]
+            while alive and time.monotonic() < deadline:
                 time.sleep(0.02)
-            if left := sorted(pid for pid, start in tree.items() if _running(pid, start)):
+                alive = [pid for pid in alive if _running(pid, tree[pid])]
+            if alive:
                 log.warning("pid %s still there %.0f s after SIGKILL (in uninterruptible sleep: a device driver)",
-                            ", ".join(map(str, left)), KILL_WAIT)
+                            ", ".join(map(str, sorted(alive))), KILL_WAIT)
 
 
-def stop_now(*pids: int) -> None:
-    """`pids` and every process descended from them (all found before any is signalled) stopped at once:
-    SIGTERM, then SIGKILL; gone on return. For processes not started here by `running`: a grid's jobs."""
-    if pids:
-        _stop(process_tree(*pids), 0)
-
-
-def _stop_watched(watch: _Watch, grace: float) -> None:
+def stop_watched(watch: Watch, grace: float) -> None:
     """Stop the job's tree, recorded and present: its process, if still running, and what of the
     processes it started outlived it (a warning names them)."""
     try:
@@ -176,14 +174,14 @@ def running(cmd: Sequence[str], env: Mapping[str, str] | None = None, grace: flo
     those it left behind included."""
     proc = subprocess.Popen(list(cmd), env=env)
     try:
-        watch = _Watch(proc, WATCH_INTERVAL if interval is None else interval)
+        watch = Watch(proc, WATCH_INTERVAL if interval is None else interval)
     except BaseException:  # interrupted before the watch began: the job, and what it started, stopped now
         _stop({proc.pid: ""}, 0, proc)
         raise
     try:
         yield proc
     finally:
-        _stop_watched(watch, grace)
+        stop_watched(watch, grace)
 
 
 def run(cmd: Sequence[str], env: Mapping[str, str] | None = None, grace: float = 30.0,

@@ -449,7 +449,7 @@ def evolve(cfg: RunConfig, out: str | os.PathLike, resume: bool = False, progres
     # a RunConfig built or replaced in code skipped the parser's checks (a str seed, an unknown
     # treatment): check it as config.json will be read back, before anything is written (a resume of a user's
     # treatment whose package is gone is told so by `user_pieces`)
-    cfg = config_from_dict(cfg.to_json(), recorded=resume and RunDir(out).made_with_users_rules())
+    cfg = config_from_dict(cfg.to_json(), recorded=resume and cfg.treatment == RunDir(out).users_treatment())
     if step_checkpoints is None:
         step_checkpoints = 1 if cfg.backend == "lm" else 0
     if not isinstance(step_checkpoints, int) or step_checkpoints < 0:

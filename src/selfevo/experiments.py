@@ -14,6 +14,7 @@ import multiprocessing
 import multiprocessing.connection
 import os
 import signal
+import subprocess
 import sys
 import threading
 import time
@@ -170,11 +171,14 @@ def _job_processes(jobs: Sequence[Job], workers: int, done: Callable[[dict], Non
     killer, kill -9) fails alone, where a process pool, broken by one death, failed every job not yet
     finished, those never started included. Like `worker_pool`, the processes die with this one and
     are killed on Ctrl-C or SIGTERM (a rerun of the grid resumes their runs). Not daemonic: a job may
-    start processes of its own (vLLM does). A job's result counts when it is sent: a process slow to
-    exit after it (a thread of the job's left running) holds up nothing, and is killed `grace` seconds
-    after the last job's result if it is still there."""
+    start processes of its own (vLLM does): each job's tree is watched as `_proc.running` watches a
+    command's, and what of it outlives the job's process is stopped, with a warning naming it. A job's
+    result counts when it is sent: a process slow to exit after it (a thread of the job's left running)
+    holds up nothing, and is stopped `grace` seconds after the last job's result if it is still there."""
     ctx = multiprocessing.get_context("fork" if sys.platform.startswith("linux") else "spawn")
-    queue, running, exiting = list(jobs), {}, []  # running: the result pipe's read end -> (process, job)
+    # running: the result pipe's read end -> (the process's watch, job); exiting: watches of processes that
+    # sent their result and are still exiting
+    queue, running, exiting, finished = list(jobs), {}, [], False
     with terminate_raises():
         try:
             while queue or running:
@@ -184,39 +188,65 @@ def _job_processes(jobs: Sequence[Job], workers: int, done: Callable[[dict], Non
                     proc = ctx.Process(target=_job_process, args=(os.getpid(), job, send))
                     proc.start()
                     send.close()  # this end is the child's: its death closes the pipe (EOF), not a hang
-                    running[recv] = (proc, job)
+                    running[recv] = (_proc.Watch(_JobProcess(proc, job), _proc.WATCH_INTERVAL), job)
                 # a job's result, or its process's end, looked for every second: one that died without sending
                 # its result may have forked a process that holds the pipe (and its sentinel) open, and no end
                 # of file would come
                 ready = set(multiprocessing.connection.wait(list(running), timeout=1.0))
-                for recv in [r for r, (p, _) in running.items() if r in ready or not p.is_alive()]:
-                    proc, job = running.pop(recv)
+                for recv in [r for r, (w, _) in running.items() if r in ready or w.proc.poll() is not None]:
+                    watch, job = running.pop(recv)
                     try:
                         res = recv.recv() if recv.poll() else None
                     except (EOFError, OSError):  # died before it sent its result, or while sending it
                         res = None
-                    if res is None:
-                        proc.join()
-                        res = _died(job, RuntimeError(f"exit code {proc.exitcode}"))
                     recv.close()
-                    proc.join(1.0)  # it exits now, as a rule: then no more than `workers` live at once
-                    exiting.append(proc)
-                    exiting = [p for p in exiting if p.is_alive()]  # (is_alive reaps those that ended)
+                    with contextlib.suppress(subprocess.TimeoutExpired):  # it exits now, as a rule: then no
+                        watch.proc.wait(None if res is None else 1.0)  # more than `workers` live at once
+                    if watch.proc.poll() is None:
+                        exiting.append(watch)
+                    else:  # what it started and left running is stopped (the warning names it)
+                        _proc.stop_watched(watch, 0)
+                    if res is None:
+                        res = _died(job, RuntimeError(f"exit code {watch.proc.returncode}"))
                     done(res)
-        except BaseException:  # each job's process and what it started (vLLM's engine processes, holding a GPU)
-            _proc.stop_now(*(proc.pid for proc in [*exiting, *(proc for proc, _ in running.values())]
-                             if proc.is_alive()))
-            raise
-        finally:
-            deadline = time.monotonic() + grace
-            for proc in [*exiting, *(proc for proc, _ in running.values())]:
-                proc.join(max(0.0, deadline - time.monotonic()))
-            left = [proc for proc in [*exiting, *(proc for proc, _ in running.values())] if proc.is_alive()]
-            _proc.stop_now(*(proc.pid for proc in left))
-            for proc in left:
-                proc.join()
-            for recv in running:
-                recv.close()
+                for watch in [w for w in exiting if w.proc.poll() is not None]:
+                    exiting.remove(watch)
+                    _proc.stop_watched(watch, 0)
+            finished = True
+        finally:  # each job's process and what it started (vLLM's engine processes, holding a GPU): at once
+            # where this is interrupted (Ctrl-C, SIGTERM, an error), else `grace` seconds after the last result
+            deadline = time.monotonic() + (grace if finished else 0)
+            watches = [*exiting, *(w for w, _ in running.values())]
+            try:
+                for watch in watches:
+                    with contextlib.suppress(subprocess.TimeoutExpired):
+                        watch.proc.wait(max(0.0, deadline - time.monotonic()))
+            finally:  # a Ctrl-C in that wait stops them at once
+                for watch in watches:
+                    _proc.stop_watched(watch, 0)
+                for recv in running:
+                    recv.close()
+
+
+class _JobProcess:
+    """A grid's job process as `_proc` watches and stops a command's (the Popen methods it calls)."""
+
+    def __init__(self, process: multiprocessing.Process, job: Job):
+        self.process, self.pid, self.args = process, process.pid, [f"job {job.name}"]
+
+    @property
+    def returncode(self) -> int | None:
+        return self.process.exitcode
+
+    def poll(self) -> int | None:
+        self.process.is_alive()  # reaps it once it has ended
+        return self.process.exitcode
+
+    def wait(self, timeout: float | None = None) -> int:
+        self.process.join(timeout)
+        if self.process.exitcode is None:
+            raise subprocess.TimeoutExpired(self.args, timeout)
+        return self.process.exitcode
 
 
 def _job_process(parent: int, job: Job, send) -> None:

@@ -535,13 +535,17 @@ class RunDir:
     def load_checkpoint(self, round: int) -> dict:
         return read_object(self.checkpoint_path(round))
 
-    def made_with_users_rules(self) -> bool:
-        """Whether the manifest names the rules of a user's treatment (False for a damaged or missing one: its
-        reader's to name, not the config's)."""
+    def users_treatment(self, config: dict | None = None) -> str | None:
+        """The treatment of a user's the run was made with (the manifest names its rules), else None (and for
+        a damaged or missing manifest: its reader's to name, not the config's). `config`: config.json's
+        object, where the caller has read it."""
         try:
-            return isinstance(self.manifest().get("rules"), str)
+            if not isinstance(self.manifest().get("rules"), str):
+                return None
+            name = (read_object(self.path / "config.json") if config is None else config).get("treatment")
         except (ValueError, OSError):
-            return False
+            return None
+        return name if isinstance(name, str) else None
 
     def run_config(self) -> RunConfig:
         """The saved config, parsed as `selfevo evolve` would (a field added to selfevo since the run was made
@@ -549,7 +553,7 @@ class RunDir:
         path = self.path / "config.json"
         data = read_object(path)
         try:
-            return config_from_dict(data, recorded=self.made_with_users_rules())
+            return config_from_dict(data, recorded=self.users_treatment(data) is not None)
         except ConfigError as e:
             raise RunError(f"{path}: {e}") from None
 

@@ -11,7 +11,7 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -37,35 +37,48 @@ def limit_items(steps: Sequence[dict], per_step: int | None) -> list[dict]:
 HOOKS = {"check": None, "describe": dict, "summary": dict, "judgements": list}
 
 
-def call_hook(judge: Judge, hook: str) -> Any:
-    """What the judge's `hook` returns, or None where it has none; one of another signature or answering in
-    another shape (a user's judge with a method of that name for something else) is a ContractError naming it,
-    not a traceback after every item was judged."""
+def _hook(judge: Judge, hook: str) -> str:
+    return f"judge {getattr(judge, 'name', type(judge).__name__)!r}: {hook}"
+
+
+def check_hooks(judge: Judge) -> None:
+    """Each hook the judge has takes no argument: one of another signature (a user's judge with a method of a
+    hook's name for something else) is a ContractError naming it before any item is judged."""
     import inspect
 
+    from selfevo._plugins import ContractError
+
+    for hook in HOOKS:
+        if (method := getattr(judge, hook, None)) is None:
+            continue
+        try:
+            inspect.signature(method).bind()
+        except TypeError as e:  # not callable, or it needs an argument
+            raise ContractError(f"{_hook(judge, hook)} is an audit hook, called with no argument ({e}; "
+                                "docs/extending.md)") from None
+        except ValueError:  # a callable with no signature Python can read: called as it is
+            pass
+
+
+def call_hook(judge: Judge, hook: str) -> Any:
+    """What the judge's `hook` returns (`check_hooks` checked it takes no argument), or None where it has
+    none; an answer of another shape is a ContractError naming the judge and the hook."""
     from selfevo._io import json_problem
     from selfevo._plugins import ContractError
 
-    method = getattr(judge, hook, None)
-    if method is None:
+    if (method := getattr(judge, hook, None)) is None:
         return None
-    where = f"judge {getattr(judge, 'name', type(judge).__name__)!r}: {hook}"
-    try:
-        inspect.signature(method).bind()
-    except TypeError as e:  # not callable, or it needs an argument
-        raise ContractError(f"{where} is an audit hook, called with no argument ({e}; docs/extending.md)") from None
-    except ValueError:  # a callable with no signature Python can read: called as it is
-        pass
-    value = method()
-    kind = HOOKS[hook]
-    if kind is not None:
-        if kind is list and not isinstance(value, str):
-            value = list(value)
-        if not isinstance(value, kind) or (kind is list and not all(isinstance(r, dict) for r in value)):
-            raise ContractError(f"{where} returns {'a list of dicts' if kind is list else 'a dict'} "
-                                f"(docs/extending.md), got {type(value).__name__}")
-        if problem := json_problem(value):
-            raise ContractError(f"{where}: what it returns is written as JSON: {problem}")
+    value, kind = method(), HOOKS[hook]
+    if kind is None:
+        return value
+    got = type(value).__name__
+    if kind is list and isinstance(value, (tuple, Iterator)):  # rows given as a tuple or a generator
+        value = list(value)
+    if not isinstance(value, kind) or (kind is list and not all(isinstance(r, dict) for r in value)):
+        raise ContractError(f"{_hook(judge, hook)} returns {'a list of dicts' if kind is list else 'a dict'} "
+                            f"(docs/extending.md), got {got}")
+    if problem := json_problem(value):
+        raise ContractError(f"{_hook(judge, hook)}: what it returns is written as JSON: {problem}")
     return value
 
 
@@ -79,6 +92,7 @@ def audit_to_dir(steps: Sequence[dict], judge: Judge, out_dir: str | os.PathLike
     flat = [it for st in steps for it in st["items"]]
     # an endpoint that is down or refuses the key (an LLM judge's `check`): stop before any item, not
     # write every item unresolved over the audit there
+    check_hooks(judge)
     call_hook(judge, "check")
     # judge first (the slow part, the one that can fail): a failed audit leaves the earlier one whole
     verdicts = checked_verdicts(judge, flat, judge.judge(flat))

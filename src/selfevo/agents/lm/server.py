@@ -169,9 +169,9 @@ def running(app: FastAPI, host: str = "127.0.0.1", port: int = 0) -> Iterator[st
     finally:
         server.should_exit = True
         thread.join(timeout=30)
-        if thread.is_alive():  # a request still generating: the daemon thread ends with this process
-            warnings.warn("the chat server's thread was still answering a request 30 s after its stop",
-                          RuntimeWarning, stacklevel=3)
+        if thread.is_alive():  # a request still generating, say: the daemon thread ends with this process
+            warnings.warn("the chat server's thread had not ended 30 s after it was told to stop", RuntimeWarning,
+                          stacklevel=3)
 
 
 def serve(model: ChatModel, host: str = "127.0.0.1", port: int = 8001, api_key: str | None = None,
