@@ -107,8 +107,8 @@ def main() -> None:
                   "Main solver macro Cover-EM by round (0 = base): "
                   + ", ".join(f"r{i} {fmt([r['eval'][i] for r in rows])}" for i in range(rounds + 1)), ""]
     lines += [f"Speed: a full `{args.world}`-world coupled run (world generation, BM25 index, 129 scheduled "
-              f"steps, 4 evaluations of 1,325 questions, the audit) takes **{wall:.2f} s** on one core "
-              f"(median of 3: {', '.join(f'{w:.2f}' for w in walls)} s).", ""]
+              f"steps, 4 evaluations of 1,325 questions, the audit; seed {cfg.seed}) takes **{wall:.2f} s** on one "
+              f"core (median of 3: {', '.join(f'{w:.2f}' for w in walls)} s).", ""]
     write_section(args.out, HEADING, "\n".join(lines))
     if args.json:
         args.json.write_text(json.dumps({"results": results, "wall_seconds": walls}, indent=1))

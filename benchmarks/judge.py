@@ -296,8 +296,8 @@ def main() -> None:
               f"{args.threads} --max-new-tokens {SMOL_MAX_TOKENS}` "
               f"(loaded in {smol['load_s']:.0f} s), audited by", "",
               f"    {smol['command']}", "",
-              f"on the first {args.smollm2_items} items of every step ({s['items']} items, {s['distinct_items']} "
-              "distinct), in "
+              f"on the first {args.smollm2_items} items of every step ({s['items']} items over the proposer and "
+              f"solver steps, {s['distinct_items']} distinct; the comparison below covers the proposer steps'), in "
               f"{smol['wall_s'] / 60:.1f} min (its injection test included). Result: {summary_line(s)}.", "",
               f"**SmolLM2 resolved {s['resolved']} of {s['distinct_items']} items (coverage "
               f"{num(c['judge']['coverage'])} against the oracle's {num(c['truth']['coverage'])}).** "]

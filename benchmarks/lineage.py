@@ -103,7 +103,8 @@ def main() -> None:
         "(its memory is keyed on the page's entity and the relation). How much of question-split's F a "
         "source-held-out grader keeps on the replay bank's multi-hop questions, and how much the `connected` "
         "condition (every page a question read held out: link-graph clusters placed whole in folds) removes, "
-        "is measured there (\"## Fixed replay bank\", the by-bank table, benchmarks/replay.py), not here."])
+        "is measured there (\"## Fixed replay bank\", the by-bank table of hop kinds, benchmarks/replay.py), "
+        "not here."])
     write_section(args.out, HEADING, text)
     Console().print(text)
 

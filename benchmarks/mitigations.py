@@ -305,11 +305,14 @@ def main() -> None:
         lines.append(f"| {t} | {pct('extra_generations')} | {pct('extra_updates')} | {wall:.2f} | {extra} |")
     if ref and "crossfit" in timing:
         cf, co = timing["crossfit"]["phases"], ref["phases"]
-        where = sorted(((cf[ph] - co.get(ph, 0.0), ph) for ph in cf), reverse=True)
-        lines += ["", "Where CrossFit's extra wall time goes (median seconds, CrossFit − coupled, by phase): "
-                  + ", ".join(f"{ph} {d:+.2f} s" for d, ph in where if abs(d) >= 0.01)
-                  + " (`aux`: training the auxiliary solvers on their folds' admitted questions; `grade`: "
-                  "the grader's five answers per proposal, now from an auxiliary solver)."]
+        where = [(d, ph) for d, ph in sorted(((cf[ph] - co.get(ph, 0.0), ph) for ph in cf), reverse=True)
+                 if abs(d) >= 0.01]
+        meaning = {"aux": "training the auxiliary solvers on their folds' admitted questions",
+                   "grade": "the grader's five answers per proposal, now from an auxiliary solver"}
+        shown = [f"`{ph}`: {meaning[ph]}" for _, ph in where if ph in meaning]
+        lines += ["", "Where CrossFit's extra wall time goes (median seconds, CrossFit − coupled, by phase, those of "
+                  "0.01 s or more): " + ", ".join(f"{ph} {d:+.2f} s" for d, ph in where)
+                  + (f" ({'; '.join(shown)})." if shown else ".")]
     if base is not None:
         lines += ["", "Acceptance (issue 5):", "", *(f"- {'PASS' if ok else '**FAIL**'} {name}: {detail}"
                                                       for name, ok, detail in acceptance(res, timing))]

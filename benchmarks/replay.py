@@ -62,6 +62,13 @@ def spread_text(a: dict, b: dict) -> str:
     return "no bound: one seed has no spread" if math.isnan(bound) else f"bound ±{bound:.3f}"
 
 
+def paired_f(conditions: dict, a: str, b: str) -> str:
+    """a's F − b's, paired by replay seed (the mean difference's 95% interval: the spread bound above is a
+    band for one seed's difference, wider by about the square root of the seeds)."""
+    diffs = [x - y for x, y in zip(conditions[a]["per_seed"]["F"], conditions[b]["per_seed"]["F"], strict=True)]
+    return f"paired by replay seed {interval_text(summary(diffs))}"
+
+
 HOP_CONDITIONS = ["coupled", "question-split", "source-id", "connected"]
 # every condition the acceptance reads, MSV left out: what each bank of the by-bank table replays
 BANK_CONDITIONS = ["coupled", "same-source", "full-data", "question-split", "source-id", "source-id-half",
@@ -368,7 +375,8 @@ def main() -> None:
             *[(f"{n} F near coupled (within 2× the combined seed spread)",
                abs(F[n]["mean"] - F["coupled"]["mean"]) <= spread(F[n], F["coupled"]),
                f"{F[n]['mean']:.3f} vs {F['coupled']['mean']:.3f} (Δ {F[n]['mean'] - F['coupled']['mean']:+.3f}, "
-               f"{spread_text(F[n], F['coupled'])})") for n in ("same-source", "full-data")],
+               f"{spread_text(F[n], F['coupled'])}; {paired_f(c, n, 'coupled')})")
+              for n in ("same-source", "full-data")],
             ("source-id raises solver truth over coupled",
              truth["source-id"]["mean"] > truth["coupled"]["mean"],
              f"{truth['source-id']['mean']:.3f} vs {truth['coupled']['mean']:.3f}"),
@@ -376,7 +384,7 @@ def main() -> None:
              abs(F["source-id-half"]["mean"] - F["source-id"]["mean"]) <= spread(F["source-id-half"], F["source-id"]),
              f"{F['source-id-half']['mean']:.3f} vs {F['source-id']['mean']:.3f} "
              f"(Δ {F['source-id-half']['mean'] - F['source-id']['mean']:+.3f}, "
-             f"{spread_text(F['source-id-half'], F['source-id'])})"),
+             f"{spread_text(F['source-id-half'], F['source-id'])}; {paired_f(c, 'source-id-half', 'source-id')})"),
             (f"whole study ({len(c)} conditions × {args.seeds} seeds, {res['bank']['items']} items) < 2 minutes",
              wall < 120 and args.seeds >= 5 and res["bank"]["items"] >= 3000,
              f"median {wall:.1f} s of {', '.join(f'{w:.1f}' for w in walls)} "
