@@ -125,3 +125,12 @@ def test_a_line_shows_a_fractional_count_to_one_decimal_the_elapsed_time_and_is_
         clock[0] = 75.0
         bar.advance(task, 1)
     assert capsys.readouterr().err.endswith(" GB read: 1.3/2.5 (1m15s)\n")
+
+
+def test_a_bar_writes_nothing_on_stdout(capsys):
+    """stdout may be a command's data: `selfevo replay run ... | head -1` closed it early, the bar's last
+    write there ended the command (EPIPE) before it wrote its results. A bar draws on stderr."""
+    with Progress(every=0) as bar:
+        bar.advance(bar.add_task("replay", total=2), 2)
+    captured = capsys.readouterr()
+    assert captured.out == "" and "replay" in captured.err

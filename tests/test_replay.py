@@ -201,6 +201,8 @@ def test_bank_hops_filter(runs, bank):
     (lambda o: {**o, "base_seed": True}, "field base_seed should be an integer, got true"),
     (lambda o: {**o, "world": "small"}, 'field world should be an object, got "small"'),
     (lambda o: {**o, "sources": "x"}, "field sources should be a list"),
+    # a sim bank edited to a language model's: it loaded the default model and ran for many minutes
+    (lambda o: {**o, "backend": "lm"}, "backend 'lm' with field lm empty"),
     (lambda o: {**o, "source_created": [True]}, "field source_created should be a list of numbers"),
     (lambda o: {**o, "source_created": [1.0, 2.0]}, "field source_created should be a list of numbers"),
     # read as format 2 or 1: the base model of the sampling seed, not of the runs (a helper's review)
@@ -484,7 +486,7 @@ def test_cli_usage_errors_exit_2(runs, bank, tmp_path, args, message):
     bank_path = bank.save(tmp_path / "bank.json")
     # a language-model bank whose corpus is gone: an error naming it, before any model loads
     # (a corpus run's world block is the default one: a corpus replaces the world)
-    corpus_bank = replace(bank, backend="lm", world=asdict(WorldSpec()),
+    corpus_bank = replace(bank, backend="lm", world=asdict(WorldSpec()), lm=load_config(None, []).to_json()["lm"],
                           data={"corpus": str(tmp_path / "absent.jsonl"), "qa_dir": str(tmp_path)})
     write_corpus(tmp_path / "corpus.jsonl", load_run_world(load_config(None, SCALED)).documents)
     index_bank = replace(corpus_bank, data={"corpus": str(tmp_path / "corpus.jsonl"), "qa_dir": str(tmp_path),
@@ -1376,8 +1378,8 @@ def test_cli_run_hands_the_judge_settings_to_the_judge(bank, tmp_path, monkeypat
 
     corpus = tmp_path / "corpus.jsonl"
     write_corpus(corpus, load_run_world(load_config(None, SCALED)).documents)
-    corpus_bank = replace(bank, backend="lm", world=asdict(WorldSpec()), data={"corpus": str(corpus),
-                                                                               "qa_dir": str(tmp_path)})
+    corpus_bank = replace(bank, backend="lm", world=asdict(WorldSpec()), lm=load_config(None, []).to_json()["lm"],
+                          data={"corpus": str(corpus), "qa_dir": str(tmp_path)})
     with serve_app(make_app(BM25Index.from_corpus_file(corpus))) as url:
         res = CliRunner().invoke(app, [*args[:3], str(corpus_bank.save(tmp_path / "corpus-bank.json")), *args[4:],
                                        "--retriever-url", url])

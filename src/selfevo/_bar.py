@@ -12,13 +12,17 @@ from rich.console import Console
 
 
 class Progress(rich.progress.Progress):
-    """`rich.progress.Progress`; where its console is not a terminal, also a plain line on stderr
-    (stdout may be a command's data) when a task changed (its description or count): at most one a
-    task every `every` seconds, a change held back written once that is due (so what runs now shows
-    within `every`), then its last state when the display stops. Work shorter than `every` writes
-    nothing."""
+    """`rich.progress.Progress`, drawn on stderr unless given another console; where its console is not a
+    terminal, also a plain line on stderr (stdout may be a command's data) when a task changed (its
+    description or count): at most one a task every `every` seconds, a change held back written once that
+    is due (so what runs now shows within `every`), then its last state when the display stops. Work shorter
+    than `every` writes nothing."""
 
     def __init__(self, *columns, every: float = 30.0, **kwargs):
+        # on stderr unless told otherwise: stdout may be a command's data, and a reader of it that closes
+        # early (`| head`) made the bar's last write end the command before it wrote its results
+        if kwargs.get("console") is None:
+            kwargs["console"] = Console(stderr=True)
         super().__init__(*columns, **kwargs)
         self._log = not self.disable and not self.console.is_terminal
         self._every = every

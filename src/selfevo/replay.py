@@ -287,6 +287,9 @@ class Bank:
         for k in ("world", "solver", "search", "data", "lm", "made_on"):
             if not isinstance(obj.get(k, {}), dict):
                 raise ReplayError(f"{where}: field {k} should be an object, got {json.dumps(obj[k])[:80]}")
+        if obj.get("backend", "sim") == "lm" and not obj.get("lm"):  # its graders would be the default model's
+            raise ReplayError(f"{where}: backend 'lm' with field lm empty: a language-model bank keeps its runs' "
+                              "lm config (replay build writes it)")
         if not isinstance(obj["sources"], list) or not all(isinstance(s, str) for s in obj["sources"]):
             raise ReplayError(f"{where}: field sources should be a list of run directories, "
                               f"got {json.dumps(obj['sources'])[:80]}")
@@ -1236,7 +1239,8 @@ def results_markdown(results: dict) -> str:
 def results_table(results: dict):
     from rich.table import Table
 
-    table = Table(title=f"fixed replay bank: {_bank_line(results)}, {len(results['seeds'])} seeds (mean ± std)")
+    n = len(results["seeds"])
+    table = Table(title=f"fixed replay bank: {_bank_line(results)}, {n} seed{'s' if n != 1 else ''} (mean ± std)")
     table.add_column("condition")
     for _, title in TABLE_COLUMNS:
         table.add_column(title, justify="right")
@@ -1284,7 +1288,8 @@ def plot_results(results: dict, path: str | os.PathLike) -> Path:
                Patch(facecolor="lightgray", edgecolor="black", hatch="//", label="with MSV (+msv)"),
                Line2D([], [], color="gray", linestyle="--", label="untrained base model")]
     axes[0].legend(handles=handles, fontsize=7)
-    fig.suptitle(f"Fixed replay bank ({results['bank']['items']} items, {len(results['seeds'])} seeds)",
+    fig.suptitle(f"Fixed replay bank ({results['bank']['items']} items, {len(results['seeds'])} "
+                 f"seed{'s' if len(results['seeds']) != 1 else ''})",
                  fontsize=11)
     with atomic_writer(path, "wb") as fh:
         fig.savefig(fh, format="png", dpi=130)
