@@ -1138,6 +1138,16 @@ def _wait_for(path: Path, deadline_s: float = 60) -> None:
         time.sleep(0.02)
 
 
+def _sleeper(tmp_path: Path, setup: str) -> subprocess.Popen:
+    """A Python process that runs `setup` (statements; pathlib and signal imported), says it is ready, then
+    sleeps: returned once ready (the caller kills it on the way out)."""
+    ready = tmp_path / "ready"
+    proc = subprocess.Popen([sys.executable, "-c", f"import pathlib, signal, time; {setup}; "
+                                                   f"pathlib.Path({str(ready)!r}).write_text(''); time.sleep(600)"])
+    _wait_for(ready)
+    return proc
+
+
 def test_a_stop_sends_sigterm_first_and_does_not_wait_out_the_grace_once_the_job_is_gone(tmp_path, caplog):
     """A server that handles SIGTERM (saves, exits) gets it, and leaving the block returns as soon as it
     has exited, not after the grace period; nothing is warned about (the job did not exit by itself)."""
@@ -1174,12 +1184,8 @@ def test_a_process_named_in_bytes_that_are_no_utf8_is_read(tmp_path):
     text raised UnicodeDecodeError in every job's start anywhere on the machine, the job left running."""
     from selfevo import _proc
 
-    ready = tmp_path / "ready"
-    named = ("import pathlib, time; pathlib.Path('/proc/self/comm').write_bytes(b'obrab\\xd0\\xbe\\xd0'); "
-             f"pathlib.Path({str(ready)!r}).write_text(''); time.sleep(600)")
-    other = subprocess.Popen([sys.executable, "-c", named])
+    other = _sleeper(tmp_path, "pathlib.Path('/proc/self/comm').write_bytes(b'obrab\\xd0\\xbe\\xd0')")
     try:
-        _wait_for(ready)
         assert Path(f"/proc/{other.pid}/comm").read_bytes() == b"obrab\xd0\xbe\xd0\n"
         assert other.pid in _proc.process_tree(other.pid)
         _proc.run([sys.executable, "-c", "pass"])  # a job's start and stop look at every process
@@ -1273,12 +1279,8 @@ def test_an_interrupt_during_the_stops_last_look_at_the_tree_still_kills(tmp_pat
     SIGKILL: a job ignoring SIGTERM ran on."""
     from selfevo import _proc
 
-    ready = tmp_path / "ready"
-    server = ("import pathlib, signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
-              f"pathlib.Path({str(ready)!r}).write_text(''); time.sleep(600)")
-    proc = subprocess.Popen([sys.executable, "-c", server])
+    proc = _sleeper(tmp_path, "signal.signal(signal.SIGTERM, signal.SIG_IGN)")
     try:
-        _wait_for(ready)
         tree = _proc.process_tree(proc.pid)
 
         def interrupted(*pids):
