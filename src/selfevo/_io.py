@@ -44,6 +44,16 @@ def url_host(address: str) -> str:
     return f"[{address}]" if ":" in address and not address.startswith("[") else address
 
 
+def bind_once(family: int, address: tuple) -> None:
+    """Bind `address` once as a server binds it (SO_REUSEADDR) and let go: OSError where the port is in use
+    or no interface here has the address."""
+    import socket
+
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+
+
 def encodable(text: str) -> str:
     """A model's text as a file or a request can carry it: a lone surrogate (no character, so no
     UTF-8; a remote endpoint's JSON can escape one) becomes U+FFFD. Kept, it fails every write of it."""

@@ -20,7 +20,7 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
-from selfevo._io import url_host
+from selfevo._io import bind_once, url_host
 from selfevo._software import SoftwareChanged
 from selfevo.agents import SPEC_FORMS
 from selfevo.corpus import DataError
@@ -192,13 +192,11 @@ def _check_bind(address: str, port: int, exposed: str) -> None:
         infos = socket.getaddrinfo(address, port, type=socket.SOCK_STREAM)
     except (socket.gaierror, UnicodeError) as e:
         _fail(f"--host: {address}: {e}")
-    family, kind, proto, _, sockaddr = infos[0]
-    with socket.socket(family, kind, proto) as sock:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds it
-        try:
-            sock.bind(sockaddr)
-        except OSError as e:
-            _fail(f"--host/--port: cannot listen on {address}:{port}: {e.strerror}")
+    family, _, _, _, sockaddr = infos[0]
+    try:
+        bind_once(family, sockaddr)
+    except OSError as e:
+        _fail(f"--host/--port: cannot listen on {address}:{port}: {e.strerror}")
     try:
         loopback = ipaddress.ip_address(sockaddr[0].split("%")[0]).is_loopback
     except ValueError:

@@ -139,20 +139,21 @@ class DemoPlan:
                 raise ConfigError(f"{key}: set by the demo for every run; use {where}")
         # absolute: a job on a Ray cluster runs in another directory and must read the same files
         object.__setattr__(self, "run", with_absolute_paths(self.run))
-        if self.replay_conditions and config_from_dict(self.run).loop.rounds < 2:
+        cfg = config_from_dict(self.run)
+        if self.replay_conditions and cfg.loop.rounds < 2:
             # found only after every run had finished, the demo would then exit 1
             raise ConfigError("loop.rounds: the replay bank takes round-2 and later questions, so the demo's "
                               "runs need at least 2 rounds; or set demo.replay_conditions = []")
         for t in self.treatments:  # validate every treatment (and the run tables) before running
             config_from_dict({**self.run, "treatment": t})
-        if (learners := config_from_dict(self.run).learners) and self.replay_conditions:
+        if (learners := cfg.learners) and self.replay_conditions:
             # the bank's feedback solvers are selfevo's learners: a bank of the runs would be refused once they ended
             raise ConfigError(f"learners: {learners!r}: the replay study trains selfevo's own learners on the runs' "
                               "questions, not yours; set demo.replay_conditions = [] with learners of your own")
         if learners:
             from selfevo.evolve import user_pieces
 
-            user_pieces(config_from_dict(self.run))  # its package's import, once, not in every seed's job
+            user_pieces(cfg)  # its package's import, once, not in every seed's job
 
     def overrides(self) -> list[str]:
         """The run tables as `--set` overrides (TOML literals), plus the world."""

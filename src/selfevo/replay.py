@@ -411,7 +411,7 @@ def build_bank(run_dirs: Sequence[str | os.PathLike], size: int = 3000, seed: in
                 raise ReplayError(f"{d}: made with learners of the user's ({manifest['agents']}); a replay bank's "
                                   "feedback solvers are selfevo's learners of the run's config, not those")
             cfg = run.run_config()
-            configs.append(run.config())
+            configs.append(json.loads(json.dumps(cfg.to_json())))  # tuples -> lists, as saved
             check_world(run, cfg)  # its truth judges the replay
             made.append(made_on(manifest))
             served.append(searched_through_a_server(cfg, manifest))
@@ -1236,11 +1236,15 @@ def results_markdown(results: dict) -> str:
     return "\n".join(lines)
 
 
+def _seeds_text(results: dict) -> str:
+    n = len(results["seeds"])
+    return f"{n} seed{'s' if n != 1 else ''}"
+
+
 def results_table(results: dict):
     from rich.table import Table
 
-    n = len(results["seeds"])
-    table = Table(title=f"fixed replay bank: {_bank_line(results)}, {n} seed{'s' if n != 1 else ''} (mean ± std)")
+    table = Table(title=f"fixed replay bank: {_bank_line(results)}, {_seeds_text(results)} (mean ± std)")
     table.add_column("condition")
     for _, title in TABLE_COLUMNS:
         table.add_column(title, justify="right")
@@ -1288,8 +1292,7 @@ def plot_results(results: dict, path: str | os.PathLike) -> Path:
                Patch(facecolor="lightgray", edgecolor="black", hatch="//", label="with MSV (+msv)"),
                Line2D([], [], color="gray", linestyle="--", label="untrained base model")]
     axes[0].legend(handles=handles, fontsize=7)
-    fig.suptitle(f"Fixed replay bank ({results['bank']['items']} items, {len(results['seeds'])} "
-                 f"seed{'s' if len(results['seeds']) != 1 else ''})",
+    fig.suptitle(f"Fixed replay bank ({results['bank']['items']} items, {_seeds_text(results)})",
                  fontsize=11)
     with atomic_writer(path, "wb") as fh:
         fig.savefig(fh, format="png", dpi=130)

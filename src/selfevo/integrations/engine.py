@@ -887,14 +887,14 @@ def _port_free(port: int, path: str) -> None:
     there, and the new one, failing to bind, would go unnoticed while the grading went to the old one."""
     import socket
 
-    with socket.socket() as sock:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as vLLM's server binds it
-        try:
-            sock.bind(("127.0.0.1", port))
-        except OSError as e:
-            raise EngineUnavailable(f"vllm serve {path}: 127.0.0.1:{port} is in use ({e.strerror}); a vllm serve "
-                                    "an earlier run left when it was killed? Stop it (pgrep -af 'vllm serve') or "
-                                    "set engine.grader_port") from None
+    from selfevo._io import bind_once
+
+    try:
+        bind_once(socket.AF_INET, ("127.0.0.1", port))
+    except OSError as e:
+        raise EngineUnavailable(f"vllm serve {path}: 127.0.0.1:{port} is in use ({e.strerror}); a vllm serve "
+                                "an earlier run left when it was killed? Stop it (pgrep -af 'vllm serve') or "
+                                "set engine.grader_port") from None
 
 
 def _vllm_server(path: str, name: str, port: int, gpus: str, memory: float, say) -> Iterator[str]:
