@@ -832,6 +832,17 @@ def test_a_stopped_grid_stops_what_its_jobs_started(tmp_path):
     assert proc.returncode == 128 + signal.SIGTERM and len(list(children.glob("*"))) == 2 and left == []
 
 
+def test_a_grid_stopped_before_a_started_jobs_watch_began_stops_that_job_too(tmp_path):
+    """SIGTERM while the grid began watching a job it had just started (a /proc scan, slow on a loaded
+    machine) left that job out of the stop: the interpreter's exit then waited on it, the whole job's
+    length (CI saw the grid outlive its 30 s). Here the second watch takes a minute to begin."""
+    slow_watch = ("import selfevo._proc as P; W = P.Watch.__init__; P.Watch.__init__ = "
+                  "lambda self, proc, interval, n=[]: (n.append(1), time.sleep(60 * (len(n) == 2)), "
+                  "W(self, proc, interval))[-1]")
+    proc, left = _stop_with_workers(_hanging_grid(tmp_path, slow_watch), tmp_path / "marks", "SIGTERM")
+    assert proc.returncode == 128 + signal.SIGTERM and left == []
+
+
 def test_a_job_process_that_dies_leaving_a_process_with_its_pipe_is_failed_at_once(tmp_path, monkeypatch, caplog):
     """A job's death was noticed only as the end of its result pipe, which a process it had started held
     open: the grid waited on that process (forever, for a server), its other jobs queued behind it. The

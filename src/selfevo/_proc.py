@@ -150,6 +150,11 @@ def _stop(tree: Mapping[int, str], grace: float, proc: subprocess.Popen | None =
                             ", ".join(map(str, sorted(alive))), KILL_WAIT)
 
 
+def stop_unwatched(proc: subprocess.Popen, grace: float) -> None:
+    """Stop `proc`, started but interrupted before its watch began, and its descendants as they are now."""
+    _stop({proc.pid: ""}, grace, proc)
+
+
 def stop_watched(watch: Watch, grace: float) -> None:
     """Stop the job's tree, recorded and present: its process, if still running, and what of the
     processes it started outlived it (a warning names them)."""
@@ -176,7 +181,7 @@ def running(cmd: Sequence[str], env: Mapping[str, str] | None = None, grace: flo
     try:
         watch = Watch(proc, WATCH_INTERVAL if interval is None else interval)
     except BaseException:  # interrupted before the watch began: the job, and what it started, stopped now
-        _stop({proc.pid: ""}, 0, proc)
+        stop_unwatched(proc, 0)
         raise
     try:
         yield proc

@@ -111,10 +111,11 @@ def run_grid(jobs: Sequence[Job], executor: str = "local", workers: int | None =
             have = ray.cluster_resources().get("GPU", 0) if jobs else 0  # (asked once; no job, no question)
             gpus = [_job_gpus(job, have) for job in jobs]  # all checked before any job starts
             # a worker's working directory is not the driver's (on a cluster, not even its machine): it gets
-            # the run directory as an absolute path, and the result names it as the job does (as locally)
-            pending = {remote.options(num_gpus=g).remote(
-                replace(job, out=str(Path(job.out).resolve()), overrides=absolute_overrides(job.overrides))): job
-                for job, g in zip(jobs, gpus)}
+            # the run directory as an absolute path, and the result names it as the job does (as locally);
+            # each task is kept as it is submitted, to be cancelled if this is interrupted before the last
+            for job, g in zip(jobs, gpus):
+                pending[remote.options(num_gpus=g).remote(
+                    replace(job, out=str(Path(job.out).resolve()), overrides=absolute_overrides(job.overrides)))] = job
             # installed after ray.init, whose driver handler makes SIGTERM exit 1 (a failed job's code)
             with terminate_raises():
                 while pending:
@@ -176,54 +177,61 @@ def _job_processes(jobs: Sequence[Job], workers: int, done: Callable[[dict], Non
     result counts when it is sent: a process slow to exit after it (a thread of the job's left running)
     holds up nothing, and is stopped `grace` seconds after the last job's result if it is still there."""
     ctx = multiprocessing.get_context("fork" if sys.platform.startswith("linux") else "spawn")
-    # running: the result pipe's read end -> (the process's watch, job); exiting: watches of processes that
-    # sent their result and are still exiting
-    queue, running, exiting, finished = list(jobs), {}, [], False
+    # procs: each job process started and not yet stopped -> its watch (None until the watch begins: an
+    # interruption then, on a loaded machine a /proc scan's while, left the process out of the stop below, and
+    # the interpreter's exit joined it: the grid waited for the whole job); running: a result pipe's read end ->
+    # (its process, job); the processes of procs not running sent their result and are still exiting
+    queue, running, finished = list(jobs), {}, False
+    procs: dict[_JobProcess, _proc.Watch | None] = {}
     with terminate_raises():
         try:
             while queue or running:
                 while queue and len(running) < workers:
                     job = queue.pop(0)
                     recv, send = ctx.Pipe(duplex=False)
-                    proc = ctx.Process(target=_job_process, args=(os.getpid(), job, send))
-                    proc.start()
+                    proc = _JobProcess(ctx.Process(target=_job_process, args=(os.getpid(), job, send)), job)
+                    procs[proc] = None
+                    proc.process.start()
                     send.close()  # this end is the child's: its death closes the pipe (EOF), not a hang
-                    running[recv] = (_proc.Watch(_JobProcess(proc, job), _proc.WATCH_INTERVAL), job)
+                    running[recv] = (proc, job)
+                    procs[proc] = _proc.Watch(proc, _proc.WATCH_INTERVAL)
                 # a job's result, or its process's end, looked for every second: one that died without sending
                 # its result may have forked a process that holds the pipe (and its sentinel) open, and no end
                 # of file would come
                 ready = set(multiprocessing.connection.wait(list(running), timeout=1.0))
-                for recv in [r for r, (w, _) in running.items() if r in ready or w.proc.poll() is not None]:
-                    watch, job = running.pop(recv)
+                for recv in [r for r, (p, _) in running.items() if r in ready or p.poll() is not None]:
+                    proc, job = running.pop(recv)
                     try:
                         res = recv.recv() if recv.poll() else None
                     except (EOFError, OSError):  # died before it sent its result, or while sending it
                         res = None
                     recv.close()
                     with contextlib.suppress(subprocess.TimeoutExpired):  # it exits now, as a rule: then no
-                        watch.proc.wait(None if res is None else 1.0)  # more than `workers` live at once
-                    if watch.proc.poll() is None:
-                        exiting.append(watch)
-                    else:  # what it started and left running is stopped (the warning names it)
-                        _proc.stop_watched(watch, 0)
+                        proc.wait(None if res is None else 1.0)  # more than `workers` live at once
                     if res is None:
-                        res = _died(job, RuntimeError(f"exit code {watch.proc.returncode}"))
+                        res = _died(job, RuntimeError(f"exit code {proc.returncode}"))
                     done(res)
-                for watch in [w for w in exiting if w.proc.poll() is not None]:
-                    exiting.remove(watch)
-                    _proc.stop_watched(watch, 0)
+                # what an ended process started and left running is stopped (the warning names it)
+                busy = {p for p, _ in running.values()}
+                for proc in [p for p in procs if p not in busy and p.poll() is not None]:
+                    _proc.stop_watched(procs[proc], 0)
+                    del procs[proc]
             finished = True
         finally:  # each job's process and what it started (vLLM's engine processes, holding a GPU): at once
             # where this is interrupted (Ctrl-C, SIGTERM, an error), else `grace` seconds after the last result
             deadline = time.monotonic() + (grace if finished else 0)
-            watches = [*exiting, *(w for w, _ in running.values())]
             try:
-                for watch in watches:
-                    with contextlib.suppress(subprocess.TimeoutExpired):
-                        watch.proc.wait(max(0.0, deadline - time.monotonic()))
+                for proc in procs:
+                    if proc.pid is not None:  # (None: interrupted in its start before the fork, or just after:
+                        # then no parent waits on it at exit, and it dies with this process, `_pool_worker`)
+                        with contextlib.suppress(subprocess.TimeoutExpired):
+                            proc.wait(max(0.0, deadline - time.monotonic()))
             finally:  # a Ctrl-C in that wait stops them at once
-                for watch in watches:
-                    _proc.stop_watched(watch, 0)
+                for proc, watch in procs.items():
+                    if watch is not None:
+                        _proc.stop_watched(watch, 0)
+                    elif proc.pid is not None:
+                        _proc.stop_unwatched(proc, 0)
                 for recv in running:
                     recv.close()
 
@@ -232,7 +240,11 @@ class _JobProcess:
     """A grid's job process as `_proc` watches and stops a command's (the Popen methods it calls)."""
 
     def __init__(self, process: multiprocessing.Process, job: Job):
-        self.process, self.pid, self.args = process, process.pid, [f"job {job.name}"]
+        self.process, self.args = process, [f"job {job.name}"]
+
+    @property
+    def pid(self) -> int | None:
+        return self.process.pid  # None until it has started
 
     @property
     def returncode(self) -> int | None:
