@@ -1543,6 +1543,34 @@ def test_run_eval_caches_an_index_under_its_kind_and_closes_the_agent_whatever_h
     assert closed == ["solver", "solver"]
 
 
+def test_run_eval_closes_the_agent_when_the_search_fails_to_start(tmp_path, monkeypatch):
+    """The agent was closed only once the evaluation began: an interrupt in the index's build (minutes; a
+    dense index, hours) or a retriever URL that failed its probe left it open (an lm: agent's Ray actors,
+    holding models). Its identity refused as not JSON closes both it and the built retriever."""
+    qa = tmp_path / "qa"
+    qa.mkdir()
+    (qa / "nq.jsonl").write_text(json.dumps({"id": "n0", "question": "q", "golden_answers": ["x"]}) + "\n")
+    closed = []
+    solver = SimpleNamespace(name="s", close=lambda: closed.append("solver"), identity=object())
+    monkeypatch.setattr(selfevo.agents, "load_agent", lambda spec, **ctx: solver)
+
+    def interrupted(**kw):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(index_mod, "get_retriever", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        ev.run_eval(qa, tmp_path / "corpus.jsonl", "x", tmp_path / "out", progress=False)
+    assert closed == ["solver"]
+    with pytest.raises(ValueError, match="retriever URL"):
+        ev.run_eval(qa, None, "x", tmp_path / "out", retriever_url="http://127.0.0.1:9", progress=False)
+    assert closed == ["solver"] * 2
+    retriever = SimpleNamespace(kind="bm25", corpus_sha256="a", close=lambda: closed.append("retriever"))
+    monkeypatch.setattr(index_mod, "get_retriever", lambda **kw: retriever)
+    with pytest.raises(ValueError, match="a JSON value"):
+        ev.run_eval(qa, tmp_path / "corpus.jsonl", "x", tmp_path / "out", progress=False)
+    assert closed == ["solver"] * 2 + ["retriever", "solver"]  # the retriever first, as built last
+
+
 def test_run_eval_takes_an_https_retriever_url(tmp_path, monkeypatch):
     """`https://` is a retriever URL as `http://` is: it is probed, not refused as "expected http(s)://" (mutant:
     `startswith("http://")` alone); the score names it without its password."""

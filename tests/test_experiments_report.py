@@ -774,12 +774,12 @@ def _hanging_grid(tmp_path: Path, setup: str = "") -> str:
         """)
 
 
-def _stop_with_workers(script: str, marks: Path, signame: str,
-                       children: Path | None = None) -> tuple[subprocess.Popen, list[int]]:
+def _stop_with_workers(script: str, marks: Path, signame: str, children: Path | None = None,
+                       again_after: float | None = None) -> tuple[subprocess.Popen, list[int]]:
     """Run `script` (whose pool workers each write marks/PID and then hang in their job), send
-    its process `signame` once 2 workers are in a job; returns the process (ended) and the pids of
-    the workers (and of the processes named in `children`) still alive 5 s later. The test's process
-    group is killed on the way out."""
+    its process `signame` once 2 workers are in a job (and again `again_after` seconds later); returns the
+    process (ended) and the pids of the workers (and of the processes named in `children`) still alive 5 s
+    later. The test's process group is killed on the way out."""
     proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                             env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1] / "src")},
                             start_new_session=True)  # its own group: the test cleans up whatever outlives it
@@ -791,6 +791,9 @@ def _stop_with_workers(script: str, marks: Path, signame: str,
         assert len(workers) == 2, proc.stderr.read().decode() if proc.poll() is not None else "no worker started"
         workers += [int(p.name) for p in children.glob("*")] if children else []
         proc.send_signal(getattr(signal, signame))  # the process only, as `kill PID` or the OOM killer does
+        if again_after is not None:
+            time.sleep(again_after)
+            proc.send_signal(getattr(signal, signame))
         proc.wait(timeout=30)
         deadline = time.monotonic() + 5
         while any(map(_alive, workers)) and time.monotonic() < deadline:
@@ -840,6 +843,17 @@ def test_a_grid_stopped_before_a_started_jobs_watch_began_stops_that_job_too(tmp
                   "lambda self, proc, interval, n=[]: (n.append(1), time.sleep(60 * (len(n) == 2)), "
                   "W(self, proc, interval))[-1]")
     proc, left = _stop_with_workers(_hanging_grid(tmp_path, slow_watch), tmp_path / "marks", "SIGTERM")
+    assert proc.returncode == 128 + signal.SIGTERM and left == []
+
+
+def test_a_second_sigterm_in_a_jobs_stop_leaves_no_other_job_running(tmp_path):
+    """A second SIGTERM (the first "did not work") landing in one job's stop ended the grid's stops there: the
+    jobs after it ran on, and the interpreter's exit waited on them. Here each stop's look at the tree takes
+    2 s, and the second SIGTERM comes 1 s after the first."""
+    slow_stop = ("import selfevo._proc as P, sys; S = P.process_tree; P.process_tree = lambda *roots: "
+                 "(time.sleep(2 * (sys._getframe(1).f_code.co_name == '_stop')), S(*roots))[-1]")
+    proc, left = _stop_with_workers(_hanging_grid(tmp_path, slow_stop), tmp_path / "marks", "SIGTERM",
+                                    again_after=1.0)
     assert proc.returncode == 128 + signal.SIGTERM and left == []
 
 

@@ -11,6 +11,7 @@ The runner gives every agent the same thing: one greedy trajectory per question 
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import json
@@ -550,6 +551,11 @@ def run_eval(data_dir: str | os.PathLike, corpus: str | os.PathLike | None, agen
 EVAL_FILES = ("predictions.jsonl", "score.json", "predictions.partial.jsonl")
 
 
+def _close(resource: Any) -> None:
+    if (close := getattr(resource, "close", None)) is not None:
+        close()
+
+
 def _run_eval(data_dir, corpus, agent, out_dir: Path, limit, retriever_url, index_dir, progress, retriever_kind,
               index, dense_options, agent_context, search) -> dict:
     from selfevo.agents import agent_files, load_agent
@@ -560,69 +566,69 @@ def _run_eval(data_dir, corpus, agent, out_dir: Path, limit, retriever_url, inde
     data = read_qa_dir(data_dir)
     if limit is not None and limit < 1:
         raise ValueError(f"limit must be >= 1, got {limit}")
-    # fail on a bad spec before indexing anything
-    solver = load_agent(agent, corpus=corpus, retriever_url=retriever_url, **(agent_context or {}))
-    if retriever_url:
-        from selfevo.search.client import RetrieverError, probed_client
+    # the agent and the retriever closed however this ends (an error, or an interrupt in the index's build,
+    # included): HTTP clients hold connection pools, an lm: agent with workers its Ray actors
+    with contextlib.ExitStack() as closing:
+        # fail on a bad spec before indexing anything
+        solver = load_agent(agent, corpus=corpus, retriever_url=retriever_url, **(agent_context or {}))
+        closing.callback(_close, solver)
+        if retriever_url:
+            from selfevo.search.client import RetrieverError, probed_client
 
-        try:
-            retriever = probed_client(retriever_url)
-        except RetrieverError as e:
-            raise ValueError(f"retriever URL {shown_url(retriever_url)}: {e}") from None
-    else:
-        if corpus is None and index is None:
-            raise ValueError("a corpus or a saved index is needed unless a retriever URL is given")
-        from selfevo.search.index import get_retriever, index_kind
+            try:
+                retriever = probed_client(retriever_url)
+            except RetrieverError as e:
+                raise ValueError(f"retriever URL {shown_url(retriever_url)}: {e}") from None
+        else:
+            if corpus is None and index is None:
+                raise ValueError("a corpus or a saved index is needed unless a retriever URL is given")
+            from selfevo.search.index import get_retriever, index_kind
 
-        retriever_kind = index_kind(index) if index is not None and retriever_kind is None else retriever_kind
-        index_dir = index_dir or out_dir / f"{retriever_kind or 'bm25'}-index"
-        retriever = get_retriever(corpus=corpus, index=index, kind=retriever_kind, cache_dir=index_dir,
-                                  options=dense_options, progress=progress)
-    search = search or SearchConfig()  # paper: identical budget for every row (3 passages, 5 searches)
-    tool = SearchTool(retriever, topk=search.topk, max_calls=search.max_calls)
-    # paths by where they are, not how they were written (./qa and /home/me/qa are one directory; "qa" names
-    # nothing read from another directory): the resume key's and score.json's, as a run's config.json
-    run_info = {
-        "agent": shown_url(agent),  # score.json's: a remote endpoint's credentials are not written
-        "data_dir": str(Path(data_dir).resolve()),
-        "corpus": None if retriever_url or corpus is None else str(Path(corpus).resolve()),
-        "retriever_url": shown_url(retriever_url) if retriever_url else None,  # (as the agent: no password)
-        "retriever": None if retriever_url else getattr(retriever, "kind", "bm25"),
-        "index": None if index is None or retriever_url else str(Path(index).resolve()),
-        "setup_seconds": round(time.perf_counter() - started, 3),  # loading + indexing
-    }
-    # what makes a stopped evaluation in out_dir this one, so that a rerun continues it: what the
-    # agent is and how it is set up (not how many workers run it), and what it searches
-    same = {k: run_info[k] for k in ("agent", "retriever_url", "retriever", "data_dir", "corpus", "index")}
-    same["agent_settings"] = {k: v for k, v in (agent_context or {}).items() if k != "workers"}
-    same["agent_files"] = files = agent_files(agent)  # an lm: agent's model rewritten (retrained) between the two
-    if files is not None:  # an lm: agent is its files (`lm:model` and `lm:/abs/model` are one), not its spec
-        same["agent"] = "lm"
-    # an agent of a user's says what it is beyond its spec (a version, its weights' digest) by an `identity`:
-    # a stopped evaluation goes on only with the same one, where answers of two versions were mixed
-    if (identity := getattr(solver, "identity", None)) is not None:
-        same["agent_identity"] = identity() if callable(identity) else identity
-        if problem := json_problem(same["agent_identity"]):
-            raise ValueError(f"agent {agent!r}: its identity is written to score.json and the resume key, so a "
-                             f"JSON value: {problem}")
-    # score.json's too: two evaluations of one lm: agent with other --lm-set values (or a policy file retrained
-    # under one name) wrote score files no one could tell apart
-    run_info |= {k: same[k] for k in ("agent_settings", "agent_files") if same[k]}
-    if "agent_identity" in same:  # whatever it is (0 and "" too)
-        run_info["agent_identity"] = same["agent_identity"]
-    if run_info["retriever"] in ("dense", "hybrid") and dense_options is not None:
-        same["encoder"] = {k: v for k, v in asdict(dense_options).items()
-                           if k not in ("batch_size", "device")}
-    # what the paths held: a corpus rewritten in place, an index rebuilt with other weights
-    from selfevo.search.index import index_identity
+            retriever_kind = index_kind(index) if index is not None and retriever_kind is None else retriever_kind
+            index_dir = index_dir or out_dir / f"{retriever_kind or 'bm25'}-index"
+            retriever = get_retriever(corpus=corpus, index=index, kind=retriever_kind, cache_dir=index_dir,
+                                      options=dense_options, progress=progress)
+        closing.callback(_close, retriever)
+        search = search or SearchConfig()  # paper: identical budget for every row (3 passages, 5 searches)
+        tool = SearchTool(retriever, topk=search.topk, max_calls=search.max_calls)
+        # paths by where they are, not how they were written (./qa and /home/me/qa are one directory; "qa" names
+        # nothing read from another directory): the resume key's and score.json's, as a run's config.json
+        run_info = {
+            "agent": shown_url(agent),  # score.json's: a remote endpoint's credentials are not written
+            "data_dir": str(Path(data_dir).resolve()),
+            "corpus": None if retriever_url or corpus is None else str(Path(corpus).resolve()),
+            "retriever_url": shown_url(retriever_url) if retriever_url else None,  # (as the agent: no password)
+            "retriever": None if retriever_url else getattr(retriever, "kind", "bm25"),
+            "index": None if index is None or retriever_url else str(Path(index).resolve()),
+            "setup_seconds": round(time.perf_counter() - started, 3),  # loading + indexing
+        }
+        # what makes a stopped evaluation in out_dir this one, so that a rerun continues it: what the
+        # agent is and how it is set up (not how many workers run it), and what it searches
+        same = {k: run_info[k] for k in ("agent", "retriever_url", "retriever", "data_dir", "corpus", "index")}
+        same["agent_settings"] = {k: v for k, v in (agent_context or {}).items() if k != "workers"}
+        # an lm: agent's model rewritten (retrained) between the two
+        same["agent_files"] = files = agent_files(agent)
+        if files is not None:  # an lm: agent is its files (`lm:model` and `lm:/abs/model` are one), not its spec
+            same["agent"] = "lm"
+        # an agent of a user's says what it is beyond its spec (a version, its weights' digest) by an `identity`:
+        # a stopped evaluation goes on only with the same one, where answers of two versions were mixed
+        if (identity := getattr(solver, "identity", None)) is not None:
+            same["agent_identity"] = identity() if callable(identity) else identity
+            if problem := json_problem(same["agent_identity"]):
+                raise ValueError(f"agent {agent!r}: its identity is written to score.json and the resume key, so a "
+                                 f"JSON value: {problem}")
+        # score.json's too: two evaluations of one lm: agent with other --lm-set values (or a policy file retrained
+        # under one name) wrote score files no one could tell apart
+        run_info |= {k: same[k] for k in ("agent_settings", "agent_files") if same[k]}
+        if "agent_identity" in same:  # whatever it is (0 and "" too)
+            run_info["agent_identity"] = same["agent_identity"]
+        if run_info["retriever"] in ("dense", "hybrid") and dense_options is not None:
+            same["encoder"] = {k: v for k, v in asdict(dense_options).items()
+                               if k not in ("batch_size", "device")}
+        # what the paths held: a corpus rewritten in place, an index rebuilt with other weights
+        from selfevo.search.index import index_identity
 
-    same["corpus_sha256"] = getattr(retriever, "corpus_sha256", None)
-    same["encoder_fingerprint"] = index_identity(retriever)["encoder"]
-    try:
+        same["corpus_sha256"] = getattr(retriever, "corpus_sha256", None)
+        same["encoder_fingerprint"] = index_identity(retriever)["encoder"]
         return evaluate_solver(solver, data, tool, out_dir=out_dir, limit=limit,
                                progress=progress, run_info=run_info, partial_key=same)
-    finally:
-        for closing in (retriever, solver):  # HTTP clients hold connection pools
-            close = getattr(closing, "close", None)
-            if close is not None:
-                close()

@@ -226,14 +226,17 @@ def _job_processes(jobs: Sequence[Job], workers: int, done: Callable[[dict], Non
                         # then no parent waits on it at exit, and it dies with this process, `_pool_worker`)
                         with contextlib.suppress(subprocess.TimeoutExpired):
                             proc.wait(max(0.0, deadline - time.monotonic()))
-            finally:  # a Ctrl-C in that wait stops them at once
-                for proc, watch in procs.items():
-                    if watch is not None:
-                        _proc.stop_watched(watch, 0)
-                    elif proc.pid is not None:
-                        _proc.stop_unwatched(proc, 0)
-                for recv in running:
-                    recv.close()
+            finally:  # a Ctrl-C in that wait stops them at once; each is stopped, however many interrupts
+                # land in the others' stops (a second SIGTERM had ended the loop, leaving the jobs after it
+                # running, and the interpreter's exit waiting on them)
+                with contextlib.ExitStack() as stops:
+                    for recv in running:
+                        stops.callback(recv.close)
+                    for proc, watch in procs.items():
+                        if watch is not None:
+                            stops.callback(_proc.stop_watched, watch, 0)
+                        elif proc.pid is not None:
+                            stops.callback(_proc.stop_unwatched, proc, 0)
 
 
 class _JobProcess:
