@@ -58,3 +58,54 @@ def trickling_app(reply: bytes, routes: dict[str, str], chunk: int, every_s: flo
     for path, method in routes.items():
         app.add_api_route(path, trickle, methods=[method])
     return app
+
+
+@contextlib.contextmanager
+def silent_endpoint():
+    """An HTTP endpoint that takes requests and never answers (a stuck server, a proxy holding them): yields
+    its base URL and an Event set once a request has arrived."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(16)
+    asked, conns = threading.Event(), []
+
+    def take():
+        with contextlib.suppress(OSError):  # the listening socket shut below
+            while True:
+                conn, _ = sock.accept()
+                conns.append(conn)
+                if conn.recv(65536):
+                    asked.set()
+
+    threading.Thread(target=take, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}", asked
+    finally:
+        with contextlib.suppress(OSError):
+            sock.shutdown(socket.SHUT_RDWR)  # (wakes the accept; a close alone does not)
+        sock.close()
+        for conn in conns:
+            conn.close()
+
+
+def stopped_within(script: str, asked: threading.Event, signum: int, env: dict | None = None) -> float:
+    """Run `script` in a Python process; once `asked` is set (its request is in flight), send it `signum`;
+    the seconds it took to exit after that (inf past 20 s; the process is then killed)."""
+    import os
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            env={**os.environ, **(env or {})})
+    try:
+        assert asked.wait(60), proc.stderr.read().decode() if proc.poll() is not None else "no request came"
+        proc.send_signal(signum)
+        start = time.monotonic()
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            return float("inf")
+        return time.monotonic() - start
+    finally:
+        proc.kill()
+        proc.wait()

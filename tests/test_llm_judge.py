@@ -15,6 +15,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from _servers import silent_endpoint, stopped_within
 from _shared import frequent_thread_switches
 from fastapi.testclient import TestClient
 from typer.testing import CliRunner
@@ -439,6 +440,19 @@ def test_a_failed_call_shared_by_items_counts_once(tmp_path):
         verdicts = judge.judge(questions)  # 4 failed calls, 16 items: no stop
         assert judge.summary()["failed_calls"] == 4 and judge.streak.count == 4
     assert not any(v.resolved for v in verdicts) and sum(failing.requests.values()) == 4
+
+
+def test_sigterm_does_not_wait_out_the_judges_calls_in_flight():
+    """SIGTERM of an audit whose judge endpoint had stopped answering waited for the calls in flight to time
+    out (60 s by default): the pool's threads are joined at exit. Now at once."""
+    with silent_endpoint() as (url, asked):
+        took = stopped_within(f"""if True:
+            from selfevo.audit.llm_judge import LLMJudge
+            from selfevo.experiments import terminate_raises
+            with terminate_raises():
+                LLMJudge({url!r}, "judge", timeout=60, max_retries=0).judge([{ITEM_1908!r}])
+            """, asked, signal.SIGTERM)
+    assert took < 15
 
 
 def test_the_cache_answers_only_for_the_model_that_gave_its_replies(tmp_path):

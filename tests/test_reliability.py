@@ -34,7 +34,7 @@ from pathlib import Path
 
 import pytest
 import typer
-from _servers import serve_app
+from _servers import serve_app, stopped_within
 from _shared import QA_DIR, REPO
 from fastapi.testclient import TestClient
 from hypothesis import given, settings
@@ -658,6 +658,75 @@ def test_a_client_retrying_the_servers_504_waits_out_the_abandoned_retrieval(sma
             assert hit.document.id == "d0" and time.monotonic() - start >= 1.0  # Retry-After: 1
     finally:
         slow.gate.set()
+
+
+def test_daemon_threads_run_calls_as_the_thread_pool_does_and_an_interrupt_waits_for_none():
+    """`DaemonThreads`, the pool of the remote agent's, the LLM judge's and the retriever server's calls: what
+    concurrent.futures' pool gives (results, errors, map, at most max_workers threads, a with-block waiting
+    for its calls), on daemon threads, and an interrupt leaving the block waits for no
+    call in flight and cancels those queued."""
+    from selfevo._threads import DaemonThreads
+
+    both = threading.Barrier(2, timeout=10)  # two calls at once: two threads
+    with DaemonThreads(2, "t") as pool:
+        assert [f.result(10) for f in [pool.submit(both.wait) for _ in range(2)]] in ([0, 1], [1, 0])
+        assert list(pool.map(lambda x: x * x, range(5))) == [0, 1, 4, 9, 16]
+        with pytest.raises(ZeroDivisionError):
+            pool.submit(lambda: 1 / 0).result(5)
+    assert len(pool._threads) == 2 and all(t.daemon for t in pool._threads)  # no third
+    assert not any(t.is_alive() for t in pool._threads)  # ended with the block
+    with pytest.raises(RuntimeError, match="after shutdown"):
+        pool.submit(print)
+    gate, ran = threading.Event(), []
+    try:
+        start = time.monotonic()
+        with pytest.raises(KeyboardInterrupt), DaemonThreads(1) as pool:
+            running = pool.submit(gate.wait, 30)
+            queued = pool.submit(ran.append, "queued")
+            raise KeyboardInterrupt
+        assert time.monotonic() - start < 10 and not running.done() and queued.cancelled()
+    finally:
+        gate.set()
+    assert running.result(10) is True and ran == []
+    pool.shutdown(wait=True, cancel_futures=True)  # a second shutdown: the threads still end
+    assert not pool._threads[0].is_alive()
+
+
+def test_ctrl_c_of_a_server_does_not_wait_for_a_retrieval_it_gave_up_on(tmp_path):
+    """A retrieval past the server's time limit is answered 504 and left running on its thread; Ctrl-C of the
+    server then waited for it to finish (60 s here; a stuck one, for ever), and the server exited 0 after."""
+    port_file = tmp_path / "port"
+    script = f"""if True:
+        import os, socket, time, uvicorn
+        from selfevo.search.server import make_app
+        class Stuck:
+            def retrieve(self, queries, topk):
+                time.sleep(60)
+        sock = socket.socket()
+        sock.bind(("127.0.0.1", 0))
+        with open({str(port_file)!r} + ".tmp", "w") as f:
+            f.write(str(sock.getsockname()[1]))
+        os.replace({str(port_file)!r} + ".tmp", {str(port_file)!r})
+        uvicorn.Server(uvicorn.Config(make_app(Stuck(), timeout_s=1), log_level="warning")).run(sockets=[sock])
+        """
+    answered, replies = threading.Event(), []
+
+    def ask():
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            try:
+                with RetrieverClient(f"http://127.0.0.1:{port_file.read_text()}", retries=0) as client:
+                    client.retrieve(["zebra"])
+            except (FileNotFoundError, RetrieverError) as e:
+                if "HTTP 504" in str(e):
+                    replies.append(504)
+                    answered.set()
+                    return
+                time.sleep(0.1)  # not yet written, or not yet serving
+
+    threading.Thread(target=ask, daemon=True).start()
+    took = stopped_within(script, answered, signal.SIGINT)
+    assert replies == [504] and took < 15
 
 
 def _typer_commands(app: typer.Typer, prefix: str = ""):

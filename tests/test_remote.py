@@ -5,15 +5,18 @@ the shared QA sets and the wiki18-mini corpus. One slow test checks `stop` on a 
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import hashlib
 import json
 import re
+import signal
 import threading
 import time
 
 import httpx
 import pytest
-from _servers import serve_app, trickling_app
+from _servers import serve_app, silent_endpoint, stopped_within, trickling_app
 from _shared import CORPUS, QA_DIR, frequent_thread_switches
 from fastapi import FastAPI, Request
 from typer.testing import CliRunner
@@ -712,6 +715,20 @@ def test_a_stopping_caller_is_not_held_by_the_retries_of_calls_in_flight():
     assert s.stats["retries"] < 20
 
 
+def test_sigterm_does_not_wait_out_the_calls_in_flight():
+    """SIGTERM (or Ctrl-C) of an evaluation whose endpoint had stopped answering waited for the calls in
+    flight to time out (120 s by default; 60 here): the pool's threads are joined at exit. Now at once."""
+    with silent_endpoint() as (url, asked):
+        took = stopped_within(f"""if True:
+            from selfevo.agents.remote import RemoteSolver
+            from selfevo.experiments import terminate_raises
+            from selfevo.search.tool import SearchTool
+            with terminate_raises():
+                RemoteSolver({url + "/v1"!r}, "m", timeout=60).answer(["q1", "q2"], SearchTool(object()))
+            """, asked, signal.SIGTERM)
+    assert took < 15
+
+
 def test_a_servers_synonyms_for_stop_close_the_action_as_stop_does():
     """Old TGI ends a reply with finish_reason "eos_token" (or "stop_sequence" at a stop string):
     read as anything but "stop", the `<search>` its stop string ended was left open, an invalid
@@ -1309,12 +1326,12 @@ def test_a_batch_runs_on_at_most_concurrency_threads(monkeypatch):
 
     sizes: list[int] = []
 
-    class Pool(remote.ThreadPoolExecutor):
-        def __init__(self, max_workers=None, **kw):
+    class Pool(remote.DaemonThreads):
+        def __init__(self, max_workers, **kw):
             sizes.append(max_workers)
-            super().__init__(max_workers=max_workers, **kw)
+            super().__init__(max_workers, **kw)
 
-    monkeypatch.setattr(remote, "ThreadPoolExecutor", Pool)
+    monkeypatch.setattr(remote, "DaemonThreads", Pool)
     s = solver("http://fake/v1", concurrency=2, max_retries=0)
     _mock(s.client, [lambda: _ok("<answer> x </answer>")])
     assert [t.answer for (t,) in s.answer([f"q{i}" for i in range(5)], tool())] == ["x"] * 5
@@ -1390,11 +1407,20 @@ def test_an_interrupt_while_the_chat_server_starts_stops_it(monkeypatch):
 
     from selfevo.agents.lm import server as chat_server
 
+    release = threading.Event()
+
+    @contextlib.asynccontextmanager
+    async def started_once_released(app):  # (uvicorn could start before the wait's first look, under load)
+        while not release.is_set():
+            await asyncio.sleep(0.01)
+        yield
+
     def interrupted(seconds):
+        release.set()
         raise KeyboardInterrupt
 
     before = set(threading.enumerate())
     monkeypatch.setattr(chat_server, "time", types.SimpleNamespace(monotonic=time.monotonic, sleep=interrupted))
-    with pytest.raises(KeyboardInterrupt), chat_server.running(FastAPI()):
-        raise AssertionError("served before the start-up wait was interrupted")  # uvicorn takes milliseconds
+    with pytest.raises(KeyboardInterrupt), chat_server.running(FastAPI(lifespan=started_once_released)):
+        raise AssertionError("served before the start-up wait was interrupted")
     assert set(threading.enumerate()) <= before

@@ -31,9 +31,10 @@ import re
 import threading
 from collections import Counter
 from collections.abc import Callable, Sequence
-from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
+from concurrent.futures import FIRST_EXCEPTION, wait
 
 from selfevo._io import shown_url
+from selfevo._threads import DaemonThreads
 from selfevo.agents.base import Trajectory
 from selfevo.agents.chat_client import (
     MAX_FAILED_IN_A_ROW,
@@ -171,8 +172,8 @@ class RemoteSolver:
                 return choice.text + choice.stop_reason, choice.finish_reason
             return choice.text, choice.finish_reason
 
-        with ThreadPoolExecutor(max_workers=min(self.concurrency, max(1, len(conversations))),
-                                thread_name_prefix="remote") as pool:
+        # daemon threads: an interrupt does not wait out the calls in flight (each up to its timeout)
+        with DaemonThreads(min(self.concurrency, max(1, len(conversations))), thread_name_prefix="remote") as pool:
             # (a call not made once the batch stopped gives None: the batch raises, its results unread)
             futures = [pool.submit(unless_stopped, stop, one, row) for row in range(len(conversations))]
             try:

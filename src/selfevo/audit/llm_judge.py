@@ -56,13 +56,14 @@ import threading
 import weakref
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor, as_completed
+from concurrent.futures import Future, as_completed
 from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
 
 from selfevo._io import append_jsonl, read_jsonl_log, shown_url
+from selfevo._threads import INTERRUPTS, DaemonThreads
 from selfevo.agents.chat_client import CallFailed, ChatClient, EndpointError, FailureStreak, unless_stopped
 from selfevo.agents.lm.model import messages_digest
 from selfevo.audit.judges import Verdict
@@ -680,10 +681,12 @@ class LLMJudge:
         bar = Progress(TextColumn("{task.description}", markup=False), BarColumn(), MofNCompleteColumn(),
                        TimeRemainingColumn(), disable=not self.progress, transient=False,
                        console=Console(stderr=True))
-        pool = ThreadPoolExecutor(max_workers=self.concurrency, thread_name_prefix="judge")
+        # daemon threads: an interrupt does not wait out the calls in flight (each up to its timeout)
+        pool = DaemonThreads(self.concurrency, thread_name_prefix="judge")
         done: dict[str, tuple[Verdict, dict]] = {}
         self.streak.answered()  # each batch may try the endpoint afresh
         stop = threading.Event()  # this batch's own: a judge is shared by the batches of several threads
+        interrupted = False
         try:
             with bar:
                 task = bar.add_task(f"judging ({self.name})", total=len(todo))  # a description: no format string
@@ -693,11 +696,12 @@ class LLMJudge:
                     if result is not None:  # (None: not judged, the batch stopped; its error comes too)
                         done[futures[fut]] = result
                         bar.advance(task)
-        except BaseException:  # the judge cannot work (JudgeError), or we are stopping (Ctrl-C):
+        except BaseException as e:  # the judge cannot work (JudgeError), or we are stopping (Ctrl-C):
             stop.set()  # this batch's calls in flight make no further attempt
+            interrupted = isinstance(e, INTERRUPTS)
             raise
         finally:
-            pool.shutdown(wait=True, cancel_futures=True)
+            pool.shutdown(wait=not interrupted, cancel_futures=True)
             # in the items' order, not the calls' finishing order: judgements.jsonl and the
             # summary's reasons must not depend on thread timing
             self._results.update((k, done[k]) for k in todo if k in done)

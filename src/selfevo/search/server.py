@@ -15,6 +15,7 @@ request holds a connection forever; `topk` defaults to 3 (Search-R1 falls back t
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
 import os
 import time
@@ -26,6 +27,7 @@ from pydantic import BaseModel, ConfigDict, Field, StringConstraints, Validation
 
 from selfevo._http import read_body
 from selfevo._io import url_host
+from selfevo._threads import DaemonThreads
 from selfevo.search.tool import MAX_QUERY_CHARS, SERVER_TIMEOUT_S, Retriever
 
 if TYPE_CHECKING:
@@ -71,7 +73,21 @@ def make_app(retriever: Retriever, max_queries: int = MAX_QUERIES, max_topk: int
     parameter) so that its size is capped before any JSON parsing happens: at `body_cap(max_queries)`
     unless `max_body_bytes` says otherwise."""
     max_body_bytes = body_cap(max_queries) if max_body_bytes is None else max_body_bytes
-    app = FastAPI(title="selfevo retriever", docs_url=None, redoc_url=None)
+    # retrievals on daemon threads (as many as asyncio's default pool has): one a request gave up on (below)
+    # does not hold up the server's exit, where Ctrl-C waited for it to finish, however long that took
+    def threads() -> DaemonThreads:
+        return DaemonThreads(min(32, (os.cpu_count() or 1) + 4), thread_name_prefix="retrieve")
+
+    retrievals = threads()
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        nonlocal retrievals
+        yield
+        retrievals.shutdown(wait=False, cancel_futures=True)  # its idle threads end
+        retrievals = threads()  # for the app served again
+
+    app = FastAPI(title="selfevo retriever", docs_url=None, redoc_url=None, lifespan=lifespan)
     request_model = _request_model(max_queries, max_topk)
     n_docs = len(retriever) if hasattr(retriever, "__len__") else None
 
@@ -99,7 +115,7 @@ def make_app(retriever: Retriever, max_queries: int = MAX_QUERIES, max_topk: int
         loop = asyncio.get_running_loop()
         try:
             results = await asyncio.wait_for(
-                loop.run_in_executor(None, retriever.retrieve, req.queries, req.topk), timeout_s)
+                loop.run_in_executor(retrievals, retriever.retrieve, req.queries, req.topk), timeout_s)
         except asyncio.TimeoutError:
             # Retry-After: a client that retries at once (ours retries a 504: a proxy's is worth it)
             # started another slow retrieval beside the abandoned one, which still holds its thread
