@@ -849,9 +849,12 @@ def test_a_grid_stopped_before_a_started_jobs_watch_began_stops_that_job_too(tmp
 def test_a_second_sigterm_in_a_jobs_stop_leaves_no_other_job_running(tmp_path):
     """A second SIGTERM (the first "did not work") landing in one job's stop ended the grid's stops there: the
     jobs after it ran on, and the interpreter's exit waited on them. Here each stop's look at the tree takes
-    2 s, and the second SIGTERM comes 1 s after the first."""
-    slow_stop = ("import selfevo._proc as P, sys; S = P.process_tree; P.process_tree = lambda *roots: "
-                 "(time.sleep(2 * (sys._getframe(1).f_code.co_name == '_stop')), S(*roots))[-1]")
+    2 s, and the second SIGTERM comes 1 s after the first. The jobs ignore SIGTERM: one dying of it before its
+    stop looked again skipped that look, and the stops could end before the second SIGTERM came."""
+    slow_stop = ("import selfevo._proc as P, signal, sys; S = P.process_tree; P.process_tree = lambda *roots: "
+                 "(time.sleep(2 * (sys._getframe(1).f_code.co_name == '_stop')), S(*roots))[-1]; "
+                 "E = selfevo.evolve.evolve; selfevo.evolve.evolve = lambda *a, **k: "
+                 "(signal.signal(signal.SIGTERM, signal.SIG_IGN), E(*a, **k))[-1]")
     proc, left = _stop_with_workers(_hanging_grid(tmp_path, slow_stop), tmp_path / "marks", "SIGTERM",
                                     again_after=1.0)
     assert proc.returncode == 128 + signal.SIGTERM and left == []
@@ -861,9 +864,17 @@ def test_a_job_process_that_dies_leaving_a_process_with_its_pipe_is_failed_at_on
     """A job's death was noticed only as the end of its result pipe, which a process it had started held
     open: the grid waited on that process (forever, for a server), its other jobs queued behind it. The
     job fails at once, and the process it left is stopped, named in a warning."""
+    import selfevo._proc
     import selfevo.experiments
 
-    helper = tmp_path / "helper"
+    helper, seen = tmp_path / "helper", tmp_path / "seen"
+    look = selfevo._proc.process_tree
+
+    def process_tree(*roots):  # the grid's watch, in this process: says when one of its looks found the helper
+        tree = look(*roots)
+        if helper.exists() and int(helper.read_text()) in tree:
+            seen.touch()
+        return tree
 
     def run_job(job):  # the forked job processes inherit this: a forks a helper (keeping the pipe), then dies
         if job.name == "b":
@@ -872,10 +883,15 @@ def test_a_job_process_that_dies_leaving_a_process_with_its_pipe_is_failed_at_on
         if pid == 0:
             time.sleep(60)
             os._exit(0)
-        helper.write_text(str(pid))
-        time.sleep(2)  # the grid's watch has seen the helper (it looks every second)
+        part = tmp_path / "helper.part"
+        part.write_text(str(pid))
+        part.replace(helper)  # whole when it appears
+        deadline = time.monotonic() + 10
+        while not seen.exists() and time.monotonic() < deadline:  # the grid's watch has seen the helper (it
+            time.sleep(0.02)  # looks every second; a sleep of 2 s was not always enough on a loaded machine)
         os.kill(os.getpid(), signal.SIGKILL)
 
+    monkeypatch.setattr(selfevo._proc, "process_tree", process_tree)
     monkeypatch.setattr(selfevo.experiments, "run_job", run_job)
     start = time.monotonic()
     try:
