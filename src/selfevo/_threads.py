@@ -8,16 +8,14 @@ from collections.abc import Callable
 from concurrent.futures import Executor, Future
 from typing import Any
 
-INTERRUPTS = (KeyboardInterrupt, SystemExit)  # Ctrl-C; SIGTERM as `experiments.terminate_raises` raises it
-
 
 class DaemonThreads(Executor):
     """`concurrent.futures.ThreadPoolExecutor` (submit, map, shutdown, the with-block) on daemon threads.
 
     That pool's threads are joined when the interpreter exits, so Ctrl-C or SIGTERM waited for every call
     in flight: an HTTP call up to its timeout (a remote agent's: 120 s), a retrieval a server had given up
-    on for as long as it ran. Leaving the with-block by an interrupt (KeyboardInterrupt, SystemExit) cancels
-    the calls not started and waits for none; leaving it any other way waits for them, as that pool does.
+    on for as long as it ran. Leaving the with-block by an exception cancels the calls not started; by an
+    interrupt (KeyboardInterrupt, SystemExit) it waits for none, else for those running, as that pool does.
     Threads are started as calls come, up to `max_workers`, and an idle one is reused first."""
 
     def __init__(self, max_workers: int, thread_name_prefix: str = "daemon"):
@@ -81,6 +79,7 @@ class DaemonThreads(Executor):
                 thread.join()
 
     def __exit__(self, exc_type, exc, tb) -> bool:
-        interrupted = exc_type is not None and issubclass(exc_type, INTERRUPTS)
-        self.shutdown(wait=not interrupted, cancel_futures=interrupted)
+        # Ctrl-C; SIGTERM as `experiments.terminate_raises` raises it
+        interrupted = exc_type is not None and issubclass(exc_type, (KeyboardInterrupt, SystemExit))
+        self.shutdown(wait=not interrupted, cancel_futures=exc_type is not None)
         return False

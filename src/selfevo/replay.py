@@ -45,7 +45,7 @@ from selfevo.loop.admission import MSV
 from selfevo.loop.feedback import other_fold, trains_on
 from selfevo.loop.folds import FoldAssignment, assign_folds, fold_of, link_graph, question_fold
 from selfevo.loop.schedule import derive_seed
-from selfevo.runs import RunDir, RunError, check_loop_run, made_on
+from selfevo.runs import RunDir, RunError, check_loop_run, config_json, made_on
 from selfevo.search.docstore import ById, contents_by_id
 from selfevo.search.tool import SearchTool
 
@@ -411,7 +411,7 @@ def build_bank(run_dirs: Sequence[str | os.PathLike], size: int = 3000, seed: in
                 raise ReplayError(f"{d}: made with learners of the user's ({manifest['agents']}); a replay bank's "
                                   "feedback solvers are selfevo's learners of the run's config, not those")
             cfg = run.run_config()
-            configs.append(json.loads(json.dumps(cfg.to_json())))  # tuples -> lists, as saved
+            configs.append(config_json(cfg))
             check_world(run, cfg)  # its truth judges the replay
             made.append(made_on(manifest))
             served.append(searched_through_a_server(cfg, manifest))

@@ -196,6 +196,11 @@ _EVAL_GROUPS = ("macro", "single_hop", "multi_hop")
 _BEFORE_MANIFEST = ("config.json", "engine")
 
 
+def config_json(cfg: RunConfig) -> dict:
+    """A run's config as plain JSON, as config.json holds it (tuples as lists)."""
+    return json.loads(json.dumps(cfg.to_json()))
+
+
 def tensor_files(state) -> set[str]:
     """The tensor files (checkpoints/tensors/) a checkpoint's state references: language-model
     policies are saved there and referenced as {"file", "sha256", ...}. Only containers are
@@ -559,7 +564,7 @@ class RunDir:
 
     def config(self) -> dict:
         """`run_config()` as plain JSON."""
-        return json.loads(json.dumps(self.run_config().to_json()))  # tuples -> lists, as saved
+        return config_json(self.run_config())
 
     def folds(self) -> dict:
         """folds.json (see `selfevo.loop.folds.FoldAssignment.from_json`)."""

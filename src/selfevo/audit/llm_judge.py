@@ -63,7 +63,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
 
 from selfevo._io import append_jsonl, read_jsonl_log, shown_url
-from selfevo._threads import INTERRUPTS, DaemonThreads
+from selfevo._threads import DaemonThreads
 from selfevo.agents.chat_client import CallFailed, ChatClient, EndpointError, FailureStreak, unless_stopped
 from selfevo.agents.lm.model import messages_digest
 from selfevo.audit.judges import Verdict
@@ -681,27 +681,24 @@ class LLMJudge:
         bar = Progress(TextColumn("{task.description}", markup=False), BarColumn(), MofNCompleteColumn(),
                        TimeRemainingColumn(), disable=not self.progress, transient=False,
                        console=Console(stderr=True))
-        # daemon threads: an interrupt does not wait out the calls in flight (each up to its timeout)
-        pool = DaemonThreads(self.concurrency, thread_name_prefix="judge")
         done: dict[str, tuple[Verdict, dict]] = {}
         self.streak.answered()  # each batch may try the endpoint afresh
         stop = threading.Event()  # this batch's own: a judge is shared by the batches of several threads
-        interrupted = False
         try:
-            with bar:
+            # daemon threads: an interrupt does not wait out the calls in flight (each up to its timeout)
+            with DaemonThreads(self.concurrency, thread_name_prefix="judge") as pool, bar:
                 task = bar.add_task(f"judging ({self.name})", total=len(todo))  # a description: no format string
                 futures = {pool.submit(unless_stopped, stop, self._safe_one, it, stop): k for k, it in todo.items()}
-                for fut in as_completed(futures):
-                    result = fut.result()  # JudgeError propagates: stop
-                    if result is not None:  # (None: not judged, the batch stopped; its error comes too)
-                        done[futures[fut]] = result
-                        bar.advance(task)
-        except BaseException as e:  # the judge cannot work (JudgeError), or we are stopping (Ctrl-C):
-            stop.set()  # this batch's calls in flight make no further attempt
-            interrupted = isinstance(e, INTERRUPTS)
-            raise
+                try:
+                    for fut in as_completed(futures):
+                        result = fut.result()  # JudgeError propagates: stop
+                        if result is not None:  # (None: not judged, the batch stopped; its error comes too)
+                            done[futures[fut]] = result
+                            bar.advance(task)
+                except BaseException:  # the judge cannot work (JudgeError), or we are stopping (Ctrl-C):
+                    stop.set()  # this batch's calls in flight make no further attempt
+                    raise
         finally:
-            pool.shutdown(wait=not interrupted, cancel_futures=True)
             # in the items' order, not the calls' finishing order: judgements.jsonl and the
             # summary's reasons must not depend on thread timing
             self._results.update((k, done[k]) for k in todo if k in done)

@@ -15,7 +15,6 @@ request holds a connection forever; `topk` defaults to 3 (Search-R1 falls back t
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import math
 import os
 import time
@@ -75,19 +74,8 @@ def make_app(retriever: Retriever, max_queries: int = MAX_QUERIES, max_topk: int
     max_body_bytes = body_cap(max_queries) if max_body_bytes is None else max_body_bytes
     # retrievals on daemon threads (as many as asyncio's default pool has): one a request gave up on (below)
     # does not hold up the server's exit, where Ctrl-C waited for it to finish, however long that took
-    def threads() -> DaemonThreads:
-        return DaemonThreads(min(32, (os.cpu_count() or 1) + 4), thread_name_prefix="retrieve")
-
-    retrievals = threads()
-
-    @contextlib.asynccontextmanager
-    async def lifespan(app: FastAPI):
-        nonlocal retrievals
-        yield
-        retrievals.shutdown(wait=False, cancel_futures=True)  # its idle threads end
-        retrievals = threads()  # for the app served again
-
-    app = FastAPI(title="selfevo retriever", docs_url=None, redoc_url=None, lifespan=lifespan)
+    retrievals = DaemonThreads(min(32, (os.cpu_count() or 1) + 4), thread_name_prefix="retrieve")
+    app = FastAPI(title="selfevo retriever", docs_url=None, redoc_url=None)
     request_model = _request_model(max_queries, max_topk)
     n_docs = len(retriever) if hasattr(retriever, "__len__") else None
 
