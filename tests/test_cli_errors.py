@@ -1483,7 +1483,7 @@ def test_audit_hands_its_settings_to_the_judge_and_the_pipeline_and_prints_what_
                   "info": {"source": str(records), "max_items_per_step": 1}}
     said = " ".join(result.output.split())
     assert ("judge calls: 10 replies to 12 requests (3 retries), 4 cache hits, 1 failed calls, 2 malformed replies, "
-            "6 replies cut at --judge-max-tokens, 5 bodies that were no chat completion (retried); items resolved 7, "
+            "6 replies cut at the token cap, 5 bodies that were no chat completion (retried); items resolved 7, "
             "unresolved 2 {'no quote': 2}") in said
     assert "injection test: 1 of 8 verdicts flipped (0.125), 1 towards correct" in said
     assert "means nothing here" not in said

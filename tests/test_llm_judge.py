@@ -1179,7 +1179,7 @@ def test_the_default_judge_asks_for_the_token_cap_its_model_keeps(monkeypatch):
     with pytest.raises(Asked), default_judge(cfg, env=type("Env", (), {"documents": []})()):
         pass
     assert asked["max_tokens"] == 96
-    assert "lm.judge_max_tokens" in CUT
+    assert "lm.judge_max_tokens" in CUT and "--max-new-tokens" in CUT  # the server's own cap cuts replies too
 
 
 def test_a_call_shared_with_a_stopped_batch_is_asked_again_by_the_running_one():

@@ -964,7 +964,7 @@ def audit_cmd(
         console.print(f"judge calls: {s['replies']} replies to {s['requests']} requests ({s['retries']} retries), "
                       f"{s['cache_hits']} cache hits, {s['failed_calls']} failed calls, "
                       f"{s['malformed_replies']} malformed replies, {s['cut_replies']} replies cut at "
-                      f"--judge-max-tokens, {s['malformed_bodies']} bodies that were no "
+                      f"the token cap, {s['malformed_bodies']} bodies that were no "
                       f"chat completion (retried); items resolved {s['resolved']}, "
                       f"unresolved {s['unresolved']} {s['unresolved_by_reason'] or ''}")
     if "comparison" in res:

@@ -75,7 +75,8 @@ API_KEY_ENV = "SELFEVO_JUDGE_API_KEY"
 MIN_QUOTE_WORDS, MAX_QUOTE_WORDS = 3, 100
 RAW_KEEP_CHARS = 2_000  # how much of a raw reply the cache keeps (for inspection)
 # a reply the server stopped at the token cap (evolve's and engine-run's own judge: lm.judge_max_tokens)
-CUT = "reply cut at max_tokens: raise --judge-max-tokens (lm.judge_max_tokens for a run's own judge)"
+CUT = ("reply cut at max_tokens: raise --judge-max-tokens (lm.judge_max_tokens for a run's own judge), and the "
+       "server's own cap on new tokens where it is lower (selfevo serve-model --max-new-tokens)")
 
 REFERENCE_SYSTEM = """You are a careful fact-checker. You are given source documents and a question.
 Answer the question using only the documents, and support your answer with a verbatim quote.
