@@ -1146,7 +1146,7 @@ def test_a_benchmark_name_with_a_pipe_or_markup_keeps_the_markdown_table_whole(l
     assert page.count("<table>") == 3 and "<script>" not in page  # downstream, audit, compute: none lost
     downstream = page.split("<table>")[1]
     assert "<th>a|b &lt;script&gt;x&lt;/script&gt;</th>" in downstream
-    assert downstream.count("<th>") == 7  # treatment, nq, the name, macro, single-hop, multi-hop, Δ
+    assert downstream.count("<th>") == 9  # treatment, nq, the name, macro, single-hop, multi-hop, three Δ
     assert "&lt;script&gt;" in (root / "report.html").read_text()
 
 
@@ -1711,8 +1711,11 @@ def test_the_tables_put_each_statistic_where_its_header_says():
            "base": {c: stat(0.1, 0.05, 0.15) for c in cols},
            "downstream": {"coupled": {c: stat(0.3, 0.2, 0.4) for c in cols},
                           "crossfit": {**{c: stat(0.35, 0.25, 0.45) for c in cols},
-                                       "gain_vs_coupled": {"macro": stat(0.05, 0.01, 0.09)}},
-                          "msv": {**{c: stat(0.3, n=1) for c in cols}, "gain_vs_coupled": {"macro": stat(-0.02, n=1)}}},
+                                       "gain_vs_coupled": {"macro": stat(0.05, 0.01, 0.09),
+                                                           "single_hop": stat(0.04, 0.0, 0.08),
+                                                           "multi_hop": stat(0.06, 0.02, 0.1)}},
+                          "msv": {**{c: stat(0.3, n=1) for c in cols},
+                                  "gain_vs_coupled": {"macro": stat(-0.02, n=1), "single_hop": stat(None, n=0)}}},
            "compute": {"coupled": cost(100, 50, 10, 0.0, 0.0, 0.0, 0.0),
                        "crossfit": cost(150, 60, 14, 0.5, 0.2, 0.4, 0.1),
                        "msv": cost(130, 55, 12, 0.3, 0.1, 0.25, None, n=1)},
@@ -1721,11 +1724,15 @@ def test_the_tables_put_each_statistic_where_its_header_says():
                                                                    "coverage")}}}}}
     out = tables(res)
     head, rows = out["Downstream Cover-EM after the last round (mean [95% CI] over seeds)"]
-    assert head == ["treatment", "nq", "macro", "single-hop", "multi-hop", "Δ macro vs coupled"]
-    assert rows == [["base (untrained)", *["0.100 [0.050, 0.150]"] * 4, ""],
-                    ["coupled", *["0.300 [0.200, 0.400]"] * 4, ""],
-                    ["crossfit", *["0.350 [0.250, 0.450]"] * 4, "+0.050 [+0.010, +0.090]"],
-                    ["msv", *[f"0.300 [{DASH}]"] * 4, f"-0.020 [{DASH}]"]]
+    assert head == ["treatment", "nq", "macro", "single-hop", "multi-hop",
+                    "Δ macro vs coupled", "Δ single-hop", "Δ multi-hop"]
+    # the gains over coupled for the macro and each hop group; a gain with no value (no seed shared, no
+    # benchmark of the group) is a dash
+    assert rows == [["base (untrained)", *["0.100 [0.050, 0.150]"] * 4, "", "", ""],
+                    ["coupled", *["0.300 [0.200, 0.400]"] * 4, "", "", ""],
+                    ["crossfit", *["0.350 [0.250, 0.450]"] * 4, "+0.050 [+0.010, +0.090]", "+0.040 [+0.000, +0.080]",
+                     "+0.060 [+0.020, +0.100]"],
+                    ["msv", *[f"0.300 [{DASH}]"] * 4, f"-0.020 [{DASH}]", DASH, DASH]]
     (title,) = [t for t in out if t.startswith("Compute")]
     assert DASH not in title  # every run has its coupled run: no dash to explain
     head, rows = out[title]

@@ -60,13 +60,14 @@ def seeds_note(res: dict) -> str:
 def tables(res: dict) -> dict[str, tuple[list[str], list[list[str]]]]:
     """Every table as (header, rows), shared by the Markdown and HTML renderings."""
     cols = res["benchmarks"]
-    t1_head = ["treatment", *cols, "macro", "single-hop", "multi-hop", "Δ macro vs coupled"]
-    t1 = [["base (untrained)", *[_f(res["base"].get(c), True) for c in cols],
-           *[_f(res["base"].get(c), True) for c in ("macro", "single_hop", "multi_hop")], ""]]
+    groups = ("macro", "single_hop", "multi_hop")
+    t1_head = ["treatment", *cols, "macro", "single-hop", "multi-hop",
+               "Δ macro vs coupled", "Δ single-hop", "Δ multi-hop"]
+    t1 = [["base (untrained)", *[_f(res["base"].get(c), True) for c in (*cols, *groups)], *[""] * len(groups)]]
     for t, d in res["downstream"].items():
-        t1.append([t, *[_f(d.get(c), True) for c in cols],
-                   *[_f(d.get(c), True) for c in ("macro", "single_hop", "multi_hop")],
-                   "" if t == "coupled" else _gain(d.get("gain_vs_coupled", {}).get("macro"))])
+        gains = d.get("gain_vs_coupled", {})
+        t1.append([t, *[_f(d.get(c), True) for c in (*cols, *groups)],
+                   *["" if t == "coupled" else _gain(gains.get(c)) for c in groups]])
     audit_head = ["treatment", "round", *METRICS, "admitted", "admitted hop mix"]
     audit = [[t, str(r["round"]), *[_f(r[m]) for m in METRICS], _count(r.get("admitted")),
               hop_mix_text(r.get("hop_mix_admitted", {}))] for t, a in res["audit"].items() for r in a["rounds"]]
