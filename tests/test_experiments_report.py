@@ -1911,12 +1911,23 @@ def test_cost_figure_puts_each_treatment_at_its_overhead_in_percent_with_both_ba
     downstream = {"coupled": {}, "msv": {"gain_vs_coupled": {"macro": {"mean": 0.02, "lo": -0.01, "hi": 0.06}}},
                   "crossfit": {"gain_vs_coupled": {"macro": {"mean": None, "lo": None, "hi": None}}},
                   "half-budget": {"gain_vs_coupled": {"macro": {"mean": 0.01, "lo": 0.0, "hi": 0.02}}}}
-    compute = {"msv": {"extra_seconds": {"mean": 0.25, "std": 0.05}},
+    compute = {"msv": {"extra_seconds": {"mean": 0.25, "std": 0.05}, "extra_generations": {"mean": 0.33, "std": 0},
+                       "extra_updates": {"mean": 0.0, "std": 0}},
                "crossfit": {"extra_seconds": {"mean": 0.1, "std": None}},
-               "half-budget": {"extra_seconds": {"mean": None, "std": None}}}
-    ax = figures.cost_figure(downstream, compute).axes[0]
+               "half-budget": {"extra_seconds": {"mean": None, "std": None}, "extra_generations": {"mean": 0.15},
+                               "extra_updates": {"mean": 0.39}}}
+    fig = figures.cost_figure(downstream, compute)
+    ax = fig.axes[0]
     assert ax.get_xlabel() == "extra wall time over coupled (%)"
-    assert ax.get_ylabel() == "macro Cover-EM gain over coupled" and ax.get_title() == "cost-effectiveness"
+    assert ax.get_ylabel() == "macro Cover-EM gain over coupled" and fig._suptitle.get_text() == "cost-effectiveness"
+    # the counts' panels: each treatment at its extra generations / updates, no spread drawn (a schedule's
+    # counts do not vary), the same gain and interval
+    for panel, label, points in ((fig.axes[1], "generations", {"msv": 33.0, "half-budget": 15.0}),
+                                 (fig.axes[2], "updates", {"msv": 0.0, "half-budget": 39.0})):
+        assert panel.get_xlabel() == f"extra {label} over coupled (%)"
+        assert {t.get_text(): t.xy[0] for t in panel.texts} == pytest.approx(points)
+        for c in panel.containers:
+            assert c.has_xerr is False and c.has_yerr is True
     (bar,) = ax.containers  # crossfit has no gain, half-budget no overhead: no point
     point, _, (xbar, ybar) = bar.lines
     assert list(point.get_xdata()) == [25.0] and list(point.get_ydata()) == [0.02]

@@ -134,9 +134,9 @@ def build_report(root: str | os.PathLike, context: str = "", runs: Sequence[str 
     if any(t != "coupled" and (d.get("gain_vs_coupled", {}).get("macro") or {}).get("mean") is not None
            and res["compute"].get(t, {}).get("extra_seconds", {}).get("mean") is not None
            for t, d in res["downstream"].items()):
-        pngs["Downstream gain vs compute: macro Cover-EM gain (95% interval) against extra wall time "
-             "(± std over seeds: single runs of seconds time noisily)"] = figs.cost_figure(res["downstream"],
-                                                                                      res["compute"])
+        pngs["Downstream gain vs compute: macro Cover-EM gain (95% interval) against the extra wall time "
+             "(± std over seeds: single runs of seconds time noisily), generations and updates over coupled"] = \
+            figs.cost_figure(res["downstream"], res["compute"])
     # strict JSON: an undefined statistic is null, and a NaN or infinity that slips in is a bug to
     # raise here, not `NaN` in a file other JSON readers (browsers, Node, jq) refuse
     try:

@@ -66,27 +66,40 @@ def rounds_figure(audit: dict[str, dict], metrics=("A", "T_P", "F")) -> bytes:
     return png(fig)
 
 
+# the cost-effectiveness figure's panels: compute's key, the x axis, and whether the spread over seeds is
+# drawn (wall time varies between runs of seconds; counts of a schedule do not)
+COST_PANELS = (("extra_seconds", "extra wall time over coupled (%)", True),
+               ("extra_generations", "extra generations over coupled (%)", False),
+               ("extra_updates", "extra updates over coupled (%)", False))
+
+
 def cost_figure(downstream: dict, compute: dict) -> bytes:
-    """Downstream gain over coupled (with its 95% interval) against extra wall time (± its std over
-    seeds: single runs of seconds time noisily); one seed has neither bar."""
+    """Downstream gain over coupled (with its 95% interval) against the extra compute, one panel a
+    measure (COST_PANELS): wall time (± its std over seeds: single runs of seconds time noisily), and the
+    generations and updates that cost wall time on a language model; one seed has neither bar."""
     color = treatment_colors(downstream)
-    fig, ax = plt.subplots(figsize=(5, 3.6))
-    for t, d in downstream.items():
-        g = d.get("gain_vs_coupled", {}).get("macro")
-        cost = compute.get(t, {}).get("extra_seconds", {})
-        c = cost.get("mean")
-        if not g or c is None or g["mean"] is None:
-            continue
-        # one seed has no interval and no std (None): no bar, not one of length 0 that reads as certain
-        below = g["mean"] - g["lo"] if g["lo"] is not None else math.nan
-        above = g["hi"] - g["mean"] if g["hi"] is not None else math.nan
-        spread = 100 * cost["std"] if cost.get("std") is not None else math.nan
-        ax.errorbar([100 * c], [g["mean"]], yerr=[[below], [above]], xerr=[[spread]] * 2,
-                    fmt="o", capsize=3, color=color[t])
-        ax.annotate(t, (100 * c, g["mean"]), fontsize=7, xytext=(4, 4), textcoords="offset points")
-    ax.axhline(0, color="grey", lw=0.8)
-    ax.set_xlabel("extra wall time over coupled (%)")
-    ax.set_ylabel("macro Cover-EM gain over coupled")
-    ax.grid(alpha=0.3)
-    ax.set_title("cost-effectiveness", fontsize=10)
+    fig, axes = plt.subplots(1, len(COST_PANELS), figsize=(4 * len(COST_PANELS), 3.6), sharey=True)
+    for ax, (key, xlabel, spread_shown) in zip(axes, COST_PANELS):
+        for t, d in downstream.items():
+            g = d.get("gain_vs_coupled", {}).get("macro")
+            cost = compute.get(t, {}).get(key, {})
+            c = cost.get("mean")
+            if not g or c is None or g["mean"] is None:
+                continue
+            # one seed has no interval and no std (None): no bar, not one of length 0 that reads as certain
+            below = g["mean"] - g["lo"] if g["lo"] is not None else math.nan
+            above = g["hi"] - g["mean"] if g["hi"] is not None else math.nan
+            xerr = None
+            if spread_shown:
+                spread = 100 * cost["std"] if cost.get("std") is not None else math.nan
+                xerr = [[spread]] * 2
+            ax.errorbar([100 * c], [g["mean"]], yerr=[[below], [above]], xerr=xerr,
+                        fmt="o", capsize=3, color=color[t])
+            ax.annotate(t, (100 * c, g["mean"]), fontsize=7, xytext=(4, 4), textcoords="offset points")
+        ax.axhline(0, color="grey", lw=0.8)
+        ax.set_xlabel(xlabel)
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel("macro Cover-EM gain over coupled")
+    fig.suptitle("cost-effectiveness", fontsize=10)
+    fig.tight_layout()
     return png(fig)
