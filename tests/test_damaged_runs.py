@@ -174,6 +174,20 @@ def test_a_config_with_a_bad_field_is_named(run):
     assert_one_line_error(rc, out, f"{run}/config.json: seed: expected an integer")
 
 
+def test_an_unknown_treatment_in_the_config_of_a_run_of_selfevos_is_named(run):
+    """A run of selfevo's own treatment (its manifest names no rules of a user's) whose config.json names
+    an unknown treatment is refused, naming the field; it was read as a treatment of a user's where the
+    manifest's `rules` was anything but a string (a damaged manifest's null)."""
+    edit_json(run / "config.json", treatment="corpled")
+    rc, out = cli("compare", run)
+    assert_one_line_error(rc, out, f"{run}/config.json: treatment: unknown 'corpled'")
+    for rules in (None, 5, ["mypkg.rules"]):
+        edit_json(run / "manifest.json", rules=rules)
+        assert RunDir(run).users_treatment() is None
+        with pytest.raises(RunError, match="treatment: unknown 'corpled'"):
+            RunDir(run).run_config()
+
+
 def test_report_names_a_corrupt_config(tmp_path, finished):
     shutil.copytree(finished, tmp_path / "runs" / "a")
     (tmp_path / "runs" / "a" / "config.json").write_text("{", encoding="utf-8")

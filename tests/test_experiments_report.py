@@ -846,6 +846,31 @@ def test_a_grid_stopped_before_a_started_jobs_watch_began_stops_that_job_too(tmp
     assert proc.returncode == 128 + signal.SIGTERM and left == []
 
 
+def test_a_grid_interrupted_in_a_jobs_start_before_its_fork_stops_the_started_job(tmp_path, monkeypatch):
+    """Ctrl-C in the second job's start, before its fork: the grid stops the first job, and the second, with no
+    process (its pid None), is left out of the stop, where a stop of it would raise a TypeError that hid
+    the KeyboardInterrupt."""
+    import multiprocessing.context
+
+    import selfevo.experiments as ex
+
+    monkeypatch.setattr(ex, "run_job", lambda job: time.sleep(60))
+    start, started = multiprocessing.context.ForkProcess.start, []
+
+    def interrupted_second(self):
+        if started:
+            raise KeyboardInterrupt
+        start(self)
+        started.append(self.pid)
+
+    monkeypatch.setattr(multiprocessing.context.ForkProcess, "start", interrupted_second)
+    jobs = [Job(n, ("seed=0",), str(tmp_path / n)) for n in ("a", "b")]
+    with pytest.raises(KeyboardInterrupt):
+        ex._job_processes(jobs, 2, lambda res: None)
+    with pytest.raises(ProcessLookupError):  # stopped and reaped
+        os.kill(started[0], 0)
+
+
 def test_a_second_sigterm_in_a_jobs_stop_leaves_no_other_job_running(tmp_path):
     """A second SIGTERM (the first "did not work") landing in one job's stop ended the grid's stops there: the
     jobs after it ran on, and the interpreter's exit waited on them. Here each stop's look at the tree takes
@@ -1524,6 +1549,19 @@ def test_a_ray_grid_shuts_down_the_ray_it_started_and_cancels_its_tasks_when_sto
     with pytest.raises(KeyboardInterrupt):
         run_grid(jobs, "ray")
     assert calls == ["cancel a", "cancel b"]
+    calls.clear()
+
+    def submitted(job):  # interrupted while submitting b: a, already submitted, is cancelled
+        if job.name == "b":
+            raise KeyboardInterrupt
+        return job.name
+
+    monkeypatch.setattr(ray, "remote", lambda fn: type("Remote", (), {"options": lambda self, **r: self,
+                                                                      "remote": lambda self, job: submitted(job)})())
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    with pytest.raises(KeyboardInterrupt):
+        run_grid(jobs, "ray")
+    assert calls == ["start", "cancel a", "shutdown"]
 
 
 def test_a_grid_refuses_one_run_directory_named_by_a_relative_and_an_absolute_path(tmp_path, monkeypatch):

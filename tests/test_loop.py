@@ -888,6 +888,11 @@ def test_an_admission_rules_generations_are_counted_under_its_own_name():
     with pytest.raises(TypeError, match="its purpose, else its name, names its generations in compute.json: a string, "
                                         "got int"):
         _stub_loop("coupled", rounds=1, admission=numbered)
+    for reserved in ("grader", "evaluation"):  # the loop's own keys: a rule booked under one would merge its count
+        numbered.purpose = reserved
+        with pytest.raises(TypeError, match=f"under its purpose, else its name, '{reserved}': that must be a name "
+                                            "other than the loop's own"):
+            _stub_loop("coupled", rounds=1, admission=numbered)
 
 
 @pytest.mark.parametrize("treatment", ["crossfit", "crossfit-k3", "crossfit-connected-k3", "half-budget",

@@ -1299,6 +1299,30 @@ def test_an_interrupt_while_the_stop_looks_at_the_tree_kills_what_was_recorded(t
             proc.wait()
 
 
+def test_an_interrupt_before_a_commands_watch_began_stops_the_command(monkeypatch):
+    """Ctrl-C or SIGTERM after the command started and before its watch began (a /proc scan, slow on a loaded
+    machine): the command is stopped there and reaped, not left running with nothing to stop it."""
+    from selfevo import _proc
+
+    started = []
+
+    def interrupted(self, proc, interval):
+        started.append(proc)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(_proc.Watch, "__init__", interrupted)
+    try:
+        with pytest.raises(KeyboardInterrupt), _proc.running([sys.executable, "-c", "import time; time.sleep(600)"]):
+            pass
+        [proc] = started
+        assert proc.returncode in (-signal.SIGTERM, -signal.SIGKILL)
+    finally:
+        for proc in started:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+
+
 def test_a_pid_an_earlier_descendant_held_is_recorded_as_the_process_holding_it_now(monkeypatch):
     """The watch kept the start time first seen for a pid: a later descendant that took the pid of an earlier
     one (a long job) was recorded as the earlier, which `_running` found gone, and was never signalled."""

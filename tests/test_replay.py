@@ -30,6 +30,7 @@ from selfevo.replay import (
     build_bank,
     parse_conditions,
     results_markdown,
+    results_table,
     run_replay,
     write_results,
 )
@@ -621,7 +622,10 @@ def test_a_one_seed_study_shows_no_spread_rather_than_a_spread_of_zero(bank):
     one = run_replay(bank, ["coupled"], seeds=1, settings=FAST, workers=1)
     text = results_markdown(one)
     assert "± –" in text and "± 0.000" not in text
-    assert "± –" not in results_markdown(run_replay(bank, ["coupled"], seeds=2, settings=FAST, workers=1))
+    two = run_replay(bank, ["coupled"], seeds=2, settings=FAST, workers=1)
+    assert "± –" not in results_markdown(two)
+    # and the table's title counts them in English ("1 seeds" was printed)
+    assert "1 seed (mean ± std)" in results_table(one).title and "2 seeds (mean ± std)" in results_table(two).title
 
 
 def test_a_judge_given_to_an_earlier_study_does_not_grade_a_later_pool_study(bank):
