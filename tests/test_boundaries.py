@@ -235,7 +235,8 @@ class _Sink:
         self.checkpoints[round] = state
 
 
-@pytest.mark.parametrize("treatment", ["coupled", "msv+crossfit"])
+@pytest.mark.parametrize("treatment", ["coupled", "msv", "crossfit", "msv+crossfit", "same-source", "full-data",
+                                       "question-split", "half-budget", "crossfit-k3", "crossfit-connected"])
 def test_the_loop_runs_without_truth_and_its_evaluation_never_feeds_back(treatment):
     """The import scan above, run: the loop works with a world whose truth raises on any read, and
     its step records and checkpoints are the same whether the main solver is evaluated after every

@@ -133,6 +133,57 @@ def test_bank_records_no_truth(bank, tmp_path):
                                     "group", "run", "round", "hops"}
 
 
+def test_the_feedback_solvers_never_see_truth(bank, monkeypatch):
+    """What every feedback solver of every condition (the +msv ones, and the base reference, included)
+    answers and is trained on is the same whether the oracle that grades it afterwards holds the world's
+    truth or a truth in which every answer is wrong: truth reaches the study's numbers, never its
+    learners (the bank's field names are checked above; this runs them)."""
+    import hashlib
+
+    from selfevo.agents.sim.solver import SimSolver
+
+    seen: dict[str, hashlib._Hash] = {}
+
+    def digest(name, *parts):
+        seen.setdefault(name, hashlib.sha256()).update(json.dumps(parts, default=repr, sort_keys=True).encode())
+
+    answer, update, init = SimSolver.answer, SimSolver.update, replay.OracleJudge.__init__
+
+    def answered(self, questions, tool, **kwargs):  # (the tool: the context's, its repr an address)
+        out = answer(self, questions, tool, **kwargs)
+        digest(self.name, "answer", questions, kwargs, out)
+        return out
+
+    def updated(self, *args, **kwargs):
+        digest(self.name, "update", args, kwargs)
+        return update(self, *args, **kwargs)
+
+    monkeypatch.setattr(SimSolver, "answer", answered)
+    monkeypatch.setattr(SimSolver, "update", updated)
+    studies = []
+    for wrong in (False, True):
+        if wrong:  # every question's true answer is one no label or response matches
+            monkeypatch.setattr(replay.OracleJudge, "__init__", lambda judge, truth: init(judge, _Wrong(truth)))
+        monkeypatch.setattr(replay, "_CONTEXT", None)  # the context holds the oracle: made anew
+        seen.clear()
+        studies.append((run_replay(bank, "all", seeds=1, settings=FAST, workers=1),
+                        {k: h.hexdigest() for k, h in seen.items()}))
+    (right, learned), (wrong, learned_wrong) = studies
+    assert len(learned) >= 5 and learned == learned_wrong  # every feedback solver: the same answers and updates
+    assert right["conditions"]["coupled"]["solver_truth"]["mean"] > 0.2
+    assert wrong["conditions"]["coupled"]["solver_truth"]["mean"] == 0  # the perturbed truth did grade
+
+
+class _Wrong:
+    """A world's truth whose every answer is one nothing matches."""
+
+    def __init__(self, truth):
+        self.truth = truth
+
+    def answer(self, query):
+        return ["no such answer"] if self.truth.answer(query) else None
+
+
 def test_bank_round_trip_and_seeded_sample(runs, bank, tmp_path):
     path = bank.save(tmp_path / "bank.json")
     again = Bank.load(path)
