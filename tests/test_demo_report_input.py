@@ -59,6 +59,7 @@ def test_a_missing_demo_config_is_an_error(tmp_path, no_run, monkeypatch):
     ('[demo]\ntreatments = ["coupled", 3]\n', "demo.treatments[1]: expected a string, got 3"),
     ('[demo]\ntreatments = ["coupled", "msv", "coupled"]\n', "demo.treatments: 'coupled' is listed twice"),
     ("[demo]\nreplay_size = -5\n", "demo.replay_size: must be >= 1, got -5"),
+    ("[demo]\nseeds = 99999999999999\n", "demo.seeds: must be at most 10,000, got 99,999,999,999,999"),
     ('[demo]\nreplay_size = "big"\n', "demo.replay_size: expected an integer, got 'big'"),
     ('[demo]\nreplay_conditions = ["coupled", "nope"]\n', "demo.replay_conditions: unknown 'nope'"),
     ('[demo]\nreplay_conditions = "coupled"\n', "demo.replay_conditions: expected a list"),

@@ -1123,6 +1123,16 @@ def test_the_schedule_takes_at_most_a_million_steps():
         LoopConfig(rounds=1, proposer_steps=500_000, solver_steps=500_001)
 
 
+@pytest.mark.parametrize("field, most", [("admit_per_round", 10_000_000), ("grader_samples", 1_000),
+                                         ("msv_samples", 1_000)])
+def test_a_rounds_counts_are_capped(field, most):
+    """A typo's 10**12 admitted questions a round (or samples a question) was accepted, and the run's memory
+    grew until it was stopped (a helper's bad-input audit)."""
+    assert getattr(LoopConfig(**{field: most}), field) == most  # exactly the cap
+    with pytest.raises(ValueError, match=rf"^loop\.{field}: must be at most {most:,}, got {most + 1:,}$"):
+        LoopConfig(**{field: most + 1})
+
+
 def test_a_resume_takes_the_base_models_evaluation_from_the_run(tmp_path, monkeypatch):
     """The round-0 evaluation recorded before a kill is the resumed run's (held by no test before a mutation
     sweep: evaluating the base model again gives the same file, at hours' cost at 4B)."""

@@ -1115,6 +1115,17 @@ def test_every_replay_setting_is_a_positive_integer(field, value):
     assert getattr(ReplaySettings(**{field: 3}), field) == 3
 
 
+@pytest.mark.parametrize("field, most", [("updates", 1_000_000), ("rollouts", 1_000), ("samples", 1_000),
+                                         ("msv_samples", 1_000)])
+def test_every_replay_setting_is_capped(field, most, bank):
+    """A typo's 10**12 would run until stopped; 10**14 seeds exhausted memory listing them."""
+    assert getattr(ReplaySettings(**{field: most}), field) == most
+    with pytest.raises(ReplayError, match=rf"^{field}: must be at most {most:,}, got {most + 1:,}$"):
+        ReplaySettings(**{field: most + 1})
+    with pytest.raises(ReplayError, match="^--seeds: must be at most 10,000 seeds$"):
+        run_replay(bank, ["coupled"], seeds=10**14)
+
+
 @pytest.mark.parametrize("edit, message", [
     (lambda o: {**o, "format": 0}, "bank format 0, this selfevo reads formats 1 to 3"),
     (lambda o: {k: v for k, v in o.items() if k != "seed"}, r"missing field\(s\) seed$"),

@@ -31,6 +31,7 @@ from selfevo.config import (
     with_absolute_paths,
 )
 from selfevo.experiments import EXECUTORS, grid, run_grid
+from selfevo.loop.schedule import MAX_SEEDS
 from selfevo.runs import RunDir
 
 DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "demo.toml"
@@ -41,10 +42,12 @@ DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "demo.toml"
 _SET_BY_THE_PLAN = {"treatment": "demo.treatments", "seed": "demo.seeds", "world.name": "demo.world"}
 
 
-def _int(name: str, value, least: int) -> int:
+def _int(name: str, value, least: int, most: int | None = None) -> int:
     value = coerce(value, int, f"demo.{name}")
     if value < least:
         raise ConfigError(f"demo.{name}: must be >= {least}, got {value}")
+    if most is not None and value > most:
+        raise ConfigError(f"demo.{name}: must be at most {most:,}, got {value:,}")
     return value
 
 
@@ -59,7 +62,9 @@ def _names(name: str, value) -> tuple[str, ...]:
 def _check_field(name: str, value):
     """One field of the plan, checked on its own; returns it normalised. Errors say
     `demo.NAME: problem`, so the caller can say where the value came from."""
-    if name in ("seeds", "replay_size"):
+    if name == "seeds":  # a typo's 10**14 seeds would exhaust memory listing the grid's jobs
+        return _int(name, value, 1, MAX_SEEDS)
+    if name == "replay_size":
         return _int(name, value, 1)
     if name == "treatments":
         from selfevo.loop.treatments import parse_treatment, user_rules

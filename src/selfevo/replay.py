@@ -44,7 +44,7 @@ from selfevo.experiments import worker_pool
 from selfevo.loop.admission import MSV
 from selfevo.loop.feedback import other_fold, trains_on
 from selfevo.loop.folds import FoldAssignment, assign_folds, fold_of, link_graph, question_fold
-from selfevo.loop.schedule import derive_seed
+from selfevo.loop.schedule import MAX_SAMPLES, MAX_SEEDS, MAX_STEPS, derive_seed
 from selfevo.runs import RunDir, RunError, check_loop_run, config_json, made_on
 from selfevo.search.docstore import ById, contents_by_id
 from selfevo.search.tool import SearchTool
@@ -153,6 +153,10 @@ class ReplaySettings:
             v = getattr(self, f.name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ReplayError(f"{f.name}: must be a positive integer, got {v!r}")
+        for name, most in (("updates", MAX_STEPS), ("rollouts", MAX_SAMPLES), ("samples", MAX_SAMPLES),
+                           ("msv_samples", MAX_SAMPLES)):  # a typo's 10**12 would run until stopped
+            if getattr(self, name) > most:
+                raise ReplayError(f"{name}: must be at most {most:,}, got {getattr(self, name):,}")
         if self.updates < 2:
             raise ReplayError(f"updates: must be >= 2 (the half budget halves it), got {self.updates}")
         if self.rollouts < 2:  # one answer a question: every advantage 0, nothing trains (counted all the same)
@@ -1103,6 +1107,8 @@ def run_replay(bank: Bank, conditions: Iterable[str] | str | None = None, seeds:
 
     settings = settings or ReplaySettings()
     conds = parse_conditions(conditions)
+    if (seeds if isinstance(seeds, int) else len(seeds)) > MAX_SEEDS:  # before a list of 10**14 is made
+        raise ReplayError(f"--seeds: must be at most {MAX_SEEDS:,} seeds")
     seeds = list(range(seeds)) if isinstance(seeds, int) else list(seeds)
     if not seeds:
         raise ReplayError("--seeds: must be >= 1")

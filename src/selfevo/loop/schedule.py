@@ -9,6 +9,11 @@ from dataclasses import dataclass
 from selfevo.algos import N_GRADER_SAMPLES
 
 MAX_STEPS = 1_000_000  # scheduled steps a run may have
+# a round's admitted questions and a question's samples: a typo's 10**12 would grow memory until stopped
+# (the paper's: 1,600 and 5)
+MAX_ADMITTED = 10_000_000
+MAX_SAMPLES = 1_000
+MAX_SEEDS = 10_000  # seeds of a grid or a replay study: each is a run per treatment, or a study's jobs
 
 
 @dataclass(frozen=True)
@@ -34,6 +39,10 @@ class LoopConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"loop.{name}: must be a positive integer, got {value!r}")
+        for name, most in (("admit_per_round", MAX_ADMITTED), ("grader_samples", MAX_SAMPLES),
+                           ("msv_samples", MAX_SAMPLES)):
+            if getattr(self, name) > most:
+                raise ValueError(f"loop.{name}: must be at most {most:,}, got {getattr(self, name):,}")
         if self.rounds * (self.proposer_steps + self.solver_steps) > MAX_STEPS:
             # the schedule is listed before the first step: a typo's 10**12 rounds would hang start-up
             # named by the largest factor (the one likeliest mistyped), with the rule over all three
