@@ -341,6 +341,13 @@ def _edit(path: Path, fn) -> None:
      "a/compute.json: field seconds.eval should be a number"),
     (lambda root: _edit(root / "a" / "compute.json", lambda o: o["generations"].update(proposer=True)),
      "a/compute.json: field generations.proposer should be a number, got True"),  # summed as 1
+    # a count below 0, or a NaN or infinity: shown as -125% extra updates, or a mean of -7650 generations
+    (lambda root: _edit(root / "a" / "compute.json", lambda o: o.update(total_updates=-8)),
+     "a/compute.json: field total_updates should be a finite number >= 0, got -8"),
+    (lambda root: _edit(root / "a" / "compute.json", lambda o: o["updates"].update(main=float("nan"))),
+     "a/compute.json: field updates.main should be a finite number >= 0, got nan"),
+    (lambda root: _edit(root / "a" / "compute.json", lambda o: o["seconds"].update(eval=float("inf"))),
+     "a/compute.json: field seconds.eval should be a finite number >= 0, got inf"),
     (lambda root: _edit(root / "a" / "audit" / "metrics.json", lambda o: o["steps"][0].pop("kind")),
      "a/audit/metrics.json: field steps[0]: field 'kind' is missing"),
     (lambda root: _edit(root / "a" / "audit" / "metrics.json", lambda o: o["rounds"][0].update(hop_mix_admitted=[])),

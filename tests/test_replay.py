@@ -992,6 +992,9 @@ def test_a_damaged_journal_row_is_named_by_file_and_line(bank, tmp_path):
     clean = [json.loads(x) for x in journal.read_text().splitlines()]
     row = next(i for i, r in enumerate(clean) if r["job"] == "connected")
     for damage, said in ((lambda r: r.pop("fallback_graded"), "no field fallback_graded"),
+                         # a rate that is none: NaN, infinity, a bool (read as 1.000), one above 1
+                         *[(lambda r, v=v: r["metrics"].update(F=v), r"field metrics\.F is not what a job writes")
+                           for v in (float("nan"), float("inf"), True, 5.0, -0.1, "0.1")],
                          (lambda r: r.update(updates=[6, 6]), "field updates is not what a job writes"),
                          (lambda r: r.update(n_graded="150"), "field n_graded is not what a job writes")):
         rows = json.loads(json.dumps(clean))

@@ -1051,9 +1051,15 @@ def _journal_result_problem(job: str, result: dict, item_ids: Sequence[str] = ()
         missing = next((i for i in item_ids if i not in result), None)
         return None if missing is None else f"no label (nor null) for item {missing!r}"
     metrics = result.get("metrics")
-    if not isinstance(metrics, dict) or any(not isinstance(metrics.get(m), (int, float)) and metrics.get(m) is not None
-                                            for m in REPORTED):
+    if not isinstance(metrics, dict):
         return "no metrics of its own (" + ", ".join(REPORTED) + ")"
+
+    def rate(v) -> bool:  # (NaN fails both comparisons; a bool is no rate, nor an infinity)
+        return v is None or (isinstance(v, (int, float)) and not isinstance(v, bool) and 0 <= v <= 1)
+
+    bad = next((m for m in REPORTED if not rate(metrics.get(m))), None)
+    if bad is not None:
+        return f"field metrics.{bad} is not what a job writes (a rate from 0 to 1, or null)"
     def counts(v) -> bool:
         return isinstance(v, int) and not isinstance(v, bool)
 

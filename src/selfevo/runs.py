@@ -637,8 +637,13 @@ class RunDir:
         path = self.path / "compute.json"
         data = read_object(path)
         check_fields(data, _COMPUTE_FIELDS, str(path))
-        for key in ("generations", "updates", "seconds"):  # what `compare` sums
-            for name, value in data[key].items():
-                if not isinstance(value, (int, float)) or isinstance(value, bool):
-                    raise RunError(f"{path}: field {key}.{name} should be a number, got {value!r:.60}")
+        # what `compare` and the report sum: counts and seconds, none below 0 (a NaN fails the comparison)
+        fields = [(f"{key}.{name}", value) for key in ("generations", "updates", "seconds")
+                  for name, value in data[key].items()]
+        for field, value in [*fields, ("total_generations", data["total_generations"]),
+                             ("total_updates", data["total_updates"])]:
+            if not isinstance(value, (int, float)) or isinstance(value, bool):
+                raise RunError(f"{path}: field {field} should be a number, got {value!r:.60}")
+            if not 0 <= value < math.inf:
+                raise RunError(f"{path}: field {field} should be a finite number >= 0, got {value!r}")
         return data
