@@ -545,13 +545,13 @@ def test_an_endpoint_that_keeps_failing_stops_the_audit_and_keeps_the_earlier_on
 def test_cache_survives_a_torn_last_line(tmp_path):
     path = tmp_path / "c.jsonl"
     cache = JudgeCache(path)
-    cache.put({"key": "a", "ok": True, "reply": {"x": 1}})
-    cache.put({"key": "b", "ok": True, "reply": {"x": 2}})
+    cache.put({"key": "a", "stage": "reference", "ok": True, "reply": {"reference": "x", "quote": "y"}})
+    cache.put({"key": "b", "stage": "verdicts", "ok": True, "reply": {"label": "correct", "responses": []}})
     with open(path, "a") as fh:
         fh.write('{"key": "c", "ok": tr')  # killed mid-append
     again = JudgeCache(path)
-    assert len(again) == 2 and again.get("b")["reply"] == {"x": 2} and again.get("c") is None
-    again.put({"key": "c", "ok": True, "reply": {}})
+    assert len(again) == 2 and again.get("b")["reply"]["label"] == "correct" and again.get("c") is None
+    again.put({"key": "c", "stage": "reference", "ok": False, "error": "no quote"})
     assert [json.loads(x)["key"] for x in path.read_text().splitlines()] == ["a", "b", "c"]
 
 
@@ -559,6 +559,13 @@ def test_cache_survives_a_torn_last_line(tmp_path):
     (b"my important notes", "no complete row"),  # one unterminated line: would pass for a torn write
     (b"line one\nline two\n", ":1: corrupt log line"),
     (b'{"id": "q1", "prediction": "x"}\n', ":1: not a judge-cache row"),
+    # a row of the judge's, edited: each was a KeyError or TypeError mid-audit
+    *[(json.dumps({"key": "k", "stage": "reference", "ok": True, "reply": {"reference": "r", "quote": "q"},
+                   "reply_model": "m", **edit}).encode() + b"\n", f":1: not a judge-cache row ({said}")
+      for edit, said in (({"ok": None}, "field ok"), ({"reply": "r"}, "field reply: not a reference reply"),
+                         ({"reply": {"bogus": 1}}, "field reply"), ({"stage": "grade"}, "stage 'grade'"),
+                         ({"ok": False}, "field error"), ({"attempts": "3"}, "field attempts"),
+                         ({"reply_model": 5}, "field reply_model"))],
 ])
 def test_a_file_that_is_not_a_judge_cache_is_refused_untouched(tmp_path, content, named):
     path = tmp_path / "notes.txt"

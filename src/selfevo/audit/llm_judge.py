@@ -349,6 +349,33 @@ def verdict_messages(question: str, reference: str, quote: str, label: str, resp
 # ---------------------------------------------------------------- cache
 
 
+_STAGES = {"reference": ReferenceReply, "verdicts": VerdictsReply}  # what each stage's stored reply holds
+
+
+def _cache_row_problem(row: dict) -> str | None:
+    """What of a stored call is not as the judge writes it (an edited or foreign file), or None: read
+    unchecked, a row without `ok` or with another reply was a KeyError or TypeError mid-audit."""
+    if not isinstance(row.get("key"), str):
+        return "no key"
+    if row.get("stage") not in _STAGES:
+        return f"stage {row.get('stage')!r:.40}, not one of {', '.join(_STAGES)}"
+    if not isinstance(row.get("ok"), bool):
+        return "field ok: true or false"
+    if row["ok"]:
+        try:
+            _STAGES[row["stage"]].model_validate(row.get("reply"))
+        except ValidationError:
+            return f"field reply: not a {row['stage']} reply"
+    elif not isinstance(row.get("error"), str):
+        return "field error: a string"
+    attempts = row.get("attempts", 0)
+    if isinstance(attempts, bool) or not isinstance(attempts, int):
+        return "field attempts: an integer"
+    if "reply_model" in row and not isinstance(row["reply_model"], str):
+        return "field reply_model: a string"
+    return None
+
+
 class JudgeCache:
     """Append-only JSONL of finished calls, keyed by `key`; loaded at start. A torn last line
     (a crash mid-append) is dropped and truncated; one fsync'd line per call. A file that is not
@@ -372,8 +399,8 @@ class JudgeCache:
         except ValueError as e:
             raise JudgeError(f"{e}: not a judge cache; {hint}") from None
         for i, row in enumerate(rows):
-            if not isinstance(row.get("key"), str):
-                raise JudgeError(f"{path}:{i + 1}: not a judge-cache row (no key); {hint}")
+            if (problem := _cache_row_problem(row)) is not None:
+                raise JudgeError(f"{path}:{i + 1}: not a judge-cache row ({problem}); {hint}")
         if not rows and path.exists() and path.stat().st_size:
             # a lone unparsable line could be a first write cut short, or any other file: refuse
             raise JudgeError(f"{path}: not a judge cache (no complete row); {hint}")
