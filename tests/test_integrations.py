@@ -2735,6 +2735,25 @@ def test_engine_config_errors_of_engine_engine_and_of_an_empty_yaml_file(tmp_pat
         load_engine_config(empty)
 
 
+@pytest.mark.parametrize("text, said", [
+    # a key given twice: YAML's loader kept the last, silently (TOML refuses it)
+    ("seed: 1\nseed: 7\n", ": duplicate key 'seed' (at line 2, column 1)"),
+    ("backend: lm\nengine:\n  engine: trl\n  engine: verl\n", ": duplicate key 'engine' (at line 4, column 3)"),
+    # a syntax error: one line naming the file, not PyYAML's seven naming "<unicode string>"
+    ("backend: lm\nworld: {name: small\n", ": expected ',' or '}', but got '<stream end>' (at line 3, column 1)"),
+    ("? [a]\n: 1\n", ": found unhashable key (at line 1, column 3)"),
+])
+def test_a_yaml_engine_config_that_yaml_would_misread_is_named_by_file_and_line(tmp_path, text, said):
+    from selfevo.config import ConfigError
+    from selfevo.integrations.engine import load_engine_config
+
+    path = tmp_path / "e.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError) as e:
+        load_engine_config(path)
+    assert str(e.value) == f"{path}{said}"
+
+
 def test_the_engine_option_sets_the_engine_a_config_leaves_unsaid():
     """`--engine verl` over a config without engine.engine runs verl (mutant: the option dropped, the
     default "trl" kept)."""

@@ -46,7 +46,7 @@ import os
 import shlex
 import shutil
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Hashable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -284,17 +284,35 @@ def load_engine_config(path: str | Path, overrides: list[str] = (), engine: str 
 
 
 def _read_yaml(path: Path):
-    """A YAML config file; any reason it cannot be read is one ConfigError naming it (as `read_toml`)."""
+    """A YAML config file; any reason it cannot be read is one ConfigError naming it (as `read_toml`):
+    one line, `FILE: problem (at line L, column C)` as TOML's say it; a key given twice in one mapping is
+    refused, as TOML does (YAML's loader kept the last, silently)."""
     import yaml
 
+    class Loader(yaml.SafeLoader):
+        def construct_mapping(self, node, deep=False):
+            seen = set()
+            for key_node, _ in node.value:
+                key = self.construct_object(key_node, deep=True)
+                if not isinstance(key, Hashable):  # refused by the loader's own check, named as it names it
+                    continue
+                if key in seen:
+                    raise yaml.MarkedYAMLError(problem=f"duplicate key {key!r}", problem_mark=key_node.start_mark)
+                seen.add(key)
+            return super().construct_mapping(node, deep)
+
     try:
-        return yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+        return yaml.load(path.read_text(encoding="utf-8"), Loader=Loader) or {}
     except UnicodeDecodeError as e:
         raise ConfigError(f"{path}: invalid UTF-8 at byte {e.start}") from None
     except OSError as e:  # missing, a directory, no permission
         raise ConfigError(f"{path}: cannot read: {e.strerror}") from None
+    except yaml.MarkedYAMLError as e:
+        mark = e.problem_mark or e.context_mark
+        at = f" (at line {mark.line + 1}, column {mark.column + 1})" if mark else ""
+        raise ConfigError(f"{path}: {' '.join(str(e.problem or e).split())}{at}") from None
     except yaml.YAMLError as e:
-        raise ConfigError(f"{path}: {e}") from None
+        raise ConfigError(f"{path}: {' '.join(str(e).split())}") from None
 
 
 # ---------------------------------------------------------------- the phase log
