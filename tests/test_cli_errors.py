@@ -470,10 +470,15 @@ def test_a_chat_model_that_cannot_be_loaded_is_named_with_the_remedy(tmp_path, h
     assert "local Hugging Face cache" in out and "smollm2-135m" in out
 
 
-@pytest.mark.parametrize("model", ["selfevo-test/no-such-model", "{tmp}/empty"])
-def test_an_lm_agent_whose_model_cannot_be_loaded_is_named_with_the_remedy(tmp_path, hub_offline, model):
-    """`eval --agent lm:HUB_ID` (the policy's load, not the chat model's): the same error, exit 2. A
-    directory without a model in it is not a hub id either."""
+@pytest.mark.parametrize("model, said", [
+    ("selfevo-test/no-such-model", "cannot load language model '{model}': "),
+    # no hub id either: transformers read a file as one, and an empty directory as a model whose tokenizer
+    # needs sentencepiece (six lines, with the hub hint)
+    ("{tmp}/empty", "language model '{model}': {model} holds no config.json: not a model directory"),
+    ("{tmp}/c.jsonl", "language model '{model}': {model} is a file; give the directory"),
+])
+def test_an_lm_agent_whose_model_cannot_be_loaded_is_named_with_the_remedy(tmp_path, hub_offline, model, said):
+    """`eval --agent lm:HUB_ID` (the policy's load, not the chat model's): the same error, exit 2."""
     (tmp_path / "empty").mkdir()
     qa = tmp_path / "qa"
     qa.mkdir()
@@ -483,7 +488,7 @@ def test_an_lm_agent_whose_model_cannot_be_loaded_is_named_with_the_remedy(tmp_p
     model = model.format(tmp=tmp_path)
     out = _usage_error(["eval", "--agent", f"lm:{model}", "--data-dir", str(qa), "--corpus", str(corpus),
                         "--limit", "1", "--out", str(tmp_path / "e")])
-    assert f"cannot load language model '{model}'" in out and "local Hugging Face cache" in out
+    assert said.format(model=model) in out and ("local Hugging Face cache" in out) == ("no-such-model" in model)
 
 
 def test_a_resume_without_audit_does_not_print_an_earlier_audit_of_fewer_rounds_as_the_runs(tmp_path):

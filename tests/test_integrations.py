@@ -825,6 +825,11 @@ def test_engine_config_errors_name_the_field(tmp_path):
         path.write_text(f'backend = "lm"\n[engine]\n{line}\n')
         with pytest.raises(ConfigError, match=rf"^{re.escape(str(path))}: engine.{field}: "):  # the file set it
             load_engine_config(path)
+    for value in ("nan", "inf"):  # pydantic said of a NaN "should be less than 1"
+        path.write_text(f'backend = "lm"\n[engine]\ngrader_gpu_memory = {value}\n')
+        with pytest.raises(ConfigError, match=rf"^{re.escape(str(path))}: engine\.grader_gpu_memory: must be finite, "
+                                              rf"got {value}$"):
+            load_engine_config(path)
     path.write_text('backend = "lm"\n[engin]\nengine = "trl"\n')  # the known tables include engine
     with pytest.raises(ConfigError, match=rf"^{re.escape(str(path))}: engin: unknown field \(known: engine, "):
         load_engine_config(path)

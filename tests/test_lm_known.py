@@ -561,6 +561,7 @@ def test_load_pretrained_refuses_a_tokenizer_with_no_chat_template_before_the_we
 
 
     weights = []
+    (tmp_path / "config.json").write_text("{}")  # a model directory (its files' loaders stood in for)
     monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained",
                         lambda *a, **k: SimpleNamespace(chat_template=None))
     monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", lambda *a, **k: weights.append(a))
@@ -585,6 +586,7 @@ def test_weights_that_cannot_be_loaded_are_named_with_the_model_and_its_director
     def no_weights(*a, **k):
         raise OSError(f"no file named model.safetensors found in directory {tmp_path}.")
 
+    (tmp_path / "config.json").write_text("{}")
     monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained",
                         lambda *a, **k: SimpleNamespace(chat_template="t"))
     monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", no_weights)

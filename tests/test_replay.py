@@ -1143,6 +1143,9 @@ def test_every_replay_setting_is_capped(field, most, bank):
     (lambda o: {**o, "sources": ["a", 7]}, "field sources should be a list of run directories"),
     (lambda o: {**o, "source_created": None}, "field source_created should be a list of numbers .*got null"),
     (lambda o: [1, 2], r"not a replay bank \(no format field\)"),
+    # its config blocks, named by the file (they began "bank: ", and only when a replay started)
+    (lambda o: {**o, "solver": {**o["solver"], "bogus": 1}}, "solver.bogus: unknown field"),
+    (lambda o: {**o, "search": {**o["search"], "topk": 0}}, "search.topk: "),
 ])
 def test_bank_load_errors_name_the_file_and_field(bank, tmp_path, edit, message):
     """Each refusal starts with the bank file's path."""

@@ -223,8 +223,9 @@ class Bank:
         """Where its runs' documents came from, for messages: "corpus" or "world"."""
         return "corpus" if self.corpus else "world"
 
-    def run_config(self):
-        """The config the replay rebuilds the runs' documents, search tool and base model from."""
+    def run_config(self, where: str = "bank"):
+        """The config the replay rebuilds the runs' documents, search tool and base model from; an error
+        in it is `where`'s (the bank file's path, where it was read from one)."""
         from selfevo.config import ConfigError, config_from_dict
 
         block = {"backend": self.backend, "world": self.world, "solver": self.solver, "search": self.search,
@@ -234,7 +235,7 @@ class Bank:
         try:
             return config_from_dict(block)
         except ConfigError as e:
-            raise ReplayError(f"bank: {e}") from None
+            raise ReplayError(f"{where}: {e}") from None
 
     @classmethod
     def from_json(cls, obj: dict, where: str = "bank") -> Bank:
@@ -301,9 +302,11 @@ class Bank:
         if created != [] and not creation_times_ok(created, len(obj["sources"])):
             raise ReplayError(f"{where}: field source_created should be a list of numbers (or null), one per "
                               f"source, got {json.dumps(created)[:80]}")
-        return cls(dict(obj["world"]), obj["seed"], list(obj["sources"]), items, dict(obj["solver"]),
+        bank = cls(dict(obj["world"]), obj["seed"], list(obj["sources"]), items, dict(obj["solver"]),
                    dict(obj["search"]), obj.get("backend", "sim"), dict(obj.get("data", {})), dict(obj.get("lm", {})),
                    base_seed, dict(obj.get("made_on", {})), list(created))
+        bank.run_config(where)  # its config blocks, checked where the file is named, not when a replay starts
+        return bank
 
     def save(self, path: str | os.PathLike) -> Path:
         write_json(path, self.to_json())

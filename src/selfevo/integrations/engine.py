@@ -185,6 +185,9 @@ def engine_config_from_dict(data: Mapping, engine: str | None = None) -> EngineC
         raise ConfigError(f"treatment: {run.treatment!r} is a treatment of an installed package's; engine-run runs "
                           "selfevo's own (its rules run in `selfevo evolve`)")
     check_known(spec_data, list(EngineSpec.model_fields), "engine")  # pydantic's own error lists no field
+    for k, v in spec_data.items():  # pydantic would say of a NaN "should be less than 1", of no bound at all
+        if isinstance(v, float) and not math.isfinite(v):
+            raise ConfigError(f"engine.{k}: must be finite, got {v!r}")
     try:
         spec = EngineSpec(**spec_data)
     except ValidationError as e:

@@ -241,6 +241,18 @@ def load_pretrained(path: str | os.PathLike, dtype: str = "float32", model: str 
 
     try:
         check_local_path(str(path))  # else a missing directory reads as a malformed hub id
+    except OSError as e:
+        raise cannot_load(e) from e
+    local = Path(path).expanduser()
+    # what is here but no model directory: transformers read a file as a hub id, or an empty directory
+    # as a model whose tokenizer needs sentencepiece (six lines), each with a hint about the hub
+    if local.is_file():
+        raise ValueError(f"language model {model!r}: {local} is a file; give the directory holding the model's "
+                         "config.json, weights and tokenizer (or a hub id)")
+    if local.is_dir() and not (local / "config.json").is_file():
+        raise ValueError(f"language model {model!r}: {local} holds no config.json: not a model directory "
+                         "(one `save_pretrained` writes: config.json, the weights and the tokenizer)")
+    try:
         tokenizer = AutoTokenizer.from_pretrained(path)
     except (OSError, ValueError) as e:
         raise cannot_load(e) from e
