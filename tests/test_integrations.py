@@ -2747,6 +2747,8 @@ def test_engine_config_errors_of_engine_engine_and_of_an_empty_yaml_file(tmp_pat
     # a syntax error: one line naming the file, not PyYAML's seven naming "<unicode string>"
     ("backend: lm\nworld: {name: small\n", ": expected ',' or '}', but got '<stream end>' (at line 3, column 1)"),
     ("? [a]\n: 1\n", ": found unhashable key (at line 1, column 3)"),
+    ("backend: lm\nbase: &b {grader_port: 8200}\nengine:\n  <<: *b\n  grader_port: 8300\n  grader_port: 8400\n",
+     ": duplicate key 'grader_port' (at line 6, column 3)"),  # a merge key is no key of its own
 ])
 def test_a_yaml_engine_config_that_yaml_would_misread_is_named_by_file_and_line(tmp_path, text, said):
     from selfevo.config import ConfigError
@@ -2757,6 +2759,33 @@ def test_a_yaml_engine_config_that_yaml_would_misread_is_named_by_file_and_line(
     with pytest.raises(ConfigError) as e:
         load_engine_config(path)
     assert str(e.value) == f"{path}{said}"
+
+
+def test_a_yaml_engine_config_merges_anchors_as_yaml_does(tmp_path):
+    """The duplicate-key check left merge keys (`<<: *anchor`) to the loader: they were refused once ("could
+    not determine a constructor"); a key of the mapping's own still overrides a merged one."""
+    from selfevo.integrations.engine import load_engine_config
+
+    path = tmp_path / "e.yaml"
+    path.write_text("backend: lm\nbase: &b {grader_port: 8200, grader_concurrency: 4}\n"
+                    "engine:\n  <<: *b\n  grader_port: 8300\n")
+    with pytest.raises(Exception, match="base: unknown field"):  # (the anchor's own table is no config table)
+        load_engine_config(path)
+    path.write_text("backend: lm\nengine:\n  <<: [{grader_port: 8200}, {grader_concurrency: 4}]\n"
+                    "  grader_port: 8300\n")
+    spec = load_engine_config(path).engine
+    assert (spec.grader_port, spec.grader_concurrency) == (8300, 4)
+
+
+@pytest.mark.parametrize("field", ["proposer_generations", "solver_generations", "msv_samples"])
+def test_the_engines_own_sample_counts_are_capped_as_the_loops_are(tmp_path, field):
+    from selfevo.config import ConfigError
+    from selfevo.integrations.engine import load_engine_config
+
+    path = tmp_path / "e.toml"
+    path.write_text(f'backend = "lm"\n[engine]\n{field} = 1001\n')
+    with pytest.raises(ConfigError, match=rf"engine\.{field}: Input should be less than or equal to 1000"):
+        load_engine_config(path)
 
 
 def test_the_engine_option_sets_the_engine_a_config_leaves_unsaid():

@@ -565,7 +565,13 @@ def test_cache_survives_a_torn_last_line(tmp_path):
       for edit, said in (({"ok": None}, "field ok"), ({"reply": "r"}, "field reply: not a reference reply"),
                          ({"reply": {"bogus": 1}}, "field reply"), ({"stage": "grade"}, "stage 'grade'"),
                          ({"ok": False}, "field error"), ({"attempts": "3"}, "field attempts"),
-                         ({"reply_model": 5}, "field reply_model"))],
+                         ({"attempts": -1}, "field attempts"), ({"reply_model": 5}, "field reply_model"),
+                         ({"stage": ["reference"]}, "stage ['reference']"),  # (unhashable: a TypeError)
+                         # replies the validators would coerce, which the audit reads as stored: a number
+                         # where text is due (an AttributeError), a grade in capitals (another verdict)
+                         ({"reply": {"reference": 1908, "quote": "in 1908"}}, "field reply: not a reference reply"),
+                         ({"stage": "verdicts", "reply": {"label": "CORRECT", "responses": []}},
+                          "field reply: not a verdicts reply"))],
 ])
 def test_a_file_that_is_not_a_judge_cache_is_refused_untouched(tmp_path, content, named):
     path = tmp_path / "notes.txt"
@@ -1356,6 +1362,31 @@ def test_a_reply_stored_at_another_temperature_is_asked_again(tmp_path):
 
     assert run(0.0) == (0, 0.0) and run(0.0) == (1, 0.0) and len(seen) == 1
     assert run(0.7) == (0, 0.7) and len(seen) == 2
+
+
+def test_a_stored_verdict_for_another_number_of_responses_is_asked_again(tmp_path):
+    """The key names the item, so only an edited row holds another number of response grades: it was an
+    IndexError mid-audit (a fresh reply of that length is corrected); it is asked again."""
+    seen, cache = [], tmp_path / "c.jsonl"
+    item = {**ITEM_1908, "responses": ["1908", "1907"]}
+    replies = [(json.dumps({"reference": "1908", "quote": "He was born in 1908."}), "stop"),
+               (json.dumps({"label": "correct", "responses": ["correct", "incorrect"]}), "stop")]
+
+    def run():
+        judge = LLMJudge("http://127.0.0.1:9/v1", "judge", cache_path=cache)
+        judge.client.chat = _scripted_chat(replies, seen)
+        judge.client.check = lambda: ["m"]
+        with judge:
+            return judge.judge([item])[0], judge.summary()["cache_hits"]
+
+    assert run()[0].responses_correct == (True, False) and len(seen) == 2
+    rows = [json.loads(line) for line in cache.read_text().splitlines()]
+    rows[1]["reply"]["responses"] = ["correct"]  # one grade for two responses
+    cache.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    seen.clear()
+    replies[:] = replies[1:]  # the reference stands: only the verdicts are asked
+    verdict, hits = run()
+    assert verdict.responses_correct == (True, False) and hits == 1 and len(seen) == 1  # the verdicts asked again
 
 
 def _failing_then(answer_after: int):

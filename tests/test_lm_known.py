@@ -578,6 +578,20 @@ def test_load_pretrained_refuses_a_tokenizer_with_no_chat_template_before_the_we
     assert weights == [] and not (tmp_path / "run").exists()
 
 
+def test_a_peft_adapter_directory_is_a_model_directory(monkeypatch, tmp_path):
+    """transformers (with peft) loads a directory holding an adapter's adapter_config.json with its base
+    model: the check for a model directory's config.json refused it once (a review)."""
+    (tmp_path / "adapter_config.json").write_text("{}")
+    tokenizer = SimpleNamespace(chat_template="t")
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", lambda *a, **k: tokenizer)
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained",
+                        lambda *a, **k: SimpleNamespace(generation_config=transformers.GenerationConfig()))
+    assert load_pretrained(tmp_path)[0] is tokenizer
+    (tmp_path / "adapter_config.json").unlink()
+    with pytest.raises(ValueError, match="holds no config.json"):
+        load_pretrained(tmp_path)
+
+
 def test_weights_that_cannot_be_loaded_are_named_with_the_model_and_its_directory(monkeypatch, tmp_path):
     """An OSError from the weights' load (a directory with a tokenizer but no weights) is the one-line error
     naming the model as given and the directory it was resolved to."""

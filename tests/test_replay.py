@@ -1120,13 +1120,20 @@ def test_every_replay_setting_is_a_positive_integer(field, value):
 
 @pytest.mark.parametrize("field, most", [("updates", 1_000_000), ("rollouts", 1_000), ("samples", 1_000),
                                          ("msv_samples", 1_000)])
-def test_every_replay_setting_is_capped(field, most, bank):
+def test_every_replay_setting_is_capped(field, most):
     """A typo's 10**12 would run until stopped; 10**14 seeds exhausted memory listing them."""
     assert getattr(ReplaySettings(**{field: most}), field) == most
     with pytest.raises(ReplayError, match=rf"^{field}: must be at most {most:,}, got {most + 1:,}$"):
         ReplaySettings(**{field: most + 1})
-    with pytest.raises(ReplayError, match="^--seeds: must be at most 10,000 seeds$"):
+
+
+def test_a_studys_seeds_are_capped(bank, tmp_path):
+    """10**14 seeds exhausted memory listing them; the command says so before the bank is read."""
+    with pytest.raises(ReplayError, match="^--seeds: must be at most 10,000, got 100,000,000,000,000$"):
         run_replay(bank, ["coupled"], seeds=10**14)
+    res = CliRunner().invoke(app, ["replay", "run", "--bank", str(tmp_path / "no-bank.json"), "--seeds", "10001",
+                                   "--out", str(tmp_path / "o")])
+    assert res.exit_code == 2 and "--seeds: must be at most 10,000, got 10,001" in " ".join(res.output.split())
 
 
 @pytest.mark.parametrize("edit, message", [

@@ -1116,8 +1116,8 @@ def run_replay(bank: Bank, conditions: Iterable[str] | str | None = None, seeds:
 
     settings = settings or ReplaySettings()
     conds = parse_conditions(conditions)
-    if (seeds if isinstance(seeds, int) else len(seeds)) > MAX_SEEDS:  # before a list of 10**14 is made
-        raise ReplayError(f"--seeds: must be at most {MAX_SEEDS:,} seeds")
+    if (n := seeds if isinstance(seeds, int) else len(seeds)) > MAX_SEEDS:  # before a list of 10**14 is made
+        raise ReplayError(f"--seeds: must be at most {MAX_SEEDS:,}, got {n:,}")
     seeds = list(range(seeds)) if isinstance(seeds, int) else list(seeds)
     if not seeds:
         raise ReplayError("--seeds: must be >= 1")

@@ -357,23 +357,37 @@ def _cache_row_problem(row: dict) -> str | None:
     unchecked, a row without `ok` or with another reply was a KeyError or TypeError mid-audit."""
     if not isinstance(row.get("key"), str):
         return "no key"
-    if row.get("stage") not in _STAGES:
+    if not isinstance(row.get("stage"), str) or row["stage"] not in _STAGES:
         return f"stage {row.get('stage')!r:.40}, not one of {', '.join(_STAGES)}"
     if not isinstance(row.get("ok"), bool):
         return "field ok: true or false"
     if row["ok"]:
-        try:
-            _STAGES[row["stage"]].model_validate(row.get("reply"))
+        try:  # as the judge stored it, its validators' output: the audit reads the stored dict itself
+            stored = _STAGES[row["stage"]].model_validate(row.get("reply")).model_dump() == row.get("reply")
         except ValidationError:
-            return f"field reply: not a {row['stage']} reply"
+            stored = False
+        if not stored:
+            return f"field reply: not a {row['stage']} reply as the judge stores it"
     elif not isinstance(row.get("error"), str):
         return "field error: a string"
     attempts = row.get("attempts", 0)
-    if isinstance(attempts, bool) or not isinstance(attempts, int):
-        return "field attempts: an integer"
+    if isinstance(attempts, bool) or not isinstance(attempts, int) or attempts < 0:
+        return "field attempts: an integer >= 0"
     if "reply_model" in row and not isinstance(row["reply_model"], str):
         return "field reply_model: a string"
     return None
+
+
+def _fits(row: dict, check: Callable[[BaseModel], None] | None) -> bool:
+    """A stored reply passes the check a fresh one must (its item's number of responses): the key names the
+    item, so only an edited row fails it, and is asked again rather than failing mid-audit."""
+    if not row["ok"] or check is None:
+        return True
+    try:
+        check(_STAGES[row["stage"]].model_validate(row["reply"]))
+    except ValueError:
+        return False
+    return True
 
 
 class JudgeCache:
@@ -585,7 +599,7 @@ class LLMJudge:
 
         def fetch() -> dict:
             row = self.cache.get(key)
-            if row is not None and row.get("prompt_sha") == prompt_sha and self._stands(row):
+            if row is not None and row.get("prompt_sha") == prompt_sha and self._stands(row) and _fits(row, check):
                 self._count("cache_hit")
                 with self._lock:
                     self._cached_models[row["reply_model"]] += 1

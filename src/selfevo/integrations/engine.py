@@ -79,7 +79,7 @@ from selfevo.integrations.routing import Grader, aux_roles, options_of
 from selfevo.integrations.verl_launch import pinned_verl
 from selfevo.loop.engine import EVAL_GENERATIONS, Compute
 from selfevo.loop.feedback import aux_updates, touched_folds, untrained_grader
-from selfevo.loop.schedule import LoopConfig, derive_seed
+from selfevo.loop.schedule import MAX_SAMPLES, LoopConfig, derive_seed
 from selfevo.loop.treatments import parse_treatment
 from selfevo.runs import RunDir, RunError, check_fields, differences, read_object, with_new_defaults
 
@@ -123,9 +123,9 @@ class EngineSpec(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
     engine: Literal["trl", "verl"] = "trl"
-    proposer_generations: int = Field(4, ge=2)  # GRPO group size of the proposer (completions a prompt)
+    proposer_generations: int = Field(4, ge=2, le=MAX_SAMPLES)  # GRPO group size of the proposer (completions a prompt)
     proposer_prompts: int = Field(0, ge=0)  # prompts a proposer update (0: fill loop.proposals_per_step)
-    solver_generations: int = Field(5, ge=2)  # paper: five responses to each admitted question
+    solver_generations: int = Field(5, ge=2, le=MAX_SAMPLES)  # paper: five responses to each admitted question
     graders: Literal["local", "vllm"] = "local"  # local: transformers servers in this process
     grader_gpus: str = ""  # GPUs of the vllm grader servers, e.g. "6,7" (server i gets the i-th, cycling)
     train_gpus: str = ""  # CUDA_VISIBLE_DEVICES of training jobs run as subprocesses ("": inherited)
@@ -134,7 +134,7 @@ class EngineSpec(BaseModel):
     grader_gpu_memory: float = Field(0.4, gt=0, lt=1)
     grader_concurrency: int = Field(8, ge=1)
     retriever_url: str = ""  # a Search-R1 /retrieve server ("": the run's own index, in process)
-    msv_samples: int = Field(3, ge=1)  # paper: 3 with the source, 3 without
+    msv_samples: int = Field(3, ge=1, le=MAX_SAMPLES)  # paper: 3 with the source, 3 without
     audit: Literal["auto", "none"] = "auto"
     launcher: str = ""  # TRL: "" in process, else e.g. "accelerate launch --config_file FILE"
     rollout_backend: Literal["hf", "vllm"] = "hf"  # TRL rollouts: the training model, or colocated vLLM
@@ -296,6 +296,8 @@ def _read_yaml(path: Path):
         def construct_mapping(self, node, deep=False):
             seen = set()
             for key_node, _ in node.value:
+                if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *anchor`: the loader merges it below
+                    continue
                 key = self.construct_object(key_node, deep=True)
                 if not isinstance(key, Hashable):  # refused by the loader's own check, named as it names it
                     continue

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
-from selfevo._io import cache_root, check_local_path
+from selfevo._io import cache_root, check_local_path, expand_user
 from selfevo.algos import hash_unit
 
 Messages = Sequence[Mapping[str, str]]
@@ -243,15 +243,15 @@ def load_pretrained(path: str | os.PathLike, dtype: str = "float32", model: str 
         check_local_path(str(path))  # else a missing directory reads as a malformed hub id
     except OSError as e:
         raise cannot_load(e) from e
-    local = Path(path).expanduser()
+    local = expand_user(str(path))
     # what is here but no model directory: transformers read a file as a hub id, or an empty directory
     # as a model whose tokenizer needs sentencepiece (six lines), each with a hint about the hub
     if local.is_file():
         raise ValueError(f"language model {model!r}: {local} is a file; give the directory holding the model's "
                          "config.json, weights and tokenizer (or a hub id)")
-    if local.is_dir() and not (local / "config.json").is_file():
-        raise ValueError(f"language model {model!r}: {local} holds no config.json: not a model directory "
-                         "(one `save_pretrained` writes: config.json, the weights and the tokenizer)")
+    if local.is_dir() and not any((local / f).is_file() for f in ("config.json", "adapter_config.json")):
+        raise ValueError(f"language model {model!r}: {local} holds no config.json (nor a PEFT adapter's "
+                         "adapter_config.json): not a model directory (`save_pretrained` writes one)")
     try:
         tokenizer = AutoTokenizer.from_pretrained(path)
     except (OSError, ValueError) as e:
