@@ -484,7 +484,7 @@ def test_a_chat_model_that_cannot_be_loaded_is_named_with_the_remedy(tmp_path, h
     ("selfevo-test/no-such-model", "cannot load language model '{model}': "),
     # no hub id either: transformers read a file as one, and an empty directory as a model whose tokenizer
     # needs sentencepiece (six lines, with the hub hint)
-    ("{tmp}/empty", "language model '{model}': {model} holds no config.json: not a model directory"),
+    ("{tmp}/empty", "language model '{model}': {model} holds no config.json (nor a PEFT adapter's"),
     ("{tmp}/c.jsonl", "language model '{model}': {model} is a file; give the directory"),
 ])
 def test_an_lm_agent_whose_model_cannot_be_loaded_is_named_with_the_remedy(tmp_path, hub_offline, model, said):
