@@ -1262,13 +1262,13 @@ def replay_run(
     """Replay the bank through feedback solvers trained under each condition's provenance."""
     from selfevo._io import hold_directory, stray_files
     from selfevo.audit.llm_judge import JudgeError
-    from selfevo.loop.schedule import MAX_SEEDS
     from selfevo.replay import (
         REPLAY_FILES,
         Bank,
         InvariantError,
         ReplayError,
         ReplaySettings,
+        check_seed_count,
         parse_conditions,
         replay_judge,
         results_table,
@@ -1277,9 +1277,10 @@ def replay_run(
         write_results,
     )
 
-    if not 1 <= seeds <= MAX_SEEDS:  # before the bank, a judge's model or its endpoint is touched
-        _fail(f"--seeds: must be >= 1, got {seeds}" if seeds < 1 else f"--seeds: must be at most {MAX_SEEDS:,}, "
-              f"got {seeds:,}")
+    try:  # before the bank, a judge's model or its endpoint is touched
+        check_seed_count(seeds)
+    except ReplayError as e:
+        _fail(str(e))
     _out_dir(out)
     named = {p.name for p in (judge_cache, bank) if p is not None and p.parent.resolve() == out.resolve()}
     if other := stray_files(out, {*REPLAY_FILES, *named}):  # the bank beside its study: the demo's replay/

@@ -1063,6 +1063,7 @@ def _journal_result_problem(job: str, result: dict, item_ids: Sequence[str] = ()
     bad = next((m for m in REPORTED if not rate(metrics.get(m))), None)
     if bad is not None:
         return f"field metrics.{bad} is not what a job writes (a rate from 0 to 1, or null)"
+
     def counts(v) -> bool:
         return isinstance(v, int) and not isinstance(v, bool)
 
@@ -1082,6 +1083,15 @@ def _journal_result_problem(job: str, result: dict, item_ids: Sequence[str] = ()
         return None
     return f"no field {wrong}" if wrong not in result else f"field {wrong} is not what a job writes"
 
+
+
+def check_seed_count(n: int) -> None:
+    """A study's number of seeds (`--seeds`): at least one, and at most MAX_SEEDS (10**14 exhausted memory
+    listing them); the command checks it before the bank is read or a judge set up."""
+    if n < 1:
+        raise ReplayError(f"--seeds: must be >= 1, got {n}")
+    if n > MAX_SEEDS:
+        raise ReplayError(f"--seeds: must be at most {MAX_SEEDS:,}, got {n:,}")
 
 
 def run_replay(bank: Bank, conditions: Iterable[str] | str | None = None, seeds: int | Sequence[int] = 5,
@@ -1116,11 +1126,8 @@ def run_replay(bank: Bank, conditions: Iterable[str] | str | None = None, seeds:
 
     settings = settings or ReplaySettings()
     conds = parse_conditions(conditions)
-    if (n := seeds if isinstance(seeds, int) else len(seeds)) > MAX_SEEDS:  # before a list of 10**14 is made
-        raise ReplayError(f"--seeds: must be at most {MAX_SEEDS:,}, got {n:,}")
+    check_seed_count(seeds if isinstance(seeds, int) else len(seeds))  # before a list of 10**14 is made
     seeds = list(range(seeds)) if isinstance(seeds, int) else list(seeds)
-    if not seeds:
-        raise ReplayError("--seeds: must be >= 1")
     dup = next((s for s in seeds if seeds.count(s) > 1), None)
     if dup is not None:  # one seed's jobs are one result: counted twice, it would pass for two seeds that agree
         raise ReplayError(f"--seeds: seed {dup!r} is named twice; name each seed once")

@@ -380,11 +380,12 @@ def _cache_row_problem(row: dict) -> str | None:
 
 def _fits(row: dict, check: Callable[[BaseModel], None] | None) -> bool:
     """A stored reply passes the check a fresh one must (its item's number of responses): the key names the
-    item, so only an edited row fails it, and is asked again rather than failing mid-audit."""
+    item, so only an edited row fails it, and is asked again rather than failing mid-audit. (The reply was
+    validated when the cache was loaded, or stored as a validated one's dump: built, not validated again.)"""
     if not row["ok"] or check is None:
         return True
     try:
-        check(_STAGES[row["stage"]].model_validate(row["reply"]))
+        check(_STAGES[row["stage"]].model_construct(**row["reply"]))
     except ValueError:
         return False
     return True
@@ -590,8 +591,9 @@ class LLMJudge:
                 if owner or stop.is_set() or not owner_stop.is_set():
                     raise
 
-    def _call(self, stage: str, content: dict, messages: list[dict], schema: type[BaseModel],
-              stop: threading.Event, check: Callable[[BaseModel], None] | None = None) -> dict:
+    def _call(self, stage: str, content: dict, messages: list[dict], stop: threading.Event,
+              check: Callable[[BaseModel], None] | None = None) -> dict:
+        schema = _STAGES[stage]  # the reply's shape, as the cache checks a stored one
         key = _sha({**self._settings, "stage": stage, "content": content})
         # the key names the prompt's version, not its text: a reply to other words (the prompt edited
         # under one version) is asked again, and the new row takes the key's place
@@ -653,7 +655,7 @@ class LLMJudge:
             return Verdict(False, reason="no source document: none of the item's source ids is known"), detail
         texts = [_defuse(t) for _, t in sources]
         ref_row = self._call("reference", {"question": question, "sources": sources},
-                             reference_messages(question, sources), ReferenceReply, stop)
+                             reference_messages(question, sources), stop)
         if not ref_row["ok"]:
             return Verdict(False, reason=ref_row["error"]), detail
         reference, quote = ref_row["reply"]["reference"], ref_row["reply"]["quote"]
@@ -676,8 +678,7 @@ class LLMJudge:
 
             row = self._call("verdicts", {"question": question, "reference": reference, "quote": quote,
                                           "label": label, "responses": responses},
-                             verdict_messages(question, reference, quote, label, responses), VerdictsReply,
-                             stop, right_length)
+                             verdict_messages(question, reference, quote, label, responses), stop, right_length)
             if not row["ok"]:
                 return Verdict(False, reference=(reference,), reason=row["error"]), detail
             grades = [row["reply"]["label"], *row["reply"]["responses"]]
